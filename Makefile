@@ -1,0 +1,40 @@
+# Two commands set everything up: `make run` and `make test` (see README.md).
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+
+.PHONY: run test unit integration bench lint protos gpu-check clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev,torch]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/python -m clients.main_job
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+unit: $(STAMP)
+	$(BIN)/python -m pytest -q -m 'not integration and not slow'
+
+integration: $(STAMP)
+	$(BIN)/python -m pytest -q -m integration
+
+bench: $(STAMP)
+	$(BIN)/python bench/bench_manager.py --out bench/results/manager.md
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+protos: $(STAMP)
+	$(BIN)/python scripts/gen_protos.py
+
+gpu-check:
+	python3 bench/gpu_check.py --out bench/results/gpu-$$(date +%Y-%m-%d).md
+
+clean:
+	rm -rf $(VENV) build .pytest_cache

@@ -1,0 +1,131 @@
+"""Requests built from NumPy arrays, replies parsed into typed results (shared by sync and async clients)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from kvservice import convert
+from kvservice.geometry import CacheSpec, IndexSpace
+from kvservice.pagetable import PageTable, ValidationReport, Violation
+from kvservice.planner import Sizing
+from kvservice.status import error_info
+from kvservice.v1 import block_manager_pb2 as pb
+from kvservice.wire import field_array, from_tensor, to_tensor
+
+
+class ClientError(Exception):
+    """A failed call: gRPC code, the server's message, and its ErrorInfo reason/metadata."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, reason: str = "", metadata: dict | None = None) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+        self.reason = reason
+        self.metadata = dict(metadata or {})
+
+    @classmethod
+    def from_rpc(cls, exc: grpc.RpcError) -> ClientError:
+        info = None
+        try:
+            info = error_info(exc)
+        except Exception:  # a status without parsable details
+            info = None
+        return cls(exc.code(), exc.details() or "", info.reason if info else "",
+                   dict(info.metadata) if info else {})
+
+
+@dataclass(frozen=True, slots=True)
+class SpaceTables:
+    """Tables of one index space (shapes as in kvservice.pool.SpaceTables)."""
+
+    space: IndexSpace
+    slot_mapping: np.ndarray            # int64 [num_new_tokens]
+    table: PageTable | None             # CSR, None if omitted
+    block_table: np.ndarray | None      # [B, max_pages], -1 padded, None unless asked
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """The scheduled batch of a Step: extended sequences, then admitted ones.
+
+    seq_ids: uint64 [B]; num_tokens: int64 [B]; new_token_indptr: int64 [B + 1].
+    tables: by index space id. layer_index_space: layer -> index space id.
+    """
+
+    seq_ids: np.ndarray
+    num_tokens: np.ndarray
+    new_token_indptr: np.ndarray
+    tables: dict[int, SpaceTables]
+    layer_index_space: tuple[int, ...]
+    num_free_slots: int
+
+    def for_layer(self, layer: int) -> SpaceTables:
+        """The tables a kernel of `layer` must use (never another space's)."""
+        return self.tables[self.layer_index_space[layer]]
+
+
+def plan_request(spec: CacheSpec, sizing: Sizing, backends: tuple[str, ...] = ()) -> pb.PlanRequest:
+    return pb.PlanRequest(cache=convert.cache_spec_to_proto(spec), sizing=_sizing(sizing), backends=list(backends))
+
+
+def create_pool_request(name: str, spec: CacheSpec, sizing: Sizing,
+                        backends: tuple[str, ...] = ()) -> pb.CreatePoolRequest:
+    return pb.CreatePoolRequest(name=name, cache=convert.cache_spec_to_proto(spec), sizing=_sizing(sizing),
+                                backends=list(backends))
+
+
+def _sizing(s: Sizing) -> pb.Sizing:
+    return pb.Sizing(max_batch=s.max_batch, max_seq_len=s.max_seq_len, memory_budget_bytes=s.memory_budget_bytes,
+                     num_slots=s.num_slots)
+
+
+def _ids(a: object) -> np.ndarray:
+    return np.asarray(a, dtype=np.uint64)
+
+
+def step_request(pool: str, free: object = None, extend: object = None, extend_tokens: object = None,
+                 admit: object = None, admit_tokens: object = None, tables: bool = True,
+                 block_table: bool = False) -> pb.StepRequest:
+    """Build a StepRequest; ids as uint64, token counts as int64 (scalars broadcast over ids)."""
+    req = pb.StepRequest(pool=pool, omit_tables=not tables, include_block_table=block_table)
+    if free is not None:
+        req.free_seq_ids.CopyFrom(to_tensor(_ids(free)))
+    for ids, counts, f_ids, f_n in ((extend, extend_tokens, "extend_seq_ids", "extend_num_tokens"),
+                                    (admit, admit_tokens, "admit_seq_ids", "admit_num_tokens")):
+        if ids is None:
+            continue
+        ids = _ids(ids)
+        counts = np.broadcast_to(np.asarray(1 if counts is None else counts, dtype=np.int64), ids.shape)
+        getattr(req, f_ids).CopyFrom(to_tensor(ids))
+        getattr(req, f_n).CopyFrom(to_tensor(np.ascontiguousarray(counts)))
+    return req
+
+
+def parse_step(reply: pb.StepReply) -> StepResult:
+    tables: dict[int, SpaceTables] = {}
+    for st in reply.tables:
+        space = IndexSpace(st.index_space, st.group, st.scale, st.offset, st.upper_bound, ())
+        table = None
+        if st.HasField("indptr"):
+            table = PageTable(from_tensor(st.indptr, "indptr"), from_tensor(st.indices, "indices"),
+                              from_tensor(st.last_page_len, "last_page_len"))
+        tables[st.index_space] = SpaceTables(space, from_tensor(st.slot_mapping, "slot_mapping"), table,
+                                             field_array(st, "block_table"))
+    return StepResult(from_tensor(reply.seq_ids, "seq_ids"), from_tensor(reply.num_tokens, "num_tokens"),
+                      from_tensor(reply.new_token_indptr, "new_token_indptr"), tables,
+                      tuple(reply.layer_index_space), reply.num_free_slots)
+
+
+def validate_request(pool: str, layer: int, table: PageTable, max_reports: int = 100) -> pb.ValidatePageTableRequest:
+    return pb.ValidatePageTableRequest(pool=pool, layer=layer, indptr=to_tensor(np.asarray(table.indptr)),
+                                       indices=to_tensor(np.asarray(table.indices)),
+                                       last_page_len=to_tensor(np.asarray(table.last_page_len)),
+                                       max_reports=max_reports)
+
+
+def parse_validate(reply: pb.ValidatePageTableReply) -> ValidationReport:
+    return ValidationReport(reply.num_violations, [Violation(v.reason, v.row, v.position, v.value, v.detail)
+                                                   for v in reply.violations])

@@ -1,0 +1,227 @@
+"""`kvctl`: plan a cache, inspect and manage pools, validate page tables.
+
+Human tables by default, `--json` for machines. Exit status: 0 ok, 1 a table
+failed validation, 2 a usage error or a refused request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+import numpy as np
+
+from kvservice.errors import KVError
+from kvservice.geometry import CacheSpec, LayerSpec
+from kvservice.pagetable import PageTable
+from kvservice.planner import Plan, Sizing, plan
+
+from .client import BlockManagerClient
+from .codec import ClientError
+
+DEFAULT_TARGET = os.environ.get("KVSERVICE_ADDR", "127.0.0.1:50051")
+
+
+def _table(rows: list[list[Any]], headers: list[str]) -> str:
+    cells = [headers] + [[_fmt(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+             for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, int):
+        return f"{v:,}"
+    return str(v)
+
+
+def _geometry_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--layers", type=int, required=True, help="number of layers")
+    p.add_argument("--kv-heads", type=int, required=True)
+    p.add_argument("--head-dim", type=int, required=True)
+    p.add_argument("--dtype", default="float16", help="float16, bfloat16, float32, float8_e4m3")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per page")
+    p.add_argument("--layout", default="per_layer", choices=["per_layer", "interleaved"])
+    p.add_argument("--sliding-window", type=int, default=0, help="tokens (0 = full attention)")
+    p.add_argument("--extra-layer", action="append", default=[], metavar="KV_HEADS:HEAD_DIM[:WINDOW]",
+                   help="append a layer of another shape (hybrid models); repeatable")
+    p.add_argument("--max-batch", type=int, default=0)
+    p.add_argument("--max-seq-len", type=int, default=0)
+    p.add_argument("--memory-budget", type=int, default=0, help="bytes for all cache buffers")
+    p.add_argument("--num-slots", type=int, default=0)
+    p.add_argument("--backend", action="append", default=[],
+                   help="kernel backend the pool feeds (native, flashinfer, flash-attn2, vllm-flash-attn, "
+                        "candle-flash-attn, trtllm); repeatable")
+
+
+def _spec_and_sizing(a: argparse.Namespace) -> tuple[CacheSpec, Sizing]:
+    layers = [LayerSpec(a.kv_heads, a.head_dim, a.dtype, a.sliding_window)] * a.layers
+    for extra in a.extra_layer:
+        parts = [int(x) for x in extra.split(":")]
+        if len(parts) not in (2, 3):
+            raise KVError(f"--extra-layer wants KV_HEADS:HEAD_DIM[:WINDOW], got {extra!r}")
+        layers.append(LayerSpec(parts[0], parts[1], a.dtype, parts[2] if len(parts) == 3 else 0))
+    return (CacheSpec(tuple(layers), a.page_size, a.layout),
+            Sizing(a.max_batch, a.max_seq_len, a.memory_budget, a.num_slots))
+
+
+def _print_plan(summary: dict[str, Any]) -> None:
+    keys = ["num_slots", "page_size", "layout", "num_layers", "max_seq_len", "max_pages_per_seq", "bytes_per_layer",
+            "bytes_per_slot", "total_bytes", "max_byte_offset", "offsets_exceed_int32", "offsets_exceed_uint32",
+            "indices_need_int64"]
+    print(_table([[k, summary[k]] for k in keys], ["plan", "value"]))
+    print()
+    print(_table([[s["id"], s["group"], s["scale"], s["offset"], s["upper_bound"], s["index_dtype"],
+                   ",".join(map(str, s["layers"]))] for s in summary["index_spaces"]],
+                 ["index space", "group", "scale", "offset", "upper bound", "dtype", "layers"]))
+    if summary["backends"]:
+        print(f"\nbackends satisfied: {', '.join(summary['backends'])}")
+    for w in summary["warnings"]:
+        print(f"warning: {w}")
+
+
+def _plan_from_reply(reply: Any) -> dict[str, Any]:
+    from google.protobuf.json_format import MessageToDict
+    return MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+
+def cmd_plan(a: argparse.Namespace) -> int:
+    spec, sizing = _spec_and_sizing(a)
+    p: Plan = plan(spec, sizing, tuple(a.backend))
+    summary = p.summary()
+    if a.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        _print_plan(summary)
+    return 0
+
+
+def cmd_pools(a: argparse.Namespace, c: BlockManagerClient) -> int:
+    pools = c.list_pools()
+    if a.json:
+        print(json.dumps([_plan_from_reply(p) for p in pools], indent=2))
+        return 0
+    print(_table([[p.name, p.plan.page_size, len(p.plan.layers), p.stats.num_slots, p.stats.num_free_slots,
+                   p.stats.num_sequences, p.plan.total_bytes] for p in pools],
+                 ["pool", "page size", "layers", "slots", "free", "sequences", "cache bytes"]))
+    return 0
+
+
+def cmd_create_pool(a: argparse.Namespace, c: BlockManagerClient) -> int:
+    spec, sizing = _spec_and_sizing(a)
+    info = c.create_pool(a.name, spec, sizing, tuple(a.backend))
+    if a.json:
+        print(json.dumps(_plan_from_reply(info), indent=2))
+    else:
+        print(f"created pool {info.name!r}: {info.plan.num_slots:,} slots, {info.plan.total_bytes:,} bytes")
+    return 0
+
+
+def cmd_seqs(a: argparse.Namespace, c: BlockManagerClient) -> int:
+    reply = c.sequences(a.pool, a.limit)
+    if a.json:
+        print(json.dumps(_plan_from_reply(reply), indent=2))
+        return 0
+    print(_table([[s.seq_id, s.num_tokens, s.num_slots] for s in reply.sequences],
+                 ["sequence", "tokens", "slots per group"]))
+    print(f"({len(reply.sequences)} of {reply.total} shown)")
+    return 0
+
+
+def cmd_stats(a: argparse.Namespace, c: BlockManagerClient) -> int:
+    stats = c.stats(a.pool or "")
+    if a.json:
+        print(json.dumps({k: _plan_from_reply(v) for k, v in stats.items()}, indent=2))
+        return 0
+    print(_table([[n, s.num_slots, s.num_free_slots, s.peak_used_slots, s.num_sequences, s.num_tokens, s.steps,
+                   s.admitted, s.refused] for n, s in sorted(stats.items())],
+                 ["pool", "slots", "free", "peak used", "sequences", "tokens", "steps", "admitted", "refused"]))
+    return 0
+
+
+def _ints(text: str) -> np.ndarray:
+    return np.array([int(x) for x in text.split(",") if x.strip()], dtype=np.int64)
+
+
+def cmd_validate(a: argparse.Namespace, c: BlockManagerClient) -> int:
+    if a.file:
+        doc = json.loads(open(a.file).read())
+        table = PageTable(np.asarray(doc["indptr"], np.int64), np.asarray(doc["indices"], np.int64),
+                          np.asarray(doc["last_page_len"], np.int64))
+    else:
+        if a.indptr is None or a.indices is None or a.last_page_len is None:
+            raise KVError("give --file, or all of --indptr, --indices and --last-page-len")
+        table = PageTable(_ints(a.indptr), _ints(a.indices), _ints(a.last_page_len))
+    report = c.validate(a.pool, a.layer, table, a.max_reports)
+    if a.json:
+        print(json.dumps({"ok": report.ok, "num_violations": report.num_violations,
+                          "violations": [{"reason": v.reason, "row": v.row, "position": v.position,
+                                          "value": v.value, "detail": v.detail} for v in report.violations]},
+                         indent=2))
+    elif report.ok:
+        print(f"ok: table is valid for layer {a.layer} of pool {a.pool!r}")
+    else:
+        print(f"{report.num_violations} violation(s) for layer {a.layer} of pool {a.pool!r}:")
+        print(_table([[v.reason, v.row, v.position, v.value, v.detail] for v in report.violations],
+                     ["reason", "row", "position", "value", "rule"]))
+    return 0 if report.ok else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvctl", description="Plan, inspect and manage kvservice pools.")
+    parser.add_argument("--target", default=DEFAULT_TARGET, help="manager address (env KVSERVICE_ADDR)")
+    parser.add_argument("--timeout", type=float, default=10.0, help="deadline per call, seconds")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plan", help="capacity plan for a cache (local, no server needed)")
+    _geometry_args(p)
+    sub.add_parser("pools", help="list pools")
+    p = sub.add_parser("create-pool", help="create a pool on the manager")
+    p.add_argument("name")
+    _geometry_args(p)
+    p = sub.add_parser("seqs", help="list sequences of a pool")
+    p.add_argument("pool")
+    p.add_argument("--limit", type=int, default=50)
+    p = sub.add_parser("stats", help="pool statistics")
+    p.add_argument("pool", nargs="?")
+    p = sub.add_parser("validate", help="validate a page table against one layer of a pool")
+    p.add_argument("pool")
+    p.add_argument("--layer", type=int, required=True)
+    p.add_argument("--file", help="JSON file with indptr, indices, last_page_len")
+    p.add_argument("--indptr", help="comma-separated")
+    p.add_argument("--indices", help="comma-separated")
+    p.add_argument("--last-page-len", help="comma-separated")
+    p.add_argument("--max-reports", type=int, default=100)
+    for sp in sub.choices.values():   # accept --json after the subcommand too
+        sp.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
+    return parser
+
+
+COMMANDS = {"pools": cmd_pools, "create-pool": cmd_create_pool, "seqs": cmd_seqs, "stats": cmd_stats,
+            "validate": cmd_validate}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "plan":
+            return cmd_plan(args)
+        with BlockManagerClient(args.target, timeout=args.timeout) as client:
+            return COMMANDS[args.command](args, client)
+    except KVError as err:
+        print(f"kvctl: {err.message}", file=sys.stderr)
+        return 2
+    except ClientError as err:
+        print(f"kvctl: {err.code.name}: {err.message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""assert_invariants(pool): DESIGN.md's invariants, checked from scratch (tests call it after every op)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .pagetable import validate_page_table
+from .pool import Pool
+
+
+def assert_invariants(pool: Pool) -> None:
+    """Raise AssertionError naming the first broken invariant."""
+    geo = pool.plan.geometry
+    ps = pool.page_size
+    ids, tokens = pool.sequences()
+    assert len(set(ids.tolist())) == len(ids), "a sequence id is live twice"
+    assert (tokens > 0).all(), "a live sequence holds no tokens"
+    for g, alloc in enumerate(pool.allocators):
+        alloc.check()
+        owners = np.zeros(geo.num_slots, dtype=np.int64)
+        for seq_id, n in zip(ids.tolist(), tokens.tolist(), strict=True):
+            held = pool.sequence_slots(seq_id, g)
+            # 3. n tokens own exactly ceil(n / page_size) slots per group.
+            assert len(held) == -(-n // ps), f"seq {seq_id} holds {len(held)} slots for {n} tokens"
+            assert (held >= 0).all() and (held < geo.num_slots).all(), f"seq {seq_id} holds a bad slot id"
+            np.add.at(owners, held, 1)
+        rc = alloc.refcount(np.arange(geo.num_slots))
+        # 1. refcount == number of owners; 2. free xor owned, counts add up.
+        assert (rc == owners).all(), f"group {g}: refcount != owners at slot {np.flatnonzero(rc != owners)[:5]}"
+        assert alloc.num_free + int((owners > 0).sum()) == geo.num_slots, f"group {g}: free + owned != num_slots"
+    # 4. every emitted index lies inside and on the lattice of its own space.
+    if len(ids):
+        for st in pool.tables_for(ids):
+            report = validate_page_table(st.table, st.space, ps)
+            assert report.ok, f"index space {st.space.id}: {report.violations[:3]}"

@@ -1,0 +1,381 @@
+from kvservice.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Layout(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LAYOUT_UNSPECIFIED: _ClassVar[Layout]
+    PER_LAYER: _ClassVar[Layout]
+    INTERLEAVED: _ClassVar[Layout]
+LAYOUT_UNSPECIFIED: Layout
+PER_LAYER: Layout
+INTERLEAVED: Layout
+
+class LayerSpec(_message.Message):
+    __slots__ = ("kv_heads", "head_dim", "dtype", "sliding_window", "count")
+    KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    kv_heads: int
+    head_dim: int
+    dtype: _common_pb2.DType
+    sliding_window: int
+    count: int
+    def __init__(self, kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., sliding_window: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
+
+class CacheSpec(_message.Message):
+    __slots__ = ("layers", "page_size", "layout")
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    layers: _containers.RepeatedCompositeFieldContainer[LayerSpec]
+    page_size: int
+    layout: Layout
+    def __init__(self, layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., page_size: _Optional[int] = ..., layout: _Optional[_Union[Layout, str]] = ...) -> None: ...
+
+class Sizing(_message.Message):
+    __slots__ = ("max_batch", "max_seq_len", "memory_budget_bytes", "num_slots")
+    MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    max_batch: int
+    max_seq_len: int
+    memory_budget_bytes: int
+    num_slots: int
+    def __init__(self, max_batch: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., num_slots: _Optional[int] = ...) -> None: ...
+
+class PlanRequest(_message.Message):
+    __slots__ = ("cache", "sizing", "backends")
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    SIZING_FIELD_NUMBER: _ClassVar[int]
+    BACKENDS_FIELD_NUMBER: _ClassVar[int]
+    cache: CacheSpec
+    sizing: Sizing
+    backends: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, cache: _Optional[_Union[CacheSpec, _Mapping]] = ..., sizing: _Optional[_Union[Sizing, _Mapping]] = ..., backends: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class LayerPlan(_message.Message):
+    __slots__ = ("layer", "group", "index_space", "page_bytes", "bytes", "scale", "offset", "upper_bound")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    INDEX_SPACE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    UPPER_BOUND_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    group: int
+    index_space: int
+    page_bytes: int
+    bytes: int
+    scale: int
+    offset: int
+    upper_bound: int
+    def __init__(self, layer: _Optional[int] = ..., group: _Optional[int] = ..., index_space: _Optional[int] = ..., page_bytes: _Optional[int] = ..., bytes: _Optional[int] = ..., scale: _Optional[int] = ..., offset: _Optional[int] = ..., upper_bound: _Optional[int] = ...) -> None: ...
+
+class GroupPlan(_message.Message):
+    __slots__ = ("group", "sliding_window", "layers", "slot_bytes", "buffer_bytes")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    group: int
+    sliding_window: int
+    layers: _containers.RepeatedScalarFieldContainer[int]
+    slot_bytes: int
+    buffer_bytes: int
+    def __init__(self, group: _Optional[int] = ..., sliding_window: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., slot_bytes: _Optional[int] = ..., buffer_bytes: _Optional[int] = ...) -> None: ...
+
+class IndexSpace(_message.Message):
+    __slots__ = ("id", "group", "scale", "offset", "upper_bound", "layers", "index_dtype")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    UPPER_BOUND_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    group: int
+    scale: int
+    offset: int
+    upper_bound: int
+    layers: _containers.RepeatedScalarFieldContainer[int]
+    index_dtype: _common_pb2.DType
+    def __init__(self, id: _Optional[int] = ..., group: _Optional[int] = ..., scale: _Optional[int] = ..., offset: _Optional[int] = ..., upper_bound: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., index_dtype: _Optional[_Union[_common_pb2.DType, str]] = ...) -> None: ...
+
+class PlanReply(_message.Message):
+    __slots__ = ("num_slots", "page_size", "max_seq_len", "max_pages_per_seq", "bytes_per_layer", "bytes_per_slot", "total_bytes", "max_byte_offset", "offsets_exceed_int32", "offsets_exceed_uint32", "indices_need_int64", "layers", "groups", "index_spaces", "backends", "warnings")
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_PAGES_PER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_LAYER_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_SLOT_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_EXCEED_INT32_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_EXCEED_UINT32_FIELD_NUMBER: _ClassVar[int]
+    INDICES_NEED_INT64_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_SPACES_FIELD_NUMBER: _ClassVar[int]
+    BACKENDS_FIELD_NUMBER: _ClassVar[int]
+    WARNINGS_FIELD_NUMBER: _ClassVar[int]
+    num_slots: int
+    page_size: int
+    max_seq_len: int
+    max_pages_per_seq: int
+    bytes_per_layer: int
+    bytes_per_slot: int
+    total_bytes: int
+    max_byte_offset: int
+    offsets_exceed_int32: bool
+    offsets_exceed_uint32: bool
+    indices_need_int64: bool
+    layers: _containers.RepeatedCompositeFieldContainer[LayerPlan]
+    groups: _containers.RepeatedCompositeFieldContainer[GroupPlan]
+    index_spaces: _containers.RepeatedCompositeFieldContainer[IndexSpace]
+    backends: _containers.RepeatedScalarFieldContainer[str]
+    warnings: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, num_slots: _Optional[int] = ..., page_size: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., max_pages_per_seq: _Optional[int] = ..., bytes_per_layer: _Optional[int] = ..., bytes_per_slot: _Optional[int] = ..., total_bytes: _Optional[int] = ..., max_byte_offset: _Optional[int] = ..., offsets_exceed_int32: _Optional[bool] = ..., offsets_exceed_uint32: _Optional[bool] = ..., indices_need_int64: _Optional[bool] = ..., layers: _Optional[_Iterable[_Union[LayerPlan, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[GroupPlan, _Mapping]]] = ..., index_spaces: _Optional[_Iterable[_Union[IndexSpace, _Mapping]]] = ..., backends: _Optional[_Iterable[str]] = ..., warnings: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class CreatePoolRequest(_message.Message):
+    __slots__ = ("name", "cache", "sizing", "backends")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    SIZING_FIELD_NUMBER: _ClassVar[int]
+    BACKENDS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    cache: CacheSpec
+    sizing: Sizing
+    backends: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., cache: _Optional[_Union[CacheSpec, _Mapping]] = ..., sizing: _Optional[_Union[Sizing, _Mapping]] = ..., backends: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class PoolStats(_message.Message):
+    __slots__ = ("num_slots", "num_free_slots", "peak_used_slots", "num_sequences", "num_tokens", "steps", "admitted", "refused")
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    PEAK_USED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    num_slots: int
+    num_free_slots: int
+    peak_used_slots: int
+    num_sequences: int
+    num_tokens: int
+    steps: int
+    admitted: int
+    refused: int
+    def __init__(self, num_slots: _Optional[int] = ..., num_free_slots: _Optional[int] = ..., peak_used_slots: _Optional[int] = ..., num_sequences: _Optional[int] = ..., num_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., admitted: _Optional[int] = ..., refused: _Optional[int] = ...) -> None: ...
+
+class PoolInfo(_message.Message):
+    __slots__ = ("name", "plan", "stats")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    plan: PlanReply
+    stats: PoolStats
+    def __init__(self, name: _Optional[str] = ..., plan: _Optional[_Union[PlanReply, _Mapping]] = ..., stats: _Optional[_Union[PoolStats, _Mapping]] = ...) -> None: ...
+
+class GetPoolRequest(_message.Message):
+    __slots__ = ("pool",)
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    def __init__(self, pool: _Optional[str] = ...) -> None: ...
+
+class ListPoolsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListPoolsReply(_message.Message):
+    __slots__ = ("pools",)
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    pools: _containers.RepeatedCompositeFieldContainer[PoolInfo]
+    def __init__(self, pools: _Optional[_Iterable[_Union[PoolInfo, _Mapping]]] = ...) -> None: ...
+
+class DeletePoolRequest(_message.Message):
+    __slots__ = ("pool", "force")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    force: bool
+    def __init__(self, pool: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
+
+class DeletePoolReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StepRequest(_message.Message):
+    __slots__ = ("pool", "free_seq_ids", "extend_seq_ids", "extend_num_tokens", "admit_seq_ids", "admit_num_tokens", "omit_tables", "include_block_table")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    FREE_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    EXTEND_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    EXTEND_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ADMIT_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    ADMIT_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OMIT_TABLES_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    free_seq_ids: _common_pb2.Tensor
+    extend_seq_ids: _common_pb2.Tensor
+    extend_num_tokens: _common_pb2.Tensor
+    admit_seq_ids: _common_pb2.Tensor
+    admit_num_tokens: _common_pb2.Tensor
+    omit_tables: bool
+    include_block_table: bool
+    def __init__(self, pool: _Optional[str] = ..., free_seq_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., extend_seq_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., extend_num_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., admit_seq_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., admit_num_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., omit_tables: _Optional[bool] = ..., include_block_table: _Optional[bool] = ...) -> None: ...
+
+class SpaceTables(_message.Message):
+    __slots__ = ("index_space", "group", "scale", "offset", "upper_bound", "slot_mapping", "indptr", "indices", "last_page_len", "block_table")
+    INDEX_SPACE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    UPPER_BOUND_FIELD_NUMBER: _ClassVar[int]
+    SLOT_MAPPING_FIELD_NUMBER: _ClassVar[int]
+    INDPTR_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    LAST_PAGE_LEN_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
+    index_space: int
+    group: int
+    scale: int
+    offset: int
+    upper_bound: int
+    slot_mapping: _common_pb2.Tensor
+    indptr: _common_pb2.Tensor
+    indices: _common_pb2.Tensor
+    last_page_len: _common_pb2.Tensor
+    block_table: _common_pb2.Tensor
+    def __init__(self, index_space: _Optional[int] = ..., group: _Optional[int] = ..., scale: _Optional[int] = ..., offset: _Optional[int] = ..., upper_bound: _Optional[int] = ..., slot_mapping: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., indptr: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., indices: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., last_page_len: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., block_table: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class StepReply(_message.Message):
+    __slots__ = ("seq_ids", "num_tokens", "new_token_indptr", "tables", "layer_index_space", "num_free_slots")
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKEN_INDPTR_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    LAYER_INDEX_SPACE_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _common_pb2.Tensor
+    num_tokens: _common_pb2.Tensor
+    new_token_indptr: _common_pb2.Tensor
+    tables: _containers.RepeatedCompositeFieldContainer[SpaceTables]
+    layer_index_space: _containers.RepeatedScalarFieldContainer[int]
+    num_free_slots: int
+    def __init__(self, seq_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., num_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., new_token_indptr: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tables: _Optional[_Iterable[_Union[SpaceTables, _Mapping]]] = ..., layer_index_space: _Optional[_Iterable[int]] = ..., num_free_slots: _Optional[int] = ...) -> None: ...
+
+class ListSequencesRequest(_message.Message):
+    __slots__ = ("pool", "limit")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    limit: int
+    def __init__(self, pool: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class SequenceInfo(_message.Message):
+    __slots__ = ("seq_id", "num_tokens", "num_slots")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    num_tokens: int
+    num_slots: int
+    def __init__(self, seq_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_slots: _Optional[int] = ...) -> None: ...
+
+class ListSequencesReply(_message.Message):
+    __slots__ = ("sequences", "total")
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    sequences: _containers.RepeatedCompositeFieldContainer[SequenceInfo]
+    total: int
+    def __init__(self, sequences: _Optional[_Iterable[_Union[SequenceInfo, _Mapping]]] = ..., total: _Optional[int] = ...) -> None: ...
+
+class GetStatsRequest(_message.Message):
+    __slots__ = ("pool",)
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    def __init__(self, pool: _Optional[str] = ...) -> None: ...
+
+class StatsReply(_message.Message):
+    __slots__ = ("pools",)
+    class PoolsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: PoolStats
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[PoolStats, _Mapping]] = ...) -> None: ...
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    pools: _containers.MessageMap[str, PoolStats]
+    def __init__(self, pools: _Optional[_Mapping[str, PoolStats]] = ...) -> None: ...
+
+class ValidatePageTableRequest(_message.Message):
+    __slots__ = ("pool", "layer", "indptr", "indices", "last_page_len", "max_reports")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    INDPTR_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    LAST_PAGE_LEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_REPORTS_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    layer: int
+    indptr: _common_pb2.Tensor
+    indices: _common_pb2.Tensor
+    last_page_len: _common_pb2.Tensor
+    max_reports: int
+    def __init__(self, pool: _Optional[str] = ..., layer: _Optional[int] = ..., indptr: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., indices: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., last_page_len: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., max_reports: _Optional[int] = ...) -> None: ...
+
+class Violation(_message.Message):
+    __slots__ = ("reason", "row", "position", "value", "detail")
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    ROW_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    row: int
+    position: int
+    value: int
+    detail: str
+    def __init__(self, reason: _Optional[str] = ..., row: _Optional[int] = ..., position: _Optional[int] = ..., value: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class ValidatePageTableReply(_message.Message):
+    __slots__ = ("ok", "num_violations", "violations", "index_space")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    NUM_VIOLATIONS_FIELD_NUMBER: _ClassVar[int]
+    VIOLATIONS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_SPACE_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    num_violations: int
+    violations: _containers.RepeatedCompositeFieldContainer[Violation]
+    index_space: IndexSpace
+    def __init__(self, ok: _Optional[bool] = ..., num_violations: _Optional[int] = ..., violations: _Optional[_Iterable[_Union[Violation, _Mapping]]] = ..., index_space: _Optional[_Union[IndexSpace, _Mapping]] = ...) -> None: ...
+
+class EchoRequest(_message.Message):
+    __slots__ = ("payload",)
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    def __init__(self, payload: _Optional[bytes] = ...) -> None: ...
+
+class EchoReply(_message.Message):
+    __slots__ = ("payload",)
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    def __init__(self, payload: _Optional[bytes] = ...) -> None: ...

@@ -1,0 +1,75 @@
+"""Layer groups, layouts and index spaces (seed 004)."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from kvservice.errors import InvalidArgument
+from kvservice.geometry import CacheSpec, Geometry, LayerSpec
+
+
+def test_per_layer_one_space_per_group():
+    spec = CacheSpec((LayerSpec(8, 128),) * 3 + (LayerSpec(8, 128, sliding_window=512),) * 2, 16)
+    g = Geometry(spec, 100)
+    assert [gr.layers for gr in g.groups] == [(0, 1, 2), (3, 4)]
+    assert [(s.group, s.scale, s.offset, s.upper_bound) for s in g.index_spaces] == [(0, 1, 0, 100), (1, 1, 0, 100)]
+    assert g.layer_space.tolist() == [0, 0, 0, 1, 1]
+    assert g.groups[0].slot_bytes == 3 * 2 * 16 * 8 * 128 * 2
+
+
+def test_interleaved_two_sizes_differ_in_scale_and_every_page_is_aligned():
+    spec = CacheSpec((LayerSpec(2, 256), LayerSpec(2, 512)), 16, "interleaved")
+    g = Geometry(spec, 1000)
+    small, big = g.layers
+    assert big.page_bytes == 2 * small.page_bytes
+    assert small.scale != big.scale
+    assert (g.groups[0].slot_bytes, big.scale, small.scale) == (4 * small.page_bytes, 2, 4)
+    for v in g.layers:
+        assert v.byte_offset % v.page_bytes == 0 and g.groups[0].slot_bytes % v.page_bytes == 0
+        assert v.upper_bound == 1000 * v.scale
+        assert v.byte_offset == v.offset * v.page_bytes
+    # No two layers' pages overlap inside a slot.
+    spans = sorted((v.byte_offset, v.byte_offset + v.page_bytes) for v in g.layers)
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
+
+
+def test_interleaved_padding_for_odd_sizes_warns():
+    spec = CacheSpec((LayerSpec(3, 64), LayerSpec(4, 64)), 16, "interleaved")
+    g = Geometry(spec, 10)
+    x = 2 * 16 * 64 * 2                    # page bytes per kv head
+    assert [v.page_bytes for v in g.layers] == [3 * x, 4 * x]
+    assert [v.byte_offset for v in g.layers] == [6 * x, 0]   # 3x page aligned to 3x after the 4x page
+    assert g.groups[0].slot_bytes == 12 * x                  # lcm(3x, 4x)
+    assert g.warnings and "padded from" in g.warnings[0]
+
+
+def test_page_indices_conversion():
+    spec = CacheSpec((LayerSpec(2, 256), LayerSpec(2, 512)), 16, "interleaved")
+    g = Geometry(spec, 10)
+    slots = np.array([0, 3, 9])
+    for space in g.index_spaces:
+        pages = space.page_indices(slots)
+        assert pages.dtype == np.int32
+        assert ((pages - space.offset) % space.scale == 0).all() and (pages < space.upper_bound).all()
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"kv_heads": 0, "head_dim": 64}, "kv_heads > 0"),
+    ({"kv_heads": 1, "head_dim": 64, "dtype": "int4"}, "unknown cache dtype"),
+    ({"kv_heads": 1, "head_dim": 64, "sliding_window": -1}, "sliding_window"),
+])
+def test_bad_layer_specs(kwargs, match):
+    with pytest.raises(InvalidArgument, match=match):
+        LayerSpec(**kwargs)
+
+
+def test_bad_cache_specs():
+    with pytest.raises(InvalidArgument, match="no layers"):
+        CacheSpec((), 16)
+    with pytest.raises(InvalidArgument, match="page_size"):
+        CacheSpec.uniform(2, 1, 64, page_size=0)
+    with pytest.raises(InvalidArgument, match="layout"):
+        CacheSpec.uniform(2, 1, 64, layout="paged")
+    with pytest.raises(InvalidArgument, match="layer 5 does not exist"):
+        Geometry(CacheSpec.uniform(2, 1, 64), 4).space_of_layer(5)

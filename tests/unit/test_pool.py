@@ -1,0 +1,152 @@
+"""Step semantics: slot mappings and tables against hand-computed values, and every failure path."""
+
+import numpy as np
+import pytest
+
+from kvservice.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from kvservice.geometry import CacheSpec, LayerSpec
+from kvservice.invariants import assert_invariants
+from kvservice.pagetable import validate_page_table
+from kvservice.planner import Sizing, plan
+from kvservice.pool import Pool
+
+
+def make_pool(num_slots=64, page_size=4, layout="per_layer", layers=None, max_seq_len=0):
+    layers = layers or (LayerSpec(2, 64),) * 2
+    return Pool("p", plan(CacheSpec(tuple(layers), page_size, layout), Sizing(num_slots=num_slots,
+                                                                              max_seq_len=max_seq_len)))
+
+
+def snapshot(pool):
+    ids, toks = pool.sequences()
+    slots = {i: [pool.sequence_slots(i, g).tolist() for g in range(len(pool.allocators))] for i in ids.tolist()}
+    return ids.tolist(), toks.tolist(), slots, [a.num_free for a in pool.allocators], \
+        [a.free_slots().tolist() for a in pool.allocators]
+
+
+def test_admit_extend_free_values():
+    pool = make_pool()
+    r = pool.step(admit_ids=[7, 9], admit_tokens=[5, 3])
+    assert r.seq_ids.tolist() == [7, 9] and r.num_tokens.tolist() == [5, 3]
+    assert r.new_token_indptr.tolist() == [0, 5, 8]
+    (st,) = r.tables
+    s7, s9 = pool.sequence_slots(7), pool.sequence_slots(9)
+    assert len(s7) == 2 and len(s9) == 1 and not set(s7) & set(s9)
+    want = [s7[t // 4] * 4 + t % 4 for t in range(5)] + [s9[0] * 4 + t for t in range(3)]
+    assert st.slot_mapping.tolist() == want and st.slot_mapping.dtype == np.int64
+    assert st.table.indptr.tolist() == [0, 2, 3]
+    assert st.table.indices.tolist() == [*s7, *s9]
+    assert st.table.last_page_len.tolist() == [1, 3]
+    r = pool.step(extend_ids=[9, 7], extend_tokens=[1, 4], block_table=True)
+    (st,) = r.tables
+    s7b, s9b = pool.sequence_slots(7), pool.sequence_slots(9)
+    assert s7b[:2].tolist() == s7.tolist() and s9b.tolist() == s9.tolist()   # pages never move
+    assert st.slot_mapping.tolist() == [s9[0] * 4 + 3] + [s7b[t // 4] * 4 + t % 4 for t in range(5, 9)]
+    assert st.table.last_page_len.tolist() == [4, 1]
+    assert st.block_table.tolist() == [[s9[0], -1, -1], s7b.tolist()]
+    pool.step(free_ids=[7])
+    assert pool.num_free_slots == 64 - 1
+    assert_invariants(pool)
+
+
+def test_seed000_batch_of_8_into_128_slots_is_refused_and_pool_unchanged():
+    spec = CacheSpec.uniform(32, 8, 128, "float16", 16)
+    pool = Pool("small", plan(spec, Sizing(num_slots=128, max_seq_len=2048)))
+    pool.step(admit_ids=[100], admit_tokens=[16])
+    before = snapshot(pool)
+    with pytest.raises(ResourceExhausted) as exc:
+        pool.step(admit_ids=np.arange(8), admit_tokens=np.full(8, 2048))
+    assert "needs 1024 slots" in exc.value.message and "only 127 are free" in exc.value.message
+    assert exc.value.metadata == {"needed": "1024", "free": "127", "num_slots": "128"}
+    assert snapshot(pool) == before
+    assert pool.refused == 1 and pool.alloc_failures == {"out_of_slots": 1}
+    assert_invariants(pool)
+
+
+def test_frees_in_the_same_step_make_room():
+    pool = make_pool(num_slots=4)
+    pool.step(admit_ids=[1], admit_tokens=[16])
+    with pytest.raises(ResourceExhausted):
+        pool.step(admit_ids=[2], admit_tokens=[4])
+    r = pool.step(free_ids=[1], admit_ids=[2], admit_tokens=[16])
+    assert r.seq_ids.tolist() == [2] and pool.num_free_slots == 0
+    assert_invariants(pool)
+
+
+@pytest.mark.parametrize(("kwargs", "exc", "match"), [
+    ({"free_ids": [42]}, NotFound, "sequence 42 is not in pool"),
+    ({"extend_ids": [42], "extend_tokens": [1]}, NotFound, "extend_seq_ids: sequence 42"),
+    ({"admit_ids": [1], "admit_tokens": [1]}, AlreadyExists, "sequence 1 is already"),
+    ({"extend_ids": [1], "extend_tokens": [0]}, InvalidArgument, "must be > 0"),
+    ({"extend_ids": [1], "extend_tokens": [-3]}, InvalidArgument, "must be > 0"),
+    ({"admit_ids": [5], "admit_tokens": [1, 2]}, InvalidArgument, "2 entries for 1 sequence ids"),
+    ({"admit_ids": [-5], "admit_tokens": [1]}, InvalidArgument, "negative sequence id"),
+    ({"admit_ids": [5, 5], "admit_tokens": [1, 1]}, InvalidArgument, "sequence 5 appears more than once"),
+    ({"free_ids": [1], "extend_ids": [1], "extend_tokens": [1]}, InvalidArgument, "more than once"),
+    ({"admit_ids": [[5]], "admit_tokens": [[1]]}, InvalidArgument, "1-D integer"),
+    ({"admit_ids": [5.0], "admit_tokens": [1]}, InvalidArgument, "1-D integer"),
+    ({"admit_ids": [5], "admit_tokens": [1000]}, InvalidArgument, "max_seq_len=40"),
+    ({"extend_ids": [1], "extend_tokens": [39]}, InvalidArgument, "would hold 42 tokens"),
+])
+def test_bad_steps_are_clean_errors_and_change_nothing(kwargs, exc, match):
+    pool = make_pool(num_slots=32, max_seq_len=40)
+    pool.step(admit_ids=[1, 2], admit_tokens=[3, 6])
+    before = snapshot(pool)
+    with pytest.raises(exc, match=match):
+        pool.step(**kwargs)
+    assert snapshot(pool) == before
+    assert_invariants(pool)
+
+
+def test_double_free_is_an_error():
+    pool = make_pool()
+    pool.step(admit_ids=[1], admit_tokens=[3])
+    pool.step(free_ids=[1])
+    with pytest.raises(NotFound):
+        pool.step(free_ids=[1])
+    assert pool.num_free_slots == 64
+
+
+def test_interleaved_tables_valid_for_own_space_and_rejected_by_the_other():
+    layers = (LayerSpec(2, 256), LayerSpec(2, 512))
+    pool = make_pool(num_slots=100, page_size=16, layout="interleaved", layers=layers)
+    rng = np.random.default_rng(3)
+    r = pool.step(admit_ids=np.arange(1, 9), admit_tokens=rng.integers(100, 200, 8))
+    assert len(r.tables) == 2
+    a, b = r.tables
+    assert a.space.scale != b.space.scale
+    for st in r.tables:
+        assert validate_page_table(st.table, st.space, 16).ok
+        pages = st.table.indices.astype(np.int64)
+        slots = (pages - st.space.offset) // st.space.scale
+        assert ((pages - st.space.offset) % st.space.scale == 0).all()
+        # Both spaces describe the same slots.
+        assert slots.tolist() == ((b.table.indices.astype(np.int64) - b.space.offset) // b.space.scale).tolist()
+    # Seed 004: one space's table fed to the other's layer.
+    wrong = validate_page_table(a.table, b.space, 16)
+    assert not wrong.ok
+    assert set(wrong.counts()) <= {"out_of_bounds", "off_lattice"}
+    assert wrong.num_violations >= 1
+    wrong2 = validate_page_table(b.table, a.space, 16)
+    assert not wrong2.ok
+    assert_invariants(pool)
+
+
+def test_sliding_window_group_gets_its_own_slots_and_space():
+    layers = (LayerSpec(2, 64),) * 2 + (LayerSpec(2, 64, sliding_window=8),)
+    pool = make_pool(num_slots=20, layers=layers)
+    r = pool.step(admit_ids=[1], admit_tokens=[9])
+    assert [st.space.group for st in r.tables] == [0, 1]
+    assert len(pool.sequence_slots(1, 0)) == len(pool.sequence_slots(1, 1)) == 3
+    assert_invariants(pool)
+
+
+def test_rows_and_width_grow():
+    pool = make_pool(num_slots=4000, page_size=1, max_seq_len=100)
+    ids = np.arange(1000, 1040)
+    pool.step(admit_ids=ids, admit_tokens=np.full(40, 3))
+    pool.step(extend_ids=ids[::2], extend_tokens=np.full(20, 90))
+    pool.step(free_ids=ids[1::4])
+    pool.step(admit_ids=ids + 5000, admit_tokens=np.full(40, 7))
+    assert pool.num_sequences == 70
+    assert_invariants(pool)

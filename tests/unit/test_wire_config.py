@@ -1,0 +1,63 @@
+"""Wire encoding of arrays, pool YAML config, and proto conversions."""
+
+import numpy as np
+import pytest
+
+from kvservice import convert
+from kvservice.config import DEFAULT_POOLS_YAML, load_pools
+from kvservice.errors import InvalidArgument
+from kvservice.geometry import CacheSpec, LayerSpec
+from kvservice.v1 import common_pb2 as cpb
+from kvservice.wire import from_tensor, to_tensor
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.uint64, np.float16, np.float32])
+def test_roundtrip(dtype):
+    a = (np.random.default_rng(0).random((3, 5)) * 100).astype(dtype)
+    t = to_tensor(a)
+    assert list(t.shape) == [3, 5] and len(t.data) == a.nbytes
+    b = from_tensor(t, "x", kinds="iuf")
+    assert b.dtype == a.dtype and (b == a).all()
+
+
+def test_big_endian_input_is_written_little_endian():
+    a = np.array([1, 2, 258], dtype=">i4")
+    assert to_tensor(a).data == np.array([1, 2, 258], dtype="<i4").tobytes()
+
+
+@pytest.mark.parametrize(("t", "match"), [
+    (cpb.Tensor(dtype=cpb.INT64, data=b"\x00" * 7), "whole number"),
+    (cpb.Tensor(dtype=cpb.INT32, shape=[3], data=b"\x00" * 8), "does not match"),
+    (cpb.Tensor(dtype=cpb.INT32, shape=[-1, 2], data=b"\x00" * 8), "bad shape"),
+    (cpb.Tensor(dtype=cpb.FLOAT32, data=b"\x00" * 8), "not allowed"),
+    (cpb.Tensor(dtype=cpb.DTYPE_UNSPECIFIED, data=b""), "not an array dtype"),
+    (cpb.Tensor(dtype=99, data=b""), "not an array dtype"),
+])
+def test_malformed_tensors(t, match):
+    with pytest.raises(InvalidArgument, match=match):
+        from_tensor(t, "field")
+
+
+def test_cache_spec_proto_roundtrip_run_length():
+    layers = (LayerSpec(8, 128),) * 3 + (LayerSpec(4, 256, "bfloat16", 1024),) + (LayerSpec(8, 128),)
+    spec = CacheSpec(layers, 32, "interleaved")
+    msg = convert.cache_spec_to_proto(spec)
+    assert [ls.count for ls in msg.layers] == [3, 1, 1]
+    assert convert.cache_spec_from_proto(msg) == spec
+
+
+def test_default_pools_parse():
+    (pc,) = load_pools(DEFAULT_POOLS_YAML)
+    assert pc.name == "default" and len(pc.spec.layers) == 32 and pc.sizing.max_batch == 64
+
+
+@pytest.mark.parametrize(("text", "match"), [
+    ("pools: 3", "'pools' list"),
+    ("pools: [{page_size: 16}]", "needs at least a name"),
+    ("pools: [{name: a, layers: [{kv_heads: 1, head_dim: 64, colour: red}]}]", "layers\\[0\\]"),
+    ("pools: [{name: a, layers: [{kv_heads: 1, head_dim: 64}], sizing: {slots: 3}}]", "pools\\[0\\]"),
+    ("pools: [", "not valid YAML"),
+])
+def test_bad_pool_yaml(text, match):
+    with pytest.raises(InvalidArgument, match=match):
+        load_pools(text)
