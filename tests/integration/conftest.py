@@ -1,0 +1,54 @@
+"""A real `kvservice serve` process on loopback, shared by the integration tests of a module."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from clients import BlockManagerClient
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class ManagerProcess:
+    def __init__(self, tmp: Path, *extra: str) -> None:
+        self.port_file = tmp / "ports"
+        self.log = open(tmp / "manager.log", "w+")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvservice.cli", "serve", "--listen", "127.0.0.1:0", "--metrics-port", "0",
+             "--port-file", str(self.port_file), *extra],
+            cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        deadline = time.time() + 30
+        while not self.port_file.exists() or not self.port_file.read_text().strip():
+            if self.proc.poll() is not None or time.time() > deadline:
+                self.log.seek(0)
+                raise RuntimeError(f"manager did not start:\n{self.log.read()}")
+            time.sleep(0.05)
+        port, metrics = self.port_file.read_text().split()
+        self.target = f"127.0.0.1:{port}"
+        self.metrics_url = f"http://127.0.0.1:{metrics}/metrics"
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def manager(tmp_path_factory):
+    m = ManagerProcess(tmp_path_factory.mktemp("manager"))
+    yield m
+    m.stop()
+
+
+@pytest.fixture
+def client(manager):
+    with BlockManagerClient(manager.target, timeout=10) as c:
+        c.wait_ready()
+        yield c
