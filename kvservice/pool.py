@@ -61,10 +61,6 @@ class StepResult:
     num_free_slots: int
 
 
-def _cdiv(x: np.ndarray, m: int) -> np.ndarray:
-    return -(-x // m)
-
-
 def _ids(name: str, a: object) -> np.ndarray:
     if a is None:
         return _EMPTY_IDS
@@ -106,6 +102,7 @@ class Pool:
         self._num_rows = 0                        # rows ever used (high-water mark)
         cap, width = 16, 4
         self._num_tokens = np.zeros(cap, dtype=np.int64)   # 0 = row unused
+        self._held = np.zeros(cap, dtype=np.int64)         # ceil(num_tokens / page_size): slots per group
         self._arange = np.arange(1024, dtype=np.int64)
         self._seq_ids = np.zeros(cap, dtype=np.uint64)
         # Slot values fit the index dtype of a scale-1 space, so per_layer tables need no conversion.
@@ -153,7 +150,8 @@ class Pool:
         ids = _ids("seq_ids", seq_ids)
         rows = self._lookup(ids, "seq_ids")
         n = self._num_tokens[rows]
-        return self._emit(rows, n, n, True, block_table)
+        return self._emit(rows, n, n, self._held[rows], np.zeros(len(rows) + 1, dtype=np.int64), True,
+                          block_table)
 
     # ---- the step ----------------------------------------------------------------------
     def step(self, free_ids: object = None, extend_ids: object = None, extend_tokens: object = None,
@@ -172,7 +170,8 @@ class Pool:
         a_ids = _ids("admit_seq_ids", admit_ids)
         e_k = _counts("extend_num_tokens", extend_tokens, len(e_ids))
         a_n = _counts("admit_num_tokens", admit_tokens, len(a_ids))
-        all_ids = np.concatenate((f_ids, e_ids, a_ids))
+        parts = [a for a in (f_ids, e_ids, a_ids) if len(a)]
+        all_ids = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else f_ids
         if len(all_ids) > 1:
             srt = np.sort(all_ids)
             dup = srt[1:] == srt[:-1]
@@ -196,9 +195,16 @@ class Pool:
                 raise InvalidArgument(
                     f"{name}: sequence {ids[j]} would hold {n[j]} tokens; pool {self.name!r} takes at most "
                     f"max_seq_len={self.max_seq_len}", seq_id=ids[j], max_seq_len=self.max_seq_len)
-        need = np.concatenate((_cdiv(e_new, ps) - _cdiv(e_old, ps), _cdiv(a_n, ps)))
+        if len(a_ids):
+            old = np.concatenate((e_old, np.zeros(len(a_ids), dtype=np.int64)))
+            new = np.concatenate((e_new, a_n))
+            held_old = np.concatenate((self._held[e_rows], np.zeros(len(a_ids), dtype=np.int64)))
+        else:
+            old, new, held_old = e_old, e_new, self._held[e_rows]
+        held_new = (new + (ps - 1)) // ps
+        need = held_new - held_old
         needed = int(need.sum())
-        released = int(_cdiv(self._num_tokens[f_rows], ps).sum())
+        released = int(self._held[f_rows].sum()) if len(f_rows) else 0
         free_now = self.num_free_slots
         if needed > free_now + released:
             self.refused += 1
@@ -210,25 +216,23 @@ class Pool:
                 needed=needed, free=free_now + released, num_slots=self.plan.num_slots)
         # ---- nothing can fail past this line --------------------------------------
         self._release(f_rows)
-        a_rows = self._take_rows(a_ids)
-        rows = np.concatenate((e_rows, a_rows))
-        old = np.concatenate((e_old, np.zeros(len(a_rows), dtype=np.int64)))
-        new = np.concatenate((e_new, a_n))
+        rows = np.concatenate((e_rows, self._take_rows(a_ids))) if len(a_ids) else e_rows
         self._num_tokens[rows] = new
-        self._ensure_width(int(_cdiv(new, ps).max()) if len(new) else 0)
+        self._held[rows] = held_new
+        if len(rows):
+            self._ensure_width(int(held_new.max()))
         if needed:
             starts = np.cumsum(need) - need
             rep_rows = np.repeat(rows, need)
-            cols = np.repeat(_cdiv(old, ps) - starts, need) + np.arange(needed)
+            cols = np.repeat(held_old - starts, need) + self._iota(needed)
             for alloc, slots in zip(self.allocators, self._slots, strict=True):
                 slots[rep_rows, cols] = alloc.allocate(needed)
         self.steps += 1
         self.admitted += len(a_ids)
-        k = new - old
         tok_indptr = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum(k, out=tok_indptr[1:])
+        np.cumsum(new - old, out=tok_indptr[1:])
         return StepResult(self._seq_ids[rows], new, tok_indptr,
-                          self._emit(rows, old, new, tables, block_table), self.num_free_slots)
+                          self._emit(rows, old, new, held_new, tok_indptr, tables, block_table), self.num_free_slots)
 
     # ---- helpers -------------------------------------------------------------------
     def _iota(self, n: int) -> np.ndarray:
@@ -280,13 +284,14 @@ class Pool:
     def _release(self, rows: np.ndarray) -> None:
         if not len(rows):
             return
-        held = _cdiv(self._num_tokens[rows], self.page_size)
+        held = self._held[rows]
         mask = np.arange(int(held.max())) < held[:, None]
         for alloc, slots in zip(self.allocators, self._slots, strict=True):
             alloc.free(slots[rows, :mask.shape[1]][mask], unique=True)
         for seq_id in self._seq_ids[rows].tolist():
             del self._rows[seq_id]
         self._num_tokens[rows] = 0
+        self._held[rows] = 0
         self._free_rows.extend(rows.tolist())
         self._sorted = None
 
@@ -297,6 +302,7 @@ class Pool:
         new_cap = max(n, 2 * cap)
         self._num_tokens = np.concatenate((self._num_tokens, np.zeros(new_cap - cap, dtype=np.int64)))
         self._seq_ids = np.concatenate((self._seq_ids, np.zeros(new_cap - cap, dtype=np.uint64)))
+        self._held = np.concatenate((self._held, np.zeros(new_cap - cap, dtype=np.int64)))
         self._slots = [np.concatenate((s, np.full((new_cap - cap, s.shape[1]), -1, dtype=s.dtype)))
                        for s in self._slots]
 
@@ -308,28 +314,27 @@ class Pool:
         self._slots = [np.concatenate((s, np.full((s.shape[0], new_w - width), -1, dtype=s.dtype)), axis=1)
                        for s in self._slots]
 
-    def _emit(self, rows: np.ndarray, old: np.ndarray, new: np.ndarray, tables: bool,
-              block_table: bool) -> tuple[SpaceTables, ...]:
+    def _emit(self, rows: np.ndarray, old: np.ndarray, new: np.ndarray, held: np.ndarray, tok_indptr: np.ndarray,
+              tables: bool, block_table: bool) -> tuple[SpaceTables, ...]:
+        """Slot mappings of the new tokens and the tables of `rows`, for every index space."""
         ps = self.page_size
         b = len(rows)
         width = self._slots[0].shape[1]
-        k = new - old
-        if b and int(k.min()) == 1 and int(k.max()) == 1:      # decode: one token each
+        t = int(tok_indptr[-1])
+        if t == b:                                   # decode: one new token per row
             tok_rows, pos = rows, old
         else:
-            t = int(k.sum())
+            k = new - old
             tok_rows = np.repeat(rows, k)
-            pos = np.repeat(old - (np.cumsum(k) - k), k) + self._iota(t)
+            pos = np.repeat(old - tok_indptr[:-1], k) + self._iota(t)
         page_of_tok, off_in_page = np.divmod(pos, ps)
         tok_flat = tok_rows * width + page_of_tok              # into _slots[g].ravel()
-        held = _cdiv(new, ps)
         if tables:
             indptr = np.zeros(b + 1, dtype=np.int64)
             np.cumsum(held, out=indptr[1:])
-            nnz = int(indptr[-1])
             # Row r's pages sit at the start of its table row: gather them flat, no mask.
             flat = np.repeat(rows * width - indptr[:-1], held)
-            flat += self._iota(nnz)
+            flat += self._iota(int(indptr[-1]))
             last = (new - (held - 1) * ps).astype(np.int32)
         if block_table:
             bt_width = int(held.max()) if b else 0
@@ -344,7 +349,10 @@ class Pool:
                                flat_slots.take(flat) if tables else None,
                                self._slots[g][rows, :bt_width] if block_table else None)
             tok_slots, idx, sub = gathered[g]
-            mapping = (tok_slots * space.scale + space.offset) * ps + off_in_page
+            if space.scale == 1 and space.offset == 0:
+                mapping = tok_slots * ps + off_in_page
+            else:
+                mapping = (tok_slots * space.scale + space.offset) * ps + off_in_page
             table = PageTable(indptr.astype(space.index_dtype), space.page_indices(idx), last) if tables else None
             bt = None
             if block_table:

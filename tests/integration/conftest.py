@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 class ManagerProcess:
     def __init__(self, tmp: Path, *extra: str) -> None:
         self.port_file = tmp / "ports"
-        self.log = open(tmp / "manager.log", "w+")  # noqa: SIM115
+        self.log = open(tmp / "manager.log", "w+")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvservice.cli", "serve", "--listen", "127.0.0.1:0", "--metrics-port", "0",
              "--port-file", str(self.port_file), *extra],
