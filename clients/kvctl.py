@@ -42,6 +42,17 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+def _ranges(ids: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    out: list[str] = []
+    for i in ids:
+        if out and out[-1][1] == i - 1:
+            out[-1][1] = i
+        else:
+            out.append([i, i])
+    return ",".join(f"{a}-{b}" if a != b else f"{a}" for a, b in out)
+
+
 def _geometry_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, required=True, help="number of layers")
     p.add_argument("--kv-heads", type=int, required=True)
@@ -79,7 +90,7 @@ def _print_plan(summary: dict[str, Any]) -> None:
     print(_table([[k, summary[k]] for k in keys], ["plan", "value"]))
     print()
     print(_table([[s["id"], s["group"], s["scale"], s["offset"], s["upper_bound"], s["index_dtype"],
-                   ",".join(map(str, s["layers"]))] for s in summary["index_spaces"]],
+                   _ranges(s["layers"])] for s in summary["index_spaces"]],
                  ["index space", "group", "scale", "offset", "upper bound", "dtype", "layers"]))
     if summary["backends"]:
         print(f"\nbackends satisfied: {', '.join(summary['backends'])}")
