@@ -94,6 +94,9 @@ class BlockManagerClient:
                            True, timeout)
         return codec.parse_validate(reply)
 
+    def workers(self, pool: str = "", timeout: float | None = None) -> list[pb.WorkerInfo]:
+        return list(self._call(self._stub.ListWorkers, pb.ListWorkersRequest(pool=pool), True, timeout).workers)
+
     def echo(self, payload: bytes = b"", timeout: float | None = None) -> bytes:
         return self._call(self._stub.Echo, pb.EchoRequest(payload=payload), True, timeout).payload
 
@@ -115,3 +118,12 @@ class BlockManagerClient:
         """
         req = codec.step_request(pool, free, extend, extend_tokens, admit, admit_tokens, tables, block_table)
         return codec.parse_step(self._call(self._stub.Step, req, False, timeout))
+
+    def register_worker(self, request: pb.RegisterWorkerRequest,
+                        timeout: float | None = None) -> pb.RegisterWorkerReply:
+        """Join as a worker (a new epoch each time)."""
+        return self._call(self._stub.RegisterWorker, request, False, timeout)
+
+    def heartbeat(self, worker_id: str, epoch: int, timeout: float | None = None) -> pb.HeartbeatReply:
+        """Renew a lease (safe to retry: it only moves the lease forward)."""
+        return self._call(self._stub.Heartbeat, pb.HeartbeatRequest(worker_id=worker_id, epoch=epoch), True, timeout)

@@ -157,6 +157,18 @@ def cmd_stats(a: argparse.Namespace, c: BlockManagerClient) -> int:
     return 0
 
 
+def cmd_workers(a: argparse.Namespace, c: BlockManagerClient) -> int:
+    workers = c.workers(a.pool or "")
+    if a.json:
+        print(json.dumps([_plan_from_reply(w) for w in workers], indent=2))
+        return 0
+    print(_table([[w.worker_id, w.pool, f"{w.layer_begin}-{w.layer_end - 1}", f"{w.tp_rank}/{w.tp_size}", w.backend,
+                   w.device_name, w.epoch, "alive" if w.alive else "DEAD", f"{w.seconds_since_heartbeat:.1f}s",
+                   w.address] for w in workers],
+                 ["worker", "pool", "layers", "tp", "backend", "device", "epoch", "state", "last beat", "address"]))
+    return 0
+
+
 def _ints(text: str) -> np.ndarray:
     return np.array([int(x) for x in text.split(",") if x.strip()], dtype=np.int64)
 
@@ -202,6 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=50)
     p = sub.add_parser("stats", help="pool statistics")
     p.add_argument("pool", nargs="?")
+    p = sub.add_parser("workers", help="registered workers and their leases")
+    p.add_argument("pool", nargs="?")
     p = sub.add_parser("validate", help="validate a page table against one layer of a pool")
     p.add_argument("pool")
     p.add_argument("--layer", type=int, required=True)
@@ -216,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 COMMANDS = {"pools": cmd_pools, "create-pool": cmd_create_pool, "seqs": cmd_seqs, "stats": cmd_stats,
-            "validate": cmd_validate}
+            "workers": cmd_workers, "validate": cmd_validate}
 
 
 def main(argv: list[str] | None = None) -> int:

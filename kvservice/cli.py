@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--no-pools", action="store_true", help="start empty; create pools over the API")
     s.add_argument("--port-file", help="write the bound gRPC and metrics ports here (tests)")
     s.add_argument("--threads", type=int, default=8, help="gRPC worker threads")
+    s.add_argument("--lease-seconds", type=float, default=10.0, help="a worker silent this long is marked dead")
     s.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -36,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             pools = load_pools(DEFAULT_POOLS_YAML, "embedded defaults")
         running = serve(args.listen, None if args.metrics_port < 0 else args.metrics_port, pools,
-                        max_workers=args.threads, metrics_addr=args.metrics_addr)
+                        max_workers=args.threads, metrics_addr=args.metrics_addr, lease_seconds=args.lease_seconds)
     except (KVError, OSError) as err:
         print(f"kvservice: {getattr(err, 'message', err)}", file=sys.stderr)
         return 2

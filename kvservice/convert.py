@@ -8,6 +8,7 @@ from .planner import Plan, Sizing
 from .pool import Pool
 from .v1 import block_manager_pb2 as pb
 from .v1 import common_pb2 as cpb
+from .workers import WorkerRecord
 
 CACHE_DTYPES = {cpb.FLOAT16: "float16", cpb.BFLOAT16: "bfloat16", cpb.FLOAT32: "float32",
                 cpb.FLOAT8_E4M3: "float8_e4m3"}
@@ -83,3 +84,10 @@ def pool_stats(pool: Pool) -> pb.PoolStats:
 
 def pool_info(pool: Pool) -> pb.PoolInfo:
     return pb.PoolInfo(name=pool.name, plan=plan_to_proto(pool.plan), stats=pool_stats(pool))
+
+
+def worker_info(w: WorkerRecord, seconds_since_heartbeat: float) -> pb.WorkerInfo:
+    return pb.WorkerInfo(worker_id=w.worker_id, pool=w.pool, layer_begin=w.layer_begin, layer_end=w.layer_end,
+                         tp_rank=w.tp_rank, tp_size=w.tp_size, backend=w.backend, device_name=w.device_name,
+                         device_memory_bytes=w.device_memory_bytes, address=w.address, epoch=w.epoch,
+                         alive=w.alive, seconds_since_heartbeat=seconds_since_heartbeat)

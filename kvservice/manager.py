@@ -11,6 +11,7 @@ from .errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from .geometry import CacheSpec
 from .planner import Plan, Sizing, plan
 from .pool import Pool
+from .workers import WorkerRecord, WorkerRegistry
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
@@ -18,7 +19,8 @@ _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 class BlockManager:
     """Creates, finds and deletes pools; every call on a pool runs under that pool's lock."""
 
-    def __init__(self) -> None:
+    def __init__(self, lease_seconds: float = 10.0) -> None:
+        self.workers = WorkerRegistry(lease_seconds)
         self._pools: dict[str, Pool] = {}
         self._locks: dict[str, threading.Lock] = {}
         self._lock = threading.Lock()
@@ -46,6 +48,12 @@ class BlockManager:
                     pool=name, sequences=pool.num_sequences)
             del self._pools[name]
             del self._locks[name]
+
+    def register_worker(self, worker_id: str, pool: str, **fields: object) -> WorkerRecord:
+        """Register a worker of an existing pool (see WorkerRegistry.register for fields)."""
+        with self._lock:
+            num_layers = len(self._get(pool).plan.geometry.layers)
+        return self.workers.register(worker_id, pool, num_layers, **fields)  # type: ignore[arg-type]
 
     def pool_names(self) -> list[str]:
         with self._lock:

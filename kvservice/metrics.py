@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from .errors import KVError
 from .manager import BlockManager
 
 RPC_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25,
@@ -39,11 +40,17 @@ class ManagerCollector:
                     seqs.add_metric([name], pool.num_sequences)
                     for reason, count in pool.alloc_failures.items():
                         fails.add_metric([name, reason], count)
-            except KeyError:
+            except KVError:  # a pool deleted between listing and locking
                 continue
-            except Exception:  # a pool deleted between listing and locking
-                continue
-        yield from (total, free, seqs, fails)
+        workers = GaugeMetricFamily("kvservice_workers", "Registered workers by pool and state.",
+                                    labels=["pool", "state"])
+        counts: dict[tuple[str, str], int] = {}
+        for w in self.manager.workers.workers():
+            key = (w.pool, "alive" if w.alive else "dead")
+            counts[key] = counts.get(key, 0) + 1
+        for (pool_name, state), n in sorted(counts.items()):
+            workers.add_metric([pool_name, state], n)
+        yield from (total, free, seqs, fails, workers)
 
 
 class ManagerMetrics:

@@ -42,9 +42,9 @@ class RunningServer:
 
 def serve(listen: str = "127.0.0.1:0", metrics_port: int | None = None, pools: list[PoolConfig] = (),
           manager: BlockManager | None = None, max_workers: int = 8,
-          metrics_addr: str = "127.0.0.1") -> RunningServer:
+          metrics_addr: str = "127.0.0.1", lease_seconds: float = 10.0) -> RunningServer:
     """Start the manager on `listen` (port 0 picks one); metrics on metrics_port (0 picks, None = off)."""
-    manager = manager or BlockManager()
+    manager = manager or BlockManager(lease_seconds)
     for pc in pools:
         manager.create_pool(pc.name, pc.spec, pc.sizing, pc.backends)
     metrics = ManagerMetrics(manager)

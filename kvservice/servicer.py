@@ -147,3 +147,28 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
     def Echo(self, request: pb.EchoRequest, context: grpc.ServicerContext) -> pb.EchoReply:
         return pb.EchoReply(payload=request.payload)
 
+    @_rpc
+    def RegisterWorker(self, request: pb.RegisterWorkerRequest,
+                       context: grpc.ServicerContext) -> pb.RegisterWorkerReply:
+        rec = self.manager.register_worker(
+            request.worker_id, request.pool, layer_begin=request.layer_begin, layer_end=request.layer_end,
+            tp_rank=request.tp_rank, tp_size=request.tp_size, backend=request.backend,
+            device_name=request.device_name, device_memory_bytes=request.device_memory_bytes,
+            address=request.address)
+        with self.manager.locked(request.pool) as pool:
+            info = convert.pool_info(pool)
+        log.info("worker %s registered for pool %s layers [%d, %d) epoch %d at %s", rec.worker_id, rec.pool,
+                 rec.layer_begin, rec.layer_end, rec.epoch, rec.address)
+        return pb.RegisterWorkerReply(epoch=rec.epoch, lease_seconds=self.manager.workers.lease_seconds, pool=info)
+
+    @_rpc
+    def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatReply:
+        self.manager.workers.heartbeat(request.worker_id, request.epoch)
+        return pb.HeartbeatReply(lease_seconds=self.manager.workers.lease_seconds)
+
+    @_rpc
+    def ListWorkers(self, request: pb.ListWorkersRequest, context: grpc.ServicerContext) -> pb.ListWorkersReply:
+        reg = self.manager.workers
+        return pb.ListWorkersReply(workers=[convert.worker_info(w, reg.seconds_since_heartbeat(w))
+                                            for w in reg.workers(request.pool)])
+

@@ -84,6 +84,21 @@ class BlockManagerStub:
                 request_serializer=kvservice_dot_v1_dot_block__manager__pb2.EchoRequest.SerializeToString,
                 response_deserializer=kvservice_dot_v1_dot_block__manager__pb2.EchoReply.FromString,
                 _registered_method=True)
+        self.RegisterWorker = channel.unary_unary(
+                '/kvservice.v1.BlockManager/RegisterWorker',
+                request_serializer=kvservice_dot_v1_dot_block__manager__pb2.RegisterWorkerRequest.SerializeToString,
+                response_deserializer=kvservice_dot_v1_dot_block__manager__pb2.RegisterWorkerReply.FromString,
+                _registered_method=True)
+        self.Heartbeat = channel.unary_unary(
+                '/kvservice.v1.BlockManager/Heartbeat',
+                request_serializer=kvservice_dot_v1_dot_block__manager__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=kvservice_dot_v1_dot_block__manager__pb2.HeartbeatReply.FromString,
+                _registered_method=True)
+        self.ListWorkers = channel.unary_unary(
+                '/kvservice.v1.BlockManager/ListWorkers',
+                request_serializer=kvservice_dot_v1_dot_block__manager__pb2.ListWorkersRequest.SerializeToString,
+                response_deserializer=kvservice_dot_v1_dot_block__manager__pb2.ListWorkersReply.FromString,
+                _registered_method=True)
 
 
 class BlockManagerServicer:
@@ -155,6 +170,28 @@ class BlockManagerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterWorker(self, request, context):
+        """A worker joins: it gets an epoch, a lease and its pool's geometry.
+        Re-registering (after a restart or a lapsed lease) bumps the epoch.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Heartbeat(self, request, context):
+        """Renew a lease. FAILED_PRECONDITION if the epoch is stale or the lease
+        lapsed (the worker was marked dead): register again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListWorkers(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BlockManagerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -207,6 +244,21 @@ def add_BlockManagerServicer_to_server(servicer, server):
                     servicer.Echo,
                     request_deserializer=kvservice_dot_v1_dot_block__manager__pb2.EchoRequest.FromString,
                     response_serializer=kvservice_dot_v1_dot_block__manager__pb2.EchoReply.SerializeToString,
+            ),
+            'RegisterWorker': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterWorker,
+                    request_deserializer=kvservice_dot_v1_dot_block__manager__pb2.RegisterWorkerRequest.FromString,
+                    response_serializer=kvservice_dot_v1_dot_block__manager__pb2.RegisterWorkerReply.SerializeToString,
+            ),
+            'Heartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Heartbeat,
+                    request_deserializer=kvservice_dot_v1_dot_block__manager__pb2.HeartbeatRequest.FromString,
+                    response_serializer=kvservice_dot_v1_dot_block__manager__pb2.HeartbeatReply.SerializeToString,
+            ),
+            'ListWorkers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListWorkers,
+                    request_deserializer=kvservice_dot_v1_dot_block__manager__pb2.ListWorkersRequest.FromString,
+                    response_serializer=kvservice_dot_v1_dot_block__manager__pb2.ListWorkersReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -479,6 +531,87 @@ class BlockManager:
             '/kvservice.v1.BlockManager/Echo',
             kvservice_dot_v1_dot_block__manager__pb2.EchoRequest.SerializeToString,
             kvservice_dot_v1_dot_block__manager__pb2.EchoReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterWorker(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvservice.v1.BlockManager/RegisterWorker',
+            kvservice_dot_v1_dot_block__manager__pb2.RegisterWorkerRequest.SerializeToString,
+            kvservice_dot_v1_dot_block__manager__pb2.RegisterWorkerReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvservice.v1.BlockManager/Heartbeat',
+            kvservice_dot_v1_dot_block__manager__pb2.HeartbeatRequest.SerializeToString,
+            kvservice_dot_v1_dot_block__manager__pb2.HeartbeatReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListWorkers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvservice.v1.BlockManager/ListWorkers',
+            kvservice_dot_v1_dot_block__manager__pb2.ListWorkersRequest.SerializeToString,
+            kvservice_dot_v1_dot_block__manager__pb2.ListWorkersReply.FromString,
             options,
             channel_credentials,
             insecure,

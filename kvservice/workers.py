@@ -1,0 +1,104 @@
+"""Worker registry: who holds which layers of which pool, under a lease with an epoch.
+
+A worker registers (getting epoch e+1 for its id) and then heartbeats with that
+epoch. A lease that lapses marks the worker dead; its later heartbeats are
+refused until it registers again, which bumps the epoch, so a stale process can
+never pass for the new one.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from .errors import FailedPrecondition, InvalidArgument, NotFound
+
+_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+BACKENDS = ("cuda", "cpu")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerRecord:
+    worker_id: str
+    pool: str
+    layer_begin: int
+    layer_end: int                 # one past the last layer
+    tp_rank: int
+    tp_size: int
+    backend: str
+    device_name: str
+    device_memory_bytes: int
+    address: str
+    epoch: int
+    last_heartbeat: float          # clock() seconds
+    alive: bool = True
+
+
+class WorkerRegistry:
+    """Thread-safe. lease_seconds: a worker silent this long is marked dead."""
+
+    def __init__(self, lease_seconds: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+        if lease_seconds <= 0:
+            raise InvalidArgument(f"lease_seconds must be > 0, got {lease_seconds}")
+        self.lease_seconds = lease_seconds
+        self._clock = clock
+        self._workers: dict[str, WorkerRecord] = {}
+        self._lock = threading.Lock()
+
+    def register(self, worker_id: str, pool: str, num_layers: int, layer_begin: int = 0, layer_end: int = 0,
+                 tp_rank: int = 0, tp_size: int = 1, backend: str = "cpu", device_name: str = "",
+                 device_memory_bytes: int = 0, address: str = "") -> WorkerRecord:
+        """Add or re-add a worker of a pool with num_layers layers; returns its record with a new epoch."""
+        if not _ID.match(worker_id):
+            raise InvalidArgument(f"worker_id {worker_id!r} must match [A-Za-z0-9_.:-]{{1,128}}")
+        if backend not in BACKENDS:
+            raise InvalidArgument(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        layer_end = layer_end or num_layers
+        if not 0 <= layer_begin < layer_end <= num_layers:
+            raise InvalidArgument(f"layers [{layer_begin}, {layer_end}) are not inside pool {pool!r}'s "
+                                  f"[0, {num_layers})")
+        tp_size = tp_size or 1
+        if tp_rank >= tp_size:
+            raise InvalidArgument(f"tp_rank {tp_rank} must be < tp_size {tp_size}")
+        with self._lock:
+            old = self._workers.get(worker_id)
+            rec = WorkerRecord(worker_id, pool, layer_begin, layer_end, tp_rank, tp_size, backend, device_name,
+                               device_memory_bytes, address, (old.epoch if old else 0) + 1, self._clock())
+            self._workers[worker_id] = rec
+            return rec
+
+    def heartbeat(self, worker_id: str, epoch: int) -> None:
+        """Renew a lease; FailedPrecondition if the epoch is stale or the lease lapsed."""
+        with self._lock:
+            self._sweep()
+            rec = self._workers.get(worker_id)
+            if rec is None:
+                raise NotFound(f"worker {worker_id!r} is not registered; register first", worker_id=worker_id)
+            if epoch != rec.epoch:
+                raise FailedPrecondition(
+                    f"worker {worker_id!r} heartbeat with epoch {epoch}, current epoch is {rec.epoch}: "
+                    "another registration replaced this one", reason="STALE_EPOCH", worker_id=worker_id)
+            if not rec.alive:
+                raise FailedPrecondition(
+                    f"worker {worker_id!r} missed its lease of {self.lease_seconds:g} s and was marked dead; "
+                    "register again", reason="LEASE_EXPIRED", worker_id=worker_id)
+            self._workers[worker_id] = replace(rec, last_heartbeat=self._clock())
+
+    def workers(self, pool: str = "") -> list[WorkerRecord]:
+        """Records (dead ones included), sorted by id, after marking lapsed leases dead."""
+        with self._lock:
+            self._sweep()
+            return sorted((w for w in self._workers.values() if not pool or w.pool == pool),
+                          key=lambda w: w.worker_id)
+
+    def seconds_since_heartbeat(self, rec: WorkerRecord) -> float:
+        return self._clock() - rec.last_heartbeat
+
+    def _sweep(self) -> None:
+        now = self._clock()
+        for wid, rec in self._workers.items():
+            if rec.alive and now - rec.last_heartbeat > self.lease_seconds:
+                self._workers[wid] = replace(rec, alive=False)
