@@ -1,0 +1,95 @@
+"""append_kv and copy_blocks: emulated CUDA vs NumPy vs an explicit expectation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import make_cache, rand
+
+from worker import kernels_cpu, ops_numpy, reference
+from worker.kernel_api import KernelViolationError, Policy
+
+
+@pytest.mark.parametrize("kind", ["per_layer", "interleaved"])
+@pytest.mark.parametrize("dtype", ["float16", "float32", "bfloat16"])
+def test_append_writes_valid_tokens_only(kind: str, dtype: str) -> None:
+    rng = np.random.default_rng(20)
+    c = make_cache(rng, kind, 10, 4, 2, 64, dtype)
+    L = c.layout
+    slots = np.array([3, 9, 0, 7], dtype=np.int64)
+    pages = np.asarray(L.page_index(slots), dtype=np.int64)
+    offs = np.array([0, 3, 1, 2])
+    sm = pages * L.page_size + offs
+    bad = np.array([-1, L.upper_bound * L.page_size, (L.offset + 1) * L.page_size if L.scale > 1 else -5])
+    sm = np.concatenate([sm[:2], bad[:1], sm[2:], bad[1:]]).astype(np.int64)  # tokens 2, 5, 6 bad
+    k, v = rand(rng, (7, 2, 64), dtype), rand(rng, (7, 2, 64), dtype)
+    caches = {}
+    for name, ops in (("emu", kernels_cpu), ("numpy", ops_numpy)):
+        buf = c.buf.copy()
+        rec = ops.append_kv(buf, L, k, v, sm).record
+        assert (rec.count, rec.row, rec.position, rec.value, rec.reason) == (3, 2, 2, -1, "out_of_bounds")
+        caches[name] = buf
+    assert np.array_equal(caches["emu"], caches["numpy"])
+    expect = c.buf.copy()
+    for i, s in enumerate(sm):
+        if i in (2, 5, 6):
+            continue
+        page = reference.page_view(expect, L, int(s) // L.page_size)
+        page[0, int(s) % L.page_size], page[1, int(s) % L.page_size] = k[i], v[i]
+    assert np.array_equal(caches["emu"], expect)
+
+
+def test_append_off_lattice_record_and_error_policy(ops) -> None:
+    rng = np.random.default_rng(21)
+    c = make_cache(rng, "interleaved", 8, 4, 1, 64, "float16")
+    sm = np.array([(c.layout.offset + 4) * 4, (c.layout.offset + 5) * 4 + 1], dtype=np.int64)
+    k = rand(rng, (2, 1, 64), "float16")
+    with pytest.raises(KernelViolationError) as ei:
+        ops.append_kv(c.buf, c.layout, k, k, sm, policy=Policy.ERROR)
+    r = ei.value.record
+    assert (r.count, r.row, r.value, r.reason) == (1, 1, int(sm[1]), "off_lattice")
+
+
+def test_append_checks_arguments(ops) -> None:
+    rng = np.random.default_rng(22)
+    c = make_cache(rng, "per_layer", 4, 4, 2, 64, "float16")
+    k = rand(rng, (2, 2, 64), "float16")
+    with pytest.raises(TypeError, match="slot_mapping"):
+        ops.append_kv(c.buf, c.layout, k, k, np.zeros(2, dtype=np.int32))
+    with pytest.raises(ValueError, match=r"k: expected shape \[n, kv_heads, head_dim\]"):
+        ops.append_kv(c.buf, c.layout, k[:, :1], k, np.zeros(2, dtype=np.int64))
+    with pytest.raises(TypeError, match="v: expected dtype"):
+        ops.append_kv(c.buf, c.layout, k, k.astype(np.float32), np.zeros(2, dtype=np.int64))
+    with pytest.raises(ValueError, match="layout needs"):
+        ops.append_kv(c.buf[:3], c.layout, k, k, np.zeros(2, dtype=np.int64))
+
+
+@pytest.mark.parametrize("kind", ["per_layer", "interleaved"])
+def test_copy_blocks_all_layers(kind: str) -> None:
+    rng = np.random.default_rng(23)
+    layers = [make_cache(rng, kind, 12, 4, 2, 64, "float16") for _ in range(3)]
+    L = layers[0].layout
+    p = lambda s: int(L.page_index(s))  # noqa: E731
+    pairs = np.array([[p(1), p(5)], [p(2), L.upper_bound], [p(3), p(6)], [-1, p(7)]], dtype=np.int64)
+    results = {}
+    for name, ops in (("emu", kernels_cpu), ("numpy", ops_numpy)):
+        bufs = [c.buf.copy() for c in layers]
+        rec = ops.copy_blocks(bufs, L, pairs).record
+        assert (rec.count, rec.row, rec.position, rec.value, rec.reason) == (2, 1, 1, L.upper_bound, "out_of_bounds")
+        results[name] = bufs
+    for i, c in enumerate(layers):
+        expect = c.buf.copy()
+        for s, d in ((1, 5), (3, 6)):
+            reference.page_view(expect, L, p(d))[...] = reference.page_view(c.buf, L, p(s))
+        assert np.array_equal(results["emu"][i], expect)
+        assert np.array_equal(results["numpy"][i], expect)
+
+
+def test_copy_blocks_off_lattice(ops) -> None:
+    rng = np.random.default_rng(24)
+    c = make_cache(rng, "interleaved", 6, 4, 1, 32, "float32")
+    before = c.buf.copy()
+    pairs = np.array([[c.layout.offset, c.layout.offset + 1]], dtype=np.int64)
+    rec = ops.copy_blocks([c.buf], c.layout, pairs).record
+    assert (rec.count, rec.row, rec.position, rec.reason) == (1, 0, 1, "off_lattice")
+    assert np.array_equal(c.buf, before)

@@ -1,0 +1,148 @@
+"""Decode attention: emulated CUDA and NumPy paths vs the float64 torch reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import TOL, make_cache, make_table, poisoned, rand, rel_err
+
+from worker import kernels_cpu, reference
+from worker.kernel_api import KernelViolationError, Policy
+
+
+def run(ops, c, q, table, **kw):
+    b, hq, d = q.shape
+    return ops.decode_attention(q, c.buf, c.layout, *table, out=poisoned((b, hq, d)), lse=poisoned((b, hq)), **kw)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("kind", ["per_layer", "interleaved"])
+@pytest.mark.parametrize("split", [0, 2])
+def test_matches_reference(ops, dtype: str, kind: str, split: int) -> None:
+    rng = np.random.default_rng(1)
+    c = make_cache(rng, kind, 40, 8, 2, 64, dtype)
+    table = make_table(rng, c, [37, 8, 1, 150])
+    q = rand(rng, (4, 8, 64), dtype)
+    res = run(ops, c, q, table, kv_chunk_pages=split)
+    out, lse = reference.decode_attention_ref(q, c.buf, c.layout, *table)
+    assert rel_err(res.out, out) <= TOL[dtype]
+    assert np.abs(res.lse - lse).max() <= 10 * TOL[dtype]
+    assert res.record.count == 0
+
+
+@pytest.mark.parametrize("head_dim,hq,hkv", [(128, 4, 4), (256, 16, 2), (32, 12, 1)])
+def test_head_dims_and_gqa(ops, head_dim: int, hq: int, hkv: int) -> None:
+    rng = np.random.default_rng(2)
+    c = make_cache(rng, "per_layer", 12, 16, hkv, head_dim, "float16")
+    table = make_table(rng, c, [40, 130])
+    q = rand(rng, (2, hq, head_dim), "float16")
+    res = run(ops, c, q, table, kv_chunk_pages=3)
+    out, _ = reference.decode_attention_ref(q, c.buf, c.layout, *table)
+    assert rel_err(res.out, out) <= 1e-2
+
+
+def test_head_dim_512_float32() -> None:
+    rng = np.random.default_rng(3)
+    c = make_cache(rng, "interleaved", 8, 4, 1, 512, "float32")
+    table = make_table(rng, c, [9, 14])
+    q = rand(rng, (2, 2, 512), "float32")
+    res = run(kernels_cpu, c, q, table, sm_scale=0.03)
+    out, _ = reference.decode_attention_ref(q, c.buf, c.layout, *table, sm_scale=0.03)
+    assert rel_err(res.out, out) <= 1e-5
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 1000])
+@pytest.mark.parametrize("split", [0, 1])
+def test_sliding_window(ops, window: int, split: int) -> None:
+    rng = np.random.default_rng(4)
+    c = make_cache(rng, "per_layer", 30, 4, 2, 64, "float32")
+    table = make_table(rng, c, [3, 22, 41])
+    q = rand(rng, (3, 4, 64), "float32")
+    res = run(ops, c, q, table, window=window, kv_chunk_pages=split)
+    out, lse = reference.decode_attention_ref(q, c.buf, c.layout, *table, window=window)
+    assert rel_err(res.out, out) <= 1e-5
+    assert np.abs(res.lse - lse).max() <= 1e-4
+
+
+def test_split_equals_reference_at_many_split_sizes() -> None:
+    rng = np.random.default_rng(5)
+    c = make_cache(rng, "per_layer", 64, 4, 1, 64, "float32")
+    table = make_table(rng, c, [250])
+    q = rand(rng, (1, 2, 64), "float32")
+    out, _ = reference.decode_attention_ref(q, c.buf, c.layout, *table)
+    for pps in (1, 5, 63, 64):
+        assert rel_err(run(kernels_cpu, c, q, table, kv_chunk_pages=pps).out, out) <= 1e-5
+
+
+def test_empty_row_gives_zeros(ops) -> None:
+    rng = np.random.default_rng(6)
+    c = make_cache(rng, "per_layer", 8, 4, 1, 64, "float32")
+    indptr, indices, lpl = make_table(rng, c, [5, 0, 3])
+    q = rand(rng, (3, 1, 64), "float32")
+    res = run(ops, c, q, (indptr, indices, lpl))
+    assert np.all(res.out[1] == 0) and np.all(np.isneginf(res.lse[1]))
+    assert res.record.count == 0
+
+
+@pytest.mark.parametrize("split", [0, 1])
+@pytest.mark.parametrize("policy", [Policy.NAN, Policy.ZEROS])
+def test_page_past_buffer_poisons_only_that_row(ops, split: int, policy: Policy) -> None:
+    rng = np.random.default_rng(7)
+    c = make_cache(rng, "per_layer", 24, 4, 2, 64, "float16")
+    indptr, indices, lpl = make_table(rng, c, [9, 30, 5])
+    q = rand(rng, (3, 4, 64), "float16")
+    clean = run(ops, c, q, (indptr, indices, lpl), kv_chunk_pages=split)
+    bad = indices.copy()
+    bad[indptr[1] + 5] = c.layout.upper_bound  # one page past the buffer
+    res = run(ops, c, q, (indptr, bad, lpl), kv_chunk_pages=split, policy=policy)
+    rec = res.record
+    assert (rec.count, rec.row, rec.position, rec.value, rec.reason) == (
+        1, 1, int(indptr[1]) + 5, c.layout.upper_bound, "out_of_bounds")
+    if policy == Policy.NAN:
+        assert np.isnan(res.out[1]).all() and np.isnan(res.lse[1]).all()
+    else:
+        assert (res.out[1] == 0).all() and np.isneginf(res.lse[1]).all()
+    for r in (0, 2):  # bit-for-bit unaffected
+        assert np.array_equal(res.out[r], clean.out[r]) and np.array_equal(res.lse[r], clean.lse[r])
+    out, _ = reference.decode_attention_ref(q, c.buf, c.layout, indptr, bad, lpl)
+    assert rel_err(res.out[[0, 2]], out[[0, 2]]) <= 1e-2
+
+
+def test_error_policy_raises_with_record(ops) -> None:
+    rng = np.random.default_rng(8)
+    c = make_cache(rng, "per_layer", 10, 4, 1, 64, "float32")
+    indptr, indices, lpl = make_table(rng, c, [6, 6])
+    indices[3] = -2
+    with pytest.raises(KernelViolationError) as ei:
+        run(ops, c, rand(rng, (2, 1, 64), "float32"), (indptr, indices, lpl), policy=Policy.ERROR)
+    rec = ei.value.record
+    assert (rec.count, rec.row, rec.position, rec.value, rec.reason) == (1, 1, 3, -2, "out_of_bounds")
+
+
+@pytest.mark.parametrize("split", [0, 1])
+def test_off_lattice_interleaved_counts_once(ops, split: int) -> None:
+    rng = np.random.default_rng(9)
+    c = make_cache(rng, "interleaved", 16, 4, 2, 64, "bfloat16")
+    indptr, indices, lpl = make_table(rng, c, [13, 11, 7])
+    indices[indptr[2]] += 1  # in bounds, off the lattice (scale 4, offset 2)
+    indices[indptr[1] + 1] = c.layout.upper_bound + 7  # and one past the end, earlier row
+    q = rand(rng, (3, 16, 64), "bfloat16")  # 8 q heads per kv head, 2 kv heads: many readers
+    res = run(ops, c, q, (indptr, indices, lpl), kv_chunk_pages=split)
+    rec = res.record
+    assert rec.count == 2
+    assert (rec.row, rec.position, rec.reason) == (1, int(indptr[1]) + 1, "out_of_bounds")
+    assert np.isnan(res.out[1]).all() and np.isnan(res.out[2]).all() and np.isfinite(res.out[0]).all()
+
+
+def test_row_level_violations(ops) -> None:
+    rng = np.random.default_rng(10)
+    c = make_cache(rng, "per_layer", 20, 4, 1, 64, "float32")
+    indptr, indices, lpl = make_table(rng, c, [5, 6, 7, 8])
+    lpl[1] = 0
+    lpl[3] = 5
+    indptr[3] = indptr[2] - 1  # row 2 ends before it starts
+    res = run(ops, c, rand(rng, (4, 1, 64), "float32"), (indptr, indices, lpl))
+    rec = res.record
+    assert (rec.row, rec.position, rec.value, rec.reason) == (1, -1, 0, "bad_last_page_len")
+    assert rec.count == 3  # row 1 lpl, row 2 indptr, row 3 lpl (row 3 starts at the bad indptr too)
+    assert np.isfinite(res.out[0]).all() and np.isnan(res.out[1:]).all()

@@ -1,0 +1,49 @@
+"""The same .cu sources built by g++ with AddressSanitizer + UBSan, run in a
+subprocess (LD_PRELOAD of libasan/libubsan) on NumPy-allocated caches with
+out-of-bounds and off-lattice tables: no sanitizer report, exact records. The
+negative control (checks compiled out) must make ASan report the overflow."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from worker import kernels_cpu
+
+DRIVER = Path(__file__).with_name("asan_driver.py")
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not available")
+
+
+def run_driver(variant: str, *extra: str) -> subprocess.CompletedProcess:
+    kernels_cpu.build(variant)  # build outside the sanitized process
+    env = kernels_cpu.sanitizer_env()
+    return subprocess.run([sys.executable, str(DRIVER), variant, *extra], capture_output=True, text=True,
+                          env=env, timeout=600)
+
+
+def test_sanitized_build_is_clean_and_records_exact() -> None:
+    proc = run_driver("asan")
+    assert "AddressSanitizer" not in proc.stderr and "runtime error" not in proc.stderr, proc.stderr[-4000:]
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    # row 1 position indptr[1]+1 (= 3: row 0 has 3 pages) holds upper_bound
+    assert got["decode-per_layer-0"] == [1, 1, 4, 12, "out_of_bounds"]
+    assert got["decode-per_layer-1"] == got["decode-per_layer-0"] == got["validate-per_layer"]
+    assert got["decode-interleaved-0"] == [2, 1, 4, 48, "out_of_bounds"]
+    assert got["decode-interleaved-1"] == got["decode-interleaved-0"] == got["validate-interleaved"]
+    assert got["append-per_layer"] == [2, 1, 1, 48, "out_of_bounds"]
+    assert got["append-interleaved"] == [2, 1, 1, 192, "out_of_bounds"]
+    assert got["copy-per_layer"] == [1, 0, 1, 12, "out_of_bounds"]
+    assert got["copy-interleaved"] == [1, 0, 1, 48, "out_of_bounds"]
+    assert got["guard"] == [1, 9000]
+
+
+def test_negative_control_asan_sees_unchecked_read() -> None:
+    proc = run_driver("asan-nocheck", "decode")
+    assert proc.returncode != 0
+    assert "heap-buffer-overflow" in proc.stderr, proc.stderr[-4000:]

@@ -1,0 +1,172 @@
+// kv_emu.h -- host emulation of the small CUDA subset used by worker/kernels/*.cu.
+//
+// Lets g++ compile the SAME .cu sources into a shared library for CPU tests
+// (optionally under AddressSanitizer/UBSan). Model:
+//   * one 1-D block at a time, run as an OpenMP team of blockDim.x threads;
+//   * __syncthreads() is an OpenMP barrier;
+//   * __shared__ is a function-local static (blocks run one after another);
+//   * warp shuffles go through a per-block scratch array between two barriers,
+//     so every thread of the block must reach every shuffle (the kernels keep
+//     control flow block-uniform around shuffles and barriers);
+//   * atomics are GCC __atomic builtins; half -> float in software.
+// Kernels are registered by name with a type signature and launched through
+// kv_emu_launch(name, grid, block, void** args), like cuLaunchKernel.
+#pragma once
+#ifndef KV_HOST_EMU
+#error "kv_emu.h is only for the host-emulation build (-DKV_HOST_EMU)"
+#endif
+
+#include <omp.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <string>
+#include <utility>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __shared__ static
+#define __launch_bounds__(...)
+
+struct dim3 {
+  unsigned x = 1, y = 1, z = 1;
+};
+struct alignas(16) uint4 {
+  unsigned x, y, z, w;
+};
+struct alignas(16) float4 {
+  float x, y, z, w;
+};
+
+
+inline dim3 gridDim, blockDim, blockIdx;
+inline thread_local dim3 threadIdx;
+
+inline void __syncthreads() { _Pragma("omp barrier") }
+inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+
+inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
+
+// IEEE half bits -> float (the device build uses cvt.f32.f16).
+inline float kv_f16_to_f32(unsigned short h) {
+  const unsigned sign = (unsigned)(h >> 15) << 31;
+  const unsigned exp = (h >> 10) & 0x1f;
+  unsigned mant = h & 0x3ff;
+  if (exp == 0x1f) return __uint_as_float(sign | 0x7f800000u | (mant << 13));
+  if (exp == 0) {
+    if (mant == 0) return __uint_as_float(sign);
+    int e = -1;  // subnormal: normalise
+    do { ++e; mant <<= 1; } while ((mant & 0x400) == 0);
+    return __uint_as_float(sign | ((unsigned)(112 - e) << 23) | ((mant & 0x3ff) << 13));
+  }
+  return __uint_as_float(sign | ((exp + 112) << 23) | (mant << 13));
+}
+
+inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
+  return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
+}
+inline unsigned long long atomicMin(unsigned long long* p, unsigned long long v) {
+  unsigned long long old = __atomic_load_n(p, __ATOMIC_SEQ_CST);
+  while (v < old && !__atomic_compare_exchange_n(p, &old, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+  }
+  return old;
+}
+inline int atomicOr(int* p, int v) { return __atomic_fetch_or(p, v, __ATOMIC_SEQ_CST); }
+
+// Warp shuffle through scratch memory; every thread of the block must call it.
+inline unsigned long long kv_emu_shfl_buf[1024];
+template <typename T>
+inline T __shfl_xor_sync(unsigned, T v, int lane_mask, int width = 32) {
+  static_assert(sizeof(T) <= 8, "shuffle of at most 8 bytes");
+  const unsigned tid = threadIdx.x;
+  unsigned long long bits = 0;
+  std::memcpy(&bits, &v, sizeof(T));
+  kv_emu_shfl_buf[tid] = bits;
+  __syncthreads();
+  const unsigned w = (unsigned)width;
+  const unsigned src = (tid & ~(w - 1)) | ((tid & (w - 1)) ^ (unsigned)lane_mask);
+  bits = kv_emu_shfl_buf[src < blockDim.x ? src : tid];
+  __syncthreads();
+  T r;
+  std::memcpy(&r, &bits, sizeof(T));
+  return r;
+}
+
+// ---- kernel registry and launcher -------------------------------------------
+template <typename T> struct KvEmuSig;
+template <typename T> struct KvEmuSig<T*> { static constexpr char c = 'p'; };
+template <> struct KvEmuSig<long long> { static constexpr char c = 'q'; };
+template <> struct KvEmuSig<int> { static constexpr char c = 'i'; };
+template <> struct KvEmuSig<float> { static constexpr char c = 'f'; };
+
+using KvEmuFn = void (*)();
+using KvEmuThunk = void (*)(KvEmuFn, void**);
+struct KvEmuKernel {
+  KvEmuFn fn;
+  KvEmuThunk thunk;
+  const char* sig;
+};
+
+inline std::map<std::string, KvEmuKernel>& kv_emu_registry() {
+  static std::map<std::string, KvEmuKernel> reg;
+  return reg;
+}
+
+template <typename... A, std::size_t... I>
+inline void kv_emu_invoke(void (*fn)(A...), void** args, std::index_sequence<I...>) {
+  fn(*static_cast<A*>(args[I])...);
+}
+template <typename... A>
+inline void kv_emu_thunk(KvEmuFn fn, void** args) {
+  kv_emu_invoke(reinterpret_cast<void (*)(A...)>(fn), args, std::index_sequence_for<A...>{});
+}
+template <typename... A>
+inline bool kv_emu_register(const char* name, void (*fn)(A...)) {
+  static const char sig[] = {KvEmuSig<A>::c..., '\0'};
+  kv_emu_registry()[name] = KvEmuKernel{reinterpret_cast<KvEmuFn>(fn), &kv_emu_thunk<A...>, sig};
+  return true;
+}
+
+#define KV_REGISTER(fn) static const bool kv_emu_registered_##fn = kv_emu_register(#fn, &fn);
+
+extern "C" __attribute__((weak, visibility("default"))) const char* kv_emu_signature(const char* name) {
+  auto it = kv_emu_registry().find(name);
+  return it == kv_emu_registry().end() ? nullptr : it->second.sig;
+}
+
+// Returns 0 on success, -1 unknown kernel, -2 bad launch shape, -3 short team.
+extern "C" __attribute__((weak, visibility("default"))) int kv_emu_launch(const char* name, unsigned gx, unsigned gy,
+                                                   unsigned gz, unsigned bx, void** args) {
+  auto it = kv_emu_registry().find(name);
+  if (it == kv_emu_registry().end()) return -1;
+  if (bx == 0 || bx > 1024 || bx % 32 != 0 || gx == 0 || gy == 0 || gz == 0) return -2;
+  const KvEmuKernel k = it->second;
+  omp_set_dynamic(0);
+  gridDim = dim3{gx, gy, gz};
+  blockDim = dim3{bx, 1, 1};
+  int short_team = 0;
+  for (unsigned z = 0; z < gz; ++z)
+    for (unsigned y = 0; y < gy; ++y)
+      for (unsigned x = 0; x < gx; ++x) {
+        blockIdx = dim3{x, y, z};
+#pragma omp parallel num_threads(bx)
+        {
+          if (omp_get_num_threads() != (int)bx) {
+#pragma omp atomic write
+            short_team = 1;
+          } else {
+            threadIdx = dim3{(unsigned)omp_get_thread_num(), 0, 0};
+            k.thunk(k.fn, args);
+          }
+        }
+        if (short_team) return -3;
+      }
+  return 0;
+}
