@@ -1,95 +1,241 @@
-"""`make run`: the manager on embedded defaults, driven by the reference scheduler.
+"""`make run`: the whole system on embedded defaults.
 
-Starts a manager in this process (gRPC on loopback, a pool sized so the
-workload meets capacity pressure), runs a synthetic continuous-batching
-workload through one Step RPC per iteration, validates every table the manager
-emits, and prints a summary.
+1. A manager (in this process, gRPC on loopback) and one worker process
+   (`kvworker serve`, CPU backend by default) that registers with it.
+2. The reference scheduler drives a continuous-batching workload (Poisson
+   arrivals, capacity pressure, preemption) through one Step RPC per iteration,
+   validating every table.
+3. A tiny transformer generates for 8 prompts in one batch and for each prompt
+   alone, its KV cache and attention on the worker; batch and single logits
+   must agree (seed 000's validation), and both must match a dense float64
+   reference.
+4. Seed 000's misconfiguration, handled: a pool planned for one sequence
+   refuses the 8-sequence batch; a table pointing past the cache sent straight
+   to the worker comes back NaN for that row only, counted on /metrics.
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import numpy as np
 
 from kvservice.geometry import CacheSpec
+from kvservice.pagetable import PageTable
 from kvservice.planner import Sizing
 from kvservice.server import serve
 
 from .client import BlockManagerClient
+from .codec import ClientError
 from .scheduler import ReferenceScheduler, Report, Workload
+
+ROOT = Path(__file__).resolve().parent.parent
+AGREE_TOL = 1e-4      # float32 batch vs single, max |logit diff|
+REF_TOL = 1e-4        # float32 paged vs float64 dense reference, max |logit diff|
 
 
 class Progress:
     """A one-line progress bar on a terminal, a line per 10% otherwise."""
 
-    def __init__(self, total: int, stream: object = sys.stderr) -> None:
-        self.total = total
-        self.stream = stream
+    def __init__(self, total: int, label: str, stream: object = sys.stderr) -> None:
+        self.total, self.label, self.stream = total, label, stream
         self.tty = getattr(stream, "isatty", lambda: False)()
         self._last_decile = -1
 
-    def __call__(self, report: Report, waiting: int, running: int) -> None:
-        frac = report.served / self.total
+    def update(self, done: int, extra: str = "") -> None:
+        frac = min(done / max(self.total, 1), 1.0)
         bar = "#" * int(frac * 30) + "." * (30 - int(frac * 30))
-        line = (f"[{bar}] {report.served}/{self.total} served  step {report.steps}  batch {running}  "
-                f"waiting {waiting}  slots used {report.peak_slots_used} peak")
+        line = f"{self.label} [{bar}] {done}/{self.total} {extra}"
         if self.tty:
             print("\r" + line, end="", file=self.stream, flush=True)  # type: ignore[arg-type]
         elif int(frac * 10) > self._last_decile:
             self._last_decile = int(frac * 10)
             print(line, file=self.stream, flush=True)  # type: ignore[arg-type]
 
+    def __call__(self, report: Report, waiting: int, running: int) -> None:
+        self.update(report.served, f"served  step {report.steps}  batch {running}  waiting {waiting}")
+
     def close(self) -> None:
         if self.tty:
             print(file=self.stream)  # type: ignore[arg-type]
 
 
+def start_worker(target: str, pool: str, backend: str, tmp: Path, worker_id: str) -> tuple[subprocess.Popen, str, str]:
+    """A `kvworker serve` process; returns (process, grpc address, metrics url)."""
+    port_file = tmp / f"{worker_id}.ports"
+    log = open(tmp / f"{worker_id}.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "serve", "--manager", target, "--pool", pool,
+                             "--backend", backend, "--listen", "127.0.0.1:0", "--metrics-port", "0",
+                             "--port-file", str(port_file), "--worker-id", worker_id, "--log-level", "WARNING"],
+                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.time() + 120
+    while not (port_file.exists() and port_file.read_text().strip()):
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            raise RuntimeError(f"worker did not start; see {tmp / f'{worker_id}.log'}:\n"
+                               f"{(tmp / f'{worker_id}.log').read_text()}")
+        time.sleep(0.05)
+    port, metrics = port_file.read_text().split()
+    return proc, f"127.0.0.1:{port}", f"http://127.0.0.1:{metrics}/metrics"
+
+
+def run_workload(client: BlockManagerClient, args: argparse.Namespace) -> Report:
+    spec = CacheSpec.uniform(num_layers=32, kv_heads=8, head_dim=128, dtype="float16", page_size=16)
+    info = client.create_pool("demo", spec, Sizing(num_slots=args.num_slots, max_seq_len=2048),
+                              ("native", "flashinfer", "vllm-flash-attn"))
+    print(f"[1/3] continuous batching: pool 'demo' {info.plan.num_slots:,} slots of {info.plan.page_size} tokens "
+          f"({info.plan.total_bytes / 2**30:.2f} GiB planned over {len(info.plan.layers)} layers), "
+          f"{args.requests} requests", flush=True)
+    progress = Progress(args.requests, "      ")
+    report = ReferenceScheduler(client, "demo", max_batch=args.max_batch, optimistic=True).run(
+        Workload(num_requests=args.requests, arrival_rate=args.rate, seed=args.seed), progress)
+    progress.close()
+    return report
+
+
+def run_model(client: BlockManagerClient, worker_addr: str, args: argparse.Namespace) -> dict[str, float]:
+    from .generate import generate
+    from .tiny_model import TinyConfig, TinyModel
+    from .worker_client import WorkerClient
+
+    cfg = TinyConfig(seed=args.seed)
+    model = TinyModel(cfg)
+    rng = np.random.default_rng(args.seed)
+    prompts = [rng.integers(0, cfg.vocab, int(n)).tolist() for n in rng.integers(5, 60, 8)]
+    print(f"[2/3] tiny transformer ({cfg.num_layers} layers, {cfg.q_heads} q / {cfg.kv_heads} kv heads, head_dim "
+          f"{cfg.head_dim}, page_size 16): 8 prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
+          f"{args.new_tokens} new tokens each, batched and one by one", flush=True)
+    with WorkerClient(worker_addr, "worker-0") as w:
+        workers = [(range(cfg.num_layers), w)]
+        progress = Progress(len(prompts) + 1, "      ")
+        batch = generate(client, "tiny", workers, model, prompts, args.new_tokens, 1000, 16)
+        progress.update(1, "batch done")
+        singles = []
+        for i, p in enumerate(prompts):
+            singles.append(generate(client, "tiny", workers, model, [p], args.new_tokens, 2000 + i, 16))
+            progress.update(i + 2, f"single {i + 1}/8")
+        progress.close()
+    single_logits = np.concatenate([s.logits for s in singles])
+    ref_diff = 0.0
+    for i, p in enumerate(prompts):
+        ref = model.reference_logits(p + batch.tokens[i, :-1].tolist())[len(p) - 1:]
+        ref_diff = max(ref_diff, float(np.abs(ref - batch.logits[i]).max()))
+    return {"batch_vs_single": float(np.abs(batch.logits - single_logits).max()),
+            "tokens_equal": float((batch.tokens == np.concatenate([s.tokens for s in singles])).all()),
+            "vs_reference": ref_diff}
+
+
+def run_seed000(client: BlockManagerClient, worker_addr: str, metrics_url: str) -> dict[str, object]:
+    from .worker_client import WorkerClient
+
+    print("[3/3] seed 000, handled", flush=True)
+    out: dict[str, object] = {}
+    spec = CacheSpec.uniform(32, 8, 128, "float16", 16)
+    info = client.create_pool("one-seq", spec, Sizing(max_batch=1, max_seq_len=2048))
+    try:
+        client.step("one-seq", admit=np.arange(8), admit_tokens=2048)
+        out["refused"] = "NOT REFUSED"
+    except ClientError as err:
+        out["refused"] = f"{err.code.name}: {err.message}"
+        out["refused_ok"] = err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and \
+            client.stats("one-seq")["one-seq"].num_sequences == 0
+    print(f"      pool planned for one sequence ({info.plan.num_slots} slots), 8 x 2048 tokens -> {out['refused']}")
+    # A hand-made table: 4 rows, row 2's last page is one past the worker's cache.
+    num_slots = client.get_pool("tiny").plan.num_slots
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((4, 4, 32)).astype(np.float32)
+    good = rng.choice(num_slots, 8, replace=False).astype(np.int32)
+    table = PageTable(np.array([0, 2, 4, 6, 8], dtype=np.int32), good.copy(), np.array([16, 3, 9, 1], np.int32))
+    bad = PageTable(table.indptr, good.copy(), table.last_page_len)
+    bad.indices[5] = num_slots
+    with WorkerClient(worker_addr, "worker-0") as w:
+        clean = w.decode_attention(0, q, table)
+        hit = w.decode_attention(0, q, bad)
+    rows_nan = [bool(np.isnan(hit.out[r]).all()) for r in range(4)]
+    others_equal = all(np.array_equal(hit.out[r], clean.out[r]) for r in (0, 1, 3))
+    v = hit.violation
+    print(f"      table with row 2 pointing at page {num_slots} (cache has {num_slots}): rows NaN = {rows_nan}, "
+          f"other rows bit-identical to the clean call = {others_equal}")
+    print(f"      violation record: {v.count} violation(s), row {v.row}, position {v.position}, value {v.value}, "
+          f"reason {v.reason}")
+    metrics = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
+    lines = [ln for ln in metrics.splitlines() if ln.startswith("kvworker_bounds_violations_total{")]
+    for ln in lines:
+        print(f"      {metrics_url}: {ln}")
+    out["nan_ok"] = rows_nan == [False, False, True, False] and others_equal and \
+        (v.count, v.row, v.position, v.value, v.reason) == (1, 2, 5, num_slots, "out_of_bounds")
+    out["metric_ok"] = lines == ['kvworker_bounds_violations_total{kernel="decode_attention",layer="0",'
+                                 'reason="out_of_bounds"} 1.0']
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m clients.main_job", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m clients.main_job", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--rate", type=float, default=2.0, help="mean arrivals per step")
     ap.add_argument("--max-batch", type=int, default=32)
     ap.add_argument("--num-slots", type=int, default=768, help="slots of the demo pool (capacity pressure)")
+    ap.add_argument("--new-tokens", type=int, default=8)
+    ap.add_argument("--backend", choices=["cpu", "cuda"], default="cpu", help="worker backend")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--target", help="use a running manager instead of an embedded one")
     args = ap.parse_args(argv)
 
-    running = None
-    target = args.target
-    if target is None:
-        running = serve("127.0.0.1:0", metrics_port=None)
-        target = f"127.0.0.1:{running.port}"
+    running = serve("127.0.0.1:0", metrics_port=0)
+    target = f"127.0.0.1:{running.port}"
+    worker = None
     try:
-        with BlockManagerClient(target) as client:
+        with BlockManagerClient(target) as client, tempfile.TemporaryDirectory() as tmp:
             client.wait_ready()
-            spec = CacheSpec.uniform(num_layers=32, kv_heads=8, head_dim=128, dtype="float16", page_size=16)
-            info = client.create_pool("demo", spec, Sizing(num_slots=args.num_slots, max_seq_len=2048),
-                                      ("native", "flashinfer", "vllm-flash-attn"))
-            print(f"manager at {target}; pool 'demo': {info.plan.num_slots:,} slots of {info.plan.page_size} "
-                  f"tokens, {info.plan.total_bytes / 2**30:.2f} GiB of cache planned over {len(info.plan.layers)} "
-                  f"layers", flush=True)
-            workload = Workload(num_requests=args.requests, arrival_rate=args.rate, seed=args.seed)
-            progress = Progress(args.requests)
-            scheduler = ReferenceScheduler(client, "demo", max_batch=args.max_batch, optimistic=True)
-            report = scheduler.run(workload, progress)
-            progress.close()
+            tiny = CacheSpec.uniform(num_layers=3, kv_heads=2, head_dim=32, dtype="float32", page_size=16)
+            client.create_pool("tiny", tiny, Sizing(num_slots=256, max_seq_len=512), ("native",))
+            worker, worker_addr, metrics_url = start_worker(target, "tiny", args.backend, Path(tmp), "worker-0")
+            (w,) = client.workers("tiny")
+            print(f"manager at {target} (metrics http://127.0.0.1:{running.metrics_port}/metrics); worker "
+                  f"{w.worker_id} ({w.backend}, {w.device_name}) epoch {w.epoch} at {w.address}, metrics "
+                  f"{metrics_url}", flush=True)
+            report = run_workload(client, args)
             stats = client.stats("demo")["demo"]
+            model = run_model(client, worker_addr, args)
+            seed000 = run_seed000(client, worker_addr, metrics_url)
     finally:
-        if running is not None:
-            running.stop()
+        if worker is not None:
+            worker.terminate()
+            worker.wait(10)
+        running.stop()
+    checks = {
+        "workload served, tables valid, no slot leaked": report.served == args.requests
+        and report.table_violations == 0 and stats.num_sequences == 0,
+        f"batch == single (max |logit diff| {model['batch_vs_single']:.2e} < {AGREE_TOL:g})":
+            model["batch_vs_single"] < AGREE_TOL and model["tokens_equal"] == 1.0,
+        f"paged == dense float64 reference (max |logit diff| {model['vs_reference']:.2e} < {REF_TOL:g})":
+            model["vs_reference"] < REF_TOL,
+        "one-sequence pool refuses the 8-sequence batch, unchanged": bool(seed000.get("refused_ok")),
+        "row past the cache is NaN, other rows exact, violation recorded": bool(seed000["nan_ok"]),
+        "kvworker_bounds_violations_total == 1 for it, nothing else counted": bool(seed000["metric_ok"]),
+    }
     print("\nsummary")
     rows = [("sequences served", f"{report.served}"), ("steps", f"{report.steps}"),
             ("tokens generated", f"{report.tokens_generated}"),
             ("peak slots used", f"{report.peak_slots_used} of {args.num_slots} (manager: {stats.peak_used_slots})"),
-            ("peak batch", f"{report.peak_batch}"), ("refused admissions", f"{report.refused_admissions}"),
-            ("preemptions", f"{report.preemptions}"),
+            ("refused admissions", f"{report.refused_admissions}"), ("preemptions", f"{report.preemptions}"),
             ("tables validated", f"{report.tables_validated} ({report.table_violations} violations)"),
             ("step latency p50", f"{report.percentile_ms(50):.3f} ms"),
-            ("step latency p99", f"{report.percentile_ms(99):.3f} ms"), ("wall time", f"{report.wall_s:.1f} s")]
+            ("step latency p99", f"{report.percentile_ms(99):.3f} ms"),
+            ("batch vs single", f"max |logit diff| {model['batch_vs_single']:.3e}"),
+            ("vs float64 ref", f"max |logit diff| {model['vs_reference']:.3e}")]
     for k, v in rows:
         print(f"  {k:<20} {v}")
-    ok = report.served == args.requests and report.table_violations == 0 and stats.num_sequences == 0
-    return 0 if ok else 1
+    for name, ok in checks.items():
+        print(f"  [{'ok' if ok else 'FAILED'}] {name}")
+    return 0 if all(checks.values()) else 1
 
 
 if __name__ == "__main__":

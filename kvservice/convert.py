@@ -83,7 +83,8 @@ def pool_stats(pool: Pool) -> pb.PoolStats:
 
 
 def pool_info(pool: Pool) -> pb.PoolInfo:
-    return pb.PoolInfo(name=pool.name, plan=plan_to_proto(pool.plan), stats=pool_stats(pool))
+    return pb.PoolInfo(name=pool.name, plan=plan_to_proto(pool.plan), stats=pool_stats(pool),
+                       cache=cache_spec_to_proto(pool.plan.geometry.spec))
 
 
 def worker_info(w: WorkerRecord, seconds_since_heartbeat: float) -> pb.WorkerInfo:

@@ -184,14 +184,16 @@ class PoolStats(_message.Message):
     def __init__(self, num_slots: _Optional[int] = ..., num_free_slots: _Optional[int] = ..., peak_used_slots: _Optional[int] = ..., num_sequences: _Optional[int] = ..., num_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., admitted: _Optional[int] = ..., refused: _Optional[int] = ...) -> None: ...
 
 class PoolInfo(_message.Message):
-    __slots__ = ("name", "plan", "stats")
+    __slots__ = ("name", "plan", "stats", "cache")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
     name: str
     plan: PlanReply
     stats: PoolStats
-    def __init__(self, name: _Optional[str] = ..., plan: _Optional[_Union[PlanReply, _Mapping]] = ..., stats: _Optional[_Union[PoolStats, _Mapping]] = ...) -> None: ...
+    cache: CacheSpec
+    def __init__(self, name: _Optional[str] = ..., plan: _Optional[_Union[PlanReply, _Mapping]] = ..., stats: _Optional[_Union[PoolStats, _Mapping]] = ..., cache: _Optional[_Union[CacheSpec, _Mapping]] = ...) -> None: ...
 
 class GetPoolRequest(_message.Message):
     __slots__ = ("pool",)

@@ -1,0 +1,143 @@
+"""A tiny decoder-only transformer whose KV cache and attention live on kvservice workers.
+
+Random weights from a fixed seed; RMSNorm, rotary positions, grouped-query
+attention, a SiLU MLP. Every layer appends its new K/V through the manager's
+slot mapping and attends through the manager's page table, both on the worker
+that holds the layer. `reference_logits` computes the same network densely in
+torch float64 with no paging at all: the oracle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvservice.pagetable import PageTable
+
+from .codec import StepResult
+from .worker_client import WorkerClient
+
+
+@dataclass(frozen=True, slots=True)
+class TinyConfig:
+    vocab: int = 256
+    d_model: int = 128
+    num_layers: int = 3
+    q_heads: int = 4
+    kv_heads: int = 2        # grouped-query attention: 2 q heads per kv head
+    head_dim: int = 32
+    ffn: int = 256
+    seed: int = 0
+
+
+def causal_rows(step: StepResult, layer: int, page_size: int) -> tuple[np.ndarray, PageTable]:
+    """Per new token: its position, and a CSR table whose row covers that token's causal prefix.
+
+    A prefill of n tokens becomes n attention rows (row i sees tokens 0..i), so
+    one decode kernel serves prefill and decode. Returns (positions int64 [T], table).
+    """
+    st = step.for_layer(layer)
+    t = st.table
+    positions, indptr, indices, last = [], [0], [], []
+    for b in range(len(step.seq_ids)):
+        pages = t.row(b)
+        lo, hi = step.new_token_indptr[b], step.new_token_indptr[b + 1]
+        n = int(step.num_tokens[b])
+        for p in range(n - (hi - lo), n):
+            held = p // page_size + 1
+            positions.append(p)
+            indices.append(pages[:held])
+            indptr.append(indptr[-1] + held)
+            last.append(p % page_size + 1)
+    idx = np.concatenate(indices) if indices else np.zeros(0, dtype=np.int32)
+    return np.array(positions, dtype=np.int64), PageTable(np.array(indptr, dtype=np.int32),
+                                                          idx.astype(np.int32), np.array(last, dtype=np.int32))
+
+
+class TinyModel:
+    """The network. Weights are float32 for the paged path and float64 for the reference."""
+
+    def __init__(self, cfg: TinyConfig = TinyConfig()) -> None:
+        self.cfg = cfg
+        g = torch.Generator().manual_seed(cfg.seed)
+        d, hq, hk, hd = cfg.d_model, cfg.q_heads, cfg.kv_heads, cfg.head_dim
+
+        def w(*shape: int, scale: float = 1.0) -> torch.Tensor:
+            return torch.randn(*shape, generator=g, dtype=torch.float64) * scale / np.sqrt(shape[0])
+
+        self.emb = torch.randn(cfg.vocab, d, generator=g, dtype=torch.float64)
+        self.layers = [{
+            "n1": 1 + 0.1 * torch.randn(d, generator=g, dtype=torch.float64),
+            "wq": w(d, hq * hd), "wk": w(d, hk * hd), "wv": w(d, hk * hd), "wo": w(hq * hd, d),
+            "n2": 1 + 0.1 * torch.randn(d, generator=g, dtype=torch.float64),
+            "w1": w(d, cfg.ffn), "w2": w(cfg.ffn, d),
+        } for _ in range(cfg.num_layers)]
+        self.nf = 1 + 0.1 * torch.randn(d, generator=g, dtype=torch.float64)
+        inv = 1.0 / (10000 ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+        self.inv_freq = inv
+        self.logit_scale = 1.0 / np.sqrt(d)      # tied embeddings, scaled: logits of order 1
+
+    # ---- pieces shared by both paths -----------------------------------------------------
+    @staticmethod
+    def _norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-6) * w
+
+    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, head_dim]; pos: [T]."""
+        ang = pos[:, None].to(x.dtype) * self.inv_freq.to(x.dtype)[None, :]
+        cos, sin = torch.cos(ang)[:, None, :], torch.sin(ang)[:, None, :]
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        out = torch.empty_like(x)
+        out[..., 0::2] = x1 * cos - x2 * sin
+        out[..., 1::2] = x1 * sin + x2 * cos
+        return out
+
+    def _mlp(self, x: torch.Tensor, lw: dict, dt: torch.dtype) -> torch.Tensor:
+        return torch.nn.functional.silu(x @ lw["w1"].to(dt)) @ lw["w2"].to(dt)
+
+    # ---- the paged path, through workers -----------------------------------------------
+    def forward_paged(self, tokens: np.ndarray, step: StepResult, workers: Sequence[tuple[range, WorkerClient]],
+                      page_size: int) -> np.ndarray:
+        """Logits float32 [T, vocab] of the step's new tokens (rows in batch order).
+
+        tokens: int64 [T], the new tokens of the step. workers: (layers held, client) pairs.
+        """
+        cfg, dt = self.cfg, torch.float32
+        h = self.emb.to(dt)[torch.as_tensor(tokens)]
+        for layer, lw in enumerate(self.layers):
+            worker = next(c for r, c in workers if layer in r)
+            positions, table = causal_rows(step, layer, page_size)
+            pos = torch.as_tensor(positions)
+            x = self._norm(h, lw["n1"].to(dt))
+            q = self._rope((x @ lw["wq"].to(dt)).view(-1, cfg.q_heads, cfg.head_dim), pos)
+            k = self._rope((x @ lw["wk"].to(dt)).view(-1, cfg.kv_heads, cfg.head_dim), pos)
+            v = (x @ lw["wv"].to(dt)).view(-1, cfg.kv_heads, cfg.head_dim)
+            worker.append_kv(layer, k.numpy(), v.numpy(), step.for_layer(layer).slot_mapping)
+            att = worker.decode_attention(layer, q.contiguous().numpy(), table)
+            h = h + torch.tensor(att.out).reshape(-1, cfg.q_heads * cfg.head_dim) @ lw["wo"].to(dt)
+            h = h + self._mlp(self._norm(h, lw["n2"].to(dt)), lw, dt)
+        return (self._norm(h, self.nf.to(dt)) @ self.emb.to(dt).T * self.logit_scale).numpy()
+
+    # ---- the oracle ------------------------------------------------------------------------
+    def reference_logits(self, tokens: Sequence[int]) -> np.ndarray:
+        """Dense causal float64 logits [n, vocab] of one sequence, no paging."""
+        cfg, dt = self.cfg, torch.float64
+        n = len(tokens)
+        pos = torch.arange(n)
+        h = self.emb[torch.as_tensor(list(tokens))]
+        mask = torch.full((n, n), float("-inf"), dtype=dt).triu(1)
+        for lw in self.layers:
+            x = self._norm(h, lw["n1"])
+            q = self._rope((x @ lw["wq"]).view(n, cfg.q_heads, cfg.head_dim), pos)
+            k = self._rope((x @ lw["wk"]).view(n, cfg.kv_heads, cfg.head_dim), pos)
+            v = (x @ lw["wv"]).view(n, cfg.kv_heads, cfg.head_dim)
+            rep = cfg.q_heads // cfg.kv_heads
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            s = torch.einsum("qhd,khd->hqk", q, k) / np.sqrt(cfg.head_dim) + mask
+            o = torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1), v).reshape(n, -1)
+            h = h + o @ lw["wo"]
+            h = h + self._mlp(self._norm(h, lw["n2"]), lw, dt)
+        return (self._norm(h, self.nf) @ self.emb.T * self.logit_scale).numpy()

@@ -1,0 +1,111 @@
+"""Client of one Worker: kernels on a remote KV cache, NumPy in and out.
+
+Errors come back as ClientError whose message names the worker (id and
+address), so a scheduler knows which shard failed: a killed worker is
+UNAVAILABLE "worker w1 at 127.0.0.1:5001 is unreachable: ...".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+
+from kvservice.pagetable import PageTable
+from kvservice.v1 import common_pb2 as cpb
+from kvservice.v1 import worker_pb2 as wpb
+from kvservice.v1 import worker_pb2_grpc as wpb_grpc
+from kvservice.wire import from_tensor, to_tensor
+
+from .client import CHANNEL_OPTIONS
+from .codec import ClientError
+
+POLICIES = {"nan": wpb.POLICY_NAN, "zeros": wpb.POLICY_ZEROS, "error": wpb.POLICY_ERROR}
+
+
+@dataclass(frozen=True, slots=True)
+class Attention:
+    """out: float32 [B, q_heads, head_dim]; lse: float32 [B, q_heads]; violation of this call."""
+
+    out: np.ndarray
+    lse: np.ndarray
+    violation: wpb.ViolationRecord
+
+
+def _cache_tensor(a: np.ndarray, dtype: str | None) -> cpb.Tensor:
+    """dtype None: the array's own (float16/float32); "bfloat16": a holds raw uint16 bit patterns."""
+    if dtype == "bfloat16":
+        return to_tensor(np.ascontiguousarray(a).view(np.uint16), cpb.BFLOAT16)
+    return to_tensor(np.ascontiguousarray(a, dtype=dtype))
+
+
+class WorkerClient:
+    """Talks to one worker. timeout: deadline per call, seconds. Kernel calls are not retried."""
+
+    def __init__(self, address: str, worker_id: str = "", timeout: float = 30.0) -> None:
+        self.address = address
+        self.worker_id = worker_id or address
+        self.timeout = timeout
+        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = wpb_grpc.WorkerStub(self._channel)
+
+    def __enter__(self) -> WorkerClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def _call(self, method: Any, request: Any) -> Any:
+        try:
+            return method(request, timeout=self.timeout)
+        except grpc.RpcError as exc:
+            err = ClientError.from_rpc(exc)
+            what = "is unreachable" if err.code == grpc.StatusCode.UNAVAILABLE else "refused the call"
+            raise ClientError(err.code, f"worker {self.worker_id} at {self.address} {what}: {err.message}",
+                              err.reason, err.metadata) from None
+
+    def info(self) -> wpb.WorkerStatus:
+        return self._call(self._stub.Info, wpb.WorkerInfoRequest())
+
+    def append_kv(self, layer: int, k: np.ndarray, v: np.ndarray, slot_mapping: np.ndarray,
+                  dtype: str | None = None, policy: str = "nan") -> wpb.KernelReply:
+        """k, v: [n, kv_heads, head_dim] in the cache dtype; slot_mapping: int64 [n] of the layer's index space.
+
+        dtype: None sends the arrays' own dtype; "bfloat16" sends uint16 arrays as bfloat16 bits.
+        """
+        return self._call(self._stub.AppendKV, wpb.AppendKVRequest(
+            layer=layer, k=_cache_tensor(k, dtype), v=_cache_tensor(v, dtype),
+            slot_mapping=to_tensor(np.asarray(slot_mapping, dtype=np.int64)), policy=POLICIES[policy]))
+
+    def decode_attention(self, layer: int, q: np.ndarray, table: PageTable, dtype: str | None = None,
+                         sm_scale: float = 0.0, policy: str = "nan") -> Attention:
+        """q: [B, q_heads, head_dim] in the cache dtype; table: CSR of the layer's index space (int32)."""
+        reply = self._call(self._stub.DecodeAttention, wpb.DecodeAttentionRequest(
+            layer=layer, q=_cache_tensor(q, dtype), indptr=to_tensor(np.asarray(table.indptr, dtype=np.int32)),
+            indices=to_tensor(np.asarray(table.indices, dtype=np.int32)),
+            last_page_len=to_tensor(np.asarray(table.last_page_len, dtype=np.int32)), sm_scale=sm_scale,
+            policy=POLICIES[policy]))
+        return Attention(from_tensor(reply.out, "out", "f"), from_tensor(reply.lse, "lse", "f"), reply.violation)
+
+    def copy_blocks(self, group: int, pairs: np.ndarray, policy: str = "nan") -> wpb.KernelReply:
+        """pairs: int64 [n, 2] of (src_slot, dst_slot)."""
+        return self._call(self._stub.CopyBlocks, wpb.CopyBlocksRequest(
+            group=group, pairs=to_tensor(np.asarray(pairs, dtype=np.int64).reshape(-1, 2)), policy=POLICIES[policy]))
+
+    def validate(self, layer: int, table: PageTable) -> wpb.WorkerValidateReply:
+        return self._call(self._stub.ValidatePageTable, wpb.WorkerValidateRequest(
+            layer=layer, indptr=to_tensor(np.asarray(table.indptr, dtype=np.int32)),
+            indices=to_tensor(np.asarray(table.indices, dtype=np.int32)),
+            last_page_len=to_tensor(np.asarray(table.last_page_len, dtype=np.int32))))
+
+    def check_guards(self) -> wpb.CheckGuardsReply:
+        return self._call(self._stub.CheckGuards, wpb.CheckGuardsRequest())
+
+    def corrupt_guard(self, buffer: str, after: bool = False, offset: int = 0) -> None:
+        """Test hook: flip one canary byte (the worker must run with --enable-test-hooks)."""
+        self._call(self._stub.CorruptGuard, wpb.CorruptGuardRequest(buffer=buffer, after=after, offset=offset))

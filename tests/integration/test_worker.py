@@ -1,0 +1,222 @@
+"""Manager + two real worker processes on loopback: kernels through RPCs, violations on /metrics, guards, leases."""
+
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from clients import BlockManagerClient, ClientError
+from clients.generate import generate
+from clients.tiny_model import TinyConfig, TinyModel
+from clients.worker_client import WorkerClient
+from kvservice.geometry import CacheSpec, IndexSpace, LayerSpec
+from kvservice.pagetable import PageTable, validate_page_table
+from kvservice.planner import Sizing
+from kvservice.v1 import common_pb2 as cpb
+from kvservice.v1 import worker_pb2 as wpb
+from kvservice.v1 import worker_pb2_grpc as wpb_grpc
+from kvservice.wire import to_tensor
+
+from .conftest import ROOT, ManagerProcess
+
+pytestmark = pytest.mark.integration
+CFG = TinyConfig(num_layers=4, seed=3)
+
+
+class WorkerProcess:
+    def __init__(self, tmp: Path, target: str, pool: str, worker_id: str, layers: str = "", *extra: str) -> None:
+        self.worker_id = worker_id
+        port_file = tmp / f"{worker_id}.ports"
+        port_file.unlink(missing_ok=True)
+        self.log = open(tmp / f"{worker_id}.log", "a+")
+        cmd = [sys.executable, "-m", "worker.cli", "serve", "--manager", target, "--pool", pool, "--listen",
+               "127.0.0.1:0", "--metrics-port", "0", "--port-file", str(port_file), "--worker-id", worker_id,
+               "--enable-test-hooks", *(["--layers", layers] if layers else []), *extra]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 60
+        while not (port_file.exists() and port_file.read_text().strip()):
+            if self.proc.poll() is not None or time.time() > deadline:
+                self.log.seek(0)
+                raise RuntimeError(f"worker did not start:\n{self.log.read()}")
+            time.sleep(0.05)
+        port, metrics = port_file.read_text().split()
+        self.address = f"127.0.0.1:{port}"
+        self.metrics_url = f"http://127.0.0.1:{metrics}/metrics"
+        self.client = WorkerClient(self.address, worker_id, timeout=20)
+
+    def metrics(self) -> dict[str, float]:
+        text = urllib.request.urlopen(self.metrics_url, timeout=5).read().decode()
+        return {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+                if ln.startswith("kvworker_") and not ln.startswith("#")}
+
+    def stop(self, kill: bool = False) -> None:
+        self.client.close()
+        self.proc.kill() if kill else self.proc.terminate()
+        self.proc.wait(10)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def system(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("system")
+    mgr = ManagerProcess(tmp, "--no-pools", "--lease-seconds", "1.5")
+    c = BlockManagerClient(mgr.target, timeout=10)
+    c.wait_ready()
+    c.create_pool("tiny", CacheSpec.uniform(CFG.num_layers, CFG.kv_heads, CFG.head_dim, "float32", 16),
+                  Sizing(num_slots=128, max_seq_len=512))
+    c.create_pool("hybrid", CacheSpec((LayerSpec(2, 64), LayerSpec(2, 128)), 16, "interleaved"),
+                  Sizing(num_slots=16, max_seq_len=128))
+    w0 = WorkerProcess(tmp, mgr.target, "tiny", "w0", "0:2")
+    w1 = WorkerProcess(tmp, mgr.target, "tiny", "w1", "2:4")
+    wh = WorkerProcess(tmp, mgr.target, "hybrid", "wh")
+    yield {"mgr": mgr, "client": c, "w0": w0, "w1": w1, "wh": wh, "tmp": tmp}
+    for w in (w0, w1, wh):
+        if w.proc.poll() is None:
+            w.stop()
+    c.close()
+    mgr.stop()
+
+
+def test_workers_registered_with_their_layers(system):
+    ws = {w.worker_id: w for w in system["client"].workers()}
+    assert (ws["w0"].layer_begin, ws["w0"].layer_end, ws["w1"].layer_begin, ws["w1"].layer_end) == (0, 2, 2, 4)
+    assert all(w.alive and w.epoch == 1 and w.backend == "cpu" for w in ws.values())
+    info = system["w1"].client.info()
+    assert info.buffers == ["layer2", "layer3"] and info.cache_bytes == 2 * 128 * 2 * 16 * 2 * 32 * 4
+
+
+def test_batch_equals_single_and_the_float64_reference(system):
+    c, model = system["client"], TinyModel(CFG)
+    workers = [(range(0, 2), system["w0"].client), (range(2, 4), system["w1"].client)]
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(0, CFG.vocab, int(n)).tolist() for n in (7, 16, 17, 40)]
+    batch = generate(c, "tiny", workers, model, prompts, 5, 100, 16)
+    singles = [generate(c, "tiny", workers, model, [p], 5, 200 + i, 16) for i, p in enumerate(prompts)]
+    assert np.abs(batch.logits - np.concatenate([s.logits for s in singles])).max() < 1e-4
+    for i, p in enumerate(prompts):
+        ref = model.reference_logits(p + batch.tokens[i, :-1].tolist())[len(p) - 1:]
+        assert np.abs(ref - batch.logits[i]).max() < 1e-4
+    assert c.stats("tiny")["tiny"].num_sequences == 0
+
+
+def test_out_of_bounds_rows_are_nan_and_counted_exactly(system):
+    w = system["w1"]
+    before = w.metrics()
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((3, CFG.q_heads, CFG.head_dim)).astype(np.float32)
+    idx = np.array([1, 2, 3, 128, 4, -1, 129], dtype=np.int32)
+    table = PageTable(np.array([0, 2, 4, 7], np.int32), idx, np.array([5, 16, 1], np.int32))
+    att = w.client.decode_attention(3, q, table)
+    assert not np.isnan(att.out[0]).any() and np.isnan(att.out[1]).all() and np.isnan(att.out[2]).all()
+    v = att.violation
+    assert (v.count, v.row, v.position, v.value, v.reason) == (3, 1, 3, 128, "out_of_bounds")
+    assert dict(v.counts_by_reason) == {"out_of_bounds": 3}
+    zeros = w.client.decode_attention(3, q, table, policy="zeros")
+    assert (zeros.out[1:] == 0).all() and np.array_equal(zeros.out[0], att.out[0])
+    with pytest.raises(ClientError) as exc:
+        w.client.decode_attention(3, q, table, policy="error")
+    assert exc.value.code == grpc.StatusCode.FAILED_PRECONDITION and "worker w1" in exc.value.message
+    after = w.metrics()
+    key = 'kvworker_bounds_violations_total{kernel="decode_attention",layer="3",reason="out_of_bounds"}'
+    assert after[key] - before.get(key, 0) == 9
+    assert all(after[k] == before.get(k, 0) for k in after if "violations_total" in k and k != key)
+
+
+def test_append_violations_are_not_written(system):
+    w = system["w0"]
+    before = w.metrics()
+    k = np.ones((3, CFG.kv_heads, CFG.head_dim), np.float32)
+    rep = w.client.append_kv(1, k, k, np.array([5, 128 * 16, -1], np.int64))
+    (v,) = rep.violations
+    assert (v.count, v.row, v.value, v.kernel) == (2, 1, 128 * 16, "append_kv")
+    key = 'kvworker_bounds_violations_total{kernel="append_kv",layer="1",reason="out_of_bounds"}'
+    assert w.metrics()[key] - before.get(key, 0) == 2
+    assert w.client.check_guards().ok
+
+
+def test_off_lattice_on_an_interleaved_worker(system):
+    c, w = system["client"], system["wh"]
+    r = c.step("hybrid", admit=[1, 2], admit_tokens=[40, 9])
+    q = np.random.default_rng(1).standard_normal((2, 2, 128)).astype(np.float16)
+    good = w.client.decode_attention(1, q, r.for_layer(1).table)
+    assert good.violation.count == 0 and np.isfinite(good.out).all()
+    assert w.client.validate(1, r.for_layer(1).table).ok
+    # Seed 004: layer 1's table (scale 2) fed to layer 0 (scale 4, offset 2). Pages that fall off
+    # layer 0's lattice are caught; the manager's validator must agree entry for entry.
+    wrong = w.client.validate(0, r.for_layer(1).table)
+    spaces = {s.id: s for s in c.get_pool("hybrid").plan.index_spaces}
+    s0 = spaces[r.layer_index_space[0]]
+    host = validate_page_table(r.for_layer(1).table, IndexSpace(s0.id, s0.group, s0.scale, s0.offset,
+                                                                 s0.upper_bound, ()), 16)
+    assert not wrong.ok and wrong.violation.count == host.num_violations == 2
+    assert dict(wrong.violation.counts_by_reason) == host.counts() == {"off_lattice": 2}
+    text = urllib.request.urlopen(w.metrics_url, timeout=5).read().decode()
+    assert 'kvworker_bounds_violations_total{kernel="validate_page_table",layer="0",reason="off_lattice"} 2.0' \
+        in text
+    c.step("hybrid", free=[1, 2])
+
+
+def test_bad_requests(system):
+    w = system["w0"]
+    with pytest.raises(ClientError) as exc:
+        w.client.decode_attention(3, np.zeros((1, 4, 32), np.float32),
+                                  PageTable(np.array([0, 1], np.int32), np.array([0], np.int32),
+                                            np.array([1], np.int32)))
+    assert exc.value.code == grpc.StatusCode.OUT_OF_RANGE and "holds layers [0, 2)" in exc.value.message
+    with grpc.insecure_channel(w.address) as ch:
+        stub = wpb_grpc.WorkerStub(ch)
+        bad_shape = wpb.AppendKVRequest(layer=0, k=to_tensor(np.zeros((2, 2, 16), np.float32)),
+                                        v=to_tensor(np.zeros((2, 2, 16), np.float32)),
+                                        slot_mapping=to_tensor(np.zeros(2, np.int64)))
+        with pytest.raises(grpc.RpcError) as e:
+            stub.AppendKV(bad_shape, timeout=5)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "[n, kv_heads, head_dim]" in e.value.details()
+        bad_dtype = wpb.AppendKVRequest(layer=0, k=to_tensor(np.zeros((1, 2, 32), np.float16)),
+                                        v=to_tensor(np.zeros((1, 2, 32), np.float16)),
+                                        slot_mapping=to_tensor(np.zeros(1, np.int64)))
+        with pytest.raises(grpc.RpcError) as e:
+            stub.AppendKV(bad_dtype, timeout=5)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "FLOAT32" in e.value.details()
+        no_table = wpb.DecodeAttentionRequest(layer=0, q=cpb.Tensor(dtype=cpb.FLOAT32, data=b""))
+        with pytest.raises(grpc.RpcError) as e:
+            stub.DecodeAttention(no_table, timeout=5)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "indptr is required" in e.value.details()
+
+
+def test_guard_corruption_is_detected(system):
+    w = system["w0"]
+    assert w.client.check_guards().ok
+    w.client.corrupt_guard("layer1", after=True, offset=7)
+    rep = w.client.check_guards()
+    assert not rep.ok
+    bad = {b.buffer: b for b in rep.buffers if b.corrupted_bytes}
+    assert list(bad) == ["layer1"] and bad["layer1"].corrupted_bytes == 1
+    m = w.metrics()
+    assert m['kvworker_guard_corruptions_total{buffer="layer1"}'] == 1.0
+    assert m['kvworker_cache_bytes{pool="tiny"}'] == 2 * 128 * 2 * 16 * 2 * 32 * 4
+
+
+def test_killed_worker_is_marked_dead_and_its_clients_told(system):
+    c, tmp, mgr = system["client"], system["tmp"], system["mgr"]
+    victim = WorkerProcess(tmp, mgr.target, "tiny", "victim", "0:1")
+    assert {w.worker_id: w.alive for w in c.workers()}["victim"]
+    victim.proc.kill()
+    victim.proc.wait(5)
+    deadline = time.time() + 10
+    while {w.worker_id: w.alive for w in c.workers()}["victim"]:
+        assert time.time() < deadline, "manager never marked the killed worker dead"
+        time.sleep(0.2)
+    with pytest.raises(ClientError) as exc:
+        victim.client.info()
+    assert exc.value.code == grpc.StatusCode.UNAVAILABLE
+    assert "worker victim at 127.0.0.1:" in exc.value.message and "unreachable" in exc.value.message
+    again = WorkerProcess(tmp, mgr.target, "tiny", "victim", "0:1")      # comes back: a new epoch
+    rec = {w.worker_id: w for w in c.workers()}["victim"]
+    assert rec.alive and rec.epoch == 2 and rec.address == again.address
+    again.stop()
+    victim.log.close()

@@ -1,0 +1,83 @@
+"""The worker's KV memory: one guarded buffer per layer (per_layer) or per layer group (interleaved).
+
+Each buffer is a uint8 allocation ``[guard | payload | guard]``; the guards hold
+a canary pattern (worker.kernel_api.guard_pattern) so a stray write by any
+kernel, ours or not, is caught by CheckGuards. Layers view the payload through
+their PageLayout: the same page addressing the manager planned (geometry is
+rebuilt from the pool's CacheSpec and cross-checked against the manager's plan).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from kvservice.geometry import CacheSpec, Geometry
+from worker.kernel_api import DTYPES, PageLayout, guarded_view
+
+GUARD_BYTES = 4096
+
+
+@dataclass
+class Buffer:
+    name: str          # "layer3" (per_layer) or "group0" (interleaved)
+    raw: Any           # uint8 [guard + payload + guard], NumPy or CuPy
+    payload_bytes: int
+
+
+class CacheSet:
+    """Buffers and page layouts of layers [layer_begin, layer_end) of one pool.
+
+    ops: the kernel module (worker.ops_numpy, worker.kernels_cpu or worker.kernels_cuda).
+    xp: numpy or cupy.
+    """
+
+    def __init__(self, spec: CacheSpec, num_slots: int, layer_begin: int, layer_end: int, ops: ModuleType,
+                 xp: Any = np, guard_bytes: int = GUARD_BYTES, expected: list[tuple[int, int, int]] | None = None):
+        self.spec = spec
+        self.geometry = Geometry(spec, num_slots)
+        self.layer_begin, self.layer_end = layer_begin, layer_end
+        self.ops, self.xp, self.guard_bytes = ops, xp, guard_bytes
+        geo = self.geometry
+        if expected is not None:   # (scale, offset, upper_bound) per layer from the manager's plan
+            mine = [(v.scale, v.offset, v.upper_bound) for v in geo.layers]
+            if mine != expected:
+                raise ValueError("the pool geometry rebuilt here differs from the manager's plan; "
+                                 "manager and worker run different versions")
+        self.buffers: dict[str, Buffer] = {}
+        self._layer_buffer: dict[int, str] = {}
+        self.layouts: dict[int, PageLayout] = {}
+        for layer in range(layer_begin, layer_end):
+            ls, view = spec.layers[layer], geo.layers[layer]
+            group = geo.groups[view.group]
+            if spec.layout == "per_layer":
+                name, nbytes = f"layer{layer}", num_slots * view.page_bytes
+                layout = PageLayout.per_layer(num_slots, spec.page_size, ls.kv_heads, ls.head_dim, ls.dtype)
+            else:
+                name, nbytes = f"group{group.id}", num_slots * group.slot_bytes
+                layout = PageLayout.interleaved(num_slots, group.slot_bytes, view.byte_offset, spec.page_size,
+                                                ls.kv_heads, ls.head_dim, ls.dtype)
+            if name not in self.buffers:
+                raw = xp.zeros(nbytes + 2 * guard_bytes, dtype=np.uint8)
+                ops.guard_fill(raw, guard_bytes)
+                self.buffers[name] = Buffer(name, raw, nbytes)
+            self._layer_buffer[layer] = name
+            self.layouts[layer] = layout
+
+    @property
+    def cache_bytes(self) -> int:
+        return sum(b.payload_bytes for b in self.buffers.values())
+
+    def holds(self, layer: int) -> bool:
+        return self.layer_begin <= layer < self.layer_end
+
+    def cache(self, layer: int) -> Any:
+        """The layer's buffer payload as a flat array of its storage dtype."""
+        buf = self.buffers[self._layer_buffer[layer]]
+        return guarded_view(buf.raw, self.guard_bytes, DTYPES[self.spec.layers[layer].dtype])
+
+    def group_layers(self, group: int) -> list[int]:
+        return [la for la in range(self.layer_begin, self.layer_end) if self.geometry.layers[la].group == group]
