@@ -11,10 +11,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
+from .api import ManagerAPI
 from .config import PoolConfig
 from .manager import BlockManager
 from .metrics import ManagerMetrics
-from .servicer import BlockManagerServicer
+from .servicer import BlockManagerServicer, Journal
 from .v1 import block_manager_pb2, block_manager_pb2_grpc
 
 log = logging.getLogger("kvservice")
@@ -42,7 +43,8 @@ class RunningServer:
 
 def serve(listen: str = "127.0.0.1:0", metrics_port: int | None = None, pools: list[PoolConfig] = (),
           manager: BlockManager | None = None, max_workers: int = 8,
-          metrics_addr: str = "127.0.0.1", lease_seconds: float = 10.0) -> RunningServer:
+          metrics_addr: str = "127.0.0.1", lease_seconds: float = 10.0,
+          journal: Journal | None = None) -> RunningServer:
     """Start the manager on `listen` (port 0 picks one); metrics on metrics_port (0 picks, None = off)."""
     manager = manager or BlockManager(lease_seconds)
     for pc in pools:
@@ -52,7 +54,8 @@ def serve(listen: str = "127.0.0.1:0", metrics_port: int | None = None, pools: l
                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                ("grpc.so_reuseport", 0)]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=options)
-    block_manager_pb2_grpc.add_BlockManagerServicer_to_server(BlockManagerServicer(manager, metrics), server)
+    block_manager_pb2_grpc.add_BlockManagerServicer_to_server(
+        BlockManagerServicer(ManagerAPI(manager), metrics, journal), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

@@ -152,19 +152,23 @@ class PlanReply(_message.Message):
     def __init__(self, num_slots: _Optional[int] = ..., page_size: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., max_pages_per_seq: _Optional[int] = ..., bytes_per_layer: _Optional[int] = ..., bytes_per_slot: _Optional[int] = ..., total_bytes: _Optional[int] = ..., max_byte_offset: _Optional[int] = ..., offsets_exceed_int32: _Optional[bool] = ..., offsets_exceed_uint32: _Optional[bool] = ..., indices_need_int64: _Optional[bool] = ..., layers: _Optional[_Iterable[_Union[LayerPlan, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[GroupPlan, _Mapping]]] = ..., index_spaces: _Optional[_Iterable[_Union[IndexSpace, _Mapping]]] = ..., backends: _Optional[_Iterable[str]] = ..., warnings: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CreatePoolRequest(_message.Message):
-    __slots__ = ("name", "cache", "sizing", "backends")
+    __slots__ = ("name", "cache", "sizing", "backends", "request_id", "enable_prefix_caching")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
     SIZING_FIELD_NUMBER: _ClassVar[int]
     BACKENDS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ENABLE_PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     name: str
     cache: CacheSpec
     sizing: Sizing
     backends: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., cache: _Optional[_Union[CacheSpec, _Mapping]] = ..., sizing: _Optional[_Union[Sizing, _Mapping]] = ..., backends: _Optional[_Iterable[str]] = ...) -> None: ...
+    request_id: str
+    enable_prefix_caching: bool
+    def __init__(self, name: _Optional[str] = ..., cache: _Optional[_Union[CacheSpec, _Mapping]] = ..., sizing: _Optional[_Union[Sizing, _Mapping]] = ..., backends: _Optional[_Iterable[str]] = ..., request_id: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("num_slots", "num_free_slots", "peak_used_slots", "num_sequences", "num_tokens", "steps", "admitted", "refused")
+    __slots__ = ("num_slots", "num_free_slots", "peak_used_slots", "num_sequences", "num_tokens", "steps", "admitted", "refused", "prefix_cache_hits", "prefix_cache_evictions", "cached_slots", "prefix_caching")
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     PEAK_USED_SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +177,10 @@ class PoolStats(_message.Message):
     STEPS_FIELD_NUMBER: _ClassVar[int]
     ADMITTED_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     num_slots: int
     num_free_slots: int
     peak_used_slots: int
@@ -181,7 +189,11 @@ class PoolStats(_message.Message):
     steps: int
     admitted: int
     refused: int
-    def __init__(self, num_slots: _Optional[int] = ..., num_free_slots: _Optional[int] = ..., peak_used_slots: _Optional[int] = ..., num_sequences: _Optional[int] = ..., num_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., admitted: _Optional[int] = ..., refused: _Optional[int] = ...) -> None: ...
+    prefix_cache_hits: int
+    prefix_cache_evictions: int
+    cached_slots: int
+    prefix_caching: bool
+    def __init__(self, num_slots: _Optional[int] = ..., num_free_slots: _Optional[int] = ..., peak_used_slots: _Optional[int] = ..., num_sequences: _Optional[int] = ..., num_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., admitted: _Optional[int] = ..., refused: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_evictions: _Optional[int] = ..., cached_slots: _Optional[int] = ..., prefix_caching: _Optional[bool] = ...) -> None: ...
 
 class PoolInfo(_message.Message):
     __slots__ = ("name", "plan", "stats", "cache")
@@ -212,19 +224,21 @@ class ListPoolsReply(_message.Message):
     def __init__(self, pools: _Optional[_Iterable[_Union[PoolInfo, _Mapping]]] = ...) -> None: ...
 
 class DeletePoolRequest(_message.Message):
-    __slots__ = ("pool", "force")
+    __slots__ = ("pool", "force", "request_id")
     POOL_FIELD_NUMBER: _ClassVar[int]
     FORCE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     pool: str
     force: bool
-    def __init__(self, pool: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
+    request_id: str
+    def __init__(self, pool: _Optional[str] = ..., force: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class DeletePoolReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("pool", "free_seq_ids", "extend_seq_ids", "extend_num_tokens", "admit_seq_ids", "admit_num_tokens", "omit_tables", "include_block_table")
+    __slots__ = ("pool", "free_seq_ids", "extend_seq_ids", "extend_num_tokens", "admit_seq_ids", "admit_num_tokens", "omit_tables", "include_block_table", "request_id", "fork_parent_ids", "fork_child_ids", "admit_token_ids", "admit_cache_salts", "admit_extra_keys")
     POOL_FIELD_NUMBER: _ClassVar[int]
     FREE_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     EXTEND_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -233,6 +247,12 @@ class StepRequest(_message.Message):
     ADMIT_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OMIT_TABLES_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FORK_PARENT_IDS_FIELD_NUMBER: _ClassVar[int]
+    FORK_CHILD_IDS_FIELD_NUMBER: _ClassVar[int]
+    ADMIT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ADMIT_CACHE_SALTS_FIELD_NUMBER: _ClassVar[int]
+    ADMIT_EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
     pool: str
     free_seq_ids: _common_pb2.Tensor
     extend_seq_ids: _common_pb2.Tensor
@@ -241,7 +261,13 @@ class StepRequest(_message.Message):
     admit_num_tokens: _common_pb2.Tensor
     omit_tables: bool
     include_block_table: bool
-    def __init__(self, pool: _Optional[str] = ..., free_seq_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., extend_seq_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., extend_num_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., admit_seq_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., admit_num_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., omit_tables: _Optional[bool] = ..., include_block_table: _Optional[bool] = ...) -> None: ...
+    request_id: str
+    fork_parent_ids: _common_pb2.Tensor
+    fork_child_ids: _common_pb2.Tensor
+    admit_token_ids: _common_pb2.Tensor
+    admit_cache_salts: _containers.RepeatedScalarFieldContainer[str]
+    admit_extra_keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, pool: _Optional[str] = ..., free_seq_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., extend_seq_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., extend_num_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., admit_seq_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., admit_num_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., omit_tables: _Optional[bool] = ..., include_block_table: _Optional[bool] = ..., request_id: _Optional[str] = ..., fork_parent_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., fork_child_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., admit_token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., admit_cache_salts: _Optional[_Iterable[str]] = ..., admit_extra_keys: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SpaceTables(_message.Message):
     __slots__ = ("index_space", "group", "scale", "offset", "upper_bound", "slot_mapping", "indptr", "indices", "last_page_len", "block_table")
@@ -268,20 +294,32 @@ class SpaceTables(_message.Message):
     def __init__(self, index_space: _Optional[int] = ..., group: _Optional[int] = ..., scale: _Optional[int] = ..., offset: _Optional[int] = ..., upper_bound: _Optional[int] = ..., slot_mapping: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., indptr: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., indices: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., last_page_len: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., block_table: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class StepReply(_message.Message):
-    __slots__ = ("seq_ids", "num_tokens", "new_token_indptr", "tables", "layer_index_space", "num_free_slots")
+    __slots__ = ("seq_ids", "num_tokens", "new_token_indptr", "tables", "layer_index_space", "num_free_slots", "admit_cached_tokens", "copies")
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_INDPTR_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
     LAYER_INDEX_SPACE_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    ADMIT_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COPIES_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _common_pb2.Tensor
     num_tokens: _common_pb2.Tensor
     new_token_indptr: _common_pb2.Tensor
     tables: _containers.RepeatedCompositeFieldContainer[SpaceTables]
     layer_index_space: _containers.RepeatedScalarFieldContainer[int]
     num_free_slots: int
-    def __init__(self, seq_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., num_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., new_token_indptr: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tables: _Optional[_Iterable[_Union[SpaceTables, _Mapping]]] = ..., layer_index_space: _Optional[_Iterable[int]] = ..., num_free_slots: _Optional[int] = ...) -> None: ...
+    admit_cached_tokens: _common_pb2.Tensor
+    copies: _containers.RepeatedCompositeFieldContainer[SlotCopies]
+    def __init__(self, seq_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., num_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., new_token_indptr: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tables: _Optional[_Iterable[_Union[SpaceTables, _Mapping]]] = ..., layer_index_space: _Optional[_Iterable[int]] = ..., num_free_slots: _Optional[int] = ..., admit_cached_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., copies: _Optional[_Iterable[_Union[SlotCopies, _Mapping]]] = ...) -> None: ...
+
+class SlotCopies(_message.Message):
+    __slots__ = ("group", "pairs")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    PAIRS_FIELD_NUMBER: _ClassVar[int]
+    group: int
+    pairs: _common_pb2.Tensor
+    def __init__(self, group: _Optional[int] = ..., pairs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class ListSequencesRequest(_message.Message):
     __slots__ = ("pool", "limit")
