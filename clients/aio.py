@@ -74,12 +74,13 @@ class AsyncBlockManagerClient:
         return (await self._call(self._stub.Echo, pb.EchoRequest(payload=payload), True, timeout)).payload
 
     async def create_pool(self, name: str, spec: CacheSpec, sizing: Sizing, backends: tuple[str, ...] = (),
-                          timeout: float | None = None) -> pb.PoolInfo:
-        return await self._call(self._stub.CreatePool, codec.create_pool_request(name, spec, sizing, backends),
-                                False, timeout)
+                          timeout: float | None = None, prefix_caching: bool = False) -> pb.PoolInfo:
+        req = codec.create_pool_request(name, spec, sizing, backends, prefix_caching)
+        return await self._call(self._stub.CreatePool, req, False, timeout)
 
     async def step(self, pool: str, free: object = None, extend: object = None, extend_tokens: object = None,
                    admit: object = None, admit_tokens: object = None, tables: bool = True,
-                   block_table: bool = False, timeout: float | None = None) -> StepResult:
-        req = codec.step_request(pool, free, extend, extend_tokens, admit, admit_tokens, tables, block_table)
+                   block_table: bool = False, timeout: float | None = None, **options: object) -> StepResult:
+        req = codec.step_request(pool, free, extend, extend_tokens, admit, admit_tokens, tables, block_table,
+                                 **options)  # type: ignore[arg-type]
         return codec.parse_step(await self._call(self._stub.Step, req, False, timeout))

@@ -102,21 +102,24 @@ class BlockManagerClient:
 
     # ---- mutating (never retried) ---------------------------------------------------
     def create_pool(self, name: str, spec: CacheSpec, sizing: Sizing, backends: tuple[str, ...] = (),
-                    timeout: float | None = None) -> pb.PoolInfo:
-        return self._call(self._stub.CreatePool, codec.create_pool_request(name, spec, sizing, backends), False,
-                          timeout)
+                    timeout: float | None = None, prefix_caching: bool = False) -> pb.PoolInfo:
+        req = codec.create_pool_request(name, spec, sizing, backends, prefix_caching)
+        return self._call(self._stub.CreatePool, req, False, timeout)
 
     def delete_pool(self, pool: str, force: bool = False, timeout: float | None = None) -> None:
         self._call(self._stub.DeletePool, pb.DeletePoolRequest(pool=pool, force=force), False, timeout)
 
     def step(self, pool: str, free: object = None, extend: object = None, extend_tokens: object = None,
              admit: object = None, admit_tokens: object = None, tables: bool = True, block_table: bool = False,
-             timeout: float | None = None) -> StepResult:
+             timeout: float | None = None, **options: object) -> StepResult:
         """One scheduler iteration (see BlockManager.Step). ids: uint64 [n]; token counts int64 [n] or a scalar.
 
-        Returns the batch (extended, then admitted) with slot mappings and page tables per index space.
+        options: fork=[(parent, child), ...], admit_token_ids=..., salts=[...], extra_keys=[...]
+        (see clients.codec.step_request). Returns the batch (extended, admitted, then fork children)
+        with slot mappings, page tables per index space, cached token counts and copy-on-write pairs.
         """
-        req = codec.step_request(pool, free, extend, extend_tokens, admit, admit_tokens, tables, block_table)
+        req = codec.step_request(pool, free, extend, extend_tokens, admit, admit_tokens, tables, block_table,
+                                 **options)  # type: ignore[arg-type]
         return codec.parse_step(self._call(self._stub.Step, req, False, timeout))
 
     def register_worker(self, request: pb.RegisterWorkerRequest,

@@ -49,7 +49,7 @@ class SpaceTables:
 
 @dataclass(frozen=True, slots=True)
 class StepResult:
-    """The scheduled batch of a Step: extended sequences, then admitted ones.
+    """The scheduled batch of a Step: extended sequences, then admitted ones, then fork children.
 
     seq_ids: uint64 [B]; num_tokens: int64 [B]; new_token_indptr: int64 [B + 1].
     tables: by index space id. layer_index_space: layer -> index space id.
@@ -61,6 +61,8 @@ class StepResult:
     tables: dict[int, SpaceTables]
     layer_index_space: tuple[int, ...]
     num_free_slots: int
+    cached_tokens: np.ndarray | None = None         # int64 [A]: tokens of each admission already cached
+    copies: dict[int, np.ndarray] | None = None     # group -> int64 [n, 2] (src_slot, dst_slot), run first
 
     def for_layer(self, layer: int) -> SpaceTables:
         """The tables a kernel of `layer` must use (never another space's)."""
@@ -71,10 +73,10 @@ def plan_request(spec: CacheSpec, sizing: Sizing, backends: tuple[str, ...] = ()
     return pb.PlanRequest(cache=convert.cache_spec_to_proto(spec), sizing=_sizing(sizing), backends=list(backends))
 
 
-def create_pool_request(name: str, spec: CacheSpec, sizing: Sizing,
-                        backends: tuple[str, ...] = ()) -> pb.CreatePoolRequest:
+def create_pool_request(name: str, spec: CacheSpec, sizing: Sizing, backends: tuple[str, ...] = (),
+                        prefix_caching: bool = False) -> pb.CreatePoolRequest:
     return pb.CreatePoolRequest(name=name, cache=convert.cache_spec_to_proto(spec), sizing=_sizing(sizing),
-                                backends=list(backends))
+                                backends=list(backends), enable_prefix_caching=prefix_caching)
 
 
 def _sizing(s: Sizing) -> pb.Sizing:
@@ -88,11 +90,24 @@ def _ids(a: object) -> np.ndarray:
 
 def step_request(pool: str, free: object = None, extend: object = None, extend_tokens: object = None,
                  admit: object = None, admit_tokens: object = None, tables: bool = True,
-                 block_table: bool = False) -> pb.StepRequest:
-    """Build a StepRequest; ids as uint64, token counts as int64 (scalars broadcast over ids)."""
-    req = pb.StepRequest(pool=pool, omit_tables=not tables, include_block_table=block_table)
+                 block_table: bool = False, fork: object = None, admit_token_ids: object = None,
+                 salts: object = None, extra_keys: object = None, request_id: str = "") -> pb.StepRequest:
+    """Build a StepRequest; ids as uint64, token counts as int64 (scalars broadcast over ids).
+
+    fork: (parent, child) pairs. admit_token_ids: the admitted prompts' token ids, concatenated (prefix
+    caching). salts, extra_keys: one string per admission.
+    """
+    req = pb.StepRequest(pool=pool, omit_tables=not tables, include_block_table=block_table,
+                         request_id=request_id, admit_cache_salts=list(salts or ()),
+                         admit_extra_keys=list(extra_keys or ()))
     if free is not None:
         req.free_seq_ids.CopyFrom(to_tensor(_ids(free)))
+    if fork is not None:
+        pairs = np.asarray(fork, dtype=np.uint64).reshape(-1, 2)
+        req.fork_parent_ids.CopyFrom(to_tensor(np.ascontiguousarray(pairs[:, 0])))
+        req.fork_child_ids.CopyFrom(to_tensor(np.ascontiguousarray(pairs[:, 1])))
+    if admit_token_ids is not None:
+        req.admit_token_ids.CopyFrom(to_tensor(np.asarray(admit_token_ids, dtype=np.int64)))
     for ids, counts, f_ids, f_n in ((extend, extend_tokens, "extend_seq_ids", "extend_num_tokens"),
                                     (admit, admit_tokens, "admit_seq_ids", "admit_num_tokens")):
         if ids is None:
@@ -114,9 +129,11 @@ def parse_step(reply: pb.StepReply) -> StepResult:
                               from_tensor(st.last_page_len, "last_page_len"))
         tables[st.index_space] = SpaceTables(space, from_tensor(st.slot_mapping, "slot_mapping"), table,
                                              field_array(st, "block_table"))
+    copies = {c.group: from_tensor(c.pairs, "pairs").reshape(-1, 2) for c in reply.copies}
     return StepResult(from_tensor(reply.seq_ids, "seq_ids"), from_tensor(reply.num_tokens, "num_tokens"),
                       from_tensor(reply.new_token_indptr, "new_token_indptr"), tables,
-                      tuple(reply.layer_index_space), reply.num_free_slots)
+                      tuple(reply.layer_index_space), reply.num_free_slots,
+                      field_array(reply, "admit_cached_tokens"), copies)
 
 
 def validate_request(pool: str, layer: int, table: PageTable, max_reports: int = 100) -> pb.ValidatePageTableRequest:

@@ -13,6 +13,8 @@ from .v1 import block_manager_pb2 as pb
 from .wire import field_array, to_tensor
 
 log = logging.getLogger("kvservice")
+STEP_ARRAYS = ("free_seq_ids", "extend_seq_ids", "extend_num_tokens", "admit_seq_ids", "admit_num_tokens",
+               "fork_parent_ids", "fork_child_ids", "admit_token_ids")
 
 
 class ManagerAPI:
@@ -32,7 +34,7 @@ class ManagerAPI:
     def CreatePool(self, request: pb.CreatePoolRequest) -> pb.PoolInfo:
         spec = convert.cache_spec_from_proto(request.cache)
         self.manager.create_pool(request.name, spec, convert.sizing_from_proto(request.sizing),
-                                 tuple(request.backends))
+                                 tuple(request.backends), request.enable_prefix_caching)
         with self.manager.locked(request.name) as pool:
             return convert.pool_info(pool)
 
@@ -52,16 +54,23 @@ class ManagerAPI:
         return pb.DeletePoolReply()
 
     def Step(self, request: pb.StepRequest) -> pb.StepReply:
-        args = {f: field_array(request, f) for f in ("free_seq_ids", "extend_seq_ids", "extend_num_tokens",
-                                                      "admit_seq_ids", "admit_num_tokens")}
+        args = {f: field_array(request, f) for f in STEP_ARRAYS}
         with self.manager.locked(request.pool) as pool:
             res = pool.step(args["free_seq_ids"], args["extend_seq_ids"], args["extend_num_tokens"],
                             args["admit_seq_ids"], args["admit_num_tokens"], tables=not request.omit_tables,
-                            block_table=request.include_block_table)
+                            block_table=request.include_block_table, fork_parents=args["fork_parent_ids"],
+                            fork_children=args["fork_child_ids"], admit_token_ids=args["admit_token_ids"],
+                            admit_salts=list(request.admit_cache_salts) or None,
+                            admit_extra_keys=list(request.admit_extra_keys) or None)
             layer_space = pool.plan.geometry.layer_space.tolist()
         reply = pb.StepReply(seq_ids=to_tensor(res.seq_ids), num_tokens=to_tensor(res.num_tokens),
                              new_token_indptr=to_tensor(res.new_token_indptr), layer_index_space=layer_space,
                              num_free_slots=res.num_free_slots)
+        if res.cached_tokens is not None:
+            reply.admit_cached_tokens.CopyFrom(to_tensor(res.cached_tokens))
+        for g, pairs in enumerate(res.copies):
+            if len(pairs):
+                reply.copies.add(group=g, pairs=to_tensor(pairs))
         for st in res.tables:
             sp = st.space
             out = reply.tables.add(index_space=sp.id, group=sp.group, scale=sp.scale, offset=sp.offset,

@@ -76,10 +76,14 @@ def plan_to_proto(plan: Plan) -> pb.PlanReply:
 
 
 def pool_stats(pool: Pool) -> pb.PoolStats:
+    cache = pool.prefix
     return pb.PoolStats(num_slots=pool.plan.num_slots, num_free_slots=pool.num_free_slots,
                         peak_used_slots=pool.peak_used_slots, num_sequences=pool.num_sequences,
                         num_tokens=pool.num_tokens_total, steps=pool.steps, admitted=pool.admitted,
-                        refused=pool.refused)
+                        refused=pool.refused, prefix_caching=cache is not None,
+                        prefix_cache_hits=cache.hits if cache else 0,
+                        prefix_cache_evictions=pool.allocators[0].evictions if cache else 0,
+                        cached_slots=pool.allocators[0].num_cached if cache else 0)
 
 
 def pool_info(pool: Pool) -> pb.PoolInfo:

@@ -25,7 +25,8 @@ class BlockManager:
         self._locks: dict[str, threading.Lock] = {}
         self._lock = threading.Lock()
 
-    def create_pool(self, name: str, spec: CacheSpec, sizing: Sizing, backends: tuple[str, ...] = ()) -> Pool:
+    def create_pool(self, name: str, spec: CacheSpec, sizing: Sizing, backends: tuple[str, ...] = (),
+                    prefix_caching: bool = False) -> Pool:
         """Plan and create a pool; AlreadyExists if the name is taken."""
         if not _NAME.match(name):
             raise InvalidArgument(f"pool name {name!r} must match [A-Za-z0-9_.-]{{1,64}}")
@@ -33,7 +34,7 @@ class BlockManager:
         with self._lock:
             if name in self._pools:
                 raise AlreadyExists(f"pool {name!r} already exists", pool=name)
-            pool = Pool(name, planned)
+            pool = Pool(name, planned, prefix_caching)
             self._pools[name] = pool
             self._locks[name] = threading.Lock()
             return pool

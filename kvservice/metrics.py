@@ -20,7 +20,8 @@ RPC_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 
 
 
 class ManagerCollector:
-    """Exports kvservice_slots_total, _slots_free, _sequences and _alloc_failures_total per pool."""
+    """Exports kvservice_slots_total, _slots_free, _sequences, _alloc_failures_total and the prefix-cache
+    counters per pool, and kvservice_workers by pool and state."""
 
     def __init__(self, manager: BlockManager) -> None:
         self.manager = manager
@@ -32,6 +33,10 @@ class ManagerCollector:
         seqs = GaugeMetricFamily("kvservice_sequences", "Live sequences in the pool.", labels=["pool"])
         fails = CounterMetricFamily("kvservice_alloc_failures_total",
                                     "Step calls refused for lack of slots, by reason.", labels=["pool", "reason"])
+        hits = CounterMetricFamily("kvservice_prefix_cache_hits_total",
+                                   "Pages served from the prefix cache instead of being recomputed.", labels=["pool"])
+        evictions = CounterMetricFamily("kvservice_prefix_cache_evictions_total",
+                                        "Cached pages evicted (LRU) to make room.", labels=["pool"])
         for name in self.manager.pool_names():
             try:
                 with self.manager.locked(name) as pool:
@@ -40,6 +45,9 @@ class ManagerCollector:
                     seqs.add_metric([name], pool.num_sequences)
                     for reason, count in pool.alloc_failures.items():
                         fails.add_metric([name, reason], count)
+                    if pool.prefix is not None:
+                        hits.add_metric([name], pool.prefix.hits)
+                        evictions.add_metric([name], pool.allocators[0].evictions)
             except KVError:  # a pool deleted between listing and locking
                 continue
         workers = GaugeMetricFamily("kvservice_workers", "Registered workers by pool and state.",
@@ -50,7 +58,7 @@ class ManagerCollector:
             counts[key] = counts.get(key, 0) + 1
         for (pool_name, state), n in sorted(counts.items()):
             workers.add_metric([pool_name, state], n)
-        yield from (total, free, seqs, fails, workers)
+        yield from (total, free, seqs, fails, hits, evictions, workers)
 
 
 class ManagerMetrics:

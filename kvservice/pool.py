@@ -1,14 +1,17 @@
 """A pool: one planned geometry, one slot allocator per layer group, and the sequences in it.
 
 Sequence state lives in arrays indexed by a *row* (a dense handle the pool
-assigns): ``_num_tokens[row]`` and, per group, ``_slots[g][row, j]`` = the slot
-holding page j of the sequence. A step over B sequences is a fixed number of
-NumPy calls, not B Python calls. Only the seq_id -> row lookup is a dict.
+assigns): ``_num_tokens[row]``, ``_held[row]`` = ceil(num_tokens / page_size)
+and, per group, ``_slots[g][row, j]`` = the slot holding page j, with
+``_first[g][row]`` the first page still held (pages before it fell out of a
+sliding window and were released; always 0 in full-attention groups). A step
+over B sequences is a fixed number of NumPy calls, not B Python calls; only
+forks and copy-on-write touch rows one by one.
 
-Invariant kept here: a live sequence of n tokens holds exactly ceil(n /
-page_size) slots in every group, in ``_slots[g][row, :ceil(n / page_size)]``.
-(Sliding-window release comes with the prefix-caching work; until then sliding
-groups hold every page, like full groups.)
+Sharing: a fork's child shares its parent's slots and a prefix-cache hit shares
+a cached page (refcounts). Appending into a shared, partly filled last page
+copies it first: the step returns the (src, dst) slot pairs the worker copies
+before the step's kernels run.
 """
 
 from __future__ import annotations
@@ -22,9 +25,11 @@ from .errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
 from .geometry import IndexSpace
 from .pagetable import PageTable
 from .planner import Plan
+from .prefix import PrefixCache
 
 _EMPTY_IDS = np.zeros(0, dtype=np.uint64)
 _EMPTY_COUNTS = np.zeros(0, dtype=np.int64)
+_NO_COPIES = np.zeros((0, 2), dtype=np.int64)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +50,7 @@ class SpaceTables:
 
 @dataclass(frozen=True, slots=True)
 class StepResult:
-    """Outcome of one step for the scheduled batch (extended sequences, then admitted ones).
+    """Outcome of one step for the scheduled batch (extended, then admitted, then forked sequences).
 
     seq_ids: shape [B], uint64.
     num_tokens: shape [B], int64; tokens each sequence holds after the step.
@@ -59,6 +64,8 @@ class StepResult:
     new_token_indptr: np.ndarray
     tables: tuple[SpaceTables, ...]
     num_free_slots: int
+    cached_tokens: np.ndarray | None = None          # int64 [A]: tokens of each admission found in the cache
+    copies: tuple[np.ndarray, ...] = ()              # per group: int64 [n, 2] (src_slot, dst_slot) to copy first
 
 
 def _ids(name: str, a: object) -> np.ndarray:
@@ -86,28 +93,45 @@ def _counts(name: str, a: object, n: int) -> np.ndarray:
     return arr
 
 
+def _strs(name: str, values: object, n: int) -> list[str]:
+    vals = [] if values is None else [str(v) for v in values]  # type: ignore[attr-defined]
+    if not vals:
+        return [""] * n
+    if len(vals) != n:
+        raise InvalidArgument(f"{name} has {len(vals)} entries for {n} admissions; give one per admission or none")
+    return vals
+
+
 class Pool:
     """Named pool of slots with its sequences. Not thread-safe: the manager serialises calls."""
 
-    def __init__(self, name: str, plan: Plan) -> None:
+    def __init__(self, name: str, plan: Plan, prefix_caching: bool = False) -> None:
         self.name = name
         self.plan = plan
         geo = plan.geometry
         self.page_size = geo.spec.page_size
         self.max_seq_len = plan.max_seq_len
         self.allocators = [SlotAllocator(geo.num_slots) for _ in geo.groups]
+        self.windows = [g.sliding_window for g in geo.groups]
+        self._sliding = [g for g, w in enumerate(self.windows) if w]
+        if prefix_caching and self._sliding:
+            raise InvalidArgument("prefix caching with sliding-window layer groups is not supported; create the "
+                                  "pool without enable_prefix_caching or without sliding layers")
+        self.prefix = PrefixCache(self.allocators[0], self.page_size) if prefix_caching else None
+        self._sharing = prefix_caching          # slots may have several owners
         self._rows: dict[int, int] = {}          # seq_id -> row (source of truth)
         self._sorted: tuple[np.ndarray, np.ndarray] | None = None  # (ids, rows) by id; None = stale
         self._free_rows: list[int] = []
         self._num_rows = 0                        # rows ever used (high-water mark)
         cap, width = 16, 4
         self._num_tokens = np.zeros(cap, dtype=np.int64)   # 0 = row unused
-        self._held = np.zeros(cap, dtype=np.int64)         # ceil(num_tokens / page_size): slots per group
+        self._held = np.zeros(cap, dtype=np.int64)         # ceil(num_tokens / page_size): pages, released included
         self._arange = np.arange(1024, dtype=np.int64)
         self._seq_ids = np.zeros(cap, dtype=np.uint64)
         # Slot values fit the index dtype of a scale-1 space, so per_layer tables need no conversion.
         self._slot_dtype = np.dtype(np.int32 if geo.num_slots <= 2**31 - 1 else np.int64)
         self._slots = [np.full((cap, width), -1, dtype=self._slot_dtype) for _ in geo.groups]
+        self._first = [np.zeros(cap, dtype=np.int64) for _ in geo.groups]
         self.steps = 0
         self.admitted = 0
         self.refused = 0
@@ -138,12 +162,18 @@ class Pool:
         return ids[order], self._num_tokens[rows[order]]
 
     def sequence_slots(self, seq_id: int, group: int = 0) -> np.ndarray:
-        """Slots held by a sequence in one group, page order (a copy)."""
+        """Slots a sequence holds in one group, page order (a copy; released window pages excluded)."""
         row = self._rows.get(int(seq_id))
         if row is None:
             raise NotFound(f"sequence {seq_id} is not in pool {self.name!r}", seq_id=seq_id)
-        held = -(-int(self._num_tokens[row]) // self.page_size)
-        return self._slots[group][row, :held].copy()
+        return self._slots[group][row, self._first[group][row]:self._held[row]].copy()
+
+    def first_page(self, seq_id: int, group: int) -> int:
+        """Index of the first page a sequence still holds in a group (0 unless a window released pages)."""
+        row = self._rows.get(int(seq_id))
+        if row is None:
+            raise NotFound(f"sequence {seq_id} is not in pool {self.name!r}", seq_id=seq_id)
+        return int(self._first[group][row])
 
     def tables_for(self, seq_ids: np.ndarray, block_table: bool = False) -> tuple[SpaceTables, ...]:
         """Page tables of live sequences (no slot mappings: nothing new is appended)."""
@@ -156,21 +186,32 @@ class Pool:
     # ---- the step ----------------------------------------------------------------------
     def step(self, free_ids: object = None, extend_ids: object = None, extend_tokens: object = None,
              admit_ids: object = None, admit_tokens: object = None, tables: bool = True,
-             block_table: bool = False) -> StepResult:
-        """One scheduler iteration: free, then extend, then admit; all or nothing.
+             block_table: bool = False, fork_parents: object = None, fork_children: object = None,
+             admit_token_ids: object = None, admit_salts: object = None,
+             admit_extra_keys: object = None) -> StepResult:
+        """One scheduler iteration, all or nothing: free, fork, extend, admit.
 
         free_ids: shape [F], uint64 (or non-negative int); live sequences to drop.
+        fork_parents, fork_children: shape [K]; each child starts as a copy of its live parent,
+            sharing its slots. A child cannot be extended in the step that creates it.
         extend_ids, extend_tokens: shape [E]; live sequences and the tokens (> 0) each gains.
         admit_ids, admit_tokens: shape [A]; new sequences and the tokens (> 0) each starts with.
-        Returns the scheduled batch (E extended, then A admitted) with slot mappings and tables.
+        admit_token_ids: shape [sum(admit_tokens)], the admissions' token ids, for prefix caching.
+        admit_salts, admit_extra_keys: A strings or none; cache pages are shared only within one pair.
+        Returns the batch (E extended, A admitted, K children) with slot mappings, tables,
+        cached token counts and copy-on-write pairs.
         Raises InvalidArgument, NotFound, AlreadyExists or ResourceExhausted; then nothing changed.
         """
         f_ids = _ids("free_seq_ids", free_ids)
         e_ids = _ids("extend_seq_ids", extend_ids)
         a_ids = _ids("admit_seq_ids", admit_ids)
+        p_ids = _ids("fork_parent_ids", fork_parents)
+        c_ids = _ids("fork_child_ids", fork_children)
         e_k = _counts("extend_num_tokens", extend_tokens, len(e_ids))
         a_n = _counts("admit_num_tokens", admit_tokens, len(a_ids))
-        parts = [a for a in (f_ids, e_ids, a_ids) if len(a)]
+        if len(p_ids) != len(c_ids):
+            raise InvalidArgument(f"fork_parent_ids has {len(p_ids)} entries, fork_child_ids {len(c_ids)}")
+        parts = [a for a in (f_ids, e_ids, a_ids, c_ids) if len(a)]
         all_ids = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else f_ids
         if len(all_ids) > 1:
             srt = np.sort(all_ids)
@@ -178,14 +219,18 @@ class Pool:
             if dup.any():
                 raise InvalidArgument(
                     f"sequence {srt[1:][dup][0]} appears more than once in one step; each sequence may be "
-                    "freed, extended or admitted once per step", seq_id=srt[1:][dup][0])
+                    "freed, extended, admitted or created by a fork once per step", seq_id=srt[1:][dup][0])
         f_rows = self._lookup(f_ids, "free_seq_ids")
         e_rows = self._lookup(e_ids, "extend_seq_ids")
-        if len(a_ids):
-            known = self._find(a_ids)[1]
+        p_rows = self._lookup(p_ids, "fork_parent_ids")
+        new_ids = np.concatenate((a_ids, c_ids)) if len(c_ids) else a_ids
+        if len(new_ids):
+            known = self._find(new_ids)[1]
             if known.any():
-                taken = a_ids[known][0]
+                taken = new_ids[known][0]
                 raise AlreadyExists(f"sequence {taken} is already in pool {self.name!r}", seq_id=taken)
+        if len(p_ids) and len(f_ids) and np.isin(p_ids, f_ids).any():
+            raise InvalidArgument(f"fork parent {p_ids[np.isin(p_ids, f_ids)][0]} is freed in the same step")
         ps = self.page_size
         e_old = self._num_tokens[e_rows]
         e_new = e_old + e_k
@@ -195,44 +240,257 @@ class Pool:
                 raise InvalidArgument(
                     f"{name}: sequence {ids[j]} would hold {n[j]} tokens; pool {self.name!r} takes at most "
                     f"max_seq_len={self.max_seq_len}", seq_id=ids[j], max_seq_len=self.max_seq_len)
-        if len(a_ids):
-            old = np.concatenate((e_old, np.zeros(len(a_ids), dtype=np.int64)))
-            new = np.concatenate((e_new, a_n))
-            held_old = np.concatenate((self._held[e_rows], np.zeros(len(a_ids), dtype=np.int64)))
-        else:
-            old, new, held_old = e_old, e_new, self._held[e_rows]
-        held_new = (new + (ps - 1)) // ps
-        need = held_new - held_old
-        needed = int(need.sum())
-        released = int(self._held[f_rows].sum()) if len(f_rows) else 0
-        free_now = self.num_free_slots
-        if needed > free_now + released:
-            self.refused += 1
-            self.alloc_failures["out_of_slots"] = self.alloc_failures.get("out_of_slots", 0) + 1
-            raise ResourceExhausted(
-                f"pool {self.name!r}: this step needs {needed} slots per layer group but only "
-                f"{free_now + released} are free ({free_now} free + {released} released by this step's "
-                f"frees) of {self.plan.num_slots}; free or preempt sequences, or plan a bigger pool",
-                needed=needed, free=free_now + released, num_slots=self.plan.num_slots)
+        prompt = self._prompt_pages(a_n, admit_token_ids, admit_salts, admit_extra_keys)
+        e_held = self._held[e_rows]
+        e_held_new = (e_new + (ps - 1)) // ps
+        a_held = (a_n + (ps - 1)) // ps
+        # ---- slot demand per group, computed exactly before anything changes ------------
+        plans = []
+        for g, alloc in enumerate(self.allocators):
+            plans.append(self._plan_group(g, alloc, f_rows, p_rows, e_rows, e_old, e_held, e_held_new, a_held,
+                                          prompt))
+        for g, (need, avail, *_rest) in enumerate(plans):
+            if need > avail:
+                self.refused += 1
+                self.alloc_failures["out_of_slots"] = self.alloc_failures.get("out_of_slots", 0) + 1
+                free_now = self.allocators[g].num_free
+                raise ResourceExhausted(
+                    f"pool {self.name!r}: this step needs {need} slots in layer group {g} but only {avail} are "
+                    f"free ({free_now} free + {avail - free_now} released by this step) of {self.plan.num_slots}; "
+                    "free or preempt sequences, or plan a bigger pool",
+                    needed=need, free=avail, num_slots=self.plan.num_slots, group=g)
         # ---- nothing can fail past this line --------------------------------------
         self._release(f_rows)
-        rows = np.concatenate((e_rows, self._take_rows(a_ids))) if len(a_ids) else e_rows
+        for g in self._sliding:
+            self._release_window(g, e_rows, plans[g][2])
+        c_rows = self._take_rows(c_ids) if len(c_ids) else _EMPTY_COUNTS
+        if len(c_rows):
+            self._fork(p_rows, c_rows)
+        a_rows = self._take_rows(a_ids) if len(a_ids) else _EMPTY_COUNTS
+        hits = plans[0][3] if prompt is not None else None
+        if hits is not None and len(a_rows):
+            self._share_hits(a_rows, hits, plans[0][4])
+        # New pages: extensions from their held count, admissions after their prefix hits.
+        if len(a_rows):
+            g_rows = np.concatenate((e_rows, a_rows))
+            a_lo = hits if hits is not None else np.zeros(len(a_rows), dtype=np.int64)
+            g_lo, g_hi = np.concatenate((e_held, a_lo)), np.concatenate((e_held_new, a_held))
+        else:
+            g_rows, g_lo, g_hi = e_rows, e_held, e_held_new
+        if len(g_rows):
+            self._ensure_width(int(g_hi.max()))
+        g_need = g_hi - g_lo
+        g_total = int(g_need.sum())
+        copies = [self._grow(g, alloc, g_rows, g_lo, g_need, g_total, e_rows, e_old, e_held)
+                  for g, alloc in enumerate(self.allocators)]
+        rows = np.concatenate((e_rows, a_rows, c_rows)) if len(a_rows) or len(c_rows) else e_rows
+        old = np.concatenate((e_old, np.zeros(len(a_rows), dtype=np.int64), self._num_tokens[c_rows])) \
+            if len(rows) > len(e_rows) else e_old
+        new = np.concatenate((e_new, a_n, self._num_tokens[c_rows])) if len(rows) > len(e_rows) else e_new
+        held_new = (new + (ps - 1)) // ps if len(rows) > len(e_rows) else e_held_new
         self._num_tokens[rows] = new
         self._held[rows] = held_new
-        if len(rows):
-            self._ensure_width(int(held_new.max()))
-        if needed:
-            starts = np.cumsum(need) - need
-            rep_rows = np.repeat(rows, need)
-            cols = np.repeat(held_old - starts, need) + self._iota(needed)
-            for alloc, slots in zip(self.allocators, self._slots, strict=True):
-                slots[rep_rows, cols] = alloc.allocate(needed)
+        if prompt is not None and len(a_rows):
+            self._register(a_rows, a_n, prompt)
         self.steps += 1
         self.admitted += len(a_ids)
         tok_indptr = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(new - old, out=tok_indptr[1:])
+        cached = hits * ps if hits is not None else (np.zeros(len(a_ids), dtype=np.int64) if len(a_ids) else None)
         return StepResult(self._seq_ids[rows], new, tok_indptr,
-                          self._emit(rows, old, new, held_new, tok_indptr, tables, block_table), self.num_free_slots)
+                          self._emit(rows, old, new, held_new, tok_indptr, tables, block_table),
+                          self.num_free_slots, cached, tuple(copies))
+
+    # ---- step pieces -------------------------------------------------------------------
+    def _prompt_pages(self, a_n: np.ndarray, token_ids: object, salts: object,
+                      keys: object) -> tuple | None:
+        """Prefix-cache inputs of the admissions, or None when caching is off or no tokens were given.
+
+        Returns (pages int64 [A, P, ps], full int64 [A], limit int64 [A], ns int64 [A], hashes uint64 [A, P]):
+        full = full pages of each prompt, limit = pages it may take from the cache.
+        """
+        a = len(a_n)
+        if token_ids is None or self.prefix is None or not a:
+            if token_ids is not None and self.prefix is None and len(np.asarray(token_ids)):
+                raise InvalidArgument(f"pool {self.name!r} was created without prefix caching; "
+                                      "admit_token_ids are not accepted")
+            return None
+        tok = np.asarray(token_ids)
+        if tok.ndim != 1 or tok.dtype.kind not in "iu":
+            raise InvalidArgument(f"admit_token_ids must be a 1-D integer array, got shape {tok.shape} dtype "
+                                  f"{tok.dtype}")
+        if len(tok) != int(a_n.sum()):
+            raise InvalidArgument(f"admit_token_ids has {len(tok)} ids; admit_num_tokens add up to {int(a_n.sum())}")
+        ns = self.prefix.namespace_ids(_strs("admit_cache_salts", salts, a), _strs("admit_extra_keys", keys, a))
+        ps = self.page_size
+        full = a_n // ps
+        p = int(full.max())
+        starts = np.cumsum(a_n) - a_n
+        col = np.arange(p * ps)
+        idx = np.minimum(starts[:, None] + col[None, :], len(tok) - 1)
+        pages = tok.astype(np.int64)[idx].reshape(a, p, ps)
+        limit = (a_n - 1) // ps                      # at least one token of each prompt is computed
+        hashes = self.prefix.hash_fn(pages, ns) if p else np.zeros((a, 0), dtype=np.uint64)
+        return pages, full, limit, ns, hashes
+
+    def _plan_group(self, g: int, alloc: SlotAllocator, f_rows: np.ndarray, p_rows: np.ndarray, e_rows: np.ndarray,
+                    e_old: np.ndarray, e_held: np.ndarray, e_held_new: np.ndarray, a_held: np.ndarray,
+                    prompt: tuple | None) -> tuple:
+        """(slots needed, slots available, new window starts, prefix hits, copy-on-write count) of group g."""
+        ps = self.page_size
+        first = self._first[g]
+        released: list[np.ndarray] = []
+        if len(f_rows):
+            released.append(self._row_slots(g, f_rows, first[f_rows], self._held[f_rows]))
+        new_first = None
+        if self.windows[g] and len(e_rows):
+            lo = first[e_rows]
+            new_first = np.minimum(np.maximum(lo, (e_old + 1 - self.windows[g]) // ps), e_held)
+            released.append(self._row_slots(g, e_rows, lo, new_first))
+        dropped = np.concatenate(released) if released else np.zeros(0, dtype=np.int64)
+        rc = alloc._refcnt
+        if self._sharing and len(dropped):
+            uniq, counts = np.unique(dropped, return_counts=True)
+            freed = uniq[rc[uniq] == counts]
+        else:
+            freed = dropped
+        avail = alloc.num_free + len(freed)
+        need = int((e_held_new - e_held).sum())
+        hits = None
+        if prompt is not None and g == 0:
+            pages, full, limit, ns, hashes = prompt
+            hits, cand = self.prefix.match(pages, limit, ns, hashes) if pages.shape[1] else (
+                np.zeros(len(full), dtype=np.int64), np.zeros((len(full), 0), dtype=np.int64))
+            hit_slots = cand[np.arange(cand.shape[1]) < hits[:, None]]
+            revived = np.unique(hit_slots)
+            revived = revived[(rc[revived] == 0) | np.isin(revived, freed)]
+            avail -= len(revived)
+            need += int((a_held - hits).sum())
+            prompt_hit = (hits, cand)
+        else:
+            need += int(a_held.sum())
+            prompt_hit = None
+        if (self._sharing or len(p_rows)) and len(e_rows):
+            # Owners after this step's frees, window releases and forks, before its copies.
+            delta = np.zeros(alloc.num_slots, dtype=np.int64)
+            np.subtract.at(delta, dropped, 1)
+            if len(p_rows):
+                np.add.at(delta, self._row_slots(g, p_rows, first[p_rows], self._held[p_rows]), 1)
+            need += self._count_cow(g, e_rows, e_old, e_held, delta)
+        return need, avail, new_first, hits, prompt_hit
+
+    def _count_cow(self, g: int, e_rows: np.ndarray, e_old: np.ndarray, e_held: np.ndarray,
+                   delta: np.ndarray) -> int:
+        """Copies needed: extended rows whose partly filled last page other live sequences also hold.
+
+        delta: int64 [num_slots], change of each slot's owners before the copies (frees, forks).
+        Of c extending owners of a slot with r owners, all c copy if r > c, else all but the last.
+        """
+        partial = (e_old % self.page_size) != 0
+        if not partial.any():
+            return 0
+        rows, held = e_rows[partial], e_held[partial]
+        last = self._slots[g][rows, held - 1].astype(np.int64)
+        rc = self.allocators[g]._refcnt[last] + delta[last]
+        shared = rc > 1
+        if not shared.any():
+            return 0
+        uniq, c = np.unique(last[shared], return_counts=True)
+        r = self.allocators[g]._refcnt[uniq] + delta[uniq]
+        return int((c - (r == c)).sum())
+
+    def _row_slots(self, g: int, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """Slots in columns [lo, hi) of each row of group g, concatenated (int64)."""
+        cnt = np.maximum(hi - lo, 0)
+        total = int(cnt.sum())
+        if not total:
+            return np.zeros(0, dtype=np.int64)
+        width = self._slots[g].shape[1]
+        starts = np.cumsum(cnt) - cnt
+        flat = np.repeat(rows * width + lo - starts, cnt) + self._iota(total)
+        return self._slots[g].ravel().take(flat).astype(np.int64)
+
+    def _release_window(self, g: int, e_rows: np.ndarray, new_first: np.ndarray | None) -> None:
+        if new_first is None:
+            return
+        lo = self._first[g][e_rows]
+        dropped = self._row_slots(g, e_rows, lo, new_first)
+        if len(dropped):
+            self.allocators[g].free(dropped, unique=not self._sharing)
+            width = self._slots[g].shape[1]
+            cnt = new_first - lo
+            starts = np.cumsum(cnt) - cnt
+            flat = np.repeat(e_rows * width + lo - starts, cnt) + self._iota(int(cnt.sum()))
+            self._slots[g].ravel()[flat] = -1
+        self._first[g][e_rows] = new_first
+
+    def _fork(self, p_rows: np.ndarray, c_rows: np.ndarray) -> None:
+        self._sharing = True
+        self._num_tokens[c_rows] = self._num_tokens[p_rows]
+        self._held[c_rows] = self._held[p_rows]
+        self._ensure_width(int(self._held[p_rows].max()))
+        for g, alloc in enumerate(self.allocators):
+            self._slots[g][c_rows] = self._slots[g][p_rows]
+            self._first[g][c_rows] = self._first[g][p_rows]
+            shared = self._row_slots(g, p_rows, self._first[g][p_rows], self._held[p_rows])
+            uniq, counts = np.unique(shared, return_counts=True)
+            for k in range(1, int(counts.max()) + 1 if len(counts) else 1):
+                alloc.share(uniq[counts >= k])
+
+    def _share_hits(self, a_rows: np.ndarray, hits: np.ndarray, prompt_hit: tuple) -> None:
+        _, cand = prompt_hit
+        if not hits.any():
+            return
+        self._ensure_width(int(hits.max()))
+        mask = np.arange(cand.shape[1]) < hits[:, None]
+        slots = cand[mask]
+        uniq, counts = np.unique(slots, return_counts=True)
+        alloc = self.allocators[0]
+        for k in range(1, int(counts.max()) + 1):
+            alloc.share(uniq[counts >= k])
+        rows = np.repeat(a_rows, hits)
+        cols = np.nonzero(mask)[1]
+        self._slots[0][rows, cols] = slots
+        self.prefix.hits += len(slots)
+
+    def _grow(self, g: int, alloc: SlotAllocator, rows: np.ndarray, lo: np.ndarray, need: np.ndarray, total: int,
+              e_rows: np.ndarray, e_old: np.ndarray, e_held: np.ndarray) -> np.ndarray:
+        """Copy-on-write, then `need` new pages from column `lo` of each row. Returns the (src, dst) copies."""
+        copies = _NO_COPIES
+        if self._sharing and len(e_rows):      # (a fork earlier in this step turned sharing on)
+            copies = self._copy_on_write(g, alloc, e_rows, e_old, e_held)
+        if total:
+            starts = np.cumsum(need) - need
+            rep_rows = np.repeat(rows, need)
+            cols = np.repeat(lo - starts, need) + self._iota(total)
+            self._slots[g][rep_rows, cols] = alloc.allocate(total)
+        return copies
+
+    def _copy_on_write(self, g: int, alloc: SlotAllocator, e_rows: np.ndarray, e_old: np.ndarray,
+                       e_held: np.ndarray) -> np.ndarray:
+        partial = np.flatnonzero((e_old % self.page_size) != 0)
+        pairs = []
+        slots = self._slots[g]
+        for i in partial.tolist():
+            row, col = int(e_rows[i]), int(e_held[i]) - 1
+            src = int(slots[row, col])
+            if alloc._refcnt[src] > 1:
+                dst = int(alloc.allocate(1)[0])
+                slots[row, col] = dst
+                alloc.free(np.array([src], dtype=np.intp), unique=True)
+                pairs.append((src, dst))
+        return np.array(pairs, dtype=np.int64).reshape(-1, 2)
+
+    def _register(self, a_rows: np.ndarray, a_n: np.ndarray, prompt: tuple) -> None:
+        pages, full, _, ns, hashes = prompt
+        p = pages.shape[1]
+        if not p:
+            return
+        mask = np.arange(p) < full[:, None]
+        slots = self._slots[0][a_rows[:, None], np.arange(p)[None, :]].astype(np.int64)
+        parents = np.concatenate((np.full((len(a_rows), 1), -1, dtype=np.int64), slots[:, :-1]), axis=1)
+        self.prefix.register(slots[mask], parents[mask], np.broadcast_to(ns[:, None], mask.shape)[mask],
+                             pages[mask], hashes[mask])
 
     # ---- helpers -------------------------------------------------------------------
     def _iota(self, n: int) -> np.ndarray:
@@ -285,9 +543,9 @@ class Pool:
         if not len(rows):
             return
         held = self._held[rows]
-        mask = np.arange(int(held.max())) < held[:, None]
-        for alloc, slots in zip(self.allocators, self._slots, strict=True):
-            alloc.free(slots[rows, :mask.shape[1]][mask], unique=True)
+        for g, alloc in enumerate(self.allocators):
+            alloc.free(self._row_slots(g, rows, self._first[g][rows], held), unique=not self._sharing)
+            self._first[g][rows] = 0
         for seq_id in self._seq_ids[rows].tolist():
             del self._rows[seq_id]
         self._num_tokens[rows] = 0
@@ -303,6 +561,7 @@ class Pool:
         self._num_tokens = np.concatenate((self._num_tokens, np.zeros(new_cap - cap, dtype=np.int64)))
         self._seq_ids = np.concatenate((self._seq_ids, np.zeros(new_cap - cap, dtype=np.uint64)))
         self._held = np.concatenate((self._held, np.zeros(new_cap - cap, dtype=np.int64)))
+        self._first = [np.concatenate((f, np.zeros(new_cap - cap, dtype=np.int64))) for f in self._first]
         self._slots = [np.concatenate((s, np.full((new_cap - cap, s.shape[1]), -1, dtype=s.dtype)))
                        for s in self._slots]
 
@@ -330,25 +589,31 @@ class Pool:
         page_of_tok, off_in_page = np.divmod(pos, ps)
         tok_flat = tok_rows * width + page_of_tok              # into _slots[g].ravel()
         if tables:
-            indptr = np.zeros(b + 1, dtype=np.int64)
-            np.cumsum(held, out=indptr[1:])
-            # Row r's pages sit at the start of its table row: gather them flat, no mask.
-            flat = np.repeat(rows * width - indptr[:-1], held)
-            flat += self._iota(int(indptr[-1]))
             last = (new - (held - 1) * ps).astype(np.int32)
         if block_table:
             bt_width = int(held.max()) if b else 0
             pad = np.arange(bt_width) >= held[:, None]
         out = []
-        gathered: dict[int, tuple[np.ndarray, np.ndarray | None, np.ndarray | None]] = {}
+        gathered: dict[int, tuple] = {}
         for space in self.plan.geometry.index_spaces:
             g = space.group
             if g not in gathered:
                 flat_slots = self._slots[g].ravel()
-                gathered[g] = (flat_slots.take(tok_flat).astype(np.int64),
-                               flat_slots.take(flat) if tables else None,
-                               self._slots[g][rows, :bt_width] if block_table else None)
-            tok_slots, idx, sub = gathered[g]
+                indptr = idx = sub = None
+                if tables:
+                    # Row r's held pages are columns [first, held) of its table row: one flat gather.
+                    first = self._first[g][rows] if self.windows[g] else None
+                    cnt = held - first if first is not None else held
+                    indptr = np.zeros(b + 1, dtype=np.int64)
+                    np.cumsum(cnt, out=indptr[1:])
+                    base = rows * width - indptr[:-1]
+                    flat = np.repeat(base + first if first is not None else base, cnt)
+                    flat += self._iota(int(indptr[-1]))
+                    idx = flat_slots.take(flat)
+                if block_table:
+                    sub = self._slots[g][rows, :bt_width]
+                gathered[g] = (flat_slots.take(tok_flat).astype(np.int64), indptr, idx, sub)
+            tok_slots, indptr, idx, sub = gathered[g]
             if space.scale == 1 and space.offset == 0:
                 mapping = tok_slots * ps + off_in_page
             else:
@@ -357,6 +622,6 @@ class Pool:
             bt = None
             if block_table:
                 bt = space.page_indices(sub).copy()
-                bt[pad] = -1
+                bt[pad | (sub < 0)] = -1
             out.append(SpaceTables(space, mapping, table, bt))
         return tuple(out)

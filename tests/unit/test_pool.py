@@ -57,7 +57,7 @@ def test_seed000_batch_of_8_into_128_slots_is_refused_and_pool_unchanged():
     with pytest.raises(ResourceExhausted) as exc:
         pool.step(admit_ids=np.arange(8), admit_tokens=np.full(8, 2048))
     assert "needs 1024 slots" in exc.value.message and "only 127 are free" in exc.value.message
-    assert exc.value.metadata == {"needed": "1024", "free": "127", "num_slots": "128"}
+    assert exc.value.metadata == {"needed": "1024", "free": "127", "num_slots": "128", "group": "0"}
     assert snapshot(pool) == before
     assert pool.refused == 1 and pool.alloc_failures == {"out_of_slots": 1}
     assert_invariants(pool)

@@ -1,10 +1,11 @@
 """Hypothesis state machine: the pool against a plain-Python model of the allocator.
 
-The model owns nothing NumPy: a dict of sequences -> token count and slot list
-per group, and a set of free slots per group. After every step the pool must
-agree with it, DESIGN.md's invariants must hold, and every failure (unknown id,
-double free, duplicate, bad count, out of slots) must be a clean error that
-changed nothing.
+The model owns nothing NumPy: per sequence its token count and, per layer
+group, the slot of each page (None once a sliding window released it); per
+group a refcount dict. After every step the pool must agree with it, DESIGN.md's
+invariants must hold, and every failure (unknown id, double free, duplicate,
+bad count, out of slots) must be a clean error that changed nothing. Forks
+share slots; appends into a shared partly filled page must copy it first.
 """
 
 import numpy as np
@@ -22,114 +23,210 @@ from kvservice.pool import Pool
 PAGE = 4
 SLOTS = 24
 MAX_LEN = 40
+WINDOW = 6
+WINDOWS = (0, WINDOW)          # group 0: full attention (layers 0, 1); group 1: sliding (layer 2)
 
 
 def cdiv(a, b):
     return -(-a // b)
 
 
-class Model:
-    def __init__(self, groups):
-        self.seqs = {}                                   # id -> [num_tokens, [slots per group]]
-        self.free = [set(range(SLOTS)) for _ in range(groups)]
+class Seq:
+    def __init__(self, n=0, pages=None, first=None):
+        self.n = n
+        self.pages = pages or [[] for _ in WINDOWS]     # per group: slot per page, None = released
+        self.first = first or [0 for _ in WINDOWS]
 
-    def expect(self, free_ids, ext, adm):
+    def held(self, g):
+        return self.pages[g][self.first[g]:]
+
+    def clone(self):
+        return Seq(self.n, [list(p) for p in self.pages], list(self.first))
+
+
+class Model:
+    def __init__(self):
+        self.seqs: dict[int, Seq] = {}
+        self.rc = [dict.fromkeys(range(SLOTS), 0) for _ in WINDOWS]
+
+    def free_count(self, g):
+        return sum(1 for v in self.rc[g].values() if v == 0)
+
+    def new_first(self, s, g, old):
+        w = WINDOWS[g]
+        if not w:
+            return s.first[g]
+        return min(max(s.first[g], (old + 1 - w) // PAGE), cdiv(old, PAGE))
+
+    def expect(self, free_ids, forks, ext, adm):
         """The exception class the pool must raise for this step, or None."""
-        ids = [*free_ids, *(i for i, _ in ext), *(i for i, _ in adm)]
+        ids = [*free_ids, *(c for _, c in forks), *(i for i, _ in ext), *(i for i, _ in adm)]
         if any(k <= 0 for _, k in ext) or any(n <= 0 for _, n in adm):
             return InvalidArgument
         if len(set(ids)) != len(ids):
             return InvalidArgument
-        if any(i not in self.seqs for i in free_ids) or any(i not in self.seqs for i, _ in ext):
+        if any(i not in self.seqs for i in free_ids) or any(i not in self.seqs for i, _ in ext) \
+                or any(p not in self.seqs for p, _ in forks):
             return NotFound
-        if any(i in self.seqs for i, _ in adm):
+        if any(i in self.seqs for i, _ in adm) or any(c in self.seqs for _, c in forks):
             return AlreadyExists
-        if any(self.seqs[i][0] + k > MAX_LEN for i, k in ext) or any(n > MAX_LEN for _, n in adm):
+        if any(p in free_ids for p, _ in forks):
             return InvalidArgument
-        need = sum(cdiv(self.seqs[i][0] + k, PAGE) - cdiv(self.seqs[i][0], PAGE) for i, k in ext)
-        need += sum(cdiv(n, PAGE) for _, n in adm)
-        released = sum(cdiv(self.seqs[i][0], PAGE) for i in free_ids)
-        if need > len(self.free[0]) + released:
-            return ResourceExhausted
+        if any(self.seqs[i].n + k > MAX_LEN for i, k in ext) or any(n > MAX_LEN for _, n in adm):
+            return InvalidArgument
+        for g in range(len(WINDOWS)):
+            dropped = [x for i in free_ids for x in self.seqs[i].held(g)]
+            for i, _ in ext:
+                s = self.seqs[i]
+                dropped += s.pages[g][s.first[g]:self.new_first(s, g, s.n)]
+            counts = {x: dropped.count(x) for x in set(dropped)}
+            freed = [x for x, c in counts.items() if self.rc[g][x] == c]
+            forked = [x for p, _ in forks for x in self.seqs[p].held(g)]
+            need = sum(cdiv(self.seqs[i].n + k, PAGE) - cdiv(self.seqs[i].n, PAGE) for i, k in ext)
+            need += sum(cdiv(n, PAGE) for _, n in adm)
+            extenders = {}
+            for i, _ in ext:
+                s = self.seqs[i]
+                if s.n % PAGE:
+                    last = s.pages[g][-1]
+                    extenders[last] = extenders.get(last, 0) + 1
+            for slot, c in extenders.items():
+                r = self.rc[g][slot] - counts.get(slot, 0) + forked.count(slot)
+                need += c - (1 if r == c else 0)
+            if need > self.free_count(g) + len(freed):
+                return ResourceExhausted
         return None
 
 
 class PoolMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
-        layers = (LayerSpec(1, 64), LayerSpec(1, 128), LayerSpec(1, 64, sliding_window=8))
+        layers = (LayerSpec(1, 64), LayerSpec(1, 128), LayerSpec(1, 64, sliding_window=WINDOW))
         self.pool = Pool("m", plan(CacheSpec(layers, PAGE, "interleaved"), Sizing(num_slots=SLOTS,
                                                                                     max_seq_len=MAX_LEN)))
-        self.model = Model(len(self.pool.allocators))
+        self.model = Model()
         self.next_id = 1
 
     def live(self):
         return sorted(self.model.seqs)
 
-    def do_step(self, free_ids, ext, adm):
-        expected = self.model.expect(free_ids, ext, adm)
+    def decref(self, g, slot):
+        assert self.model.rc[g][slot] > 0
+        self.model.rc[g][slot] -= 1
+
+    def do_step(self, free_ids=(), ext=(), adm=(), forks=()):
+        free_ids, ext, adm, forks = list(free_ids), list(ext), list(adm), list(forks)
+        expected = self.model.expect(free_ids, forks, ext, adm)
         before = self.pool.sequences()
+        arr = lambda xs: np.array(list(xs), dtype=np.int64)  # noqa: E731
         try:
-            res = self.pool.step(free_ids=np.array(free_ids, dtype=np.int64),
-                                 extend_ids=np.array([i for i, _ in ext], dtype=np.int64),
-                                 extend_tokens=np.array([k for _, k in ext], dtype=np.int64),
-                                 admit_ids=np.array([i for i, _ in adm], dtype=np.int64),
-                                 admit_tokens=np.array([n for _, n in adm], dtype=np.int64))
+            res = self.pool.step(free_ids=arr(free_ids), extend_ids=arr(i for i, _ in ext),
+                                 extend_tokens=arr(k for _, k in ext), admit_ids=arr(i for i, _ in adm),
+                                 admit_tokens=arr(n for _, n in adm), fork_parents=arr(p for p, _ in forks),
+                                 fork_children=arr(c for _, c in forks))
         except KVError as err:
             assert expected is not None and isinstance(err, expected), (expected, err)
             after = self.pool.sequences()
             assert [a.tolist() for a in after] == [b.tolist() for b in before], "a failed step changed state"
             return
         assert expected is None, f"expected {expected.__name__}"
+        m = self.model
+        # 1. frees, 2. window releases, 3. forks (the model's own bookkeeping)
         for i in free_ids:
-            _, slots = self.model.seqs.pop(i)
-            for g, s in enumerate(slots):
-                self.model.free[g].update(s)
-        batch = [*ext, *((i, n) for i, n in adm)]
-        assert res.seq_ids.tolist() == [i for i, _ in batch]
+            s = m.seqs.pop(i)
+            for g in range(len(WINDOWS)):
+                for x in s.held(g):
+                    self.decref(g, x)
+        for i, _ in ext:
+            s = m.seqs[i]
+            for g in range(len(WINDOWS)):
+                nf = m.new_first(s, g, s.n)
+                for j in range(s.first[g], nf):
+                    self.decref(g, s.pages[g][j])
+                    s.pages[g][j] = None
+                s.first[g] = nf
+        for p, c in forks:
+            m.seqs[c] = m.seqs[p].clone()
+            for g in range(len(WINDOWS)):
+                for x in m.seqs[c].held(g):
+                    m.rc[g][x] += 1
         for i, _ in adm:
-            self.model.seqs[i] = [0, [[] for _ in self.model.free]]
-        for sp_tables in res.tables:
-            g, space = sp_tables.space.group, sp_tables.space
-            assert validate_page_table(sp_tables.table, space, PAGE).ok
+            m.seqs[i] = Seq()
+        batch = [*ext, *adm, *((c, 0) for _, c in forks)]
+        assert res.seq_ids.tolist() == [i for i, _ in batch]
+        # 4. copy-on-write, in batch order: a partly filled last page with other owners is copied.
+        for g in range(len(WINDOWS)):
+            want = []
+            for i, _ in ext:
+                s = m.seqs[i]
+                if s.n % PAGE and m.rc[g][s.pages[g][-1]] > 1:
+                    src = s.pages[g][-1]
+                    want.append(src)
+                    self.decref(g, src)
+                    s.pages[g][-1] = ("copy", src)       # filled in from the reply below
+            got = res.copies[g].tolist() if len(res.copies) else []
+            assert [src for src, _ in got] == want, (g, got, want)
+            dsts = iter(dst for _, dst in got)
+            for i, _ in ext:
+                s = m.seqs[i]
+                if s.pages[g] and isinstance(s.pages[g][-1], tuple):
+                    dst = next(dsts)
+                    assert m.rc[g][dst] == 0, "copied into a slot that is in use"
+                    m.rc[g][dst] = 1
+                    s.pages[g][-1] = dst
+        # 5. growth: new pages come from free slots; tables and slot mappings match the model.
+        for sp in res.tables:
+            g, space = sp.space.group, sp.space
+            assert validate_page_table(sp.table, space, PAGE).ok
+            first_space = space.id == min(t.space.id for t in res.tables if t.space.group == g)
             for b, (i, k) in enumerate(batch):
-                old_n = self.model.seqs[i][0]
-                row = sp_tables.table.row(b).astype(np.int64)
+                s = m.seqs[i]
+                row = sp.table.row(b).astype(np.int64)
                 assert ((row - space.offset) % space.scale == 0).all()
                 slots = ((row - space.offset) // space.scale).tolist()
-                held = self.model.seqs[i][1][g]
+                held = s.held(g)
                 assert slots[:len(held)] == held, "pages of a sequence moved"
                 new = slots[len(held):]
-                assert len(slots) == cdiv(old_n + k, PAGE)
-                assert set(new) <= self.model.free[g], "handed out a slot the model says is owned"
-                if new and space.id == min(s.space.id for s in res.tables if s.space.group == g):
-                    self.model.free[g] -= set(new)
-                    held.extend(new)
-                # slot_mapping of the new tokens
+                assert s.first[g] + len(slots) == cdiv(s.n + k, PAGE)
+                if first_space:
+                    for x in new:
+                        assert m.rc[g][x] == 0, "handed out a slot the model says is owned"
+                        m.rc[g][x] = 1
+                    s.pages[g].extend(new)
                 lo, hi = res.new_token_indptr[b], res.new_token_indptr[b + 1]
-                pos = np.arange(old_n, old_n + k)
-                want = (np.array(slots)[pos // PAGE] * space.scale + space.offset) * PAGE + pos % PAGE
-                assert sp_tables.slot_mapping[lo:hi].tolist() == want.tolist()
+                pos = np.arange(s.n, s.n + k)
+                pages = [s.pages[g][p] for p in (pos // PAGE).tolist()] if first_space else \
+                    [(slots[p - s.first[g]]) for p in (pos // PAGE).tolist()]
+                want = (np.array(pages, dtype=np.int64) * space.scale + space.offset) * PAGE + pos % PAGE
+                assert sp.slot_mapping[lo:hi].tolist() == want.tolist()
         for i, k in batch:
-            self.model.seqs[i][0] += k
+            m.seqs[i].n += k
 
     @rule(n=st.integers(-1, MAX_LEN + 2), count=st.integers(1, 3))
     def admit(self, n, count):
         ids = list(range(self.next_id, self.next_id + count))
         self.next_id += count
-        self.do_step([], [], [(i, n) for i in ids])
+        self.do_step(adm=[(i, n) for i in ids])
 
     @precondition(lambda self: self.model.seqs)
-    @rule(data=st.data(), k=st.integers(0, 12))
+    @rule(data=st.data(), k=st.integers(0, 9))
     def extend(self, data, k):
         ids = data.draw(st.lists(st.sampled_from(self.live()), min_size=1, max_size=4, unique=True))
-        self.do_step([], [(i, k) for i in ids], [])
+        self.do_step(ext=[(i, k) for i in ids])
 
     @precondition(lambda self: self.model.seqs)
     @rule(data=st.data())
     def free(self, data):
-        ids = data.draw(st.lists(st.sampled_from(self.live()), min_size=1, max_size=3, unique=True))
-        self.do_step(ids, [], [])
+        self.do_step(free_ids=data.draw(st.lists(st.sampled_from(self.live()), min_size=1, max_size=3,
+                                                 unique=True)))
+
+    @precondition(lambda self: self.model.seqs)
+    @rule(data=st.data(), n_children=st.integers(1, 3), extend_parent=st.booleans())
+    def fork(self, data, n_children, extend_parent):
+        parent = data.draw(st.sampled_from(self.live()))
+        kids = list(range(self.next_id, self.next_id + n_children))
+        self.next_id += n_children
+        self.do_step(forks=[(parent, c) for c in kids], ext=[(parent, 1)] if extend_parent else [])
 
     @precondition(lambda self: self.model.seqs)
     @rule(data=st.data(), n=st.integers(1, 20))
@@ -137,35 +234,39 @@ class PoolMachine(RuleBasedStateMachine):
         live = self.live()
         f = data.draw(st.lists(st.sampled_from(live), max_size=2, unique=True))
         rest = [i for i in live if i not in f]
-        e = data.draw(st.lists(st.sampled_from(rest), max_size=3, unique=True)) if rest else []
+        e = data.draw(st.lists(st.sampled_from(rest), max_size=4, unique=True)) if rest else []
         self.next_id += 1
-        self.do_step(f, [(i, 1) for i in e], [(self.next_id, n)])
+        self.do_step(free_ids=f, ext=[(i, 1) for i in e], adm=[(self.next_id, n)])
 
     @rule(seq=st.integers(10_000, 10_010))
     def unknown_ids(self, seq):
-        self.do_step([seq], [], [])
-        self.do_step([], [(seq, 1)], [])
+        self.do_step(free_ids=[seq])
+        self.do_step(ext=[(seq, 1)])
+        self.do_step(forks=[(seq, seq + 100)])
 
     @precondition(lambda self: self.model.seqs)
     @rule(data=st.data())
     def double_free_and_duplicates(self, data):
         i = data.draw(st.sampled_from(self.live()))
-        self.do_step([i, i], [], [])                 # same id twice in one step
-        self.do_step([], [(i, 1), (i, 1)], [])
-        self.do_step([i], [], [])                    # a real free ...
-        self.do_step([i], [], [])                    # ... and the double free: NotFound
+        self.do_step(free_ids=[i, i])                 # same id twice in one step
+        self.do_step(ext=[(i, 1), (i, 1)])
+        self.do_step(forks=[(i, self.next_id)], free_ids=[i])   # parent freed in the same step
+        self.do_step(free_ids=[i])                    # a real free ...
+        self.do_step(free_ids=[i])                    # ... and the double free: NotFound
 
     @invariant()
     def invariants_hold(self):
         assert_invariants(self.pool)
         ids, toks = self.pool.sequences()
         assert ids.tolist() == self.live()
-        assert toks.tolist() == [self.model.seqs[i][0] for i in self.live()]
+        assert toks.tolist() == [self.model.seqs[i].n for i in self.live()]
         for g, a in enumerate(self.pool.allocators):
-            assert a.num_free == len(self.model.free[g])
-            assert set(a.free_slots().tolist()) == self.model.free[g]
+            assert set(a.free_slots().tolist()) == {x for x, v in self.model.rc[g].items() if v == 0}
+            assert a.refcount(np.arange(SLOTS)).tolist() == [self.model.rc[g][x] for x in range(SLOTS)]
+            for i in self.live():
+                assert self.pool.sequence_slots(i, g).tolist() == self.model.seqs[i].held(g)
 
 
 TestPoolMachine = PoolMachine.TestCase
-TestPoolMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None,
+TestPoolMachine.settings = settings(max_examples=80, stateful_step_count=30, deadline=None,
                                     suppress_health_check=[HealthCheck.too_slow])
