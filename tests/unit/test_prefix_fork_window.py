@@ -1,0 +1,162 @@
+"""Prefix caching (hits, collisions, tenants, eviction), forks with copy-on-write, sliding-window release."""
+
+import numpy as np
+import pytest
+
+from kvservice.errors import InvalidArgument
+from kvservice.geometry import CacheSpec, LayerSpec
+from kvservice.invariants import assert_invariants
+from kvservice.planner import Sizing, plan
+from kvservice.pool import Pool
+from kvservice.prefix import page_hashes
+
+PS = 4
+
+
+def cached_pool(num_slots=32, hash_fn=None):
+    pool = Pool("c", plan(CacheSpec.uniform(2, 1, 64, page_size=PS),
+                          Sizing(num_slots=num_slots, max_seq_len=min(128, num_slots * PS))), prefix_caching=True)
+    if hash_fn is not None:
+        pool.prefix.hash_fn = hash_fn
+    return pool
+
+
+def admit(pool, seq_id, tokens, salt="", key=""):
+    return pool.step(admit_ids=[seq_id], admit_tokens=[len(tokens)], admit_token_ids=np.array(tokens),
+                     admit_salts=[salt], admit_extra_keys=[key])
+
+
+def test_prefix_hit_reuses_pages_and_counts_tokens():
+    pool = cached_pool()
+    prompt = list(range(100, 114))                    # 14 tokens: 3 full pages + 2 tokens
+    r1 = admit(pool, 1, prompt)
+    assert r1.cached_tokens.tolist() == [0]
+    first = pool.sequence_slots(1).tolist()
+    r2 = admit(pool, 2, [*prompt[:12], 7, 8, 9])      # same 3 full pages, then different
+    assert r2.cached_tokens.tolist() == [12]
+    assert pool.sequence_slots(2).tolist()[:3] == first[:3]
+    assert pool.sequence_slots(2).tolist()[3] != first[3]
+    assert pool.allocators[0].refcount(np.array(first[:3])).tolist() == [2, 2, 2]
+    assert pool.prefix.hits == 3
+    # The slot mapping still covers every token (the kernels skip nothing the scheduler sends).
+    assert len(r2.tables[0].slot_mapping) == 15
+    assert_invariants(pool)
+
+
+def test_released_pages_stay_cached_until_evicted_lru():
+    pool = cached_pool(num_slots=8)
+    admit(pool, 1, list(range(8)))                    # 2 full pages; (8-1)//4 = 1 page may hit
+    a = pool.sequence_slots(1).tolist()
+    pool.step(free_ids=[1])
+    assert pool.allocators[0].num_cached == 2 and pool.num_free_slots == 8
+    r = admit(pool, 2, list(range(8)))                # revived from the LRU
+    assert r.cached_tokens.tolist() == [4] and pool.sequence_slots(2).tolist()[0] == a[0]
+    pool.step(free_ids=[2])
+    admit(pool, 3, list(range(50, 82)))               # 8 pages: needs every slot, evicts the cache
+    assert pool.allocators[0].evictions == 2 and pool.allocators[0].num_cached == 0
+    pool.step(free_ids=[3])
+    assert admit(pool, 4, list(range(8))).cached_tokens.tolist() == [0]
+    assert_invariants(pool)
+
+
+def test_hash_collision_never_aliases():
+    pool = cached_pool(hash_fn=lambda pages, ns: np.full(pages.shape[:2], 42, dtype=np.uint64))
+    admit(pool, 1, [1, 2, 3, 4, 5])
+    r = admit(pool, 2, [9, 9, 9, 9, 5])               # same (forced) hash, different tokens
+    assert r.cached_tokens.tolist() == [0]
+    assert pool.sequence_slots(2)[0] != pool.sequence_slots(1)[0]
+    assert_invariants(pool)
+
+
+def test_parent_chain_is_checked_not_just_the_page():
+    pool = cached_pool(hash_fn=lambda pages, ns: np.tile(np.arange(1, pages.shape[1] + 1, dtype=np.uint64),
+                                                         (pages.shape[0], 1)))
+    admit(pool, 1, [1, 1, 1, 1, 2, 2, 2, 2, 0])
+    # page 1 equal, page 0 different: the hash (forced equal) and page-1 tokens match, the parent does not
+    r = admit(pool, 2, [3, 3, 3, 3, 2, 2, 2, 2, 0])
+    assert r.cached_tokens.tolist() == [0]
+    assert_invariants(pool)
+
+
+def test_tenants_and_extra_keys_are_isolated():
+    pool = cached_pool()
+    prompt = list(range(9))
+    admit(pool, 1, prompt, salt="tenant-a")
+    assert admit(pool, 2, prompt, salt="tenant-b").cached_tokens.tolist() == [0]
+    assert admit(pool, 3, prompt, salt="tenant-a", key="lora-7").cached_tokens.tolist() == [0]
+    assert admit(pool, 4, prompt, salt="tenant-a").cached_tokens.tolist() == [8]
+    assert_invariants(pool)
+
+
+def test_batch_of_admissions_with_80_percent_hits():
+    pool = cached_pool(num_slots=2000)
+    rng = np.random.default_rng(0)
+    shared = rng.integers(0, 1000, 64).tolist()
+    pool.step(admit_ids=[0], admit_tokens=[64], admit_token_ids=np.array(shared))
+    tails = rng.integers(0, 1000, (16, 16))
+    toks = np.concatenate([np.array(shared + t.tolist()) for t in tails])
+    r = pool.step(admit_ids=np.arange(1, 17), admit_tokens=np.full(16, 80), admit_token_ids=toks)
+    assert r.cached_tokens.tolist() == [64] * 16
+    assert_invariants(pool)
+
+
+def test_prefix_caching_inputs_are_checked():
+    pool = cached_pool()
+    with pytest.raises(InvalidArgument, match="add up to 5"):
+        pool.step(admit_ids=[1], admit_tokens=[5], admit_token_ids=np.arange(4))
+    with pytest.raises(InvalidArgument, match="one per admission"):
+        pool.step(admit_ids=[1, 2], admit_tokens=[5, 5], admit_token_ids=np.arange(10), admit_salts=["a"])
+    plain = Pool("p", plan(CacheSpec.uniform(1, 1, 64, page_size=PS), Sizing(num_slots=8, max_seq_len=16)))
+    with pytest.raises(InvalidArgument, match="without prefix caching"):
+        plain.step(admit_ids=[1], admit_tokens=[2], admit_token_ids=np.arange(2))
+    with pytest.raises(InvalidArgument, match="sliding-window"):
+        Pool("s", plan(CacheSpec((LayerSpec(1, 64, sliding_window=8),), PS), Sizing(num_slots=8)),
+             prefix_caching=True)
+    assert pool.num_sequences == 0 and plain.num_sequences == 0
+
+
+def test_page_hashes_are_deterministic_and_chain():
+    pages = np.arange(2 * 3 * PS).reshape(2, 3, PS)
+    h = page_hashes(pages, np.array([0, 0]))
+    assert (h == page_hashes(pages, np.array([0, 0]))).all() and (h != 0).all()
+    assert (page_hashes(pages, np.array([1, 0]))[0] != h[0]).all()      # namespace changes every page
+    other = pages.copy()
+    other[0, 0, 0] += 1
+    assert (page_hashes(other, np.array([0, 0]))[0] != h[0]).all()      # a change propagates down the chain
+
+
+def test_fork_shares_then_copies_on_write():
+    pool = Pool("f", plan(CacheSpec.uniform(1, 1, 64, page_size=PS), Sizing(num_slots=16, max_seq_len=64)))
+    pool.step(admit_ids=[1], admit_tokens=[6])       # pages: one full, one with 2 tokens
+    r = pool.step(fork_parents=[1, 1, 1], fork_children=[2, 3, 4])
+    assert r.seq_ids.tolist() == [2, 3, 4] and r.num_tokens.tolist() == [6, 6, 6]
+    parent = pool.sequence_slots(1).tolist()
+    assert all(pool.sequence_slots(c).tolist() == parent for c in (2, 3, 4))
+    assert pool.allocators[0].refcount(np.array(parent)).tolist() == [4, 4]
+    r = pool.step(extend_ids=[1, 2, 3, 4], extend_tokens=[1, 1, 1, 1])
+    (pairs,) = r.copies
+    assert pairs[:, 0].tolist() == [parent[1]] * 3          # three copies; the last owner writes in place
+    assert pool.sequence_slots(4).tolist() == parent
+    for c, (_, dst) in zip((1, 2, 3), pairs.tolist(), strict=True):
+        assert pool.sequence_slots(c).tolist() == [parent[0], dst]
+        assert r.tables[0].slot_mapping[[1, 2, 3, 4].index(c)] == dst * PS + 2
+    assert pool.allocators[0].refcount(np.array(parent)).tolist() == [4, 1]
+    assert_invariants(pool)
+
+
+def test_sliding_window_releases_pages_no_query_can_see():
+    layers = (LayerSpec(1, 64), LayerSpec(1, 64, sliding_window=8))
+    pool = Pool("w", plan(CacheSpec(layers, PS), Sizing(num_slots=32, max_seq_len=100)))
+    pool.step(admit_ids=[1], admit_tokens=[20])          # 5 pages in both groups
+    assert len(pool.sequence_slots(1, 1)) == 5
+    for n in range(20, 40):
+        r = pool.step(extend_ids=[1], extend_tokens=[1])
+        # the query at position n attends n - 7 .. n: every page before (n - 7) // 4 is gone
+        assert pool.first_page(1, 1) == (n + 1 - 8) // PS
+        t = r.tables[1].table
+        assert len(t.row(0)) == -(-(n + 1) // PS) - pool.first_page(1, 1)
+        assert len(pool.sequence_slots(1, 0)) == -(-(n + 1) // PS)
+        assert_invariants(pool)
+    assert pool.allocators[1].num_free > pool.allocators[0].num_free
+    pool.step(free_ids=[1])
+    assert pool.allocators[0].num_free == pool.allocators[1].num_free == 32

@@ -1,0 +1,97 @@
+"""Hypothesis state machine for prefix caching: hits, LRU eviction, tenants and forced hash collisions.
+
+The model records what each slot holds (the token chain of the page written
+into it). Whatever the cache does, a sequence's page must hold that sequence's
+own prefix: a hit may never alias another prompt or tenant, even when every
+hash collides. Pool invariants (refcounts, free/cached accounting, cache index)
+are checked after every step.
+"""
+
+import numpy as np
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvservice.errors import ResourceExhausted
+from kvservice.geometry import CacheSpec
+from kvservice.invariants import assert_invariants
+from kvservice.planner import Sizing, plan
+from kvservice.pool import Pool
+
+PS = 2
+SLOTS = 12
+PREFIXES = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 9, 9], [7, 7, 1, 2, 3, 4]]
+
+
+class PrefixMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.collide = False
+        self.pool = Pool("p", plan(CacheSpec.uniform(1, 1, 64, page_size=PS),
+                                   Sizing(num_slots=SLOTS, max_seq_len=SLOTS * PS)), prefix_caching=True)
+        self.content: dict[int, tuple] = {}        # slot -> (tenant, token chain) written into it
+        self.seqs: dict[int, tuple[str, list[int]]] = {}
+        self.next_id = 1
+
+    @rule(collide=st.booleans())
+    def set_hash(self, collide):
+        if collide:       # every page hashes to its index: all prompts collide
+            self.pool.prefix.hash_fn = lambda pages, ns: np.tile(
+                np.arange(1, pages.shape[1] + 1, dtype=np.uint64), (pages.shape[0], 1))
+
+    @rule(p=st.sampled_from(range(len(PREFIXES))), cut=st.integers(1, 6), tail=st.lists(st.integers(0, 3),
+          max_size=3), tenant=st.sampled_from(["a", "b"]))
+    def admit(self, p, cut, tail, tenant):
+        toks = PREFIXES[p][:cut] + tail
+        sid = self.next_id
+        self.next_id += 1
+        try:
+            r = self.pool.step(admit_ids=[sid], admit_tokens=[len(toks)], admit_token_ids=np.array(toks),
+                               admit_salts=[tenant])
+        except ResourceExhausted:
+            return
+        slots = self.pool.sequence_slots(sid).tolist()
+        hits = int(r.cached_tokens[0]) // PS
+        assert hits <= (len(toks) - 1) // PS
+        for j, s in enumerate(slots):
+            chain = (tenant, tuple(toks[:(j + 1) * PS]))
+            if j < hits:
+                assert self.content.get(s) == chain, f"hit on slot {s} holding {self.content.get(s)}, want {chain}"
+            else:
+                self.content[s] = chain if (j + 1) * PS <= len(toks) else ("partial", sid, j)
+        self.seqs[sid] = (tenant, toks)
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def free(self, data):
+        sid = data.draw(st.sampled_from(sorted(self.seqs)))
+        self.pool.step(free_ids=[sid])
+        del self.seqs[sid]
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def extend(self, data):
+        sid = data.draw(st.sampled_from(sorted(self.seqs)))
+        try:
+            self.pool.step(extend_ids=[sid], extend_tokens=[1])
+        except ResourceExhausted:
+            return
+        _tenant, toks = self.seqs[sid]
+        toks.append(-1)                                   # a generated token (not hashed)
+        slots = self.pool.sequence_slots(sid).tolist()
+        if len(toks) % PS == 1:                          # a fresh page was allocated
+            self.content[slots[-1]] = ("generated", sid, len(slots) - 1)
+
+    @invariant()
+    def consistent(self):
+        assert_invariants(self.pool)
+        for sid, (tenant, toks) in self.seqs.items():
+            for j, s in enumerate(self.pool.sequence_slots(sid).tolist()):
+                c = self.content.get(s)
+                if c and c[0] in ("a", "b"):             # a hashed prompt page: must be this prompt's own
+                    assert c == (tenant, tuple(toks[:(j + 1) * PS])), (sid, j, c)
+
+
+TestPrefixMachine = PrefixMachine.TestCase
+TestPrefixMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None,
+                                      suppress_health_check=[HealthCheck.too_slow])
