@@ -101,7 +101,7 @@ def run_workload(client: BlockManagerClient, args: argparse.Namespace) -> Report
 
 
 def run_model(client: BlockManagerClient, worker_addr: str, args: argparse.Namespace) -> dict[str, float]:
-    from .generate import generate
+    from .generate import Cluster, generate
     from .tiny_model import TinyConfig, TinyModel
     from .worker_client import WorkerClient
 
@@ -113,13 +113,13 @@ def run_model(client: BlockManagerClient, worker_addr: str, args: argparse.Names
           f"{cfg.head_dim}, page_size 16): 8 prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
           f"{args.new_tokens} new tokens each, batched and one by one", flush=True)
     with WorkerClient(worker_addr, "worker-0") as w:
-        workers = [(range(cfg.num_layers), w)]
+        cluster = Cluster.of(client, "tiny", [(range(cfg.num_layers), w)])
         progress = Progress(len(prompts) + 1, "      ")
-        batch = generate(client, "tiny", workers, model, prompts, args.new_tokens, 1000, 16)
+        batch = generate(client, "tiny", cluster, model, prompts, args.new_tokens, 1000)
         progress.update(1, "batch done")
         singles = []
         for i, p in enumerate(prompts):
-            singles.append(generate(client, "tiny", workers, model, [p], args.new_tokens, 2000 + i, 16))
+            singles.append(generate(client, "tiny", cluster, model, [p], args.new_tokens, 2000 + i))
             progress.update(i + 2, f"single {i + 1}/8")
         progress.close()
     single_logits = np.concatenate([s.logits for s in singles])

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from clients import BlockManagerClient, ClientError
-from clients.generate import generate
+from clients.generate import Cluster, generate
 from clients.tiny_model import TinyConfig, TinyModel
 from clients.worker_client import WorkerClient
 from kvservice.geometry import CacheSpec, IndexSpace, LayerSpec
@@ -92,11 +92,11 @@ def test_workers_registered_with_their_layers(system):
 
 def test_batch_equals_single_and_the_float64_reference(system):
     c, model = system["client"], TinyModel(CFG)
-    workers = [(range(0, 2), system["w0"].client), (range(2, 4), system["w1"].client)]
+    cluster = Cluster.of(c, "tiny", [(range(0, 2), system["w0"].client), (range(2, 4), system["w1"].client)])
     rng = np.random.default_rng(11)
     prompts = [rng.integers(0, CFG.vocab, int(n)).tolist() for n in (7, 16, 17, 40)]
-    batch = generate(c, "tiny", workers, model, prompts, 5, 100, 16)
-    singles = [generate(c, "tiny", workers, model, [p], 5, 200 + i, 16) for i, p in enumerate(prompts)]
+    batch = generate(c, "tiny", cluster, model, prompts, 5, 100)
+    singles = [generate(c, "tiny", cluster, model, [p], 5, 200 + i) for i, p in enumerate(prompts)]
     assert np.abs(batch.logits - np.concatenate([s.logits for s in singles])).max() < 1e-4
     for i, p in enumerate(prompts):
         ref = model.reference_logits(p + batch.tokens[i, :-1].tolist())[len(p) - 1:]
