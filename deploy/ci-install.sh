@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Install what tests/deploy needs, idempotently: promtool + prometheus (Debian package
+# `prometheus`), kubectl with kustomize >= v4 (package `kubectl` where a Kubernetes apt
+# repository is configured, else Debian's `kubernetes-client`), and the pip package
+# `kubernetes-validate` into the given Python's environment.
+#
+# usage: deploy/ci-install.sh [PYTHON]      (default: .venv/bin/python, else python3)
+#        SKIP_APT=1 deploy/ci-install.sh    (only the pip part)
+#
+# Anything already present is skipped, so a second run takes about a second.
+# The Debian prometheus package ships a service; it is never started here (policy-rc.d
+# answers 101 during the install, and a systemd unit is disabled and stopped), so
+# nothing system-wide listens on :9090. The tests start their own Prometheus on a free
+# loopback port anyway.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY="${1:-}"
+if [[ -z "$PY" ]]; then
+  if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=python3; fi
+fi
+
+SUDO=""
+if [[ "$(id -u)" != 0 ]] && command -v sudo >/dev/null; then SUDO="sudo"; fi
+
+apt_pkgs=()
+command -v promtool >/dev/null && command -v prometheus >/dev/null || apt_pkgs+=(prometheus)
+need_kubectl=0
+command -v kubectl >/dev/null || need_kubectl=1
+
+if [[ "${SKIP_APT:-0}" != 1 && ( ${#apt_pkgs[@]} -gt 0 || $need_kubectl == 1 ) ]]; then
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq
+  if [[ $need_kubectl == 1 ]]; then
+    # `kubectl` comes from a Kubernetes/Google Cloud apt repository when one is configured;
+    # Debian bookworm itself only has `kubernetes-client` (kubectl 1.20, kustomize v2: too
+    # old for `components`, which the deploy tests will report).
+    if apt-cache show kubectl >/dev/null 2>&1; then apt_pkgs+=(kubectl); else apt_pkgs+=(kubernetes-client); fi
+  fi
+  # Keep packages from starting services while they install (no prometheus on :9090).
+  made_policy=0
+  if [[ ! -e /usr/sbin/policy-rc.d ]]; then
+    printf '#!/bin/sh\nexit 101\n' | $SUDO tee /usr/sbin/policy-rc.d >/dev/null
+    $SUDO chmod +x /usr/sbin/policy-rc.d
+    made_policy=1
+  fi
+  $SUDO apt-get install -y -qq --no-install-recommends "${apt_pkgs[@]}"
+  if [[ $made_policy == 1 ]]; then $SUDO rm -f /usr/sbin/policy-rc.d; fi
+  if [[ -d /run/systemd/system ]] && command -v systemctl >/dev/null; then
+    $SUDO systemctl disable --now prometheus.service >/dev/null 2>&1 || true
+  fi
+fi
+
+if ! "$PY" -c "import kubernetes_validate" 2>/dev/null; then
+  "$PY" -m pip install --quiet "kubernetes-validate>=1.31"
+fi
+
+# The kustomizations use `components` and `labels`: kustomize >= v4 (kubectl >= 1.21).
+if command -v kubectl >/dev/null; then
+  kv="$(kubectl version --client 2>/dev/null | sed -n 's/^Kustomize Version: v\([0-9]*\).*/\1/p')"
+  if [[ -z "$kv" || "$kv" -lt 4 ]]; then
+    echo "WARNING: kubectl's kustomize is older than v4 (or unknown); tests/deploy needs kubectl >= 1.21" >&2
+  fi
+fi
+
+echo "deploy test tools:"
+echo "  promtool:   $(command -v promtool || echo MISSING) $(promtool --version 2>/dev/null | head -1 || true)"
+echo "  prometheus: $(command -v prometheus || echo MISSING)"
+echo "  kubectl:    $(command -v kubectl || echo MISSING) $(kubectl version --client 2>/dev/null | tr '\n' ' ' || true)"
+echo "  kubernetes-validate: $("$PY" -c 'import importlib.metadata as m; print(m.version("kubernetes-validate"))')"

@@ -1,0 +1,135 @@
+"""Helpers of the deploy tests: paths, tool discovery, real manager/worker processes on loopback.
+
+Every external tool (kubectl, promtool, prometheus) is looked up on PATH; a test that needs
+a missing one is skipped with the reason and the command that installs it. Nothing else is
+skipped. `deploy/ci-install.sh` installs all of them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
+RULES = DEPLOY / "prometheus" / "rules" / "kvservice.rules.yml"
+RULE_TESTS = DEPLOY / "prometheus" / "tests" / "kvservice.rules.test.yml"
+DASHBOARD = DEPLOY / "grafana" / "kvservice.json"
+PROMETHEUS_RULE = DEPLOY / "components" / "prometheus-operator" / "prometheusrule.yaml"
+OPERATIONS = REPO / "docs" / "operations.md"
+PYTHON = str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv" / "bin" / "python").exists() else sys.executable
+
+#: What the services export (shared/DESIGN.md, "Observability names"). Histograms by family name.
+MANAGER_METRICS = {
+    "kvservice_slots_total": "gauge",
+    "kvservice_slots_free": "gauge",
+    "kvservice_sequences": "gauge",
+    "kvservice_alloc_failures_total": "counter",
+    "kvservice_prefix_cache_hits_total": "counter",
+    "kvservice_rpc_duration_seconds": "histogram",
+}
+WORKER_METRICS = {
+    "kvworker_bounds_violations_total": "counter",
+    "kvworker_guard_corruptions_total": "counter",
+    "kvworker_kernel_duration_seconds": "histogram",
+    "kvworker_cache_bytes": "gauge",
+}
+#: Named in DESIGN.md but not exported yet (arrives with prefix caching).
+COMING = {"kvservice_prefix_cache_hits_total"}
+
+
+def sample_names(metrics: dict[str, str]) -> set[str]:
+    """Series names a scrape carries for these families (histograms: _bucket, _sum, _count)."""
+    out: set[str] = set()
+    for name, kind in metrics.items():
+        out |= {name + s for s in ("_bucket", "_sum", "_count")} if kind == "histogram" else {name}
+    return out
+
+
+KNOWN_SERIES = sample_names(MANAGER_METRICS) | sample_names(WORKER_METRICS) | {"up"}
+
+
+def need(tool: str) -> str:
+    """Path of `tool`, or skip the test saying how to install it."""
+    path = shutil.which(tool)
+    if path is None:
+        package = {"promtool": "prometheus", "prometheus": "prometheus"}.get(tool, tool)
+        pytest.skip(f"{tool} is not installed (apt package {package}; deploy/ci-install.sh installs it)")
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_get(url: str, timeout: float = 5.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read().decode()
+
+
+@dataclass
+class Proc:
+    popen: subprocess.Popen
+    grpc_port: int
+    metrics_port: int
+    log: Path
+
+    @property
+    def grpc_addr(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def metrics(self) -> str:
+        return http_get(f"http://127.0.0.1:{self.metrics_port}/metrics")
+
+
+def stop_process(p: subprocess.Popen) -> None:
+    if p.poll() is None:
+        p.terminate()
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=10)
+
+
+def start_process(args: list[str], workdir: Path, name: str, timeout: float = 30.0) -> Proc:
+    port_file = workdir / f"{name}.ports"
+    log = workdir / f"{name}.log"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    with log.open("w") as out:
+        p = subprocess.Popen([PYTHON, *args, "--port-file", str(port_file)], cwd=REPO, env=env,
+                             stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if port_file.exists() and port_file.read_text().strip():
+            grpc_port, metrics_port = (int(x) for x in port_file.read_text().split())
+            return Proc(p, grpc_port, metrics_port, log)
+        if p.poll() is not None:
+            break
+        time.sleep(0.05)
+    stop_process(p)
+    raise RuntimeError(f"{name} did not start within {timeout:.0f} s:\n{log.read_text()[-3000:]}")
+
+
+#: A pool small enough to run out of slots in two Steps: 16 slots of 16 tokens, 2 tiny layers.
+TINY_POOLS = """\
+pools:
+  - name: default
+    page_size: 16
+    layout: per_layer
+    layers:
+      - {count: 2, kv_heads: 1, head_dim: 16, dtype: float16}
+    sizing: {num_slots: 16}
+    backends: [native]
+"""

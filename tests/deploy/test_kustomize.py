@@ -1,0 +1,378 @@
+"""Every overlay renders with `kubectl kustomize`, validates against the Kubernetes schemas
+(kubernetes-validate, strict) and the shipped Prometheus-operator schemas, and means what the
+design says: secure pods, gRPC probes, a journal volume, GPU only where wanted, network
+policies that let exactly schedulers/workers/Prometheus in."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+from .support import DEPLOY, REPO, need
+
+OVERLAYS = ["base", "overlays/dev-cpu", "overlays/prod-gpu", "overlays/prod-gpu-operator"]
+#: Extra renders through a throw-away kustomization: the components on top of an overlay.
+COMBOS = {
+    "dev-cpu+prometheus-operator+tls": ("overlays/dev-cpu", ["components/prometheus-operator", "components/tls"]),
+    "prod-gpu+tls": ("overlays/prod-gpu", ["components/tls"]),
+}
+VARIANTS = OVERLAYS + list(COMBOS)
+CRD_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
+#: Oldest Kubernetes the manifests target (native gRPC probes are GA from 1.27) and the newest known.
+K8S_VERSIONS = ["1.29.0", "latest"]
+WORKLOAD_KINDS = {"Deployment", "StatefulSet", "DaemonSet"}
+
+
+def _kustomize(path: Path) -> str:
+    kubectl = need("kubectl")
+    r = subprocess.run([kubectl, "kustomize", str(path)], capture_output=True, text=True, timeout=60)
+    if r.returncode != 0:
+        hint = ""
+        if "Component" in r.stderr or "components" in r.stderr:
+            hint = ("\n(kubectl's embedded kustomize may be too old for components: "
+                    "needs kustomize >= v4, kubectl >= 1.21)")
+        pytest.fail(f"kubectl kustomize {path} failed:\n{r.stderr}{hint}")
+    return r.stdout
+
+
+@pytest.fixture(scope="session")
+def rendered(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    cache: dict[str, list[dict]] = {}
+
+    def render(variant: str) -> list[dict]:
+        if variant not in cache:
+            if variant in COMBOS:
+                overlay, components = COMBOS[variant]
+                d = tmp_path_factory.mktemp(variant.replace("+", "_"))
+                rel = lambda p: os.path.relpath(DEPLOY / p, d)  # noqa: E731 - kustomize refuses absolute paths
+                (d / "kustomization.yaml").write_text(yaml.safe_dump({
+                    "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+                    "resources": [rel(overlay)], "components": [rel(c) for c in components]}))
+                text = _kustomize(d)
+            else:
+                text = _kustomize(DEPLOY / variant)
+            cache[variant] = [doc for doc in yaml.safe_load_all(text) if doc]
+        return cache[variant]
+
+    return render
+
+
+def by_kind(docs: list[dict], kind: str) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def one(docs: list[dict], kind: str, name: str) -> dict:
+    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one {kind}/{name}, found {len(found)}"
+    return found[0]
+
+
+def pod_templates(docs: list[dict]) -> list[tuple[str, dict]]:
+    return [(f"{d['kind']}/{d['metadata']['name']}", d["spec"]["template"]) for d in docs
+            if d["kind"] in WORKLOAD_KINDS]
+
+
+def matches(selector: dict | None, labels: dict[str, str]) -> bool:
+    """Kubernetes label-selector semantics (matchLabels and matchExpressions)."""
+    if selector is None:
+        return False
+    for k, v in (selector.get("matchLabels") or {}).items():
+        if labels.get(k) != v:
+            return False
+    for e in selector.get("matchExpressions") or []:
+        key, op, values = e["key"], e["operator"], e.get("values") or []
+        if op == "In" and labels.get(key) not in values:
+            return False
+        if op == "NotIn" and key in labels and labels[key] in values:
+            return False
+        if op == "Exists" and key not in labels:
+            return False
+        if op == "DoesNotExist" and key in labels:
+            return False
+    return True
+
+
+def container_port(template: dict, ref: int | str) -> int | None:
+    for c in template["spec"]["containers"]:
+        for p in c.get("ports", []):
+            if ref in (p.get("name"), p["containerPort"]):
+                return p["containerPort"]
+    return None
+
+
+# ---- schemas ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_validates_against_kubernetes_and_crd_schemas(rendered, variant: str) -> None:
+    kubernetes_validate = pytest.importorskip(
+        "kubernetes_validate", reason="pip package kubernetes-validate is not installed (deploy/ci-install.sh)")
+    versions = [kubernetes_validate.latest_version() if v == "latest" else v for v in K8S_VERSIONS]
+    docs = rendered(variant)
+    assert docs
+    errors = []
+    for doc in docs:
+        name = f"{doc['kind']}/{doc['metadata']['name']}"
+        if doc["kind"] in CRD_KINDS:
+            schema = json.loads((DEPLOY / "schemas" / f"{doc['kind'].lower()}-monitoring-v1.json").read_text())
+            for err in jsonschema.Draft202012Validator(schema).iter_errors(doc):
+                errors.append(f"{name}: {'.'.join(map(str, err.path))}: {err.message}")
+            continue
+        for version in versions:
+            try:
+                kubernetes_validate.validate(doc, version, strict=True)
+            except kubernetes_validate.ValidationError as err:
+                errors.append(f"{name} (k8s {version}): {'.'.join(map(str, err.path))}: {err.message}")
+            except kubernetes_validate.SchemaNotFoundError as err:
+                errors.append(f"{name}: no schema: {err.message}")
+    assert not errors, "\n".join(errors)
+
+
+def test_crd_schemas_reject_mistakes() -> None:
+    """The shipped CRD schemas are strict enough to catch a typo."""
+    schema = json.loads((DEPLOY / "schemas" / "servicemonitor-monitoring-v1.json").read_text())
+    good = yaml.safe_load((DEPLOY / "components" / "prometheus-operator" / "servicemonitor.yaml").read_text())
+    jsonschema.validate(good, schema)
+    bad = json.loads(json.dumps(good))
+    bad["spec"]["endpoints"][0]["intervall"] = "15s"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, schema)
+    rule_schema = json.loads((DEPLOY / "schemas" / "prometheusrule-monitoring-v1.json").read_text())
+    bad_rule = {"apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule", "metadata": {"name": "x"},
+                "spec": {"groups": [{"name": "g", "rules": [{"alert": "A", "expr": "up", "for": "5 minutes"}]}]}}
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad_rule, rule_schema)
+
+
+def test_operator_kinds_only_where_asked(rendered) -> None:
+    for variant in ("base", "overlays/dev-cpu", "overlays/prod-gpu"):
+        kinds = {d["kind"] for d in rendered(variant)}
+        assert not kinds & CRD_KINDS, f"{variant} must apply on clusters without the Prometheus operator"
+    for variant in ("overlays/prod-gpu-operator", "dev-cpu+prometheus-operator+tls"):
+        assert CRD_KINDS <= {d["kind"] for d in rendered(variant)}
+
+
+# ---- pods ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_pods_are_locked_down_and_sized(rendered, variant: str) -> None:
+    templates = pod_templates(rendered(variant))
+    assert {n for n, _ in templates} == {"StatefulSet/kvservice-manager", "Deployment/kvworker"}
+    for name, tpl in templates:
+        spec = tpl["spec"]
+        psc = spec["securityContext"]
+        assert psc["runAsNonRoot"] is True and psc["runAsUser"] == 10001, name
+        assert psc["seccompProfile"]["type"] == "RuntimeDefault", name
+        assert spec["automountServiceAccountToken"] is False, name
+        assert spec.get("hostNetwork") is not True and spec.get("hostPID") is not True, name
+        for c in spec["containers"] + spec.get("initContainers", []):
+            sc = c["securityContext"]
+            where = f"{name}/{c['name']}"
+            assert sc["runAsNonRoot"] is True, where
+            assert sc["readOnlyRootFilesystem"] is True, where
+            assert sc["allowPrivilegeEscalation"] is False, where
+            assert sc.get("privileged") is not True, where
+            assert sc["capabilities"]["drop"] == ["ALL"] and not sc["capabilities"].get("add"), where
+            assert sc["seccompProfile"]["type"] == "RuntimeDefault", where
+            for part in ("requests", "limits"):
+                assert {"cpu", "memory"} <= set(c["resources"][part]), f"{where}: {part}"
+            image = c["image"]
+            assert re.fullmatch(r"[a-z0-9./-]+(:[\w.-]+)?(@sha256:[0-9a-f]{64})?", image) and (
+                ":" in image.rsplit("/", 1)[-1] or "@" in image), f"{where}: image {image} has no tag"
+            assert not image.endswith(":latest"), where
+            for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+                assert probe in c, f"{where}: no {probe}"
+                p = c[probe]
+                if "tls" in variant and name.startswith("StatefulSet"):
+                    assert p["exec"]["command"][0] == "grpc-health-check", where
+                else:
+                    assert container_port(tpl, p["grpc"]["port"]), f"{where}: {probe} port is no container port"
+            mounts = {m["mountPath"] for m in c.get("volumeMounts", [])}
+            assert "/tmp" in mounts, f"{where}: read-only root needs a writable /tmp"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_manager_statefulset_journal_and_pools(rendered, variant: str) -> None:
+    from kvservice.config import load_pools
+
+    docs = rendered(variant)
+    sts = one(docs, "StatefulSet", "kvservice-manager")
+    assert sts["spec"]["replicas"] == 1, "the manager is a singleton"
+    c = sts["spec"]["template"]["spec"]["containers"][0]
+    args = c["args"]
+    assert args[0] == "serve" and "--listen=0.0.0.0:50051" in args and "--metrics-addr=0.0.0.0" in args
+    assert "--metrics-port=9400" in args
+    claim = sts["spec"]["volumeClaimTemplates"][0]
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    assert mounts[claim["metadata"]["name"]]["mountPath"] == "/var/lib/kvservice"
+    assert sts["spec"]["template"]["spec"]["securityContext"]["fsGroup"] == 10001, "PVC must be writable"
+    # pools: the ConfigMap the StatefulSet mounts parses as kvservice pools and has the workers' pool
+    pools_arg = next(a.split("=", 1)[1] for a in args if a.startswith("--pools="))
+    assert mounts["pools"]["mountPath"] == pools_arg
+    cm_name = next(v["configMap"]["name"] for v in sts["spec"]["template"]["spec"]["volumes"] if v["name"] == "pools")
+    cm = one(docs, "ConfigMap", cm_name)
+    pools = load_pools(cm["data"]["pools.yaml"], f"{variant}: ConfigMap {cm_name}")
+    worker = one(docs, "Deployment", "kvworker")["spec"]["template"]["spec"]["containers"][0]
+    worker_pool = next(a.split("=", 1)[1] for a in worker["args"] if a.startswith("--pool="))
+    assert worker_pool in {p.name for p in pools}
+    assert any(a == "--manager=kvservice-manager:50051" for a in worker["args"])
+    headless = one(docs, "Service", sts["spec"]["serviceName"])
+    assert headless["spec"]["clusterIP"] == "None"
+
+
+@pytest.mark.parametrize("variant", ["base", "overlays/prod-gpu", "overlays/prod-gpu-operator"])
+def test_gpu_workers(rendered, variant: str) -> None:
+    w = one(rendered(variant), "Deployment", "kvworker")
+    c = w["spec"]["template"]["spec"]["containers"][0]
+    assert "--backend=cuda" in c["args"]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert c["image"].startswith("ghcr.io/kvservice/kvworker:")
+    assert any(t["key"] == "nvidia.com/gpu" for t in w["spec"]["template"]["spec"]["tolerations"])
+    assert {"--metrics-addr=0.0.0.0", "--advertise=$(POD_IP):50061"} <= set(c["args"])
+    assert any(e["name"] == "POD_IP" for e in c["env"]), "$(POD_IP) in args needs the env var"
+    if "prod" in variant:
+        assert w["spec"]["template"]["spec"]["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+
+
+def test_dev_cpu_has_no_gpu(rendered) -> None:
+    docs = rendered("overlays/dev-cpu")
+    assert "nvidia.com/gpu" not in yaml.safe_dump_all(docs)
+    c = one(docs, "Deployment", "kvworker")["spec"]["template"]["spec"]["containers"][0]
+    assert "--backend=cpu" in c["args"] and "--metrics-addr=0.0.0.0" in c["args"]
+    manager = one(docs, "StatefulSet", "kvservice-manager")["spec"]["template"]["spec"]["containers"][0]
+    assert c["image"] == manager["image"], "dev-cpu runs kvworker from the manager image (no CUDA base)"
+    assert all(d["metadata"].get("namespace") in (None, "kvservice-dev") for d in docs)
+    assert one(docs, "Namespace", "kvservice-dev")
+
+
+# ---- services, disruption budgets ---------------------------------------------------------------
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_services_and_pdbs_select_their_pods(rendered, variant: str) -> None:
+    docs = rendered(variant)
+    templates = pod_templates(docs)
+    for svc in by_kind(docs, "Service"):
+        sel = {"matchLabels": svc["spec"]["selector"]}
+        targets = [t for _, t in templates if matches(sel, t["metadata"]["labels"])]
+        assert len(targets) == 1, f"Service {svc['metadata']['name']} selects {len(targets)} workloads"
+        for port in svc["spec"]["ports"]:
+            assert container_port(targets[0], port["targetPort"]) == port["port"], (svc["metadata"]["name"], port)
+    mgr = one(docs, "Service", "kvservice-manager")
+    assert {(p["name"], p["port"]) for p in mgr["spec"]["ports"]} == {("grpc", 50051), ("metrics", 9400)}
+    for pdb in by_kind(docs, "PodDisruptionBudget"):
+        assert sum(matches(pdb["spec"]["selector"], t["metadata"]["labels"]) for _, t in templates) == 1
+    assert {p["metadata"]["name"] for p in by_kind(docs, "PodDisruptionBudget")} == {"kvservice-manager", "kvworker"}
+    for kind, name in (("StatefulSet", "kvservice-manager"), ("Deployment", "kvworker")):
+        w = one(docs, kind, name)
+        assert matches(w["spec"]["selector"], w["spec"]["template"]["metadata"]["labels"])
+        sa = w["spec"]["template"]["spec"]["serviceAccountName"]
+        assert one(docs, "ServiceAccount", sa)["automountServiceAccountToken"] is False
+
+
+def test_operator_monitors_find_their_targets(rendered) -> None:
+    docs = rendered("overlays/prod-gpu-operator")
+    sm = one(docs, "ServiceMonitor", "kvservice-manager")
+    svcs = [s for s in by_kind(docs, "Service") if matches(sm["spec"]["selector"], s["metadata"].get("labels", {}))]
+    assert any(p["name"] == sm["spec"]["endpoints"][0]["port"] for s in svcs for p in s["spec"]["ports"])
+    pm = one(docs, "PodMonitor", "kvworker")
+    worker = one(docs, "Deployment", "kvworker")["spec"]["template"]
+    assert matches(pm["spec"]["selector"], worker["metadata"]["labels"])
+    assert container_port(worker, pm["spec"]["podMetricsEndpoints"][0]["port"]) == 9500
+    # The alerts select job="kvservice-manager" / job="kvworker": the monitors must set exactly these.
+    for mon, job, key in ((sm, "kvservice-manager", "endpoints"), (pm, "kvworker", "podMetricsEndpoints")):
+        relabel = mon["spec"][key][0]["relabelings"]
+        assert {"targetLabel": "job", "replacement": job, "action": "replace"} in relabel
+
+
+# ---- network policies ----------------------------------------------------------------------------
+
+def allowed(docs: list[dict], target_labels: dict, port: int, src_labels: dict, src_ns: str,
+            src_ns_labels: dict | None = None) -> bool:
+    """Would the NetworkPolicies of `docs` admit this connection (ingress side)?"""
+    ns = next(d["metadata"]["name"] for d in docs if d["kind"] == "Namespace")
+    ns_labels = {"kubernetes.io/metadata.name": src_ns, **(src_ns_labels or {})}
+    policies = [p for p in by_kind(docs, "NetworkPolicy") if matches(p["spec"]["podSelector"], target_labels)
+                and "Ingress" in p["spec"]["policyTypes"]]
+    if not policies:
+        return True
+    for pol in policies:
+        for rule in pol["spec"].get("ingress", []):
+            if rule.get("ports") and not any(p.get("port") == port for p in rule["ports"]):
+                continue
+            for peer in rule.get("from") or [{}]:
+                if "ipBlock" in peer:
+                    continue
+                if not peer:
+                    return True
+                ns_ok = (matches(peer["namespaceSelector"], ns_labels) if "namespaceSelector" in peer
+                         else src_ns == ns)
+                pod_ok = matches(peer["podSelector"], src_labels) if "podSelector" in peer else True
+                if ns_ok and pod_ok:
+                    return True
+    return False
+
+
+@pytest.mark.parametrize("variant", ["overlays/dev-cpu", "overlays/prod-gpu"])
+def test_network_policies(rendered, variant: str) -> None:
+    docs = rendered(variant)
+    ns = next(d["metadata"]["name"] for d in docs if d["kind"] == "Namespace")
+    mgr = one(docs, "StatefulSet", "kvservice-manager")["spec"]["template"]["metadata"]["labels"]
+    wrk = one(docs, "Deployment", "kvworker")["spec"]["template"]["metadata"]["labels"]
+    scheduler = {"app.kubernetes.io/name": "my-scheduler", "app.kubernetes.io/component": "scheduler"}
+    prometheus = {"app.kubernetes.io/name": "prometheus"}
+    stranger = {"app": "curl"}
+    cases = [
+        # target, port, source labels, source namespace, source namespace labels, expected
+        (mgr, 50051, scheduler, ns, None, True),
+        (mgr, 50051, wrk, ns, None, True),
+        (mgr, 50051, scheduler, "serving", {"kvservice.io/scheduler-access": "true"}, True),
+        (mgr, 50051, scheduler, "serving", None, False),
+        (mgr, 50051, stranger, ns, None, False),
+        (mgr, 50051, prometheus, "monitoring", None, False),
+        (mgr, 9400, prometheus, "monitoring", None, True),
+        (mgr, 9400, prometheus, "default", None, False),
+        (mgr, 9400, scheduler, ns, None, False),
+        (mgr, 8080, scheduler, ns, None, False),
+        (wrk, 50061, scheduler, ns, None, True),
+        (wrk, 50061, stranger, ns, None, False),
+        (wrk, 50061, mgr, ns, None, False),
+        (wrk, 9500, prometheus, "monitoring", None, True),
+        (wrk, 9500, stranger, ns, None, False),
+    ]
+    wrong = [c for c in cases if allowed(docs, c[0], c[1], c[2], c[3], c[4]) != c[5]]
+    assert not wrong, wrong
+    # egress: workers may reach the manager's gRPC port (and DNS); the manager only DNS
+    wpol = one(docs, "NetworkPolicy", "kvworker")
+    assert any(matches(peer.get("podSelector"), mgr) and {"port": 50051, "protocol": "TCP"} in rule["ports"]
+               for rule in wpol["spec"]["egress"] for peer in rule["to"])
+    mpol = one(docs, "NetworkPolicy", "kvservice-manager")
+    assert all(p["port"] == 53 for rule in mpol["spec"]["egress"] for p in rule["ports"])
+
+
+def test_namespace_enforces_restricted_pod_security(rendered) -> None:
+    for variant in ("overlays/dev-cpu", "overlays/prod-gpu"):
+        ns = by_kind(rendered(variant), "Namespace")[0]
+        assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+
+
+def test_tls_component_mounts_the_documented_secret(rendered) -> None:
+    docs = rendered("prod-gpu+tls")
+    spec = one(docs, "StatefulSet", "kvservice-manager")["spec"]["template"]["spec"]
+    c = spec["containers"][0]
+    assert {"--tls-cert=/etc/kvservice/tls/tls.crt", "--tls-key=/etc/kvservice/tls/tls.key",
+            "--tls-client-ca=/etc/kvservice/tls/ca.crt"} <= set(c["args"])
+    vols = {v["name"]: v for v in spec["volumes"]}
+    assert vols["tls"]["secret"]["secretName"] == "kvservice-tls"
+    assert {"name": "tls", "mountPath": "/etc/kvservice/tls", "readOnly": True} in c["volumeMounts"]
+    ops = (REPO / "docs" / "operations.md").read_text()
+    for s in ("kvservice-tls", "/etc/kvservice/tls", "--tls-cert", "--tls-key", "--tls-client-ca",
+              "kvservice-probe-tls"):
+        assert s in ops, f"docs/operations.md does not mention {s}"
