@@ -27,6 +27,7 @@ integration: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/bench_manager.py --out bench/results/manager.md
+	$(BIN)/python bench/bench_sharing.py --out bench/results/sharing.md
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -86,8 +86,8 @@ class SlotAllocator:
             self.peak_used = used
         return slots
 
-    def share(self, slots: np.ndarray) -> None:
-        """Add one owner to each slot (ids distinct). Free cached slots are revived from the LRU."""
+    def share(self, slots: np.ndarray, counts: np.ndarray | None = None) -> None:
+        """Add counts[i] (default 1) owners to slots[i] (ids distinct). Free cached slots leave the LRU."""
         if not len(slots):
             return
         rc = self._refcnt[slots]
@@ -96,7 +96,7 @@ class SlotAllocator:
                 raise InvalidArgument(f"slot {s} is free and holds no cached page; it cannot be shared",
                                       slot=s)
             del self._cached[s]
-        self._refcnt[slots] = rc + 1
+        self._refcnt[slots] = rc + (1 if counts is None else counts.astype(np.int32))
         used = self.num_used
         if used > self.peak_used:
             self.peak_used = used

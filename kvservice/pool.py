@@ -434,8 +434,7 @@ class Pool:
             self._first[g][c_rows] = self._first[g][p_rows]
             shared = self._row_slots(g, p_rows, self._first[g][p_rows], self._held[p_rows])
             uniq, counts = np.unique(shared, return_counts=True)
-            for k in range(1, int(counts.max()) + 1 if len(counts) else 1):
-                alloc.share(uniq[counts >= k])
+            alloc.share(uniq, counts)
 
     def _share_hits(self, a_rows: np.ndarray, hits: np.ndarray, prompt_hit: tuple) -> None:
         _, cand = prompt_hit
@@ -445,9 +444,7 @@ class Pool:
         mask = np.arange(cand.shape[1]) < hits[:, None]
         slots = cand[mask]
         uniq, counts = np.unique(slots, return_counts=True)
-        alloc = self.allocators[0]
-        for k in range(1, int(counts.max()) + 1):
-            alloc.share(uniq[counts >= k])
+        self.allocators[0].share(uniq, counts)
         rows = np.repeat(a_rows, hits)
         cols = np.nonzero(mask)[1]
         self._slots[0][rows, cols] = slots

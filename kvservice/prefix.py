@@ -95,7 +95,9 @@ class PrefixCache:
         """
         a, p, _ = pages.shape
         get = self.by_hash.get
-        cand = np.array([[get(h, -1) for h in row] for row in hashes.tolist()], dtype=np.int64).reshape(a, p)
+        uniq, inv = np.unique(hashes, return_inverse=True)       # shared prefixes: one lookup each
+        found = np.fromiter((get(h, -1) for h in uniq.tolist()), dtype=np.int64, count=len(uniq))
+        cand = found[inv.reshape(a, p)]
         safe = np.maximum(cand, 0)
         ok = (cand >= 0) & (np.arange(p) < counts[:, None])
         ok &= self.namespace[safe] == ns[:, None]
@@ -111,15 +113,16 @@ class PrefixCache:
 
         A hash already registered (the same content in another slot) keeps its first slot.
         """
-        for s, h in zip(slots.tolist(), hashes.tolist(), strict=True):
-            if h not in self.by_hash and self.hash[s] == 0:
-                self.by_hash[h] = s
-                self.allocator.cacheable[s] = True
-            else:
-                continue
-        keep = self.allocator.cacheable[slots] & (self.hash[slots] == 0)
-        s = slots[keep]
-        self.hash[s] = hashes[keep]
+        uniq_h, first = np.unique(hashes, return_index=True)        # one slot per new hash
+        cand = slots[first]
+        by_hash = self.by_hash
+        new = np.fromiter((h not in by_hash for h in uniq_h.tolist()), dtype=bool, count=len(uniq_h))
+        new &= self.hash[cand] == 0
+        s, h = cand[new], uniq_h[new]
+        by_hash.update(zip(h.tolist(), s.tolist(), strict=True))
+        self.allocator.cacheable[s] = True
+        keep = first[new]
+        self.hash[s] = h
         self.parent[s] = parents[keep]
         self.namespace[s] = ns[keep]
         self.tokens[s] = pages[keep]
