@@ -121,6 +121,7 @@ class Pool:
         self._sharing = prefix_caching          # slots may have several owners
         self._rows: dict[int, int] = {}          # seq_id -> row (source of truth)
         self._sorted: tuple[np.ndarray, np.ndarray] | None = None  # (ids, rows) by id; None = stale
+        self._last_batch: tuple[np.ndarray, np.ndarray] | None = None  # (ids, rows) of the last extend-only step
         self._free_rows: list[int] = []
         self._num_rows = 0                        # rows ever used (high-water mark)
         cap, width = 16, 4
@@ -213,7 +214,10 @@ class Pool:
             raise InvalidArgument(f"fork_parent_ids has {len(p_ids)} entries, fork_child_ids {len(c_ids)}")
         parts = [a for a in (f_ids, e_ids, a_ids, c_ids) if len(a)]
         all_ids = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else f_ids
-        if len(all_ids) > 1:
+        last = self._last_batch
+        same_batch = (len(parts) == 1 and parts[0] is e_ids and last is not None and len(last[0]) == len(e_ids)
+                      and np.array_equal(last[0], e_ids))
+        if len(all_ids) > 1 and not same_batch:
             srt = np.sort(all_ids)
             dup = srt[1:] == srt[:-1]
             if dup.any():
@@ -221,7 +225,9 @@ class Pool:
                     f"sequence {srt[1:][dup][0]} appears more than once in one step; each sequence may be "
                     "freed, extended, admitted or created by a fork once per step", seq_id=srt[1:][dup][0])
         f_rows = self._lookup(f_ids, "free_seq_ids")
-        e_rows = self._lookup(e_ids, "extend_seq_ids")
+        # A decode loop extends the same batch step after step: its ids were checked (distinct, live)
+        # and looked up last time, and no admission or free has happened since.
+        e_rows = last[1] if same_batch else self._lookup(e_ids, "extend_seq_ids")  # type: ignore[index]
         p_rows = self._lookup(p_ids, "fork_parent_ids")
         new_ids = np.concatenate((a_ids, c_ids)) if len(c_ids) else a_ids
         if len(new_ids):
@@ -294,6 +300,7 @@ class Pool:
             self._register(a_rows, a_n, prompt)
         self.steps += 1
         self.admitted += len(a_ids)
+        self._last_batch = (e_ids.copy(), e_rows) if len(parts) == 1 and parts[0] is e_ids else None
         tok_indptr = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(new - old, out=tok_indptr[1:])
         cached = hits * ps if hits is not None else (np.zeros(len(a_ids), dtype=np.int64) if len(a_ids) else None)
@@ -457,9 +464,13 @@ class Pool:
         if self._sharing and len(e_rows):      # (a fork earlier in this step turned sharing on)
             copies = self._copy_on_write(g, alloc, e_rows, e_old, e_held)
         if total:
-            starts = np.cumsum(need) - need
-            rep_rows = np.repeat(rows, need)
-            cols = np.repeat(lo - starts, need) + self._iota(total)
+            if total <= len(rows) and int(need.max()) == 1:     # decode: at most one new page per row
+                nz = np.flatnonzero(need)
+                rep_rows, cols = rows[nz], lo[nz]
+            else:
+                starts = np.cumsum(need) - need
+                rep_rows = np.repeat(rows, need)
+                cols = np.repeat(lo - starts, need) + self._iota(total)
             self._slots[g][rep_rows, cols] = alloc.allocate(total)
         return copies
 
@@ -534,6 +545,7 @@ class Pool:
         self._seq_ids[out] = ids
         self._rows.update(zip(ids.tolist(), rows, strict=True))
         self._sorted = None
+        self._last_batch = None
         return out
 
     def _release(self, rows: np.ndarray) -> None:
@@ -549,6 +561,7 @@ class Pool:
         self._held[rows] = 0
         self._free_rows.extend(rows.tolist())
         self._sorted = None
+        self._last_batch = None
 
     def _grow_rows(self, n: int) -> None:
         cap = len(self._num_tokens)
