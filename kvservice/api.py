@@ -10,7 +10,7 @@ from .manager import BlockManager
 from .pagetable import PageTable, validate_page_table
 from .planner import plan
 from .v1 import block_manager_pb2 as pb
-from .wire import field_array, to_tensor
+from .wire import field_array, fill_tensor, to_tensor
 
 log = logging.getLogger("kvservice")
 STEP_ARRAYS = ("free_seq_ids", "extend_seq_ids", "extend_num_tokens", "admit_seq_ids", "admit_num_tokens",
@@ -63,9 +63,10 @@ class ManagerAPI:
                             admit_salts=list(request.admit_cache_salts) or None,
                             admit_extra_keys=list(request.admit_extra_keys) or None)
             layer_space = pool.plan.geometry.layer_space.tolist()
-        reply = pb.StepReply(seq_ids=to_tensor(res.seq_ids), num_tokens=to_tensor(res.num_tokens),
-                             new_token_indptr=to_tensor(res.new_token_indptr), layer_index_space=layer_space,
-                             num_free_slots=res.num_free_slots)
+        reply = pb.StepReply(layer_index_space=layer_space, num_free_slots=res.num_free_slots)
+        fill_tensor(reply.seq_ids, res.seq_ids)
+        fill_tensor(reply.num_tokens, res.num_tokens)
+        fill_tensor(reply.new_token_indptr, res.new_token_indptr)
         if res.cached_tokens is not None:
             reply.admit_cached_tokens.CopyFrom(to_tensor(res.cached_tokens))
         for g, pairs in enumerate(res.copies):
@@ -74,13 +75,14 @@ class ManagerAPI:
         for st in res.tables:
             sp = st.space
             out = reply.tables.add(index_space=sp.id, group=sp.group, scale=sp.scale, offset=sp.offset,
-                                   upper_bound=sp.upper_bound, slot_mapping=to_tensor(st.slot_mapping))
+                                   upper_bound=sp.upper_bound)
+            fill_tensor(out.slot_mapping, st.slot_mapping)
             if st.table is not None:
-                out.indptr.CopyFrom(to_tensor(st.table.indptr))
-                out.indices.CopyFrom(to_tensor(st.table.indices))
-                out.last_page_len.CopyFrom(to_tensor(st.table.last_page_len))
+                fill_tensor(out.indptr, st.table.indptr)
+                fill_tensor(out.indices, st.table.indices)
+                fill_tensor(out.last_page_len, st.table.last_page_len)
             if st.block_table is not None:
-                out.block_table.CopyFrom(to_tensor(st.block_table))
+                fill_tensor(out.block_table, st.block_table)
         return reply
 
     def ListSequences(self, request: pb.ListSequencesRequest) -> pb.ListSequencesReply:

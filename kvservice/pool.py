@@ -241,7 +241,7 @@ class Pool:
         e_old = self._num_tokens[e_rows]
         e_new = e_old + e_k
         for name, n, ids in (("extend", e_new, e_ids), ("admit", a_n, a_ids)):
-            if len(n) and n.max() > self.max_seq_len:
+            if len(n) and int(n.max()) > self.max_seq_len:
                 j = int(np.argmax(n))
                 raise InvalidArgument(
                     f"{name}: sequence {ids[j]} would hold {n[j]} tokens; pool {self.name!r} takes at most "
@@ -251,10 +251,12 @@ class Pool:
         e_held_new = (e_new + (ps - 1)) // ps
         a_held = (a_n + (ps - 1)) // ps
         # ---- slot demand per group, computed exactly before anything changes ------------
-        plans = []
-        for g, alloc in enumerate(self.allocators):
-            plans.append(self._plan_group(g, alloc, f_rows, p_rows, e_rows, e_old, e_held, e_held_new, a_held,
-                                          prompt))
+        if self._sharing or self._sliding or len(f_rows) or len(p_rows) or prompt is not None:
+            plans = [self._plan_group(g, alloc, f_rows, p_rows, e_rows, e_old, e_held, e_held_new, a_held, prompt)
+                     for g, alloc in enumerate(self.allocators)]
+        else:                                   # nothing is released or shared: every group needs the same
+            need = int((e_held_new - e_held).sum()) + (int(a_held.sum()) if len(a_held) else 0)
+            plans = [(need, alloc.num_free, None, None, None) for alloc in self.allocators]
         for g, (need, avail, *_rest) in enumerate(plans):
             if need > avail:
                 self.refused += 1

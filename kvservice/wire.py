@@ -29,6 +29,17 @@ def to_tensor(a: np.ndarray, dtype: int | None = None) -> pb.Tensor:
     return pb.Tensor(dtype=code, shape=shape, data=np.ascontiguousarray(a, dtype=want).tobytes())
 
 
+def fill_tensor(t: pb.Tensor, a: np.ndarray) -> None:
+    """Write a 1-D or N-D array into an existing Tensor field in place (no message copy)."""
+    code = _FROM_NP.get(a.dtype.newbyteorder("="))
+    if code is None:
+        raise InvalidArgument(f"arrays of dtype {a.dtype} cannot cross the wire")
+    t.dtype = code
+    if a.ndim != 1:
+        t.shape[:] = a.shape
+    t.data = np.ascontiguousarray(a, dtype=_TO_NP[code]).tobytes()
+
+
 def from_tensor(t: pb.Tensor, name: str, kinds: str = "iu") -> np.ndarray:
     """Decode a Tensor without copying; InvalidArgument naming the field if it is malformed.
 
