@@ -150,3 +150,41 @@ def test_rows_and_width_grow():
     pool.step(admit_ids=ids + 5000, admit_tokens=np.full(40, 7))
     assert pool.num_sequences == 70
     assert_invariants(pool)
+
+
+def test_decode_fast_path_equals_the_general_path():
+    rng = np.random.default_rng(9)
+    fast, slow = make_pool(num_slots=400, max_seq_len=200), make_pool(num_slots=400, max_seq_len=200)
+    slow._fast = False
+    ids = np.arange(1, 13)
+    for p in (fast, slow):
+        p.step(admit_ids=ids, admit_tokens=rng.integers(1, 40, 12) if p is fast else fast.sequences()[1])
+    calls = []
+    general = fast._decode_step
+    fast._decode_step = lambda *a: calls.append(1) or general(*a)
+    for i in range(120):
+        if i % 17 == 16:                                  # a free + admit breaks the batch
+            new = np.array([100 + i])
+            kwargs = {"free_ids": ids[:1], "admit_ids": new, "admit_tokens": [5]}
+            ids = np.concatenate((ids[1:], new))
+        else:
+            k = np.ones(len(ids), dtype=np.int64) if i % 5 else rng.integers(1, 4, len(ids))
+            kwargs = {"extend_ids": ids, "extend_tokens": k, "block_table": i % 3 == 0}
+        a, b = fast.step(**kwargs), slow.step(**kwargs)
+        for x, y in ((a.seq_ids, b.seq_ids), (a.num_tokens, b.num_tokens),
+                     (a.new_token_indptr, b.new_token_indptr)):
+            assert x.tolist() == y.tolist()
+        for sa, sb in zip(a.tables, b.tables, strict=True):
+            assert sa.slot_mapping.tolist() == sb.slot_mapping.tolist()
+            assert sa.table.indices.tolist() == sb.table.indices.tolist()
+            assert sa.table.indptr.tolist() == sb.table.indptr.tolist()
+            assert sa.table.last_page_len.tolist() == sb.table.last_page_len.tolist()
+            assert (sa.block_table is None) == (sb.block_table is None)
+            if sa.block_table is not None:
+                assert sa.block_table.tolist() == sb.block_table.tolist()
+        assert a.num_free_slots == b.num_free_slots
+    assert len(calls) > 80                                 # the fast path really ran
+    with pytest.raises(InvalidArgument, match="max_seq_len=200"):       # errors come from the general path
+        fast.step(extend_ids=ids, extend_tokens=np.full(len(ids), 150))
+    assert_invariants(fast)
+    assert fast.sequences()[1].tolist() == slow.sequences()[1].tolist()
