@@ -54,16 +54,16 @@ class ManagerAPI:
         return pb.DeletePoolReply()
 
     def Step(self, request: pb.StepRequest) -> pb.StepReply:
-        args = {f: field_array(request, f) for f in STEP_ARRAYS}
-        with self.manager.locked(request.pool) as pool:
+        args = {f: field_array(request, f) if request.HasField(f) else None for f in STEP_ARRAYS}
+        pool, lock = self.manager.pool_and_lock(request.pool)
+        with lock:
             res = pool.step(args["free_seq_ids"], args["extend_seq_ids"], args["extend_num_tokens"],
                             args["admit_seq_ids"], args["admit_num_tokens"], tables=not request.omit_tables,
                             block_table=request.include_block_table, fork_parents=args["fork_parent_ids"],
                             fork_children=args["fork_child_ids"], admit_token_ids=args["admit_token_ids"],
                             admit_salts=list(request.admit_cache_salts) or None,
                             admit_extra_keys=list(request.admit_extra_keys) or None)
-            layer_space = pool.plan.geometry.layer_space.tolist()
-        reply = pb.StepReply(layer_index_space=layer_space, num_free_slots=res.num_free_slots)
+        reply = pb.StepReply(layer_index_space=pool.layer_space, num_free_slots=res.num_free_slots)
         fill_tensor(reply.seq_ids, res.seq_ids)
         fill_tensor(reply.num_tokens, res.num_tokens)
         fill_tensor(reply.new_token_indptr, res.new_token_indptr)

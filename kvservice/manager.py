@@ -60,6 +60,11 @@ class BlockManager:
         with self._lock:
             return sorted(self._pools)
 
+    def pool_and_lock(self, name: str) -> tuple[Pool, threading.Lock]:
+        """A pool and its lock (hot path; `locked` is the convenient form)."""
+        with self._lock:
+            return self._get(name), self._locks[name]
+
     @contextmanager
     def locked(self, name: str) -> Iterator[Pool]:
         """Hold a pool's lock while using it: `with manager.locked("p") as pool: pool.step(...)`."""

@@ -113,6 +113,7 @@ class Pool:
         self.max_seq_len = plan.max_seq_len
         self.allocators = [SlotAllocator(geo.num_slots) for _ in geo.groups]
         self.windows = [g.sliding_window for g in geo.groups]
+        self.layer_space: list[int] = geo.layer_space.tolist()    # layer -> index space id
         self._sliding = [g for g, w in enumerate(self.windows) if w]
         if prefix_caching and self._sliding:
             raise InvalidArgument("prefix caching with sliding-window layer groups is not supported; create the "
