@@ -19,11 +19,12 @@ from kvservice.v1 import worker_pb2_grpc as wpb_grpc
 from kvservice.wire import from_tensor, to_tensor
 from worker import ops_numpy
 from worker.caches import CacheSet
-from worker.kernel_api import KernelViolationError, Policy, ViolationRecord
+from worker.kernel_api import REASONS, KernelViolationError, Policy, ViolationRecord
 from worker.metrics import WorkerMetrics
 
 log = logging.getLogger("kvworker")
 WIRE_DTYPE = {"float16": cpb.FLOAT16, "bfloat16": cpb.BFLOAT16, "float32": cpb.FLOAT32}
+KERNELS = ("append_kv", "decode_attention", "copy_blocks", "validate_page_table")
 
 
 class OutOfRange(KVError):
@@ -56,6 +57,14 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
         self.identity = identity        # worker_id, pool, epoch, backend, device_name
         self.test_hooks = test_hooks
         metrics.cache_bytes.labels(metrics.pool).set(caches.cache_bytes)
+        # Every series this worker can report starts at 0, so "nothing happened" is visible and
+        # Prometheus' increase() sees the first violation.
+        for kernel in KERNELS:
+            for layer in range(caches.layer_begin, caches.layer_end):
+                for reason in REASONS[1:]:
+                    metrics.violations.labels(kernel, str(layer), reason)
+        for name in caches.buffers:
+            metrics.guard_corruptions.labels(name)
 
     # ---- helpers ---------------------------------------------------------------------
     def _layer(self, layer: int) -> None:
@@ -234,7 +243,6 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
 
 
 def _count_reasons(codes: Any) -> dict[str, int]:
-    from worker.kernel_api import REASONS
     out: dict[str, int] = {}
     for c in codes:
         out[REASONS[c]] = out.get(REASONS[c], 0) + 1
