@@ -220,3 +220,16 @@ def test_killed_worker_is_marked_dead_and_its_clients_told(system):
     assert rec.alive and rec.epoch == 2 and rec.address == again.address
     again.stop()
     victim.log.close()
+
+
+def test_kvctl_workers_lists_them(system):
+    import json
+
+    out = subprocess.run([sys.executable, "-m", "clients.kvctl", "--target", system["mgr"].target, "workers",
+                          "tiny"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "w0" in out.stdout and "0-1" in out.stdout and "alive" in out.stdout
+    doc = json.loads(subprocess.run([sys.executable, "-m", "clients.kvctl", "--target", system["mgr"].target,
+                                     "--json", "workers"], cwd=ROOT, capture_output=True, text=True,
+                                    timeout=60).stdout)
+    assert {w["worker_id"] for w in doc} >= {"w0", "w1", "wh"}
