@@ -1,4 +1,4 @@
-"""asyncio BlockManager client with the same calls, deadlines and retry rules as the sync one."""
+"""asyncio BlockManager client with the same calls, deadlines, retries, request ids and security as the sync one."""
 
 from __future__ import annotations
 
@@ -14,19 +14,27 @@ from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1 import block_manager_pb2_grpc as pb_grpc
 
 from . import codec
-from .client import CHANNEL_OPTIONS, RETRY_CODES
+from .client import RETRY_CODES, RetryPolicy, TLSOptions, auth_metadata, channel_options, new_request_id
 from .codec import ClientError, StepResult
 
 
 class AsyncBlockManagerClient:
-    """asyncio twin of BlockManagerClient (use inside a running event loop)."""
+    """asyncio twin of BlockManagerClient (use inside a running event loop); same arguments."""
 
-    def __init__(self, target: str, timeout: float = 10.0, retries: int = 3) -> None:
+    def __init__(self, target: str, timeout: float = 10.0, retries: int = 3, *, tls: TLSOptions | None = None,
+                 token: str | None = None, retry: RetryPolicy | None = None) -> None:
         self.target = target
         self.timeout = timeout
-        self.retries = retries
-        self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self.retry = retry or RetryPolicy(attempts=1 + max(0, retries))
+        self._metadata = auth_metadata(token)
+        if tls is None:
+            self._channel = grpc.aio.insecure_channel(target, options=channel_options())
+        else:
+            self._channel = grpc.aio.secure_channel(target, tls.credentials(), options=channel_options(tls))
         self._stub = pb_grpc.BlockManagerStub(self._channel)
+
+    def __repr__(self) -> str:
+        return f"AsyncBlockManagerClient({self.target!r}, token={'set' if self._metadata else 'none'})"
 
     async def __aenter__(self) -> AsyncBlockManagerClient:
         return self
@@ -37,50 +45,59 @@ class AsyncBlockManagerClient:
     async def close(self) -> None:
         await self._channel.close()
 
-    async def _call(self, method: Any, request: Any, safe: bool, timeout: float | None) -> Any:
-        attempts = 1 + (self.retries if safe else 0)
-        delay = 0.05
+    async def _call(self, method: Any, request: Any, timeout: float | None) -> Any:
+        attempts = max(1, self.retry.attempts)
         for attempt in range(attempts):
             try:
-                return await method(request, timeout=timeout or self.timeout)
+                return await method(request, timeout=timeout or self.timeout, metadata=self._metadata)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() in RETRY_CODES and attempt + 1 < attempts:
-                    await asyncio.sleep(delay)
-                    delay *= 2
+                    await asyncio.sleep(self.retry.backoff(attempt))
                     continue
                 raise ClientError.from_rpc(exc) from None
         raise AssertionError("unreachable")
 
     async def plan(self, spec: CacheSpec, sizing: Sizing, backends: tuple[str, ...] = (),
                    timeout: float | None = None) -> pb.PlanReply:
-        return await self._call(self._stub.Plan, codec.plan_request(spec, sizing, backends), True, timeout)
+        return await self._call(self._stub.Plan, codec.plan_request(spec, sizing, backends), timeout)
 
     async def get_pool(self, pool: str, timeout: float | None = None) -> pb.PoolInfo:
-        return await self._call(self._stub.GetPool, pb.GetPoolRequest(pool=pool), True, timeout)
+        return await self._call(self._stub.GetPool, pb.GetPoolRequest(pool=pool), timeout)
 
     async def list_pools(self, timeout: float | None = None) -> list[pb.PoolInfo]:
-        return list((await self._call(self._stub.ListPools, pb.ListPoolsRequest(), True, timeout)).pools)
+        return list((await self._call(self._stub.ListPools, pb.ListPoolsRequest(), timeout)).pools)
+
+    async def sequences(self, pool: str, limit: int = 0, timeout: float | None = None) -> pb.ListSequencesReply:
+        return await self._call(self._stub.ListSequences, pb.ListSequencesRequest(pool=pool, limit=limit), timeout)
 
     async def stats(self, pool: str = "", timeout: float | None = None) -> dict[str, pb.PoolStats]:
-        return dict((await self._call(self._stub.GetStats, pb.GetStatsRequest(pool=pool), True, timeout)).pools)
+        return dict((await self._call(self._stub.GetStats, pb.GetStatsRequest(pool=pool), timeout)).pools)
 
     async def validate(self, pool: str, layer: int, table: PageTable, max_reports: int = 100,
                        timeout: float | None = None) -> ValidationReport:
         reply = await self._call(self._stub.ValidatePageTable,
-                                 codec.validate_request(pool, layer, table, max_reports), True, timeout)
+                                 codec.validate_request(pool, layer, table, max_reports), timeout)
         return codec.parse_validate(reply)
 
     async def echo(self, payload: bytes = b"", timeout: float | None = None) -> bytes:
-        return (await self._call(self._stub.Echo, pb.EchoRequest(payload=payload), True, timeout)).payload
+        return (await self._call(self._stub.Echo, pb.EchoRequest(payload=payload), timeout)).payload
 
     async def create_pool(self, name: str, spec: CacheSpec, sizing: Sizing, backends: tuple[str, ...] = (),
-                          timeout: float | None = None, prefix_caching: bool = False) -> pb.PoolInfo:
-        req = codec.create_pool_request(name, spec, sizing, backends, prefix_caching)
-        return await self._call(self._stub.CreatePool, req, False, timeout)
+                          timeout: float | None = None, request_id: str | None = None, **extra: Any) -> pb.PoolInfo:
+        req = codec.create_pool_request(name, spec, sizing, backends, **extra)
+        req.request_id = request_id or new_request_id()
+        return await self._call(self._stub.CreatePool, req, timeout)
+
+    async def delete_pool(self, pool: str, force: bool = False, timeout: float | None = None,
+                          request_id: str | None = None) -> None:
+        req = pb.DeletePoolRequest(pool=pool, force=force, request_id=request_id or new_request_id())
+        await self._call(self._stub.DeletePool, req, timeout)
 
     async def step(self, pool: str, free: object = None, extend: object = None, extend_tokens: object = None,
                    admit: object = None, admit_tokens: object = None, tables: bool = True,
-                   block_table: bool = False, timeout: float | None = None, **options: object) -> StepResult:
+                   block_table: bool = False, timeout: float | None = None, request_id: str | None = None,
+                   **extra: Any) -> StepResult:
         req = codec.step_request(pool, free, extend, extend_tokens, admit, admit_tokens, tables, block_table,
-                                 **options)  # type: ignore[arg-type]
-        return codec.parse_step(await self._call(self._stub.Step, req, False, timeout))
+                                 **extra)
+        req.request_id = request_id or new_request_id()
+        return codec.parse_step(await self._call(self._stub.Step, req, timeout))

@@ -19,7 +19,7 @@ from kvservice.geometry import CacheSpec, LayerSpec
 from kvservice.pagetable import PageTable
 from kvservice.planner import Plan, Sizing, plan
 
-from .client import BlockManagerClient
+from .client import BlockManagerClient, TLSOptions
 from .codec import ClientError
 
 DEFAULT_TARGET = os.environ.get("KVSERVICE_ADDR", "127.0.0.1:50051")
@@ -202,6 +202,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target", default=DEFAULT_TARGET, help="manager address (env KVSERVICE_ADDR)")
     parser.add_argument("--timeout", type=float, default=10.0, help="deadline per call, seconds")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument("--tls-ca", help="CA bundle that signed the manager's certificate (turns TLS on)")
+    parser.add_argument("--tls-cert", help="client certificate, for a manager with mutual TLS")
+    parser.add_argument("--tls-key", help="key of --tls-cert")
+    parser.add_argument("--tls-server-name", help="name to check the manager's certificate against")
+    parser.add_argument("--token-file", help="file holding a bearer token (default: env KVSERVICE_TOKEN)")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="capacity plan for a cache (local, no server needed)")
     _geometry_args(p)
@@ -238,13 +243,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "plan":
             return cmd_plan(args)
-        with BlockManagerClient(args.target, timeout=args.timeout) as client:
+        tls = None
+        if args.tls_ca or args.tls_cert:
+            tls = TLSOptions.from_files(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
+        token = open(args.token_file).read().strip() if args.token_file else os.environ.get("KVSERVICE_TOKEN")
+        with BlockManagerClient(args.target, timeout=args.timeout, tls=tls, token=token or None) as client:
             return COMMANDS[args.command](args, client)
     except KVError as err:
         print(f"kvctl: {err.message}", file=sys.stderr)
         return 2
     except ClientError as err:
         print(f"kvctl: {err.code.name}: {err.message}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        print(f"kvctl: {err}", file=sys.stderr)
         return 2
 
 

@@ -1,34 +1,86 @@
-"""`kvservice serve`: run the block manager (gRPC + health + reflection, /metrics)."""
+"""`kvservice serve`: run the block manager (gRPC + health + reflection, /metrics); `kvservice check-state DIR`."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
 from pathlib import Path
 
+from .auth import ServerTLS, TokenTable
 from .config import DEFAULT_POOLS_YAML, load_pools, load_pools_file
 from .errors import KVError
-from .server import serve
+from .journal import Journal, JournalConfig
+from .server import MAX_MESSAGE_BYTES, serve
+from .servicer import Limits
+
+log = logging.getLogger("kvservice")
+_LIMITS = Limits()
+EXIT_FAILED = 3   # the journal failed (fail-stop): restart the manager, it recovers from its state dir
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvservice", description="Paged KV-cache block manager.")
-    sub = parser.add_subparsers(dest="command", required=True)
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("serve", help="run the manager")
     s.add_argument("--listen", default="127.0.0.1:50051", help="gRPC address (port 0 picks a free port)")
     s.add_argument("--metrics-port", type=int, default=9400, help="Prometheus /metrics port (0 picks; -1 off)")
     s.add_argument("--metrics-addr", default="127.0.0.1", help="address /metrics binds to")
-    s.add_argument("--pools", help="YAML file of pools to create at start (default: one embedded pool)")
+    s.add_argument("--pools", help="YAML file of pools to create at start if missing (default: one embedded pool)")
     s.add_argument("--no-pools", action="store_true", help="start empty; create pools over the API")
     s.add_argument("--port-file", help="write the bound gRPC and metrics ports here (tests)")
     s.add_argument("--threads", type=int, default=8, help="gRPC worker threads")
     s.add_argument("--lease-seconds", type=float, default=10.0, help="a worker silent this long is marked dead")
     s.add_argument("--log-level", default="INFO")
+    d = s.add_argument_group("state (docs/DURABILITY.md)")
+    d.add_argument("--state-dir", default=os.environ.get("KVSERVICE_STATE_DIR"),
+                   help="durable state: SQLite journal + snapshots in this dir (env KVSERVICE_STATE_DIR)")
+    d.add_argument("--state", choices=["memory"], help="'memory': throwaway state, no warning (the default "
+                   "without --state-dir)")
+    d.add_argument("--sync", choices=["full", "normal"], default="full",
+                   help="full: fsync every commit (survives power loss); normal: survives a process crash only")
+    d.add_argument("--compact-every", type=int, default=10_000, help="journal entries between snapshots")
+    d.add_argument("--idempotency-window", type=int, default=100_000, help="request ids remembered")
+    d.add_argument("--idempotency-seconds", type=float, default=600.0, help="... for at most this long")
+    lim = s.add_argument_group("limits")
+    lim.add_argument("--max-step-sequences", type=int, default=_LIMITS.max_step_sequences,
+                     help="ids in one Step (0 = no cap)")
+    lim.add_argument("--max-step-tokens", type=int, default=_LIMITS.max_step_tokens,
+                     help="new tokens in one Step (0 = no cap)")
+    lim.add_argument("--max-pool-slots", type=int, default=_LIMITS.max_pool_slots,
+                     help="slots x layer groups of one pool (0 = no cap)")
+    lim.add_argument("--max-pools", type=int, default=_LIMITS.max_pools, help="pools (0 = no cap)")
+    lim.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES, help="gRPC message limit")
+    sec = s.add_argument_group("security (docs/SECURITY.md)")
+    sec.add_argument("--tls-cert", help="PEM server certificate (chain); with --tls-key serves TLS")
+    sec.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    sec.add_argument("--tls-client-ca", help="PEM CA bundle: require client certificates it signed (mutual TLS)")
+    sec.add_argument("--tokens-file", help="YAML of bearer tokens scoped to pools; every call then needs one")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvservice", description="Paged KV-cache block manager.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub)
+    c = sub.add_parser("check-state", help="recover a state dir read-only and check every invariant")
+    c.add_argument("state_dir")
+    c.add_argument("--log-level", default="WARNING")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "check-state":
+        return check_state(args.state_dir)
+    return run_serve(parser, args)
+
+
+def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    if args.state == "memory" and args.state_dir:
+        parser.error("--state memory and --state-dir exclude each other")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        parser.error("--tls-cert and --tls-key go together")
+    if args.tls_client_ca and not args.tls_cert:
+        parser.error("--tls-client-ca needs --tls-cert and --tls-key")
+    journal = None
     try:
         if args.no_pools:
             pools = []
@@ -36,21 +88,70 @@ def main(argv: list[str] | None = None) -> int:
             pools = load_pools_file(args.pools)
         else:
             pools = load_pools(DEFAULT_POOLS_YAML, "embedded defaults")
+        tls = ServerTLS.from_files(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
+        tokens = TokenTable.from_file(args.tokens_file) if args.tokens_file else None
+        limits = Limits(args.max_step_sequences, args.max_step_tokens, args.max_pool_slots, args.max_pools)
+        if args.state_dir:
+            config = JournalConfig(sync=args.sync, compact_every=args.compact_every,
+                                   id_window=args.idempotency_window, id_window_seconds=args.idempotency_seconds)
+            journal = Journal.open(args.state_dir, args.lease_seconds, config)
+        elif args.state != "memory":
+            log.warning("state is in memory only and is lost when this process ends; pass --state-dir DIR for "
+                        "durable state (or --state memory to silence this)")
         running = serve(args.listen, None if args.metrics_port < 0 else args.metrics_port, pools,
-                        max_workers=args.threads, metrics_addr=args.metrics_addr, lease_seconds=args.lease_seconds)
+                        max_workers=args.threads, metrics_addr=args.metrics_addr, lease_seconds=args.lease_seconds,
+                        journal=journal, tls=tls, tokens=tokens, limits=limits,
+                        max_message_bytes=args.max_message_bytes)
     except (KVError, OSError) as err:
+        if journal is not None:
+            journal.close(snapshot=False)
         print(f"kvservice: {getattr(err, 'message', err)}", file=sys.stderr)
         return 2
     print(f"kvservice: listening on {args.listen.rsplit(':', 1)[0]}:{running.port}, metrics on port "
-          f"{running.metrics_port}, pools: {', '.join(running.manager.pool_names()) or 'none'}", flush=True)
+          f"{running.metrics_port}, pools: {', '.join(running.manager.pool_names()) or 'none'}, state: "
+          f"{args.state_dir or 'memory'}", flush=True)
     if args.port_file:
         Path(args.port_file).write_text(f"{running.port} {running.metrics_port or 0}\n")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
-    running.stop(grace=2.0)
+    while not stop.wait(0.2) and not running.failed.is_set():
+        pass
+    running.stop(grace=0.5 if running.failed.is_set() else 2.0)
+    if running.failed.is_set():
+        print(f"kvservice: stopped: {running.journal.failed if running.journal else 'journal failed'}",
+              file=sys.stderr)
+        return EXIT_FAILED
     return 0
+
+
+def check_state(state_dir: str) -> int:
+    """Recover state_dir without writing it, check DESIGN.md's invariants on every pool, print a summary."""
+    from .invariants import assert_invariants
+    try:
+        journal = Journal.open(state_dir, readonly=True)
+    except KVError as err:
+        print(f"kvservice: {err.message}", file=sys.stderr)
+        return 2
+    bad = 0
+    try:
+        print(f"{state_dir}: journal position {journal.seq}, snapshot at {journal.snapshot_seq}, "
+              f"{len(journal.window.ids)} request ids remembered")
+        for name in journal.manager.pool_names():
+            with journal.manager.locked(name) as pool:
+                try:
+                    assert_invariants(pool)
+                    verdict = "ok"
+                except AssertionError as err:
+                    bad += 1
+                    verdict = f"BROKEN: {err}"
+                print(f"pool {name}: {pool.num_sequences} sequences, {pool.num_free_slots} of "
+                      f"{pool.plan.num_slots} slots free, {pool.steps} steps; invariants {verdict}")
+        for w in journal.manager.workers.workers():
+            print(f"worker {w.worker_id}: pool {w.pool}, epoch {w.epoch}, {'alive' if w.alive else 'dead'}")
+    finally:
+        journal.close(snapshot=False)
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -1,22 +1,29 @@
-"""A running manager: gRPC server (BlockManager + health + reflection) and the /metrics endpoint."""
+"""A running manager: gRPC server (BlockManager + health + reflection), the journal, and the /metrics endpoint."""
 
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
+from google.protobuf.descriptor_pool import Default as _default_pool
+from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import start_http_server
+from prometheus_client import Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from .api import ManagerAPI
+from .auth import BM, ServerTLS, TokenAuthInterceptor, TokenTable, manager_rules
 from .config import PoolConfig
+from .journal import Journal, ensure_pools
 from .manager import BlockManager
 from .metrics import ManagerMetrics
-from .servicer import BlockManagerServicer, Journal
-from .v1 import block_manager_pb2, block_manager_pb2_grpc
+from .servicer import BlockManagerServicer, Limits
+from .v1 import block_manager_pb2
 
 log = logging.getLogger("kvservice")
 
@@ -24,6 +31,8 @@ log = logging.getLogger("kvservice")
 #: ~32M int32 indices per index space; raise it for bigger batches.
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 SERVICE_NAME = block_manager_pb2.DESCRIPTOR.services_by_name["BlockManager"].full_name
+_POOL = _default_pool()
+COMMIT_BUCKETS = (10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 0.1, 1.0)
 
 
 @dataclass
@@ -34,40 +43,152 @@ class RunningServer:
     manager: BlockManager
     metrics: ManagerMetrics
     _http: object | None = None
+    journal: Journal | None = None
+    #: Set when the journal failed (fail-stop): the process should exit and be restarted.
+    failed: threading.Event = field(default_factory=threading.Event)
+    health: health.HealthServicer | None = None
 
     def stop(self, grace: float = 1.0) -> None:
+        """Stop serving (in-flight calls get `grace` seconds), then snapshot and close the journal."""
         self.server.stop(grace).wait()
         if self._http is not None:
             self._http.shutdown()  # type: ignore[attr-defined]
+        if self.journal is not None:
+            self.journal.close()
 
 
-def serve(listen: str = "127.0.0.1:0", metrics_port: int | None = None, pools: list[PoolConfig] = (),
+class JournalCollector:
+    """kvservice_journal_* levels and counters, read at scrape time."""
+
+    def __init__(self, journal: Journal) -> None:
+        self.journal = journal
+
+    def collect(self) -> Iterator[Metric]:
+        j = self.journal
+        yield GaugeMetricFamily("kvservice_journal_tail_entries", "Journal entries since the last snapshot "
+                                "(replayed on recovery).", value=j.seq - j.snapshot_seq)
+        yield CounterMetricFamily("kvservice_journal_snapshots_total", "Snapshots written (compactions).",
+                                  value=j.snapshots)
+        yield CounterMetricFamily("kvservice_idempotent_replays_total", "Retried requests answered with their "
+                                  "original reply.", value=j.window.hits)
+        yield GaugeMetricFamily("kvservice_journal_failed", "1 once the journal failed (the manager fail-stops).",
+                                value=1.0 if j.failed else 0.0)
+
+
+def serve(listen: str = "127.0.0.1:0", metrics_port: int | None = None, pools: Sequence[PoolConfig] = (),
           manager: BlockManager | None = None, max_workers: int = 8,
           metrics_addr: str = "127.0.0.1", lease_seconds: float = 10.0,
-          journal: Journal | None = None) -> RunningServer:
-    """Start the manager on `listen` (port 0 picks one); metrics on metrics_port (0 picks, None = off)."""
-    manager = manager or BlockManager(lease_seconds)
-    for pc in pools:
-        manager.create_pool(pc.name, pc.spec, pc.sizing, pc.backends)
+          journal: Journal | None = None, *, tls: ServerTLS | None = None, tokens: TokenTable | None = None,
+          limits: Limits | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES) -> RunningServer:
+    """Start the manager on `listen` (port 0 picks one); metrics on metrics_port (0 picks, None = off).
+
+    journal: a durable kvservice.journal.Journal (its manager is served); None = an in-memory one
+        (idempotent retries, no durability). Configured `pools` missing from it are created through it.
+    tls: serve TLS (mutual TLS if it has a client CA); tokens: require pool-scoped bearer tokens.
+    limits: per-request caps (default Limits()); max_message_bytes: gRPC message limit both ways.
+    """
+    if journal is None:
+        journal = Journal(manager or BlockManager(lease_seconds))
+    elif manager is not None and manager is not journal.manager:
+        raise ValueError("pass either a manager or a journal (which holds its manager), not both")
+    manager = journal.manager
+    ensure_pools(journal, list(pools))
     metrics = ManagerMetrics(manager)
-    options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-               ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    metrics.registry.register(JournalCollector(journal))
+    if journal.store is not None:
+        commit = Histogram("kvservice_journal_commit_seconds", "Time to make one mutating RPC durable.",
+                           registry=metrics.registry, buckets=COMMIT_BUCKETS)
+        journal.observe_commit = commit.observe
+    options = [("grpc.max_receive_message_length", max_message_bytes),
+               ("grpc.max_send_message_length", max_message_bytes),
                ("grpc.so_reuseport", 0)]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=options)
-    block_manager_pb2_grpc.add_BlockManagerServicer_to_server(
-        BlockManagerServicer(ManagerAPI(manager), metrics, journal), server)
+    interceptors = []
+    if tokens is not None:
+        interceptors.append(TokenAuthInterceptor(tokens, BM, manager_rules(_worker_pool(manager))))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=options,
+                         interceptors=interceptors)
+    servicer = BlockManagerServicer(ManagerAPI(manager), metrics, journal, limits or Limits())
+    add_lenient_service(server, SERVICE_NAME, servicer)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(listen)
+    port = server.add_secure_port(listen, tls.credentials()) if tls else server.add_insecure_port(listen)
     if port == 0:
         raise OSError(f"cannot listen on {listen}")
+    running = RunningServer(server, port, None, manager, metrics, None, journal, health=health_servicer)
+    journal.on_fail = lambda why: _fail_stop(running)
     server.start()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    http = None
     if metrics_port is not None:
         http, _thread = start_http_server(metrics_port, addr=metrics_addr, registry=metrics.registry)
-        metrics_port = http.server_port
-    log.info("kvservice listening on port %d, metrics on %s", port, metrics_port)
-    return RunningServer(server, port, metrics_port, manager, metrics, http)
+        running._http, running.metrics_port = http, http.server_port
+    log.info("kvservice listening on port %d (%s%s), metrics on %s, state: %s", port,
+             "mutual TLS" if tls and tls.client_ca else "TLS" if tls else "plaintext",
+             f", {len(tokens)} tokens" if tokens is not None else "", running.metrics_port,
+             journal.state_dir or "memory only")
+    return running
+
+
+class Malformed:
+    """Stands for a request whose bytes do not parse: the handler answers INVALID_ARGUMENT, not gRPC's INTERNAL."""
+
+    __slots__ = ("error", "type_name")
+
+    def __init__(self, type_name: str, error: Exception) -> None:
+        self.type_name, self.error = type_name, error
+
+
+def lenient_handlers(service: str, servicer: object) -> dict[str, grpc.RpcMethodHandler]:
+    """The unary methods of `service` (full name) on `servicer`, with a request parser that never raises.
+
+    gRPC answers a request it cannot deserialize with INTERNAL; here it becomes INVALID_ARGUMENT
+    naming the message type. Usable for any service of kvservice.v1 (the worker's too).
+    """
+    handlers = {}
+    for m in _POOL.FindServiceByName(service).methods:
+        req_cls, rep_cls = GetMessageClass(m.input_type), GetMessageClass(m.output_type)
+        handlers[m.name] = grpc.unary_unary_rpc_method_handler(
+            _refuse_malformed(getattr(servicer, m.name)), request_deserializer=_parser(req_cls),
+            response_serializer=rep_cls.SerializeToString)
+    return handlers
+
+
+def add_lenient_service(server: grpc.Server, service: str, servicer: object) -> None:
+    """Register `servicer` like the generated add_*Servicer_to_server, with lenient_handlers."""
+    handlers = lenient_handlers(service, servicer)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+    server.add_registered_method_handlers(service, handlers)
+
+
+def _parser(cls: type) -> Callable[[bytes], object]:
+    def parse(data: bytes) -> object:
+        try:
+            return cls.FromString(data)
+        except Exception as err:      # DecodeError, or anything else a hostile payload provokes
+            return Malformed(cls.DESCRIPTOR.full_name, err)
+    return parse
+
+
+def _refuse_malformed(behavior: Callable[[object, grpc.ServicerContext], object]) -> Callable[..., object]:
+    def guarded(request: object, context: grpc.ServicerContext) -> object:
+        if isinstance(request, Malformed):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"request is not a valid {request.type_name} message ({type(request.error).__name__})")
+        return behavior(request, context)
+    return guarded
+
+
+def _fail_stop(running: RunningServer) -> None:
+    """The journal failed: report NOT_SERVING and let the process owner (kvservice serve) exit."""
+    if running.health is not None:
+        for name in ("", SERVICE_NAME):
+            running.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    running.failed.set()
+
+
+def _worker_pool(manager: BlockManager) -> Callable[[str], str | None]:
+    def pool_of(worker_id: str) -> str | None:
+        rec = next((w for w in manager.workers.workers() if w.worker_id == worker_id), None)
+        return rec.pool if rec else None
+    return pool_of

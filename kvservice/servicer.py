@@ -1,7 +1,9 @@
 """gRPC adapter of the BlockManager: maps each RPC onto ManagerAPI, errors onto statuses, times it.
 
-Mutating RPCs go through the journal when one is configured, which makes them
-durable before the reply and idempotent by request_id.
+Requests are first checked against the server's Limits (batch and pool caps). Mutating RPCs
+go through the journal when one is configured, which makes them durable before the reply
+and idempotent by request_id; reads of pool state go through it too, so they only see
+committed state and nothing once the journal failed.
 """
 
 from __future__ import annotations
@@ -9,23 +11,130 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import grpc
+import numpy as np
 from google.protobuf.message import Message
 
 from .api import ManagerAPI
-from .errors import KVError
+from .convert import cache_spec_from_proto, plan_to_proto, sizing_from_proto
+from .errors import InvalidArgument, KVError, ResourceExhausted
+from .manager import BlockManager
 from .metrics import ManagerMetrics
+from .planner import Plan, plan
 from .status import to_status
 from .v1 import block_manager_pb2 as pb
 from .v1 import block_manager_pb2_grpc as pb_grpc
+from .wire import field_array
 
 log = logging.getLogger("kvservice")
 
 #: RPCs that change state: journaled and, with a request_id, idempotent.
 MUTATING = frozenset({"CreatePool", "DeletePool", "Step", "RegisterWorker"})
+#: Reads of pool state: they wait for an in-flight commit and are refused once the journal failed.
+STATE_READS = frozenset({"GetPool", "ListPools", "ListSequences", "GetStats"})
 METHODS = tuple(pb.DESCRIPTOR.services_by_name["BlockManager"].methods_by_name)
+_STEP_ARRAYS = ("free_seq_ids", "extend_seq_ids", "extend_num_tokens", "admit_seq_ids", "admit_num_tokens",
+                "fork_parent_ids", "fork_child_ids", "admit_token_ids")
+_SEQ_FIELDS = ("free_seq_ids", "extend_seq_ids", "admit_seq_ids", "fork_child_ids")   # one sequence each
+_ITEMSIZE = {10: 4, 11: 8, 12: 8}      # INT32, INT64, UINT64 (others are refused by the API)
+
+
+class JournalUnavailable(Exception):
+    """The journal can no longer make changes durable: the call is refused UNAVAILABLE (fail-stop)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Per-request caps checked before the domain sees a request; 0 = no cap.
+
+    max_step_sequences: ids in one Step (free + extend + admit + fork children).
+    max_step_tokens: new tokens in one Step (sum of extend and admit counts; also admit_token_ids).
+    max_pool_slots: slots of one pool summed over its layer groups (allocator memory, ~24 bytes each).
+    max_pools: pools one manager holds.
+    max_request_id: characters of a request_id.
+    """
+
+    max_step_sequences: int = 65_536
+    max_step_tokens: int = 8_388_608
+    max_pool_slots: int = 1 << 24
+    max_pools: int = 256
+    max_request_id: int = 128
+
+    def check(self, method: str, request: Any, manager: BlockManager) -> None:
+        """InvalidArgument (reason LIMIT_EXCEEDED) for a request over a cap; ResourceExhausted at max_pools."""
+        rid = getattr(request, "request_id", "")
+        if self.max_request_id and len(rid) > self.max_request_id:
+            raise _over("request_id", len(rid), self.max_request_id, "characters", "")
+        if method == "Step":
+            self._check_step(request)
+        elif method == "CreatePool":
+            self._check_create(request, manager)
+        elif method == "Plan":
+            _check_representable(plan(cache_spec_from_proto(request.cache), sizing_from_proto(request.sizing),
+                                      tuple(request.backends)))
+
+    def _check_step(self, r: pb.StepRequest) -> None:
+        n = sum(_items(r, f) for f in _SEQ_FIELDS if r.HasField(f))
+        tokens = 0
+        for f in ("extend_num_tokens", "admit_num_tokens"):
+            a = field_array(r, f)
+            if a is None or not a.size:
+                continue
+            top = int(a.max())
+            if self.max_step_tokens and top > self.max_step_tokens:
+                _decode_all(r)
+                raise _over(f"{f} entry", top, self.max_step_tokens, "tokens", "--max-step-tokens")
+            tokens += int(a.sum(dtype=np.int64))   # entries <= cap; a negative one is refused by the API anyway
+        if r.HasField("admit_token_ids"):
+            tokens = max(tokens, _items(r, "admit_token_ids"))
+        if self.max_step_sequences and n > self.max_step_sequences:
+            _decode_all(r)       # a malformed array gets the API's own message, not a cap's
+            raise _over("sequences in one Step", n, self.max_step_sequences, "ids", "--max-step-sequences")
+        if self.max_step_tokens and tokens > self.max_step_tokens:
+            _decode_all(r)
+            raise _over("new tokens in one Step", tokens, self.max_step_tokens, "tokens", "--max-step-tokens")
+
+    def _check_create(self, r: pb.CreatePoolRequest, manager: BlockManager) -> None:
+        if self.max_pools and len(manager.pool_names()) >= self.max_pools:
+            raise ResourceExhausted(f"the manager holds {self.max_pools} pools, its limit (--max-pools); delete "
+                                    "one first", reason="LIMIT_EXCEEDED", limit=self.max_pools)
+        p = plan(cache_spec_from_proto(r.cache), sizing_from_proto(r.sizing), tuple(r.backends))
+        _check_representable(p)
+        if self.max_pool_slots:
+            slots = p.num_slots * len(p.geometry.groups)
+            if slots > self.max_pool_slots:
+                raise _over(f"pool {r.name!r}: slots x layer groups", slots, self.max_pool_slots, "slots",
+                            "--max-pool-slots")
+
+
+def _items(r: Any, field: str) -> int:
+    """Elements of a Tensor field, from its byte length (no decoding)."""
+    t = getattr(r, field)
+    return len(t.data) // _ITEMSIZE.get(t.dtype, 1)
+
+
+def _decode_all(r: pb.StepRequest) -> None:
+    for f in _STEP_ARRAYS:
+        field_array(r, f)
+
+
+def _check_representable(p: Plan) -> None:
+    """InvalidArgument if a plan's byte figures do not fit the reply's uint64 fields (planner.py accepts them)."""
+    try:
+        plan_to_proto(p)
+    except ValueError:
+        raise InvalidArgument(f"this cache needs {p.total_bytes} bytes ({p.bytes_per_slot} per slot): more than a "
+                              "64-bit byte count can describe; check kv_heads, head_dim and page_size",
+                              reason="LIMIT_EXCEEDED", total_bytes=p.total_bytes) from None
+
+
+def _over(what: str, value: int, limit: int, unit: str, flag: str) -> InvalidArgument:
+    hint = f" (server flag {flag})" if flag else ""
+    return InvalidArgument(f"{what}: {value} {unit} is over this server's limit of {limit}{hint}; split the "
+                           "request", reason="LIMIT_EXCEEDED", value=value, limit=limit)
 
 
 class Journal(Protocol):
@@ -39,10 +148,12 @@ class Journal(Protocol):
 
 
 class BlockManagerServicer(pb_grpc.BlockManagerServicer):
-    def __init__(self, api: ManagerAPI, metrics: ManagerMetrics, journal: Journal | None = None) -> None:
+    def __init__(self, api: ManagerAPI, metrics: ManagerMetrics, journal: Journal | None = None,
+                 limits: Limits | None = None) -> None:
         self.api = api
         self.metrics = metrics
         self.journal = journal
+        self.limits = limits
 
 
 def _adapter(name: str) -> Callable[..., Any]:
@@ -50,9 +161,17 @@ def _adapter(name: str) -> Callable[..., Any]:
         start = time.perf_counter()
         try:
             apply = getattr(self.api, name)
+            if getattr(self.journal, "failed", None):
+                raise JournalUnavailable(f"the manager stopped serving: {self.journal.failed}")  # type: ignore[union-attr]
+            if self.limits is not None:
+                self.limits.check(name, request, self.api.manager)
             if self.journal is not None and name in MUTATING:
                 return self.journal.execute(name, request, apply)
+            if name in STATE_READS and hasattr(self.journal, "read"):
+                return self.journal.read(request, apply)  # type: ignore[union-attr]
             return apply(request)
+        except JournalUnavailable as err:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
         except KVError as err:
             context.abort_with_status(to_status(err))
         except Exception:

@@ -61,9 +61,11 @@ def serve(args: argparse.Namespace) -> int:
             return 2
     worker_id = args.worker_id or f"{socket.gethostname()}-{args.pool}-{begin}-{end}-r{args.tp_rank}"
     try:
+        security = _security(args)
         running = serve_worker(args.manager, args.pool, worker_id, begin, end, args.tp_rank, args.tp_size,
                                args.backend, args.listen, None if args.metrics_port < 0 else args.metrics_port,
-                               args.cpu_kernels, args.enable_test_hooks, args.advertise, args.metrics_addr)
+                               args.cpu_kernels, args.enable_test_hooks, args.advertise, args.metrics_addr,
+                               **security)
     except (ClientError, KVError, OSError, ValueError, ImportError) as err:
         print(f"kvworker: {getattr(err, 'message', err)}", file=sys.stderr)
         return 2
@@ -77,6 +79,39 @@ def serve(args: argparse.Namespace) -> int:
     stop.wait()
     running.stop()
     return 0
+
+
+def _security(args: argparse.Namespace) -> dict[str, object]:
+    """TLS and token options of serve_worker from the flags (files are read here; tokens never printed)."""
+    import os
+
+    from clients.client import TLSOptions
+    from kvservice.auth import ServerTLS, TokenTable
+
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ValueError("--tls-cert and --tls-key go together")
+    token = Path(args.manager_token_file).read_text().strip() if args.manager_token_file else \
+        os.environ.get("KVSERVICE_TOKEN") or None
+    return {
+        "manager_tls": TLSOptions.from_files(args.manager_ca, args.manager_cert, args.manager_key)
+        if args.manager_ca or args.manager_cert else None,
+        "manager_token": token,
+        "tls": ServerTLS.from_files(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None,
+        "tokens": TokenTable.from_file(args.tokens_file) if args.tokens_file else None,
+    }
+
+
+def _security_args(s: argparse.ArgumentParser) -> None:
+    g = s.add_argument_group("security (docs/SECURITY.md)")
+    g.add_argument("--tls-cert", help="PEM certificate of this worker's server (with --tls-key: serve TLS)")
+    g.add_argument("--tls-key", help="PEM key of --tls-cert")
+    g.add_argument("--tls-client-ca", help="require client certificates signed by this CA (mutual TLS)")
+    g.add_argument("--tokens-file", help="YAML of bearer tokens scoped to pools, required on every call")
+    g.add_argument("--manager-ca", help="CA bundle that signed the manager's certificate (TLS to the manager)")
+    g.add_argument("--manager-cert", help="client certificate for a manager with mutual TLS")
+    g.add_argument("--manager-key", help="key of --manager-cert")
+    g.add_argument("--manager-token-file", help="file holding the bearer token for the manager "
+                   "(default: env KVSERVICE_TOKEN)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--port-file", help="write the bound gRPC and metrics ports here (tests)")
     s.add_argument("--enable-test-hooks", action="store_true", help="allow CorruptGuard (tests only)")
     s.add_argument("--log-level", default="INFO")
+    _security_args(s)
     args = ap.parse_args(argv)
     if args.command == "serve":
         return serve(args)

@@ -16,8 +16,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from clients.client import BlockManagerClient
+from clients.client import BlockManagerClient, TLSOptions
 from clients.codec import ClientError
+from kvservice.auth import WORKER, ServerTLS, TokenAuthInterceptor, TokenTable, worker_rules
 from kvservice.convert import cache_spec_from_proto
 from kvservice.server import MAX_MESSAGE_BYTES
 from kvservice.v1 import block_manager_pb2 as pb
@@ -91,9 +92,15 @@ def _warm(caches: CacheSet) -> None:
 def serve_worker(manager: str, pool: str, worker_id: str, layer_begin: int = 0, layer_end: int = 0,
                  tp_rank: int = 0, tp_size: int = 1, backend: str = "cpu", listen: str = "127.0.0.1:0",
                  metrics_port: int | None = None, cpu_kernels: str = "numpy", test_hooks: bool = False,
-                 advertise: str | None = None, metrics_addr: str = "127.0.0.1") -> RunningWorker:
-    """Allocate, warm, serve, register; then heartbeat in the background until stop()."""
-    client = BlockManagerClient(manager, timeout=10)
+                 advertise: str | None = None, metrics_addr: str = "127.0.0.1", *,
+                 manager_tls: TLSOptions | None = None, manager_token: str | None = None,
+                 tls: ServerTLS | None = None, tokens: TokenTable | None = None) -> RunningWorker:
+    """Allocate, warm, serve, register; then heartbeat in the background until stop().
+
+    manager_tls / manager_token: how to reach a manager that serves TLS / wants a bearer token.
+    tls / tokens: this worker's own server (TLS or mutual TLS; pool-scoped bearer tokens).
+    """
+    client = BlockManagerClient(manager, timeout=10, tls=manager_tls, token=manager_token)
     client.wait_ready(30)
     info = client.get_pool(pool)
     spec = cache_spec_from_proto(info.cache)
@@ -109,12 +116,13 @@ def serve_worker(manager: str, pool: str, worker_id: str, layer_begin: int = 0, 
     servicer = WorkerServicer(caches, metrics, identity, test_hooks)
     options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.so_reuseport", 0)]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=options)
+    interceptors = [TokenAuthInterceptor(tokens, WORKER, worker_rules(pool))] if tokens is not None else []
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=options, interceptors=interceptors)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(listen)
+    port = server.add_secure_port(listen, tls.credentials()) if tls else server.add_insecure_port(listen)
     if port == 0:
         raise OSError(f"cannot listen on {listen}")
     server.start()

