@@ -28,6 +28,7 @@ integration: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/bench_manager.py --out bench/results/manager.md
 	$(BIN)/python bench/bench_sharing.py --out bench/results/sharing.md
+	$(BIN)/python bench/bench_durability.py --out bench/results/durability.md
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -15,6 +15,7 @@ from .errors import InvalidArgument
 from .geometry import INT32_MAX, CacheSpec, Geometry
 
 MAX_SLOTS = 2**40
+MAX_BYTES = 2**63 - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +118,7 @@ class Plan:
 
 def plan(spec: CacheSpec, sizing: Sizing, backends: tuple[str, ...] | list[str] = ()) -> Plan:
     """Plan a pool for spec; checks every named backend's page-size rule first."""
-    checked = tuple(check_backends(spec.page_size, backends))
+    checked = tuple(check_backends(spec.page_size, backends, ((la.head_dim, la.dtype) for la in spec.layers)))
     ps = spec.page_size
     if sizing.num_slots:
         num_slots = sizing.num_slots
@@ -147,6 +148,9 @@ def plan(spec: CacheSpec, sizing: Sizing, backends: tuple[str, ...] | list[str] 
             f"one sequence of max_seq_len {max_seq_len} tokens needs {pages_per_seq} slots, but the pool "
             f"has {num_slots} (from {how}); raise the budget or lower max_seq_len")
     plan_ = Plan(geometry, max_seq_len, checked, ())
+    if plan_.total_bytes > MAX_BYTES or max(v.page_bytes for v in geometry.layers) * num_slots > MAX_BYTES:
+        raise InvalidArgument(f"this plan needs {plan_.total_bytes} bytes of cache, more than the 2^63 - 1 any "
+                              "address space holds; check kv_heads, head_dim and the sizing")
     if plan_.offsets_exceed_int32:
         warnings.append(
             f"byte offsets reach {plan_.max_byte_offset} (>= 2^31): kernels must use 64-bit offsets")

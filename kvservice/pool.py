@@ -355,8 +355,8 @@ class Pool:
                       keys: object) -> tuple | None:
         """Prefix-cache inputs of the admissions, or None when caching is off or no tokens were given.
 
-        Returns (pages int64 [A, P, ps], full int64 [A], limit int64 [A], ns int64 [A], hashes uint64 [A, P]):
-        full = full pages of each prompt, limit = pages it may take from the cache.
+        Returns (pages int64 [A, P, ps], full int64 [A], limit int64 [A], ns int64 [A], hashes uint64 [A, P],
+        new namespaces): full = full pages of each prompt, limit = pages it may take from the cache.
         """
         a = len(a_n)
         if token_ids is None or self.prefix is None or not a:
@@ -370,7 +370,8 @@ class Pool:
                                   f"{tok.dtype}")
         if len(tok) != int(a_n.sum()):
             raise InvalidArgument(f"admit_token_ids has {len(tok)} ids; admit_num_tokens add up to {int(a_n.sum())}")
-        ns = self.prefix.namespace_ids(_strs("admit_cache_salts", salts, a), _strs("admit_extra_keys", keys, a))
+        ns, new_ns = self.prefix.namespace_ids(_strs("admit_cache_salts", salts, a),
+                                               _strs("admit_extra_keys", keys, a))
         ps = self.page_size
         full = a_n // ps
         p = int(full.max())
@@ -380,7 +381,7 @@ class Pool:
         pages = tok.astype(np.int64)[idx].reshape(a, p, ps)
         limit = (a_n - 1) // ps                      # at least one token of each prompt is computed
         hashes = self.prefix.hash_fn(pages, ns) if p else np.zeros((a, 0), dtype=np.uint64)
-        return pages, full, limit, ns, hashes
+        return pages, full, limit, ns, hashes, new_ns
 
     def _plan_group(self, g: int, alloc: SlotAllocator, f_rows: np.ndarray, p_rows: np.ndarray, e_rows: np.ndarray,
                     e_old: np.ndarray, e_held: np.ndarray, e_held_new: np.ndarray, a_held: np.ndarray,
@@ -407,7 +408,7 @@ class Pool:
         need = int((e_held_new - e_held).sum())
         hits = None
         if prompt is not None and g == 0:
-            pages, full, limit, ns, hashes = prompt
+            pages, full, limit, ns, hashes, _ = prompt
             hits, cand = self.prefix.match(pages, limit, ns, hashes) if pages.shape[1] else (
                 np.zeros(len(full), dtype=np.int64), np.zeros((len(full), 0), dtype=np.int64))
             hit_slots = cand[np.arange(cand.shape[1]) < hits[:, None]]
@@ -532,7 +533,8 @@ class Pool:
         return np.array(pairs, dtype=np.int64).reshape(-1, 2)
 
     def _register(self, a_rows: np.ndarray, a_n: np.ndarray, prompt: tuple) -> None:
-        pages, full, _, ns, hashes = prompt
+        pages, full, _, ns, hashes, new_ns = prompt
+        self.prefix.add_namespaces(new_ns)
         p = pages.shape[1]
         if not p:
             return

@@ -77,12 +77,23 @@ class PrefixCache:
         allocator.on_evict = self.forget
         allocator.caching = True
 
-    def namespace_ids(self, salts: list[str], keys: list[str]) -> np.ndarray:
-        """A small int per (salt, extra key), stable for this cache's life."""
+    def namespace_ids(self, salts: list[str], keys: list[str]) -> tuple[np.ndarray, dict[tuple[str, str], int]]:
+        """A small int per (salt, extra key), stable for this cache's life.
+
+        Returns (ids int64 [n], new): pairs seen for the first time get the next ids but are only
+        remembered once `add_namespaces(new)` is called, after the step can no longer fail.
+        """
         out = np.empty(len(salts), dtype=np.int64)
+        new: dict[tuple[str, str], int] = {}
         for i, k in enumerate(zip(salts, keys, strict=True)):
-            out[i] = self._namespaces.setdefault(k, len(self._namespaces))
-        return out
+            known = self._namespaces.get(k)
+            if known is None:
+                known = new.setdefault(k, len(self._namespaces) + len(new))
+            out[i] = known
+        return out, new
+
+    def add_namespaces(self, new: dict[tuple[str, str], int]) -> None:
+        self._namespaces.update(new)
 
     def match(self, pages: np.ndarray, counts: np.ndarray, ns: np.ndarray,
               hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -60,6 +60,10 @@ class CacheSet:
                 name, nbytes = f"group{group.id}", num_slots * group.slot_bytes
                 layout = PageLayout.interleaved(num_slots, group.slot_bytes, view.byte_offset, spec.page_size,
                                                 ls.kv_heads, ls.head_dim, ls.dtype)
+            try:
+                layout.validate()
+            except ValueError as err:
+                raise ValueError(f"layer {layer} of this pool cannot run on the worker's kernels: {err}") from None
             if name not in self.buffers:
                 raw = xp.zeros(nbytes + 2 * guard_bytes, dtype=np.uint8)
                 ops.guard_fill(raw, guard_bytes)

@@ -20,9 +20,9 @@ from clients.client import BlockManagerClient, TLSOptions
 from clients.codec import ClientError
 from kvservice.auth import WORKER, ServerTLS, TokenAuthInterceptor, TokenTable, worker_rules
 from kvservice.convert import cache_spec_from_proto
-from kvservice.server import MAX_MESSAGE_BYTES
+from kvservice.server import MAX_MESSAGE_BYTES, add_lenient_service
 from kvservice.v1 import block_manager_pb2 as pb
-from kvservice.v1 import worker_pb2, worker_pb2_grpc
+from kvservice.v1 import worker_pb2
 from worker.caches import CacheSet
 from worker.metrics import WorkerMetrics
 from worker.service import WorkerServicer
@@ -118,7 +118,8 @@ def serve_worker(manager: str, pool: str, worker_id: str, layer_begin: int = 0, 
                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.so_reuseport", 0)]
     interceptors = [TokenAuthInterceptor(tokens, WORKER, worker_rules(pool))] if tokens is not None else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=options, interceptors=interceptors)
-    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+    # Undecodable request bytes are INVALID_ARGUMENT, not gRPC's own INTERNAL.
+    add_lenient_service(server, SERVICE_NAME, servicer)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

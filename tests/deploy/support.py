@@ -129,7 +129,7 @@ pools:
     page_size: 16
     layout: per_layer
     layers:
-      - {count: 2, kv_heads: 1, head_dim: 16, dtype: float16}
+      - {count: 2, kv_heads: 1, head_dim: 32, dtype: float16}
     sizing: {num_slots: 16}
     backends: [native]
 """

@@ -285,7 +285,7 @@ def test_workers_keep_their_lease_and_epoch_across_a_manager_restart(tmp_path):
     port = m.target.rsplit(":", 1)[1]
     with BlockManagerClient(m.target) as c:
         c.wait_ready()
-        c.create_pool("w", CacheSpec.uniform(2, 1, 16, "float32", 16), Sizing(num_slots=16, max_seq_len=128))
+        c.create_pool("w", CacheSpec.uniform(2, 1, 32, "float32", 16), Sizing(num_slots=16, max_seq_len=128))
     ports = tmp_path / "worker.ports"
     log = open(tmp_path / "worker.log", "w+")
     worker = subprocess.Popen([sys.executable, "-m", "worker.cli", "serve", "--manager", m.target, "--pool", "w",

@@ -36,7 +36,7 @@ tokens:
   - {{name: reader, token: {TOKENS["reader"]}, pools: ["*"], role: read}}
   - {{name: worker-w, token: {TOKENS["worker-w"]}, pools: [w]}}
 """
-SMALL = (CacheSpec.uniform(2, 1, 16, "float32", 16), Sizing(num_slots=16, max_seq_len=128))
+SMALL = (CacheSpec.uniform(2, 1, 32, "float32", 16), Sizing(num_slots=16, max_seq_len=128))
 
 
 def _openssl(*args: str, cwd: Path) -> None:

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from kvservice.errors import InvalidArgument
+from kvservice.errors import InvalidArgument, ResourceExhausted
 from kvservice.geometry import CacheSpec, LayerSpec
 from kvservice.invariants import assert_invariants
 from kvservice.planner import Sizing, plan
@@ -160,3 +160,13 @@ def test_sliding_window_releases_pages_no_query_can_see():
     assert pool.allocators[1].num_free > pool.allocators[0].num_free
     pool.step(free_ids=[1])
     assert pool.allocators[0].num_free == pool.allocators[1].num_free == 32
+
+
+def test_a_refused_step_registers_no_namespace():
+    pool = cached_pool(num_slots=4)
+    with pytest.raises(ResourceExhausted):
+        pool.step(admit_ids=[1, 2], admit_tokens=[16, 16], admit_token_ids=np.arange(32),
+                  admit_salts=["tenant-b", "tenant-b"])
+    assert pool.prefix._namespaces == {}
+    admit(pool, 3, list(range(5)), salt="tenant-c")
+    assert pool.prefix._namespaces == {("tenant-c", ""): 0}
