@@ -520,8 +520,12 @@ class Pool:
     def _copy_on_write(self, g: int, alloc: SlotAllocator, e_rows: np.ndarray, e_old: np.ndarray,
                        e_held: np.ndarray) -> np.ndarray:
         partial = np.flatnonzero((e_old % self.page_size) != 0)
-        pairs = []
         slots = self._slots[g]
+        # Only rows whose partly filled last page has other owners now can need a copy; the loop
+        # (sequential, since one copy can leave the last owner alone) runs over those alone.
+        last = slots[e_rows[partial], e_held[partial] - 1]
+        partial = partial[alloc._refcnt[last] > 1]
+        pairs = []
         for i in partial.tolist():
             row, col = int(e_rows[i]), int(e_held[i]) - 1
             src = int(slots[row, col])

@@ -99,22 +99,12 @@ def serve(listen: str = "127.0.0.1:0", metrics_port: int | None = None, pools: S
         commit = Histogram("kvservice_journal_commit_seconds", "Time to make one mutating RPC durable.",
                            registry=metrics.registry, buckets=COMMIT_BUCKETS)
         journal.observe_commit = commit.observe
-    options = [("grpc.max_receive_message_length", max_message_bytes),
-               ("grpc.max_send_message_length", max_message_bytes),
-               ("grpc.so_reuseport", 0)]
     interceptors = []
     if tokens is not None:
         interceptors.append(TokenAuthInterceptor(tokens, BM, manager_rules(_worker_pool(manager))))
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=options,
-                         interceptors=interceptors)
     servicer = BlockManagerServicer(ManagerAPI(manager), metrics, journal, limits or Limits())
-    add_lenient_service(server, SERVICE_NAME, servicer)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_secure_port(listen, tls.credentials()) if tls else server.add_insecure_port(listen)
-    if port == 0:
-        raise OSError(f"cannot listen on {listen}")
+    server, port, health_servicer = grpc_server(SERVICE_NAME, servicer, listen, tls, interceptors, max_workers,
+                                                max_message_bytes)
     running = RunningServer(server, port, None, manager, metrics, None, journal, health=health_servicer)
     journal.on_fail = lambda why: _fail_stop(running)
     server.start()
@@ -128,6 +118,25 @@ def serve(listen: str = "127.0.0.1:0", metrics_port: int | None = None, pools: S
              f", {len(tokens)} tokens" if tokens is not None else "", running.metrics_port,
              journal.state_dir or "memory only")
     return running
+
+
+def grpc_server(service: str, servicer: object, listen: str, tls: ServerTLS | None = None,
+                interceptors: Sequence[grpc.ServerInterceptor] = (), max_workers: int = 8,
+                max_message_bytes: int = MAX_MESSAGE_BYTES) -> tuple[grpc.Server, int, health.HealthServicer]:
+    """A gRPC server (not started) with `servicer` under lenient handlers, health and reflection, bound to
+    `listen` (port 0 picks one). Returns (server, bound port, health servicer). Manager and worker share it."""
+    options = [("grpc.max_receive_message_length", max_message_bytes),
+               ("grpc.max_send_message_length", max_message_bytes), ("grpc.so_reuseport", 0)]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=options,
+                         interceptors=list(interceptors))
+    add_lenient_service(server, service, servicer)         # undecodable bytes: INVALID_ARGUMENT, not INTERNAL
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((service, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    port = server.add_secure_port(listen, tls.credentials()) if tls else server.add_insecure_port(listen)
+    if port == 0:
+        raise OSError(f"cannot listen on {listen}")
+    return server, port, health_servicer
 
 
 class Malformed:

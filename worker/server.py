@@ -5,22 +5,20 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from concurrent import futures
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
 import grpc
 import numpy as np
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health_pb2
 from prometheus_client import start_http_server
 
 from clients.client import BlockManagerClient, TLSOptions
 from clients.codec import ClientError
 from kvservice.auth import WORKER, ServerTLS, TokenAuthInterceptor, TokenTable, worker_rules
 from kvservice.convert import cache_spec_from_proto
-from kvservice.server import MAX_MESSAGE_BYTES, add_lenient_service
+from kvservice.server import grpc_server
 from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1 import worker_pb2
 from worker.caches import CacheSet
@@ -114,18 +112,8 @@ def serve_worker(manager: str, pool: str, worker_id: str, layer_begin: int = 0, 
                                 "device_name": device_name, "epoch": 0}
     metrics = WorkerMetrics(pool)
     servicer = WorkerServicer(caches, metrics, identity, test_hooks)
-    options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-               ("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.so_reuseport", 0)]
     interceptors = [TokenAuthInterceptor(tokens, WORKER, worker_rules(pool))] if tokens is not None else []
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=options, interceptors=interceptors)
-    # Undecodable request bytes are INVALID_ARGUMENT, not gRPC's own INTERNAL.
-    add_lenient_service(server, SERVICE_NAME, servicer)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_secure_port(listen, tls.credentials()) if tls else server.add_insecure_port(listen)
-    if port == 0:
-        raise OSError(f"cannot listen on {listen}")
+    server, port, health_servicer = grpc_server(SERVICE_NAME, servicer, listen, tls, interceptors, max_workers=4)
     server.start()
     http = None
     if metrics_port is not None:

@@ -103,8 +103,7 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
     def _csr_reasons(self, rec: ViolationRecord, layer: int, ip: Any, idx: Any, lpl: Any) -> dict[str, int]:
         if not rec.count:
             return {}
-        host = [np.asarray(self.caches.xp.asnumpy(a) if hasattr(self.caches.xp, "asnumpy") else a)
-                for a in (ip, idx, lpl)]
+        host = [_host(a) for a in (ip, idx, lpl)]
         found, _ = ops_numpy.csr_violations(*host, self.caches.layouts[layer])
         return _count_reasons(r for *_, r in found)
 
@@ -145,7 +144,7 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
         k = self._tensor(request, "k", layout.dtype, shape, doc)
         v = self._tensor(request, "v", layout.dtype, shape, doc)
         def reasons() -> dict[str, int]:
-            host = np.asarray(sm.get() if hasattr(sm, "get") else sm)
+            host = _host(sm)
             pages = np.where(host < 0, -1, host // layout.page_size)
             return _count_reasons(int(r) for r in layout.reasons(pages) if r)
 
@@ -171,9 +170,7 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
             window=window, policy=Policy(request.policy)),
             lambda rec: self._record(rec, request.layer, self._csr_reasons(rec, request.layer, ip, idx, lpl)))
         rec = call.record
-        out = call.out.get() if hasattr(call.out, "get") else call.out
-        lse = call.lse.get() if hasattr(call.lse, "get") else call.lse
-        return wpb.DecodeAttentionReply(out=to_tensor(np.asarray(out)), lse=to_tensor(np.asarray(lse)),
+        return wpb.DecodeAttentionReply(out=to_tensor(_host(call.out)), lse=to_tensor(_host(call.lse)),
                                         kernel_seconds=dt, violation=self._record(
                                             rec, request.layer, self._csr_reasons(rec, request.layer, ip, idx, lpl)))
 
@@ -188,7 +185,7 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
             layout = self.caches.layouts[layer]
             pages = slots * layout.scale + layout.offset
             def reasons(layout: Any = layout, pages: Any = pages) -> dict[str, int]:
-                host = np.asarray(pages.get() if hasattr(pages, "get") else pages)
+                host = _host(pages)
                 return _count_reasons(int(r) for r in layout.reasons(host).ravel() if r)
 
             call, dt = self._timed("copy_blocks", lambda layer=layer, layout=layout, pages=pages:
@@ -207,9 +204,8 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
         layout = self.caches.layouts[request.layer]
         ip, idx, lpl = self._csr(request)
         res, _ = self._timed("validate_page_table", lambda: self.ops.validate_page_table(ip, idx, lpl, layout))
-        status = res.row_status.get() if hasattr(res.row_status, "get") else res.row_status
         rec = res.record
-        return wpb.WorkerValidateReply(ok=rec.count == 0, row_status=to_tensor(np.asarray(status)),
+        return wpb.WorkerValidateReply(ok=rec.count == 0, row_status=to_tensor(_host(res.row_status)),
                                        violation=self._record(rec, request.layer,
                                                               self._csr_reasons(rec, request.layer, ip, idx, lpl)))
 
@@ -240,6 +236,11 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
         at = (buf.raw.shape[0] - g + request.offset) if request.after else request.offset
         buf.raw[at] = buf.raw[at] ^ 0xFF
         return wpb.CorruptGuardReply()
+
+
+def _host(a: Any) -> np.ndarray:
+    """A NumPy view of a NumPy or CuPy array (CuPy copies device -> host)."""
+    return np.asarray(a.get() if hasattr(a, "get") else a)
 
 
 def _count_reasons(codes: Any) -> dict[str, int]:
