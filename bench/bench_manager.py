@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from clients import BlockManagerClient  # noqa: E402
+from clients.launch import wait_for_ports  # noqa: E402
 from kvservice.allocator import SlotAllocator  # noqa: E402
 from kvservice.geometry import CacheSpec  # noqa: E402
 from kvservice.planner import Sizing, plan  # noqa: E402
@@ -115,12 +116,8 @@ def start_server(tmp: Path) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, "-m", "kvservice.cli", "serve", "--listen", "127.0.0.1:0",
                              "--metrics-port", "-1", "--no-pools", "--port-file", str(port_file),
                              "--log-level", "WARNING"], cwd=ROOT)
-    deadline = time.time() + 30
-    while not (port_file.exists() and port_file.read_text().strip()):
-        if proc.poll() is not None or time.time() > deadline:
-            raise RuntimeError("manager did not start")
-        time.sleep(0.05)
-    return proc, f"127.0.0.1:{port_file.read_text().split()[0]}"
+    port, _ = wait_for_ports(proc, port_file, 30, what="manager")
+    return proc, f"127.0.0.1:{port}"
 
 
 def bench_grpc(steps: int) -> tuple[tuple[float, float], list[tuple[int, float, float, float, float]]]:

@@ -20,7 +20,6 @@ import argparse
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
 
@@ -34,6 +33,7 @@ from kvservice.server import serve
 
 from .client import BlockManagerClient
 from .codec import ClientError
+from .launch import wait_for_ports
 from .scheduler import ReferenceScheduler, Report, Workload
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,14 +75,11 @@ def start_worker(target: str, pool: str, backend: str, tmp: Path, worker_id: str
                              "--backend", backend, "--listen", "127.0.0.1:0", "--metrics-port", "0",
                              "--port-file", str(port_file), "--worker-id", worker_id, "--log-level", "WARNING"],
                             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.time() + 120
-    while not (port_file.exists() and port_file.read_text().strip()):
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            raise RuntimeError(f"worker did not start; see {tmp / f'{worker_id}.log'}:\n"
-                               f"{(tmp / f'{worker_id}.log').read_text()}")
-        time.sleep(0.05)
-    port, metrics = port_file.read_text().split()
+    try:
+        port, metrics = wait_for_ports(proc, port_file, 120, tmp / f"{worker_id}.log", f"worker {worker_id}")
+    except RuntimeError:
+        proc.kill()
+        raise
     return proc, f"127.0.0.1:{port}", f"http://127.0.0.1:{metrics}/metrics"
 
 

@@ -12,12 +12,13 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from clients.launch import wait_for_ports
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -110,16 +111,12 @@ def start_process(args: list[str], workdir: Path, name: str, timeout: float = 30
     with log.open("w") as out:
         p = subprocess.Popen([PYTHON, *args, "--port-file", str(port_file)], cwd=REPO, env=env,
                              stdout=out, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if port_file.exists() and port_file.read_text().strip():
-            grpc_port, metrics_port = (int(x) for x in port_file.read_text().split())
-            return Proc(p, grpc_port, metrics_port, log)
-        if p.poll() is not None:
-            break
-        time.sleep(0.05)
-    stop_process(p)
-    raise RuntimeError(f"{name} did not start within {timeout:.0f} s:\n{log.read_text()[-3000:]}")
+    try:
+        grpc_port, metrics_port = wait_for_ports(p, port_file, timeout, log, name)
+    except RuntimeError:
+        stop_process(p)
+        raise
+    return Proc(p, grpc_port, metrics_port, log)
 
 
 #: A pool small enough to run out of slots in two Steps: 16 slots of 16 tokens, 2 tiny layers.

@@ -3,12 +3,12 @@
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from clients import BlockManagerClient
+from clients.launch import wait_for_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -16,18 +16,13 @@ ROOT = Path(__file__).resolve().parents[2]
 class ManagerProcess:
     def __init__(self, tmp: Path, *extra: str) -> None:
         self.port_file = tmp / "ports"
+        self.port_file.unlink(missing_ok=True)            # a stale file from an earlier run in this dir
         self.log = open(tmp / "manager.log", "w+")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvservice.cli", "serve", "--listen", "127.0.0.1:0", "--metrics-port", "0",
              "--port-file", str(self.port_file), *extra],
             cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        deadline = time.time() + 30
-        while not self.port_file.exists() or not self.port_file.read_text().strip():
-            if self.proc.poll() is not None or time.time() > deadline:
-                self.log.seek(0)
-                raise RuntimeError(f"manager did not start:\n{self.log.read()}")
-            time.sleep(0.05)
-        port, metrics = self.port_file.read_text().split()
+        port, metrics = wait_for_ports(self.proc, self.port_file, 30, tmp / "manager.log", "manager")
         self.target = f"127.0.0.1:{port}"
         self.metrics_url = f"http://127.0.0.1:{metrics}/metrics"
 

@@ -11,6 +11,7 @@ import pytest
 
 from clients import BlockManagerClient, ClientError
 from clients.client import RetryPolicy, new_request_id
+from clients.launch import wait_for_ports
 from kvservice.geometry import CacheSpec
 from kvservice.invariants import assert_invariants
 from kvservice.journal import Journal, JournalConfig
@@ -292,10 +293,7 @@ def test_workers_keep_their_lease_and_epoch_across_a_manager_restart(tmp_path):
                                "--listen", "127.0.0.1:0", "--metrics-port", "-1", "--port-file", str(ports),
                                "--worker-id", "w0"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.time() + 60
-        while not (ports.exists() and ports.read_text().strip()):
-            assert worker.poll() is None and time.time() < deadline, log.seek(0) or log.read()
-            time.sleep(0.05)
+        wait_for_ports(worker, ports, 60, tmp_path / "worker.log", "worker w0")
         with BlockManagerClient(m.target) as c:
             (w,) = c.workers("w")
         kill9(m)

@@ -5,7 +5,6 @@ import hashlib
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -15,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from clients import BlockManagerClient, ClientError
 from clients.aio import AsyncBlockManagerClient
 from clients.client import TLSOptions
+from clients.launch import wait_for_ports
 from kvservice.auth import ServerTLS, TokenTable
 from kvservice.errors import InvalidArgument
 from kvservice.geometry import CacheSpec
@@ -151,11 +151,7 @@ def test_worker_with_tls_and_tokens_both_ways(pki, secure_manager, tmp_path):
                              str(ports), "--worker-id", "tw", *cert, *to_manager],
                             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.time() + 60
-        while not (ports.exists() and ports.read_text().strip()):
-            assert proc.poll() is None and time.time() < deadline, log.seek(0) or log.read()
-            time.sleep(0.05)
-        target = f"127.0.0.1:{ports.read_text().split()[0]}"
+        target = f"127.0.0.1:{wait_for_ports(proc, ports, 60, Path(log.name), 'worker tw')[0]}"
         with BlockManagerClient(secure_manager.target, tls=tls(pki), token=TOKENS["worker-w"]) as c:
             assert [w.worker_id for w in c.workers("w")] == ["tw"]     # it registered through mTLS + token
 

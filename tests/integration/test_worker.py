@@ -12,6 +12,7 @@ import pytest
 
 from clients import BlockManagerClient, ClientError
 from clients.generate import Cluster, generate
+from clients.launch import wait_for_ports
 from clients.tiny_model import TinyConfig, TinyModel
 from clients.worker_client import WorkerClient
 from kvservice.geometry import CacheSpec, IndexSpace, LayerSpec
@@ -38,13 +39,7 @@ class WorkerProcess:
                "127.0.0.1:0", "--metrics-port", "0", "--port-file", str(port_file), "--worker-id", worker_id,
                "--enable-test-hooks", *(["--layers", layers] if layers else []), *extra]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 60
-        while not (port_file.exists() and port_file.read_text().strip()):
-            if self.proc.poll() is not None or time.time() > deadline:
-                self.log.seek(0)
-                raise RuntimeError(f"worker did not start:\n{self.log.read()}")
-            time.sleep(0.05)
-        port, metrics = port_file.read_text().split()
+        port, metrics = wait_for_ports(self.proc, port_file, 60, tmp / f"{worker_id}.log", f"worker {worker_id}")
         self.address = f"127.0.0.1:{port}"
         self.metrics_url = f"http://127.0.0.1:{metrics}/metrics"
         self.client = WorkerClient(self.address, worker_id, timeout=20)
