@@ -115,7 +115,7 @@ def test_hybrid_interleaved_model_matches_reference_with_tables_per_layer(env):
             t = step.for_layer(layer)
             assert c.validate("hybrid", layer, t.table).ok
             other = next(la for la in range(len(HYBRID.layers)) if spaces[la] != spaces[layer])
-            assert not c.validate("hybrid", other, t.table).ok or spaces[other] == spaces[layer]
+            assert not c.validate("hybrid", other, t.table).ok      # another space's layer rejects it
 
     gen = generate(c, "hybrid", clusters["hybrid"], model, prompts, 6, 1, on_step=check)
     reference_check(model, prompts, gen)
