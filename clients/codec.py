@@ -122,7 +122,7 @@ def step_request(pool: str, free: object = None, extend: object = None, extend_t
 def parse_step(reply: pb.StepReply) -> StepResult:
     tables: dict[int, SpaceTables] = {}
     for st in reply.tables:
-        space = IndexSpace(st.index_space, st.group, st.scale, st.offset, st.upper_bound, ())
+        space = IndexSpace(st.index_space, st.group, st.scale, st.offset, st.upper_bound, (), st.base)
         table = None
         if st.HasField("indptr"):
             table = PageTable(from_tensor(st.indptr, "indptr"), from_tensor(st.indices, "indices"),

@@ -86,12 +86,12 @@ def _spec_and_sizing(a: argparse.Namespace) -> tuple[CacheSpec, Sizing]:
 def _print_plan(summary: dict[str, Any]) -> None:
     keys = ["num_slots", "page_size", "layout", "num_layers", "max_seq_len", "max_pages_per_seq", "bytes_per_layer",
             "bytes_per_slot", "total_bytes", "max_byte_offset", "offsets_exceed_int32", "offsets_exceed_uint32",
-            "indices_need_int64"]
+            "indices_need_int64", "pool_pages"]
     print(_table([[k, summary[k]] for k in keys], ["plan", "value"]))
     print()
-    print(_table([[s["id"], s["group"], s["scale"], s["offset"], s["upper_bound"], s["index_dtype"],
+    print(_table([[s["id"], s["group"], s["scale"], s["offset"], s.get("base", 0), s["upper_bound"], s["index_dtype"],
                    _ranges(s["layers"])] for s in summary["index_spaces"]],
-                 ["index space", "group", "scale", "offset", "upper bound", "dtype", "layers"]))
+                 ["index space", "group", "scale", "offset", "base", "upper bound", "dtype", "layers"]))
     if summary["backends"]:
         print(f"\nbackends satisfied: {', '.join(summary['backends'])}")
     for w in summary["warnings"]:

@@ -107,8 +107,9 @@ class ReferenceScheduler:
         self.optimistic = optimistic
         info = client.get_pool(pool)
         self.page_size = info.plan.page_size
+        self.pool_pages = info.plan.pool_pages
         self.num_slots = info.plan.num_slots
-        self.spaces = {s.id: IndexSpace(s.id, s.group, s.scale, s.offset, s.upper_bound, tuple(s.layers))
+        self.spaces = {s.id: IndexSpace(s.id, s.group, s.scale, s.offset, s.upper_bound, tuple(s.layers), s.base)
                        for s in info.plan.index_spaces}
 
     def _pages(self, n: int) -> int:
@@ -198,6 +199,7 @@ class ReferenceScheduler:
         for sid, st in result.tables.items():
             if st.table is None or not len(result.seq_ids):
                 continue
-            r = validate_page_table(st.table, self.spaces[sid], self.page_size)
+            r = validate_page_table(st.table, self.spaces[sid], self.page_size,
+                                    pool_pages=self.pool_pages)
             report.tables_validated += 1
             report.table_violations += r.num_violations

@@ -74,7 +74,7 @@ class ManagerAPI:
                 reply.copies.add(group=g, pairs=to_tensor(pairs))
         for st in res.tables:
             sp = st.space
-            out = reply.tables.add(index_space=sp.id, group=sp.group, scale=sp.scale, offset=sp.offset,
+            out = reply.tables.add(index_space=sp.id, group=sp.group, scale=sp.scale, offset=sp.offset, base=sp.base,
                                    upper_bound=sp.upper_bound)
             fill_tensor(out.slot_mapping, st.slot_mapping)
             if st.table is not None:
@@ -115,7 +115,8 @@ class ManagerAPI:
         with self.manager.locked(request.pool) as pool:
             space = pool.plan.geometry.space_of_layer(request.layer)
             ps = pool.page_size
-        report = validate_page_table(PageTable(**arrays), space, ps, request.max_reports or 100)
+            pool_pages = pool.plan.geometry.pool_pages
+        report = validate_page_table(PageTable(**arrays), space, ps, request.max_reports or 100, pool_pages)
         return pb.ValidatePageTableReply(
             ok=report.ok, num_violations=report.num_violations, index_space=convert.index_space_to_proto(space),
             violations=[pb.Violation(reason=v.reason, row=v.row, position=v.position, value=v.value,

@@ -54,7 +54,7 @@ def sizing_from_proto(msg: pb.Sizing) -> Sizing:
 
 def index_space_to_proto(space: object) -> pb.IndexSpace:
     return pb.IndexSpace(id=space.id, group=space.group, scale=space.scale, offset=space.offset,
-                         upper_bound=space.upper_bound, layers=list(space.layers),
+                         upper_bound=space.upper_bound, layers=list(space.layers), base=space.base,
                          index_dtype=cpb.INT32 if space.index_dtype.itemsize == 4 else cpb.INT64)
 
 
@@ -68,11 +68,11 @@ def plan_to_proto(plan: Plan) -> pb.PlanReply:
         indices_need_int64=plan.indices_need_int64,
         layers=[pb.LayerPlan(layer=v.layer, group=v.group, index_space=v.index_space, page_bytes=v.page_bytes,
                              bytes=v.page_bytes * plan.num_slots, scale=v.scale, offset=v.offset,
-                             upper_bound=v.upper_bound) for v in geo.layers],
+                             upper_bound=v.upper_bound, base=v.base) for v in geo.layers],
         groups=[pb.GroupPlan(group=g.id, sliding_window=g.sliding_window, layers=list(g.layers),
                              slot_bytes=g.slot_bytes, buffer_bytes=g.buffer_bytes) for g in geo.groups],
         index_spaces=[index_space_to_proto(s) for s in geo.index_spaces],
-        backends=list(plan.backends), warnings=list(plan.warnings))
+        backends=list(plan.backends), warnings=list(plan.warnings), pool_pages=geo.pool_pages)
 
 
 def pool_stats(pool: Pool) -> pb.PoolStats:

@@ -5,7 +5,10 @@ A page table for a batch of B sequences in one index space:
 - ``indptr``: shape [B + 1], int32 or int64; ``indptr[0] == 0``, non-decreasing,
   ``indptr[B] == nnz``. Row b's pages are ``indices[indptr[b]:indptr[b + 1]]``.
 - ``indices``: shape [nnz], int32 or int64; page indices of the index space:
-  ``0 <= page < upper_bound`` and ``(page - offset) % scale == 0``.
+  ``base <= page < upper_bound`` and ``(page - base - offset) % scale == 0``.
+  A page of another index space of the same pool (``0 <= page < pool_pages``
+  but outside ``[base, upper_bound)``) is ``wrong_index_space``; anything else
+  outside the range is ``out_of_bounds`` (geometry.py: disjoint index spaces).
 - ``last_page_len``: shape [B], int32; tokens in each row's last page, in
   ``(0, page_size]``.
 """
@@ -19,7 +22,7 @@ import numpy as np
 from .errors import InvalidArgument
 from .geometry import IndexSpace
 
-REASONS = ("out_of_bounds", "off_lattice", "bad_last_page_len", "bad_indptr")
+REASONS = ("out_of_bounds", "off_lattice", "bad_last_page_len", "bad_indptr", "wrong_index_space")
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,8 +78,12 @@ def _int_1d(name: str, a: np.ndarray) -> np.ndarray:
 
 
 def validate_page_table(table: PageTable, space: IndexSpace, page_size: int,
-                        max_reports: int = 100) -> ValidationReport:
+                        max_reports: int = 100, pool_pages: int | None = None) -> ValidationReport:
     """Check a table against one index space; report every bad entry with its position.
+
+    pool_pages: end of the pool's page numbering (Geometry.pool_pages); pages of the
+    pool outside this space's range are reported as ``wrong_index_space``. None: the
+    space's own upper bound (everything outside the range is ``out_of_bounds``).
 
     Raises InvalidArgument only for arrays that are not a table at all (wrong
     rank or dtype, len(last_page_len) != len(indptr) - 1, empty indptr).
@@ -114,11 +121,17 @@ def validate_page_table(table: PageTable, space: IndexSpace, page_size: int,
     envelope = np.maximum.accumulate(np.clip(indptr, 0, nnz))
     rows = np.searchsorted(envelope, np.arange(nnz), side="right") - 1
     rows = np.where(rows >= batch, -1, rows)
-    oob = (indices < 0) | (indices >= space.upper_bound)
+    end = space.upper_bound if pool_pages is None else pool_pages
+    oob = (indices < 0) | (indices >= end)
     add("out_of_bounds", oob, rows, indices,
-        f"page index must be in [0, {space.upper_bound}) for index space {space.id}")
+        f"page index must be in [{space.base}, {space.upper_bound}) for index space {space.id}; "
+        f"the pool has pages [0, {end})")
+    outside = ~oob & ((indices < space.base) | (indices >= space.upper_bound))
+    add("wrong_index_space", outside, rows, indices,
+        f"page index belongs to another index space of this pool; index space {space.id} has pages "
+        f"[{space.base}, {space.upper_bound}): was this table converted for another layer?")
     if space.scale != 1:
-        off = ~oob & ((indices - space.offset) % space.scale != 0)
+        off = ~oob & ~outside & ((indices - space.base - space.offset) % space.scale != 0)
         add("off_lattice", off, rows, indices,
-            f"page index must be {space.offset} + k * {space.scale} in index space {space.id}")
+            f"page index must be {space.base + space.offset} + k * {space.scale} in index space {space.id}")
     return report

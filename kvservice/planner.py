@@ -106,11 +106,12 @@ class Plan:
             "offsets_exceed_int32": self.offsets_exceed_int32,
             "offsets_exceed_uint32": self.offsets_exceed_uint32,
             "indices_need_int64": self.indices_need_int64,
+            "pool_pages": g.pool_pages,
             "backends": list(self.backends),
             "groups": [{"group": gr.id, "sliding_window": gr.sliding_window, "layers": list(gr.layers),
                         "slot_bytes": gr.slot_bytes, "buffer_bytes": gr.buffer_bytes} for gr in g.groups],
             "index_spaces": [{"id": s.id, "group": s.group, "scale": s.scale, "offset": s.offset,
-                              "upper_bound": s.upper_bound, "layers": list(s.layers),
+                              "base": s.base, "upper_bound": s.upper_bound, "layers": list(s.layers),
                               "index_dtype": s.index_dtype.name} for s in g.index_spaces],
             "warnings": list(self.warnings),
         }

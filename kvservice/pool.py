@@ -1,12 +1,20 @@
 """A pool: one planned geometry, one slot allocator per layer group, and the sequences in it.
 
 Sequence state lives in arrays indexed by a *row* (a dense handle the pool
-assigns): ``_num_tokens[row]``, ``_held[row]`` = ceil(num_tokens / page_size)
-and, per group, ``_slots[g][row, j]`` = the slot holding page j, with
-``_first[g][row]`` the first page still held (pages before it fell out of a
-sliding window and were released; always 0 in full-attention groups). A step
-over B sequences is a fixed number of NumPy calls, not B Python calls; only
-forks and copy-on-write touch rows one by one.
+assigns): ``_num_tokens[row]``, ``_held[row]`` = ceil(num_tokens / page_size),
+and per layer group g the slots of the row's pages in ``_slots[g]`` (a ragged
+`RowSlots`: memory proportional to the pages held) with ``_first[g][row]`` the
+first page still held (pages before it fell out of a sliding window and were
+released; always 0 in full-attention groups). A step over B sequences is a
+fixed number of NumPy calls, not B Python calls.
+
+``step`` runs four phases, each a function you can read alone: validate the
+request (`_validate`), plan every group's slot demand without changing
+anything (`_plan`), carry the plan out (`_commit`), and emit the batch's slot
+mappings and tables (`emit.emit_tables`). One fast path, `_decode_step`, serves
+the steady decode loop (the same batch extended again, nothing shared or
+released); the reference-model differential test drives it against the same
+model as the general path.
 
 Sharing: a fork's child shares its parent's slots and a prefix-cache hit shares
 a cached page (refcounts). Appending into a shared, partly filled last page
@@ -21,31 +29,28 @@ from dataclasses import dataclass
 import numpy as np
 
 from .allocator import SlotAllocator
+from .emit import SpaceTables, emit_tables
 from .errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
-from .geometry import IndexSpace
-from .pagetable import PageTable
 from .planner import Plan
 from .prefix import PrefixCache
+from .rowslots import RowSlots
+from .stepplan import (
+    EMPTY_I64,
+    GroupPlan,
+    Prompt,
+    StepInput,
+    StepPlan,
+    check_distinct,
+    count_in,
+    cow_rows,
+    parse_counts,
+    parse_ids,
+    parse_strs,
+)
 
-_EMPTY_IDS = np.zeros(0, dtype=np.uint64)
-_EMPTY_COUNTS = np.zeros(0, dtype=np.int64)
+__all__ = ["Pool", "SpaceTables", "StepResult"]
+
 _NO_COPIES = np.zeros((0, 2), dtype=np.int64)
-
-
-@dataclass(frozen=True, slots=True)
-class SpaceTables:
-    """What the kernels of one index space need for a step.
-
-    slot_mapping: shape [num_new_tokens], int64; page_index * page_size + offset_in_page
-        for each new token, rows in batch order.
-    table: CSR page table of the batch (None if tables were omitted).
-    block_table: shape [B, max_pages], index dtype of the space, padded with -1 (None unless asked).
-    """
-
-    space: IndexSpace
-    slot_mapping: np.ndarray
-    table: PageTable | None
-    block_table: np.ndarray | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +62,8 @@ class StepResult:
     new_token_indptr: shape [B + 1], int64; row b's new tokens are [indptr[b], indptr[b+1]).
     tables: one entry per index space of the pool, in index-space order.
     num_free_slots: free slots after the step (fewest over the groups).
+    cached_tokens: shape [A], int64; tokens of each admission found in the prefix cache.
+    copies: per layer group, int64 [n, 2] (src_slot, dst_slot) pairs to copy before the kernels run.
     """
 
     seq_ids: np.ndarray
@@ -64,42 +71,8 @@ class StepResult:
     new_token_indptr: np.ndarray
     tables: tuple[SpaceTables, ...]
     num_free_slots: int
-    cached_tokens: np.ndarray | None = None          # int64 [A]: tokens of each admission found in the cache
-    copies: tuple[np.ndarray, ...] = ()              # per group: int64 [n, 2] (src_slot, dst_slot) to copy first
-
-
-def _ids(name: str, a: object) -> np.ndarray:
-    if a is None:
-        return _EMPTY_IDS
-    arr = np.asarray(a)
-    if arr.ndim != 1 or arr.dtype.kind not in "iu":
-        raise InvalidArgument(f"{name} must be a 1-D integer array, got shape {arr.shape} dtype {arr.dtype}")
-    if arr.dtype.kind == "i" and len(arr) and arr.min() < 0:
-        raise InvalidArgument(f"{name} holds a negative sequence id ({arr.min()})")
-    return arr.astype(np.uint64, copy=False)
-
-
-def _counts(name: str, a: object, n: int) -> np.ndarray:
-    if a is None:
-        a = _EMPTY_COUNTS
-    arr = np.asarray(a)
-    if arr.ndim != 1 or arr.dtype.kind not in "iu":
-        raise InvalidArgument(f"{name} must be a 1-D integer array, got shape {arr.shape} dtype {arr.dtype}")
-    if len(arr) != n:
-        raise InvalidArgument(f"{name} has {len(arr)} entries for {n} sequence ids")
-    arr = arr.astype(np.int64, copy=False)
-    if n and arr.min() <= 0:
-        raise InvalidArgument(f"{name} must be > 0 tokens per sequence, got {arr.min()}")
-    return arr
-
-
-def _strs(name: str, values: object, n: int) -> list[str]:
-    vals = [] if values is None else [str(v) for v in values]  # type: ignore[attr-defined]
-    if not vals:
-        return [""] * n
-    if len(vals) != n:
-        raise InvalidArgument(f"{name} has {len(vals)} entries for {n} admissions; give one per admission or none")
-    return vals
+    cached_tokens: np.ndarray | None = None
+    copies: tuple[np.ndarray, ...] = ()
 
 
 class Pool:
@@ -115,25 +88,24 @@ class Pool:
         self.windows = [g.sliding_window for g in geo.groups]
         self.layer_space: list[int] = geo.layer_space.tolist()    # layer -> index space id
         self._sliding = [g for g, w in enumerate(self.windows) if w]
+        self._is_sliding = [bool(w) for w in self.windows]
         if prefix_caching and self._sliding:
             raise InvalidArgument("prefix caching with sliding-window layer groups is not supported; create the "
                                   "pool without enable_prefix_caching or without sliding layers")
         self.prefix = PrefixCache(self.allocators[0], self.page_size) if prefix_caching else None
-        self._sharing = prefix_caching          # slots may have several owners
+        self._sharing = prefix_caching          # slots may have several owners (turned on by a fork)
         self._rows: dict[int, int] = {}          # seq_id -> row (source of truth)
         self._sorted: tuple[np.ndarray, np.ndarray] | None = None  # (ids, rows) by id; None = stale
         self._last_batch: tuple[np.ndarray, np.ndarray] | None = None  # (ids, rows) of the last extend-only step
         self._fast = True                         # take _decode_step when it applies (tests turn it off)
         self._free_rows: list[int] = []
         self._num_rows = 0                        # rows ever used (high-water mark)
-        cap, width = 16, 4
+        cap = 16
         self._num_tokens = np.zeros(cap, dtype=np.int64)   # 0 = row unused
-        self._held = np.zeros(cap, dtype=np.int64)         # ceil(num_tokens / page_size): pages, released included
-        self._arange = np.arange(1024, dtype=np.int64)
+        self._held = np.zeros(cap, dtype=np.int64)         # ceil(num_tokens / page_size), released pages included
         self._seq_ids = np.zeros(cap, dtype=np.uint64)
-        # Slot values fit the index dtype of a scale-1 space, so per_layer tables need no conversion.
-        self._slot_dtype = np.dtype(np.int32 if geo.num_slots <= 2**31 - 1 else np.int64)
-        self._slots = [np.full((cap, width), -1, dtype=self._slot_dtype) for _ in geo.groups]
+        slot_dtype = np.dtype(np.int32 if geo.num_slots <= 2**31 - 1 else np.int64)
+        self._slots = [RowSlots(slot_dtype, cap) for _ in geo.groups]
         self._first = [np.zeros(cap, dtype=np.int64) for _ in geo.groups]
         self.steps = 0
         self.admitted = 0
@@ -159,32 +131,37 @@ class Pool:
 
     def sequences(self) -> tuple[np.ndarray, np.ndarray]:
         """(seq_ids uint64 [N], num_tokens int64 [N]) of live sequences, sorted by id."""
-        rows = np.fromiter(self._rows.values(), dtype=np.int64, count=len(self._rows))
-        ids = self._seq_ids[rows]
-        order = np.argsort(ids, kind="stable")
-        return ids[order], self._num_tokens[rows[order]]
+        ids, rows = self._index()
+        return ids.copy(), self._num_tokens[rows]
+
+    def slots_held(self, seq_ids: np.ndarray) -> np.ndarray:
+        """int64 [N, num_groups]: slots each live sequence holds in each layer group (window-released excluded)."""
+        rows = self._lookup(parse_ids("seq_ids", seq_ids), "seq_ids")
+        held = self._held[rows]
+        return np.stack([held - self._first[g][rows] for g in range(len(self.allocators))], axis=1) \
+            if len(rows) else np.zeros((0, len(self.allocators)), dtype=np.int64)
 
     def sequence_slots(self, seq_id: int, group: int = 0) -> np.ndarray:
         """Slots a sequence holds in one group, page order (a copy; released window pages excluded)."""
-        row = self._rows.get(int(seq_id))
-        if row is None:
-            raise NotFound(f"sequence {seq_id} is not in pool {self.name!r}", seq_id=seq_id)
-        return self._slots[group][row, self._first[group][row]:self._held[row]].copy()
+        row = self._row_of(seq_id)
+        r = np.array([row], dtype=np.int64)
+        return self._slots[group].gather(r, self._first[group][r], self._held[r])
 
     def first_page(self, seq_id: int, group: int) -> int:
         """Index of the first page a sequence still holds in a group (0 unless a window released pages)."""
-        row = self._rows.get(int(seq_id))
-        if row is None:
-            raise NotFound(f"sequence {seq_id} is not in pool {self.name!r}", seq_id=seq_id)
-        return int(self._first[group][row])
+        return int(self._first[group][self._row_of(seq_id)])
 
     def tables_for(self, seq_ids: np.ndarray, block_table: bool = False) -> tuple[SpaceTables, ...]:
         """Page tables of live sequences (no slot mappings: nothing new is appended)."""
-        ids = _ids("seq_ids", seq_ids)
-        rows = self._lookup(ids, "seq_ids")
+        rows = self._lookup(parse_ids("seq_ids", seq_ids), "seq_ids")
         n = self._num_tokens[rows]
         return self._emit(rows, n, n, self._held[rows], np.zeros(len(rows) + 1, dtype=np.int64), True,
                           block_table)
+
+    def slot_table_bytes(self) -> int:
+        """Bytes of the per-row state (slot tables and row arrays): grows with pages held, not with rows x width."""
+        rows = self._num_tokens.nbytes + self._held.nbytes + self._seq_ids.nbytes + sum(f.nbytes for f in self._first)
+        return rows + sum(s.nbytes() for s in self._slots)
 
     # ---- the step ----------------------------------------------------------------------
     def step(self, free_ids: object = None, extend_ids: object = None, extend_tokens: object = None,
@@ -195,8 +172,8 @@ class Pool:
         """One scheduler iteration, all or nothing: free, fork, extend, admit.
 
         free_ids: shape [F], uint64 (or non-negative int); live sequences to drop.
-        fork_parents, fork_children: shape [K]; each child starts as a copy of its live parent,
-            sharing its slots. A child cannot be extended in the step that creates it.
+        fork_parents, fork_children: shape [K]; each child starts as a copy of its live parent as it
+            was before this step, sharing its slots. A child cannot be extended in the step that creates it.
         extend_ids, extend_tokens: shape [E]; live sequences and the tokens (> 0) each gains.
         admit_ids, admit_tokens: shape [A]; new sequences and the tokens (> 0) each starts with.
         admit_token_ids: shape [sum(admit_tokens)], the admissions' token ids, for prefix caching.
@@ -205,35 +182,39 @@ class Pool:
         cached token counts and copy-on-write pairs.
         Raises InvalidArgument, NotFound, AlreadyExists or ResourceExhausted; then nothing changed.
         """
-        f_ids = _ids("free_seq_ids", free_ids)
-        e_ids = _ids("extend_seq_ids", extend_ids)
-        a_ids = _ids("admit_seq_ids", admit_ids)
-        p_ids = _ids("fork_parent_ids", fork_parents)
-        c_ids = _ids("fork_child_ids", fork_children)
-        e_k = _counts("extend_num_tokens", extend_tokens, len(e_ids))
-        a_n = _counts("admit_num_tokens", admit_tokens, len(a_ids))
-        if len(p_ids) != len(c_ids):
-            raise InvalidArgument(f"fork_parent_ids has {len(p_ids)} entries, fork_child_ids {len(c_ids)}")
-        parts = [a for a in (f_ids, e_ids, a_ids, c_ids) if len(a)]
-        all_ids = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else f_ids
-        last = self._last_batch
-        same_batch = (len(parts) == 1 and parts[0] is e_ids and last is not None and len(last[0]) == len(e_ids)
-                      and np.array_equal(last[0], e_ids))
-        if len(all_ids) > 1 and not same_batch:
-            srt = np.sort(all_ids)
-            dup = srt[1:] == srt[:-1]
-            if dup.any():
-                raise InvalidArgument(
-                    f"sequence {srt[1:][dup][0]} appears more than once in one step; each sequence may be "
-                    "freed, extended, admitted or created by a fork once per step", seq_id=srt[1:][dup][0])
-        if same_batch and self._fast and not (self._sharing or self._sliding or admit_token_ids is not None):
-            res = self._decode_step(last[1], e_k, tables, block_table)  # type: ignore[index]
+        inp = self._validate(free_ids, extend_ids, extend_tokens, admit_ids, admit_tokens, fork_parents,
+                             fork_children, admit_token_ids, admit_salts, admit_extra_keys)
+        if inp.repeat and self._fast and not (self._sharing or self._sliding):
+            res = self._decode_step(inp.e_ids, inp.e_rows, inp.e_k, tables, block_table)
             if res is not None:
                 return res
+        plan = self._plan(inp)
+        return self._commit(inp, plan, tables, block_table)
+
+    # ---- phase 1: validate ---------------------------------------------------------------
+    def _validate(self, free_ids: object, extend_ids: object, extend_tokens: object, admit_ids: object,
+                  admit_tokens: object, fork_parents: object, fork_children: object, admit_token_ids: object,
+                  admit_salts: object, admit_extra_keys: object) -> StepInput:
+        f_ids = parse_ids("free_seq_ids", free_ids)
+        e_ids = parse_ids("extend_seq_ids", extend_ids)
+        a_ids = parse_ids("admit_seq_ids", admit_ids)
+        p_ids = parse_ids("fork_parent_ids", fork_parents)
+        c_ids = parse_ids("fork_child_ids", fork_children)
+        e_k = parse_counts("extend_num_tokens", extend_tokens, len(e_ids))
+        a_n = parse_counts("admit_num_tokens", admit_tokens, len(a_ids))
+        if len(p_ids) != len(c_ids):
+            raise InvalidArgument(f"fork_parent_ids has {len(p_ids)} entries, fork_child_ids {len(c_ids)}")
+        extend_only = not (len(f_ids) or len(a_ids) or len(c_ids)) and len(e_ids) > 0
+        e_rows = self._last_rows_if_same(e_ids) if extend_only else None
+        repeat = e_rows is not None
+        if e_rows is None:
+            parts = [a for a in (f_ids, e_ids, a_ids, c_ids) if len(a)]
+            if len(parts) > 1:
+                check_distinct(np.concatenate(parts))
+            elif parts:
+                check_distinct(parts[0])
+            e_rows = self._lookup(e_ids, "extend_seq_ids")
         f_rows = self._lookup(f_ids, "free_seq_ids")
-        # A decode loop extends the same batch step after step: its ids were checked (distinct, live)
-        # and looked up last time, and no admission or free has happened since.
-        e_rows = last[1] if same_batch else self._lookup(e_ids, "extend_seq_ids")  # type: ignore[index]
         p_rows = self._lookup(p_ids, "fork_parent_ids")
         new_ids = np.concatenate((a_ids, c_ids)) if len(c_ids) else a_ids
         if len(new_ids):
@@ -243,121 +224,25 @@ class Pool:
                 raise AlreadyExists(f"sequence {taken} is already in pool {self.name!r}", seq_id=taken)
         if len(p_ids) and len(f_ids) and np.isin(p_ids, f_ids).any():
             raise InvalidArgument(f"fork parent {p_ids[np.isin(p_ids, f_ids)][0]} is freed in the same step")
-        ps = self.page_size
-        e_old = self._num_tokens[e_rows]
-        e_new = e_old + e_k
-        for name, n, ids in (("extend", e_new, e_ids), ("admit", a_n, a_ids)):
+        for name, n, ids in (("extend", self._num_tokens[e_rows] + e_k, e_ids), ("admit", a_n, a_ids)):
             if len(n) and int(n.max()) > self.max_seq_len:
                 j = int(np.argmax(n))
                 raise InvalidArgument(
                     f"{name}: sequence {ids[j]} would hold {n[j]} tokens; pool {self.name!r} takes at most "
                     f"max_seq_len={self.max_seq_len}", seq_id=ids[j], max_seq_len=self.max_seq_len)
-        prompt = self._prompt_pages(a_n, admit_token_ids, admit_salts, admit_extra_keys)
-        e_held = self._held[e_rows]
-        e_held_new = (e_new + (ps - 1)) // ps
-        a_held = (a_n + (ps - 1)) // ps
-        # ---- slot demand per group, computed exactly before anything changes ------------
-        if self._sharing or self._sliding or len(f_rows) or len(p_rows) or prompt is not None:
-            plans = [self._plan_group(g, alloc, f_rows, p_rows, e_rows, e_old, e_held, e_held_new, a_held, prompt)
-                     for g, alloc in enumerate(self.allocators)]
-        else:                                   # nothing is released or shared: every group needs the same
-            need = int((e_held_new - e_held).sum()) + (int(a_held.sum()) if len(a_held) else 0)
-            plans = [(need, alloc.num_free, None, None, None) for alloc in self.allocators]
-        for g, (need, avail, *_rest) in enumerate(plans):
-            if need > avail:
-                self.refused += 1
-                self.alloc_failures["out_of_slots"] = self.alloc_failures.get("out_of_slots", 0) + 1
-                free_now = self.allocators[g].num_free
-                raise ResourceExhausted(
-                    f"pool {self.name!r}: this step needs {need} slots in layer group {g} but only {avail} are "
-                    f"free ({free_now} free + {avail - free_now} released by this step) of {self.plan.num_slots}; "
-                    "free or preempt sequences, or plan a bigger pool",
-                    needed=need, free=avail, num_slots=self.plan.num_slots, group=g)
-        # ---- nothing can fail past this line --------------------------------------
-        self._release(f_rows)
-        for g in self._sliding:
-            self._release_window(g, e_rows, plans[g][2])
-        c_rows = self._take_rows(c_ids) if len(c_ids) else _EMPTY_COUNTS
-        if len(c_rows):
-            self._fork(p_rows, c_rows)
-        a_rows = self._take_rows(a_ids) if len(a_ids) else _EMPTY_COUNTS
-        hits = plans[0][3] if prompt is not None else None
-        if hits is not None and len(a_rows):
-            self._share_hits(a_rows, hits, plans[0][4])
-        # New pages: extensions from their held count, admissions after their prefix hits.
-        if len(a_rows):
-            g_rows = np.concatenate((e_rows, a_rows))
-            a_lo = hits if hits is not None else np.zeros(len(a_rows), dtype=np.int64)
-            g_lo, g_hi = np.concatenate((e_held, a_lo)), np.concatenate((e_held_new, a_held))
-        else:
-            g_rows, g_lo, g_hi = e_rows, e_held, e_held_new
-        if len(g_rows):
-            self._ensure_width(int(g_hi.max()))
-        g_need = g_hi - g_lo
-        g_total = int(g_need.sum())
-        copies = [self._grow(g, alloc, g_rows, g_lo, g_need, g_total, e_rows, e_old, e_held)
-                  for g, alloc in enumerate(self.allocators)]
-        rows = np.concatenate((e_rows, a_rows, c_rows)) if len(a_rows) or len(c_rows) else e_rows
-        old = np.concatenate((e_old, np.zeros(len(a_rows), dtype=np.int64), self._num_tokens[c_rows])) \
-            if len(rows) > len(e_rows) else e_old
-        new = np.concatenate((e_new, a_n, self._num_tokens[c_rows])) if len(rows) > len(e_rows) else e_new
-        held_new = (new + (ps - 1)) // ps if len(rows) > len(e_rows) else e_held_new
-        self._num_tokens[rows] = new
-        self._held[rows] = held_new
-        if prompt is not None and len(a_rows):
-            self._register(a_rows, a_n, prompt)
-        self.steps += 1
-        self.admitted += len(a_ids)
-        self._last_batch = (e_ids.copy(), e_rows) if len(parts) == 1 and parts[0] is e_ids else None
-        tok_indptr = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum(new - old, out=tok_indptr[1:])
-        cached = hits * ps if hits is not None else (np.zeros(len(a_ids), dtype=np.int64) if len(a_ids) else None)
-        return StepResult(self._seq_ids[rows], new, tok_indptr,
-                          self._emit(rows, old, new, held_new, tok_indptr, tables, block_table),
-                          self.num_free_slots, cached, tuple(copies))
+        prompt = self._prompt(a_n, admit_token_ids, admit_salts, admit_extra_keys)
+        return StepInput(f_ids, e_ids, e_k, a_ids, a_n, p_ids, c_ids, f_rows, e_rows, p_rows, prompt, extend_only,
+                         repeat)
 
-    def _decode_step(self, rows: np.ndarray, k: np.ndarray, tables: bool, block_table: bool) -> StepResult | None:
-        """The hot path: the last step's batch grows again, nothing freed, admitted or shared.
+    def _last_rows_if_same(self, e_ids: np.ndarray) -> np.ndarray | None:
+        """The rows of the last extend-only step if e_ids is that batch again (checked distinct and live then)."""
+        last = self._last_batch
+        if last is not None and len(last[0]) == len(e_ids) and np.array_equal(last[0], e_ids):
+            return last[1]
+        return None
 
-        Same result as the general path, with fewer NumPy calls. Returns None (the
-        general path then runs, and raises) if the step would fail.
-        """
-        ps = self.page_size
-        old = self._num_tokens[rows]
-        new = old + k
-        if int(new.max()) > self.max_seq_len:
-            return None
-        held_old = self._held[rows]
-        held_new = (new + (ps - 1)) // ps
-        need = held_new - held_old
-        total = int(need.sum())
-        if total > self.num_free_slots:
-            return None
-        if total:
-            self._ensure_width(int(held_new.max()))
-            for g, alloc in enumerate(self.allocators):
-                self._grow(g, alloc, rows, held_old, need, total, _EMPTY_COUNTS, _EMPTY_COUNTS, _EMPTY_COUNTS)
-        self._num_tokens[rows] = new
-        self._held[rows] = held_new
-        self.steps += 1
-        b = len(rows)
-        if int(k.sum()) == b:
-            tok_indptr = self._iota(b + 1).copy()
-        else:
-            tok_indptr = np.zeros(b + 1, dtype=np.int64)
-            np.cumsum(k, out=tok_indptr[1:])
-        return StepResult(self._seq_ids[rows], new, tok_indptr,
-                          self._emit(rows, old, new, held_new, tok_indptr, tables, block_table),
-                          self.num_free_slots, None, tuple(_NO_COPIES for _ in self.allocators))
-
-    # ---- step pieces -------------------------------------------------------------------
-    def _prompt_pages(self, a_n: np.ndarray, token_ids: object, salts: object,
-                      keys: object) -> tuple | None:
-        """Prefix-cache inputs of the admissions, or None when caching is off or no tokens were given.
-
-        Returns (pages int64 [A, P, ps], full int64 [A], limit int64 [A], ns int64 [A], hashes uint64 [A, P],
-        new namespaces): full = full pages of each prompt, limit = pages it may take from the cache.
-        """
+    def _prompt(self, a_n: np.ndarray, token_ids: object, salts: object, keys: object) -> Prompt | None:
+        """Prefix-cache inputs of the admissions, or None when caching is off or no token ids were given."""
         a = len(a_n)
         if token_ids is None or self.prefix is None or not a:
             if token_ids is not None and self.prefix is None and len(np.asarray(token_ids)):
@@ -370,8 +255,8 @@ class Pool:
                                   f"{tok.dtype}")
         if len(tok) != int(a_n.sum()):
             raise InvalidArgument(f"admit_token_ids has {len(tok)} ids; admit_num_tokens add up to {int(a_n.sum())}")
-        ns, new_ns = self.prefix.namespace_ids(_strs("admit_cache_salts", salts, a),
-                                               _strs("admit_extra_keys", keys, a))
+        ns, new_ns = self.prefix.namespace_ids(parse_strs("admit_cache_salts", salts, a),
+                                               parse_strs("admit_extra_keys", keys, a))
         ps = self.page_size
         full = a_n // ps
         p = int(full.max())
@@ -381,188 +266,271 @@ class Pool:
         pages = tok.astype(np.int64)[idx].reshape(a, p, ps)
         limit = (a_n - 1) // ps                      # at least one token of each prompt is computed
         hashes = self.prefix.hash_fn(pages, ns) if p else np.zeros((a, 0), dtype=np.uint64)
-        return pages, full, limit, ns, hashes, new_ns
+        return Prompt(pages, full, limit, ns, hashes, new_ns)
 
-    def _plan_group(self, g: int, alloc: SlotAllocator, f_rows: np.ndarray, p_rows: np.ndarray, e_rows: np.ndarray,
-                    e_old: np.ndarray, e_held: np.ndarray, e_held_new: np.ndarray, a_held: np.ndarray,
-                    prompt: tuple | None) -> tuple:
-        """(slots needed, slots available, new window starts, prefix hits, copy-on-write count) of group g."""
+    # ---- phase 2: plan (pure) ------------------------------------------------------------
+    def _plan(self, inp: StepInput) -> StepPlan:
+        """Every group's slot demand and changes, computed before anything changes; ResourceExhausted if short."""
         ps = self.page_size
+        e_old = self._num_tokens[inp.e_rows]
+        e_new = e_old + inp.e_k
+        e_held = self._held[inp.e_rows]
+        e_held_new = (e_new + (ps - 1)) // ps
+        a_held = (inp.a_n + (ps - 1)) // ps
+        groups = tuple(self._plan_group(g, inp, e_old, e_held, e_held_new, a_held)
+                       for g in range(len(self.allocators)))
+        for g, gp in enumerate(groups):
+            if gp.need > gp.avail:
+                self.refused += 1
+                self.alloc_failures["out_of_slots"] = self.alloc_failures.get("out_of_slots", 0) + 1
+                free_now = self.allocators[g].num_free
+                raise ResourceExhausted(
+                    f"pool {self.name!r}: this step needs {gp.need} slots in layer group {g} but only {gp.avail} "
+                    f"are free ({free_now} free + {gp.avail - free_now} released by this step) of "
+                    f"{self.plan.num_slots}; free or preempt sequences, or plan a bigger pool",
+                    needed=gp.need, free=gp.avail, num_slots=self.plan.num_slots, group=g)
+        return StepPlan(e_old, e_new, e_held, e_held_new, a_held, groups)
+
+    def _plan_group(self, g: int, inp: StepInput, e_old: np.ndarray, e_held: np.ndarray,
+                    e_held_new: np.ndarray, a_held: np.ndarray) -> GroupPlan:
+        alloc = self.allocators[g]
         first = self._first[g]
-        released: list[np.ndarray] = []
-        if len(f_rows):
-            released.append(self._row_slots(g, f_rows, first[f_rows], self._held[f_rows]))
+        rs = self._slots[g]
+        need = int((e_held_new - e_held).sum()) + int(a_held.sum())
+        # Owners lost (frees, window releases) and gained (fork children) before any allocation.
+        dropped = [rs.gather(inp.f_rows, first[inp.f_rows], self._held[inp.f_rows])] if len(inp.f_rows) else []
         new_first = None
-        if self.windows[g] and len(e_rows):
-            lo = first[e_rows]
-            new_first = np.minimum(np.maximum(lo, (e_old + 1 - self.windows[g]) // ps), e_held)
-            released.append(self._row_slots(g, e_rows, lo, new_first))
-        dropped = np.concatenate(released) if released else np.zeros(0, dtype=np.int64)
+        if self.windows[g] and len(inp.e_rows):
+            lo = first[inp.e_rows]
+            new_first = np.minimum(np.maximum(lo, (e_old + 1 - self.windows[g]) // self.page_size), e_held)
+            dropped.append(rs.gather(inp.e_rows, lo, new_first))
+        lost = np.sort(np.concatenate(dropped)) if dropped else EMPTY_I64
+        gained = np.sort(rs.gather(inp.p_rows, first[inp.p_rows], self._held[inp.p_rows])) \
+            if len(inp.p_rows) else EMPTY_I64
         rc = alloc._refcnt
-        if self._sharing and len(dropped):
-            uniq, counts = np.unique(dropped, return_counts=True)
-            freed = uniq[rc[uniq] == counts]
-        else:
-            freed = dropped
+
+        def owners_after(slots: np.ndarray) -> np.ndarray:
+            return rc[slots].astype(np.int64) - count_in(lost, slots) + count_in(gained, slots)
+
+        freed = np.unique(lost)
+        freed = freed[owners_after(freed) == 0] if len(freed) else freed
         avail = alloc.num_free + len(freed)
-        need = int((e_held_new - e_held).sum())
-        hits = None
-        if prompt is not None and g == 0:
-            pages, full, limit, ns, hashes, _ = prompt
-            hits, cand = self.prefix.match(pages, limit, ns, hashes) if pages.shape[1] else (
-                np.zeros(len(full), dtype=np.int64), np.zeros((len(full), 0), dtype=np.int64))
-            hit_slots = cand[np.arange(cand.shape[1]) < hits[:, None]]
-            revived = np.unique(hit_slots)
-            revived = revived[(rc[revived] == 0) | np.isin(revived, freed)]
-            avail -= len(revived)
-            need += int((a_held - hits).sum())
-            prompt_hit = (hits, cand)
-        else:
-            need += int(a_held.sum())
-            prompt_hit = None
-        if (self._sharing or len(p_rows)) and len(e_rows):
-            # Owners after this step's frees, window releases and forks, before its copies.
-            delta = np.zeros(alloc.num_slots, dtype=np.int64)
-            np.subtract.at(delta, dropped, 1)
-            if len(p_rows):
-                np.add.at(delta, self._row_slots(g, p_rows, first[p_rows], self._held[p_rows]), 1)
-            need += self._count_cow(g, e_rows, e_old, e_held, delta)
-        return need, avail, new_first, hits, prompt_hit
+        hits = cand = None
+        if inp.prompt is not None and g == 0:
+            pr = inp.prompt
+            if pr.pages.shape[1]:
+                hits, cand = self.prefix.match(pr.pages, pr.limit, pr.ns, pr.hashes)
+            else:
+                hits = np.zeros(len(inp.a_ids), dtype=np.int64)
+                cand = np.zeros((len(inp.a_ids), 0), dtype=np.int64)
+            taken = np.unique(cand[np.arange(cand.shape[1]) < hits[:, None]])
+            avail -= int((owners_after(taken) == 0).sum())      # cached pages revived from the free LRU
+            need -= int(hits.sum())
+        cow = None
+        if (self._sharing or len(inp.p_rows)) and len(inp.e_rows):
+            partial = np.flatnonzero(e_old % self.page_size != 0)
+            if len(partial):
+                rows = inp.e_rows[partial]
+                last = rs.arena.take(rs.flat(rows, e_held[partial] - 1)).astype(np.int64)
+                owners = owners_after(last)
+                if (owners > 1).any():
+                    cow = np.zeros(len(inp.e_rows), dtype=bool)
+                    cow[partial] = cow_rows(last, owners)
+                    need += int(cow.sum())
+        return GroupPlan(need, avail, new_first, cow, hits, cand)
 
-    def _count_cow(self, g: int, e_rows: np.ndarray, e_old: np.ndarray, e_held: np.ndarray,
-                   delta: np.ndarray) -> int:
-        """Copies needed: extended rows whose partly filled last page other live sequences also hold.
+    # ---- phase 3: commit ---------------------------------------------------------------
+    def _commit(self, inp: StepInput, plan: StepPlan, tables: bool, block_table: bool) -> StepResult:
+        """Carry out a plan (nothing can fail here), then emit the batch's tables."""
+        ps = self.page_size
+        self._release(inp.f_rows)
+        c_rows = self._take_rows(inp.c_ids)
+        if len(c_rows):
+            self._fork(inp.p_rows, c_rows)
+        e_rows = inp.e_rows
+        for g in self._sliding:
+            self._release_window(g, e_rows, plan.groups[g].new_first)
+        a_rows = self._take_rows(inp.a_ids)
+        for g, rs in enumerate(self._slots):
+            rs.reserve(a_rows, self._first[g][a_rows], plan.a_held)
+        g0 = plan.groups[0]
+        hits = g0.hits
+        if hits is not None and hits.any():
+            self._share_hits(a_rows, hits, g0.cand)
+        a_lo = hits if hits is not None else np.zeros(len(a_rows), dtype=np.int64)
+        copies = tuple(self._grow(g, e_rows, plan, a_rows, a_lo) for g in range(len(self.allocators)))
+        rows = np.concatenate((e_rows, a_rows, c_rows)) if len(a_rows) or len(c_rows) else e_rows
+        c_tokens = self._num_tokens[c_rows]
+        old = np.concatenate((plan.e_old, np.zeros(len(a_rows), dtype=np.int64), c_tokens))
+        new = np.concatenate((plan.e_new, inp.a_n, c_tokens))
+        held_new = (new + (ps - 1)) // ps
+        self._num_tokens[rows] = new
+        self._held[rows] = held_new
+        if inp.prompt is not None and len(a_rows):
+            self._register(a_rows, inp.prompt)
+        self.steps += 1
+        self.admitted += len(inp.a_ids)
+        self._last_batch = (inp.e_ids.copy(), e_rows) if inp.extend_only else None
+        tok_indptr = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(new - old, out=tok_indptr[1:])
+        cached = hits * ps if hits is not None else (np.zeros(len(a_rows), dtype=np.int64) if len(a_rows) else None)
+        return StepResult(self._seq_ids[rows], new, tok_indptr,
+                          self._emit(rows, old, new, held_new, tok_indptr, tables, block_table),
+                          self.num_free_slots, cached, copies)
 
-        delta: int64 [num_slots], change of each slot's owners before the copies (frees, forks).
-        Of c extending owners of a slot with r owners, all c copy if r > c, else all but the last.
+    def _decode_step(self, e_ids: np.ndarray, rows: np.ndarray, k: np.ndarray, tables: bool,
+                     block_table: bool) -> StepResult | None:
+        """The steady decode loop: the last step's batch grows again, nothing freed, admitted, shared or released.
+
+        Same result as the general path with fewer NumPy calls. Returns None (the general path then
+        runs, and raises) if the step would fail.
         """
-        partial = (e_old % self.page_size) != 0
-        if not partial.any():
-            return 0
-        rows, held = e_rows[partial], e_held[partial]
-        last = self._slots[g][rows, held - 1].astype(np.int64)
-        rc = self.allocators[g]._refcnt[last] + delta[last]
-        shared = rc > 1
-        if not shared.any():
-            return 0
-        uniq, c = np.unique(last[shared], return_counts=True)
-        r = self.allocators[g]._refcnt[uniq] + delta[uniq]
-        return int((c - (r == c)).sum())
+        ps = self.page_size
+        old = self._num_tokens[rows]
+        new = old + k
+        held_old = self._held[rows]
+        held_new = (new + (ps - 1)) // ps
+        need = held_new - held_old
+        total = int(need.sum())
+        if total > self.num_free_slots:
+            return None
+        if total:
+            nz = np.flatnonzero(need)
+            g_rows, g_lo, g_hi = rows[nz], held_old[nz], held_new[nz]
+            for g, alloc in enumerate(self.allocators):
+                self._alloc_pages(g, alloc, g_rows, g_lo, g_hi, total)
+        self._num_tokens[rows] = new
+        self._held[rows] = held_new
+        self.steps += 1
+        b = len(rows)
+        tok_indptr = np.zeros(b + 1, dtype=np.int64)
+        np.cumsum(k, out=tok_indptr[1:])
+        return StepResult(self._seq_ids[rows], new, tok_indptr,
+                          self._emit(rows, old, new, held_new, tok_indptr, tables, block_table),
+                          self.num_free_slots, None, tuple(_NO_COPIES for _ in self.allocators))
 
-    def _row_slots(self, g: int, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-        """Slots in columns [lo, hi) of each row of group g, concatenated (int64)."""
-        cnt = np.maximum(hi - lo, 0)
-        total = int(cnt.sum())
-        if not total:
-            return np.zeros(0, dtype=np.int64)
-        width = self._slots[g].shape[1]
-        starts = np.cumsum(cnt) - cnt
-        flat = np.repeat(rows * width + lo - starts, cnt) + self._iota(total)
-        return self._slots[g].ravel().take(flat).astype(np.int64)
+    def _grow(self, g: int, e_rows: np.ndarray, plan: StepPlan, a_rows: np.ndarray, a_lo: np.ndarray) -> np.ndarray:
+        """Group g: copy-on-write of the planned rows, then the new pages of extensions and admissions.
 
-    def _release_window(self, g: int, e_rows: np.ndarray, new_first: np.ndarray | None) -> None:
-        if new_first is None:
+        Returns int64 [n, 2] (src, dst) slot pairs, in batch order.
+        """
+        alloc = self.allocators[g]
+        rs = self._slots[g]
+        gp = plan.groups[g]
+        copies = _NO_COPIES
+        if gp.cow is not None and gp.cow.any():
+            rows = e_rows[gp.cow]
+            flat = rs.flat(rows, plan.e_held[gp.cow] - 1)
+            src = rs.arena.take(flat).astype(np.int64)
+            dst = alloc.allocate(len(rows))
+            rs.arena[flat] = dst
+            alloc.free(src.astype(np.intp))              # other owners keep src (repeats counted)
+            copies = np.stack((src, dst.astype(np.int64)), axis=1)
+        if len(a_rows):
+            g_rows = np.concatenate((e_rows, a_rows))
+            g_lo = np.concatenate((plan.e_held, a_lo if g == 0 else np.zeros(len(a_rows), dtype=np.int64)))
+            g_hi = np.concatenate((plan.e_held_new, plan.a_held))
+        else:
+            g_rows, g_lo, g_hi = e_rows, plan.e_held, plan.e_held_new
+        nz = np.flatnonzero(g_hi > g_lo)
+        if len(nz):
+            g_rows, g_lo, g_hi = g_rows[nz], g_lo[nz], g_hi[nz]
+            self._alloc_pages(g, alloc, g_rows, g_lo, g_hi, int((g_hi - g_lo).sum()))
+        return copies
+
+    def _alloc_pages(self, g: int, alloc: SlotAllocator, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray,
+                     total: int) -> None:
+        """Fill columns [lo, hi) of distinct rows of group g (each hi > lo) with total = sum(hi - lo) new slots."""
+        rs = self._slots[g]
+        rs.reserve(rows, self._first[g][rows], hi)
+        if total == len(rows):                             # every row gains exactly one page (decode)
+            flat = rs.flat(rows, lo)
+        else:
+            flat, _ = rs.span(rows, lo, hi)
+        rs.arena[flat] = alloc.allocate(total)
+
+    def _release(self, rows: np.ndarray) -> None:
+        """Frees: every page of the rows loses an owner; the rows leave the pool."""
+        if not len(rows):
             return
-        lo = self._first[g][e_rows]
-        dropped = self._row_slots(g, e_rows, lo, new_first)
-        if len(dropped):
-            self.allocators[g].free(dropped, unique=not self._sharing)
-            width = self._slots[g].shape[1]
-            cnt = new_first - lo
-            starts = np.cumsum(cnt) - cnt
-            flat = np.repeat(e_rows * width + lo - starts, cnt) + self._iota(int(cnt.sum()))
-            self._slots[g].ravel()[flat] = -1
-        self._first[g][e_rows] = new_first
+        held = self._held[rows]
+        for g, alloc in enumerate(self.allocators):
+            alloc.free(self._slots[g].gather(rows, self._first[g][rows], held).astype(np.intp),
+                       unique=not self._sharing)
+            self._slots[g].drop(rows)
+            self._first[g][rows] = 0
+        for seq_id in self._seq_ids[rows].tolist():
+            del self._rows[seq_id]
+        self._num_tokens[rows] = 0
+        self._held[rows] = 0
+        self._free_rows.extend(rows.tolist())
+        self._sorted = None
+        self._last_batch = None
 
     def _fork(self, p_rows: np.ndarray, c_rows: np.ndarray) -> None:
+        """Each child becomes a copy of its parent (as before this step) sharing its slots."""
         self._sharing = True
         self._num_tokens[c_rows] = self._num_tokens[p_rows]
-        self._held[c_rows] = self._held[p_rows]
-        self._ensure_width(int(self._held[p_rows].max()))
+        held = self._held[p_rows]
+        self._held[c_rows] = held
         for g, alloc in enumerate(self.allocators):
-            self._slots[g][c_rows] = self._slots[g][p_rows]
-            self._first[g][c_rows] = self._first[g][p_rows]
-            shared = self._row_slots(g, p_rows, self._first[g][p_rows], self._held[p_rows])
+            first = self._first[g][p_rows]
+            self._first[g][c_rows] = first
+            self._slots[g].copy_rows(p_rows, c_rows, first, held)
+            shared = self._slots[g].gather(p_rows, first, held)
             uniq, counts = np.unique(shared, return_counts=True)
             alloc.share(uniq, counts)
 
-    def _share_hits(self, a_rows: np.ndarray, hits: np.ndarray, prompt_hit: tuple) -> None:
-        _, cand = prompt_hit
-        if not hits.any():
+    def _release_window(self, g: int, e_rows: np.ndarray, new_first: np.ndarray | None) -> None:
+        """Sliding group g: the extended rows drop the pages wholly before their window."""
+        if new_first is None:
             return
-        self._ensure_width(int(hits.max()))
+        rs = self._slots[g]
+        lo = self._first[g][e_rows]
+        flat, _ = rs.span(e_rows, lo, new_first)
+        if len(flat):
+            self.allocators[g].free(rs.arena.take(flat).astype(np.intp), unique=not self._sharing)
+            rs.arena[flat] = -1
+        self._first[g][e_rows] = new_first
+
+    def _share_hits(self, a_rows: np.ndarray, hits: np.ndarray, cand: np.ndarray) -> None:
+        """Admissions take their cached prefix pages (group 0), before any page is allocated."""
+        rs = self._slots[0]
         mask = np.arange(cand.shape[1]) < hits[:, None]
         slots = cand[mask]
         uniq, counts = np.unique(slots, return_counts=True)
         self.allocators[0].share(uniq, counts)
-        rows = np.repeat(a_rows, hits)
         cols = np.nonzero(mask)[1]
-        self._slots[0][rows, cols] = slots
+        rs.arena[rs.flat(np.repeat(a_rows, hits), cols)] = slots
         self.prefix.hits += len(slots)
 
-    def _grow(self, g: int, alloc: SlotAllocator, rows: np.ndarray, lo: np.ndarray, need: np.ndarray, total: int,
-              e_rows: np.ndarray, e_old: np.ndarray, e_held: np.ndarray) -> np.ndarray:
-        """Copy-on-write, then `need` new pages from column `lo` of each row. Returns the (src, dst) copies."""
-        copies = _NO_COPIES
-        if self._sharing and len(e_rows):      # (a fork earlier in this step turned sharing on)
-            copies = self._copy_on_write(g, alloc, e_rows, e_old, e_held)
-        if total:
-            if total <= len(rows) and int(need.max()) == 1:     # decode: at most one new page per row
-                nz = np.flatnonzero(need)
-                rep_rows, cols = rows[nz], lo[nz]
-            else:
-                starts = np.cumsum(need) - need
-                rep_rows = np.repeat(rows, need)
-                cols = np.repeat(lo - starts, need) + self._iota(total)
-            self._slots[g][rep_rows, cols] = alloc.allocate(total)
-        return copies
-
-    def _copy_on_write(self, g: int, alloc: SlotAllocator, e_rows: np.ndarray, e_old: np.ndarray,
-                       e_held: np.ndarray) -> np.ndarray:
-        partial = np.flatnonzero((e_old % self.page_size) != 0)
-        slots = self._slots[g]
-        # Only rows whose partly filled last page has other owners now can need a copy; the loop
-        # (sequential, since one copy can leave the last owner alone) runs over those alone.
-        last = slots[e_rows[partial], e_held[partial] - 1]
-        partial = partial[alloc._refcnt[last] > 1]
-        pairs = []
-        for i in partial.tolist():
-            row, col = int(e_rows[i]), int(e_held[i]) - 1
-            src = int(slots[row, col])
-            if alloc._refcnt[src] > 1:
-                dst = int(alloc.allocate(1)[0])
-                slots[row, col] = dst
-                alloc.free(np.array([src], dtype=np.intp), unique=True)
-                pairs.append((src, dst))
-        return np.array(pairs, dtype=np.int64).reshape(-1, 2)
-
-    def _register(self, a_rows: np.ndarray, a_n: np.ndarray, prompt: tuple) -> None:
-        pages, full, _, ns, hashes, new_ns = prompt
-        self.prefix.add_namespaces(new_ns)
-        p = pages.shape[1]
+    def _register(self, a_rows: np.ndarray, prompt: Prompt) -> None:
+        """Make the admissions' full prompt pages findable by later prompts (after the step)."""
+        self.prefix.add_namespaces(prompt.new_ns)
+        p = prompt.pages.shape[1]
         if not p:
             return
-        mask = np.arange(p) < full[:, None]
-        slots = self._slots[0][a_rows[:, None], np.arange(p)[None, :]].astype(np.int64)
-        parents = np.concatenate((np.full((len(a_rows), 1), -1, dtype=np.int64), slots[:, :-1]), axis=1)
-        self.prefix.register(slots[mask], parents[mask], np.broadcast_to(ns[:, None], mask.shape)[mask],
-                             pages[mask], hashes[mask])
+        mask = np.arange(p) < prompt.full[:, None]
+        r_idx, cols = np.nonzero(mask)
+        slots = self._slots[0].arena.take(self._slots[0].flat(a_rows[r_idx], cols)).astype(np.int64)
+        parents = np.full(len(slots), -1, dtype=np.int64)
+        inner = cols > 0
+        parents[inner] = slots[np.flatnonzero(inner) - 1]        # page j-1 of the same prompt precedes page j
+        self.prefix.register(slots, parents, prompt.ns[r_idx], prompt.pages[mask], prompt.hashes[mask])
 
-    # ---- helpers -------------------------------------------------------------------
-    def _iota(self, n: int) -> np.ndarray:
-        """arange(n) as int64, from a cached buffer (read-only use)."""
-        if len(self._arange) < n:
-            self._arange = np.arange(max(n, 2 * len(self._arange)), dtype=np.int64)
-        return self._arange[:n]
-
-    def _find(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(rows, found) for ids, vectorised over a sorted index rebuilt after admits and frees."""
+    # ---- rows and lookups -------------------------------------------------------------------
+    def _index(self) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, rows) of live sequences sorted by id, rebuilt after admits and frees."""
         if self._sorted is None:
             rows = np.fromiter(self._rows.values(), dtype=np.int64, count=len(self._rows))
             keys = self._seq_ids[rows]
-            order = np.argsort(keys)
+            order = np.argsort(keys, kind="stable")
             self._sorted = (keys[order], rows[order])
-        keys, rows = self._sorted
+        return self._sorted
+
+    def _find(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, found) for ids, vectorised over the sorted index."""
+        keys, rows = self._index()
         if not len(keys):
             return np.zeros(len(ids), dtype=np.int64), np.zeros(len(ids), dtype=bool)
         pos = np.searchsorted(keys, ids)
@@ -571,17 +539,23 @@ class Pool:
 
     def _lookup(self, ids: np.ndarray, field: str) -> np.ndarray:
         if not len(ids):
-            return np.zeros(0, dtype=np.int64)
+            return EMPTY_I64
         rows, found = self._find(ids)
         if not found.all():
             missing = ids[~found][0]
             raise NotFound(f"{field}: sequence {missing} is not in pool {self.name!r}", seq_id=missing)
         return rows
 
+    def _row_of(self, seq_id: int) -> int:
+        row = self._rows.get(int(seq_id))
+        if row is None:
+            raise NotFound(f"sequence {seq_id} is not in pool {self.name!r}", seq_id=seq_id)
+        return row
+
     def _take_rows(self, ids: np.ndarray) -> np.ndarray:
         n = len(ids)
         if not n:
-            return np.zeros(0, dtype=np.int64)
+            return EMPTY_I64
         reuse = min(n, len(self._free_rows))
         rows = [self._free_rows.pop() for _ in range(reuse)]
         fresh = n - reuse
@@ -596,90 +570,21 @@ class Pool:
         self._last_batch = None
         return out
 
-    def _release(self, rows: np.ndarray) -> None:
-        if not len(rows):
-            return
-        held = self._held[rows]
-        for g, alloc in enumerate(self.allocators):
-            alloc.free(self._row_slots(g, rows, self._first[g][rows], held), unique=not self._sharing)
-            self._first[g][rows] = 0
-        for seq_id in self._seq_ids[rows].tolist():
-            del self._rows[seq_id]
-        self._num_tokens[rows] = 0
-        self._held[rows] = 0
-        self._free_rows.extend(rows.tolist())
-        self._sorted = None
-        self._last_batch = None
-
     def _grow_rows(self, n: int) -> None:
         cap = len(self._num_tokens)
         if n <= cap:
             return
         new_cap = max(n, 2 * cap)
-        self._num_tokens = np.concatenate((self._num_tokens, np.zeros(new_cap - cap, dtype=np.int64)))
-        self._seq_ids = np.concatenate((self._seq_ids, np.zeros(new_cap - cap, dtype=np.uint64)))
-        self._held = np.concatenate((self._held, np.zeros(new_cap - cap, dtype=np.int64)))
-        self._first = [np.concatenate((f, np.zeros(new_cap - cap, dtype=np.int64))) for f in self._first]
-        self._slots = [np.concatenate((s, np.full((new_cap - cap, s.shape[1]), -1, dtype=s.dtype)))
-                       for s in self._slots]
+        pad = new_cap - cap
+        self._num_tokens = np.concatenate((self._num_tokens, np.zeros(pad, dtype=np.int64)))
+        self._seq_ids = np.concatenate((self._seq_ids, np.zeros(pad, dtype=np.uint64)))
+        self._held = np.concatenate((self._held, np.zeros(pad, dtype=np.int64)))
+        self._first = [np.concatenate((f, np.zeros(pad, dtype=np.int64))) for f in self._first]
+        for s in self._slots:
+            s.grow_rows(new_cap)
 
-    def _ensure_width(self, pages: int) -> None:
-        width = self._slots[0].shape[1]
-        if pages <= width:
-            return
-        new_w = min(max(pages, 2 * width), self.plan.max_pages_per_seq)
-        self._slots = [np.concatenate((s, np.full((s.shape[0], new_w - width), -1, dtype=s.dtype)), axis=1)
-                       for s in self._slots]
-
+    # ---- phase 4: emit -----------------------------------------------------------------
     def _emit(self, rows: np.ndarray, old: np.ndarray, new: np.ndarray, held: np.ndarray, tok_indptr: np.ndarray,
               tables: bool, block_table: bool) -> tuple[SpaceTables, ...]:
-        """Slot mappings of the new tokens and the tables of `rows`, for every index space."""
-        ps = self.page_size
-        b = len(rows)
-        width = self._slots[0].shape[1]
-        t = int(tok_indptr[-1])
-        if t == b:                                   # decode: one new token per row
-            tok_rows, pos = rows, old
-        else:
-            k = new - old
-            tok_rows = np.repeat(rows, k)
-            pos = np.repeat(old - tok_indptr[:-1], k) + self._iota(t)
-        page_of_tok, off_in_page = np.divmod(pos, ps)
-        tok_flat = tok_rows * width + page_of_tok              # into _slots[g].ravel()
-        if tables:
-            last = (new - (held - 1) * ps).astype(np.int32)
-        if block_table:
-            bt_width = int(held.max()) if b else 0
-            pad = np.arange(bt_width) >= held[:, None]
-        out = []
-        gathered: dict[int, tuple] = {}
-        for space in self.plan.geometry.index_spaces:
-            g = space.group
-            if g not in gathered:
-                flat_slots = self._slots[g].ravel()
-                indptr = idx = sub = None
-                if tables:
-                    # Row r's held pages are columns [first, held) of its table row: one flat gather.
-                    first = self._first[g][rows] if self.windows[g] else None
-                    cnt = held - first if first is not None else held
-                    indptr = np.zeros(b + 1, dtype=np.int64)
-                    np.cumsum(cnt, out=indptr[1:])
-                    base = rows * width - indptr[:-1]
-                    flat = np.repeat(base + first if first is not None else base, cnt)
-                    flat += self._iota(int(indptr[-1]))
-                    idx = flat_slots.take(flat)
-                if block_table:
-                    sub = self._slots[g][rows, :bt_width]
-                gathered[g] = (flat_slots.take(tok_flat).astype(np.int64), indptr, idx, sub)
-            tok_slots, indptr, idx, sub = gathered[g]
-            if space.scale == 1 and space.offset == 0:
-                mapping = tok_slots * ps + off_in_page
-            else:
-                mapping = (tok_slots * space.scale + space.offset) * ps + off_in_page
-            table = PageTable(indptr.astype(space.index_dtype), space.page_indices(idx), last) if tables else None
-            bt = None
-            if block_table:
-                bt = space.page_indices(sub).copy()
-                bt[pad | (sub < 0)] = -1
-            out.append(SpaceTables(space, mapping, table, bt))
-        return tuple(out)
+        return emit_tables(self.plan.geometry.index_spaces, self.page_size, self._slots, self._first,
+                           self._is_sliding, rows, old, new, held, tok_indptr, tables, block_table)

@@ -64,7 +64,7 @@ class PlanRequest(_message.Message):
     def __init__(self, cache: _Optional[_Union[CacheSpec, _Mapping]] = ..., sizing: _Optional[_Union[Sizing, _Mapping]] = ..., backends: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LayerPlan(_message.Message):
-    __slots__ = ("layer", "group", "index_space", "page_bytes", "bytes", "scale", "offset", "upper_bound")
+    __slots__ = ("layer", "group", "index_space", "page_bytes", "bytes", "scale", "offset", "upper_bound", "base")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     INDEX_SPACE_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,7 @@ class LayerPlan(_message.Message):
     SCALE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     UPPER_BOUND_FIELD_NUMBER: _ClassVar[int]
+    BASE_FIELD_NUMBER: _ClassVar[int]
     layer: int
     group: int
     index_space: int
@@ -81,7 +82,8 @@ class LayerPlan(_message.Message):
     scale: int
     offset: int
     upper_bound: int
-    def __init__(self, layer: _Optional[int] = ..., group: _Optional[int] = ..., index_space: _Optional[int] = ..., page_bytes: _Optional[int] = ..., bytes: _Optional[int] = ..., scale: _Optional[int] = ..., offset: _Optional[int] = ..., upper_bound: _Optional[int] = ...) -> None: ...
+    base: int
+    def __init__(self, layer: _Optional[int] = ..., group: _Optional[int] = ..., index_space: _Optional[int] = ..., page_bytes: _Optional[int] = ..., bytes: _Optional[int] = ..., scale: _Optional[int] = ..., offset: _Optional[int] = ..., upper_bound: _Optional[int] = ..., base: _Optional[int] = ...) -> None: ...
 
 class GroupPlan(_message.Message):
     __slots__ = ("group", "sliding_window", "layers", "slot_bytes", "buffer_bytes")
@@ -98,7 +100,7 @@ class GroupPlan(_message.Message):
     def __init__(self, group: _Optional[int] = ..., sliding_window: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., slot_bytes: _Optional[int] = ..., buffer_bytes: _Optional[int] = ...) -> None: ...
 
 class IndexSpace(_message.Message):
-    __slots__ = ("id", "group", "scale", "offset", "upper_bound", "layers", "index_dtype")
+    __slots__ = ("id", "group", "scale", "offset", "upper_bound", "layers", "index_dtype", "base")
     ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     SCALE_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +108,7 @@ class IndexSpace(_message.Message):
     UPPER_BOUND_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     INDEX_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BASE_FIELD_NUMBER: _ClassVar[int]
     id: int
     group: int
     scale: int
@@ -113,10 +116,11 @@ class IndexSpace(_message.Message):
     upper_bound: int
     layers: _containers.RepeatedScalarFieldContainer[int]
     index_dtype: _common_pb2.DType
-    def __init__(self, id: _Optional[int] = ..., group: _Optional[int] = ..., scale: _Optional[int] = ..., offset: _Optional[int] = ..., upper_bound: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., index_dtype: _Optional[_Union[_common_pb2.DType, str]] = ...) -> None: ...
+    base: int
+    def __init__(self, id: _Optional[int] = ..., group: _Optional[int] = ..., scale: _Optional[int] = ..., offset: _Optional[int] = ..., upper_bound: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., index_dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., base: _Optional[int] = ...) -> None: ...
 
 class PlanReply(_message.Message):
-    __slots__ = ("num_slots", "page_size", "max_seq_len", "max_pages_per_seq", "bytes_per_layer", "bytes_per_slot", "total_bytes", "max_byte_offset", "offsets_exceed_int32", "offsets_exceed_uint32", "indices_need_int64", "layers", "groups", "index_spaces", "backends", "warnings")
+    __slots__ = ("num_slots", "page_size", "max_seq_len", "max_pages_per_seq", "bytes_per_layer", "bytes_per_slot", "total_bytes", "max_byte_offset", "offsets_exceed_int32", "offsets_exceed_uint32", "indices_need_int64", "layers", "groups", "index_spaces", "backends", "warnings", "pool_pages")
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -133,6 +137,7 @@ class PlanReply(_message.Message):
     INDEX_SPACES_FIELD_NUMBER: _ClassVar[int]
     BACKENDS_FIELD_NUMBER: _ClassVar[int]
     WARNINGS_FIELD_NUMBER: _ClassVar[int]
+    POOL_PAGES_FIELD_NUMBER: _ClassVar[int]
     num_slots: int
     page_size: int
     max_seq_len: int
@@ -149,7 +154,8 @@ class PlanReply(_message.Message):
     index_spaces: _containers.RepeatedCompositeFieldContainer[IndexSpace]
     backends: _containers.RepeatedScalarFieldContainer[str]
     warnings: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, num_slots: _Optional[int] = ..., page_size: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., max_pages_per_seq: _Optional[int] = ..., bytes_per_layer: _Optional[int] = ..., bytes_per_slot: _Optional[int] = ..., total_bytes: _Optional[int] = ..., max_byte_offset: _Optional[int] = ..., offsets_exceed_int32: _Optional[bool] = ..., offsets_exceed_uint32: _Optional[bool] = ..., indices_need_int64: _Optional[bool] = ..., layers: _Optional[_Iterable[_Union[LayerPlan, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[GroupPlan, _Mapping]]] = ..., index_spaces: _Optional[_Iterable[_Union[IndexSpace, _Mapping]]] = ..., backends: _Optional[_Iterable[str]] = ..., warnings: _Optional[_Iterable[str]] = ...) -> None: ...
+    pool_pages: int
+    def __init__(self, num_slots: _Optional[int] = ..., page_size: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., max_pages_per_seq: _Optional[int] = ..., bytes_per_layer: _Optional[int] = ..., bytes_per_slot: _Optional[int] = ..., total_bytes: _Optional[int] = ..., max_byte_offset: _Optional[int] = ..., offsets_exceed_int32: _Optional[bool] = ..., offsets_exceed_uint32: _Optional[bool] = ..., indices_need_int64: _Optional[bool] = ..., layers: _Optional[_Iterable[_Union[LayerPlan, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[GroupPlan, _Mapping]]] = ..., index_spaces: _Optional[_Iterable[_Union[IndexSpace, _Mapping]]] = ..., backends: _Optional[_Iterable[str]] = ..., warnings: _Optional[_Iterable[str]] = ..., pool_pages: _Optional[int] = ...) -> None: ...
 
 class CreatePoolRequest(_message.Message):
     __slots__ = ("name", "cache", "sizing", "backends", "request_id", "enable_prefix_caching")
@@ -270,12 +276,13 @@ class StepRequest(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., free_seq_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., extend_seq_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., extend_num_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., admit_seq_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., admit_num_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., omit_tables: _Optional[bool] = ..., include_block_table: _Optional[bool] = ..., request_id: _Optional[str] = ..., fork_parent_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., fork_child_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., admit_token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., admit_cache_salts: _Optional[_Iterable[str]] = ..., admit_extra_keys: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SpaceTables(_message.Message):
-    __slots__ = ("index_space", "group", "scale", "offset", "upper_bound", "slot_mapping", "indptr", "indices", "last_page_len", "block_table")
+    __slots__ = ("index_space", "group", "scale", "offset", "upper_bound", "base", "slot_mapping", "indptr", "indices", "last_page_len", "block_table")
     INDEX_SPACE_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     SCALE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     UPPER_BOUND_FIELD_NUMBER: _ClassVar[int]
+    BASE_FIELD_NUMBER: _ClassVar[int]
     SLOT_MAPPING_FIELD_NUMBER: _ClassVar[int]
     INDPTR_FIELD_NUMBER: _ClassVar[int]
     INDICES_FIELD_NUMBER: _ClassVar[int]
@@ -286,12 +293,13 @@ class SpaceTables(_message.Message):
     scale: int
     offset: int
     upper_bound: int
+    base: int
     slot_mapping: _common_pb2.Tensor
     indptr: _common_pb2.Tensor
     indices: _common_pb2.Tensor
     last_page_len: _common_pb2.Tensor
     block_table: _common_pb2.Tensor
-    def __init__(self, index_space: _Optional[int] = ..., group: _Optional[int] = ..., scale: _Optional[int] = ..., offset: _Optional[int] = ..., upper_bound: _Optional[int] = ..., slot_mapping: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., indptr: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., indices: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., last_page_len: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., block_table: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    def __init__(self, index_space: _Optional[int] = ..., group: _Optional[int] = ..., scale: _Optional[int] = ..., offset: _Optional[int] = ..., upper_bound: _Optional[int] = ..., base: _Optional[int] = ..., slot_mapping: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., indptr: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., indices: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., last_page_len: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., block_table: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class StepReply(_message.Message):
     __slots__ = ("seq_ids", "num_tokens", "new_token_indptr", "tables", "layer_index_space", "num_free_slots", "admit_cached_tokens", "copies")

@@ -13,7 +13,10 @@ def test_per_layer_one_space_per_group():
     spec = CacheSpec((LayerSpec(8, 128),) * 3 + (LayerSpec(8, 128, sliding_window=512),) * 2, 16)
     g = Geometry(spec, 100)
     assert [gr.layers for gr in g.groups] == [(0, 1, 2), (3, 4)]
-    assert [(s.group, s.scale, s.offset, s.upper_bound) for s in g.index_spaces] == [(0, 1, 0, 100), (1, 1, 0, 100)]
+    # Disjoint ranges: space 1 starts where space 0 ends.
+    assert [(s.group, s.scale, s.offset, s.base, s.upper_bound) for s in g.index_spaces] == \
+        [(0, 1, 0, 0, 100), (1, 1, 0, 100, 200)]
+    assert g.pool_pages == 200 and [s.num_pages for s in g.index_spaces] == [100, 100]
     assert g.layer_space.tolist() == [0, 0, 0, 1, 1]
     assert g.groups[0].slot_bytes == 3 * 2 * 16 * 8 * 128 * 2
 
@@ -27,7 +30,7 @@ def test_interleaved_two_sizes_differ_in_scale_and_every_page_is_aligned():
     assert (g.groups[0].slot_bytes, big.scale, small.scale) == (4 * small.page_bytes, 2, 4)
     for v in g.layers:
         assert v.byte_offset % v.page_bytes == 0 and g.groups[0].slot_bytes % v.page_bytes == 0
-        assert v.upper_bound == 1000 * v.scale
+        assert v.upper_bound - v.base == 1000 * v.scale
         assert v.byte_offset == v.offset * v.page_bytes
     # No two layers' pages overlap inside a slot.
     spans = sorted((v.byte_offset, v.byte_offset + v.page_bytes) for v in g.layers)
@@ -51,7 +54,9 @@ def test_page_indices_conversion():
     for space in g.index_spaces:
         pages = space.page_indices(slots)
         assert pages.dtype == np.int32
-        assert ((pages - space.offset) % space.scale == 0).all() and (pages < space.upper_bound).all()
+        assert pages.tolist() == [space.base + s * space.scale + space.offset for s in slots.tolist()]
+        assert ((pages - space.base - space.offset) % space.scale == 0).all()
+        assert ((pages >= space.base) & (pages < space.upper_bound)).all()
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
@@ -73,3 +78,32 @@ def test_bad_cache_specs():
         CacheSpec.uniform(2, 1, 64, layout="paged")
     with pytest.raises(InvalidArgument, match="layer 5 does not exist"):
         Geometry(CacheSpec.uniform(2, 1, 64), 4).space_of_layer(5)
+
+
+@pytest.mark.parametrize("spec", [
+    CacheSpec((LayerSpec(8, 128),) * 3 + (LayerSpec(8, 128, sliding_window=512),) * 2, 16),
+    CacheSpec((LayerSpec(2, 256), LayerSpec(2, 512), LayerSpec(2, 256, sliding_window=64)), 16, "interleaved"),
+    CacheSpec((LayerSpec(3, 64), LayerSpec(4, 64), LayerSpec(4, 64)), 8, "interleaved"),
+])
+def test_index_spaces_occupy_disjoint_consecutive_ranges(spec):
+    g = Geometry(spec, 37)
+    spaces = g.index_spaces
+    assert spaces[0].base == 0 and g.pool_pages == spaces[-1].upper_bound
+    for a, b in itertools.pairwise(spaces):
+        assert b.base == a.upper_bound
+    every = np.arange(37)
+    pages = [set(s.page_indices(every).tolist()) for s in spaces]
+    for (i, a), (j, b) in itertools.combinations(enumerate(pages), 2):
+        assert not a & b, f"spaces {i} and {j} share a page index"
+    for v in g.layers:
+        s = spaces[v.index_space]
+        assert (v.base, v.upper_bound, v.scale, v.offset) == (s.base, s.upper_bound, s.scale, s.offset)
+
+
+def test_index_dtype_switches_to_int64_exactly_past_int32():
+    from kvservice.geometry import IndexSpace
+    assert IndexSpace(0, 0, 1, 0, 2**31, (0,)).index_dtype == np.int32        # largest page 2^31 - 1
+    assert IndexSpace(0, 0, 1, 0, 2**31 + 1, (0,)).index_dtype == np.int64    # largest page 2^31
+    big = IndexSpace(1, 0, 1, 0, 2**31 + 1, (0,), base=2**31 - 4)
+    pages = big.page_indices(np.array([0, 4, 5]))
+    assert pages.dtype == np.int64 and pages.tolist() == [2**31 - 4, 2**31, 2**31 + 1]

@@ -80,8 +80,9 @@ class Model:
                 s = self.seqs[i]
                 dropped += s.pages[g][s.first[g]:self.new_first(s, g, s.n)]
             counts = {x: dropped.count(x) for x in set(dropped)}
-            freed = [x for x, c in counts.items() if self.rc[g][x] == c]
             forked = [x for p, _ in forks for x in self.seqs[p].held(g)]
+            # Children are copies of their parents before this step's releases: they keep those pages.
+            freed = [x for x, c in counts.items() if self.rc[g][x] - c + forked.count(x) == 0]
             need = sum(cdiv(self.seqs[i].n + k, PAGE) - cdiv(self.seqs[i].n, PAGE) for i, k in ext)
             need += sum(cdiv(n, PAGE) for _, n in adm)
             extenders = {}
@@ -131,12 +132,17 @@ class PoolMachine(RuleBasedStateMachine):
             return
         assert expected is None, f"expected {expected.__name__}"
         m = self.model
-        # 1. frees, 2. window releases, 3. forks (the model's own bookkeeping)
+        # 1. frees, 2. forks (a child copies its parent before this step), 3. window releases
         for i in free_ids:
             s = m.seqs.pop(i)
             for g in range(len(WINDOWS)):
                 for x in s.held(g):
                     self.decref(g, x)
+        for p, c in forks:
+            m.seqs[c] = m.seqs[p].clone()
+            for g in range(len(WINDOWS)):
+                for x in m.seqs[c].held(g):
+                    m.rc[g][x] += 1
         for i, _ in ext:
             s = m.seqs[i]
             for g in range(len(WINDOWS)):
@@ -145,11 +151,6 @@ class PoolMachine(RuleBasedStateMachine):
                     self.decref(g, s.pages[g][j])
                     s.pages[g][j] = None
                 s.first[g] = nf
-        for p, c in forks:
-            m.seqs[c] = m.seqs[p].clone()
-            for g in range(len(WINDOWS)):
-                for x in m.seqs[c].held(g):
-                    m.rc[g][x] += 1
         for i, _ in adm:
             m.seqs[i] = Seq()
         batch = [*ext, *adm, *((c, 0) for _, c in forks)]
@@ -182,8 +183,8 @@ class PoolMachine(RuleBasedStateMachine):
             for b, (i, k) in enumerate(batch):
                 s = m.seqs[i]
                 row = sp.table.row(b).astype(np.int64)
-                assert ((row - space.offset) % space.scale == 0).all()
-                slots = ((row - space.offset) // space.scale).tolist()
+                assert ((row - space.base - space.offset) % space.scale == 0).all()
+                slots = ((row - space.base - space.offset) // space.scale).tolist()
                 held = s.held(g)
                 assert slots[:len(held)] == held, "pages of a sequence moved"
                 new = slots[len(held):]
@@ -197,7 +198,7 @@ class PoolMachine(RuleBasedStateMachine):
                 pos = np.arange(s.n, s.n + k)
                 pages = [s.pages[g][p] for p in (pos // PAGE).tolist()] if first_space else \
                     [(slots[p - s.first[g]]) for p in (pos // PAGE).tolist()]
-                want = (np.array(pages, dtype=np.int64) * space.scale + space.offset) * PAGE + pos % PAGE
+                want = (np.array(pages, dtype=np.int64) * space.scale + space.base + space.offset) * PAGE + pos % PAGE
                 assert sp.slot_mapping[lo:hi].tolist() == want.tolist()
         for i, k in batch:
             m.seqs[i].n += k
