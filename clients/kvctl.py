@@ -140,8 +140,8 @@ def cmd_seqs(a: argparse.Namespace, c: BlockManagerClient) -> int:
     if a.json:
         print(json.dumps(_plan_from_reply(reply), indent=2))
         return 0
-    print(_table([[s.seq_id, s.num_tokens, s.num_slots] for s in reply.sequences],
-                 ["sequence", "tokens", "slots per group"]))
+    print(_table([[s.seq_id, s.num_tokens, ",".join(str(n) for n in s.num_slots_per_group) or s.num_slots]
+                  for s in reply.sequences], ["sequence", "tokens", "slots per group"]))
     print(f"({len(reply.sequences)} of {reply.total} shown)")
     return 0
 

@@ -88,13 +88,12 @@ class ManagerAPI:
     def ListSequences(self, request: pb.ListSequencesRequest) -> pb.ListSequencesReply:
         with self.manager.locked(request.pool) as pool:
             ids, tokens = pool.sequences()
-            ps = pool.page_size
-        total = len(ids)
-        if request.limit:
-            ids, tokens = ids[:request.limit], tokens[:request.limit]
-        held = -(-tokens // ps)
+            total = len(ids)
+            if request.limit:
+                ids, tokens = ids[:request.limit], tokens[:request.limit]
+            held = pool.slots_held(ids)
         return pb.ListSequencesReply(total=total, sequences=[
-            pb.SequenceInfo(seq_id=i, num_tokens=n, num_slots=h)
+            pb.SequenceInfo(seq_id=i, num_tokens=n, num_slots=h[0], num_slots_per_group=h)
             for i, n, h in zip(ids.tolist(), tokens.tolist(), held.tolist(), strict=True)])
 
     def GetStats(self, request: pb.GetStatsRequest) -> pb.StatsReply:

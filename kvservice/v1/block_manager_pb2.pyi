@@ -338,14 +338,16 @@ class ListSequencesRequest(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
 
 class SequenceInfo(_message.Message):
-    __slots__ = ("seq_id", "num_tokens", "num_slots")
+    __slots__ = ("seq_id", "num_tokens", "num_slots", "num_slots_per_group")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLOTS_PER_GROUP_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     num_tokens: int
     num_slots: int
-    def __init__(self, seq_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_slots: _Optional[int] = ...) -> None: ...
+    num_slots_per_group: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_slots: _Optional[int] = ..., num_slots_per_group: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ListSequencesReply(_message.Message):
     __slots__ = ("sequences", "total")

@@ -188,3 +188,37 @@ def test_decode_fast_path_equals_the_general_path():
         fast.step(extend_ids=ids, extend_tokens=np.full(len(ids), 150))
     assert_invariants(fast)
     assert fast.sequences()[1].tolist() == slow.sequences()[1].tolist()
+
+
+def test_slots_held_counts_each_group_and_excludes_released_window_pages():
+    layers = (LayerSpec(2, 64),) * 2 + (LayerSpec(2, 64, sliding_window=8),)
+    pool = make_pool(num_slots=40, layers=layers)
+    pool.step(admit_ids=[1, 2], admit_tokens=[9, 3])
+    pool.step(extend_ids=[1], extend_tokens=[20])          # 29 tokens: the chunk's queries see pages 0..7
+    assert pool.slots_held(np.array([1, 2])).tolist() == [[8, 8], [1, 1]]
+    pool.step(extend_ids=[1], extend_tokens=[1])           # query 29 sees tokens 22..29: pages 0..4 go
+    held = pool.slots_held(np.array([1, 2]))
+    assert held.tolist() == [[8, 3], [1, 1]]
+    assert [len(pool.sequence_slots(1, g)) for g in (0, 1)] == [8, 3] and pool.first_page(1, 1) == 5
+    with pytest.raises(NotFound):
+        pool.slots_held(np.array([3]))
+
+
+@pytest.mark.parametrize(("prepare", "step", "want_rows"), [
+    # The two mixed steps of issue #10: a fork child (no new token) beside 2 new tokens.
+    ({"admit_ids": [10], "admit_tokens": [12]},
+     {"fork_parents": [10], "fork_children": [11], "admit_ids": [12], "admit_tokens": [2]}, [12, 11]),
+    ({"admit_ids": [5], "admit_tokens": [12]},
+     {"fork_parents": [5], "fork_children": [6], "extend_ids": [5], "extend_tokens": [2]}, [5, 6]),
+])
+def test_mixed_fork_step_slot_mapping_follows_the_tables(prepare, step, want_rows):
+    pool = make_pool(num_slots=32, page_size=8, layers=(LayerSpec(1, 64),))
+    pool.step(**prepare)
+    r = pool.step(**step)
+    assert r.seq_ids.tolist() == want_rows
+    (st,) = r.tables
+    row = st.table.row(0).tolist()                          # the row that got the 2 new tokens
+    pos = np.arange(r.num_tokens[0] - 2, r.num_tokens[0])
+    assert st.slot_mapping.tolist() == [row[p // 8] * 8 + p % 8 for p in pos.tolist()]
+    assert r.new_token_indptr.tolist() == [0, 2, 2]
+    assert_invariants(pool)

@@ -1,0 +1,87 @@
+"""RowSlots (ragged slot storage) against a dict-of-lists model, and its memory bound."""
+
+import numpy as np
+import pytest
+
+from kvservice.geometry import CacheSpec, LayerSpec
+from kvservice.planner import Sizing, plan
+from kvservice.pool import Pool
+from kvservice.rowslots import RowSlots
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_reserve_write_drop_copy_matches_a_plain_model(seed):
+    rng = np.random.default_rng(seed)
+    rs = RowSlots(np.int32, 4)
+    model: dict[int, dict[int, int]] = {}        # row -> {column: slot}
+    first: dict[int, int] = {}
+    held: dict[int, int] = {}
+    next_val = 1
+    for _ in range(400):
+        op = rng.integers(0, 5)
+        live = sorted(model)
+        if op == 0 or not live:                   # a new row with some pages
+            row = max([*model, -1]) + 1 if rng.random() < 0.7 or not live else int(rng.integers(0, 40))
+            if row in model:
+                continue
+            rs.grow_rows(row + 1)
+            n = int(rng.integers(1, 30))
+            r = np.array([row])
+            rs.reserve(r, np.array([0]), np.array([n]))
+            vals = np.arange(next_val, next_val + n)
+            next_val += n
+            flat, _ = rs.span(r, np.array([0]), np.array([n]))
+            rs.arena[flat] = vals
+            model[row], first[row], held[row] = dict(enumerate(vals.tolist())), 0, n
+        elif op == 1:                             # grow some rows by a few pages
+            rows = rng.choice(live, size=min(len(live), int(rng.integers(1, 5))), replace=False)
+            add = rng.integers(1, 9, len(rows))
+            lo = np.array([held[r] for r in rows])
+            hi = lo + add
+            rs.reserve(rows.astype(np.int64), np.array([first[r] for r in rows]), hi)
+            flat, _ = rs.span(rows.astype(np.int64), lo, hi)
+            vals = np.arange(next_val, next_val + int(add.sum()))
+            next_val += len(vals)
+            rs.arena[flat] = vals
+            it = iter(vals.tolist())
+            for r, a, b in zip(rows.tolist(), lo.tolist(), hi.tolist(), strict=True):
+                for j in range(a, b):
+                    model[r][j] = next(it)
+                held[r] = b
+        elif op == 2:                             # a window releases the front of a row
+            r = int(rng.choice(live))
+            nf = int(rng.integers(first[r], held[r] + 1))
+            flat, _ = rs.span(np.array([r]), np.array([first[r]]), np.array([nf]))
+            rs.arena[flat] = -1
+            for j in range(first[r], nf):
+                del model[r][j]
+            first[r] = nf
+        elif op == 3:                             # a row leaves
+            r = int(rng.choice(live))
+            rs.drop(np.array([r]))
+            del model[r], first[r], held[r]
+        else:                                     # fork: a new row copies a live one
+            src = int(rng.choice(live))
+            dst = max(model) + 1
+            rs.grow_rows(dst + 1)
+            rs.copy_rows(np.array([src]), np.array([dst]), np.array([first[src]]), np.array([held[src]]))
+            model[dst], first[dst], held[dst] = dict(model[src]), first[src], held[src]
+        for r in model:
+            got = rs.gather(np.array([r]), np.array([first[r]]), np.array([held[r]])).tolist()
+            assert got == [model[r][j] for j in range(first[r], held[r])], (r, got)
+        assert rs.live == int(rs.cap[list(model)].sum()) if model else rs.live == 0
+        assert len(rs.arena) <= 4 * max(rs.live, 64) + 2 * rs.dead + 64
+
+
+def test_one_long_sequence_beside_65535_short_ones_costs_what_it_holds():
+    # Issue #11: the dense rows x longest-sequence table kept 2.1 GiB resident for this step.
+    spec = CacheSpec((LayerSpec(1, 64),), 16)
+    pool = Pool("p", plan(spec, Sizing(num_slots=8192 + 65535, max_seq_len=131072)))
+    ids = np.arange(65536, dtype=np.uint64)
+    tokens = np.ones(65536, dtype=np.int64)
+    tokens[0] = 131072
+    pool.step(admit_ids=ids, admit_tokens=tokens, tables=False)
+    held_pages, rows = 8192 + 65535, 65536
+    # A few words per row and per held page (~6 MB), where a dense table would take 65,536 x 8,192 x 4 = 2 GiB.
+    assert pool.slot_table_bytes() < 64 * (rows + held_pages)
+    assert pool.sequence_slots(0).shape == (8192,) and pool.sequence_slots(65535).shape == (1,)
