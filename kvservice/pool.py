@@ -259,14 +259,16 @@ class Pool:
                                                parse_strs("admit_extra_keys", keys, a))
         ps = self.page_size
         full = a_n // ps
-        p = int(full.max())
-        starts = np.cumsum(a_n) - a_n
-        col = np.arange(p * ps)
-        idx = np.minimum(starts[:, None] + col[None, :], len(tok) - 1)
-        pages = tok.astype(np.int64)[idx].reshape(a, p, ps)
+        n = int(full.sum())
+        page_start = np.cumsum(full) - full                  # first page of each prompt
+        row = np.repeat(np.arange(a, dtype=np.int64), full)
+        col = np.arange(n, dtype=np.int64) - page_start[row]
+        tok_start = np.cumsum(a_n) - a_n
+        idx = (tok_start[row] + col * ps)[:, None] + np.arange(ps, dtype=np.int64)[None, :]
+        pages = tok.astype(np.int64, copy=False)[idx]      # [N, ps]: O(prompt tokens), never A x longest
         limit = (a_n - 1) // ps                      # at least one token of each prompt is computed
-        hashes = self.prefix.hash_fn(pages, ns) if p else np.zeros((a, 0), dtype=np.uint64)
-        return Prompt(pages, full, limit, ns, hashes, new_ns)
+        hashes = self.prefix.hash_fn(pages, col, page_start, full, ns) if n else np.zeros(0, dtype=np.uint64)
+        return Prompt(pages, row, col, full, limit, ns, hashes, new_ns)
 
     # ---- phase 2: plan (pure) ------------------------------------------------------------
     def _plan(self, inp: StepInput) -> StepPlan:
@@ -318,12 +320,11 @@ class Pool:
         hits = cand = None
         if inp.prompt is not None and g == 0:
             pr = inp.prompt
-            if pr.pages.shape[1]:
-                hits, cand = self.prefix.match(pr.pages, pr.limit, pr.ns, pr.hashes)
+            if len(pr.pages):
+                hits, cand = self.prefix.match(pr.pages, pr.row, pr.col, pr.limit, pr.ns, pr.hashes)
             else:
-                hits = np.zeros(len(inp.a_ids), dtype=np.int64)
-                cand = np.zeros((len(inp.a_ids), 0), dtype=np.int64)
-            taken = np.unique(cand[np.arange(cand.shape[1]) < hits[:, None]])
+                hits, cand = np.zeros(len(inp.a_ids), dtype=np.int64), EMPTY_I64
+            taken = np.unique(cand[pr.col < hits[pr.row]])
             avail -= int((owners_after(taken) == 0).sum())      # cached pages revived from the free LRU
             need -= int(hits.sum())
         cow = None
@@ -356,7 +357,7 @@ class Pool:
         g0 = plan.groups[0]
         hits = g0.hits
         if hits is not None and hits.any():
-            self._share_hits(a_rows, hits, g0.cand)
+            self._share_hits(a_rows, hits, g0.cand, inp.prompt)
         a_lo = hits if hits is not None else np.zeros(len(a_rows), dtype=np.int64)
         copies = tuple(self._grow(g, e_rows, plan, a_rows, a_lo) for g in range(len(self.allocators)))
         rows = np.concatenate((e_rows, a_rows, c_rows)) if len(a_rows) or len(c_rows) else e_rows
@@ -493,30 +494,27 @@ class Pool:
             rs.arena[flat] = -1
         self._first[g][e_rows] = new_first
 
-    def _share_hits(self, a_rows: np.ndarray, hits: np.ndarray, cand: np.ndarray) -> None:
+    def _share_hits(self, a_rows: np.ndarray, hits: np.ndarray, cand: np.ndarray, prompt: Prompt) -> None:
         """Admissions take their cached prefix pages (group 0), before any page is allocated."""
         rs = self._slots[0]
-        mask = np.arange(cand.shape[1]) < hits[:, None]
+        mask = prompt.col < hits[prompt.row]
         slots = cand[mask]
         uniq, counts = np.unique(slots, return_counts=True)
         self.allocators[0].share(uniq, counts)
-        cols = np.nonzero(mask)[1]
-        rs.arena[rs.flat(np.repeat(a_rows, hits), cols)] = slots
+        rs.arena[rs.flat(a_rows[prompt.row[mask]], prompt.col[mask])] = slots
         self.prefix.hits += len(slots)
 
     def _register(self, a_rows: np.ndarray, prompt: Prompt) -> None:
         """Make the admissions' full prompt pages findable by later prompts (after the step)."""
         self.prefix.add_namespaces(prompt.new_ns)
-        p = prompt.pages.shape[1]
-        if not p:
+        if not len(prompt.pages):
             return
-        mask = np.arange(p) < prompt.full[:, None]
-        r_idx, cols = np.nonzero(mask)
-        slots = self._slots[0].arena.take(self._slots[0].flat(a_rows[r_idx], cols)).astype(np.int64)
+        row, col = prompt.row, prompt.col
+        slots = self._slots[0].arena.take(self._slots[0].flat(a_rows[row], col)).astype(np.int64)
         parents = np.full(len(slots), -1, dtype=np.int64)
-        inner = cols > 0
-        parents[inner] = slots[np.flatnonzero(inner) - 1]        # page j-1 of the same prompt precedes page j
-        self.prefix.register(slots, parents, prompt.ns[r_idx], prompt.pages[mask], prompt.hashes[mask])
+        inner = np.flatnonzero(col > 0)
+        parents[inner] = slots[inner - 1]                # page j-1 of the same prompt precedes page j
+        self.prefix.register(slots, parents, prompt.ns[row], prompt.pages, prompt.hashes)
 
     # ---- rows and lookups -------------------------------------------------------------------
     def _index(self) -> tuple[np.ndarray, np.ndarray]:

@@ -31,25 +31,31 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
-def page_hashes(pages: np.ndarray, namespaces: np.ndarray) -> np.ndarray:
-    """Chained hashes of full pages.
+def page_hashes(pages: np.ndarray, col: np.ndarray, starts: np.ndarray, full: np.ndarray,
+                namespaces: np.ndarray) -> np.ndarray:
+    """Chained hashes of the full pages of A prompts, stored ragged (no A x longest-prompt array).
 
-    pages: int64 [A, P, page_size], the token ids of the first P full pages of A prompts
-        (rows shorter than P padded with anything: callers ignore their tail).
-    namespaces: int64 [A], a small id per (salt, extra key).
-    Returns uint64 [A, P], never 0.
+    pages: int64 [N, page_size] token ids of every full page, prompt after prompt.
+    col: int64 [N] index of each page inside its prompt; starts: int64 [A] first page of each prompt;
+    full: int64 [A] full pages of each prompt (N = full.sum()); namespaces: int64 [A] id per (salt, extra key).
+    Returns uint64 [N], never 0. Work is O(N) plus one short NumPy pass per page column.
     """
     with np.errstate(over="ignore"):
-        a, p, ps = pages.shape
         tok = pages.astype(np.uint64)
-        page_h = np.full((a, p), _GOLD, dtype=np.uint64)
-        for t in range(ps):                                   # hash each page's tokens
-            page_h = _mix(page_h ^ (tok[:, :, t] + _GOLD))
-        out = np.empty((a, p), dtype=np.uint64)
-        h = _mix(namespaces.astype(np.uint64) + _GOLD)
+        page_h = np.full(len(pages), _GOLD, dtype=np.uint64)
+        for t in range(tok.shape[1]):                        # hash each page's tokens
+            page_h = _mix(page_h ^ (tok[:, t] + _GOLD))
+        out = np.empty(len(pages), dtype=np.uint64)
+        order = np.argsort(-full, kind="stable")             # longest prompts first: column j's prompts are a prefix
+        f, st = full[order], starts[order]
+        h = _mix(namespaces[order].astype(np.uint64) + _GOLD)
+        p = int(f[0]) if len(f) else 0
+        active = np.searchsorted(-f, -np.arange(p), side="left")   # prompts with more than j full pages
         for j in range(p):                                    # chain page hashes
-            h = _mix(h ^ page_h[:, j] ^ (np.uint64(j) * _M2))
-            out[:, j] = h
+            k = int(active[j])
+            at = st[:k] + j
+            h[:k] = _mix(h[:k] ^ page_h[at] ^ (np.uint64(j) * _M2))
+            out[at] = h[:k]
         out[out == 0] = 1
     return out
 
@@ -95,28 +101,30 @@ class PrefixCache:
     def add_namespaces(self, new: dict[tuple[str, str], int]) -> None:
         self._namespaces.update(new)
 
-    def match(self, pages: np.ndarray, counts: np.ndarray, ns: np.ndarray,
+    def match(self, pages: np.ndarray, row: np.ndarray, col: np.ndarray, limit: np.ndarray, ns: np.ndarray,
               hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Longest confirmed cached prefix of each prompt.
+        """Longest confirmed cached prefix of each of A prompts (pages stored ragged, see page_hashes).
 
-        pages: int64 [A, P, page_size] token ids of full pages; counts: int64 [A], how many
-        of the P pages each prompt may take from the cache; ns: int64 [A]; hashes: uint64 [A, P]
-        from hash_fn. Returns (hits int64 [A], slots int64 [A, P]: the matched slot of page j
-        for j < hits; -1 where no candidate).
+        pages: int64 [N, page_size]; row, col: int64 [N] prompt and position of each page;
+        limit: int64 [A] pages each prompt may take from the cache; ns: int64 [A]; hashes: uint64 [N].
+        Returns (hits int64 [A], cand int64 [N]: the cached slot of each page, valid where col < hits[row]).
         """
-        a, p, _ = pages.shape
         get = self.by_hash.get
         uniq, inv = np.unique(hashes, return_inverse=True)       # shared prefixes: one lookup each
         found = np.fromiter((get(h, -1) for h in uniq.tolist()), dtype=np.int64, count=len(uniq))
-        cand = found[inv.reshape(a, p)]
+        cand = found[inv.reshape(-1)]
         safe = np.maximum(cand, 0)
-        ok = (cand >= 0) & (np.arange(p) < counts[:, None])
-        ok &= self.namespace[safe] == ns[:, None]
-        ok &= (self.tokens[safe] == pages).all(axis=2)
-        prev = np.concatenate((np.full((a, 1), -1, dtype=np.int64), cand[:, :-1]), axis=1)
+        ok = (cand >= 0) & (col < limit[row])
+        ok &= self.namespace[safe] == ns[row]
+        ok &= (self.tokens[safe] == pages).all(axis=1)
+        prev = np.full(len(cand), -1, dtype=np.int64)
+        inner = np.flatnonzero(col > 0)
+        prev[inner] = cand[inner - 1]
         ok &= self.parent[safe] == prev
-        hits = np.where(ok.all(axis=1), p, np.argmin(ok, axis=1)) if p else np.zeros(a, dtype=np.int64)
-        return hits.astype(np.int64), cand
+        hits = np.bincount(row, minlength=len(limit)).astype(np.int64)   # every page matched ...
+        bad = np.flatnonzero(~ok)
+        np.minimum.at(hits, row[bad], col[bad])                          # ... up to the first that did not
+        return hits, cand
 
     def register(self, slots: np.ndarray, parents: np.ndarray, ns: np.ndarray, pages: np.ndarray,
                  hashes: np.ndarray) -> None:

@@ -88,15 +88,18 @@ def check_distinct(ids: np.ndarray) -> None:
 
 @dataclass(frozen=True, slots=True)
 class Prompt:
-    """Prefix-cache inputs of a step's admissions (A admissions, P = most full pages of one prompt).
+    """Prefix-cache inputs of a step's admissions: A prompts with N full pages in all, stored ragged.
 
-    pages: int64 [A, P, page_size] token ids of each prompt's full pages (shorter rows padded).
+    pages: int64 [N, page_size] token ids of every full page, prompt after prompt.
+    row, col: int64 [N] the admission (0..A-1) and the position inside its prompt of each page.
     full: int64 [A] full pages of each prompt; limit: int64 [A] pages it may take from the cache.
-    ns: int64 [A] namespace id of each (salt, extra key); hashes: uint64 [A, P] chained page hashes.
+    ns: int64 [A] namespace id of each (salt, extra key); hashes: uint64 [N] chained page hashes.
     new_ns: namespaces seen for the first time (remembered only when the step commits).
     """
 
     pages: np.ndarray
+    row: np.ndarray
+    col: np.ndarray
     full: np.ndarray
     limit: np.ndarray
     ns: np.ndarray
@@ -132,7 +135,7 @@ class GroupPlan:
     new_first: int64 [E] first page each extended row keeps (sliding groups; None otherwise).
     cow: bool [E] extended rows that copy their shared, partly filled last page first (None: none).
     hits: int64 [A] cached pages each admission takes (group 0 with prefix caching; else None).
-    cand: int64 [A, P] the cached slot of each prompt page (valid for j < hits).
+    cand: int64 [N] the cached slot of each prompt page (valid where col < hits[row]).
     """
 
     need: int

@@ -60,7 +60,7 @@ def test_released_pages_stay_cached_until_evicted_lru():
 
 
 def test_hash_collision_never_aliases():
-    pool = cached_pool(hash_fn=lambda pages, ns: np.full(pages.shape[:2], 42, dtype=np.uint64))
+    pool = cached_pool(hash_fn=lambda pages, col, *_: np.full(len(pages), 42, dtype=np.uint64))
     admit(pool, 1, [1, 2, 3, 4, 5])
     r = admit(pool, 2, [9, 9, 9, 9, 5])               # same (forced) hash, different tokens
     assert r.cached_tokens.tolist() == [0]
@@ -69,8 +69,7 @@ def test_hash_collision_never_aliases():
 
 
 def test_parent_chain_is_checked_not_just_the_page():
-    pool = cached_pool(hash_fn=lambda pages, ns: np.tile(np.arange(1, pages.shape[1] + 1, dtype=np.uint64),
-                                                         (pages.shape[0], 1)))
+    pool = cached_pool(hash_fn=lambda pages, col, *_: (col + 1).astype(np.uint64))
     admit(pool, 1, [1, 1, 1, 1, 2, 2, 2, 2, 0])
     # page 1 equal, page 0 different: the hash (forced equal) and page-1 tokens match, the parent does not
     r = admit(pool, 2, [3, 3, 3, 3, 2, 2, 2, 2, 0])
@@ -116,13 +115,24 @@ def test_prefix_caching_inputs_are_checked():
 
 
 def test_page_hashes_are_deterministic_and_chain():
-    pages = np.arange(2 * 3 * PS).reshape(2, 3, PS)
-    h = page_hashes(pages, np.array([0, 0]))
-    assert (h == page_hashes(pages, np.array([0, 0]))).all() and (h != 0).all()
-    assert (page_hashes(pages, np.array([1, 0]))[0] != h[0]).all()      # namespace changes every page
+    # Two prompts of 3 full pages each, stored ragged: pages 0..2 are prompt 0's, 3..5 prompt 1's.
+    pages = np.arange(6 * PS).reshape(6, PS)
+    col, starts, full = np.array([0, 1, 2, 0, 1, 2]), np.array([0, 3]), np.array([3, 3])
+
+    def hashes(p, ns):
+        return page_hashes(p, col, starts, full, np.array(ns))
+
+    h = hashes(pages, [0, 0])
+    assert (h == hashes(pages, [0, 0])).all() and (h != 0).all()
+    assert (hashes(pages, [1, 0])[:3] != h[:3]).all() and (hashes(pages, [1, 0])[3:] == h[3:]).all()
     other = pages.copy()
-    other[0, 0, 0] += 1
-    assert (page_hashes(other, np.array([0, 0]))[0] != h[0]).all()      # a change propagates down the chain
+    other[0, 0] += 1
+    assert (hashes(other, [0, 0])[:3] != h[:3]).all()      # a change propagates down the chain
+    # Ragged prompts hash each page exactly as a prompt of its own would.
+    short = page_hashes(pages[3:5], np.array([0, 1]), np.array([0]), np.array([2]), np.array([0]))
+    assert short.tolist() == h[3:5].tolist()
+    mixed = page_hashes(pages[:5], np.array([0, 1, 2, 0, 1]), np.array([0, 3]), np.array([3, 2]), np.array([0, 0]))
+    assert mixed.tolist() == h[:5].tolist()
 
 
 def test_fork_shares_then_copies_on_write():

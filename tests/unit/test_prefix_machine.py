@@ -36,8 +36,7 @@ class PrefixMachine(RuleBasedStateMachine):
     @rule(collide=st.booleans())
     def set_hash(self, collide):
         if collide:       # every page hashes to its index: all prompts collide
-            self.pool.prefix.hash_fn = lambda pages, ns: np.tile(
-                np.arange(1, pages.shape[1] + 1, dtype=np.uint64), (pages.shape[0], 1))
+            self.pool.prefix.hash_fn = lambda pages, col, *_: (col + 1).astype(np.uint64)
 
     @rule(p=st.sampled_from(range(len(PREFIXES))), cut=st.integers(1, 6), tail=st.lists(st.integers(0, 3),
           max_size=3), tenant=st.sampled_from(["a", "b"]))
