@@ -34,11 +34,13 @@ def assert_invariants(pool: Pool) -> None:
         # 1. refcount == number of owners; 2. free xor owned, counts add up.
         assert (rc == owners).all(), f"group {g}: refcount != owners at slot {np.flatnonzero(rc != owners)[:5]}"
         assert alloc.num_free + int((owners > 0).sum()) == geo.num_slots, f"group {g}: free + owned != num_slots"
-    if pool.prefix is not None:
-        cache, alloc = pool.prefix, pool.allocators[0]
+    for g, cache in enumerate(pool.prefixes or ()):
+        alloc = pool.allocators[g]
+        assert cache.allocator is alloc, f"group {g}: prefix cache over another group's allocator"
         for h, slot in cache.by_hash.items():
-            assert int(cache.hash[slot]) == h and alloc.cacheable[slot], f"cache entry {h:#x} -> slot {slot} is stale"
-        assert int(alloc.cacheable.sum()) == len(cache.by_hash), "cacheable slots != cache entries"
+            assert int(cache.hash[slot]) == h and alloc.cacheable[slot], \
+                f"group {g}: cache entry {h:#x} -> slot {slot} is stale"
+        assert int(alloc.cacheable.sum()) == len(cache.by_hash), f"group {g}: cacheable slots != cache entries"
     # 4. every emitted index lies inside and on the lattice of its own space.
     if len(ids):
         for st in pool.tables_for(ids):

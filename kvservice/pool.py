@@ -32,7 +32,7 @@ from .allocator import SlotAllocator
 from .emit import SpaceTables, emit_tables
 from .errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
 from .planner import Plan
-from .prefix import PrefixCache
+from .prefix import Namespaces, PrefixCache, run_ending_at
 from .rowslots import RowSlots
 from .stepplan import (
     EMPTY_I64,
@@ -89,10 +89,17 @@ class Pool:
         self.layer_space: list[int] = geo.layer_space.tolist()    # layer -> index space id
         self._sliding = [g for g, w in enumerate(self.windows) if w]
         self._is_sliding = [bool(w) for w in self.windows]
-        if prefix_caching and self._sliding:
-            raise InvalidArgument("prefix caching with sliding-window layer groups is not supported; create the "
-                                  "pool without enable_prefix_caching or without sliding layers")
-        self.prefix = PrefixCache(self.allocators[0], self.page_size) if prefix_caching else None
+        # One prefix cache per layer group (hybrid models: full and sliding groups each cache their pages).
+        self.prefixes: list[PrefixCache] | None = None
+        self.prefix: PrefixCache | None = None          # the first full group's cache (or group 0's)
+        self._anchor_group: int | None = None           # full group whose confirmed pages anchor sliding hits
+        if prefix_caching:
+            ns = Namespaces()
+            self.prefixes = [PrefixCache(a, self.page_size, namespaces=ns, group=g)
+                             for g, a in enumerate(self.allocators)]
+            full = [g for g, w in enumerate(self.windows) if not w]
+            self._anchor_group = full[0] if full else None
+            self.prefix = self.prefixes[full[0] if full else 0]
         self._sharing = prefix_caching          # slots may have several owners (turned on by a fork)
         self._rows: dict[int, int] = {}          # seq_id -> row (source of truth)
         self._sorted: tuple[np.ndarray, np.ndarray] | None = None  # (ids, rows) by id; None = stale
@@ -279,7 +286,8 @@ class Pool:
         e_held = self._held[inp.e_rows]
         e_held_new = (e_new + (ps - 1)) // ps
         a_held = (inp.a_n + (ps - 1)) // ps
-        groups = tuple(self._plan_group(g, inp, e_old, e_held, e_held_new, a_held)
+        hits, cands = self._plan_hits(inp.prompt, len(inp.a_ids)) if inp.prompt is not None else (None, [])
+        groups = tuple(self._plan_group(g, inp, e_old, e_held, e_held_new, a_held, hits, cands)
                        for g in range(len(self.allocators)))
         for g, gp in enumerate(groups):
             if gp.need > gp.avail:
@@ -293,8 +301,60 @@ class Pool:
                     needed=gp.need, free=gp.avail, num_slots=self.plan.num_slots, group=g)
         return StepPlan(e_old, e_new, e_held, e_held_new, a_held, groups)
 
+    def _plan_hits(self, prompt: Prompt, num_admits: int) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Cached pages each admission takes (hits int64 [A], the same in every group) and each group's
+        candidate slot per prompt page (int64 [N]).
+
+        A hit of h pages needs, in every full-attention group, pages 0..h-1 confirmed along the parent
+        chain, and in a sliding group of window w only the pages the first computed token attends:
+        [first_kept(h), h). The hit is the longest h every group can serve, at most `limit`.
+        """
+        caches = self.prefixes
+        pr = prompt
+        cands: list[np.ndarray] = [EMPTY_I64] * len(caches)
+        if not len(pr.pages):
+            return np.zeros(num_admits, dtype=np.int64), cands
+        hits = pr.limit.copy()
+        for g, cache in enumerate(caches):
+            if not self.windows[g]:
+                h, cands[g] = cache.match(pr.pages, pr.row, pr.col, pr.limit, pr.ns, pr.hashes)
+                np.minimum(hits, h, out=hits)
+        if not self._sliding:
+            return hits, cands
+        ok_len = (pr.col + 1) <= hits[pr.row]              # h = col + 1 allowed by the full groups and limit
+        anchor = self._anchor_group
+        for g in self._sliding:
+            cand, ok = caches[g].candidates(pr.pages, pr.row, pr.ns, pr.hashes)
+            safe = np.maximum(cand, 0)
+            if anchor is not None:                          # the very page the full group confirmed
+                ok &= caches[g].anchor[safe] == cands[anchor]
+            else:                                           # sliding groups only: the parent page's hash
+                prev_h = np.zeros(len(cand), dtype=np.uint64)
+                inner = np.flatnonzero(pr.col > 0)
+                prev_h[inner] = pr.hashes[inner - 1]
+                ok &= caches[g].parent_hash[safe] == prev_h
+            needed = (pr.col + 1) - self._first_kept(g, pr.col + 1)
+            ok_len &= run_ending_at(ok, pr.col) >= needed
+            cands[g] = cand
+        out = np.zeros(num_admits, dtype=np.int64)
+        at = np.flatnonzero(ok_len)
+        np.maximum.at(out, pr.row[at], pr.col[at] + 1)
+        return out, cands
+
+    def _first_kept(self, g: int, tokens_pages: np.ndarray) -> np.ndarray:
+        """First page a sequence needs in group g once its first h pages are cached (0 in full groups).
+
+        tokens_pages: int64 [...] h, cached pages. The first computed token (position h * page_size)
+        attends tokens from h * page_size + 1 - window on, so pages wholly before that are not needed.
+        """
+        w = self.windows[g]
+        if not w:
+            return np.zeros_like(tokens_pages)
+        return np.maximum(tokens_pages * self.page_size + 1 - w, 0) // self.page_size
+
     def _plan_group(self, g: int, inp: StepInput, e_old: np.ndarray, e_held: np.ndarray,
-                    e_held_new: np.ndarray, a_held: np.ndarray) -> GroupPlan:
+                    e_held_new: np.ndarray, a_held: np.ndarray, hits_all: np.ndarray | None,
+                    cands: list[np.ndarray]) -> GroupPlan:
         alloc = self.allocators[g]
         first = self._first[g]
         rs = self._slots[g]
@@ -317,14 +377,12 @@ class Pool:
         freed = np.unique(lost)
         freed = freed[owners_after(freed) == 0] if len(freed) else freed
         avail = alloc.num_free + len(freed)
-        hits = cand = None
-        if inp.prompt is not None and g == 0:
+        hits = cand = a_first = None
+        if hits_all is not None:
             pr = inp.prompt
-            if len(pr.pages):
-                hits, cand = self.prefix.match(pr.pages, pr.row, pr.col, pr.limit, pr.ns, pr.hashes)
-            else:
-                hits, cand = np.zeros(len(inp.a_ids), dtype=np.int64), EMPTY_I64
-            taken = np.unique(cand[pr.col < hits[pr.row]])
+            hits, cand = hits_all, cands[g]
+            a_first = self._first_kept(g, hits)
+            taken = np.unique(cand[(pr.col < hits[pr.row]) & (pr.col >= a_first[pr.row])])
             avail -= int((owners_after(taken) == 0).sum())      # cached pages revived from the free LRU
             need -= int(hits.sum())
         cow = None
@@ -338,7 +396,7 @@ class Pool:
                     cow = np.zeros(len(inp.e_rows), dtype=bool)
                     cow[partial] = cow_rows(last, owners)
                     need += int(cow.sum())
-        return GroupPlan(need, avail, new_first, cow, hits, cand)
+        return GroupPlan(need, avail, new_first, cow, hits, cand, a_first)
 
     # ---- phase 3: commit ---------------------------------------------------------------
     def _commit(self, inp: StepInput, plan: StepPlan, tables: bool, block_table: bool) -> StepResult:
@@ -352,12 +410,14 @@ class Pool:
         for g in self._sliding:
             self._release_window(g, e_rows, plan.groups[g].new_first)
         a_rows = self._take_rows(inp.a_ids)
+        hits = plan.groups[0].hits
         for g, rs in enumerate(self._slots):
+            gp = plan.groups[g]
+            if gp.a_first is not None:                    # a sliding group never holds pages before the window
+                self._first[g][a_rows] = gp.a_first
             rs.reserve(a_rows, self._first[g][a_rows], plan.a_held)
-        g0 = plan.groups[0]
-        hits = g0.hits
-        if hits is not None and hits.any():
-            self._share_hits(a_rows, hits, g0.cand, inp.prompt)
+            if hits is not None and hits.any():
+                self._share_hits(g, a_rows, hits, gp.cand, gp.a_first, inp.prompt)
         a_lo = hits if hits is not None else np.zeros(len(a_rows), dtype=np.int64)
         copies = tuple(self._grow(g, e_rows, plan, a_rows, a_lo) for g in range(len(self.allocators)))
         rows = np.concatenate((e_rows, a_rows, c_rows)) if len(a_rows) or len(c_rows) else e_rows
@@ -429,7 +489,7 @@ class Pool:
             copies = np.stack((src, dst.astype(np.int64)), axis=1)
         if len(a_rows):
             g_rows = np.concatenate((e_rows, a_rows))
-            g_lo = np.concatenate((plan.e_held, a_lo if g == 0 else np.zeros(len(a_rows), dtype=np.int64)))
+            g_lo = np.concatenate((plan.e_held, a_lo))
             g_hi = np.concatenate((plan.e_held_new, plan.a_held))
         else:
             g_rows, g_lo, g_hi = e_rows, plan.e_held, plan.e_held_new
@@ -494,15 +554,16 @@ class Pool:
             rs.arena[flat] = -1
         self._first[g][e_rows] = new_first
 
-    def _share_hits(self, a_rows: np.ndarray, hits: np.ndarray, cand: np.ndarray, prompt: Prompt) -> None:
-        """Admissions take their cached prefix pages (group 0), before any page is allocated."""
-        rs = self._slots[0]
-        mask = prompt.col < hits[prompt.row]
+    def _share_hits(self, g: int, a_rows: np.ndarray, hits: np.ndarray, cand: np.ndarray, a_first: np.ndarray,
+                    prompt: Prompt) -> None:
+        """Admissions take their cached pages [first kept, hits) of group g, before any page is allocated."""
+        rs = self._slots[g]
+        mask = (prompt.col < hits[prompt.row]) & (prompt.col >= a_first[prompt.row])
         slots = cand[mask]
         uniq, counts = np.unique(slots, return_counts=True)
-        self.allocators[0].share(uniq, counts)
+        self.allocators[g].share(uniq, counts)
         rs.arena[rs.flat(a_rows[prompt.row[mask]], prompt.col[mask])] = slots
-        self.prefix.hits += len(slots)
+        self.prefixes[g].hits += len(slots)
 
     def _register(self, a_rows: np.ndarray, prompt: Prompt) -> None:
         """Make the admissions' full prompt pages findable by later prompts (after the step)."""
@@ -510,11 +571,23 @@ class Pool:
         if not len(prompt.pages):
             return
         row, col = prompt.row, prompt.col
-        slots = self._slots[0].arena.take(self._slots[0].flat(a_rows[row], col)).astype(np.int64)
-        parents = np.full(len(slots), -1, dtype=np.int64)
         inner = np.flatnonzero(col > 0)
-        parents[inner] = slots[inner - 1]                # page j-1 of the same prompt precedes page j
-        self.prefix.register(slots, parents, prompt.ns[row], prompt.pages, prompt.hashes)
+        parent_hashes = np.zeros(len(col), dtype=np.uint64)
+        parent_hashes[inner] = prompt.hashes[inner - 1]
+        anchors = None
+        order = sorted(range(len(self.prefixes)), key=lambda g: bool(self.windows[g]))   # full groups first
+        for g in order:
+            kept = col >= self._first[g][a_rows[row]]       # a sliding group holds no page before its window
+            slots = np.full(len(col), -1, dtype=np.int64)
+            at = np.flatnonzero(kept)
+            slots[at] = self._slots[g].arena.take(self._slots[g].flat(a_rows[row[at]], col[at]))
+            parents = np.full(len(slots), -1, dtype=np.int64)
+            parents[inner] = slots[inner - 1]            # page j-1 of the same prompt precedes page j
+            if g == self._anchor_group:
+                anchors = slots
+            self.prefixes[g].register(slots[at], parents[at], prompt.ns[row[at]], prompt.pages[at],
+                                      prompt.hashes[at], parent_hashes[at],
+                                      anchors[at] if anchors is not None and self.windows[g] else None)
 
     # ---- rows and lookups -------------------------------------------------------------------
     def _index(self) -> tuple[np.ndarray, np.ndarray]:

@@ -134,8 +134,10 @@ class GroupPlan:
     (free now + freed by this step - cached pages its admissions revive).
     new_first: int64 [E] first page each extended row keeps (sliding groups; None otherwise).
     cow: bool [E] extended rows that copy their shared, partly filled last page first (None: none).
-    hits: int64 [A] cached pages each admission takes (group 0 with prefix caching; else None).
-    cand: int64 [N] the cached slot of each prompt page (valid where col < hits[row]).
+    hits: int64 [A] cached pages each admission takes (prefix caching; else None), the same in every group.
+    cand: int64 [N] this group's cached slot of each prompt page (valid where a_first <= col < hits).
+    a_first: int64 [A] first page each admission holds in this group (sliding groups skip pages
+        wholly before the window of the first computed token; 0 elsewhere; None without prefix caching).
     """
 
     need: int
@@ -144,6 +146,7 @@ class GroupPlan:
     cow: np.ndarray | None = None
     hits: np.ndarray | None = None
     cand: np.ndarray | None = None
+    a_first: np.ndarray | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -108,9 +108,6 @@ def test_prefix_caching_inputs_are_checked():
     plain = Pool("p", plan(CacheSpec.uniform(1, 1, 64, page_size=PS), Sizing(num_slots=8, max_seq_len=16)))
     with pytest.raises(InvalidArgument, match="without prefix caching"):
         plain.step(admit_ids=[1], admit_tokens=[2], admit_token_ids=np.arange(2))
-    with pytest.raises(InvalidArgument, match="sliding-window"):
-        Pool("s", plan(CacheSpec((LayerSpec(1, 64, sliding_window=8),), PS), Sizing(num_slots=8)),
-             prefix_caching=True)
     assert pool.num_sequences == 0 and plain.num_sequences == 0
 
 
@@ -177,6 +174,151 @@ def test_a_refused_step_registers_no_namespace():
     with pytest.raises(ResourceExhausted):
         pool.step(admit_ids=[1, 2], admit_tokens=[16, 16], admit_token_ids=np.arange(32),
                   admit_salts=["tenant-b", "tenant-b"])
-    assert pool.prefix._namespaces == {}
+    assert pool.prefix.namespaces._ids == {}
     admit(pool, 3, list(range(5)), salt="tenant-c")
-    assert pool.prefix._namespaces == {("tenant-c", ""): 0}
+    assert pool.prefix.namespaces._ids == {("tenant-c", ""): 0}
+
+
+# ---- prefix caching on hybrid pools (full + sliding groups) ----------------------------------
+def hybrid_pool(num_slots=64, window=8, layout="per_layer", full=True):
+    layers = ((LayerSpec(1, 64),) if full else ()) + (LayerSpec(1, 64, sliding_window=window),)
+    if layout == "interleaved":
+        layers = ((LayerSpec(1, 128),) if full else ()) + (LayerSpec(1, 64), LayerSpec(1, 64, sliding_window=window))
+    return Pool("h", plan(CacheSpec(layers, PS, layout), Sizing(num_slots=num_slots, max_seq_len=128)),
+                prefix_caching=True)
+
+
+@pytest.mark.parametrize("layout", ["per_layer", "interleaved"])
+def test_hybrid_hit_shares_full_pages_and_only_the_window_pages_of_the_sliding_group(layout):
+    pool = hybrid_pool(layout=layout)
+    prompt = list(range(100, 125))                     # 25 tokens: 6 full pages, (25-1)//4 = 6 may hit
+    admit(pool, 1, prompt)
+    full_g = 0
+    slide_g = len(pool.allocators) - 1
+    s1_full, s1_slide = pool.sequence_slots(1, full_g).tolist(), pool.sequence_slots(1, slide_g).tolist()
+    r = admit(pool, 2, prompt)
+    assert r.cached_tokens.tolist() == [24]
+    # Full group: pages 0..5 shared. Sliding group (window 8): the first computed token (24) attends
+    # 17..24, so pages 0..3 are not needed at all and pages 4, 5 come from the cache.
+    assert pool.sequence_slots(2, full_g).tolist()[:6] == s1_full[:6]
+    assert pool.first_page(2, slide_g) == 4
+    assert pool.sequence_slots(2, slide_g).tolist()[:2] == s1_slide[4:6]
+    assert pool.sequence_slots(2, slide_g).tolist()[2] != s1_slide[6]
+    assert_invariants(pool)
+
+
+def expected_hit(pool, tokens, salt=""):
+    """Brute force from DESIGN's definition, over the caches' contents: the longest h <= limit such that
+    every full group holds pages 0..h-1 along the parent chain and every sliding group the pages
+    [first_kept(h), h) anchored to those full pages (or chained by parent hash without a full group)."""
+    ps = pool.page_size
+    n = len(tokens)
+    full = n // ps
+    limit = (n - 1) // ps
+    if not full:
+        return 0, {}
+    pages = np.array(tokens[:full * ps], dtype=np.int64).reshape(full, ps)
+    ns = pool.prefix.namespaces._ids.get((salt, ""), -1)
+    if ns < 0:
+        return 0, {}
+    hashes = pool.prefix.hash_fn(pages, np.arange(full), np.array([0]), np.array([full]), np.array([ns]))
+    hashes = [int(h) for h in hashes]
+
+    def found(g, j):
+        c = pool.prefixes[g]
+        slot = c.by_hash.get(hashes[j], -1)
+        if slot < 0 or c.namespace[slot] != ns or c.tokens[slot].tolist() != pages[j].tolist():
+            return -1
+        return slot
+
+    for h in range(limit, -1, -1):
+        chosen, ok = {}, True
+        for g, w in enumerate(pool.windows):
+            if w:
+                continue
+            prev = -1
+            for j in range(h):
+                slot = found(g, j)
+                if slot < 0 or pool.prefixes[g].parent[slot] != prev:
+                    ok = False
+                    break
+                chosen[(g, j)] = prev = slot
+        for g, w in enumerate(pool.windows):
+            if not ok or not w:
+                continue
+            first = max(h * ps + 1 - w, 0) // ps
+            for j in range(first, h):
+                slot = found(g, j)
+                anchor = pool._anchor_group
+                if slot < 0:
+                    ok = False
+                elif anchor is not None:
+                    ok = pool.prefixes[g].anchor[slot] == chosen[(anchor, j)]
+                else:
+                    ok = int(pool.prefixes[g].parent_hash[slot]) == (hashes[j - 1] if j else 0)
+                if not ok:
+                    break
+                chosen[(g, j)] = slot
+        if ok:
+            return h, chosen
+    raise AssertionError("h = 0 always qualifies")
+
+
+@pytest.mark.parametrize(("seed", "layout", "full", "window"), [
+    (0, "per_layer", True, 8), (1, "interleaved", True, 8), (2, "per_layer", True, 5), (3, "per_layer", False, 8),
+    (4, "interleaved", True, 12), (5, "per_layer", False, 6),
+])
+def test_hybrid_hits_match_a_brute_force_reading_of_the_caches(seed, layout, full, window):
+    rng = np.random.default_rng(seed)
+    pool = hybrid_pool(num_slots=40, window=window, layout=layout, full=full)
+    prefixes = [rng.integers(0, 50, 40).tolist() for _ in range(3)]
+    live, next_id, hits_seen, partial_seen = [], 1, 0, 0
+    for _ in range(150):
+        op = rng.random()
+        if op < 0.45 or not live:
+            base = prefixes[rng.integers(0, 3)]
+            cut = int(rng.integers(1, 40))
+            tokens = base[:cut] + rng.integers(0, 50, int(rng.integers(0, 8))).tolist()
+            salt = ["", "t"][int(rng.integers(0, 2))]
+            want, chosen = expected_hit(pool, tokens, salt)
+            try:
+                r = admit(pool, next_id, tokens, salt=salt)
+            except ResourceExhausted:
+                if live:
+                    pool.step(free_ids=[live.pop(int(rng.integers(0, len(live))))])
+                continue
+            assert r.cached_tokens.tolist() == [want * PS], (tokens, want)
+            for (g, j), slot in chosen.items():
+                first = pool.first_page(next_id, g)
+                assert pool.sequence_slots(next_id, g)[j - first] == slot
+            hits_seen += want > 0
+            partial_seen += 0 < want < (len(tokens) - 1) // PS
+            live.append(next_id)
+            next_id += 1
+        elif op < 0.8:
+            sid = live[int(rng.integers(0, len(live)))]
+            try:
+                pool.step(extend_ids=[sid], extend_tokens=[int(rng.integers(1, 9))])
+            except (ResourceExhausted, InvalidArgument):
+                pool.step(free_ids=[sid])
+                live.remove(sid)
+        else:
+            pool.step(free_ids=[live.pop(int(rng.integers(0, len(live))))])
+        assert_invariants(pool)
+    assert hits_seen > 10 and partial_seen > 0
+    assert sum(a.evictions for a in pool.allocators) > 0
+
+
+def test_sliding_only_pool_caches_and_refuses_a_collision_on_the_parent_hash():
+    pool = hybrid_pool(full=False, window=8)
+    prompt = list(range(300, 325))
+    admit(pool, 1, prompt)
+    assert admit(pool, 2, prompt).cached_tokens.tolist() == [24]
+    assert pool.first_page(2, 0) == 4
+    assert_invariants(pool)
+    # Forced collisions: every page hashes to its position; the tokens of the needed pages match but an
+    # earlier page differs, so the parent hash (the forced one) agrees and ... the tokens of page 3 differ.
+    pool.prefixes[0].hash_fn = lambda pages, col, *_: (col + 1).astype(np.uint64)
+    other = [1, 1, 1, 1, *prompt[4:]]
+    assert admit(pool, 3, other).cached_tokens.tolist() == [0]    # pages registered under real hashes only
+    assert_invariants(pool)
