@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: run test unit integration bench lint protos gpu-check clean
+.PHONY: run test unit integration bench lint protos gpu-check mutation clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -30,6 +30,10 @@ bench: $(STAMP)
 	$(BIN)/python bench/bench_sharing.py --out bench/results/sharing.md
 	$(BIN)/python bench/bench_durability.py --out bench/results/durability.md
 
+mutation: $(STAMP)
+	$(BIN)/pip install --quiet 'mutmut==3.8.1'
+	$(BIN)/python scripts/mutation.py --out bench/results/mutation.md
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
@@ -40,4 +44,4 @@ gpu-check:
 	python3 bench/gpu_check.py --out bench/results/gpu-$$(date +%Y-%m-%d).md
 
 clean:
-	rm -rf $(VENV) build .pytest_cache
+	rm -rf $(VENV) build .pytest_cache mutants

@@ -1,0 +1,149 @@
+"""Mutation check: do the tests notice a planted bug? Writes bench/results/mutation.md.
+
+Two parts (`make mutation` runs both):
+
+- Python: mutmut mutates the domain modules named in pyproject's [tool.mutmut]
+  (pool, stepplan, emit, rowslots, geometry, prefix, pagetable, allocator, the
+  NumPy kernels) and runs the tests that cover each mutant. Survivors are listed
+  with their diff; a survivor that is equivalent (no test can tell it apart) is
+  explained in bench/mutation_equivalent.txt, one ``name: why`` per line.
+- CUDA sources: hand-made mutants of worker/kernels/*.cu (a bounds check
+  dropped, an off-by-one, 32-bit address arithmetic, a lost violation flag), each
+  applied to a copy of the tree and run against the emulated-kernel tests
+  (ASan included). A mutant survives if those tests still pass.
+
+Usage: python scripts/mutation.py [--python] [--cu] [--out bench/results/mutation.md] [--max-children N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+EQUIVALENT = ROOT / "bench" / "mutation_equivalent.txt"
+CU_TESTS = ["tests/kernels/test_decode.py", "tests/kernels/test_append_copy.py",
+            "tests/kernels/test_validate_guard.py", "tests/kernels/test_sanitizers.py",
+            "tests/kernels/test_large_offset.py"]
+
+# (file, text to find, replacement, what the mutant breaks). Each must match exactly once.
+CU_MUTANTS: list[tuple[str, str, str, str]] = [
+    ("paged.cuh", "if (p < 0 || p >= L.upper_bound) return KV_OUT_OF_BOUNDS;",
+     "if (p < 0 || p > L.upper_bound) return KV_OUT_OF_BOUNDS;", "upper bound off by one"),
+    ("paged.cuh", "if (p < 0 || p >= L.upper_bound) return KV_OUT_OF_BOUNDS;",
+     "if (p >= L.upper_bound) return KV_OUT_OF_BOUNDS;", "negative pages accepted"),
+    ("paged.cuh", "if (L.scale > 1 && (p - L.offset) % L.scale != 0) return KV_OFF_LATTICE;",
+     "", "lattice check dropped"),
+    ("paged.cuh", "return p * L.page_stride + ((kv * L.page_size + tok) * L.kv_heads + h) * L.head_dim;",
+     "return (long long)((int)p * (int)L.page_stride) + ((kv * L.page_size + tok) * L.kv_heads + h) * L.head_dim;",
+     "32-bit page offset (seed 002)"),
+    ("paged.cuh", "if (b < a || b > nnz) { *value = b; return KV_BAD_INDPTR; }",
+     "if (b > nnz) { *value = b; return KV_BAD_INDPTR; }", "decreasing indptr accepted"),
+    ("paged.cuh", "if (l <= 0 || l > page_size) { *value = l; return KV_BAD_LAST_PAGE_LEN; }",
+     "if (l < 0 || l > page_size) { *value = l; return KV_BAD_LAST_PAGE_LEN; }", "last_page_len 0 accepted"),
+    ("paged.cuh", "atomicAdd(&rec[0], 1ull);", "", "violations not counted"),
+    ("paged.cuh", "o[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);",
+     "o[2 * i + 1] = __uint_as_float(w[i] & 0xfffe0000u);", "bf16 conversion drops a mantissa bit"),
+]
+
+
+def _run(cmd: list[str], cwd: Path, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env, check=False)
+
+
+def python_part(max_children: int) -> dict:
+    """Run mutmut; return counts per status and the survivors with their diffs."""
+    mutmut = [sys.executable, "-m", "mutmut"]
+    t0 = time.time()
+    run = _run([*mutmut, "run", "--max-children", str(max_children)], ROOT, 6 * 3600)
+    _run([*mutmut, "export-cicd-stats"], ROOT, 600)
+    stats_path = ROOT / "mutants" / "mutmut-cicd-stats.json"
+    stats = json.loads(stats_path.read_text()) if stats_path.exists() else {}
+    res = _run([*mutmut, "results"], ROOT, 600).stdout.splitlines()
+    survivors = [line.split(":")[0].strip() for line in res if line.strip().endswith(("survived", "no tests"))]
+    diffs = {name: _run([*mutmut, "show", name], ROOT, 120).stdout for name in survivors}
+    return {"seconds": time.time() - t0, "stats": stats, "survivors": diffs, "run_tail": run.stdout[-2000:]}
+
+
+def cu_part() -> list[tuple[str, str, str]]:
+    """Apply each hand-made .cu mutant to a copy of the tree; (file, what, killed|survived|bad mutant)."""
+    out = []
+    for fname, find, repl, what in CU_MUTANTS:
+        src = (ROOT / "worker" / "kernels" / fname).read_text()
+        if src.count(find) != 1:
+            out.append((fname, what, "not applied (source changed)"))
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            tree = Path(tmp) / "tree"
+            for part in ("worker", "kvservice", "clients", "tests", "pyproject.toml"):
+                p = ROOT / part
+                (shutil.copytree if p.is_dir() else shutil.copy)(p, tree / part)
+            (tree / "worker" / "kernels" / fname).write_text(src.replace(find, repl))
+            env = {**os.environ, "PYTHONPATH": str(tree)}
+            r = _run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *CU_TESTS], tree,
+                     1800, env)
+            out.append((fname, what, "killed" if r.returncode != 0 else "survived"))
+    return out
+
+
+def equivalents() -> dict[str, str]:
+    if not EQUIVALENT.exists():
+        return {}
+    pairs = (line.split(":", 1) for line in EQUIVALENT.read_text().splitlines() if ":" in line
+             and not line.startswith("#"))
+    return {k.strip(): v.strip() for k, v in pairs}
+
+
+def report(py: dict | None, cu: list | None) -> str:
+    lines = ["# Mutation check", "",
+             f"Generated {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC by `make mutation` "
+             "(`python scripts/mutation.py`).", ""]
+    if py is not None:
+        s = py["stats"]
+        killed, survived = s.get("killed", 0), s.get("survived", 0)
+        total = s.get("total", 0)
+        eq = equivalents()
+        explained = [n for n in py["survivors"] if n in eq]
+        unexplained = [n for n in py["survivors"] if n not in eq]
+        score = killed / max(killed + survived, 1)
+        lines += ["## Python (mutmut)", "",
+                  f"{total} mutants; killed {killed}, survived {survived}, no tests {s.get('no_tests', 0)}, "
+                  f"timeout {s.get('timeout', 0)}, suspicious {s.get('suspicious', 0)}: score {score:.1%} "
+                  f"({py['seconds'] / 60:.0f} min).", "",
+                  f"Survivors explained as equivalent: {len(explained)}; unexplained: {len(unexplained)}.", ""]
+        for n in explained:
+            lines.append(f"- `{n}` (equivalent): {eq[n]}")
+        for n in unexplained:
+            lines += [f"- `{n}`", "", "```diff", py["survivors"][n].strip()[:1500], "```", ""]
+    if cu is not None:
+        lines += ["", "## CUDA sources (hand-made mutants, emulated kernels under the kernel tests)", "",
+                  "| file | mutant | result |", "|---|---|---|"]
+        lines += [f"| {f} | {w} | {r} |" for f, w, r in cu]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--python", action="store_true")
+    ap.add_argument("--cu", action="store_true")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "mutation.md"))
+    ap.add_argument("--max-children", type=int, default=2)
+    a = ap.parse_args()
+    both = not (a.python or a.cu)
+    py = python_part(a.max_children) if a.python or both else None
+    cu = cu_part() if a.cu or both else None
+    Path(a.out).write_text(report(py, cu))
+    print(Path(a.out).read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
