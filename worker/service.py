@@ -19,6 +19,7 @@ from kvservice.v1 import worker_pb2_grpc as wpb_grpc
 from kvservice.wire import from_tensor, to_tensor
 from worker import ops_numpy
 from worker.caches import CacheSet
+from worker.fencing import MemoryGate, check_incarnation
 from worker.kernel_api import REASONS, KernelViolationError, Policy, ViolationRecord
 from worker.metrics import WorkerMetrics
 
@@ -35,7 +36,9 @@ def _rpc(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(self: WorkerServicer, request: Any, context: grpc.ServicerContext) -> Any:
         try:
-            return fn(self, request, context)
+            with self.memory.shared():             # a re-plan swaps the caches only between calls
+                check_incarnation(self.identity, request)
+                return fn(self, request, context)
         except OutOfRange as err:
             context.abort(grpc.StatusCode.OUT_OF_RANGE, err.message)
         except KVError as err:
@@ -54,8 +57,9 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
         self.caches = caches
         self.ops = caches.ops
         self.metrics = metrics
-        self.identity = identity        # worker_id, pool, epoch, backend, device_name
+        self.identity = identity        # worker_id, pool, epoch, incarnation, backend, device_name
         self.test_hooks = test_hooks
+        self.memory = MemoryGate()
         metrics.cache_bytes.labels(metrics.pool).set(caches.cache_bytes)
         # Every series this worker can report starts at 0, so "nothing happened" is visible and
         # Prometheus' increase() sees the first violation.
@@ -65,6 +69,13 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
                     metrics.violations.labels(kernel, str(layer), reason)
         for name in caches.buffers:
             metrics.guard_corruptions.labels(name)
+
+    def replan(self, caches: CacheSet, incarnation: int) -> None:
+        """Serve from caches planned for another incarnation of the pool (after in-flight calls end)."""
+        with self.memory.exclusive():
+            self.caches, self.ops = caches, caches.ops
+            self.identity["incarnation"] = incarnation
+            self.metrics.cache_bytes.labels(self.metrics.pool).set(caches.cache_bytes)
 
     # ---- helpers ---------------------------------------------------------------------
     def _layer(self, layer: int) -> None:
@@ -130,6 +141,7 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
         c = self.caches
         return wpb.WorkerStatus(worker_id=self.identity["worker_id"], pool=self.identity["pool"],
                                 epoch=self.identity.get("epoch", 0), layer_begin=c.layer_begin,
+                                pool_incarnation=self.identity.get("incarnation", 0),
                                 layer_end=c.layer_end, backend=self.identity["backend"],
                                 device_name=self.identity.get("device_name", ""), cache_bytes=c.cache_bytes,
                                 guard_bytes=c.guard_bytes, buffers=sorted(c.buffers))

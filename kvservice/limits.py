@@ -1,0 +1,164 @@
+"""What a Step costs, bounded from its request and the pool before anything changes.
+
+Two checks run before `Pool.step` (see `ManagerAPI.Step`):
+
+- `check_step_counts`: every token count is at most the pool's max_seq_len, and the step's
+  page demand is summed in Python integers whenever an int64 sum could wrap. After it, no sum
+  the pool computes in int64 can overflow (with or without the server's --max-step-* caps).
+- `step_reply_bound`: an upper bound on the bytes of the StepReply, from how many rows, new
+  tokens and held pages the step will have. The adapter refuses a step whose bound is over the
+  server's message limit (RESOURCE_EXHAUSTED, reason REPLY_TOO_LARGE), so a Step is never applied
+  and then lost to gRPC's "Sent message larger than max".
+
+The reply of one index space holds ``slot_mapping`` (8 bytes per new token), and unless tables
+are omitted ``indptr`` ([B + 1]), ``indices`` (one entry per page held, after sliding windows
+released theirs) and ``last_page_len`` ([B], int32), plus ``block_table`` ([B, widest row]) when
+asked; index entries are 4 or 8 bytes (the space's index dtype). The batch part holds
+``seq_ids``, ``num_tokens`` and ``new_token_indptr`` (8 bytes each per row), the cached token
+counts of admissions and at most one copy-on-write pair per extended row and group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import InvalidArgument, ResourceExhausted
+
+#: Protobuf framing of one Tensor (dtype, a 2-D shape, the data's tag and length, the field's own
+#: tag and length) is at most 11 + 23 + 11 + 11 bytes; counted as 64.
+TENSOR_FRAMING = 64
+#: Framing of one SpaceTables message: five Tensors and six integer fields of at most 11 bytes.
+SPACE_FRAMING = 5 * TENSOR_FRAMING + 6 * 11 + 11
+#: Everything else of a StepReply that does not grow with the batch (integers, future fields).
+REPLY_SLACK = 1024
+#: Sums of int64 values stay exact while count x largest value is below this.
+_SAFE_SUM = 2**62
+
+
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """How big a step's batch is after it runs: what the reply's size depends on.
+
+    rows: B, the scheduled batch (extended, admitted, forked children).
+    extended: E, rows that were extended (each may need one copy-on-write pair per group).
+    admitted: A, rows admitted (each gets a cached-token count).
+    new_tokens: T, tokens appended by the step (one slot-mapping entry each per index space).
+    pages: per layer group, pages the batch's rows hold after the step (table entries), at most.
+    widest: pages of the longest row after the step, at most (block table width).
+    """
+
+    rows: int
+    extended: int
+    admitted: int
+    new_tokens: int
+    pages: tuple[int, ...]
+    widest: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyBound:
+    """Bytes of a StepReply, at most, by part."""
+
+    slot_mappings: int
+    tables: int
+    block_tables: int
+    rest: int
+
+    @property
+    def total(self) -> int:
+        return self.slot_mappings + self.tables + self.block_tables + self.rest
+
+
+def step_reply_bound(shape: StepShape, space_groups: Sequence[int], space_index_bytes: Sequence[int],
+                     num_groups: int, num_layers: int, tables: bool, block_table: bool) -> ReplyBound:
+    """Upper bound on the serialized StepReply of a step of `shape`.
+
+    space_groups[s], space_index_bytes[s]: layer group and index itemsize (4 or 8) of index space s.
+    num_groups, num_layers: of the pool (copy-on-write pairs, the layer -> index space list).
+    """
+    b, spaces = shape.rows, len(space_groups)
+    mappings = spaces * (8 * shape.new_tokens + TENSOR_FRAMING)
+    table_bytes = block_bytes = 0
+    for g, isz in zip(space_groups, space_index_bytes, strict=True):
+        if tables:
+            table_bytes += isz * (b + 1) + isz * shape.pages[g] + 4 * b + 3 * TENSOR_FRAMING
+        if block_table:
+            block_bytes += isz * b * shape.widest + TENSOR_FRAMING
+    rest = (REPLY_SLACK + spaces * SPACE_FRAMING + 10 * num_layers + 8 * (3 * b + 1) + 8 * shape.admitted
+            + num_groups * (16 * shape.extended + TENSOR_FRAMING + 11) + 4 * TENSOR_FRAMING)
+    return ReplyBound(mappings, table_bytes, block_bytes, rest)
+
+
+def exact_sum(a: np.ndarray) -> int:
+    """Sum of a non-negative integer array, exact even where an int64 sum would wrap."""
+    if not len(a):
+        return 0
+    top = int(a.max())
+    if top * len(a) < _SAFE_SUM:
+        return int(a.sum(dtype=np.int64))
+    return sum(a.tolist())
+
+
+def check_step_counts(pool: str, max_seq_len: int, num_slots: int, page_size: int,
+                      counts: Sequence[tuple[str, np.ndarray | None]]) -> None:
+    """Refuse token counts that could overflow the pool's int64 arithmetic.
+
+    counts: (field name, 1-D integer array or None) for extend_num_tokens and admit_num_tokens.
+    Counts <= 0 and wrong lengths are left to the pool (its messages name the sequence).
+    Raises InvalidArgument for a count over max_seq_len (no sequence can take it). With counts
+    bounded so, only a batch so long that count x pages per count reaches 2^62 could wrap the
+    pool's sums of pages: such a step is summed here exactly and refused (ResourceExhausted) when
+    even the pages it needs at the least exceed the pool's slots; otherwise its sums cannot wrap.
+    """
+    least_pages, risky = 0, False
+    for name, a in counts:
+        if a is None or not len(a) or a.ndim != 1 or a.dtype.kind not in "iu":
+            continue                                  # the pool names the shape or dtype
+        top = int(a.max())
+        if top > max_seq_len:
+            j = int(np.argmax(a))
+            raise InvalidArgument(f"{name}[{j}] = {top} tokens: pool {pool!r} takes at most max_seq_len="
+                                  f"{max_seq_len} tokens per sequence", reason="OVER_MAX_SEQ_LEN", value=top,
+                                  max_seq_len=max_seq_len)
+        if (top // page_size + 2) * len(a) >= _SAFE_SUM:
+            risky = True
+            least_pages += exact_sum(np.maximum(a, 0) // page_size)   # k tokens take >= floor(k / ps) pages
+    if risky and least_pages > num_slots:
+        raise ResourceExhausted(f"pool {pool!r}: this step needs at least {least_pages} slots, the pool has "
+                                f"{num_slots}; split the step", needed=least_pages, num_slots=num_slots)
+
+
+def pages_after(page_size: int, max_pages: int, windows: Sequence[int], e_old: np.ndarray | None,
+                e_k: np.ndarray, a_n: np.ndarray, c_tokens: np.ndarray | None, num_children: int,
+                live_tokens: int) -> tuple[tuple[int, ...], int]:
+    """Per-group table entries of the batch after a step, at most, and the widest row, at most.
+
+    e_old, e_k: int64 [E], tokens each extended row holds before the step and gains;
+        e_old None = unknown (then the bound uses live_tokens, the pool's total, and max_pages).
+    a_n: int64 [A], tokens of each admission. c_tokens: int64 [K], tokens of each fork child
+        (its parent's), None = unknown (max_pages each). windows[g]: sliding window of group g (0 = full).
+    """
+    ps = page_size
+    a_pages = -(-a_n // ps)
+    admitted = exact_sum(a_pages)
+    widest = int(a_pages.max()) if len(a_pages) else 0
+    if e_old is None:
+        # Sum over distinct live rows of ceil((old + k) / ps) <= (sum(old) + sum(k)) / ps + E.
+        extended = min(len(e_k) * max_pages, (live_tokens + exact_sum(e_k)) // ps + len(e_k))
+        children = num_children * max_pages
+        widest = max_pages if len(e_k) or num_children else widest
+        return tuple(extended + admitted + children for _ in windows), widest
+    e_new = e_old + e_k
+    e_pages = -(-e_new // ps)
+    c_pages = -(-c_tokens // ps) if c_tokens is not None else np.zeros(0, dtype=np.int64)
+    widest = max(widest, int(e_pages.max()) if len(e_pages) else 0, int(c_pages.max()) if len(c_pages) else 0)
+    out = []
+    for w in windows:
+        kept = e_pages
+        if w:   # a sliding group keeps pages from (old + 1 - w) // ps on (DESIGN.md: window release)
+            kept = e_pages - np.minimum(np.maximum(e_old + 1 - w, 0) // ps, -(-e_old // ps))
+        out.append(exact_sum(kept) + admitted + exact_sum(c_pages))
+    return tuple(out), widest
