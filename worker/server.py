@@ -108,12 +108,14 @@ def serve_worker(manager: str, pool: str, worker_id: str, layer_begin: int = 0, 
     client = BlockManagerClient(manager, timeout=10, tls=manager_tls, token=manager_token)
     client.wait_ready(30)
     info = client.get_pool(pool)
+    all_layers = not layer_end
     layer_end = layer_end or len(cache_spec_from_proto(info.cache).layers)
     ops, xp = kernel_module(backend, cpu_kernels)
     caches = plan_caches(info, layer_begin, layer_end, ops, xp)
     device_name, device_mem = device_info(backend)
     identity: dict[str, Any] = {"worker_id": worker_id, "pool": pool, "backend": backend,
-                                "device_name": device_name, "epoch": 0, "incarnation": info.incarnation}
+                                "device_name": device_name, "epoch": 0, "incarnation": info.incarnation,
+                                "all_layers": all_layers}
     metrics = WorkerMetrics(pool)
     servicer = WorkerServicer(caches, metrics, identity, test_hooks)
     interceptors = [TokenAuthInterceptor(tokens, WORKER, worker_rules(pool))] if tokens is not None else []
@@ -191,10 +193,11 @@ def rejoin(client: BlockManagerClient, request: pb.RegisterWorkerRequest, servic
         same = (spec == old.spec and plan_.num_slots == old.geometry.num_slots
                 and [(la.scale, la.offset, la.upper_bound) for la in plan_.layers]
                 == [(v.scale, v.offset, v.upper_bound) for v in old.geometry.layers])
-        caches = old if same else plan_caches(info, old.layer_begin, old.layer_end, old.ops, old.xp)
+        layer_end = len(spec.layers) if identity.get("all_layers") else old.layer_end
+        caches = old if same else plan_caches(info, old.layer_begin, layer_end, old.ops, old.xp)
         servicer.replan(caches, info.incarnation)
         log.warning("pool %r was created again (incarnation %d): %s", identity["pool"], info.incarnation,
                     "same geometry, caches kept" if same else
                     f"caches re-planned, {caches.cache_bytes / 2**20:.1f} MiB")
-    request.incarnation = identity["incarnation"]
+    request.incarnation, request.layer_end = identity["incarnation"], servicer.caches.layer_end
     identity["epoch"] = client.register_worker(request, timeout=timeout).epoch
