@@ -12,6 +12,8 @@ import grpc
 import numpy as np
 
 from kvservice.errors import FailedPrecondition, InvalidArgument, KVError
+from kvservice.limits import check_reply_bytes
+from kvservice.server import MAX_MESSAGE_BYTES
 from kvservice.status import to_status
 from kvservice.v1 import common_pb2 as cpb
 from kvservice.v1 import worker_pb2 as wpb
@@ -60,6 +62,7 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
         self.identity = identity        # worker_id, pool, epoch, incarnation, backend, device_name
         self.test_hooks = test_hooks
         self.memory = MemoryGate()
+        self.max_reply_bytes = MAX_MESSAGE_BYTES    # the worker's gRPC limit (kvservice.server.grpc_server)
         metrics.cache_bytes.labels(metrics.pool).set(caches.cache_bytes)
         # Every series this worker can report starts at 0, so "nothing happened" is visible and
         # Prometheus' increase() sees the first violation.
@@ -176,6 +179,8 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
         ip, idx, lpl = self._csr(request)
         b = ip.shape[0] - 1
         q = self._tensor(request, "q", layout.dtype, (b, None, layout.head_dim), f"[B, q_heads, {layout.head_dim}]")
+        check_reply_bytes(4 * b * q.shape[1] * (layout.head_dim + 1) + 256, self.max_reply_bytes, "DecodeAttention",
+                          "send fewer rows per call (out is float32 whatever the dtype of q)")
         window = self.caches.spec.layers[request.layer].sliding_window
         call, dt = self._timed("decode_attention", lambda: self.ops.decode_attention(
             q, self.caches.cache(request.layer), layout, ip, idx, lpl, sm_scale=request.sm_scale or None,
