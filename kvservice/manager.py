@@ -131,6 +131,11 @@ class BlockManager:
             current = self.incarnation(rec.pool) if rec is not None and rec.pool in self.pool_names() else 0
         self.workers.heartbeat(worker_id, epoch, pool, current)
 
+    def total_slots(self) -> int:
+        """Slots x layer groups summed over every pool (what their allocators hold memory for)."""
+        with self._lock:
+            return sum(p.plan.num_slots * len(p.plan.geometry.groups) for p in self._pools.values())
+
     def pool_names(self) -> list[str]:
         with self._lock:
             return sorted(self._pools)

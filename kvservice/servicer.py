@@ -59,6 +59,8 @@ class Limits:
     max_pool_slots: slots of one pool summed over its layer groups (allocator memory, ~24 bytes each).
     max_pools: pools one manager holds.
     max_request_id: characters of a request_id.
+    max_total_slots: slots of all pools together, summed like max_pool_slots: what bounds the
+        pools' memory (about 25 bytes per slot), whatever max_pools says. docs/SECURITY.md#limits.
     """
 
     max_step_sequences: int = 65_536
@@ -66,6 +68,7 @@ class Limits:
     max_pool_slots: int = 1 << 24
     max_pools: int = 256
     max_request_id: int = 128
+    max_total_slots: int = 1 << 24
 
     def check(self, method: str, request: Any, manager: BlockManager) -> None:
         """InvalidArgument (reason LIMIT_EXCEEDED) for a request over a cap; ResourceExhausted at max_pools."""
@@ -107,11 +110,18 @@ class Limits:
                                     "one first", reason="LIMIT_EXCEEDED", limit=self.max_pools)
         p = plan(cache_spec_from_proto(r.cache), sizing_from_proto(r.sizing), tuple(r.backends))
         _check_representable(p)
-        if self.max_pool_slots:
-            slots = p.num_slots * len(p.geometry.groups)
-            if slots > self.max_pool_slots:
-                raise _over(f"pool {r.name!r}: slots x layer groups", slots, self.max_pool_slots, "slots",
-                            "--max-pool-slots")
+        slots = p.num_slots * len(p.geometry.groups)
+        if self.max_pool_slots and slots > self.max_pool_slots:
+            raise _over(f"pool {r.name!r}: slots x layer groups", slots, self.max_pool_slots, "slots",
+                        "--max-pool-slots")
+        if self.max_total_slots:
+            held = manager.total_slots()
+            if held + slots > self.max_total_slots:
+                raise ResourceExhausted(
+                    f"pool {r.name!r} needs {slots} slots x layer groups; the manager's pools hold {held} of its "
+                    f"{self.max_total_slots} (max_total_slots, which bounds their memory at about 25 bytes a slot); "
+                    "delete a pool or plan a smaller one", reason="LIMIT_EXCEEDED", needed=slots, held=held,
+                    limit=self.max_total_slots)
 
 
 def _items(r: Any, field: str) -> int:

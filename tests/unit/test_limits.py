@@ -184,3 +184,23 @@ def test_page_sums_that_could_wrap_are_summed_exactly():
     check_step_counts("p", 2**61, 2**40, 1, [("admit_num_tokens", big[:1])])     # one count: no sum to wrap
     with pytest.raises(InvalidArgument, match=r"admit_num_tokens\[2\] = 9"):
         check_step_counts("p", 8, 100, 1, [("admit_num_tokens", np.array([1, 2, 9]))])
+
+
+def test_total_slots_bound_the_memory_of_all_pools():
+    """max_total_slots sums slots x groups over pools: many pools each under max_pool_slots cannot add up past it."""
+    from kvservice.journal import create_request
+    from kvservice.servicer import Limits
+
+    m = BlockManager()
+    lim = Limits(max_pool_slots=1000, max_total_slots=2500)
+    two_groups = CacheSpec((LayerSpec(1, 64), LayerSpec(1, 64, sliding_window=32)), 16)
+    for name in ("a", "b"):
+        lim.check("CreatePool", create_request(name, two_groups, Sizing(num_slots=500), ()), m)
+        m.create_pool(name, two_groups, Sizing(num_slots=500))
+    assert m.total_slots() == 2000
+    with pytest.raises(ResourceExhausted) as exc:
+        lim.check("CreatePool", create_request("c", two_groups, Sizing(num_slots=300), ()), m)
+    assert exc.value.reason == "LIMIT_EXCEEDED" and "hold 2000 of its 2500" in exc.value.message
+    lim.check("CreatePool", create_request("c", two_groups, Sizing(num_slots=250), ()), m)   # exactly 2500
+    m.delete_pool("a")
+    lim.check("CreatePool", create_request("c", two_groups, Sizing(num_slots=300), ()), m)
