@@ -198,3 +198,26 @@ def test_incarnations_are_stamped_by_the_server_and_survive_replay_and_retries(t
             recovered.close(snapshot=False)
     finally:
         running.stop()
+
+
+def test_worker_client_sends_its_token_and_incarnation(cluster):
+    """A worker with --tokens-file (as the manifests run it): WorkerClient's token and pool_incarnation reach it."""
+    from clients.worker_client import WorkerClient
+    from kvservice.pagetable import PageTable
+
+    table = TokenTable.from_yaml(TOKENS_YAML)
+    w = serve_worker(cluster["target"], "b", "wb-tokens", backend="cpu", manager_token=TOKENS["tb"], tokens=table)
+    address = f"127.0.0.1:{w.port}"
+    inc = w.identity["incarnation"]
+    one_row = PageTable(np.array([0, 1], np.int32), np.array([0], np.int32), np.array([1], np.int32))
+    try:
+        for token, code in ((None, grpc.StatusCode.UNAUTHENTICATED), (TOKENS["ta"], grpc.StatusCode.PERMISSION_DENIED)):
+            with WorkerClient(address, "wb-tokens", token=token, pool_incarnation=inc) as wc:
+                assert refused(lambda wc=wc: wc.validate(0, one_row), code)
+        with WorkerClient(address, "wb-tokens", token=TOKENS["tb"], pool_incarnation=inc) as wc:
+            assert wc.validate(0, one_row).ok and "token=set" in repr(wc) and TOKENS["tb"] not in repr(wc)
+            wc.pool_incarnation = inc + 1
+            err = refused(lambda: wc.validate(0, one_row), grpc.StatusCode.FAILED_PRECONDITION)
+            assert err.reason == "STALE_INCARNATION" and "worker wb-tokens" in err.message
+    finally:
+        w.stop()
