@@ -204,3 +204,25 @@ def test_total_slots_bound_the_memory_of_all_pools():
     lim.check("CreatePool", create_request("c", two_groups, Sizing(num_slots=250), ()), m)   # exactly 2500
     m.delete_pool("a")
     lim.check("CreatePool", create_request("c", two_groups, Sizing(num_slots=300), ()), m)
+
+
+def test_listings_that_could_pass_the_limit_are_refused_or_lowered():
+    """ListSequences without a limit over the message limit: refused, naming a limit that fits (which does).
+    ValidatePageTable lists at most 1,000 violations whatever max_reports says."""
+    m = BlockManager()
+    m.create_pool("p", CacheSpec.uniform(1, 1, 64, page_size=1), Sizing(num_slots=5000, max_seq_len=8))
+    ManagerAPI(m).Step(pb.StepRequest(pool="p", admit_seq_ids=ids(np.arange(1, 3001) * 2**40),
+                                      admit_num_tokens=counts(np.full(3000, 1))))
+    limit = 50_000
+    api = ManagerAPI(m, max_reply_bytes=limit)
+    with pytest.raises(ResourceExhausted) as exc:
+        api.ListSequences(pb.ListSequencesRequest(pool="p"))
+    fits = int(exc.value.metadata["fits"])
+    assert exc.value.reason == "REPLY_TOO_LARGE" and f"pass limit <= {fits}" in exc.value.message
+    reply = api.ListSequences(pb.ListSequencesRequest(pool="p", limit=fits))
+    assert len(reply.sequences) == fits and reply.total == 3000 and reply.ByteSize() <= limit
+    bad = np.full(5000, 10**6, dtype=np.int64)                    # every index out of bounds
+    report = api.ValidatePageTable(pb.ValidatePageTableRequest(
+        pool="p", layer=0, indptr=counts([0, 5000]), indices=counts(bad), last_page_len=counts([1]),
+        max_reports=2**32 - 1))
+    assert report.num_violations == 5000 and len(report.violations) == 1000
