@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import weakref
 
 import numpy as np
 
 from . import convert
 from .errors import InvalidArgument, ResourceExhausted
-from .limits import ReplyBound, StepShape, check_step_counts, exact_sum, pages_after, step_reply_bound
+from .limits import ReplyBound, ReplyModel, StepShape, check_step_counts, exact_sum, pages_after, step_reply_bound
 from .manager import BlockManager
 from .pagetable import PageTable, validate_page_table
 from .planner import plan
@@ -43,6 +44,7 @@ class ManagerAPI:
         self.manager = manager
         self.max_reply_bytes = max_reply_bytes
         self.fence = fence
+        self._models: weakref.WeakKeyDictionary[Pool, ReplyModel] = weakref.WeakKeyDictionary()
 
     def Plan(self, request: pb.PlanRequest) -> pb.PlanReply:
         spec = convert.cache_spec_from_proto(request.cache)
@@ -111,31 +113,51 @@ class ManagerAPI:
     def _check_step_cost(self, pool: Pool, request: pb.StepRequest, args: dict[str, np.ndarray | None]) -> None:
         """Refuse, before the pool changes, a step whose counts could overflow or whose reply could not be sent.
 
-        Runs under the pool's lock. A quick bound (from the request and the pool's token total)
-        settles almost every step; only one over the limit looks up its rows' tokens.
+        Runs under the pool's lock. The bound from the request alone (extended rows at their
+        longest) settles almost every step; one over the limit is bounded again with the pool's
+        token total, then with its rows' own tokens, and refused only if that is over too.
         """
-        check_step_counts(pool.name, pool.max_seq_len, pool.plan.num_slots, pool.page_size,
-                          (("extend_num_tokens", args["extend_num_tokens"]),
-                           ("admit_num_tokens", args["admit_num_tokens"])))
+        sums = check_step_counts(pool.name, pool.max_seq_len, pool.plan.num_slots, pool.page_size,
+                                 (("extend_num_tokens", args["extend_num_tokens"]),
+                                  ("admit_num_tokens", args["admit_num_tokens"])))
         if not self.max_reply_bytes:
             return
-        for exact in (False, True):
-            found = _step_reply_bound(pool, request, args, exact)
+        model = self._model(pool)
+        shape = _quick_shape(model, args, sums)
+        if shape is None or step_reply_bound(model, shape, not request.omit_tables,
+                                             request.include_block_table).total <= self.max_reply_bytes:
+            return
+        for level in (1, 2):
+            found = _step_reply_bound(pool, model, request, args, level)
             if found is None or found[0].total <= self.max_reply_bytes:
                 return
         bound, new_tokens = found
-        raise _reply_too_large(pool.name, bound, self.max_reply_bytes, new_tokens,
-                               len(pool.plan.geometry.index_spaces), request)
+        raise _reply_too_large(pool.name, bound, self.max_reply_bytes, new_tokens, model.num_spaces, request)
 
-    def step_reply_bound(self, request: pb.StepRequest, exact: bool = True) -> ReplyBound | None:
+    def _model(self, pool: Pool) -> ReplyModel:
+        model = self._models.get(pool)
+        if model is None:
+            model = self._models[pool] = ReplyModel.of(pool.plan)
+        return model
+
+    def step_reply_bound(self, request: pb.StepRequest, level: int = 2) -> ReplyBound | None:
         """Upper bound on the bytes of this Step's reply in the pool's current state, without running it.
 
-        exact=False: the quick bound (extended rows taken at their longest unless the pool's token
-        total says less). None for a request the pool would refuse (malformed arrays, unknown ids).
+        level 0: from the request alone (extended rows and fork children at max_pages); 1: extended
+        rows bounded by the pool's token total; 2: by their own tokens. Each is >= the next. None for a
+        request the pool would refuse (malformed arrays, unknown ids).
         """
         args = {f: field_array(request, f) if request.HasField(f) else None for f in STEP_ARRAYS}
         with self.manager.locked(request.pool) as pool:
-            found = _step_reply_bound(pool, request, args, exact)
+            model = self._model(pool)
+            if level == 0:
+                sums = check_step_counts(pool.name, pool.max_seq_len, pool.plan.num_slots, pool.page_size,
+                                         (("extend_num_tokens", args["extend_num_tokens"]),
+                                          ("admit_num_tokens", args["admit_num_tokens"])))
+                shape = _quick_shape(model, args, sums)
+                return None if shape is None else step_reply_bound(model, shape, not request.omit_tables,
+                                                                   request.include_block_table)
+            found = _step_reply_bound(pool, model, request, args, level)
         return None if found is None else found[0]
 
     def ListSequences(self, request: pb.ListSequencesRequest) -> pb.ListSequencesReply:
@@ -204,10 +226,34 @@ class ManagerAPI:
                                             for w in reg.workers(request.pool)])
 
 
-def _step_reply_bound(pool: Pool, request: pb.StepRequest, args: dict[str, np.ndarray | None],
-                      exact: bool) -> tuple[ReplyBound, int] | None:
-    """(reply bound, new tokens) of a step; None if its arrays are malformed or (exact) name unknown rows.
+def _quick_shape(model: ReplyModel, args: dict[str, np.ndarray | None],
+                 sums: list[tuple[int, int, int] | None]) -> StepShape | None:
+    """The shape of a step from its request alone (every extended row and fork child at max_pages):
+    a few scalars, for the hot path. None if the arrays are malformed (the pool refuses them)."""
+    ids = [args[f] for f in ("extend_seq_ids", "admit_seq_ids", "fork_parent_ids", "fork_child_ids")]
+    if any(a is not None and (a.ndim != 1 or a.dtype.kind not in "iu") for a in ids):
+        return None
+    e, a, p, c = (0 if x is None else len(x) for x in ids)
+    counts = [args["extend_num_tokens"], args["admit_num_tokens"]]
+    if [0 if x is None else len(x) for x in counts] != [e, a] or p != c:
+        return None
+    if any(summary is not None and summary[0] <= 0 for summary in sums):
+        return None
+    ext, adm = sums                                             # (min, max, sum) of each count array
+    e_sum = ext[2] if ext else 0
+    a_top, a_sum = (adm[1], adm[2]) if adm else (0, 0)
+    ps, top_pages = model.page_size, model.max_pages
+    admitted = (a_sum + a * (ps - 1)) // ps                     # >= sum of ceil(n / ps)
+    pages = (e + c) * top_pages + admitted
+    widest = top_pages if e or c else -(-a_top // ps)
+    return StepShape(e + a + c, e, a, e_sum + a_sum, (pages,) * len(model.index_bytes), widest)
 
+
+def _step_reply_bound(pool: Pool, model: ReplyModel, request: pb.StepRequest, args: dict[str, np.ndarray | None],
+                      level: int) -> tuple[ReplyBound, int] | None:
+    """(reply bound, new tokens) of a step; None if its arrays are malformed or (level 2) name unknown rows.
+
+    level 1: extended rows bounded by the pool's token total; 2: by their own tokens (O(N log N)).
     The pool refuses such a step anyway, with a message naming the field or sequence.
     """
     ids = [args[f] for f in ("extend_seq_ids", "admit_seq_ids", "fork_parent_ids", "fork_child_ids")]
@@ -220,24 +266,18 @@ def _step_reply_bound(pool: Pool, request: pb.StepRequest, args: dict[str, np.nd
         return None
     if (len(e_k) and int(e_k.min()) <= 0) or (len(a_n) and int(a_n.min()) <= 0):
         return None
-    plan_ = pool.plan
-    windows = [g.sliding_window for g in plan_.geometry.groups]
     e_old = c_tokens = None
-    if exact:
+    if level == 2:
         live_ids, live_tokens = pool.sequences()
         e_old, found_e = _tokens_of(live_ids, live_tokens, e_ids)
         c_tokens, found_p = _tokens_of(live_ids, live_tokens, parents)
         if not (found_e and found_p):
             return None
     new_tokens = exact_sum(e_k) + exact_sum(a_n)
-    pages, widest = pages_after(pool.page_size, plan_.max_pages_per_seq, windows, e_old, e_k, a_n, c_tokens,
+    pages, widest = pages_after(model.page_size, model.max_pages, model.windows, e_old, e_k, a_n, c_tokens,
                                 len(children), pool.num_tokens_total)
-    geo = plan_.geometry
     shape = StepShape(len(e_ids) + len(a_ids) + len(children), len(e_ids), len(a_ids), new_tokens, pages, widest)
-    bound = step_reply_bound(shape, [s.group for s in geo.index_spaces],
-                             [s.index_dtype.itemsize for s in geo.index_spaces], len(geo.groups), len(geo.layers),
-                             not request.omit_tables, request.include_block_table)
-    return bound, new_tokens
+    return step_reply_bound(model, shape, not request.omit_tables, request.include_block_table), new_tokens
 
 
 def derived_incarnation(request: pb.CreatePoolRequest) -> int:

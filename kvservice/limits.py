@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import InvalidArgument, ResourceExhausted
+from .planner import Plan
 
 #: Protobuf framing of one Tensor (dtype, a 2-D shape, the data's tag and length, the field's own
 #: tag and length) is at most 11 + 23 + 11 + 11 bytes; counted as 64.
@@ -36,6 +37,31 @@ SPACE_FRAMING = 5 * TENSOR_FRAMING + 6 * 11 + 11
 REPLY_SLACK = 1024
 #: Sums of int64 values stay exact while count x largest value is below this.
 _SAFE_SUM = 2**62
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyModel:
+    """What the size of a pool's StepReply depends on, from its plan (built once per pool).
+
+    index_bytes[g]: sum over the index spaces of layer group g of their index itemsize (4 or 8).
+    windows[g]: sliding window of group g, tokens (0 = full attention).
+    """
+
+    num_spaces: int
+    index_bytes: tuple[int, ...]
+    windows: tuple[int, ...]
+    num_layers: int
+    page_size: int
+    max_pages: int
+
+    @classmethod
+    def of(cls, plan: Plan) -> ReplyModel:
+        geo = plan.geometry
+        index_bytes = [0] * len(geo.groups)
+        for s in geo.index_spaces:
+            index_bytes[s.group] += s.index_dtype.itemsize
+        return cls(len(geo.index_spaces), tuple(index_bytes), tuple(g.sliding_window for g in geo.groups),
+                   len(geo.layers), plan.page_size, plan.max_pages_per_seq)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,23 +98,18 @@ class ReplyBound:
         return self.slot_mappings + self.tables + self.block_tables + self.rest
 
 
-def step_reply_bound(shape: StepShape, space_groups: Sequence[int], space_index_bytes: Sequence[int],
-                     num_groups: int, num_layers: int, tables: bool, block_table: bool) -> ReplyBound:
-    """Upper bound on the serialized StepReply of a step of `shape`.
-
-    space_groups[s], space_index_bytes[s]: layer group and index itemsize (4 or 8) of index space s.
-    num_groups, num_layers: of the pool (copy-on-write pairs, the layer -> index space list).
-    """
-    b, spaces = shape.rows, len(space_groups)
+def step_reply_bound(model: ReplyModel, shape: StepShape, tables: bool, block_table: bool) -> ReplyBound:
+    """Upper bound on the serialized StepReply of a step of `shape` in a pool of `model`."""
+    b, spaces, groups = shape.rows, model.num_spaces, len(model.index_bytes)
     mappings = spaces * (8 * shape.new_tokens + TENSOR_FRAMING)
     table_bytes = block_bytes = 0
-    for g, isz in zip(space_groups, space_index_bytes, strict=True):
-        if tables:
-            table_bytes += isz * (b + 1) + isz * shape.pages[g] + 4 * b + 3 * TENSOR_FRAMING
-        if block_table:
-            block_bytes += isz * b * shape.widest + TENSOR_FRAMING
-    rest = (REPLY_SLACK + spaces * SPACE_FRAMING + 10 * num_layers + 8 * (3 * b + 1) + 8 * shape.admitted
-            + num_groups * (16 * shape.extended + TENSOR_FRAMING + 11) + 4 * TENSOR_FRAMING)
+    if tables:
+        table_bytes = sum(isz * (b + 1 + pages) for isz, pages in zip(model.index_bytes, shape.pages, strict=True))
+        table_bytes += spaces * (4 * b + 3 * TENSOR_FRAMING)
+    if block_table:
+        block_bytes = sum(model.index_bytes) * b * shape.widest + spaces * TENSOR_FRAMING
+    rest = (REPLY_SLACK + spaces * SPACE_FRAMING + 10 * model.num_layers + 8 * (3 * b + 1) + 8 * shape.admitted
+            + groups * (16 * shape.extended + TENSOR_FRAMING + 11) + 4 * TENSOR_FRAMING)
     return ReplyBound(mappings, table_bytes, block_bytes, rest)
 
 
@@ -103,8 +124,9 @@ def exact_sum(a: np.ndarray) -> int:
 
 
 def check_step_counts(pool: str, max_seq_len: int, num_slots: int, page_size: int,
-                      counts: Sequence[tuple[str, np.ndarray | None]]) -> None:
-    """Refuse token counts that could overflow the pool's int64 arithmetic.
+                      counts: Sequence[tuple[str, np.ndarray | None]]) -> list[tuple[int, int, int] | None]:
+    """Refuse token counts that could overflow the pool's int64 arithmetic; returns (min, max, exact sum)
+    of each array (None for an absent, empty or malformed one).
 
     counts: (field name, 1-D integer array or None) for extend_num_tokens and admit_num_tokens.
     Counts <= 0 and wrong lengths are left to the pool (its messages name the sequence).
@@ -113,31 +135,39 @@ def check_step_counts(pool: str, max_seq_len: int, num_slots: int, page_size: in
     pool's sums of pages: such a step is summed here exactly and refused (ResourceExhausted) when
     even the pages it needs at the least exceed the pool's slots; otherwise its sums cannot wrap.
     """
-    least_pages, risky = 0, False
+    least_pages, risky, out = 0, False, []
     for name, a in counts:
         if a is None or not len(a) or a.ndim != 1 or a.dtype.kind not in "iu":
-            continue                                  # the pool names the shape or dtype
+            out.append(None)                          # the pool names the shape or dtype
+            continue
         top = int(a.max())
         if top > max_seq_len:
             j = int(np.argmax(a))
             raise InvalidArgument(f"{name}[{j}] = {top} tokens: pool {pool!r} takes at most max_seq_len="
                                   f"{max_seq_len} tokens per sequence", reason="OVER_MAX_SEQ_LEN", value=top,
                                   max_seq_len=max_seq_len)
+        low = int(a.min())
+        total = 0
+        if low >= 0:
+            total = int(a.sum(dtype=np.int64)) if top * len(a) < _SAFE_SUM else sum(a.tolist())
+        out.append((low, top, total))
         if (top // page_size + 2) * len(a) >= _SAFE_SUM:
             risky = True
             least_pages += exact_sum(np.maximum(a, 0) // page_size)   # k tokens take >= floor(k / ps) pages
     if risky and least_pages > num_slots:
         raise ResourceExhausted(f"pool {pool!r}: this step needs at least {least_pages} slots, the pool has "
                                 f"{num_slots}; split the step", needed=least_pages, num_slots=num_slots)
+    return out
 
 
 def pages_after(page_size: int, max_pages: int, windows: Sequence[int], e_old: np.ndarray | None,
                 e_k: np.ndarray, a_n: np.ndarray, c_tokens: np.ndarray | None, num_children: int,
-                live_tokens: int) -> tuple[tuple[int, ...], int]:
+                live_tokens: int | None) -> tuple[tuple[int, ...], int]:
     """Per-group table entries of the batch after a step, at most, and the widest row, at most.
 
     e_old, e_k: int64 [E], tokens each extended row holds before the step and gains;
-        e_old None = unknown (then the bound uses live_tokens, the pool's total, and max_pages).
+        e_old None = unknown: the bound then takes each extended row at max_pages, or, given live_tokens
+        (the tokens of all the pool's sequences), at most those tokens' pages.
     a_n: int64 [A], tokens of each admission. c_tokens: int64 [K], tokens of each fork child
         (its parent's), None = unknown (max_pages each). windows[g]: sliding window of group g (0 = full).
     """
@@ -147,7 +177,9 @@ def pages_after(page_size: int, max_pages: int, windows: Sequence[int], e_old: n
     widest = int(a_pages.max()) if len(a_pages) else 0
     if e_old is None:
         # Sum over distinct live rows of ceil((old + k) / ps) <= (sum(old) + sum(k)) / ps + E.
-        extended = min(len(e_k) * max_pages, (live_tokens + exact_sum(e_k)) // ps + len(e_k))
+        extended = len(e_k) * max_pages
+        if live_tokens is not None:
+            extended = min(extended, (live_tokens + exact_sum(e_k)) // ps + len(e_k))
         children = num_children * max_pages
         widest = max_pages if len(e_k) or num_children else widest
         return tuple(extended + admitted + children for _ in windows), widest
