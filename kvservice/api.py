@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import weakref
 
 import numpy as np
 
@@ -44,7 +43,6 @@ class ManagerAPI:
         self.manager = manager
         self.max_reply_bytes = max_reply_bytes
         self.fence = fence
-        self._models: weakref.WeakKeyDictionary[Pool, ReplyModel] = weakref.WeakKeyDictionary()
 
     def Plan(self, request: pb.PlanRequest) -> pb.PlanReply:
         spec = convert.cache_spec_from_proto(request.cache)
@@ -134,11 +132,9 @@ class ManagerAPI:
         bound, new_tokens = found
         raise _reply_too_large(pool.name, bound, self.max_reply_bytes, new_tokens, model.num_spaces, request)
 
-    def _model(self, pool: Pool) -> ReplyModel:
-        model = self._models.get(pool)
-        if model is None:
-            model = self._models[pool] = ReplyModel.of(pool.plan)
-        return model
+    @staticmethod
+    def _model(pool: Pool) -> ReplyModel:
+        return ReplyModel.of(pool.plan)
 
     def step_reply_bound(self, request: pb.StepRequest, level: int = 2) -> ReplyBound | None:
         """Upper bound on the bytes of this Step's reply in the pool's current state, without running it.

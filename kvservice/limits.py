@@ -20,6 +20,7 @@ counts of admissions and at most one copy-on-write pair per extended row and gro
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -55,7 +56,9 @@ class ReplyModel:
     max_pages: int
 
     @classmethod
+    @functools.lru_cache(maxsize=256)      # keyed by plans (hashable, frozen): at most 256 kept
     def of(cls, plan: Plan) -> ReplyModel:
+        """The model of a plan (cached: the hot path asks once per Step)."""
         geo = plan.geometry
         index_bytes = [0] * len(geo.groups)
         for s in geo.index_spaces:
