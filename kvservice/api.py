@@ -9,7 +9,16 @@ import numpy as np
 
 from . import convert
 from .errors import InvalidArgument, ResourceExhausted
-from .limits import ReplyBound, ReplyModel, StepShape, check_step_counts, exact_sum, pages_after, step_reply_bound
+from .limits import (
+    ReplyBound,
+    ReplyModel,
+    StepShape,
+    check_prefix_cost,
+    check_step_counts,
+    exact_sum,
+    pages_after,
+    step_reply_bound,
+)
 from .manager import BlockManager
 from .pagetable import PageTable, validate_page_table
 from .planner import plan
@@ -120,6 +129,9 @@ class ManagerAPI:
                                   ("admit_num_tokens", args["admit_num_tokens"])))
         if not self.max_reply_bytes:
             return
+        if args["admit_token_ids"] is not None and pool.prefix is not None and sums[1] is not None:
+            check_prefix_cost(pool.name, len(args["admit_num_tokens"]), sums[1][1], pool.page_size,
+                              self.max_reply_bytes)
         model = self._model(pool)
         shape = _quick_shape(model, args, sums)
         if shape is None or step_reply_bound(model, shape, not request.omit_tables,

@@ -199,6 +199,27 @@ def pages_after(page_size: int, max_pages: int, windows: Sequence[int], e_old: n
     return tuple(out), widest
 
 
+#: Bytes the pool's prefix-cache lookup spends per (admission, token of the longest prompt): it pads every
+#: admission's token ids to the longest one (int64 pages and their gather index), then hashes them.
+PREFIX_BYTES_PER_TOKEN = 24
+
+
+def check_prefix_cost(pool: str, num_admissions: int, longest: int, page_size: int, limit: int) -> None:
+    """InvalidArgument (LIMIT_EXCEEDED) if matching a step's admissions against the prefix cache would take
+    more than `limit` bytes (the server's message limit; 0 = unchecked).
+
+    The lookup pads each of the A admissions to the longest prompt's full pages: A x longest tokens of
+    int64 arrays. One long prompt among thousands of short ones would take gigabytes.
+    """
+    cells = num_admissions * (longest // page_size) * page_size
+    if limit and PREFIX_BYTES_PER_TOKEN * cells > limit:
+        raise InvalidArgument(
+            f"pool {pool!r}: matching these {num_admissions} admissions against the prefix cache pads each to the "
+            f"longest prompt ({longest} tokens) and would take {PREFIX_BYTES_PER_TOKEN * cells} bytes, more than "
+            f"this server's limit of {limit} bytes (--max-message-bytes); admit long prompts in their own Step",
+            reason="LIMIT_EXCEEDED", value=PREFIX_BYTES_PER_TOKEN * cells, limit=limit)
+
+
 def check_reply_bytes(nbytes: int, limit: int, what: str, advice: str) -> None:
     """ResourceExhausted (REPLY_TOO_LARGE) if a reply of nbytes would pass the message limit (0 = none),
     raised before the work that would build it."""

@@ -12,6 +12,8 @@ Shapes:
   of many index spaces, tables of long sequences, block tables), refused before it is applied.
 - counts that wrap the pool's int64 arithmetic (item 8): extensions near 2^63 (or uint64 2^64 - 1) in a
   step that also admits thousands of sequences, with the server's token and sequence caps off.
+- a prefix-cache lookup padded to the longest prompt (found with item 8): one long prompt among a
+  thousand one-token admissions, a 170 KB request the pool would have padded to 1024 x 20,000 int64s.
 """
 
 from __future__ import annotations
@@ -79,9 +81,18 @@ def _wrapping_counts(dtype: str, value: int) -> pb.StepRequest:
     return r
 
 
-#: Pools every server of test_corpus.py starts with (name, layers, layout, num_slots, max_seq_len).
+def _padded_prefix_lookup() -> pb.StepRequest:
+    counts = np.ones(1024, dtype=np.int64)
+    counts[0] = 20_000
+    r = _admit("cached", counts, start=1)
+    r.admit_token_ids.CopyFrom(i64(np.arange(int(counts.sum())) % 50_000))
+    return r
+
+
+#: Pools every server of test_corpus.py starts with (name, layers, layout, num_slots, max_seq_len, prefix caching).
 #: "wide": 16 index spaces (interleaved layers), so 16 slot mappings per new token.
-POOLS = (("narrow", 2, "per_layer", 200_000, 4096), ("wide", 16, "interleaved", 8192, 4096))
+POOLS = (("narrow", 2, "per_layer", 200_000, 4096, False), ("wide", 16, "interleaved", 8192, 4096, False),
+         ("cached", 2, "per_layer", 4096, 32768, True))
 #: Sequences admitted first, one per step, as (pool, id, tokens): extensions then have pages to list.
 SETUP = (("narrow", 1, 5), ("narrow", 2, 5), *(("wide", i, 1000) for i in range(1, 81)))
 MESSAGE_LIMIT = 256 << 10
@@ -120,4 +131,6 @@ ENTRIES = (
           grpc.StatusCode.INVALID_ARGUMENT, "max_seq_len=4096", "OVER_MAX_SEQ_LEN"),
     Entry("step_uint64_extension_2_64_minus_1", "Step", lambda: _wrapping_counts("<u8", 2**64 - 1),
           grpc.StatusCode.INVALID_ARGUMENT, "max_seq_len=4096", "OVER_MAX_SEQ_LEN"),
+    Entry("step_prefix_lookup_padded_to_the_longest_prompt", "Step", lambda: _padded_prefix_lookup(),
+          grpc.StatusCode.INVALID_ARGUMENT, "admit long prompts in their own Step", "LIMIT_EXCEEDED"),
 )

@@ -36,9 +36,9 @@ def server(request, tmp_path_factory):
     channel = grpc.insecure_channel(f"127.0.0.1:{running.port}", options=[
         ("grpc.max_receive_message_length", 4 * MESSAGE_LIMIT), ("grpc.max_send_message_length", 4 * MESSAGE_LIMIT)])
     stub = pb_grpc.BlockManagerStub(channel)
-    for name, layers, layout, slots, max_len in POOLS:
+    for name, layers, layout, slots, max_len, prefix in POOLS:
         stub.CreatePool(pb.CreatePoolRequest(
-            name=name, sizing=pb.Sizing(num_slots=slots, max_seq_len=max_len),
+            name=name, sizing=pb.Sizing(num_slots=slots, max_seq_len=max_len), enable_prefix_caching=prefix,
             cache=_spec(CacheSpec.uniform(layers, 1, 64, page_size=16, layout=layout))), timeout=30)
     for pool, seq_id, tokens in SETUP:
         stub.Step(setup_step(pool, seq_id, tokens), timeout=30)

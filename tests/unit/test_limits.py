@@ -226,3 +226,29 @@ def test_listings_that_could_pass_the_limit_are_refused_or_lowered():
         pool="p", layer=0, indptr=counts([0, 5000]), indices=counts(bad), last_page_len=counts([1]),
         max_reports=2**32 - 1))
     assert report.num_violations == 5000 and len(report.violations) == 1000
+
+
+def test_prefix_lookup_padded_to_the_longest_prompt_is_refused_and_the_split_step_runs():
+    """One 100,000-token prompt among 4,095 one-token admissions: a 900 KB request the pool's prefix lookup
+    pads to 4096 x 100,000 int64s (3 GiB). Refused first; the long prompt alone, then the rest, run."""
+    m = BlockManager()
+    m.create_pool("p", CacheSpec.uniform(2, 1, 64), Sizing(num_slots=20_000, max_seq_len=200_000), (), True)
+    api = ManagerAPI(m, max_reply_bytes=128 << 20)
+    n = np.ones(4096, np.int64)
+    n[0] = 100_000
+    tokens = np.random.default_rng(3).integers(1, 50_000, int(n.sum()))
+
+    def admit(sl):
+        return pb.StepRequest(pool="p", admit_seq_ids=ids(np.arange(1, 4097)[sl]), admit_num_tokens=counts(n[sl]),
+                              admit_token_ids=counts(tokens[int(n[:sl.start or 0].sum()):int(n[:sl.stop].sum())]),
+                              omit_tables=True)
+    before = state_tree(m)
+    with pytest.raises(InvalidArgument) as exc:
+        api.Step(admit(slice(0, 4096)))
+    assert exc.value.reason == "LIMIT_EXCEEDED" and "admit long prompts in their own Step" in exc.value.message
+    assert state_tree(m) == before
+    api.Step(admit(slice(0, 1)))
+    api.Step(admit(slice(1, 4096)))
+    with m.locked("p") as pool:
+        assert pool.num_sequences == 4096
+        assert_invariants(pool)
