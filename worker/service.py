@@ -63,9 +63,13 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
         self.test_hooks = test_hooks
         self.memory = MemoryGate()
         self.max_reply_bytes = MAX_MESSAGE_BYTES    # the worker's gRPC limit (kvservice.server.grpc_server)
+        self._zero_series(caches)
+
+    def _zero_series(self, caches: CacheSet) -> None:
+        """Every series this worker can report starts at 0, so "nothing happened" is visible and
+        Prometheus' increase() sees the first violation."""
+        metrics = self.metrics
         metrics.cache_bytes.labels(metrics.pool).set(caches.cache_bytes)
-        # Every series this worker can report starts at 0, so "nothing happened" is visible and
-        # Prometheus' increase() sees the first violation.
         for kernel in KERNELS:
             for layer in range(caches.layer_begin, caches.layer_end):
                 for reason in REASONS[1:]:
@@ -78,7 +82,7 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
         with self.memory.exclusive():
             self.caches, self.ops = caches, caches.ops
             self.identity["incarnation"] = incarnation
-            self.metrics.cache_bytes.labels(self.metrics.pool).set(caches.cache_bytes)
+            self._zero_series(caches)
 
     # ---- helpers ---------------------------------------------------------------------
     def _layer(self, layer: int) -> None:

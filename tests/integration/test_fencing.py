@@ -135,6 +135,10 @@ def test_recreated_pool_fences_the_old_worker_until_it_replans(cluster):
     layer_bytes = 2 * 8 * 2 * 32 * 4                                    # K and V, page 8, 2 heads, dim 32, fp32
     assert status.pool_incarnation == new_info.incarnation and status.buffers == ["group0"]
     assert status.cache_bytes == 24 * 3 * layer_bytes != old_bytes
+    guards = stub.CheckGuards(wpb.CheckGuardsRequest(), timeout=10)
+    assert guards.ok and [b.buffer for b in guards.buffers] == ["group0"]
+    assert running.servicer.metrics.registry.get_sample_value(
+        "kvworker_guard_corruptions_total", {"buffer": "group0"}) == 0            # its series start at 0
     # Kernel requests planned in the old incarnation are refused before they touch memory ...
     sc = c["tb"].step("b", admit=[1], admit_tokens=[5])
     layer = 2
