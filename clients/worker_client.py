@@ -19,7 +19,7 @@ from kvservice.v1 import worker_pb2 as wpb
 from kvservice.v1 import worker_pb2_grpc as wpb_grpc
 from kvservice.wire import from_tensor, to_tensor
 
-from .client import CHANNEL_OPTIONS
+from .client import TLSOptions, auth_metadata, make_channel
 from .codec import ClientError
 
 POLICIES = {"nan": wpb.POLICY_NAN, "zeros": wpb.POLICY_ZEROS, "error": wpb.POLICY_ERROR}
@@ -42,14 +42,26 @@ def _cache_tensor(a: np.ndarray, dtype: str | None) -> cpb.Tensor:
 
 
 class WorkerClient:
-    """Talks to one worker. timeout: deadline per call, seconds. Kernel calls are not retried."""
+    """Talks to one worker. timeout: deadline per call, seconds. Kernel calls are not retried.
 
-    def __init__(self, address: str, worker_id: str = "", timeout: float = 30.0) -> None:
+    tls / token: for a worker started with --tls-* / --tokens-file (the shipped manifests need a
+    token). pool_incarnation: sent with every kernel call (PoolInfo.incarnation or
+    StepReply.pool_incarnation); a worker planned for another incarnation of its pool refuses the
+    call FAILED_PRECONDITION (reason STALE_INCARNATION). 0 = not checked.
+    """
+
+    def __init__(self, address: str, worker_id: str = "", timeout: float = 30.0, *, tls: TLSOptions | None = None,
+                 token: str | None = None, pool_incarnation: int = 0) -> None:
         self.address = address
         self.worker_id = worker_id or address
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.pool_incarnation = pool_incarnation
+        self._metadata = auth_metadata(token)
+        self._channel = make_channel(address, tls)
         self._stub = wpb_grpc.WorkerStub(self._channel)
+
+    def __repr__(self) -> str:
+        return f"WorkerClient({self.address!r}, token={'set' if self._metadata else 'none'})"
 
     def __enter__(self) -> WorkerClient:
         return self
@@ -62,7 +74,9 @@ class WorkerClient:
 
     def _call(self, method: Any, request: Any) -> Any:
         try:
-            return method(request, timeout=self.timeout)
+            if hasattr(request, "pool_incarnation"):
+                request.pool_incarnation = self.pool_incarnation
+            return method(request, timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
             err = ClientError.from_rpc(exc)
             what = "is unreachable" if err.code == grpc.StatusCode.UNAVAILABLE else "refused the call"

@@ -17,6 +17,7 @@ token (probes). Clients send ``authorization: Bearer <token>`` metadata. See doc
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import logging
 from collections.abc import Callable
@@ -33,6 +34,8 @@ from .v1 import block_manager_pb2 as pb
 log = logging.getLogger("kvservice.auth")
 ROLES = ("read", "write", "admin")
 HEALTH_SERVICE = "grpc.health.v1.Health"
+#: Name of the token the current call was authorized with ("" without tokens); set around the handler.
+_PRINCIPAL: contextvars.ContextVar[str] = contextvars.ContextVar("kvservice_principal", default="")
 BM = "kvservice.v1.BlockManager"
 WORKER = "kvservice.v1.Worker"
 
@@ -138,13 +141,23 @@ class TokenTable:
         return self._by_digest.get(hashlib.sha256(token.encode()).digest())
 
 
+def current_principal() -> str:
+    """Name of the token the running call was authorized with; "" when the server takes no tokens."""
+    return _PRINCIPAL.get()
+
+
 @dataclass(frozen=True, slots=True)
 class Rule:
-    """Role an RPC needs, the pool its request touches (None = no pool), and a filter for listings."""
+    """Role an RPC needs, the pool its request touches (None = no pool), and a filter for listings.
+
+    named: whether the caller named that pool itself. A pool found another way (the pool of the
+    worker a Heartbeat names) is never named in a refusal: it may be another tenant's.
+    """
 
     role: str
     pool: Callable[[Any], str | None] = lambda r: None
     filter: Callable[[Any, Grant], Any] | None = None
+    named: bool = True
 
 
 def _pools_reply(reply: pb.ListPoolsReply, g: Grant) -> pb.ListPoolsReply:
@@ -179,7 +192,7 @@ def manager_rules(worker_pool: Callable[[str], str | None]) -> dict[str, Rule]:
         "GetStats": Rule("read", _pool_or_all, _stats_reply),
         "ListWorkers": Rule("read", _pool_or_all, _workers_reply),
         "Step": Rule("write", _pool), "RegisterWorker": Rule("write", _pool),
-        "Heartbeat": Rule("write", lambda r: worker_pool(r.worker_id)),
+        "Heartbeat": Rule("write", lambda r: r.pool or worker_pool(r.worker_id), named=False),
     }
 
 
@@ -260,8 +273,14 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
             if pool is not None and not grant.allows_pool(pool):
                 log.warning("refused %s for token %r on pool %r", name, grant.name, pool)
                 allowed = "every pool" if grant.pools is None else ", ".join(sorted(grant.pools))
+                what = f"pool {pool!r}" if rule.named or pool == getattr(request, "pool", None) else \
+                    "the pool this request touches"
                 context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                              f"token {grant.name!r} may not use pool {pool!r} (it may use: {allowed})")
-            reply = inner(request, context)
+                              f"token {grant.name!r} may not use {what} (it may use: {allowed})")
+            bound = _PRINCIPAL.set(grant.name)
+            try:
+                reply = inner(request, context)
+            finally:
+                _PRINCIPAL.reset(bound)
             return rule.filter(reply, grant) if rule.filter is not None and grant.pools is not None else reply
         return behavior

@@ -86,13 +86,13 @@ def pool_stats(pool: Pool) -> pb.PoolStats:
                         cached_slots=pool.allocators[0].num_cached if cache else 0)
 
 
-def pool_info(pool: Pool) -> pb.PoolInfo:
+def pool_info(pool: Pool, incarnation: int) -> pb.PoolInfo:
     return pb.PoolInfo(name=pool.name, plan=plan_to_proto(pool.plan), stats=pool_stats(pool),
-                       cache=cache_spec_to_proto(pool.plan.geometry.spec))
+                       cache=cache_spec_to_proto(pool.plan.geometry.spec), incarnation=incarnation)
 
 
 def worker_info(w: WorkerRecord, seconds_since_heartbeat: float) -> pb.WorkerInfo:
     return pb.WorkerInfo(worker_id=w.worker_id, pool=w.pool, layer_begin=w.layer_begin, layer_end=w.layer_end,
                          tp_rank=w.tp_rank, tp_size=w.tp_size, backend=w.backend, device_name=w.device_name,
                          device_memory_bytes=w.device_memory_bytes, address=w.address, epoch=w.epoch,
-                         alive=w.alive, seconds_since_heartbeat=seconds_since_heartbeat)
+                         alive=w.alive, seconds_since_heartbeat=seconds_since_heartbeat, incarnation=w.incarnation)

@@ -1,8 +1,16 @@
-"""BlockManager: the named pools of one manager process, each behind its own lock."""
+"""BlockManager: the named pools of one manager process, each behind its own lock.
+
+Every pool has an *incarnation*: a 63-bit id, new each time a pool of that name is created.
+Workers register with the incarnation they planned their memory from and heartbeat with it;
+a pool deleted and created again (maybe with another geometry) tells its old workers to
+register again instead of letting their appends land in memory planned for the old one.
+Deleting a pool forgets its workers (and frees their worker_ids).
+"""
 
 from __future__ import annotations
 
 import re
+import secrets
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,11 +31,18 @@ class BlockManager:
         self.workers = WorkerRegistry(lease_seconds)
         self._pools: dict[str, Pool] = {}
         self._locks: dict[str, threading.Lock] = {}
+        self._incarnations: dict[str, int] = {}      # pool -> incarnation, in [1, 2^63)
         self._lock = threading.Lock()
 
     def create_pool(self, name: str, spec: CacheSpec, sizing: Sizing, backends: tuple[str, ...] = (),
-                    prefix_caching: bool = False) -> Pool:
-        """Plan and create a pool; AlreadyExists if the name is taken."""
+                    prefix_caching: bool = False, incarnation: int = 0) -> Pool:
+        """Plan and create a pool; AlreadyExists if the name is taken.
+
+        incarnation: the new pool's incarnation, in [1, 2^63) (0 = a random one). Callers that
+        replay a journal pass the one recorded with the creation.
+        """
+        if not 0 <= incarnation < 2**63:
+            raise InvalidArgument(f"incarnation must be in [0, 2^63), got {incarnation}")
         if not _NAME.match(name):
             raise InvalidArgument(f"pool name {name!r} must match [A-Za-z0-9_.-]{{1,64}}")
         planned: Plan = plan(spec, sizing, backends)
@@ -37,6 +52,7 @@ class BlockManager:
             pool = Pool(name, planned, prefix_caching)
             self._pools[name] = pool
             self._locks[name] = threading.Lock()
+            self._incarnations[name] = incarnation or new_incarnation()
             return pool
 
     def delete_pool(self, name: str, force: bool = False) -> None:
@@ -49,12 +65,76 @@ class BlockManager:
                     pool=name, sequences=pool.num_sequences)
             del self._pools[name]
             del self._locks[name]
+            self._incarnations.pop(name, None)
+            self.workers.drop_pool(name)
 
-    def register_worker(self, worker_id: str, pool: str, **fields: object) -> WorkerRecord:
-        """Register a worker of an existing pool (see WorkerRegistry.register for fields)."""
+    def incarnation(self, name: str) -> int:
+        """The current incarnation of a pool; NotFound if it does not exist."""
+        with self._lock:
+            return self._incarnation_locked(name)
+
+    def incarnations(self) -> dict[str, int]:
+        """Pool -> incarnation of every pool (for snapshots: restore with restore_incarnation)."""
+        with self._lock:
+            return {name: self._incarnation_locked(name) for name in self._pools}
+
+    def restore_incarnation(self, name: str, incarnation: int) -> None:
+        """Set the incarnation of a pool installed from a snapshot."""
+        if not 0 < incarnation < 2**63:
+            raise InvalidArgument(f"incarnation must be in [1, 2^63), got {incarnation}")
+        with self._lock:
+            self._get(name)
+            self._incarnations[name] = incarnation
+
+    def _incarnation_locked(self, name: str) -> int:
+        self._get(name)
+        inc = self._incarnations.get(name)
+        if inc is None:
+            # A pool installed by a snapshot that kept no incarnation: take the one its workers
+            # registered with (records of a deleted pool are gone, so they are all current), or a new one.
+            known = [w.incarnation for w in self.workers.workers(name) if w.incarnation]
+            inc = self._incarnations[name] = known[0] if known else new_incarnation()
+        return inc
+
+    def register_worker(self, worker_id: str, pool: str, incarnation: int = 0, owner: str = "",
+                        enforce: bool = True, **fields: object) -> WorkerRecord:
+        """Register a worker of an existing pool (see WorkerRegistry.register for fields).
+
+        incarnation: the pool incarnation the worker planned its memory from (0 = the current one);
+        FailedPrecondition (reason STALE_INCARNATION) if the pool was created again since.
+        owner: the registering token's name. enforce=False (journal replay) skips the incarnation
+        and ownership checks: the registration was accepted when it was made.
+        """
         with self._lock:
             num_layers = len(self._get(pool).plan.geometry.layers)
-        return self.workers.register(worker_id, pool, num_layers, **fields)  # type: ignore[arg-type]
+            if not enforce and incarnation and pool not in self._incarnations:
+                self._incarnations[pool] = incarnation     # a snapshot without incarnations, then this replay
+            current = self._incarnation_locked(pool)
+        if enforce and incarnation and incarnation != current:
+            raise _stale(pool, incarnation, current, worker_id)
+        return self.workers.register(worker_id, pool, num_layers, incarnation=current, owner=owner,  # type: ignore[arg-type]
+                                     enforce=enforce, **fields)
+
+    def heartbeat(self, worker_id: str, epoch: int, pool: str = "", incarnation: int = 0) -> None:
+        """Renew a worker's lease (WorkerRegistry.heartbeat), checking the pool and its incarnation.
+
+        pool "" (older workers) = the pool the worker registered with. NotFound if the named pool
+        does not exist or the worker is not registered in it; FailedPrecondition (STALE_INCARNATION)
+        if the pool was created again since the worker registered.
+        """
+        if pool:
+            current = self.incarnation(pool)
+            if incarnation and incarnation != current:
+                raise _stale(pool, incarnation, current, worker_id)
+        else:
+            rec = next((w for w in self.workers.workers() if w.worker_id == worker_id), None)
+            current = self.incarnation(rec.pool) if rec is not None and rec.pool in self.pool_names() else 0
+        self.workers.heartbeat(worker_id, epoch, pool, current)
+
+    def total_slots(self) -> int:
+        """Slots x layer groups summed over every pool (what their allocators hold memory for)."""
+        with self._lock:
+            return sum(p.plan.num_slots * len(p.plan.geometry.groups) for p in self._pools.values())
 
     def pool_names(self) -> list[str]:
         with self._lock:
@@ -77,6 +157,18 @@ class BlockManager:
     def _get(self, name: str) -> Pool:
         pool = self._pools.get(name)
         if pool is None:
-            known = ", ".join(sorted(self._pools)) or "none"
-            raise NotFound(f"pool {name!r} does not exist (pools: {known})", pool=name)
+            # Other pools are not listed: they may belong to tenants the caller may not see.
+            raise NotFound(f"pool {name!r} does not exist", pool=name)
         return pool
+
+
+def new_incarnation() -> int:
+    """A random incarnation in [1, 2^63)."""
+    return secrets.randbits(63) or 1
+
+
+def _stale(pool: str, incarnation: int, current: int, worker_id: str) -> FailedPrecondition:
+    return FailedPrecondition(
+        f"pool {pool!r} is incarnation {current}, not {incarnation}: it was deleted and created again since this "
+        "worker read it; fetch the pool (GetPool), re-plan the worker's memory and register again",
+        reason="STALE_INCARNATION", pool=pool, incarnation=current, worker_id=worker_id)

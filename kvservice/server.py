@@ -102,7 +102,8 @@ def serve(listen: str = "127.0.0.1:0", metrics_port: int | None = None, pools: S
     interceptors = []
     if tokens is not None:
         interceptors.append(TokenAuthInterceptor(tokens, BM, manager_rules(_worker_pool(manager))))
-    servicer = BlockManagerServicer(ManagerAPI(manager), metrics, journal, limits or Limits())
+    api = ManagerAPI(manager, max_reply_bytes=max_message_bytes, fence=True)
+    servicer = BlockManagerServicer(api, metrics, journal, limits or Limits())
     server, port, health_servicer = grpc_server(SERVICE_NAME, servicer, listen, tls, interceptors, max_workers,
                                                 max_message_bytes)
     running = RunningServer(server, port, None, manager, metrics, None, journal, health=health_servicer)

@@ -1,6 +1,9 @@
 """gRPC adapter of the BlockManager: maps each RPC onto ManagerAPI, errors onto statuses, times it.
 
-Requests are first checked against the server's Limits (batch and pool caps). Mutating RPCs
+Requests are first checked against the server's Limits (batch and pool caps). The server
+stamps what a client may not choose into two requests before they are journaled: the
+incarnation of a new pool (CreatePool) and the name of the token that registers a worker
+(RegisterWorker.registered_by). Mutating RPCs
 go through the journal when one is configured, which makes them durable before the reply
 and idempotent by request_id; reads of pool state go through it too, so they only see
 committed state and nothing once the journal failed.
@@ -18,10 +21,11 @@ import grpc
 import numpy as np
 from google.protobuf.message import Message
 
-from .api import ManagerAPI
+from .api import ManagerAPI, derived_incarnation
+from .auth import current_principal
 from .convert import cache_spec_from_proto, plan_to_proto, sizing_from_proto
 from .errors import InvalidArgument, KVError, ResourceExhausted
-from .manager import BlockManager
+from .manager import BlockManager, new_incarnation
 from .metrics import ManagerMetrics
 from .planner import Plan, plan
 from .status import to_status
@@ -55,6 +59,8 @@ class Limits:
     max_pool_slots: slots of one pool summed over its layer groups (allocator memory, ~24 bytes each).
     max_pools: pools one manager holds.
     max_request_id: characters of a request_id.
+    max_total_slots: slots of all pools together, summed like max_pool_slots: what bounds the
+        pools' memory (about 25 bytes per slot), whatever max_pools says. docs/SECURITY.md#limits.
     """
 
     max_step_sequences: int = 65_536
@@ -62,6 +68,7 @@ class Limits:
     max_pool_slots: int = 1 << 24
     max_pools: int = 256
     max_request_id: int = 128
+    max_total_slots: int = 1 << 24
 
     def check(self, method: str, request: Any, manager: BlockManager) -> None:
         """InvalidArgument (reason LIMIT_EXCEEDED) for a request over a cap; ResourceExhausted at max_pools."""
@@ -81,10 +88,10 @@ class Limits:
         tokens = 0
         for f in ("extend_num_tokens", "admit_num_tokens"):
             a = field_array(r, f)
-            if a is None or not a.size:
-                continue
+            if a is None or not a.size or not self.max_step_tokens:
+                continue                    # no cap: the API bounds each count by the pool's max_seq_len
             top = int(a.max())
-            if self.max_step_tokens and top > self.max_step_tokens:
+            if top > self.max_step_tokens:
                 _decode_all(r)
                 raise _over(f"{f} entry", top, self.max_step_tokens, "tokens", "--max-step-tokens")
             tokens += int(a.sum(dtype=np.int64))   # entries <= cap; a negative one is refused by the API anyway
@@ -103,11 +110,18 @@ class Limits:
                                     "one first", reason="LIMIT_EXCEEDED", limit=self.max_pools)
         p = plan(cache_spec_from_proto(r.cache), sizing_from_proto(r.sizing), tuple(r.backends))
         _check_representable(p)
-        if self.max_pool_slots:
-            slots = p.num_slots * len(p.geometry.groups)
-            if slots > self.max_pool_slots:
-                raise _over(f"pool {r.name!r}: slots x layer groups", slots, self.max_pool_slots, "slots",
-                            "--max-pool-slots")
+        slots = p.num_slots * len(p.geometry.groups)
+        if self.max_pool_slots and slots > self.max_pool_slots:
+            raise _over(f"pool {r.name!r}: slots x layer groups", slots, self.max_pool_slots, "slots",
+                        "--max-pool-slots")
+        if self.max_total_slots:
+            held = manager.total_slots()
+            if held + slots > self.max_total_slots:
+                raise ResourceExhausted(
+                    f"pool {r.name!r} needs {slots} slots x layer groups; the manager's pools hold {held} of its "
+                    f"{self.max_total_slots} (max_total_slots, which bounds their memory at about 25 bytes a slot); "
+                    "delete a pool or plan a smaller one", reason="LIMIT_EXCEEDED", needed=slots, held=held,
+                    limit=self.max_total_slots)
 
 
 def _items(r: Any, field: str) -> int:
@@ -165,6 +179,7 @@ def _adapter(name: str) -> Callable[..., Any]:
                 raise JournalUnavailable(f"the manager stopped serving: {self.journal.failed}")  # type: ignore[union-attr]
             if self.limits is not None:
                 self.limits.check(name, request, self.api.manager)
+            _stamp(name, request)
             if self.journal is not None and name in MUTATING:
                 return self.journal.execute(name, request, apply)
             if name in STATE_READS and hasattr(self.journal, "read"):
@@ -181,6 +196,19 @@ def _adapter(name: str) -> Callable[..., Any]:
             self.metrics.rpc_duration.labels(name).observe(time.perf_counter() - start)
     method.__name__ = name
     return method
+
+
+def _stamp(name: str, request: Any) -> None:
+    """Fill the fields only the server sets, replacing whatever a client sent, before the request is journaled.
+
+    CreatePool: the new pool's incarnation; derived from the request when it has a request_id (a retry
+    of it must carry the same bytes), else random. RegisterWorker: the caller's token name.
+    """
+    if name == "CreatePool":
+        request.incarnation = 0
+        request.incarnation = derived_incarnation(request) if request.request_id else new_incarnation()
+    elif name == "RegisterWorker":
+        request.registered_by = current_principal()
 
 
 for _name in METHODS:

@@ -16,6 +16,7 @@ _TO_NP = {
 _FROM_NP = {np.dtype("int32"): pb.INT32, np.dtype("int64"): pb.INT64, np.dtype("uint64"): pb.UINT64,
             np.dtype("float16"): pb.FLOAT16, np.dtype("float32"): pb.FLOAT32}
 MAX_DIMS = 8
+MAX_SPAN_BYTES = 2**62
 
 
 def to_tensor(a: np.ndarray, dtype: int | None = None) -> pb.Tensor:
@@ -40,10 +41,27 @@ def fill_tensor(t: pb.Tensor, a: np.ndarray) -> None:
     t.data = np.ascontiguousarray(a, dtype=_TO_NP[code]).tobytes()
 
 
+def declared_items(t: pb.Tensor, name: str) -> int | None:
+    """Elements a Tensor's shape declares (None when the shape is empty: 1-D, length from the data).
+
+    Computed with Python integers, so a hostile shape such as [2^32, 2^32] cannot wrap to a small
+    product. InvalidArgument for more than MAX_DIMS dimensions or a negative extent.
+    """
+    if not t.shape:
+        return None
+    if len(t.shape) > MAX_DIMS or any(d < 0 for d in t.shape):
+        raise InvalidArgument(f"{name}: bad shape {list(t.shape)} (at most {MAX_DIMS} dimensions, each >= 0)")
+    n = 1
+    for d in t.shape:
+        n *= d
+    return n
+
+
 def from_tensor(t: pb.Tensor, name: str, kinds: str = "iu") -> np.ndarray:
     """Decode a Tensor without copying; InvalidArgument naming the field if it is malformed.
 
-    kinds: allowed NumPy dtype kinds ("iu" integers, "f" floats).
+    The declared shape is checked against the bytes that came before anything is built from
+    it. kinds: allowed NumPy dtype kinds ("iu" integers, "f" floats).
     """
     want = _TO_NP.get(t.dtype)
     if want is None:
@@ -53,12 +71,19 @@ def from_tensor(t: pb.Tensor, name: str, kinds: str = "iu") -> np.ndarray:
         raise InvalidArgument(f"{name}: dtype {pb.DType.Name(t.dtype)} not allowed here")
     if len(t.data) % want.itemsize:
         raise InvalidArgument(f"{name}: {len(t.data)} bytes is not a whole number of {want.itemsize}-byte items")
+    items = len(t.data) // want.itemsize
+    declared = declared_items(t, name)
+    if declared is not None and declared != items:
+        raise InvalidArgument(f"{name}: shape {list(t.shape)} declares {declared} items but the data holds {items} "
+                              f"({len(t.data)} bytes of {pb.DType.Name(t.dtype)})")
     a = np.frombuffer(t.data, dtype=want)
-    if t.shape:
-        if len(t.shape) > MAX_DIMS or any(d < 0 for d in t.shape):
-            raise InvalidArgument(f"{name}: bad shape {list(t.shape)}")
-        if int(np.prod(t.shape, dtype=np.int64)) != a.size:
-            raise InvalidArgument(f"{name}: shape {list(t.shape)} does not match {a.size} items")
+    if declared is not None:
+        if not declared:       # empty: NumPy still refuses extents whose non-zero product passes its address space
+            span = want.itemsize
+            for d in t.shape:
+                span *= d or 1
+            if span > MAX_SPAN_BYTES:
+                raise InvalidArgument(f"{name}: shape {list(t.shape)} describes more than 2^62 bytes")
         a = a.reshape(tuple(t.shape))
     return a.astype(want.newbyteorder("="), copy=False)
 

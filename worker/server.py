@@ -1,4 +1,10 @@
-"""A running worker: caches allocated, kernels warmed, gRPC service up, registered and heartbeating."""
+"""A running worker: caches allocated, kernels warmed, gRPC service up, registered and heartbeating.
+
+The worker plans its memory from one incarnation of its pool, registers with it and heartbeats
+with it. When the manager answers that the pool was created again (STALE_INCARNATION), or no
+longer knows the worker, the heartbeat thread fetches the pool, re-plans the caches if the
+geometry changed (worker.fencing), and registers again with the new incarnation.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ from clients.client import BlockManagerClient, TLSOptions
 from clients.codec import ClientError
 from kvservice.auth import WORKER, ServerTLS, TokenAuthInterceptor, TokenTable, worker_rules
 from kvservice.convert import cache_spec_from_proto
+from kvservice.errors import KVError
 from kvservice.server import grpc_server
 from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1 import worker_pb2
@@ -101,15 +108,14 @@ def serve_worker(manager: str, pool: str, worker_id: str, layer_begin: int = 0, 
     client = BlockManagerClient(manager, timeout=10, tls=manager_tls, token=manager_token)
     client.wait_ready(30)
     info = client.get_pool(pool)
-    spec = cache_spec_from_proto(info.cache)
-    layer_end = layer_end or len(spec.layers)
+    all_layers = not layer_end
+    layer_end = layer_end or len(cache_spec_from_proto(info.cache).layers)
     ops, xp = kernel_module(backend, cpu_kernels)
-    expected = [(la.scale, la.offset, la.upper_bound) for la in info.plan.layers]
-    caches = CacheSet(spec, info.plan.num_slots, layer_begin, layer_end, ops, xp, expected=expected)
-    _warm(caches)
+    caches = plan_caches(info, layer_begin, layer_end, ops, xp)
     device_name, device_mem = device_info(backend)
     identity: dict[str, Any] = {"worker_id": worker_id, "pool": pool, "backend": backend,
-                                "device_name": device_name, "epoch": 0}
+                                "device_name": device_name, "epoch": 0, "incarnation": info.incarnation,
+                                "all_layers": all_layers}
     metrics = WorkerMetrics(pool)
     servicer = WorkerServicer(caches, metrics, identity, test_hooks)
     interceptors = [TokenAuthInterceptor(tokens, WORKER, worker_rules(pool))] if tokens is not None else []
@@ -122,13 +128,14 @@ def serve_worker(manager: str, pool: str, worker_id: str, layer_begin: int = 0, 
     address = advertise or f"{listen.rsplit(':', 1)[0]}:{port}"
     request = pb.RegisterWorkerRequest(worker_id=worker_id, pool=pool, layer_begin=layer_begin, layer_end=layer_end,
                                        tp_rank=tp_rank, tp_size=tp_size, backend=backend, device_name=device_name,
-                                       device_memory_bytes=device_mem, address=address)
+                                       device_memory_bytes=device_mem, address=address,
+                                       incarnation=info.incarnation)
     reply = client.register_worker(request)
     identity["epoch"] = reply.epoch
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     running = RunningWorker(server, port, metrics_port, servicer, identity, _http=http)
-    t = threading.Thread(target=_heartbeat, args=(client, request, identity, reply.lease_seconds, running._stop),
+    t = threading.Thread(target=_heartbeat, args=(client, request, servicer, reply.lease_seconds, running._stop),
                          daemon=True, name="heartbeat")
     t.start()
     running._threads.append(t)
@@ -137,19 +144,60 @@ def serve_worker(manager: str, pool: str, worker_id: str, layer_begin: int = 0, 
     return running
 
 
-def _heartbeat(client: BlockManagerClient, request: pb.RegisterWorkerRequest, identity: dict[str, Any],
+def plan_caches(info: pb.PoolInfo, layer_begin: int, layer_end: int, ops: ModuleType, xp: Any) -> CacheSet:
+    """Allocate and warm the caches of layers [layer_begin, layer_end) of the pool `info` describes."""
+    expected = [(la.scale, la.offset, la.upper_bound) for la in info.plan.layers]
+    caches = CacheSet(cache_spec_from_proto(info.cache), info.plan.num_slots, layer_begin, layer_end, ops, xp,
+                      expected=expected)
+    _warm(caches)
+    return caches
+
+
+def _heartbeat(client: BlockManagerClient, request: pb.RegisterWorkerRequest, servicer: WorkerServicer,
                lease: float, stop: threading.Event) -> None:
-    """Renew the lease every lease/3 s; on a lapsed lease or stale epoch, register again (new epoch)."""
+    """Renew the lease every lease/3 s; on a lapsed lease, stale epoch or incarnation, or an unknown worker,
+    join again (re-planning memory if the pool was created again)."""
+    identity = servicer.identity
     while not stop.wait(lease / 3):
         try:
-            client.heartbeat(identity["worker_id"], identity["epoch"], timeout=lease / 3)
+            send_heartbeat(client, identity, lease / 3)
         except ClientError as err:
             if err.code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
                 try:
-                    identity["epoch"] = client.register_worker(request, timeout=lease / 3).epoch
-                    log.warning("re-registered %s with epoch %d after: %s", identity["worker_id"],
-                                identity["epoch"], err.message)
-                except ClientError as again:
-                    log.warning("re-registration failed: %s", again)
+                    rejoin(client, request, servicer, lease / 3)
+                    log.warning("re-registered %s with epoch %d (pool incarnation %d) after: %s",
+                                identity["worker_id"], identity["epoch"], identity["incarnation"], err.message)
+                except (ClientError, KVError, ValueError) as again:
+                    log.warning("re-registration failed: %s", getattr(again, "message", again))
             else:
                 log.warning("heartbeat failed: %s", err)
+
+
+def send_heartbeat(client: BlockManagerClient, identity: dict[str, Any], timeout: float) -> None:
+    """Heartbeat naming the pool and incarnation. BlockManagerClient.heartbeat sends neither, so the
+    request is built here (retried on UNAVAILABLE only, like that method)."""
+    req = pb.HeartbeatRequest(worker_id=identity["worker_id"], epoch=identity["epoch"], pool=identity["pool"],
+                              incarnation=identity["incarnation"])
+    client._call(client._stub.Heartbeat, req, timeout, (grpc.StatusCode.UNAVAILABLE,))
+
+
+def rejoin(client: BlockManagerClient, request: pb.RegisterWorkerRequest, servicer: WorkerServicer,
+           timeout: float) -> None:
+    """Fetch the pool; if it is another incarnation, re-plan the caches (kept when the geometry is the same);
+    then register with the incarnation the memory is planned for."""
+    identity = servicer.identity
+    info = client.get_pool(identity["pool"], timeout=timeout)
+    if info.incarnation != identity["incarnation"]:
+        old = servicer.caches
+        spec, plan_ = cache_spec_from_proto(info.cache), info.plan
+        same = (spec == old.spec and plan_.num_slots == old.geometry.num_slots
+                and [(la.scale, la.offset, la.upper_bound) for la in plan_.layers]
+                == [(v.scale, v.offset, v.upper_bound) for v in old.geometry.layers])
+        layer_end = len(spec.layers) if identity.get("all_layers") else old.layer_end
+        caches = old if same else plan_caches(info, old.layer_begin, layer_end, old.ops, old.xp)
+        servicer.replan(caches, info.incarnation)
+        log.warning("pool %r was created again (incarnation %d): %s", identity["pool"], info.incarnation,
+                    "same geometry, caches kept" if same else
+                    f"caches re-planned, {caches.cache_bytes / 2**20:.1f} MiB")
+    request.incarnation, request.layer_end = identity["incarnation"], servicer.caches.layer_end
+    identity["epoch"] = client.register_worker(request, timeout=timeout).epoch

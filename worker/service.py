@@ -12,6 +12,8 @@ import grpc
 import numpy as np
 
 from kvservice.errors import FailedPrecondition, InvalidArgument, KVError
+from kvservice.limits import check_reply_bytes
+from kvservice.server import MAX_MESSAGE_BYTES
 from kvservice.status import to_status
 from kvservice.v1 import common_pb2 as cpb
 from kvservice.v1 import worker_pb2 as wpb
@@ -19,6 +21,7 @@ from kvservice.v1 import worker_pb2_grpc as wpb_grpc
 from kvservice.wire import from_tensor, to_tensor
 from worker import ops_numpy
 from worker.caches import CacheSet
+from worker.fencing import MemoryGate, check_incarnation
 from worker.kernel_api import REASONS, KernelViolationError, Policy, ViolationRecord
 from worker.metrics import WorkerMetrics
 
@@ -35,7 +38,9 @@ def _rpc(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(self: WorkerServicer, request: Any, context: grpc.ServicerContext) -> Any:
         try:
-            return fn(self, request, context)
+            with self.memory.shared():             # a re-plan swaps the caches only between calls
+                check_incarnation(self.identity, request)
+                return fn(self, request, context)
         except OutOfRange as err:
             context.abort(grpc.StatusCode.OUT_OF_RANGE, err.message)
         except KVError as err:
@@ -54,17 +59,30 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
         self.caches = caches
         self.ops = caches.ops
         self.metrics = metrics
-        self.identity = identity        # worker_id, pool, epoch, backend, device_name
+        self.identity = identity        # worker_id, pool, epoch, incarnation, backend, device_name
         self.test_hooks = test_hooks
+        self.memory = MemoryGate()
+        self.max_reply_bytes = MAX_MESSAGE_BYTES    # the worker's gRPC limit (kvservice.server.grpc_server)
+        self._zero_series(caches)
+
+    def _zero_series(self, caches: CacheSet) -> None:
+        """Every series this worker can report starts at 0, so "nothing happened" is visible and
+        Prometheus' increase() sees the first violation."""
+        metrics = self.metrics
         metrics.cache_bytes.labels(metrics.pool).set(caches.cache_bytes)
-        # Every series this worker can report starts at 0, so "nothing happened" is visible and
-        # Prometheus' increase() sees the first violation.
         for kernel in KERNELS:
             for layer in range(caches.layer_begin, caches.layer_end):
                 for reason in REASONS[1:]:
                     metrics.violations.labels(kernel, str(layer), reason)
         for name in caches.buffers:
             metrics.guard_corruptions.labels(name)
+
+    def replan(self, caches: CacheSet, incarnation: int) -> None:
+        """Serve from caches planned for another incarnation of the pool (after in-flight calls end)."""
+        with self.memory.exclusive():
+            self.caches, self.ops = caches, caches.ops
+            self.identity["incarnation"] = incarnation
+            self._zero_series(caches)
 
     # ---- helpers ---------------------------------------------------------------------
     def _layer(self, layer: int) -> None:
@@ -130,6 +148,7 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
         c = self.caches
         return wpb.WorkerStatus(worker_id=self.identity["worker_id"], pool=self.identity["pool"],
                                 epoch=self.identity.get("epoch", 0), layer_begin=c.layer_begin,
+                                pool_incarnation=self.identity.get("incarnation", 0),
                                 layer_end=c.layer_end, backend=self.identity["backend"],
                                 device_name=self.identity.get("device_name", ""), cache_bytes=c.cache_bytes,
                                 guard_bytes=c.guard_bytes, buffers=sorted(c.buffers))
@@ -164,6 +183,8 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
         ip, idx, lpl = self._csr(request)
         b = ip.shape[0] - 1
         q = self._tensor(request, "q", layout.dtype, (b, None, layout.head_dim), f"[B, q_heads, {layout.head_dim}]")
+        check_reply_bytes(4 * b * q.shape[1] * (layout.head_dim + 1) + 256, self.max_reply_bytes, "DecodeAttention",
+                          "send fewer rows per call (out is float32 whatever the dtype of q)")
         window = self.caches.spec.layers[request.layer].sliding_window
         call, dt = self._timed("decode_attention", lambda: self.ops.decode_attention(
             q, self.caches.cache(request.layer), layout, ip, idx, lpl, sm_scale=request.sm_scale or None,

@@ -158,20 +158,22 @@ class PlanReply(_message.Message):
     def __init__(self, num_slots: _Optional[int] = ..., page_size: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., max_pages_per_seq: _Optional[int] = ..., bytes_per_layer: _Optional[int] = ..., bytes_per_slot: _Optional[int] = ..., total_bytes: _Optional[int] = ..., max_byte_offset: _Optional[int] = ..., offsets_exceed_int32: _Optional[bool] = ..., offsets_exceed_uint32: _Optional[bool] = ..., indices_need_int64: _Optional[bool] = ..., layers: _Optional[_Iterable[_Union[LayerPlan, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[GroupPlan, _Mapping]]] = ..., index_spaces: _Optional[_Iterable[_Union[IndexSpace, _Mapping]]] = ..., backends: _Optional[_Iterable[str]] = ..., warnings: _Optional[_Iterable[str]] = ..., pool_pages: _Optional[int] = ...) -> None: ...
 
 class CreatePoolRequest(_message.Message):
-    __slots__ = ("name", "cache", "sizing", "backends", "request_id", "enable_prefix_caching")
+    __slots__ = ("name", "cache", "sizing", "backends", "request_id", "enable_prefix_caching", "incarnation")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
     SIZING_FIELD_NUMBER: _ClassVar[int]
     BACKENDS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ENABLE_PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     name: str
     cache: CacheSpec
     sizing: Sizing
     backends: _containers.RepeatedScalarFieldContainer[str]
     request_id: str
     enable_prefix_caching: bool
-    def __init__(self, name: _Optional[str] = ..., cache: _Optional[_Union[CacheSpec, _Mapping]] = ..., sizing: _Optional[_Union[Sizing, _Mapping]] = ..., backends: _Optional[_Iterable[str]] = ..., request_id: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, name: _Optional[str] = ..., cache: _Optional[_Union[CacheSpec, _Mapping]] = ..., sizing: _Optional[_Union[Sizing, _Mapping]] = ..., backends: _Optional[_Iterable[str]] = ..., request_id: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class PoolStats(_message.Message):
     __slots__ = ("num_slots", "num_free_slots", "peak_used_slots", "num_sequences", "num_tokens", "steps", "admitted", "refused", "prefix_cache_hits", "prefix_cache_evictions", "cached_slots", "prefix_caching")
@@ -202,16 +204,18 @@ class PoolStats(_message.Message):
     def __init__(self, num_slots: _Optional[int] = ..., num_free_slots: _Optional[int] = ..., peak_used_slots: _Optional[int] = ..., num_sequences: _Optional[int] = ..., num_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., admitted: _Optional[int] = ..., refused: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_evictions: _Optional[int] = ..., cached_slots: _Optional[int] = ..., prefix_caching: _Optional[bool] = ...) -> None: ...
 
 class PoolInfo(_message.Message):
-    __slots__ = ("name", "plan", "stats", "cache")
+    __slots__ = ("name", "plan", "stats", "cache", "incarnation")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     name: str
     plan: PlanReply
     stats: PoolStats
     cache: CacheSpec
-    def __init__(self, name: _Optional[str] = ..., plan: _Optional[_Union[PlanReply, _Mapping]] = ..., stats: _Optional[_Union[PoolStats, _Mapping]] = ..., cache: _Optional[_Union[CacheSpec, _Mapping]] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, name: _Optional[str] = ..., plan: _Optional[_Union[PlanReply, _Mapping]] = ..., stats: _Optional[_Union[PoolStats, _Mapping]] = ..., cache: _Optional[_Union[CacheSpec, _Mapping]] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class GetPoolRequest(_message.Message):
     __slots__ = ("pool",)
@@ -302,7 +306,7 @@ class SpaceTables(_message.Message):
     def __init__(self, index_space: _Optional[int] = ..., group: _Optional[int] = ..., scale: _Optional[int] = ..., offset: _Optional[int] = ..., upper_bound: _Optional[int] = ..., base: _Optional[int] = ..., slot_mapping: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., indptr: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., indices: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., last_page_len: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., block_table: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class StepReply(_message.Message):
-    __slots__ = ("seq_ids", "num_tokens", "new_token_indptr", "tables", "layer_index_space", "num_free_slots", "admit_cached_tokens", "copies")
+    __slots__ = ("seq_ids", "num_tokens", "new_token_indptr", "tables", "layer_index_space", "num_free_slots", "admit_cached_tokens", "copies", "pool_incarnation")
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_INDPTR_FIELD_NUMBER: _ClassVar[int]
@@ -311,6 +315,7 @@ class StepReply(_message.Message):
     NUM_FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     ADMIT_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COPIES_FIELD_NUMBER: _ClassVar[int]
+    POOL_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _common_pb2.Tensor
     num_tokens: _common_pb2.Tensor
     new_token_indptr: _common_pb2.Tensor
@@ -319,7 +324,8 @@ class StepReply(_message.Message):
     num_free_slots: int
     admit_cached_tokens: _common_pb2.Tensor
     copies: _containers.RepeatedCompositeFieldContainer[SlotCopies]
-    def __init__(self, seq_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., num_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., new_token_indptr: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tables: _Optional[_Iterable[_Union[SpaceTables, _Mapping]]] = ..., layer_index_space: _Optional[_Iterable[int]] = ..., num_free_slots: _Optional[int] = ..., admit_cached_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., copies: _Optional[_Iterable[_Union[SlotCopies, _Mapping]]] = ...) -> None: ...
+    pool_incarnation: int
+    def __init__(self, seq_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., num_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., new_token_indptr: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tables: _Optional[_Iterable[_Union[SpaceTables, _Mapping]]] = ..., layer_index_space: _Optional[_Iterable[int]] = ..., num_free_slots: _Optional[int] = ..., admit_cached_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., copies: _Optional[_Iterable[_Union[SlotCopies, _Mapping]]] = ..., pool_incarnation: _Optional[int] = ...) -> None: ...
 
 class SlotCopies(_message.Message):
     __slots__ = ("group", "pairs")
@@ -431,7 +437,7 @@ class EchoReply(_message.Message):
     def __init__(self, payload: _Optional[bytes] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
-    __slots__ = ("worker_id", "pool", "layer_begin", "layer_end", "tp_rank", "tp_size", "backend", "device_name", "device_memory_bytes", "address")
+    __slots__ = ("worker_id", "pool", "layer_begin", "layer_end", "tp_rank", "tp_size", "backend", "device_name", "device_memory_bytes", "address", "incarnation", "registered_by")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     LAYER_BEGIN_FIELD_NUMBER: _ClassVar[int]
@@ -442,6 +448,8 @@ class RegisterWorkerRequest(_message.Message):
     DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
     DEVICE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_BY_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     pool: str
     layer_begin: int
@@ -452,10 +460,12 @@ class RegisterWorkerRequest(_message.Message):
     device_name: str
     device_memory_bytes: int
     address: str
-    def __init__(self, worker_id: _Optional[str] = ..., pool: _Optional[str] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., backend: _Optional[str] = ..., device_name: _Optional[str] = ..., device_memory_bytes: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
+    incarnation: int
+    registered_by: str
+    def __init__(self, worker_id: _Optional[str] = ..., pool: _Optional[str] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., backend: _Optional[str] = ..., device_name: _Optional[str] = ..., device_memory_bytes: _Optional[int] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ..., registered_by: _Optional[str] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "pool", "layer_begin", "layer_end", "tp_rank", "tp_size", "backend", "device_name", "device_memory_bytes", "address", "epoch", "alive", "seconds_since_heartbeat")
+    __slots__ = ("worker_id", "pool", "layer_begin", "layer_end", "tp_rank", "tp_size", "backend", "device_name", "device_memory_bytes", "address", "epoch", "alive", "seconds_since_heartbeat", "incarnation")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     LAYER_BEGIN_FIELD_NUMBER: _ClassVar[int]
@@ -469,6 +479,7 @@ class WorkerInfo(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
     SECONDS_SINCE_HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     pool: str
     layer_begin: int
@@ -482,7 +493,8 @@ class WorkerInfo(_message.Message):
     epoch: int
     alive: bool
     seconds_since_heartbeat: float
-    def __init__(self, worker_id: _Optional[str] = ..., pool: _Optional[str] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., backend: _Optional[str] = ..., device_name: _Optional[str] = ..., device_memory_bytes: _Optional[int] = ..., address: _Optional[str] = ..., epoch: _Optional[int] = ..., alive: _Optional[bool] = ..., seconds_since_heartbeat: _Optional[float] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, worker_id: _Optional[str] = ..., pool: _Optional[str] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., backend: _Optional[str] = ..., device_name: _Optional[str] = ..., device_memory_bytes: _Optional[int] = ..., address: _Optional[str] = ..., epoch: _Optional[int] = ..., alive: _Optional[bool] = ..., seconds_since_heartbeat: _Optional[float] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class RegisterWorkerReply(_message.Message):
     __slots__ = ("epoch", "lease_seconds", "pool")
@@ -495,12 +507,16 @@ class RegisterWorkerReply(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., pool: _Optional[_Union[PoolInfo, _Mapping]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "epoch")
+    __slots__ = ("worker_id", "epoch", "pool", "incarnation")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epoch: int
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    pool: str
+    incarnation: int
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., pool: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("lease_seconds",)

@@ -180,7 +180,9 @@ class BlockManagerServicer:
 
     def Heartbeat(self, request, context):
         """Renew a lease. FAILED_PRECONDITION if the epoch is stale or the lease
-        lapsed (the worker was marked dead): register again.
+        lapsed (the worker was marked dead): register again. FAILED_PRECONDITION
+        with reason STALE_INCARNATION if the pool was deleted and created again:
+        fetch the pool, re-plan the worker's memory, register again.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -53,21 +53,23 @@ class KernelReply(_message.Message):
     def __init__(self, violations: _Optional[_Iterable[_Union[ViolationRecord, _Mapping]]] = ..., kernel_seconds: _Optional[float] = ...) -> None: ...
 
 class AppendKVRequest(_message.Message):
-    __slots__ = ("layer", "k", "v", "slot_mapping", "policy")
+    __slots__ = ("layer", "k", "v", "slot_mapping", "policy", "pool_incarnation")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     V_FIELD_NUMBER: _ClassVar[int]
     SLOT_MAPPING_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
+    POOL_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     layer: int
     k: _common_pb2.Tensor
     v: _common_pb2.Tensor
     slot_mapping: _common_pb2.Tensor
     policy: ViolationPolicy
-    def __init__(self, layer: _Optional[int] = ..., k: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., v: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., slot_mapping: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., policy: _Optional[_Union[ViolationPolicy, str]] = ...) -> None: ...
+    pool_incarnation: int
+    def __init__(self, layer: _Optional[int] = ..., k: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., v: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., slot_mapping: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., policy: _Optional[_Union[ViolationPolicy, str]] = ..., pool_incarnation: _Optional[int] = ...) -> None: ...
 
 class DecodeAttentionRequest(_message.Message):
-    __slots__ = ("layer", "q", "indptr", "indices", "last_page_len", "sm_scale", "policy")
+    __slots__ = ("layer", "q", "indptr", "indices", "last_page_len", "sm_scale", "policy", "pool_incarnation")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
     INDPTR_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +77,7 @@ class DecodeAttentionRequest(_message.Message):
     LAST_PAGE_LEN_FIELD_NUMBER: _ClassVar[int]
     SM_SCALE_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
+    POOL_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     layer: int
     q: _common_pb2.Tensor
     indptr: _common_pb2.Tensor
@@ -82,7 +85,8 @@ class DecodeAttentionRequest(_message.Message):
     last_page_len: _common_pb2.Tensor
     sm_scale: float
     policy: ViolationPolicy
-    def __init__(self, layer: _Optional[int] = ..., q: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., indptr: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., indices: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., last_page_len: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sm_scale: _Optional[float] = ..., policy: _Optional[_Union[ViolationPolicy, str]] = ...) -> None: ...
+    pool_incarnation: int
+    def __init__(self, layer: _Optional[int] = ..., q: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., indptr: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., indices: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., last_page_len: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sm_scale: _Optional[float] = ..., policy: _Optional[_Union[ViolationPolicy, str]] = ..., pool_incarnation: _Optional[int] = ...) -> None: ...
 
 class DecodeAttentionReply(_message.Message):
     __slots__ = ("out", "lse", "violation", "kernel_seconds")
@@ -97,26 +101,30 @@ class DecodeAttentionReply(_message.Message):
     def __init__(self, out: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., lse: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., violation: _Optional[_Union[ViolationRecord, _Mapping]] = ..., kernel_seconds: _Optional[float] = ...) -> None: ...
 
 class CopyBlocksRequest(_message.Message):
-    __slots__ = ("group", "pairs", "policy")
+    __slots__ = ("group", "pairs", "policy", "pool_incarnation")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     PAIRS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
+    POOL_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     group: int
     pairs: _common_pb2.Tensor
     policy: ViolationPolicy
-    def __init__(self, group: _Optional[int] = ..., pairs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., policy: _Optional[_Union[ViolationPolicy, str]] = ...) -> None: ...
+    pool_incarnation: int
+    def __init__(self, group: _Optional[int] = ..., pairs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., policy: _Optional[_Union[ViolationPolicy, str]] = ..., pool_incarnation: _Optional[int] = ...) -> None: ...
 
 class WorkerValidateRequest(_message.Message):
-    __slots__ = ("layer", "indptr", "indices", "last_page_len")
+    __slots__ = ("layer", "indptr", "indices", "last_page_len", "pool_incarnation")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     INDPTR_FIELD_NUMBER: _ClassVar[int]
     INDICES_FIELD_NUMBER: _ClassVar[int]
     LAST_PAGE_LEN_FIELD_NUMBER: _ClassVar[int]
+    POOL_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     layer: int
     indptr: _common_pb2.Tensor
     indices: _common_pb2.Tensor
     last_page_len: _common_pb2.Tensor
-    def __init__(self, layer: _Optional[int] = ..., indptr: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., indices: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., last_page_len: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    pool_incarnation: int
+    def __init__(self, layer: _Optional[int] = ..., indptr: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., indices: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., last_page_len: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., pool_incarnation: _Optional[int] = ...) -> None: ...
 
 class WorkerValidateReply(_message.Message):
     __slots__ = ("ok", "violation", "row_status")
@@ -169,7 +177,7 @@ class WorkerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "pool", "epoch", "layer_begin", "layer_end", "backend", "device_name", "cache_bytes", "guard_bytes", "buffers")
+    __slots__ = ("worker_id", "pool", "epoch", "layer_begin", "layer_end", "backend", "device_name", "cache_bytes", "guard_bytes", "buffers", "pool_incarnation")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -180,6 +188,7 @@ class WorkerStatus(_message.Message):
     CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     GUARD_BYTES_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    POOL_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     pool: str
     epoch: int
@@ -190,4 +199,5 @@ class WorkerStatus(_message.Message):
     cache_bytes: int
     guard_bytes: int
     buffers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, worker_id: _Optional[str] = ..., pool: _Optional[str] = ..., epoch: _Optional[int] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., backend: _Optional[str] = ..., device_name: _Optional[str] = ..., cache_bytes: _Optional[int] = ..., guard_bytes: _Optional[int] = ..., buffers: _Optional[_Iterable[str]] = ...) -> None: ...
+    pool_incarnation: int
+    def __init__(self, worker_id: _Optional[str] = ..., pool: _Optional[str] = ..., epoch: _Optional[int] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., backend: _Optional[str] = ..., device_name: _Optional[str] = ..., cache_bytes: _Optional[int] = ..., guard_bytes: _Optional[int] = ..., buffers: _Optional[_Iterable[str]] = ..., pool_incarnation: _Optional[int] = ...) -> None: ...

@@ -376,3 +376,60 @@ def test_tls_component_mounts_the_documented_secret(rendered) -> None:
     for s in ("kvservice-tls", "/etc/kvservice/tls", "--tls-cert", "--tls-key", "--tls-client-ca",
               "kvservice-probe-tls"):
         assert s in ops, f"docs/operations.md does not mention {s}"
+
+
+# ---- tokens and limits (issue #11) -----------------------------------------------------------------
+
+def _secret_of(spec: dict, container: dict, path: str) -> str:
+    """Name of the Secret whose volume holds `path` in the container (mounted read-only, no subPath)."""
+    mount = next(m for m in container["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/"))
+    assert mount.get("readOnly") is True and "subPath" not in mount, mount
+    return next(v for v in spec["volumes"] if v["name"] == mount["name"])["secret"]["secretName"]
+
+
+def _flag(args: list[str], flag: str) -> str | None:
+    return next((a.split("=", 1)[1] for a in args if a.startswith(flag + "=")), None)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_manager_and_worker_rpcs_need_tokens(rendered, variant: str) -> None:
+    """Every gRPC call to the manager and to a worker needs a bearer token; the worker has its own to the manager."""
+    docs = rendered(variant)
+    for kind, name in (("StatefulSet", "kvservice-manager"), ("Deployment", "kvworker")):
+        spec = one(docs, kind, name)["spec"]["template"]["spec"]
+        c = spec["containers"][0]
+        tokens = _flag(c["args"], "--tokens-file")
+        assert tokens, f"{kind}/{name} serves without --tokens-file"
+        assert _secret_of(spec, c, tokens) == "kvservice-tokens"
+    spec = one(docs, "Deployment", "kvworker")["spec"]["template"]["spec"]
+    c = spec["containers"][0]
+    assert _secret_of(spec, c, _flag(c["args"], "--manager-token-file")) == "kvservice-worker-token"
+    ops = (REPO / "docs" / "operations.md").read_text()
+    sec = (REPO / "docs" / "SECURITY.md").read_text()
+    for s in ("kvservice-tokens", "kvservice-worker-token", "create secret generic"):
+        assert s in ops, f"docs/operations.md does not say how to create {s}"
+    assert "kvservice-worker-token" in sec
+
+
+#: docs/SECURITY.md#limits: the manager's memory at its limits is about 6 x the message limit (one Step's
+#: request and reply with their copies), 2 x it per other gRPC thread receiving, 25 bytes per slot of
+#: max_total_slots and 200 MiB for the process itself.
+def _manager_budget(args: list[str]) -> int:
+    from kvservice.server import MAX_MESSAGE_BYTES
+    from kvservice.servicer import Limits
+
+    msg = int(_flag(args, "--max-message-bytes") or MAX_MESSAGE_BYTES)
+    threads = int(_flag(args, "--threads") or 8)
+    return 6 * msg + 2 * msg * (threads - 1) + 25 * Limits().max_total_slots + (200 << 20)
+
+
+def _bytes(quantity: str) -> int:
+    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30}
+    return int(quantity[:-2]) * units[quantity[-2:]] if quantity[-2:] in units else int(quantity)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_manager_limits_fit_its_memory_limit(rendered, variant: str) -> None:
+    c = one(rendered(variant), "StatefulSet", "kvservice-manager")["spec"]["template"]["spec"]["containers"][0]
+    limit = _bytes(c["resources"]["limits"]["memory"])
+    assert _manager_budget(c["args"]) <= limit, f"{variant}: limits need {_manager_budget(c['args'])} of {limit}"

@@ -43,6 +43,9 @@ def call(service: str, rpc: str, fn, request, timeout: float = 30.0, metadata=No
         SAMPLES[(service, rpc, code.name)].add(details[:160])
     assert code in CALLER_CODES, f"{service}.{rpc} answered {code.name}: {details!r}\nrequest: {request!r}"[:4000]
     assert code == grpc.StatusCode.OK or (details and "Traceback" not in details), (code, details)
+    # The server built a reply it could not send (the call may have changed state): the reply-size bound failed.
+    assert not (code == grpc.StatusCode.RESOURCE_EXHAUSTED and "Sent message larger than max" in details
+                and not details.startswith("CLIENT")), f"{service}.{rpc}: {details}"
     return reply
 
 
@@ -55,11 +58,26 @@ u64 = st.one_of(st.integers(0, 64), st.integers(0, U64), st.sampled_from([U64, 2
 names = st.one_of(st.sampled_from(["", "nope", "x" * 65, "bad name!", "../etc"]), st.text(max_size=80))
 
 
+#: Shapes whose int64 product wraps to a small count (0, 1, -1) or that NumPy cannot describe even empty.
+WRAPPING_SHAPES = st.sampled_from([[2**32, 2**32], [274177, 67280421310721], [2**32 + 1, 2**32 - 1], [2**62, 0],
+                                   [2**31, 0, 2**31], [0, 2**63 - 1], [2**63 - 1, 2**63 - 1, 2**63 - 1],
+                                   [2**21] * 3 + [2**1]])
+
+
 @st.composite
 def garbage_tensor(draw) -> cpb.Tensor:
-    """Any dtype code (known or not), any shape (negative, huge, many dims), any bytes."""
-    shape = draw(st.one_of(st.just([]), st.lists(st.integers(-3, 2**40), max_size=10)))
+    """Any dtype code (known or not), any shape (negative, huge, many dims, products that wrap), any bytes."""
+    shape = draw(st.one_of(st.just([]), st.lists(st.integers(-3, 2**40), max_size=10), WRAPPING_SHAPES))
     return cpb.Tensor(dtype=draw(DTYPE_CODES), shape=shape, data=draw(st.binary(max_size=96)))
+
+
+@st.composite
+def mismatched_tensor(draw, dtype: int = cpb.UINT64, itemsize: int = 8) -> cpb.Tensor:
+    """A well-typed tensor whose declared shape disagrees with its data by a little or wraps around."""
+    n = draw(st.integers(0, 6))
+    data = np.arange(1, n + 1, dtype=np.uint64).astype(f"<u{itemsize}" if itemsize == 8 else "<u4").tobytes()
+    shape = draw(st.one_of(st.sampled_from([[n + 1], [max(n - 1, 0)], [n, 2], [2, n], [n, 0]]), WRAPPING_SHAPES))
+    return cpb.Tensor(dtype=dtype, shape=shape, data=data)
 
 
 INT_DTYPES = st.sampled_from([np.int32, np.int64, np.uint64])
@@ -106,4 +124,4 @@ def maybe(strategy, p_none: int = 3):
 
 
 def tensor_or_garbage(strategy, garbage_weight: int = 1):
-    return st.one_of(*([strategy] * 4), *([garbage_tensor()] * garbage_weight))
+    return st.one_of(*([strategy] * 4), *([garbage_tensor()] * garbage_weight), mismatched_tensor())

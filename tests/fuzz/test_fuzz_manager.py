@@ -21,11 +21,13 @@ from kvservice.invariants import assert_invariants
 from kvservice.journal import Journal, JournalConfig, state_tree
 from kvservice.server import RunningServer, serve
 from kvservice.servicer import Limits
+from kvservice.status import error_info
 from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1 import block_manager_pb2_grpc as pb_grpc
 from kvservice.v1 import common_pb2 as cpb
 
 from .support import (
+    COUNTS,
     U32,
     call,
     fuzz_settings,
@@ -42,6 +44,8 @@ from .support import (
 pytestmark = pytest.mark.integration
 SVC = "BlockManager"
 FIXED = ("fz", "fzi", "fzp")        # created by the fixture, never deleted by the fuzz
+WIDE = "fzr"                        # 64 index spaces: its Step replies reach the 1 MiB message limit
+MESSAGE_LIMIT = 1 << 20
 NEW = ("new0", "new1", "new2")
 pools = st.one_of(st.sampled_from(FIXED), st.sampled_from(FIXED), st.sampled_from(NEW), names)
 mostly_fixed = mostly(st.sampled_from(FIXED), pools, 4)
@@ -62,7 +66,8 @@ def mgr(tmp_path_factory):
     state = tmp_path_factory.mktemp("fuzz-state")
     journal = Journal.open(state, lease_seconds=3600, config=JournalConfig(sync="normal", compact_every=150))
     running = serve(journal=journal, limits=Limits(max_step_sequences=64, max_step_tokens=4096,
-                                                   max_pool_slots=4096, max_pools=12), max_message_bytes=1 << 20)
+                                                   max_pool_slots=4096, max_pools=12),
+                    max_message_bytes=MESSAGE_LIMIT)
     channel = grpc.insecure_channel(f"127.0.0.1:{running.port}")
     stub = pb_grpc.BlockManagerStub(channel)
     hybrid = CacheSpec((LayerSpec(2, 64), LayerSpec(2, 128), LayerSpec(1, 64, sliding_window=32)), 16, "interleaved")
@@ -70,6 +75,9 @@ def mgr(tmp_path_factory):
                                ("fzp", CacheSpec.uniform(2, 1, 64, page_size=4), True)):
         stub.CreatePool(pb.CreatePoolRequest(name=name, cache=cache_spec_to_proto(spec), enable_prefix_caching=prefix,
                                              sizing=pb.Sizing(num_slots=64, max_seq_len=256)), timeout=10)
+    wide = CacheSpec.uniform(64, 1, 64, "float16", 16, "interleaved")
+    stub.CreatePool(pb.CreatePoolRequest(name=WIDE, cache=cache_spec_to_proto(wide),
+                                         sizing=pb.Sizing(num_slots=4096, max_seq_len=8192)), timeout=10)
     stub.RegisterWorker(pb.RegisterWorkerRequest(worker_id="fw", pool="fz", backend="cpu"), timeout=10)
     yield Manager(running, journal, stub, channel, state)
     channel.close()
@@ -244,6 +252,7 @@ def validate_requests(draw) -> pb.ValidatePageTableRequest:
 
 register_requests = st.builds(
     pb.RegisterWorkerRequest, worker_id=mostly(st.sampled_from(["fw", "w1", "w2", "", "bad id!"]), names),
+    incarnation=mostly(st.just(0), u64, 3), registered_by=mostly(st.just(""), st.text(max_size=12), 3),
     pool=mostly_fixed, layer_begin=mostly(st.integers(0, 2), small_or_huge),
     layer_end=mostly(st.integers(0, 3), small_or_huge), tp_rank=mostly(st.integers(0, 1), small_or_huge),
     tp_size=mostly(st.integers(0, 2), small_or_huge), device_name=st.text(max_size=40), device_memory_bytes=u64,
@@ -304,9 +313,45 @@ def test_register_worker(mgr, request):
 
 @fuzz_settings(60)
 @given(st.builds(pb.HeartbeatRequest, worker_id=mostly(st.sampled_from(["fw", "w1", "w2"]), names),
-                 epoch=mostly(st.integers(0, 8), u64)))
+                 epoch=mostly(st.integers(0, 8), u64), pool=st.one_of(st.just(""), pools),
+                 incarnation=mostly(st.just(0), u64, 3)))
 def test_heartbeat(mgr, request):
     call(SVC, "Heartbeat", mgr.stub.Heartbeat, request)
+
+
+@fuzz_settings(60)
+@given(st.lists(st.one_of(st.integers(1, 2200), st.integers(1900, 2100)), min_size=1, max_size=3), st.booleans(),
+       st.booleans(),
+       st.integers(0, 2**32 - 1))
+def test_step_reply_size_edges(mgr, counts, omit_tables, block_table, seed):
+    """Steps of a 64-space pool whose replies land around the 1 MiB limit: each is delivered within the limit,
+    or refused by the manager (REPLY_TOO_LARGE, or out of slots) with nothing changed; never lost in transport."""
+    rng = np.random.default_rng(seed)
+    live = live_ids(mgr, WIDE)
+    r = pb.StepRequest(pool=WIDE, omit_tables=omit_tables, include_block_table=block_table)
+    ext = [i for i in live if rng.random() < 0.6]
+    if ext:                                    # long rows decoding: their tables make the reply
+        r.extend_seq_ids.CopyFrom(tensor(ext))
+        r.extend_num_tokens.CopyFrom(tensor(rng.integers(1, 64, len(ext)), np.int64))
+    fresh = sorted(set(range(1, 200)) - set(live))[:len(counts)]
+    r.admit_seq_ids.CopyFrom(tensor(fresh))
+    r.admit_num_tokens.CopyFrom(tensor(counts, np.int64))
+    before = state_tree(mgr.running.manager, NAMESPACE_NUMBERED)["pools"][WIDE]
+    try:
+        reply = mgr.stub.Step(r, timeout=30)
+    except grpc.RpcError as exc:
+        COUNTS[(SVC, "Step (reply edge)")][exc.code().name] += 1
+        assert exc.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT), exc.details()
+        if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            assert error_info(exc).reason in ("REPLY_TOO_LARGE", "RESOURCE_EXHAUSTED"), exc.details()
+        after = state_tree(mgr.running.manager, NAMESPACE_NUMBERED)["pools"][WIDE]
+        assert after == before, "a refused step changed the pool"
+    else:
+        COUNTS[(SVC, "Step (reply edge)")]["OK"] += 1
+        assert reply.ByteSize() <= MESSAGE_LIMIT
+    if len(live_ids(mgr, WIDE)) > 6 or rng.random() < 0.3:    # keep the pool from filling up
+        mgr.stub.Step(pb.StepRequest(pool=WIDE, free_seq_ids=tensor(live_ids(mgr, WIDE))), timeout=30)
+    healthy(mgr)
 
 
 @fuzz_settings(40)

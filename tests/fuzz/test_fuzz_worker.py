@@ -3,7 +3,8 @@
 Each case must get OK or a caller-mistake status with a message (never UNKNOWN or INTERNAL),
 the worker must keep answering, and the canary bytes around every cache buffer must stay
 intact: no fuzzed kernel call may write outside its cache (CorruptGuard, the test hook, is
-fuzzed separately and its damage undone).
+fuzzed separately and its damage undone). Kernel requests carry a pool_incarnation that is
+mostly the worker's own or 0 and sometimes another: those are refused and write nothing.
 """
 
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ class Worker:
     channel: grpc.Channel
     caches: CacheSet
     spec: CacheSpec
+    incarnation: int
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +58,7 @@ def workers():
         w = serve_worker(target, name, f"fuzz-{name}", backend="cpu", test_hooks=True)
         ch = grpc.insecure_channel(f"127.0.0.1:{w.port}")
         running.append(w)
-        out[name] = Worker(wpb_grpc.WorkerStub(ch), ch, w.servicer.caches, spec)
+        out[name] = Worker(wpb_grpc.WorkerStub(ch), ch, w.servicer.caches, spec, w.identity["incarnation"])
     yield out
     for w in out.values():
         w.channel.close()
@@ -75,6 +77,12 @@ def intact(w: Worker) -> None:
 # ---- strategies ---------------------------------------------------------------------------
 policies = mostly(st.sampled_from([0, 1, 2]), st.integers(3, 2**31 - 1), 8)
 layers = mostly(st.integers(0, 2), small_or_huge)
+
+
+def incarnations(w: Worker):
+    """The worker's own pool incarnation or 0 (unchecked), and about one draw in six another one."""
+    return mostly(st.sampled_from([w.incarnation, 0]), st.one_of(st.integers(1, 2**64 - 1),
+                                                                 st.just(w.incarnation + 1)), 6)
 
 
 @st.composite
@@ -119,7 +127,7 @@ def append_requests(draw, w: Worker) -> wpb.AppendKVRequest:
     layer = draw(layers)
     kv, hd, dtype = layer_shape(w, layer)
     n = draw(st.integers(0, 5))
-    r = wpb.AppendKVRequest(layer=layer, policy=draw(policies))
+    r = wpb.AppendKVRequest(layer=layer, policy=draw(policies), pool_incarnation=draw(incarnations(w)))
     ps = w.spec.page_size
     r.slot_mapping.CopyFrom(cpb.Tensor(dtype=cpb.INT64, data=draw(page_values(w, layer, n, ps)).tobytes()))
     shape = draw(mostly(st.just((n, kv, hd)), st.sampled_from([(n, kv + 1, hd), (n + 1, kv, hd), (n, hd)])))
@@ -137,7 +145,7 @@ def append_requests(draw, w: Worker) -> wpb.AppendKVRequest:
 def decode_requests(draw, w: Worker) -> wpb.DecodeAttentionRequest:
     layer = draw(layers)
     kv, hd, dtype = layer_shape(w, layer)
-    r = wpb.DecodeAttentionRequest(layer=layer, policy=draw(policies),
+    r = wpb.DecodeAttentionRequest(layer=layer, policy=draw(policies), pool_incarnation=draw(incarnations(w)),
                                    sm_scale=draw(st.one_of(st.just(0.0), st.floats(width=32))))
     b = draw(csr(w, layer, r))
     qh = draw(mostly(st.sampled_from([kv, 2 * kv]), st.sampled_from([kv + 1, 0])))
@@ -149,7 +157,8 @@ def decode_requests(draw, w: Worker) -> wpb.DecodeAttentionRequest:
 
 @st.composite
 def copy_requests(draw, w: Worker) -> wpb.CopyBlocksRequest:
-    r = wpb.CopyBlocksRequest(group=draw(mostly(st.integers(0, 1), small_or_huge)), policy=draw(policies))
+    r = wpb.CopyBlocksRequest(group=draw(mostly(st.integers(0, 1), small_or_huge)), policy=draw(policies),
+                              pool_incarnation=draw(incarnations(w)))
     if draw(st.integers(0, 4)):
         n = draw(st.integers(0, 4))
         vals = draw(st.lists(st.one_of(st.integers(0, NUM_SLOTS - 1), st.integers(-2, NUM_SLOTS + 2),
@@ -164,7 +173,7 @@ def copy_requests(draw, w: Worker) -> wpb.CopyBlocksRequest:
 
 @st.composite
 def validate_requests(draw, w: Worker) -> wpb.WorkerValidateRequest:
-    r = wpb.WorkerValidateRequest(layer=draw(layers))
+    r = wpb.WorkerValidateRequest(layer=draw(layers), pool_incarnation=draw(incarnations(w)))
     draw(csr(w, r.layer if r.layer < 3 else 0, r))
     return r
 
@@ -175,7 +184,12 @@ def validate_requests(draw, w: Worker) -> wpb.WorkerValidateRequest:
 @given(data=st.data())
 def test_append_kv(workers, pool, data):
     w = workers[pool]
-    call(SVC, "AppendKV", w.stub.AppendKV, data.draw(append_requests(w)))
+    request = data.draw(append_requests(w))
+    stale = request.pool_incarnation not in (0, w.incarnation)
+    before = [b.raw.copy() for b in w.caches.buffers.values()] if stale else None
+    call(SVC, "AppendKV", w.stub.AppendKV, request)
+    if stale:          # refused before any kernel: not one byte of the caches changed
+        assert all(np.array_equal(a, b.raw) for a, b in zip(before, w.caches.buffers.values(), strict=True))
     intact(w)
 
 

@@ -27,7 +27,15 @@ def test_big_endian_input_is_written_little_endian():
 
 @pytest.mark.parametrize(("t", "match"), [
     (cpb.Tensor(dtype=cpb.INT64, data=b"\x00" * 7), "whole number"),
-    (cpb.Tensor(dtype=cpb.INT32, shape=[3], data=b"\x00" * 8), "does not match"),
+    (cpb.Tensor(dtype=cpb.INT32, shape=[3], data=b"\x00" * 8), "declares 3 items but the data holds 2"),
+    # issue #11 item 1: the int64 product of these extents wraps to 0 (or 1), matching empty (or 1-item) data
+    (cpb.Tensor(dtype=cpb.UINT64, shape=[2**32, 2**32]), "declares 18446744073709551616 items"),
+    (cpb.Tensor(dtype=cpb.INT64, shape=[2**32, 2**32, 1], data=b"\x01" * 8), "declares 18446744073709551616"),
+    (cpb.Tensor(dtype=cpb.INT32, shape=[2**63 - 1, 2**63 - 1, 2**63 - 1], data=b"\x01" * 4), "declares"),
+    # empty data, but extents NumPy cannot even describe
+    (cpb.Tensor(dtype=cpb.INT64, shape=[2**62, 0]), "more than 2\\^62 bytes"),
+    (cpb.Tensor(dtype=cpb.INT32, shape=[2**31, 0, 2**31]), "more than 2\\^62 bytes"),
+    (cpb.Tensor(dtype=cpb.INT32, shape=[1] * 9, data=b"\x00" * 4), "at most 8 dimensions"),
     (cpb.Tensor(dtype=cpb.INT32, shape=[-1, 2], data=b"\x00" * 8), "bad shape"),
     (cpb.Tensor(dtype=cpb.FLOAT32, data=b"\x00" * 8), "not allowed"),
     (cpb.Tensor(dtype=cpb.DTYPE_UNSPECIFIED, data=b""), "not an array dtype"),
@@ -36,6 +44,14 @@ def test_big_endian_input_is_written_little_endian():
 def test_malformed_tensors(t, match):
     with pytest.raises(InvalidArgument, match=match):
         from_tensor(t, "field")
+
+
+@pytest.mark.parametrize(("shape", "n"), [([0, 2], 0), ([0], 0), ([2**40, 0], 0), ([1, 3, 1], 3)])
+def test_empty_and_degenerate_shapes_decode(shape, n):
+    """Shapes with a zero extent (empty pairs [0, 2]) and unit extents are legal when the data agrees."""
+    data = np.arange(1, n + 1, dtype="<i8").tobytes()
+    a = from_tensor(cpb.Tensor(dtype=cpb.INT64, shape=shape, data=data), "f")
+    assert a.shape == tuple(shape) and a.ravel().tolist() == list(range(1, n + 1))
 
 
 def test_cache_spec_proto_roundtrip_run_length():

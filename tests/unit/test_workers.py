@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvservice.errors import FailedPrecondition, InvalidArgument, NotFound
+from kvservice.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from kvservice.geometry import CacheSpec
 from kvservice.manager import BlockManager
 from kvservice.planner import Sizing
@@ -58,3 +58,64 @@ def test_unknown_worker_and_pool():
         m.register_worker("w", "nope")
     m.create_pool("p", CacheSpec.uniform(4, 1, 64), Sizing(num_slots=8))
     assert m.register_worker("w", "p").layer_end == 4
+
+
+# ---- fencing (issue #11 item 6) -------------------------------------------------------------------
+def test_a_worker_id_belongs_to_its_pool_and_token():
+    clock = Clock()
+    reg = WorkerRegistry(lease_seconds=5, clock=clock)
+    reg.register("w", "tenant-b", 4, owner="tb", incarnation=7)
+    with pytest.raises(AlreadyExists) as exc:
+        reg.register("w", "tenant-a", 4, owner="ta")
+    assert exc.value.reason == "WORKER_ID_TAKEN" and "tenant-b" not in exc.value.message
+    with pytest.raises(AlreadyExists, match="another token"):
+        reg.register("w", "tenant-b", 4, owner="tb2")              # same pool, another token, lease holds
+    (rec,) = reg.workers()
+    assert (rec.pool, rec.owner, rec.epoch, rec.incarnation, rec.alive) == ("tenant-b", "tb", 1, 7, True)
+    reg.heartbeat("w", 1, "tenant-b", 7)
+    with pytest.raises(NotFound) as exc:                           # named in another pool: as if unknown
+        reg.heartbeat("w", 1, "tenant-a")
+    assert "not registered in pool 'tenant-a'" in exc.value.message and "tenant-b" not in exc.value.message
+    clock.t += 6                                                   # lease lapsed: the same tenant's other token
+    assert reg.register("w", "tenant-b", 4, owner="tb2").epoch == 2
+    with pytest.raises(AlreadyExists):                             # ... but never another pool
+        reg.register("w", "tenant-a", 4, owner="tb2")
+    assert reg.register("w", "tenant-a", 4, owner="ta", enforce=False).pool == "tenant-a"    # a journal replay
+    assert reg.drop_pool("tenant-a") == ["w"] and not reg.workers()
+
+
+def test_recreated_pool_gets_a_new_incarnation_and_fences_its_old_workers():
+    m = BlockManager()
+    m.create_pool("p", CacheSpec.uniform(4, 1, 64), Sizing(num_slots=8))
+    first = m.incarnation("p")
+    rec = m.register_worker("w", "p", incarnation=first, owner="t")
+    assert rec.incarnation == first and 0 < first < 2**63
+    m.heartbeat("w", 1, "p", first)
+    m.heartbeat("w", 1)                                            # an older worker: no pool, no incarnation
+    m.delete_pool("p", force=True)
+    assert not m.workers.workers()                                 # its workers went with it
+    m.create_pool("p", CacheSpec.uniform(6, 2, 64, layout="interleaved"), Sizing(num_slots=16))
+    second = m.incarnation("p")
+    assert second != first
+    with pytest.raises(FailedPrecondition) as exc:
+        m.heartbeat("w", 1, "p", first)
+    assert exc.value.reason == "STALE_INCARNATION" and "re-plan" in exc.value.message
+    with pytest.raises(FailedPrecondition, match="not " + str(first)):
+        m.register_worker("w", "p", incarnation=first)
+    assert m.register_worker("w", "p", incarnation=second).epoch == 1
+    assert m.register_worker("w", "p", incarnation=first, enforce=False).incarnation == second   # replay
+
+
+def test_missing_pools_are_not_listed_and_snapshots_without_incarnations_adopt_their_workers():
+    m = BlockManager()
+    m.create_pool("secret-tenant-pool", CacheSpec.uniform(2, 1, 64), Sizing(num_slots=8), incarnation=42)
+    with pytest.raises(NotFound) as exc:
+        m.incarnation("nope")
+    assert exc.value.message == "pool 'nope' does not exist"
+    m.register_worker("w", "secret-tenant-pool", incarnation=42)
+    del m._incarnations["secret-tenant-pool"]       # as a snapshot loader that predates incarnations leaves it
+    assert m.incarnation("secret-tenant-pool") == 42
+    m.restore_incarnation("secret-tenant-pool", 43)
+    assert m.incarnations() == {"secret-tenant-pool": 43}
+    with pytest.raises(InvalidArgument):
+        m.restore_incarnation("secret-tenant-pool", 0)

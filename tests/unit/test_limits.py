@@ -1,0 +1,251 @@
+"""Cost bounded before anything changes (issue #11 items 3 and 8): reply-size bounds against real replies,
+refusals that leave the pool as it was and say what would fit, token counts that cannot overflow."""
+
+import numpy as np
+import pytest
+
+from kvservice.api import ManagerAPI
+from kvservice.errors import InvalidArgument, ResourceExhausted
+from kvservice.geometry import CacheSpec, LayerSpec
+from kvservice.invariants import assert_invariants
+from kvservice.journal import state_tree
+from kvservice.limits import TENSOR_FRAMING, check_step_counts
+from kvservice.manager import BlockManager
+from kvservice.planner import Sizing
+from kvservice.v1 import block_manager_pb2 as pb
+from kvservice.wire import to_tensor
+
+HYBRID = CacheSpec((LayerSpec(2, 64), LayerSpec(2, 128), LayerSpec(1, 64, sliding_window=24)) * 2, 8, "interleaved")
+POOLS = {
+    "per_layer": (CacheSpec.uniform(4, 2, 64, page_size=4), False),
+    "interleaved64": (CacheSpec.uniform(64, 1, 64, page_size=16, layout="interleaved"), False),
+    "hybrid": (HYBRID, False),
+    "prefix": (CacheSpec.uniform(2, 1, 64, page_size=4), True),
+}
+
+
+def ids(a):
+    return to_tensor(np.asarray(a, dtype=np.uint64))
+
+
+def counts(a):
+    return to_tensor(np.asarray(a, dtype=np.int64))
+
+
+def random_step(rng, pool_name, tokens, next_id, max_seq_len):
+    """A step the pool accepts (given enough slots): frees, extensions, forks, admissions of random sizes.
+
+    tokens: seq_id -> tokens held, of the live sequences."""
+    r = pb.StepRequest(pool=pool_name, omit_tables=bool(rng.random() < 0.3),
+                       include_block_table=bool(rng.random() < 0.4))
+    live = list(tokens)
+    rng.shuffle(live)
+    free, ext, parents = live[:len(live) // 5], live[len(live) // 5:len(live) // 2], live[len(live) // 2:][:2]
+    ext_k = [int(rng.integers(1, max(2, min(40, max_seq_len - tokens[i])))) for i in ext]
+    keep = [j for j, i in enumerate(ext) if tokens[i] + ext_k[j] <= max_seq_len]
+    ext, ext_k = [ext[j] for j in keep], [ext_k[j] for j in keep]
+    if ext:
+        r.extend_seq_ids.CopyFrom(ids(ext))
+        r.extend_num_tokens.CopyFrom(counts(ext_k))
+    if free:
+        r.free_seq_ids.CopyFrom(ids(free))
+    if parents and rng.random() < 0.5:
+        r.fork_parent_ids.CopyFrom(ids(parents))
+        r.fork_child_ids.CopyFrom(ids(range(next_id, next_id + len(parents))))
+        next_id += len(parents)
+    n_adm = int(rng.integers(0, 5))
+    if n_adm:
+        r.admit_seq_ids.CopyFrom(ids(range(next_id, next_id + n_adm)))
+        r.admit_num_tokens.CopyFrom(counts(rng.integers(1, min(max_seq_len, 90), n_adm)))
+        next_id += n_adm
+    return r, next_id
+
+
+@pytest.mark.parametrize("kind", sorted(POOLS))
+def test_reply_bound_covers_every_real_reply_and_is_tight(kind):
+    """Both bounds are >= the serialized reply of the step they bound; the exact one is within framing of it."""
+    spec, prefix = POOLS[kind]
+    m = BlockManager()
+    m.create_pool("p", spec, Sizing(num_slots=3000, max_seq_len=400), (), prefix)
+    api = ManagerAPI(m)
+    rng = np.random.default_rng(11 + len(kind))
+    next_id, compared = 1, 0
+    for _ in range(60):
+        with m.locked("p") as pool:
+            live_ids, toks = pool.sequences()
+        tokens = dict(zip(live_ids.tolist(), toks.tolist(), strict=True))
+        r, next_id = random_step(rng, "p", tokens, next_id, 400)
+        exact, quick, blind = (api.step_reply_bound(r, level) for level in (2, 1, 0))
+        try:
+            reply = api.Step(r)
+        except ResourceExhausted:         # out of slots: nothing to compare
+            continue
+        size = reply.ByteSize()
+        assert size <= exact.total <= quick.total <= blind.total, (size, exact, quick, blind)
+        # Past the framing allowances (a Tensor's 64, the fixed part), the data parts are within 5 % of the reply.
+        framing = exact.rest + len(reply.tables) * 5 * TENSOR_FRAMING
+        slack = exact.total - size
+        assert slack <= framing + size // 20, (kind, size, exact)
+        compared += 1
+        with m.locked("p") as pool:
+            assert_invariants(pool)
+    assert compared > 40
+
+
+def interleaved_manager(limit, spaces=64):
+    m = BlockManager()
+    m.create_pool("p", CacheSpec.uniform(spaces, 1, 64, page_size=16, layout="interleaved"),
+                  Sizing(max_batch=200, max_seq_len=4096))
+    return m, ManagerAPI(m, max_reply_bytes=limit)
+
+
+def test_issue_reply_over_the_limit_is_refused_before_anything_changes():
+    """Issue #11 item 3, scaled: a 64-space pool, 10 x 1000 tokens, a 4 MiB limit. Refused, nothing held; the
+    retry of the same step is refused again (never ALREADY_EXISTS); split as the message says, it goes through."""
+    limit = 4 << 20
+    m, api = interleaved_manager(limit)
+    api.Step(pb.StepRequest(pool="p", admit_seq_ids=ids([500]), admit_num_tokens=counts([33])))
+    before = state_tree(m)
+    r = pb.StepRequest(pool="p", admit_seq_ids=ids(range(1, 11)), admit_num_tokens=counts([1000] * 10))
+    for _ in range(2):
+        with pytest.raises(ResourceExhausted) as exc:
+            api.Step(r)
+        assert state_tree(m) == before
+    e = exc.value
+    assert e.reason == "REPLY_TOO_LARGE" and e.metadata["limit"] == str(limit)
+    assert f"message limit of {limit} bytes" in e.message and "nothing was changed" in e.message
+    assert "10000 new tokens x 64 index spaces" in e.message and "--max-message-bytes" in e.message
+    per_step = int(e.message.split("at most about ")[1].split()[0])
+    assert 6000 < per_step < 10000
+    per_seq = per_step // 1000
+    for lo in range(1, 11, per_seq):
+        chunk = list(range(lo, min(lo + per_seq, 11)))
+        reply = api.Step(pb.StepRequest(pool="p", admit_seq_ids=ids(chunk),
+                                        admit_num_tokens=counts([1000] * len(chunk))))
+        assert 0 < reply.ByteSize() <= limit
+    with m.locked("p") as pool:
+        assert pool.num_sequences == 11
+        assert_invariants(pool)
+
+
+@pytest.mark.parametrize(("flags", "advice", "fix"), [
+    ({"include_block_table": True}, "leave include_block_table off", {"include_block_table": False}),
+    ({}, "set omit_tables", {"omit_tables": True}),
+])
+def test_refusal_names_the_option_that_makes_it_fit(flags, advice, fix):
+    """Long sequences decoding one token each: tables (or block tables) dominate; the named option fits."""
+    m, unlimited = interleaved_manager(0, spaces=8)
+    ids_ = list(range(1, 161))
+    unlimited.Step(pb.StepRequest(pool="p", admit_seq_ids=ids(ids_), admit_num_tokens=counts([4000] * 160),
+                                  omit_tables=True))
+    step = pb.StepRequest(pool="p", extend_seq_ids=ids(ids_), extend_num_tokens=counts([1] * 160), **flags)
+    size = unlimited.step_reply_bound(step).total
+    without = unlimited.step_reply_bound(pb.StepRequest(**{**_fields(step), **fix})).total
+    limit = (size + without) // 2
+    api = ManagerAPI(m, max_reply_bytes=limit)
+    before = state_tree(m)
+    with pytest.raises(ResourceExhausted) as exc:
+        api.Step(step)
+    assert advice in exc.value.message and state_tree(m) == before
+    fixed = pb.StepRequest(**{**_fields(step), **fix})
+    assert api.Step(fixed).ByteSize() <= limit
+
+
+def _fields(msg):
+    return {f.name: v for f, v in msg.ListFields()}
+
+
+def test_counts_over_max_seq_len_are_refused_before_the_pool_adds_them():
+    """Issue #11 item 8: with no server cap, counts near 2^63 wrapped inside the pool; a step holding them also
+    admitted 65,536 sequences, which stayed behind with zero tokens. Now refused first, nothing changed."""
+    m = BlockManager()
+    m.create_pool("p", CacheSpec.uniform(2, 1, 64), Sizing(num_slots=200_000, max_seq_len=4096))
+    api = ManagerAPI(m)
+    api.Step(pb.StepRequest(pool="p", admit_seq_ids=ids([1, 2]), admit_num_tokens=counts([5, 5])))
+    before = state_tree(m)
+    for dtype, big in ((np.int64, 2**63 - 1), (np.uint64, 2**64 - 1), (np.int64, 4097)):
+        r = pb.StepRequest(pool="p", extend_seq_ids=ids([1, 2]),
+                           extend_num_tokens=to_tensor(np.array([big, big - 2], dtype=dtype)),
+                           admit_seq_ids=ids(np.arange(10, 10 + 65_536)), admit_num_tokens=counts(np.ones(65_536)))
+        with pytest.raises(InvalidArgument) as exc:
+            api.Step(r)
+        assert "max_seq_len=4096" in exc.value.message or "must be > 0" in exc.value.message
+        assert state_tree(m) == before
+    with m.locked("p") as pool:
+        assert pool.sequences()[1].tolist() == [5, 5]
+        assert_invariants(pool)
+
+
+def test_page_sums_that_could_wrap_are_summed_exactly():
+    """A batch whose int64 page sums could pass 2^62 is summed in Python integers and refused by its least need."""
+    big = np.full(4, 2**61, dtype=np.int64)
+    with pytest.raises(ResourceExhausted, match="needs at least 9223372036854775808 slots"):
+        check_step_counts("p", 2**61, 2**40, 1, [("admit_num_tokens", big)])
+    check_step_counts("p", 2**61, 2**40, 1, [("admit_num_tokens", big[:1])])     # one count: no sum to wrap
+    with pytest.raises(InvalidArgument, match=r"admit_num_tokens\[2\] = 9"):
+        check_step_counts("p", 8, 100, 1, [("admit_num_tokens", np.array([1, 2, 9]))])
+
+
+def test_total_slots_bound_the_memory_of_all_pools():
+    """max_total_slots sums slots x groups over pools: many pools each under max_pool_slots cannot add up past it."""
+    from kvservice.journal import create_request
+    from kvservice.servicer import Limits
+
+    m = BlockManager()
+    lim = Limits(max_pool_slots=1000, max_total_slots=2500)
+    two_groups = CacheSpec((LayerSpec(1, 64), LayerSpec(1, 64, sliding_window=32)), 16)
+    for name in ("a", "b"):
+        lim.check("CreatePool", create_request(name, two_groups, Sizing(num_slots=500), ()), m)
+        m.create_pool(name, two_groups, Sizing(num_slots=500))
+    assert m.total_slots() == 2000
+    with pytest.raises(ResourceExhausted) as exc:
+        lim.check("CreatePool", create_request("c", two_groups, Sizing(num_slots=300), ()), m)
+    assert exc.value.reason == "LIMIT_EXCEEDED" and "hold 2000 of its 2500" in exc.value.message
+    lim.check("CreatePool", create_request("c", two_groups, Sizing(num_slots=250), ()), m)   # exactly 2500
+    m.delete_pool("a")
+    lim.check("CreatePool", create_request("c", two_groups, Sizing(num_slots=300), ()), m)
+
+
+def test_listings_that_could_pass_the_limit_are_refused_or_lowered():
+    """ListSequences without a limit over the message limit: refused, naming a limit that fits (which does).
+    ValidatePageTable lists at most 1,000 violations whatever max_reports says."""
+    m = BlockManager()
+    m.create_pool("p", CacheSpec.uniform(1, 1, 64, page_size=1), Sizing(num_slots=5000, max_seq_len=8))
+    ManagerAPI(m).Step(pb.StepRequest(pool="p", admit_seq_ids=ids(np.arange(1, 3001) * 2**40),
+                                      admit_num_tokens=counts(np.full(3000, 1))))
+    limit = 50_000
+    api = ManagerAPI(m, max_reply_bytes=limit)
+    with pytest.raises(ResourceExhausted) as exc:
+        api.ListSequences(pb.ListSequencesRequest(pool="p"))
+    fits = int(exc.value.metadata["fits"])
+    assert exc.value.reason == "REPLY_TOO_LARGE" and f"pass limit <= {fits}" in exc.value.message
+    reply = api.ListSequences(pb.ListSequencesRequest(pool="p", limit=fits))
+    assert len(reply.sequences) == fits and reply.total == 3000 and reply.ByteSize() <= limit
+    bad = np.full(5000, 10**6, dtype=np.int64)                    # every index out of bounds
+    report = api.ValidatePageTable(pb.ValidatePageTableRequest(
+        pool="p", layer=0, indptr=counts([0, 5000]), indices=counts(bad), last_page_len=counts([1]),
+        max_reports=2**32 - 1))
+    assert report.num_violations == 5000 and len(report.violations) == 1000
+
+
+def test_one_long_prompt_among_thousands_of_short_ones_costs_its_tokens_not_a_padded_matrix():
+    """One 100,000-token prompt among 4,095 one-token admissions: a 900 KB request that the prefix lookup
+    once padded to 4096 x 100,000 int64s (3 GiB). Prompt pages are ragged now: the step runs in one go
+    and its peak Python-side allocation stays a small multiple of the prompt's tokens."""
+    import tracemalloc
+    m = BlockManager()
+    m.create_pool("p", CacheSpec.uniform(2, 1, 64), Sizing(num_slots=20_000, max_seq_len=200_000), (), True)
+    api = ManagerAPI(m, max_reply_bytes=128 << 20)
+    n = np.ones(4096, np.int64)
+    n[0] = 100_000
+    tokens = np.random.default_rng(3).integers(1, 50_000, int(n.sum()))
+    req = pb.StepRequest(pool="p", admit_seq_ids=ids(np.arange(1, 4097)), admit_num_tokens=counts(n),
+                         admit_token_ids=counts(tokens), omit_tables=True)
+    tracemalloc.start()
+    api.Step(req)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 100 * int(n.sum()) * 8, f"peak {peak} bytes for {int(n.sum())} tokens"     # ~80 MB; 3 GiB before
+    with m.locked("p") as pool:
+        assert pool.num_sequences == 4096
+        assert_invariants(pool)
