@@ -282,7 +282,8 @@ def test_journal_failure_stops_the_server(tmp_path):
 
 def test_workers_keep_their_lease_and_epoch_across_a_manager_restart(tmp_path):
     state = tmp_path / "state"
-    m = start(tmp_path, "run1", state, "--lease-seconds", "1.5")
+    lease = 4.0            # heartbeats every lease / 3: long enough that a loaded 2-core CI box keeps up
+    m = start(tmp_path, "run1", state, "--lease-seconds", str(lease))
     port = m.target.rsplit(":", 1)[1]
     with BlockManagerClient(m.target) as c:
         c.wait_ready()
@@ -298,12 +299,12 @@ def test_workers_keep_their_lease_and_epoch_across_a_manager_restart(tmp_path):
             (w,) = c.workers("w")
         kill9(m)
         time.sleep(0.5)
-        m = start(tmp_path, "run2", state, "--lease-seconds", "1.5", "--listen", f"127.0.0.1:{port}")
-        time.sleep(3.2)                                    # two leases: a worker that stopped beating would be dead
+        m = start(tmp_path, "run2", state, "--lease-seconds", str(lease), "--listen", f"127.0.0.1:{port}")
+        time.sleep(2 * lease + 0.2)                        # two leases: a worker that stopped beating would be dead
         with BlockManagerClient(m.target) as c:
             (w2,) = c.workers("w")
         assert (w2.worker_id, w2.epoch, w2.alive) == ("w0", w.epoch, True)
-        assert w2.seconds_since_heartbeat < 1.5
+        assert w2.seconds_since_heartbeat < lease
     finally:
         worker.terminate()
         worker.wait(10)
