@@ -179,6 +179,21 @@ class BlockManagerClient:
     def workers(self, pool: str = "", timeout: float | None = None) -> list[pb.WorkerInfo]:
         return list(self._call(self._stub.ListWorkers, pb.ListWorkersRequest(pool=pool), timeout).workers)
 
+    def score_prefix(self, token_ids: object, salt: str = "", extra_key: str = "", pools: tuple[str, ...] = (),
+                     model: str = "", timeout: float | None = None) -> pb.ScorePrefixReply:
+        """Tokens of a prompt (int64 [n]) each pool's prefix cache holds now (see BlockManager.ScorePrefix)."""
+        req = codec.score_request(token_ids, salt, extra_key, pools, model)
+        return self._call(self._stub.ScorePrefix, req, timeout)
+
+    def watch_events(self, pool: str, from_sequence: int = 0, timeout: float | None = None) -> Any:
+        """The pool's KV event batches (pb.KVEventBatch) from from_sequence on (0 = a reset, then live).
+
+        Returns the call: iterate it for batches, .cancel() to stop. Not retried: to resume after an
+        error, call again with the last sequence received + 1. timeout: for the whole stream (None = none).
+        """
+        return self._stub.WatchEvents(pb.WatchEventsRequest(pool=pool, from_sequence=from_sequence), timeout=timeout,
+                                      metadata=self._metadata)
+
     def echo(self, payload: bytes = b"", timeout: float | None = None) -> bytes:
         return self._call(self._stub.Echo, pb.EchoRequest(payload=payload), timeout).payload
 

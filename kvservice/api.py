@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from . import convert
+from . import convert, events_proto
 from .errors import InvalidArgument
 from .manager import BlockManager
 from .pagetable import PageTable, validate_page_table
@@ -34,7 +34,7 @@ class ManagerAPI:
     def CreatePool(self, request: pb.CreatePoolRequest) -> pb.PoolInfo:
         spec = convert.cache_spec_from_proto(request.cache)
         self.manager.create_pool(request.name, spec, convert.sizing_from_proto(request.sizing),
-                                 tuple(request.backends), request.enable_prefix_caching)
+                                 tuple(request.backends), request.enable_prefix_caching, request.model)
         with self.manager.locked(request.name) as pool:
             return convert.pool_info(pool)
 
@@ -63,6 +63,7 @@ class ManagerAPI:
                             fork_children=args["fork_child_ids"], admit_token_ids=args["admit_token_ids"],
                             admit_salts=list(request.admit_cache_salts) or None,
                             admit_extra_keys=list(request.admit_extra_keys) or None)
+            self.manager.events.after_step(pool, args["admit_num_tokens"], args["admit_token_ids"] is not None)
         reply = pb.StepReply(layer_index_space=pool.layer_space, num_free_slots=res.num_free_slots)
         fill_tensor(reply.seq_ids, res.seq_ids)
         fill_tensor(reply.num_tokens, res.num_tokens)
@@ -139,6 +140,9 @@ class ManagerAPI:
     def Heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatReply:
         self.manager.workers.heartbeat(request.worker_id, request.epoch)
         return pb.HeartbeatReply(lease_seconds=self.manager.workers.lease_seconds)
+
+    def ScorePrefix(self, request: pb.ScorePrefixRequest) -> pb.ScorePrefixReply:
+        return events_proto.score_prefix(self.manager, request)
 
     def ListWorkers(self, request: pb.ListWorkersRequest) -> pb.ListWorkersReply:
         reg = self.manager.workers

@@ -161,6 +161,10 @@ def _workers_reply(reply: pb.ListWorkersReply, g: Grant) -> pb.ListWorkersReply:
     return pb.ListWorkersReply(workers=[w for w in reply.workers if g.allows_pool(w.pool)])
 
 
+def _scores_reply(reply: pb.ScorePrefixReply, g: Grant) -> pb.ScorePrefixReply:
+    return pb.ScorePrefixReply(num_tokens=reply.num_tokens, scores=[s for s in reply.scores if g.allows_pool(s.pool)])
+
+
 def _pool(r: Any) -> str:
     return r.pool
 
@@ -180,6 +184,7 @@ def manager_rules(worker_pool: Callable[[str], str | None]) -> dict[str, Rule]:
         "ListWorkers": Rule("read", _pool_or_all, _workers_reply),
         "Step": Rule("write", _pool), "RegisterWorker": Rule("write", _pool),
         "Heartbeat": Rule("write", lambda r: worker_pool(r.worker_id)),
+        "ScorePrefix": Rule("read", filter=_scores_reply), "WatchEvents": Rule("read", _pool),
     }
 
 
@@ -244,6 +249,10 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
             log.warning("refused %s for token %r: role %s, needs %s", details.method, grant.name, grant.role, rule.role)
             return _deny(handler, grpc.StatusCode.PERMISSION_DENIED,
                          f"token {grant.name!r} has role {grant.role}; {name} needs {rule.role}")
+        if handler.unary_stream is not None:           # WatchEvents: the pool is checked before streaming
+            return grpc.unary_stream_rpc_method_handler(
+                self._scoped(handler.unary_stream, rule, grant, name),
+                request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
         if handler.unary_unary is None:
             return handler
         return grpc.unary_unary_rpc_method_handler(

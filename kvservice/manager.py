@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from .errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from .event_log import EventHub
 from .geometry import CacheSpec
 from .planner import Plan, Sizing, plan
 from .pool import Pool
@@ -24,17 +25,20 @@ class BlockManager:
         self._pools: dict[str, Pool] = {}
         self._locks: dict[str, threading.Lock] = {}
         self._lock = threading.Lock()
+        self.events = EventHub(self)         # KV event logs of the pools (event_log.py)
 
     def create_pool(self, name: str, spec: CacheSpec, sizing: Sizing, backends: tuple[str, ...] = (),
-                    prefix_caching: bool = False) -> Pool:
+                    prefix_caching: bool = False, model: str = "") -> Pool:
         """Plan and create a pool; AlreadyExists if the name is taken."""
         if not _NAME.match(name):
             raise InvalidArgument(f"pool name {name!r} must match [A-Za-z0-9_.-]{{1,64}}")
+        if len(model) > 256 or not model.isprintable():
+            raise InvalidArgument(f"model name must be at most 256 printable characters, got {len(model)}")
         planned: Plan = plan(spec, sizing, backends)
         with self._lock:
             if name in self._pools:
                 raise AlreadyExists(f"pool {name!r} already exists", pool=name)
-            pool = Pool(name, planned, prefix_caching)
+            pool = Pool(name, planned, prefix_caching, model)
             self._pools[name] = pool
             self._locks[name] = threading.Lock()
             return pool
@@ -49,6 +53,7 @@ class BlockManager:
                     pool=name, sequences=pool.num_sequences)
             del self._pools[name]
             del self._locks[name]
+        self.events.pool_deleted(name)
 
     def register_worker(self, worker_id: str, pool: str, **fields: object) -> WorkerRecord:
         """Register a worker of an existing pool (see WorkerRegistry.register for fields)."""

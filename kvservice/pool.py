@@ -22,6 +22,7 @@ import numpy as np
 
 from .allocator import SlotAllocator
 from .errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from .events import PoolEvents
 from .geometry import IndexSpace
 from .pagetable import PageTable
 from .planner import Plan
@@ -105,8 +106,9 @@ def _strs(name: str, values: object, n: int) -> list[str]:
 class Pool:
     """Named pool of slots with its sequences. Not thread-safe: the manager serialises calls."""
 
-    def __init__(self, name: str, plan: Plan, prefix_caching: bool = False) -> None:
+    def __init__(self, name: str, plan: Plan, prefix_caching: bool = False, model: str = "") -> None:
         self.name = name
+        self.model = model                        # the model served from this pool ("" = unnamed)
         self.plan = plan
         geo = plan.geometry
         self.page_size = geo.spec.page_size
@@ -119,6 +121,9 @@ class Pool:
             raise InvalidArgument("prefix caching with sliding-window layer groups is not supported; create the "
                                   "pool without enable_prefix_caching or without sliding layers")
         self.prefix = PrefixCache(self.allocators[0], self.page_size) if prefix_caching else None
+        self.events = PoolEvents()                # KV events of the prefix cache (events.py)
+        if self.prefix is not None:
+            self.prefix.sink = self.events.source(0, self.windows[0], geo.num_slots)
         self._sharing = prefix_caching          # slots may have several owners
         self._rows: dict[int, int] = {}          # seq_id -> row (source of truth)
         self._sorted: tuple[np.ndarray, np.ndarray] | None = None  # (ids, rows) by id; None = stale

@@ -74,6 +74,7 @@ class PrefixCache:
         self.tokens = np.zeros((n, page_size), dtype=np.int64)
         self._namespaces: dict[tuple[str, str], int] = {}
         self.hits = 0                   # pages served from the cache
+        self.sink = None                # events.GroupEventSource told of every page registered and forgotten
         allocator.on_evict = self.forget
         allocator.caching = True
 
@@ -137,12 +138,16 @@ class PrefixCache:
         self.parent[s] = parents[keep]
         self.namespace[s] = ns[keep]
         self.tokens[s] = pages[keep]
+        if self.sink is not None:
+            self.sink.stored(slots, parents, hashes, pages, keep, self.hash)
 
     def forget(self, slot: int) -> None:
         """Drop a slot's page from the cache (it is being reused for something else)."""
         h = int(self.hash[slot])
         if h and self.by_hash.get(h) == slot:
             del self.by_hash[h]
+            if self.sink is not None:
+                self.sink.removed(h, slot)
         self.hash[slot] = 0
         self.parent[slot] = -2
         self.namespace[slot] = -1
