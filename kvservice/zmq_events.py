@@ -32,7 +32,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from .errors import KVError
+from .errors import InvalidArgument, KVError
 from .event_log import EventHub, LoggedBatch, Subscription
 from .events import AllBlocksCleared as DomainCleared
 from .events import BlockRemoved as DomainRemoved
@@ -117,6 +117,29 @@ class ZmqConfig:
     medium: str = MEDIUM_GPU
     data_parallel_rank: int = 0
     hwm: int = 100_000
+
+
+def zmq_configs(endpoints: list[str], replays: list[str], default_pool: str, topic: str = "",
+                medium: str = MEDIUM_GPU) -> tuple[ZmqConfig, ...]:
+    """Publishers from ``[POOL=]ENDPOINT`` flags (no POOL = default_pool); each replay endpoint goes to the
+    publisher of its pool. InvalidArgument for a replay endpoint without a publisher or a pool named twice."""
+    def split(flag: str) -> tuple[str, str]:
+        pool, sep, endpoint = flag.partition("=")
+        return (pool, endpoint) if sep and "://" not in pool else (default_pool, flag)
+
+    pubs: dict[str, str] = {}
+    for flag in endpoints:
+        pool, endpoint = split(flag)
+        if pool in pubs:
+            raise InvalidArgument(f"--kv-events-zmq: pool {pool!r} is published twice ({pubs[pool]}, {endpoint})")
+        pubs[pool] = endpoint
+    rep: dict[str, str] = {}
+    for flag in replays:
+        pool, endpoint = split(flag)
+        if pool not in pubs:
+            raise InvalidArgument(f"--kv-events-replay {flag}: pool {pool!r} has no --kv-events-zmq publisher")
+        rep[pool] = endpoint
+    return tuple(ZmqConfig(pool, endpoint, rep.get(pool, ""), topic, medium) for pool, endpoint in pubs.items())
 
 
 def _binds(endpoint: str) -> bool:
@@ -236,4 +259,5 @@ class ZmqPublisher:
         self._replay.send_multipart((ident, b"", END_SEQ, b""))
 
 
-__all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "KVEventBatch", "ZmqConfig", "ZmqPublisher", "to_vllm"]
+__all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "KVEventBatch", "ZmqConfig", "ZmqPublisher", "to_vllm",
+           "zmq_configs"]
