@@ -22,6 +22,7 @@ import pytest
 import zmq
 
 from clients import BlockManagerClient, ClientError
+from kvservice.auth import TokenTable
 from kvservice.event_log import EventsConfig
 from kvservice.events import apply_events
 from kvservice.events_proto import proto_to_events
@@ -337,3 +338,32 @@ def test_watch_events_resumes_exactly_after_a_restart(tmp_path):
         old.stop()
     finally:
         m.stop()
+
+
+def test_tokens_scope_watch_events_and_scores_to_their_pools():
+    tokens = TokenTable.from_yaml(
+        "tokens:\n  - {name: admin, token: admin-0123456789abcdef, pools: ['*'], role: admin}\n"
+        "  - {name: sched-a, token: sched-a-0123456789abcdef, pools: [a], role: write}\n")
+    running = serve("127.0.0.1:0", tokens=tokens)
+    target = f"127.0.0.1:{running.port}"
+    try:
+        with BlockManagerClient(target, token="admin-0123456789abcdef") as admin:
+            for name in ("a", "b"):
+                admin.create_pool(name, SPEC, SIZING, prefix_caching=True)
+                admin.step(name, admit=[1], admit_tokens=[20], admit_token_ids=np.arange(1, 21))
+        with BlockManagerClient(target, token="sched-a-0123456789abcdef") as c:
+            with pytest.raises(ClientError) as err:
+                next(iter(c.watch_events("b", 0)))
+            assert err.value.code == grpc.StatusCode.PERMISSION_DENIED and "may not use pool 'b'" in err.value.message
+            stream = c.watch_events("a", 0)
+            first = next(iter(stream))
+            stream.cancel()
+            assert first.reset and first.sequence == 1
+            assert {e.WhichOneof("event") for e in first.events} == {"all_blocks_cleared", "block_stored"}
+            scores = c.score_prefix(np.arange(1, 21))
+            assert [(s.pool, s.cached_tokens) for s in scores.scores] == [("a", 16)]
+        with BlockManagerClient(target) as anonymous, pytest.raises(ClientError) as err:
+            next(iter(anonymous.watch_events("a", 0)))
+        assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        running.stop(0)
