@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .hash_index import HashSlots
+
 FULL_ATTENTION = "full_attention"
 SLIDING_WINDOW = "sliding_window"
 #: Pending changes (pages) a pool keeps when nobody takes its batches (a pool used without a
@@ -101,9 +103,10 @@ class GroupEventSource:
 
     parent_hash[slot]: uint64 [num_slots], hash of the parent page of the page registered in slot
     (0 = none), kept so that the cache's whole state can be described again (:func:`state_events`).
+    index: the cache's hashes -> slots as a NumPy table (hash_index.py), for ScorePrefix.
     """
 
-    __slots__ = ("group", "kind", "parent_hash", "pending", "sliding_window")
+    __slots__ = ("group", "index", "kind", "parent_hash", "pending", "sliding_window")
 
     def __init__(self, pending: _Pending, group: int, sliding_window: int, num_slots: int) -> None:
         self.pending = pending
@@ -111,6 +114,7 @@ class GroupEventSource:
         self.sliding_window = sliding_window
         self.kind = SLIDING_WINDOW if sliding_window else FULL_ATTENTION
         self.parent_hash = np.zeros(num_slots, dtype=np.uint64)
+        self.index = HashSlots(num_slots)
 
     def stored(self, slots: np.ndarray, parents: np.ndarray, hashes: np.ndarray, pages: np.ndarray,
                keep: np.ndarray, slot_hash: np.ndarray) -> None:
@@ -131,6 +135,11 @@ class GroupEventSource:
         parent_h = parent_h.astype(np.uint64)
         h = hashes[keep]
         self.parent_hash[slots[keep]] = parent_h
+        if self.index.full_after(len(keep)):
+            live = np.flatnonzero(slot_hash)
+            self.index.rebuild(slot_hash[live], live)
+        else:
+            self.index.insert(h, slots[keep].astype(np.int64))
         if not self.pending.add(len(keep)):
             return
         cuts = np.flatnonzero(parent_h[1:] != h[:-1]) + 1        # a new chain where the parent is not the last page

@@ -7,12 +7,15 @@ indexed *and* whose cached page matches the prompt's tokens, namespace (salt + e
 parent page, at most ``(n - 1) // page_size`` pages. Nothing changes (no LRU touch, no pin).
 
 Cost: the prompt's page hashes are computed once per namespace id (NumPy over the pages, the
-chain in Python integers), lazily in chunks of pages, and each pool is walked chunk by chunk
-only while it keeps matching: a pool that misses at page 3 costs a few dictionary lookups.
+chain in Python integers) and shared by the pools. A pool that does not hold the first page
+costs one dictionary lookup; the others are checked with NumPy over all pages at once, looking
+hashes up in the cache's NumPy mirror of its index (hash_index.py), in two rounds (the first
+FIRST_PAGES pages, then the rest) so that a pool missing early costs little.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import repeat
 
@@ -24,8 +27,8 @@ from .prefix import _GOLD, _M1, _M2, _mix, page_hashes
 
 #: Prompt tokens one ScorePrefix may carry.
 MAX_SCORE_TOKENS = 1 << 20
-#: Pages hashed and checked per round; later rounds run only while some pool still matches.
-CHUNK_PAGES = 256
+#: Pages checked in the first round; the rest only if all of them were hits.
+FIRST_PAGES = 64
 _MASK = (1 << 64) - 1
 _GOLD_I, _M1_I, _M2_I = int(_GOLD), int(_M1), int(_M2)
 
@@ -46,7 +49,7 @@ class PrefixScore:
 
 
 class _Chain:
-    """Chained page hashes of one prompt for one namespace id, computed in chunks on demand.
+    """Chained page hashes of one prompt for one namespace id, computed on demand (shared by the pools).
 
     Equal to prefix.page_hashes(pages[None], [ns])[0] (tests hold it to that).
     pages: int64 [P, page_size].
@@ -56,19 +59,27 @@ class _Chain:
         self.pages = pages
         self.h = _mix_int((ns + _GOLD_I) & _MASK)
         self.out: list[int] = []
-        self._page_h: np.ndarray | None = None
+        self._array = np.zeros(0, dtype=np.uint64)
+        self._page_h: list[int] | None = None
 
-    def upto(self, n: int) -> list[int]:
-        """The hashes computed so far, at least the first n pages' (n <= P). Read-only."""
-        if len(self.out) < n:
-            if self._page_h is None:
-                self._page_h = _page_only_hashes(self.pages)
-            h, out = self.h, self.out
-            for j, ph in enumerate(self._page_h[len(out):n].tolist(), start=len(out)):
-                h = _mix_int(h ^ ph ^ ((j * _M2_I) & _MASK))
-                out.append(h or 1)
-            self.h = h
-        return self.out
+    def upto(self, n: int) -> np.ndarray:
+        """uint64 [>= n]: the hashes of at least the first n pages (n <= P). Read-only."""
+        if len(self._array) >= n:
+            return self._array
+        if self._page_h is None:
+            self._page_h = _page_only_hashes(self.pages).tolist()
+        h, out, m1, m2, mask = self.h, self.out, _M1_I, _M2_I, _MASK
+        for j in range(len(out), n):             # prefix._mix, inlined: this loop is the cost of a long prompt
+            x = h ^ self._page_h[j] ^ ((j * m2) & mask)
+            x ^= x >> 30
+            x = (x * m1) & mask
+            x ^= x >> 27
+            x = (x * m2) & mask
+            h = x ^ (x >> 31)
+            out.append(h or 1)
+        self.h = h
+        self._array = np.array(out, dtype=np.uint64)
+        return self._array
 
 
 def _mix_int(x: int) -> int:
@@ -92,28 +103,45 @@ def _page_only_hashes(pages: np.ndarray) -> np.ndarray:
 
 def chained_hashes(pages: np.ndarray, ns: int) -> np.ndarray:
     """uint64 [P]: the Step's chained hashes of one prompt's full pages (int64 [P, page_size]) in namespace ns."""
-    return np.array(_Chain(pages, ns).upto(len(pages)), dtype=np.uint64)
+    return _Chain(pages, ns).upto(len(pages))[:len(pages)].copy()
 
 
-def _cached_pages(cache: object, pages: np.ndarray, limit: int, ns: int, chain: _Chain | None) -> int:
-    """Pages of the prompt the cache would serve now (PrefixCache.match's rule, walked chunk by chunk)."""
+def _candidates(cache: object, hashes: np.ndarray) -> np.ndarray:
+    """int64 [n]: the slot registered for each hash, or -1 (the NumPy mirror when the cache has one)."""
+    index = getattr(getattr(cache, "sink", None), "index", None)
+    if index is not None:
+        cand = index.lookup(hashes)
+        stale = cand >= 0
+        stale[stale] = cache.hash[cand[stale]] != hashes[stale]      # forgotten since: not a candidate
+        cand[stale] = -1
+        return cand
     get = cache.by_hash.get
-    prev = -1
-    lo = 0
-    while lo < limit:
-        hi = min(limit, lo + CHUNK_PAGES)
-        hashes = chain.upto(hi)[lo:hi] if chain is not None else \
-            cache.hash_fn(pages[None, :hi], np.array([ns], dtype=np.int64))[0, lo:hi].tolist()
-        cand = np.fromiter(map(get, hashes, repeat(-1)), dtype=np.int64, count=hi - lo)
+    return np.fromiter(map(get, hashes.tolist(), repeat(-1)), dtype=np.int64, count=len(hashes))
+
+
+def _cached_pages(cache: object, pages: np.ndarray, limit: int, ns: int,
+                  hashes_upto: Callable[[int], np.ndarray]) -> int:
+    """Pages of the prompt the cache would serve now (PrefixCache.match's rule).
+
+    Checked in two rounds, the first FIRST_PAGES pages and then the rest, so a pool that misses early
+    costs little. hashes_upto(n): uint64 [>= n], the prompt's chained hashes.
+    """
+    if cache.by_hash.get(int(hashes_upto(1)[0])) is None:
+        return 0
+    prev, lo = -1, 0
+    for hi in (min(limit, FIRST_PAGES), limit):
+        if hi <= lo:
+            continue
+        h = hashes_upto(hi)[lo:hi]
+        cand = _candidates(cache, h)
         safe = np.maximum(cand, 0)
         ok = cand >= 0
         ok &= cache.namespace[safe] == ns
-        ok &= (cache.tokens[safe] == pages[lo:hi]).all(axis=1)
         ok &= cache.parent[safe] == np.concatenate(([prev], cand[:-1]))
+        ok &= (cache.tokens[safe] == pages[lo:hi]).all(axis=1)
         if not ok.all():
             return lo + int(np.argmin(ok))
-        prev = int(cand[-1])
-        lo = hi
+        prev, lo = int(cand[-1]), hi
     return limit
 
 
@@ -157,12 +185,15 @@ def score_prefix(manager: BlockManager, token_ids: np.ndarray, salt: str = "", e
                     ns = int(ids[0])
                     full = len(tok) // ps
                     pages = tok[:full * ps].reshape(full, ps)
-                    chain = None
                     if cache.hash_fn is page_hashes:
                         chain = chains.get((ps, ns))
                         if chain is None:
                             chain = chains[(ps, ns)] = _Chain(pages, ns)
-                    hits = _cached_pages(cache, pages, (len(tok) - 1) // ps, ns, chain)
+                        upto = chain.upto
+                    else:                       # an injected hash function (tests): its hashes, all at once
+                        own = cache.hash_fn(pages[None], np.array([ns], dtype=np.int64))[0]
+                        upto = lambda n, own=own: own         # noqa: E731
+                    hits = _cached_pages(cache, pages, (len(tok) - 1) // ps, ns, upto)
             out.append(PrefixScore(name, hits * ps, ps, cache is not None, tuple(alive.get(name, ()))))
     return out
 
