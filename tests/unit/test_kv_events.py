@@ -61,6 +61,7 @@ def check_event(e, ref: Reference):
 def run_workload(m, pool_name, steps, seed, on_step=None):
     rng = np.random.default_rng(seed)
     w, ref = Workload(rng), Reference()
+    w.looked = 0                      # prompt pages the admissions looked up: (n - 1) // page_size each
     api_pool, lock = m.pool_and_lock(pool_name)
     for k in range(steps):
         kw = w.step(pressure=False)
@@ -68,6 +69,7 @@ def run_workload(m, pool_name, steps, seed, on_step=None):
             with lock:
                 api_pool.step(**pool_step_args(kw))
                 m.events.after_step(api_pool, [len(p) for p in kw["prompts"]], True)
+            w.looked += sum((len(p) - 1) // PS for p in kw["prompts"])
         except ResourceExhausted:
             kw = w.step(pressure=True)
             with lock:
@@ -224,3 +226,31 @@ def test_pickled_pool_keeps_the_sequence_and_the_sink():
     assert copy.events.seq == pool.events.seq > 0
     assert copy.prefix.sink is copy.events.sources[0]
     assert np.array_equal(copy.prefix.sink.parent_hash, pool.prefix.sink.parent_hash)
+
+
+def test_metrics_count_lookups_hits_events_and_lag():
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvservice.event_metrics import EventCollector
+
+    m = make_manager()
+    reg = CollectorRegistry()
+    reg.register(EventCollector(m))
+    slow = m.events.subscribe("p", 1, "grpc")                  # never reads: its lag is every batch
+    fast = m.events.subscribe("p", 1, "zmq", limit=False)
+    w, _ = run_workload(m, "p", 50, seed=7, on_step=lambda *_: fast.poll(0))
+    pool = m.pool_and_lock("p")[0]
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(generate_latest(reg).decode()) for s in fam.samples}
+    lbl = (("group", "0"), ("pool", "p"))
+    assert samples[("kvservice_prefix_cache_hit_pages_total", lbl)] == pool.prefix.hits > 0
+    assert samples[("kvservice_prefix_cache_lookup_pages_total", lbl)] == w.looked > pool.prefix.hits
+    assert samples[("kvservice_kv_event_sequence", (("pool", "p"),))] == pool.events.seq
+    assert samples[("kvservice_kv_event_subscriber_lag_batches", (("pool", "p"), ("transport", "grpc")))] == \
+        pool.events.seq == slow.lag
+    assert samples[("kvservice_kv_event_subscriber_lag_batches", (("pool", "p"), ("transport", "zmq")))] == 0
+    assert samples[("kvservice_kv_event_batches_sent_total", (("pool", "p"), ("transport", "zmq")))] == pool.events.seq
+    assert samples[("kvservice_kv_event_subscribers", (("pool", "p"), ("transport", "grpc")))] == 1
+    stored = samples[("kvservice_kv_events_published_total", (("pool", "p"), ("type", "BlockStored")))]
+    assert stored > 0 and samples[("kvservice_kv_event_batches_total", (("pool", "p"),))] == pool.events.seq
