@@ -257,6 +257,58 @@ def cmd_validate(a: argparse.Namespace, c: BlockManagerClient) -> int:
     return 0 if report.ok else 1
 
 
+def _token_ids(a: argparse.Namespace) -> np.ndarray:
+    if (a.tokens is None) == (a.tokens_file is None):
+        raise KVError("give the prompt as --tokens 1,2,3 or --tokens-file FILE (a JSON list or whitespace-separated "
+                      "ids)")
+    if a.tokens is not None:
+        return _ints(a.tokens)
+    text = open(a.tokens_file).read()
+    try:
+        ids = json.loads(text) if text.lstrip().startswith("[") else [int(x) for x in text.split()]
+    except ValueError as err:
+        raise KVError(f"{a.tokens_file}: not a JSON list or whitespace-separated token ids ({err})") from None
+    return np.asarray(ids, dtype=np.int64)
+
+
+def cmd_score(a: argparse.Namespace, c: BlockManagerClient) -> int:
+    reply = c.score_prefix(_token_ids(a), a.salt, a.extra_key, tuple(a.pool), a.model)
+    if a.json:
+        print(json.dumps(_plan_from_reply(reply), indent=2))
+        return 0
+    print(_table([[s.pool, s.cached_tokens, s.cached_pages, s.page_size, s.prefix_caching,
+                   ", ".join(f"{w}@{addr}" for w, addr in zip(s.worker_ids, s.worker_addresses, strict=True)) or "-"]
+                  for s in reply.scores],
+                 ["pool", "cached tokens", "cached pages", "page size", "prefix caching", "live workers"]))
+    print(f"({reply.num_tokens:,} prompt tokens)")
+    return 0
+
+
+def cmd_events(a: argparse.Namespace, c: BlockManagerClient) -> int:
+    """Print a pool's KV event batches (one line each, or JSON lines) until --count batches or Ctrl-C."""
+    stream = c.watch_events(a.pool, a.from_sequence)
+    seen = 0
+    try:
+        for msg in stream:
+            if a.json:
+                print(json.dumps(_plan_from_reply(msg)), flush=True)
+            else:
+                kinds: dict[str, int] = {}
+                for ev in msg.events:
+                    k = ev.WhichOneof("event")
+                    n = 1 if k == "all_blocks_cleared" else len(getattr(ev, k).block_hashes.data) // 8
+                    kinds[k] = kinds.get(k, 0) + n
+                what = ", ".join(f"{k} {n}" for k, n in kinds.items()) or "empty"
+                note = f"  RESET: {msg.reset_reason}" if msg.reset else ""
+                print(f"{msg.sequence:>8}  {what}{note}", flush=True)
+            seen += 1
+            if a.count and seen >= a.count and not msg.more:
+                break
+    finally:
+        stream.cancel()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvctl", description="Plan, inspect and manage kvservice pools.")
     parser.add_argument("--target", default=DEFAULT_TARGET, help="manager address (env KVSERVICE_ADDR)")
@@ -285,6 +337,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("pool", nargs="?")
     p = sub.add_parser("workers", help="registered workers and their leases")
     p.add_argument("pool", nargs="?")
+    p = sub.add_parser("score", help="tokens of a prompt each pool's prefix cache holds now (ScorePrefix)")
+    p.add_argument("--tokens", help="comma-separated token ids")
+    p.add_argument("--tokens-file", help="file of token ids (JSON list or whitespace-separated)")
+    p.add_argument("--pool", action="append", default=[], help="pool to score (repeatable; default: every pool)")
+    p.add_argument("--model", default="", help="with no --pool: only the pools created for this model")
+    p.add_argument("--salt", default="", help="the tenant's cache salt")
+    p.add_argument("--extra-key", default="", help="extra key (e.g. a LoRA id)")
+    p = sub.add_parser("events", help="follow a pool's KV events (WatchEvents)")
+    p.add_argument("pool")
+    p.add_argument("--from", dest="from_sequence", type=int, default=0,
+                   help="first batch (0 = the current cache as a reset, then live)")
+    p.add_argument("--count", type=int, default=0, help="stop after this many batches (0 = follow)")
     p = sub.add_parser("validate", help="validate a page table against one layer of a pool")
     p.add_argument("pool")
     p.add_argument("--layer", type=int, required=True)
@@ -299,7 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 COMMANDS = {"pools": cmd_pools, "create-pool": cmd_create_pool, "seqs": cmd_seqs, "stats": cmd_stats,
-            "workers": cmd_workers, "validate": cmd_validate}
+            "workers": cmd_workers, "validate": cmd_validate, "score": cmd_score, "events": cmd_events}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from typing import Any
@@ -365,5 +366,33 @@ def test_tokens_scope_watch_events_and_scores_to_their_pools():
         with BlockManagerClient(target) as anonymous, pytest.raises(ClientError) as err:
             next(iter(anonymous.watch_events("a", 0)))
         assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        running.stop(0)
+
+
+def test_kvctl_score_and_events(capsys, tmp_path):
+    from clients import kvctl
+
+    running = serve("127.0.0.1:0")
+    target = f"127.0.0.1:{running.port}"
+    try:
+        with BlockManagerClient(target) as c:
+            c.create_pool("ev", SPEC, SIZING, prefix_caching=True, model="m1")
+            c.step("ev", admit=[1], admit_tokens=[21], admit_token_ids=np.arange(1, 22))
+        running.manager.register_worker("w0", "ev", address="10.1.2.3:50061")
+        (tmp_path / "prompt.json").write_text(json.dumps(list(range(1, 22))))
+        assert kvctl.main(["--target", target, "score", "--tokens-file", str(tmp_path / "prompt.json")]) == 0
+        out = capsys.readouterr().out
+        row = next(line for line in out.splitlines() if line.startswith("ev "))
+        assert row.split()[:5] == ["ev", "20", "5", "4", "yes"] and "w0@10.1.2.3:50061" in row
+        assert kvctl.main(["--target", target, "--json", "score", "--tokens", "1,2,3,4,5,9,9,9,9", "--model",
+                           "m1"]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert doc["scores"][0]["pool"] == "ev" and doc["scores"][0]["cached_tokens"] == "4"   # int64 as JSON str
+        assert kvctl.main(["--target", target, "score", "--tokens", "1", "--pool", "nope"]) == 2
+        assert "NOT_FOUND" in capsys.readouterr().err
+        assert kvctl.main(["--target", target, "events", "ev", "--count", "1"]) == 0
+        line = capsys.readouterr().out.strip()
+        assert line.split()[:3] == ["1", "all_blocks_cleared", "1,"] and "block_stored 5" in line and "RESET" in line
     finally:
         running.stop(0)
