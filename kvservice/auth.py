@@ -9,7 +9,8 @@ Tokens file (``--tokens-file``, YAML)::
         role: write              # read | write | admin (default write)
 
 Roles: ``read`` inspects its pools (GetPool, ListPools, ListSequences, GetStats,
-ValidatePageTable, ListWorkers, Plan, Echo; a worker's Info, ValidatePageTable, CheckGuards);
+ValidatePageTable, ListWorkers, ScorePrefix, WatchEvents, Plan, Echo; a worker's Info,
+ValidatePageTable, CheckGuards);
 ``write`` adds Step, RegisterWorker, Heartbeat and a worker's kernels; ``admin`` adds
 CreatePool and DeletePool. Listings are filtered to the token's pools. grpc.health.v1 needs no
 token (probes). Clients send ``authorization: Bearer <token>`` metadata. See docs/SECURITY.md.
@@ -143,7 +144,7 @@ class Rule:
     """Role an RPC needs, the pool its request touches (None = no pool), and a filter for listings."""
 
     role: str
-    pool: Callable[[Any], str | None] = lambda r: None
+    pool: Callable[[Any], str | list[str] | None] = lambda r: None
     filter: Callable[[Any, Grant], Any] | None = None
 
 
@@ -184,7 +185,7 @@ def manager_rules(worker_pool: Callable[[str], str | None]) -> dict[str, Rule]:
         "ListWorkers": Rule("read", _pool_or_all, _workers_reply),
         "Step": Rule("write", _pool), "RegisterWorker": Rule("write", _pool),
         "Heartbeat": Rule("write", lambda r: worker_pool(r.worker_id)),
-        "ScorePrefix": Rule("read", filter=_scores_reply), "WatchEvents": Rule("read", _pool),
+        "ScorePrefix": Rule("read", lambda r: list(r.pools), _scores_reply), "WatchEvents": Rule("read", _pool),
     }
 
 
@@ -263,14 +264,15 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
     def _scoped(inner: Callable[[Any, Any], Any], rule: Rule, grant: Grant, name: str) -> Callable[[Any, Any], Any]:
         def behavior(request: Any, context: grpc.ServicerContext) -> Any:
             try:
-                pool = rule.pool(request)
+                named = rule.pool(request)
             except AttributeError:          # an unparsable request: the handler refuses it
                 return inner(request, context)
-            if pool is not None and not grant.allows_pool(pool):
-                log.warning("refused %s for token %r on pool %r", name, grant.name, pool)
-                allowed = "every pool" if grant.pools is None else ", ".join(sorted(grant.pools))
-                context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                              f"token {grant.name!r} may not use pool {pool!r} (it may use: {allowed})")
+            for pool in named if isinstance(named, list) else (named,):     # ScorePrefix names several
+                if pool is not None and not grant.allows_pool(pool):
+                    log.warning("refused %s for token %r on pool %r", name, grant.name, pool)
+                    allowed = "every pool" if grant.pools is None else ", ".join(sorted(grant.pools))
+                    context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                  f"token {grant.name!r} may not use pool {pool!r} (it may use: {allowed})")
             reply = inner(request, context)
             return rule.filter(reply, grant) if rule.filter is not None and grant.pools is not None else reply
         return behavior

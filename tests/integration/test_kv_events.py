@@ -363,6 +363,10 @@ def test_tokens_scope_watch_events_and_scores_to_their_pools():
             assert {e.WhichOneof("event") for e in first.events} == {"all_blocks_cleared", "block_stored"}
             scores = c.score_prefix(np.arange(1, 21))
             assert [(s.pool, s.cached_tokens) for s in scores.scores] == [("a", 16)]
+            for named in (["a", "b"], ["a", "no-such-pool"]):      # named: refused, whether it exists or not
+                with pytest.raises(ClientError) as err:
+                    c.score_prefix(np.arange(1, 21), pools=tuple(named))
+                assert err.value.code == grpc.StatusCode.PERMISSION_DENIED and f"pool {named[1]!r}" in err.value.message
         with BlockManagerClient(target) as anonymous, pytest.raises(ClientError) as err:
             next(iter(anonymous.watch_events("a", 0)))
         assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
