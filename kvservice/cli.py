@@ -13,7 +13,7 @@ from pathlib import Path
 from .auth import ServerTLS, TokenTable
 from .config import DEFAULT_POOLS_YAML, load_pools, load_pools_file
 from .errors import InvalidArgument, KVError
-from .event_log import DEFAULT_RING_BATCHES, EventsConfig
+from .event_log import DEFAULT_RING_BATCHES, DEFAULT_RING_BYTES, EventsConfig
 from .journal import Journal, JournalConfig
 from .server import MAX_MESSAGE_BYTES, serve
 from .servicer import Limits
@@ -65,6 +65,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--kv-events-medium", default="GPU", help="'medium' of the vLLM events")
     ev.add_argument("--kv-events-buffer", type=int, default=DEFAULT_RING_BATCHES,
                     help="batches each pool retains for late, resuming and replaying subscribers")
+    ev.add_argument("--kv-events-buffer-bytes", type=int, default=DEFAULT_RING_BYTES,
+                    help="... and at most this many bytes of hashes and token ids per pool")
     ev.add_argument("--kv-events-max-watchers", type=int, default=4,
                     help="concurrent WatchEvents streams (each holds a gRPC thread: keep below --threads)")
     sec = s.add_argument_group("security (docs/SECURITY.md)")
@@ -76,12 +78,14 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
 
 def events_config(args: argparse.Namespace) -> EventsConfig:
     """--kv-events-* flags -> EventsConfig (InvalidArgument for inconsistent ones)."""
-    if args.kv_events_buffer < 1 or args.kv_events_max_watchers < 0:
-        raise InvalidArgument("--kv-events-buffer must be >= 1 and --kv-events-max-watchers >= 0")
+    if args.kv_events_buffer < 1 or args.kv_events_buffer_bytes < 0 or args.kv_events_max_watchers < 0:
+        raise InvalidArgument("--kv-events-buffer must be >= 1, --kv-events-buffer-bytes and "
+                              "--kv-events-max-watchers >= 0")
     if args.kv_events_max_watchers >= args.threads:
         raise InvalidArgument(f"--kv-events-max-watchers {args.kv_events_max_watchers} would let event streams take "
                               f"every one of the {args.threads} gRPC threads; lower it or raise --threads")
-    return EventsConfig(ring_batches=args.kv_events_buffer, max_watchers=args.kv_events_max_watchers,
+    return EventsConfig(ring_batches=args.kv_events_buffer, ring_bytes=args.kv_events_buffer_bytes,
+                        max_watchers=args.kv_events_max_watchers,
                         zmq=zmq_configs(args.kv_events_zmq, args.kv_events_replay, args.kv_events_pool,
                                         args.kv_events_topic, args.kv_events_medium))
 

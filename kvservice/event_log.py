@@ -38,8 +38,8 @@ if TYPE_CHECKING:
 
 #: Batches a pool's ring keeps for late or resuming subscribers (vLLM's replay buffer holds 10,000 steps).
 DEFAULT_RING_BATCHES = 10_000
-#: ... and at most this many bytes of hashes and token ids.
-DEFAULT_RING_BYTES = 256 << 20
+#: ... and at most this many bytes of hashes and token ids (memory the manager spends per pool).
+DEFAULT_RING_BYTES = 64 << 20
 
 
 @dataclass(slots=True)

@@ -112,8 +112,13 @@ def serve(listen: str = "127.0.0.1:0", metrics_port: int | None = None, pools: S
     if tokens is not None:
         interceptors.append(TokenAuthInterceptor(tokens, BM, manager_rules(_worker_pool(manager))))
     servicer = BlockManagerServicer(ManagerAPI(manager), metrics, journal, limits or Limits())
-    server, port, health_servicer = grpc_server(SERVICE_NAME, servicer, listen, tls, interceptors, max_workers,
-                                                max_message_bytes)
+    try:
+        server, port, health_servicer = grpc_server(SERVICE_NAME, servicer, listen, tls, interceptors, max_workers,
+                                                    max_message_bytes)
+    except BaseException:
+        for pub in publishers:
+            pub.stop()
+        raise
     running = RunningServer(server, port, None, manager, metrics, None, journal, health=health_servicer,
                             publishers=publishers)
     journal.on_fail = lambda why: _fail_stop(running)

@@ -400,3 +400,18 @@ def test_kvctl_score_and_events(capsys, tmp_path):
         assert line.split()[:3] == ["1", "all_blocks_cleared", "1,"] and "block_stored 5" in line and "RESET" in line
     finally:
         running.stop(0)
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--kv-events-zmq", "not-an-endpoint"], "kv events for pool 'default': cannot open not-an-endpoint"),
+    (["--kv-events-zmq", "a=tcp://127.0.0.1:*", "--kv-events-zmq", "a=tcp://127.0.0.1:*"], "published twice"),
+    (["--kv-events-replay", "tcp://127.0.0.1:*"], "pool 'default' has no --kv-events-zmq publisher"),
+    (["--kv-events-buffer", "0"], "--kv-events-buffer must be >= 1"),
+    (["--kv-events-max-watchers", "8", "--threads", "8"], "would let event streams take every one of the 8"),
+])
+def test_serve_refuses_bad_event_flags(capsys, flags, message):
+    from kvservice import cli
+
+    assert cli.main(["serve", "--listen", "127.0.0.1:0", "--metrics-port", "-1", "--no-pools", "--state", "memory",
+                     *flags]) == 2
+    assert message in capsys.readouterr().err
