@@ -254,3 +254,23 @@ def test_metrics_count_lookups_hits_events_and_lag():
     assert samples[("kvservice_kv_event_subscribers", (("pool", "p"), ("transport", "grpc")))] == 1
     stored = samples[("kvservice_kv_events_published_total", (("pool", "p"), ("type", "BlockStored")))]
     assert stored > 0 and samples[("kvservice_kv_event_batches_total", (("pool", "p"),))] == pool.events.seq
+
+
+def test_big_resets_split_into_messages_of_one_sequence_and_round_trip(monkeypatch):
+    from kvservice import events_proto
+
+    monkeypatch.setattr(events_proto, "MESSAGE_PAGES", 7)
+    m = make_manager()
+    run_workload(m, "p", 40, seed=8)
+    (lb,) = m.events.subscribe("p", 0, "grpc").poll(0)
+    msgs = events_proto.batch_to_protos(lb)
+    assert len(msgs) > 2 and {x.sequence for x in msgs} == {lb.seq} and all(x.reset for x in msgs)
+    assert [x.more for x in msgs] == [True] * (len(msgs) - 1) + [False]
+    back = [e for x in msgs for e in events_proto.proto_to_events(x)]
+    assert len(back) == len(lb.batch.events)
+    for a, b in zip(back, lb.batch.events, strict=True):
+        assert type(a) is type(b)
+        if isinstance(a, ev.BlockStored):
+            assert a.block_hashes.tolist() == b.block_hashes.tolist() and a.token_ids.tolist() == b.token_ids.tolist()
+            assert (a.parent_block_hash, a.group, a.kind, a.sliding_window, a.block_size) == \
+                (b.parent_block_hash, b.group, b.kind, b.sliding_window, b.block_size)
