@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import sys
 import tempfile
 import time
@@ -109,7 +110,8 @@ def main() -> int:
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
         "# Routing benchmarks", "",
-        f"Run {now} on {machine()}.",
+        f"Run {now} on {machine()}; load average {os.getloadavg()[0]:.1f} at the end (a shared machine: "
+        "compare rows of one run, not runs).",
         "Command: `make bench` (`python bench/bench_routing.py`). Measured, not asserted; compare rows of one run.", "",
         f"## ScorePrefix: a {TOKENS:,}-token prompt against {POOLS} pools (page size {PS})", "",
         "Each pool has a prefix cache holding part of the prompt (admitted and freed earlier). *mixed*: pool i holds "

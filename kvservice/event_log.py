@@ -230,7 +230,9 @@ class EventHub:
         try:
             yield
         except BaseException:
-            staged.clear()          # not acknowledged: never visible (the process fail-stops anyway)
+            # Not acknowledged. A durable journal fail-stops here, so these batches are never seen; a
+            # memory-only manager that carries on shows them with the next commit, as its memory did change.
+            staged.clear()
             raise
         if staged:
             with self.cond:
