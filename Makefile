@@ -29,6 +29,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/bench_manager.py --out bench/results/manager.md
 	$(BIN)/python bench/bench_sharing.py --out bench/results/sharing.md
 	$(BIN)/python bench/bench_durability.py --out bench/results/durability.md
+	$(BIN)/python bench/bench_routing.py --out bench/results/routing.md
 
 mutation: $(STAMP)
 	$(BIN)/pip install --quiet 'mutmut==3.8.1'

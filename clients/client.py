@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -102,6 +102,22 @@ def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
     return (("authorization", f"Bearer {token}"),) if token else None
 
 
+class EventStream:
+    """A WatchEvents call: iterate for pb.KVEventBatch messages; errors arrive as ClientError."""
+
+    def __init__(self, call: Any) -> None:
+        self._call = call
+
+    def __iter__(self) -> Iterator[pb.KVEventBatch]:
+        try:
+            yield from self._call
+        except grpc.RpcError as exc:
+            raise ClientError.from_rpc(exc) from None
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
 class BlockManagerClient:
     """Talks to one manager.
 
@@ -178,6 +194,21 @@ class BlockManagerClient:
 
     def workers(self, pool: str = "", timeout: float | None = None) -> list[pb.WorkerInfo]:
         return list(self._call(self._stub.ListWorkers, pb.ListWorkersRequest(pool=pool), timeout).workers)
+
+    def score_prefix(self, token_ids: object, salt: str = "", extra_key: str = "", pools: tuple[str, ...] = (),
+                     model: str = "", timeout: float | None = None) -> pb.ScorePrefixReply:
+        """Tokens of a prompt (int64 [n]) each pool's prefix cache holds now (see BlockManager.ScorePrefix)."""
+        req = codec.score_request(token_ids, salt, extra_key, pools, model)
+        return self._call(self._stub.ScorePrefix, req, timeout)
+
+    def watch_events(self, pool: str, from_sequence: int = 0, timeout: float | None = None) -> EventStream:
+        """The pool's KV event batches (pb.KVEventBatch) from from_sequence on (0 = a reset, then live).
+
+        Iterate the result for batches (a failure raises ClientError), .cancel() it to stop. Not retried:
+        to resume, call again with the last sequence received + 1. timeout: for the whole stream (None = none).
+        """
+        return EventStream(self._stub.WatchEvents(pb.WatchEventsRequest(pool=pool, from_sequence=from_sequence),
+                                                  timeout=timeout, metadata=self._metadata))
 
     def echo(self, payload: bytes = b"", timeout: float | None = None) -> bytes:
         return self._call(self._stub.Echo, pb.EchoRequest(payload=payload), timeout).payload

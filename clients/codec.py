@@ -74,9 +74,16 @@ def plan_request(spec: CacheSpec, sizing: Sizing, backends: tuple[str, ...] = ()
 
 
 def create_pool_request(name: str, spec: CacheSpec, sizing: Sizing, backends: tuple[str, ...] = (),
-                        prefix_caching: bool = False) -> pb.CreatePoolRequest:
+                        prefix_caching: bool = False, model: str = "") -> pb.CreatePoolRequest:
     return pb.CreatePoolRequest(name=name, cache=convert.cache_spec_to_proto(spec), sizing=_sizing(sizing),
-                                backends=list(backends), enable_prefix_caching=prefix_caching)
+                                backends=list(backends), enable_prefix_caching=prefix_caching, model=model)
+
+
+def score_request(token_ids: object, salt: str = "", extra_key: str = "", pools: tuple[str, ...] = (),
+                  model: str = "") -> pb.ScorePrefixRequest:
+    """A ScorePrefix request; token_ids: int [n] (sent as INT64)."""
+    return pb.ScorePrefixRequest(token_ids=to_tensor(np.asarray(token_ids, dtype=np.int64)), cache_salt=salt,
+                                 extra_key=extra_key, pools=list(pools), model=model)
 
 
 def _sizing(s: Sizing) -> pb.Sizing:

@@ -16,6 +16,7 @@ import numpy as np
 
 from kvservice.errors import KVError
 from kvservice.geometry import CacheSpec, LayerSpec
+from kvservice.model_config import ModelCache, load_model_cache
 from kvservice.pagetable import PageTable
 from kvservice.planner import Plan, Sizing, plan
 
@@ -54,10 +55,15 @@ def _ranges(ids: list[int]) -> str:
 
 
 def _geometry_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--layers", type=int, required=True, help="number of layers")
-    p.add_argument("--kv-heads", type=int, required=True)
-    p.add_argument("--head-dim", type=int, required=True)
-    p.add_argument("--dtype", default="float16", help="float16, bfloat16, float32, float8_e4m3")
+    p.add_argument("--model-config", metavar="PATH",
+                   help="Hugging Face config.json (or its directory): layers, KV heads, head sizes and sliding windows "
+                        "from the model; replaces --layers/--kv-heads/--head-dim")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks sharing the KV heads (--model-config)")
+    p.add_argument("--layers", type=int, help="number of layers")
+    p.add_argument("--kv-heads", type=int)
+    p.add_argument("--head-dim", type=int)
+    p.add_argument("--dtype", help="float16, bfloat16, float32, float8_e4m3 (default: float16, or the model's "
+                                   "torch_dtype with --model-config)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per page")
     p.add_argument("--layout", default="per_layer", choices=["per_layer", "interleaved"])
     p.add_argument("--sliding-window", type=int, default=0, help="tokens (0 = full attention)")
@@ -72,15 +78,56 @@ def _geometry_args(p: argparse.ArgumentParser) -> None:
                         "candle-flash-attn, trtllm); repeatable")
 
 
-def _spec_and_sizing(a: argparse.Namespace) -> tuple[CacheSpec, Sizing]:
-    layers = [LayerSpec(a.kv_heads, a.head_dim, a.dtype, a.sliding_window)] * a.layers
+def _model(a: argparse.Namespace) -> ModelCache | None:
+    if not a.model_config:
+        return None
+    if a.layers or a.kv_heads or a.head_dim or a.extra_layer or a.sliding_window:
+        raise KVError("--model-config takes the layers from the model; drop --layers/--kv-heads/--head-dim/"
+                      "--sliding-window/--extra-layer")
+    return load_model_cache(a.model_config, a.tp, a.dtype, a.page_size, a.layout)
+
+
+def _spec_and_sizing(a: argparse.Namespace, model: ModelCache | None = None) -> tuple[CacheSpec, Sizing]:
+    sizing = Sizing(a.max_batch, a.max_seq_len, a.memory_budget, a.num_slots)
+    if model is not None:
+        return model.spec, sizing
+    if not (a.layers and a.kv_heads and a.head_dim):
+        raise KVError("give --model-config PATH, or all of --layers, --kv-heads and --head-dim")
+    dtype = a.dtype or "float16"
+    layers = [LayerSpec(a.kv_heads, a.head_dim, dtype, a.sliding_window)] * a.layers
     for extra in a.extra_layer:
         parts = [int(x) for x in extra.split(":")]
         if len(parts) not in (2, 3):
             raise KVError(f"--extra-layer wants KV_HEADS:HEAD_DIM[:WINDOW], got {extra!r}")
-        layers.append(LayerSpec(parts[0], parts[1], a.dtype, parts[2] if len(parts) == 3 else 0))
-    return (CacheSpec(tuple(layers), a.page_size, a.layout),
-            Sizing(a.max_batch, a.max_seq_len, a.memory_budget, a.num_slots))
+        layers.append(LayerSpec(parts[0], parts[1], dtype, parts[2] if len(parts) == 3 else 0))
+    return CacheSpec(tuple(layers), a.page_size, a.layout), sizing
+
+
+def layer_rows(p: Plan) -> list[dict[str, Any]]:
+    """One row per layer: its group, window, shape and how it addresses pages (scale, offset, base, upper bound)."""
+    spec = p.geometry.spec
+    return [{"layer": v.layer, "group": v.group, "sliding_window": spec.layers[v.layer].sliding_window,
+             "kv_heads": spec.layers[v.layer].kv_heads, "head_dim": spec.layers[v.layer].head_dim,
+             "page_bytes": v.page_bytes, "bytes": v.page_bytes * p.num_slots, "index_space": v.index_space,
+             "scale": v.scale, "offset": v.offset, "base": v.base, "upper_bound": v.upper_bound}
+            for v in p.geometry.layers]
+
+
+def _print_layers(rows: list[dict[str, Any]]) -> None:
+    """Per-layer table; consecutive layers that differ only in their number are one row."""
+    keys = ["group", "sliding_window", "kv_heads", "head_dim", "page_bytes", "bytes", "index_space", "scale",
+            "offset", "base", "upper_bound"]
+    runs: list[tuple[list[int], dict[str, Any]]] = []
+    for r in rows:
+        if runs and all(runs[-1][1][k] == r[k] for k in keys):
+            runs[-1][0].append(r["layer"])
+        else:
+            runs.append(([r["layer"]], r))
+    print(_table([[_ranges(ids), r["group"], r["sliding_window"] or "full", r["kv_heads"], r["head_dim"],
+                   r["page_bytes"], r["bytes"], r["index_space"], r["scale"], r["offset"], r["base"],
+                   r["upper_bound"]] for ids, r in runs],
+                 ["layers", "group", "window", "kv heads", "head dim", "page bytes", "bytes per layer", "space",
+                  "scale", "offset", "base", "upper bound"]))
 
 
 def _print_plan(summary: dict[str, Any]) -> None:
@@ -104,13 +151,27 @@ def _plan_from_reply(reply: Any) -> dict[str, Any]:
 
 
 def cmd_plan(a: argparse.Namespace) -> int:
-    spec, sizing = _spec_and_sizing(a)
+    model = _model(a)
+    spec, sizing = _spec_and_sizing(a, model)
     p: Plan = plan(spec, sizing, tuple(a.backend))
     summary = p.summary()
+    rows = layer_rows(p)
+    if model is not None:
+        summary["model"] = {"config": a.model_config, "model_type": model.model_type, "tp": model.tp,
+                            "layer_types": list(model.layer_types), "notes": list(model.notes)}
     if a.json:
-        print(json.dumps(summary, indent=2))
-    else:
-        _print_plan(summary)
+        print(json.dumps({**summary, "layers": rows}, indent=2))
+        return 0
+    if model is not None:
+        print(f"model {a.model_config}: {model.model_type or 'unknown type'}, {len(spec.layers)} layers, "
+              f"tp={model.tp}, cache dtype {spec.layers[0].dtype}")
+        for note in model.notes:
+            print(f"  {note}")
+        print()
+    _print_plan(summary)
+    if model is not None or a.per_layer:
+        print()
+        _print_layers(rows)
     return 0
 
 
@@ -126,8 +187,8 @@ def cmd_pools(a: argparse.Namespace, c: BlockManagerClient) -> int:
 
 
 def cmd_create_pool(a: argparse.Namespace, c: BlockManagerClient) -> int:
-    spec, sizing = _spec_and_sizing(a)
-    info = c.create_pool(a.name, spec, sizing, tuple(a.backend))
+    spec, sizing = _spec_and_sizing(a, _model(a))
+    info = c.create_pool(a.name, spec, sizing, tuple(a.backend), prefix_caching=a.prefix_caching, model=a.model)
     if a.json:
         print(json.dumps(_plan_from_reply(info), indent=2))
     else:
@@ -197,6 +258,58 @@ def cmd_validate(a: argparse.Namespace, c: BlockManagerClient) -> int:
     return 0 if report.ok else 1
 
 
+def _token_ids(a: argparse.Namespace) -> np.ndarray:
+    if (a.tokens is None) == (a.tokens_file is None):
+        raise KVError("give the prompt as --tokens 1,2,3 or --tokens-file FILE (a JSON list or whitespace-separated "
+                      "ids)")
+    if a.tokens is not None:
+        return _ints(a.tokens)
+    text = open(a.tokens_file).read()
+    try:
+        ids = json.loads(text) if text.lstrip().startswith("[") else [int(x) for x in text.split()]
+    except ValueError as err:
+        raise KVError(f"{a.tokens_file}: not a JSON list or whitespace-separated token ids ({err})") from None
+    return np.asarray(ids, dtype=np.int64)
+
+
+def cmd_score(a: argparse.Namespace, c: BlockManagerClient) -> int:
+    reply = c.score_prefix(_token_ids(a), a.salt, a.extra_key, tuple(a.pool), a.model)
+    if a.json:
+        print(json.dumps(_plan_from_reply(reply), indent=2))
+        return 0
+    print(_table([[s.pool, s.cached_tokens, s.cached_pages, s.page_size, s.prefix_caching,
+                   ", ".join(f"{w}@{addr}" for w, addr in zip(s.worker_ids, s.worker_addresses, strict=True)) or "-"]
+                  for s in reply.scores],
+                 ["pool", "cached tokens", "cached pages", "page size", "prefix caching", "live workers"]))
+    print(f"({reply.num_tokens:,} prompt tokens)")
+    return 0
+
+
+def cmd_events(a: argparse.Namespace, c: BlockManagerClient) -> int:
+    """Print a pool's KV event batches (one line each, or JSON lines) until --count batches or Ctrl-C."""
+    stream = c.watch_events(a.pool, a.from_sequence)
+    seen = 0
+    try:
+        for msg in stream:
+            if a.json:
+                print(json.dumps(_plan_from_reply(msg)), flush=True)
+            else:
+                kinds: dict[str, int] = {}
+                for ev in msg.events:
+                    k = ev.WhichOneof("event")
+                    n = 1 if k == "all_blocks_cleared" else len(getattr(ev, k).block_hashes.data) // 8
+                    kinds[k] = kinds.get(k, 0) + n
+                what = ", ".join(f"{k} {n}" for k, n in kinds.items()) or "empty"
+                note = f"  RESET: {msg.reset_reason}" if msg.reset else ""
+                print(f"{msg.sequence:>8}  {what}{note}", flush=True)
+            seen += 1
+            if a.count and seen >= a.count and not msg.more:
+                break
+    finally:
+        stream.cancel()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvctl", description="Plan, inspect and manage kvservice pools.")
     parser.add_argument("--target", default=DEFAULT_TARGET, help="manager address (env KVSERVICE_ADDR)")
@@ -210,10 +323,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="capacity plan for a cache (local, no server needed)")
     _geometry_args(p)
+    p.add_argument("--per-layer", action="store_true", help="also print every layer's view (always with "
+                   "--model-config)")
     sub.add_parser("pools", help="list pools")
     p = sub.add_parser("create-pool", help="create a pool on the manager")
     p.add_argument("name")
     _geometry_args(p)
+    p.add_argument("--prefix-caching", action="store_true", help="keep released full pages findable by hash")
+    p.add_argument("--model", default="", help="the model this pool serves (kvctl score --model selects by it)")
     p = sub.add_parser("seqs", help="list sequences of a pool")
     p.add_argument("pool")
     p.add_argument("--limit", type=int, default=50)
@@ -221,6 +338,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("pool", nargs="?")
     p = sub.add_parser("workers", help="registered workers and their leases")
     p.add_argument("pool", nargs="?")
+    p = sub.add_parser("score", help="tokens of a prompt each pool's prefix cache holds now (ScorePrefix)")
+    p.add_argument("--tokens", help="comma-separated token ids")
+    p.add_argument("--tokens-file", help="file of token ids (JSON list or whitespace-separated)")
+    p.add_argument("--pool", action="append", default=[], help="pool to score (repeatable; default: every pool)")
+    p.add_argument("--model", default="", help="with no --pool: only the pools created for this model")
+    p.add_argument("--salt", default="", help="the tenant's cache salt")
+    p.add_argument("--extra-key", default="", help="extra key (e.g. a LoRA id)")
+    p = sub.add_parser("events", help="follow a pool's KV events (WatchEvents)")
+    p.add_argument("pool")
+    p.add_argument("--from", dest="from_sequence", type=int, default=0,
+                   help="first batch (0 = the current cache as a reset, then live)")
+    p.add_argument("--count", type=int, default=0, help="stop after this many batches (0 = follow)")
     p = sub.add_parser("validate", help="validate a page table against one layer of a pool")
     p.add_argument("pool")
     p.add_argument("--layer", type=int, required=True)
@@ -235,7 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 COMMANDS = {"pools": cmd_pools, "create-pool": cmd_create_pool, "seqs": cmd_seqs, "stats": cmd_stats,
-            "workers": cmd_workers, "validate": cmd_validate}
+            "workers": cmd_workers, "validate": cmd_validate, "score": cmd_score, "events": cmd_events}
 
 
 def main(argv: list[str] | None = None) -> int:

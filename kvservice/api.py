@@ -7,7 +7,7 @@ import logging
 
 import numpy as np
 
-from . import convert
+from . import convert, events_proto
 from .errors import InvalidArgument, ResourceExhausted
 from .limits import (
     ReplyBound,
@@ -60,7 +60,7 @@ class ManagerAPI:
         spec = convert.cache_spec_from_proto(request.cache)
         self.manager.create_pool(request.name, spec, convert.sizing_from_proto(request.sizing),
                                  tuple(request.backends), request.enable_prefix_caching,
-                                 request.incarnation or derived_incarnation(request))
+                                 request.incarnation or derived_incarnation(request), request.model)
         return self._pool_info(request.name)
 
     def GetPool(self, request: pb.GetPoolRequest) -> pb.PoolInfo:
@@ -93,6 +93,7 @@ class ManagerAPI:
                             fork_children=args["fork_child_ids"], admit_token_ids=args["admit_token_ids"],
                             admit_salts=list(request.admit_cache_salts) or None,
                             admit_extra_keys=list(request.admit_extra_keys) or None)
+            self.manager.events.after_step(pool, args["admit_num_tokens"], args["admit_token_ids"] is not None)
         reply = pb.StepReply(layer_index_space=pool.layer_space, num_free_slots=res.num_free_slots,
                              pool_incarnation=incarnation)
         fill_tensor(reply.seq_ids, res.seq_ids)
@@ -226,6 +227,9 @@ class ManagerAPI:
     def Heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatReply:
         self.manager.heartbeat(request.worker_id, request.epoch, request.pool, request.incarnation)
         return pb.HeartbeatReply(lease_seconds=self.manager.workers.lease_seconds)
+
+    def ScorePrefix(self, request: pb.ScorePrefixRequest) -> pb.ScorePrefixReply:
+        return events_proto.score_prefix(self.manager, request)
 
     def ListWorkers(self, request: pb.ListWorkersRequest) -> pb.ListWorkersReply:
         reg = self.manager.workers

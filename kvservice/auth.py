@@ -9,7 +9,8 @@ Tokens file (``--tokens-file``, YAML)::
         role: write              # read | write | admin (default write)
 
 Roles: ``read`` inspects its pools (GetPool, ListPools, ListSequences, GetStats,
-ValidatePageTable, ListWorkers, Plan, Echo; a worker's Info, ValidatePageTable, CheckGuards);
+ValidatePageTable, ListWorkers, ScorePrefix, WatchEvents, Plan, Echo; a worker's Info,
+ValidatePageTable, CheckGuards);
 ``write`` adds Step, RegisterWorker, Heartbeat and a worker's kernels; ``admin`` adds
 CreatePool and DeletePool. Listings are filtered to the token's pools. grpc.health.v1 needs no
 token (probes). Clients send ``authorization: Bearer <token>`` metadata. See docs/SECURITY.md.
@@ -155,7 +156,7 @@ class Rule:
     """
 
     role: str
-    pool: Callable[[Any], str | None] = lambda r: None
+    pool: Callable[[Any], str | list[str] | None] = lambda r: None
     filter: Callable[[Any, Grant], Any] | None = None
     named: bool = True
 
@@ -172,6 +173,10 @@ def _stats_reply(reply: pb.StatsReply, g: Grant) -> pb.StatsReply:
 
 def _workers_reply(reply: pb.ListWorkersReply, g: Grant) -> pb.ListWorkersReply:
     return pb.ListWorkersReply(workers=[w for w in reply.workers if g.allows_pool(w.pool)])
+
+
+def _scores_reply(reply: pb.ScorePrefixReply, g: Grant) -> pb.ScorePrefixReply:
+    return pb.ScorePrefixReply(num_tokens=reply.num_tokens, scores=[s for s in reply.scores if g.allows_pool(s.pool)])
 
 
 def _pool(r: Any) -> str:
@@ -193,6 +198,7 @@ def manager_rules(worker_pool: Callable[[str], str | None]) -> dict[str, Rule]:
         "ListWorkers": Rule("read", _pool_or_all, _workers_reply),
         "Step": Rule("write", _pool), "RegisterWorker": Rule("write", _pool),
         "Heartbeat": Rule("write", lambda r: r.pool or worker_pool(r.worker_id), named=False),
+        "ScorePrefix": Rule("read", lambda r: list(r.pools), _scores_reply), "WatchEvents": Rule("read", _pool),
     }
 
 
@@ -257,6 +263,10 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
             log.warning("refused %s for token %r: role %s, needs %s", details.method, grant.name, grant.role, rule.role)
             return _deny(handler, grpc.StatusCode.PERMISSION_DENIED,
                          f"token {grant.name!r} has role {grant.role}; {name} needs {rule.role}")
+        if handler.unary_stream is not None:           # WatchEvents: the pool is checked before streaming
+            return grpc.unary_stream_rpc_method_handler(
+                self._scoped(handler.unary_stream, rule, grant, name),
+                request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
         if handler.unary_unary is None:
             return handler
         return grpc.unary_unary_rpc_method_handler(
@@ -267,16 +277,17 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
     def _scoped(inner: Callable[[Any, Any], Any], rule: Rule, grant: Grant, name: str) -> Callable[[Any, Any], Any]:
         def behavior(request: Any, context: grpc.ServicerContext) -> Any:
             try:
-                pool = rule.pool(request)
+                named = rule.pool(request)
             except AttributeError:          # an unparsable request: the handler refuses it
                 return inner(request, context)
-            if pool is not None and not grant.allows_pool(pool):
-                log.warning("refused %s for token %r on pool %r", name, grant.name, pool)
-                allowed = "every pool" if grant.pools is None else ", ".join(sorted(grant.pools))
-                what = f"pool {pool!r}" if rule.named or pool == getattr(request, "pool", None) else \
-                    "the pool this request touches"
-                context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                              f"token {grant.name!r} may not use {what} (it may use: {allowed})")
+            for pool in named if isinstance(named, list) else (named,):     # ScorePrefix names several
+                if pool is not None and not grant.allows_pool(pool):
+                    log.warning("refused %s for token %r on pool %r", name, grant.name, pool)
+                    allowed = "every pool" if grant.pools is None else ", ".join(sorted(grant.pools))
+                    what = f"pool {pool!r}" if rule.named or pool == getattr(request, "pool", None) else \
+                        "the pool this request touches"
+                    context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                  f"token {grant.name!r} may not use {what} (it may use: {allowed})")
             bound = _PRINCIPAL.set(grant.name)
             try:
                 reply = inner(request, context)

@@ -12,10 +12,12 @@ from pathlib import Path
 
 from .auth import ServerTLS, TokenTable
 from .config import DEFAULT_POOLS_YAML, load_pools, load_pools_file
-from .errors import KVError
+from .errors import InvalidArgument, KVError
+from .event_log import DEFAULT_RING_BATCHES, DEFAULT_RING_BYTES, EventsConfig
 from .journal import Journal, JournalConfig
 from .server import MAX_MESSAGE_BYTES, serve
 from .servicer import Limits
+from .zmq_events import zmq_configs
 
 log = logging.getLogger("kvservice")
 _LIMITS = Limits()
@@ -52,11 +54,40 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                      help="slots x layer groups of one pool (0 = no cap)")
     lim.add_argument("--max-pools", type=int, default=_LIMITS.max_pools, help="pools (0 = no cap)")
     lim.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES, help="gRPC message limit")
+    ev = s.add_argument_group("KV events (docs/operations.md#kv-events)")
+    ev.add_argument("--kv-events-zmq", action="append", default=[], metavar="[POOL=]ENDPOINT",
+                    help="publish a pool's KV events in vLLM's ZeroMQ format on this PUB endpoint, e.g. tcp://*:5557 "
+                         "(bound if it holds '*'); no POOL = --kv-events-pool; repeatable, one per pool")
+    ev.add_argument("--kv-events-replay", action="append", default=[], metavar="[POOL=]ENDPOINT",
+                    help="ROUTER endpoint answering replay requests for missed batches, e.g. tcp://*:5558")
+    ev.add_argument("--kv-events-pool", default="default", help="pool of an --kv-events-zmq without POOL=")
+    ev.add_argument("--kv-events-topic", default="", help="first frame of each ZeroMQ message ('{pool}' = its name)")
+    ev.add_argument("--kv-events-medium", default="GPU", help="'medium' of the vLLM events")
+    ev.add_argument("--kv-events-buffer", type=int, default=DEFAULT_RING_BATCHES,
+                    help="batches each pool retains for late, resuming and replaying subscribers")
+    ev.add_argument("--kv-events-buffer-bytes", type=int, default=DEFAULT_RING_BYTES,
+                    help="... and at most this many bytes of hashes and token ids per pool")
+    ev.add_argument("--kv-events-max-watchers", type=int, default=4,
+                    help="concurrent WatchEvents streams (each holds a gRPC thread: keep below --threads)")
     sec = s.add_argument_group("security (docs/SECURITY.md)")
     sec.add_argument("--tls-cert", help="PEM server certificate (chain); with --tls-key serves TLS")
     sec.add_argument("--tls-key", help="PEM private key of --tls-cert")
     sec.add_argument("--tls-client-ca", help="PEM CA bundle: require client certificates it signed (mutual TLS)")
     sec.add_argument("--tokens-file", help="YAML of bearer tokens scoped to pools; every call then needs one")
+
+
+def events_config(args: argparse.Namespace) -> EventsConfig:
+    """--kv-events-* flags -> EventsConfig (InvalidArgument for inconsistent ones)."""
+    if args.kv_events_buffer < 1 or args.kv_events_buffer_bytes < 0 or args.kv_events_max_watchers < 0:
+        raise InvalidArgument("--kv-events-buffer must be >= 1, --kv-events-buffer-bytes and "
+                              "--kv-events-max-watchers >= 0")
+    if args.kv_events_max_watchers >= args.threads:
+        raise InvalidArgument(f"--kv-events-max-watchers {args.kv_events_max_watchers} would let event streams take "
+                              f"every one of the {args.threads} gRPC threads; lower it or raise --threads")
+    return EventsConfig(ring_batches=args.kv_events_buffer, ring_bytes=args.kv_events_buffer_bytes,
+                        max_watchers=args.kv_events_max_watchers,
+                        zmq=zmq_configs(args.kv_events_zmq, args.kv_events_replay, args.kv_events_pool,
+                                        args.kv_events_topic, args.kv_events_medium))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,6 +122,7 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         tls = ServerTLS.from_files(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
         tokens = TokenTable.from_file(args.tokens_file) if args.tokens_file else None
         limits = Limits(args.max_step_sequences, args.max_step_tokens, args.max_pool_slots, args.max_pools)
+        events = events_config(args)
         if args.state_dir:
             config = JournalConfig(sync=args.sync, compact_every=args.compact_every,
                                    id_window=args.idempotency_window, id_window_seconds=args.idempotency_seconds)
@@ -101,7 +133,7 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         running = serve(args.listen, None if args.metrics_port < 0 else args.metrics_port, pools,
                         max_workers=args.threads, metrics_addr=args.metrics_addr, lease_seconds=args.lease_seconds,
                         journal=journal, tls=tls, tokens=tokens, limits=limits,
-                        max_message_bytes=args.max_message_bytes)
+                        max_message_bytes=args.max_message_bytes, events=events)
     except (KVError, OSError) as err:
         if journal is not None:
             journal.close(snapshot=False)

@@ -83,12 +83,14 @@ def pool_stats(pool: Pool) -> pb.PoolStats:
                         refused=pool.refused, prefix_caching=cache is not None,
                         prefix_cache_hits=cache.hits if cache else 0,
                         prefix_cache_evictions=pool.allocators[0].evictions if cache else 0,
-                        cached_slots=pool.allocators[0].num_cached if cache else 0)
+                        cached_slots=pool.allocators[0].num_cached if cache else 0,
+                        event_sequence=pool.events.seq)
 
 
 def pool_info(pool: Pool, incarnation: int) -> pb.PoolInfo:
     return pb.PoolInfo(name=pool.name, plan=plan_to_proto(pool.plan), stats=pool_stats(pool),
-                       cache=cache_spec_to_proto(pool.plan.geometry.spec), incarnation=incarnation)
+                       cache=cache_spec_to_proto(pool.plan.geometry.spec), incarnation=incarnation,
+                       model=pool.model)
 
 
 def worker_info(w: WorkerRecord, seconds_since_heartbeat: float) -> pb.WorkerInfo:

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from .errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from .event_log import EventHub
 from .geometry import CacheSpec
 from .planner import Plan, Sizing, plan
 from .pool import Pool
@@ -33,9 +34,11 @@ class BlockManager:
         self._locks: dict[str, threading.Lock] = {}
         self._incarnations: dict[str, int] = {}      # pool -> incarnation, in [1, 2^63)
         self._lock = threading.Lock()
+        self.events = EventHub(self)         # KV event logs of the pools (event_log.py)
 
     def create_pool(self, name: str, spec: CacheSpec, sizing: Sizing, backends: tuple[str, ...] = (),
-                    prefix_caching: bool = False, incarnation: int = 0) -> Pool:
+                    prefix_caching: bool = False, incarnation: int = 0,
+                    model: str = "") -> Pool:
         """Plan and create a pool; AlreadyExists if the name is taken.
 
         incarnation: the new pool's incarnation, in [1, 2^63) (0 = a random one). Callers that
@@ -45,11 +48,13 @@ class BlockManager:
             raise InvalidArgument(f"incarnation must be in [0, 2^63), got {incarnation}")
         if not _NAME.match(name):
             raise InvalidArgument(f"pool name {name!r} must match [A-Za-z0-9_.-]{{1,64}}")
+        if len(model) > 256 or not model.isprintable():
+            raise InvalidArgument(f"model name must be at most 256 printable characters, got {len(model)}")
         planned: Plan = plan(spec, sizing, backends)
         with self._lock:
             if name in self._pools:
                 raise AlreadyExists(f"pool {name!r} already exists", pool=name)
-            pool = Pool(name, planned, prefix_caching)
+            pool = Pool(name, planned, prefix_caching, model)
             self._pools[name] = pool
             self._locks[name] = threading.Lock()
             self._incarnations[name] = incarnation or new_incarnation()
@@ -67,6 +72,7 @@ class BlockManager:
             del self._locks[name]
             self._incarnations.pop(name, None)
             self.workers.drop_pool(name)
+        self.events.pool_deleted(name)
 
     def incarnation(self, name: str) -> int:
         """The current incarnation of a pool; NotFound if it does not exist."""

@@ -31,6 +31,7 @@ import numpy as np
 from .allocator import SlotAllocator
 from .emit import SpaceTables, emit_tables
 from .errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from .events import PoolEvents
 from .planner import Plan
 from .prefix import Namespaces, PrefixCache, run_ending_at
 from .rowslots import RowSlots
@@ -78,8 +79,9 @@ class StepResult:
 class Pool:
     """Named pool of slots with its sequences. Not thread-safe: the manager serialises calls."""
 
-    def __init__(self, name: str, plan: Plan, prefix_caching: bool = False) -> None:
+    def __init__(self, name: str, plan: Plan, prefix_caching: bool = False, model: str = "") -> None:
         self.name = name
+        self.model = model                        # the model served from this pool ("" = unnamed)
         self.plan = plan
         geo = plan.geometry
         self.page_size = geo.spec.page_size
@@ -100,6 +102,9 @@ class Pool:
             full = [g for g, w in enumerate(self.windows) if not w]
             self._anchor_group = full[0] if full else None
             self.prefix = self.prefixes[full[0] if full else 0]
+        self.events = PoolEvents()                # KV events of the prefix caches (events.py)
+        for g, cache in enumerate(self.prefixes or ()):
+            cache.sink = self.events.source(g, self.windows[g], geo.num_slots)
         self._sharing = prefix_caching          # slots may have several owners (turned on by a fork)
         self._rows: dict[int, int] = {}          # seq_id -> row (source of truth)
         self._sorted: tuple[np.ndarray, np.ndarray] | None = None  # (ids, rows) by id; None = stale
@@ -164,6 +169,20 @@ class Pool:
         n = self._num_tokens[rows]
         return self._emit(rows, n, n, self._held[rows], np.zeros(len(rows) + 1, dtype=np.int64), True,
                           block_table)
+
+    def cached_prefix_pages(self, token_ids: np.ndarray, salt: str = "", extra_key: str = "") -> int:
+        """Pages of a prompt an admission would take from the prefix cache now (changes nothing).
+
+        token_ids: int64 [n] the prompt. 0 without prefix caching. The same rule as `step` (every
+        layer group must be able to serve the hit), for a router choosing a replica.
+        """
+        if self.prefix is None or not len(token_ids):
+            return 0
+        n = np.array([len(token_ids)], dtype=np.int64)
+        prompt = self._prompt(n, np.asarray(token_ids), [salt], [extra_key])
+        if prompt is None or prompt.new_ns:          # a namespace never seen holds nothing
+            return 0
+        return int(self._plan_hits(prompt, 1)[0][0])
 
     def slot_table_bytes(self) -> int:
         """Bytes of the per-row state (slot tables and row arrays): grows with pages held, not with rows x width."""

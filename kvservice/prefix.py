@@ -70,6 +70,14 @@ def page_hashes(pages: np.ndarray, col: np.ndarray, starts: np.ndarray, full: np
     return out
 
 
+def prompt_hashes(pages: np.ndarray, namespace: int,
+                  hash_fn: Callable[..., np.ndarray] = page_hashes) -> np.ndarray:
+    """Chained hashes of one prompt's full pages: pages int64 [P, page_size] -> uint64 [P]."""
+    p = len(pages)
+    return hash_fn(pages, np.arange(p, dtype=np.int64), np.zeros(1, dtype=np.int64),
+                   np.array([p], dtype=np.int64), np.array([namespace], dtype=np.int64))
+
+
 class Namespaces:
     """A small int per (tenant salt, extra key), shared by the caches of all groups of a pool."""
 
@@ -118,6 +126,7 @@ class PrefixCache:
         self.namespace = np.full(n, -1, dtype=np.int64)
         self.tokens = np.zeros((n, page_size), dtype=np.int64)
         self.hits = 0                   # pages served from the cache
+        self.sink = None                # events.GroupEventSource told of every page registered and forgotten
         allocator.on_evict = self.forget
         allocator.caching = True
 
@@ -184,12 +193,16 @@ class PrefixCache:
         self.anchor[s] = anchors[keep] if anchors is not None else -1
         self.namespace[s] = ns[keep]
         self.tokens[s] = pages[keep]
+        if self.sink is not None:
+            self.sink.stored(slots, parents, hashes, pages, keep, self.hash, parent_hashes)
 
     def forget(self, slot: int) -> None:
         """Drop a slot's page from the cache (it is being reused for something else)."""
         h = int(self.hash[slot])
         if h and self.by_hash.get(h) == slot:
             del self.by_hash[h]
+            if self.sink is not None:
+                self.sink.removed(h, slot)
         self.hash[slot] = 0
         self.parent[slot] = -2
         self.parent_hash[slot] = 0

@@ -19,6 +19,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from .api import ManagerAPI
 from .auth import BM, ServerTLS, TokenAuthInterceptor, TokenTable, manager_rules
 from .config import PoolConfig
+from .event_log import EventsConfig, configure_events
+from .event_metrics import EventCollector
 from .journal import Journal, ensure_pools
 from .manager import BlockManager
 from .metrics import ManagerMetrics
@@ -47,10 +49,13 @@ class RunningServer:
     #: Set when the journal failed (fail-stop): the process should exit and be restarted.
     failed: threading.Event = field(default_factory=threading.Event)
     health: health.HealthServicer | None = None
+    publishers: list = field(default_factory=list)     # ZeroMQ KV event publishers (zmq_events.py)
 
     def stop(self, grace: float = 1.0) -> None:
         """Stop serving (in-flight calls get `grace` seconds), then snapshot and close the journal."""
         self.server.stop(grace).wait()
+        for pub in self.publishers:
+            pub.stop()
         if self._http is not None:
             self._http.shutdown()  # type: ignore[attr-defined]
         if self.journal is not None:
@@ -79,13 +84,15 @@ def serve(listen: str = "127.0.0.1:0", metrics_port: int | None = None, pools: S
           manager: BlockManager | None = None, max_workers: int = 8,
           metrics_addr: str = "127.0.0.1", lease_seconds: float = 10.0,
           journal: Journal | None = None, *, tls: ServerTLS | None = None, tokens: TokenTable | None = None,
-          limits: Limits | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES) -> RunningServer:
+          limits: Limits | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES,
+          events: EventsConfig | None = None) -> RunningServer:
     """Start the manager on `listen` (port 0 picks one); metrics on metrics_port (0 picks, None = off).
 
     journal: a durable kvservice.journal.Journal (its manager is served); None = an in-memory one
         (idempotent retries, no durability). Configured `pools` missing from it are created through it.
     tls: serve TLS (mutual TLS if it has a client CA); tokens: require pool-scoped bearer tokens.
     limits: per-request caps (default Limits()); max_message_bytes: gRPC message limit both ways.
+    events: KV event rings, WatchEvents streams and ZeroMQ publishers (default EventsConfig()).
     """
     if journal is None:
         journal = Journal(manager or BlockManager(lease_seconds))
@@ -95,6 +102,8 @@ def serve(listen: str = "127.0.0.1:0", metrics_port: int | None = None, pools: S
     ensure_pools(journal, list(pools))
     metrics = ManagerMetrics(manager)
     metrics.registry.register(JournalCollector(journal))
+    metrics.registry.register(EventCollector(manager))
+    publishers = configure_events(manager, events or EventsConfig())
     if journal.store is not None:
         commit = Histogram("kvservice_journal_commit_seconds", "Time to make one mutating RPC durable.",
                            registry=metrics.registry, buckets=COMMIT_BUCKETS)
@@ -104,9 +113,15 @@ def serve(listen: str = "127.0.0.1:0", metrics_port: int | None = None, pools: S
         interceptors.append(TokenAuthInterceptor(tokens, BM, manager_rules(_worker_pool(manager))))
     api = ManagerAPI(manager, max_reply_bytes=max_message_bytes, fence=True)
     servicer = BlockManagerServicer(api, metrics, journal, limits or Limits())
-    server, port, health_servicer = grpc_server(SERVICE_NAME, servicer, listen, tls, interceptors, max_workers,
-                                                max_message_bytes)
-    running = RunningServer(server, port, None, manager, metrics, None, journal, health=health_servicer)
+    try:
+        server, port, health_servicer = grpc_server(SERVICE_NAME, servicer, listen, tls, interceptors, max_workers,
+                                                    max_message_bytes)
+    except BaseException:
+        for pub in publishers:
+            pub.stop()
+        raise
+    running = RunningServer(server, port, None, manager, metrics, None, journal, health=health_servicer,
+                            publishers=publishers)
     journal.on_fail = lambda why: _fail_stop(running)
     server.start()
     for name in ("", SERVICE_NAME):
@@ -158,7 +173,8 @@ def lenient_handlers(service: str, servicer: object) -> dict[str, grpc.RpcMethod
     handlers = {}
     for m in _POOL.FindServiceByName(service).methods:
         req_cls, rep_cls = GetMessageClass(m.input_type), GetMessageClass(m.output_type)
-        handlers[m.name] = grpc.unary_unary_rpc_method_handler(
+        make = grpc.unary_stream_rpc_method_handler if m.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[m.name] = make(
             _refuse_malformed(getattr(servicer, m.name)), request_deserializer=_parser(req_cls),
             response_serializer=rep_cls.SerializeToString)
     return handlers

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -31,6 +31,7 @@ from .planner import Plan, plan
 from .status import to_status
 from .v1 import block_manager_pb2 as pb
 from .v1 import block_manager_pb2_grpc as pb_grpc
+from .watch import watch_events
 from .wire import field_array
 
 log = logging.getLogger("kvservice")
@@ -40,6 +41,8 @@ MUTATING = frozenset({"CreatePool", "DeletePool", "Step", "RegisterWorker"})
 #: Reads of pool state: they wait for an in-flight commit and are refused once the journal failed.
 STATE_READS = frozenset({"GetPool", "ListPools", "ListSequences", "GetStats"})
 METHODS = tuple(pb.DESCRIPTOR.services_by_name["BlockManager"].methods_by_name)
+#: Server-streaming RPCs: methods of their own below, not _adapter.
+STREAMING = frozenset({"WatchEvents"})
 _STEP_ARRAYS = ("free_seq_ids", "extend_seq_ids", "extend_num_tokens", "admit_seq_ids", "admit_num_tokens",
                 "fork_parent_ids", "fork_child_ids", "admit_token_ids")
 _SEQ_FIELDS = ("free_seq_ids", "extend_seq_ids", "admit_seq_ids", "fork_child_ids")   # one sequence each
@@ -169,6 +172,9 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
         self.journal = journal
         self.limits = limits
 
+    def WatchEvents(self, request: pb.WatchEventsRequest, context: grpc.ServicerContext) -> Iterator[Any]:
+        yield from watch_events(self.api.manager.events, request, context, self.metrics)
+
 
 def _adapter(name: str) -> Callable[..., Any]:
     def method(self: BlockManagerServicer, request: Any, context: grpc.ServicerContext) -> Any:
@@ -181,7 +187,8 @@ def _adapter(name: str) -> Callable[..., Any]:
                 self.limits.check(name, request, self.api.manager)
             _stamp(name, request)
             if self.journal is not None and name in MUTATING:
-                return self.journal.execute(name, request, apply)
+                with self.api.manager.events.transaction():    # its KV events show once it is durable
+                    return self.journal.execute(name, request, apply)
             if name in STATE_READS and hasattr(self.journal, "read"):
                 return self.journal.read(request, apply)  # type: ignore[union-attr]
             return apply(request)
@@ -212,4 +219,5 @@ def _stamp(name: str, request: Any) -> None:
 
 
 for _name in METHODS:
-    setattr(BlockManagerServicer, _name, _adapter(_name))
+    if _name not in STREAMING:
+        setattr(BlockManagerServicer, _name, _adapter(_name))

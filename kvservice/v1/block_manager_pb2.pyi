@@ -158,7 +158,7 @@ class PlanReply(_message.Message):
     def __init__(self, num_slots: _Optional[int] = ..., page_size: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., max_pages_per_seq: _Optional[int] = ..., bytes_per_layer: _Optional[int] = ..., bytes_per_slot: _Optional[int] = ..., total_bytes: _Optional[int] = ..., max_byte_offset: _Optional[int] = ..., offsets_exceed_int32: _Optional[bool] = ..., offsets_exceed_uint32: _Optional[bool] = ..., indices_need_int64: _Optional[bool] = ..., layers: _Optional[_Iterable[_Union[LayerPlan, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[GroupPlan, _Mapping]]] = ..., index_spaces: _Optional[_Iterable[_Union[IndexSpace, _Mapping]]] = ..., backends: _Optional[_Iterable[str]] = ..., warnings: _Optional[_Iterable[str]] = ..., pool_pages: _Optional[int] = ...) -> None: ...
 
 class CreatePoolRequest(_message.Message):
-    __slots__ = ("name", "cache", "sizing", "backends", "request_id", "enable_prefix_caching", "incarnation")
+    __slots__ = ("name", "cache", "sizing", "backends", "request_id", "enable_prefix_caching", "incarnation", "model")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
     SIZING_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +166,7 @@ class CreatePoolRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ENABLE_PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     name: str
     cache: CacheSpec
     sizing: Sizing
@@ -173,10 +174,11 @@ class CreatePoolRequest(_message.Message):
     request_id: str
     enable_prefix_caching: bool
     incarnation: int
-    def __init__(self, name: _Optional[str] = ..., cache: _Optional[_Union[CacheSpec, _Mapping]] = ..., sizing: _Optional[_Union[Sizing, _Mapping]] = ..., backends: _Optional[_Iterable[str]] = ..., request_id: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    model: str
+    def __init__(self, name: _Optional[str] = ..., cache: _Optional[_Union[CacheSpec, _Mapping]] = ..., sizing: _Optional[_Union[Sizing, _Mapping]] = ..., backends: _Optional[_Iterable[str]] = ..., request_id: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ..., incarnation: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("num_slots", "num_free_slots", "peak_used_slots", "num_sequences", "num_tokens", "steps", "admitted", "refused", "prefix_cache_hits", "prefix_cache_evictions", "cached_slots", "prefix_caching")
+    __slots__ = ("num_slots", "num_free_slots", "peak_used_slots", "num_sequences", "num_tokens", "steps", "admitted", "refused", "prefix_cache_hits", "prefix_cache_evictions", "cached_slots", "prefix_caching", "event_sequence")
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     PEAK_USED_SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -189,6 +191,7 @@ class PoolStats(_message.Message):
     PREFIX_CACHE_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     CACHED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     num_slots: int
     num_free_slots: int
     peak_used_slots: int
@@ -201,21 +204,24 @@ class PoolStats(_message.Message):
     prefix_cache_evictions: int
     cached_slots: int
     prefix_caching: bool
-    def __init__(self, num_slots: _Optional[int] = ..., num_free_slots: _Optional[int] = ..., peak_used_slots: _Optional[int] = ..., num_sequences: _Optional[int] = ..., num_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., admitted: _Optional[int] = ..., refused: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_evictions: _Optional[int] = ..., cached_slots: _Optional[int] = ..., prefix_caching: _Optional[bool] = ...) -> None: ...
+    event_sequence: int
+    def __init__(self, num_slots: _Optional[int] = ..., num_free_slots: _Optional[int] = ..., peak_used_slots: _Optional[int] = ..., num_sequences: _Optional[int] = ..., num_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., admitted: _Optional[int] = ..., refused: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_evictions: _Optional[int] = ..., cached_slots: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., event_sequence: _Optional[int] = ...) -> None: ...
 
 class PoolInfo(_message.Message):
-    __slots__ = ("name", "plan", "stats", "cache", "incarnation")
+    __slots__ = ("name", "plan", "stats", "cache", "incarnation", "model")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     name: str
     plan: PlanReply
     stats: PoolStats
     cache: CacheSpec
     incarnation: int
-    def __init__(self, name: _Optional[str] = ..., plan: _Optional[_Union[PlanReply, _Mapping]] = ..., stats: _Optional[_Union[PoolStats, _Mapping]] = ..., cache: _Optional[_Union[CacheSpec, _Mapping]] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    model: str
+    def __init__(self, name: _Optional[str] = ..., plan: _Optional[_Union[PlanReply, _Mapping]] = ..., stats: _Optional[_Union[PoolStats, _Mapping]] = ..., cache: _Optional[_Union[CacheSpec, _Mapping]] = ..., incarnation: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
 
 class GetPoolRequest(_message.Message):
     __slots__ = ("pool",)
@@ -535,3 +541,107 @@ class ListWorkersReply(_message.Message):
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ...) -> None: ...
+
+class ScorePrefixRequest(_message.Message):
+    __slots__ = ("token_ids", "cache_salt", "extra_key", "pools", "model")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_KEY_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _common_pb2.Tensor
+    cache_salt: str
+    extra_key: str
+    pools: _containers.RepeatedScalarFieldContainer[str]
+    model: str
+    def __init__(self, token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., cache_salt: _Optional[str] = ..., extra_key: _Optional[str] = ..., pools: _Optional[_Iterable[str]] = ..., model: _Optional[str] = ...) -> None: ...
+
+class PrefixScore(_message.Message):
+    __slots__ = ("pool", "cached_tokens", "cached_pages", "page_size", "prefix_caching", "worker_ids", "worker_addresses")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
+    WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    cached_tokens: int
+    cached_pages: int
+    page_size: int
+    prefix_caching: bool
+    worker_ids: _containers.RepeatedScalarFieldContainer[str]
+    worker_addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, pool: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., cached_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., worker_ids: _Optional[_Iterable[str]] = ..., worker_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ScorePrefixReply(_message.Message):
+    __slots__ = ("scores", "num_tokens")
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    scores: _containers.RepeatedCompositeFieldContainer[PrefixScore]
+    num_tokens: int
+    def __init__(self, scores: _Optional[_Iterable[_Union[PrefixScore, _Mapping]]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class WatchEventsRequest(_message.Message):
+    __slots__ = ("pool", "from_sequence")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    FROM_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    from_sequence: int
+    def __init__(self, pool: _Optional[str] = ..., from_sequence: _Optional[int] = ...) -> None: ...
+
+class KVEventBatch(_message.Message):
+    __slots__ = ("sequence", "timestamp", "events", "reset", "more", "reset_reason")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
+    RESET_REASON_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    timestamp: float
+    events: _containers.RepeatedCompositeFieldContainer[KVEvent]
+    reset: bool
+    more: bool
+    reset_reason: str
+    def __init__(self, sequence: _Optional[int] = ..., timestamp: _Optional[float] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., reset: _Optional[bool] = ..., more: _Optional[bool] = ..., reset_reason: _Optional[str] = ...) -> None: ...
+
+class KVEvent(_message.Message):
+    __slots__ = ("block_stored", "block_removed", "all_blocks_cleared")
+    BLOCK_STORED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    ALL_BLOCKS_CLEARED_FIELD_NUMBER: _ClassVar[int]
+    block_stored: BlockStored
+    block_removed: BlockRemoved
+    all_blocks_cleared: AllBlocksCleared
+    def __init__(self, block_stored: _Optional[_Union[BlockStored, _Mapping]] = ..., block_removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., all_blocks_cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ...) -> None: ...
+
+class BlockStored(_message.Message):
+    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_IDX_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_SPEC_KIND_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_SPEC_SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _common_pb2.Tensor
+    parent_block_hash: int
+    token_ids: _common_pb2.Tensor
+    block_size: int
+    group_idx: int
+    kv_cache_spec_kind: str
+    kv_cache_spec_sliding_window: int
+    def __init__(self, block_hashes: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., parent_block_hash: _Optional[int] = ..., token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., block_size: _Optional[int] = ..., group_idx: _Optional[int] = ..., kv_cache_spec_kind: _Optional[str] = ..., kv_cache_spec_sliding_window: _Optional[int] = ...) -> None: ...
+
+class BlockRemoved(_message.Message):
+    __slots__ = ("block_hashes", "group_idx")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    GROUP_IDX_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _common_pb2.Tensor
+    group_idx: int
+    def __init__(self, block_hashes: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., group_idx: _Optional[int] = ...) -> None: ...
+
+class AllBlocksCleared(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

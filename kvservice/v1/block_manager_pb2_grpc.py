@@ -99,6 +99,16 @@ class BlockManagerStub:
                 request_serializer=kvservice_dot_v1_dot_block__manager__pb2.ListWorkersRequest.SerializeToString,
                 response_deserializer=kvservice_dot_v1_dot_block__manager__pb2.ListWorkersReply.FromString,
                 _registered_method=True)
+        self.ScorePrefix = channel.unary_unary(
+                '/kvservice.v1.BlockManager/ScorePrefix',
+                request_serializer=kvservice_dot_v1_dot_block__manager__pb2.ScorePrefixRequest.SerializeToString,
+                response_deserializer=kvservice_dot_v1_dot_block__manager__pb2.ScorePrefixReply.FromString,
+                _registered_method=True)
+        self.WatchEvents = channel.unary_stream(
+                '/kvservice.v1.BlockManager/WatchEvents',
+                request_serializer=kvservice_dot_v1_dot_block__manager__pb2.WatchEventsRequest.SerializeToString,
+                response_deserializer=kvservice_dot_v1_dot_block__manager__pb2.KVEventBatch.FromString,
+                _registered_method=True)
 
 
 class BlockManagerServicer:
@@ -194,6 +204,24 @@ class BlockManagerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ScorePrefix(self, request, context):
+        """How many tokens of a prompt each pool's prefix cache holds now, for a router choosing a
+        replica. Read-only; NOT_FOUND for an unknown pool, INVALID_ARGUMENT for bad token ids.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchEvents(self, request, context):
+        """The KV events of a pool (pages stored in and removed from its prefix cache), as numbered
+        batches, from `from_sequence` on, then live. A batch that is no longer retained is replaced
+        by a reset (AllBlocksCleared + the whole cache). NOT_FOUND for an unknown pool;
+        RESOURCE_EXHAUSTED past the manager's limit of concurrent streams.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BlockManagerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -261,6 +289,16 @@ def add_BlockManagerServicer_to_server(servicer, server):
                     servicer.ListWorkers,
                     request_deserializer=kvservice_dot_v1_dot_block__manager__pb2.ListWorkersRequest.FromString,
                     response_serializer=kvservice_dot_v1_dot_block__manager__pb2.ListWorkersReply.SerializeToString,
+            ),
+            'ScorePrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.ScorePrefix,
+                    request_deserializer=kvservice_dot_v1_dot_block__manager__pb2.ScorePrefixRequest.FromString,
+                    response_serializer=kvservice_dot_v1_dot_block__manager__pb2.ScorePrefixReply.SerializeToString,
+            ),
+            'WatchEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchEvents,
+                    request_deserializer=kvservice_dot_v1_dot_block__manager__pb2.WatchEventsRequest.FromString,
+                    response_serializer=kvservice_dot_v1_dot_block__manager__pb2.KVEventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -614,6 +652,60 @@ class BlockManager:
             '/kvservice.v1.BlockManager/ListWorkers',
             kvservice_dot_v1_dot_block__manager__pb2.ListWorkersRequest.SerializeToString,
             kvservice_dot_v1_dot_block__manager__pb2.ListWorkersReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ScorePrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvservice.v1.BlockManager/ScorePrefix',
+            kvservice_dot_v1_dot_block__manager__pb2.ScorePrefixRequest.SerializeToString,
+            kvservice_dot_v1_dot_block__manager__pb2.ScorePrefixReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvservice.v1.BlockManager/WatchEvents',
+            kvservice_dot_v1_dot_block__manager__pb2.WatchEventsRequest.SerializeToString,
+            kvservice_dot_v1_dot_block__manager__pb2.KVEventBatch.FromString,
             options,
             channel_credentials,
             insecure,

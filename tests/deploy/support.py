@@ -37,6 +37,18 @@ MANAGER_METRICS = {
     "kvservice_alloc_failures_total": "counter",
     "kvservice_prefix_cache_hits_total": "counter",
     "kvservice_rpc_duration_seconds": "histogram",
+    # KV events and prefix lookups (kvservice/event_metrics.py)
+    "kvservice_prefix_cache_lookup_pages_total": "counter",
+    "kvservice_prefix_cache_hit_pages_total": "counter",
+    "kvservice_kv_events_published_total": "counter",
+    "kvservice_kv_event_batches_sent_total": "counter",
+    "kvservice_kv_event_batches_dropped_total": "counter",
+    "kvservice_kv_event_resets_total": "counter",
+    "kvservice_kv_event_subscribers": "gauge",
+    "kvservice_kv_event_subscriber_lag_batches": "gauge",
+    "kvservice_kv_event_buffer_batches": "gauge",
+    "kvservice_kv_event_sequence": "gauge",
+    "kvservice_kv_event_batches_total": "counter",
 }
 WORKER_METRICS = {
     "kvworker_bounds_violations_total": "counter",
@@ -44,8 +56,13 @@ WORKER_METRICS = {
     "kvworker_kernel_duration_seconds": "histogram",
     "kvworker_cache_bytes": "gauge",
 }
-#: Named in DESIGN.md but not exported yet (arrives with prefix caching).
-COMING = {"kvservice_prefix_cache_hits_total"}
+#: Exported only once a pool caches prefixes (the default pool does not) or has KV event subscribers.
+COMING = {"kvservice_prefix_cache_hits_total", "kvservice_prefix_cache_lookup_pages_total",
+          "kvservice_prefix_cache_hit_pages_total", "kvservice_kv_events_published_total",
+          "kvservice_kv_event_batches_sent_total", "kvservice_kv_event_batches_dropped_total",
+          "kvservice_kv_event_resets_total", "kvservice_kv_event_subscribers",
+          "kvservice_kv_event_subscriber_lag_batches", "kvservice_kv_event_buffer_batches",
+          "kvservice_kv_event_sequence", "kvservice_kv_event_batches_total"}
 
 
 def sample_names(metrics: dict[str, str]) -> set[str]:

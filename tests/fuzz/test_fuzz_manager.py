@@ -395,7 +395,7 @@ def first_difference(a, b, path: str = "") -> str:
 #: Prefix-cache fields holding namespace ids (and hashes made with them). A refused Step can register a
 #: namespace id (PrefixCache.namespace_ids runs before the step's point of no return; reported), so a
 #: replay may number namespaces differently. They are compared by name instead (prefix_view).
-NAMESPACE_NUMBERED = frozenset({"_namespaces", "by_hash", "hash", "namespace"})
+NAMESPACE_NUMBERED = frozenset({"_ids", "by_hash", "hash", "namespace", "parent_hash", "index"})
 
 
 def prefix_view(manager) -> dict:
@@ -405,7 +405,7 @@ def prefix_view(manager) -> dict:
         with manager.locked(name) as pool:
             pc = pool.prefix
             if pc is not None:
-                names = {v: k for k, v in pc._namespaces.items()}
+                names = {v: k for k, v in pc.namespaces._ids.items()}
                 slots = np.flatnonzero(pc.hash != 0).tolist()
                 out[name] = ([(s, names[int(pc.namespace[s])]) for s in slots], sorted(pc.by_hash.values()))
     return out

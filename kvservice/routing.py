@@ -1,0 +1,203 @@
+"""Prefix scores: how many tokens of a prompt each pool's prefix cache holds now (the ScorePrefix RPC).
+
+A router asks this before sending a request, to pick the replica that recomputes least
+(compare llm-d's GetPodScores). The answer for a pool is exactly what a Step admitting the
+prompt would return in ``admit_cached_tokens`` at that moment: full pages whose chained hash is
+indexed *and* whose cached page matches the prompt's tokens, namespace (salt + extra key) and
+parent page, at most ``(n - 1) // page_size`` pages. Nothing changes (no LRU touch, no pin).
+
+Cost: the prompt's page hashes are computed once per namespace id (NumPy over the pages, the
+chain in Python integers) and shared by the pools. A pool that does not hold the first page
+costs one dictionary lookup; the others are checked with NumPy over all pages at once, looking
+hashes up in the cache's NumPy mirror of its index (hash_index.py), in two rounds (the first
+FIRST_PAGES pages, then the rest) so that a pool missing early costs little.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import repeat
+
+import numpy as np
+
+from .errors import InvalidArgument
+from .manager import BlockManager
+from .prefix import _GOLD, _M1, _M2, _mix, page_hashes, prompt_hashes
+
+#: Prompt tokens one ScorePrefix may carry.
+MAX_SCORE_TOKENS = 1 << 20
+#: Pages checked in the first round; the rest only if all of them were hits.
+FIRST_PAGES = 64
+_MASK = (1 << 64) - 1
+_GOLD_I, _M1_I, _M2_I = int(_GOLD), int(_M1), int(_M2)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixScore:
+    """One pool's score. workers: (worker_id, address) of its live workers."""
+
+    pool: str
+    cached_tokens: int
+    page_size: int
+    prefix_caching: bool
+    workers: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def cached_pages(self) -> int:
+        return self.cached_tokens // self.page_size
+
+
+class _Chain:
+    """Chained page hashes of one prompt for one namespace id, computed on demand (shared by the pools).
+
+    Equal to prefix.prompt_hashes(pages, ns) (tests hold it to that).
+    pages: int64 [P, page_size].
+    """
+
+    def __init__(self, pages: np.ndarray, ns: int) -> None:
+        self.pages = pages
+        self.h = _mix_int((ns + _GOLD_I) & _MASK)
+        self.out: list[int] = []
+        self._array = np.zeros(0, dtype=np.uint64)
+        self._page_h: list[int] | None = None
+
+    def upto(self, n: int) -> np.ndarray:
+        """uint64 [>= n]: the hashes of at least the first n pages (n <= P). Read-only."""
+        if len(self._array) >= n:
+            return self._array
+        if self._page_h is None:
+            self._page_h = _page_only_hashes(self.pages).tolist()
+        h, out, m1, m2, mask = self.h, self.out, _M1_I, _M2_I, _MASK
+        for j in range(len(out), n):             # prefix._mix, inlined: this loop is the cost of a long prompt
+            x = h ^ self._page_h[j] ^ ((j * m2) & mask)
+            x ^= x >> 30
+            x = (x * m1) & mask
+            x ^= x >> 27
+            x = (x * m2) & mask
+            h = x ^ (x >> 31)
+            out.append(h or 1)
+        self.h = h
+        self._array = np.array(out, dtype=np.uint64)
+        return self._array
+
+
+def _mix_int(x: int) -> int:
+    """prefix._mix (splitmix64 finaliser) on one Python int."""
+    x ^= x >> 30
+    x = (x * _M1_I) & _MASK
+    x ^= x >> 27
+    x = (x * _M2_I) & _MASK
+    return x ^ (x >> 31)
+
+
+def _page_only_hashes(pages: np.ndarray) -> np.ndarray:
+    """Each page's own token hash, before chaining (the first loop of prefix.page_hashes): uint64 [P]."""
+    with np.errstate(over="ignore"):
+        tok = pages.astype(np.uint64)
+        h = np.full(len(pages), _GOLD, dtype=np.uint64)
+        for t in range(pages.shape[1]):
+            h = _mix(h ^ (tok[:, t] + _GOLD))
+    return h
+
+
+def chained_hashes(pages: np.ndarray, ns: int) -> np.ndarray:
+    """uint64 [P]: the Step's chained hashes of one prompt's full pages (int64 [P, page_size]) in namespace ns."""
+    return _Chain(pages, ns).upto(len(pages))[:len(pages)].copy()
+
+
+def _candidates(cache: object, hashes: np.ndarray) -> np.ndarray:
+    """int64 [n]: the slot registered for each hash, or -1 (the NumPy mirror when the cache has one)."""
+    index = getattr(getattr(cache, "sink", None), "index", None)
+    if index is not None:
+        cand = index.lookup(hashes)
+        stale = cand >= 0
+        stale[stale] = cache.hash[cand[stale]] != hashes[stale]      # forgotten since: not a candidate
+        cand[stale] = -1
+        return cand
+    get = cache.by_hash.get
+    return np.fromiter(map(get, hashes.tolist(), repeat(-1)), dtype=np.int64, count=len(hashes))
+
+
+def _cached_pages(cache: object, pages: np.ndarray, limit: int, ns: int,
+                  hashes_upto: Callable[[int], np.ndarray]) -> int:
+    """Pages of the prompt the cache would serve now (PrefixCache.match's rule).
+
+    Checked in two rounds, the first FIRST_PAGES pages and then the rest, so a pool that misses early
+    costs little. hashes_upto(n): uint64 [>= n], the prompt's chained hashes.
+    """
+    if cache.by_hash.get(int(hashes_upto(1)[0])) is None:
+        return 0
+    prev, lo = -1, 0
+    for hi in (min(limit, FIRST_PAGES), limit):
+        if hi <= lo:
+            continue
+        h = hashes_upto(hi)[lo:hi]
+        cand = _candidates(cache, h)
+        safe = np.maximum(cand, 0)
+        ok = cand >= 0
+        ok &= cache.namespace[safe] == ns
+        ok &= cache.parent[safe] == np.concatenate(([prev], cand[:-1]))
+        ok &= (cache.tokens[safe] == pages[lo:hi]).all(axis=1)
+        if not ok.all():
+            return lo + int(np.argmin(ok))
+        prev, lo = int(cand[-1]), hi
+    return limit
+
+
+def score_prefix(manager: BlockManager, token_ids: np.ndarray, salt: str = "", extra_key: str = "",
+                 pools: list[str] | None = None, model: str = "") -> list[PrefixScore]:
+    """Score one prompt against pools.
+
+    token_ids: int32/int64 [n], the prompt (n <= MAX_SCORE_TOKENS).
+    pools: names to score (NotFound for an unknown one), in this order; None/empty = every pool, by
+    name, only those created for `model` when it is given.
+    """
+    tok = np.asarray(token_ids)
+    if tok.ndim != 1 or tok.dtype.kind not in "iu":
+        raise InvalidArgument(f"token_ids must be a 1-D integer array, got shape {tok.shape} dtype {tok.dtype}")
+    if len(tok) > MAX_SCORE_TOKENS:
+        raise InvalidArgument(f"token_ids has {len(tok)} tokens; ScorePrefix takes at most {MAX_SCORE_TOKENS}",
+                              reason="LIMIT_EXCEEDED", limit=MAX_SCORE_TOKENS)
+    tok = tok.astype(np.int64, copy=False)
+    if pools:
+        names = list(dict.fromkeys(pools))
+        for name in names:
+            with manager.locked(name):         # NotFound now, before any work
+                pass
+    else:
+        names = manager.pool_names()
+    alive: dict[str, list[tuple[str, str]]] = {}
+    for w in manager.workers.workers():
+        if w.alive:
+            alive.setdefault(w.pool, []).append((w.worker_id, w.address))
+    chains: dict[tuple[int, int], _Chain] = {}     # (page_size, ns) -> chain
+    out = []
+    for name in names:
+        with manager.locked(name) as pool:
+            if not pools and model and pool.model != model:
+                continue
+            cache, ps = pool.prefix, pool.page_size
+            hits = 0
+            if cache is not None and len(tok) > ps and len(pool.prefixes) > 1:
+                hits = pool.cached_prefix_pages(tok, salt, extra_key)      # hybrid: every group's rule
+            elif cache is not None and len(tok) > ps:
+                ids, new = cache.namespace_ids([salt], [extra_key])
+                if not new:                     # a namespace the cache has never seen holds nothing
+                    ns = int(ids[0])
+                    full = len(tok) // ps
+                    pages = tok[:full * ps].reshape(full, ps)
+                    if cache.hash_fn is page_hashes:
+                        chain = chains.get((ps, ns))
+                        if chain is None:
+                            chain = chains[(ps, ns)] = _Chain(pages, ns)
+                        upto = chain.upto
+                    else:                       # an injected hash function (tests): its hashes, all at once
+                        own = prompt_hashes(pages, ns, cache.hash_fn)
+                        upto = lambda n, own=own: own         # noqa: E731
+                    hits = _cached_pages(cache, pages, (len(tok) - 1) // ps, ns, upto)
+            out.append(PrefixScore(name, hits * ps, ps, cache is not None, tuple(alive.get(name, ()))))
+    return out
+
+
+__all__ = ["MAX_SCORE_TOKENS", "PrefixScore", "chained_hashes", "score_prefix"]

@@ -1,0 +1,40 @@
+"""HashSlots: the NumPy hash -> slot table answers like a dict holding the latest slot of every hash."""
+
+import numpy as np
+
+from kvservice import hash_index
+from kvservice.hash_index import HashSlots
+
+
+def test_lookup_matches_a_dict_through_overwrites_and_rebuilds():
+    rng = np.random.default_rng(0)
+    t = HashSlots(64)
+    ref: dict[int, int] = {}
+    pool = rng.integers(1, 2**64 - 1, 400, dtype=np.uint64)          # reused keys: re-registrations
+    for _ in range(60):
+        keys = np.unique(rng.choice(pool, int(rng.integers(1, 40)), replace=False))
+        slots = rng.integers(0, 64, len(keys)).astype(np.int64)
+        if t.full_after(len(keys)):
+            ref.update(zip(keys.tolist(), slots.tolist(), strict=True))
+            live = dict(list(ref.items())[-100:])                    # the cache's live pages only
+            ref = live
+            t.rebuild(np.array(list(live), dtype=np.uint64), np.array(list(live.values()), dtype=np.int64))
+        else:
+            t.insert(keys, slots)
+            ref.update(zip(keys.tolist(), slots.tolist(), strict=True))
+        probe = np.concatenate((rng.choice(pool, 50), rng.integers(1, 2**64 - 1, 20, dtype=np.uint64)))
+        want = np.array([ref.get(k, -1) for k in probe.tolist()], dtype=np.int64)
+        assert np.array_equal(t.lookup(probe), want)
+    assert t.used <= (t.mask + 1) * 3 // 4
+
+
+def test_long_clusters_finish_one_by_one(monkeypatch):
+    """Keys that all land on one home position probe past the vectorised rounds and are still found."""
+    monkeypatch.setattr(HashSlots, "_home", lambda self, k: np.zeros(len(k), dtype=np.int64))
+    t = HashSlots(32)                                                 # 64 positions
+    keys = np.arange(1, 30, dtype=np.uint64)
+    t.insert(keys, np.arange(29, dtype=np.int64) * 10)
+    assert t.lookup(keys).tolist() == list(range(0, 290, 10))
+    assert t.lookup(np.array([999], dtype=np.uint64)).tolist() == [-1]
+    monkeypatch.setattr(hash_index, "VECTOR_ROUNDS", 0)
+    assert t.lookup(keys[::-1]).tolist() == list(range(280, -10, -10))

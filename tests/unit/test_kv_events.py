@@ -1,0 +1,276 @@
+"""KV events of the prefix cache: a consumer of the batches holds exactly the cache's index after every step;
+chains and tokens are right; staging, rings, resets, deleted pools and snapshots behave."""
+
+import pickle
+
+import numpy as np
+import pytest
+
+from kvservice import events as ev
+from kvservice.api import ManagerAPI
+from kvservice.errors import NotFound, ResourceExhausted
+from kvservice.geometry import CacheSpec
+from kvservice.manager import BlockManager
+from kvservice.planner import Sizing
+from kvservice.prefix import prompt_hashes
+from tests.kv_workload import PS, Workload, pool_step_args
+
+SPEC = CacheSpec.uniform(2, 1, 64, page_size=PS)
+
+
+def make_manager(num_slots=48, name="p"):
+    m = BlockManager()
+    m.create_pool(name, SPEC, Sizing(num_slots=num_slots, max_seq_len=num_slots * PS), prefix_caching=True)
+    return m
+
+
+class Reference:
+    """What the test knows independently: every page hash of every prompt admitted (page_hashes), its tokens and
+    its parent's hash, per tenant namespace (ids assigned as the cache assigns them: first use)."""
+
+    def __init__(self):
+        self.pages: dict[int, tuple[tuple[int, ...], int]] = {}     # hash -> (tokens, parent hash or 0)
+        self.ns: dict[str, int] = {}
+
+    def learn(self, prompt, salt):
+        ns = self.ns.setdefault(salt, len(self.ns))
+        full = len(prompt) // PS
+        if not full:
+            return
+        pages = prompt[:full * PS].reshape(full, PS)
+        h = prompt_hashes(pages, ns).tolist()
+        for j in range(full):
+            self.pages[h[j]] = (tuple(pages[j].tolist()), h[j - 1] if j else 0)
+
+
+def check_event(e, ref: Reference):
+    """A BlockStored is a chain of known pages with their own tokens, each the parent of the next."""
+    if not isinstance(e, ev.BlockStored):
+        return
+    assert e.block_size == PS and e.group == 0 and e.kind == "full_attention" and e.sliding_window == 0
+    hashes = e.block_hashes.tolist()
+    assert len(e.token_ids) == len(hashes) * PS
+    parent = e.parent_block_hash
+    for i, h in enumerate(hashes):
+        tokens, true_parent = ref.pages[h]
+        assert tuple(e.token_ids[i * PS:(i + 1) * PS].tolist()) == tokens
+        assert true_parent == parent, f"page {i} of a chain: parent {parent:#x}, truly {true_parent:#x}"
+        parent = h
+
+
+def run_workload(m, pool_name, steps, seed, on_step=None):
+    rng = np.random.default_rng(seed)
+    w, ref = Workload(rng), Reference()
+    w.looked = 0                      # prompt pages the admissions looked up: (n - 1) // page_size each
+    api_pool, lock = m.pool_and_lock(pool_name)
+    for k in range(steps):
+        kw = w.step(pressure=False)
+        try:
+            with lock:
+                api_pool.step(**pool_step_args(kw))
+                m.events.after_step(api_pool, [len(p) for p in kw["prompts"]], True)
+            w.looked += sum((len(p) - 1) // PS for p in kw["prompts"])
+        except ResourceExhausted:
+            kw = w.step(pressure=True)
+            with lock:
+                api_pool.step(**pool_step_args(kw))
+                m.events.after_step(api_pool, None, False)
+        w.applied(kw)
+        for p, s in zip(kw["prompts"], kw["salts"], strict=True):
+            ref.learn(p, s)
+        if on_step is not None:
+            on_step(k, api_pool, ref)
+    return w, ref
+
+
+def test_consumer_rebuilds_the_index_after_every_step():
+    m = make_manager()
+    sub = m.events.subscribe("p", 1, "test")
+    view: dict[int, set[int]] = {}
+    seen = {"stored": 0, "removed": 0, "batches": 0}
+
+    def on_step(k, pool, ref):
+        for lb in sub.poll(0) or []:
+            assert lb.seq == seen["batches"] + 1 and not lb.batch.reset
+            seen["batches"] += 1
+            for e in lb.batch.events:
+                check_event(e, ref)
+                seen["stored" if isinstance(e, ev.BlockStored) else "removed"] += ev.event_pages(e)
+            ev.apply_events(view, lb.batch.events)
+        assert view.get(0, set()) == set(pool.prefix.by_hash), f"step {k}"
+        assert sub.next_seq == pool.events.seq + 1
+
+    run_workload(m, "p", 300, seed=1, on_step=on_step)
+    # The workload really exercised both directions (the pool is small: registrations evict).
+    assert seen["stored"] > 100 and seen["removed"] > 50, seen
+    assert m.pool_and_lock("p")[0].allocators[0].evictions > 50
+
+
+def test_reset_describes_the_whole_cache():
+    m = make_manager()
+    run_workload(m, "p", 80, seed=2)
+    pool = m.pool_and_lock("p")[0]
+    sub = m.events.subscribe("p", 0, "test")          # 0 = the current cache first
+    (lb,) = sub.poll(0)
+    assert lb.batch.reset and lb.seq == pool.events.seq and isinstance(lb.batch.events[0], ev.AllBlocksCleared)
+    view = {0: {12345}}
+    ev.apply_events(view, lb.batch.events)
+    assert view[0] == set(pool.prefix.by_hash) and len(view[0]) > 5
+    # Each page comes with its own tokens and parent (the cache's content, slot by slot).
+    for e in lb.batch.events[1:]:
+        slot = pool.prefix.by_hash[int(e.block_hashes[0])]
+        assert e.token_ids.tolist() == pool.prefix.tokens[slot].tolist()
+    assert sub.poll(0) == []                           # then nothing until the next step
+
+
+def test_overflow_of_untaken_changes_becomes_a_reset(monkeypatch):
+    monkeypatch.setattr(ev, "MAX_PENDING_PAGES", 10)
+    m = make_manager()
+    pool = m.pool_and_lock("p")[0]
+    rng = np.random.default_rng(3)
+    w = Workload(rng)
+    for _ in range(30):                               # pool.step without the hub: nobody takes the batches
+        kw = w.step()
+        try:
+            pool.step(**pool_step_args(kw))
+        except ResourceExhausted:
+            kw = w.step(pressure=True)
+            pool.step(**pool_step_args(kw))
+        w.applied(kw)
+    assert pool.events.pending.overflowed and pool.events.pending.events == []
+    batch = pool.events.take_batch(ev.pool_caches(pool))
+    assert batch.reset and batch.seq == 1
+    view: dict[int, set[int]] = {}
+    ev.apply_events(view, batch.events)
+    assert view[0] == set(pool.prefix.by_hash)
+    assert pool.events.take_batch(ev.pool_caches(pool)) is None
+
+
+def test_staged_batches_show_only_when_the_request_completes():
+    m = make_manager()
+    m.events.deferred = True
+    api = ManagerAPI(m)
+    sub = m.events.subscribe("p", None, "test")
+    prompt = np.arange(1, 41, dtype=np.int64)
+
+    def admit(seq_id):
+        from clients.codec import step_request
+        return api.Step(step_request("p", admit=[seq_id], admit_tokens=[40], admit_token_ids=prompt))
+
+    with m.events.transaction():
+        admit(1)
+        assert sub.poll(0) == []                       # applied, not yet durable
+    (lb,) = sub.poll(0)
+    assert lb.seq == 1 and ev.apply_events(v := {}, lb.batch.events) is None and len(v[0]) == 10
+    with pytest.raises(RuntimeError), m.events.transaction():
+        api.Step(__import__("clients.codec", fromlist=["x"]).step_request("p", free=[1]))
+        admit(2)                                      # hits: no new pages, no batch
+        raise RuntimeError("the journal failed")
+    assert sub.poll(0) == []                           # never shown
+
+
+def test_ring_keeps_the_newest_batches_and_late_readers_get_a_reset():
+    m = make_manager()
+    m.events.ring_batches = 5
+    early = m.events.subscribe("p", 1, "grpc")
+    run_workload(m, "p", 60, seed=4)
+    pool = m.pool_and_lock("p")[0]
+    log = m.events.logs["p"]
+    assert len(log.batches) == 5 and log.oldest == pool.events.seq - 4
+    assert early.lag == pool.events.seq
+    (lb,) = early.poll(0)                              # fell behind the ring: a reset, counted as dropped
+    assert lb.batch.reset and lb.seq == pool.events.seq and "no longer retained" in lb.encoded["reset_reason"]
+    c = log.counters["grpc"]
+    assert c.dropped == log.oldest - 1 and c.resets == 1 and early.lag == 0
+    resume = m.events.subscribe("p", log.oldest + 1, "grpc")   # still retained: exactly those batches
+    got = resume.poll(0)
+    assert [b.seq for b in got] == list(range(log.oldest + 1, pool.events.seq + 1))
+    ahead = m.events.subscribe("p", pool.events.seq + 50, "grpc")
+    (lb,) = ahead.poll(0)
+    assert lb.batch.reset and "ahead" in lb.encoded["reset_reason"]
+
+
+def test_deleted_pool_ends_its_subscribers_with_all_blocks_cleared():
+    m = make_manager()
+    run_workload(m, "p", 20, seed=5)
+    sub = m.events.subscribe("p", None, "grpc")
+    with m.locked("p") as pool:
+        ids, _ = pool.sequences()
+        pool.step(free_ids=ids)
+        m.events.after_step(pool)
+    sub.poll(0)
+    m.delete_pool("p")
+    (lb,) = sub.poll(0)
+    assert lb.batch.events == (ev.AllBlocksCleared(),) and lb.batch.reset
+    assert sub.poll(0) is None
+    with pytest.raises(NotFound):
+        m.events.subscribe("p", 0, "grpc")
+
+
+def test_subscriber_limit():
+    m = make_manager()
+    m.events.max_subscribers = 2
+    a, _ = m.events.subscribe("p", None, "grpc"), m.events.subscribe("p", None, "grpc")
+    with pytest.raises(ResourceExhausted, match="--kv-events-max-watchers"):
+        m.events.subscribe("p", None, "grpc")
+    m.events.subscribe("p", None, "zmq", limit=False)        # publishers are not counted
+    a.close()
+    m.events.subscribe("p", None, "grpc")
+
+
+def test_pickled_pool_keeps_the_sequence_and_the_sink():
+    m = make_manager()
+    run_workload(m, "p", 40, seed=6)
+    pool = m.pool_and_lock("p")[0]
+    copy = pickle.loads(pickle.dumps(pool))
+    assert copy.events.seq == pool.events.seq > 0
+    assert copy.prefix.sink is copy.events.sources[0]
+    assert np.array_equal(copy.prefix.sink.parent_hash, pool.prefix.sink.parent_hash)
+
+
+def test_metrics_count_lookups_hits_events_and_lag():
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvservice.event_metrics import EventCollector
+
+    m = make_manager()
+    reg = CollectorRegistry()
+    reg.register(EventCollector(m))
+    slow = m.events.subscribe("p", 1, "grpc")                  # never reads: its lag is every batch
+    fast = m.events.subscribe("p", 1, "zmq", limit=False)
+    w, _ = run_workload(m, "p", 50, seed=7, on_step=lambda *_: fast.poll(0))
+    pool = m.pool_and_lock("p")[0]
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(generate_latest(reg).decode()) for s in fam.samples}
+    lbl = (("group", "0"), ("pool", "p"))
+    assert samples[("kvservice_prefix_cache_hit_pages_total", lbl)] == pool.prefix.hits > 0
+    assert samples[("kvservice_prefix_cache_lookup_pages_total", lbl)] == w.looked > pool.prefix.hits
+    assert samples[("kvservice_kv_event_sequence", (("pool", "p"),))] == pool.events.seq
+    assert samples[("kvservice_kv_event_subscriber_lag_batches", (("pool", "p"), ("transport", "grpc")))] == \
+        pool.events.seq == slow.lag
+    assert samples[("kvservice_kv_event_subscriber_lag_batches", (("pool", "p"), ("transport", "zmq")))] == 0
+    assert samples[("kvservice_kv_event_batches_sent_total", (("pool", "p"), ("transport", "zmq")))] == pool.events.seq
+    assert samples[("kvservice_kv_event_subscribers", (("pool", "p"), ("transport", "grpc")))] == 1
+    stored = samples[("kvservice_kv_events_published_total", (("pool", "p"), ("type", "BlockStored")))]
+    assert stored > 0 and samples[("kvservice_kv_event_batches_total", (("pool", "p"),))] == pool.events.seq
+
+
+def test_big_resets_split_into_messages_of_one_sequence_and_round_trip(monkeypatch):
+    from kvservice import events_proto
+
+    monkeypatch.setattr(events_proto, "MESSAGE_PAGES", 7)
+    m = make_manager()
+    run_workload(m, "p", 40, seed=8)
+    (lb,) = m.events.subscribe("p", 0, "grpc").poll(0)
+    msgs = events_proto.batch_to_protos(lb)
+    assert len(msgs) > 2 and {x.sequence for x in msgs} == {lb.seq} and all(x.reset for x in msgs)
+    assert [x.more for x in msgs] == [True] * (len(msgs) - 1) + [False]
+    back = [e for x in msgs for e in events_proto.proto_to_events(x)]
+    assert len(back) == len(lb.batch.events)
+    for a, b in zip(back, lb.batch.events, strict=True):
+        assert type(a) is type(b)
+        if isinstance(a, ev.BlockStored):
+            assert a.block_hashes.tolist() == b.block_hashes.tolist() and a.token_ids.tolist() == b.token_ids.tolist()
+            assert (a.parent_block_hash, a.group, a.kind, a.sliding_window, a.block_size) == \
+                (b.parent_block_hash, b.group, b.kind, b.sliding_window, b.block_size)
