@@ -219,6 +219,8 @@ class RefPool:
         a_ids = [i for i, _ in st.adm]
         if any(k <= 0 for _, k in st.ext) or any(n <= 0 for _, n in st.adm):
             raise InvalidArgument("token counts must be > 0")
+        if st.token_ids is not None and not self.prefix_caching:
+            raise InvalidArgument("admit_token_ids need a pool created with prefix caching")
         if st.token_ids is not None and len(st.token_ids) != sum(n for _, n in st.adm):
             raise InvalidArgument("admit_token_ids must hold sum(admit_tokens) ids")
         for name, v in (("salts", st.salts), ("keys", st.keys)):

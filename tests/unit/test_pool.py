@@ -115,13 +115,13 @@ def test_interleaved_tables_valid_for_own_space_and_rejected_by_the_other():
     assert len(r.tables) == 2
     a, b = r.tables
     assert a.space.scale != b.space.scale
+    held = np.concatenate([pool.sequence_slots(i) for i in range(1, 9)]).tolist()
     for st in r.tables:
         assert validate_page_table(st.table, st.space, 16).ok
         pages = st.table.indices.astype(np.int64)
-        slots = (pages - st.space.offset) // st.space.scale
         assert ((pages - st.space.offset) % st.space.scale == 0).all()
-        # Both spaces describe the same slots.
-        assert slots.tolist() == ((b.table.indices.astype(np.int64) - b.space.offset) // b.space.scale).tolist()
+        # Each space describes the slots the sequences hold (so both describe the same slots).
+        assert ((pages - st.space.offset) // st.space.scale).tolist() == held
     # Seed 004: one space's table fed to the other's layer.
     wrong = validate_page_table(a.table, b.space, 16)
     assert not wrong.ok
@@ -188,3 +188,67 @@ def test_decode_fast_path_equals_the_general_path():
         fast.step(extend_ids=ids, extend_tokens=np.full(len(ids), 150))
     assert_invariants(fast)
     assert fast.sequences()[1].tolist() == slow.sequences()[1].tolist()
+
+
+# ---- issue #10: Steps mixing forks with admissions or extensions -------------------------------------
+def one_layer_pool(**kw):
+    return Pool("p", plan(CacheSpec.uniform(1, 1, 64, page_size=8), Sizing(num_slots=32)), **kw)
+
+
+def test_fork_and_admission_in_one_step_map_the_admission_to_its_own_page():
+    pool = one_layer_pool()
+    pool.step(admit_ids=[10], admit_tokens=[12])                     # slots 1, 0 (the stack's top first)
+    r = pool.step(fork_parents=[10], fork_children=[11], admit_ids=[12], admit_tokens=[2])
+    assert r.seq_ids.tolist() == [12, 11] and r.new_token_indptr.tolist() == [0, 2, 2]
+    (st,) = r.tables
+    (page,) = st.table.row(0).tolist()                                 # seq 12's one page, per its own table
+    assert page == pool.sequence_slots(12)[0] and page not in pool.sequence_slots(10)
+    assert st.slot_mapping.tolist() == [page * 8, page * 8 + 1] == [16, 17]
+    assert st.table.row(1).tolist() == pool.sequence_slots(10).tolist()  # the child shares the parent's pages
+    assert_invariants(pool)
+
+
+def test_fork_and_parent_extension_in_one_step_write_into_the_parents_copy():
+    pool = one_layer_pool()
+    pool.step(admit_ids=[5], admit_tokens=[12])                      # page 1 holds 4 of 8 tokens
+    before = pool.sequence_slots(5).tolist()
+    r = pool.step(fork_parents=[5], fork_children=[6], extend_ids=[5], extend_tokens=[2])
+    assert r.seq_ids.tolist() == [5, 6] and r.num_tokens.tolist() == [14, 12]
+    # Page 1 has two owners and one writer: the parent copies it (r = 2 > c = 1) and writes the copy.
+    ((src, dst),) = r.copies[0].tolist()
+    assert src == before[1] and dst not in before
+    (st,) = r.tables
+    assert st.slot_mapping.tolist() == [dst * 8 + 4, dst * 8 + 5] == [20, 21]
+    assert st.table.row(0).tolist() == [before[0], dst] and st.table.row(1).tolist() == before
+    assert pool.sequence_slots(6).tolist() == before
+    assert_invariants(pool)
+
+
+def test_fork_in_the_step_of_the_parents_window_release_copies_the_parent_before_it():
+    # Documented order: frees, forks, extensions. The child is the parent as it was before this
+    # step's extension, so it keeps the pages the parent's window releases in that extension.
+    layers = (LayerSpec(1, 64), LayerSpec(1, 64, sliding_window=6))
+    pool = make_pool(num_slots=32, page_size=4, layers=layers)
+    pool.step(admit_ids=[1], admit_tokens=[24])
+    full, window = pool.sequence_slots(1, 0).tolist(), pool.sequence_slots(1, 1).tolist()
+    assert len(window) == 6
+    r = pool.step(fork_parents=[1], fork_children=[2], extend_ids=[1], extend_tokens=[1])
+    assert pool.first_page(1, 1) == (24 + 1 - 6) // 4 == 4              # the parent released pages 0..3
+    assert pool.first_page(2, 1) == 0 and pool.sequence_slots(2, 1).tolist() == window
+    assert pool.sequence_slots(2, 0).tolist() == full
+    child = r.tables[1].table.row(1).tolist()
+    assert child == window and r.tables[1].table.last_page_len.tolist() == [1, 4]
+    assert pool.allocators[1].refcount(np.array(window[:4])).tolist() == [1, 1, 1, 1]     # now the child's alone
+    assert_invariants(pool)
+
+
+@pytest.mark.parametrize("kwargs", [{"admit_salts": ["a", "b"]}, {"admit_extra_keys": ["lora"]},
+                                    {"admit_token_ids": np.array([1, 2, 3])}])
+def test_prefix_fields_without_admissions_are_refused(kwargs):
+    # One salt / extra key per admission, sum(admit_tokens) token ids: with no admission, none.
+    pool = Pool("c", plan(CacheSpec.uniform(1, 1, 64, page_size=4), Sizing(num_slots=8)), prefix_caching=True)
+    pool.step(admit_ids=[1], admit_tokens=[5], admit_token_ids=np.arange(5))
+    before = snapshot(pool)
+    with pytest.raises(InvalidArgument):
+        pool.step(extend_ids=[1], extend_tokens=[1], **kwargs)
+    assert snapshot(pool) == before
