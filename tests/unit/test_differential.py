@@ -61,3 +61,36 @@ def test_pool_matches_reference_model(name):
 def test_decode_fast_path_matches_reference_model(name):
     total = run_plan(name, FAST[name])
     assert total.fast_steps > 500                                # the fast path answered these steps
+
+
+class Faulty(InProcess):
+    """The real pool with one planted bug: the last new token of a Step with an extension and two or
+    more admissions is mapped one page too far."""
+
+    def step(self, st):
+        r = super().step(st)
+        if st.ext and len(st.adm) >= 2:
+            for sp in r.spaces:
+                sp.slot_mapping = sp.slot_mapping.copy()
+                sp.slot_mapping[-1] += self.pool.page_size
+        return r
+
+
+def test_a_planted_bug_is_found_and_shrunk_to_a_replayable_repro():
+    from tests.differential import run_ops
+    from tests.refmodel import Step  # noqa: F401  (the repro's names)
+
+    kind = KINDS["interleaved"]
+    _stats, failure = run_random(kind, lambda: Faulty(kind), seed=3, steps=2000, profile="forks_alone")
+    assert failure is not None and failure.at > 0 and "new token" in failure.message
+    small = shrink(kind, lambda: Faulty(kind), failure, seconds=SHRINK_SECONDS)
+    assert len(small.ops) < len(failure.ops) and len(small.ops) <= 3
+    last = small.ops[-1]
+    assert last.ext and len(last.adm) >= 2
+    assert run_ops(kind, Faulty(kind), small.ops) is not None          # the repro still fails ...
+    for i in range(len(small.ops)):                                    # ... and every op of it is needed
+        assert run_ops(kind, Faulty(kind), small.ops[:i] + small.ops[i + 1:]) is None
+    code = repro(small)
+    compile(code, "repro", "exec")
+    ops = eval(code[code.index("ops = [") + 6:code.index("\nreplay(")])  # our own literal
+    assert ops == small.ops
