@@ -702,6 +702,35 @@ def run_random(kind: Kind, new_driver: Callable[[], object], seed: int, steps: i
     return stats, None
 
 
+def _keep(op: Step, keep: set[int]) -> Step:
+    """op with only the entries of sequences in `keep` (and their prompts, salts and keys)."""
+    adm = [j for j, (i, _) in enumerate(op.adm) if i in keep]
+    out = replace(op, free=[i for i in op.free if i in keep], forks=[f for f in op.forks if f[1] in keep],
+                  ext=[e for e in op.ext if e[0] in keep], adm=[op.adm[j] for j in adm])
+    if op.token_ids is not None:
+        starts = [sum(n for _, n in op.adm[:j]) for j in range(len(op.adm))]
+        out.token_ids = [t for j in adm for t in op.token_ids[starts[j]:starts[j] + op.adm[j][1]]]
+    for f in ("salts", "keys"):
+        v = getattr(op, f)
+        if v and len(v) == len(op.adm):
+            setattr(out, f, [v[j] for j in adm])
+    return out
+
+
+def _related(ops: list) -> list:
+    """The ops restricted to the sequences of the last op and, through forks, their ancestors."""
+    last = ops[-1]
+    if not isinstance(last, Step):
+        keep = set(last.ids)
+    else:
+        keep = {*last.free, *(i for f in last.forks for i in f), *(i for i, _ in last.ext), *(i for i, _ in last.adm)}
+    for op in reversed(ops):
+        if isinstance(op, Step):
+            keep |= {p for p, c in op.forks if c in keep}
+    out = [op if not isinstance(op, Step) else _keep(op, keep) for op in ops[:-1]]
+    return [op for op in out if isinstance(op, Step) and op.ops()] + [ops[-1]]
+
+
 def _candidates(op):
     """Smaller versions of one Step: one list entry removed at a time."""
     if not isinstance(op, Step):
@@ -726,8 +755,11 @@ def _candidates(op):
 
 def signature(message: str) -> str:
     """What kind of mismatch a message reports, without the numbers (the shrinker keeps it fixed)."""
-    head = re.split(r": pool |: the model|; the model|: slot_mapping ", message, maxsplit=1)[0]
-    return re.sub(r"\d+", "#", head)
+    parts = message.split(": ", 2)
+    head = parts[0]
+    if re.fullmatch(r"group \d+", head) and len(parts) > 1:        # a group-level check: name it
+        head += ": " + " ".join(parts[1].split()[:3])
+    return re.sub(r"\d+", "#", head.split(";")[0])
 
 
 def shrink(kind: Kind, new_driver: Callable[[], object], failure: Failure, budget: int = 2000,
@@ -753,6 +785,9 @@ def shrink(kind: Kind, new_driver: Callable[[], object], failure: Failure, budge
         return f if f is not None and signature(f.message) == want else None
 
     ops = best.ops
+    f = fails(_related(ops))            # most mismatches need only the sequences of the failing step
+    if f is not None:
+        best, ops = f, f.ops
     while tries < budget:
         size = len(ops), sum(op.ops() for op in ops)
         chunk = max(1, len(ops) // 2)

@@ -27,19 +27,26 @@ SHRINK_SECONDS = 30.0
 
 
 def run_plan(name, plan):
+    """Every seed of the plan; on failures, the shortest one shrunk and all of them listed."""
     kind = KINDS[name]
     total = RunStats()
+    failures = []
     for profile, fast, seeds, steps in plan:
         for seed in seeds:
             stats, failure = run_random(kind, lambda fast=fast: InProcess(kind, fast), seed, steps, profile=profile)
             total.add(stats)
             if failure is not None:
-                small = shrink(kind, lambda fast=fast: InProcess(kind, fast), failure, seconds=SHRINK_SECONDS)
-                pytest.fail(f"kind {name}, profile {profile}, fast path {fast}, seed {seed}: op {failure.at} of "
-                            f"{steps}: {failure.message}\n\nminimal repro ({len(small.ops)} ops):\n"
-                            f"{repro(small, fast)}", pytrace=False)
-            assert stats.steps + stats.queries == steps, "the run stopped early"
+                failures.append((failure, profile, fast, steps))
+            else:
+                assert stats.steps + stats.queries == steps, "the run stopped early"
     TOTALS.setdefault(f"in-process {name}", RunStats()).add(total)
+    if failures:
+        failure, profile, fast, steps = min(failures, key=lambda f: f[0].at)
+        small = shrink(kind, lambda: InProcess(kind, fast), failure, seconds=SHRINK_SECONDS)
+        listing = "\n".join(f"  profile {p}, fast path {fa}, seed {f.seed}: op {f.at} of {n}: {f.message}"
+                             for f, p, fa, n in failures)
+        pytest.fail(f"kind {name}: {len(failures)} failing seeds\n{listing}\n\nminimal repro of seed {failure.seed} "
+                    f"({profile}, {len(small.ops)} ops):\n{repro(small, fast)}", pytrace=False)
     return total
 
 
