@@ -153,4 +153,4 @@ class PrefixMachine(RuleBasedStateMachine):
 
 TestPrefixMachine = PrefixMachine.TestCase
 TestPrefixMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None,
-                                      suppress_health_check=[HealthCheck.too_slow])
+                                      suppress_health_check=[HealthCheck.too_slow], report_multiple_bugs=False)

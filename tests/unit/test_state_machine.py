@@ -316,7 +316,7 @@ class PerLayerMachine(PoolMachine):
 
 TestPoolMachine = PoolMachine.TestCase
 TestPoolMachine.settings = settings(max_examples=80, stateful_step_count=30, deadline=None,
-                                    suppress_health_check=[HealthCheck.too_slow])
+                                    suppress_health_check=[HealthCheck.too_slow], report_multiple_bugs=False)
 TestPerLayerMachine = PerLayerMachine.TestCase
 TestPerLayerMachine.settings = settings(max_examples=40, stateful_step_count=30, deadline=None,
-                                        suppress_health_check=[HealthCheck.too_slow])
+                                        suppress_health_check=[HealthCheck.too_slow], report_multiple_bugs=False)
