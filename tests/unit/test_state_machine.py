@@ -190,6 +190,7 @@ class PoolMachine(RuleBasedStateMachine):
             for b, (i, k) in enumerate(batch):
                 s = m.seqs[i]
                 row = sp.table.row(b).astype(np.int64)
+                row = row - getattr(space, "base", 0)       # first page of the space's range (NUMBERING.md)
                 assert ((row - space.offset) % space.scale == 0).all()
                 slots = ((row - space.offset) // space.scale).tolist()
                 held = s.held(g)
@@ -207,7 +208,8 @@ class PoolMachine(RuleBasedStateMachine):
                 pos = np.arange(s.n, s.n + k)
                 pages = [s.pages[g][p] for p in (pos // PAGE).tolist()] if first_space else \
                     [(slots[p - s.first[g]]) for p in (pos // PAGE).tolist()]
-                want = (np.array(pages, dtype=np.int64) * space.scale + space.offset) * PAGE + pos % PAGE
+                want = (getattr(space, "base", 0) + np.array(pages, dtype=np.int64) * space.scale + space.offset) \
+                    * PAGE + pos % PAGE
                 assert sp.slot_mapping[lo:hi].tolist() == want.tolist()
         for i, k in batch:
             m.seqs[i].n += k
@@ -276,7 +278,7 @@ class PoolMachine(RuleBasedStateMachine):
             for b, i in enumerate(ids):
                 s = self.model.seqs[i]
                 row = sp.table.row(b).tolist()
-                want = [x * space.scale + space.offset for x in s.held(g)]
+                want = [getattr(space, "base", 0) + x * space.scale + space.offset for x in s.held(g)]
                 assert row == want
                 assert sp.block_table[b].tolist() == [-1] * s.first[g] + row + [-1] * (width - s.first[g] - len(row))
                 assert sp.table.last_page_len[b] == s.n - (cdiv(s.n, PAGE) - 1) * PAGE
