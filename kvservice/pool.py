@@ -270,7 +270,15 @@ class Pool:
     def _prompt(self, a_n: np.ndarray, token_ids: object, salts: object, keys: object) -> Prompt | None:
         """Prefix-cache inputs of the admissions, or None when caching is off or no token ids were given."""
         a = len(a_n)
-        if token_ids is None or self.prefix is None or not a:
+        if not a:
+            # One salt and extra key per admission and sum(admit_tokens) token ids: with none, nothing.
+            for name, values in (("admit_token_ids", token_ids), ("admit_cache_salts", salts),
+                                 ("admit_extra_keys", keys)):
+                if values is not None and len(np.asarray(values)):
+                    raise InvalidArgument(f"{name} given for a step with no admissions; send it only with "
+                                          "admit_seq_ids (one entry per admission, token ids: their sum)")
+            return None
+        if token_ids is None or self.prefix is None:
             if token_ids is not None and self.prefix is None and len(np.asarray(token_ids)):
                 raise InvalidArgument(f"pool {self.name!r} was created without prefix caching; "
                                       "admit_token_ids are not accepted")

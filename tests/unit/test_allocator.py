@@ -78,3 +78,142 @@ def test_against_python_model(ops):
             free |= set(take)
         assert a.num_free == len(free) and set(a.free_slots().tolist()) == free
         a.check()
+
+
+class LRUModel:
+    """SlotAllocator's contract with prefix caching, in lists: a LIFO free stack and an LRU of cached slots.
+
+    Slots freed by one call enter the stack (or the LRU) together; the contract fixes no order among
+    them, so both are kept as lists of groups (oldest / bottom first) and allocation may take any
+    members of the group it only partly empties.
+    """
+
+    def __init__(self, n):
+        self.refs = dict.fromkeys(range(n), 0)
+        self.stack = [set(range(n))]          # bottom .. top
+        self.lru = []                         # least recently released first
+        self.cacheable = set()
+        self.evictions = 0
+        self.peak = 0
+
+    def free_count(self):
+        return sum(map(len, self.stack)) + sum(map(len, self.lru))
+
+    def take(self, groups, n, got, what):
+        """Remove n slots from the end (stack: top) of groups: whole groups first; check `got` took them."""
+        taken = []
+        while n:
+            g = groups[-1] if what == "stack" else groups[0]
+            if len(g) <= n:
+                part = set(g)
+                groups.remove(g)
+            else:
+                part = g & got
+                assert len(part) == n, f"{what}: took {sorted(part)} of the group {sorted(g)}, wanted {n}"
+                g -= part
+            taken.append(part)
+            n -= len(part)
+        return taken
+
+    def allocate(self, n, got, evicted):
+        from_stack = min(n, sum(map(len, self.stack)))
+        taken = self.take(self.stack, from_stack, set(got), "stack")
+        old = self.take(self.lru, n - from_stack, set(got), "lru")
+        # exactly these slots, evictions reported oldest first
+        assert sorted(got) == sorted(set().union(*taken, *old))
+        at = 0
+        for part in old:
+            assert set(evicted[at:at + len(part)]) == part, (evicted, old)
+            at += len(part)
+        assert at == len(evicted)
+        self.evictions += len(evicted)
+        self.cacheable -= set(evicted)
+        for s in got:
+            self.refs[s] = 1
+        self.peak = max(self.peak, sum(1 for v in self.refs.values() if v))
+
+    def free(self, slots):
+        released = []
+        for s in slots:
+            self.refs[s] -= 1
+            if self.refs[s] == 0:
+                released.append(s)
+        to_lru = {s for s in released if s in self.cacheable}
+        if to_lru:
+            self.lru.append(to_lru)
+        if set(released) - to_lru:
+            self.stack.append(set(released) - to_lru)
+
+    def share(self, slots):
+        for s in slots:
+            if self.refs[s] == 0:
+                for g in self.lru:
+                    g.discard(s)
+            self.refs[s] += 1
+        self.lru = [g for g in self.lru if g]
+        self.peak = max(self.peak, sum(1 for v in self.refs.values() if v))
+
+
+N_SLOTS = 10
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["alloc", "alloc", "free", "free_cached", "share", "mark"]),
+                          st.integers(0, 8),
+                          st.lists(st.integers(0, 40), max_size=6), st.booleans()), max_size=50))
+def test_lru_order_against_a_model(ops):
+    a = SlotAllocator(N_SLOTS)
+    a.caching = True
+    evicted = []
+    a.on_evict = lambda slot: evicted.append(int(slot))
+    m = LRUModel(N_SLOTS)
+    for op, n, picks, unique in ops:
+        held = sorted(s for s, r in m.refs.items() if r)
+        cached = sorted(set().union(*m.lru)) if m.lru else []
+        if op == "alloc":
+            if n > m.free_count():
+                with pytest.raises(ResourceExhausted):
+                    a.allocate(n)
+                continue
+            evicted.clear()
+            got = a.allocate(n).tolist()
+            assert len(set(got)) == n
+            m.allocate(n, got, list(evicted))
+        elif op == "free_cached" and held:
+            # pages registered by the prefix cache, then released by their owner (one call)
+            slots = sorted({held[p % len(held)] for p in picks})
+            a.cacheable[slots] = True
+            m.cacheable |= set(slots)
+            a.free(np.array(slots, dtype=np.intp), unique=True)
+            m.free(slots)
+        elif op == "free" and held:
+            slots = sorted({held[p % len(held)] for p in picks}) if unique else [held[p % len(held)] for p in picks]
+            if any(slots.count(s) > m.refs[s] for s in slots):
+                with pytest.raises(InvalidArgument, match="double free"):
+                    a.free(np.array(slots, dtype=np.intp))
+                continue
+            a.free(np.array(slots, dtype=np.intp), unique=unique)
+            m.free(slots)
+        elif op == "share" and (held or cached):
+            pool = held + cached
+            slots = sorted({pool[p % len(pool)] for p in picks})
+            a.share(np.array(slots, dtype=np.intp))
+            m.share(slots)
+        elif op == "mark" and held:
+            # the prefix cache registers pages of owned slots
+            slots = {held[p % len(held)] for p in picks}
+            a.cacheable[list(slots)] = True
+            m.cacheable |= slots
+        # free_slots(): the stack bottom to top, then the LRU oldest first, each group in any order
+        free = a.free_slots().tolist()
+        want = [g for g in m.stack if g] + m.lru
+        got, at = [], 0
+        for g in want:
+            got.append(set(free[at:at + len(g)]))
+            at += len(g)
+        assert at == len(free) and got == want
+        assert a.num_free == m.free_count() and a.num_cached == sum(map(len, m.lru))
+        assert a.refcount(np.arange(N_SLOTS)).tolist() == [m.refs[s] for s in range(N_SLOTS)]
+        assert a.evictions == m.evictions and a.peak_used == m.peak
+        assert {s for s in range(N_SLOTS) if a.cacheable[s]} == m.cacheable
+        a.check()

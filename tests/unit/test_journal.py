@@ -68,8 +68,10 @@ def workload(j, rng, steps, pools=("a", "b")):
         seqs.update(zip(admit, n.tolist(), strict=True))
 
 
-def prefix_workload(j, rng, steps, pool="c"):
-    """Admissions sharing prompt prefixes (prefix cache hits), forks (shared slots, copy-on-write) and frees."""
+def prefix_workload(j, rng, steps, pool="c") -> dict[int, int]:
+    """Admissions sharing prompt prefixes (prefix cache hits), forks (shared slots, copy-on-write) and frees.
+
+    Returns the live sequences it expects (id -> tokens)."""
     live: dict[int, int] = {}
     prompts = [rng.integers(0, 50, 200) for _ in range(3)]
     next_id = 10_000
@@ -103,6 +105,7 @@ def prefix_workload(j, rng, steps, pool="c"):
         for i in ext:
             live[i] += 3
         live.update(zip(admit, n.tolist(), strict=True))
+    return live
 
 
 def setup_pools(j):
@@ -121,9 +124,11 @@ def test_recovery_rebuilds_the_exact_state(tmp_path, compact_every):
     j = Journal.open(tmp_path, config=JournalConfig(sync="normal", compact_every=compact_every))
     setup_pools(j)
     workload(j, np.random.default_rng(compact_every), 150)
-    prefix_workload(j, np.random.default_rng(compact_every), 80)
+    live = prefix_workload(j, np.random.default_rng(compact_every), 80)
     with j.manager.locked("c") as pool:
-        assert pool.prefix.hits > 0 and pool.num_sequences >= 0      # the prefix cache was exercised
+        assert pool.prefix.hits > 0                                   # the prefix cache was exercised
+        ids, tokens = pool.sequences()
+        assert ids.tolist() == sorted(live) and tokens.tolist() == [live[i] for i in sorted(live)]
     before = state_tree(j.manager)
     crash(j)
     j2 = Journal.open(tmp_path, config=FAST)

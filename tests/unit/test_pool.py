@@ -222,3 +222,67 @@ def test_mixed_fork_step_slot_mapping_follows_the_tables(prepare, step, want_row
     assert st.slot_mapping.tolist() == [row[p // 8] * 8 + p % 8 for p in pos.tolist()]
     assert r.new_token_indptr.tolist() == [0, 2, 2]
     assert_invariants(pool)
+
+
+# ---- issue #10: Steps mixing forks with admissions or extensions -------------------------------------
+def one_layer_pool(**kw):
+    return Pool("p", plan(CacheSpec.uniform(1, 1, 64, page_size=8), Sizing(num_slots=32)), **kw)
+
+
+def test_fork_and_admission_in_one_step_map_the_admission_to_its_own_page():
+    pool = one_layer_pool()
+    pool.step(admit_ids=[10], admit_tokens=[12])                     # slots 1, 0 (the stack's top first)
+    r = pool.step(fork_parents=[10], fork_children=[11], admit_ids=[12], admit_tokens=[2])
+    assert r.seq_ids.tolist() == [12, 11] and r.new_token_indptr.tolist() == [0, 2, 2]
+    (st,) = r.tables
+    (page,) = st.table.row(0).tolist()                                 # seq 12's one page, per its own table
+    assert page == pool.sequence_slots(12)[0] and page not in pool.sequence_slots(10)
+    assert st.slot_mapping.tolist() == [page * 8, page * 8 + 1] == [16, 17]
+    assert st.table.row(1).tolist() == pool.sequence_slots(10).tolist()  # the child shares the parent's pages
+    assert_invariants(pool)
+
+
+def test_fork_and_parent_extension_in_one_step_write_into_the_parents_copy():
+    pool = one_layer_pool()
+    pool.step(admit_ids=[5], admit_tokens=[12])                      # page 1 holds 4 of 8 tokens
+    before = pool.sequence_slots(5).tolist()
+    r = pool.step(fork_parents=[5], fork_children=[6], extend_ids=[5], extend_tokens=[2])
+    assert r.seq_ids.tolist() == [5, 6] and r.num_tokens.tolist() == [14, 12]
+    # Page 1 has two owners and one writer: the parent copies it (r = 2 > c = 1) and writes the copy.
+    ((src, dst),) = r.copies[0].tolist()
+    assert src == before[1] and dst not in before
+    (st,) = r.tables
+    assert st.slot_mapping.tolist() == [dst * 8 + 4, dst * 8 + 5] == [20, 21]
+    assert st.table.row(0).tolist() == [before[0], dst] and st.table.row(1).tolist() == before
+    assert pool.sequence_slots(6).tolist() == before
+    assert_invariants(pool)
+
+
+def test_fork_in_the_step_of_the_parents_window_release_copies_the_parent_before_it():
+    # Documented order: frees, forks, extensions. The child is the parent as it was before this
+    # step's extension, so it keeps the pages the parent's window releases in that extension.
+    layers = (LayerSpec(1, 64), LayerSpec(1, 64, sliding_window=6))
+    pool = make_pool(num_slots=32, page_size=4, layers=layers)
+    pool.step(admit_ids=[1], admit_tokens=[24])
+    full, window = pool.sequence_slots(1, 0).tolist(), pool.sequence_slots(1, 1).tolist()
+    assert len(window) == 6
+    r = pool.step(fork_parents=[1], fork_children=[2], extend_ids=[1], extend_tokens=[1])
+    assert pool.first_page(1, 1) == (24 + 1 - 6) // 4 == 4              # the parent released pages 0..3
+    assert pool.first_page(2, 1) == 0 and pool.sequence_slots(2, 1).tolist() == window
+    assert pool.sequence_slots(2, 0).tolist() == full
+    child = r.tables[1].table.row(1) - getattr(r.tables[1].space, "base", 0)
+    assert child.tolist() == window and r.tables[1].table.last_page_len.tolist() == [1, 4]
+    assert pool.allocators[1].refcount(np.array(window[:4])).tolist() == [1, 1, 1, 1]     # now the child's alone
+    assert_invariants(pool)
+
+
+@pytest.mark.parametrize("kwargs", [{"admit_salts": ["a", "b"]}, {"admit_extra_keys": ["lora"]},
+                                    {"admit_token_ids": np.array([1, 2, 3])}])
+def test_prefix_fields_without_admissions_are_refused(kwargs):
+    # One salt / extra key per admission, sum(admit_tokens) token ids: with no admission, none.
+    pool = Pool("c", plan(CacheSpec.uniform(1, 1, 64, page_size=4), Sizing(num_slots=8)), prefix_caching=True)
+    pool.step(admit_ids=[1], admit_tokens=[5], admit_token_ids=np.arange(5))
+    before = snapshot(pool)
+    with pytest.raises(InvalidArgument):
+        pool.step(extend_ids=[1], extend_tokens=[1], **kwargs)
+    assert snapshot(pool) == before

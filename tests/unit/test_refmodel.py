@@ -1,0 +1,88 @@
+"""The reference model (tests/refmodel.py) alone, against values computed by hand from the docs.
+
+The differential tests trust the model; these pin its reading of each documented rule.
+"""
+
+import pytest
+
+from kvservice.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from tests.refmodel import RefPool, Step
+
+
+def test_copy_on_write_rule():
+    # 12 tokens, page size 8: page 1 is partly filled. Parent 1 and children 2, 3 own it (r = 3).
+    m = RefPool(8, [0], 32, 64)
+    m.step(Step(adm=[(1, 12)]))
+    m.step(Step(forks=[(1, 2), (1, 3)]))
+    shared = m.s.seqs[1].pages[0][1]
+    out = m.step(Step(ext=[(1, 1)]))                         # c = 1 < r = 3: the writer copies
+    assert [src for src, _ in out.copies[0]] == [shared] and m.s.refs[0][shared] == 2
+    out = m.step(Step(ext=[(3, 2), (2, 1)]))                 # c = r = 2: the first copies, the last writes
+    assert [src for src, _ in out.copies[0]] == [shared]
+    assert m.s.seqs[2].pages[0][1] == shared and m.s.seqs[3].pages[0][1] != shared
+    assert out.rows[1].new_slots[0] == [(shared, 4)]
+    assert m.s.refs[0][shared] == 1
+
+
+@pytest.mark.parametrize(("old", "first"), [(24, 4), (23, 4), (21, 4), (20, 3), (5, 0)])
+def test_window_release(old, first):
+    # window 6, page size 4: growing from `old` releases the pages wholly before token old + 1 - 6
+    m = RefPool(4, [0, 6], 32, 64)
+    m.step(Step(adm=[(1, old)]))
+    out = m.step(Step(ext=[(1, 3)]))
+    assert m.s.seqs[1].first == [0, first] and out.released == first
+    assert len(m.s.refs[1]) == -(-(old + 3) // 4) - first
+
+
+def test_fork_copies_the_parent_before_its_extension():
+    m = RefPool(4, [0, 6], 32, 64)
+    m.step(Step(adm=[(1, 24)]))
+    window = list(m.s.seqs[1].pages[1])
+    out = m.step(Step(forks=[(1, 2)], ext=[(1, 1)]))
+    assert [r.seq_id for r in out.rows] == [1, 2] and [r.num_tokens for r in out.rows] == [25, 24]
+    assert m.s.seqs[2].held(1) == window and m.s.seqs[1].first == [0, 4]
+    assert all(m.s.refs[1][x] == 1 for x in window[:4])      # the child's alone now, not freed
+
+
+def test_prefix_hits_namespace_and_limit():
+    m = RefPool(4, [0], 16, 64, prefix_caching=True)
+    prompt = list(range(100, 109))                           # 9 tokens: 2 full pages
+    m.step(Step(adm=[(1, 9)], token_ids=prompt))
+    pages = m.s.seqs[1].pages[0]
+    out = m.step(Step(adm=[(2, 8)], token_ids=prompt[:8]))   # (8 - 1) // 4 = 1 page may come from the cache
+    assert out.cached_tokens == [4] and m.s.seqs[2].pages[0][0] == pages[0]
+    out = m.step(Step(adm=[(3, 9)], token_ids=prompt))
+    assert out.cached_tokens == [8] and m.s.seqs[3].pages[0][:2] == pages[:2]
+    out = m.step(Step(adm=[(4, 9)], token_ids=prompt, salts=["other tenant"]))
+    assert out.cached_tokens == [0]
+    assert len(out.rows[0].new_slots[0]) == 9                # every token gets a slot mapping
+
+
+def test_clean_slots_before_eviction_oldest_first():
+    m = RefPool(2, [0], 6, 12, prefix_caching=True)
+    m.step(Step(adm=[(1, 2)], token_ids=[1, 2]))
+    m.step(Step(adm=[(2, 2)], token_ids=[3, 4]))
+    a, b = m.s.seqs[1].pages[0][0], m.s.seqs[2].pages[0][0]
+    m.step(Step(free=[1]))
+    m.step(Step(free=[2]))                                   # cached: a (older), then b
+    out = m.step(Step(adm=[(3, 8)]))                         # 4 pages: the 4 clean slots, no eviction
+    assert out.evicted == [[]] and list(m.s.lru[0]) == [a, b]
+    out = m.step(Step(ext=[(3, 2)]))                         # one more page: evicts a, the oldest
+    assert out.evicted == [[a]] and list(m.s.lru[0]) == [b]
+    with pytest.raises(ResourceExhausted):
+        m.step(Step(ext=[(3, 2)], adm=[(4, 1)]))             # 2 pages, 1 free (b)
+    assert m.s.refused == 1 and list(m.s.lru[0]) == [b] and m.s.seqs[3].n == 10
+
+
+@pytest.mark.parametrize(("step", "error"), [
+    (Step(adm=[(5, 0)]), InvalidArgument), (Step(adm=[(5, 1), (5, 1)]), InvalidArgument),
+    (Step(free=[9]), NotFound), (Step(adm=[(1, 1)]), AlreadyExists), (Step(forks=[(1, 2)], free=[1]), InvalidArgument),
+    (Step(ext=[(1, 62)]), InvalidArgument), (Step(adm=[(5, 40)]), ResourceExhausted),
+])
+def test_refused_steps_change_nothing(step, error):
+    m = RefPool(4, [0], 8, 64)
+    m.step(Step(adm=[(1, 3)]))
+    before = (dict(m.s.seqs[1].__dict__), [dict(r) for r in m.s.refs], m.s.steps)
+    with pytest.raises(error):
+        m.step(step)
+    assert (dict(m.s.seqs[1].__dict__), [dict(r) for r in m.s.refs], m.s.steps) == before
