@@ -14,7 +14,14 @@ slot into a page index depends on the layout:
   page_bytes_L``; valid pages are ``< num_slots * scale_L`` and on the lattice
   ``(page - offset_L) % scale_L == 0``.
 
-Tables converted for one index space are never valid for another (seed 004).
+Index spaces of one pool own DISJOINT, consecutive ranges of page indices (docs
+NUMBERING, issue #10): space s starts at ``base_s`` (``base_0 = 0``, ``base_{s+1} =
+upper_bound_s``) and ends before ``upper_bound_s = base_s + num_slots * scale_s``; slot
+x of space s is page ``base_s + x * scale_s + offset_s``. A layer of space s views its
+buffer as ``num_slots * scale_s`` pages of its own size: page p is buffer page
+``p - base_s``. ``Geometry.pool_pages`` is the end of the whole numbering. So a table
+converted for one index space is never valid for another (seed 004): its pages are
+not even in the other space's range.
 """
 
 from __future__ import annotations
@@ -95,7 +102,12 @@ class CacheSpec:
 
 @dataclass(frozen=True, slots=True)
 class IndexSpace:
-    """The (group, scale, offset) triple that page indices of some layers live in."""
+    """The (group, scale, offset) triple that page indices of some layers live in, and its range.
+
+    Valid pages: ``base <= p < upper_bound`` and ``(p - base - offset) % scale == 0``.
+    base: first page index of the range (0 for the first space of a pool).
+    upper_bound: EXCLUSIVE end of the range, ``base + num_slots * scale``.
+    """
 
     id: int
     group: int
@@ -103,6 +115,12 @@ class IndexSpace:
     offset: int
     upper_bound: int
     layers: tuple[int, ...]
+    base: int = 0
+
+    @property
+    def num_pages(self) -> int:
+        """Page indices in the range: num_slots * scale."""
+        return self.upper_bound - self.base
 
     @property
     def index_dtype(self) -> np.dtype:
@@ -111,8 +129,10 @@ class IndexSpace:
 
     def page_indices(self, slots: np.ndarray) -> np.ndarray:
         """Convert slots (any int array) to page indices of this space, dtype index_dtype."""
-        pages = slots.astype(np.int64) * self.scale + self.offset if (self.scale, self.offset) != (1, 0) \
-            else slots
+        if (self.scale, self.offset, self.base) == (1, 0, 0):
+            pages = slots
+        else:
+            pages = slots.astype(np.int64) * self.scale + (self.base + self.offset)
         return pages.astype(self.index_dtype, copy=False)
 
 
@@ -138,7 +158,8 @@ class LayerView:
     byte_offset: int         # interleaved: offset of this layer's page inside a slot; else 0
     scale: int
     offset: int
-    upper_bound: int
+    upper_bound: int         # exclusive end of the space's page range
+    base: int = 0            # first page index of the space's range; buffer page = p - base
 
 
 def _round_up(x: int, m: int) -> int:
@@ -148,7 +169,7 @@ def _round_up(x: int, m: int) -> int:
 class Geometry:
     """Groups, per-layer views and index spaces of a CacheSpec with num_slots slots per group."""
 
-    __slots__ = ("groups", "index_spaces", "layer_space", "layers", "num_slots", "spec", "warnings")
+    __slots__ = ("groups", "index_spaces", "layer_space", "layers", "num_slots", "pool_pages", "spec", "warnings")
 
     def __init__(self, spec: CacheSpec, num_slots: int) -> None:
         if num_slots <= 0:
@@ -170,10 +191,11 @@ class Geometry:
             if spec.layout == "per_layer":
                 slot_bytes = sum(page_bytes.values())
                 buffer_bytes = max(page_bytes.values()) * num_slots
-                space = IndexSpace(len(spaces), gid, 1, 0, num_slots, members)
+                base = spaces[-1].upper_bound if spaces else 0
+                space = IndexSpace(len(spaces), gid, 1, 0, base + num_slots, members, base)
                 spaces.append(space)
                 for i in members:
-                    views[i] = LayerView(i, gid, space.id, page_bytes[i], 0, 1, 0, num_slots)
+                    views[i] = LayerView(i, gid, space.id, page_bytes[i], 0, 1, 0, space.upper_bound, base)
             else:
                 # Largest pages first so that alignment padding is rare.
                 order = sorted(members, key=lambda i: (-page_bytes[i], i))
@@ -192,15 +214,18 @@ class Geometry:
                 for i in members:
                     by_key.setdefault((slot_bytes // page_bytes[i], offsets[i] // page_bytes[i]), []).append(i)
                 for (scale, offset), layer_ids in by_key.items():
-                    space = IndexSpace(len(spaces), gid, scale, offset, num_slots * scale, tuple(layer_ids))
+                    base = spaces[-1].upper_bound if spaces else 0
+                    space = IndexSpace(len(spaces), gid, scale, offset, base + num_slots * scale,
+                                       tuple(layer_ids), base)
                     spaces.append(space)
                     for i in layer_ids:
                         views[i] = LayerView(i, gid, space.id, page_bytes[i], offsets[i], scale, offset,
-                                             num_slots * scale)
+                                             space.upper_bound, base)
             groups.append(LayerGroup(gid, window, members, slot_bytes, buffer_bytes))
         self.groups = tuple(groups)
         self.layers = tuple(views[i] for i in range(len(spec.layers)))
         self.index_spaces = tuple(spaces)
+        self.pool_pages = spaces[-1].upper_bound   # end of the pool's page numbering
         self.layer_space = np.array([v.index_space for v in self.layers], dtype=np.int32)
 
     @property

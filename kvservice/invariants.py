@@ -42,5 +42,5 @@ def assert_invariants(pool: Pool) -> None:
     # 4. every emitted index lies inside and on the lattice of its own space.
     if len(ids):
         for st in pool.tables_for(ids):
-            report = validate_page_table(st.table, st.space, ps)
+            report = validate_page_table(st.table, st.space, ps, pool_pages=geo.pool_pages)
             assert report.ok, f"index space {st.space.id}: {report.violations[:3]}"

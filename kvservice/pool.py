@@ -672,10 +672,10 @@ class Pool:
                     sub = self._slots[g][rows, :bt_width]
                 gathered[g] = (flat_slots.take(tok_flat).astype(np.int64), indptr, idx, sub)
             tok_slots, indptr, idx, sub = gathered[g]
-            if space.scale == 1 and space.offset == 0:
+            if space.scale == 1 and space.offset == 0 and space.base == 0:
                 mapping = tok_slots * ps + off_in_page
             else:
-                mapping = (tok_slots * space.scale + space.offset) * ps + off_in_page
+                mapping = (tok_slots * space.scale + (space.base + space.offset)) * ps + off_in_page
             table = PageTable(indptr.astype(space.index_dtype), space.page_indices(idx), last) if tables else None
             bt = None
             if block_table:

@@ -45,8 +45,10 @@ def test_indices_need_int64_for_huge_interleaved_spaces():
     spec = CacheSpec((LayerSpec(1, 64, "float8_e4m3"), LayerSpec(1, 64 * 8, "float8_e4m3")), 1, "interleaved")
     p = plan(spec, Sizing(num_slots=2**29, max_seq_len=16))
     assert p.indices_need_int64
-    # Small pages: scale 16, upper bound 2^33 -> int64. Big pages: scale 2, 2^30 -> int32.
-    assert [(s.scale, s.index_dtype.name) for s in p.geometry.index_spaces] == [(16, "int64"), (2, "int32")]
+    # Small pages: scale 16, pages [0, 2^33) -> int64. Big pages: scale 2, 2^30 pages, but numbered
+    # after the first space (NUMBERING.md): [2^33, 2^33 + 2^30) -> int64 as well.
+    assert [(s.scale, s.base, s.index_dtype.name) for s in p.geometry.index_spaces] == [
+        (16, 0, "int64"), (2, 2**33, "int64")]
 
 
 @pytest.mark.parametrize("sizing", [Sizing(), Sizing(max_batch=8), Sizing(max_seq_len=8)])
