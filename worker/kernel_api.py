@@ -505,6 +505,23 @@ def validate_page_table(be: Backend, indptr: Any, indices: Any, last_page_len: A
     return ValidationResult(status, ViolationRecord.from_words("validate_page_table", be.to_host(words)))
 
 
+def widen(be: Backend, x: Any, dtype: str) -> Any:
+    """x: 1-D storage array of a 16-bit cache dtype (``float16``, or ``bfloat16`` as uint16
+    bits), 16-byte aligned. Returns float32 [n], converted by the attention kernels' own loads."""
+    if dtype not in ("float16", "bfloat16"):
+        raise ValueError(f"dtype must be float16 or bfloat16, got {dtype!r}")
+    check_array("x", x, (None,), DTYPES[dtype], "[n]")
+    if be.ptr(x) % 16:
+        raise ValueError("x: base address must be 16-byte aligned")
+    n = int(x.shape[0])
+    out = be.xp.empty((n,), dtype=np.float32)
+    if n:
+        blocks = min(1024, max(1, math.ceil(n / (THREADS * VEC[dtype]))))
+        be.launch("kv_widen_f16" if dtype == "float16" else "kv_widen_bf16", (blocks, 1, 1), THREADS,
+                  [x, out, I64(n)])
+    return out
+
+
 def _check_guarded(buf: Any, guard_bytes: int) -> None:
     check_array("buf", buf, (None,), np.uint8, "[total_bytes]")
     if guard_bytes <= 0 or guard_bytes % 16 or 2 * guard_bytes > buf.shape[0]:

@@ -153,6 +153,15 @@ def copy_blocks(caches: Sequence[np.ndarray], layout: PageLayout, pairs: np.ndar
     return _call("copy_blocks", found, policy)
 
 
+def widen(x: np.ndarray, dtype: str) -> np.ndarray:
+    """See kernel_api.widen: float16 by NumPy's conversion, bfloat16 by placing the 16 bits
+    in the high half of a float32 (exact for every pattern, NaN payloads included)."""
+    if dtype not in ("float16", "bfloat16"):
+        raise ValueError(f"dtype must be float16 or bfloat16, got {dtype!r}")
+    api.check_array("x", x, (None,), DTYPES[dtype], "[n]")
+    return _to_f32(x, dtype)
+
+
 def guard_fill(buf: np.ndarray, guard_bytes: int) -> None:
     """See kernel_api.guard_fill."""
     api._check_guarded(buf, guard_bytes)

@@ -34,7 +34,7 @@ def test_append_writes_valid_tokens_only(kind: str, dtype: str) -> None:
     for i, s in enumerate(sm):
         if i in (2, 5, 6):
             continue
-        page = reference.page_view(expect, L, int(s) // L.page_size)
+        page = reference.page_view(expect, c.raw, int(s) // L.page_size)
         page[0, int(s) % L.page_size], page[1, int(s) % L.page_size] = k[i], v[i]
     assert np.array_equal(caches["emu"], expect)
 
@@ -80,7 +80,7 @@ def test_copy_blocks_all_layers(kind: str) -> None:
     for i, c in enumerate(layers):
         expect = c.buf.copy()
         for s, d in ((1, 5), (3, 6)):
-            reference.page_view(expect, L, p(d))[...] = reference.page_view(c.buf, L, p(s))
+            reference.page_view(expect, c.raw, p(d))[...] = reference.page_view(c.buf, c.raw, p(s))
         assert np.array_equal(results["emu"][i], expect)
         assert np.array_equal(results["numpy"][i], expect)
 
