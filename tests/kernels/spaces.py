@@ -110,3 +110,31 @@ def layer_caches(ops: ModuleType, spec: CacheSpec, seed: int = 1) -> dict[int, n
         view = cs.cache(layer)
         out[layer] = rand_storage(rng, view.shape, spec.layers[layer].dtype)
     return out
+
+
+WRONG = 1 << 4   # row_status bit of wrong_index_space (reason code 5)
+
+
+def check_matrix(rows: list[dict], spec) -> None:
+    geo = Geometry(spec, NUM_SLOTS)
+    assert len(geo.index_spaces) >= 1 and {r["space"] for r in rows} == {s.id for s in geo.index_spaces}
+    for r in rows:
+        what = (r["space"], r["layer"], r["kernel"])
+        if r["own"]:
+            assert r["record"][0] == 0, (what, r["record"])
+            if r["kernel"].startswith("decode"):
+                assert all(r["finite_rows"]), what
+            if r["kernel"] == "validate":
+                assert r["row_status"] == [0, 0, 0, 0], what
+            continue
+        n = {"append": 3, "copy": 4}.get(r["kernel"], NNZ)
+        assert r["record"] == [n, 0, 0, r["first"], "wrong_index_space"], (what, r["record"])
+        if r["kernel"] == "validate":
+            assert r["row_status"] == [WRONG * x for x in STATUS_ROWS], what
+        if r["kernel"].startswith("decode"):
+            assert r["nan_rows"] == [bool(x) for x in STATUS_ROWS], what
+        if r["kernel"] in ("append", "copy"):
+            assert r["kept"], f"{what}: another space's pages changed the buffer"
+    # every layer saw every other space's table
+    others = {(r["space"], r["layer"]) for r in rows if not r["own"]}
+    assert len(others) == sum(len(spec.layers) - len(s.layers) for s in geo.index_spaces)
