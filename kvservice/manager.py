@@ -13,7 +13,7 @@ from .planner import Plan, Sizing, plan
 from .pool import Pool
 from .workers import WorkerRecord, WorkerRegistry
 
-_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")      # fullmatch: `$` would also accept a trailing newline
 
 
 class BlockManager:
@@ -28,7 +28,7 @@ class BlockManager:
     def create_pool(self, name: str, spec: CacheSpec, sizing: Sizing, backends: tuple[str, ...] = (),
                     prefix_caching: bool = False) -> Pool:
         """Plan and create a pool; AlreadyExists if the name is taken."""
-        if not _NAME.match(name):
+        if not _NAME.fullmatch(name):
             raise InvalidArgument(f"pool name {name!r} must match [A-Za-z0-9_.-]{{1,64}}")
         planned: Plan = plan(spec, sizing, backends)
         with self._lock:

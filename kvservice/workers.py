@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 from .errors import FailedPrecondition, InvalidArgument, NotFound
 
-_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")     # fullmatch: `$` would also accept a trailing newline
 BACKENDS = ("cuda", "cpu")
 
 
@@ -52,7 +52,7 @@ class WorkerRegistry:
                  tp_rank: int = 0, tp_size: int = 1, backend: str = "cpu", device_name: str = "",
                  device_memory_bytes: int = 0, address: str = "") -> WorkerRecord:
         """Add or re-add a worker of a pool with num_layers layers; returns its record with a new epoch."""
-        if not _ID.match(worker_id):
+        if not _ID.fullmatch(worker_id):
             raise InvalidArgument(f"worker_id {worker_id!r} must match [A-Za-z0-9_.:-]{{1,128}}")
         if backend not in BACKENDS:
             raise InvalidArgument(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
