@@ -6,7 +6,6 @@ negative control (checks compiled out) must make ASan report the overflow."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,10 +13,16 @@ from pathlib import Path
 import pytest
 from spaces import POOLS, check_matrix, layer_caches, matrix
 
+from tests.ci import need_tool
 from worker import kernels_cpu, ops_numpy
 
 DRIVER = Path(__file__).with_name("asan_driver.py")
-pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not available")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _gxx() -> None:
+    """g++ builds the sanitizer variants (skip locally without it; fail under CI)."""
+    need_tool("g++", "apt package g++; deploy/ci-install.sh installs it")
 
 
 def run_driver(variant: str, *extra: str) -> subprocess.CompletedProcess:
