@@ -16,7 +16,7 @@ from clients.launch import wait_for_ports
 from clients.tiny_model import TinyConfig, TinyModel
 from clients.worker_client import WorkerClient
 from kvservice.geometry import CacheSpec, Geometry, IndexSpace, LayerSpec
-from kvservice.pagetable import PageTable, validate_page_table
+from kvservice.pagetable import REASONS, PageTable, validate_page_table
 from kvservice.planner import Sizing
 from kvservice.server import grpc_server
 from kvservice.v1 import common_pb2 as cpb
@@ -281,6 +281,9 @@ def test_every_space_table_on_every_layer_over_the_validate_rpc(local_worker, po
     spec = POOLS[pool]
     client, servicer = local_worker(spec)
     geo = Geometry(spec, NUM_SLOTS)
+    for layer in range(len(spec.layers)):         # every series exists at 0 before anything happened
+        for reason in REASONS:
+            assert violations(servicer, "decode_attention", layer, reason) == 0.0, (layer, reason)
     rng = np.random.default_rng(12)
     for space in geo.index_spaces:
         t = space_table(space, rng)
