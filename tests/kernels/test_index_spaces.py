@@ -54,3 +54,17 @@ def test_own_space_decode_and_append_match_the_oracle(pool: str, ops) -> None:
             page[0, s % 8], page[1, s % 8] = k[i], v[i]
         assert ops.append_kv(buf, layout, k, v, sm).record.count == 0
         assert np.array_equal(buf.view(np.uint8), expect.view(np.uint8)), layer
+
+
+def test_worker_refuses_a_layer_whose_pages_pass_int32_before_allocating() -> None:
+    """Page tables reach the kernels as int32: a layer of a later index space whose range ends
+    past 2^31 (its base counts) cannot run on the worker; a worker holding only that layer is
+    refused before any buffer is allocated (the pool would be terabytes)."""
+    from kvservice.geometry import CacheSpec, LayerSpec
+
+    n = 2**30 + 1
+    spec = CacheSpec((LayerSpec(1, 64), LayerSpec(1, 64, sliding_window=16)), 16)
+    geo = Geometry(spec, n)
+    assert geo.index_spaces[1].upper_bound - 1 > 2**31 - 1 >= geo.index_spaces[0].upper_bound - 1
+    with pytest.raises(ValueError, match=r"layer 1 of this pool cannot run.*past the int32 page indices"):
+        CacheSet(spec, n, 1, 2, ops_numpy)
