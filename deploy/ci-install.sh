@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# Install what tests/deploy needs, idempotently: promtool + prometheus (Debian package
-# `prometheus`), kubectl with kustomize >= v4 (package `kubectl` where a Kubernetes apt
-# repository is configured, else Debian's `kubernetes-client`), and the pip package
-# `kubernetes-validate` into the given Python's environment.
+# Install every external tool the tests need, idempotently: promtool + prometheus (Debian
+# package `prometheus`), kubectl with kustomize >= v4 (package `kubectl` where a Kubernetes apt
+# repository is configured, else Debian's `kubernetes-client`), the openssl CLI (test
+# certificates), g++ (the kernels' CPU emulation), nvcc (the kernels' compile checks: the
+# CUDA toolkit if one is on PATH, else the PyPI wheels of the `nvcc` extra), and the pip
+# package `kubernetes-validate` into the given Python's environment.
+# Under CI (CI=true) a test whose tool is missing FAILS instead of skipping (tests/ci.py), so
+# everything listed here must really be installed.
 #
 # usage: deploy/ci-install.sh [PYTHON]      (default: .venv/bin/python, else python3)
 #        SKIP_APT=1 deploy/ci-install.sh    (only the pip part)
@@ -25,6 +29,8 @@ if [[ "$(id -u)" != 0 ]] && command -v sudo >/dev/null; then SUDO="sudo"; fi
 
 apt_pkgs=()
 command -v promtool >/dev/null && command -v prometheus >/dev/null || apt_pkgs+=(prometheus)
+command -v openssl >/dev/null || apt_pkgs+=(openssl)
+command -v g++ >/dev/null || apt_pkgs+=(g++)
 need_kubectl=0
 command -v kubectl >/dev/null || need_kubectl=1
 
@@ -55,6 +61,23 @@ if ! "$PY" -c "import kubernetes_validate" 2>/dev/null; then
   "$PY" -m pip install --quiet "kubernetes-validate>=1.31"
 fi
 
+# nvcc: a CUDA toolkit on PATH, else one in /usr/local/cuda* linked beside the venv's python,
+# else NVIDIA's PyPI wheels (the `nvcc` extra of pyproject.toml). tests/ci.py find_nvcc looks
+# in the same three places.
+NVCC_FROM_WHEEL='import glob, os, nvidia; print(sorted(p for r in nvidia.__path__ for p in glob.glob(os.path.join(r, "cu*", "bin", "nvcc")))[-1])'
+nvcc_path() {
+  command -v nvcc || { [[ -x "$(dirname "$PY")/nvcc" ]] && echo "$(dirname "$PY")/nvcc"; } \
+    || "$PY" -c "$NVCC_FROM_WHEEL" 2>/dev/null || true
+}
+if [[ -z "$(nvcc_path)" ]]; then
+  toolkit="$(ls -d /usr/local/cuda*/bin/nvcc 2>/dev/null | sort | tail -1 || true)"
+  if [[ -n "$toolkit" ]]; then
+    ln -sf "$toolkit" "$(dirname "$PY")/nvcc"
+  else
+    "$PY" -m pip install --quiet -e ".[nvcc]"
+  fi
+fi
+
 # The kustomizations use `components` and `labels`: kustomize >= v4 (kubectl >= 1.21).
 if command -v kubectl >/dev/null; then
   kv="$(kubectl version --client 2>/dev/null | sed -n 's/^Kustomize Version: v\([0-9]*\).*/\1/p')"
@@ -67,4 +90,8 @@ echo "deploy test tools:"
 echo "  promtool:   $(command -v promtool || echo MISSING) $(promtool --version 2>/dev/null | head -1 || true)"
 echo "  prometheus: $(command -v prometheus || echo MISSING)"
 echo "  kubectl:    $(command -v kubectl || echo MISSING) $(kubectl version --client 2>/dev/null | tr '\n' ' ' || true)"
+echo "  openssl:    $(command -v openssl || echo MISSING)"
+echo "  g++:        $(command -v g++ || echo MISSING)"
+nvcc="$(nvcc_path)"
+echo "  nvcc:       ${nvcc:-MISSING}"
 echo "  kubernetes-validate: $("$PY" -c 'import importlib.metadata as m; print(m.version("kubernetes-validate"))')"

@@ -200,10 +200,9 @@ class ManagerAPI:
             arrays[f] = a
         with self.manager.locked(request.pool) as pool:
             space = pool.plan.geometry.space_of_layer(request.layer)
-            ps = pool.page_size
-            pool_pages = pool.plan.geometry.pool_pages
+            ps, pool_pages = pool.page_size, pool.plan.geometry.pool_pages
         report = validate_page_table(PageTable(**arrays), space, ps, min(request.max_reports or 100, MAX_REPORTS),
-                                     pool_pages)
+                                     pool_pages=pool_pages)
         return pb.ValidatePageTableReply(
             ok=report.ok, num_violations=report.num_violations, index_space=convert.index_space_to_proto(space),
             violations=[pb.Violation(reason=v.reason, row=v.row, position=v.position, value=v.value,

@@ -22,7 +22,7 @@ from .planner import Plan, Sizing, plan
 from .pool import Pool
 from .workers import WorkerRecord, WorkerRegistry
 
-_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")      # fullmatch: `$` would also accept a trailing newline
 
 
 class BlockManager:
@@ -46,7 +46,7 @@ class BlockManager:
         """
         if not 0 <= incarnation < 2**63:
             raise InvalidArgument(f"incarnation must be in [0, 2^63), got {incarnation}")
-        if not _NAME.match(name):
+        if not _NAME.fullmatch(name):
             raise InvalidArgument(f"pool name {name!r} must match [A-Za-z0-9_.-]{{1,64}}")
         if len(model) > 256 or not model.isprintable():
             raise InvalidArgument(f"model name must be at most 256 printable characters, got {len(model)}")

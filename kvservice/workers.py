@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 from .errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 
-_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")     # fullmatch: `$` would also accept a trailing newline
 BACKENDS = ("cuda", "cpu")
 
 
@@ -68,7 +68,7 @@ class WorkerRegistry:
         to another pool, or to another token while its lease holds; False when a journal replays a
         registration that was accepted before.
         """
-        if not _ID.match(worker_id):
+        if not _ID.fullmatch(worker_id):
             raise InvalidArgument(f"worker_id {worker_id!r} must match [A-Za-z0-9_.:-]{{1,128}}")
         if backend not in BACKENDS:
             raise InvalidArgument(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")

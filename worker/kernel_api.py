@@ -8,6 +8,9 @@ Array conventions (FlashInfer-style; ``xp`` is NumPy or CuPy):
   NumPy/CuPy have no bfloat16), ``float32``.
 - page tables: ``indptr`` int32 [batch + 1], ``indices`` int32 [nnz],
   ``last_page_len`` int32 [batch] in (0, page_size]; ``slot_mapping`` int64.
+  What a valid table is, and the reason/row/position/value of each violation, is
+  defined once in ``kvservice.pagetable`` (module docstring); the kernels and
+  ``worker.ops_numpy`` implement exactly that.
 """
 
 from __future__ import annotations
@@ -20,7 +23,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
-REASONS: tuple[str, ...] = ("ok", "out_of_bounds", "off_lattice", "bad_last_page_len", "bad_indptr")
+from kvservice import pagetable
+
+#: Reason names by kernel reason code (paged.cuh KV_*): 0 ok, then kvservice.pagetable.REASONS.
+REASONS: tuple[str, ...] = ("ok", *pagetable.REASONS)
 NO_KEY = 0xFFFFFFFFFFFFFFFF
 DTYPES: dict[str, Any] = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32}
 ITEMSIZE: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -89,8 +95,11 @@ def new_record_words() -> np.ndarray:
 class PageLayout:
     """How one layer sees its buffer: pages of ``[2, page_size, kv_heads, head_dim]``.
 
-    ``page_stride``: elements between pages. Index space: a page index p is
-    valid iff ``0 <= p < upper_bound`` and ``(p - offset) % scale == 0``.
+    ``page_stride``: elements between pages. Index space (docs NUMBERING): a page
+    index p is valid iff ``base <= p < upper_bound`` and ``(p - base - offset) % scale
+    == 0``; it lives at buffer page ``p - base``. ``pool_pages``: end of the pool's
+    numbering (0 = ``upper_bound``), which tells ``wrong_index_space`` (a page of another
+    space of the pool) from ``out_of_bounds``.
     """
 
     page_size: int
@@ -101,6 +110,17 @@ class PageLayout:
     scale: int = 1
     offset: int = 0
     upper_bound: int = 0
+    base: int = 0
+    pool_pages: int = 0
+
+    def __post_init__(self) -> None:
+        if self.pool_pages == 0:
+            object.__setattr__(self, "pool_pages", self.upper_bound)
+
+    @property
+    def num_pages(self) -> int:
+        """Pages of the layer's buffer: upper_bound - base."""
+        return self.upper_bound - self.base
 
     @property
     def page_elems(self) -> int:
@@ -113,48 +133,52 @@ class PageLayout:
     @property
     def required_elems(self) -> int:
         """Buffer elements the highest valid page reaches."""
-        return (self.upper_bound - 1) * self.page_stride + self.page_elems
+        return (self.num_pages - 1) * self.page_stride + self.page_elems
 
     @classmethod
-    def per_layer(cls, num_slots: int, page_size: int, kv_heads: int, head_dim: int, dtype: str) -> PageLayout:
+    def per_layer(cls, num_slots: int, page_size: int, kv_heads: int, head_dim: int, dtype: str, *,
+                  base: int = 0, pool_pages: int = 0) -> PageLayout:
+        """A layer buffer of num_slots pages; page index = base + slot."""
         pe = 2 * page_size * kv_heads * head_dim
-        return cls(page_size, kv_heads, head_dim, dtype, pe, 1, 0, num_slots)
+        return cls(page_size, kv_heads, head_dim, dtype, pe, 1, 0, base + num_slots, base, pool_pages)
 
     @classmethod
     def interleaved(
         cls, num_slots: int, slot_bytes: int, byte_offset: int,
-        page_size: int, kv_heads: int, head_dim: int, dtype: str,
+        page_size: int, kv_heads: int, head_dim: int, dtype: str, *, base: int = 0, pool_pages: int = 0,
     ) -> PageLayout:
-        """Layer page inside a slot of ``slot_bytes``; pages aligned to their own size."""
+        """Layer page inside a slot of ``slot_bytes``; pages aligned to their own size;
+        page index = base + slot * scale + offset."""
         pe = 2 * page_size * kv_heads * head_dim
         pb = pe * ITEMSIZE[dtype]
         if slot_bytes % pb or byte_offset % pb:
             raise ValueError(f"slot_bytes {slot_bytes} and byte_offset {byte_offset} "
                              f"must be multiples of page bytes {pb}")
         scale = slot_bytes // pb
-        return cls(page_size, kv_heads, head_dim, dtype, pe, scale, byte_offset // pb, num_slots * scale)
+        return cls(page_size, kv_heads, head_dim, dtype, pe, scale, byte_offset // pb, base + num_slots * scale,
+                   base, pool_pages)
 
     def page_index(self, slot: np.ndarray | int) -> np.ndarray | int:
-        return slot * self.scale + self.offset
+        return self.base + slot * self.scale + self.offset
 
     def reasons(self, pages: np.ndarray) -> np.ndarray:
-        """Vectorised reason code per page index (0 ok, 1 out_of_bounds, 2 off_lattice)."""
-        p = np.asarray(pages, dtype=np.int64)
-        r = np.zeros(p.shape, dtype=np.int64)
-        oob = (p < 0) | (p >= self.upper_bound)
-        r[oob] = 1
-        if self.scale > 1:
-            r[~oob & (np.fmod(p - self.offset, self.scale) != 0)] = 2
-        return r
+        """Reason code per page index (0 ok, else out_of_bounds 1 / off_lattice 2 /
+        wrong_index_space 5), as kvservice.pagetable.page_reasons; same shape, int8."""
+        return pagetable.page_reasons(pages, base=self.base, upper_bound=self.upper_bound, scale=self.scale,
+                                      offset=self.offset, pool_pages=self.pool_pages)
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.head_dim not in HEAD_DIMS:
             raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {self.head_dim}")
-        for name in ("page_size", "kv_heads", "scale", "upper_bound"):
+        for name in ("page_size", "kv_heads", "scale", "num_pages"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.offset < self.scale or self.base < 0 or self.pool_pages < self.upper_bound:
+            raise ValueError(f"index space needs 0 <= offset < scale, base >= 0 and pool_pages >= upper_bound, "
+                             f"got offset {self.offset}, scale {self.scale}, base {self.base}, "
+                             f"pool_pages {self.pool_pages}, upper_bound {self.upper_bound}")
         if self.page_stride < self.page_elems or self.page_stride % VEC[self.dtype]:
             raise ValueError(f"page_stride {self.page_stride} must be >= page elems {self.page_elems} "
                              f"and a multiple of {VEC[self.dtype]}")
@@ -199,10 +223,19 @@ def check_cache(name: str, cache: Any, layout: PageLayout, ptr: int) -> None:
         raise ValueError(f"{name}: must be C-contiguous")
     if cache.size < layout.required_elems:
         raise ValueError(f"{name}: layout needs {layout.required_elems} elements "
-                         f"(upper_bound {layout.upper_bound} x page_stride {layout.page_stride}), "
+                         f"({layout.num_pages} pages x page_stride {layout.page_stride}), "
                          f"buffer has {cache.size}")
     if ptr % 16:
         raise ValueError(f"{name}: base address must be 16-byte aligned")
+
+
+def empty_batch_record(kernel: str, indptr: np.ndarray, nnz: int) -> ViolationRecord:
+    """A table of 0 rows (no kernel runs): bad_indptr at row -1 unless indptr == [0] and
+    nnz == 0 (kvservice.pagetable rule 1). indptr: host int32 [1]."""
+    first = int(indptr[0])
+    if first == 0 and nnz == 0:
+        return ViolationRecord(kernel)
+    return ViolationRecord(kernel, 1, -1, -1, first, "bad_indptr")
 
 
 def check_csr(indptr: Any, indices: Any, last_page_len: Any) -> int:
@@ -216,6 +249,43 @@ def check_csr(indptr: Any, indices: Any, last_page_len: Any) -> int:
     if indices.shape[0] >= 2**31 - 1:
         raise ValueError("indices: nnz must be < 2^31 - 1")
     return batch
+
+
+def _first_repeat(values: np.ndarray) -> int:
+    s = np.sort(values)
+    return int(s[1:][s[1:] == s[:-1]][0])
+
+
+def check_distinct_slots(xp: Any, slot_mapping: Any) -> None:
+    """append: slot_mapping entries must be pairwise distinct (two writes of one token slot
+    land in an undefined order on a GPU). ValueError before anything is written.
+    Costs a sort and, on a GPU, one scalar read back."""
+    n = slot_mapping.shape[0]
+    if n > 1:
+        s = xp.sort(slot_mapping)
+        if bool((s[1:] == s[:-1]).any()):
+            v = _first_repeat(np.asarray(s.get() if hasattr(s, "get") else s))
+            raise ValueError(f"slot_mapping: slot {v} appears more than once; every token needs its own slot "
+                             "(duplicate writes are unordered on a GPU), nothing was written")
+
+
+def check_copy_pairs(xp: Any, pairs: Any, what: str = "page") -> None:
+    """copy: destinations pairwise distinct and none of them also a source (the copies of
+    one call run in an undefined order on a GPU). ValueError before anything is copied."""
+    n = pairs.shape[0]
+    if n == 0:
+        return
+    dst = xp.sort(pairs[:, 1])
+    if n > 1 and bool((dst[1:] == dst[:-1]).any()):
+        v = _first_repeat(np.asarray(dst.get() if hasattr(dst, "get") else dst))
+        raise ValueError(f"pairs: destination {what} {v} appears more than once; destinations must be "
+                         "distinct, nothing was copied")
+    both = xp.isin(pairs[:, 0], dst)
+    if bool(both.any()):
+        host = np.asarray(pairs.get() if hasattr(pairs, "get") else pairs)
+        v = int(host[np.isin(host[:, 0], host[:, 1]), 0][0])
+        raise ValueError(f"pairs: {what} {v} is both a source and a destination; copy in two calls, "
+                         "nothing was copied")
 
 
 def default_splits(batch: int, groups: int, max_pages: int, sms: int) -> int:
@@ -278,7 +348,9 @@ class AttentionCall(KernelCall):
 
 
 def _space(layout: PageLayout) -> list[Any]:
-    return [I64(layout.scale), I64(layout.offset), I64(layout.upper_bound)]
+    """Kernel arguments of the index space, in KvLayout order: scale, offset, base, upper_bound, pool_pages."""
+    return [I64(layout.scale), I64(layout.offset), I64(layout.base), I64(layout.upper_bound),
+            I64(layout.pool_pages)]
 
 
 def _geometry(layout: PageLayout) -> list[Any]:
@@ -302,6 +374,7 @@ def append_kv(be: Backend, cache: Any, layout: PageLayout, k: Any, v: Any, slot_
     check_array("v", v, shape, DTYPES[layout.dtype], "[n, kv_heads, head_dim]")
     if n == 0:
         return KernelCall("append_kv", None, be.to_host)
+    check_distinct_slots(be.xp, slot_mapping)
     words = be.xp.asarray(new_record_words())
     be.launch("kv_append", (n, 1, 1), THREADS,
               [k, v, slot_mapping, I64(n), cache, I64(layout.itemsize), *_geometry(layout), *_space(layout), words])
@@ -334,7 +407,10 @@ def decode_attention(be: Backend, q: Any, cache: Any, layout: PageLayout, indptr
     xp = be.xp
     out, lse = attention_outputs(xp, out, lse, batch, hq, layout.head_dim)
     if batch == 0:
-        return AttentionCall(out, lse, None, be.to_host)
+        call = AttentionCall(out, lse, None, be.to_host)
+        call._record = empty_batch_record("decode_attention", be.to_host(indptr), indices.shape[0])
+        call.raise_if(policy)
+        return call
     scale = 1.0 / math.sqrt(layout.head_dim) if sm_scale is None else float(sm_scale)
     gm = heads_per_block(hq // layout.kv_heads)
     groups = layout.kv_heads * math.ceil(hq // layout.kv_heads / gm)
@@ -402,6 +478,7 @@ def copy_blocks(be: Backend, caches: Sequence[Any], layout: PageLayout, pairs: A
         raise ValueError("caches: at most 65535 layers per call")
     if n == 0:
         return KernelCall("copy_blocks", None, be.to_host)
+    check_copy_pairs(be.xp, pairs)
     ptrs = be.xp.asarray(np.array([be.ptr(c) for c in caches], dtype=np.uint64))
     words = be.xp.asarray(new_record_words())
     be.launch("kv_copy_blocks", (n, len(caches), 1), THREADS,
@@ -419,12 +496,30 @@ def validate_page_table(be: Backend, indptr: Any, indices: Any, last_page_len: A
     batch = check_csr(indptr, indices, last_page_len)
     status = be.xp.zeros((batch,), dtype=np.int32)
     if batch == 0:
-        return ValidationResult(status, ViolationRecord("validate_page_table"))
+        return ValidationResult(status, empty_batch_record("validate_page_table", be.to_host(indptr),
+                                                           indices.shape[0]))
     words = be.xp.asarray(new_record_words())
     be.launch("kv_validate_page_table", (batch, 1, 1), THREADS,
               [indptr, indices, last_page_len, I64(batch), I64(indices.shape[0]), I64(layout.page_size),
                *_space(layout), status, words])
     return ValidationResult(status, ViolationRecord.from_words("validate_page_table", be.to_host(words)))
+
+
+def widen(be: Backend, x: Any, dtype: str) -> Any:
+    """x: 1-D storage array of a 16-bit cache dtype (``float16``, or ``bfloat16`` as uint16
+    bits), 16-byte aligned. Returns float32 [n], converted by the attention kernels' own loads."""
+    if dtype not in ("float16", "bfloat16"):
+        raise ValueError(f"dtype must be float16 or bfloat16, got {dtype!r}")
+    check_array("x", x, (None,), DTYPES[dtype], "[n]")
+    if be.ptr(x) % 16:
+        raise ValueError("x: base address must be 16-byte aligned")
+    n = int(x.shape[0])
+    out = be.xp.empty((n,), dtype=np.float32)
+    if n:
+        blocks = min(1024, max(1, math.ceil(n / (THREADS * VEC[dtype]))))
+        be.launch("kv_widen_f16" if dtype == "float16" else "kv_widen_bf16", (blocks, 1, 1), THREADS,
+                  [x, out, I64(n)])
+    return out
 
 
 def _check_guarded(buf: Any, guard_bytes: int) -> None:

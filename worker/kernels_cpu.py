@@ -9,7 +9,7 @@ Variants (``KVK_CPU_VARIANT`` or ``build(variant)``):
 Build outputs: ``build/kernels-cpu/<variant>-<hash of sources+flags>/libkvk.so``.
 
 Public API (same as worker.kernels_cuda and worker.ops_numpy): append_kv,
-decode_attention, copy_blocks, validate_page_table, guard_fill, guard_check.
+decode_attention, copy_blocks, validate_page_table, widen, guard_fill, guard_check.
 """
 
 from __future__ import annotations
@@ -177,6 +177,11 @@ def validate_page_table(indptr: np.ndarray, indices: np.ndarray, last_page_len: 
                         layout: PageLayout) -> ValidationResult:
     """See kernel_api.validate_page_table."""
     return api.validate_page_table(backend(), indptr, indices, last_page_len, layout)
+
+
+def widen(x: np.ndarray, dtype: str) -> np.ndarray:
+    """See kernel_api.widen."""
+    return api.widen(backend(), x, dtype)
 
 
 def guard_fill(buf: np.ndarray, guard_bytes: int) -> None:

@@ -104,6 +104,11 @@ def validate_page_table(indptr: Any, indices: Any, last_page_len: Any, layout: P
     return api.validate_page_table(backend(), indptr, indices, last_page_len, layout)
 
 
+def widen(x: Any, dtype: str) -> Any:
+    """See kernel_api.widen (CuPy arrays)."""
+    return api.widen(backend(), x, dtype)
+
+
 def guard_fill(buf: Any, guard_bytes: int) -> None:
     """See kernel_api.guard_fill (CuPy uint8 buffer)."""
     api.guard_fill(backend(), buf, guard_bytes)

@@ -7,23 +7,30 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kvservice.pagetable import TableViolations, table_violations
 from worker import kernel_api as api
 from worker.kernel_api import DTYPES, GuardReport, KernelCall, PageLayout, Policy, ValidationResult, ViolationRecord
 
-_ROW = -1  # position of a row-level entry
+
+def _record(kernel: str, found: TableViolations) -> ViolationRecord:
+    """The violation record of a call from all its violations, ordered by (row, position)."""
+    if not len(found):
+        return ViolationRecord(kernel)
+    return ViolationRecord(kernel, len(found), int(found.rows[0]), int(found.positions[0]), int(found.values[0]),
+                           api.REASONS[int(found.codes[0])])
 
 
-def _call(kernel: str, found: list[tuple[int, int, int, int]], policy: Policy,
-          call: KernelCall | None = None) -> KernelCall:
-    """found: (row, position, value, reason code) of every offending entry."""
+def _call(kernel: str, found: TableViolations, policy: Policy, call: KernelCall | None = None) -> KernelCall:
     call = KernelCall(kernel, None, np.asarray) if call is None else call
-    if found:
-        row, pos, value, reason = min(found, key=lambda f: (f[0], f[1]))
-        call._record = ViolationRecord(kernel, len(found), row, pos, value, api.REASONS[reason])
-    else:
-        call._record = ViolationRecord(kernel)
+    call._record = _record(kernel, found)
     call.raise_if(policy)
     return call
+
+
+def _entries(rows: np.ndarray, positions: np.ndarray, values: np.ndarray, codes: np.ndarray) -> TableViolations:
+    """Violations of append / copy (one per offending entry), ordered by (row, position)."""
+    order = np.lexsort((positions, rows))
+    return TableViolations(*(np.asarray(x, dtype=np.int64)[order] for x in (rows, positions, values, codes)))
 
 
 def _to_f32(a: np.ndarray, dtype: str) -> np.ndarray:
@@ -33,32 +40,16 @@ def _to_f32(a: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def csr_violations(indptr: np.ndarray, indices: np.ndarray, last_page_len: np.ndarray,
-                   layout: PageLayout) -> tuple[list[tuple[int, int, int, int]], np.ndarray]:
-    """Every offending entry of a CSR table and the per-row reason bit mask."""
-    api.check_csr(indptr, indices, last_page_len)
-    nnz = indices.shape[0]
-    a, b = indptr[:-1].astype(np.int64), indptr[1:].astype(np.int64)
-    lpl = last_page_len.astype(np.int64)
-    bad_a = (a < 0) | (a > nnz)
-    bad_ip = bad_a | (b < a) | (b > nnz)
-    bad_l = ~bad_ip & (b > a) & ((lpl <= 0) | (lpl > layout.page_size))
-    status = np.zeros(a.shape[0], dtype=np.int32)
-    found: list[tuple[int, int, int, int]] = []
-    for r in np.flatnonzero(bad_ip):
-        found.append((int(r), _ROW, int(a[r] if bad_a[r] else b[r]), 4))
-        status[r] |= 1 << 3
-    for r in np.flatnonzero(bad_l):
-        found.append((int(r), _ROW, int(lpl[r]), 3))
-        status[r] |= 1 << 2
-    lengths = np.where(bad_ip, 0, b - a)
-    rows = np.repeat(np.arange(a.shape[0]), lengths)
-    starts = np.repeat(np.where(bad_ip, 0, a) - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths)
-    pos = np.arange(rows.shape[0]) + starts
-    vals = indices[pos].astype(np.int64)
-    reasons = layout.reasons(vals)
-    for i in np.flatnonzero(reasons):
-        found.append((int(rows[i]), int(pos[i]), int(vals[i]), int(reasons[i])))
-        status[rows[i]] |= 1 << (int(reasons[i]) - 1)
+                   layout: PageLayout) -> tuple[TableViolations, np.ndarray]:
+    """Every violation of a CSR table (kvservice.pagetable.table_violations: the one
+    definition) and the per-row reason bit mask int32 [batch] (bit reason - 1)."""
+    batch = api.check_csr(indptr, indices, last_page_len)
+    found = table_violations(indptr, indices, last_page_len, layout.page_size, base=layout.base,
+                             upper_bound=layout.upper_bound, scale=layout.scale, offset=layout.offset,
+                             pool_pages=layout.pool_pages)
+    status = np.zeros(batch, dtype=np.int32)
+    in_row = found.rows >= 0
+    np.bitwise_or.at(status, found.rows[in_row], (1 << (found.codes[in_row] - 1)).astype(np.int32))
     return found, status
 
 
@@ -66,7 +57,7 @@ def validate_page_table(indptr: np.ndarray, indices: np.ndarray, last_page_len: 
                         layout: PageLayout) -> ValidationResult:
     """See kernel_api.validate_page_table."""
     found, status = csr_violations(indptr, indices, last_page_len, layout)
-    return ValidationResult(status, _call("validate_page_table", found, Policy.NAN).record)
+    return ValidationResult(status, _record("validate_page_table", found))
 
 
 def decode_attention(q: np.ndarray, cache: np.ndarray, layout: PageLayout, indptr: np.ndarray,
@@ -99,7 +90,7 @@ def decode_attention(q: np.ndarray, cache: np.ndarray, layout: PageLayout, indpt
         seq = (b - a - 1) * ps + int(last_page_len[r])
         lo = seq - window if 0 < window < seq else 0
         tok = np.arange(lo, seq)
-        pages = indices[a + tok // ps].astype(np.int64)
+        pages = indices[a + tok // ps].astype(np.int64) - layout.base
         base = pages * layout.page_stride + (tok % ps) * kh * d
         idx = base[:, None] + np.arange(kh * d)
         k = _to_f32(flat[idx], layout.dtype).reshape(-1, kh, d)
@@ -124,13 +115,15 @@ def append_kv(cache: np.ndarray, layout: PageLayout, k: np.ndarray, v: np.ndarra
     for name, t in (("k", k), ("v", v)):
         api.check_array(name, t, (n, layout.kv_heads, layout.head_dim), DTYPES[layout.dtype],
                         "[n, kv_heads, head_dim]")
+    api.check_distinct_slots(np, slot_mapping)
     s = slot_mapping.astype(np.int64)
     page = np.where(s < 0, -1, s // layout.page_size)
     reasons = layout.reasons(page)
-    found = [(int(i), int(i), int(s[i]), int(reasons[i])) for i in np.flatnonzero(reasons)]
+    bad = np.flatnonzero(reasons)
+    found = _entries(bad, bad, s[bad], reasons[bad])
     ok = reasons == 0
     row = layout.kv_heads * layout.head_dim
-    base = page[ok] * layout.page_stride + (s[ok] % layout.page_size) * row
+    base = (page[ok] - layout.base) * layout.page_stride + (s[ok] % layout.page_size) * row
     idx = base[:, None] + np.arange(row)
     flat = cache.reshape(-1)
     flat[idx] = k[ok].reshape(-1, row)
@@ -147,15 +140,26 @@ def copy_blocks(caches: Sequence[np.ndarray], layout: PageLayout, pairs: np.ndar
         api.check_cache(f"caches[{i}]", c, layout, 0)
     n = pairs.shape[0] if pairs.ndim == 2 else -1
     api.check_array("pairs", pairs, (n, 2), np.int64, "[n, 2]")
+    api.check_copy_pairs(np, pairs)
     reasons = layout.reasons(pairs)
-    found = [(int(i), int(j), int(pairs[i, j]), int(reasons[i, j])) for i, j in zip(*np.nonzero(reasons), strict=True)]
-    good = pairs[(reasons == 0).all(axis=1)]
-    for c in caches:
+    i, j = np.nonzero(reasons)
+    found = _entries(i, j, pairs[i, j], reasons[i, j])
+    good = pairs[(reasons == 0).all(axis=1)] - layout.base     # buffer pages
+    elems = np.arange(layout.page_elems)
+    src, dst = good[:, :1] * layout.page_stride + elems, good[:, 1:] * layout.page_stride + elems
+    for c in caches:  # destinations are distinct and never a source: the order does not matter
         flat = c.reshape(-1)
-        for src, dst in good:
-            s0, d0 = src * layout.page_stride, dst * layout.page_stride
-            flat[d0:d0 + layout.page_elems] = flat[s0:s0 + layout.page_elems]
+        flat[dst] = flat[src]
     return _call("copy_blocks", found, policy)
+
+
+def widen(x: np.ndarray, dtype: str) -> np.ndarray:
+    """See kernel_api.widen: float16 by NumPy's conversion, bfloat16 by placing the 16 bits
+    in the high half of a float32 (exact for every pattern, NaN payloads included)."""
+    if dtype not in ("float16", "bfloat16"):
+        raise ValueError(f"dtype must be float16 or bfloat16, got {dtype!r}")
+    api.check_array("x", x, (None,), DTYPES[dtype], "[n]")
+    return _to_f32(x, dtype)
 
 
 def guard_fill(buf: np.ndarray, guard_bytes: int) -> None:

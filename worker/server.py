@@ -25,6 +25,7 @@ from clients.codec import ClientError
 from kvservice.auth import WORKER, ServerTLS, TokenAuthInterceptor, TokenTable, worker_rules
 from kvservice.convert import cache_spec_from_proto
 from kvservice.errors import KVError
+from kvservice.geometry import INT32_MAX
 from kvservice.server import grpc_server
 from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1 import worker_pb2
@@ -85,13 +86,24 @@ class RunningWorker:
 
 
 def _warm(caches: CacheSet) -> None:
-    """Compile/load the kernels and touch every layer once (a one-row validate)."""
+    """Compile/load the kernels and touch every layer once: a one-row validate of the first
+    and last slot of the layer's index space must be clean, and a page of every other index
+    space of the pool must come back ``wrong_index_space`` (the kernels read the same
+    numbering as the manager's geometry)."""
     xp = caches.xp
+    geo = caches.geometry
     for layer, layout in caches.layouts.items():
-        one = xp.asarray(np.array([0, 1], dtype=np.int32))
-        caches.ops.validate_page_table(one, xp.asarray(np.array([layout.offset], dtype=np.int32)),
-                                       xp.asarray(np.array([1], dtype=np.int32)), layout)
-        del layer
+        own = [int(layout.page_index(0)), int(layout.page_index(geo.num_slots - 1))]
+        other = [s.base + s.offset for s in geo.index_spaces
+                 if s.id != geo.layers[layer].index_space and s.base + s.offset <= INT32_MAX]
+        indptr = xp.asarray(np.array([0, len(own) + len(other)], dtype=np.int32))
+        rec = caches.ops.validate_page_table(indptr, xp.asarray(np.array(own + other, dtype=np.int32)),
+                                             xp.asarray(np.array([1], dtype=np.int32)), layout).record
+        got = (rec.count, rec.reason)
+        want = (len(other), "wrong_index_space") if other else (0, None)
+        if got != want or (other and rec.position != len(own)):
+            raise RuntimeError(f"layer {layer}: the kernels disagree with the pool geometry: validating pages "
+                               f"{own + other} gave {rec}, expected {want[0]} x {want[1]} from position {len(own)}")
 
 
 def serve_worker(manager: str, pool: str, worker_id: str, layer_begin: int = 0, layer_end: int = 0,

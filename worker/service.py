@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -22,7 +23,7 @@ from kvservice.wire import from_tensor, to_tensor
 from worker import ops_numpy
 from worker.caches import CacheSet
 from worker.fencing import MemoryGate, check_incarnation
-from worker.kernel_api import REASONS, KernelViolationError, Policy, ViolationRecord
+from worker.kernel_api import REASONS, KernelViolationError, Policy, ViolationRecord, check_copy_pairs
 from worker.metrics import WorkerMetrics
 
 log = logging.getLogger("kvworker")
@@ -90,7 +91,8 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
             raise OutOfRange(f"worker {self.identity['worker_id']} holds layers [{self.caches.layer_begin}, "
                              f"{self.caches.layer_end}) of pool {self.identity['pool']!r}, not layer {layer}")
 
-    def _tensor(self, msg: Any, field: str, dtype: str, shape: tuple[int | None, ...], doc: str) -> Any:
+    def _tensor(self, msg: Any, field: str, dtype: str, shape: tuple[int | None, ...], doc: str,
+                device: bool = True) -> Any:
         if not msg.HasField(field):
             raise InvalidArgument(f"{field} is required: {doc}")
         t = getattr(msg, field)
@@ -101,7 +103,8 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
         a = from_tensor(t, field, kinds="iuf")
         if a.ndim != len(shape) or any(s is not None and s != d for s, d in zip(shape, a.shape, strict=True)):
             raise InvalidArgument(f"{field} must have shape {doc}, got {list(a.shape)}")
-        return self.caches.xp.asarray(np.ascontiguousarray(a))
+        a = np.ascontiguousarray(a)
+        return self.caches.xp.asarray(a) if device else a
 
     def _csr(self, msg: Any) -> tuple[Any, Any, Any]:
         ip = self._tensor(msg, "indptr", "int32", (None,), "[B + 1]")
@@ -123,7 +126,7 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
             return {}
         host = [_host(a) for a in (ip, idx, lpl)]
         found, _ = ops_numpy.csr_violations(*host, self.caches.layouts[layer])
-        return _count_reasons(r for *_, r in found)
+        return _count_reasons(found.codes.tolist())
 
     def _timed(self, kernel: str, fn: Callable[[], Any],
                on_violation: Callable[[ViolationRecord], None] | None = None) -> tuple[Any, float]:
@@ -197,25 +200,39 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
 
     @_rpc
     def CopyBlocks(self, request: wpb.CopyBlocksRequest, context: grpc.ServicerContext) -> wpb.KernelReply:
+        """pairs are (src_slot, dst_slot). Slots are range-checked BEFORE any arithmetic: a slot
+        outside [0, num_slots) is out_of_bounds (value = the slot as sent) and its pair is skipped;
+        duplicate destinations, or a slot both source and destination, are INVALID_ARGUMENT."""
         layers = self.caches.group_layers(request.group)
         if not layers:
             raise OutOfRange(f"worker {self.identity['worker_id']} holds no layer of group {request.group}")
-        slots = self._tensor(request, "pairs", "int64", (None, 2), "[n, 2]")
+        slots = self._tensor(request, "pairs", "int64", (None, 2), "[n, 2]", device=False)
+        check_copy_pairs(np, slots, "slot")
+        bad = (slots < 0) | (slots >= self.caches.geometry.num_slots)
+        # Bad slots become distinct negative pages (out_of_bounds everywhere, never equal to each other).
+        sentinel = -1 - np.arange(slots.size, dtype=np.int64).reshape(slots.shape)
+        safe = np.where(bad, 0, slots)
+        counts = {"out_of_bounds": int(bad.sum())} if bad.any() else {}
+
+        def as_slots(rec: ViolationRecord) -> ViolationRecord:
+            return dataclasses.replace(rec, value=int(slots[rec.row, rec.position])) if rec.count else rec
+
         reply = wpb.KernelReply()
         for layer in layers:
             layout = self.caches.layouts[layer]
-            pages = slots * layout.scale + layout.offset
-            def reasons(layout: Any = layout, pages: Any = pages) -> dict[str, int]:
-                host = _host(pages)
-                return _count_reasons(int(r) for r in layout.reasons(host).ravel() if r)
+            pages = self.caches.xp.asarray(np.where(bad, sentinel, layout.page_index(safe)))
 
-            call, dt = self._timed("copy_blocks", lambda layer=layer, layout=layout, pages=pages:
-                                   self.ops.copy_blocks([self.caches.cache(layer)], layout, pages,
-                                                        policy=Policy(request.policy)),
-                                   lambda rec, layer=layer, reasons=reasons: self._record(rec, layer, reasons()))
+            def run(layer: int = layer, layout: Any = layout, pages: Any = pages) -> Any:
+                try:
+                    return self.ops.copy_blocks([self.caches.cache(layer)], layout, pages,
+                                                policy=Policy(request.policy))
+                except KernelViolationError as err:
+                    raise KernelViolationError(as_slots(err.record)) from None
+
+            call, dt = self._timed("copy_blocks", run, lambda rec, layer=layer: self._record(rec, layer, counts))
             reply.kernel_seconds += dt
             if call.record.count:
-                reply.violations.append(self._record(call.record, layer, reasons()))
+                reply.violations.append(self._record(as_slots(call.record), layer, counts))
         return reply
 
     @_rpc

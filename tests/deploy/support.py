@@ -1,14 +1,14 @@
 """Helpers of the deploy tests: paths, tool discovery, real manager/worker processes on loopback.
 
 Every external tool (kubectl, promtool, prometheus) is looked up on PATH; a test that needs
-a missing one is skipped with the reason and the command that installs it. Nothing else is
-skipped. `deploy/ci-install.sh` installs all of them.
+a missing one is skipped with the reason and the command that installs it, except under CI
+(CI=true), where it fails (tests/ci.py). Nothing else is skipped. `deploy/ci-install.sh`
+installs all of them.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -16,9 +16,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-
 from clients.launch import wait_for_ports
+from tests.ci import need_tool
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -77,12 +76,9 @@ KNOWN_SERIES = sample_names(MANAGER_METRICS) | sample_names(WORKER_METRICS) | {"
 
 
 def need(tool: str) -> str:
-    """Path of `tool`, or skip the test saying how to install it."""
-    path = shutil.which(tool)
-    if path is None:
-        package = {"promtool": "prometheus", "prometheus": "prometheus"}.get(tool, tool)
-        pytest.skip(f"{tool} is not installed (apt package {package}; deploy/ci-install.sh installs it)")
-    return path
+    """Path of `tool`, or skip the test saying how to install it (fail under CI)."""
+    package = {"promtool": "prometheus", "prometheus": "prometheus"}.get(tool, tool)
+    return need_tool(tool, f"apt package {package}; deploy/ci-install.sh installs it")
 
 
 def free_port() -> int:

@@ -16,6 +16,8 @@ import jsonschema
 import pytest
 import yaml
 
+from tests.ci import need_module
+
 from .support import DEPLOY, REPO, need
 
 OVERLAYS = ["base", "overlays/dev-cpu", "overlays/prod-gpu", "overlays/prod-gpu-operator"]
@@ -112,8 +114,8 @@ def container_port(template: dict, ref: int | str) -> int | None:
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_validates_against_kubernetes_and_crd_schemas(rendered, variant: str) -> None:
-    kubernetes_validate = pytest.importorskip(
-        "kubernetes_validate", reason="pip package kubernetes-validate is not installed (deploy/ci-install.sh)")
+    need_module("kubernetes_validate", "pip package kubernetes-validate; the dev extra and deploy/ci-install.sh")
+    import kubernetes_validate
     versions = [kubernetes_validate.latest_version() if v == "latest" else v for v in K8S_VERSIONS]
     docs = rendered(variant)
     assert docs

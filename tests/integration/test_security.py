@@ -2,7 +2,6 @@
 
 import asyncio
 import hashlib
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,11 +21,17 @@ from kvservice.planner import Sizing
 from kvservice.server import serve
 from kvservice.v1 import worker_pb2 as wpb
 from kvservice.v1 import worker_pb2_grpc as wpb_grpc
+from tests.ci import need_tool
 
 from .conftest import ROOT, ManagerProcess
 
-pytestmark = [pytest.mark.integration,
-              pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI for test certificates")]
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _openssl() -> None:
+    """The openssl CLI makes the test certificates (skip locally without it; fail under CI)."""
+    need_tool("openssl", "apt package openssl; deploy/ci-install.sh installs it")
 TOKENS = {"admin": "admin-0123456789abcdef", "sched-a": "sched-a-0123456789abcdef",
           "reader": "reader-0123456789abcdef", "worker-w": "worker-w-0123456789abcdef"}
 TOKENS_YAML = f"""

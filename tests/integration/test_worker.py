@@ -15,13 +15,20 @@ from clients.generate import Cluster, generate
 from clients.launch import wait_for_ports
 from clients.tiny_model import TinyConfig, TinyModel
 from clients.worker_client import WorkerClient
-from kvservice.geometry import CacheSpec, IndexSpace, LayerSpec
-from kvservice.pagetable import PageTable, validate_page_table
+from kvservice.geometry import CacheSpec, Geometry, IndexSpace, LayerSpec
+from kvservice.pagetable import REASONS, PageTable, validate_page_table
 from kvservice.planner import Sizing
+from kvservice.server import grpc_server
 from kvservice.v1 import common_pb2 as cpb
 from kvservice.v1 import worker_pb2 as wpb
 from kvservice.v1 import worker_pb2_grpc as wpb_grpc
-from kvservice.wire import to_tensor
+from kvservice.wire import from_tensor, to_tensor
+from tests.kernels.spaces import NNZ, NUM_SLOTS, POOLS, STATUS_ROWS, space_table
+from worker import ops_numpy, reference
+from worker.caches import CacheSet
+from worker.metrics import WorkerMetrics
+from worker.server import SERVICE_NAME
+from worker.service import WorkerServicer
 
 from .conftest import ROOT, ManagerProcess
 
@@ -141,17 +148,27 @@ def test_off_lattice_on_an_interleaved_worker(system):
     good = w.client.decode_attention(1, q, r.for_layer(1).table)
     assert good.violation.count == 0 and np.isfinite(good.out).all()
     assert w.client.validate(1, r.for_layer(1).table).ok
-    # Seed 004: layer 1's table (scale 2) fed to layer 0 (scale 4, offset 2). Pages that fall off
-    # layer 0's lattice are caught; the manager's validator must agree entry for entry.
-    wrong = w.client.validate(0, r.for_layer(1).table)
-    spaces = {s.id: s for s in c.get_pool("hybrid").plan.index_spaces}
+    # Seed 004: layer 1's table (scale 2) fed to layer 0 (scale 4, offset 2). The two index spaces
+    # number disjoint page ranges (NUMBERING.md), so every entry is another space's page; the
+    # manager's validator must agree entry for entry.
+    table = r.for_layer(1).table
+    wrong = w.client.validate(0, table)
+    plan = c.get_pool("hybrid").plan
+    spaces = {s.id: s for s in plan.index_spaces}
     s0 = spaces[r.layer_index_space[0]]
-    host = validate_page_table(r.for_layer(1).table, IndexSpace(s0.id, s0.group, s0.scale, s0.offset,
-                                                                 s0.upper_bound, ()), 16)
-    assert not wrong.ok and wrong.violation.count == host.num_violations == 2
-    assert dict(wrong.violation.counts_by_reason) == host.counts() == {"off_lattice": 2}
+    base = s0.upper_bound - plan.num_slots * s0.scale          # the proto carries the range's end
+    host = validate_page_table(table, IndexSpace(s0.id, s0.group, s0.scale, s0.offset, s0.upper_bound, (), base),
+                               16, pool_pages=max(s.upper_bound for s in plan.index_spaces))
+    nnz = len(table.indices)
+    assert not wrong.ok and wrong.violation.count == host.num_violations == nnz
+    assert dict(wrong.violation.counts_by_reason) == host.counts() == {"wrong_index_space": nnz}
+    v = host.violations[0]
+    assert (wrong.violation.row, wrong.violation.position, wrong.violation.value, wrong.violation.reason) == \
+        (v.row, v.position, v.value, v.reason)
     text = urllib.request.urlopen(w.metrics_url, timeout=5).read().decode()
-    assert 'kvworker_bounds_violations_total{kernel="validate_page_table",layer="0",reason="off_lattice"} 2.0' \
+    assert f'kvworker_bounds_violations_total{{kernel="validate_page_table",layer="0",reason="wrong_index_space"}} ' \
+        f'{float(nnz)}' in text
+    assert 'kvworker_bounds_violations_total{kernel="validate_page_table",layer="0",reason="off_lattice"} 0.0' \
         in text
     c.step("hybrid", free=[1, 2])
 
@@ -228,3 +245,110 @@ def test_kvctl_workers_lists_them(system):
                                      "--json", "workers"], cwd=ROOT, capture_output=True, text=True,
                                     timeout=60).stdout)
     assert {w["worker_id"] for w in doc} >= {"w0", "w1", "wh"}
+
+
+# ---- a worker service in this process (no manager): every pool kind, hostile slots ---------
+@pytest.fixture
+def local_worker():
+    """Start a WorkerServicer over the NumPy kernels for a CacheSpec on a loopback port."""
+    started = []
+
+    def start(spec: CacheSpec, num_slots: int = NUM_SLOTS) -> tuple[WorkerClient, WorkerServicer]:
+        caches = CacheSet(spec, num_slots, 0, len(spec.layers), ops_numpy)
+        servicer = WorkerServicer(caches, WorkerMetrics("local"), {"worker_id": "local", "pool": "local",
+                                                                   "backend": "cpu"})
+        server, port, _ = grpc_server(SERVICE_NAME, servicer, "127.0.0.1:0")
+        server.start()
+        client = WorkerClient(f"127.0.0.1:{port}", "local", timeout=20)
+        started.append((server, client))
+        return client, servicer
+
+    yield start
+    for server, client in started:
+        client.close()
+        server.stop(0)
+
+
+def violations(servicer: WorkerServicer, kernel: str, layer: int, reason: str) -> float:
+    return servicer.metrics.registry.get_sample_value(
+        "kvworker_bounds_violations_total", {"kernel": kernel, "layer": str(layer), "reason": reason})
+
+
+@pytest.mark.parametrize("pool", sorted(POOLS))
+def test_every_space_table_on_every_layer_over_the_validate_rpc(local_worker, pool):
+    """NUMBERING.md over the wire: each space's table is clean on its layers and all
+    wrong_index_space on every other space's layers (the counter starts at 0 and counts each)."""
+    spec = POOLS[pool]
+    client, servicer = local_worker(spec)
+    geo = Geometry(spec, NUM_SLOTS)
+    for layer in range(len(spec.layers)):         # every series exists at 0 before anything happened
+        for reason in REASONS:
+            assert violations(servicer, "decode_attention", layer, reason) == 0.0, (layer, reason)
+    rng = np.random.default_rng(12)
+    for space in geo.index_spaces:
+        t = space_table(space, rng)
+        for layer in range(len(spec.layers)):
+            before = violations(servicer, "validate_page_table", layer, "wrong_index_space")
+            rep = client.validate(layer, t)
+            v = rep.violation
+            if layer in space.layers:
+                assert rep.ok and v.count == 0, (space.id, layer)
+                continue
+            assert not rep.ok and (v.count, v.row, v.position, v.value, v.reason) == (
+                NNZ, 0, 0, int(t.indices[0]), "wrong_index_space"), (space.id, layer)
+            assert dict(v.counts_by_reason) == {"wrong_index_space": NNZ}
+            assert from_tensor(rep.row_status, "row_status").tolist() == [16 * x for x in STATUS_ROWS]
+            assert violations(servicer, "validate_page_table", layer, "wrong_index_space") - before == NNZ
+
+
+def test_copy_blocks_checks_slots_before_any_arithmetic(local_worker):
+    """Slot -2^63 + 5 times scale 2 wraps to 10 = page of slot 5 in int64: it must be refused as
+    out_of_bounds (value = the slot sent), and nothing copied; so must 2^62 + 5 and num_slots."""
+    spec = CacheSpec((LayerSpec(2, 64), LayerSpec(2, 128)), 16, "interleaved")     # scales 4 and 2
+    client, servicer = local_worker(spec)
+    caches = servicer.caches
+    rng = np.random.default_rng(13)
+    for layer in (0, 1):
+        caches.cache(layer)[...] = rng.standard_normal(caches.cache(layer).shape).astype(np.float16)
+    before = {la: caches.cache(la).copy() for la in (0, 1)}
+    hostile = [-(2**63) + 5, 2**62 + 5, NUM_SLOTS, -1]
+    pairs = np.array([[h, 2 + i] for i, h in enumerate(hostile)], dtype=np.int64)
+    rep = client.copy_blocks(0, pairs)
+    assert [v.layer for v in rep.violations] == [0, 1]
+    for v in rep.violations:
+        assert (v.count, v.row, v.position, v.value, v.reason) == (4, 0, 0, -(2**63) + 5, "out_of_bounds")
+        assert dict(v.counts_by_reason) == {"out_of_bounds": 4}
+    for la in (0, 1):
+        assert np.array_equal(caches.cache(la), before[la]), f"layer {la} changed"
+    with pytest.raises(ClientError) as exc:
+        client.copy_blocks(0, pairs, policy="error")
+    assert exc.value.code == grpc.StatusCode.FAILED_PRECONDITION and str(-(2**63) + 5) in exc.value.message
+    # a good pair next to a hostile one is still copied, in every layer of the group
+    rep = client.copy_blocks(0, np.array([[1, 4], [-(2**63) + 5, 5]], dtype=np.int64))
+    assert [v.count for v in rep.violations] == [1, 1]
+    for la in (0, 1):
+        layout = caches.layouts[la]
+        raw = reference.RawLayer.from_geometry(caches.geometry, la)
+        got, src = caches.cache(la), before[la]
+        assert np.array_equal(reference.page_view(got, raw, int(layout.page_index(4))),
+                              reference.page_view(src, raw, int(layout.page_index(1))))
+        assert np.array_equal(reference.page_view(got, raw, int(layout.page_index(5))),
+                              reference.page_view(src, raw, int(layout.page_index(5))))
+        assert not np.array_equal(reference.page_view(src, raw, int(layout.page_index(5))),
+                                  reference.page_view(src, raw, int(layout.page_index(0))))
+
+
+def test_duplicate_destinations_are_invalid_argument(local_worker):
+    spec = CacheSpec((LayerSpec(2, 64), LayerSpec(2, 128)), 16, "interleaved")
+    client, servicer = local_worker(spec)
+    before = servicer.caches.cache(0).copy()
+    for pairs, what in (([[1, 4], [2, 4]], "destination slot 4 appears more than once"),
+                        ([[1, 2], [2, 3]], "slot 2 is both a source and a destination")):
+        with pytest.raises(ClientError) as exc:
+            client.copy_blocks(0, np.array(pairs, dtype=np.int64))
+        assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT and what in exc.value.message
+    k = np.ones((2, 2, 64), np.float16)
+    with pytest.raises(ClientError) as exc:
+        client.append_kv(0, k, k, np.array([16 * 5 + 3, 16 * 5 + 3], np.int64))
+    assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT and "slot 83 appears more than once" in exc.value.message
+    assert np.array_equal(servicer.caches.cache(0), before)

@@ -1,6 +1,8 @@
 """Run in a subprocess under LD_PRELOAD=libasan+libubsan by test_sanitizers.py:
 feeds bad tables to the sanitizer build of the kernels on NumPy-allocated caches
-and prints each violation record as JSON. Usage: asan_driver.py VARIANT [only]."""
+and prints each violation record as JSON. Usage: asan_driver.py VARIANT [only],
+only = "decode" (the first decode call alone) or "spaces" (the cross-space matrix of
+spaces.py for every pool kind, each layer on its own exact-size buffer)."""
 
 from __future__ import annotations
 
@@ -25,6 +27,11 @@ def rec(r) -> list:
 
 def main() -> None:
     only = sys.argv[2] if len(sys.argv) > 2 else None
+    if only == "spaces":
+        from spaces import POOLS, layer_caches, matrix
+
+        print(json.dumps({name: matrix(kc, spec, layer_caches(kc, spec)) for name, spec in POOLS.items()}))
+        return
     rng = np.random.default_rng(50)
     out: dict[str, list] = {}
     for kind in ("per_layer", "interleaved"):

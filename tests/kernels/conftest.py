@@ -17,9 +17,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # 128-thread teams on 2 cor
 
 from worker import kernels_cpu, ops_numpy  # noqa: E402
 from worker.kernel_api import DTYPES, PageLayout  # noqa: E402
+from worker.reference import TOLERANCE as TOL  # noqa: E402, F401  (per-row relative, see row_rel_err)
+from worker.reference import RawLayer, row_rel_err  # noqa: E402
 
 BACKENDS = {"emu": kernels_cpu, "numpy": ops_numpy}
-TOL = {"float32": 1e-5, "float16": 1e-2, "bfloat16": 1e-2}
 POISON = np.float32(12345.0)
 
 
@@ -45,22 +46,29 @@ class Cache:
     buf: np.ndarray  # the array the kernels get (layer buffer or group buffer)
     layout: PageLayout
     num_slots: int
+    raw: RawLayer    # the same pages for the float64 oracle, by raw byte offsets
 
 
 def make_cache(rng: np.random.Generator, kind: str, num_slots: int, page_size: int, kv_heads: int,
-               head_dim: int, dtype: str) -> Cache:
+               head_dim: int, dtype: str, base: int = 0) -> Cache:
     """per_layer: [slots, 2, ps, kh, d]. interleaved: a group buffer whose slot
     holds another layer's page (2 x this page) first, then this layer's page,
-    then padding -> this layer has scale 4, offset 2."""
+    then padding -> this layer has scale 4, offset 2. ``base``: first page index of
+    the layer's index space (a later space of a pool numbers its pages from there;
+    the pool then ends 50 pages after this space)."""
+    scale = 1 if kind == "per_layer" else 4
+    pool = {"base": base, "pool_pages": base + num_slots * scale + 50 if base else 0}
     if kind == "per_layer":
-        layout = PageLayout.per_layer(num_slots, page_size, kv_heads, head_dim, dtype)
+        layout = PageLayout.per_layer(num_slots, page_size, kv_heads, head_dim, dtype, **pool)
         buf = rand(rng, (num_slots, 2, page_size, kv_heads, head_dim), dtype)
-        return Cache(buf, layout, num_slots)
+        return Cache(buf, layout, num_slots, RawLayer.per_layer(num_slots, page_size, kv_heads, head_dim, dtype,
+                                                                base))
     pe = 2 * page_size * kv_heads * head_dim
     pb = pe * np.dtype(DTYPES[dtype]).itemsize
-    layout = PageLayout.interleaved(num_slots, 4 * pb, 2 * pb, page_size, kv_heads, head_dim, dtype)
+    layout = PageLayout.interleaved(num_slots, 4 * pb, 2 * pb, page_size, kv_heads, head_dim, dtype, **pool)
     buf = rand(rng, (num_slots * 4 * pe,), dtype)
-    return Cache(buf, layout, num_slots)
+    return Cache(buf, layout, num_slots,
+                 RawLayer.interleaved(num_slots, 4 * pb, 2 * pb, page_size, kv_heads, head_dim, dtype, base))
 
 
 def make_table(rng: np.random.Generator, cache: Cache, seq_lens: list[int]) -> tuple[np.ndarray, ...]:
@@ -75,7 +83,13 @@ def make_table(rng: np.random.Generator, cache: Cache, seq_lens: list[int]) -> t
 
 
 def rel_err(a: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.abs(a.astype(np.float64) - ref).max() / max(np.abs(ref).max(), 1e-30))
+    """Largest per-row relative error (worker.reference.row_rel_err)."""
+    return row_rel_err(a, ref)
+
+
+def lse_err(a: np.ndarray, ref: np.ndarray) -> float:
+    """Largest per-row lse error relative to max(|lse|, 1)."""
+    return row_rel_err(a, ref, floor=1.0)
 
 
 def poisoned(shape: tuple[int, ...]) -> np.ndarray:

@@ -34,7 +34,7 @@ def test_append_writes_valid_tokens_only(kind: str, dtype: str) -> None:
     for i, s in enumerate(sm):
         if i in (2, 5, 6):
             continue
-        page = reference.page_view(expect, L, int(s) // L.page_size)
+        page = reference.page_view(expect, c.raw, int(s) // L.page_size)
         page[0, int(s) % L.page_size], page[1, int(s) % L.page_size] = k[i], v[i]
     assert np.array_equal(caches["emu"], expect)
 
@@ -80,7 +80,7 @@ def test_copy_blocks_all_layers(kind: str) -> None:
     for i, c in enumerate(layers):
         expect = c.buf.copy()
         for s, d in ((1, 5), (3, 6)):
-            reference.page_view(expect, L, p(d))[...] = reference.page_view(c.buf, L, p(s))
+            reference.page_view(expect, c.raw, p(d))[...] = reference.page_view(c.buf, c.raw, p(s))
         assert np.array_equal(results["emu"][i], expect)
         assert np.array_equal(results["numpy"][i], expect)
 
@@ -93,3 +93,61 @@ def test_copy_blocks_off_lattice(ops) -> None:
     rec = ops.copy_blocks([c.buf], c.layout, pairs).record
     assert (rec.count, rec.row, rec.position, rec.reason) == (1, 0, 1, "off_lattice")
     assert np.array_equal(c.buf, before)
+
+
+def test_append_refuses_duplicate_slots_and_writes_nothing(ops) -> None:
+    """Two tokens to one slot land in an undefined order on a GPU: INVALID_ARGUMENT (ValueError)."""
+    rng = np.random.default_rng(25)
+    c = make_cache(rng, "interleaved", 8, 4, 1, 64, "float16", base=12)
+    L = c.layout
+    sm = np.array([L.page_index(1) * 4, L.page_index(5) * 4 + 3, L.page_index(1) * 4], dtype=np.int64)
+    k = rand(rng, (3, 1, 64), "float16")
+    before = c.buf.copy()
+    with pytest.raises(ValueError, match=f"slot {sm[0]} appears more than once"):
+        ops.append_kv(c.buf, L, k, k, sm)
+    with pytest.raises(ValueError, match="appears more than once"):   # also among invalid values
+        ops.append_kv(c.buf, L, k[:2], k[:2], np.array([-1, -1], dtype=np.int64))
+    assert np.array_equal(c.buf, before)
+
+
+def test_copy_refuses_duplicate_destinations_and_sources_that_are_destinations(ops) -> None:
+    rng = np.random.default_rng(26)
+    c = make_cache(rng, "per_layer", 10, 4, 1, 32, "float32", base=30)
+    p = c.layout.page_index
+    before = c.buf.copy()
+    with pytest.raises(ValueError, match=f"destination page {p(4)} appears more than once"):
+        ops.copy_blocks([c.buf], c.layout, np.array([[p(1), p(4)], [p(2), p(4)]], dtype=np.int64))
+    with pytest.raises(ValueError, match=f"page {p(2)} is both a source and a destination"):
+        ops.copy_blocks([c.buf], c.layout, np.array([[p(1), p(2)], [p(2), p(3)]], dtype=np.int64))
+    with pytest.raises(ValueError, match="both a source and a destination"):
+        ops.copy_blocks([c.buf], c.layout, np.array([[p(6), p(6)]], dtype=np.int64))
+    assert np.array_equal(c.buf, before)
+    # distinct destinations, sources shared: allowed
+    rec = ops.copy_blocks([c.buf], c.layout, np.array([[p(1), p(7)], [p(1), p(8)]], dtype=np.int64)).record
+    assert rec.count == 0
+    assert np.array_equal(reference.page_view(c.buf, c.raw, p(7)), reference.page_view(before, c.raw, p(1)))
+    assert np.array_equal(reference.page_view(c.buf, c.raw, p(8)), reference.page_view(before, c.raw, p(1)))
+
+
+@pytest.mark.parametrize("kind", ["per_layer", "interleaved"])
+def test_append_and_copy_with_a_base_address_page_minus_base(ops, kind: str) -> None:
+    """A later index space (base 50): page p is buffer page p - base; pages below base are
+    another space's (wrong_index_space), pages at or past the pool's end out_of_bounds."""
+    rng = np.random.default_rng(27)
+    c = make_cache(rng, kind, 6, 4, 2, 32, "bfloat16", base=50)
+    L = c.layout
+    sm = np.array([L.page_index(0) * 4 + 1, L.page_index(5) * 4 + 3, (L.base - 1) * 4, L.pool_pages * 4],
+                  dtype=np.int64)
+    k, v = rand(rng, (4, 2, 32), "bfloat16"), rand(rng, (4, 2, 32), "bfloat16")
+    expect = c.buf.copy()
+    for i in (0, 1):
+        page = reference.page_view(expect, c.raw, int(sm[i]) // 4)
+        page[0, sm[i] % 4], page[1, sm[i] % 4] = k[i], v[i]
+    rec = ops.append_kv(c.buf, L, k, v, sm).record
+    assert (rec.count, rec.row, rec.value, rec.reason) == (2, 2, int(sm[2]), "wrong_index_space")
+    assert np.array_equal(c.buf, expect)
+    pairs = np.array([[L.page_index(0), L.page_index(3)], [L.base - 1, L.page_index(4)]], dtype=np.int64)
+    rec = ops.copy_blocks([c.buf], L, pairs).record
+    assert (rec.count, rec.row, rec.position, rec.value, rec.reason) == (1, 1, 0, L.base - 1, "wrong_index_space")
+    reference.page_view(expect, c.raw, L.page_index(3))[...] = reference.page_view(expect, c.raw, L.page_index(0))
+    assert np.array_equal(c.buf, expect)

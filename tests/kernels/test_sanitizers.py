@@ -6,17 +6,23 @@ negative control (checks compiled out) must make ASan report the overflow."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from spaces import POOLS, check_matrix, layer_caches, matrix
 
-from worker import kernels_cpu
+from tests.ci import need_tool
+from worker import kernels_cpu, ops_numpy
 
 DRIVER = Path(__file__).with_name("asan_driver.py")
-pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not available")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _gxx() -> None:
+    """g++ builds the sanitizer variants (skip locally without it; fail under CI)."""
+    need_tool("g++", "apt package g++; deploy/ci-install.sh installs it")
 
 
 def run_driver(variant: str, *extra: str) -> subprocess.CompletedProcess:
@@ -41,6 +47,20 @@ def test_sanitized_build_is_clean_and_records_exact() -> None:
     assert got["copy-per_layer"] == [1, 0, 1, 12, "out_of_bounds"]
     assert got["copy-interleaved"] == [1, 0, 1, 48, "out_of_bounds"]
     assert got["guard"] == [1, 9000]
+
+
+def test_cross_space_matrix_under_asan() -> None:
+    """Every table of every index space on every layer of every pool kind, under ASan + UBSan
+    with each layer on an exact-size buffer: no report, and the records, row status and
+    poisoned rows of the in-process NumPy ops."""
+    proc = run_driver("asan", "spaces")
+    assert "AddressSanitizer" not in proc.stderr and "runtime error" not in proc.stderr, proc.stderr[-4000:]
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert sorted(got) == sorted(POOLS)
+    for name, spec in POOLS.items():
+        check_matrix(got[name], spec)
+        assert got[name] == matrix(ops_numpy, spec, layer_caches(ops_numpy, spec)), name
 
 
 def test_negative_control_asan_sees_unchecked_read() -> None:

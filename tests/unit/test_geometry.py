@@ -107,3 +107,55 @@ def test_index_dtype_switches_to_int64_exactly_past_int32():
     big = IndexSpace(1, 0, 1, 0, 2**31 + 1, (0,), base=2**31 - 4)
     pages = big.page_indices(np.array([0, 4, 5]))
     assert pages.dtype == np.int64 and pages.tolist() == [2**31 - 4, 2**31, 2**31 + 1]
+
+
+@pytest.mark.parametrize("spec", [
+    CacheSpec((LayerSpec(2, 64), LayerSpec(2, 64, sliding_window=32), LayerSpec(1, 128)), 16),
+    CacheSpec((LayerSpec(2, 64), LayerSpec(2, 128), LayerSpec(3, 64, sliding_window=64),
+               LayerSpec(2, 64, sliding_window=64)), 16, "interleaved"),
+    CacheSpec.uniform(3, 2, 64),
+], ids=["per_layer-mixed", "interleaved-mixed", "uniform"])
+def test_index_spaces_are_disjoint_consecutive_ranges(spec):
+    """NUMBERING.md: base_0 = 0, base_{s+1} = upper_bound_s = base_s + num_slots * scale_s; the
+    pages of every slot of a space lie in its own range, on its lattice, and nowhere else."""
+    n = 7
+    g = Geometry(spec, n)
+    expect_base = 0
+    for s in g.index_spaces:
+        assert s.base == expect_base and s.upper_bound == s.base + n * s.scale and s.num_pages == n * s.scale
+        assert 0 <= s.offset < s.scale
+        expect_base = s.upper_bound
+        for la in s.layers:
+            v = g.layers[la]
+            assert (v.base, v.upper_bound, v.scale, v.offset) == (s.base, s.upper_bound, s.scale, s.offset)
+    assert g.pool_pages == expect_base
+    pages = {s.id: s.page_indices(np.arange(n)) for s in g.index_spaces}
+    for sid, p in pages.items():
+        s = g.index_spaces[sid]
+        assert p.tolist() == [s.base + x * s.scale + s.offset for x in range(n)]
+        for other in g.index_spaces:
+            inside = (p >= other.base) & (p < other.upper_bound)
+            assert inside.all() == (other.id == sid) and (inside.any() == (other.id == sid))
+    # a single-space pool is numbered exactly as before: page = slot * scale + offset
+    if len(g.index_spaces) == 1:
+        assert g.index_spaces[0].base == 0 and pages[0].tolist() == list(range(n))
+
+
+@pytest.mark.parametrize(("num_slots", "dtype"), [(2**31 - 1, np.int32), (2**31, np.int32), (2**31 + 1, np.int64)])
+def test_index_dtype_at_the_2_31_boundary(num_slots, dtype):
+    """int32 iff upper_bound - 1 <= 2^31 - 1: the last page 2^31 - 1 still fits, 2^31 does not."""
+    g = Geometry(CacheSpec.uniform(1, 1, 64), num_slots)
+    (s,) = g.index_spaces
+    assert s.index_dtype == np.dtype(dtype)
+    last = s.page_indices(np.array([num_slots - 1]))
+    assert last.dtype == np.dtype(dtype) and int(last[0]) == num_slots - 1     # no wrap-around
+
+
+def test_index_dtype_of_a_later_space_counts_its_base():
+    """Space 1 of a two-group pool starts at base = num_slots: its pages need int64 although
+    its own slot count would fit, and page_indices never wraps."""
+    n = 2**30 + 1
+    g = Geometry(CacheSpec((LayerSpec(1, 64), LayerSpec(1, 64, sliding_window=16)), 16), n)
+    s0, s1 = g.index_spaces
+    assert (s0.index_dtype, s1.index_dtype) == (np.dtype(np.int32), np.dtype(np.int64))
+    assert s1.base == n and int(s1.page_indices(np.array([n - 1], np.int32))[0]) == 2 * n - 1

@@ -1,4 +1,7 @@
-"""The page-table validator reports every bad entry with its reason, row and position."""
+"""The page-table validator reports every bad entry with its reason, row and position.
+
+The same rules run on the worker and in the kernels: tests/kernels/test_one_validator.py
+holds the cases that every implementation must answer identically."""
 
 import numpy as np
 import pytest
@@ -9,10 +12,12 @@ from kvservice.pagetable import PageTable, validate_page_table
 
 FLAT = IndexSpace(0, 0, 1, 0, 100, (0,))
 LATTICE = IndexSpace(1, 0, 4, 2, 400, (1,))
+# Two spaces of one pool numbered [0, 100) and [100, 500): the second has base 100.
+SECOND = IndexSpace(1, 1, 4, 2, 500, (1,), base=100)
 
 
 def table(indptr, indices, last):
-    return PageTable(np.array(indptr), np.array(indices), np.array(last))
+    return PageTable(np.array(indptr, np.int64), np.array(indices, np.int64), np.array(last, np.int64))
 
 
 def test_valid_table():
@@ -35,16 +40,46 @@ def test_off_lattice():
 
 def test_bad_last_page_len():
     r = validate_page_table(table([0, 1, 2, 3], [1, 2, 3], [0, 17, 16]), FLAT, 16)
-    assert [(v.reason, v.row, v.value) for v in r.violations] == [("bad_last_page_len", 0, 0),
-                                                                   ("bad_last_page_len", 1, 17)]
+    assert [(v.reason, v.row, v.position, v.value) for v in r.violations] == [("bad_last_page_len", 0, -1, 0),
+                                                                               ("bad_last_page_len", 1, -1, 17)]
 
 
-def test_bad_indptr():
+def test_empty_rows_last_page_len_is_ignored():
+    r = validate_page_table(table([0, 0, 1, 1], [3], [0, 16, -5]), FLAT, 16)
+    assert r.ok, r.violations
+
+
+def test_bad_indptr_is_one_row_level_violation_per_row():
     r = validate_page_table(table([1, 3, 2], [1, 2, 3], [1, 1]), FLAT, 16)
-    reasons = [(v.reason, v.position) for v in r.violations]
-    assert ("bad_indptr", 0) in reasons and ("bad_indptr", 2) in reasons
+    # row 0 starts at 1 (value a), row 1 ends before it starts (value b); entries are not checked
+    assert [(v.reason, v.row, v.position, v.value) for v in r.violations] == [
+        ("bad_indptr", 0, -1, 1), ("bad_indptr", 1, -1, 2)]
     r = validate_page_table(table([0, 2], [1, 2, 3], [1]), FLAT, 16)      # does not end at nnz
-    assert [(v.reason, v.position, v.value) for v in r.violations] == [("bad_indptr", 1, 2)]
+    assert [(v.reason, v.row, v.position, v.value) for v in r.violations] == [("bad_indptr", 0, -1, 2)]
+    r = validate_page_table(table([2], [], []), FLAT, 16)                  # no rows, indptr[0] != 0
+    assert [(v.reason, v.row, v.position, v.value) for v in r.violations] == [("bad_indptr", -1, -1, 2)]
+    assert validate_page_table(table([0], [], []), FLAT, 16).ok
+
+
+def test_wrong_index_space_between_out_of_bounds_and_off_lattice():
+    # SECOND: pages [100, 500) of a 500-page pool, lattice 102 + 4k
+    r = validate_page_table(table([0, 6], [102, 5, 99, 500, -1, 103], [1]), SECOND, 16, pool_pages=500)
+    assert [(v.reason, v.position, v.value) for v in r.violations] == [
+        ("wrong_index_space", 1, 5), ("wrong_index_space", 2, 99), ("out_of_bounds", 3, 500),
+        ("out_of_bounds", 4, -1), ("off_lattice", 5, 103)]
+    assert "[100, 500)" in r.violations[0].detail
+    # the FIRST space of the same pool: the second space's pages are another space's
+    r = validate_page_table(table([0, 2], [102, 99], [1]), FLAT, 16, pool_pages=500)
+    assert [(v.reason, v.value) for v in r.violations] == [("wrong_index_space", 102)]
+    # without pool_pages the space's own end is the pool's end
+    r = validate_page_table(table([0, 1], [102], [1]), FLAT, 16)
+    assert [v.reason for v in r.violations] == ["out_of_bounds"]
+
+
+def test_violations_are_listed_by_row_then_position():
+    r = validate_page_table(table([0, 2, 4], [1, 200, 300, 2], [16, 0]), FLAT, 16)
+    assert [(v.reason, v.row, v.position) for v in r.violations] == [
+        ("out_of_bounds", 0, 1), ("bad_last_page_len", 1, -1), ("out_of_bounds", 1, 2)]
 
 
 def test_counts_past_max_reports():

@@ -1,16 +1,15 @@
 """The committed stubs in kvservice/v1 are exactly what protoc generates from protos/ now."""
 
-import importlib.util
 import sys
 from pathlib import Path
 
-import pytest
+from tests.ci import need_module
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("grpc_tools") is None, reason="grpcio-tools not installed")
 def test_generated_code_matches_protos(tmp_path):
+    need_module("grpc_tools", "pip package grpcio-tools, the dev extra")
     sys.path.insert(0, str(ROOT / "scripts"))
     try:
         from gen_protos import generate

@@ -190,9 +190,8 @@ class PoolMachine(RuleBasedStateMachine):
             for b, (i, k) in enumerate(batch):
                 s = m.seqs[i]
                 row = sp.table.row(b).astype(np.int64)
-                row = row - getattr(space, "base", 0)       # first page of the space's range (NUMBERING.md)
-                assert ((row - space.offset) % space.scale == 0).all()
-                slots = ((row - space.offset) // space.scale).tolist()
+                assert ((row - space.base - space.offset) % space.scale == 0).all()
+                slots = ((row - space.base - space.offset) // space.scale).tolist()
                 held = s.held(g)
                 assert slots[:len(held)] == held, "pages of a sequence moved"
                 new = slots[len(held):]
@@ -208,8 +207,7 @@ class PoolMachine(RuleBasedStateMachine):
                 pos = np.arange(s.n, s.n + k)
                 pages = [s.pages[g][p] for p in (pos // PAGE).tolist()] if first_space else \
                     [(slots[p - s.first[g]]) for p in (pos // PAGE).tolist()]
-                want = (getattr(space, "base", 0) + np.array(pages, dtype=np.int64) * space.scale + space.offset) \
-                    * PAGE + pos % PAGE
+                want = (np.array(pages, dtype=np.int64) * space.scale + space.base + space.offset) * PAGE + pos % PAGE
                 assert sp.slot_mapping[lo:hi].tolist() == want.tolist()
         for i, k in batch:
             m.seqs[i].n += k

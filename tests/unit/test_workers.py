@@ -39,6 +39,8 @@ def test_register_heartbeat_lapse_and_reregister():
 
 @pytest.mark.parametrize(("kwargs", "match"), [
     ({"worker_id": "bad id"}, "worker_id"),
+    ({"worker_id": "w0\n"}, "worker_id"),                 # `$` matched before a final newline
+    ({"worker_id": "\nw0"}, "worker_id"),
     ({"layer_begin": 6, "layer_end": 4}, "not inside"),
     ({"layer_end": 9}, "not inside"),
     ({"tp_rank": 2, "tp_size": 2}, "tp_rank 2"),
@@ -119,3 +121,12 @@ def test_missing_pools_are_not_listed_and_snapshots_without_incarnations_adopt_t
     assert m.incarnations() == {"secret-tenant-pool": 43}
     with pytest.raises(InvalidArgument):
         m.restore_incarnation("secret-tenant-pool", 0)
+
+
+@pytest.mark.parametrize("name", ["p\n", "p\r\n", "\np", "p\n\n", "", "x" * 65])
+def test_pool_names_with_a_newline_or_out_of_range_are_refused(name):
+    m = BlockManager()
+    with pytest.raises(InvalidArgument, match="pool name"):
+        m.create_pool(name, CacheSpec.uniform(1, 1, 64), Sizing(num_slots=4))
+    assert m.pool_names() == []
+    m.create_pool("p.-_9", CacheSpec.uniform(1, 1, 64), Sizing(num_slots=4))     # the whole alphabet is fine

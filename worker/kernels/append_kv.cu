@@ -12,14 +12,17 @@ __device__ __forceinline__ int kv_slot_reason(const KvLayout& L, long long s) {
 // grid.x = n_tokens, block = any multiple of 32 (128 used).
 // k, v: [n_tokens, kv_heads, head_dim] contiguous, same dtype as the cache
 // (elt_bytes bytes each). slot_mapping: int64 [n_tokens], value =
-// page * page_size + offset. An offending token is never written; each one
-// is noted once (row = position = token index).
+// page * page_size + offset, pairwise distinct (the wrapper refuses duplicates:
+// their order of writes is undefined). An offending token is never written; each
+// one is noted once (row = position = token index).
 extern "C" __global__ void kv_append(const char* k, const char* v, const long long* slot_mapping,
                                      long long n_tokens, char* cache, long long elt_bytes,
                                      long long page_stride, long long page_size, long long kv_heads,
                                      long long head_dim, long long scale, long long offset,
-                                     long long upper_bound, unsigned long long* rec) {
-  const KvLayout L{page_stride, page_size, kv_heads, head_dim, scale, offset, upper_bound};
+                                     long long base, long long upper_bound, long long pool_pages,
+                                     unsigned long long* rec) {
+  const KvLayout L{page_stride, page_size, kv_heads, head_dim, scale, offset, base, upper_bound,
+                   pool_pages};
   const long long i = blockIdx.x;
   const long long tid = threadIdx.x;
   if (i < n_tokens) {

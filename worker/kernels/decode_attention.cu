@@ -58,7 +58,7 @@ __device__ __forceinline__ void kv_decode_block(const T* __restrict__ q, const T
 
   // ---- row-level fields and this block's token range ----
   long long rvalue;
-  const int rreason = kv_csr_row_reason(A.indptr, A.last_page_len, A.nnz, ps, row, &rvalue);
+  const int rreason = kv_csr_row_reason(A.indptr, A.last_page_len, A.nnz, A.batch, ps, row, &rvalue);
   long long a = 0, npages = 0, seq_len = 0;
   long long tok_lo = 0, tok_hi = 0, chk_lo = 0, chk_hi = 0;
   if (rreason == KV_OK) {
@@ -223,7 +223,7 @@ __device__ __forceinline__ void kv_decode_block(const T* __restrict__ q, const T
   if (split_mode && counter && tid == 0) part_flag[split * A.batch + row] = bad ? 1 : 0;
 #ifndef KV_NO_BOUNDS_CHECK
   if (kv_last_block(rec) && tid == 0)
-    kv_csr_finish(rec, L, A.indptr, A.indices, A.last_page_len, A.nnz);
+    kv_csr_finish(rec, L, A.indptr, A.indices, A.last_page_len, A.nnz, A.batch);
 #endif
 }
 
@@ -239,12 +239,14 @@ __device__ __forceinline__ void kv_decode_block(const T* __restrict__ q, const T
   extern "C" __global__ void __launch_bounds__(KV_DEC_THREADS) NAME(                          \
       const T* q, const T* cache, long long page_stride, long long page_size,                 \
       long long kv_heads, long long head_dim, long long scale, long long offset,              \
-      long long upper_bound, const int* indptr, const int* indices,                           \
+      long long base, long long upper_bound, long long pool_pages, const int* indptr,         \
+      const int* indices,                                                                     \
       const int* last_page_len, long long nnz, long long batch, long long q_heads,            \
       long long window, float sm_scale, long long pages_per_split, long long policy,          \
       float* out, float* lse, float* part_out, float* part_lse, int* part_flag,               \
       unsigned long long* rec) {                                                              \
-    const KvLayout L{page_stride, page_size, kv_heads, head_dim, scale, offset, upper_bound}; \
+    const KvLayout L{page_stride, page_size, kv_heads, head_dim, scale, offset, base,         \
+                     upper_bound, pool_pages};                                                \
     const KvDecodeArgs A{indptr, indices, last_page_len, nnz, batch, q_heads,                 \
                          window, pages_per_split, policy, sm_scale};                          \
     kv_decode_block<T, GM>(q, cache, L, A, out, lse, part_out, part_lse, part_flag, rec);     \

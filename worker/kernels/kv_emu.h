@@ -3,8 +3,13 @@
 // Lets g++ compile the SAME .cu sources into a shared library for CPU tests
 // (optionally under AddressSanitizer/UBSan). Model:
 //   * one 1-D block at a time, run as an OpenMP team of blockDim.x threads;
+//   * the launch state (gridDim, blockDim, blockIdx, shuffle scratch) is per
+//     call: a KvEmuLaunch on the launching thread's stack, reached by every
+//     team thread through a thread_local pointer (threadIdx is thread_local);
 //   * __syncthreads() is an OpenMP barrier;
-//   * __shared__ is a function-local static (blocks run one after another);
+//   * __shared__ is a function-local static (blocks run one after another), so
+//     launches are serialised by one process-wide mutex: two calls from two
+//     threads run one after the other, never interleaved;
 //   * warp shuffles go through a per-block scratch array between two barriers,
 //     so every thread of the block must reach every shuffle (the kernels keep
 //     control flow block-uniform around shuffles and barriers);
@@ -23,6 +28,7 @@
 #include <cstdio>
 #include <cstring>
 #include <map>
+#include <mutex>
 #include <string>
 #include <utility>
 
@@ -43,9 +49,16 @@ struct alignas(16) float4 {
   float x, y, z, w;
 };
 
-
-inline dim3 gridDim, blockDim, blockIdx;
+// Per-launch state; kv_emu_cur points at the launch a team thread is running.
+struct KvEmuLaunch {
+  dim3 grid, block, idx;
+  unsigned long long shfl[1024];  // warp-shuffle scratch, one word per thread
+};
+inline thread_local KvEmuLaunch* kv_emu_cur = nullptr;
 inline thread_local dim3 threadIdx;
+#define gridDim (kv_emu_cur->grid)
+#define blockDim (kv_emu_cur->block)
+#define blockIdx (kv_emu_cur->idx)
 
 inline void __syncthreads() { _Pragma("omp barrier") }
 inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
@@ -81,18 +94,17 @@ inline unsigned long long atomicMin(unsigned long long* p, unsigned long long v)
 inline int atomicOr(int* p, int v) { return __atomic_fetch_or(p, v, __ATOMIC_SEQ_CST); }
 
 // Warp shuffle through scratch memory; every thread of the block must call it.
-inline unsigned long long kv_emu_shfl_buf[1024];
 template <typename T>
 inline T __shfl_xor_sync(unsigned, T v, int lane_mask, int width = 32) {
   static_assert(sizeof(T) <= 8, "shuffle of at most 8 bytes");
   const unsigned tid = threadIdx.x;
   unsigned long long bits = 0;
   std::memcpy(&bits, &v, sizeof(T));
-  kv_emu_shfl_buf[tid] = bits;
+  kv_emu_cur->shfl[tid] = bits;
   __syncthreads();
   const unsigned w = (unsigned)width;
   const unsigned src = (tid & ~(w - 1)) | ((tid & (w - 1)) ^ (unsigned)lane_mask);
-  bits = kv_emu_shfl_buf[src < blockDim.x ? src : tid];
+  bits = kv_emu_cur->shfl[src < blockDim.x ? src : tid];
   __syncthreads();
   T r;
   std::memcpy(&r, &bits, sizeof(T));
@@ -148,22 +160,27 @@ extern "C" __attribute__((weak, visibility("default"))) int kv_emu_launch(const 
   if (it == kv_emu_registry().end()) return -1;
   if (bx == 0 || bx > 1024 || bx % 32 != 0 || gx == 0 || gy == 0 || gz == 0) return -2;
   const KvEmuKernel k = it->second;
+  static std::mutex serial;  // __shared__ statics: one launch at a time per library
+  const std::lock_guard<std::mutex> hold(serial);
   omp_set_dynamic(0);
-  gridDim = dim3{gx, gy, gz};
-  blockDim = dim3{bx, 1, 1};
+  KvEmuLaunch launch{};
+  launch.grid = dim3{gx, gy, gz};
+  launch.block = dim3{bx, 1, 1};
   int short_team = 0;
   for (unsigned z = 0; z < gz; ++z)
     for (unsigned y = 0; y < gy; ++y)
       for (unsigned x = 0; x < gx; ++x) {
-        blockIdx = dim3{x, y, z};
-#pragma omp parallel num_threads(bx)
+        launch.idx = dim3{x, y, z};
+#pragma omp parallel num_threads(bx) shared(launch, short_team)
         {
           if (omp_get_num_threads() != (int)bx) {
 #pragma omp atomic write
             short_team = 1;
           } else {
+            kv_emu_cur = &launch;
             threadIdx = dim3{(unsigned)omp_get_thread_num(), 0, 0};
             k.thunk(k.fn, args);
+            kv_emu_cur = nullptr;
           }
         }
         if (short_team) return -3;

@@ -1,13 +1,17 @@
 // paged.cuh -- the ONE place that owns paged-KV addressing, bounds checks and
 // the violation record, for both layouts (per_layer and interleaved).
 //
-// A layer sees its buffer as an array of pages; page p starts at element
-// p * page_stride of `base`. Inside a page (NHD):
+// A layer sees its buffer as an array of pages; buffer page i starts at element
+// i * page_stride of its base address. Inside a page (NHD):
 //     page = [2 (K, V), page_size, kv_heads, head_dim]
-// Index space of the layer: (scale, offset, upper_bound). A page index p is
-// valid iff 0 <= p < upper_bound and (p - offset) % scale == 0.
-//   per_layer:   scale 1, offset 0, upper_bound = num_slots
-//   interleaved: page = slot * scale + offset, upper_bound = num_slots * scale
+// Index space of the layer (docs NUMBERING): the pool numbers pages [0, pool_pages);
+// the layer's space owns [base, upper_bound) of that range, on the lattice
+// base + offset + k * scale. Page index p lives at buffer page p - base.
+//   per_layer:   scale 1, offset 0, upper_bound = base + num_slots
+//   interleaved: page = base + slot * scale + offset, upper_bound = base + num_slots * scale
+// A page index is checked (kv_page_reason) in this order: out_of_bounds
+// (p < 0 or p >= pool_pages), wrong_index_space (outside [base, upper_bound)),
+// off_lattice. The CSR rules (kv_csr_row_reason) are kvservice/pagetable.py's.
 // All address arithmetic is 64-bit (long long); strides are in elements.
 //
 // Build knobs: -DKV_HOST_EMU (g++ host emulation, see kv_emu.h);
@@ -40,6 +44,7 @@ struct kv_bf16 {
 #define KV_OFF_LATTICE 2
 #define KV_BAD_LAST_PAGE_LEN 3
 #define KV_BAD_INDPTR 4
+#define KV_WRONG_INDEX_SPACE 5
 
 // Policy for a row that hit a violation (error == NaN on the device; the
 // Python wrapper raises after the call).
@@ -50,49 +55,55 @@ struct kv_bf16 {
 #define KV_NO_KEY 0xffffffffffffffffull
 
 struct KvLayout {
-  long long page_stride;  // elements between consecutive pages
+  long long page_stride;  // elements between consecutive buffer pages
   long long page_size;    // tokens per page
   long long kv_heads;
   long long head_dim;
-  long long scale, offset, upper_bound;  // the layer's index space
+  long long scale, offset;  // the lattice of the layer's index space (0 <= offset < scale)
+  long long base;           // first page index of the space; page p is buffer page p - base
+  long long upper_bound;    // exclusive end of the space's page range
+  long long pool_pages;     // exclusive end of the pool's page numbering (>= upper_bound)
 };
 
 // Row offset (elements) of token `tok` of head `h` in the K (kv=0) or V (kv=1)
 // half of page p. The caller has checked p.
 __device__ __forceinline__ long long kv_row_offset(const KvLayout& L, long long p, long long kv,
                                                    long long tok, long long h) {
-  return p * L.page_stride + ((kv * L.page_size + tok) * L.kv_heads + h) * L.head_dim;
+  return (p - L.base) * L.page_stride + ((kv * L.page_size + tok) * L.kv_heads + h) * L.head_dim;
 }
 
-// KV_OK, KV_OUT_OF_BOUNDS or KV_OFF_LATTICE.
+// KV_OK, KV_OUT_OF_BOUNDS, KV_WRONG_INDEX_SPACE or KV_OFF_LATTICE (in that order).
 __device__ __forceinline__ int kv_page_reason(const KvLayout& L, long long p) {
 #ifdef KV_NO_BOUNDS_CHECK
   (void)L;
   (void)p;
   return KV_OK;
 #else
-  if (p < 0 || p >= L.upper_bound) return KV_OUT_OF_BOUNDS;
-  if (L.scale > 1 && (p - L.offset) % L.scale != 0) return KV_OFF_LATTICE;
+  if (p < 0 || p >= L.pool_pages) return KV_OUT_OF_BOUNDS;
+  if (p < L.base || p >= L.upper_bound) return KV_WRONG_INDEX_SPACE;
+  if (L.scale > 1 && (p - L.base - L.offset) % L.scale != 0) return KV_OFF_LATTICE;
   return KV_OK;
 #endif
 }
 
-// CSR row check: indptr[row] <= indptr[row+1], both in [0, nnz]; for a
-// non-empty row last_page_len in (0, page_size]. Writes the offending value.
+// CSR row check (kvservice/pagetable.py rules 1-2): a = indptr[row], b = indptr[row+1]
+// with 0 <= a <= b <= nnz, indptr[0] == 0 and indptr[batch] == nnz; for a non-empty
+// row last_page_len in (0, page_size] (an empty row's value is ignored). Writes the
+// offending value (a if a broke a rule, else b; or last_page_len).
 __device__ __forceinline__ int kv_csr_row_reason(const int* indptr, const int* last_page_len,
-                                                 long long nnz, long long page_size,
+                                                 long long nnz, long long batch, long long page_size,
                                                  long long row, long long* value) {
   const long long a = indptr[row], b = indptr[row + 1];
   *value = 0;
 #ifndef KV_NO_BOUNDS_CHECK
-  if (a < 0 || a > nnz) { *value = a; return KV_BAD_INDPTR; }
-  if (b < a || b > nnz) { *value = b; return KV_BAD_INDPTR; }
+  if (a < 0 || a > nnz || (row == 0 && a != 0)) { *value = a; return KV_BAD_INDPTR; }
+  if (b < a || b > nnz || (row == batch - 1 && b != nnz)) { *value = b; return KV_BAD_INDPTR; }
   if (b > a) {
     const long long l = last_page_len[row];
     if (l <= 0 || l > page_size) { *value = l; return KV_BAD_LAST_PAGE_LEN; }
   }
 #else
-  (void)last_page_len; (void)nnz; (void)page_size; (void)a; (void)b;
+  (void)last_page_len; (void)nnz; (void)batch; (void)page_size; (void)a; (void)b;
 #endif
   return KV_OK;
 }
@@ -150,12 +161,13 @@ __device__ __forceinline__ void kv_set_first(unsigned long long* rec, long long 
 // Describe the first violation of a CSR table (shared by decode + validate).
 __device__ __forceinline__ void kv_csr_finish(unsigned long long* rec, const KvLayout& L,
                                               const int* indptr, const int* indices,
-                                              const int* last_page_len, long long nnz) {
+                                              const int* last_page_len, long long nnz,
+                                              long long batch) {
   long long row, pos, value;
   if (!kv_first_key(rec, &row, &pos)) return;
   int reason;
   if (pos < 0) {
-    reason = kv_csr_row_reason(indptr, last_page_len, nnz, L.page_size, row, &value);
+    reason = kv_csr_row_reason(indptr, last_page_len, nnz, batch, L.page_size, row, &value);
   } else {
     value = indices[pos];
     reason = kv_page_reason(L, value);

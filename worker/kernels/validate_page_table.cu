@@ -10,14 +10,15 @@ extern "C" __global__ void kv_validate_page_table(const int* indptr, const int* 
                                                   const int* last_page_len, long long batch,
                                                   long long nnz, long long page_size,
                                                   long long scale, long long offset,
-                                                  long long upper_bound, int* row_status,
+                                                  long long base, long long upper_bound,
+                                                  long long pool_pages, int* row_status,
                                                   unsigned long long* rec) {
-  const KvLayout L{0, page_size, 1, 1, scale, offset, upper_bound};
+  const KvLayout L{0, page_size, 1, 1, scale, offset, base, upper_bound, pool_pages};
   __shared__ int s_mask;
   const long long row = blockIdx.x;
   const long long tid = threadIdx.x;
   long long value;
-  const int rreason = kv_csr_row_reason(indptr, last_page_len, nnz, page_size, row, &value);
+  const int rreason = kv_csr_row_reason(indptr, last_page_len, nnz, batch, page_size, row, &value);
   if (tid == 0) {
     s_mask = rreason != KV_OK ? 1 << (rreason - 1) : 0;
     if (rreason != KV_OK) kv_note(rec, row, -1);
@@ -35,6 +36,6 @@ extern "C" __global__ void kv_validate_page_table(const int* indptr, const int* 
   }
   __syncthreads();
   if (tid == 0) row_status[row] = s_mask;
-  if (kv_last_block(rec) && tid == 0) kv_csr_finish(rec, L, indptr, indices, last_page_len, nnz);
+  if (kv_last_block(rec) && tid == 0) kv_csr_finish(rec, L, indptr, indices, last_page_len, nnz, batch);
 }
 KV_REGISTER(kv_validate_page_table)
