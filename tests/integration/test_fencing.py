@@ -18,7 +18,7 @@ from kvservice.v1 import block_manager_pb2_grpc as pb_grpc
 from kvservice.v1 import worker_pb2 as wpb
 from kvservice.v1 import worker_pb2_grpc as wpb_grpc
 from kvservice.wire import to_tensor
-from worker.reference import page_view
+from worker.reference import RawLayer, page_view
 from worker.server import serve_worker
 
 pytestmark = pytest.mark.integration
@@ -157,10 +157,10 @@ def test_recreated_pool_fences_the_old_worker_until_it_replans(cluster):
     # ... and those of the new one land exactly where the new geometry puts them.
     req.pool_incarnation = new_info.incarnation
     assert not stub.AppendKV(req, timeout=10).violations
-    layout = running.servicer.caches.layouts[layer]
+    raw = RawLayer.from_geometry(running.servicer.caches.geometry, layer)     # byte offsets from the geometry
     for t in range(5):
-        page, off = divmod(int(mapping[t]), layout.page_size)
-        got = page_view(np.asarray(cache), layout, page)
+        page, off = divmod(int(mapping[t]), raw.page_size)
+        got = page_view(np.asarray(cache), raw, page)
         assert np.array_equal(got[0, off], k[t]) and np.array_equal(got[1, off], v[t])
     worker.close()
 

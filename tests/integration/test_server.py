@@ -148,7 +148,7 @@ def test_validate_reports_positions(client):
     rep = client.validate(name, 2, table)
     assert rep.num_violations == 2
     assert {(v.reason, v.row, v.position, v.value) for v in rep.violations} == {
-        ("out_of_bounds", 0, 1, 128), ("bad_last_page_len", 1, 1, 0)}
+        ("out_of_bounds", 0, 1, 128), ("bad_last_page_len", 1, -1, 0)}   # row-level: position -1
     with pytest.raises(ClientError) as exc:
         client.validate(name, 99, table)
     assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT and "layer 99 does not exist" in exc.value.message
