@@ -12,6 +12,8 @@ The seed set covers 6 pool kinds and more than 50,000 Steps per run (see
 PLAN); the totals are printed at the end of the pytest run.
 """
 
+import os
+
 import pytest
 
 from tests.differential import KINDS, TOTALS, InProcess, RunStats, repro, run_random, shrink
@@ -24,6 +26,8 @@ PLAN = {name: [MIX, ("forks_alone", False, (0,), 1500)] for name in KINDS}
 FAST = {name: [("no_forks", True, (0,), 2000), ("no_forks", False, (0,), 2000)]
         for name in ("uniform", "interleaved")}
 SHRINK_SECONDS = 30.0
+#: KV_DIFF_SCALE < 1 shortens every run (make mutation runs it per mutant); CI runs the full plan.
+SCALE = float(os.environ.get("KV_DIFF_SCALE", "1"))
 
 
 def run_plan(name, plan):
@@ -32,6 +36,7 @@ def run_plan(name, plan):
     total = RunStats()
     failures = []
     for profile, fast, seeds, steps in plan:
+        steps = max(100, int(steps * SCALE))
         for seed in seeds:
             stats, failure = run_random(kind, lambda fast=fast: InProcess(kind, fast), seed, steps, profile=profile)
             total.add(stats)
