@@ -56,6 +56,17 @@ class BlockManager:
             num_layers = len(self._get(pool).plan.geometry.layers)
         return self.workers.register(worker_id, pool, num_layers, **fields)  # type: ignore[arg-type]
 
+    def restore(self, pools: dict[str, Pool], workers: list[WorkerRecord] | None = None) -> None:
+        """Replace every pool (and, if given, every worker record) with recovered ones: the journal's hook.
+
+        Each pool gets a fresh lock. A caller still holding an old pool keeps its old object.
+        """
+        with self._lock:
+            self._pools = dict(pools)
+            self._locks = {name: threading.Lock() for name in pools}
+        if workers is not None:
+            self.workers.restore(workers)
+
     def pool_names(self) -> list[str]:
         with self._lock:
             return sorted(self._pools)

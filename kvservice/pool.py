@@ -683,3 +683,160 @@ class Pool:
                 bt[pad | (sub < 0)] = -1
             out.append(SpaceTables(space, mapping, table, bt))
         return tuple(out)
+
+    # =====================================================================================================
+    # State export / import (snapshots). Used only by kvservice/snapshot.py and the journal.
+    #
+    # A snapshot stores a pool in domain terms (sequences, the slots of their pages, free lists in hand-out
+    # order, prefix-cache entries), not as this class's attributes, so that another internal layout (or the
+    # next release) can read it. export_state reads, and from_state writes, exactly these fields; keep both
+    # in step with any change to them (tests/unit/test_snapshot.py::test_every_pool_field_is_exported lists
+    # them and fails when a field is added):
+    #   Pool:          name, plan, prefix, _sharing, _rows, _seq_ids, _num_tokens, _held, _first, _slots,
+    #                  _free_rows, _num_rows, steps, admitted, refused, alloc_failures
+    #   SlotAllocator: _stack[:_top], _top, _cached (LRU order), peak_used, evictions;
+    #                  _refcnt is rebuilt from the owners (invariant 1), cacheable from the prefix cache
+    #   PrefixCache:   by_hash (insertion order), hash, parent, namespace, tokens (registered slots only),
+    #                  _namespaces, hits
+    # Rebuilt, not stored (caches, scratch, constants): Pool._sorted, _last_batch, _arange, _fast,
+    # page_size, max_seq_len, windows, layer_space, _sliding, _slot_dtype (from the plan);
+    # SlotAllocator._mark, _ones, num_slots, caching, on_evict.
+    # Slot-table cells outside a sequence's held pages, the stack above _top and the tokens of slots no
+    # longer registered hold stale values that nothing reads; they come back as -1 / 0.
+    # =====================================================================================================
+    def export_state(self) -> PoolState:
+        """The pool's state as PoolState (copies; the caller holds the pool's lock for a consistent cut)."""
+        geo = self.plan.geometry
+        ps = self.page_size
+        rows = np.sort(np.fromiter(self._rows.values(), dtype=np.int64, count=len(self._rows)))
+        held = self._held[rows]
+        arrays: dict[str, np.ndarray] = {
+            "seq_ids": self._seq_ids[rows].copy(), "rows": rows, "num_tokens": self._num_tokens[rows].copy(),
+            "free_rows": np.asarray(self._free_rows, dtype=np.int64)}
+        width = self._slots[0].shape[1]
+        groups = []
+        for g, alloc in enumerate(self.allocators):
+            first = self._first[g][rows].copy()
+            cnt = held - first
+            starts = np.cumsum(cnt) - cnt
+            flat = np.repeat(rows * width + first - starts, cnt) + np.arange(int(cnt.sum()), dtype=np.int64)
+            arrays[f"first/{g}"] = first
+            arrays[f"slots/{g}"] = self._slots[g].ravel().take(flat).astype(np.int64)
+            arrays[f"free_stack/{g}"] = alloc._stack[:alloc._top].astype(np.int64)
+            arrays[f"cached/{g}"] = np.fromiter(alloc._cached, dtype=np.int64, count=len(alloc._cached))
+            groups.append({"peak_used": int(alloc.peak_used), "evictions": int(alloc.evictions)})
+        prefix = None
+        if self.prefix is not None:
+            pc = self.prefix
+            slots = np.fromiter(pc.by_hash.values(), dtype=np.int64, count=len(pc.by_hash))
+            arrays["prefix/hash"] = np.fromiter(pc.by_hash.keys(), dtype=np.uint64, count=len(pc.by_hash))
+            arrays["prefix/slot"] = slots
+            arrays["prefix/parent"] = pc.parent[slots].copy()
+            arrays["prefix/namespace"] = pc.namespace[slots].copy()
+            arrays["prefix/tokens"] = pc.tokens[slots].copy()
+            prefix = {"hits": int(pc.hits), "namespaces": [[s, k, int(i)] for (s, k), i in pc._namespaces.items()]}
+        spec = geo.spec
+        meta = {"version": POOL_STATE_VERSION, "name": self.name,
+                "spec": {"page_size": ps, "layout": spec.layout, "layers": _spec_runs(spec)},
+                "num_slots": int(geo.num_slots), "max_seq_len": int(self.max_seq_len),
+                "backends": list(self.plan.backends), "prefix_caching": self.prefix is not None,
+                "sharing": bool(self._sharing), "steps": int(self.steps),
+                "admitted": int(self.admitted), "refused": int(self.refused),
+                "alloc_failures": {str(k): int(v) for k, v in self.alloc_failures.items()},
+                "row_capacity": len(self._num_tokens), "page_capacity": int(width), "num_rows": int(self._num_rows),
+                "groups": groups, "prefix": prefix}
+        return PoolState(meta, arrays)
+
+    @staticmethod
+    def from_state(state: PoolState, plan: Plan) -> Pool:
+        """A pool rebuilt from PoolState; plan: the pool's plan (kvservice.snapshot rebuilds it from meta).
+
+        The state must have passed kvservice.snapshot.check_pool_state (this only rebuilds it).
+        """
+        from collections import OrderedDict
+
+        m, a = state.meta, state.arrays
+        pool = Pool(m["name"], plan, bool(m["prefix_caching"]))
+        cap, width = int(m["row_capacity"]), int(m["page_capacity"])
+        pool._num_tokens = np.zeros(cap, dtype=np.int64)
+        pool._held = np.zeros(cap, dtype=np.int64)
+        pool._seq_ids = np.zeros(cap, dtype=np.uint64)
+        pool._first = [np.zeros(cap, dtype=np.int64) for _ in pool.allocators]
+        pool._slots = [np.full((cap, width), -1, dtype=pool._slot_dtype) for _ in pool.allocators]
+        ps = pool.page_size
+        rows, n = a["rows"], a["num_tokens"]
+        held = (n + (ps - 1)) // ps
+        pool._seq_ids[rows] = a["seq_ids"]
+        pool._num_tokens[rows] = n
+        pool._held[rows] = held
+        pool._rows = dict(zip(a["seq_ids"].tolist(), rows.tolist(), strict=True))
+        pool._free_rows = a["free_rows"].tolist()
+        pool._num_rows = int(m["num_rows"])
+        pool._sharing = bool(m["sharing"])
+        for g, alloc in enumerate(pool.allocators):
+            first = a[f"first/{g}"]
+            cnt = held - first
+            starts = np.cumsum(cnt) - cnt
+            flat = np.repeat(rows * width + first - starts, cnt) + np.arange(int(cnt.sum()), dtype=np.int64)
+            slots = a[f"slots/{g}"]
+            pool._first[g][rows] = first
+            pool._slots[g].ravel()[flat] = slots
+            stack = a[f"free_stack/{g}"]
+            alloc._stack[:len(stack)] = stack
+            alloc._top = len(stack)
+            alloc._refcnt[:] = np.bincount(slots, minlength=alloc.num_slots).astype(np.int32)
+            alloc._cached = OrderedDict.fromkeys(a[f"cached/{g}"].tolist())
+            alloc.peak_used = int(m["groups"][g]["peak_used"])
+            alloc.evictions = int(m["groups"][g]["evictions"])
+        if pool.prefix is not None:
+            pc, p = pool.prefix, m["prefix"]
+            slots = a["prefix/slot"]
+            pc.by_hash = dict(zip(a["prefix/hash"].tolist(), slots.tolist(), strict=True))
+            pc.hash[slots] = a["prefix/hash"]
+            pc.parent[slots] = a["prefix/parent"]
+            pc.namespace[slots] = a["prefix/namespace"]
+            pc.tokens[slots] = a["prefix/tokens"]
+            pc._namespaces = {(s, k): int(i) for s, k, i in p["namespaces"]}
+            pc.hits = int(p["hits"])
+            pool.allocators[0].cacheable[slots] = True
+        pool.steps, pool.admitted, pool.refused = int(m["steps"]), int(m["admitted"]), int(m["refused"])
+        pool.alloc_failures = {str(k): int(v) for k, v in m["alloc_failures"].items()}
+        return pool
+
+
+POOL_STATE_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class PoolState:
+    """A pool as plain data: JSON-able ``meta`` and named 1-D/2-D NumPy ``arrays`` (copies, never views).
+
+    meta: version, name, spec {page_size, layout, layers: [[kv_heads, head_dim, dtype, sliding_window,
+      count], ...]}, num_slots, max_seq_len, backends, prefix_caching, sharing, steps, admitted, refused,
+      alloc_failures {reason: count}, row_capacity, page_capacity, num_rows,
+      groups [{peak_used, evictions}], prefix {hits, namespaces: [[salt, extra_key, id], ...]} or None.
+    arrays (N live sequences in row order, G layer groups, E prefix-cache entries):
+      seq_ids uint64 [N]; rows int64 [N]; num_tokens int64 [N] (tokens, > 0); free_rows int64 [R]
+        (reuse order: the last is taken first);
+      first/<g> int64 [N]: first page still held in group g (0 unless a sliding window released pages);
+      slots/<g> int64 [sum over sequences of held - first]: the slots of pages [first, held) of each
+        sequence, sequences concatenated (held = ceil(num_tokens / page_size));
+      free_stack/<g> int64 [F]: free slots holding nothing, bottom to top (the top is handed out first);
+      cached/<g> int64 [C]: free slots holding a cached page, least recently released first;
+      prefix/hash uint64 [E], prefix/slot, prefix/parent, prefix/namespace int64 [E] (by_hash order),
+      prefix/tokens int64 [E, page_size].
+    """
+
+    meta: dict
+    arrays: dict
+
+
+def _spec_runs(spec: object) -> list[list]:
+    runs: list[list] = []
+    for la in spec.layers:                                            # type: ignore[attr-defined]
+        row = [la.kv_heads, la.head_dim, la.dtype, la.sliding_window]
+        if runs and runs[-1][:4] == row:
+            runs[-1][4] += 1
+        else:
+            runs.append([*row, 1])
+    return runs
