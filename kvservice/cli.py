@@ -139,7 +139,7 @@ def check_state(state_dir: str, repair: bool = False) -> int:
         journal = Journal.open(state_dir, repair=repair) if repair else Journal.open(state_dir, readonly=True)
     except KVError as err:
         problems = getattr(err, "problems", [err.message])
-        print(f"kvservice: {state_dir}: NOT USABLE ({err.reason}): {err.message}", file=sys.stderr)
+        print(f"kvservice: NOT USABLE ({err.reason}): {err.message}", file=sys.stderr)
         for p in problems[1:]:
             print(f"  also: {p}", file=sys.stderr)
         return 1 if err.reason == "STATE_INVARIANTS" else 2

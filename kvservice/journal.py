@@ -132,6 +132,10 @@ class JournalStore(ABC):
     incarnation: int = 1
     #: Where the state lives, for messages.
     location: str = "memory"
+    #: What an operator can do about damaged state here, appended to refusals.
+    remedy: str = "the state is lost with it"
+    #: The newest snapshot's name, for messages (set by load_snapshot).
+    snapshot_where: str = "snapshot"
 
     @abstractmethod
     def load_snapshot(self) -> tuple[int, bytes | memoryview] | None:
@@ -430,15 +434,27 @@ class Journal:
         window None: rebuild the manager only (resync). Returns the number of entries replayed.
         Raises StateError naming the first problem (damaged snapshot or entry, gap, failed replay).
         """
+        try:
+            return self._load_unchecked(manager, window)
+        except StateError as err:
+            if err.reason in ("STATE_ERROR", "STATE_DAMAGED"):
+                err.reason = "STATE_DAMAGED"
+                if "backup" not in err.message:
+                    err.message = f"{err.message}. {self.store.remedy}"
+                    err.args = (err.message,)
+            raise
+
+    def _load_unchecked(self, manager: BlockManager, window: IdempotencyWindow | None) -> int:
         where = self.store.location
         found = self.store.load_snapshot()
         snapshot_seq = 0
         if found is not None:
             snapshot_seq, blob = found
-            s = snap.decode(blob, f"{where}: snapshot at {snapshot_seq}")
+            name = f"{where}: snapshot at {snapshot_seq} ({self.store.snapshot_where})"
+            s = snap.decode(blob, name)
             if s.seq != snapshot_seq:
-                raise StateError(f"{where}: snapshot recorded at {snapshot_seq} holds position {s.seq} (damaged)")
-            manager.restore(snap.build_pools(s.pools, f"{where}: snapshot at {snapshot_seq}"), s.workers)
+                raise StateError(f"{name} holds position {s.seq} (damaged)")
+            manager.restore(snap.build_pools(s.pools, name), s.workers)
             if window is not None:
                 window.load(s.window)
         api = ManagerAPI(manager)

@@ -152,8 +152,9 @@ def check_wal(path: Path, page_size: int) -> WalReport:
         valid = f + 1
         if commit[f]:
             committed = valid
-    if valid == num_frames:
-        return WalReport(num_frames, valid, committed, 0)
+    if valid == num_frames:       # a partial frame at the end (a write cut short) is a torn tail too
+        partial = (len(data) - HEADER_BYTES) % frame_bytes > 0
+        return WalReport(num_frames, valid, committed, num_frames - committed + partial)
     k = valid
     # Frames written in this chain verify against their predecessor's stored checksum.
     local = [chained(f, stored[f - 1] if f else (hc0, hc1)) == stored[f] for f in range(k, num_frames)]

@@ -126,6 +126,7 @@ class SqliteStore(JournalStore):
     """A state dir (see the module docstring). Use SqliteStore.open."""
 
     durable = True
+    remedy = "Restore the state dir from a backup (see docs/DURABILITY.md, \"Damaged state\")"
 
     def __init__(self, state_dir: Path, readonly: bool, lock_fd: int | None, repair: bool) -> None:
         self.state_dir = state_dir
@@ -191,6 +192,7 @@ class SqliteStore(JournalStore):
         if fresh:
             for p in (db_path, wal, d / (DB_NAME + "-shm")):
                 p.unlink(missing_ok=True)
+            db_has = False
         elif m is not None and m["format"] != FORMAT:
             raise StateError(f"{d}: state format {m['format']} is not {FORMAT}; use the kvservice release that "
                              "wrote it", reason="STATE_FORMAT")
@@ -342,6 +344,7 @@ class SqliteStore(JournalStore):
             raise StateError(f"{d / DB_NAME}: the snapshot record cannot be read ({err}). {RESTORE}",
                              reason="STATE_DAMAGED") from None
         path = d / SNAP_DIR / str(name)
+        self.snapshot_where = f"{SNAP_DIR}/{name}"
         if path.parent != d / SNAP_DIR or not path.name.startswith("snapshot-"):
             raise StateError(f"{d / DB_NAME}: the snapshot record names {name!r} (damaged). {RESTORE}",
                              reason="STATE_DAMAGED")
