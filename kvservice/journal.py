@@ -45,6 +45,7 @@ from .errors import AlreadyExists, InvalidArgument, JournalUnavailable, KVError,
 from .geometry import CacheSpec
 from .manager import BlockManager
 from .planner import Sizing
+from .pool import PoolState
 from .v1 import block_manager_pb2 as pb
 from .wire import field_array
 
@@ -331,7 +332,8 @@ class _Capture:
 
     seq: int
     appended: int
-    pools: dict[str, Any]
+    pools: dict[str, Any]          # name -> PoolState (a pool unchanged since the last snapshot) or its finisher
+    dirty: set[str]                # pools exported anew (the rest reuse the last snapshot's arrays)
     workers: list
     window_ids: list
     window_replies: list
@@ -381,6 +383,9 @@ class Journal:
         self._gate = _Gate()
         self._writer_done = threading.Event()        # clear while a captured snapshot is being written
         self._writer_done.set()
+        # Pools unchanged since the last snapshot reuse its arrays: an idle pool costs no pause.
+        self._states: dict[str, Any] = {}           # name -> PoolState of the newest snapshot
+        self._dirty: set[str] = set()                # pools changed by an entry since it was captured
         self.state_dir: Path | None = getattr(self.store, "state_dir", None)
         if store is None and manager.pool_names():        # a manager filled outside the journal: keep a baseline
             with self._lock:
@@ -411,7 +416,8 @@ class Journal:
         try:
             t0 = time.perf_counter()
             replayed = journal._load(journal.manager, journal.window)
-            problems = snap.verify_pools(journal._pools(journal.manager))
+            # Pools rebuilt from the snapshot were checked as they were loaded; check the ones replay changed.
+            problems = snap.verify_pools(journal._pools(journal.manager), journal._dirty)
             if problems:
                 raise StateError(f"{store.location}: recovered state breaks invariants: {'; '.join(problems[:4])}",
                                  reason="STATE_INVARIANTS", problems=problems)
@@ -457,6 +463,7 @@ class Journal:
             manager.restore(snap.build_pools(s.pools, name), s.workers)
             if window is not None:
                 window.load(s.window)
+                self._states = dict(s.pools)                # what the next snapshot reuses for unchanged pools
         api = ManagerAPI(manager)
         expected, replayed = snapshot_seq + 1, 0
         quiet = _Quiet()
@@ -484,6 +491,8 @@ class Journal:
                     window.remember(rid, e.method, digest(e.request), e.seq, e.created, reply)
                 if window is not None:
                     self._appended += len(e.request)
+                    if e.method in _TARGET:
+                        self._dirty.add(getattr(request, _TARGET[e.method]))
                 expected += 1
                 replayed += 1
         finally:
@@ -526,6 +535,8 @@ class Journal:
                     raise
                 now = time.time()
                 self._commit(method, data, now)
+                if method in _TARGET:
+                    self._dirty.add(getattr(request, _TARGET[method]))
                 self._stamp(reply)
             if rid:
                 self.window.remember(rid, method, fingerprint, self.seq, now, reply)
@@ -589,6 +600,7 @@ class Journal:
             scratch = BlockManager(self.manager.workers.lease_seconds)
             self._load(scratch, None)
             self.manager.restore(self._pools(scratch), scratch.workers.workers())
+            self._dirty |= set(self.manager.pool_names())
             self.resyncs += 1
         except Exception as err:
             self._fail(f"{why}, and rebuilding the manager from the journal failed ({type(err).__name__}: {err})")
@@ -637,33 +649,44 @@ class Journal:
         if not self._writer_done.is_set() or (not force and (self.store.readonly or self.seq == self.snapshot_seq)):
             return None
         t0 = time.perf_counter()
-        pools = {}
+        pools: dict[str, Any] = {}
+        dirty = set()
         for name in self.manager.pool_names():
             with self.manager.locked(name) as pool:
-                pools[name] = pool.export_state()
+                old = self._states.get(name)
+                if old is not None and name not in self._dirty:     # refusals still move two counters
+                    pools[name] = PoolState(dict(old.meta, refused=int(pool.refused),
+                                                 alloc_failures=dict(pool.alloc_failures)), old.arrays)
+                else:
+                    pools[name] = pool.capture_state()
+                    dirty.add(name)
+        self._dirty = set()
         ids, replies = self.window.capture()
         pause = time.perf_counter() - t0
         self.snapshot_pause_seconds = pause
         self.snapshot_pause_max_seconds = max(self.snapshot_pause_max_seconds, pause)
         self._compact_at = self.seq + self.config.compact_every
         self._writer_done.clear()
-        return _Capture(self.seq, self._appended, pools, self.manager.workers.workers(), ids, replies, pause)
+        return _Capture(self.seq, self._appended, pools, dirty, self.manager.workers.workers(), ids, replies, pause)
 
     def _write_capture(self, cap: _Capture) -> None:
         """Encode and store a captured snapshot (no journal lock: calls go on meanwhile)."""
         t0 = time.perf_counter()
         try:
+            states = {name: st if isinstance(st, PoolState) else st(runs=True) for name, st in cap.pools.items()}
             window = snap.WindowState(cap.window_ids, [(rid, m, msg.SerializeToString())
                                                        for rid, m, msg in cap.window_replies])
-            enc = snap.encode(cap.seq, self.incarnation, time.time(), cap.pools, cap.workers, window, METHODS)
+            enc = snap.encode(cap.seq, self.incarnation, time.time(), states, cap.workers, window, METHODS)
             self.store.write_snapshot(cap.seq, enc)
         except Exception as err:          # the entries are still there: keep serving, try again later
             log.error("snapshot at %d failed (%s: %s); recovery replays the longer tail", cap.seq,
                       type(err).__name__, err)
             with self._lock:
                 self._compact_at = self.seq + max(1, self.config.compact_every // 2)
+                self._dirty |= cap.dirty
         else:
             with self._lock:
+                self._states = states
                 self.snapshot_seq = max(self.snapshot_seq, cap.seq)
                 self._snap_appended = cap.appended
                 self.snapshots += 1

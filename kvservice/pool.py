@@ -704,25 +704,25 @@ class Pool:
     # Slot-table cells outside a sequence's held pages, the stack above _top and the tokens of slots no
     # longer registered hold stale values that nothing reads; they come back as -1 / 0.
     # =====================================================================================================
-    def export_state(self) -> PoolState:
-        """The pool's state as PoolState (copies; the caller holds the pool's lock for a consistent cut)."""
+    def capture_state(self) -> Callable[[], PoolState]:
+        """Copy what export_state needs and return the function that builds the PoolState from the copies.
+
+        Call it under the pool's lock: it only copies (memcpy-speed), so the lock is held briefly; the
+        returned function gathers the slot lists later, without any lock (what a snapshot does).
+        """
         geo = self.plan.geometry
         ps = self.page_size
         rows = np.sort(np.fromiter(self._rows.values(), dtype=np.int64, count=len(self._rows)))
         held = self._held[rows]
         arrays: dict[str, np.ndarray] = {
-            "seq_ids": self._seq_ids[rows].copy(), "rows": rows, "num_tokens": self._num_tokens[rows].copy(),
+            "seq_ids": self._seq_ids[rows], "rows": rows, "num_tokens": self._num_tokens[rows],
             "free_rows": np.asarray(self._free_rows, dtype=np.int64)}
         width = self._slots[0].shape[1]
-        groups = []
+        groups, tables, stacks = [], [], []
         for g, alloc in enumerate(self.allocators):
-            first = self._first[g][rows].copy()
-            cnt = held - first
-            starts = np.cumsum(cnt) - cnt
-            flat = np.repeat(rows * width + first - starts, cnt) + np.arange(int(cnt.sum()), dtype=np.int64)
-            arrays[f"first/{g}"] = first
-            arrays[f"slots/{g}"] = self._slots[g].ravel().take(flat).astype(np.int64)
-            arrays[f"free_stack/{g}"] = alloc._stack[:alloc._top].astype(np.int64)
+            arrays[f"first/{g}"] = self._first[g][rows]                  # fancy indexing: copies
+            tables.append(self._slots[g].copy())                        # gathered into CSR later, unlocked
+            stacks.append(_copy_ids(alloc._stack[:alloc._top]))
             arrays[f"cached/{g}"] = np.fromiter(alloc._cached, dtype=np.int64, count=len(alloc._cached))
             groups.append({"peak_used": int(alloc.peak_used), "evictions": int(alloc.evictions)})
         prefix = None
@@ -745,7 +745,30 @@ class Pool:
                 "alloc_failures": {str(k): int(v) for k, v in self.alloc_failures.items()},
                 "row_capacity": len(self._num_tokens), "page_capacity": int(width), "num_rows": int(self._num_rows),
                 "groups": groups, "prefix": prefix}
-        return PoolState(meta, arrays)
+
+        def finish(runs: bool = False) -> PoolState:
+            """runs: leave a free stack found to be runs as IdRuns (the snapshot encoder writes them as they are)."""
+            for g, stack in enumerate(stacks):
+                arrays[f"free_stack/{g}"] = stack if runs and isinstance(stack, IdRuns) else _as_array(stack)
+            for g, table in enumerate(tables):
+                first = arrays[f"first/{g}"]
+                cnt = held - first
+                out = np.empty(int(cnt.sum()), dtype=np.int64)
+                flat_table, at = table.ravel(), 0
+                for lo in range(0, len(rows), 1024):     # in pieces: other threads run in between (GIL)
+                    r, f, c = rows[lo:lo + 1024], first[lo:lo + 1024], cnt[lo:lo + 1024]
+                    k = int(c.sum())
+                    starts = np.cumsum(c) - c
+                    flat = np.repeat(r * width + f - starts, c) + np.arange(k, dtype=np.int64)
+                    out[at:at + k] = flat_table.take(flat)
+                    at += k
+                arrays[f"slots/{g}"] = out
+            return PoolState(meta, arrays)
+        return finish
+
+    def export_state(self) -> PoolState:
+        """The pool's state as PoolState (copies; the caller holds the pool's lock for a consistent cut)."""
+        return self.capture_state()()
 
     @staticmethod
     def from_state(state: PoolState, plan: Plan) -> Pool:
@@ -804,6 +827,8 @@ class Pool:
         return pool
 
 
+from collections.abc import Callable  # noqa: E402  (state export section: kept out of the module's imports)
+
 POOL_STATE_VERSION = 1
 
 
@@ -840,3 +865,46 @@ def _spec_runs(spec: object) -> list[list]:
         else:
             runs.append([*row, 1])
     return runs
+
+
+@dataclass(frozen=True, slots=True)
+class IdRuns:
+    """A 1-D int64 array of n ids stored as runs of consecutive descending ids.
+
+    starts: int64 [R], the index where each run begins (starts[0] == 0); tops: int64 [R], the run's first
+    id plus its start index (element i of run k is tops[k] - i); n: elements in all.
+    """
+
+    starts: np.ndarray
+    tops: np.ndarray
+    n: int
+
+    def array(self) -> np.ndarray:
+        lengths = np.diff(np.append(self.starts, self.n))
+        return np.repeat(self.tops, lengths) - np.arange(self.n, dtype=np.int64)
+
+
+def _as_array(a: np.ndarray | IdRuns) -> np.ndarray:
+    return a.array() if isinstance(a, IdRuns) else a
+
+
+def _copy_ids(a: np.ndarray) -> np.ndarray | IdRuns:
+    """A 1-D id array kept for later: IdRuns, or an int64 copy.
+
+    A free stack is mostly runs of consecutive descending ids (all of it, in an idle pool): those
+    are found by a scan in 1 M-element chunks, without allocating a copy of the whole array, so the
+    caller's lock is held for a read of it only. Otherwise it is a plain copy.
+    """
+    n, chunk = len(a), 1 << 20
+    breaks, found = [np.zeros(1, dtype=np.int64)], 0
+    if n > chunk:
+        for lo in range(0, n - 1, chunk):
+            b = np.flatnonzero(np.diff(a[lo:min(n, lo + chunk + 1)]) != -1) + (lo + 1)
+            found += len(b)
+            if found > n // 64:
+                break
+            breaks.append(b)
+        else:
+            starts = np.concatenate(breaks)
+            return IdRuns(starts, a[starts].astype(np.int64) + starts, n)
+    return a.astype(np.int64)

@@ -37,7 +37,7 @@ import numpy as np
 from .errors import StateError
 from .geometry import CacheSpec, LayerSpec
 from .planner import Plan, Sizing, plan
-from .pool import POOL_STATE_VERSION, Pool, PoolState
+from .pool import POOL_STATE_VERSION, IdRuns, Pool, PoolState
 from .workers import WorkerRecord
 
 MAGIC = b"KVSNAP\r\n"
@@ -142,11 +142,15 @@ def encode(seq: int, incarnation: int, created: float, pools: dict[str, PoolStat
     named += [(f"window/{k}", v) for k, v in _window_arrays(window, methods).items()]
     entries, buffers, offset = [], [], 0
     for name, arr in named:
-        arr = np.ascontiguousarray(arr)
-        if arr.dtype.str not in DTYPES:
-            arr = arr.astype(arr.dtype.newbyteorder("<"))
-        entry: dict[str, Any] = {"name": name, "dtype": arr.dtype.str, "shape": list(arr.shape)}
-        runs = _runs(arr)
+        if isinstance(arr, IdRuns):                 # a free stack kept as runs (pool.Pool.capture_state)
+            entry: dict[str, Any] = {"name": name, "dtype": "<i8", "shape": [arr.n]}
+            runs = (-1, arr.tops - arr.starts, np.diff(np.append(arr.starts, arr.n)).astype(np.int64))
+        else:
+            arr = np.ascontiguousarray(arr)
+            if arr.dtype.str not in DTYPES:
+                arr = arr.astype(arr.dtype.newbyteorder("<"))
+            entry = {"name": name, "dtype": arr.dtype.str, "shape": list(arr.shape)}
+            runs = _runs(arr)
         if runs is not None:
             step, starts, lengths = runs
             data = memoryview(np.concatenate((starts, lengths)).astype("<i8")).cast("B")
@@ -302,12 +306,12 @@ def check_pool_state(state: PoolState, p: Plan) -> list[str]:
 
     if len(rows) != num or len(n) != num or any(len(a[f"first/{g}"]) != num for g in range(len(groups))):
         return [f"{num} sequence ids but other per-sequence arrays differ in length"]
-    if len(np.unique(ids)) != num:
+    if _repeats(ids):
         bad("a sequence id is live twice")
     if num and ((np.diff(rows) <= 0).any() or rows[0] < 0 or rows[-1] >= num_rows):
         bad("sequence rows are not distinct, sorted and below num_rows")
     if len(free_rows) and ((free_rows < 0).any() or (free_rows >= num_rows).any()
-                           or len(np.unique(free_rows)) != len(free_rows) or np.isin(free_rows, rows).any()):
+                           or _repeats(free_rows) or np.isin(free_rows, rows).any()):
         bad("free rows are out of range, repeated, or also live")
     if num + len(free_rows) != num_rows or not num_rows <= cap <= max(16, 2 * num_rows):
         bad(f"{num} live + {len(free_rows)} free rows != num_rows {num_rows}, or row capacity {cap} is off")
@@ -339,10 +343,12 @@ def check_pool_state(state: PoolState, p: Plan) -> list[str]:
         if not m["sharing"] and owners.max(initial=0) > 1:
             bad(f"group {g}: slots have several owners in a pool that never shared")
         free = np.concatenate((stack, cached))
-        if len(np.unique(free)) != len(free):
+        times_free = np.bincount(free, minlength=num_slots)
+        if times_free.max(initial=0) > 1:
             bad(f"group {g}: a slot is free twice")
-        if owners[free].any():
-            bad(f"group {g}: a free slot is also owned (slot {int(free[owners[free] > 0][0])})")
+        both = np.flatnonzero((owners > 0) & (times_free > 0))
+        if len(both):
+            bad(f"group {g}: a free slot is also owned (slot {int(both[0])})")
         if len(free) + int(np.count_nonzero(owners)) != num_slots:
             bad(f"group {g}: {len(free)} free + {int(np.count_nonzero(owners))} owned != {num_slots} slots")
         if (g or not m["prefix_caching"]) and len(cached):
@@ -356,8 +362,7 @@ def check_pool_state(state: PoolState, p: Plan) -> list[str]:
         spaces = m["prefix"]["namespaces"]
         if {len(h), len(ns), len(parent), len(tokens)} != {e} or (e and tokens.shape[1] != ps):
             bad("prefix cache arrays differ in length or page size")
-        elif e and (slot.min() < 0 or slot.max() >= num_slots or len(np.unique(slot)) != e
-                    or (h == 0).any() or len(np.unique(h)) != e):
+        elif e and (slot.min() < 0 or slot.max() >= num_slots or _repeats(slot) or (h == 0).any() or _repeats(h)):
             bad("prefix cache: slots out of range or repeated, or hashes zero or repeated")
         else:
             if e and ((ns < 0).any() or (ns >= len(spaces)).any() or ((parent < -1) | (parent >= num_slots)).any()):
@@ -371,6 +376,14 @@ def check_pool_state(state: PoolState, p: Plan) -> list[str]:
     if min(int(m["steps"]), int(m["admitted"]), int(m["refused"])) < 0:
         bad("a counter is negative")
     return out
+
+
+def _repeats(a: np.ndarray) -> bool:
+    """True if a value occurs twice in a (sort-based: no hashing of millions of values)."""
+    if len(a) < 2:
+        return False
+    s = np.sort(a)
+    return bool((s[1:] == s[:-1]).any())
 
 
 def build_pools(pools: dict[str, PoolState], where: str) -> dict[str, Pool]:
@@ -390,10 +403,12 @@ def build_pools(pools: dict[str, PoolState], where: str) -> dict[str, Pool]:
     return out
 
 
-def verify_pools(pools: dict[str, Pool]) -> list[str]:
-    """The invariant problems of live pools (each exported and checked); [] if all are sound."""
+def verify_pools(pools: dict[str, Pool], names: set[str] | None = None) -> list[str]:
+    """The invariant problems of live pools (each exported and checked; only `names` if given); [] if sound."""
     problems = []
     for name, pool in pools.items():
+        if names is not None and name not in names:
+            continue
         problems += [f"pool {name!r}: {f}" for f in check_pool_state(pool.export_state(), pool.plan)]
     return problems
 
