@@ -463,7 +463,6 @@ class Journal:
             manager.restore(snap.build_pools(s.pools, name), s.workers)
             if window is not None:
                 window.load(s.window)
-                self._states = dict(s.pools)                # what the next snapshot reuses for unchanged pools
         api = ManagerAPI(manager)
         expected, replayed = snapshot_seq + 1, 0
         quiet = _Quiet()
