@@ -14,8 +14,8 @@ exit): memory would otherwise run ahead of the disk. An unexpected exception ins
 leaves memory possibly different from the journal, so the manager is rebuilt from the store (its
 snapshot and entries: exactly what was acknowledged) and keeps serving; only if that fails does it stop.
 
-Stores (the interface a backend implements): :class:`MemoryStore` (``--state memory``: in-process,
-lost with the process) and ``store_sqlite.SqliteStore`` (``--state-dir``). Recovery is the same for
+Stores (kvservice/stores.py: the interface a backend implements): ``MemoryStore`` (``--state memory``:
+in-process, lost with the process) and ``store_sqlite.SqliteStore`` (``--state-dir``). Recovery is the same for
 both: decode and check the newest snapshot (kvservice/snapshot.py), replay every later entry after
 verifying its checksum and that none is missing, then check every pool's invariants and the store's
 witness of the last acknowledged position. Snapshots are captured under the lock (copies of the
@@ -25,10 +25,8 @@ arrays: the pause) and encoded and written outside it. See docs/DURABILITY.md.
 from __future__ import annotations
 
 import logging
-import struct
 import threading
 import time
-from abc import ABC, abstractmethod
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -46,6 +44,7 @@ from .geometry import CacheSpec
 from .manager import BlockManager
 from .planner import Sizing
 from .pool import PoolState
+from .stores import Entry, JournalStore, MemoryStore, entry_digest
 from .v1 import block_manager_pb2 as pb
 from .wire import field_array
 
@@ -94,118 +93,6 @@ class JournalConfig:
 def digest(data: bytes) -> bytes:
     """16-byte fingerprint of a serialized request (a reused request_id must carry the same request)."""
     return snap.digest16(data)
-
-
-@dataclass(frozen=True, slots=True)
-class Entry:
-    """One acknowledged mutating request: position, method, serialized request, wall-clock time, checksum."""
-
-    seq: int
-    method: str
-    request: bytes
-    created: float
-    digest: bytes
-
-    @staticmethod
-    def make(seq: int, method: str, request: bytes, created: float) -> Entry:
-        return Entry(seq, method, request, created, entry_digest(seq, method, request, created))
-
-
-def entry_digest(seq: int, method: str, request: bytes, created: float) -> bytes:
-    """Checksum of a journal entry: its position, method, time and request bytes."""
-    return snap.digest16(struct.pack("<qd", seq, created), method.encode(), b"\0", request)
-
-
-# ---- the store interface ---------------------------------------------------------------------------
-class JournalStore(ABC):
-    """Where a Journal keeps entries and snapshots: the interface a storage backend implements.
-
-    Calls come from the journal: append under the journal lock, write_snapshot from a snapshot
-    thread (concurrently with appends: the store serialises its own bookkeeping). Every backend
-    passes the shared suite tests/unit/test_journal_backends.py.
-    """
-
-    #: Survives the process (False: an in-process store).
-    durable: bool = False
-    #: Opened only to inspect: the journal never writes through it.
-    readonly: bool = False
-    #: Starts of a manager on this store so far (1 = the first), stamped into every reply.
-    incarnation: int = 1
-    #: Where the state lives, for messages.
-    location: str = "memory"
-    #: What an operator can do about damaged state here, appended to refusals.
-    remedy: str = "the state is lost with it"
-    #: The newest snapshot's name, for messages (set by load_snapshot).
-    snapshot_where: str = "snapshot"
-
-    @abstractmethod
-    def load_snapshot(self) -> tuple[int, bytes | memoryview] | None:
-        """The newest snapshot as (journal position, encoded bytes), None if there is none.
-
-        StateError if a snapshot should exist but is missing or damaged (its integrity as a
-        file; the journal checks the contents)."""
-
-    @abstractmethod
-    def entries_after(self, seq: int) -> Iterator[Entry]:
-        """Every entry after position seq, in order (the journal checks digests and gaps)."""
-
-    @abstractmethod
-    def begin(self, seq: int) -> int:
-        """Recovery reached position seq: start a new incarnation (returned) and accept appends."""
-
-    @abstractmethod
-    def append(self, entry: Entry) -> None:
-        """Make one entry durable before returning. Any exception means it may not be (fail-stop)."""
-
-    @abstractmethod
-    def write_snapshot(self, seq: int, encoded: snap.Encoded) -> None:
-        """Store a snapshot at position seq, then drop the entries and older snapshots it covers."""
-
-    def check_position(self, seq: int) -> None:  # noqa: B027  (optional hook, default: no witness)
-        """StateError if the store knows that more than seq entries were acknowledged (a rollback)."""
-
-    @abstractmethod
-    def close(self, clean: bool, seq: int) -> None:
-        """Release the store; clean: the journal stopped normally at position seq."""
-
-
-class MemoryStore(JournalStore):
-    """Entries and the newest snapshot in this process's memory (``kvservice serve --state memory``).
-
-    Recovery from it (Journal.recover) works within the process: tests use it to restart a
-    journal, and the journal to rebuild its manager after an unexpected error.
-    """
-
-    def __init__(self) -> None:
-        self._entries: list[Entry] = []
-        self._snapshot: tuple[int, bytes] | None = None
-        self._lock = threading.Lock()
-        self.incarnation = 0
-
-    def load_snapshot(self) -> tuple[int, bytes] | None:
-        return self._snapshot
-
-    def entries_after(self, seq: int) -> Iterator[Entry]:
-        with self._lock:
-            entries = [e for e in self._entries if e.seq > seq]
-        return iter(entries)
-
-    def begin(self, seq: int) -> int:
-        self.incarnation += 1
-        return self.incarnation
-
-    def append(self, entry: Entry) -> None:
-        with self._lock:
-            self._entries.append(entry)
-
-    def write_snapshot(self, seq: int, encoded: snap.Encoded) -> None:
-        blob = b"".join(bytes(c) for c in encoded.chunks)
-        with self._lock:
-            self._snapshot = (seq, blob)
-            self._entries = [e for e in self._entries if e.seq > seq]
-
-    def close(self, clean: bool, seq: int) -> None:
-        pass
 
 
 # ---- idempotency ---------------------------------------------------------------------------------------

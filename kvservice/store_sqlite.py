@@ -45,8 +45,8 @@ from typing import Any
 
 from . import snapshot as snap
 from .errors import StateError
-from .journal import Entry, JournalStore
 from .sqlite_wal import check_wal, db_header
+from .stores import Entry, JournalStore
 
 log = logging.getLogger("kvservice.journal")
 
