@@ -1,4 +1,8 @@
-"""asyncio BlockManager client with the same calls, deadlines, retries, request ids and security as the sync one."""
+"""asyncio BlockManager client with the same calls, deadlines, retries, request ids, position check and security.
+
+Retries follow clients/client.py exactly (one request_id per logical call, backoff until the
+call's deadline, RETRIES_EXHAUSTED carrying the request_id, ManagerBehind); only the waits are awaited.
+"""
 
 from __future__ import annotations
 
@@ -14,18 +18,28 @@ from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1 import block_manager_pb2_grpc as pb_grpc
 
 from . import codec
-from .client import RETRY_CODES, RetryPolicy, TLSOptions, auth_metadata, channel_options, new_request_id
-from .codec import ClientError, StepResult
+from .client import (
+    RETRY_CODES,
+    CallBudget,
+    PositionTracker,
+    RetryPolicy,
+    TLSOptions,
+    auth_metadata,
+    channel_options,
+    new_request_id,
+)
+from .codec import StepResult
 
 
 class AsyncBlockManagerClient:
     """asyncio twin of BlockManagerClient (use inside a running event loop); same arguments."""
 
-    def __init__(self, target: str, timeout: float = 10.0, retries: int = 3, *, tls: TLSOptions | None = None,
-                 token: str | None = None, retry: RetryPolicy | None = None) -> None:
+    def __init__(self, target: str, timeout: float = 10.0, retries: int | None = None, *,
+                 tls: TLSOptions | None = None, token: str | None = None, retry: RetryPolicy | None = None) -> None:
         self.target = target
         self.timeout = timeout
-        self.retry = retry or RetryPolicy(attempts=1 + max(0, retries))
+        self.retry = retry or RetryPolicy(attempts=0 if retries is None else 1 + max(0, retries))
+        self.position = PositionTracker()
         self._metadata = auth_metadata(token)
         if tls is None:
             self._channel = grpc.aio.insecure_channel(target, options=channel_options())
@@ -45,17 +59,24 @@ class AsyncBlockManagerClient:
     async def close(self) -> None:
         await self._channel.close()
 
+    def reset_position(self) -> None:
+        """Forget the journal positions seen (after resynchronising with a manager that came back behind)."""
+        self.position = PositionTracker()
+
     async def _call(self, method: Any, request: Any, timeout: float | None) -> Any:
-        attempts = max(1, self.retry.attempts)
-        for attempt in range(attempts):
+        """One logical call: attempts under one request_id until it succeeds, fails for good, or the deadline passes."""
+        rid = getattr(request, "request_id", None) or None
+        name = type(request).__name__.removesuffix("Request")
+        budget = CallBudget(self.retry, timeout or self.timeout, name, rid, RETRY_CODES)
+        seen = self.position.seen()
+        while True:
             try:
-                return await method(request, timeout=timeout or self.timeout, metadata=self._metadata)
+                reply = await method(request, timeout=budget.attempt_timeout(), metadata=self._metadata)
             except grpc.aio.AioRpcError as exc:
-                if exc.code() in RETRY_CODES and attempt + 1 < attempts:
-                    await asyncio.sleep(self.retry.backoff(attempt))
-                    continue
-                raise ClientError.from_rpc(exc) from None
-        raise AssertionError("unreachable")
+                await asyncio.sleep(budget.pause_or_raise(exc))
+                continue
+            self.position.check(name, reply, seen, rid)
+            return reply
 
     async def plan(self, spec: CacheSpec, sizing: Sizing, backends: tuple[str, ...] = (),
                    timeout: float | None = None) -> pb.PlanReply:

@@ -1,15 +1,24 @@
-"""Synchronous BlockManager client: deadlines, retries with backoff, request ids, TLS and bearer tokens.
+"""Synchronous BlockManager client: deadlines, retries that ride through a manager restart, request ids.
 
-Every call has a deadline per attempt and is retried on UNAVAILABLE and DEADLINE_EXCEEDED
-(exponential backoff with jitter, bounded attempts). Mutating calls (Step, CreatePool,
-DeletePool) carry a request_id (uuid4 unless given) that stays the same across retries, so
-the manager applies each at most once and answers a retry with the original reply.
-RegisterWorker has no id: a retried registration just yields a newer epoch, which is safe.
+Exactly once: a mutating call (Step, CreatePool, DeletePool) gets one request_id (uuid4 unless
+given) that every retry of that call reuses, so the manager applies it at most once and answers
+a retry with the original reply. A call is retried on UNAVAILABLE and DEADLINE_EXCEEDED with
+exponential backoff and jitter until its overall deadline (RetryPolicy.deadline, 60 s by default:
+longer than a manager restart with recovery); each attempt also has its own deadline (`timeout`).
+When the deadline passes, the ClientError (reason RETRIES_EXHAUSTED) carries the request_id:
+calling again with it later is safe. RegisterWorker has no id: a retried registration just yields
+a newer epoch, which is safe.
+
+Position check: mutating replies and pool reads carry the manager's journal position
+(incarnation, seq). A reply whose seq is below one this client saw before it sent the call means
+the manager came back behind what it acknowledged (its state dir lost changes): the call raises
+ManagerBehind (DATA_LOSS) instead of returning state that contradicts earlier replies.
 """
 
 from __future__ import annotations
 
 import random
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -27,7 +36,7 @@ from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1 import block_manager_pb2_grpc as pb_grpc
 
 from . import codec
-from .codec import ClientError, StepResult
+from .codec import ClientError, StepResult, position_of
 
 T = TypeVar("T")
 RETRY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -67,17 +76,101 @@ class TLSOptions:
 
 @dataclass(frozen=True, slots=True)
 class RetryPolicy:
-    """attempts: tries in all (1 = never retry); backoff before try k+1 is uniform in [d/2, d] seconds,
-    d = min(max_backoff, initial_backoff * multiplier**k)."""
+    """How one logical call rides through UNAVAILABLE and DEADLINE_EXCEEDED.
 
-    attempts: int = 4
+    deadline: seconds the whole call may take, every attempt and backoff included; a manager
+        restart (recovery included) must fit in it.
+    attempts: most tries in all; 0 = as many as the deadline allows, 1 = never retry.
+    Backoff before try k+1 is uniform in [d/2, d] seconds, d = min(max_backoff, initial_backoff * multiplier**k).
+    """
+
+    deadline: float = 60.0
+    attempts: int = 0
     initial_backoff: float = 0.05
-    max_backoff: float = 2.0
+    max_backoff: float = 1.0
     multiplier: float = 2.0
 
     def backoff(self, attempt: int) -> float:
         d = min(self.max_backoff, self.initial_backoff * self.multiplier ** attempt)
         return random.uniform(d / 2, d)
+
+
+class CallBudget:
+    """Deadline and backoff bookkeeping of one logical call (shared by the sync and asyncio clients).
+
+    name: the RPC, for messages; request_id: its idempotency key (None for reads).
+    """
+
+    def __init__(self, policy: RetryPolicy, timeout: float, name: str, request_id: str | None,
+                 codes: tuple[grpc.StatusCode, ...]) -> None:
+        self.policy, self.timeout, self.name, self.request_id, self.codes = policy, timeout, name, request_id, codes
+        self.start = time.monotonic()
+        self.deadline = self.start + policy.deadline
+        self.tries = 0
+
+    def attempt_timeout(self) -> float:
+        """The deadline of the next attempt: `timeout`, cut to what is left of the call's deadline."""
+        self.tries += 1
+        return max(0.001, min(self.timeout, self.deadline - time.monotonic()))
+
+    def pause_or_raise(self, exc: grpc.RpcError) -> float:
+        """Seconds to wait before the next attempt; raises ClientError if the call must stop now."""
+        if exc.code() not in self.codes:
+            raise ClientError.from_rpc(exc, self.request_id) from None
+        pause = self.policy.backoff(self.tries - 1)
+        limit = self.policy.attempts
+        if (limit and self.tries >= limit) or time.monotonic() + pause >= self.deadline:
+            raise self.gave_up(exc) from None
+        return pause
+
+    def gave_up(self, exc: grpc.RpcError) -> ClientError:
+        err = ClientError.from_rpc(exc, self.request_id)
+        spent = time.monotonic() - self.start
+        again = (f"; it may or may not have been applied: call again with request_id={self.request_id!r} (safe: "
+                 "the manager answers a retry with the original reply)") if self.request_id else ""
+        return ClientError(err.code, f"{self.name} gave up after {self.tries} attempts in {spent:.1f} s (last: "
+                           f"{err.message}){again}", "RETRIES_EXHAUSTED",
+                           {**err.metadata, "attempts": str(self.tries), "last_reason": err.reason},
+                           self.request_id)
+
+
+class ManagerBehind(ClientError):
+    """A reply from a manager whose journal is behind what this client saw earlier (it lost acknowledged changes).
+
+    reply: the reply (its changes were applied by that manager); seen: the highest seq seen before the call.
+    """
+
+    def __init__(self, name: str, seen: int, got: tuple[int, int], reply: Any, request_id: str | None) -> None:
+        super().__init__(grpc.StatusCode.DATA_LOSS,
+                         f"{name}: the manager answered at journal position {got[1]} (incarnation {got[0]}) but this "
+                         f"client already saw position {seen}: the manager came back behind what it acknowledged "
+                         "(its state dir lost changes). Do not trust its state; resynchronise the scheduler, then "
+                         "call reset_position()", "MANAGER_BEHIND",
+                         {"seen_seq": str(seen), "seq": str(got[1]), "incarnation": str(got[0])}, request_id)
+        self.reply = reply
+
+
+class PositionTracker:
+    """The highest journal position a client has seen (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.seq = 0
+        self.incarnation = 0
+
+    def seen(self) -> int:
+        return self.seq
+
+    def check(self, name: str, reply: Any, seen_before: int, request_id: str | None) -> None:
+        """Record a reply's position; ManagerBehind if it is below what was seen before the call was sent."""
+        pos = position_of(reply)
+        if pos is None:
+            return
+        if pos[1] < seen_before:
+            raise ManagerBehind(name, seen_before, pos, reply, request_id)
+        with self._lock:
+            if pos[1] >= self.seq:
+                self.incarnation, self.seq = pos
 
 
 def new_request_id() -> str:
@@ -121,17 +214,19 @@ class EventStream:
 class BlockManagerClient:
     """Talks to one manager.
 
-    timeout: deadline of each attempt, seconds. retries: extra attempts after UNAVAILABLE or
-    DEADLINE_EXCEEDED (ignored if `retry` is given). tls: TLS / mutual TLS (None = plaintext).
-    token: bearer token for a manager started with --tokens-file.
+    timeout: deadline of each attempt, seconds. retry: how a call rides through failures (default:
+    retried until 60 s have passed). retries: a cap on extra attempts instead (0 = never retry; ignored
+    if `retry` is given). tls: TLS / mutual TLS (None = plaintext). token: bearer token for a manager
+    started with --tokens-file. position: the highest journal position seen (see the module docstring).
     """
 
-    def __init__(self, target: str, timeout: float = 10.0, retries: int = 3, channel: grpc.Channel | None = None,
-                 *, tls: TLSOptions | None = None, token: str | None = None,
+    def __init__(self, target: str, timeout: float = 10.0, retries: int | None = None,
+                 channel: grpc.Channel | None = None, *, tls: TLSOptions | None = None, token: str | None = None,
                  retry: RetryPolicy | None = None) -> None:
         self.target = target
         self.timeout = timeout
-        self.retry = retry or RetryPolicy(attempts=1 + max(0, retries))
+        self.retry = retry or RetryPolicy(attempts=0 if retries is None else 1 + max(0, retries))
+        self.position = PositionTracker()
         self._metadata = auth_metadata(token)
         self._channel = channel or make_channel(target, tls)
         self._stub = pb_grpc.BlockManagerStub(self._channel)
@@ -156,18 +251,25 @@ class BlockManagerClient:
             raise ClientError(grpc.StatusCode.UNAVAILABLE, f"no manager answered at {self.target} "
                               f"within {timeout:.0f} s") from None
 
+    def reset_position(self) -> None:
+        """Forget the journal positions seen (after resynchronising with a manager that came back behind)."""
+        self.position = PositionTracker()
+
     def _call(self, method: Callable[..., T], request: Any, timeout: float | None,
               codes: tuple[grpc.StatusCode, ...] = RETRY_CODES) -> T:
-        attempts = max(1, self.retry.attempts)
-        for attempt in range(attempts):
+        """One logical call: attempts under one request_id until it succeeds, fails for good, or the deadline passes."""
+        rid = getattr(request, "request_id", None) or None
+        name = type(request).__name__.removesuffix("Request")
+        budget = CallBudget(self.retry, timeout or self.timeout, name, rid, codes)
+        seen = self.position.seen()
+        while True:
             try:
-                return method(request, timeout=timeout or self.timeout, metadata=self._metadata)
+                reply = method(request, timeout=budget.attempt_timeout(), metadata=self._metadata)
             except grpc.RpcError as exc:
-                if exc.code() in codes and attempt + 1 < attempts:
-                    time.sleep(self.retry.backoff(attempt))
-                    continue
-                raise ClientError.from_rpc(exc) from None
-        raise AssertionError("unreachable")
+                time.sleep(budget.pause_or_raise(exc))
+                continue
+            self.position.check(name, reply, seen, rid)
+            return reply
 
     # ---- read-only ----------------------------------------------------------------------
     def plan(self, spec: CacheSpec, sizing: Sizing, backends: tuple[str, ...] = (),
@@ -217,7 +319,7 @@ class BlockManagerClient:
     def create_pool(self, name: str, spec: CacheSpec, sizing: Sizing, backends: tuple[str, ...] = (),
                     timeout: float | None = None, request_id: str | None = None, **extra: Any) -> pb.PoolInfo:
         req = codec.create_pool_request(name, spec, sizing, backends, **extra)
-        req.request_id = request_id or new_request_id()
+        req.request_id = request_id or new_request_id()          # one id for every attempt of this call
         return self._call(self._stub.CreatePool, req, timeout)
 
     def delete_pool(self, pool: str, force: bool = False, timeout: float | None = None,
@@ -230,7 +332,9 @@ class BlockManagerClient:
              timeout: float | None = None, request_id: str | None = None, **extra: Any) -> StepResult:
         """One scheduler iteration (see BlockManager.Step). ids: uint64 [n]; token counts int64 [n] or a scalar.
 
-        request_id: idempotency key (default: a fresh uuid4); extra: further codec.step_request fields.
+        request_id: idempotency key (default: a fresh uuid4, reused by every retry of this call; pass the
+            request_id of a ClientError that gave up to learn whether that call was applied).
+        extra: further codec.step_request fields.
         Returns the batch (extended, then admitted) with slot mappings and page tables per index space.
         """
         req = codec.step_request(pool, free, extend, extend_tokens, admit, admit_tokens, tables, block_table,

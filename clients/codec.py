@@ -17,24 +17,41 @@ from kvservice.wire import field_array, from_tensor, to_tensor
 
 
 class ClientError(Exception):
-    """A failed call: gRPC code, the server's message, and its ErrorInfo reason/metadata."""
+    """A failed call: gRPC code, the server's message, and its ErrorInfo reason/metadata.
 
-    def __init__(self, code: grpc.StatusCode, message: str, reason: str = "", metadata: dict | None = None) -> None:
+    request_id: the idempotency key of a mutating call (None for reads). After a call gave up
+    (reason RETRIES_EXHAUSTED) the request may or may not have been applied: calling again with
+    the same request_id is safe and returns the original reply if it was.
+    """
+
+    def __init__(self, code: grpc.StatusCode, message: str, reason: str = "", metadata: dict | None = None,
+                 request_id: str | None = None) -> None:
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
         self.reason = reason
         self.metadata = dict(metadata or {})
+        self.request_id = request_id
+        if request_id:
+            self.metadata.setdefault("request_id", request_id)
 
     @classmethod
-    def from_rpc(cls, exc: grpc.RpcError) -> ClientError:
+    def from_rpc(cls, exc: grpc.RpcError, request_id: str | None = None) -> ClientError:
         info = None
         try:
             info = error_info(exc)
         except Exception:  # a status without parsable details
             info = None
         return cls(exc.code(), exc.details() or "", info.reason if info else "",
-                   dict(info.metadata) if info else {})
+                   dict(info.metadata) if info else {}, request_id)
+
+
+def position_of(reply: object) -> tuple[int, int] | None:
+    """(incarnation, seq) of the journal position a reply carries, None if it has none."""
+    if "position" not in reply.DESCRIPTOR.fields_by_name or not reply.HasField("position"):  # type: ignore[attr-defined]
+        return None
+    pos = reply.position                                                                      # type: ignore[attr-defined]
+    return int(pos.incarnation), int(pos.seq)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +80,7 @@ class StepResult:
     num_free_slots: int
     cached_tokens: np.ndarray | None = None         # int64 [A]: tokens of each admission already cached
     copies: dict[int, np.ndarray] | None = None     # group -> int64 [n, 2] (src_slot, dst_slot), run first
+    position: tuple[int, int] | None = None         # (incarnation, seq): the manager's journal position
 
     def for_layer(self, layer: int) -> SpaceTables:
         """The tables a kernel of `layer` must use (never another space's)."""
@@ -140,7 +158,7 @@ def parse_step(reply: pb.StepReply) -> StepResult:
     return StepResult(from_tensor(reply.seq_ids, "seq_ids"), from_tensor(reply.num_tokens, "num_tokens"),
                       from_tensor(reply.new_token_indptr, "new_token_indptr"), tables,
                       tuple(reply.layer_index_space), reply.num_free_slots,
-                      field_array(reply, "admit_cached_tokens"), copies)
+                      field_array(reply, "admit_cached_tokens"), copies, position_of(reply))
 
 
 def validate_request(pool: str, layer: int, table: PageTable, max_reports: int = 100) -> pb.ValidatePageTableRequest:

@@ -94,13 +94,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvservice", description="Paged KV-cache block manager.")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
-    c = sub.add_parser("check-state", help="recover a state dir read-only and check every invariant")
+    c = sub.add_parser("check-state", help="recover a state dir read-only, check all of it, say what is wrong")
     c.add_argument("state_dir")
+    c.add_argument("--repair", action="store_true",
+                   help="accept the state dir as it is on disk (rewrite its MANIFEST) when every content check "
+                        "passes; for a damaged or lost MANIFEST or write-ahead log you chose to give up on")
     c.add_argument("--log-level", default="WARNING")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "check-state":
-        return check_state(args.state_dir)
+        return check_state(args.state_dir, args.repair)
     return run_serve(parser, args)
 
 
@@ -157,18 +160,30 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return 0
 
 
-def check_state(state_dir: str) -> int:
-    """Recover state_dir without writing it, check DESIGN.md's invariants on every pool, print a summary."""
+def check_state(state_dir: str, repair: bool = False) -> int:
+    """Recover state_dir without writing it (unless repair) and report; exit 0 sound, 1 invariants broken, 2 unusable.
+
+    Every check recovery makes is made (see kvservice/store_sqlite.py): a problem is printed with
+    what to do, exactly as `kvservice serve` would refuse to start with it.
+    """
     from .invariants import assert_invariants
     try:
-        journal = Journal.open(state_dir, readonly=True)
+        journal = Journal.open(state_dir, repair=repair) if repair else Journal.open(state_dir, readonly=True)
     except KVError as err:
-        print(f"kvservice: {err.message}", file=sys.stderr)
-        return 2
+        problems = getattr(err, "problems", [err.message])
+        print(f"kvservice: NOT USABLE ({err.reason}): {err.message}", file=sys.stderr)
+        for p in problems[1:]:
+            print(f"  also: {p}", file=sys.stderr)
+        return 1 if err.reason == "STATE_INVARIANTS" else 2
     bad = 0
     try:
-        print(f"{state_dir}: journal position {journal.seq}, snapshot at {journal.snapshot_seq}, "
-              f"{len(journal.window.ids)} request ids remembered")
+        store = journal.store
+        m = getattr(store, "manifest", None) or {}
+        print(f"{state_dir}: journal position {journal.seq}, snapshot at {journal.snapshot_seq}, incarnation "
+              f"{journal.incarnation}, {len(journal.window.ids)} request ids remembered; MANIFEST: "
+              f"{'running' if m.get('running') else 'stopped cleanly'}, at least {m.get('last_seq', '?')} acknowledged")
+        for note in getattr(store, "notes", []):
+            print(f"note: {note}")
         for name in journal.manager.pool_names():
             with journal.manager.locked(name) as pool:
                 try:
@@ -182,7 +197,10 @@ def check_state(state_dir: str) -> int:
         for w in journal.manager.workers.workers():
             print(f"worker {w.worker_id}: pool {w.pool}, epoch {w.epoch}, {'alive' if w.alive else 'dead'}")
     finally:
-        journal.close(snapshot=False)
+        journal.close(snapshot=repair)
+    if repair:
+        print(f"repaired: the MANIFEST now records position {journal.seq}; the state dir can be served")
+    print("state ok" if not bad else f"state BROKEN: {bad} pool(s) break invariants")
     return 1 if bad else 0
 
 

@@ -18,13 +18,18 @@ from .geometry import IndexSpace
 from .pagetable import PageTable
 from .rowslots import RowSlots
 
+#: slot_mapping value of a token a layer group does not hold: kernels write nothing for it.
+SKIP_SLOT = -1
+
 
 @dataclass(frozen=True, slots=True)
 class SpaceTables:
     """What the kernels of one index space need for a step.
 
     slot_mapping: shape [num_new_tokens], int64; page_index * page_size + offset_in_page
-        for each new token, rows in batch order.
+        for each new token, rows in batch order; -1 (SKIP_SLOT: write nothing, as vLLM's padding
+        slot) for a token whose page this space's layer group does not hold: the tokens of a
+        prefix hit that lie wholly before a sliding window.
     table: CSR page table of the batch (None if tables were omitted).
     block_table: shape [B, max_pages], index dtype of the space, padded with -1 (None unless asked).
     """
@@ -67,8 +72,16 @@ def emit_tables(spaces: tuple[IndexSpace, ...], page_size: int, slot_tables: lis
         if g not in gathered:
             rs = slot_tables[g]
             first = firsts[g][rows] if sliding[g] else None
-            tok_slots = rs.arena.take(rs.flat(tok_rows, page_of_tok)).astype(np.int64) if t else \
-                np.zeros(0, dtype=np.int64)
+            if not t:
+                tok_slots = np.zeros(0, dtype=np.int64)
+            elif first is not None:
+                # A prefix hit's tokens before the window sit in pages this group never held.
+                held_tok = page_of_tok >= firsts[g][tok_rows]
+                tok_slots = np.full(t, SKIP_SLOT, dtype=np.int64)
+                at = np.flatnonzero(held_tok)
+                tok_slots[at] = rs.arena.take(rs.flat(tok_rows[at], page_of_tok[at]))
+            else:
+                tok_slots = rs.arena.take(rs.flat(tok_rows, page_of_tok)).astype(np.int64)
             indptr = idx = sub = None
             if tables:
                 lo = first if first is not None else np.zeros(b, dtype=np.int64)
@@ -88,6 +101,8 @@ def emit_tables(spaces: tuple[IndexSpace, ...], page_size: int, slot_tables: lis
             mapping = tok_slots * ps + off_in_page
         else:
             mapping = (tok_slots * space.scale + (space.base + space.offset)) * ps + off_in_page
+        if sliding[g] and t:
+            mapping[tok_slots == SKIP_SLOT] = SKIP_SLOT
         table = PageTable(indptr.astype(space.index_dtype), space.page_indices(idx), last) if tables else None
         bt = None
         if block_table:

@@ -49,3 +49,24 @@ class AlreadyExists(KVError):
     """Pool or sequence id already taken."""
 
     reason = "ALREADY_EXISTS"
+
+
+class StateError(KVError):
+    """A state dir (or snapshot) that cannot be served: busy, damaged, missing parts, or from another format.
+
+    The message says what is wrong and what to do; ``problems`` lists every finding of a check.
+    """
+
+    reason = "STATE_ERROR"
+
+    def __init__(self, message: str, reason: str | None = None, problems: list[str] | None = None,
+                 **metadata: object) -> None:
+        super().__init__(message, reason, **metadata)
+        self.problems = list(problems or [message])
+
+
+class JournalUnavailable(Exception):
+    """The journal can no longer make changes durable: the call is refused UNAVAILABLE (fail-stop).
+
+    Not a KVError: it says nothing about the request, only that this manager must restart.
+    """

@@ -1,59 +1,62 @@
-"""Durable manager state: an SQLite journal (WAL) of acknowledged mutating RPCs, snapshots, idempotent retries.
+"""The journal: mutating RPCs applied once, in order, made durable by a store before their reply.
 
-A state dir holds ``state.db`` (SQLite, WAL mode) and ``lock`` (flock of the serving process).
+:class:`Journal` is what the servicer calls. It serialises mutating requests (one lock), answers a
+retried request_id with the original reply (:class:`IdempotencyWindow`), applies a new request to
+the in-memory manager and appends it to a :class:`JournalStore` before the reply leaves, and
+stamps every reply with the journal position (incarnation, seq) so a client can tell when a
+manager came back behind what it saw. Reads of pool state wait only for an uncommitted change of
+the pool they read (:class:`_Gate`), never for other pools or for a snapshot.
 
-Write path (:meth:`Journal.execute`, one lock around it): a request_id seen before returns the
-original reply; otherwise the request is applied to the in-memory manager and its serialized
-form is INSERTed (one statement = one transaction) before the reply leaves. Failed requests
-(domain errors) change nothing and are not journaled. If the write fails, or a mutating call
-fails unexpectedly (so the memory may differ from the disk), the journal fails stop: every
-later call is refused UNAVAILABLE and ``on_fail`` tells the server to exit.
+Refusals and failures: a domain error (any ``kvservice.errors`` class, including a request that
+cannot be decoded) changed nothing, is not journaled and the manager keeps serving. A store that
+cannot append fails the journal stop (every later call UNAVAILABLE, ``on_fail`` tells the server to
+exit): memory would otherwise run ahead of the disk. An unexpected exception inside a change (a bug)
+leaves memory possibly different from the journal, so the manager is rebuilt from the store (its
+snapshot and entries: exactly what was acknowledged) and keeps serving; only if that fails does it stop.
 
-Recovery: load the newest snapshot (pickled pools, worker records, recent request ids and
-replies), then replay every later entry through a fresh ManagerAPI. The domain is
-deterministic, so replay rebuilds the same slots and regenerates the same replies. Every
-``compact_every`` entries the journal writes a snapshot and drops the entries it covers, so
-recovery replays at most that many. See docs/DURABILITY.md.
+Stores (kvservice/stores.py: the interface a backend implements): ``MemoryStore`` (``--state memory``:
+in-process, lost with the process) and ``store_sqlite.SqliteStore`` (``--state-dir``). Recovery is the same for
+both: decode and check the newest snapshot (kvservice/snapshot.py), replay every later entry after
+verifying its checksum and that none is missing, then check every pool's invariants and the store's
+witness of the last acknowledged position. Snapshots are captured under the lock (copies of the
+arrays: the pause) and encoded and written outside it. See docs/DURABILITY.md.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import hashlib
 import logging
-import os
-import pickle
-import sqlite3
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 
-from .api import ManagerAPI
-from .errors import AlreadyExists, InvalidArgument, KVError
+from . import snapshot as snap
+from .api import STEP_ARRAYS, ManagerAPI
+from .errors import AlreadyExists, InvalidArgument, JournalUnavailable, KVError, StateError
 from .geometry import CacheSpec
 from .manager import BlockManager
-from .planner import Sizing, plan
-from .pool import Pool
-from .servicer import JournalUnavailable
+from .planner import Sizing
+from .pool import PoolState
+from .stores import Entry, JournalStore, MemoryStore, entry_digest
 from .v1 import block_manager_pb2 as pb
+from .wire import field_array
 
 log = logging.getLogger("kvservice.journal")
 
-FORMAT = 1
-DB_NAME = "state.db"
 REQUESTS: dict[str, type[Message]] = {"CreatePool": pb.CreatePoolRequest, "DeletePool": pb.DeletePoolRequest,
                                       "Step": pb.StepRequest, "RegisterWorker": pb.RegisterWorkerRequest}
 REPLIES: dict[str, type[Message]] = {"CreatePool": pb.PoolInfo, "DeletePool": pb.DeletePoolReply,
                                      "Step": pb.StepReply, "RegisterWorker": pb.RegisterWorkerReply}
+METHODS = list(REQUESTS)
 SYNC_MODES = ("full", "normal")
+_TARGET = {"Step": "pool", "DeletePool": "pool", "CreatePool": "name"}     # the pool a mutation changes
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +71,7 @@ class JournalConfig:
     id_window_seconds: ... and for at most this long, seconds.
     reply_cache_bytes: serialized bytes of replies kept for retries (most recent first kept).
     snapshot_replies: replies written into each snapshot (the most recent ones).
+    background_snapshots: encode and write compaction snapshots on a thread (False: inline, tests).
     """
 
     sync: str = "full"
@@ -77,6 +81,7 @@ class JournalConfig:
     id_window_seconds: float = 600.0
     reply_cache_bytes: int = 64 << 20
     snapshot_replies: int = 256
+    background_snapshots: bool = True
 
     def __post_init__(self) -> None:
         if self.sync not in SYNC_MODES:
@@ -85,17 +90,12 @@ class JournalConfig:
             raise InvalidArgument("compact_every and id_window must be >= 1")
 
 
-class StateError(KVError):
-    """A state dir that cannot be used (busy, corrupt, written by an incompatible version)."""
-
-    reason = "STATE_ERROR"
-
-
 def digest(data: bytes) -> bytes:
     """16-byte fingerprint of a serialized request (a reused request_id must carry the same request)."""
-    return hashlib.blake2b(data, digest_size=16).digest()
+    return snap.digest16(data)
 
 
+# ---- idempotency ---------------------------------------------------------------------------------------
 class IdempotencyWindow:
     """request_id -> (method, digest, journal seq, wall time) for the last N ids / T seconds, and recent replies.
 
@@ -128,12 +128,13 @@ class IdempotencyWindow:
         self.hits += 1
         return stored[0]
 
-    def remember(self, rid: str, method: str, fingerprint: bytes, seq: int, at: float, reply: Message) -> None:
+    def remember(self, rid: str, method: str, fingerprint: bytes, seq: int, at: float, reply: Message | None) -> None:
         """Record an applied request (at: wall-clock seconds) and keep its reply while the byte budget allows."""
         self.ids[rid] = (method, fingerprint, seq, at)
-        size = reply.ByteSize()
-        self.replies[rid] = (reply, size)
-        self.reply_bytes += size
+        if reply is not None:
+            size = reply.ByteSize()
+            self.replies[rid] = (reply, size)
+            self.reply_bytes += size
         self.evict(at)
 
     def evict(self, now: float) -> None:
@@ -150,128 +151,80 @@ class IdempotencyWindow:
         if stored is not None:
             self.reply_bytes -= stored[1]
 
-    def export(self) -> dict[str, Any]:
-        """Picklable state: every id, and the serialized replies of the most recent `snapshot_replies`."""
+    def capture(self) -> tuple[list[tuple[str, str, bytes, int, float]], list[tuple[str, str, Message]]]:
+        """Every id and the most recent `snapshot_replies` replies (cheap: the journal lock is held)."""
+        ids = [(rid, m, d, s, t) for rid, (m, d, s, t) in self.ids.items()]
         recent = list(self.replies.items())[-self.config.snapshot_replies:]
-        return {"ids": list(self.ids.items()),
-                "replies": [(rid, self.ids[rid][0], msg.SerializeToString()) for rid, (msg, _) in recent]}
+        return ids, [(rid, self.ids[rid][0], msg) for rid, (msg, _) in recent]
 
-    def load(self, state: dict[str, Any]) -> None:
-        self.ids = OrderedDict(state["ids"])
-        for rid, method, data in state["replies"]:
-            msg = REPLIES[method].FromString(data)
+    def load(self, state: snap.WindowState) -> None:
+        self.ids = OrderedDict((rid, (m, d, s, t)) for rid, m, d, s, t in state.ids)
+        for rid, method, data in state.replies:
+            try:
+                msg = REPLIES[method].FromString(data)
+            except (KeyError, DecodeError) as err:
+                raise StateError(f"snapshot: stored reply of {rid!r} cannot be read ({err})") from None
             self.replies[rid] = (msg, len(data))
             self.reply_bytes += len(data)
 
 
-class SqliteStore:
-    """The tables of a state dir: entries (the journal tail), snapshots, meta. Not thread-safe (Journal locks)."""
+# ---- which pool an uncommitted change touches ------------------------------------------------------------
+class _Gate:
+    """Readers of a pool wait while a change of that pool is applied but not yet committed.
 
-    def __init__(self, state_dir: Path, sync: str = "full", readonly: bool = False) -> None:
-        self.path = state_dir / DB_NAME
-        self.readonly = readonly
-        if readonly:
-            if not self.path.exists():
-                raise StateError(f"{state_dir}: no kvservice state here ({DB_NAME} is missing)")
-            self.db = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, isolation_level=None,
-                                      check_same_thread=False)
-        else:
-            self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-            mode = self.db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-            if mode.lower() != "wal":
-                raise StateError(f"{self.path}: cannot switch SQLite to WAL mode (got {mode})")
-            self.db.execute(f"PRAGMA synchronous={sync.upper()}")
-            self.db.executescript("""
-                CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
-                CREATE TABLE IF NOT EXISTS entries(seq INTEGER PRIMARY KEY, method TEXT NOT NULL,
-                                                   request BLOB NOT NULL, created REAL NOT NULL);
-                CREATE TABLE IF NOT EXISTS snapshots(seq INTEGER PRIMARY KEY, state BLOB NOT NULL,
-                                                     created REAL NOT NULL);
-            """)
-            self.db.execute("INSERT OR IGNORE INTO meta VALUES ('format', ?)", (str(FORMAT),))
-        row = self.db.execute("SELECT value FROM meta WHERE key = 'format'").fetchone()
-        if row is None or int(row[0]) != FORMAT:
-            raise StateError(f"{self.path}: state format {row[0] if row else '?'} is not {FORMAT}")
-
-    def last_snapshot(self) -> tuple[int, bytes] | None:
-        row = self.db.execute("SELECT seq, state FROM snapshots ORDER BY seq DESC LIMIT 1").fetchone()
-        return (int(row[0]), bytes(row[1])) if row else None
-
-    def entries_after(self, seq: int) -> Iterator[tuple[int, str, bytes, float]]:
-        for s, method, data, created in self.db.execute(
-                "SELECT seq, method, request, created FROM entries WHERE seq > ? ORDER BY seq", (seq,)):
-            yield int(s), method, bytes(data), float(created)
-
-    def append(self, seq: int, method: str, data: bytes, at: float) -> None:
-        """One entry, committed (autocommit: the INSERT is its own transaction)."""
-        self.db.execute("INSERT INTO entries VALUES (?, ?, ?, ?)", (seq, method, data, at))
-
-    def write_snapshot(self, seq: int, state: bytes, at: float) -> None:
-        """Store a snapshot at journal position seq and drop the entries and snapshots it covers, atomically."""
-        self.db.execute("BEGIN IMMEDIATE")
-        try:
-            self.db.execute("INSERT OR REPLACE INTO snapshots VALUES (?, ?, ?)", (seq, state, at))
-            self.db.execute("DELETE FROM entries WHERE seq <= ?", (seq,))
-            self.db.execute("DELETE FROM snapshots WHERE seq < ?", (seq,))
-            self.db.execute("COMMIT")
-        except BaseException:
-            with contextlib.suppress(sqlite3.Error):
-                self.db.execute("ROLLBACK")
-            raise
-
-    def close(self) -> None:
-        self.db.close()
-
-
-def _lock_dir(state_dir: Path) -> int:
-    """flock DIR/lock for this process; StateError naming the holder if another process has it."""
-    fd = os.open(state_dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.read(fd, 64).decode(errors="replace").strip() or "?"
-        os.close(fd)
-        raise StateError(f"state dir {state_dir} is in use by another kvservice (pid {holder})") from None
-    os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()}\n".encode())
-    return fd
-
-
-def _pool_fields() -> frozenset[str]:
-    """Attribute names of a Pool of this code version (a snapshot from another layout is refused)."""
-    probe = Pool("probe", plan(CacheSpec.uniform(1, 1, 64), Sizing(num_slots=1)))
-    return frozenset(vars(probe))
-
-
-def dump_manager(manager: BlockManager) -> dict[str, Any]:
-    """Pools (each pickled under its lock) and worker records; the caller holds the journal lock."""
-    pools: dict[str, bytes] = {}
-    for name in manager.pool_names():
-        with manager.locked(name) as pool:
-            pools[name] = pickle.dumps(pool, protocol=pickle.HIGHEST_PROTOCOL)
-    return {"pools": pools, "workers": manager.workers.workers()}
-
-
-def load_manager(manager: BlockManager, state: dict[str, Any]) -> None:
-    """Install pools and worker records of a snapshot into an empty manager.
-
-    Recovered workers keep their epoch and alive flag and get a fresh lease start (now),
-    so a live worker's next heartbeat succeeds; one that died meanwhile lapses one lease later.
+    Writers (serialised by the journal lock) claim a pool, then wait for its readers to finish;
+    readers of other pools never wait. A read of every pool ("") waits for any claimed pool.
     """
-    fields = _pool_fields()
-    for name, blob in state["pools"].items():
-        pool = pickle.loads(blob)
-        if frozenset(vars(pool)) != fields:
-            raise StateError(f"snapshot pool {name!r} was written by a kvservice with another Pool layout "
-                             f"(differs in {sorted(frozenset(vars(pool)) ^ fields)}); see docs/DURABILITY.md")
-        # BlockManager and WorkerRegistry have no public restore hook yet: install directly.
-        manager._pools[name] = pool
-        manager._locks[name] = threading.Lock()
-    reg = manager.workers
-    now = reg._clock()
-    with reg._lock:
-        for rec in state["workers"]:
-            reg._workers[rec.worker_id] = replace(rec, last_heartbeat=now)
+
+    ALL = "\0all"
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition(threading.Lock())
+        self._busy: str | None = None
+        self._readers: Counter[str] = Counter()
+
+    @contextmanager
+    def writing(self, pool: str | None) -> Iterator[None]:
+        if pool is None:
+            yield
+            return
+        with self._cv:
+            self._busy = pool
+            self._cv.wait_for(lambda: not self._readers[pool] and not self._readers[self.ALL])
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._busy = None
+                self._cv.notify_all()
+
+    @contextmanager
+    def reading(self, pool: str) -> Iterator[None]:
+        key = pool or self.ALL
+        with self._cv:
+            self._cv.wait_for(lambda: self._busy is None or (key != self.ALL and self._busy != key))
+            self._readers[key] += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._readers[key] -= 1
+                if not self._readers[key]:
+                    self._cv.notify_all()
+
+
+@dataclass(slots=True)
+class _Capture:
+    """What a snapshot holds, copied under the journal lock (encoded and written outside it)."""
+
+    seq: int
+    appended: int
+    pools: dict[str, Any]          # name -> PoolState (a pool unchanged since the last snapshot) or its finisher
+    dirty: set[str]                # pools exported anew (the rest reuse the last snapshot's arrays)
+    workers: list
+    window_ids: list
+    window_replies: list
+    pause: float
 
 
 class _Quiet(logging.Filter):
@@ -279,135 +232,232 @@ class _Quiet(logging.Filter):
         return record.levelno >= logging.WARNING
 
 
+# ---- the journal ----------------------------------------------------------------------------------------
 class Journal:
-    """Serialises mutating RPCs, makes them durable (with a store) and idempotent by request_id.
+    """Serialises mutating RPCs, makes them durable through a store and idempotent by request_id.
 
-    store None = memory only: idempotent retries, no durability (``kvservice serve --state memory``).
-    Counters (read by metrics): commits, snapshots, window.hits (retries answered from the window).
+    store None = a fresh MemoryStore (``kvservice serve --state memory``).
+    Counters (read by metrics and benchmarks): commits, snapshots, window.hits, resyncs,
+    snapshot_pause_seconds / snapshot_pause_max_seconds (journal lock held to capture a snapshot),
+    snapshot_seconds and snapshot_bytes (the last snapshot's encode + write, outside the lock).
     """
 
-    def __init__(self, manager: BlockManager, store: SqliteStore | None = None,
+    def __init__(self, manager: BlockManager, store: JournalStore | None = None,
                  config: JournalConfig | None = None) -> None:
         self.manager = manager
         self.api = ManagerAPI(manager)
-        self.store = store
+        self.store: JournalStore = store if store is not None else MemoryStore()
         self.config = config or JournalConfig()
         self.window = IdempotencyWindow(self.config)
         self.seq = 0                    # journal position of the last applied entry
         self.snapshot_seq = 0           # position covered by the newest snapshot
-        self.tail_bytes = 0
+        self.incarnation = self.store.begin(0) if store is None else self.store.incarnation
+        self.recovery_seconds = 0.0
+        self._appended = 0              # request bytes appended (all time) ...
+        self._snap_appended = 0         # ... and when the newest snapshot was captured
         self._compact_at = self.config.compact_every
         self.commits = 0
         self.snapshots = 0
+        self.resyncs = 0
+        self.snapshot_pause_seconds = 0.0
+        self.snapshot_pause_max_seconds = 0.0
+        self.snapshot_seconds = 0.0
+        self.snapshot_bytes = 0
         self.failed: str | None = None
         self.on_fail: Callable[[str], None] | None = None
         self.observe_commit: Callable[[float], None] | None = None
         self._lock = threading.Lock()
-        self._dir_fd: int | None = None
-        self.state_dir: Path | None = None
+        self._gate = _Gate()
+        self._writer_done = threading.Event()        # clear while a captured snapshot is being written
+        self._writer_done.set()
+        # Pools unchanged since the last snapshot reuse its arrays: an idle pool costs no pause.
+        self._states: dict[str, Any] = {}           # name -> PoolState of the newest snapshot
+        self._dirty: set[str] = set()                # pools changed by an entry since it was captured
+        self.state_dir: Path | None = getattr(self.store, "state_dir", None)
+        if store is None and manager.pool_names():        # a manager filled outside the journal: keep a baseline
+            with self._lock:
+                cap = self._capture_locked(force=True)
+            if cap is not None:
+                self._write_capture(cap)
 
     # ---- opening and recovery --------------------------------------------------------------
     @classmethod
     def open(cls, state_dir: str | Path, lease_seconds: float = 10.0, config: JournalConfig | None = None,
-             readonly: bool = False) -> Journal:
+             readonly: bool = False, repair: bool = False) -> Journal:
         """Recover the manager kept in state_dir (created if missing, unless readonly) and journal into it.
 
-        readonly: inspect a state dir (e.g. of a crashed or running manager) without locking or writing it.
-        Raises StateError if the dir is busy, corrupt or from an incompatible version.
+        readonly: inspect a state dir (of a stopped, crashed or running manager) without writing it.
+        repair: accept the state dir as it is on disk (rewrite its MANIFEST) when only the MANIFEST or its
+            witness disagrees; every content check still applies (``kvservice check-state DIR --repair``).
+        Raises StateError if the dir is busy, damaged, incomplete or from an incompatible version.
         """
+        from .store_sqlite import SqliteStore
         config = config or JournalConfig()
-        path = Path(state_dir)
-        fd = None
-        if not readonly:
-            path.mkdir(parents=True, exist_ok=True)
-            fd = _lock_dir(path)
-        try:
-            store = SqliteStore(path, config.sync, readonly)
-        except (sqlite3.Error, StateError) as err:
-            if fd is not None:
-                os.close(fd)
-            raise StateError(f"{path}: cannot open the state database: {err}") from None
+        return cls.recover(SqliteStore.open(Path(state_dir), config.sync, readonly, repair), lease_seconds, config)
+
+    @classmethod
+    def recover(cls, store: JournalStore, lease_seconds: float = 10.0,
+                config: JournalConfig | None = None) -> Journal:
+        """A journal over `store` whose manager holds exactly the state the store acknowledged."""
         journal = cls(BlockManager(lease_seconds), store, config)
-        journal._dir_fd, journal.state_dir = fd, path
         try:
-            journal._recover()
+            t0 = time.perf_counter()
+            replayed = journal._load(journal.manager, journal.window)
+            # Pools rebuilt from the snapshot were checked as they were loaded; check the ones replay changed.
+            problems = snap.verify_pools(journal._pools(journal.manager), journal._dirty)
+            if problems:
+                raise StateError(f"{store.location}: recovered state breaks invariants: {'; '.join(problems[:4])}",
+                                 reason="STATE_INVARIANTS", problems=problems)
+            store.check_position(journal.seq)
+            if not store.readonly:
+                journal.incarnation = store.begin(journal.seq)
+            journal._compact_at = journal.seq + journal.config.compact_every
+            journal.recovery_seconds = time.perf_counter() - t0
+            log.info("recovered %s: snapshot at %d, %d entries replayed in %.3f s, incarnation %d, pools: %s",
+                     store.location, journal.snapshot_seq, replayed, journal.recovery_seconds, journal.incarnation,
+                     ", ".join(journal.manager.pool_names()) or "none")
         except BaseException:
-            journal.close(snapshot=False)
+            store.close(clean=False, seq=journal.seq)
             raise
         return journal
 
-    def _recover(self) -> None:
-        assert self.store is not None
-        t0 = time.perf_counter()
-        snap = self.store.last_snapshot()
-        if snap is not None:
-            self.snapshot_seq, blob = snap
-            try:
-                state = pickle.loads(blob)
-            except Exception as err:
-                raise StateError(f"{self.store.path}: snapshot at {self.snapshot_seq} cannot be read "
-                                 f"({type(err).__name__}: {err})") from None
-            load_manager(self.manager, state)
-            self.window.load(state["window"])
-            self.seq = self.snapshot_seq
-        replayed = 0
+    def _load(self, manager: BlockManager, window: IdempotencyWindow | None) -> int:
+        """Restore the store's newest snapshot into manager and replay the later entries.
+
+        window None: rebuild the manager only (resync). Returns the number of entries replayed.
+        Raises StateError naming the first problem (damaged snapshot or entry, gap, failed replay).
+        """
+        try:
+            return self._load_unchecked(manager, window)
+        except StateError as err:
+            if err.reason in ("STATE_ERROR", "STATE_DAMAGED"):
+                err.reason = "STATE_DAMAGED"
+                if "backup" not in err.message:
+                    err.message = f"{err.message}. {self.store.remedy}"
+                    err.args = (err.message,)
+            raise
+
+    def _load_unchecked(self, manager: BlockManager, window: IdempotencyWindow | None) -> int:
+        where = self.store.location
+        found = self.store.load_snapshot()
+        snapshot_seq = 0
+        if found is not None:
+            snapshot_seq, blob = found
+            name = f"{where}: snapshot at {snapshot_seq} ({self.store.snapshot_where})"
+            s = snap.decode(blob, name)
+            if s.seq != snapshot_seq:
+                raise StateError(f"{name} holds position {s.seq} (damaged)")
+            manager.restore(snap.build_pools(s.pools, name), s.workers)
+            if window is not None:
+                window.load(s.window)
+        api = ManagerAPI(manager)
+        expected, replayed = snapshot_seq + 1, 0
         quiet = _Quiet()
         logging.getLogger("kvservice").addFilter(quiet)
         try:
-            for seq, method, data, at in self.store.entries_after(self.snapshot_seq):
-                request = REQUESTS[method].FromString(data)
+            for e in self.store.entries_after(snapshot_seq):
+                if e.seq != expected:
+                    raise StateError(f"{where}: journal entries {expected}..{e.seq - 1} are missing (after the "
+                                     f"snapshot at {snapshot_seq}): acknowledged changes are lost")
+                if entry_digest(e.seq, e.method, e.request, e.created) != e.digest:
+                    raise StateError(f"{where}: journal entry {e.seq} fails its checksum (damaged)")
+                if e.method not in REQUESTS:
+                    raise StateError(f"{where}: journal entry {e.seq} has unknown method {e.method!r}")
                 try:
-                    reply = getattr(self.api, method)(request)
+                    request = REQUESTS[e.method].FromString(e.request)
+                    reply = getattr(api, e.method)(request)
                 except KVError as err:
-                    raise StateError(f"{self.store.path}: journal entry {seq} ({method}) failed on replay: "
-                                     f"{err.message}") from None
+                    raise StateError(f"{where}: journal entry {e.seq} ({e.method}) failed on replay: "
+                                     f"{err.message}; the state and this kvservice disagree") from None
+                except Exception as err:              # a bug or an unreadable entry: never a traceback at start
+                    raise StateError(f"{where}: journal entry {e.seq} ({e.method}) cannot be replayed "
+                                     f"({type(err).__name__}: {err})") from None
                 rid = getattr(request, "request_id", "")
-                if rid:
-                    self.window.remember(rid, method, digest(data), seq, at, reply)
-                self.seq = seq
-                self.tail_bytes += len(data)
+                if window is not None and rid:
+                    window.remember(rid, e.method, digest(e.request), e.seq, e.created, reply)
+                if window is not None:
+                    self._appended += len(e.request)
+                    if e.method in _TARGET:
+                        self._dirty.add(getattr(request, _TARGET[e.method]))
+                expected += 1
                 replayed += 1
         finally:
             logging.getLogger("kvservice").removeFilter(quiet)
-        self.window.evict(time.time())
-        self._compact_at = self.snapshot_seq + self.config.compact_every
-        log.info("recovered %s: snapshot at %d, %d entries replayed in %.3f s, pools: %s", self.store.path,
-                 self.snapshot_seq, replayed, time.perf_counter() - t0, ", ".join(self.manager.pool_names()) or "none")
+        if window is not None:
+            window.evict(time.time())
+            self.snapshot_seq, self.seq = snapshot_seq, expected - 1
+        return replayed
 
-    # ---- the hook the servicer calls -----------------------------------------------------
+    @staticmethod
+    def _pools(manager: BlockManager) -> dict[str, Any]:
+        out = {}
+        for name in manager.pool_names():
+            with manager.locked(name) as pool:
+                out[name] = pool
+        return out
+
+    # ---- the hooks the servicer calls -----------------------------------------------------
     def execute(self, method: str, request: Message, apply: Callable[[Message], Message]) -> Message:
         """Apply a mutating request once: durable before it returns, the stored reply for a retried request_id."""
+        cap = None
         with self._lock:
             self._check_usable()
             rid = getattr(request, "request_id", "")
-            data = request.SerializeToString(deterministic=True) if rid or self.store is not None else b""
+            data = request.SerializeToString(deterministic=True)
             fingerprint = digest(data) if rid else b""
             if rid:
                 stored = self.window.lookup(rid, method, fingerprint)
                 if stored is not None:
-                    return stored
-            try:
-                reply = apply(request)
-            except KVError:
-                raise                       # refused: nothing changed, nothing to journal
-            except Exception:
-                if self.store is not None:
-                    self._fail(f"{method} failed unexpectedly; the in-memory state may differ from the journal")
-                raise
-            now = time.time()
-            self._commit(method, data, now)
+                    return self._stamped_copy(stored)
+            if method == "Step":
+                _decode_step(request)
+            with self._gate.writing(getattr(request, _TARGET[method]) if method in _TARGET else None):
+                try:
+                    reply = apply(request)
+                except KVError:
+                    raise                       # refused: nothing changed, nothing to journal
+                except Exception as err:
+                    self._resync(f"{method} failed unexpectedly ({type(err).__name__}: {err})")
+                    raise
+                now = time.time()
+                self._commit(method, data, now)
+                if method in _TARGET:
+                    self._dirty.add(getattr(request, _TARGET[method]))
+                self._stamp(reply)
             if rid:
                 self.window.remember(rid, method, fingerprint, self.seq, now, reply)
-            if self.store is not None and (self.seq >= self._compact_at
-                                           or self.tail_bytes >= self.config.compact_bytes):
-                self._snapshot_locked()
-            return reply
+            if not self.store.readonly and self._due():
+                cap = self._capture_locked()
+        if cap is not None:
+            if self.config.background_snapshots:
+                threading.Thread(target=self._write_capture, args=(cap,), name="kvservice-snapshot",
+                                 daemon=True).start()
+            else:
+                self._write_capture(cap)
+        return reply
 
     def read(self, request: Message, apply: Callable[[Message], Message]) -> Message:
-        """A read of pool state: only committed state is visible, and nothing once the journal failed."""
-        with self._lock:
-            self._check_usable()
-            return apply(request)
+        """A read of pool state: only committed state is visible, and nothing once the journal failed.
+
+        It waits only while a change of the same pool is uncommitted (a read of all pools: any pool).
+        """
+        self._check_usable()
+        with self._gate.reading(getattr(request, "pool", "")):
+            reply = apply(request)
+            if isinstance(reply, pb.PoolInfo):
+                self._stamp(reply)
+        return reply
+
+    def _stamp(self, reply: Message) -> None:
+        if "position" in reply.DESCRIPTOR.fields_by_name:
+            reply.position.incarnation = self.incarnation      # type: ignore[attr-defined]
+            reply.position.seq = self.seq                      # type: ignore[attr-defined]
+
+    def _stamped_copy(self, stored: Message) -> Message:
+        reply = type(stored)()
+        reply.CopyFrom(stored)
+        self._stamp(reply)
+        return reply
 
     def _check_usable(self) -> None:
         if self.failed is not None:
@@ -416,19 +466,30 @@ class Journal:
 
     def _commit(self, method: str, data: bytes, now: float) -> None:
         seq = self.seq + 1
-        if self.store is not None:
-            t0 = time.perf_counter()
-            try:
-                self.store.append(seq, method, data, now)
-            except Exception as err:
-                self._fail(f"journal write failed ({type(err).__name__}: {err})")
-                raise JournalUnavailable(f"{method} was not made durable and is not acknowledged: "
-                                         f"{self.failed}") from None
-            if self.observe_commit is not None:
-                self.observe_commit(time.perf_counter() - t0)
-            self.tail_bytes += len(data)
+        t0 = time.perf_counter()
+        try:
+            self.store.append(Entry.make(seq, method, data, now))
+        except Exception as err:
+            self._fail(f"journal write failed ({type(err).__name__}: {err})")
+            raise JournalUnavailable(f"{method} was not made durable and is not acknowledged: "
+                                     f"{self.failed}") from None
+        if self.observe_commit is not None and self.store.durable:
+            self.observe_commit(time.perf_counter() - t0)
+        self._appended += len(data)
         self.seq = seq
         self.commits += 1
+
+    def _resync(self, why: str) -> None:
+        """After an unexpected error inside a change: rebuild the manager from the store (what was acknowledged)."""
+        log.exception("%s; rebuilding the manager from the journal", why)
+        try:
+            scratch = BlockManager(self.manager.workers.lease_seconds)
+            self._load(scratch, None)
+            self.manager.restore(self._pools(scratch), scratch.workers.workers())
+            self._dirty |= set(self.manager.pool_names())
+            self.resyncs += 1
+        except Exception as err:
+            self._fail(f"{why}, and rebuilding the manager from the journal failed ({type(err).__name__}: {err})")
 
     def _fail(self, why: str) -> None:
         if self.failed is not None:
@@ -438,84 +499,144 @@ class Journal:
         if self.on_fail is not None:
             self.on_fail(why)
 
-    # ---- compaction --------------------------------------------------------------------------
+    # ---- snapshots ---------------------------------------------------------------------------
+    @property
+    def tail_bytes(self) -> int:
+        """Request bytes journaled since the newest snapshot was captured."""
+        return self._appended - self._snap_appended
+
+    def _due(self) -> bool:
+        return self._writer_done.is_set() and (self.seq >= self._compact_at
+                                               or self.tail_bytes >= self.config.compact_bytes)
+
     def snapshot(self) -> None:
         """Write a snapshot now (also done every compact_every entries and on a clean close)."""
-        with self._lock:
-            self._check_usable()
-            self._snapshot_locked()
+        cap = self._capture_when_idle(check=True)
+        if cap is not None:
+            self._write_capture(cap)
 
-    def _snapshot_locked(self) -> None:
-        if self.store is None or self.store.readonly or self.seq == self.snapshot_seq:
-            return
+    def _capture_when_idle(self, check: bool) -> _Capture | None:
+        while True:
+            self._writer_done.wait()
+            with self._lock:
+                if check:
+                    self._check_usable()
+                elif self.failed is not None:
+                    return None
+                if self._writer_done.is_set():
+                    return self._capture_locked()
+
+    def _capture_locked(self, force: bool = False) -> _Capture | None:
+        """Copy what a snapshot holds (journal lock held: this is the pause every call waits for).
+
+        None if there is nothing new to snapshot (or a snapshot is being written). Otherwise the
+        caller must pass the capture to _write_capture, outside the lock.
+        """
+        if not self._writer_done.is_set() or (not force and (self.store.readonly or self.seq == self.snapshot_seq)):
+            return None
         t0 = time.perf_counter()
-        state = {"format": FORMAT, "seq": self.seq, **dump_manager(self.manager), "window": self.window.export()}
-        blob = pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
-        try:
-            self.store.write_snapshot(self.seq, blob, time.time())
-        except Exception as err:          # the entries are still there: keep serving, try again later
-            log.error("snapshot at %d failed (%s: %s); recovery replays the longer tail", self.seq,
-                      type(err).__name__, err)
-            self._compact_at = self.seq + max(1, self.config.compact_every // 2)   # try again later
-            return
-        self.snapshot_seq, self.tail_bytes = self.seq, 0
+        pools: dict[str, Any] = {}
+        dirty = set()
+        for name in self.manager.pool_names():
+            with self.manager.locked(name) as pool:
+                old = self._states.get(name)
+                if old is not None and name not in self._dirty:     # refusals still move two counters
+                    pools[name] = PoolState(dict(old.meta, refused=int(pool.refused),
+                                                 alloc_failures=dict(pool.alloc_failures)), old.arrays)
+                else:
+                    pools[name] = pool.capture_state()
+                    dirty.add(name)
+        self._dirty = set()
+        ids, replies = self.window.capture()
+        pause = time.perf_counter() - t0
+        self.snapshot_pause_seconds = pause
+        self.snapshot_pause_max_seconds = max(self.snapshot_pause_max_seconds, pause)
         self._compact_at = self.seq + self.config.compact_every
-        self.snapshots += 1
-        log.info("snapshot at journal position %d: %d bytes in %.1f ms", self.seq, len(blob),
-                 1e3 * (time.perf_counter() - t0))
+        self._writer_done.clear()
+        return _Capture(self.seq, self._appended, pools, dirty, self.manager.workers.workers(), ids, replies, pause)
+
+    def _write_capture(self, cap: _Capture) -> None:
+        """Encode and store a captured snapshot (no journal lock: calls go on meanwhile)."""
+        t0 = time.perf_counter()
+        try:
+            states = {name: st if isinstance(st, PoolState) else st(runs=True) for name, st in cap.pools.items()}
+            window = snap.WindowState(cap.window_ids, [(rid, m, msg.SerializeToString())
+                                                       for rid, m, msg in cap.window_replies])
+            enc = snap.encode(cap.seq, self.incarnation, time.time(), states, cap.workers, window, METHODS)
+            self.store.write_snapshot(cap.seq, enc)
+        except Exception as err:          # the entries are still there: keep serving, try again later
+            log.error("snapshot at %d failed (%s: %s); recovery replays the longer tail", cap.seq,
+                      type(err).__name__, err)
+            with self._lock:
+                self._compact_at = self.seq + max(1, self.config.compact_every // 2)
+                self._dirty |= cap.dirty
+        else:
+            with self._lock:
+                self._states = states
+                self.snapshot_seq = max(self.snapshot_seq, cap.seq)
+                self._snap_appended = cap.appended
+                self.snapshots += 1
+                self.snapshot_seconds, self.snapshot_bytes = time.perf_counter() - t0, enc.nbytes
+            log.info("snapshot at journal position %d: %d bytes; pause %.1f ms, encode + write %.1f ms", cap.seq,
+                     enc.nbytes, 1e3 * cap.pause, 1e3 * self.snapshot_seconds)
+        finally:
+            self._writer_done.set()
+
+    def wait_for_snapshot(self, timeout: float | None = None) -> bool:
+        """Wait for a snapshot being written on the snapshot thread; False if still running after timeout."""
+        return self._writer_done.wait(timeout)
 
     def close(self, snapshot: bool = True) -> None:
-        """Snapshot (if asked and healthy) and release the state dir."""
+        """Snapshot (if asked and healthy), then release the store, telling it the final position."""
+        cap = self._capture_when_idle(check=False) if snapshot and not self.store.readonly else None
+        if cap is not None:
+            self._write_capture(cap)
+        self._writer_done.wait()
         with self._lock:
-            if snapshot and self.failed is None:
-                self._snapshot_locked()
-            if self.store is not None:
-                self.store.close()
-                self.store = None
-            if self._dir_fd is not None:
-                os.close(self._dir_fd)
-                self._dir_fd = None
+            self.store.close(clean=self.failed is None, seq=self.seq)
 
 
-#: Pool attributes that are caches or counters of refused calls (not journaled): left out of state_tree.
-UNTRACKED = frozenset({"_sorted", "refused", "alloc_failures"})
+def _decode_step(request: Message) -> None:
+    """Decode every array of a Step before anything is applied: a malformed one is a refusal, never a failure."""
+    for f in STEP_ARRAYS:
+        if request.HasField(f):
+            try:
+                field_array(request, f)
+            except KVError:
+                raise
+            except Exception as err:
+                raise InvalidArgument(f"{f}: cannot be decoded ({type(err).__name__}: {err})", field=f) from None
 
 
+# ---- comparing states (tests, check-state) --------------------------------------------------------------
 def state_tree(manager: BlockManager, skip: frozenset[str] = frozenset()) -> dict[str, Any]:
     """Everything a recovery must reproduce, as plain nested values (==-comparable).
 
-    Pools: every attribute, recursively (arrays as dtype, shape and bytes), except UNTRACKED
-    and `skip` (attribute names, at any depth). Workers: every record field except the lease clock.
+    Pools: their exported state (pool.PoolState: meta and arrays, arrays as dtype, shape and bytes)
+    except the meta or array names in `skip`, and the diagnostic counter of refused steps (refused
+    steps are not journaled). Workers: every record field except the lease clock.
     """
     pools = {}
     for name in manager.pool_names():
         with manager.locked(name) as pool:
-            pools[name] = _canon(pool, UNTRACKED | skip)
+            st = pool.export_state()
+        meta = {k: v for k, v in st.meta.items() if k not in skip | {"refused", "alloc_failures"}}
+        if isinstance(meta.get("prefix"), dict):
+            meta["prefix"] = {k: v for k, v in meta["prefix"].items() if k not in skip}
+        arrays = tuple((k, ("ndarray", v.dtype.str, v.shape, np.ascontiguousarray(v).tobytes()))
+                       for k, v in sorted(st.arrays.items()) if k not in skip)
+        pools[name] = (("meta", _plain(meta)), ("arrays", arrays))
     workers = [(w.worker_id, w.pool, w.layer_begin, w.layer_end, w.tp_rank, w.tp_size, w.backend, w.epoch,
                 w.address, w.alive) for w in manager.workers.workers()]
     return {"pools": pools, "workers": workers}
 
 
-def _canon(obj: Any, skip: frozenset[str], depth: int = 0) -> Any:
-    if depth > 32:
-        raise ValueError("state_tree: structure too deep")
-    if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
-        return obj
-    if isinstance(obj, np.ndarray):
-        return ("ndarray", obj.dtype.str, obj.shape, np.ascontiguousarray(obj).tobytes())
-    if isinstance(obj, np.generic):
-        return obj.item()
-    if isinstance(obj, dict):
-        return ("dict", tuple((_canon(k, skip, depth + 1), _canon(v, skip, depth + 1)) for k, v in obj.items()))
-    if isinstance(obj, (list, tuple)):
-        return tuple(_canon(v, skip, depth + 1) for v in obj)
-    if isinstance(obj, (set, frozenset)):
-        return ("set", tuple(sorted(repr(_canon(v, skip, depth + 1)) for v in obj)))
-    if callable(obj) and hasattr(obj, "__qualname__"):
-        return ("callable", obj.__module__, obj.__qualname__)
-    names = list(getattr(obj, "__dict__", {})) + [n for c in type(obj).__mro__ for n in getattr(c, "__slots__", ())]
-    return (type(obj).__qualname__, tuple((n, _canon(getattr(obj, n), skip, depth + 1)) for n in dict.fromkeys(names)
-                                          if n not in skip and hasattr(obj, n)))
+def _plain(v: Any) -> Any:
+    if isinstance(v, dict):
+        return tuple((k, _plain(x)) for k, x in sorted(v.items()))
+    if isinstance(v, list):
+        return tuple(_plain(x) for x in v)
+    return v
 
 
 def create_request(name: str, spec: CacheSpec, sizing: Sizing, backends: tuple[str, ...]) -> pb.CreatePoolRequest:
@@ -544,4 +665,5 @@ def ensure_pools(journal: Journal, pools: list[Any]) -> list[str]:
     return created
 
 
-__all__ = ["Journal", "JournalConfig", "StateError", "dump_manager", "ensure_pools", "load_manager", "state_tree"]
+__all__ = ["Entry", "IdempotencyWindow", "Journal", "JournalConfig", "JournalStore", "MemoryStore", "StateError",
+           "create_request", "ensure_pools", "state_tree"]

@@ -57,7 +57,7 @@ class BlockManager:
             pool = Pool(name, planned, prefix_caching, model)
             self._pools[name] = pool
             self._locks[name] = threading.Lock()
-            self._incarnations[name] = incarnation or new_incarnation()
+            self._incarnations[name] = pool.incarnation = incarnation or new_incarnation()
             return pool
 
     def delete_pool(self, name: str, force: bool = False) -> None:
@@ -89,7 +89,7 @@ class BlockManager:
         if not 0 < incarnation < 2**63:
             raise InvalidArgument(f"incarnation must be in [1, 2^63), got {incarnation}")
         with self._lock:
-            self._get(name)
+            self._get(name).incarnation = incarnation
             self._incarnations[name] = incarnation
 
     def _incarnation_locked(self, name: str) -> int:
@@ -99,7 +99,7 @@ class BlockManager:
             # A pool installed by a snapshot that kept no incarnation: take the one its workers
             # registered with (records of a deleted pool are gone, so they are all current), or a new one.
             known = [w.incarnation for w in self.workers.workers(name) if w.incarnation]
-            inc = self._incarnations[name] = known[0] if known else new_incarnation()
+            inc = self._incarnations[name] = self._pools[name].incarnation = known[0] if known else new_incarnation()
         return inc
 
     def register_worker(self, worker_id: str, pool: str, incarnation: int = 0, owner: str = "",
@@ -114,7 +114,7 @@ class BlockManager:
         with self._lock:
             num_layers = len(self._get(pool).plan.geometry.layers)
             if not enforce and incarnation and pool not in self._incarnations:
-                self._incarnations[pool] = incarnation     # a snapshot without incarnations, then this replay
+                self._incarnations[pool] = self._pools[pool].incarnation = incarnation   # a state without one
             current = self._incarnation_locked(pool)
         if enforce and incarnation and incarnation != current:
             raise _stale(pool, incarnation, current, worker_id)
@@ -141,6 +141,19 @@ class BlockManager:
         """Slots x layer groups summed over every pool (what their allocators hold memory for)."""
         with self._lock:
             return sum(p.plan.num_slots * len(p.plan.geometry.groups) for p in self._pools.values())
+
+    def restore(self, pools: dict[str, Pool], workers: list[WorkerRecord] | None = None) -> None:
+        """Replace every pool (and, if given, every worker record) with recovered ones: the journal's hook.
+
+        Each pool gets a fresh lock. A caller still holding an old pool keeps its old object.
+        """
+        with self._lock:
+            self._pools = dict(pools)
+            self._locks = {name: threading.Lock() for name in pools}
+            # Each recovered pool carries its incarnation (0 from a state without one: derived on first use).
+            self._incarnations = {name: p.incarnation for name, p in pools.items() if p.incarnation}
+        if workers is not None:
+            self.workers.restore(workers)
 
     def pool_names(self) -> list[str]:
         with self._lock:

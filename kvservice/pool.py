@@ -82,6 +82,7 @@ class Pool:
     def __init__(self, name: str, plan: Plan, prefix_caching: bool = False, model: str = "") -> None:
         self.name = name
         self.model = model                        # the model served from this pool ("" = unnamed)
+        self.incarnation = 0                      # this creation of the pool (set by the manager; 0 = none yet)
         self.plan = plan
         geo = plan.geometry
         self.page_size = geo.spec.page_size
@@ -686,3 +687,236 @@ class Pool:
               tables: bool, block_table: bool) -> tuple[SpaceTables, ...]:
         return emit_tables(self.plan.geometry.index_spaces, self.page_size, self._slots, self._first,
                            self._is_sliding, rows, old, new, held, tok_indptr, tables, block_table)
+
+    # ---- durable state ---------------------------------------------------------------------------
+    # A snapshot stores a pool in domain terms (sequences, the slots of their pages, free lists in hand-out
+    # order, prefix-cache entries per layer group), not as this class's attributes, so that another internal
+    # layout (or the next release) can read it. export_state reads, and from_state writes, exactly these
+    # fields; keep both in step with any change to them (tests/unit/test_snapshot.py::
+    # test_every_pool_field_is_exported_or_rebuilt lists them and fails when a field is added):
+    #   Pool:          name, plan, model, incarnation, prefixes (prefix), _sharing, _rows, _seq_ids, _num_tokens,
+    #                  _held, _first, _slots (RowSlots: the slots of pages [first, held) of each row), _free_rows,
+    #                  _num_rows, steps, admitted, refused, alloc_failures, events (seq; its sources' parent
+    #                  hashes and hash index are rebuilt from the caches)
+    #   SlotAllocator: _stack[:_top], _top, _cached (LRU order), peak_used, evictions;
+    #                  _refcnt is rebuilt from the owners (invariant 1), cacheable from the prefix caches
+    #   PrefixCache (per group): by_hash (insertion order), hash, parent, parent_hash, anchor, namespace,
+    #                  tokens (registered slots only), hits; the namespaces shared by the groups
+    # Rebuilt, not stored (caches, scratch, constants): Pool._sorted, _last_batch, _fast, page_size,
+    # max_seq_len, windows, layer_space, _sliding, _is_sliding, _anchor_group (from the plan);
+    # SlotAllocator._mark, _ones, num_slots, caching, on_evict.
+    def capture_state(self) -> Callable[[], PoolState]:
+        """Copy what export_state needs and return the function that builds the PoolState from the copies.
+
+        Call it under the pool's lock: it only copies (memcpy-speed), so the lock is held briefly; the
+        returned function gathers the slot lists later, without any lock (what a snapshot does).
+        """
+        geo = self.plan.geometry
+        ps = self.page_size
+        rows = np.sort(np.fromiter(self._rows.values(), dtype=np.int64, count=len(self._rows)))
+        held = self._held[rows]
+        arrays: dict[str, np.ndarray] = {
+            "seq_ids": self._seq_ids[rows], "rows": rows, "num_tokens": self._num_tokens[rows],
+            "free_rows": np.asarray(self._free_rows, dtype=np.int64)}
+        groups, tables, stacks = [], [], []
+        for g, alloc in enumerate(self.allocators):
+            arrays[f"first/{g}"] = self._first[g][rows]                  # fancy indexing: copies
+            rs = self._slots[g]                                           # gathered later, unlocked
+            tables.append((rs.arena[:rs.used].copy(), rs.start[rows], rs.lo[rows]))
+            stacks.append(_copy_ids(alloc._stack[:alloc._top]))
+            arrays[f"cached/{g}"] = np.fromiter(alloc._cached, dtype=np.int64, count=len(alloc._cached))
+            groups.append({"peak_used": int(alloc.peak_used), "evictions": int(alloc.evictions)})
+        prefix = None
+        if self.prefixes is not None:
+            for g, pc in enumerate(self.prefixes):
+                slots = np.fromiter(pc.by_hash.values(), dtype=np.int64, count=len(pc.by_hash))
+                arrays[f"prefix/{g}/hash"] = np.fromiter(pc.by_hash.keys(), dtype=np.uint64, count=len(pc.by_hash))
+                arrays[f"prefix/{g}/slot"] = slots
+                arrays[f"prefix/{g}/parent"] = pc.parent[slots].copy()
+                arrays[f"prefix/{g}/parent_hash"] = pc.parent_hash[slots].copy()
+                arrays[f"prefix/{g}/anchor"] = pc.anchor[slots].copy()
+                arrays[f"prefix/{g}/namespace"] = pc.namespace[slots].copy()
+                arrays[f"prefix/{g}/tokens"] = pc.tokens[slots].copy()
+            prefix = {"hits": [int(pc.hits) for pc in self.prefixes],
+                      "namespaces": [[s, k, int(i)] for (s, k), i in self.prefix.namespaces._ids.items()]}
+        spec = geo.spec
+        meta = {"version": POOL_STATE_VERSION, "name": self.name, "model": self.model,
+                "incarnation": int(self.incarnation),
+                "spec": {"page_size": ps, "layout": spec.layout, "layers": _spec_runs(spec)},
+                "num_slots": int(geo.num_slots), "max_seq_len": int(self.max_seq_len),
+                "backends": list(self.plan.backends), "prefix_caching": self.prefixes is not None,
+                "sharing": bool(self._sharing), "steps": int(self.steps),
+                "admitted": int(self.admitted), "refused": int(self.refused),
+                "alloc_failures": {str(k): int(v) for k, v in self.alloc_failures.items()},
+                "row_capacity": len(self._num_tokens), "num_rows": int(self._num_rows),
+                "events_seq": int(self.events.seq), "groups": groups, "prefix": prefix}
+
+        def finish(runs: bool = False) -> PoolState:
+            """runs: leave a free stack found to be runs as IdRuns (the snapshot encoder writes them as they are)."""
+            for g, stack in enumerate(stacks):
+                arrays[f"free_stack/{g}"] = stack if runs and isinstance(stack, IdRuns) else _as_array(stack)
+            for g, (arena, start, lo) in enumerate(tables):
+                first = arrays[f"first/{g}"]
+                cnt = held - first
+                out = np.empty(int(cnt.sum()), dtype=np.int64)
+                at = 0
+                for a in range(0, len(rows), 1024):        # in pieces: other threads run in between (GIL)
+                    s, f, lw, c = start[a:a + 1024], first[a:a + 1024], lo[a:a + 1024], cnt[a:a + 1024]
+                    k = int(c.sum())
+                    starts = np.cumsum(c) - c
+                    flat = np.repeat(s + (f - lw) - starts, c) + np.arange(k, dtype=np.int64)
+                    out[at:at + k] = arena.take(flat)
+                    at += k
+                arrays[f"slots/{g}"] = out
+            return PoolState(meta, arrays)
+        return finish
+
+    def export_state(self) -> PoolState:
+        """The pool's state as PoolState (copies; the caller holds the pool's lock for a consistent cut)."""
+        return self.capture_state()()
+
+    @staticmethod
+    def from_state(state: PoolState, plan: Plan) -> Pool:
+        """A pool rebuilt from PoolState; plan: the pool's plan (kvservice.snapshot rebuilds it from meta).
+
+        The state must have passed kvservice.snapshot.check_pool_state (this only rebuilds it).
+        """
+        from collections import OrderedDict
+
+        m, a = state.meta, state.arrays
+        pool = Pool(m["name"], plan, bool(m["prefix_caching"]), str(m.get("model", "")))
+        pool.incarnation = int(m.get("incarnation", 0))
+        cap = int(m["row_capacity"])
+        pool._grow_rows(cap)
+        ps = pool.page_size
+        rows, n = a["rows"], a["num_tokens"]
+        held = (n + (ps - 1)) // ps
+        pool._seq_ids[rows] = a["seq_ids"]
+        pool._num_tokens[rows] = n
+        pool._held[rows] = held
+        pool._rows = dict(zip(a["seq_ids"].tolist(), rows.tolist(), strict=True))
+        pool._free_rows = a["free_rows"].tolist()
+        pool._num_rows = int(m["num_rows"])
+        pool._sharing = bool(m["sharing"])
+        for g, alloc in enumerate(pool.allocators):
+            first = a[f"first/{g}"]
+            slots = a[f"slots/{g}"]
+            pool._first[g][rows] = first
+            rs = pool._slots[g]
+            rs.reserve(rows, first, held)
+            flat, _ = rs.span(rows, first, held)
+            rs.arena[flat] = slots
+            stack = a[f"free_stack/{g}"]
+            alloc._stack[:len(stack)] = stack
+            alloc._top = len(stack)
+            alloc._refcnt[:] = np.bincount(slots, minlength=alloc.num_slots).astype(np.int32)
+            alloc._cached = OrderedDict.fromkeys(a[f"cached/{g}"].tolist())
+            alloc.peak_used = int(m["groups"][g]["peak_used"])
+            alloc.evictions = int(m["groups"][g]["evictions"])
+        if pool.prefixes is not None:
+            p = m["prefix"]
+            pool.prefix.namespaces._ids = {(s, k): int(i) for s, k, i in p["namespaces"]}
+            for g, pc in enumerate(pool.prefixes):
+                slots, hashes = a[f"prefix/{g}/slot"], a[f"prefix/{g}/hash"]
+                pc.by_hash = dict(zip(hashes.tolist(), slots.tolist(), strict=True))
+                pc.hash[slots] = hashes
+                pc.parent[slots] = a[f"prefix/{g}/parent"]
+                pc.parent_hash[slots] = a[f"prefix/{g}/parent_hash"]
+                pc.anchor[slots] = a[f"prefix/{g}/anchor"]
+                pc.namespace[slots] = a[f"prefix/{g}/namespace"]
+                pc.tokens[slots] = a[f"prefix/{g}/tokens"]
+                pc.hits = int(p["hits"][g])
+                pool.allocators[g].cacheable[slots] = True
+                src = pc.sink
+                if src is not None:                          # the event source's view of the same cache
+                    src.parent_hash[slots] = a[f"prefix/{g}/parent_hash"]
+                    src.index.rebuild(hashes, slots)
+        pool.events.seq = int(m.get("events_seq", 0))
+        pool.steps, pool.admitted, pool.refused = int(m["steps"]), int(m["admitted"]), int(m["refused"])
+        pool.alloc_failures = {str(k): int(v) for k, v in m["alloc_failures"].items()}
+        return pool
+
+
+from collections.abc import Callable  # noqa: E402  (state export section: kept out of the module's imports)
+
+POOL_STATE_VERSION = 2
+
+
+@dataclass(frozen=True, slots=True)
+class PoolState:
+    """A pool as plain data: JSON-able ``meta`` and named 1-D/2-D NumPy ``arrays`` (copies, never views).
+
+    meta: version (2), name, model, incarnation, spec {page_size, layout, layers: [[kv_heads, head_dim, dtype,
+      sliding_window, count], ...]}, num_slots, max_seq_len, backends, prefix_caching, sharing, steps,
+      admitted, refused, alloc_failures {reason: count}, row_capacity, num_rows, events_seq (number of the
+      pool's last KV event batch), groups [{peak_used, evictions}],
+      prefix {hits: [per group], namespaces: [[salt, extra_key, id], ...]} or None.
+    arrays (N live sequences in row order, G layer groups, E prefix-cache entries):
+      seq_ids uint64 [N]; rows int64 [N]; num_tokens int64 [N] (tokens, > 0); free_rows int64 [R]
+        (reuse order: the last is taken first);
+      first/<g> int64 [N]: first page still held in group g (0 unless a sliding window released pages);
+      slots/<g> int64 [sum over sequences of held - first]: the slots of pages [first, held) of each
+        sequence, sequences concatenated (held = ceil(num_tokens / page_size));
+      free_stack/<g> int64 [F]: free slots holding nothing, bottom to top (the top is handed out first);
+      cached/<g> int64 [C]: free slots holding a cached page, least recently released first;
+      per group g with prefix caching (E_g cache entries, by_hash order): prefix/<g>/hash uint64 [E],
+      prefix/<g>/slot, prefix/<g>/parent, prefix/<g>/anchor, prefix/<g>/namespace int64 [E],
+      prefix/<g>/parent_hash uint64 [E], prefix/<g>/tokens int64 [E, page_size].
+    """
+
+    meta: dict
+    arrays: dict
+
+
+def _spec_runs(spec: object) -> list[list]:
+    runs: list[list] = []
+    for la in spec.layers:                                            # type: ignore[attr-defined]
+        row = [la.kv_heads, la.head_dim, la.dtype, la.sliding_window]
+        if runs and runs[-1][:4] == row:
+            runs[-1][4] += 1
+        else:
+            runs.append([*row, 1])
+    return runs
+
+
+@dataclass(frozen=True, slots=True)
+class IdRuns:
+    """A 1-D int64 array of n ids stored as runs of consecutive descending ids.
+
+    starts: int64 [R], the index where each run begins (starts[0] == 0); tops: int64 [R], the run's first
+    id plus its start index (element i of run k is tops[k] - i); n: elements in all.
+    """
+
+    starts: np.ndarray
+    tops: np.ndarray
+    n: int
+
+    def array(self) -> np.ndarray:
+        lengths = np.diff(np.append(self.starts, self.n))
+        return np.repeat(self.tops, lengths) - np.arange(self.n, dtype=np.int64)
+
+
+def _as_array(a: np.ndarray | IdRuns) -> np.ndarray:
+    return a.array() if isinstance(a, IdRuns) else a
+
+
+def _copy_ids(a: np.ndarray) -> np.ndarray | IdRuns:
+    """A 1-D id array kept for later: IdRuns, or an int64 copy.
+
+    A free stack is mostly runs of consecutive descending ids (all of it, in an idle pool): those
+    are found by a scan in 1 M-element chunks, without allocating a copy of the whole array, so the
+    caller's lock is held for a read of it only. Otherwise it is a plain copy.
+    """
+    n, chunk = len(a), 1 << 20
+    breaks, found = [np.zeros(1, dtype=np.int64)], 0
+    if n > chunk:
+        for lo in range(0, n - 1, chunk):
+            b = np.flatnonzero(np.diff(a[lo:min(n, lo + chunk + 1)]) != -1) + (lo + 1)
+            found += len(b)
+            if found > n // 64:
+                break
+            breaks.append(b)
+        else:
+            starts = np.concatenate(breaks)
+            return IdRuns(starts, a[starts].astype(np.int64) + starts, n)
+    return a.astype(np.int64)

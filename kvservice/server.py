@@ -78,6 +78,9 @@ class JournalCollector:
                                   "original reply.", value=j.window.hits)
         yield GaugeMetricFamily("kvservice_journal_failed", "1 once the journal failed (the manager fail-stops).",
                                 value=1.0 if j.failed else 0.0)
+        yield GaugeMetricFamily("kvservice_journal_snapshot_pause_seconds", "Longest time mutating calls waited "
+                                "while a snapshot was captured (the journal lock held).",
+                                value=j.snapshot_pause_max_seconds)
 
 
 def serve(listen: str = "127.0.0.1:0", metrics_port: int | None = None, pools: Sequence[PoolConfig] = (),

@@ -24,7 +24,7 @@ from google.protobuf.message import Message
 from .api import ManagerAPI, derived_incarnation
 from .auth import current_principal
 from .convert import cache_spec_from_proto, plan_to_proto, sizing_from_proto
-from .errors import InvalidArgument, KVError, ResourceExhausted
+from .errors import InvalidArgument, JournalUnavailable, KVError, ResourceExhausted
 from .manager import BlockManager, new_incarnation
 from .metrics import ManagerMetrics
 from .planner import Plan, plan
@@ -47,10 +47,6 @@ _STEP_ARRAYS = ("free_seq_ids", "extend_seq_ids", "extend_num_tokens", "admit_se
                 "fork_parent_ids", "fork_child_ids", "admit_token_ids")
 _SEQ_FIELDS = ("free_seq_ids", "extend_seq_ids", "admit_seq_ids", "fork_child_ids")   # one sequence each
 _ITEMSIZE = {10: 4, 11: 8, 12: 8}      # INT32, INT64, UINT64 (others are refused by the API)
-
-
-class JournalUnavailable(Exception):
-    """The journal can no longer make changes durable: the call is refused UNAVAILABLE (fail-stop)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -145,3 +145,10 @@ class WorkerRegistry:
         for wid, rec in self._workers.items():
             if rec.alive and now - rec.last_heartbeat > self.lease_seconds:
                 self._workers[wid] = replace(rec, alive=False)
+
+    # ---- recovery (kvservice/journal.py) ----------------------------------------------------------------
+    def restore(self, records: list[WorkerRecord]) -> None:
+        """Replace every record with recovered ones: epochs and alive flags kept, each lease restarted now."""
+        with self._lock:
+            now = self._clock()
+            self._workers = {r.worker_id: replace(r, last_heartbeat=now) for r in records}

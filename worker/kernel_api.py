@@ -256,14 +256,20 @@ def _first_repeat(values: np.ndarray) -> int:
     return int(s[1:][s[1:] == s[:-1]][0])
 
 
+#: slot_mapping value of a token the layer does not hold (a prefix hit's tokens before a sliding
+#: window): append writes nothing for it and counts no violation, as vLLM's padding slot.
+SKIP_SLOT = -1
+
+
 def check_distinct_slots(xp: Any, slot_mapping: Any) -> None:
     """append: slot_mapping entries must be pairwise distinct (two writes of one token slot
-    land in an undefined order on a GPU). ValueError before anything is written.
-    Costs a sort and, on a GPU, one scalar read back."""
+    land in an undefined order on a GPU), SKIP_SLOT entries aside. ValueError before anything
+    is written. Costs a sort and, on a GPU, one scalar read back."""
     n = slot_mapping.shape[0]
     if n > 1:
         s = xp.sort(slot_mapping)
-        if bool((s[1:] == s[:-1]).any()):
+        s = s[s != SKIP_SLOT]
+        if len(s) > 1 and bool((s[1:] == s[:-1]).any()):
             v = _first_repeat(np.asarray(s.get() if hasattr(s, "get") else s))
             raise ValueError(f"slot_mapping: slot {v} appears more than once; every token needs its own slot "
                              "(duplicate writes are unordered on a GPU), nothing was written")
@@ -363,7 +369,8 @@ def append_kv(be: Backend, cache: Any, layout: PageLayout, k: Any, v: Any, slot_
 
     cache: the layer's buffer (any shape, C-contiguous, storage dtype of layout.dtype);
     k, v: shape [n, kv_heads, head_dim], storage dtype of layout.dtype;
-    slot_mapping: shape [n], dtype int64, value = page * page_size + offset.
+    slot_mapping: shape [n], dtype int64, value = page * page_size + offset, or SKIP_SLOT (-1) for a
+        token this layer does not hold (written nowhere, not a violation).
     Offending tokens (negative, page out of range, off lattice) are not written.
     """
     check_cache("cache", cache, layout, be.ptr(cache))

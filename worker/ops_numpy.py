@@ -117,11 +117,12 @@ def append_kv(cache: np.ndarray, layout: PageLayout, k: np.ndarray, v: np.ndarra
                         "[n, kv_heads, head_dim]")
     api.check_distinct_slots(np, slot_mapping)
     s = slot_mapping.astype(np.int64)
+    skip = s == api.SKIP_SLOT                       # a token this layer does not hold: written nowhere
     page = np.where(s < 0, -1, s // layout.page_size)
-    reasons = layout.reasons(page)
+    reasons = np.where(skip, 0, layout.reasons(page))
     bad = np.flatnonzero(reasons)
     found = _entries(bad, bad, s[bad], reasons[bad])
-    ok = reasons == 0
+    ok = (reasons == 0) & ~skip
     row = layout.kv_heads * layout.head_dim
     base = (page[ok] - layout.base) * layout.page_stride + (s[ok] % layout.page_size) * row
     idx = base[:, None] + np.arange(row)

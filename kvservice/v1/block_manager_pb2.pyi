@@ -208,20 +208,30 @@ class PoolStats(_message.Message):
     def __init__(self, num_slots: _Optional[int] = ..., num_free_slots: _Optional[int] = ..., peak_used_slots: _Optional[int] = ..., num_sequences: _Optional[int] = ..., num_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., admitted: _Optional[int] = ..., refused: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_evictions: _Optional[int] = ..., cached_slots: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., event_sequence: _Optional[int] = ...) -> None: ...
 
 class PoolInfo(_message.Message):
-    __slots__ = ("name", "plan", "stats", "cache", "incarnation", "model")
+    __slots__ = ("name", "plan", "stats", "cache", "incarnation", "model", "position")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
     name: str
     plan: PlanReply
     stats: PoolStats
     cache: CacheSpec
     incarnation: int
     model: str
-    def __init__(self, name: _Optional[str] = ..., plan: _Optional[_Union[PlanReply, _Mapping]] = ..., stats: _Optional[_Union[PoolStats, _Mapping]] = ..., cache: _Optional[_Union[CacheSpec, _Mapping]] = ..., incarnation: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+    position: JournalPosition
+    def __init__(self, name: _Optional[str] = ..., plan: _Optional[_Union[PlanReply, _Mapping]] = ..., stats: _Optional[_Union[PoolStats, _Mapping]] = ..., cache: _Optional[_Union[CacheSpec, _Mapping]] = ..., incarnation: _Optional[int] = ..., model: _Optional[str] = ..., position: _Optional[_Union[JournalPosition, _Mapping]] = ...) -> None: ...
+
+class JournalPosition(_message.Message):
+    __slots__ = ("incarnation", "seq")
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    incarnation: int
+    seq: int
+    def __init__(self, incarnation: _Optional[int] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class GetPoolRequest(_message.Message):
     __slots__ = ("pool",)
@@ -250,8 +260,10 @@ class DeletePoolRequest(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., force: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class DeletePoolReply(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("position",)
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    position: JournalPosition
+    def __init__(self, position: _Optional[_Union[JournalPosition, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("pool", "free_seq_ids", "extend_seq_ids", "extend_num_tokens", "admit_seq_ids", "admit_num_tokens", "omit_tables", "include_block_table", "request_id", "fork_parent_ids", "fork_child_ids", "admit_token_ids", "admit_cache_salts", "admit_extra_keys")
@@ -312,7 +324,7 @@ class SpaceTables(_message.Message):
     def __init__(self, index_space: _Optional[int] = ..., group: _Optional[int] = ..., scale: _Optional[int] = ..., offset: _Optional[int] = ..., upper_bound: _Optional[int] = ..., base: _Optional[int] = ..., slot_mapping: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., indptr: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., indices: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., last_page_len: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., block_table: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class StepReply(_message.Message):
-    __slots__ = ("seq_ids", "num_tokens", "new_token_indptr", "tables", "layer_index_space", "num_free_slots", "admit_cached_tokens", "copies", "pool_incarnation")
+    __slots__ = ("seq_ids", "num_tokens", "new_token_indptr", "tables", "layer_index_space", "num_free_slots", "admit_cached_tokens", "copies", "pool_incarnation", "position")
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_INDPTR_FIELD_NUMBER: _ClassVar[int]
@@ -322,6 +334,7 @@ class StepReply(_message.Message):
     ADMIT_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COPIES_FIELD_NUMBER: _ClassVar[int]
     POOL_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _common_pb2.Tensor
     num_tokens: _common_pb2.Tensor
     new_token_indptr: _common_pb2.Tensor
@@ -331,7 +344,8 @@ class StepReply(_message.Message):
     admit_cached_tokens: _common_pb2.Tensor
     copies: _containers.RepeatedCompositeFieldContainer[SlotCopies]
     pool_incarnation: int
-    def __init__(self, seq_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., num_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., new_token_indptr: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tables: _Optional[_Iterable[_Union[SpaceTables, _Mapping]]] = ..., layer_index_space: _Optional[_Iterable[int]] = ..., num_free_slots: _Optional[int] = ..., admit_cached_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., copies: _Optional[_Iterable[_Union[SlotCopies, _Mapping]]] = ..., pool_incarnation: _Optional[int] = ...) -> None: ...
+    position: JournalPosition
+    def __init__(self, seq_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., num_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., new_token_indptr: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tables: _Optional[_Iterable[_Union[SpaceTables, _Mapping]]] = ..., layer_index_space: _Optional[_Iterable[int]] = ..., num_free_slots: _Optional[int] = ..., admit_cached_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., copies: _Optional[_Iterable[_Union[SlotCopies, _Mapping]]] = ..., pool_incarnation: _Optional[int] = ..., position: _Optional[_Union[JournalPosition, _Mapping]] = ...) -> None: ...
 
 class SlotCopies(_message.Message):
     __slots__ = ("group", "pairs")
@@ -503,14 +517,16 @@ class WorkerInfo(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., pool: _Optional[str] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., backend: _Optional[str] = ..., device_name: _Optional[str] = ..., device_memory_bytes: _Optional[int] = ..., address: _Optional[str] = ..., epoch: _Optional[int] = ..., alive: _Optional[bool] = ..., seconds_since_heartbeat: _Optional[float] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class RegisterWorkerReply(_message.Message):
-    __slots__ = ("epoch", "lease_seconds", "pool")
+    __slots__ = ("epoch", "lease_seconds", "pool", "position")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     lease_seconds: float
     pool: PoolInfo
-    def __init__(self, epoch: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., pool: _Optional[_Union[PoolInfo, _Mapping]] = ...) -> None: ...
+    position: JournalPosition
+    def __init__(self, epoch: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., pool: _Optional[_Union[PoolInfo, _Mapping]] = ..., position: _Optional[_Union[JournalPosition, _Mapping]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("worker_id", "epoch", "pool", "incarnation")

@@ -392,10 +392,11 @@ def first_difference(a, b, path: str = "") -> str:
     return path
 
 
-#: Prefix-cache fields holding namespace ids (and hashes made with them). A refused Step can register a
-#: namespace id (PrefixCache.namespace_ids runs before the step's point of no return; reported), so a
+#: Exported prefix-cache fields holding namespace ids (and hashes made with them). A refused Step can register
+#: a namespace id (PrefixCache.namespace_ids runs before the step's point of no return; reported), so a
 #: replay may number namespaces differently. They are compared by name instead (prefix_view).
-NAMESPACE_NUMBERED = frozenset({"_ids", "by_hash", "hash", "namespace", "parent_hash", "index"})
+NAMESPACE_NUMBERED = frozenset({"namespaces"} | {f"prefix/{g}/{k}" for g in range(16)
+                                                 for k in ("hash", "namespace", "parent_hash")})
 
 
 def prefix_view(manager) -> dict:

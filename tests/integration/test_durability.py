@@ -1,4 +1,5 @@
-"""Crash safety: kill -9 under load loses no acknowledged step; retries are answered once; leases survive restarts."""
+"""Crash safety: kill -9 under load loses no acknowledged step; a client rides through restarts applying each call
+once; retries are answered once; leases survive restarts."""
 
 import subprocess
 import sys
@@ -170,6 +171,58 @@ def test_kill9_under_load_keeps_every_acknowledged_step(tmp_path):
     out = subprocess.run([sys.executable, "-m", "kvservice.cli", "check-state", str(state)], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "invariants ok" in out.stdout, out.stdout + out.stderr
+
+
+def test_a_client_rides_through_manager_restarts_applying_each_step_once(tmp_path):
+    """Issue 11, report 4: a manager killed and restarted (down ~1 s) while one client keeps extending a sequence.
+
+    Every acknowledged Step adds exactly one token (each reply says so: a step applied twice would show +2),
+    and at the end the sequence holds one token per acknowledged step (none lost) and the pool counted one
+    step per call (none applied twice).
+    """
+    state = tmp_path / "state"
+    m = start(tmp_path, "run0", state, "--compact-every", "25")
+    port = m.target.rsplit(":", 1)[1]
+    with BlockManagerClient(m.target) as c:
+        c.wait_ready()
+        c.create_pool(POOL, SPEC, Sizing(num_slots=64, max_seq_len=1024))
+        c.step(POOL, admit=[1], admit_tokens=[1])
+    client = BlockManagerClient(m.target, timeout=2, retry=RetryPolicy(deadline=60, max_backoff=0.25))
+    acked, errors, done = [0], [], threading.Event()
+
+    def extend() -> None:
+        try:
+            while acked[0] < 90:
+                r = client.step(POOL, extend=[1], extend_tokens=1)
+                if r.num_tokens.tolist() != [acked[0] + 2]:
+                    errors.append(f"after {acked[0]} acknowledged steps the sequence holds {r.num_tokens.tolist()}")
+                    return
+                acked[0] += 1
+        except ClientError as err:
+            errors.append(str(err))
+        finally:
+            done.set()
+
+    worker = threading.Thread(target=extend, daemon=True)
+    worker.start()
+    try:
+        for restart in range(1, 4):
+            while acked[0] < 20 * restart and not done.is_set():
+                time.sleep(0.005)
+            kill9(m)                                       # maybe mid-call: the client retries the same request_id
+            time.sleep(1.0)                                # down longer than the old client's whole retry budget
+            m = start(tmp_path, f"run{restart}", state, "--compact-every", "25", "--listen", f"127.0.0.1:{port}")
+        assert done.wait(120), "the client did not finish"
+        assert not errors, errors
+        with BlockManagerClient(m.target) as c:
+            (seq,) = c.sequences(POOL).sequences
+            stats = c.stats(POOL)[POOL]
+        assert (seq.seq_id, seq.num_tokens) == (1, 1 + acked[0]) and acked[0] == 90
+        assert stats.steps == 1 + acked[0]                 # one applied step per acknowledged call
+        assert client.position.incarnation == 4 and client.position.seq == 2 + acked[0]
+    finally:
+        client.close()
+        m.stop()
 
 
 def test_retry_after_a_restart_gets_the_original_reply(tmp_path):

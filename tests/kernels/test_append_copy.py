@@ -151,3 +151,20 @@ def test_append_and_copy_with_a_base_address_page_minus_base(ops, kind: str) -> 
     assert (rec.count, rec.row, rec.position, rec.value, rec.reason) == (1, 1, 0, L.base - 1, "wrong_index_space")
     reference.page_view(expect, c.raw, L.page_index(3))[...] = reference.page_view(expect, c.raw, L.page_index(0))
     assert np.array_equal(c.buf, expect)
+
+
+def test_skip_slots_are_written_nowhere_and_are_not_violations(ops):
+    """-1 in slot_mapping (a prefix hit's tokens before a sliding window): nothing written, no violation;
+    -2 is still out_of_bounds. Repeated -1 entries are fine (they write nothing)."""
+    rng = np.random.default_rng(11)
+    c = make_cache(rng, "per_layer", 8, 4, 2, 32, "float32")
+    before = c.buf.copy()
+    k = rand(rng, (4, 2, 32), "float32")
+    v = rand(rng, (4, 2, 32), "float32")
+    call = ops.append_kv(c.buf, c.layout, k, v, np.array([-1, 5, -1, 9], dtype=np.int64))
+    assert call.record.count == 0
+    changed = np.argwhere(c.buf != before)
+    assert sorted({(int(x[0]), int(x[2])) for x in changed}) == [(1, 1), (2, 1)]   # slots 5 and 9 only
+    assert np.array_equal(c.buf[1, 0, 1], k[1]) and np.array_equal(c.buf[2, 1, 1], v[3])
+    call = ops.append_kv(c.buf, c.layout, k, v, np.array([-1, 6, -2, 10], dtype=np.int64))
+    assert (call.record.count, call.record.reason, call.record.value) == (1, "out_of_bounds", -2)

@@ -1,6 +1,8 @@
 // append_kv.cu -- write new K/V tokens into paged caches through slot_mapping.
 #include "paged.cuh"
 
+#define KV_SKIP_SLOT (-1ll)
+
 // Reason for slot value s (page = s / page_size must be a valid page).
 __device__ __forceinline__ int kv_slot_reason(const KvLayout& L, long long s) {
 #ifndef KV_NO_BOUNDS_CHECK
@@ -13,8 +15,10 @@ __device__ __forceinline__ int kv_slot_reason(const KvLayout& L, long long s) {
 // k, v: [n_tokens, kv_heads, head_dim] contiguous, same dtype as the cache
 // (elt_bytes bytes each). slot_mapping: int64 [n_tokens], value =
 // page * page_size + offset, pairwise distinct (the wrapper refuses duplicates:
-// their order of writes is undefined). An offending token is never written; each
-// one is noted once (row = position = token index).
+// their order of writes is undefined), or KV_SKIP_SLOT (-1): a token this layer does
+// not hold (a prefix hit's tokens before a sliding window), written nowhere and not a
+// violation (vLLM's padding slot). An offending token is never written; each one is
+// noted once (row = position = token index).
 extern "C" __global__ void kv_append(const char* k, const char* v, const long long* slot_mapping,
                                      long long n_tokens, char* cache, long long elt_bytes,
                                      long long page_stride, long long page_size, long long kv_heads,
@@ -27,8 +31,10 @@ extern "C" __global__ void kv_append(const char* k, const char* v, const long lo
   const long long tid = threadIdx.x;
   if (i < n_tokens) {
     const long long s = slot_mapping[i];
-    const int reason = kv_slot_reason(L, s);
-    if (reason == KV_OK) {
+    const int reason = s == KV_SKIP_SLOT ? KV_OK : kv_slot_reason(L, s);
+    if (s == KV_SKIP_SLOT) {
+      // nothing to write
+    } else if (reason == KV_OK) {
       const long long page = s / page_size, tok = s - page * page_size;
       const long long row_bytes = kv_heads * head_dim * elt_bytes;
       char* dk = cache + kv_row_offset(L, page, 0, tok, 0) * elt_bytes;
