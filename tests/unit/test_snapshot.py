@@ -9,11 +9,11 @@ from kvservice import snapshot as snap
 from kvservice.allocator import SlotAllocator
 from kvservice.errors import KVError, StateError
 from kvservice.geometry import CacheSpec, LayerSpec
+from kvservice.invariants import assert_invariants
 from kvservice.journal import METHODS, Journal, JournalConfig, state_tree
 from kvservice.manager import BlockManager
 from kvservice.planner import Sizing, plan
 from kvservice.pool import Pool, PoolState
-from kvservice.invariants import assert_invariants
 from kvservice.prefix import PrefixCache
 
 from .test_journal import prefix_workload, setup_pools, workload
