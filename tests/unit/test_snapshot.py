@@ -248,12 +248,13 @@ def test_hybrid_prefix_cached_pool_round_trips_and_then_behaves_the_same(layout)
         for _ in range(n):
             try:
                 if r.random() < 0.5 or not live:
-                    toks = base[r.integers(0, 3)][:int(r.integers(2, 40))] + [int(r.integers(0, 30))]
+                    toks = [*base[r.integers(0, 3)][:int(r.integers(2, 40))], int(r.integers(0, 30))]
                     res = p.step(admit_ids=[nxt], admit_tokens=[len(toks)], admit_token_ids=np.array(toks))
                     live.append(nxt)
                     nxt += 1
                 elif r.random() < 0.7:
-                    res = p.step(extend_ids=[live[int(r.integers(0, len(live)))]], extend_tokens=[int(r.integers(1, 6))])
+                    sid = live[int(r.integers(0, len(live)))]
+                    res = p.step(extend_ids=[sid], extend_tokens=[int(r.integers(1, 6))])
                 else:
                     res = p.step(free_ids=[live.pop(int(r.integers(0, len(live))))])
                 out.append((res.seq_ids.tolist(), [t.slot_mapping.tolist() for t in res.tables],
