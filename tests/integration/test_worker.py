@@ -133,7 +133,7 @@ def test_append_violations_are_not_written(system):
     w = system["w0"]
     before = w.metrics()
     k = np.ones((3, CFG.kv_heads, CFG.head_dim), np.float32)
-    rep = w.client.append_kv(1, k, k, np.array([5, 128 * 16, -1], np.int64))
+    rep = w.client.append_kv(1, k, k, np.array([5, 128 * 16, -2], np.int64))   # -1 would be SKIP_SLOT
     (v,) = rep.violations
     assert (v.count, v.row, v.value, v.kernel) == (2, 1, 128 * 16, "append_kv")
     key = 'kvworker_bounds_violations_total{kernel="append_kv",layer="1",reason="out_of_bounds"}'

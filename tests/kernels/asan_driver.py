@@ -48,7 +48,7 @@ def main() -> None:
                 print(json.dumps(out))
                 return
         out[f"validate-{kind}"] = rec(kc.validate_page_table(indptr, indices, lpl, c.layout).record)
-        sm = np.array([0, c.layout.upper_bound * 4, -1, 5], dtype=np.int64)
+        sm = np.array([0, c.layout.upper_bound * 4, -2, 5], dtype=np.int64)
         sm[[0, 3]] = np.asarray(c.layout.page_index(np.array([0, 1]))) * 4 + np.array([0, 1])
         kv = rand(rng, (4, 2, 64), "float16")
         out[f"append-{kind}"] = rec(kc.append_kv(c.buf, c.layout, kv, kv, sm).record)

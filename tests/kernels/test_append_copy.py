@@ -20,14 +20,14 @@ def test_append_writes_valid_tokens_only(kind: str, dtype: str) -> None:
     pages = np.asarray(L.page_index(slots), dtype=np.int64)
     offs = np.array([0, 3, 1, 2])
     sm = pages * L.page_size + offs
-    bad = np.array([-1, L.upper_bound * L.page_size, (L.offset + 1) * L.page_size if L.scale > 1 else -5])
+    bad = np.array([-2, L.upper_bound * L.page_size, (L.offset + 1) * L.page_size if L.scale > 1 else -5])
     sm = np.concatenate([sm[:2], bad[:1], sm[2:], bad[1:]]).astype(np.int64)  # tokens 2, 5, 6 bad
     k, v = rand(rng, (7, 2, 64), dtype), rand(rng, (7, 2, 64), dtype)
     caches = {}
     for name, ops in (("emu", kernels_cpu), ("numpy", ops_numpy)):
         buf = c.buf.copy()
         rec = ops.append_kv(buf, L, k, v, sm).record
-        assert (rec.count, rec.row, rec.position, rec.value, rec.reason) == (3, 2, 2, -1, "out_of_bounds")
+        assert (rec.count, rec.row, rec.position, rec.value, rec.reason) == (3, 2, 2, -2, "out_of_bounds")
         caches[name] = buf
     assert np.array_equal(caches["emu"], caches["numpy"])
     expect = c.buf.copy()
@@ -106,7 +106,7 @@ def test_append_refuses_duplicate_slots_and_writes_nothing(ops) -> None:
     with pytest.raises(ValueError, match=f"slot {sm[0]} appears more than once"):
         ops.append_kv(c.buf, L, k, k, sm)
     with pytest.raises(ValueError, match="appears more than once"):   # also among invalid values
-        ops.append_kv(c.buf, L, k[:2], k[:2], np.array([-1, -1], dtype=np.int64))
+        ops.append_kv(c.buf, L, k[:2], k[:2], np.array([-2, -2], dtype=np.int64))
     assert np.array_equal(c.buf, before)
 
 
