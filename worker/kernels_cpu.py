@@ -96,6 +96,11 @@ class CpuBackend:
     xp = np
     sms = 4  # pretend SM count for the split heuristics
 
+    @staticmethod
+    def resident_blocks(name: str, block: int) -> int:
+        """Pretend residency (2 blocks per SM) for the split heuristics."""
+        return 2
+
     def __init__(self, variant: str = "plain") -> None:
         self.variant = variant
         self.lib = ctypes.CDLL(str(build(variant)))
