@@ -288,6 +288,46 @@ def decode_entry(dtype: str, group: int, head_dim: int) -> str:
     return f"{ENTRY[dtype]}_g{heads_per_block(group, head_dim)}_d{head_dim}"
 
 
+@dataclass(frozen=True)
+class DecodeGeometry:
+    """Compile-time geometry of one decode entry (mirrors ``KvDecGeom`` in
+    decode_attention.cu; test_nvcc checks ``smem_bytes`` against ptxas)."""
+
+    vec: int  # elements per 16-byte piece
+    lanes: int  # lanes per K/V row (a lane group)
+    lane_groups: int  # per block of THREADS
+    tile_tokens: int  # tokens per pipeline tile
+    copies_per_thread: int  # 16-byte cp.async per thread per tile, K and V each
+    stages: int  # cp.async ring depth
+    smem_bytes: int  # static shared memory of the checked build
+
+    @property
+    def tile_bytes(self) -> int:
+        """K + V bytes of one tile."""
+        return 2 * THREADS * self.copies_per_thread * 16
+
+    @property
+    def inflight_bytes_per_warp(self) -> int:
+        """cp.async bytes a warp has in flight while it works on one tile."""
+        return (self.stages - 1) * 2 * self.copies_per_thread * 16 * 32
+
+
+def decode_geometry(dtype: str, heads: int, head_dim: int) -> DecodeGeometry:
+    """Geometry of the decode entry with ``heads`` q heads per block."""
+    vec = VEC[dtype]
+    cpr = head_dim // vec
+    lanes = min(cpr, 32)
+    ch = cpr // lanes
+    groups = THREADS // lanes
+    rpt = 2 if ch == 1 else 1
+    tt = groups * rpt
+    nch = tt * cpr // THREADS
+    stages = 3 if nch <= 2 else 2
+    buf_floats = max(stages * 2 * tt * cpr * 4, groups * heads * head_dim)
+    smem = 4 * buf_floats + 2 * 4 * groups * heads + 4 + 4  # ring/merge, max+sum, s_bad, s_last
+    return DecodeGeometry(vec, lanes, groups, tt, nch, stages, smem)
+
+
 OTHER_KERNELS = ("kv_append", "kv_copy_blocks", "kv_decode_merge", "kv_guard_check", "kv_guard_fill",
                  "kv_validate_page_table")
 
