@@ -109,9 +109,15 @@ def test_dead_child_takes_only_its_group(tmp_path: Path) -> None:
 
 def test_runs_on_python_310() -> None:
     """The device may have Python 3.10: no 3.11+ syntax or datetime.UTC in what gpu_check imports."""
-    files = [SCRIPT, ROOT / "bench" / "decode_cases.py"] + [
+    files = [SCRIPT, ROOT / "bench" / "gpu_groups.py", ROOT / "bench" / "decode_cases.py"] + [
         ROOT / "worker" / f"{m}.py" for m in ("kernel_api", "kernels_cuda", "kernels_cpu", "reference", "ops_numpy")]
     for f in files:
         src = f.read_text()
         ast.parse(src, filename=str(f), feature_version=(3, 10))
         assert "dt.UTC" not in src and "datetime.UTC" not in src and "tomllib" not in src, f
+
+
+def test_every_group_has_a_runner() -> None:
+    from bench import gpu_groups
+
+    assert set(gpu_groups.GROUPS) == {"preflight", *gpu_check.GROUP_TIMEOUTS}
