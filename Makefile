@@ -41,8 +41,8 @@ lint: $(STAMP)
 protos: $(STAMP)
 	$(BIN)/python scripts/gen_protos.py
 
-gpu-check:
-	python3 bench/gpu_check.py --out bench/results/gpu-$$(date +%Y-%m-%d).md
+gpu-check:  # on a GPU machine; writes bench/results/gpu-<date>-<gpu>.{md,jsonl,log}
+	python3 bench/gpu_check.py --out bench/results
 
 clean:
 	rm -rf $(VENV) build .pytest_cache mutants

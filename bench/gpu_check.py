@@ -1,375 +1,296 @@
-"""GPU check for the paged KV kernels: build via cupy, correctness vs the torch
-float64 reference (including a cache buffer over 4 GiB), and timings as GB/s
-against a device-to-device copy measured in the same run, plus the cost of
-the bounds checks (checked build vs -DKV_NO_BOUNDS_CHECK build).
+"""GPU check of the paged KV kernels, built so one short device window is enough.
 
-    python bench/gpu_check.py --out bench/results/gpu-<date>.md
+    python3 bench/gpu_check.py --out DIR            # on the GPU machine (cupy, torch, numpy)
+    python3 bench/gpu_check.py --out DIR --backend emulated [--quick]   # anywhere: CPU emulation
 
-``--dry-run`` writes a report without touching a GPU (``--inject FILE.json``
-supplies results); ``--backend cpu --quick`` runs every check on the CPU
-emulation at toy sizes (timings meaningless) to test this script itself.
-Exit: 0 correctness passed, 1 a correctness check failed, 2 cannot run.
+Writes ``DIR/gpu-<date>-<gpu>.jsonl`` (one JSON object per result, appended
+and flushed as each finishes) and ``DIR/gpu-<date>-<gpu>.md`` (the report,
+re-rendered after every group), plus ``.log`` with each child's output.
+
+1. preflight: two child processes at once compile the checked and the
+   ``-DKV_NO_BOUNDS_CHECK`` modules, resolve every kernel and print the
+   CuPy / NVRTC / driver versions and each kernel's registers, shared and
+   local (spill) bytes and resident blocks per SM. Exit 2 if that fails.
+2. every group runs in its own child process (a sticky CUDA error such as an
+   illegal address poisons that group only), each check synchronised, with
+   a time budget for the whole run, preflight included (default 450 s):
+   ``decode-<dtype>`` (bench/decode_cases.py: head_dim x GQA group with
+   windows, splits, page sizes, policies, bad pages, empty rows; vs the torch
+   float64 reference; one group per cache dtype), ``timing`` (N back-to-back launches between one pair of
+   events, checked and unchecked builds interleaved over rounds: median and
+   spread, against a device-to-device copy), ``append-copy-guard``,
+   ``over-4gib`` (pages past byte 2^32 compared with host-built contents,
+   including the pages a wrapped 32-bit offset would have hit).
+Exit: 0 every check passed, 1 a check or group failed, 2 cannot run.
+Imports only numpy, torch, cupy and ``worker`` / ``bench`` modules (no
+protobuf, no gRPC); Python 3.10+.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
-import functools
 import json
+import os
+import re
+import subprocess
 import sys
+import tempfile
 import time
-import traceback
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
-from worker import kernel_api as api  # noqa: E402
-from worker.kernel_api import PageLayout  # noqa: E402
-
-TARGET_DECODE = 0.70  # decode GB/s >= 70 % of copy GB/s
+TARGET_DECODE = 0.80  # decode GB/s >= 80 % of device-to-device copy GB/s
 TARGET_CHECK_COST = 0.03  # checked vs unchecked decode time <= +3 %
+BUDGET_S = 450.0  # the whole run, preflight included
+PREFLIGHT_TIMEOUT_S = 240.0
+# group -> timeout in seconds (each also capped by what is left of the budget);
+# the sweep is one group per dtype, so a fault or a slow machine costs a third of it
+GROUP_TIMEOUTS = {"decode-float32": 120.0, "decode-float16": 120.0, "decode-bfloat16": 120.0, "timing": 150.0,
+                  "append-copy-guard": 60.0, "over-4gib": 90.0}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", type=Path, default=None, help="markdown report path (default bench/results/gpu-DATE.md)")
-    p.add_argument("--backend", choices=["cuda", "cpu"], default="cuda")
-    p.add_argument("--dry-run", action="store_true", help="write the report only, run nothing")
-    p.add_argument("--inject", type=Path, default=None, help="JSON results to render (with --dry-run)")
-    p.add_argument("--quick", action="store_true", help="toy sizes (for --backend cpu)")
-    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results",
+                   help="directory for gpu-<date>-<gpu>.{jsonl,md,log} (default bench/results)")
+    p.add_argument("--backend", choices=["cuda", "emulated"], default="cuda")
+    p.add_argument("--quick", action="store_true", help="6 sweep cases, small timing shapes, 3 rounds")
+    p.add_argument("--rounds", type=int, default=None, help="timing rounds (default 7; quick or emulated 3)")
+    p.add_argument("--launches", type=int, default=None,
+                   help="launches per timed batch (default 20; quick or emulated 2)")
+    p.add_argument("--budget-s", type=float, default=BUDGET_S, help="wall-clock budget of the groups")
+    p.add_argument("--groups", default=",".join(GROUP_TIMEOUTS), help="comma-separated groups to run")
+    p.add_argument("--dry-run", action="store_true", help="render --inject (JSON lines) into a report only")
+    p.add_argument("--inject", type=Path, default=None, help="JSON-lines results to render with --dry-run")
+    p.add_argument("--fault", default=None, help="test hook: the child of this group aborts after its first line")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--jsonl", type=Path, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--build", choices=["checked", "unchecked"], default="checked", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    if a.out is None:
-        a.out = ROOT / "bench" / "results" / f"gpu-{dt.date.today().isoformat()}.md"
+    small = a.quick or a.backend == "emulated"
+    a.rounds = a.rounds or (3 if small else 7)
+    a.launches = a.launches or (2 if small else 20)
+    unknown = set(a.groups.split(",")) - set(GROUP_TIMEOUTS)
+    if unknown:
+        p.error(f"unknown groups {sorted(unknown)}; choose from {list(GROUP_TIMEOUTS)}")
     return a
 
 
-class Ops:
-    """kernel_api functions bound to one backend."""
-
-    def __init__(self, be: Any) -> None:
-        self.be, self.xp = be, be.xp
-        for name in ("append_kv", "decode_attention", "copy_blocks", "validate_page_table",
-                     "guard_fill", "guard_check"):
-            setattr(self, name, functools.partial(getattr(api, name), be))
+def utc_now() -> dt.datetime:
+    return dt.datetime.now(dt.timezone.utc)  # noqa: UP017  (the UTC alias needs Python 3.11; the device may have 3.10)
 
 
-def make_backends(kind: str) -> tuple[Ops, Ops, str]:
-    """(checked, unchecked, device name). Raises SystemExit(2) with a message."""
-    if kind == "cpu":
-        from worker import kernels_cpu
-
-        return Ops(kernels_cpu.backend("plain")), Ops(kernels_cpu.backend("nocheck")), "CPU emulation (g++)"
-    try:
-        import cupy
-    except Exception as e:
-        raise SystemExit(f"gpu_check: cupy is not importable ({e}); run this on a GPU machine with cupy, "
-                         "or use --dry-run / --backend cpu") from None
-    try:
-        n = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:
-        raise SystemExit(f"gpu_check: no usable CUDA device ({e})") from None
-    if n == 0:
-        raise SystemExit("gpu_check: no CUDA device found")
-    from worker import kernels_cuda
-
-    name = cupy.cuda.runtime.getDeviceProperties(0)["name"]
-    name = name.decode() if isinstance(name, bytes) else str(name)
-    return Ops(kernels_cuda.backend(False)), Ops(kernels_cuda.backend(True)), name
+def slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown"
 
 
-# ---- data helpers --------------------------------------------------------------------
-def rand(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> np.ndarray:
-    x = rng.uniform(0.1, 1.0, shape).astype(np.float32) * rng.choice([-1.0, 1.0], shape).astype(np.float32)
-    if dtype == "bfloat16":
-        return (x.view(np.uint32) >> 16).astype(np.uint16)
-    return x.astype(api.DTYPES[dtype])
-
-
-def table(rng: np.random.Generator, layout: PageLayout, slots: int, lens: list[int]) -> tuple[np.ndarray, ...]:
-    pages = [-(-n // layout.page_size) for n in lens]
-    idx = np.asarray(layout.page_index(rng.permutation(slots)[: sum(pages)]), dtype=np.int32)
-    indptr = np.concatenate(([0], np.cumsum(pages))).astype(np.int32)
-    lpl = np.array([n - layout.page_size * (p - 1) for n, p in zip(lens, pages, strict=True)], dtype=np.int32)
-    return indptr, idx, lpl
-
-
-def rel_err(a: np.ndarray, ref: np.ndarray, floor: float = 1e-30) -> float:
-    """Largest per-row relative error against the float64 oracle (worker.reference.row_rel_err)."""
-    from worker import reference
-
-    return reference.row_rel_err(a, ref, floor)
-
-
-# ---- correctness -------------------------------------------------------------------
-def check_decode(ops: Ops, quick: bool) -> list[dict]:
-    from worker import reference
-
-    rng = np.random.default_rng(0)
+# ==== parent side ======================================================================
+def read_lines(path: Path) -> list[dict]:
     out = []
-    hq, hkv, lens = (8, 2, [37, 150, 1, 64]) if quick else (32, 8, [1000, 1, 4096, 333, 17, 2048])
-    dims = (64,) if quick else (64, 128, 256)
-    for dtype in ("float16", "bfloat16", "float32"):
-        for d in dims:
-            for kind in ("per_layer", "interleaved"):
-                ps = 16
-                slots = sum(-(-n // ps) for n in lens) + 3
-                pe = 2 * ps * hkv * d
-                if kind == "per_layer":
-                    L = PageLayout.per_layer(slots, ps, hkv, d, dtype)
-                    raw = reference.RawLayer.per_layer(slots, ps, hkv, d, dtype)
-                    host = rand(rng, (slots * pe,), dtype)
-                else:
-                    pb = pe * api.ITEMSIZE[dtype]
-                    L = PageLayout.interleaved(slots, 4 * pb, 2 * pb, ps, hkv, d, dtype)
-                    raw = reference.RawLayer.interleaved(slots, 4 * pb, 2 * pb, ps, hkv, d, dtype)
-                    host = rand(rng, (slots * 4 * pe,), dtype)
-                t = table(rng, L, slots, lens)
-                q = rand(rng, (len(lens), hq, d), dtype)
-                ref_o, ref_lse = reference.decode_attention_ref(q, host, raw, *t)
-                tol = reference.TOLERANCE[dtype]
-                for split in (0, 3):
-                    xs = [ops.xp.asarray(a) for a in (q, host, *t)]
-                    res = ops.decode_attention(xs[0], xs[1], L, *xs[2:], kv_chunk_pages=split)
-                    err = rel_err(ops.be.to_host(res.out), ref_o)
-                    err_lse = rel_err(ops.be.to_host(res.lse), ref_lse, 1.0)
-                    ok = err <= tol and err_lse <= tol and res.record.count == 0
-                    out.append({"check": f"decode {dtype} d{d} {kind} split={split}", "ok": ok,
-                                "detail": f"rel err out {err:.2e}, lse {err_lse:.2e} (tol {tol:g}, per row)"})
-                # one row one page past the buffer: NaN row + exact record, others unaffected
-                bad = t[1].copy()
-                bad[t[0][1]] = L.upper_bound
-                xs = [ops.xp.asarray(a) for a in (q, host, t[0], bad, t[2])]
-                res = ops.decode_attention(*xs[:2], L, *xs[2:], kv_chunk_pages=3)
-                o = ops.be.to_host(res.out)
-                r = res.record
-                ok = (r.count, r.row, r.position, r.reason) == (1, 1, int(t[0][1]), "out_of_bounds") and \
-                    bool(np.isnan(o[1]).all()) and rel_err(np.delete(o, 1, 0), np.delete(ref_o, 1, 0)) <= tol
-                out.append({"check": f"decode {dtype} d{d} {kind} page past end", "ok": ok, "detail": str(r)})
+    if path.exists():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                out.append({"kind": "check", "group": "?", "check": "unreadable line", "ok": False,
+                            "detail": line[:200]})
     return out
 
 
-def check_append_copy_guard(ops: Ops) -> list[dict]:
-    from worker import ops_numpy
-
-    rng = np.random.default_rng(1)
-    res = []
-    L = PageLayout.per_layer(64, 16, 8, 128, "float16")
-    host = rand(rng, (64 * L.page_elems,), "float16")
-    sm = (rng.permutation(64 * 16)[:300]).astype(np.int64)
-    sm[[5, 17]] = [-1, 64 * 16]
-    k, v = rand(rng, (300, 8, 128), "float16"), rand(rng, (300, 8, 128), "float16")
-    dev = ops.xp.asarray(host)
-    r1 = ops.append_kv(dev, L, ops.xp.asarray(k), ops.xp.asarray(v), ops.xp.asarray(sm)).record
-    exp = host.copy()
-    r2 = ops_numpy.append_kv(exp, L, k, v, sm).record
-    res.append({"check": "append vs numpy", "ok": r1 == r2 and np.array_equal(ops.be.to_host(dev), exp),
-                "detail": str(r1)})
-    pairs = np.array([[1, 2], [3, 64], [10, 11]], dtype=np.int64)
-    r1 = ops.copy_blocks([dev], L, ops.xp.asarray(pairs)).record
-    r2 = ops_numpy.copy_blocks([exp], L, pairs).record
-    res.append({"check": "copy_blocks vs numpy", "ok": r1 == r2 and np.array_equal(ops.be.to_host(dev), exp),
-                "detail": str(r1)})
-    buf = ops.xp.zeros(1 << 20, dtype=np.uint8)
-    ops.guard_fill(buf, 4096)
-    clean = ops.guard_check(buf, 4096)
-    buf[(1 << 20) - 7] = 0
-    hit = ops.guard_check(buf, 4096)
-    ok = not clean and (hit.corrupted_bytes, hit.first_offset) == (1, (1 << 20) - 7)
-    res.append({"check": "guard zones", "ok": ok, "detail": f"clean={clean}, corrupted={hit}"})
-    return res
+def fmt_s(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x * 1e3:.3f}" if x < 10 else f"{x:.1f} s"
 
 
-def check_over_4gib(ops: Ops) -> list[dict]:
-    """Cache buffer of > 4 GiB: write and read a page whose byte offset is past 2^32."""
-    from worker import reference
-
-    rng = np.random.default_rng(2)
-    L = PageLayout.per_layer(2**16 + 8, 16, 8, 128, "float16")  # 64 KiB pages, 4 GiB + 512 KiB
-    cache = ops.xp.zeros(L.upper_bound * L.page_elems, dtype=np.float16)
-    high = 2**16 + 1
-    k, v = rand(rng, (20, 8, 128), "float16"), rand(rng, (20, 8, 128), "float16")
-    sm = np.concatenate([3 * 16 + np.arange(16), high * 16 + np.arange(4)]).astype(np.int64)
-    r = ops.append_kv(cache, L, ops.xp.asarray(k), ops.xp.asarray(v), ops.xp.asarray(sm)).record
-    ops.copy_blocks([cache], L, ops.xp.asarray(np.array([[high, high + 2]], dtype=np.int64)))
-    pe = L.page_elems
-    small = np.concatenate([ops.be.to_host(cache[p * pe:(p + 1) * pe]) for p in (3, high, high + 2)])
-    wrapped = ops.be.to_host(cache[: 3 * pe])
-    q = rand(rng, (1, 32, 128), "float16")
-    t = (np.array([0, 3], np.int32), np.array([3, high, high + 2], np.int32), np.array([4], np.int32))
-    res = ops.decode_attention(ops.xp.asarray(q), cache, L, *[ops.xp.asarray(a) for a in t])
-    raw = reference.RawLayer.per_layer(3, 16, 8, 128, "float16")
-    ref_o, _ = reference.decode_attention_ref(q, small, raw, t[0], np.arange(3, dtype=np.int32), t[2])
-    err = rel_err(ops.be.to_host(res.out), ref_o)
-    ok = r.count == 0 and not wrapped.any() and err <= reference.TOLERANCE["float16"]
-    del cache
-    return [{"check": "cache > 4 GiB: page past 2^32 bytes", "ok": ok,
-             "detail": f"rel err {err:.2e}, low pages untouched={not wrapped.any()}"}]
-
-
-# ---- timing --------------------------------------------------------------------------
-def timer(ops: Ops, fn: Callable[[], Any], iters: int) -> float:
-    """Median seconds per call."""
-    for _ in range(3):
-        fn()
-    ts = []
-    if ops.xp is np:
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-    else:
-        cp = ops.xp
-        for _ in range(iters):
-            a, b = cp.cuda.Event(), cp.cuda.Event()
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            ts.append(cp.cuda.get_elapsed_time(a, b) / 1e3)
-    return float(np.median(ts))
-
-
-def measure(ops: Ops, raw: Ops, quick: bool, iters: int) -> list[dict]:
-    xp, rng = ops.xp, np.random.default_rng(3)
-    B, ctx, hq, hkv, d, ps = (4, 256, 8, 2, 64, 16) if quick else (64, 4096, 32, 8, 128, 16)
-    rows: list[dict] = []
-    # device-to-device copy
-    n = (8 << 20) if quick else (1 << 30)
-    src, dst = xp.ones(n, dtype=np.uint8), xp.empty(n, dtype=np.uint8)
-    if xp is np:
-        t = timer(ops, lambda: np.copyto(dst, src), iters)
-    else:
-        t = timer(ops, lambda: xp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, n, 3, 0), iters)
-    copy_gbs = 2 * n / t / 1e9
-    rows.append({"kernel": "device-to-device copy", "shape": f"{n >> 20} MiB", "ms": t * 1e3, "gbs": copy_gbs})
-    src = dst = None  # free before the cache is allocated
-    # decode
-    ppr = ctx // ps
-    L = PageLayout.per_layer(B * ppr, ps, hkv, d, "float16")
-    cache = xp.asarray(rand(rng, (B * ppr * L.page_elems,), "float16"))
-    idx = xp.asarray(rng.permutation(B * ppr).astype(np.int32))
-    indptr = xp.asarray((np.arange(B + 1) * ppr).astype(np.int32))
-    lpl = xp.asarray(np.full(B, ps, dtype=np.int32))
-    q = xp.asarray(rand(rng, (B, hq, d), "float16"))
-    kv_bytes = B * ctx * hkv * d * 2 * 2
-    times = {}
-    for label, o in (("checked", ops), ("unchecked", raw)):
-        times[label] = timer(o, lambda o=o: o.decode_attention(q, cache, L, indptr, idx, lpl, max_pages=ppr), iters)
-        rows.append({"kernel": f"decode ({label})", "shape": f"B={B} ctx={ctx} hq={hq} hkv={hkv} d={d} fp16",
-                     "ms": times[label] * 1e3, "gbs": kv_bytes / times[label] / 1e9})
-    # append: B * 256 tokens
-    nt = 64 if quick else B * 256
-    sm = xp.asarray(rng.permutation(B * ppr * ps)[:nt].astype(np.int64))
-    kk = xp.asarray(rand(rng, (nt, hkv, d), "float16"))
-    t = timer(ops, lambda: ops.append_kv(cache, L, kk, kk, sm), iters)
-    rows.append({"kernel": "append_kv", "shape": f"{nt} tokens", "ms": t * 1e3,
-                 "gbs": 2 * 2 * nt * hkv * d * 2 / t / 1e9})
-    # copy_blocks: a quarter of the pages
-    npairs = B * ppr // 8
-    perm = rng.permutation(B * ppr)
-    pairs = xp.asarray(np.stack([perm[:npairs], perm[npairs:2 * npairs]], 1).astype(np.int64))
-    t = timer(ops, lambda: ops.copy_blocks([cache], L, pairs), iters)
-    rows.append({"kernel": "copy_blocks", "shape": f"{npairs} pages x {L.page_elems * 2 >> 10} KiB",
-                 "ms": t * 1e3, "gbs": 2 * npairs * L.page_elems * 2 / t / 1e9})
-    for r in rows:
-        r["pct_copy"] = r["gbs"] / copy_gbs
-    rows.append({"kernel": "bounds-check cost", "shape": "checked / unchecked decode - 1",
-                 "ms": None, "gbs": None, "cost": times["checked"] / times["unchecked"] - 1})
-    return rows
-
-
-# ---- report --------------------------------------------------------------------------
-def render(results: dict) -> str:
-    lines = [f"# GPU kernel check — {results['date']}", "", f"- GPU: {results['gpu']}",
-             f"- backend: {results['backend']}", f"- versions: {results.get('versions', '-')}", ""]
-    if results.get("note"):
-        lines += [f"> {results['note']}", ""]
-    checks = results.get("checks", [])
-    lines += ["## Correctness (vs torch float64 reference)", "", "| check | result | detail |", "|---|---|---|"]
-    lines += [f"| {c['check']} | {'PASS' if c['ok'] else 'FAIL'} | {c['detail']} |" for c in checks]
-    if not checks:
-        lines.append("| (not run) | - | - |")
-    perf = results.get("perf", [])
-    lines += ["", "## Performance", "", "| kernel | shape | time (ms) | GB/s | % of copy |", "|---|---|---|---|---|"]
-    cost = None
+def render(lines: list[dict], header: dict) -> str:
+    out = [f"# GPU kernel check — {header.get('date', '-')}", "",
+           f"- GPU: {header.get('gpu', '-')}", f"- backend: {header.get('backend', '-')}",
+           f"- run: {header.get('status', '-')}"]
+    for v in (ln for ln in lines if ln.get("kind") == "versions"):
+        keys = ", ".join(f"{k} {v[k]}" for k in v if k not in ("kind", "group", "t", "build"))
+        out.append(f"- versions ({v.get('build')}): {keys}")
+    if header.get("note"):
+        out += ["", f"> {header['note']}"]
+    checks = [ln for ln in lines if ln.get("kind") == "check"]
+    failed = [c for c in checks if not c.get("ok")]
+    out += ["", "## Correctness", "",
+            f"{len(checks) - len(failed)} of {len(checks)} checks passed."]
+    if failed:
+        out += ["", "Failed:", ""] + [f"- **{c.get('group')}** {c.get('check')}: {c.get('detail')}" for c in failed]
+    aborts = [ln for ln in lines if ln.get("kind") in ("abort", "group")]
+    if aborts:
+        out += ["", "| group | status | detail |", "|---|---|---|"]
+        out += [f"| {a.get('group')} | {a.get('status', 'aborted')} | {a.get('detail', '')} |" for a in aborts]
+    out += ["", "| group | check | result | detail | s |", "|---|---|---|---|---|"]
+    out += [f"| {c.get('group')} | {c.get('check')} | {'PASS' if c.get('ok') else 'FAIL'} | {c.get('detail')} | "
+            f"{c.get('seconds', '-')} |" for c in checks]
+    perf = [ln for ln in lines if ln.get("kind") == "perf"]
+    costs = [ln for ln in lines if ln.get("kind") == "cost"]
+    out += ["", "## Performance", "", "Per launch: median of the rounds (min - max); each round times N back-to-back "
+            "launches between one pair of events; checked and unchecked builds alternate round by round.", "",
+            "| kernel | shape | ms per launch (min - max) | GB/s | % of copy | blocks/SM |",
+            "|---|---|---|---|---|---|"]
     for r in perf:
-        if "cost" in r:
-            cost = r["cost"]
-            continue
-        lines.append(f"| {r['kernel']} | {r['shape']} | {r['ms']:.3f} | {r['gbs']:.1f} | {100 * r['pct_copy']:.1f} % |")
+        ms = f"{fmt_s(r['median_s'])} ({fmt_s(r['min_s'])} - {fmt_s(r['max_s'])})"
+        out.append(f"| {r['kernel']} | {r['shape']} | {ms} | {r['gbs']:.1f} | {100 * r['pct_copy']:.1f} % | "
+                   f"{r.get('blocks_per_sm', '-')} |")
     if not perf:
-        lines.append("| (not run) | - | - | - | - |")
-    dec = next((r for r in perf if r["kernel"] == "decode (checked)"), None)
-    lines += ["", "## Targets", "", "| target | measured | result |", "|---|---|---|"]
-    if dec is not None:
-        ok = dec["pct_copy"] >= TARGET_DECODE
-        lines.append(f"| decode >= {TARGET_DECODE:.0%} of copy bandwidth | {dec['pct_copy']:.1%} | "
-                     f"{'MET' if ok else 'MISSED'} |")
-    if cost is not None:
-        ok = cost <= TARGET_CHECK_COST
-        lines.append(f"| bounds-check cost <= {TARGET_CHECK_COST:.0%} | {cost:+.1%} | {'MET' if ok else 'MISSED'} |")
-    if dec is None and cost is None:
-        lines.append("| (not measured) | - | - |")
-    return "\n".join(lines) + "\n"
+        out.append("| (not measured) | - | - | - | - | - |")
+    out += ["", "## Targets", "", "| target | shape | measured | result |", "|---|---|---|---|"]
+    for r in perf:
+        if r["kernel"] == "decode (checked)":
+            ok = r["pct_copy"] >= TARGET_DECODE
+            out.append(f"| decode >= {TARGET_DECODE:.0%} of copy bandwidth | {r['shape']} | {r['pct_copy']:.1%} | "
+                       f"{'MET' if ok else 'MISSED'} |")
+    for c in costs:
+        ok = c["cost"] <= TARGET_CHECK_COST
+        out.append(f"| bounds-check cost <= {TARGET_CHECK_COST:.0%} | {c['shape']} | {c['cost']:+.1%} "
+                   f"(rounds {c.get('round_costs')}) | {'MET' if ok else 'MISSED'} |")
+    if not perf and not costs:
+        out.append("| (not measured) | - | - | - |")
+    kernels = [ln for ln in lines if ln.get("kind") == "kernel" and ln.get("build") == "checked"]
+    if kernels and "registers" in kernels[0]:
+        out += ["", "## Kernel resources (checked build, from the driver)", "",
+                "| kernel | registers | shared (B) | local/spill (B) | blocks/SM |", "|---|---|---|---|---|"]
+        out += [f"| {k['name']} | {k['registers']} | {k['shared_bytes']} | {k['local_bytes']} | {k['blocks_per_sm']} |"
+                for k in kernels]
+    return "\n".join(out) + "\n"
 
 
-def versions() -> str:
-    out = [f"numpy {np.__version__}"]
-    for mod in ("cupy", "torch"):
+class Run:
+    """Parent: starts children, keeps the JSON lines, the log and the report."""
+
+    def __init__(self, args: argparse.Namespace, gpu: str) -> None:
+        self.args = args
+        now = utc_now()
+        stem = f"gpu-{now.date().isoformat()}-{slug(gpu)}"
+        args.out.mkdir(parents=True, exist_ok=True)
+        self.jsonl, self.md, self.log = (args.out / f"{stem}.{ext}" for ext in ("jsonl", "md", "log"))
+        self.jsonl.write_text("")
+        self.log.write_text("")
+        self.header = {"date": now.strftime("%Y-%m-%d %H:%M UTC"), "gpu": gpu, "backend": args.backend,
+                       "status": "running"}
+        if args.quick:
+            self.header["note"] = "quick mode: 6 sweep cases, small timing shapes; timings are not meaningful"
+        elif args.backend == "emulated":
+            self.header["note"] = "CPU emulation: correctness is real, timings are not GPU figures"
+        self.env = dict(os.environ)
+        self.env.setdefault("CUPY_CACHE_DIR", tempfile.mkdtemp(prefix="kvk-cupy-"))  # shared by the children
+        self.env["PYTHONUNBUFFERED"] = "1"
+
+    def cmd(self, group: str, build: str = "checked") -> list[str]:
+        a = self.args
+        c = [sys.executable, str(Path(__file__).resolve()), "--child", group, "--jsonl", str(self.jsonl),
+             "--backend", a.backend, "--build", build, "--rounds", str(a.rounds), "--launches", str(a.launches)]
+        return c + (["--quick"] if a.quick else []) + (["--fault", a.fault] if a.fault else [])
+
+    def note(self, **line: Any) -> None:
+        with open(self.jsonl, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"t": round(time.time(), 3), **line}) + "\n")
+
+    def start(self, group: str, build: str = "checked") -> subprocess.Popen:
+        return subprocess.Popen(self.cmd(group, build), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=self.env, cwd=str(ROOT))
+
+    def finish(self, name: str, proc: subprocess.Popen, timeout: float, t0: float, echo: bool = False) -> int:
         try:
-            out.append(f"{mod} {__import__(mod).__version__}")
-        except Exception:
-            out.append(f"{mod} -")
-    return ", ".join(out)
+            text, _ = proc.communicate(timeout=timeout)
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            text, _ = proc.communicate()
+            rc = -9
+        secs = time.perf_counter() - t0
+        with open(self.log, "a", encoding="utf-8") as f:
+            f.write(f"==== {name}: exit {rc}, {secs:.1f} s\n{text}\n")
+        if echo:
+            print(text, end="", flush=True)
+        status = "ok" if rc == 0 else ("timed out" if rc == -9 else f"exit {rc}")
+        if rc != 0:
+            tail = " | ".join(text.strip().splitlines()[-3:])[-400:]
+            self.note(kind="group", group=name, status=status, ok=False, detail=f"{status} after {secs:.1f} s: {tail}")
+            self.note(kind="check", group=name, check=f"{name}: child process", ok=False, detail=f"{status}: {tail}")
+        print(f"gpu_check: {name}: {status} ({secs:.1f} s)", flush=True)
+        return rc
+
+    def report(self, status: str) -> None:
+        self.header["status"] = status
+        self.md.write_text(render(read_lines(self.jsonl), self.header), encoding="utf-8")
+
+
+def gpu_name(backend: str) -> str:
+    """Device name for the file names, without creating a CUDA context here."""
+    if backend == "emulated":
+        return "cpu-emulation"
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", "0"],
+                             capture_output=True, text=True, timeout=30).stdout.strip()
+        return out.splitlines()[0] if out else "gpu"
+    except Exception:
+        return "gpu"
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    if args.child:
+        from bench import gpu_groups
+
+        return gpu_groups.run_child(args)
     if args.dry_run:
-        results = json.loads(args.inject.read_text()) if args.inject else {}
-        results.setdefault("gpu", "(dry run: no GPU used)")
-        results.setdefault("backend", args.backend)
-        results.setdefault("date", now)
-        results.setdefault("note", "dry run: nothing was executed")
-    else:
+        lines = [json.loads(x) for x in args.inject.read_text().splitlines() if x.strip()] if args.inject else []
+        header = {"date": utc_now().strftime("%Y-%m-%d %H:%M UTC"), "gpu": "(dry run: nothing executed)",
+                  "backend": args.backend, "status": "dry run"}
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / "gpu-dry-run.md"
+        path.write_text(render(lines, header), encoding="utf-8")
+        print(f"report written to {path}")
+        return 0
+    if args.backend == "cuda":
         try:
-            ops, raw, gpu = make_backends(args.backend)
-        except SystemExit as e:
-            print(e, file=sys.stderr)
-            return 2
-        results = {"gpu": gpu, "backend": args.backend, "date": now, "versions": versions(), "checks": []}
-        steps: list[Callable[[], list[dict]]] = [lambda: check_decode(ops, args.quick),
-                                                 lambda: check_append_copy_guard(ops)]
-        if not args.quick:
-            steps.append(lambda: check_over_4gib(ops))
-        else:
-            results["note"] = "quick mode: toy sizes, no > 4 GiB check; timings are not meaningful"
-        for step in steps:
-            try:
-                results["checks"] += step()
-            except Exception as e:
-                results["checks"].append({"check": getattr(step, "__name__", "step"), "ok": False,
-                                          "detail": f"{type(e).__name__}: {e}"})
-                traceback.print_exc()
-        try:
-            results["perf"] = measure(ops, raw, args.quick, args.iters)
+            import cupy  # noqa: F401  (importing creates no CUDA context)
         except Exception as e:
-            results["checks"].append({"check": "timing", "ok": False, "detail": f"{type(e).__name__}: {e}"})
-            traceback.print_exc()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    text = render(results)
-    args.out.write_text(text)
-    print(text)
-    print(f"report written to {args.out}")
-    return 0 if all(c["ok"] for c in results.get("checks", [])) else 1
+            print(f"gpu_check: cupy is not importable ({type(e).__name__}: {e}); run this on a GPU machine "
+                  "with cupy, or use --backend emulated", file=sys.stderr)
+            return 2
+    start = time.perf_counter()
+    run = Run(args, gpu_name(args.backend))
+    print(f"gpu_check: writing {run.jsonl} and {run.md}", flush=True)
+    # 1. preflight: both builds at once
+    t0 = time.perf_counter()
+    procs = {b: run.start("preflight", b) for b in ("checked", "unchecked")}
+    limit = min(PREFLIGHT_TIMEOUT_S, args.budget_s)
+    rcs = {b: run.finish(f"preflight ({b})", p, max(1.0, limit - (time.perf_counter() - t0)), t0, echo=True)
+           for b, p in procs.items()}
+    if any(rcs.values()):
+        run.report("preflight failed")
+        tail = run.log.read_text().strip().splitlines()[-5:]
+        print("gpu_check: preflight failed (see " + str(run.log) + "):\n  " + "\n  ".join(tail), file=sys.stderr)
+        return 2
+    run.report("running")
+    # 2. the groups, each in its own process, within the budget
+    deadline = start + args.budget_s
+    for group in args.groups.split(","):
+        left = deadline - time.perf_counter()
+        if left < 15:
+            run.note(kind="group", group=group, status="skipped", ok=False,
+                     detail=f"time budget ({args.budget_s:.0f} s) spent")
+            run.note(kind="check", group=group, check=f"{group}: skipped", ok=False, detail="time budget spent")
+            continue
+        t0 = time.perf_counter()
+        run.finish(group, run.start(group), min(GROUP_TIMEOUTS[group], left), t0)
+        run.report("running")
+    lines = read_lines(run.jsonl)
+    ok = all(ln.get("ok", True) for ln in lines if ln.get("kind") == "check")
+    run.report(f"{'all checks passed' if ok else 'FAILURES'} in {time.perf_counter() - start:.0f} s")
+    print(run.md.read_text())
+    print(f"gpu_check: report {run.md}, results {run.jsonl} ({time.perf_counter() - start:.0f} s)")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ Array conventions (FlashInfer-style; ``xp`` is NumPy or CuPy):
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -294,19 +295,50 @@ def check_copy_pairs(xp: Any, pairs: Any, what: str = "page") -> None:
                          "nothing was copied")
 
 
-def default_splits(batch: int, groups: int, max_pages: int, sms: int) -> int:
-    """Pages per split for the split-KV path (0 = no split)."""
-    blocks = batch * groups
-    if blocks >= 2 * sms or max_pages <= 1:
+MIN_SPLIT_PAGES = 4  # pages per split at least (a split's fixed cost: checks, q, pipeline fill)
+SPLIT_TARGET = 0.9  # fraction of the device's block slots a launch should keep busy
+
+
+@functools.lru_cache(maxsize=4096)
+def default_splits(blocks: int, max_pages: int, slots: int) -> int:
+    """Pages per split for the split-KV path (0 = no split).
+
+    ``blocks``: decode blocks without a split (batch x kv heads x q-head chunks);
+    ``max_pages``: pages of the longest row (after the window); ``slots``: blocks
+    the device runs at once (SMs x resident blocks per SM of the decode entry,
+    from the occupancy API on a GPU). A launch of n equal blocks runs in
+    ``ceil(n / slots)`` waves and keeps ``n / (ceil(n / slots) * slots)`` of the
+    slot time busy; splitting multiplies n and shortens each block. The fewest
+    splits that reach SPLIT_TARGET win (fewer partials to merge), else the best
+    found; every split keeps >= MIN_SPLIT_PAGES pages.
+    """
+    if blocks <= 0 or slots <= 0 or max_pages < 2 * MIN_SPLIT_PAGES:
         return 0
-    want = max(1, math.ceil(4 * sms / max(blocks, 1)))
-    pps = max(1, math.ceil(max_pages / want))
-    return 0 if pps >= max_pages else max(pps, 4)
+
+    def busy(n: int) -> float:
+        return n / (math.ceil(n / slots) * slots)
+
+    best_pps, best = 0, busy(blocks)
+    if best >= SPLIT_TARGET:
+        return 0
+    top = min(max_pages // MIN_SPLIT_PAGES, 2 * math.ceil(slots / blocks) + 2, 1024)
+    for want in range(2, top + 1):
+        pps = math.ceil(max_pages / want)
+        u = busy(blocks * math.ceil(max_pages / pps))
+        if u >= SPLIT_TARGET:
+            return pps
+        if u > best + 1e-12:
+            best_pps, best = pps, u
+    return best_pps
 
 
 class Backend(Protocol):
     xp: Any
     sms: int
+
+    def resident_blocks(self, name: str, block: int) -> int:
+        """Blocks of kernel ``name`` (``block`` threads) one SM holds at once."""
+        ...
 
     def launch(self, name: str, grid: tuple[int, int, int], block: int, args: list[Any]) -> None: ...
     def ptr(self, a: Any) -> int: ...
@@ -320,9 +352,70 @@ F32 = np.float32
 ENTRY = {"float32": "kv_decode_f32", "float16": "kv_decode_f16", "bfloat16": "kv_decode_bf16"}
 
 
-def heads_per_block(group: int) -> int:
-    """Decode entry variant: q heads per block, the smallest of 1/2/4/8 >= min(group, 8)."""
-    return next(g for g in (1, 2, 4, 8) if g >= min(group, GMAX))
+def heads_per_block(group: int, head_dim: int) -> int:
+    """Decode entry variant: q heads per block, the smallest of 1/4/8 >= min(group, cap);
+    cap 8, or 4 at head_dim 512 (q and output registers per lane)."""
+    cap = 4 if head_dim == 512 else GMAX
+    return next(g for g in (1, 4, 8) if g >= min(group, cap))
+
+
+def decode_entry(dtype: str, group: int, head_dim: int) -> str:
+    """Name of the decode entry for a cache dtype, GQA group size and head_dim."""
+    return f"{ENTRY[dtype]}_g{heads_per_block(group, head_dim)}_d{head_dim}"
+
+
+@dataclass(frozen=True)
+class DecodeGeometry:
+    """Compile-time geometry of one decode entry (mirrors ``KvDecGeom`` in
+    decode_attention.cu; test_nvcc checks ``smem_bytes`` against ptxas)."""
+
+    vec: int  # elements per 16-byte piece
+    lanes: int  # lanes per K/V row (a lane group)
+    lane_groups: int  # per block of THREADS
+    tile_tokens: int  # tokens per pipeline tile
+    copies_per_thread: int  # 16-byte cp.async per thread per tile, K and V each
+    stages: int  # cp.async ring depth
+    smem_bytes: int  # static shared memory of the checked build
+
+    @property
+    def tile_bytes(self) -> int:
+        """K + V bytes of one tile."""
+        return 2 * THREADS * self.copies_per_thread * 16
+
+    @property
+    def inflight_bytes_per_warp(self) -> int:
+        """cp.async bytes a warp has in flight while it works on one tile."""
+        return (self.stages - 1) * 2 * self.copies_per_thread * 16 * 32
+
+
+def decode_geometry(dtype: str, heads: int, head_dim: int) -> DecodeGeometry:
+    """Geometry of the decode entry with ``heads`` q heads per block."""
+    vec = VEC[dtype]
+    cpr = head_dim // vec
+    lanes = min(cpr, 32)
+    ch = cpr // lanes
+    groups = THREADS // lanes
+    rpt = 2 if ch == 1 else 1
+    tt = groups * rpt
+    nch = tt * cpr // THREADS
+    stages = 3 if nch <= 2 else 2
+    buf_floats = max(stages * 2 * tt * cpr * 4, groups * heads * head_dim)
+    smem = 4 * buf_floats + 2 * 4 * groups * heads + 4 + 4  # ring/merge, max+sum, s_bad, s_last
+    return DecodeGeometry(vec, lanes, groups, tt, nch, stages, smem)
+
+
+OTHER_KERNELS = ("kv_append", "kv_copy_blocks", "kv_decode_merge", "kv_guard_check", "kv_guard_fill",
+                 "kv_validate_page_table")
+
+
+def decode_entries() -> list[str]:
+    """Every decode entry the sources define (dtype x heads per block x head_dim)."""
+    return sorted({decode_entry(dt, g, d) for dt in ENTRY for g in (1, 4, 8) for d in HEAD_DIMS})
+
+
+def kernel_names() -> list[str]:
+    """Every ``extern "C"`` kernel of worker/kernels/*.cu."""
+    return sorted([*OTHER_KERNELS, *decode_entries()])
 
 
 class KernelCall:
@@ -419,9 +512,9 @@ def decode_attention(be: Backend, q: Any, cache: Any, layout: PageLayout, indptr
         call.raise_if(policy)
         return call
     scale = 1.0 / math.sqrt(layout.head_dim) if sm_scale is None else float(sm_scale)
-    gm = heads_per_block(hq // layout.kv_heads)
+    gm = heads_per_block(hq // layout.kv_heads, layout.head_dim)
     groups = layout.kv_heads * math.ceil(hq // layout.kv_heads / gm)
-    entry = f"{ENTRY[layout.dtype]}_g{gm}"
+    entry = decode_entry(layout.dtype, hq // layout.kv_heads, layout.head_dim)
     pps = kv_chunk_pages
     if pps is None or pps > 0:
         if max_pages is None:
@@ -430,7 +523,7 @@ def decode_attention(be: Backend, q: Any, cache: Any, layout: PageLayout, indptr
         if window > 0:
             max_pages = min(max_pages, (window - 1) // layout.page_size + 2)
         if pps is None:
-            pps = default_splits(batch, groups, max_pages, be.sms)
+            pps = default_splits(batch * groups, max_pages, be.sms * be.resident_blocks(entry, THREADS))
     splits = max(1, math.ceil(max_pages / pps)) if pps else 1
     if splits > 65535:
         raise ValueError(f"kv_chunk_pages {pps} gives {splits} splits (max 65535)")

@@ -38,10 +38,10 @@ BASE_FLAGS = ["-x", "c++", "-std=c++17", "-fopenmp", "-fPIC", "-shared", "-fno-s
               "-fvisibility=hidden", "-fvisibility-inlines-hidden", "-fno-gnu-unique"]
 VARIANT_FLAGS = {
     "plain": ["-O2"],
-    "asan": ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
+    "asan": ["-O0", "-g1", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
              "-fno-sanitize-recover=all"],
     "nocheck": ["-O2", "-DKV_NO_BOUNDS_CHECK"],
-    "asan-nocheck": ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
+    "asan-nocheck": ["-O0", "-g1", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
                      "-fno-sanitize-recover=all", "-DKV_NO_BOUNDS_CHECK"],
 }
 
@@ -95,6 +95,11 @@ class CpuBackend:
 
     xp = np
     sms = 4  # pretend SM count for the split heuristics
+
+    @staticmethod
+    def resident_blocks(name: str, block: int) -> int:
+        """Pretend residency (2 blocks per SM) for the split heuristics."""
+        return 2
 
     def __init__(self, variant: str = "plain") -> None:
         self.variant = variant

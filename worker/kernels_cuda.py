@@ -57,12 +57,38 @@ class CudaBackend:
         self.module = cupy.RawModule(code=nvrtc_source(), options=nvrtc_options(no_checks))
         self.sms = int(cupy.cuda.Device().attributes["MultiProcessorCount"])
         self._fns: dict[str, Any] = {}
+        self._resident: dict[tuple[str, int], int] = {}
 
-    def launch(self, name: str, grid: tuple[int, int, int], block: int, args: list[Any]) -> None:
+    def function(self, name: str) -> Any:
+        """The module's kernel ``name`` (compiles the module on first use)."""
         fn = self._fns.get(name)
         if fn is None:
             fn = self._fns[name] = self.module.get_function(name)
-        fn(grid, (block, 1, 1), tuple(args))
+        return fn
+
+    def launch(self, name: str, grid: tuple[int, int, int], block: int, args: list[Any]) -> None:
+        self.function(name)(grid, (block, 1, 1), tuple(args))
+
+    def resident_blocks(self, name: str, block: int) -> int:
+        """Blocks of ``name`` one SM holds at once (CUDA occupancy API), cached."""
+        key = (name, block)
+        n = self._resident.get(key)
+        if n is None:
+            from cupy.cuda import driver
+
+            n = self._resident[key] = max(1, int(driver.occupancyMaxActiveBlocksPerMultiprocessor(
+                function_ptr(self.function(name)), block, 0)))
+        return n
+
+    def resources(self, name: str) -> dict[str, int]:
+        """Registers, static shared / local (spill) bytes and resident blocks of ``name``."""
+        from cupy.cuda import driver
+
+        ptr = function_ptr(self.function(name))
+        attrs = {"registers": 4, "shared_bytes": 1, "local_bytes": 3, "max_threads": 0}  # CU_FUNC_ATTRIBUTE_*
+        out = {k: int(driver.funcGetAttribute(v, ptr)) for k, v in attrs.items()}
+        out["blocks_per_sm"] = self.resident_blocks(name, 128)
+        return out
 
     @staticmethod
     def ptr(a: Any) -> int:
@@ -70,6 +96,14 @@ class CudaBackend:
 
     def to_host(self, a: Any) -> np.ndarray:
         return self.xp.asnumpy(a)
+
+
+def function_ptr(fn: Any) -> int:
+    """CUfunction handle of a ``RawModule.get_function`` result."""
+    ptr = getattr(fn, "ptr", None)
+    if ptr is None:
+        ptr = fn.kernel.ptr
+    return int(ptr)
 
 
 @functools.cache

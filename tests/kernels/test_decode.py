@@ -202,3 +202,18 @@ def test_row_level_violations(ops) -> None:
     assert (rec.row, rec.position, rec.value, rec.reason) == (1, -1, 0, "bad_last_page_len")
     assert rec.count == 3  # row 1 lpl, row 2 indptr, row 3 lpl (row 3 starts at the bad indptr too)
     assert np.isfinite(res.out[0]).all() and np.isnan(res.out[1:]).all()
+
+
+def test_default_splits_fill_the_device() -> None:
+    """Split-KV from residency: blocks run in waves of `slots` (SMs x blocks per SM)."""
+    from worker.kernel_api import MIN_SPLIT_PAGES, default_splits
+
+    assert default_splits(512, 256, 528) == 0  # 512 of 528 slots busy: one wave, no split
+    # 512 blocks on 396 slots: 2 waves at 65 %; 3 splits of 86 pages -> 4 waves at 97 %
+    assert default_splits(512, 256, 396) == 86
+    # 8 blocks on 528 slots: split down to the minimum pages per split (64 splits, 97 %)
+    assert default_splits(8, 256, 528) == MIN_SPLIT_PAGES
+    assert default_splits(8, 2 * MIN_SPLIT_PAGES - 1, 528) == 0  # too short to split
+    for blocks, pages, slots in [(3, 40, 8), (64, 4096, 264), (1, 9, 1000), (700, 300, 528)]:
+        pps = default_splits(blocks, pages, slots)
+        assert pps == 0 or MIN_SPLIT_PAGES <= pps < pages

@@ -1,25 +1,35 @@
 // decode_attention.cu -- paged decode attention over a CSR page table.
 //
-// One block per (row, kv head x q-head chunk, split). The block owns up to
-// KV_DEC_GMAX query heads that share one kv head (GQA), walks its token range
-// in tiles of KV_DEC_THREADS tokens with an online softmax (float32, log2
-// domain), and writes either the final output (no split) or a partial
-// (output normalised by its own sum, natural-log lse, violation flag) that
-// kv_decode_merge combines with log-sum-exp.
-//
-// Bounds: before any cache load the block checks every table entry it will
-// read (and split 0 also the entries before the window and the row-level
-// fields), so a bad page is never dereferenced. Counting is done only by the
-// blocks with blockIdx.y == 0, each entry by the one split that owns it.
+// One block (128 threads = 4 warps) per (row, kv head x chunk of GM q heads,
+// split); cache dtype T, GM and head_dim D are template parameters, so every
+// loop over head_dim, heads and stages is unrolled and every in-row index is
+// a shift. Per block:
+//   1. bounds: every table entry the block owns is checked before any cache
+//      load (split 0 also checks the entries before the window and the
+//      row-level fields), so a bad page is never dereferenced;
+//   2. q of the GM heads is loaded once into registers, pre-scaled into the
+//      log2 domain;
+//   3. the token range is streamed in tiles of TT tokens through a STAGES-deep
+//      cp.async ring in shared memory (K and V of tile t + STAGES - 1 are in
+//      flight while tile t is used); each tile's copies are coalesced: 16-byte
+//      pieces of a row go to consecutive threads;
+//   4. a lane group of LG lanes owns one K/V row at a time: each lane holds
+//      E = D / LG elements of q and of the output, the row's score is a
+//      partial dot product reduced by LG-lane xor shuffles, and every lane
+//      group keeps its own online-softmax state (max, sum, output) in
+//      registers for all GM heads;
+//   5. the NR lane-group states are merged once, in a fixed order, through
+//      shared memory (deterministic) into the output or a split partial
+//      (output normalised by its own sum, natural-log lse, violation flag)
+//      that kv_decode_merge combines with log-sum-exp.
+// Page addressing and checks go through kv_row_offset / kv_page_reason only.
+// Counting is done only by the blocks with blockIdx.y == 0, each entry by
+// the one split that owns it.
 #include "paged.cuh"
 
 #define KV_DEC_THREADS 128
-#define KV_DEC_GMAX 8
-#define KV_DEC_DMAX 512
-#define KV_DEC_RED 8192  // floats of shared scratch (>= 128 * GMAX * VEC)
 #define KV_LOG2E 1.4426950408889634f
 #define KV_LN2 0.6931471805599453f
-static_assert(KV_DEC_THREADS == 16 * KV_DEC_GMAX, "phase B maps 16 threads per head");
 
 struct KvDecodeArgs {
   const int* indptr;
@@ -29,29 +39,63 @@ struct KvDecodeArgs {
   float sm_scale;
 };
 
-template <typename T, int GM>
+// Compile-time geometry of one (dtype, heads per block, head_dim) variant.
+template <typename T, int GM, int D>
+struct KvDecGeom {
+  static constexpr int NT = KV_DEC_THREADS;
+  static constexpr int VEC = KvElem<T>::VEC;          // elements per 16-byte piece
+  static constexpr int CPR = D / VEC;                 // pieces per K (or V) row
+  static constexpr int LG = CPR < 32 ? CPR : 32;      // lanes per row: one lane group
+  static constexpr int CH = CPR / LG;                 // pieces per lane per row
+  static constexpr int E = CH * VEC;                  // elements per lane per row
+  static constexpr int NR = NT / LG;                  // lane groups per block
+  static constexpr int RPT = CH == 1 ? 2 : 1;         // rows per lane group per tile
+  static constexpr int TT = NR * RPT;                 // tokens per tile
+  static constexpr int NCH = TT * CPR / NT;           // K (and V) copies per thread per tile
+  static constexpr int STAGES = NCH <= 2 ? 3 : 2;     // cp.async ring depth
+  static constexpr int STAGE_PIECES = TT * CPR;       // 16-byte pieces of K (or V) per stage
+  static constexpr int PIPE_FLOATS = STAGES * 2 * STAGE_PIECES * 4;
+  static constexpr int MERGE_FLOATS = NR * GM * D;    // per lane group: GM x D partial outputs
+  static constexpr int BUF_FLOATS = PIPE_FLOATS > MERGE_FLOATS ? PIPE_FLOATS : MERGE_FLOATS;
+  // Blocks per SM asked of ptxas (__launch_bounds__ minimum), from the
+  // registers that grow with the variant: q and output (2 GM E) and scores
+  // (~4 GM RPT). Caps: 85 (6 blocks), 102 (5), 128 (4), 170 (3), 255 (2)
+  // registers; test_nvcc fails on any spill and on fewer blocks than documented.
+  static constexpr int REG_VAR = 2 * GM * E + 4 * GM * RPT;
+  static constexpr int MIN_BLOCKS =
+      REG_VAR <= 24 ? 6 : REG_VAR <= 48 ? 5 : REG_VAR <= 96 ? 4 : REG_VAR <= 128 ? 3 : 2;
+  static_assert(D % VEC == 0 && (CPR & (CPR - 1)) == 0, "head_dim must be a power of two >= 2 pieces");
+  static_assert(NCH * NT == TT * CPR, "a tile is a whole number of copies per thread");
+  static_assert(GM * E <= 64, "q and output registers per lane (GM * E) capped at 64 each");
+  static_assert(BUF_FLOATS * 4 + 2 * NR * GM * 4 <= 40 * 1024, "static shared memory budget");
+};
+
+template <typename T, int GM, int D>
 __device__ __forceinline__ void kv_decode_block(const T* __restrict__ q, const T* __restrict__ cache,
                                                 const KvLayout L, const KvDecodeArgs A,
                                                 float* out, float* lse, float* part_out,
                                                 float* part_lse, int* part_flag,
                                                 unsigned long long* rec) {
-  constexpr int VEC = KvElem<T>::VEC;
-  constexpr int NT = KV_DEC_THREADS;
-  __shared__ float s_buf[KV_DEC_RED];  // q [GMAX][D] | p [GMAX][NT]; later reduction
-  __shared__ long long s_off[NT];
-  __shared__ float s_m[KV_DEC_GMAX], s_scale[KV_DEC_GMAX], s_l[NT * KV_DEC_GMAX / 4];
+  using G = KvDecGeom<T, GM, D>;
+  constexpr int NT = G::NT, VEC = G::VEC, CPR = G::CPR, LG = G::LG, CH = G::CH, E = G::E;
+  constexpr int NR = G::NR, RPT = G::RPT, TT = G::TT, STAGES = G::STAGES;
+  // pipeline ring [STAGES][K, V][STAGE_PIECES] pieces; after the loop, the
+  // lane-group partial outputs [NR][GM][D] (float).
+  __shared__ uint4 s_raw[G::BUF_FLOATS / 4];  // uint4: 16-byte aligned
+  __shared__ float s_m[NR * GM], s_l[NR * GM];
   __shared__ int s_bad;
-  float* s_q = s_buf;
-  float* s_p = s_buf + KV_DEC_GMAX * KV_DEC_DMAX;
+  uint4* const s_pipe = s_raw;
+  float* const s_buf = reinterpret_cast<float*>(s_raw);
 
   const int tid = threadIdx.x;
-  const long long D = L.head_dim, ps = L.page_size;
+  const int lane = tid % LG, grp = tid / LG;  // lane in its lane group, lane group
+  const long long ps = L.page_size;
   const long long row = blockIdx.x, split = blockIdx.z;
-  const long long G = A.q_heads / L.kv_heads;
-  const long long gchunks = (G + GM - 1) / GM;
+  const long long Gq = A.q_heads / L.kv_heads;
+  const long long gchunks = (Gq + GM - 1) / GM;
   const long long kvh = blockIdx.y / gchunks, gc = blockIdx.y % gchunks;
-  const int gt = (int)(G - gc * GM < GM ? G - gc * GM : GM);
-  const long long qh0 = kvh * G + gc * GM;
+  const int gt = (int)(Gq - gc * GM < GM ? Gq - gc * GM : GM);
+  const long long qh0 = kvh * Gq + gc * GM;
   const bool counter = blockIdx.y == 0;
   const bool split_mode = part_out != nullptr;
   const long long nsplit = gridDim.z;
@@ -96,120 +140,167 @@ __device__ __forceinline__ void kv_decode_block(const T* __restrict__ q, const T
 #endif
   __syncthreads();
   const bool bad = s_bad != 0;
-  const bool empty = bad || tok_lo >= tok_hi;
+  const bool empty = bad || tok_lo >= tok_hi;  // block-uniform
 
-  // ---- q (pre-scaled into the log2 domain) ----
+  // ---- q of this lane's elements, all GM heads, in registers (log2 domain) ----
+  // Lane `lane` owns pieces lane + c * LG (c < CH) of every row: elements
+  // (lane + c * LG) * VEC + v, stored at [c * VEC + v].
   const float qscale = A.sm_scale * KV_LOG2E;
-  for (long long i = tid; i < KV_DEC_GMAX * D; i += NT) {
-    const long long g = i / D, d = i - g * D;
-    s_q[i] = g < gt ? KvElem<T>::one(q + (row * A.q_heads + qh0 + g) * D + d) * qscale : 0.f;
-  }
-  if (tid < KV_DEC_GMAX) s_m[tid] = kv_ninf();
-  __syncthreads();
-
-  // PV mapping: LD lanes cover head_dim in VEC chunks, NSUB token subsets.
-  const int LD = (int)(D / VEC), NSUB = NT / LD;
-  const int dl = tid % LD, ts = tid / LD;
-  float acc[GM][VEC], lsum[GM];
+  float qr[GM][E], acc[GM][E], m[GM], l[GM];
 #pragma unroll
   for (int g = 0; g < GM; ++g) {
-    lsum[g] = 0.f;
+    m[g] = kv_ninf();
+    l[g] = 0.f;
 #pragma unroll
-    for (int v = 0; v < VEC; ++v) acc[g][v] = 0.f;
+    for (int c = 0; c < CH; ++c)
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) {
+        const long long d = (long long)(lane + c * LG) * VEC + v;
+        qr[g][c * VEC + v] = g < gt ? KvElem<T>::one(q + (row * A.q_heads + qh0 + g) * D + d) * qscale : 0.f;
+        acc[g][c * VEC + v] = 0.f;
+      }
   }
-  const long long vshift = ps * L.kv_heads * D;  // V half of a page
 
-  for (long long t0 = tok_lo; !empty && t0 < tok_hi; t0 += NT) {
-    const int n = (int)(tok_hi - t0 < NT ? tok_hi - t0 : NT);
-    // A: one thread per token computes the scores of all heads of the chunk.
-    if (tid < n) {
-      const long long j = t0 + tid, pp = j / ps;
-      const long long off = kv_row_offset(L, A.indices[a + pp], 0, j - pp * ps, kvh);
-      s_off[tid] = off;
-      float sc[GM];
+  if (!empty) {
+    const long long ntiles = (tok_hi - tok_lo + TT - 1) / TT;
+    const KvFastDiv pdiv(ps);
+    const bool fast = pdiv.ok && tok_hi <= 0xffffffffll;
+
+    // Queue the K and V copies of tile t into ring stage t % STAGES.
+    auto issue = [&](long long t) {
+      const long long t0 = tok_lo + t * TT;
+      uint4* const sk = s_pipe + (t % STAGES) * 2 * G::STAGE_PIECES;
+      uint4* const sv = sk + G::STAGE_PIECES;
 #pragma unroll
-      for (int g = 0; g < GM; ++g) sc[g] = 0.f;
-      for (long long c = 0; c < D; c += VEC) {
-        float kf[VEC];
-        KvElem<T>::load(cache + off + c, kf);
-#pragma unroll
-        for (int g = 0; g < GM; ++g)
-#pragma unroll
-          for (int v = 0; v < VEC; ++v) sc[g] += s_q[g * D + c + v] * kf[v];
+      for (int k = 0; k < G::NCH; ++k) {
+        const int c = tid + k * NT, r = c / CPR, piece = c % CPR;
+        const long long j = t0 + r;
+        if (j < tok_hi) {
+          long long pp;
+          if (fast) {
+            pp = pdiv.div((unsigned)j);
+          } else {
+            pp = j / ps;
+          }
+          const long long tok = j - pp * ps, p = A.indices[a + pp];
+          kv_cp_async16(sk + c, cache + kv_row_offset(L, p, 0, tok, kvh) + piece * VEC);
+          kv_cp_async16(sv + c, cache + kv_row_offset(L, p, 1, tok, kvh) + piece * VEC);
+        }
       }
+    };
+
 #pragma unroll
-      for (int g = 0; g < GM; ++g) s_p[g * NT + tid] = sc[g];
-    } else {
-#pragma unroll
-      for (int g = 0; g < GM; ++g) s_p[g * NT + tid] = kv_ninf();
+    for (int s = 0; s < STAGES - 1; ++s) {
+      if (s < ntiles) issue(s);
+      kv_cp_async_commit();
     }
-    __syncthreads();
-    // B: tile max per head, 16 threads per head.
-    {
-      const int g = tid / 16, l = tid % 16;
-      float mx = kv_ninf();
+    for (long long t = 0; t < ntiles; ++t) {
+      if (t + STAGES - 1 < ntiles) issue(t + STAGES - 1);
+      kv_cp_async_commit();
+      kv_cp_async_wait<STAGES - 1>();  // this thread's copies of tile t have landed
+      __syncthreads();                 // and everyone else's
+      const long long t0 = tok_lo + t * TT;
+      const uint4* const sk = s_pipe + (t % STAGES) * 2 * G::STAGE_PIECES;
+      const uint4* const sv = sk + G::STAGE_PIECES;
+
+      // scores of this lane group's RPT rows (rows grp + i * NR of the tile):
+      // partial dot products over the lane's elements, then one LG-lane sum
+      float s[RPT * GM];
 #pragma unroll
-      for (int k = 0; k < NT / 16; ++k) mx = fmaxf(mx, s_p[g * NT + l * (NT / 16) + k]);
+      for (int i = 0; i < RPT; ++i) {
+        const int r = grp + i * NR;
 #pragma unroll
-      for (int m = 8; m > 0; m >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, m));
-      if (l == 0 && g < GM) {
-        const float mo = s_m[g], mn = fmaxf(mo, mx);
-        s_scale[g] = mn == kv_ninf() ? 1.f : exp2f(mo - mn);
-        s_m[g] = mn;
+        for (int g = 0; g < GM; ++g) s[i * GM + g] = 0.f;
+#pragma unroll
+        for (int c = 0; c < CH; ++c) {
+          float kf[VEC];
+          KvElem<T>::load(reinterpret_cast<const T*>(sk + r * CPR + lane + c * LG), kf);
+#pragma unroll
+          for (int g = 0; g < GM; ++g)
+#pragma unroll
+            for (int v = 0; v < VEC; ++v) s[i * GM + g] += qr[g][c * VEC + v] * kf[v];
+        }
       }
-    }
-    __syncthreads();
-    if (tid < n) {
+      kv_group_allreduce<LG>(s);
 #pragma unroll
-      for (int g = 0; g < GM; ++g) s_p[g * NT + tid] = exp2f(s_p[g * NT + tid] - s_m[g]);
-    }
-    __syncthreads();
-    // C: rescale and accumulate P.V for this thread's dims and token subset.
+      for (int i = 0; i < RPT; ++i) {
+        if (t0 + grp + i * NR >= tok_hi) {
 #pragma unroll
-    for (int g = 0; g < GM; ++g) {
-      const float f = s_scale[g];
-      lsum[g] *= f;
-#pragma unroll
-      for (int v = 0; v < VEC; ++v) acc[g][v] *= f;
-    }
-    for (int t = ts; t < n; t += NSUB) {
-      float vf[VEC];
-      KvElem<T>::load(cache + s_off[t] + vshift + dl * VEC, vf);
+          for (int g = 0; g < GM; ++g) s[i * GM + g] = kv_ninf();
+        }
+      }
+      // online softmax per lane group, then P.V for its rows
 #pragma unroll
       for (int g = 0; g < GM; ++g) {
-        const float p = s_p[g * NT + t];
-        lsum[g] += p;
+        float mx = m[g];
 #pragma unroll
-        for (int v = 0; v < VEC; ++v) acc[g][v] += p * vf[v];
+        for (int i = 0; i < RPT; ++i) mx = fmaxf(mx, s[i * GM + g]);
+        const float f = mx == kv_ninf() ? 1.f : exp2f(m[g] - mx);
+        m[g] = mx;
+        l[g] *= f;
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[g][e] *= f;
+#pragma unroll
+        for (int i = 0; i < RPT; ++i) s[i * GM + g] = mx == kv_ninf() ? 0.f : exp2f(s[i * GM + g] - mx);
       }
+#pragma unroll
+      for (int i = 0; i < RPT; ++i) {
+        const int r = grp + i * NR;
+        if (t0 + r < tok_hi) {
+#pragma unroll
+          for (int c = 0; c < CH; ++c) {
+            float vf[VEC];
+            KvElem<T>::load(reinterpret_cast<const T*>(sv + r * CPR + lane + c * LG), vf);
+#pragma unroll
+            for (int g = 0; g < GM; ++g)
+#pragma unroll
+              for (int v = 0; v < VEC; ++v) acc[g][c * VEC + v] += s[i * GM + g] * vf[v];
+          }
+#pragma unroll
+          for (int g = 0; g < GM; ++g) l[g] += s[i * GM + g];
+        }
+      }
+      __syncthreads();  // stage t % STAGES is free for tile t + STAGES
     }
-    __syncthreads();
-  }
+    kv_cp_async_wait_all();  // nothing is pending (later groups were empty)
 
-  // ---- reduce the token subsets (fixed order: deterministic) ----
-  if (!empty) {
+    // ---- lane-group states to shared memory (the ring is no longer used) ----
 #pragma unroll
     for (int g = 0; g < GM; ++g) {
 #pragma unroll
-      for (int v = 0; v < VEC; ++v) s_buf[(ts * KV_DEC_GMAX + g) * D + dl * VEC + v] = acc[g][v];
-      if (dl == 0) s_l[ts * KV_DEC_GMAX + g] = lsum[g];
+      for (int c = 0; c < CH; ++c)
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) s_buf[(grp * GM + g) * D + (lane + c * LG) * VEC + v] = acc[g][c * VEC + v];
+      if (lane == 0) {
+        s_m[grp * GM + g] = m[g];
+        s_l[grp * GM + g] = l[g];
+      }
     }
   }
   __syncthreads();
+
+  // ---- merge the NR lane groups in a fixed order and write ----
   const float poison = A.policy == KV_POLICY_ZEROS ? 0.f : kv_nan();
   const float poison_lse = A.policy == KV_POLICY_ZEROS ? kv_ninf() : kv_nan();
-  for (long long i = tid; i < gt * D; i += NT) {
-    const int g = (int)(i / D);
-    const long long d = i - g * D, qh = qh0 + g;
+  for (int i = tid; i < gt * D; i += NT) {
+    const int g = i / D, d = i % D;
+    const long long qh = qh0 + g;
     float o = 0.f, lo = kv_ninf();
     if (!empty) {
-      float s = 0.f, l = 0.f;
-      for (int u = 0; u < NSUB; ++u) {
-        s += s_buf[(u * KV_DEC_GMAX + g) * D + d];
-        l += s_l[u * KV_DEC_GMAX + g];
+      float mx = kv_ninf();
+      for (int u = 0; u < NR; ++u) mx = fmaxf(mx, s_m[u * GM + g]);
+      if (mx != kv_ninf()) {
+        float sum = 0.f, acc_o = 0.f;
+        for (int u = 0; u < NR; ++u) {
+          const float mu = s_m[u * GM + g];
+          if (mu == kv_ninf()) continue;  // a lane group that saw no token
+          const float w = exp2f(mu - mx);
+          sum += s_l[u * GM + g] * w;
+          acc_o += s_buf[(u * GM + g) * D + d] * w;
+        }
+        o = acc_o / sum;
+        lo = (mx + log2f(sum)) * KV_LN2;
       }
-      o = s / l;
-      lo = (s_m[g] + log2f(l)) * KV_LN2;
     }
     if (split_mode) {
       const long long base = split * A.batch + row;
@@ -228,15 +319,16 @@ __device__ __forceinline__ void kv_decode_block(const T* __restrict__ q, const T
 }
 
 // grid = (batch, kv_heads * ceil(G / GM), num_splits), block = 128 threads,
-// G = q_heads / kv_heads, GM = the entry's heads per block (>= min(G, 8)).
-// q: [batch, q_heads, head_dim] (cache dtype); indptr: int32 [batch + 1];
-// indices: int32 [nnz]; last_page_len: int32 [batch]. Non-split (part_* null,
-// num_splits 1): out float32 [batch, q_heads, head_dim], lse float32
-// [batch, q_heads] (natural log). Split: part_out float32
-// [splits, batch, q_heads, head_dim], part_lse [splits, batch, q_heads],
-// part_flag int32 [splits, batch]; then kv_decode_merge.
-#define KV_DECODE_ENTRY(NAME, T, GM)                                                          \
-  extern "C" __global__ void __launch_bounds__(KV_DEC_THREADS) NAME(                          \
+// G = q_heads / kv_heads, GM = the entry's heads per block, D = its head_dim
+// (the layout's head_dim must equal D). q: [batch, q_heads, head_dim] (cache
+// dtype); indptr: int32 [batch + 1]; indices: int32 [nnz]; last_page_len:
+// int32 [batch]. Non-split (part_* null, num_splits 1): out float32
+// [batch, q_heads, head_dim], lse float32 [batch, q_heads] (natural log).
+// Split: part_out float32 [splits, batch, q_heads, head_dim], part_lse
+// [splits, batch, q_heads], part_flag int32 [splits, batch]; then kv_decode_merge.
+#define KV_DECODE_ENTRY(NAME, T, GM, D)                                                       \
+  extern "C" __global__ void __launch_bounds__(KV_DEC_THREADS,                                \
+                                               KvDecGeom<T, GM, D>::MIN_BLOCKS) NAME(          \
       const T* q, const T* cache, long long page_stride, long long page_size,                 \
       long long kv_heads, long long head_dim, long long scale, long long offset,              \
       long long base, long long upper_bound, long long pool_pages, const int* indptr,         \
@@ -249,16 +341,24 @@ __device__ __forceinline__ void kv_decode_block(const T* __restrict__ q, const T
                      upper_bound, pool_pages};                                                \
     const KvDecodeArgs A{indptr, indices, last_page_len, nnz, batch, q_heads,                 \
                          window, pages_per_split, policy, sm_scale};                          \
-    kv_decode_block<T, GM>(q, cache, L, A, out, lse, part_out, part_lse, part_flag, rec);     \
+    kv_decode_block<T, GM, D>(q, cache, L, A, out, lse, part_out, part_lse, part_flag, rec);  \
   }                                                                                           \
   KV_REGISTER(NAME)
 
-// One entry per (dtype, GM = q heads per block in {1, 2, 4, 8}).
-#define KV_DECODE_ENTRIES(SUFFIX, T)                \
-  KV_DECODE_ENTRY(kv_decode_##SUFFIX##_g1, T, 1)    \
-  KV_DECODE_ENTRY(kv_decode_##SUFFIX##_g2, T, 2)    \
-  KV_DECODE_ENTRY(kv_decode_##SUFFIX##_g4, T, 4)    \
-  KV_DECODE_ENTRY(kv_decode_##SUFFIX##_g8, T, 8)
+// Entries kv_decode_<dtype>_g<GM>_d<D>: GM in {1, 4, 8} q heads per block
+// (GM <= 4 at head_dim 512: q and output registers; a group of 2 or 3 runs on
+// GM = 4 with idle heads, which costs arithmetic, not bytes), D in {32, ..., 512}.
+#define KV_DECODE_DIMS(SUFFIX, T, GM)                            \
+  KV_DECODE_ENTRY(kv_decode_##SUFFIX##_g##GM##_d32, T, GM, 32)   \
+  KV_DECODE_ENTRY(kv_decode_##SUFFIX##_g##GM##_d64, T, GM, 64)   \
+  KV_DECODE_ENTRY(kv_decode_##SUFFIX##_g##GM##_d128, T, GM, 128) \
+  KV_DECODE_ENTRY(kv_decode_##SUFFIX##_g##GM##_d256, T, GM, 256)
+#define KV_DECODE_ENTRIES(SUFFIX, T)                       \
+  KV_DECODE_DIMS(SUFFIX, T, 1)                             \
+  KV_DECODE_DIMS(SUFFIX, T, 4)                             \
+  KV_DECODE_DIMS(SUFFIX, T, 8)                             \
+  KV_DECODE_ENTRY(kv_decode_##SUFFIX##_g1_d512, T, 1, 512) \
+  KV_DECODE_ENTRY(kv_decode_##SUFFIX##_g4_d512, T, 4, 512)
 KV_DECODE_ENTRIES(f32, float)
 KV_DECODE_ENTRIES(f16, kv_half)
 KV_DECODE_ENTRIES(bf16, kv_bf16)

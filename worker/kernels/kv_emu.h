@@ -187,3 +187,63 @@ extern "C" __attribute__((weak, visibility("default"))) int kv_emu_launch(const 
       }
   return 0;
 }
+
+// ==== cp.async shim (issue #15) ================================================
+// Additions only. Each emulated thread queues its 16-byte copies; a commit
+// closes a group and kv_cp_async_wait<N>() performs the oldest groups until at
+// most N remain, as the device would have completed them. Reading a stage
+// before waiting for it therefore sees stale data here as on the GPU, and
+// ASan checks every source read when it happens.
+#include <deque>
+#include <vector>
+
+struct KvEmuCopy {
+  void* dst;
+  const void* src;
+};
+struct KvEmuCpAsync {
+  std::vector<KvEmuCopy> open;
+  std::deque<std::vector<KvEmuCopy>> groups;
+  void run_oldest() {
+    for (const KvEmuCopy& c : groups.front()) std::memcpy(c.dst, c.src, 16);
+    groups.pop_front();
+  }
+};
+inline thread_local KvEmuCpAsync kv_emu_cp_async;
+
+inline void kv_cp_async16(void* smem, const void* gmem) { kv_emu_cp_async.open.push_back({smem, gmem}); }
+inline void kv_cp_async_commit() {
+  kv_emu_cp_async.groups.push_back(std::move(kv_emu_cp_async.open));
+  kv_emu_cp_async.open.clear();
+}
+template <int N>
+inline void kv_cp_async_wait() {
+  while (kv_emu_cp_async.groups.size() > (std::size_t)N) kv_emu_cp_async.run_oldest();
+}
+inline void kv_cp_async_wait_all() {
+  kv_cp_async_commit();
+  kv_cp_async_wait<0>();
+}
+
+// ==== lane-group all-reduce (issue #15) =========================================
+// kv_group_allreduce<LG, N> of paged.cuh: one exchange through scratch memory
+// between two barriers (instead of two barriers per shuffle), then the device's
+// xor butterfly on the exchanged values, so every lane gets the bit-identical
+// sum the device computes (lane i adds lane i ^ m, m = LG/2 .. 1).
+inline float kv_emu_group_buf[1024 * 64];
+template <int LG, int N>
+inline void kv_group_allreduce(float (&v)[N]) {
+  static_assert(N <= 64 && LG >= 1 && LG <= 32 && (LG & (LG - 1)) == 0, "LG lanes, N <= 64 values");
+  const unsigned tid = threadIdx.x, base = tid & ~(unsigned)(LG - 1);
+  std::memcpy(&kv_emu_group_buf[tid * 64], v, sizeof(v));
+  __syncthreads();
+  float w[LG][N], t[LG][N];
+  for (int i = 0; i < LG; ++i) std::memcpy(w[i], &kv_emu_group_buf[(base + i) * 64], sizeof(v));
+  for (int m = LG / 2; m > 0; m >>= 1) {
+    for (int i = 0; i < LG; ++i)
+      for (int k = 0; k < N; ++k) t[i][k] = w[i][k] + w[i ^ m][k];
+    std::memcpy(w, t, sizeof(w));
+  }
+  std::memcpy(v, w[tid - base], sizeof(v));
+  __syncthreads();
+}

@@ -231,3 +231,58 @@ __device__ __forceinline__ void kv_copy_bytes(char* dst, const char* src, long l
     for (long long i = tid; i < n; i += nthreads) dst[i] = src[i];
   }
 }
+
+// ==== decode helpers (issue #15): fast division and cp.async ================
+// Additions only; nothing above depends on them.
+
+// Division of n < 2^32 by a run-time invariant d (1 <= d < 2^31) with one
+// 32x32->64 multiply and a shift (Granlund & Montgomery 1994, fig. 4.1:
+// l = ceil(log2 d), m = floor(2^32 (2^l - d) / d) + 1, q = (mulhi(m, n) + n) >> l).
+// Built once per block; `ok` is false when d is outside the range (callers
+// then divide with `/`).
+struct KvFastDiv {
+  unsigned mul, shift;
+  bool ok;
+  __device__ __forceinline__ explicit KvFastDiv(long long d) : mul(1), shift(0), ok(d >= 1 && d < (1ll << 31)) {
+    if (!ok) return;
+    while ((1ull << shift) < (unsigned long long)d) ++shift;
+    mul = (unsigned)((((1ull << shift) - (unsigned long long)d) << 32) / (unsigned long long)d + 1ull);
+  }
+  __device__ __forceinline__ unsigned div(unsigned n) const {
+    const unsigned long long hi = ((unsigned long long)n * mul) >> 32;
+    return (unsigned)((hi + n) >> shift);
+  }
+};
+
+// Asynchronous 16-byte global -> shared copies (sm_80+), grouped by commit;
+// kv_cp_async_wait<N>() returns once at most N most recent groups of this
+// thread are still in flight. The host emulation (kv_emu.h) queues the copies
+// and performs them at the wait, so a stage read before its wait reads stale
+// data in the CPU tests too.
+#ifndef KV_HOST_EMU
+__device__ __forceinline__ void kv_cp_async16(void* smem, const void* gmem) {
+  unsigned s;
+  asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void kv_cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void kv_cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void kv_cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+#endif
+
+// Sum of N values across each aligned group of LG lanes (LG a power of two
+// <= 32), result in every lane of the group: an xor butterfly, lane i adding
+// lane i ^ m for m = LG/2 .. 1. All lanes of the block must call it. The host
+// emulation (kv_emu.h) runs the same butterfly on values exchanged once.
+#ifndef KV_HOST_EMU
+template <int LG, int N>
+__device__ __forceinline__ void kv_group_allreduce(float (&v)[N]) {
+#pragma unroll
+  for (int m = LG / 2; m > 0; m >>= 1)
+#pragma unroll
+    for (int k = 0; k < N; ++k) v[k] += __shfl_xor_sync(0xffffffffu, v[k], m);
+}
+#endif

@@ -1,0 +1,452 @@
+"""The groups bench/gpu_check.py runs, each in its own child process
+(``gpu_check.py --child GROUP``): preflight, the decode sweep per dtype,
+timing, append/copy/guard and the >4 GiB check. Each check is synchronised and
+appended as one JSON line when it finishes (``Ctx.check``); after a CUDA error
+that leaves the context unusable the child stops with EXIT_STICKY, so only its
+own group is lost. Imports numpy at module level; cupy, torch and ``worker``
+modules inside the groups.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+EXIT_STICKY = 3  # a child that stopped after a CUDA error left its context unusable
+
+
+class Ctx:
+    """What a group's checks share: backend kind, output file, sizes."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args, self.group, self.quick = args, args.child, args.quick
+        self.cuda = args.backend == "cuda"
+        self._out = open(args.jsonl, "a", encoding="utf-8")  # closed when the process exits
+        self.lines = 0
+
+    def emit(self, **line: Any) -> None:
+        line = {"group": self.group, "t": round(time.time(), 3), **line}
+        self._out.write(json.dumps(line, default=str) + "\n")
+        self._out.flush()
+        os.fsync(self._out.fileno())
+        self.lines += 1
+        if self.args.fault == self.group and self.lines == 1:
+            os.abort()  # test hook: a child that dies like one hit by a fatal device fault
+
+    def backend(self, unchecked: bool = False) -> Any:
+        if self.cuda:
+            from worker import kernels_cuda
+
+            return kernels_cuda.backend(unchecked)
+        from worker import kernels_cpu
+
+        return kernels_cpu.backend("nocheck" if unchecked else "plain")
+
+    def sync(self) -> None:
+        if self.cuda:
+            import cupy
+
+            cupy.cuda.runtime.deviceSynchronize()
+
+    def device_ok(self) -> bool:
+        try:
+            self.sync()
+            return True
+        except Exception:
+            return False
+
+    def check(self, name: str, fn: Callable[[], tuple[bool, str]]) -> bool:
+        """Run one check, synchronise, and append its line; stop the group if
+        the device context is no longer usable."""
+        t0 = time.perf_counter()
+        try:
+            ok, detail = fn()
+            self.sync()
+        except Exception as e:
+            ok, detail = False, f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+        self.emit(kind="check", check=name, ok=bool(ok), detail=detail,
+                  seconds=round(time.perf_counter() - t0, 3))
+        if not ok and self.cuda and not self.device_ok():
+            self.emit(kind="abort", detail=f"CUDA context unusable after {name!r}; later checks of this group skipped")
+            sys.exit(EXIT_STICKY)
+        return bool(ok)
+
+
+# ---- preflight ----------------------------------------------------------------------
+def versions(cuda: bool) -> dict[str, str]:
+    v = {"python": platform.python_version(), "numpy": np.__version__}
+    try:
+        import torch
+
+        v["torch"] = torch.__version__
+    except Exception as e:
+        v["torch"] = f"- ({type(e).__name__})"
+    if cuda:
+        import cupy
+
+        rt = cupy.cuda.runtime
+        props = rt.getDeviceProperties(0)
+        name = props["name"]
+        v.update(cupy=cupy.__version__, nvrtc=".".join(map(str, cupy.cuda.nvrtc.getVersion())),
+                 driver=str(rt.driverGetVersion()), runtime=str(rt.runtimeGetVersion()),
+                 gpu=name.decode() if isinstance(name, bytes) else str(name),
+                 compute_capability=f"{props['major']}.{props['minor']}", sms=str(props["multiProcessorCount"]))
+    else:
+        gxx = subprocess.run(["g++", "--version"], capture_output=True, text=True).stdout.splitlines()
+        v.update(gxx=gxx[0] if gxx else "-", gpu="CPU emulation")
+    return v
+
+
+def group_preflight(ctx: Ctx) -> int:
+    """Build one module (checked or unchecked), resolve every kernel, report
+    versions and resources. Exit 2 when anything is missing."""
+    from worker import kernel_api as api
+
+    build = ctx.args.build
+    v = versions(ctx.cuda)
+    ctx.emit(kind="versions", build=build, **v)
+    print(f"[{build}] " + ", ".join(f"{k} {x}" for k, x in v.items()), flush=True)
+    t0 = time.perf_counter()
+    missing: list[str] = []
+    spills: list[str] = []
+    try:
+        be = ctx.backend(build == "unchecked")
+        for name in api.kernel_names():
+            try:
+                res = be.resources(name) if ctx.cuda else {"signature": be.signature(name)}
+            except Exception as e:
+                missing.append(f"{name}: {type(e).__name__}: {e}")
+                if len(missing) >= 3:  # a module that did not compile fails every name alike
+                    break
+                continue
+            ctx.emit(kind="kernel", build=build, name=name, **res)
+            print(f"[{build}] {name}: " + ", ".join(f"{k} {x}" for k, x in res.items()), flush=True)
+            if res.get("local_bytes"):
+                spills.append(f"{name} {res['local_bytes']} B")
+    except Exception as e:
+        missing.append(f"{type(e).__name__}: {e}")
+        traceback.print_exc()
+    ok = not missing
+    ctx.emit(kind="check", check=f"preflight {build}: build and resolve {len(api.kernel_names())} kernels",
+             ok=ok, detail="; ".join(missing)[:2000] or "every kernel resolved",
+             seconds=round(time.perf_counter() - t0, 3))
+    if ok and ctx.cuda:  # a spill is a performance bug, not a reason to stop
+        ctx.emit(kind="check", check=f"preflight {build}: no local memory (spill) in any kernel", ok=not spills,
+                 detail=", ".join(spills) or "none")
+    return 0 if ok else 2
+
+
+# ---- correctness --------------------------------------------------------------------
+def group_decode_sweep(ctx: Ctx) -> int:
+    """The cases of bench/decode_cases.py for the group's dtype (decode-<dtype>)."""
+    from bench import decode_cases as dc
+
+    be = ctx.backend()
+    dtype = ctx.group.removeprefix("decode-")
+
+    def one(case: Any) -> tuple[bool, str]:
+        inp = dc.make_inputs(case)
+        problems = dc.check_case(case, inp, dc.run_case(be, case, inp))
+        return not problems, "; ".join(problems) or "ok"
+
+    for case in dc.cases(full=not ctx.quick):
+        if case.dtype == dtype:
+            ctx.check(f"decode {case.name}", lambda case=case: one(case))
+    return 0
+
+
+def group_append_copy_guard(ctx: Ctx) -> int:
+    from bench.decode_cases import rand
+    from worker import kernel_api as api
+    from worker import ops_numpy
+    from worker.kernel_api import PageLayout
+
+    be, rng = ctx.backend(), np.random.default_rng(1)
+    xp = be.xp
+    L = PageLayout.per_layer(64, 16, 8, 128, "float16")
+    host = rand(rng, (64 * L.page_elems,), "float16")
+    dev = xp.asarray(host)
+    expect = host.copy()
+
+    def append() -> tuple[bool, str]:
+        sm = rng.permutation(64 * 16)[:300].astype(np.int64)
+        sm[[5, 17]] = [-1, 64 * 16]
+        k, v = rand(rng, (300, 8, 128), "float16"), rand(rng, (300, 8, 128), "float16")
+        r1 = api.append_kv(be, dev, L, xp.asarray(k), xp.asarray(v), xp.asarray(sm)).record
+        r2 = ops_numpy.append_kv(expect, L, k, v, sm).record
+        same = bool(np.array_equal(be.to_host(dev), expect))
+        return r1 == r2 and same, f"record {r1}; cache equal to NumPy: {same}"
+
+    def copy() -> tuple[bool, str]:
+        pairs = np.array([[1, 2], [3, 64], [10, 11]], dtype=np.int64)
+        r1 = api.copy_blocks(be, [dev], L, xp.asarray(pairs)).record
+        r2 = ops_numpy.copy_blocks([expect], L, pairs).record
+        same = bool(np.array_equal(be.to_host(dev), expect))
+        return r1 == r2 and same, f"record {r1}; cache equal to NumPy: {same}"
+
+    def guard() -> tuple[bool, str]:
+        buf = xp.zeros(1 << 20, dtype=np.uint8)
+        api.guard_fill(be, buf, 4096)
+        clean = api.guard_check(be, buf, 4096)
+        buf[(1 << 20) - 7] = 0
+        hit = api.guard_check(be, buf, 4096)
+        ok = not clean and (hit.corrupted_bytes, hit.first_offset) == (1, (1 << 20) - 7)
+        return ok, f"clean={clean}, corrupted={hit}"
+
+    ctx.check("append_kv vs NumPy (2 bad tokens)", append)
+    ctx.check("copy_blocks vs NumPy (1 bad pair)", copy)
+    ctx.check("guard zones", guard)
+    return 0
+
+
+def group_over_4gib(ctx: Ctx) -> int:
+    """A > 4 GiB cache: tokens written to a page past byte 2^32, that page
+    copied further up, decode over both; every page involved, and the pages a
+    32-bit byte offset would have wrapped to, compared with host-built contents."""
+    from bench.decode_cases import rand
+    from worker import kernel_api as api
+    from worker import reference
+    from worker.kernel_api import PageLayout
+
+    be, rng = ctx.backend(), np.random.default_rng(2)
+    xp = be.xp
+    ps, kh, d = 16, 8, 128
+    L = PageLayout.per_layer(2**16 + 8, ps, kh, d, "float16")  # 64 KiB pages: 4 GiB + 512 KiB
+    pe = L.page_elems
+    high = 2**16 + 1  # byte offset (2^16 + 1) * 2^16 = 2^32 + 2^16
+    wrap = {high: (high * pe * 2 % 2**32) // (pe * 2), high + 2: ((high + 2) * pe * 2 % 2**32) // (pe * 2)}
+    assert wrap == {high: 1, high + 2: 3}
+    n = 20
+    k, v = rand(rng, (n, kh, d), "float16"), rand(rng, (n, kh, d), "float16")
+    sm = np.concatenate([3 * ps + np.arange(ps), high * ps + np.arange(n - ps)]).astype(np.int64)
+    # host-built expectation of every page that matters, independent of the device
+    want = {p: np.zeros((2, ps, kh, d), dtype=np.float16) for p in (0, 1, 2, 3, high, high + 2)}
+    for i, s in enumerate(sm):
+        p, t = divmod(int(s), ps)
+        want[p][0, t], want[p][1, t] = k[i], v[i]
+    want[high + 2] = want[high].copy()
+    state: dict[str, Any] = {}
+
+    def write_and_copy() -> tuple[bool, str]:
+        cache = state["cache"] = xp.zeros(L.upper_bound * pe, dtype=np.float16)
+        r1 = api.append_kv(be, cache, L, xp.asarray(k), xp.asarray(v), xp.asarray(sm)).record
+        r2 = api.copy_blocks(be, [cache], L, xp.asarray(np.array([[high, high + 2]], dtype=np.int64))).record
+        bad = [p for p, w in want.items()
+               if not np.array_equal(be.to_host(cache[p * pe:(p + 1) * pe]).reshape(w.shape), w)]
+        targets = sorted(set(wrap.values()))
+        return r1.count == 0 and r2.count == 0 and not bad, \
+            f"pages differing from the host-built contents: {bad or 'none'} (wrapped targets {targets})"
+
+    def decode() -> tuple[bool, str]:
+        cache = state["cache"]
+        q = rand(rng, (1, 32, d), "float16")
+        t = (np.array([0, 3], np.int32), np.array([3, high, high + 2], np.int32), np.array([n - ps], np.int32))
+        res = api.decode_attention(be, xp.asarray(q), cache, L, *[xp.asarray(a) for a in t], kv_chunk_pages=1)
+        small = np.concatenate([want[p].reshape(-1) for p in (3, high, high + 2)])
+        raw = reference.RawLayer.per_layer(3, ps, kh, d, "float16")
+        ref, _ = reference.decode_attention_ref(q, small, raw, t[0], np.arange(3, dtype=np.int32), t[2])
+        got = be.to_host(res.out)
+        err = reference.row_rel_err(got, ref)
+        tol = reference.TOLERANCE["float16"]
+        return err <= tol and res.record.count == 0, f"rel err {err:.2e} (limit {tol:g}) vs host-built pages"
+
+    if ctx.check("cache > 4 GiB: append + copy past byte 2^32, wrapped pages untouched", write_and_copy):
+        ctx.check("cache > 4 GiB: decode over pages past byte 2^32", decode)
+    state.clear()
+    return 0
+
+
+# ---- timing -------------------------------------------------------------------------
+class Recorder:
+    """Backend that launches and remembers each launch, so a public call's
+    kernels can be replayed back to back (no argument checks, no record copy)."""
+
+    def __init__(self, be: Any) -> None:
+        self.be, self.launches = be, []
+
+    def launch(self, name: str, grid: tuple[int, int, int], block: int, args: list[Any]) -> None:
+        self.launches.append((name, grid, block, args))
+        self.be.launch(name, grid, block, args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.be, name)
+
+
+def recorded(be: Any, call: Callable[[Any], Any]) -> tuple[Callable[[], None], list[tuple]]:
+    """Run ``call(backend)`` once; return a replay of its launches and the launches."""
+    rec = Recorder(be)
+    call(rec)
+    launches = list(rec.launches)
+
+    def replay() -> None:
+        for name, grid, block, args in launches:
+            be.launch(name, grid, block, args)
+
+    return replay, launches
+
+
+def time_batch(ctx: Ctx, fn: Callable[[], None], n: int) -> float:
+    """Seconds per call of ``fn`` over ``n`` back-to-back calls between one pair of events."""
+    if ctx.cuda:
+        import cupy
+
+        a, b = cupy.cuda.Event(), cupy.cuda.Event()
+        a.record()
+        for _ in range(n):
+            fn()
+        b.record()
+        b.synchronize()
+        return cupy.cuda.get_elapsed_time(a, b) / 1e3 / n
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n
+
+
+def interleaved(ctx: Ctx, fns: dict[str, Callable[[], None]]) -> dict[str, list[float]]:
+    """Per-call seconds of each fn over ``rounds`` rounds, the order alternating each round."""
+    names = list(fns)
+    for name in names:  # warm-up (module load, caches)
+        time_batch(ctx, fns[name], 1)
+    out: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(ctx.args.rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            out[name].append(time_batch(ctx, fns[name], ctx.args.launches))
+    return out
+
+
+def spread(ts: list[float]) -> dict[str, float]:
+    return {"median_s": statistics.median(ts), "min_s": min(ts), "max_s": max(ts)}
+
+
+def random_device(xp: Any, rng: np.random.Generator, n: int, dtype: Any) -> Any:
+    """Random non-zero values, generated on the device when it is one."""
+    if xp is np:
+        x = rng.uniform(0.1, 1.0, n).astype(np.float32)
+    else:
+        x = xp.random.uniform(0.1, 1.0, n, dtype=np.float32)
+    return x.astype(dtype)
+
+
+def decode_shapes(ctx: Ctx) -> list[tuple[int, int, int, int, int]]:
+    """(batch, context, q heads, kv heads, head_dim), float16, page 16."""
+    if ctx.quick:
+        return [(2, 128, 8, 2, 64)]
+    if not ctx.cuda:
+        return [(4, 256, 8, 2, 64), (1, 512, 8, 1, 128)]
+    return [(64, 4096, 32, 8, 128), (64, 4096, 64, 8, 128), (4, 16384, 32, 8, 128), (64, 4096, 32, 8, 64)]
+
+
+def group_timing(ctx: Ctx) -> int:
+    from worker import kernel_api as api
+    from worker.kernel_api import PageLayout
+
+    checked, unchecked = ctx.backend(), ctx.backend(unchecked=True)
+    xp, rng = checked.xp, np.random.default_rng(3)
+    ps = 16
+    # device-to-device copy: the bandwidth every figure is compared with
+    n = (64 << 20) if (ctx.quick or not ctx.cuda) else (1 << 30)
+    src, dst = xp.ones(n, dtype=np.uint8), xp.empty(n, dtype=np.uint8)
+    if ctx.cuda:
+        copy = lambda: xp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, n, 3, 0)  # noqa: E731
+    else:
+        copy = lambda: np.copyto(dst, src)  # noqa: E731
+    ts = interleaved(ctx, {"copy": copy})["copy"]
+    copy_gbs = 2 * n / statistics.median(ts) / 1e9
+    ctx.emit(kind="perf", kernel="device-to-device copy", shape=f"{n >> 20} MiB", bytes=2 * n, gbs=copy_gbs,
+             pct_copy=1.0, **spread(ts))
+    src = dst = None
+
+    for b, ctx_len, hq, hkv, d in decode_shapes(ctx):
+        ppr = ctx_len // ps
+        L = PageLayout.per_layer(b * ppr, ps, hkv, d, "float16")
+        cache = random_device(xp, rng, b * ppr * L.page_elems, np.float16)
+        idx = xp.asarray(rng.permutation(b * ppr).astype(np.int32))
+        indptr = xp.asarray((np.arange(b + 1) * ppr).astype(np.int32))
+        lpl = xp.asarray(np.full(b, ps, dtype=np.int32))
+        q = random_device(xp, rng, b * hq * d, np.float16).reshape(b, hq, d)
+        kv_bytes = b * ctx_len * hkv * d * 2 * 2
+        shape = f"B={b} ctx={ctx_len} hq={hq} hkv={hkv} d={d} fp16 page {ps}"
+        entry = api.decode_entry("float16", hq // hkv, d)
+        replays, grids = {}, {}
+        for label, be in (("checked", checked), ("unchecked", unchecked)):
+            args = (q, cache, L, indptr, idx, lpl)
+            replays[label], launches = recorded(
+                be, lambda rb, args=args, ppr=ppr: api.decode_attention(rb, *args, max_pages=ppr))
+            grids[label] = [f"{name}{list(grid)}" for name, grid, _, _ in launches]
+        ts = interleaved(ctx, replays)
+        for label in ("checked", "unchecked"):
+            med = statistics.median(ts[label])
+            ctx.emit(kind="perf", kernel=f"decode ({label})", entry=entry, shape=shape, bytes=kv_bytes,
+                     gbs=kv_bytes / med / 1e9, pct_copy=kv_bytes / med / 1e9 / copy_gbs, launches=grids[label],
+                     blocks_per_sm=checked.resident_blocks(entry, api.THREADS), **spread(ts[label]))
+        pairs = [c / u - 1 for c, u in zip(ts["checked"], ts["unchecked"], strict=True)]
+        ctx.emit(kind="cost", kernel="bounds-check cost", shape=shape,
+                 cost=statistics.median(ts["checked"]) / statistics.median(ts["unchecked"]) - 1,
+                 round_costs=[round(x, 4) for x in pairs])
+        cache = None
+
+    # append_kv and copy_blocks (checked build)
+    hkv, d, b, ppr = 8, 128, (4 if (ctx.quick or not ctx.cuda) else 64), 256
+    L = PageLayout.per_layer(b * ppr, ps, hkv, d, "float16")
+    cache = random_device(xp, rng, b * ppr * L.page_elems, np.float16)
+    nt = 64 if (ctx.quick or not ctx.cuda) else b * 256
+    sm = xp.asarray(rng.permutation(b * ppr * ps)[:nt].astype(np.int64))
+    kk = random_device(xp, rng, nt * hkv * d, np.float16).reshape(nt, hkv, d)
+    npairs = b * ppr // 8
+    perm = rng.permutation(b * ppr)
+    pairs = xp.asarray(np.stack([perm[:npairs], perm[npairs:2 * npairs]], 1).astype(np.int64))
+    ops = {"append_kv": recorded(checked, lambda rb: api.append_kv(rb, cache, L, kk, kk, sm))[0],
+           "copy_blocks": recorded(checked, lambda rb: api.copy_blocks(rb, [cache], L, pairs))[0]}
+    moved = {"append_kv": 2 * 2 * nt * hkv * d * 2, "copy_blocks": 2 * npairs * L.page_elems * 2}
+    shapes = {"append_kv": f"{nt} tokens x {hkv} x {d} fp16",
+              "copy_blocks": f"{npairs} pages x {L.page_elems * 2 >> 10} KiB"}
+    ts = interleaved(ctx, ops)
+    for name in ops:
+        med = statistics.median(ts[name])
+        ctx.emit(kind="perf", kernel=name, shape=shapes[name], bytes=moved[name], gbs=moved[name] / med / 1e9,
+                 pct_copy=moved[name] / med / 1e9 / copy_gbs, **spread(ts[name]))
+    return 0
+
+
+GROUPS: dict[str, Callable[[Ctx], int]] = {
+    "preflight": group_preflight,
+    "decode-float32": group_decode_sweep,
+    "decode-float16": group_decode_sweep,
+    "decode-bfloat16": group_decode_sweep,
+    "timing": group_timing,
+    "append-copy-guard": group_append_copy_guard,
+    "over-4gib": group_over_4gib,
+}
+
+
+# The device's protobuf may be older than the committed stubs: nothing here may
+# pull in the service layer.
+FORBIDDEN_IMPORTS = ("kvservice", "grpc", "google.protobuf")
+
+
+def run_child(args: argparse.Namespace) -> int:
+    ctx = Ctx(args)
+    try:
+        rc = GROUPS[args.child](ctx)
+    except Exception as e:
+        ctx.emit(kind="check", check=f"{args.child}: group", ok=False, detail=f"{type(e).__name__}: {e}")
+        traceback.print_exc()
+        rc = 1
+    found = [m for m in FORBIDDEN_IMPORTS if m in sys.modules]
+    if found:
+        ctx.emit(kind="check", check=f"{args.child}: imports", ok=False, detail=f"imported {found}")
+        rc = rc or 1
+    return rc
