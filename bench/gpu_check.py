@@ -45,7 +45,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 TARGET_DECODE = 0.80  # decode GB/s >= 80 % of device-to-device copy GB/s
-TARGET_CHECK_COST = 0.03  # checked vs unchecked decode time <= +3 %
+TARGET_CHECK_COST = 0.02  # checked vs unchecked decode time <= +2 % (issue #15)
 BUDGET_S = 450.0  # the whole run, preflight included
 PREFLIGHT_TIMEOUT_S = 240.0
 # group -> timeout in seconds (each also capped by what is left of the budget);

@@ -405,7 +405,7 @@ def decode_geometry(dtype: str, heads: int, head_dim: int) -> DecodeGeometry:
 
 
 OTHER_KERNELS = ("kv_append", "kv_copy_blocks", "kv_decode_merge", "kv_guard_check", "kv_guard_fill",
-                 "kv_validate_page_table")
+                 "kv_validate_page_table", "kv_widen_f16", "kv_widen_bf16")
 
 
 def decode_entries() -> list[str]:
