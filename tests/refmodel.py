@@ -15,16 +15,37 @@ to the documented semantics:
   place. Copies are listed in batch order.
 - Sliding window w: a sequence growing from `old` tokens releases every page
   wholly before token `old + 1 - w`.
-- Prefix caching (group 0 only, full attention): an admission with token ids
-  takes page j from the cache when a cached page holds the same namespace
-  (salt, extra key) and the same token prefix (tokens[:(j+1)*page_size]), and
-  its recorded parent slot is the slot accepted for page j - 1; hits form a
-  prefix of the prompt and cover at most (n - 1) // page_size pages. A page
-  whose last owner leaves goes to an LRU; an allocation uses a clean free slot
-  while one is left and only then evicts the oldest cached page. The docs fix
-  no order among pages released by the same step, so the model keeps them as
-  one generation and asks `choose` which of a generation's pages the pool
+- Prefix caching, every layer group its own cache over its own slots. A page's
+  identity is (namespace, every token up to the page's end): equal identities
+  are equal chained hashes (barring collisions, which the real pool cannot
+  produce without an injected hash function), so the caches are dicts keyed by
+  identity. A hit of h pages (h <= (n - 1) // page_size) needs, in the full
+  group, pages 0..h-1 confirmed along the parent chain (a cached page of that
+  identity whose recorded parent slot is the slot confirmed for page j - 1); in
+  a sliding group of window w, pages [(h * page_size + 1 - w) // page_size, h)
+  (none below 0), each a cached page of that identity whose *anchor* (the slot
+  the first full group held for the same page when it was registered) is the
+  very page the full group just confirmed; in a pool of sliding groups only the
+  parent's chained hash stands in for the anchor, which identity equality
+  already implies. The hit is the largest h every group can serve. The
+  admission then holds in a sliding group no page before that first kept page,
+  takes [first, h) from the group's cache and allocates the rest; in the full
+  group it takes 0..h-1. cached_tokens = h * page_size. After the step each
+  group registers the admission's full prompt pages it holds whose identity it
+  does not cache yet. A page whose last owner leaves (a free, a window release)
+  goes to its group's LRU while registered; an allocation uses a clean free
+  slot while one is left and only then evicts the oldest cached page. The docs
+  fix no order among pages released by the same step, so the model keeps them
+  as one generation and asks `choose` which of a generation's pages the pool
   evicted when it evicts only some of them.
+- An admitted token whose page a sliding group does not hold (a cached token
+  before the group's first kept page) has no slot in that group: its
+  `new_slots` entry is (None, offset).
+- Stats: a pool gives one number each for prefix_cache_hits (pages served from
+  the cache), prefix_cache_evictions and cached_slots. The docs fix no group
+  for them in a pool of several caches; the model reports the hits of the
+  first full group (group 0 in a pool of sliding groups only) and the
+  evictions and cached slots of group 0 (what the pool reports).
 - Block tables: row b, column j is page j of the sequence (absolute page
   position), -1 where a sliding window released it and past the row's end; as
   wide as the longest row (ceil(n / page_size) of the longest sequence).
@@ -34,7 +55,7 @@ choice. Every page allocated by a step gets a fresh id (listed in
 `Outcome.pending`); the caller binds ids to real slots and checks that exactly
 the evicted cached slots (`Outcome.evicted`) were reused. `pos(g, slot)`, set by
 the caller, answers which physical slot an id was bound to; the prefix cache's
-parent-slot rule is about physical slots, so it compares through it.
+parent-slot and anchor rules are about physical slots, so they compare through it.
 `choose(g, candidates)` (also the caller's) picks the one page of the oldest
 generation of cached pages that the pool evicted; by default the first.
 """
@@ -107,7 +128,7 @@ class Row:
     new: int
     held: list[list[int]]                          # per group: held slots (from the first held page)
     first: list[int]                               # per group: position of the first held page
-    new_slots: list[list[tuple[int, int]]]         # per group: (slot, offset in page) per new token
+    new_slots: list[list[tuple[int | None, int]]]  # per group: (slot or None, offset in page) per new token
 
 
 @dataclass
@@ -128,9 +149,14 @@ class _State:
         self.seqs: dict[int, Seq] = {}
         self.refs: list[dict[int, int]] = [{} for _ in range(groups)]     # owned slot -> owners
         self.lru: list[dict[int, int]] = [{} for _ in range(groups)]      # cached free slot -> generation
-        self.cache: dict[tuple, tuple[int, int | None]] = {}              # (ns, tokens) -> (slot, parent)
-        self.key_of: dict[int, tuple] = {}                                # registered slot -> its key
-        self.steps = self.admitted = self.refused = self.hits = self.evictions = 0
+        # per group: identity (ns, tokens up to the page's end) -> (slot, parent slot in a full group,
+        # anchor slot of the first full group in a sliding one, None for page 0 or without a full group)
+        self.cache: list[dict[tuple, tuple[int, int | None]]] = [{} for _ in range(groups)]
+        self.key_of: list[dict[int, tuple]] = [{} for _ in range(groups)]     # registered slot -> its identity
+        self.hits = [0] * groups            # per group: pages admissions took from its cache
+        self.evictions = [0] * groups       # per group: cached pages evicted for new ones
+        self.limited = 0                    # hits the sliding groups cut below the full chain (or the limit)
+        self.steps = self.admitted = self.refused = 0
         self.peak = 0
         self.generation = 0
 
@@ -139,10 +165,10 @@ class _State:
         s.seqs = {i: q.copy() for i, q in self.seqs.items()}
         s.refs = [dict(r) for r in self.refs]
         s.lru = [dict(x) for x in self.lru]
-        s.cache = dict(self.cache)
-        s.key_of = dict(self.key_of)
-        s.steps, s.admitted, s.refused, s.hits, s.evictions = \
-            self.steps, self.admitted, self.refused, self.hits, self.evictions
+        s.cache = [dict(c) for c in self.cache]
+        s.key_of = [dict(k) for k in self.key_of]
+        s.hits, s.evictions = list(self.hits), list(self.evictions)
+        s.steps, s.admitted, s.refused, s.limited = self.steps, self.admitted, self.refused, self.limited
         s.peak = self.peak
         s.generation = self.generation
         return s
@@ -159,6 +185,8 @@ class RefPool:
         self.max_seq_len = max_seq_len
         self.prefix_caching = prefix_caching
         self.s = _State(len(self.windows))
+        full = [g for g, w in enumerate(self.windows) if not w]
+        self.anchor = full[0] if full else None     # the first full group (its pages anchor sliding hits)
         self._next_slot = 0
         self.pos = lambda g, slot: slot          # physical slot of an id; the differential test sets it
         self.choose = lambda g, candidates: candidates[0]
@@ -183,8 +211,10 @@ class RefPool:
         return {"steps": s.steps, "admitted": s.admitted, "refused": s.refused,
                 "num_sequences": len(s.seqs), "num_tokens": sum(q.n for q in s.seqs.values()),
                 "num_free_slots": min(self.num_free(g) for g in range(self.groups)),
-                "peak_used_slots": s.peak, "prefix_cache_hits": s.hits,
-                "prefix_cache_evictions": s.evictions, "cached_slots": len(s.lru[0]) if self.prefix_caching else 0}
+                "peak_used_slots": s.peak,
+                "prefix_cache_hits": s.hits[0 if self.anchor is None else self.anchor] if self.prefix_caching else 0,
+                "prefix_cache_evictions": s.evictions[0] if self.prefix_caching else 0,
+                "cached_slots": len(s.lru[0]) if self.prefix_caching else 0}
 
     def row(self, seq_id: int, new: int = 0) -> Row:
         q = self.s.seqs[seq_id]
@@ -247,9 +277,9 @@ class RefPool:
             candidates = [x for x, gen in s.lru[g].items() if gen == oldest]
             victim = candidates[0] if len(candidates) == 1 else self.choose(g, candidates)
             del s.lru[g][victim]
-            key = s.key_of.pop(victim)
-            del s.cache[key]
-            s.evictions += 1
+            key = s.key_of[g].pop(victim)
+            del s.cache[g][key]
+            s.evictions[g] += 1
             evicted.append(victim)
         slot = self._next_slot
         self._next_slot += 1
@@ -261,7 +291,7 @@ class RefPool:
         s.refs[g][slot] -= 1
         if s.refs[g][slot] == 0:
             del s.refs[g][slot]
-            if slot in s.key_of:
+            if slot in s.key_of[g]:
                 s.lru[g][slot] = s.generation      # a registered page stays cached
 
     def _share(self, s: _State, g: int, slot: int) -> None:
@@ -286,27 +316,19 @@ class RefPool:
             for g in range(G):
                 for x in q.held(g):
                     self._share(s, g, x)
-        # 3. prefix-cache hits of the admissions, decided before any page is allocated
+        # 3. prefix-cache hits of the admissions, decided (and pinned) before any page is allocated
         prompts = self._prompts(st)
-        hit_slots: list[list[int]] = []
+        hit_slots: list[list[list[int | None]]] = []        # per admission, per group: page -> slot (None: not held)
+        hit_pages: list[int] = []                           # per admission: h
         for (_, n), prompt in zip(st.adm, prompts, strict=True):
-            got: list[int] = []
-            if prompt is not None:
-                ns, toks = prompt
-                parent = None
-                for j in range((n - 1) // ps):
-                    entry = s.cache.get((ns, tuple(toks[:(j + 1) * ps])))
-                    if entry is None:
-                        break
-                    slot, reg_parent = entry
-                    if (reg_parent is None) != (parent is None) or \
-                            (parent is not None and self.pos(0, reg_parent) != self.pos(0, parent)):
-                        break
-                    self._share(s, 0, slot)
-                    got.append(slot)
-                    parent = slot
-                s.hits += len(got)
-            hit_slots.append(got)
+            h, taken = self._lookup(s, n, prompt) if prompt is not None else (0, [[] for _ in range(G)])
+            hit_pages.append(h)
+            for g in range(G):
+                for x in taken[g]:
+                    if x is not None:
+                        self._share(s, g, x)
+                        s.hits[g] += 1
+            hit_slots.append(taken)
         # 4. extensions: window release, copy-on-write, growth (per group)
         olds = {i: s.seqs[i].n for i, _ in st.ext}
         copies: list[list[tuple[int, int]]] = [[] for _ in range(G)]
@@ -347,31 +369,93 @@ class RefPool:
         for i, k in st.ext:
             s.seqs[i].n += k
         # 5. admissions
-        for (i, n), hits in zip(st.adm, hit_slots, strict=True):
+        for (i, n), taken in zip(st.adm, hit_slots, strict=True):
             q = Seq(n, [0] * G, [[] for _ in range(G)])
             for g in range(G):
-                q.pages[g] = list(hits) if g == 0 else []
+                q.pages[g] = list(taken[g])
+                q.first[g] = sum(x is None for x in taken[g])      # a sliding group: its first kept page
                 while len(q.pages[g]) < cdiv(n, ps):
                     q.pages[g].append(self._new_slot(s, g, pending[g], evicted[g]))
             s.seqs[i] = q
-        # 6. registration of the admissions' new full prompt pages
-        for (i, n), prompt, hits in zip(st.adm, prompts, hit_slots, strict=True):
+        # 6. registration of the admissions' full prompt pages, in every group that holds them
+        for (i, n), prompt in zip(st.adm, prompts, strict=True):
             if prompt is None:
                 continue
             ns, toks = prompt
-            pages = s.seqs[i].pages[0]
-            for j in range(len(hits), n // ps):
-                key = (ns, tuple(toks[:(j + 1) * ps]))
-                if key not in s.cache:
-                    s.cache[key] = (pages[j], pages[j - 1] if j else None)
-                    s.key_of[pages[j]] = key
+            q = s.seqs[i]
+            for g in range(G):
+                for j in range(q.first[g], n // ps):
+                    key = (ns, tuple(toks[:(j + 1) * ps]))
+                    if key in s.cache[g]:
+                        continue                  # this identity is cached already (here: this very page)
+                    if not self.windows[g]:
+                        link = q.pages[g][j - 1] if j else None
+                    else:
+                        link = q.pages[self.anchor][j] if self.anchor is not None else None
+                    s.cache[g][key] = (q.pages[g][j], link)
+                    s.key_of[g][q.pages[g][j]] = key
         # the reply
         rows = [self._emit(s, i, olds[i], k) for i, k in st.ext]
         rows += [self._emit(s, i, 0, n) for i, n in st.adm]
         rows += [self._emit(s, c, s.seqs[c].n, 0) for _, c in st.forks]
-        cached = [len(h) * ps for h in hit_slots] if st.adm else None
+        cached = [h * ps for h in hit_pages] if st.adm else None
         num_free = min(self.num_slots - len(s.refs[g]) for g in range(G))
         return Outcome(rows, copies, cached, pending, evicted, num_free, released)
+
+    def _lookup(self, s: _State, n: int, prompt: tuple[tuple[str, str], list[int]]
+                ) -> tuple[int, list[list[int | None]]]:
+        """An admission's hit h and, per group, the slots of its pages [0, h) (None below a window's first page)."""
+        ps, (ns, toks) = self.ps, prompt
+        limit = (n - 1) // ps
+
+        def key(j: int) -> tuple:
+            return ns, tuple(toks[:(j + 1) * ps])
+
+        # full groups: the longest chain of pages confirmed by identity and parent slot
+        chain: dict[int, list[int]] = {}
+        bound = limit
+        for g, w in enumerate(self.windows):
+            if w:
+                continue
+            got: list[int] = []
+            while len(got) < limit:
+                entry = s.cache[g].get(key(len(got)))
+                if entry is None:
+                    break
+                slot, parent = entry
+                want = got[-1] if got else None
+                if (parent is None) != (want is None) or \
+                        (want is not None and self.pos(g, parent) != self.pos(g, want)):
+                    break
+                got.append(slot)
+            chain[g] = got
+            bound = min(bound, len(got))
+
+        def first(g: int, h: int) -> int:
+            return max(0, (h * ps + 1 - self.windows[g]) // ps)
+
+        def serves(g: int, h: int) -> bool:
+            for j in range(first(g, h), h):
+                entry = s.cache[g].get(key(j))
+                if entry is None:
+                    return False
+                if self.anchor is not None and \
+                        self.pos(self.anchor, entry[1]) != self.pos(self.anchor, chain[self.anchor][j]):
+                    return False
+            return True
+
+        h = bound
+        while h and not all(serves(g, h) for g, w in enumerate(self.windows) if w):
+            h -= 1
+        s.limited += h < bound
+        taken: list[list[int | None]] = []
+        for g, w in enumerate(self.windows):
+            if not w:
+                taken.append(list(chain[g][:h]))
+            else:
+                lo = first(g, h)
+                taken.append([None] * lo + [s.cache[g][key(j)][0] for j in range(lo, h)])
+        return h, taken
 
     def _prompts(self, st: Step) -> list[tuple[tuple[str, str], list[int]] | None]:
         if not self.prefix_caching or st.token_ids is None:

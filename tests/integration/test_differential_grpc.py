@@ -28,7 +28,7 @@ from tests.differential import (
 from .conftest import ManagerProcess
 
 pytestmark = pytest.mark.integration
-RUNS = (("mix", 800), ("forks_alone", 400))      # 7,200 Steps over the six kinds
+RUNS = (("mix", 800), ("forks_alone", 400))      # 10,800 Steps over the nine kinds
 SHRINK_SECONDS = 30.0
 
 
@@ -54,9 +54,11 @@ def test_server_matches_reference_model(server, name):
         return OverGrpc(server, f"{name}-{n}")
 
     total = TOTALS.setdefault(f"gRPC {name}", RunStats())
+    mine = RunStats()
     for profile, steps in RUNS:
         stats, failure = run_random(kind, new_pool, seed=100, steps=steps, profile=profile)
         total.add(stats)
+        mine.add(stats)
         if failure is not None:
             # Shrink in-process when the mismatch shows there too (ten times faster), else over gRPC.
             again = run_ops(kind, InProcess(kind), failure.ops)
@@ -68,4 +70,6 @@ def test_server_matches_reference_model(server, name):
                         f"\n\nminimal repro ({len(small.ops)} ops, fails {where}):\n{repro(small)}",
                         pytrace=False)
         assert stats.steps == steps
-    assert total.errors - total.exhausted > 50 and total.copies > 20 and total.mixed > 20
+    assert mine.errors - mine.exhausted > 50 and mine.copies > 20 and mine.mixed > 20
+    if kind.prefix_caching:
+        assert mine.hits > 50 and mine.evictions > 50

@@ -8,15 +8,17 @@ whole reply, the pool's state (through the model-slot <-> real-slot bijection)
 and its stats must match the model. A failing seed is shrunk to a minimal op
 list, printed as code to paste into a test.
 
-The seed set covers 6 pool kinds and more than 50,000 Steps per run (see
-PLAN); the totals are printed at the end of the pytest run.
+The seed set covers 9 pool kinds (prefix caching on hybrid and sliding-only
+pools among them) and more than 70,000 Steps per run (see PLAN); the totals are
+printed at the end of the pytest run.
 """
 
 import os
 
 import pytest
 
-from tests.differential import KINDS, TOTALS, InProcess, RunStats, repro, run_random, shrink
+from tests.differential import KINDS, TOTALS, InProcess, RunStats, repro, run_ops, run_random, shrink
+from tests.refmodel import Step
 
 # (profile, fast path on, seeds, steps per seed) per kind. "mix": every op in every combination;
 # "forks_alone": forks never share a Step with extensions or admissions; "no_forks": the pool keeps
@@ -67,12 +69,32 @@ def test_pool_matches_reference_model(name):
         assert total.released > 500
     if kind.prefix_caching:
         assert total.hits > 100 and total.evictions > 100
+        if any(la.sliding_window for la in kind.spec.layers):
+            assert total.limited > 50                            # the windows' own caches cut hits short
 
 
 @pytest.mark.parametrize("name", list(FAST))
 def test_decode_fast_path_matches_reference_model(name):
     total = run_plan(name, FAST[name])
     assert total.fast_steps > 500                                # the fast path answered these steps
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="the pool maps an admission's cached tokens before a sliding group's first kept page to "
+                          "whatever its row-slot arena holds before the row's segment: pages of other rows")
+def test_cached_tokens_a_window_does_not_hold_name_no_page():
+    # Seq 3 takes 5 cached pages (20 tokens) of seq 1's prompt; the window-6 group keeps pages 3.. of
+    # it, so tokens 0..11 have no page there. Seq 2's segment lies just before seq 3's in that group's
+    # arena, and today tokens 0..11 of seq 3 are mapped to seq 2's pages 1..3 there: a client that
+    # appends every token of the slot mapping overwrites seq 2's K/V. Any page of the pool is wrong
+    # for them; CHECK_UNHELD turns this check on in the random runs once the pool is fixed.
+    kind = KINDS["prefix_hybrid"]
+    prompt = list(range(1, 22))
+    ops = [Step(adm=[(1, 21)], token_ids=prompt), Step(adm=[(2, 4)]), Step(ext=[(2, 12)]),
+           Step(adm=[(3, 21)], token_ids=prompt)]
+    assert run_ops(kind, InProcess(kind), ops, check_unheld=False) is None      # all else agrees
+    failure = run_ops(kind, InProcess(kind), ops, check_unheld=True)
+    assert failure is None, failure.message
 
 
 class Faulty(InProcess):

@@ -86,3 +86,73 @@ def test_refused_steps_change_nothing(step, error):
     with pytest.raises(error):
         m.step(step)
     assert (dict(m.s.seqs[1].__dict__), [dict(r) for r in m.s.refs], m.s.steps) == before
+
+
+# ---- prefix caching on hybrid pools (ARCHITECTURE.md, "Hybrid models") -------------------------------
+PROMPT = list(range(100, 121))          # 21 tokens, page size 4: 5 full pages, at most (21 - 1) // 4 = 5 cached
+
+
+def _forget(m: RefPool, g: int, j: int, prompt=PROMPT) -> None:
+    """Drop page j of `prompt` from group g's cache (what an eviction does to the index)."""
+    del m.s.key_of[g][m.s.cache[g].pop((("", ""), tuple(prompt[:(j + 1) * 4])))[0]]
+
+
+def test_hybrid_hit_takes_only_the_pages_the_window_attends():
+    # windows 6 and 13: the first computed token (position 20) attends tokens 15..20 and 8..20,
+    # so the groups keep pages (20 + 1 - 6) // 4 = 3.. and (20 + 1 - 13) // 4 = 2..
+    m = RefPool(4, [0, 6, 13], 32, 64, prefix_caching=True)
+    m.step(Step(adm=[(1, 21)], token_ids=PROMPT))
+    one = m.s.seqs[1].pages
+    out = m.step(Step(adm=[(2, 21)], token_ids=PROMPT))
+    two = m.s.seqs[2]
+    assert out.cached_tokens == [20] and two.first == [0, 3, 2]
+    assert two.pages[0][:5] == one[0][:5] and two.pages[0][5] != one[0][5]
+    assert two.pages[1][:3] == [None] * 3 and two.pages[1][3:5] == one[1][3:5] and two.pages[1][5] != one[1][5]
+    assert two.pages[2][:2] == [None] * 2 and two.pages[2][2:5] == one[2][2:5]
+    assert all(m.s.refs[1][x] == 2 for x in one[1][3:5]) and m.s.refs[1][one[1][2]] == 1
+    assert [x for x, _ in out.rows[0].new_slots[1][:12]] == [None] * 12          # tokens 0..11: no page there
+    assert out.rows[0].new_slots[1][12] == (one[1][3], 0)
+    assert m.s.hits == [5, 2, 3] and m.stats()["prefix_cache_hits"] == 5      # the first full group's count
+
+
+@pytest.mark.parametrize(("forgotten", "hit"), [((), 5), ((2,), 5), ((4,), 4), ((2, 4), 2), ((0, 2, 4), 0)])
+def test_the_hit_is_the_largest_every_group_serves(forgotten, hit):
+    # window 6: h = 5 needs the window group's pages 3, 4; h = 4 pages 2, 3; h = 3 pages 1, 2;
+    # h = 2 pages 0, 1; h = 1 page 0. Forgetting page 2 costs nothing (h = 5 does not need it).
+    m = RefPool(4, [0, 6], 32, 64, prefix_caching=True)
+    m.step(Step(adm=[(1, 21)], token_ids=PROMPT))
+    for j in forgotten:
+        _forget(m, 1, j)
+    out = m.step(Step(adm=[(2, 21)], token_ids=PROMPT))
+    assert out.cached_tokens == [4 * hit]
+    assert m.s.seqs[2].first[1] == max(0, (4 * hit + 1 - 6) // 4)
+
+
+def test_a_window_page_is_confirmed_by_its_anchor():
+    # The window group's page 4 was registered beside another full-group page than the one the full
+    # group confirms now: not the same prompt state, so h drops to the largest h it does not need.
+    m = RefPool(4, [0, 6], 32, 64, prefix_caching=True)
+    m.step(Step(adm=[(1, 21)], token_ids=PROMPT))
+    key = (("", ""), tuple(PROMPT[:20]))
+    slot, anchor = m.s.cache[1][key]
+    assert anchor == m.s.seqs[1].pages[0][4]
+    m.s.cache[1][key] = (slot, m.s.seqs[1].pages[0][3])
+    assert m.step(Step(adm=[(2, 21)], token_ids=PROMPT)).cached_tokens == [16]
+    # Without a full group the parent's hash stands in, which the page's identity implies.
+    m = RefPool(4, [6, 13], 32, 64, prefix_caching=True)
+    m.step(Step(adm=[(1, 21)], token_ids=PROMPT))
+    out = m.step(Step(adm=[(2, 21)], token_ids=PROMPT))
+    assert out.cached_tokens == [20] and m.s.seqs[2].first == [3, 2] and m.s.hits == [2, 3]
+    assert m.stats()["prefix_cache_hits"] == 2                  # group 0's count
+
+
+def test_window_pages_are_registered_and_stay_cached_when_released():
+    m = RefPool(4, [0, 6], 6, 64, prefix_caching=True)
+    m.step(Step(adm=[(1, 9)], token_ids=PROMPT[:9]))              # pages 0, 1 registered in both groups
+    released = m.s.seqs[1].pages[1][:2]
+    assert set(m.s.key_of[1]) == set(released)
+    m.step(Step(ext=[(1, 8)]))                                      # from 9 tokens: releases page 0
+    m.step(Step(ext=[(1, 1)]))                                      # from 17 tokens: pages 1, 2
+    assert m.s.seqs[1].first[1] == 3 and set(m.s.lru[1]) == set(released)     # page 2 was never registered
+    out = m.step(Step(adm=[(2, 9)], token_ids=PROMPT[:9]))
+    assert out.cached_tokens == [8] and m.s.seqs[2].pages[1][:2] == released and not m.s.lru[1]
