@@ -82,8 +82,8 @@ def pool_stats(pool: Pool) -> pb.PoolStats:
                         num_tokens=pool.num_tokens_total, steps=pool.steps, admitted=pool.admitted,
                         refused=pool.refused, prefix_caching=cache is not None,
                         prefix_cache_hits=cache.hits if cache else 0,
-                        prefix_cache_evictions=pool.allocators[0].evictions if cache else 0,
-                        cached_slots=pool.allocators[0].num_cached if cache else 0,
+                        prefix_cache_evictions=cache.allocator.evictions if cache else 0,
+                        cached_slots=cache.allocator.num_cached if cache else 0,
                         event_sequence=pool.events.seq)
 
 

@@ -245,7 +245,7 @@ def _eq(what: str, got, want) -> None:
 
 #: Check the slot mapping of cached tokens a sliding group does not hold (Binder.check_unheld). Off
 #: until the pool stops mapping them to other rows' pages; turn it on with that fix.
-CHECK_UNHELD = False
+CHECK_UNHELD = True
 
 
 class Binder:

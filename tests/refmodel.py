@@ -42,10 +42,9 @@ to the documented semantics:
   before the group's first kept page) has no slot in that group: its
   `new_slots` entry is (None, offset).
 - Stats: a pool gives one number each for prefix_cache_hits (pages served from
-  the cache), prefix_cache_evictions and cached_slots. The docs fix no group
-  for them in a pool of several caches; the model reports the hits of the
-  first full group (group 0 in a pool of sliding groups only) and the
-  evictions and cached slots of group 0 (what the pool reports).
+  the cache), prefix_cache_evictions and cached_slots, all three of one layer
+  group's cache: the first full-attention group (group 0 in a pool of sliding
+  groups only), as the PoolStats comments say; per-group hit counts are metrics.
 - Block tables: row b, column j is page j of the sequence (absolute page
   position), -1 where a sliding window released it and past the row's end; as
   wide as the longest row (ceil(n / page_size) of the longest sequence).
@@ -187,6 +186,7 @@ class RefPool:
         self.s = _State(len(self.windows))
         full = [g for g, w in enumerate(self.windows) if not w]
         self.anchor = full[0] if full else None     # the first full group (its pages anchor sliding hits)
+        self._stat_group = 0 if self.anchor is None else self.anchor   # the group PoolStats describes
         self._next_slot = 0
         self.pos = lambda g, slot: slot          # physical slot of an id; the differential test sets it
         self.choose = lambda g, candidates: candidates[0]
@@ -212,9 +212,9 @@ class RefPool:
                 "num_sequences": len(s.seqs), "num_tokens": sum(q.n for q in s.seqs.values()),
                 "num_free_slots": min(self.num_free(g) for g in range(self.groups)),
                 "peak_used_slots": s.peak,
-                "prefix_cache_hits": s.hits[0 if self.anchor is None else self.anchor] if self.prefix_caching else 0,
-                "prefix_cache_evictions": s.evictions[0] if self.prefix_caching else 0,
-                "cached_slots": len(s.lru[0]) if self.prefix_caching else 0}
+                "prefix_cache_hits": s.hits[self._stat_group] if self.prefix_caching else 0,
+                "prefix_cache_evictions": s.evictions[self._stat_group] if self.prefix_caching else 0,
+                "cached_slots": len(s.lru[self._stat_group]) if self.prefix_caching else 0}
 
     def row(self, seq_id: int, new: int = 0) -> Row:
         q = self.s.seqs[seq_id]
