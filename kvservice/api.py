@@ -9,12 +9,51 @@ from .errors import InvalidArgument
 from .manager import BlockManager
 from .pagetable import PageTable, validate_page_table
 from .planner import plan
+from .pool import Pool, StepResult
 from .v1 import block_manager_pb2 as pb
 from .wire import field_array, fill_tensor, to_tensor
 
 log = logging.getLogger("kvservice")
 STEP_ARRAYS = ("free_seq_ids", "extend_seq_ids", "extend_num_tokens", "admit_seq_ids", "admit_num_tokens",
                "fork_parent_ids", "fork_child_ids", "admit_token_ids")
+
+
+def step_kwargs(request: pb.StepRequest) -> dict[str, object]:
+    """Pool.step keyword arguments of a StepRequest (arrays decoded; the pool checks them)."""
+    a = {f: field_array(request, f) if request.HasField(f) else None for f in STEP_ARRAYS}
+    return {"free_ids": a["free_seq_ids"], "extend_ids": a["extend_seq_ids"], "extend_tokens": a["extend_num_tokens"],
+            "admit_ids": a["admit_seq_ids"], "admit_tokens": a["admit_num_tokens"], "tables": not request.omit_tables,
+            "block_table": request.include_block_table, "fork_parents": a["fork_parent_ids"],
+            "fork_children": a["fork_child_ids"], "admit_token_ids": a["admit_token_ids"],
+            "admit_salts": list(request.admit_cache_salts) or None,
+            "admit_extra_keys": list(request.admit_extra_keys) or None}
+
+
+def step_reply(pool: Pool, res: StepResult, tables: bool = True) -> pb.StepReply:
+    """The StepReply of a step's result; tables=False leaves out every SpaceTables (a caller adds its own)."""
+    reply = pb.StepReply(layer_index_space=pool.layer_space, num_free_slots=res.num_free_slots)
+    fill_tensor(reply.seq_ids, res.seq_ids)
+    fill_tensor(reply.num_tokens, res.num_tokens)
+    fill_tensor(reply.new_token_indptr, res.new_token_indptr)
+    if res.cached_tokens is not None:
+        reply.admit_cached_tokens.CopyFrom(to_tensor(res.cached_tokens))
+    for g, pairs in enumerate(res.copies):
+        if len(pairs):
+            reply.copies.add(group=g, pairs=to_tensor(pairs))
+    if not tables:
+        return reply
+    for st in res.tables:
+        sp = st.space
+        out = reply.tables.add(index_space=sp.id, group=sp.group, scale=sp.scale, offset=sp.offset,
+                               upper_bound=sp.upper_bound)
+        fill_tensor(out.slot_mapping, st.slot_mapping)
+        if st.table is not None:
+            fill_tensor(out.indptr, st.table.indptr)
+            fill_tensor(out.indices, st.table.indices)
+            fill_tensor(out.last_page_len, st.table.last_page_len)
+        if st.block_table is not None:
+            fill_tensor(out.block_table, st.block_table)
+    return reply
 
 
 class ManagerAPI:
@@ -54,36 +93,11 @@ class ManagerAPI:
         return pb.DeletePoolReply()
 
     def Step(self, request: pb.StepRequest) -> pb.StepReply:
-        args = {f: field_array(request, f) if request.HasField(f) else None for f in STEP_ARRAYS}
+        kwargs = step_kwargs(request)
         pool, lock = self.manager.pool_and_lock(request.pool)
         with lock:
-            res = pool.step(args["free_seq_ids"], args["extend_seq_ids"], args["extend_num_tokens"],
-                            args["admit_seq_ids"], args["admit_num_tokens"], tables=not request.omit_tables,
-                            block_table=request.include_block_table, fork_parents=args["fork_parent_ids"],
-                            fork_children=args["fork_child_ids"], admit_token_ids=args["admit_token_ids"],
-                            admit_salts=list(request.admit_cache_salts) or None,
-                            admit_extra_keys=list(request.admit_extra_keys) or None)
-        reply = pb.StepReply(layer_index_space=pool.layer_space, num_free_slots=res.num_free_slots)
-        fill_tensor(reply.seq_ids, res.seq_ids)
-        fill_tensor(reply.num_tokens, res.num_tokens)
-        fill_tensor(reply.new_token_indptr, res.new_token_indptr)
-        if res.cached_tokens is not None:
-            reply.admit_cached_tokens.CopyFrom(to_tensor(res.cached_tokens))
-        for g, pairs in enumerate(res.copies):
-            if len(pairs):
-                reply.copies.add(group=g, pairs=to_tensor(pairs))
-        for st in res.tables:
-            sp = st.space
-            out = reply.tables.add(index_space=sp.id, group=sp.group, scale=sp.scale, offset=sp.offset,
-                                   upper_bound=sp.upper_bound)
-            fill_tensor(out.slot_mapping, st.slot_mapping)
-            if st.table is not None:
-                fill_tensor(out.indptr, st.table.indptr)
-                fill_tensor(out.indices, st.table.indices)
-                fill_tensor(out.last_page_len, st.table.last_page_len)
-            if st.block_table is not None:
-                fill_tensor(out.block_table, st.block_table)
-        return reply
+            res = pool.step(**kwargs)
+        return step_reply(pool, res)
 
     def ListSequences(self, request: pb.ListSequencesRequest) -> pb.ListSequencesReply:
         with self.manager.locked(request.pool) as pool:

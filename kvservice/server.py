@@ -149,7 +149,7 @@ class Malformed:
 
 
 def lenient_handlers(service: str, servicer: object) -> dict[str, grpc.RpcMethodHandler]:
-    """The unary methods of `service` (full name) on `servicer`, with a request parser that never raises.
+    """The methods of `service` (full name) on `servicer`, with a request parser that never raises.
 
     gRPC answers a request it cannot deserialize with INTERNAL; here it becomes INVALID_ARGUMENT
     naming the message type. Usable for any service of kvservice.v1 (the worker's too).
@@ -157,9 +157,13 @@ def lenient_handlers(service: str, servicer: object) -> dict[str, grpc.RpcMethod
     handlers = {}
     for m in _POOL.FindServiceByName(service).methods:
         req_cls, rep_cls = GetMessageClass(m.input_type), GetMessageClass(m.output_type)
-        handlers[m.name] = grpc.unary_unary_rpc_method_handler(
-            _refuse_malformed(getattr(servicer, m.name)), request_deserializer=_parser(req_cls),
-            response_serializer=rep_cls.SerializeToString)
+        kw = {"request_deserializer": _parser(req_cls), "response_serializer": rep_cls.SerializeToString}
+        if m.client_streaming:                  # the handler answers a Malformed item of the stream itself
+            make = grpc.stream_stream_rpc_method_handler if m.server_streaming else grpc.stream_unary_rpc_method_handler
+            handlers[m.name] = make(getattr(servicer, m.name), **kw)
+        else:
+            make = grpc.unary_stream_rpc_method_handler if m.server_streaming else grpc.unary_unary_rpc_method_handler
+            handlers[m.name] = make(_refuse_malformed(getattr(servicer, m.name)), **kw)
     return handlers
 
 

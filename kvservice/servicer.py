@@ -25,6 +25,7 @@ from .manager import BlockManager
 from .metrics import ManagerMetrics
 from .planner import Plan, plan
 from .status import to_status
+from .stream import StreamRegistry, echo_stream, step_stream
 from .v1 import block_manager_pb2 as pb
 from .v1 import block_manager_pb2_grpc as pb_grpc
 from .wire import field_array
@@ -36,6 +37,9 @@ MUTATING = frozenset({"CreatePool", "DeletePool", "Step", "RegisterWorker"})
 #: Reads of pool state: they wait for an in-flight commit and are refused once the journal failed.
 STATE_READS = frozenset({"GetPool", "ListPools", "ListSequences", "GetStats"})
 METHODS = tuple(pb.DESCRIPTOR.services_by_name["BlockManager"].methods_by_name)
+#: Streaming RPCs: handlers of their own (kvservice/stream.py), not the unary adapter below.
+STREAMING = frozenset(m.name for m in pb.DESCRIPTOR.services_by_name["BlockManager"].methods
+                      if m.client_streaming or m.server_streaming)
 _STEP_ARRAYS = ("free_seq_ids", "extend_seq_ids", "extend_num_tokens", "admit_seq_ids", "admit_num_tokens",
                 "fork_parent_ids", "fork_child_ids", "admit_token_ids")
 _SEQ_FIELDS = ("free_seq_ids", "extend_seq_ids", "admit_seq_ids", "fork_child_ids")   # one sequence each
@@ -154,6 +158,13 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
         self.metrics = metrics
         self.journal = journal
         self.limits = limits
+        self.streams = StreamRegistry()
+
+    def StepStream(self, request_iterator: Any, context: grpc.ServicerContext) -> Any:
+        return step_stream(self, request_iterator, context)
+
+    def EchoStream(self, request_iterator: Any, context: grpc.ServicerContext) -> Any:
+        return echo_stream(self, request_iterator, context)
 
 
 def _adapter(name: str) -> Callable[..., Any]:
@@ -184,4 +195,6 @@ def _adapter(name: str) -> Callable[..., Any]:
 
 
 for _name in METHODS:
+    if _name in STREAMING:
+        continue
     setattr(BlockManagerServicer, _name, _adapter(_name))
