@@ -16,6 +16,7 @@ from kvservice.v1 import block_manager_pb2_grpc as pb_grpc
 from . import codec
 from .client import RETRY_CODES, RetryPolicy, TLSOptions, auth_metadata, channel_options, new_request_id
 from .codec import ClientError, StepResult
+from .stream import AsyncStepStream
 
 
 class AsyncBlockManagerClient:
@@ -101,3 +102,9 @@ class AsyncBlockManagerClient:
                                  **extra)
         req.request_id = request_id or new_request_id()
         return codec.parse_step(await self._call(self._stub.Step, req, timeout))
+
+    async def step_stream(self, pool: str, deltas: bool = True, timeout: float | None = None,
+                          stream_id: str | None = None) -> AsyncStepStream:
+        """An AsyncStepStream on `pool` (clients/stream.py); learns the pool's page size with one GetPool."""
+        page_size = (await self.get_pool(pool, timeout)).plan.page_size
+        return AsyncStepStream(self, pool, page_size, deltas, timeout, stream_id)

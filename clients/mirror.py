@@ -64,6 +64,7 @@ class PageTableMirror:
         self.seq_ids = np.zeros(0, dtype=np.uint64)      # uint64 [B] (host)
         self.num_tokens = xp.zeros(0, dtype=np.int64)    # int64 [B]
         self.new_token_indptr = xp.zeros(1, dtype=np.int64)   # int64 [B + 1]
+        self._held = xp.zeros(0, dtype=np.int64)          # int64 [B]: ceil(num_tokens / page_size)
         self.spaces: dict[int, _Space] = {}
 
     def invalidate(self) -> None:
@@ -111,6 +112,7 @@ class PageTableMirror:
             spaces[st.index_space] = _Space(IndexSpace(st.index_space, st.group, st.scale, st.offset, st.upper_bound,
                                                        ()), table, first)
         self.spaces = spaces
+        self._held = held
         self.seq = reply.stream_seq
 
     def _apply_delta(self, reply: pb.StepReply) -> None:
@@ -122,14 +124,15 @@ class PageTableMirror:
         num_n = self._arr(reply.num_tokens, "num_tokens")
         tok = self._arr(reply.new_token_indptr, "new_token_indptr")
         b = len(num_n)
-        same = not d.HasField("base_rows")
-        if same:
+        if len(tok) != b + 1:
+            raise MirrorError(f"new_token_indptr has {len(tok)} entries for {b} rows")
+        if not d.HasField("base_rows") and not d.groups and self._append_only(reply, num_n, tok):
+            return
+        if not d.HasField("base_rows"):                   # the same batch, every row continued
             if b != self.batch_size or len(reply.seq_ids.data):
                 raise MirrorError(f"a same-batch delta has {b} rows; the mirror holds {self.batch_size}")
-            src = None
-            cont = xp.ones(b, dtype=bool)
-            num_p = self.num_tokens
-            seq_ids = self.seq_ids
+            src = cont = None
+            held_p, seq_ids = self._held, self.seq_ids
         else:
             src = self._arr(d.base_rows, "base_rows").astype(np.int64)
             seq_ids = from_tensor(reply.seq_ids, "seq_ids").astype(np.uint64, copy=False)
@@ -137,51 +140,118 @@ class PageTableMirror:
                 raise MirrorError(f"delta rows ({len(src)} base rows, {len(seq_ids)} ids, {b} counts) do not fit a "
                                   f"base batch of {self.batch_size}")
             cont = src >= 0
-            srcc = xp.where(cont, src, 0)
-            num_p = xp.where(cont, self.num_tokens[srcc] if self.batch_size else 0, 0)
-        held_p = _cdiv(num_p, ps)
+            held_p = _cdiv(self._carry(self.num_tokens, src, cont, 0), ps)
         held_n = _cdiv(num_n, ps)
-        groups = {gd.group: gd for gd in d.groups}
-        by_id = {st.index_space: st for st in reply.tables}
-        if set(by_id) != set(self.spaces):
-            raise MirrorError(f"delta names index spaces {sorted(by_id)}; the mirror holds {sorted(self.spaces)}")
         width_n = int(held_n.max()) if b else 0
-        for sid, space in self.spaces.items():
-            st = by_id[sid]
-            gd = groups.get(space.info.group)
-            old, old_first = space.table, space.first
-            if same:
-                first_p = old_first
+        groups = {gd.group: gd for gd in d.groups}
+        if len(reply.tables) != len(self.spaces):
+            raise MirrorError(f"delta has {len(reply.tables)} index spaces; the mirror holds {len(self.spaces)}")
+        plans: dict[int, tuple] = {}
+        updated = {}
+        for st in reply.tables:
+            space = self.spaces.get(st.index_space)
+            if space is None:
+                raise MirrorError(f"delta names index space {st.index_space}; the mirror holds {sorted(self.spaces)}")
+            g = space.info.group
+            plan = plans.get(g)
+            if plan is None:
+                plan = plans[g] = self._plan(groups.get(g), src, cont, space.first, held_p, held_n)
+            first_n, released, replaced, writes = plan
+            old = space.table
+            if src is None:
                 table = old if old.shape[1] >= width_n else _widen(xp, old, width_n)
             else:
-                first_p = xp.where(cont, old_first[srcc] if self.batch_size else 0, 0)
                 table = xp.full((b, max(width_n, old.shape[1], 1)), -1, dtype=old.dtype)
                 rows = xp.flatnonzero(cont)
                 if len(rows):
                     table[rows, :old.shape[1]] = old[src[rows]]
-            first_n = first_p.copy()
-            if gd is not None and gd.HasField("first_rows"):
-                first_n[self._arr(gd.first_rows, "first_rows").astype(np.int64)] = \
-                    self._arr(gd.first_pages, "first_pages")
             w = table.shape[1]
             flat = table.ravel()
-            rows_b = xp.arange(b, dtype=np.int64) * w
-            released = xp.where(cont, xp.maximum(first_n - first_p, 0), 0)
-            if int(released.sum()):
-                flat[_spans(xp, rows_b + first_p, released)] = -1
-            if gd is not None and gd.HasField("replaced_rows"):
-                rr = self._arr(gd.replaced_rows, "replaced_rows").astype(np.int64)
-                flat[rows_b[rr] + held_p[rr] - 1] = self._arr(st.delta.replaced, "replaced")
-            lo = xp.where(cont, xp.maximum(held_p, first_n), first_n)
-            count = held_n - lo
+            if released is not None:
+                flat[released[0] * w + released[1]] = -1
+            if replaced is not None:
+                values = self._arr(st.delta.replaced, "replaced")
+                if len(values) != len(replaced[0]):
+                    raise MirrorError(f"index space {st.index_space}: {len(values)} replaced pages for "
+                                      f"{len(replaced[0])} rows")
+                flat[replaced[0] * w + replaced[1]] = values
             pages = self._arr(st.delta.pages, "pages")
-            if int(count.sum()) != len(pages):
-                raise MirrorError(f"index space {sid}: delta has {len(pages)} pages, the batch adds {int(count.sum())}")
+            if len(pages) != len(writes[0]):
+                raise MirrorError(f"index space {st.index_space}: delta has {len(pages)} pages, the batch adds "
+                                  f"{len(writes[0])}")
             if len(pages):
-                flat[_spans(xp, rows_b + lo, count)] = pages
-            space.table, space.first = table, first_n
-        self.seq_ids, self.num_tokens, self.new_token_indptr = seq_ids, num_n, tok
+                flat[writes[0] * w + writes[1]] = pages
+            updated[st.index_space] = (table, first_n)
+        for sid, (table, first_n) in updated.items():
+            self.spaces[sid].table, self.spaces[sid].first = table, first_n
+        self.seq_ids, self.num_tokens, self.new_token_indptr, self._held = seq_ids, num_n, tok, held_n
         self.seq = reply.stream_seq
+
+    def _append_only(self, reply: pb.StepReply, num_n: Any, tok: Any) -> bool:
+        """A steady decode delta (same batch, at most one page gained per row, nothing released or replaced)
+        in a handful of array calls; False (nothing changed) when the delta is not one."""
+        xp, ps = self.xp, self.page_size
+        if len(num_n) != self.batch_size or len(reply.seq_ids.data) or len(reply.tables) != len(self.spaces):
+            return False
+        held_n = (num_n + (ps - 1)) // ps
+        count = held_n - self._held
+        rows = xp.flatnonzero(count)
+        if len(rows) and (int(count[rows].max()) != 1 or int(count.min()) < 0):
+            return False
+        cols = self._held[rows]
+        width = int(cols.max()) + 1 if len(rows) else 0
+        spaces = []
+        for st in reply.tables:
+            space = self.spaces.get(st.index_space)
+            pages = st.delta.pages
+            if space is None or len(pages.data) != len(rows) * space.table.itemsize:
+                return False
+            spaces.append((space, pages))
+        for space, pages in spaces:
+            table = space.table if space.table.shape[1] >= width else _widen(xp, space.table, width)
+            if len(rows):
+                table[rows, cols] = self._arr(pages, "pages")
+            space.table = table
+        self.num_tokens, self.new_token_indptr, self._held = num_n, tok, held_n
+        self.seq = reply.stream_seq
+        return True
+
+    def _carry(self, values: Any, src: Any, cont: Any, fill: int) -> Any:
+        out = self.xp.full(len(src), fill, dtype=np.int64)
+        rows = self.xp.flatnonzero(cont)
+        out[rows] = values[src[rows]]
+        return out
+
+    def _plan(self, gd: pb.GroupDelta | None, src: Any, cont: Any, first_old: Any, held_p: Any,
+              held_n: Any) -> tuple:
+        """Per layer group: (first positions int64 [B], released (rows, cols) or None, replaced (rows, cols) or
+        None, appended (rows, cols)) of one delta; every space of the group applies the same positions."""
+        xp = self.xp
+        first_p = first_old if src is None else self._carry(first_old, src, cont, 0)
+        first_n, released, replaced = first_p, None, None
+        moved = gd is not None and gd.HasField("first_rows")
+        if moved:
+            fr = self._arr(gd.first_rows, "first_rows").astype(np.int64)
+            first_n = first_p.copy()
+            first_n[fr] = self._arr(gd.first_pages, "first_pages")
+            gone = xp.maximum(first_n - first_p, 0) if cont is None else \
+                xp.where(cont, xp.maximum(first_n - first_p, 0), 0)
+            if int(gone.sum()):
+                released = (xp.repeat(xp.arange(len(gone), dtype=np.int64), gone), _spans(xp, first_p, gone))
+        if gd is not None and gd.HasField("replaced_rows"):
+            rr = self._arr(gd.replaced_rows, "replaced_rows").astype(np.int64)
+            replaced = (rr, held_p[rr] - 1)
+        if cont is None and not moved:
+            lo = held_p
+        else:
+            lo = xp.maximum(held_p, first_n) if cont is None else xp.where(cont, xp.maximum(held_p, first_n), first_n)
+        count = held_n - lo
+        if not len(count) or int(count.max()) <= 1:       # decode: at most one new page per row
+            rows = xp.flatnonzero(count)
+            writes = (rows, lo[rows])
+        else:
+            writes = (xp.repeat(xp.arange(len(count), dtype=np.int64), count), _spans(xp, lo, count))
+        return first_n, released, replaced, writes
 
     # ---- outputs ------------------------------------------------------------------------------
     def _space(self, space_id: int) -> _Space:
@@ -199,7 +269,7 @@ class PageTableMirror:
         """
         xp, ps = self.xp, self.page_size
         s = self._space(space_id)
-        held = _cdiv(self.num_tokens, ps)
+        held = self._held
         cnt = held - s.first
         indptr = xp.zeros(len(cnt) + 1, dtype=np.int64)
         xp.cumsum(cnt, out=indptr[1:])
@@ -226,7 +296,7 @@ class PageTableMirror:
     def block_table(self, space_id: int) -> Any:
         """[B, max pages held] page indices by position, -1 where not held (the full reply's block table)."""
         s = self._space(space_id)
-        width = int(_cdiv(self.num_tokens, self.page_size).max()) if len(self.num_tokens) else 0
+        width = int(self._held.max()) if len(self._held) else 0
         return s.table[:, :width].copy()
 
 

@@ -138,6 +138,9 @@ def encode_delta(pool: Pool, res: StepResult, held: HeldTables, seq: int) -> tup
     seq: the request's stream_seq. Call under the pool lock, right after the step, with
     held.usable(pool, base) checked before it (rows sent whole are gathered from the pool).
     """
+    fast = _decode_delta(pool, res, held, seq)
+    if fast is not None:
+        return fast
     ps = pool.page_size
     src = match_rows(held, res)
     b = len(res.seq_ids)
@@ -210,6 +213,33 @@ def encode_delta(pool: Pool, res: StepResult, held: HeldTables, seq: int) -> tup
         new_first.append(first_n)
         new_last.append(last_n)
     return reply, HeldTables(seq, pool, pool.steps, res.seq_ids, num_n, new_first, new_last)
+
+
+def _decode_delta(pool: Pool, res: StepResult, held: HeldTables, seq: int) -> tuple[pb.StepReply, HeldTables] | None:
+    """encode_delta of a steady decode step (same batch, one new token per row, one group without a window),
+    in a fixed handful of NumPy calls; None when the step is not one."""
+    ids, b = res.seq_ids, len(res.seq_ids)
+    if (len(res.tables) == 0 or res.tables[0].table is not None or len(held.first) != 1 or b != len(held.seq_ids)
+            or int(res.new_token_indptr[-1]) != b or not np.array_equal(ids, held.seq_ids)
+            or not np.array_equal(held.num_tokens + 1, res.num_tokens)):
+        return None
+    ps = pool.page_size
+    partial = held.num_tokens % ps != 0          # the new token lands in the row's last page
+    page = res.tables[0].slot_mapping // ps      # the page each row's new token is in (head space)
+    opened = np.flatnonzero(~partial)            # rows whose new token opened a page
+    replaced = np.flatnonzero(partial & (page != held.last[0]))      # copy-on-write moved the last page
+    reply = _step_reply_base(pool, res, seq, held.seq, True, _NONE)
+    if len(replaced):
+        gd = reply.delta.groups.add(group=0)
+        fill_tensor(gd.replaced_rows, replaced.astype(np.int32))
+    for i, st in enumerate(res.tables):
+        sp = st.space
+        pg = page if i == 0 else st.slot_mapping // ps
+        out = reply.tables.add(index_space=sp.id, group=sp.group, scale=sp.scale, offset=sp.offset,
+                               upper_bound=sp.upper_bound)
+        fill_tensor(out.delta.pages, pg.take(opened).astype(sp.index_dtype))
+        fill_tensor(out.delta.replaced, pg.take(replaced).astype(sp.index_dtype))
+    return reply, HeldTables(seq, pool, pool.steps, ids, res.num_tokens, held.first, [page])
 
 
 def _from_slot_mappings(res: StepResult, spaces: list[int], head: int, whole: tuple[SpaceTables, ...] | None,
