@@ -25,7 +25,7 @@ import numpy as np
 from kvservice.geometry import IndexSpace
 from kvservice.pagetable import PageTable
 from kvservice.v1 import block_manager_pb2 as pb
-from kvservice.wire import from_tensor
+from kvservice.wire import fill_tensor, from_tensor
 
 
 class MirrorError(Exception):
@@ -293,11 +293,41 @@ class PageTableMirror:
         pages = s.table.ravel().take(rows * s.table.shape[1] + pos // ps).astype(np.int64)
         return pages * ps + pos % ps
 
+    def num_pages(self, space_id: int) -> int:
+        """Page table entries of the batch in one space (nnz of its CSR)."""
+        s = self._space(space_id)
+        return int((self._held - s.first).sum())
+
+    def full_reply(self) -> pb.StepReply:
+        """A full StepReply of what the mirror holds (batch and every space's tables; stream_seq = seq), e.g. to
+        bring a worker's persistent copy (UpdateTables) back in step."""
+        if not self.seq:
+            raise MirrorError("the mirror holds no tables")
+        reply = pb.StepReply(stream_seq=self.seq)
+        fill_tensor(reply.seq_ids, self.seq_ids)
+        fill_tensor(reply.num_tokens, _host(self.num_tokens))
+        fill_tensor(reply.new_token_indptr, _host(self.new_token_indptr))
+        for sid, s in sorted(self.spaces.items()):
+            i = s.info
+            out = reply.tables.add(index_space=sid, group=i.group, scale=i.scale, offset=i.offset,
+                                   upper_bound=i.upper_bound)
+            t = self.page_table(sid)
+            fill_tensor(out.slot_mapping, _host(self.slot_mapping(sid)))
+            fill_tensor(out.indptr, _host(t.indptr))
+            fill_tensor(out.indices, _host(t.indices))
+            fill_tensor(out.last_page_len, _host(t.last_page_len))
+        return reply
+
     def block_table(self, space_id: int) -> Any:
         """[B, max pages held] page indices by position, -1 where not held (the full reply's block table)."""
         s = self._space(space_id)
         width = int(self._held.max()) if len(self._held) else 0
         return s.table[:, :width].copy()
+
+
+def _host(a: Any) -> np.ndarray:
+    """A NumPy array of a NumPy or CuPy one."""
+    return np.asarray(a.get() if hasattr(a, "get") else a)
 
 
 def _spans(xp: ModuleType, starts: Any, counts: Any) -> Any:

@@ -89,6 +89,7 @@ class _Core:
         self.mirror = PageTableMirror(page_size)
         self._cached: tuple[tuple, bytes] | None = None
         self.reused = 0                   # requests whose body bytes were reused (steady decode)
+        self.last_reply: pb.StepReply | None = None     # the last reply received (its size is reported by benches)
 
     def request_bytes(self, free: object, extend: object, extend_tokens: object, admit: object, admit_tokens: object,
                       tables: bool, block_table: bool, extra: dict[str, Any]) -> bytes:
@@ -112,6 +113,7 @@ class _Core:
 
     def result(self, reply: pb.StepReply, tables: bool, block_table: bool) -> StepResult:
         """The StepResult of a reply (ClientError if it was refused or its delta does not apply)."""
+        self.last_reply = reply
         if reply.HasField("error"):
             if reply.error.reason == "REQUEST_ALREADY_APPLIED":
                 self.mirror.invalidate()          # a reply we never saw moved the server's tables on

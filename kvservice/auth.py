@@ -190,7 +190,8 @@ def worker_rules(pool: str) -> dict[str, Rule]:
         return pool
 
     return {**{m: Rule("read", mine) for m in ("Info", "ValidatePageTable", "CheckGuards")},
-            **{m: Rule("write", mine) for m in ("AppendKV", "DecodeAttention", "CopyBlocks", "CorruptGuard")}}
+            **{m: Rule("write", mine) for m in ("AppendKV", "DecodeAttention", "CopyBlocks", "CorruptGuard",
+                                                "UpdateTables")}}
 
 
 def _bearer(metadata: Any) -> str | None:

@@ -26,16 +26,20 @@ layer group each row's first held position and last page. No page lists.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from .api import step_reply
 from .pool import Pool, SpaceTables, StepResult
 from .v1 import block_manager_pb2 as pb
-from .wire import fill_tensor
+from .v1.common_pb2 import INT32, INT64
+from .wire import fill_tensor, to_tensor
 
 _NONE = np.zeros(0, dtype=np.int64)
+_LITTLE = sys.byteorder == "little"
 
 
 @dataclass(slots=True)
@@ -228,7 +232,13 @@ def _decode_delta(pool: Pool, res: StepResult, held: HeldTables, seq: int) -> tu
     page = res.tables[0].slot_mapping // ps      # the page each row's new token is in (head space)
     opened = np.flatnonzero(~partial)            # rows whose new token opened a page
     replaced = np.flatnonzero(partial & (page != held.last[0]))      # copy-on-write moved the last page
-    reply = _step_reply_base(pool, res, seq, held.seq, True, _NONE)
+    reply = pb.StepReply(layer_index_space=pool.layer_space, num_free_slots=res.num_free_slots, stream_seq=seq)
+    _put(reply.num_tokens, INT64, res.num_tokens)
+    _put(reply.new_token_indptr, INT64, res.new_token_indptr)
+    for g, pairs in enumerate(res.copies):
+        if len(pairs):
+            reply.copies.add(group=g, pairs=to_tensor(pairs))
+    reply.delta.base_seq = held.seq
     if len(replaced):
         gd = reply.delta.groups.add(group=0)
         fill_tensor(gd.replaced_rows, replaced.astype(np.int32))
@@ -237,9 +247,16 @@ def _decode_delta(pool: Pool, res: StepResult, held: HeldTables, seq: int) -> tu
         pg = page if i == 0 else st.slot_mapping // ps
         out = reply.tables.add(index_space=sp.id, group=sp.group, scale=sp.scale, offset=sp.offset,
                                upper_bound=sp.upper_bound)
-        fill_tensor(out.delta.pages, pg.take(opened).astype(sp.index_dtype))
-        fill_tensor(out.delta.replaced, pg.take(replaced).astype(sp.index_dtype))
+        code = INT32 if sp.index_dtype.itemsize == 4 else INT64
+        _put(out.delta.pages, code, pg.take(opened).astype(sp.index_dtype))
+        _put(out.delta.replaced, code, pg.take(replaced).astype(sp.index_dtype))
     return reply, HeldTables(seq, pool, pool.steps, ids, res.num_tokens, held.first, [page])
+
+
+def _put(t: Any, code: int, a: np.ndarray) -> None:
+    """fill_tensor for an int32/int64 array of a known wire dtype (the decode path's few arrays)."""
+    t.dtype = code
+    t.data = a.tobytes() if _LITTLE else a.astype(a.dtype.newbyteorder("<")).tobytes()
 
 
 def _from_slot_mappings(res: StepResult, spaces: list[int], head: int, whole: tuple[SpaceTables, ...] | None,

@@ -79,13 +79,15 @@ def serve(listen: str = "127.0.0.1:0", metrics_port: int | None = None, pools: S
           manager: BlockManager | None = None, max_workers: int = 8,
           metrics_addr: str = "127.0.0.1", lease_seconds: float = 10.0,
           journal: Journal | None = None, *, tls: ServerTLS | None = None, tokens: TokenTable | None = None,
-          limits: Limits | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES) -> RunningServer:
+          limits: Limits | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES,
+          max_streams: int = 64) -> RunningServer:
     """Start the manager on `listen` (port 0 picks one); metrics on metrics_port (0 picks, None = off).
 
     journal: a durable kvservice.journal.Journal (its manager is served); None = an in-memory one
         (idempotent retries, no durability). Configured `pools` missing from it are created through it.
     tls: serve TLS (mutual TLS if it has a client CA); tokens: require pool-scoped bearer tokens.
     limits: per-request caps (default Limits()); max_message_bytes: gRPC message limit both ways.
+    max_streams: StepStream/EchoStream calls open at once; each holds a thread, added to max_workers.
     """
     if journal is None:
         journal = Journal(manager or BlockManager(lease_seconds))
@@ -102,9 +104,9 @@ def serve(listen: str = "127.0.0.1:0", metrics_port: int | None = None, pools: S
     interceptors = []
     if tokens is not None:
         interceptors.append(TokenAuthInterceptor(tokens, BM, manager_rules(_worker_pool(manager))))
-    servicer = BlockManagerServicer(ManagerAPI(manager), metrics, journal, limits or Limits())
-    server, port, health_servicer = grpc_server(SERVICE_NAME, servicer, listen, tls, interceptors, max_workers,
-                                                max_message_bytes)
+    servicer = BlockManagerServicer(ManagerAPI(manager), metrics, journal, limits or Limits(), max_streams)
+    server, port, health_servicer = grpc_server(SERVICE_NAME, servicer, listen, tls, interceptors,
+                                                max_workers + max_streams, max_message_bytes)
     running = RunningServer(server, port, None, manager, metrics, None, journal, health=health_servicer)
     journal.on_fail = lambda why: _fail_stop(running)
     server.start()

@@ -153,12 +153,12 @@ class Journal(Protocol):
 
 class BlockManagerServicer(pb_grpc.BlockManagerServicer):
     def __init__(self, api: ManagerAPI, metrics: ManagerMetrics, journal: Journal | None = None,
-                 limits: Limits | None = None) -> None:
+                 limits: Limits | None = None, max_streams: int = 64) -> None:
         self.api = api
         self.metrics = metrics
         self.journal = journal
         self.limits = limits
-        self.streams = StreamRegistry()
+        self.streams = StreamRegistry(max_active=max_streams)     # open StepStream / EchoStream calls
 
     def StepStream(self, request_iterator: Any, context: grpc.ServicerContext) -> Any:
         return step_stream(self, request_iterator, context)

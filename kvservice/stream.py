@@ -56,6 +56,8 @@ class StreamSession:
     last_seq: highest stream_seq answered (0 = none yet, or the session is new after a restart).
     held: what the client's mirror holds after the last table-carrying reply (None = nothing known).
     checked: key of the last request that passed the Limits check (a steady decode loop's arrays).
+    kwargs: (key, Pool.step arguments) of the last request with a key: the same bytes decode the same.
+    last_used: registry clock at the last request (idle sessions expire).
     """
 
     def __init__(self, stream_id: str) -> None:
@@ -64,6 +66,9 @@ class StreamSession:
         self.last_seq = 0
         self.held: HeldTables | None = None
         self.checked: tuple | None = None
+        self.key: tuple | None = None
+        self.kwargs: tuple[tuple, dict] | None = None
+        self.last_used = 0.0
 
     def check_order(self, seq: int) -> None:
         """InvalidArgument for a stream_seq that is 0 or skips ahead of the stream."""
@@ -81,7 +86,12 @@ class StreamSession:
         if delta and (request.omit_tables or request.include_block_table):
             raise InvalidArgument("delta_tables asks for incremental tables; omit_tables and include_block_table "
                                   "do not go with it (the client's mirror builds block tables): set one or the other")
-        kwargs = step_kwargs(request)
+        key, cached = self.key, self.kwargs
+        if key is not None and cached is not None and cached[0] == key:
+            kwargs = dict(cached[1])          # a steady decode loop: the same bytes as last time
+        else:
+            kwargs = step_kwargs(request)
+            self.kwargs = (key, dict(kwargs)) if key is not None else None
         seq = request.stream_seq
         pool, lock = api.manager.pool_and_lock(request.pool)
         with lock:
@@ -99,37 +109,56 @@ class StreamSession:
 
 
 class StreamRegistry:
-    """stream id -> StreamSession, at most max_streams (least recently used dropped), idle ones expire."""
+    """stream id -> StreamSession, at most max_streams (least recently used dropped), idle ones expire.
+
+    max_active: streams open at once (each holds a server thread while open; the server gets that many
+    threads on top of its own, so unary calls are never starved). A stream past it is refused.
+    """
 
     def __init__(self, max_streams: int = 4096, idle_seconds: float = 600.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, max_active: int = 64) -> None:
         self.max_streams = max_streams
         self.idle_seconds = idle_seconds
         self.clock = clock
-        self._sessions: OrderedDict[str, tuple[StreamSession, float]] = OrderedDict()
+        self.max_active = max_active
+        self.active = 0
+        self._sessions: OrderedDict[str, StreamSession] = OrderedDict()
         self._lock = threading.Lock()
+
+    def enter(self) -> bool:
+        """Count a stream call opening; False (not counted) if max_active are open already."""
+        with self._lock:
+            if self.active >= self.max_active:
+                return False
+            self.active += 1
+            return True
+
+    def leave(self) -> None:
+        with self._lock:
+            self.active -= 1
 
     def __len__(self) -> int:
         return len(self._sessions)
 
     def session(self, stream_id: str) -> StreamSession:
-        """The session of a stream id (a new one if unknown, dropped or expired)."""
+        """The session of a stream id (a new one if unknown, dropped or expired); drops expired and excess ones.
+
+        Sessions are ordered by when their stream last opened; a session's own last_used (set per request)
+        keeps an open stream from expiring.
+        """
         now = self.clock()
         with self._lock:
-            found = self._sessions.pop(stream_id, None)
-            s = found[0] if found is not None and now - found[1] <= self.idle_seconds else StreamSession(stream_id)
-            self._sessions[stream_id] = (s, now)
-            while self._sessions and (len(self._sessions) > self.max_streams
-                                      or now - next(iter(self._sessions.values()))[1] > self.idle_seconds):
+            s = self._sessions.pop(stream_id, None)
+            if s is None or now - s.last_used > self.idle_seconds:
+                s = StreamSession(stream_id)
+            s.last_used = now
+            self._sessions[stream_id] = s
+            while self._sessions:
+                oldest = next(iter(self._sessions.values()))
+                if len(self._sessions) <= self.max_streams and now - oldest.last_used <= self.idle_seconds:
+                    break
                 self._sessions.popitem(last=False)
             return s
-
-    def touch(self, session: StreamSession) -> None:
-        """Mark a session used now (keeps an active stream from expiring)."""
-        with self._lock:
-            if session.stream_id in self._sessions:
-                self._sessions[session.stream_id] = (session, self.clock())
-                self._sessions.move_to_end(session.stream_id)
 
 
 def stream_id_of(context: grpc.ServicerContext) -> str | None:
@@ -148,11 +177,11 @@ def error_reply(seq: int, err: KVError) -> pb.StepReply:
 
 
 def _limits_key(r: pb.StepRequest) -> tuple | None:
-    """Key of a request that only extends (what Limits reads of it), None for any other request."""
+    """What Limits and Pool.step read of a request that only extends, None for any other request."""
     if r.request_id or any(r.HasField(f) for f in _OTHER_ARRAYS) or r.admit_cache_salts or r.admit_extra_keys:
         return None
     return (r.pool, r.extend_seq_ids.dtype, r.extend_seq_ids.data, r.extend_num_tokens.dtype,
-            r.extend_num_tokens.data)
+            r.extend_num_tokens.data, r.omit_tables, r.include_block_table)
 
 
 def step_one(servicer: Any, session: StreamSession, request: Any, broken: type[Exception],
@@ -175,11 +204,10 @@ def step_one(servicer: Any, session: StreamSession, request: Any, broken: type[E
                 raise broken(f"the manager stopped serving: {journal.failed}")
             session.check_order(seq)
             try:
-                if servicer.limits is not None:
-                    key = _limits_key(request)
-                    if key is None or key != session.checked:
-                        servicer.limits.check("Step", request, servicer.api.manager)
-                        session.checked = key
+                key = session.key = _limits_key(request)
+                if servicer.limits is not None and (key is None or key != session.checked):
+                    servicer.limits.check("Step", request, servicer.api.manager)
+                    session.checked = key
                 if not request.request_id:
                     request.request_id = f"{session.stream_id}#{seq}"
 
@@ -212,24 +240,41 @@ def step_stream(servicer: Any, requests: Iterator[Any], context: grpc.ServicerCo
     if stream_id is None:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"metadata {STREAM_ID_KEY} must be 1-64 characters of "
                       "[A-Za-z0-9_.:-]")
-    session = servicer.streams.session(stream_id)
-    observe = servicer.metrics.rpc_duration.labels("StepStream").observe
-    for request in requests:
-        try:
-            reply = step_one(servicer, session, request, JournalUnavailable, observe)
-        except JournalUnavailable as err:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
-        servicer.streams.touch(session)
-        yield reply
+    registry = servicer.streams
+    _enter(registry, context)
+    try:
+        session = registry.session(stream_id)
+        observe = servicer.metrics.rpc_duration.labels("StepStream").observe
+        for request in requests:
+            try:
+                reply = step_one(servicer, session, request, JournalUnavailable, observe)
+            except JournalUnavailable as err:
+                context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
+            session.last_used = registry.clock()
+            yield reply
+    finally:
+        registry.leave()
+
+
+def _enter(registry: StreamRegistry, context: grpc.ServicerContext) -> None:
+    if not registry.enter():
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"this manager has {registry.max_active} streams open, its "
+                      "limit (kvservice serve --max-streams); close one, or use unary calls")
 
 
 def echo_stream(servicer: Any, requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[pb.EchoReply]:
     """The EchoStream handler: each payload back, in order (the transport floor of StepStream)."""
-    observe = servicer.metrics.rpc_duration.labels("EchoStream").observe
-    for request in requests:
-        start = time.perf_counter()
-        if not isinstance(request, pb.EchoRequest):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request is not a valid kvservice.v1.EchoRequest message")
-        reply = pb.EchoReply(payload=request.payload)
-        observe(time.perf_counter() - start)
-        yield reply
+    registry = servicer.streams
+    _enter(registry, context)
+    try:
+        observe = servicer.metrics.rpc_duration.labels("EchoStream").observe
+        for request in requests:
+            start = time.perf_counter()
+            if not isinstance(request, pb.EchoRequest):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request is not a valid kvservice.v1.EchoRequest "
+                              "message")
+            reply = pb.EchoReply(payload=request.payload)
+            observe(time.perf_counter() - start)
+            yield reply
+    finally:
+        registry.leave()

@@ -5,6 +5,7 @@ import asyncio
 import itertools
 import queue
 import socket
+import time
 
 import grpc
 import numpy as np
@@ -253,5 +254,30 @@ def test_stream_token_scoped_to_its_pools():
                     exc.value.message
         with BlockManagerClient(target, token="admin-0123456789abcdef") as admin:
             assert admin.stats("theirs")["theirs"].num_sequences == 0
+    finally:
+        running.stop()
+
+
+def test_open_streams_are_capped_and_unary_calls_still_served():
+    running = serve("127.0.0.1:0", max_streams=2, max_workers=2)
+    try:
+        with BlockManagerClient(f"127.0.0.1:{running.port}", timeout=5, retries=0) as c:
+            c.create_pool("p", SPECS["per_layer"][0], SIZING)
+            one, two = c.step_stream("p"), c.echo_stream()
+            one.step(admit=[1], admit_tokens=3)
+            assert two.echo(b"x") == b"x"
+            with pytest.raises(ClientError) as exc:
+                c.step_stream("p").step(admit=[2], admit_tokens=3)
+            assert exc.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-streams" in exc.value.message
+            assert c.echo(b"unary") == b"unary" and c.stats("p")["p"].num_sequences == 1
+            two.close()
+            for _ in range(50):                      # the server notices the closed stream
+                try:
+                    c.step_stream("p").step(admit=[2], admit_tokens=3)
+                    break
+                except ClientError:
+                    time.sleep(0.1)
+            assert c.stats("p")["p"].num_sequences == 2
+            one.close()
     finally:
         running.stop()
