@@ -22,9 +22,11 @@ from typing import Any
 
 import numpy as np
 
+from kvservice.errors import KVError
 from kvservice.geometry import IndexSpace
 from kvservice.pagetable import PageTable
 from kvservice.v1 import block_manager_pb2 as pb
+from kvservice.v1.common_pb2 import INT32, INT64
 from kvservice.wire import fill_tensor, from_tensor
 
 
@@ -51,15 +53,19 @@ class PageTableMirror:
     """The tables of the last reply applied, by index space.
 
     page_size: tokens per page of the pool. xp: numpy (default) or cupy.
+    max_entries: most table cells (B x longest row, per index space) a reply may make it hold; a reply
+        asking for more is refused (MirrorError), so a hostile one cannot claim gigabytes.
     seq: stream_seq of the last reply applied; 0 = holds nothing (the next request must ask for
-        full tables: delta_base 0).
+        full tables: delta_base 0). A delta on another base changes nothing; any other reply that does
+        not apply leaves the mirror holding nothing.
     """
 
-    def __init__(self, page_size: int, xp: ModuleType = np) -> None:
+    def __init__(self, page_size: int, xp: ModuleType = np, max_entries: int = 1 << 26) -> None:
         if page_size <= 0:
             raise ValueError(f"page_size must be > 0, got {page_size}")
         self.page_size = page_size
         self.xp = xp
+        self.max_entries = max_entries
         self.seq = 0
         self.seq_ids = np.zeros(0, dtype=np.uint64)      # uint64 [B] (host)
         self.num_tokens = xp.zeros(0, dtype=np.int64)    # int64 [B]
@@ -81,10 +87,27 @@ class PageTableMirror:
         """Apply one reply: full tables replace the state, a delta updates it. MirrorError if it does not apply."""
         if reply.HasField("error"):
             return                                   # a refused request changed nothing
-        if reply.HasField("delta"):
-            self._apply_delta(reply)
-        else:
-            self._load_full(reply)
+        d = reply.delta
+        if reply.HasField("delta") and (not self.seq or d.base_seq != self.seq):
+            raise MirrorError(f"this delta applies to the reply of request {d.base_seq}; the mirror holds "
+                              f"{self.seq or 'nothing'} (ask for full tables: delta_base 0)")     # nothing changed
+        try:
+            if reply.HasField("delta"):
+                self._apply_delta(reply)
+            else:
+                self._load_full(reply)
+        except MirrorError:
+            self.invalidate()
+            raise
+        except (IndexError, ValueError, TypeError, OverflowError, KVError) as err:
+            self.invalidate()                        # inconsistent sizes or rows: nothing half-applied is kept
+            raise MirrorError(f"the reply does not fit the tables it names ({getattr(err, 'message', err)})") \
+                from None
+
+    def _check_size(self, b: int, width: int) -> None:
+        if b * width > self.max_entries:
+            raise MirrorError(f"the reply would make a table of {b} rows x {width} pages, over this mirror's "
+                              f"{self.max_entries} entries")
 
     def _arr(self, t: Any, name: str) -> Any:
         a = from_tensor(t, name)
@@ -107,6 +130,11 @@ class PageTableMirror:
             cnt = indptr[1:] - indptr[:-1]
             first = held - cnt
             width = int(held.max()) if b else 0
+            self._check_size(b, width)
+            if len(indptr) != b + 1 or int(indptr[0]) != 0 or int(indptr[-1]) != len(indices) or \
+                    (b and (int(cnt.min()) < 0 or int(first.min()) < 0)):
+                raise MirrorError(f"index space {st.index_space}: indptr does not describe {b} rows of "
+                                  f"{len(indices)} pages within their sequences")
             table = xp.full((b, max(width, 1)), -1, dtype=indices.dtype)
             table.ravel()[_spans(xp, xp.arange(b, dtype=np.int64) * table.shape[1] + first, cnt)] = indices
             spaces[st.index_space] = _Space(IndexSpace(st.index_space, st.group, st.scale, st.offset, st.upper_bound,
@@ -118,9 +146,6 @@ class PageTableMirror:
     def _apply_delta(self, reply: pb.StepReply) -> None:
         xp, ps = self.xp, self.page_size
         d = reply.delta
-        if not self.seq or d.base_seq != self.seq:
-            raise MirrorError(f"this delta applies to the reply of request {d.base_seq}; the mirror holds "
-                              f"{self.seq or 'nothing'} (ask for full tables: delta_base 0)")
         num_n = self._arr(reply.num_tokens, "num_tokens")
         tok = self._arr(reply.new_token_indptr, "new_token_indptr")
         b = len(num_n)
@@ -143,6 +168,9 @@ class PageTableMirror:
             held_p = _cdiv(self._carry(self.num_tokens, src, cont, 0), ps)
         held_n = _cdiv(num_n, ps)
         width_n = int(held_n.max()) if b else 0
+        self._check_size(b, width_n)
+        if b and int(num_n.min()) <= 0:
+            raise MirrorError("every row holds at least one token")
         groups = {gd.group: gd for gd in d.groups}
         if len(reply.tables) != len(self.spaces):
             raise MirrorError(f"delta has {len(reply.tables)} index spaces; the mirror holds {len(self.spaces)}")
@@ -176,6 +204,9 @@ class PageTableMirror:
                                       f"{len(replaced[0])} rows")
                 flat[replaced[0] * w + replaced[1]] = values
             pages = self._arr(st.delta.pages, "pages")
+            if pages.dtype != table.dtype:
+                raise MirrorError(f"index space {st.index_space}: pages are {pages.dtype}, the space's index dtype "
+                                  f"is {table.dtype}")
             if len(pages) != len(writes[0]):
                 raise MirrorError(f"index space {st.index_space}: delta has {len(pages)} pages, the batch adds "
                                   f"{len(writes[0])}")
@@ -196,6 +227,8 @@ class PageTableMirror:
         held_n = (num_n + (ps - 1)) // ps
         count = held_n - self._held
         rows = xp.flatnonzero(count)
+        if len(rows) and int(held_n.max()) * len(num_n) > self.max_entries:
+            return False
         if len(rows) and (int(count[rows].max()) != 1 or int(count.min()) < 0):
             return False
         cols = self._held[rows]
@@ -204,7 +237,8 @@ class PageTableMirror:
         for st in reply.tables:
             space = self.spaces.get(st.index_space)
             pages = st.delta.pages
-            if space is None or len(pages.data) != len(rows) * space.table.itemsize:
+            if space is None or len(pages.data) != len(rows) * space.table.itemsize or \
+                    pages.dtype != (INT32 if space.table.itemsize == 4 else INT64):
                 return False
             spaces.append((space, pages))
         for space, pages in spaces:

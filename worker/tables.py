@@ -49,6 +49,8 @@ class DeviceTables:
             raise InvalidArgument("table_id must be 1-64 characters of [A-Za-z0-9_.:-]")
         if reply.HasField("error"):
             raise InvalidArgument("step is a refused request's reply: it carries no tables")
+        if reply.stream_seq < 1:
+            raise InvalidArgument("step must be a StepStream reply (stream_seq >= 1)")
         with self._lock:
             mirror = self._tables.get(table_id)
             if mirror is None:
@@ -60,8 +62,11 @@ class DeviceTables:
             try:
                 mirror.apply(reply)
             except MirrorError as err:
-                raise FailedPrecondition(f"tables {table_id!r}: {err}", reason="TABLES_OUT_OF_SYNC",
-                                         table_id=table_id, held=mirror.seq) from None
+                if not mirror.seq:                        # what it held is gone (see PageTableMirror.apply)
+                    self._tables.pop(table_id, None)
+                raise FailedPrecondition(f"tables {table_id!r}: {err}; send a full reply "
+                                         "(clients.mirror.PageTableMirror.full_reply())", reason="TABLES_OUT_OF_SYNC",
+                                         table_id=table_id) from None
             if not mirror.seq:
                 self._tables.pop(table_id, None)
                 raise InvalidArgument("step carries no page tables (a reply to omit_tables): nothing to hold")

@@ -3,8 +3,11 @@ errors end a request and not the stream, resends are answered once, across a rec
 
 import asyncio
 import itertools
+import json
 import queue
 import socket
+import subprocess
+import sys
 import time
 
 import grpc
@@ -23,7 +26,7 @@ from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1 import common_pb2 as cpb
 from tests.support_stream import MAX_LEN, NUM_SLOTS, SPECS, Driver, assert_same_tables
 
-from .conftest import ManagerProcess
+from .conftest import ROOT, ManagerProcess
 
 pytestmark = pytest.mark.integration
 _names = itertools.count()
@@ -281,3 +284,24 @@ def test_open_streams_are_capped_and_unary_calls_still_served():
             one.close()
     finally:
         running.stop()
+
+
+def test_kvctl_ping_and_decode(manager, client):
+    def kvctl(*args):
+        return subprocess.run([sys.executable, "-m", "clients.kvctl", "--target", manager.target, "--json", *args],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+    r = kvctl("ping", "--count", "20")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["echo_p50_us"] > 0 and doc["echo_stream_p50_us"] > 0
+    a, _ = twin_pools(client, "per_layer")
+    client.step(a, admit=[1, 2, 3], admit_tokens=[4, 30, 9])
+    r = kvctl("decode", a, "--ids", "1,2,3", "--steps", "5")
+    assert r.returncode == 0, r.stderr
+    rows = {row["mode"]: row for row in json.loads(r.stdout)}
+    assert set(rows) == {"unary", "stream", "deltas"}
+    assert rows["deltas"]["reply_bytes"] < rows["stream"]["reply_bytes"]
+    assert [x.num_tokens for x in client.sequences(a).sequences] == [19, 45, 24]      # 3 modes x 5 steps each
+    r = kvctl("decode", a, "--ids", "1,99", "--steps", "1", "--mode", "deltas")
+    assert r.returncode == 2 and "NOT_FOUND" in r.stderr and "Traceback" not in r.stderr
