@@ -18,7 +18,11 @@ call, so a client that reconnects with the same id continues it:
 
 Sessions are bounded (least recently used one dropped past ``max_streams``; idle ones expire), so
 stream ids cannot grow the server's memory without bound; a dropped session only costs its client
-one full reply.
+one full reply. Each open stream holds a server thread; ``kvservice serve --max-streams`` caps them
+(and adds that many threads), so unary calls are never starved.
+
+Metrics: each stream request is observed in ``kvservice_rpc_duration_seconds`` as ``method="Step"``
+(``"Echo"`` for EchoStream): the same operation, so alerts and dashboards cover both transports.
 """
 
 from __future__ import annotations
@@ -244,7 +248,7 @@ def step_stream(servicer: Any, requests: Iterator[Any], context: grpc.ServicerCo
     _enter(registry, context)
     try:
         session = registry.session(stream_id)
-        observe = servicer.metrics.rpc_duration.labels("StepStream").observe
+        observe = servicer.metrics.rpc_duration.labels("Step").observe     # a stream request is a Step: same alerts
         for request in requests:
             try:
                 reply = step_one(servicer, session, request, JournalUnavailable, observe)
@@ -267,7 +271,7 @@ def echo_stream(servicer: Any, requests: Iterator[Any], context: grpc.ServicerCo
     registry = servicer.streams
     _enter(registry, context)
     try:
-        observe = servicer.metrics.rpc_duration.labels("EchoStream").observe
+        observe = servicer.metrics.rpc_duration.labels("Echo").observe
         for request in requests:
             start = time.perf_counter()
             if not isinstance(request, pb.EchoRequest):
