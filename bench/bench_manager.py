@@ -247,6 +247,61 @@ def bench_concurrent(steps: int, schedulers: int = 16, b: int = 64) -> list[tupl
     return out
 
 
+def bench_stream_breakdown(steps: int) -> list[tuple[int, float, float, float, float]]:
+    """Where a StepStream decode request's time goes, in-process (no transport): per B, p50 us of
+    Pool.step alone (no CSR tables), of the server's whole request (stream.step_one: session, Limits,
+    memory journal, step, delta encoding, reply serialization) and of the client's work (request bytes,
+    reply parsing, applying the delta to the mirror). Returns [(B, pool step, server, client, reply bytes)].
+    """
+    from clients import codec
+    from clients.stream import _Core
+    from kvservice.api import ManagerAPI
+    from kvservice.journal import Journal
+    from kvservice.manager import BlockManager
+    from kvservice.metrics import ManagerMetrics
+    from kvservice.servicer import BlockManagerServicer, JournalUnavailable, Limits
+    from kvservice.stream import StreamSession, step_one
+    from kvservice.v1 import block_manager_pb2 as pb
+
+    out = []
+    for b in BATCHES:
+        manager = BlockManager()
+        api = ManagerAPI(manager)
+        sv = BlockManagerServicer(api, ManagerMetrics(manager), Journal(manager), Limits())
+        rng = np.random.default_rng(0)
+        ctx = rng.integers(256, 1024, b)
+        slots = int((-(-(ctx + 2 * steps) // 16)).sum()) + b + 64
+        ids = np.arange(1, b + 1, dtype=np.uint64)
+        for name in ("s", "p"):
+            api.CreatePool(codec.create_pool_request(name, SPEC, Sizing(num_slots=slots, max_seq_len=1024 + 2 * steps)))
+            api.Step(codec.step_request(name, admit=ids, admit_tokens=ctx, tables=False))
+        session, core = StreamSession("bench"), _Core("s", 16, True, "bench")
+        observe = sv.metrics.rpc_duration.labels("Step").observe
+        pool = manager.pool_and_lock("p")[0]
+        ones = np.ones(b, dtype=np.int64)
+        lat: dict[str, list[float]] = {"pool": [], "server": [], "client": []}
+        size = 0
+        for i in range(steps):
+            t0 = time.perf_counter()
+            pool.step(extend_ids=ids, extend_tokens=ones, tables=False)
+            t1 = time.perf_counter()
+            data = core.request_bytes(None, ids, 1, None, None, True, False, {})
+            t2 = time.perf_counter()
+            reply = step_one(sv, session, pb.StepRequest.FromString(data), JournalUnavailable, observe)
+            wire = reply.SerializeToString()
+            t3 = time.perf_counter()
+            core.result(pb.StepReply.FromString(wire), True, False)
+            t4 = time.perf_counter()
+            if i >= steps // 10:
+                lat["pool"].append(t1 - t0)
+                lat["server"].append(t3 - t2)
+                lat["client"].append(t4 - t3 + t2 - t1)
+            size = len(wire)
+        out.append((b, percentiles(lat["pool"])[0], percentiles(lat["server"])[0], percentiles(lat["client"])[0],
+                    size))
+    return out
+
+
 def machine() -> str:
     cpu = "unknown CPU"
     try:
@@ -268,6 +323,7 @@ def main() -> int:
     seconds, steps = (0.2, 60) if args.quick else (2.0, 400)
     alloc = bench_allocator(seconds)
     inproc = bench_step_inprocess(steps)
+    breakdown = bench_stream_breakdown(steps)
     transport, echo = bench_transport(steps)
     concurrent = bench_concurrent(steps // 4)
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
@@ -316,6 +372,19 @@ def main() -> int:
               "manager process; steps/s over all of them.", "",
               "| path | steps/s (all schedulers) | p50 us per step |", "|---|---:|---:|"]
     lines += [f"| {mode} | {rate:,.0f} | {p50:.0f} |" for mode, rate, p50 in concurrent]
+    lines += ["", "## Where a StepStream decode request's time goes (in-process, no transport)", "",
+              "The same steps without gRPC: `Pool.step` alone (no CSR tables, as the delta path asks), the server's "
+              "whole request (`kvservice.stream.step_one`: session, Limits, memory journal, the step, delta "
+              "encoding, reply serialization) and the client's work (request bytes, reply parsing, applying the "
+              "delta to the mirror). Transport floor + server + client is what a stream round trip would cost "
+              "on an idle machine; the measured round trips above also carry the other processes' load.", "",
+              "| B | Pool.step p50 us | server request p50 us | client p50 us | EchoStream p50 + both "
+              "| as x EchoStream |",
+              "|---:|---:|---:|---:|---:|---:|"]
+    for b, p_step, p_server, p_client, _ in breakdown:
+        total = echo["EchoStream"][0] + p_server + p_client
+        lines.append(f"| {b} | {p_step:.0f} | {p_server:.0f} | {p_client:.0f} | {total:.0f} | "
+                     f"{total / echo['EchoStream'][0]:.2f}x |")
     lines += [""]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines))

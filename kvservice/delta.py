@@ -27,6 +27,7 @@ layer group each row's first held position and last page. No page lists.
 from __future__ import annotations
 
 import sys
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +47,8 @@ _LITTLE = sys.byteorder == "little"
 class HeldTables:
     """What a stream's client holds after one reply: enough to encode the next delta (no page lists).
 
-    seq: stream_seq of that reply. pool: the Pool it came from (compared by identity).
+    seq: stream_seq of that reply. pool: the Pool it came from (a weak reference: compared by identity, and a
+        deleted pool is not kept alive by a session).
     pool_steps: pool.steps right after its step.
     seq_ids: uint64 [B], the reply's batch. num_tokens: int64 [B], tokens each row holds.
     first: per layer group, int64 [B]: position (0-based, within the sequence) of each row's first held page.
@@ -54,7 +56,7 @@ class HeldTables:
     """
 
     seq: int
-    pool: Pool
+    pool: weakref.ref
     pool_steps: int
     seq_ids: np.ndarray
     num_tokens: np.ndarray
@@ -66,7 +68,7 @@ class HeldTables:
 
         base: the request's delta_base. Call under the pool's lock, before the step.
         """
-        return base == self.seq and pool is self.pool and pool.steps == self.pool_steps
+        return base == self.seq and pool is self.pool() and pool.steps == self.pool_steps
 
 
 def _cdiv(a: np.ndarray, b: int) -> np.ndarray:
@@ -110,7 +112,7 @@ def held_from_full(seq: int, pool: Pool, res: StepResult) -> HeldTables:
         first.append(held_n - cnt)
         last.append(np.where(cnt > 0, t.indices[np.maximum(indptr[1:] - 1, 0)] if len(t.indices) else -1, -1)
                     .astype(np.int64))
-    return HeldTables(seq, pool, pool.steps, res.seq_ids, res.num_tokens, first, last)
+    return HeldTables(seq, weakref.ref(pool), pool.steps, res.seq_ids, res.num_tokens, first, last)
 
 
 def match_rows(held: HeldTables, res: StepResult) -> np.ndarray | None:
@@ -216,7 +218,7 @@ def encode_delta(pool: Pool, res: StepResult, held: HeldTables, seq: int) -> tup
             fill_tensor(out.delta.replaced, rep.astype(sp.index_dtype, copy=False))
         new_first.append(first_n)
         new_last.append(last_n)
-    return reply, HeldTables(seq, pool, pool.steps, res.seq_ids, num_n, new_first, new_last)
+    return reply, HeldTables(seq, held.pool, pool.steps, res.seq_ids, num_n, new_first, new_last)
 
 
 def _decode_delta(pool: Pool, res: StepResult, held: HeldTables, seq: int) -> tuple[pb.StepReply, HeldTables] | None:
@@ -250,7 +252,7 @@ def _decode_delta(pool: Pool, res: StepResult, held: HeldTables, seq: int) -> tu
         code = INT32 if sp.index_dtype.itemsize == 4 else INT64
         _put(out.delta.pages, code, pg.take(opened).astype(sp.index_dtype))
         _put(out.delta.replaced, code, pg.take(replaced).astype(sp.index_dtype))
-    return reply, HeldTables(seq, pool, pool.steps, ids, res.num_tokens, held.first, [page])
+    return reply, HeldTables(seq, held.pool, pool.steps, ids, res.num_tokens, held.first, [page])
 
 
 def _put(t: Any, code: int, a: np.ndarray) -> None:

@@ -191,3 +191,20 @@ def test_a_sequence_recreated_by_another_client_forces_full_tables():
     kinds = dict(twin.kinds)
     twin.step({"extend": [1, 2], "extend_tokens": 1})                # checked against the full tables
     assert twin.kinds["full"] == kinds["full"] + 1
+
+
+def test_a_recreated_pool_gets_full_tables_and_the_deleted_one_is_not_kept():
+    import gc
+
+    twin = Twin("per_layer")
+    twin.step({"admit": [1, 2], "admit_tokens": [5, 9]})
+    gone = twin.session.held.pool
+    twin.api.DeletePool(pb.DeletePoolRequest(pool="a", force=True))
+    twin.api.CreatePool(codec.create_pool_request("a", SPECS["per_layer"][0], Sizing(num_slots=NUM_SLOTS,
+                                                                                      max_seq_len=MAX_LEN)))
+    gc.collect()
+    assert gone() is None                       # a stream session does not keep a deleted pool's memory
+    ra = codec.step_request("a", admit=[1], admit_tokens=[3])
+    ra.stream_seq, ra.delta_tables, ra.delta_base = 2, True, twin.mirror.seq
+    reply = twin.session.apply(twin.api, ra)
+    assert not reply.HasField("delta") and reply.tables[0].HasField("indptr")
