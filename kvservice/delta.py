@@ -53,6 +53,8 @@ class HeldTables:
     seq_ids: uint64 [B], the reply's batch. num_tokens: int64 [B], tokens each row holds.
     first: per layer group, int64 [B]: position (0-based, within the sequence) of each row's first held page.
     last: per layer group, int64 [B]: each row's last held page in the group's first index space (-1: none).
+    key: the request that made this reply, if it only extended (kvservice.stream's key of its bytes): a
+        next request with the same key and no step between extends the same batch in the same order.
     """
 
     seq: int
@@ -62,6 +64,7 @@ class HeldTables:
     num_tokens: np.ndarray
     first: list[np.ndarray]
     last: list[np.ndarray]
+    key: tuple | None = None
 
     def usable(self, pool: Pool, base: int) -> bool:
         """True if a step of `pool` about to run now can be answered relative to this reply.
@@ -137,14 +140,17 @@ def match_rows(held: HeldTables, res: StepResult) -> np.ndarray | None:
     return np.where(ok, src, -1)
 
 
-def encode_delta(pool: Pool, res: StepResult, held: HeldTables, seq: int) -> tuple[pb.StepReply, HeldTables]:
+def encode_delta(pool: Pool, res: StepResult, held: HeldTables, seq: int,
+                 same_batch: bool = False) -> tuple[pb.StepReply, HeldTables]:
     """The incremental reply of step result `res` relative to `held`, and what the client holds after it.
 
     res: the step's result, with CSR tables (required if the pool has sliding windows) or without.
     seq: the request's stream_seq. Call under the pool lock, right after the step, with
     held.usable(pool, base) checked before it (rows sent whole are gathered from the pool).
+    same_batch: the caller knows the batch is held's, same order, each row +k (the same extend-only
+    request as the one that made held, with no step between): the decode path skips comparing them.
     """
-    fast = _decode_delta(pool, res, held, seq)
+    fast = _decode_delta(pool, res, held, seq, same_batch)
     if fast is not None:
         return fast
     ps = pool.page_size
@@ -221,13 +227,16 @@ def encode_delta(pool: Pool, res: StepResult, held: HeldTables, seq: int) -> tup
     return reply, HeldTables(seq, held.pool, pool.steps, res.seq_ids, num_n, new_first, new_last)
 
 
-def _decode_delta(pool: Pool, res: StepResult, held: HeldTables, seq: int) -> tuple[pb.StepReply, HeldTables] | None:
+def _decode_delta(pool: Pool, res: StepResult, held: HeldTables, seq: int,
+                  same_batch: bool) -> tuple[pb.StepReply, HeldTables] | None:
     """encode_delta of a steady decode step (same batch, one new token per row, one group without a window),
     in a fixed handful of NumPy calls; None when the step is not one."""
     ids, b = res.seq_ids, len(res.seq_ids)
     if (len(res.tables) == 0 or res.tables[0].table is not None or len(held.first) != 1 or b != len(held.seq_ids)
-            or int(res.new_token_indptr[-1]) != b or not np.array_equal(ids, held.seq_ids)
-            or not np.array_equal(held.num_tokens + 1, res.num_tokens)):
+            or int(res.new_token_indptr[-1]) != b):
+        return None
+    if not same_batch and not (np.array_equal(ids, held.seq_ids)
+                               and np.array_equal(held.num_tokens + 1, res.num_tokens)):
         return None
     ps = pool.page_size
     partial = held.num_tokens % ps != 0          # the new token lands in the row's last page

@@ -60,7 +60,8 @@ class StreamSession:
     last_seq: highest stream_seq answered (0 = none yet, or the session is new after a restart).
     held: what the client's mirror holds after the last table-carrying reply (None = nothing known).
     checked: key of the last request that passed the Limits check (a steady decode loop's arrays).
-    kwargs: (key, Pool.step arguments) of the last request with a key: the same bytes decode the same.
+    kwargs: (key, Pool.step arguments) of the last request with a key (_request_key): the same bytes decode
+        the same.
     last_used: registry clock at the last request (idle sessions expire).
     """
 
@@ -70,7 +71,6 @@ class StreamSession:
         self.last_seq = 0
         self.held: HeldTables | None = None
         self.checked: tuple | None = None
-        self.key: tuple | None = None
         self.kwargs: tuple[tuple, dict] | None = None
         self.last_used = 0.0
 
@@ -90,7 +90,7 @@ class StreamSession:
         if delta and (request.omit_tables or request.include_block_table):
             raise InvalidArgument("delta_tables asks for incremental tables; omit_tables and include_block_table "
                                   "do not go with it (the client's mirror builds block tables): set one or the other")
-        key, cached = self.key, self.kwargs
+        key, cached = _request_key(request, self.stream_id), self.kwargs
         if key is not None and cached is not None and cached[0] == key:
             kwargs = dict(cached[1])          # a steady decode loop: the same bytes as last time
         else:
@@ -103,10 +103,13 @@ class StreamSession:
             if delta and held is not None and held.usable(pool, request.delta_base):
                 kwargs["tables"] = any(pool.windows)       # slot mappings suffice without sliding windows
                 res = pool.step(**kwargs)
-                reply, self.held = encode_delta(pool, res, held, seq)
+                reply, self.held = encode_delta(pool, res, held, seq, key is not None and held.key == key)
+                self.held.key = key
                 return reply
             res = pool.step(**kwargs)
             self.held = held_from_full(seq, pool, res) if delta else None
+            if self.held is not None:
+                self.held.key = key
         reply = step_reply(pool, res)
         reply.stream_seq = seq
         return reply
@@ -180,9 +183,11 @@ def error_reply(seq: int, err: KVError) -> pb.StepReply:
                                                                 metadata=err.metadata))
 
 
-def _limits_key(r: pb.StepRequest) -> tuple | None:
-    """What Limits and Pool.step read of a request that only extends, None for any other request."""
-    if r.request_id or any(r.HasField(f) for f in _OTHER_ARRAYS) or r.admit_cache_salts or r.admit_extra_keys:
+def _request_key(r: pb.StepRequest, stream_id: str) -> tuple | None:
+    """What Limits and Pool.step read of a request that only extends (its arrays' bytes, pool, flags), None
+    for any other request or one with its own request_id: equal keys decode and check the same."""
+    if (r.request_id and r.request_id != f"{stream_id}#{r.stream_seq}") or any(r.HasField(f) for f in _OTHER_ARRAYS) \
+            or r.admit_cache_salts or r.admit_extra_keys:
         return None
     return (r.pool, r.extend_seq_ids.dtype, r.extend_seq_ids.data, r.extend_num_tokens.dtype,
             r.extend_num_tokens.data, r.omit_tables, r.include_block_table)
@@ -208,7 +213,7 @@ def step_one(servicer: Any, session: StreamSession, request: Any, broken: type[E
                 raise broken(f"the manager stopped serving: {journal.failed}")
             session.check_order(seq)
             try:
-                key = session.key = _limits_key(request)
+                key = _request_key(request, session.stream_id)
                 if servicer.limits is not None and (key is None or key != session.checked):
                     servicer.limits.check("Step", request, servicer.api.manager)
                     session.checked = key
