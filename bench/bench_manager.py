@@ -1,4 +1,5 @@
-"""Manager benchmarks: allocator throughput, decode Step in-process and over gRPC vs an echo call.
+"""Manager benchmarks: allocator throughput, decode Step in-process, over unary gRPC and over StepStream
+(full and incremental tables) vs the unary and streaming echo floors, and 16 concurrent schedulers.
 
 Writes a markdown report (default bench/results/manager.md). Timings are
 measured, never asserted; compare the ratios measured in one run.
@@ -120,39 +121,185 @@ def start_server(tmp: Path) -> tuple[subprocess.Popen, str]:
     return proc, f"127.0.0.1:{port}"
 
 
-def bench_grpc(steps: int) -> tuple[tuple[float, float], list[tuple[int, float, float, float, float]]]:
+MODES = ("unary Step", "StepStream, full tables", "StepStream, deltas")
+
+
+def _decode_pools(c: BlockManagerClient, b: int, steps: int, tag: str, modes: int = len(MODES)) -> np.ndarray:
+    """Pools TAGb{B}m{0..modes-1} holding the same B sequences (contexts uniform in [256, 1024)); returns their ids."""
+    rng = np.random.default_rng(0)
+    ctx = rng.integers(256, 1024, b)
+    slots = int((-(-(ctx + steps) // 16)).sum()) + b + (1024 + steps) // 16
+    ids = np.arange(1, b + 1, dtype=np.uint64)
+    for m in range(modes):
+        c.create_pool(f"{tag}b{b}m{m}", SPEC, Sizing(num_slots=slots, max_seq_len=1024 + steps))
+        c.step(f"{tag}b{b}m{m}", admit=ids, admit_tokens=ctx, tables=False)
+    return ids
+
+
+def _unary_reply_bytes(c: BlockManagerClient, pool: str, ids: np.ndarray) -> int:
+    """Bytes of one decode Step reply with full tables (the stub called directly, to size the reply)."""
+    from clients import codec
+    req = codec.step_request(pool, extend=ids, extend_tokens=1)
+    req.request_id = "size-" + pool
+    return c._stub.Step(req, timeout=30).ByteSize()
+
+
+def _decode_calls(c: BlockManagerClient, es: object, b: int, ids: np.ndarray, streams: dict) -> dict:
+    """The timed calls of one batch size: a decode step per mode, and both echo floors."""
+    names = [f"tb{b}m{m}" for m in range(len(MODES))]
+    return {0: lambda: c.step(names[0], extend=ids, extend_tokens=1),
+            1: lambda: streams[1].step(extend=ids, extend_tokens=1),
+            2: lambda: streams[2].step(extend=ids, extend_tokens=1),
+            "Echo": c.echo, "EchoStream": es.echo}   # type: ignore[attr-defined]
+
+
+def bench_transport(steps: int, rounds: int = 8) -> tuple[list[tuple], dict[str, tuple[float, float]]]:
+    """Decode steps over a manager process: unary Step, StepStream with full tables and with deltas, and the
+    unary and streaming Echo floors, interleaved in rounds so that machine noise hits every mode alike.
+
+    Returns ([(B, mode, p50 us, p99 us, reply bytes)], {"Echo": (p50, p99), "EchoStream": (p50, p99)}).
+    """
+    per_round = max(1, steps // rounds)
+    rows: list[tuple] = []
+    echo: dict[str, list[float]] = {"Echo": [], "EchoStream": []}
     with tempfile.TemporaryDirectory() as tmp:
         proc, target = start_server(Path(tmp))
         try:
-            with BlockManagerClient(target, timeout=30) as c:
+            with BlockManagerClient(target, timeout=30) as c, c.echo_stream() as es:
                 c.wait_ready()
-                lat = []
-                for _ in range(steps + 200):
-                    t0 = time.perf_counter()
-                    c.echo()
-                    lat.append(time.perf_counter() - t0)
-                echo = percentiles(lat[200:])
-                rows = []
                 for b in BATCHES:
-                    rng = np.random.default_rng(0)
-                    ctx = rng.integers(256, 1024, b)
-                    slots = int((-(-(ctx + steps) // 16)).sum()) + b + (1024 + steps) // 16
-                    name = f"b{b}"
-                    c.create_pool(name, SPEC, Sizing(num_slots=slots, max_seq_len=1024 + steps))
-                    ids = np.arange(1, b + 1, dtype=np.uint64)
-                    c.step(name, admit=ids, admit_tokens=ctx, tables=False)
-                    lat, lat_nt = [], []
-                    for i in range(steps):
-                        t0 = time.perf_counter()
-                        c.step(name, extend=ids, extend_tokens=1, tables=(i % 2 == 0))
-                        (lat if i % 2 == 0 else lat_nt).append(time.perf_counter() - t0)
-                    p50, p99 = percentiles(lat[len(lat) // 10:])
-                    q50, q99 = percentiles(lat_nt[len(lat_nt) // 10:])
-                    rows.append((b, p50, p99, q50, q99))
+                    ids = _decode_pools(c, b, steps + 20, "t")
+                    streams = {1: c.step_stream(f"tb{b}m1", deltas=False), 2: c.step_stream(f"tb{b}m2")}
+                    calls = _decode_calls(c, es, b, ids, streams)
+                    lat: dict = {k: [] for k in calls}
+                    for fn in calls.values():              # warm-up: 20 calls each
+                        for _ in range(20):
+                            fn()
+                    for _ in range(rounds):
+                        for k, fn in calls.items():
+                            for _ in range(per_round):
+                                t0 = time.perf_counter()
+                                fn()
+                                lat[k].append(time.perf_counter() - t0)
+                    sizes = [_unary_reply_bytes(c, f"tb{b}m0", ids)] + [streams[m].last_reply.ByteSize()
+                                                                        for m in (1, 2)]
+                    rows += [(b, MODES[m], *percentiles(lat[m]), sizes[m]) for m in range(len(MODES))]
+                    echo["Echo"] += lat["Echo"]
+                    echo["EchoStream"] += lat["EchoStream"]
+                    for st in streams.values():
+                        st.close()
         finally:
             proc.terminate()
             proc.wait(10)
-    return echo, rows
+    return rows, {k: percentiles(v) for k, v in echo.items()}
+
+
+def _scheduler(target: str, pool: str, ids: np.ndarray, stream: bool, steps: int, start: object,
+               lat: list[float]) -> None:
+    """One decode loop of bench_concurrent: its own channel (and stream); latencies appended to lat."""
+    with BlockManagerClient(target, timeout=60) as c:
+        s = c.step_stream(pool) if stream else None
+        fn = (lambda: s.step(extend=ids, extend_tokens=1)) if s else (lambda: c.step(pool, extend=ids,
+                                                                                     extend_tokens=1))
+        for _ in range(5):
+            fn()
+        start.wait()          # type: ignore[attr-defined]
+        mine = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            fn()
+            mine.append(time.perf_counter() - t0)
+        lat.extend(mine)
+        if s is not None:
+            s.close()
+
+
+def bench_concurrent(steps: int, schedulers: int = 16, b: int = 64) -> list[tuple[str, float, float]]:
+    """Aggregate decode Steps/s of `schedulers` threads, each driving its own pool, unary vs StepStream with deltas.
+
+    Returns [(mode, steps/s, p50 us per step)].
+    """
+    import threading
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, target = start_server(Path(tmp))
+        try:
+            with BlockManagerClient(target, timeout=60) as c:
+                c.wait_ready()
+                for mode in ("unary Step", "StepStream, deltas"):
+                    tag = "u" if mode.startswith("unary") else "s"
+                    lat: list[float] = []
+                    start = threading.Barrier(schedulers + 1)
+                    threads = [threading.Thread(target=_scheduler, args=(
+                        target, f"{tag}{i}xb{b}m0", _decode_pools(c, b, steps + 20, f"{tag}{i}x", 1), tag == "s", steps,
+                        start, lat)) for i in range(schedulers)]
+                    for t in threads:
+                        t.start()
+                    start.wait()
+                    t0 = time.perf_counter()
+                    for t in threads:
+                        t.join()
+                    elapsed = time.perf_counter() - t0
+                    out.append((mode, schedulers * steps / elapsed, percentiles(lat)[0]))
+        finally:
+            proc.terminate()
+            proc.wait(10)
+    return out
+
+
+def bench_stream_breakdown(steps: int) -> list[tuple[int, float, float, float, float]]:
+    """Where a StepStream decode request's time goes, in-process (no transport): per B, p50 us of
+    Pool.step alone (no CSR tables), of the server's whole request (stream.step_one: session, Limits,
+    memory journal, step, delta encoding, reply serialization) and of the client's work (request bytes,
+    reply parsing, applying the delta to the mirror). Returns [(B, pool step, server, client, reply bytes)].
+    """
+    from clients import codec
+    from clients.stream import _Core
+    from kvservice.api import ManagerAPI
+    from kvservice.journal import Journal
+    from kvservice.manager import BlockManager
+    from kvservice.metrics import ManagerMetrics
+    from kvservice.servicer import BlockManagerServicer, JournalUnavailable, Limits
+    from kvservice.stream import StreamSession, step_one
+    from kvservice.v1 import block_manager_pb2 as pb
+
+    out = []
+    for b in BATCHES:
+        manager = BlockManager()
+        api = ManagerAPI(manager)
+        sv = BlockManagerServicer(api, ManagerMetrics(manager), Journal(manager), Limits())
+        rng = np.random.default_rng(0)
+        ctx = rng.integers(256, 1024, b)
+        slots = int((-(-(ctx + 2 * steps) // 16)).sum()) + b + 64
+        ids = np.arange(1, b + 1, dtype=np.uint64)
+        for name in ("s", "p"):
+            api.CreatePool(codec.create_pool_request(name, SPEC, Sizing(num_slots=slots, max_seq_len=1024 + 2 * steps)))
+            api.Step(codec.step_request(name, admit=ids, admit_tokens=ctx, tables=False))
+        session, core = StreamSession("bench"), _Core("s", 16, True, "bench")
+        observe = sv.metrics.rpc_duration.labels("Step").observe
+        pool = manager.pool_and_lock("p")[0]
+        ones = np.ones(b, dtype=np.int64)
+        lat: dict[str, list[float]] = {"pool": [], "server": [], "client": []}
+        size = 0
+        for i in range(steps):
+            t0 = time.perf_counter()
+            pool.step(extend_ids=ids, extend_tokens=ones, tables=False)
+            t1 = time.perf_counter()
+            data = core.request_bytes(None, ids, 1, None, None, True, False, {})
+            t2 = time.perf_counter()
+            reply = step_one(sv, session, pb.StepRequest.FromString(data), JournalUnavailable, observe)
+            wire = reply.SerializeToString()
+            t3 = time.perf_counter()
+            core.result(pb.StepReply.FromString(wire), True, False)
+            t4 = time.perf_counter()
+            if i >= steps // 10:
+                lat["pool"].append(t1 - t0)
+                lat["server"].append(t3 - t2)
+                lat["client"].append(t4 - t3 + t2 - t1)
+            size = len(wire)
+        out.append((b, percentiles(lat["pool"])[0], percentiles(lat["server"])[0], percentiles(lat["client"])[0],
+                    size))
+    return out
 
 
 def machine() -> str:
@@ -176,7 +323,9 @@ def main() -> int:
     seconds, steps = (0.2, 60) if args.quick else (2.0, 400)
     alloc = bench_allocator(seconds)
     inproc = bench_step_inprocess(steps)
-    echo, grpc_rows = bench_grpc(steps)
+    breakdown = bench_stream_breakdown(steps)
+    transport, echo = bench_transport(steps)
+    concurrent = bench_concurrent(steps // 4)
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
         "# Manager benchmarks", "",
@@ -196,13 +345,47 @@ def main() -> int:
               "| B | p50 us | p99 us | table entries |", "|---:|---:|---:|---:|"]
     lines += [f"| {b} | {p50:.1f} | {p99:.1f} | {nnz:,} |" for b, p50, p99, nnz in inproc]
     lines += ["", "Target: B=256 p50 <= 100 us.", "",
-              "## Decode Step over gRPC (loopback, manager in its own process)", "",
-              f"Empty Echo call (transport floor): p50 {echo[0]:.0f} us, p99 {echo[1]:.0f} us.", "",
-              "| B | p50 us (tables) | p99 us (tables) | p50 / echo p50 | p50 us (no tables) | p99 us (no tables) |",
+              "## Decode Step over gRPC, side by side (loopback, manager in its own process)", "",
+              "The same decode step (+1 token for each of B sequences, same geometry) by unary `Step`, over one "
+              "`StepStream` with full tables, and over one `StepStream` with incremental tables (`delta_tables`; "
+              "the time includes applying the delta to the client's `PageTableMirror`). Each mode has its own "
+              f"pool; modes run interleaved in 8 rounds of {steps // 8} steps after 20 warm-up steps, so machine "
+              "noise hits all alike. Reply bytes: one serialized reply. The manager runs `kvservice serve` "
+              "defaults (memory journal, limits, lenient parser).", "",
+              f"Transport floors, all rounds: unary `Echo` p50 {echo['Echo'][0]:.0f} us (p99 {echo['Echo'][1]:.0f}); "
+              f"`EchoStream` p50 {echo['EchoStream'][0]:.0f} us (p99 {echo['EchoStream'][1]:.0f}).", "",
+              "| B | path | p50 us | p99 us | p50 / EchoStream p50 | p50 / Echo p50 | reply bytes |",
+              "|---:|---|---:|---:|---:|---:|---:|"]
+    inproc_p50 = {b: p50 for b, p50, _, _ in inproc}
+    for b, mode, p50, p99, size in transport:
+        lines.append(f"| {b} | {mode} | {p50:.0f} | {p99:.0f} | {p50 / echo['EchoStream'][0]:.2f}x | "
+                     f"{p50 / echo['Echo'][0]:.2f}x | {size:,} |")
+        if mode == MODES[-1]:
+            lines.append(f"| {b} | in-process `Pool.step` (tables) | {inproc_p50[b]:.0f} | | | | |")
+    d256 = next(r for r in transport if r[0] == 256 and r[1] == MODES[2])
+    u256 = next(r for r in transport if r[0] == 256 and r[1] == MODES[0])
+    lines += ["", f"Targets (issue 12), this run: StepStream with deltas at B=256 p50 = "
+              f"{d256[2] / echo['EchoStream'][0]:.2f}x the EchoStream p50 (target <= 1.3x); reply "
+              f"{d256[4]:,} bytes per decode step (target <= 10 KB; unary full tables {u256[4]:,} bytes).", "",
+              f"## Aggregate decode throughput: {len(concurrent) and 16} schedulers on 16 pools (B = 64 each)", "",
+              "Each scheduler is a thread of one client process with its own channel and pool, all against one "
+              "manager process; steps/s over all of them.", "",
+              "| path | steps/s (all schedulers) | p50 us per step |", "|---|---:|---:|"]
+    lines += [f"| {mode} | {rate:,.0f} | {p50:.0f} |" for mode, rate, p50 in concurrent]
+    lines += ["", "## Where a StepStream decode request's time goes (in-process, no transport)", "",
+              "The same steps without gRPC: `Pool.step` alone (no CSR tables, as the delta path asks), the server's "
+              "whole request (`kvservice.stream.step_one`: session, Limits, memory journal, the step, delta "
+              "encoding, reply serialization) and the client's work (request bytes, reply parsing, applying the "
+              "delta to the mirror). Transport floor + server + client is what a stream round trip would cost "
+              "on an idle machine; the measured round trips above also carry the other processes' load.", "",
+              "| B | Pool.step p50 us | server request p50 us | client p50 us | EchoStream p50 + both "
+              "| as x EchoStream |",
               "|---:|---:|---:|---:|---:|---:|"]
-    lines += [f"| {b} | {p50:.0f} | {p99:.0f} | {p50 / echo[0]:.2f}x | {q50:.0f} | {q99:.0f} |"
-              for b, p50, p99, q50, q99 in grpc_rows]
-    lines += ["", "Target: B=256 Step p50 <= 1.5x the echo p50.", ""]
+    for b, p_step, p_server, p_client, _ in breakdown:
+        total = echo["EchoStream"][0] + p_server + p_client
+        lines.append(f"| {b} | {p_step:.0f} | {p_server:.0f} | {p_client:.0f} | {total:.0f} | "
+                     f"{total / echo['EchoStream'][0]:.2f}x |")
+    lines += [""]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines))
     print("\n".join(lines))

@@ -29,6 +29,7 @@ from .client import (
     new_request_id,
 )
 from .codec import StepResult
+from .stream import AsyncStepStream
 
 
 class AsyncBlockManagerClient:
@@ -122,3 +123,9 @@ class AsyncBlockManagerClient:
                                  **extra)
         req.request_id = request_id or new_request_id()
         return codec.parse_step(await self._call(self._stub.Step, req, timeout))
+
+    async def step_stream(self, pool: str, deltas: bool = True, timeout: float | None = None,
+                          stream_id: str | None = None) -> AsyncStepStream:
+        """An AsyncStepStream on `pool` (clients/stream.py); learns the pool's page size with one GetPool."""
+        page_size = (await self.get_pool(pool, timeout)).plan.page_size
+        return AsyncStepStream(self, pool, page_size, deltas, timeout, stream_id)

@@ -37,6 +37,7 @@ from kvservice.v1 import block_manager_pb2_grpc as pb_grpc
 
 from . import codec
 from .codec import ClientError, StepResult, position_of
+from .stream import EchoStream, StepStream
 
 T = TypeVar("T")
 RETRY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -341,6 +342,18 @@ class BlockManagerClient:
                                  **extra)
         req.request_id = request_id or new_request_id()
         return codec.parse_step(self._call(self._stub.Step, req, timeout))
+
+    def step_stream(self, pool: str, deltas: bool = True, timeout: float | None = None,
+                    stream_id: str | None = None) -> StepStream:
+        """A StepStream on `pool` (clients/stream.py): one long-lived stream, incremental tables unless deltas=False.
+
+        timeout: seconds each reply may take (default: this client's timeout); stream_id: only to resume one.
+        """
+        return StepStream(self, pool, deltas, timeout, stream_id)
+
+    def echo_stream(self) -> EchoStream:
+        """An EchoStream: round trips with nothing to do, the transport floor of step_stream."""
+        return EchoStream(self)
 
     def register_worker(self, request: pb.RegisterWorkerRequest,
                         timeout: float | None = None) -> pb.RegisterWorkerReply:

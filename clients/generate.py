@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .client import BlockManagerClient
-from .codec import StepResult
+from .codec import ClientError, StepResult
+from .stream import StepStream
 from .tiny_model import TinyModel
 from .worker_client import WorkerClient
 
@@ -45,17 +46,53 @@ class Cluster:
                 if any(self.layer_groups[la] == group for la in layers):
                     worker.copy_blocks(group, pairs)
 
+    def update_tables(self, stream: StepStream) -> None:
+        """Forward the stream's last reply to every worker's persistent tables (UpdateTables, named by the
+        stream id); a worker whose copy is out of step gets the full tables of the scheduler's mirror."""
+        reply = stream.last_reply
+        if reply is None or reply.HasField("error") or not stream.mirror.seq:
+            return
+        for _, worker in self.workers:
+            try:
+                worker.update_tables(stream.stream_id, reply)
+            except ClientError as err:
+                if err.reason != "TABLES_OUT_OF_SYNC":
+                    raise
+                worker.update_tables(stream.stream_id, stream.mirror.full_reply())
+
     def forward(self, model: TinyModel, tokens: np.ndarray, step: StepResult,
-                skip: np.ndarray | None = None) -> np.ndarray:
+                skip: np.ndarray | None = None, table_id: str = "") -> np.ndarray:
+        """table_id: a decode step's kernels use the workers' persistent tables of that name (update_tables)."""
         self.copy(step)
-        return model.forward_paged(tokens, step, self.workers, self.page_size, skip)
+        return model.forward_paged(tokens, step, self.workers, self.page_size, skip, table_id)
+
+
+def _stepper(client: BlockManagerClient, pool: str, stream: StepStream | None,
+             cluster: Cluster | None = None) -> Callable[..., StepResult]:
+    """step(**kwargs) of `pool`: over the stream when one is given (its pool), else unary Step calls.
+    cluster: forward every stream reply to its workers' persistent tables."""
+    if stream is None:
+        return lambda **kw: client.step(pool, **kw)
+    if stream.pool != pool:
+        raise ValueError(f"the stream drives pool {stream.pool!r}, not {pool!r}")
+    if cluster is None:
+        return stream.step
+
+    def step(**kw: object) -> StepResult:
+        try:
+            return stream.step(**kw)
+        finally:
+            cluster.update_tables(stream)
+    return step
 
 
 def _prefill(client: BlockManagerClient, pool: str, cluster: Cluster, model: TinyModel,
-             prompts: Sequence[Sequence[int]], ids: np.ndarray, prefix: bool) -> tuple[np.ndarray, np.ndarray]:
+             prompts: Sequence[Sequence[int]], ids: np.ndarray, prefix: bool,
+             stream: StepStream | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Admit and run the prompts; returns (logits of each prompt's last token [B, vocab], cached tokens [B])."""
     extra = {"admit_token_ids": np.concatenate([np.asarray(p, dtype=np.int64) for p in prompts])} if prefix else {}
-    step = client.step(pool, admit=ids, admit_tokens=[len(p) for p in prompts], **extra)
+    device = cluster if stream is not None and stream.deltas else None
+    step = _stepper(client, pool, stream, device)(admit=ids, admit_tokens=[len(p) for p in prompts], **extra)
     cached = step.cached_tokens if step.cached_tokens is not None else np.zeros(len(prompts), dtype=np.int64)
     computed = np.concatenate([np.asarray(p, dtype=np.int64)[int(c):] for p, c in zip(prompts, cached,
                                                                                       strict=True)])
@@ -66,15 +103,21 @@ def _prefill(client: BlockManagerClient, pool: str, cluster: Cluster, model: Tin
 
 def generate(client: BlockManagerClient, pool: str, cluster: Cluster, model: TinyModel,
              prompts: Sequence[Sequence[int]], max_new: int, first_seq_id: int, prefix: bool = False,
-             free: bool = True, on_step: Callable[[StepResult], None] | None = None) -> Generation:
+             free: bool = True, on_step: Callable[[StepResult], None] | None = None,
+             stream: StepStream | None = None) -> Generation:
     """Prefill every prompt in one step, then decode max_new - 1 steps of +1 token each.
 
     prefix: send the prompts' token ids so cached prompt pages are reused (and not recomputed).
     free: free the sequences at the end. on_step: called with every decode step's result.
+    stream: step over this StepStream of `pool` instead of unary Steps. With incremental tables, every
+        reply also goes to the workers' persistent tables and decode steps run their kernels on those
+        (only the delta reaches the workers' devices).
     """
     b = len(prompts)
     ids = np.arange(first_seq_id, first_seq_id + b, dtype=np.uint64)
-    last, cached = _prefill(client, pool, cluster, model, prompts, ids, prefix)
+    device = stream is not None and stream.deltas
+    step_fn = _stepper(client, pool, stream, cluster if device else None)
+    last, cached = _prefill(client, pool, cluster, model, prompts, ids, prefix, stream)
     tokens = np.zeros((b, max_new), dtype=np.int64)
     all_logits = np.zeros((b, max_new, last.shape[1]), dtype=np.float32)
     try:
@@ -83,13 +126,13 @@ def generate(client: BlockManagerClient, pool: str, cluster: Cluster, model: Tin
             tokens[:, i] = last.argmax(axis=1)
             if i + 1 == max_new:
                 break
-            step = client.step(pool, extend=ids, extend_tokens=1)
+            step = step_fn(extend=ids, extend_tokens=1)
             if on_step is not None:
                 on_step(step)
-            last = cluster.forward(model, tokens[:, i], step)
+            last = cluster.forward(model, tokens[:, i], step, table_id=stream.stream_id if device else "")
     finally:
         if free:
-            client.step(pool, free=ids)
+            step_fn(free=ids)
     return Generation(tokens, all_logits, cached)
 
 

@@ -1,4 +1,4 @@
-"""`kvctl`: plan a cache, inspect and manage pools, validate page tables.
+"""`kvctl`: plan a cache, inspect and manage pools, validate page tables, time unary vs streaming steps.
 
 Human tables by default, `--json` for machines. Exit status: 0 ok, 1 a table
 failed validation, 2 a usage error or a refused request.
@@ -307,6 +307,59 @@ def cmd_events(a: argparse.Namespace, c: BlockManagerClient) -> int:
                 break
     finally:
         stream.cancel()
+
+
+def _p50_us(fn: Any, n: int) -> float:
+    import time
+    lat = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        lat.append(time.perf_counter() - t0)
+    return float(np.percentile(np.array(lat) * 1e6, 50))
+
+
+def cmd_ping(a: argparse.Namespace, c: BlockManagerClient) -> int:
+    """Round trips with nothing to do: unary Echo and EchoStream (the floors of Step and StepStream)."""
+    unary = _p50_us(c.echo, a.count)
+    with c.echo_stream() as es:
+        es.echo()
+        stream = _p50_us(es.echo, a.count)
+    if a.json:
+        print(json.dumps({"echo_p50_us": unary, "echo_stream_p50_us": stream, "count": a.count}))
+    else:
+        print(_table([["Echo (unary)", f"{unary:.0f}"], ["EchoStream", f"{stream:.0f}"]],
+                     ["round trip", "p50 us"]))
+    return 0
+
+
+def cmd_decode(a: argparse.Namespace, c: BlockManagerClient) -> int:
+    """Decode steps (+1 token each) for live sequences, unary Step vs StepStream (full tables, deltas).
+
+    Changes the pool: each mode adds `steps` tokens to every sequence named.
+    """
+    ids = _ints(a.ids).astype(np.uint64)
+    rows = []
+    for mode in a.mode:
+        if mode == "unary":
+            def step(**kw: Any) -> Any:
+                return c.step(a.pool, **kw)
+            stream = None
+        else:
+            stream = c.step_stream(a.pool, deltas=mode == "deltas")
+            step = stream.step
+        try:
+            p50 = _p50_us(lambda step=step: step(extend=ids, extend_tokens=1), a.steps)
+            size = stream.last_reply.ByteSize() if stream is not None else None
+        finally:
+            if stream is not None:
+                stream.close()
+        rows.append([mode, f"{p50:.0f}", "" if size is None else f"{size:,}"])
+    if a.json:
+        print(json.dumps([{"mode": m, "p50_us": float(p), "reply_bytes": int(b.replace(",", "")) if b else None}
+                          for m, p, b in rows]))
+    else:
+        print(_table(rows, ["path", "p50 us", "reply bytes"]))
     return 0
 
 
@@ -358,17 +411,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--indices", help="comma-separated")
     p.add_argument("--last-page-len", help="comma-separated")
     p.add_argument("--max-reports", type=int, default=100)
+    p = sub.add_parser("ping", help="round trips: unary Echo and EchoStream")
+    p.add_argument("--count", type=int, default=200)
+    p = sub.add_parser("decode", help="time decode steps of live sequences: unary Step vs StepStream (adds tokens)")
+    p.add_argument("pool")
+    p.add_argument("--ids", required=True, help="comma-separated live sequence ids")
+    p.add_argument("--steps", type=int, default=50, help="steps per mode (each adds a token to every id)")
+    p.add_argument("--mode", action="append", choices=["unary", "stream", "deltas"],
+                   help="unary Step, StepStream with full tables, StepStream with incremental tables; repeatable "
+                        "(default: all three)")
     for sp in sub.choices.values():   # accept --json after the subcommand too
         sp.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
     return parser
 
 
 COMMANDS = {"pools": cmd_pools, "create-pool": cmd_create_pool, "seqs": cmd_seqs, "stats": cmd_stats,
-            "workers": cmd_workers, "validate": cmd_validate, "score": cmd_score, "events": cmd_events}
+            "workers": cmd_workers, "validate": cmd_validate, "score": cmd_score, "events": cmd_events,
+            "ping": cmd_ping, "decode": cmd_decode}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "mode", 0) is None:
+        args.mode = ["unary", "stream", "deltas"]
     try:
         if args.command == "plan":
             return cmd_plan(args)

@@ -3,8 +3,8 @@
 1. A manager (in this process, gRPC on loopback) and one worker process
    (`kvworker serve`, CPU backend by default) that registers with it.
 2. The reference scheduler drives a continuous-batching workload (Poisson
-   arrivals, capacity pressure, preemption) through one Step RPC per iteration,
-   validating every table.
+   arrivals, capacity pressure, preemption) over one StepStream with incremental
+   tables (one request per iteration), validating every table its mirror yields.
 3. A tiny transformer generates for 8 prompts in one batch and for each prompt
    alone, its KV cache and attention on the worker; batch and single logits
    must agree (seed 000's validation), and both must match a dense float64
@@ -91,8 +91,11 @@ def run_workload(client: BlockManagerClient, args: argparse.Namespace) -> Report
           f"({info.plan.total_bytes / 2**30:.2f} GiB planned over {len(info.plan.layers)} layers), "
           f"{args.requests} requests", flush=True)
     progress = Progress(args.requests, "      ")
-    report = ReferenceScheduler(client, "demo", max_batch=args.max_batch, optimistic=True).run(
-        Workload(num_requests=args.requests, arrival_rate=args.rate, seed=args.seed), progress)
+    scheduler = ReferenceScheduler(client, "demo", max_batch=args.max_batch, optimistic=True, transport=args.transport)
+    try:
+        report = scheduler.run(Workload(num_requests=args.requests, arrival_rate=args.rate, seed=args.seed), progress)
+    finally:
+        scheduler.close()
     progress.close()
     return report
 
@@ -112,12 +115,17 @@ def run_model(client: BlockManagerClient, worker_addr: str, args: argparse.Names
     with WorkerClient(worker_addr, "worker-0") as w:
         cluster = Cluster.of(client, "tiny", [(range(cfg.num_layers), w)])
         progress = Progress(len(prompts) + 1, "      ")
-        batch = generate(client, "tiny", cluster, model, prompts, args.new_tokens, 1000)
-        progress.update(1, "batch done")
-        singles = []
-        for i, p in enumerate(prompts):
-            singles.append(generate(client, "tiny", cluster, model, [p], args.new_tokens, 2000 + i))
-            progress.update(i + 2, f"single {i + 1}/8")
+        stream = client.step_stream("tiny", deltas=args.transport == "deltas") if args.transport != "unary" else None
+        try:
+            batch = generate(client, "tiny", cluster, model, prompts, args.new_tokens, 1000, stream=stream)
+            progress.update(1, "batch done")
+            singles = []
+            for i, p in enumerate(prompts):
+                singles.append(generate(client, "tiny", cluster, model, [p], args.new_tokens, 2000 + i, stream=stream))
+                progress.update(i + 2, f"single {i + 1}/8")
+        finally:
+            if stream is not None:
+                stream.close()
         progress.close()
     single_logits = np.concatenate([s.logits for s in singles])
     ref_diff = 0.0
@@ -177,6 +185,14 @@ def run_seed000(client: BlockManagerClient, worker_addr: str, metrics_url: str) 
     return out
 
 
+def _transport(transport: str, report: Report) -> str:
+    if transport == "unary":
+        return "unary Step"
+    mean = report.reply_bytes / max(report.steps, 1)
+    what = f"{report.delta_replies} of {report.steps} replies incremental" if transport == "deltas" else "full tables"
+    return f"StepStream, {what}, {mean:,.0f} bytes per reply"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m clients.main_job", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -187,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--backend", choices=["cpu", "cuda"], default="cpu", help="worker backend")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--transport", choices=["deltas", "stream", "unary"], default="deltas",
+                    help="how the scheduler steps: StepStream with incremental tables (default), StepStream with "
+                         "full tables, or unary Step")
     args = ap.parse_args(argv)
 
     running = serve("127.0.0.1:0", metrics_port=0)
@@ -228,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
             ("peak slots used", f"{report.peak_slots_used} of {args.num_slots} (manager: {stats.peak_used_slots})"),
             ("refused admissions", f"{report.refused_admissions}"), ("preemptions", f"{report.preemptions}"),
             ("tables validated", f"{report.tables_validated} ({report.table_violations} violations)"),
+            ("step transport", _transport(args.transport, report)),
             ("step latency p50", f"{report.percentile_ms(50):.3f} ms"),
             ("step latency p99", f"{report.percentile_ms(99):.3f} ms"),
             ("batch vs single", f"max |logit diff| {model['batch_vs_single']:.3e}"),

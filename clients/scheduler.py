@@ -1,11 +1,12 @@
-"""Reference scheduler: continuous batching with chunked prefill over one Step RPC per iteration.
+"""Reference scheduler: continuous batching with chunked prefill, one step per iteration over a StepStream.
 
 Each iteration it frees finished sequences, grows running ones (a prefill chunk
 or one decode token), and admits waiting requests first-come first-served while
 the batch and the pool's free slots allow. If the manager still answers
 RESOURCE_EXHAUSTED it retries without the admissions (counted as refused), and
 if decode growth alone does not fit it preempts the youngest sequence
-(recompute: it goes back to the queue), as vLLM does.
+(recompute: it goes back to the queue), as vLLM does. Steps go over one StepStream with
+incremental tables by default (the tables it validates are the mirror's, equal to full ones).
 """
 
 from __future__ import annotations
@@ -81,6 +82,8 @@ class Report:
     table_violations: int = 0
     step_latency_s: list[float] = field(default_factory=list)
     wall_s: float = 0.0
+    reply_bytes: int = 0         # Step replies received, serialized bytes (streams only)
+    delta_replies: int = 0       # of them, incremental ones
 
     def percentile_ms(self, q: float) -> float:
         return float(np.percentile(self.step_latency_s, q) * 1e3) if self.step_latency_s else 0.0
@@ -95,12 +98,18 @@ class ReferenceScheduler:
     optimistic: admit by batch size alone and let the manager refuse what does
     not fit (each refusal costs one more Step call); otherwise admit only what
     the last reply's free-slot count says fits.
+    transport: "deltas" (one StepStream with incremental tables, the default), "stream" (StepStream,
+    full tables) or "unary" (one Step RPC per iteration).
     """
 
     def __init__(self, client: BlockManagerClient, pool: str, max_batch: int = 32, chunk_size: int = 256,
-                 validate_every: int = 1, optimistic: bool = False) -> None:
+                 validate_every: int = 1, optimistic: bool = False, transport: str = "deltas") -> None:
+        if transport not in ("deltas", "stream", "unary"):
+            raise ValueError(f"transport must be deltas, stream or unary, got {transport!r}")
         self.client = client
         self.pool = pool
+        self.transport = transport
+        self.stream = client.step_stream(pool, deltas=transport == "deltas") if transport != "unary" else None
         self.max_batch = max_batch
         self.chunk_size = chunk_size
         self.validate_every = validate_every
@@ -124,6 +133,8 @@ class ReferenceScheduler:
         free_slots = self.num_slots
         start = time.perf_counter()
         step = 0
+        self._reply_bytes = self._delta_replies = 0
+        self._counted = None
         while pending or waiting or running:
             while pending and pending[0].arrival_step <= step:
                 waiting.append(_Seq(pending.popleft()))
@@ -181,19 +192,28 @@ class ReferenceScheduler:
             if progress is not None:
                 progress(report, len(waiting) + len(pending), len(running))  # type: ignore[operator]
         report.wall_s = time.perf_counter() - start
+        report.reply_bytes, report.delta_replies = self._reply_bytes, self._delta_replies
         return report
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
 
     def _step(self, finished: list[_Seq], growth: list[tuple[_Seq, int]],
               admits: list[tuple[_Seq, int]]) -> StepResult:
+        kw = {"free": [s.req.seq_id for s in finished] or None,
+              "extend": [s.req.seq_id for s, _ in growth] or None, "extend_tokens": [k for _, k in growth] or None,
+              "admit": [s.req.seq_id for s, _ in admits] or None, "admit_tokens": [k for _, k in admits] or None}
         t0 = time.perf_counter()
         try:
-            return self.client.step(
-                self.pool,
-                free=[s.req.seq_id for s in finished] or None,
-                extend=[s.req.seq_id for s, _ in growth] or None, extend_tokens=[k for _, k in growth] or None,
-                admit=[s.req.seq_id for s, _ in admits] or None, admit_tokens=[k for _, k in admits] or None)
+            return self.stream.step(**kw) if self.stream is not None else self.client.step(self.pool, **kw)
         finally:
             self._last_latency = time.perf_counter() - t0
+            reply = self.stream.last_reply if self.stream is not None else None
+            if reply is not None and reply is not self._counted:
+                self._counted = reply
+                self._reply_bytes += reply.ByteSize()
+                self._delta_replies += reply.HasField("delta")
 
     def _validate(self, result: StepResult, report: Report) -> None:
         for sid, st in result.tables.items():

@@ -126,25 +126,35 @@ class TinyModel:
 
     # ---- the paged path, through workers -----------------------------------------------
     def forward_paged(self, tokens: np.ndarray, step: StepResult, workers: Sequence[tuple[range, WorkerClient]],
-                      page_size: int, skip: np.ndarray | None = None) -> np.ndarray:
+                      page_size: int, skip: np.ndarray | None = None, table_id: str = "") -> np.ndarray:
         """Logits float32 [T, vocab] of the computed new tokens of the step (rows in batch order).
 
         tokens: int64 [T], the computed new tokens (all new tokens but each row's first skip[b]).
         workers: (layers held, client) pairs. Copy-on-write pairs of the step must have been run.
+        table_id: the workers hold this step's tables (UpdateTables); a decode step (one new token per
+            row) then sends neither slot mappings nor tables.
         """
         cfg, dt = self.cfg, torch.float32
         h = self.emb.to(dt)[torch.as_tensor(tokens)]
         keep = new_tokens(step, skip)
+        decode = bool(table_id) and skip is None and int(step.new_token_indptr[-1]) == len(step.seq_ids)
         for layer, (lw, (hd, _)) in enumerate(zip(self.layers, self.shapes, strict=True)):
             worker = next(c for r, c in workers if layer in r)
-            positions, table = causal_rows(step, layer, page_size, skip)
+            if decode:
+                positions, table = np.asarray(step.num_tokens, dtype=np.int64) - 1, None
+            else:
+                positions, table = causal_rows(step, layer, page_size, skip)
             pos = torch.as_tensor(positions)
             x = self._norm(h, lw["n1"].to(dt))
             q = self._rope((x @ lw["wq"].to(dt)).view(-1, cfg.q_heads, hd), pos)
             k = self._rope((x @ lw["wk"].to(dt)).view(-1, cfg.kv_heads, hd), pos)
             v = (x @ lw["wv"].to(dt)).view(-1, cfg.kv_heads, hd)
-            worker.append_kv(layer, k.numpy(), v.numpy(), step.for_layer(layer).slot_mapping[keep])
-            att = worker.decode_attention(layer, q.contiguous().numpy(), table)
+            if decode:
+                worker.append_kv(layer, k.numpy(), v.numpy(), table_id=table_id)
+                att = worker.decode_attention(layer, q.contiguous().numpy(), table_id=table_id)
+            else:
+                worker.append_kv(layer, k.numpy(), v.numpy(), step.for_layer(layer).slot_mapping[keep])
+                att = worker.decode_attention(layer, q.contiguous().numpy(), table)
             h = h + torch.tensor(att.out).reshape(-1, cfg.q_heads * hd) @ lw["wo"].to(dt)
             h = h + self._mlp(self._norm(h, lw["n2"].to(dt)), lw, dt)
         return (self._norm(h, self.nf.to(dt)) @ self.emb.to(dt).T * self.logit_scale).numpy()

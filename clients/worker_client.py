@@ -14,6 +14,7 @@ import grpc
 import numpy as np
 
 from kvservice.pagetable import PageTable
+from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1 import common_pb2 as cpb
 from kvservice.v1 import worker_pb2 as wpb
 from kvservice.v1 import worker_pb2_grpc as wpb_grpc
@@ -86,25 +87,36 @@ class WorkerClient:
     def info(self) -> wpb.WorkerStatus:
         return self._call(self._stub.Info, wpb.WorkerInfoRequest())
 
-    def append_kv(self, layer: int, k: np.ndarray, v: np.ndarray, slot_mapping: np.ndarray,
-                  dtype: str | None = None, policy: str = "nan") -> wpb.KernelReply:
-        """k, v: [n, kv_heads, head_dim] in the cache dtype; slot_mapping: int64 [n] of the layer's index space.
+    def append_kv(self, layer: int, k: np.ndarray, v: np.ndarray, slot_mapping: np.ndarray | None = None,
+                  dtype: str | None = None, policy: str = "nan", table_id: str = "") -> wpb.KernelReply:
+        """k, v: [n, kv_heads, head_dim] in the cache dtype; slot_mapping: int64 [n] of the layer's index space,
+        or None with table_id: the new tokens of the worker's persistent tables (update_tables).
 
         dtype: None sends the arrays' own dtype; "bfloat16" sends uint16 arrays as bfloat16 bits.
         """
-        return self._call(self._stub.AppendKV, wpb.AppendKVRequest(
-            layer=layer, k=_cache_tensor(k, dtype), v=_cache_tensor(v, dtype),
-            slot_mapping=to_tensor(np.asarray(slot_mapping, dtype=np.int64)), policy=POLICIES[policy]))
+        req = wpb.AppendKVRequest(layer=layer, k=_cache_tensor(k, dtype), v=_cache_tensor(v, dtype),
+                                  policy=POLICIES[policy], table_id=table_id)
+        if slot_mapping is not None:
+            req.slot_mapping.CopyFrom(to_tensor(np.asarray(slot_mapping, dtype=np.int64)))
+        return self._call(self._stub.AppendKV, req)
 
-    def decode_attention(self, layer: int, q: np.ndarray, table: PageTable, dtype: str | None = None,
-                         sm_scale: float = 0.0, policy: str = "nan") -> Attention:
-        """q: [B, q_heads, head_dim] in the cache dtype; table: CSR of the layer's index space (int32)."""
-        reply = self._call(self._stub.DecodeAttention, wpb.DecodeAttentionRequest(
-            layer=layer, q=_cache_tensor(q, dtype), indptr=to_tensor(np.asarray(table.indptr, dtype=np.int32)),
-            indices=to_tensor(np.asarray(table.indices, dtype=np.int32)),
-            last_page_len=to_tensor(np.asarray(table.last_page_len, dtype=np.int32)), sm_scale=sm_scale,
-            policy=POLICIES[policy]))
+    def decode_attention(self, layer: int, q: np.ndarray, table: PageTable | None = None, dtype: str | None = None,
+                         sm_scale: float = 0.0, policy: str = "nan", table_id: str = "") -> Attention:
+        """q: [B, q_heads, head_dim] in the cache dtype; table: CSR of the layer's index space (int32), or None
+        with table_id: the batch of the worker's persistent tables (update_tables)."""
+        req = wpb.DecodeAttentionRequest(layer=layer, q=_cache_tensor(q, dtype), sm_scale=sm_scale,
+                                         policy=POLICIES[policy], table_id=table_id)
+        if table is not None:
+            req.indptr.CopyFrom(to_tensor(np.asarray(table.indptr, dtype=np.int32)))
+            req.indices.CopyFrom(to_tensor(np.asarray(table.indices, dtype=np.int32)))
+            req.last_page_len.CopyFrom(to_tensor(np.asarray(table.last_page_len, dtype=np.int32)))
+        reply = self._call(self._stub.DecodeAttention, req)
         return Attention(from_tensor(reply.out, "out", "f"), from_tensor(reply.lse, "lse", "f"), reply.violation)
+
+    def update_tables(self, table_id: str, reply: pb.StepReply) -> wpb.UpdateTablesReply:
+        """Apply a StepStream reply (full, or incremental on the copy's last one) to the persistent tables
+        `table_id` on the worker's device."""
+        return self._call(self._stub.UpdateTables, wpb.UpdateTablesRequest(table_id=table_id, step=reply))
 
     def copy_blocks(self, group: int, pairs: np.ndarray, policy: str = "nan") -> wpb.KernelReply:
         """pairs: int64 [n, 2] of (src_slot, dst_slot)."""

@@ -21,7 +21,7 @@ from .limits import (
 from .manager import BlockManager
 from .pagetable import PageTable, validate_page_table
 from .planner import plan
-from .pool import Pool
+from .pool import Pool, StepResult
 from .v1 import block_manager_pb2 as pb
 from .wire import field_array, fill_tensor, to_tensor
 
@@ -32,6 +32,52 @@ STEP_ARRAYS = ("free_seq_ids", "extend_seq_ids", "extend_num_tokens", "admit_seq
 MAX_REPORTS = 1000
 #: Bytes of one SequenceInfo in a ListSequencesReply, at most (three varints and framing).
 SEQUENCE_INFO_BYTES = 36
+
+
+def step_kwargs(request: pb.StepRequest) -> dict[str, object]:
+    """Pool.step keyword arguments of a StepRequest (arrays decoded; the pool checks them)."""
+    a = {f: field_array(request, f) if request.HasField(f) else None for f in STEP_ARRAYS}
+    return {"free_ids": a["free_seq_ids"], "extend_ids": a["extend_seq_ids"], "extend_tokens": a["extend_num_tokens"],
+            "admit_ids": a["admit_seq_ids"], "admit_tokens": a["admit_num_tokens"], "tables": not request.omit_tables,
+            "block_table": request.include_block_table, "fork_parents": a["fork_parent_ids"],
+            "fork_children": a["fork_child_ids"], "admit_token_ids": a["admit_token_ids"],
+            "admit_salts": list(request.admit_cache_salts) or None,
+            "admit_extra_keys": list(request.admit_extra_keys) or None}
+
+
+def _step_args(kwargs: dict[str, object]) -> dict[str, object]:
+    """The decoded request arrays of step_kwargs, by their StepRequest field names."""
+    return {"free_seq_ids": kwargs["free_ids"], "extend_seq_ids": kwargs["extend_ids"],
+            "extend_num_tokens": kwargs["extend_tokens"], "admit_seq_ids": kwargs["admit_ids"],
+            "admit_num_tokens": kwargs["admit_tokens"], "fork_parent_ids": kwargs["fork_parents"],
+            "fork_child_ids": kwargs["fork_children"], "admit_token_ids": kwargs["admit_token_ids"]}
+
+
+def step_reply(pool: Pool, res: StepResult, tables: bool = True) -> pb.StepReply:
+    """The StepReply of a step's result; tables=False leaves out every SpaceTables (a caller adds its own)."""
+    reply = pb.StepReply(layer_index_space=pool.layer_space, num_free_slots=res.num_free_slots)
+    fill_tensor(reply.seq_ids, res.seq_ids)
+    fill_tensor(reply.num_tokens, res.num_tokens)
+    fill_tensor(reply.new_token_indptr, res.new_token_indptr)
+    if res.cached_tokens is not None:
+        reply.admit_cached_tokens.CopyFrom(to_tensor(res.cached_tokens))
+    for g, pairs in enumerate(res.copies):
+        if len(pairs):
+            reply.copies.add(group=g, pairs=to_tensor(pairs))
+    if not tables:
+        return reply
+    for st in res.tables:
+        sp = st.space
+        out = reply.tables.add(index_space=sp.id, group=sp.group, scale=sp.scale, offset=sp.offset,
+                               upper_bound=sp.upper_bound, base=sp.base)
+        fill_tensor(out.slot_mapping, st.slot_mapping)
+        if st.table is not None:
+            fill_tensor(out.indptr, st.table.indptr)
+            fill_tensor(out.indices, st.table.indices)
+            fill_tensor(out.last_page_len, st.table.last_page_len)
+        if st.block_table is not None:
+            fill_tensor(out.block_table, st.block_table)
+    return reply
 
 
 class ManagerAPI:
@@ -82,40 +128,23 @@ class ManagerAPI:
         return pb.DeletePoolReply()
 
     def Step(self, request: pb.StepRequest) -> pb.StepReply:
-        args = {f: field_array(request, f) if request.HasField(f) else None for f in STEP_ARRAYS}
+        kwargs = step_kwargs(request)
         pool, lock = self.manager.pool_and_lock(request.pool)
         incarnation = self.manager.incarnation(request.pool)
         with lock:
-            self._check_step_cost(pool, request, args)
-            res = pool.step(args["free_seq_ids"], args["extend_seq_ids"], args["extend_num_tokens"],
-                            args["admit_seq_ids"], args["admit_num_tokens"], tables=not request.omit_tables,
-                            block_table=request.include_block_table, fork_parents=args["fork_parent_ids"],
-                            fork_children=args["fork_child_ids"], admit_token_ids=args["admit_token_ids"],
-                            admit_salts=list(request.admit_cache_salts) or None,
-                            admit_extra_keys=list(request.admit_extra_keys) or None)
-            self.manager.events.after_step(pool, args["admit_num_tokens"], args["admit_token_ids"] is not None)
-        reply = pb.StepReply(layer_index_space=pool.layer_space, num_free_slots=res.num_free_slots,
-                             pool_incarnation=incarnation)
-        fill_tensor(reply.seq_ids, res.seq_ids)
-        fill_tensor(reply.num_tokens, res.num_tokens)
-        fill_tensor(reply.new_token_indptr, res.new_token_indptr)
-        if res.cached_tokens is not None:
-            reply.admit_cached_tokens.CopyFrom(to_tensor(res.cached_tokens))
-        for g, pairs in enumerate(res.copies):
-            if len(pairs):
-                reply.copies.add(group=g, pairs=to_tensor(pairs))
-        for st in res.tables:
-            sp = st.space
-            out = reply.tables.add(index_space=sp.id, group=sp.group, scale=sp.scale, offset=sp.offset, base=sp.base,
-                                   upper_bound=sp.upper_bound)
-            fill_tensor(out.slot_mapping, st.slot_mapping)
-            if st.table is not None:
-                fill_tensor(out.indptr, st.table.indptr)
-                fill_tensor(out.indices, st.table.indices)
-                fill_tensor(out.last_page_len, st.table.last_page_len)
-            if st.block_table is not None:
-                fill_tensor(out.block_table, st.block_table)
+            res = self.run_step(pool, request, kwargs)
+        reply = step_reply(pool, res)
+        reply.pool_incarnation = incarnation
         return reply
+
+    def run_step(self, pool: Pool, request: pb.StepRequest, kwargs: dict[str, object]) -> StepResult:
+        """Under the pool's lock: refuse a step whose cost is over the limits before it changes anything,
+        run it, and record its KV events. Step and StepStream both come through here."""
+        self._check_step_cost(pool, request, _step_args(kwargs))
+        res = pool.step(**kwargs)
+        admit_tokens = kwargs["admit_tokens"]
+        self.manager.events.after_step(pool, admit_tokens, kwargs["admit_token_ids"] is not None)
+        return res
 
     def _check_step_cost(self, pool: Pool, request: pb.StepRequest, args: dict[str, np.ndarray | None]) -> None:
         """Refuse, before the pool changes, a step whose counts could overflow or whose reply could not be sent.

@@ -197,6 +197,7 @@ def manager_rules(worker_pool: Callable[[str], str | None]) -> dict[str, Rule]:
         "GetStats": Rule("read", _pool_or_all, _stats_reply),
         "ListWorkers": Rule("read", _pool_or_all, _workers_reply),
         "Step": Rule("write", _pool), "RegisterWorker": Rule("write", _pool),
+        "StepStream": Rule("write", _pool), "EchoStream": Rule("read"),
         "Heartbeat": Rule("write", lambda r: r.pool or worker_pool(r.worker_id), named=False),
         "ScorePrefix": Rule("read", lambda r: list(r.pools), _scores_reply), "WatchEvents": Rule("read", _pool),
     }
@@ -208,7 +209,8 @@ def worker_rules(pool: str) -> dict[str, Rule]:
         return pool
 
     return {**{m: Rule("read", mine) for m in ("Info", "ValidatePageTable", "CheckGuards")},
-            **{m: Rule("write", mine) for m in ("AppendKV", "DecodeAttention", "CopyBlocks", "CorruptGuard")}}
+            **{m: Rule("write", mine) for m in ("AppendKV", "DecodeAttention", "CopyBlocks", "CorruptGuard",
+                                                "UpdateTables")}}
 
 
 def _bearer(metadata: Any) -> str | None:
@@ -267,11 +269,35 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
             return grpc.unary_stream_rpc_method_handler(
                 self._scoped(handler.unary_stream, rule, grant, name),
                 request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+        if handler.stream_stream is not None:
+            return grpc.stream_stream_rpc_method_handler(
+                self._scoped_stream(handler.stream_stream, rule, grant, name),
+                request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
         if handler.unary_unary is None:
             return handler
         return grpc.unary_unary_rpc_method_handler(
             self._scoped(handler.unary_unary, rule, grant, name), request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer)
+
+    @staticmethod
+    def _scoped_stream(inner: Callable[[Any, Any], Any], rule: Rule, grant: Grant,
+                       name: str) -> Callable[[Any, Any], Any]:
+        """A stream handler whose every request must name a pool of the grant (else the call ends PERMISSION_DENIED)."""
+        def behavior(requests: Any, context: grpc.ServicerContext) -> Any:
+            def checked() -> Any:
+                for request in requests:
+                    try:
+                        pool = rule.pool(request)
+                    except AttributeError:      # an unparsable request: the handler refuses it
+                        pool = None
+                    if pool is not None and not grant.allows_pool(pool):
+                        log.warning("refused %s for token %r on pool %r", name, grant.name, pool)
+                        allowed = "every pool" if grant.pools is None else ", ".join(sorted(grant.pools))
+                        context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                      f"token {grant.name!r} may not use pool {pool!r} (it may use: {allowed})")
+                    yield request
+            return inner(checked(), context)
+        return behavior
 
     @staticmethod
     def _scoped(inner: Callable[[Any, Any], Any], rule: Rule, grant: Grant, name: str) -> Callable[[Any, Any], Any]:

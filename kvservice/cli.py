@@ -33,6 +33,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--no-pools", action="store_true", help="start empty; create pools over the API")
     s.add_argument("--port-file", help="write the bound gRPC and metrics ports here (tests)")
     s.add_argument("--threads", type=int, default=8, help="gRPC worker threads")
+    s.add_argument("--max-streams", type=int, default=64,
+                   help="StepStream/EchoStream calls open at once (each holds a thread of its own)")
     s.add_argument("--lease-seconds", type=float, default=10.0, help="a worker silent this long is marked dead")
     s.add_argument("--log-level", default="INFO")
     d = s.add_argument_group("state (docs/DURABILITY.md)")
@@ -136,7 +138,7 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         running = serve(args.listen, None if args.metrics_port < 0 else args.metrics_port, pools,
                         max_workers=args.threads, metrics_addr=args.metrics_addr, lease_seconds=args.lease_seconds,
                         journal=journal, tls=tls, tokens=tokens, limits=limits,
-                        max_message_bytes=args.max_message_bytes, events=events)
+                        max_message_bytes=args.max_message_bytes, events=events, max_streams=args.max_streams)
     except (KVError, OSError) as err:
         if journal is not None:
             journal.close(snapshot=False)

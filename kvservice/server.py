@@ -88,7 +88,7 @@ def serve(listen: str = "127.0.0.1:0", metrics_port: int | None = None, pools: S
           metrics_addr: str = "127.0.0.1", lease_seconds: float = 10.0,
           journal: Journal | None = None, *, tls: ServerTLS | None = None, tokens: TokenTable | None = None,
           limits: Limits | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES,
-          events: EventsConfig | None = None) -> RunningServer:
+          events: EventsConfig | None = None, max_streams: int = 64) -> RunningServer:
     """Start the manager on `listen` (port 0 picks one); metrics on metrics_port (0 picks, None = off).
 
     journal: a durable kvservice.journal.Journal (its manager is served); None = an in-memory one
@@ -96,6 +96,7 @@ def serve(listen: str = "127.0.0.1:0", metrics_port: int | None = None, pools: S
     tls: serve TLS (mutual TLS if it has a client CA); tokens: require pool-scoped bearer tokens.
     limits: per-request caps (default Limits()); max_message_bytes: gRPC message limit both ways.
     events: KV event rings, WatchEvents streams and ZeroMQ publishers (default EventsConfig()).
+    max_streams: StepStream/EchoStream calls open at once; each holds a thread, added to max_workers.
     """
     if journal is None:
         journal = Journal(manager or BlockManager(lease_seconds))
@@ -115,10 +116,10 @@ def serve(listen: str = "127.0.0.1:0", metrics_port: int | None = None, pools: S
     if tokens is not None:
         interceptors.append(TokenAuthInterceptor(tokens, BM, manager_rules(_worker_pool(manager))))
     api = ManagerAPI(manager, max_reply_bytes=max_message_bytes, fence=True)
-    servicer = BlockManagerServicer(api, metrics, journal, limits or Limits())
+    servicer = BlockManagerServicer(api, metrics, journal, limits or Limits(), max_streams)
     try:
-        server, port, health_servicer = grpc_server(SERVICE_NAME, servicer, listen, tls, interceptors, max_workers,
-                                                    max_message_bytes)
+        server, port, health_servicer = grpc_server(SERVICE_NAME, servicer, listen, tls, interceptors,
+                                                    max_workers + max_streams, max_message_bytes)
     except BaseException:
         for pub in publishers:
             pub.stop()
@@ -168,7 +169,7 @@ class Malformed:
 
 
 def lenient_handlers(service: str, servicer: object) -> dict[str, grpc.RpcMethodHandler]:
-    """The unary methods of `service` (full name) on `servicer`, with a request parser that never raises.
+    """The methods of `service` (full name) on `servicer`, with a request parser that never raises.
 
     gRPC answers a request it cannot deserialize with INTERNAL; here it becomes INVALID_ARGUMENT
     naming the message type. Usable for any service of kvservice.v1 (the worker's too).
@@ -176,10 +177,13 @@ def lenient_handlers(service: str, servicer: object) -> dict[str, grpc.RpcMethod
     handlers = {}
     for m in _POOL.FindServiceByName(service).methods:
         req_cls, rep_cls = GetMessageClass(m.input_type), GetMessageClass(m.output_type)
-        make = grpc.unary_stream_rpc_method_handler if m.server_streaming else grpc.unary_unary_rpc_method_handler
-        handlers[m.name] = make(
-            _refuse_malformed(getattr(servicer, m.name)), request_deserializer=_parser(req_cls),
-            response_serializer=rep_cls.SerializeToString)
+        kw = {"request_deserializer": _parser(req_cls), "response_serializer": rep_cls.SerializeToString}
+        if m.client_streaming:                  # the handler answers a Malformed item of the stream itself
+            make = grpc.stream_stream_rpc_method_handler if m.server_streaming else grpc.stream_unary_rpc_method_handler
+            handlers[m.name] = make(getattr(servicer, m.name), **kw)
+        else:
+            make = grpc.unary_stream_rpc_method_handler if m.server_streaming else grpc.unary_unary_rpc_method_handler
+            handlers[m.name] = make(_refuse_malformed(getattr(servicer, m.name)), **kw)
     return handlers
 
 

@@ -29,6 +29,7 @@ from .manager import BlockManager, new_incarnation
 from .metrics import ManagerMetrics
 from .planner import Plan, plan
 from .status import to_status
+from .stream import StreamRegistry, echo_stream, step_stream
 from .v1 import block_manager_pb2 as pb
 from .v1 import block_manager_pb2_grpc as pb_grpc
 from .watch import watch_events
@@ -41,8 +42,9 @@ MUTATING = frozenset({"CreatePool", "DeletePool", "Step", "RegisterWorker"})
 #: Reads of pool state: they wait for an in-flight commit and are refused once the journal failed.
 STATE_READS = frozenset({"GetPool", "ListPools", "ListSequences", "GetStats"})
 METHODS = tuple(pb.DESCRIPTOR.services_by_name["BlockManager"].methods_by_name)
-#: Server-streaming RPCs: methods of their own below, not _adapter.
-STREAMING = frozenset({"WatchEvents"})
+#: Streaming RPCs: handlers of their own (kvservice/stream.py), not the unary adapter below.
+STREAMING = frozenset(m.name for m in pb.DESCRIPTOR.services_by_name["BlockManager"].methods
+                      if m.client_streaming or m.server_streaming)
 _STEP_ARRAYS = ("free_seq_ids", "extend_seq_ids", "extend_num_tokens", "admit_seq_ids", "admit_num_tokens",
                 "fork_parent_ids", "fork_child_ids", "admit_token_ids")
 _SEQ_FIELDS = ("free_seq_ids", "extend_seq_ids", "admit_seq_ids", "fork_child_ids")   # one sequence each
@@ -162,11 +164,18 @@ class Journal(Protocol):
 
 class BlockManagerServicer(pb_grpc.BlockManagerServicer):
     def __init__(self, api: ManagerAPI, metrics: ManagerMetrics, journal: Journal | None = None,
-                 limits: Limits | None = None) -> None:
+                 limits: Limits | None = None, max_streams: int = 64) -> None:
         self.api = api
         self.metrics = metrics
         self.journal = journal
         self.limits = limits
+        self.streams = StreamRegistry(max_active=max_streams)     # open StepStream / EchoStream calls
+
+    def StepStream(self, request_iterator: Any, context: grpc.ServicerContext) -> Any:
+        return step_stream(self, request_iterator, context)
+
+    def EchoStream(self, request_iterator: Any, context: grpc.ServicerContext) -> Any:
+        return echo_stream(self, request_iterator, context)
 
     def WatchEvents(self, request: pb.WatchEventsRequest, context: grpc.ServicerContext) -> Iterator[Any]:
         yield from watch_events(self.api.manager.events, request, context, self.metrics)
@@ -215,5 +224,6 @@ def _stamp(name: str, request: Any) -> None:
 
 
 for _name in METHODS:
-    if _name not in STREAMING:
-        setattr(BlockManagerServicer, _name, _adapter(_name))
+    if _name in STREAMING:
+        continue
+    setattr(BlockManagerServicer, _name, _adapter(_name))

@@ -25,6 +25,7 @@ from worker.caches import CacheSet
 from worker.fencing import MemoryGate, check_incarnation
 from worker.kernel_api import REASONS, KernelViolationError, Policy, ViolationRecord, check_copy_pairs
 from worker.metrics import WorkerMetrics
+from worker.tables import DeviceTables
 
 log = logging.getLogger("kvworker")
 WIRE_DTYPE = {"float16": cpb.FLOAT16, "bfloat16": cpb.BFLOAT16, "float32": cpb.FLOAT32}
@@ -63,6 +64,7 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
         self.identity = identity        # worker_id, pool, epoch, incarnation, backend, device_name
         self.test_hooks = test_hooks
         self.memory = MemoryGate()
+        self.tables = DeviceTables(caches.geometry, caches.xp)    # persistent page tables (UpdateTables)
         self.max_reply_bytes = MAX_MESSAGE_BYTES    # the worker's gRPC limit (kvservice.server.grpc_server)
         self._zero_series(caches)
 
@@ -160,7 +162,8 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
     def AppendKV(self, request: wpb.AppendKVRequest, context: grpc.ServicerContext) -> wpb.KernelReply:
         self._layer(request.layer)
         layout = self.caches.layouts[request.layer]
-        sm = self._tensor(request, "slot_mapping", "int64", (None,), "[n]")
+        sm = self.tables.slot_mapping(request.table_id, request.layer) if request.table_id else \
+            self._tensor(request, "slot_mapping", "int64", (None,), "[n]")
         shape = (sm.shape[0], layout.kv_heads, layout.head_dim)
         doc = f"[n, kv_heads, head_dim] = {list(shape)}"
         k = self._tensor(request, "k", layout.dtype, shape, doc)
@@ -183,7 +186,7 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
                         context: grpc.ServicerContext) -> wpb.DecodeAttentionReply:
         self._layer(request.layer)
         layout = self.caches.layouts[request.layer]
-        ip, idx, lpl = self._csr(request)
+        ip, idx, lpl = self.tables.csr(request.table_id, request.layer) if request.table_id else self._csr(request)
         b = ip.shape[0] - 1
         q = self._tensor(request, "q", layout.dtype, (b, None, layout.head_dim), f"[B, q_heads, {layout.head_dim}]")
         check_reply_bytes(4 * b * q.shape[1] * (layout.head_dim + 1) + 256, self.max_reply_bytes, "DecodeAttention",
@@ -246,6 +249,12 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
         return wpb.WorkerValidateReply(ok=rec.count == 0, row_status=to_tensor(_host(res.row_status)),
                                        violation=self._record(rec, request.layer,
                                                               self._csr_reasons(rec, request.layer, ip, idx, lpl)))
+
+    @_rpc
+    def UpdateTables(self, request: wpb.UpdateTablesRequest, context: grpc.ServicerContext) -> wpb.UpdateTablesReply:
+        m = self.tables.update(request.table_id, request.step)
+        held = sum(m.num_pages(sid) for sid in m.spaces)
+        return wpb.UpdateTablesReply(stream_seq=m.seq, batch_size=m.batch_size, pages_held=held)
 
     @_rpc
     def CheckGuards(self, request: wpb.CheckGuardsRequest, context: grpc.ServicerContext) -> wpb.CheckGuardsReply:

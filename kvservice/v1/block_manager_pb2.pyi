@@ -266,7 +266,7 @@ class DeletePoolReply(_message.Message):
     def __init__(self, position: _Optional[_Union[JournalPosition, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("pool", "free_seq_ids", "extend_seq_ids", "extend_num_tokens", "admit_seq_ids", "admit_num_tokens", "omit_tables", "include_block_table", "request_id", "fork_parent_ids", "fork_child_ids", "admit_token_ids", "admit_cache_salts", "admit_extra_keys")
+    __slots__ = ("pool", "free_seq_ids", "extend_seq_ids", "extend_num_tokens", "admit_seq_ids", "admit_num_tokens", "omit_tables", "include_block_table", "request_id", "fork_parent_ids", "fork_child_ids", "admit_token_ids", "admit_cache_salts", "admit_extra_keys", "stream_seq", "delta_tables", "delta_base")
     POOL_FIELD_NUMBER: _ClassVar[int]
     FREE_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     EXTEND_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -281,6 +281,9 @@ class StepRequest(_message.Message):
     ADMIT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ADMIT_CACHE_SALTS_FIELD_NUMBER: _ClassVar[int]
     ADMIT_EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_SEQ_FIELD_NUMBER: _ClassVar[int]
+    DELTA_TABLES_FIELD_NUMBER: _ClassVar[int]
+    DELTA_BASE_FIELD_NUMBER: _ClassVar[int]
     pool: str
     free_seq_ids: _common_pb2.Tensor
     extend_seq_ids: _common_pb2.Tensor
@@ -295,10 +298,13 @@ class StepRequest(_message.Message):
     admit_token_ids: _common_pb2.Tensor
     admit_cache_salts: _containers.RepeatedScalarFieldContainer[str]
     admit_extra_keys: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, pool: _Optional[str] = ..., free_seq_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., extend_seq_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., extend_num_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., admit_seq_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., admit_num_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., omit_tables: _Optional[bool] = ..., include_block_table: _Optional[bool] = ..., request_id: _Optional[str] = ..., fork_parent_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., fork_child_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., admit_token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., admit_cache_salts: _Optional[_Iterable[str]] = ..., admit_extra_keys: _Optional[_Iterable[str]] = ...) -> None: ...
+    stream_seq: int
+    delta_tables: bool
+    delta_base: int
+    def __init__(self, pool: _Optional[str] = ..., free_seq_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., extend_seq_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., extend_num_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., admit_seq_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., admit_num_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., omit_tables: _Optional[bool] = ..., include_block_table: _Optional[bool] = ..., request_id: _Optional[str] = ..., fork_parent_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., fork_child_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., admit_token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., admit_cache_salts: _Optional[_Iterable[str]] = ..., admit_extra_keys: _Optional[_Iterable[str]] = ..., stream_seq: _Optional[int] = ..., delta_tables: _Optional[bool] = ..., delta_base: _Optional[int] = ...) -> None: ...
 
 class SpaceTables(_message.Message):
-    __slots__ = ("index_space", "group", "scale", "offset", "upper_bound", "base", "slot_mapping", "indptr", "indices", "last_page_len", "block_table")
+    __slots__ = ("index_space", "group", "scale", "offset", "upper_bound", "base", "slot_mapping", "indptr", "indices", "last_page_len", "block_table", "delta")
     INDEX_SPACE_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     SCALE_FIELD_NUMBER: _ClassVar[int]
@@ -310,6 +316,7 @@ class SpaceTables(_message.Message):
     INDICES_FIELD_NUMBER: _ClassVar[int]
     LAST_PAGE_LEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
     index_space: int
     group: int
     scale: int
@@ -321,10 +328,60 @@ class SpaceTables(_message.Message):
     indices: _common_pb2.Tensor
     last_page_len: _common_pb2.Tensor
     block_table: _common_pb2.Tensor
-    def __init__(self, index_space: _Optional[int] = ..., group: _Optional[int] = ..., scale: _Optional[int] = ..., offset: _Optional[int] = ..., upper_bound: _Optional[int] = ..., base: _Optional[int] = ..., slot_mapping: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., indptr: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., indices: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., last_page_len: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., block_table: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    delta: SpaceDelta
+    def __init__(self, index_space: _Optional[int] = ..., group: _Optional[int] = ..., scale: _Optional[int] = ..., offset: _Optional[int] = ..., upper_bound: _Optional[int] = ..., base: _Optional[int] = ..., slot_mapping: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., indptr: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., indices: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., last_page_len: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., block_table: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., delta: _Optional[_Union[SpaceDelta, _Mapping]] = ...) -> None: ...
+
+class SpaceDelta(_message.Message):
+    __slots__ = ("pages", "replaced")
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    REPLACED_FIELD_NUMBER: _ClassVar[int]
+    pages: _common_pb2.Tensor
+    replaced: _common_pb2.Tensor
+    def __init__(self, pages: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., replaced: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class TableDelta(_message.Message):
+    __slots__ = ("base_seq", "base_rows", "groups")
+    BASE_SEQ_FIELD_NUMBER: _ClassVar[int]
+    BASE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    base_seq: int
+    base_rows: _common_pb2.Tensor
+    groups: _containers.RepeatedCompositeFieldContainer[GroupDelta]
+    def __init__(self, base_seq: _Optional[int] = ..., base_rows: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., groups: _Optional[_Iterable[_Union[GroupDelta, _Mapping]]] = ...) -> None: ...
+
+class GroupDelta(_message.Message):
+    __slots__ = ("group", "first_rows", "first_pages", "replaced_rows")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    FIRST_ROWS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_PAGES_FIELD_NUMBER: _ClassVar[int]
+    REPLACED_ROWS_FIELD_NUMBER: _ClassVar[int]
+    group: int
+    first_rows: _common_pb2.Tensor
+    first_pages: _common_pb2.Tensor
+    replaced_rows: _common_pb2.Tensor
+    def __init__(self, group: _Optional[int] = ..., first_rows: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., first_pages: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., replaced_rows: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class RequestStatus(_message.Message):
+    __slots__ = ("code", "message", "reason", "metadata")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    reason: str
+    metadata: _containers.ScalarMap[str, str]
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., reason: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class StepReply(_message.Message):
-    __slots__ = ("seq_ids", "num_tokens", "new_token_indptr", "tables", "layer_index_space", "num_free_slots", "admit_cached_tokens", "copies", "pool_incarnation", "position")
+    __slots__ = ("seq_ids", "num_tokens", "new_token_indptr", "tables", "layer_index_space", "num_free_slots", "admit_cached_tokens", "copies", "pool_incarnation", "position", "stream_seq", "error", "delta")
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_INDPTR_FIELD_NUMBER: _ClassVar[int]
@@ -335,6 +392,9 @@ class StepReply(_message.Message):
     COPIES_FIELD_NUMBER: _ClassVar[int]
     POOL_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
+    STREAM_SEQ_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _common_pb2.Tensor
     num_tokens: _common_pb2.Tensor
     new_token_indptr: _common_pb2.Tensor
@@ -345,7 +405,10 @@ class StepReply(_message.Message):
     copies: _containers.RepeatedCompositeFieldContainer[SlotCopies]
     pool_incarnation: int
     position: JournalPosition
-    def __init__(self, seq_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., num_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., new_token_indptr: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tables: _Optional[_Iterable[_Union[SpaceTables, _Mapping]]] = ..., layer_index_space: _Optional[_Iterable[int]] = ..., num_free_slots: _Optional[int] = ..., admit_cached_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., copies: _Optional[_Iterable[_Union[SlotCopies, _Mapping]]] = ..., pool_incarnation: _Optional[int] = ..., position: _Optional[_Union[JournalPosition, _Mapping]] = ...) -> None: ...
+    stream_seq: int
+    error: RequestStatus
+    delta: TableDelta
+    def __init__(self, seq_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., num_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., new_token_indptr: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tables: _Optional[_Iterable[_Union[SpaceTables, _Mapping]]] = ..., layer_index_space: _Optional[_Iterable[int]] = ..., num_free_slots: _Optional[int] = ..., admit_cached_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., copies: _Optional[_Iterable[_Union[SlotCopies, _Mapping]]] = ..., pool_incarnation: _Optional[int] = ..., position: _Optional[_Union[JournalPosition, _Mapping]] = ..., stream_seq: _Optional[int] = ..., error: _Optional[_Union[RequestStatus, _Mapping]] = ..., delta: _Optional[_Union[TableDelta, _Mapping]] = ...) -> None: ...
 
 class SlotCopies(_message.Message):
     __slots__ = ("group", "pairs")

@@ -109,6 +109,16 @@ class BlockManagerStub:
                 request_serializer=kvservice_dot_v1_dot_block__manager__pb2.WatchEventsRequest.SerializeToString,
                 response_deserializer=kvservice_dot_v1_dot_block__manager__pb2.KVEventBatch.FromString,
                 _registered_method=True)
+        self.StepStream = channel.stream_stream(
+                '/kvservice.v1.BlockManager/StepStream',
+                request_serializer=kvservice_dot_v1_dot_block__manager__pb2.StepRequest.SerializeToString,
+                response_deserializer=kvservice_dot_v1_dot_block__manager__pb2.StepReply.FromString,
+                _registered_method=True)
+        self.EchoStream = channel.stream_stream(
+                '/kvservice.v1.BlockManager/EchoStream',
+                request_serializer=kvservice_dot_v1_dot_block__manager__pb2.EchoRequest.SerializeToString,
+                response_deserializer=kvservice_dot_v1_dot_block__manager__pb2.EchoReply.FromString,
+                _registered_method=True)
 
 
 class BlockManagerServicer:
@@ -222,6 +232,25 @@ class BlockManagerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StepStream(self, request_iterator, context):
+        """One long-lived stream per scheduler: Step requests in, one reply per request, in request order.
+        Same semantics and errors as Step, but a refused request gets a reply carrying its status
+        (StepReply.error) and the stream goes on; only a broken stream ends the call. Call metadata
+        "kvservice-stream-id" (1-64 characters of [A-Za-z0-9_.:-]) names the stream: with each request's
+        stream_seq it makes a resent request (after a reconnect) return its original reply, exactly once.
+        With delta_tables, replies carry only what changed in the tables (StepReply.delta).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EchoStream(self, request_iterator, context):
+        """Does nothing, over a stream: the transport floor of StepStream.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BlockManagerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -299,6 +328,16 @@ def add_BlockManagerServicer_to_server(servicer, server):
                     servicer.WatchEvents,
                     request_deserializer=kvservice_dot_v1_dot_block__manager__pb2.WatchEventsRequest.FromString,
                     response_serializer=kvservice_dot_v1_dot_block__manager__pb2.KVEventBatch.SerializeToString,
+            ),
+            'StepStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.StepStream,
+                    request_deserializer=kvservice_dot_v1_dot_block__manager__pb2.StepRequest.FromString,
+                    response_serializer=kvservice_dot_v1_dot_block__manager__pb2.StepReply.SerializeToString,
+            ),
+            'EchoStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.EchoStream,
+                    request_deserializer=kvservice_dot_v1_dot_block__manager__pb2.EchoRequest.FromString,
+                    response_serializer=kvservice_dot_v1_dot_block__manager__pb2.EchoReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -706,6 +745,60 @@ class BlockManager:
             '/kvservice.v1.BlockManager/WatchEvents',
             kvservice_dot_v1_dot_block__manager__pb2.WatchEventsRequest.SerializeToString,
             kvservice_dot_v1_dot_block__manager__pb2.KVEventBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StepStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvservice.v1.BlockManager/StepStream',
+            kvservice_dot_v1_dot_block__manager__pb2.StepRequest.SerializeToString,
+            kvservice_dot_v1_dot_block__manager__pb2.StepReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EchoStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvservice.v1.BlockManager/EchoStream',
+            kvservice_dot_v1_dot_block__manager__pb2.EchoRequest.SerializeToString,
+            kvservice_dot_v1_dot_block__manager__pb2.EchoReply.FromString,
             options,
             channel_credentials,
             insecure,

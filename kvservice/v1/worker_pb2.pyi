@@ -1,3 +1,4 @@
+from kvservice.v1 import block_manager_pb2 as _block_manager_pb2
 from kvservice.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
@@ -53,23 +54,25 @@ class KernelReply(_message.Message):
     def __init__(self, violations: _Optional[_Iterable[_Union[ViolationRecord, _Mapping]]] = ..., kernel_seconds: _Optional[float] = ...) -> None: ...
 
 class AppendKVRequest(_message.Message):
-    __slots__ = ("layer", "k", "v", "slot_mapping", "policy", "pool_incarnation")
+    __slots__ = ("layer", "k", "v", "slot_mapping", "policy", "pool_incarnation", "table_id")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     V_FIELD_NUMBER: _ClassVar[int]
     SLOT_MAPPING_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     POOL_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    TABLE_ID_FIELD_NUMBER: _ClassVar[int]
     layer: int
     k: _common_pb2.Tensor
     v: _common_pb2.Tensor
     slot_mapping: _common_pb2.Tensor
     policy: ViolationPolicy
     pool_incarnation: int
-    def __init__(self, layer: _Optional[int] = ..., k: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., v: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., slot_mapping: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., policy: _Optional[_Union[ViolationPolicy, str]] = ..., pool_incarnation: _Optional[int] = ...) -> None: ...
+    table_id: str
+    def __init__(self, layer: _Optional[int] = ..., k: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., v: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., slot_mapping: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., policy: _Optional[_Union[ViolationPolicy, str]] = ..., pool_incarnation: _Optional[int] = ..., table_id: _Optional[str] = ...) -> None: ...
 
 class DecodeAttentionRequest(_message.Message):
-    __slots__ = ("layer", "q", "indptr", "indices", "last_page_len", "sm_scale", "policy", "pool_incarnation")
+    __slots__ = ("layer", "q", "indptr", "indices", "last_page_len", "sm_scale", "policy", "pool_incarnation", "table_id")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
     INDPTR_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +81,7 @@ class DecodeAttentionRequest(_message.Message):
     SM_SCALE_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     POOL_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    TABLE_ID_FIELD_NUMBER: _ClassVar[int]
     layer: int
     q: _common_pb2.Tensor
     indptr: _common_pb2.Tensor
@@ -86,7 +90,8 @@ class DecodeAttentionRequest(_message.Message):
     sm_scale: float
     policy: ViolationPolicy
     pool_incarnation: int
-    def __init__(self, layer: _Optional[int] = ..., q: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., indptr: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., indices: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., last_page_len: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sm_scale: _Optional[float] = ..., policy: _Optional[_Union[ViolationPolicy, str]] = ..., pool_incarnation: _Optional[int] = ...) -> None: ...
+    table_id: str
+    def __init__(self, layer: _Optional[int] = ..., q: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., indptr: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., indices: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., last_page_len: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sm_scale: _Optional[float] = ..., policy: _Optional[_Union[ViolationPolicy, str]] = ..., pool_incarnation: _Optional[int] = ..., table_id: _Optional[str] = ...) -> None: ...
 
 class DecodeAttentionReply(_message.Message):
     __slots__ = ("out", "lse", "violation", "kernel_seconds")
@@ -201,3 +206,21 @@ class WorkerStatus(_message.Message):
     buffers: _containers.RepeatedScalarFieldContainer[str]
     pool_incarnation: int
     def __init__(self, worker_id: _Optional[str] = ..., pool: _Optional[str] = ..., epoch: _Optional[int] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., backend: _Optional[str] = ..., device_name: _Optional[str] = ..., cache_bytes: _Optional[int] = ..., guard_bytes: _Optional[int] = ..., buffers: _Optional[_Iterable[str]] = ..., pool_incarnation: _Optional[int] = ...) -> None: ...
+
+class UpdateTablesRequest(_message.Message):
+    __slots__ = ("table_id", "step")
+    TABLE_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    table_id: str
+    step: _block_manager_pb2.StepReply
+    def __init__(self, table_id: _Optional[str] = ..., step: _Optional[_Union[_block_manager_pb2.StepReply, _Mapping]] = ...) -> None: ...
+
+class UpdateTablesReply(_message.Message):
+    __slots__ = ("stream_seq", "batch_size", "pages_held")
+    STREAM_SEQ_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGES_HELD_FIELD_NUMBER: _ClassVar[int]
+    stream_seq: int
+    batch_size: int
+    pages_held: int
+    def __init__(self, stream_seq: _Optional[int] = ..., batch_size: _Optional[int] = ..., pages_held: _Optional[int] = ...) -> None: ...

@@ -69,6 +69,11 @@ class WorkerStub:
                 request_serializer=kvservice_dot_v1_dot_worker__pb2.CorruptGuardRequest.SerializeToString,
                 response_deserializer=kvservice_dot_v1_dot_worker__pb2.CorruptGuardReply.FromString,
                 _registered_method=True)
+        self.UpdateTables = channel.unary_unary(
+                '/kvservice.v1.Worker/UpdateTables',
+                request_serializer=kvservice_dot_v1_dot_worker__pb2.UpdateTablesRequest.SerializeToString,
+                response_deserializer=kvservice_dot_v1_dot_worker__pb2.UpdateTablesReply.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -122,6 +127,17 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpdateTables(self, request, context):
+        """Keep a persistent copy of a scheduler's page tables on this worker's device (vLLM v1's persistent
+        block table), updated by the manager's StepStream replies as the scheduler received them: a full
+        reply replaces it, an incremental one ships only what changed to the device. AppendKV and
+        DecodeAttention then name it (table_id) instead of sending slot mappings and CSR tables.
+        FAILED_PRECONDITION (reason TABLES_OUT_OF_SYNC) for a delta on another base: send a full reply.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -159,6 +175,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.CorruptGuard,
                     request_deserializer=kvservice_dot_v1_dot_worker__pb2.CorruptGuardRequest.FromString,
                     response_serializer=kvservice_dot_v1_dot_worker__pb2.CorruptGuardReply.SerializeToString,
+            ),
+            'UpdateTables': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateTables,
+                    request_deserializer=kvservice_dot_v1_dot_worker__pb2.UpdateTablesRequest.FromString,
+                    response_serializer=kvservice_dot_v1_dot_worker__pb2.UpdateTablesReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -350,6 +371,33 @@ class Worker:
             '/kvservice.v1.Worker/CorruptGuard',
             kvservice_dot_v1_dot_worker__pb2.CorruptGuardRequest.SerializeToString,
             kvservice_dot_v1_dot_worker__pb2.CorruptGuardReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateTables(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvservice.v1.Worker/UpdateTables',
+            kvservice_dot_v1_dot_worker__pb2.UpdateTablesRequest.SerializeToString,
+            kvservice_dot_v1_dot_worker__pb2.UpdateTablesReply.FromString,
             options,
             channel_credentials,
             insecure,

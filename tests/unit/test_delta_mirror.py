@@ -1,0 +1,210 @@
+"""Incremental tables in-process: a StreamSession's deltas applied by PageTableMirror equal full tables.
+
+Every step of random op sequences (admissions with prompts, decode, prefill chunks, forks with
+copy-on-write, frees, mixed steps, refused mistakes) over a per-layer pool, a hybrid interleaved
+pool with a sliding window and a prefix-caching pool goes to pool "a" through StreamSession.apply
+with delta_tables and to its twin "b" through ManagerAPI.Step with full tables and block tables.
+After every step the mirror's CSR, slot mapping and block table must equal b's, values and dtypes.
+Some steps run on "a" outside the stream, or ask the stream for full tables, or no tables, or name
+a wrong base: the session must then fall back to full tables, and stay exact.
+"""
+
+import numpy as np
+import pytest
+
+from clients import codec
+from clients.mirror import MirrorError, PageTableMirror
+from kvservice.api import ManagerAPI
+from kvservice.errors import KVError
+from kvservice.manager import BlockManager
+from kvservice.planner import Sizing
+from kvservice.stream import StreamSession
+from kvservice.v1 import block_manager_pb2 as pb
+from tests.support_stream import MAX_LEN, NUM_SLOTS, PAGE, SPECS, Driver, assert_same_tables
+
+
+class Twin:
+    """Pool "a" behind a stream session with a mirror, pool "b" behind unary Step: the same ops on both."""
+
+    def __init__(self, spec_name: str, num_slots: int = NUM_SLOTS) -> None:
+        spec, prefix = SPECS[spec_name]
+        self.api = ManagerAPI(BlockManager())
+        for name in ("a", "b"):
+            self.api.CreatePool(codec.create_pool_request(name, spec, Sizing(num_slots=num_slots, max_seq_len=MAX_LEN),
+                                                          prefix_caching=prefix))
+        self.session = StreamSession("s")
+        self.mirror = PageTableMirror(PAGE)
+        self.seq = 0
+        self.kinds: dict[str, int] = {}
+
+    def step(self, kw: dict, mode: str = "delta") -> codec.StepResult | None:
+        """One op on both pools; mode: delta, full (stream without deltas), none (omit_tables), bad_base, foreign."""
+        rb = codec.step_request("b", block_table=True, **kw)
+        try:
+            full = codec.parse_step(self.api.Step(rb))
+        except KVError:
+            full = None
+        ra = codec.step_request("a", tables=mode != "none", **kw)
+        if mode == "foreign":               # another client's unary Step on the stream's pool
+            try:
+                self.api.Step(ra)
+            except KVError:
+                assert full is None
+            return full
+        self.seq += 1
+        ra.stream_seq = self.seq
+        ra.delta_tables = mode in ("delta", "bad_base")
+        ra.delta_base = self.mirror.seq + 1000 if mode == "bad_base" else self.mirror.seq
+        try:
+            reply = self.session.apply(self.api, ra)
+        except KVError:
+            assert full is None, "the stream refused a step the twin took"
+            return None
+        assert full is not None, "the stream took a step the twin refused"
+        assert reply.stream_seq == self.seq
+        kind = "delta" if reply.HasField("delta") else "full"
+        self.kinds[kind] = self.kinds.get(kind, 0) + 1
+        if mode in ("full", "bad_base"):
+            assert kind == "full"
+        self.mirror.apply(reply)
+        if mode == "none":
+            assert self.mirror.seq == 0
+        else:
+            assert self.mirror.seq == self.seq
+            assert_same_tables(self.mirror, full, f"step {self.seq} {kw}")
+        return full
+
+
+@pytest.mark.parametrize("spec_name", sorted(SPECS))
+@pytest.mark.parametrize("seed", range(4))
+def test_mirror_equals_full_tables_on_random_ops(spec_name, seed):
+    twin = Twin(spec_name)
+    rng = np.random.default_rng(seed)
+    driver = Driver(rng, SPECS[spec_name][1])
+    for i in range(160):
+        kw = driver.draw()
+        mode = "delta"
+        if i % 37 == 36:
+            mode = "foreign"
+        elif i % 29 == 28:
+            mode = ["full", "none", "bad_base"][i % 3]
+        full = twin.step(kw, mode)
+        if full is not None:
+            driver.update(kw, full.seq_ids)
+    assert twin.kinds.get("delta", 0) > 4 * twin.kinds.get("full", 0), twin.kinds   # mostly incremental
+
+
+def test_steady_decode_sends_only_new_pages():
+    """A decode batch of 64: a reply carries no ids, no CSR, no slot mapping; only pages that start."""
+    twin = Twin("per_layer", num_slots=1024)
+    ids = np.arange(1, 65)
+    lens = np.random.default_rng(3).integers(1, 40, 64)
+    twin.step({"admit": ids, "admit_tokens": lens})
+    for _ in range(PAGE + 1):
+        ra = codec.step_request("a", extend=ids, extend_tokens=1)
+        twin.seq += 1
+        ra.stream_seq, ra.delta_tables, ra.delta_base = twin.seq, True, twin.mirror.seq
+        reply = twin.session.apply(twin.api, ra)
+        lens = lens + 1
+        starts = int(((lens - 1) % PAGE == 0).sum())         # rows whose new token opens a page
+        (st,) = reply.tables
+        assert len(reply.seq_ids.data) == 0 and not reply.delta.HasField("base_rows")
+        assert not st.HasField("indptr") and not st.HasField("slot_mapping")
+        assert len(st.delta.pages.data) == 4 * starts and len(st.delta.replaced.data) == 0
+        twin.mirror.apply(reply)
+        full = codec.parse_step(twin.api.Step(codec.step_request("b", extend=ids, extend_tokens=1, block_table=True)))
+        assert_same_tables(twin.mirror, full, "decode")
+
+
+def test_copy_on_write_replaces_the_last_page():
+    twin = Twin("per_layer")
+    twin.step({"admit": [1], "admit_tokens": [6]})              # 2 pages, the last one half full
+    before = twin.mirror.block_table(0)[0].tolist()
+    ra = codec.step_request("a", fork=[(1, 2)], extend=[1], extend_tokens=1)   # the child shares page 2 ...
+    twin.seq += 1
+    ra.stream_seq, ra.delta_tables, ra.delta_base = twin.seq, True, twin.mirror.seq
+    reply = twin.session.apply(twin.api, ra)                    # ... so the parent's append copies it
+    (gd,) = reply.delta.groups
+    assert np.frombuffer(gd.replaced_rows.data, np.int32).tolist() == [0]     # row 0 (seq 1) moved its page
+    assert np.frombuffer(reply.delta.base_rows.data, np.int32).tolist() == [0, -1]   # the child is sent whole
+    (copy,) = reply.copies
+    src, dst = np.frombuffer(copy.pairs.data, np.int64).tolist()
+    assert src == before[1] and np.frombuffer(reply.tables[0].delta.replaced.data, np.int32).tolist() == [dst]
+    assert np.frombuffer(reply.tables[0].delta.pages.data, np.int32).tolist() == before     # the child's pages
+    twin.mirror.apply(reply)
+    assert twin.mirror.block_table(0).tolist() == [[before[0], dst], before]
+
+
+def test_sliding_window_release_moves_the_first_page():
+    twin = Twin("hybrid")
+    twin.step({"admit": [1], "admit_tokens": [12]})
+    ra = codec.step_request("a", extend=[1], extend_tokens=[5])
+    twin.seq += 1
+    ra.stream_seq, ra.delta_tables, ra.delta_base = twin.seq, True, twin.mirror.seq
+    reply = twin.session.apply(twin.api, ra)
+    moved = {gd.group: np.frombuffer(gd.first_pages.data, np.int64).tolist() for gd in reply.delta.groups}
+    assert moved == {1: [1]}          # window 6 at token 12: pages before position 1 (tokens 0-3) released
+    twin.mirror.apply(reply)
+    sliding = next(s for s in twin.mirror.spaces.values() if s.info.group == 1).info.id
+    assert twin.mirror.block_table(sliding)[0, 0] == -1 and twin.mirror.block_table(sliding)[0, 1] >= 0
+
+
+def test_a_delta_on_the_wrong_base_is_refused_by_the_mirror():
+    twin = Twin("per_layer")
+    twin.step({"admit": [1, 2], "admit_tokens": [3, 5]})
+    ra = codec.step_request("a", extend=[1, 2], extend_tokens=1)
+    twin.seq += 1
+    ra.stream_seq, ra.delta_tables, ra.delta_base = twin.seq, True, twin.mirror.seq
+    reply = twin.session.apply(twin.api, ra)
+    stale = PageTableMirror(PAGE)
+    with pytest.raises(MirrorError, match="mirror holds nothing"):
+        stale.apply(reply)
+    bad = pb.StepReply()
+    bad.CopyFrom(reply)
+    bad.tables[0].delta.pages.data += b"\x00\x00\x00\x00"
+    with pytest.raises(MirrorError, match="delta has"):
+        twin.mirror.apply(bad)
+
+
+def test_delta_request_with_block_table_is_refused_and_changes_nothing():
+    twin = Twin("per_layer")
+    twin.step({"admit": [1], "admit_tokens": [3]})
+    with twin.api.manager.locked("a") as pool:
+        before = pool.sequences()[1].tolist()
+    ra = codec.step_request("a", extend=[1], extend_tokens=1, block_table=True)
+    ra.stream_seq, ra.delta_tables = 2, True
+    with pytest.raises(KVError, match="include_block_table"):
+        twin.session.apply(twin.api, ra)
+    with twin.api.manager.locked("a") as pool:
+        assert pool.sequences()[1].tolist() == before
+
+
+def test_a_sequence_recreated_by_another_client_forces_full_tables():
+    """Another client frees seq 1 and admits it again with the same token count between two stream steps:
+    its counts still line up, but its pages are new. The pool's step counter gives it away."""
+    twin = Twin("per_layer")
+    twin.step({"admit": [1, 2], "admit_tokens": [5, 9]})
+    twin.step({"extend": [1, 2], "extend_tokens": 1})
+    twin.step({"free": [1]}, "foreign")
+    twin.step({"admit": [3], "admit_tokens": [4]}, "foreign")        # takes seq 1's old pages
+    twin.step({"admit": [1], "admit_tokens": [6]}, "foreign")        # seq 1 again, 6 tokens as before
+    kinds = dict(twin.kinds)
+    twin.step({"extend": [1, 2], "extend_tokens": 1})                # checked against the full tables
+    assert twin.kinds["full"] == kinds["full"] + 1
+
+
+def test_a_recreated_pool_gets_full_tables_and_the_deleted_one_is_not_kept():
+    import gc
+
+    twin = Twin("per_layer")
+    twin.step({"admit": [1, 2], "admit_tokens": [5, 9]})
+    gone = twin.session.held.pool
+    twin.api.DeletePool(pb.DeletePoolRequest(pool="a", force=True))
+    twin.api.CreatePool(codec.create_pool_request("a", SPECS["per_layer"][0], Sizing(num_slots=NUM_SLOTS,
+                                                                                      max_seq_len=MAX_LEN)))
+    gc.collect()
+    assert gone() is None                       # a stream session does not keep a deleted pool's memory
+    ra = codec.step_request("a", admit=[1], admit_tokens=[3])
+    ra.stream_seq, ra.delta_tables, ra.delta_base = 2, True, twin.mirror.seq
+    reply = twin.session.apply(twin.api, ra)
+    assert not reply.HasField("delta") and reply.tables[0].HasField("indptr")

@@ -1,0 +1,70 @@
+"""StreamRegistry: sessions outlive a call, are bounded in number and expire when idle; open streams are capped."""
+
+import pytest
+
+from kvservice.errors import InvalidArgument, ResourceExhausted
+from kvservice.stream import StreamRegistry, StreamSession, error_reply
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_session_is_found_again_by_its_stream_id():
+    reg = StreamRegistry(max_streams=4, clock=Clock())
+    s = reg.session("a")
+    s.last_seq = 7
+    assert reg.session("a") is s and reg.session("b") is not s and len(reg) == 2
+
+
+def test_sessions_beyond_max_streams_drop_the_oldest():
+    clock = Clock()
+    reg = StreamRegistry(max_streams=3, clock=clock)
+    first = [reg.session(f"s{i}") for i in range(3)]
+    clock.now = 1.0
+    reg.session("s0")                          # reopened: now the newest
+    reg.session("s3")                          # one too many: s1 (oldest) goes
+    assert len(reg) == 3
+    assert reg.session("s0") is first[0] and reg.session("s1") is not first[1]
+
+
+def test_idle_sessions_expire_and_active_ones_do_not():
+    clock = Clock()
+    reg = StreamRegistry(idle_seconds=10.0, clock=clock)
+    idle, busy = reg.session("idle"), reg.session("busy")
+    for t in (4.0, 8.0, 12.0):
+        clock.now = t
+        busy.last_used = t                     # what a stream does on every request
+    assert reg.session("busy") is busy
+    assert reg.session("idle") is not idle     # 12 s without a request: a new, empty session
+    assert len(reg) == 2
+
+
+def test_open_streams_are_capped():
+    reg = StreamRegistry(max_active=2)
+    assert reg.enter() and reg.enter() and not reg.enter()
+    reg.leave()
+    assert reg.enter() and reg.active == 2
+
+
+def test_stream_seq_must_start_at_one_and_not_skip():
+    s = StreamSession("x")
+    with pytest.raises(InvalidArgument, match="stream_seq must be >= 1"):
+        s.check_order(0)
+    s.check_order(5)                           # a new session (e.g. after a restart) takes any seq
+    s.last_seq = 5
+    s.check_order(3)                           # a resend
+    s.check_order(6)
+    with pytest.raises(InvalidArgument, match="skips ahead") as exc:
+        s.check_order(8)
+    assert exc.value.metadata["expected"] == "6" and exc.value.reason == "STREAM_SEQ"
+
+
+def test_error_reply_carries_the_status_of_a_unary_step():
+    r = error_reply(4, ResourceExhausted("needs 3 slots, 1 free", needed=3, free=1))
+    assert (r.stream_seq, r.error.code, r.error.reason) == (4, 8, "RESOURCE_EXHAUSTED")
+    assert dict(r.error.metadata) == {"needed": "3", "free": "1"} and r.error.message == "needs 3 slots, 1 free"
