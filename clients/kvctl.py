@@ -307,6 +307,7 @@ def cmd_events(a: argparse.Namespace, c: BlockManagerClient) -> int:
                 break
     finally:
         stream.cancel()
+    return 0
 
 
 def _p50_us(fn: Any, n: int) -> float:

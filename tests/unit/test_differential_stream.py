@@ -22,16 +22,14 @@ from kvservice.stream import StreamSession  # noqa: E402
 from kvservice.wire import field_array, from_tensor  # noqa: E402
 
 
-class _OnePool:
-    """The part of ManagerAPI a StreamSession uses: manager.pool_and_lock(name)."""
-
-    def __init__(self, pool) -> None:
-        import threading
-        self.manager = self
-        self._pool, self._lock = pool, threading.Lock()
-
-    def pool_and_lock(self, name):
-        return self._pool, self._lock
+def _one_pool_api(pool):
+    """A real ManagerAPI over a manager holding just this pool (as "p"): StreamSession goes through
+    ManagerAPI.run_step (cost checks, KV events) exactly as the server does."""
+    from kvservice.api import ManagerAPI
+    from kvservice.manager import BlockManager
+    manager = BlockManager()
+    manager.restore({"p": pool})
+    return ManagerAPI(manager)
 
 
 class InProcessStream(differential.InProcess):
@@ -39,7 +37,7 @@ class InProcessStream(differential.InProcess):
 
     def __init__(self, kind, fast: bool = True) -> None:
         super().__init__(kind, fast)
-        self.api = _OnePool(self.pool)
+        self.api = _one_pool_api(self.pool)
         self.session = StreamSession("differential")
         self.mirror = PageTableMirror(kind.spec.page_size)
         self.seq = 0
