@@ -87,7 +87,7 @@ def run_workload(client: BlockManagerClient, args: argparse.Namespace) -> Report
     spec = CacheSpec.uniform(num_layers=32, kv_heads=8, head_dim=128, dtype="float16", page_size=16)
     info = client.create_pool("demo", spec, Sizing(num_slots=args.num_slots, max_seq_len=2048),
                               ("native", "flashinfer", "vllm-flash-attn"))
-    print(f"[1/3] continuous batching: pool 'demo' {info.plan.num_slots:,} slots of {info.plan.page_size} tokens "
+    print(f"[1/4] continuous batching: pool 'demo' {info.plan.num_slots:,} slots of {info.plan.page_size} tokens "
           f"({info.plan.total_bytes / 2**30:.2f} GiB planned over {len(info.plan.layers)} layers), "
           f"{args.requests} requests", flush=True)
     progress = Progress(args.requests, "      ")
@@ -109,7 +109,7 @@ def run_model(client: BlockManagerClient, worker_addr: str, args: argparse.Names
     model = TinyModel(cfg)
     rng = np.random.default_rng(args.seed)
     prompts = [rng.integers(0, cfg.vocab, int(n)).tolist() for n in rng.integers(5, 60, 8)]
-    print(f"[2/3] tiny transformer ({cfg.num_layers} layers, {cfg.q_heads} q / {cfg.kv_heads} kv heads, head_dim "
+    print(f"[2/4] tiny transformer ({cfg.num_layers} layers, {cfg.q_heads} q / {cfg.kv_heads} kv heads, head_dim "
           f"{cfg.head_dim}, page_size 16): 8 prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
           f"{args.new_tokens} new tokens each, batched and one by one", flush=True)
     with WorkerClient(worker_addr, "worker-0") as w:
@@ -140,7 +140,7 @@ def run_model(client: BlockManagerClient, worker_addr: str, args: argparse.Names
 def run_seed000(client: BlockManagerClient, worker_addr: str, metrics_url: str) -> dict[str, object]:
     from .worker_client import WorkerClient
 
-    print("[3/3] seed 000, handled", flush=True)
+    print("[3/4] seed 000, handled", flush=True)
     out: dict[str, object] = {}
     spec = CacheSpec.uniform(32, 8, 128, "float16", 16)
     info = client.create_pool("one-seq", spec, Sizing(max_batch=1, max_seq_len=2048))
@@ -185,6 +185,42 @@ def run_seed000(client: BlockManagerClient, worker_addr: str, metrics_url: str) 
     return out
 
 
+#: The KV-cache fields of Gemma 3 1B's config.json (26 layers, 5 sliding (window 512) : 1 global).
+GEMMA3_1B = {"model_type": "gemma3_text", "num_hidden_layers": 26, "num_attention_heads": 4,
+             "num_key_value_heads": 1, "head_dim": 256, "hidden_size": 1152, "sliding_window": 512,
+             "sliding_window_pattern": 6, "torch_dtype": "bfloat16"}
+
+
+def run_hybrid_prefix(client: BlockManagerClient, seed: int) -> dict[str, object]:
+    """Prefix caching on a hybrid model: a Gemma-3-style pool (planned from its config.json fields) where
+    32 chats share a 1,536-token system prompt; every layer group must serve a hit."""
+    from kvservice.model_config import model_cache
+    mc = model_cache(GEMMA3_1B, page_size=16, source="gemma-3-1b config.json")
+    client.create_pool("gemma", mc.spec, Sizing(max_batch=64, max_seq_len=4096), prefix_caching=True)
+    info = client.get_pool("gemma")
+    groups = ", ".join(f"group {g.group}: {len(g.layers)} layers, "
+                       + (f"window {g.sliding_window}" if g.sliding_window else "full attention")
+                       for g in info.plan.groups)
+    print(f"[4/4] prefix caching on a hybrid model: {mc.model_type}, {groups}", flush=True)
+    rng = np.random.default_rng(seed)
+    system = rng.integers(1, 50_000, 1536)
+    cached, computed = [], 0
+    for i in range(32):
+        prompt = np.concatenate((system, rng.integers(1, 50_000, int(rng.integers(20, 200)))))
+        r = client.step("gemma", admit=[i + 1], admit_tokens=[len(prompt)], admit_token_ids=prompt)
+        cached.append(int(r.cached_tokens[0]))
+        computed += len(prompt) - int(r.cached_tokens[0])
+    stats = client.stats("gemma")["gemma"]
+    seqs = client.sequences("gemma").sequences
+    held = {s.seq_id: list(s.num_slots_per_group) for s in seqs[:2]}
+    print(f"      32 prompts sharing 1,536 tokens: prompt tokens served from the cache {sum(cached):,} "
+          f"(first admission {cached[0]}, then {min(cached[1:])}-{max(cached[1:])} each), computed {computed:,}; "
+          f"slots held per group: the first sequence {held[1]}, the second (a hit) {held[2]}", flush=True)
+    client.step("gemma", free=[s.seq_id for s in seqs])
+    return {"cached": cached, "hits": stats.prefix_cache_hits,
+            "ok": cached[0] == 0 and min(cached[1:]) >= 1536 and stats.num_sequences == 32}
+
+
 def _transport(transport: str, report: Report) -> str:
     if transport == "unary":
         return "unary Step"
@@ -225,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             stats = client.stats("demo")["demo"]
             model = run_model(client, worker_addr, args)
             seed000 = run_seed000(client, worker_addr, metrics_url)
+            hybrid = run_hybrid_prefix(client, args.seed)
     finally:
         if worker is not None:
             worker.terminate()
@@ -240,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         "one-sequence pool refuses the 8-sequence batch, unchanged": bool(seed000.get("refused_ok")),
         "row past the cache is NaN, other rows exact, violation recorded": bool(seed000["nan_ok"]),
         "kvworker_bounds_violations_total == 1 for it, nothing else counted": bool(seed000["metric_ok"]),
+        "hybrid (Gemma-3-style) pool serves shared prompt prefixes from every layer group's cache": bool(hybrid["ok"]),
     }
     print("\nsummary")
     rows = [("sequences served", f"{report.served}"), ("steps", f"{report.steps}"),
@@ -251,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
             ("step latency p50", f"{report.percentile_ms(50):.3f} ms"),
             ("step latency p99", f"{report.percentile_ms(99):.3f} ms"),
             ("batch vs single", f"max |logit diff| {model['batch_vs_single']:.3e}"),
-            ("vs float64 ref", f"max |logit diff| {model['vs_reference']:.3e}")]
+            ("vs float64 ref", f"max |logit diff| {model['vs_reference']:.3e}"),
+            ("hybrid prefix hits", f"{sum(hybrid['cached']):,} prompt tokens from the cache (Gemma-3-style pool)")]
     for k, v in rows:
         print(f"  {k:<20} {v}")
     for name, ok in checks.items():
