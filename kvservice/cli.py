@@ -14,6 +14,7 @@ from .auth import ServerTLS, TokenTable
 from .config import DEFAULT_POOLS_YAML, load_pools, load_pools_file
 from .errors import KVError
 from .journal import Journal, JournalConfig
+from .leader import LeaseConfig
 from .server import MAX_MESSAGE_BYTES, serve
 from .servicer import Limits
 
@@ -36,13 +37,25 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     d = s.add_argument_group("state (docs/DURABILITY.md)")
     d.add_argument("--state-dir", default=os.environ.get("KVSERVICE_STATE_DIR"),
                    help="durable state: SQLite journal + snapshots in this dir (env KVSERVICE_STATE_DIR)")
-    d.add_argument("--state", choices=["memory"], help="'memory': throwaway state, no warning (the default "
-                   "without --state-dir)")
+    d.add_argument("--state", type=_state_arg, help="'memory': throwaway state, no warning (the default without "
+                   "--state-dir); nats://HOST:PORT[,HOST:PORT...]: replicated state on NATS JetStream, with a "
+                   "standby manager taking over (docs/HA.md)")
     d.add_argument("--sync", choices=["full", "normal"], default="full",
                    help="full: fsync every commit (survives power loss); normal: survives a process crash only")
     d.add_argument("--compact-every", type=int, default=10_000, help="journal entries between snapshots")
     d.add_argument("--idempotency-window", type=int, default=100_000, help="request ids remembered")
     d.add_argument("--idempotency-seconds", type=float, default=600.0, help="... for at most this long")
+    r = s.add_argument_group("replication, with --state nats://... (docs/HA.md)")
+    r.add_argument("--nats-name", default=os.environ.get("KVSERVICE_NATS_NAME", "kvservice"),
+                   help="deployment name: stream KVS_<name>, buckets KVS_<name>_snapshots / _leader")
+    r.add_argument("--nats-replicas", type=int, default=1, help="JetStream replicas (3 in production, 1 for dev)")
+    r.add_argument("--leader-ttl", type=float, default=LeaseConfig().ttl_seconds,
+                   help="leader lease, seconds: a standby takes over this long after the leader stops renewing")
+    r.add_argument("--leader-renew", type=float, default=LeaseConfig().renew_seconds,
+                   help="lease renewal period, seconds (at most a third of --leader-ttl)")
+    r.add_argument("--advertise", help="gRPC address written into the leader key for clients (default: listen "
+                   "host:port)")
+    r.add_argument("--node-id", help="this manager's name in the leader key (default: HOSTNAME-pid)")
     lim = s.add_argument_group("limits")
     lim.add_argument("--max-step-sequences", type=int, default=_LIMITS.max_step_sequences,
                      help="ids in one Step (0 = no cap)")
@@ -59,23 +72,30 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     sec.add_argument("--tokens-file", help="YAML of bearer tokens scoped to pools; every call then needs one")
 
 
+def _state_arg(value: str) -> str:
+    if value == "memory" or value.startswith(("nats://", "tls://")):
+        return value
+    raise argparse.ArgumentTypeError(f"expected 'memory' or nats://HOST:PORT[,HOST:PORT...], got {value!r}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvservice", description="Paged KV-cache block manager.")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
-    c = sub.add_parser("check-state", help="recover a state dir read-only and check every invariant")
-    c.add_argument("state_dir")
+    c = sub.add_parser("check-state", help="recover a state dir (or nats://...) read-only and check every invariant")
+    c.add_argument("state_dir", help="a --state-dir, or the nats://HOST:PORT,... of a replicated manager")
+    c.add_argument("--nats-name", default=os.environ.get("KVSERVICE_NATS_NAME", "kvservice"))
     c.add_argument("--log-level", default="WARNING")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "check-state":
-        return check_state(args.state_dir)
+        return check_state(args.state_dir, args.nats_name)
     return run_serve(parser, args)
 
 
 def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    if args.state == "memory" and args.state_dir:
-        parser.error("--state memory and --state-dir exclude each other")
+    if args.state and args.state_dir:
+        parser.error(f"--state {args.state.split(',')[0]} and --state-dir exclude each other")
     if bool(args.tls_cert) != bool(args.tls_key):
         parser.error("--tls-cert and --tls-key go together")
     if args.tls_client_ca and not args.tls_cert:
@@ -91,10 +111,10 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         tls = ServerTLS.from_files(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
         tokens = TokenTable.from_file(args.tokens_file) if args.tokens_file else None
         limits = Limits(args.max_step_sequences, args.max_step_tokens, args.max_pool_slots, args.max_pools)
+        if args.state and args.state != "memory":
+            return _serve_replicated(args, pools, tls, tokens, limits)
         if args.state_dir:
-            config = JournalConfig(sync=args.sync, compact_every=args.compact_every,
-                                   id_window=args.idempotency_window, id_window_seconds=args.idempotency_seconds)
-            journal = Journal.open(args.state_dir, args.lease_seconds, config)
+            journal = Journal.open(args.state_dir, args.lease_seconds, _journal_config(args))
         elif args.state != "memory":
             log.warning("state is in memory only and is lost when this process ends; pass --state-dir DIR for "
                         "durable state (or --state memory to silence this)")
@@ -125,11 +145,55 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return 0
 
 
-def check_state(state_dir: str) -> int:
+def _journal_config(args: argparse.Namespace) -> JournalConfig:
+    return JournalConfig(sync=args.sync, compact_every=args.compact_every, id_window=args.idempotency_window,
+                         id_window_seconds=args.idempotency_seconds)
+
+
+def _serve_replicated(args: argparse.Namespace, pools: list, tls: ServerTLS | None, tokens: TokenTable | None,
+                      limits: Limits) -> int:
+    """`serve --state nats://...`: a standby that follows the journal and takes over as leader (docs/HA.md)."""
+    from .ha import serve_ha, stop_ha
+    from .journal_nats import parse_state_url
+    from .leader import LeaseConfig
+    config = parse_state_url(args.state, name=args.nats_name, replicas=args.nats_replicas)
+    lease = LeaseConfig(ttl_seconds=args.leader_ttl, renew_seconds=args.leader_renew,
+                        poll_seconds=min(LeaseConfig().poll_seconds, args.leader_ttl / 4),
+                        margin_seconds=min(LeaseConfig().margin_seconds, args.leader_ttl / 8))
+    running, ha = serve_ha(config, lease, args.listen, pools, node=args.node_id, advertise=args.advertise or "",
+                           journal_config=_journal_config(args), lease_seconds=args.lease_seconds,
+                           metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+                           max_workers=args.threads, metrics_addr=args.metrics_addr, tls=tls, tokens=tokens,
+                           limits=limits, max_message_bytes=args.max_message_bytes)
+    print(f"kvservice: listening on {args.listen.rsplit(':', 1)[0]}:{running.port}, metrics on port "
+          f"{running.metrics_port}, state: {config.url} (stream {config.stream}), standby until it holds the "
+          f"lease", flush=True)
+    if args.port_file:
+        Path(args.port_file).write_text(f"{running.port} {running.metrics_port or 0}\n")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(0.05) and not running.failed.is_set():
+        pass
+    failed = running.failed.is_set()
+    stop_ha(running, ha, grace=0.5 if failed else 2.0)
+    if failed:
+        print(f"kvservice: stopped: {ha.failed or (running.journal.failed if running.journal else '?')}",
+              file=sys.stderr)
+        return EXIT_FAILED
+    return 0
+
+
+def check_state(state_dir: str, nats_name: str = "kvservice") -> int:
     """Recover state_dir without writing it, check DESIGN.md's invariants on every pool, print a summary."""
     from .invariants import assert_invariants
     try:
-        journal = Journal.open(state_dir, readonly=True)
+        if state_dir.startswith(("nats://", "tls://")):
+            from .ha import open_journal
+            from .journal_nats import parse_state_url
+            journal = open_journal(parse_state_url(state_dir, name=nats_name), readonly=True)
+        else:
+            journal = Journal.open(state_dir, readonly=True)
     except KVError as err:
         print(f"kvservice: {err.message}", file=sys.stderr)
         return 2

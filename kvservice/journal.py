@@ -28,7 +28,7 @@ import sqlite3
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -354,18 +354,8 @@ class Journal:
         quiet = _Quiet()
         logging.getLogger("kvservice").addFilter(quiet)
         try:
-            for seq, method, data, at in self.store.entries_after(self.snapshot_seq):
-                request = REQUESTS[method].FromString(data)
-                try:
-                    reply = getattr(self.api, method)(request)
-                except KVError as err:
-                    raise StateError(f"{self.store.path}: journal entry {seq} ({method}) failed on replay: "
-                                     f"{err.message}") from None
-                rid = getattr(request, "request_id", "")
-                if rid:
-                    self.window.remember(rid, method, digest(data), seq, at, reply)
-                self.seq = seq
-                self.tail_bytes += len(data)
+            for entry in self.store.entries_after(self.snapshot_seq):
+                self.apply_entry(*entry)
                 replayed += 1
         finally:
             logging.getLogger("kvservice").removeFilter(quiet)
@@ -373,6 +363,29 @@ class Journal:
         self._compact_at = self.snapshot_seq + self.config.compact_every
         log.info("recovered %s: snapshot at %d, %d entries replayed in %.3f s, pools: %s", self.store.path,
                  self.snapshot_seq, replayed, time.perf_counter() - t0, ", ".join(self.manager.pool_names()) or "none")
+
+    def apply_entry(self, seq: int, method: str, data: bytes, at: float) -> None:
+        """Replay one journaled request (recovery; a standby following the leader, kvservice/ha.py)."""
+        request = REQUESTS[method].FromString(data)
+        try:
+            reply = getattr(self.api, method)(request)
+        except KVError as err:
+            where = self.store.path if self.store is not None else "journal"
+            raise StateError(f"{where}: journal entry {seq} ({method}) failed on replay: {err.message}") from None
+        rid = getattr(request, "request_id", "")
+        if rid:
+            self.window.remember(rid, method, digest(data), seq, at, reply)
+        self.seq = seq
+        self.tail_bytes += len(data)
+
+    def follow(self, entries: Iterable[tuple[int, str, bytes, float]]) -> int:
+        """Apply entries another manager journaled (a hot standby), under the journal lock; returns how many."""
+        n = 0
+        with self._lock:
+            for entry in entries:
+                self.apply_entry(*entry)
+                n += 1
+        return n
 
     # ---- the hook the servicer calls -----------------------------------------------------
     def execute(self, method: str, request: Message, apply: Callable[[Message], Message]) -> Message:

@@ -79,13 +79,16 @@ def serve(listen: str = "127.0.0.1:0", metrics_port: int | None = None, pools: S
           manager: BlockManager | None = None, max_workers: int = 8,
           metrics_addr: str = "127.0.0.1", lease_seconds: float = 10.0,
           journal: Journal | None = None, *, tls: ServerTLS | None = None, tokens: TokenTable | None = None,
-          limits: Limits | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES) -> RunningServer:
+          limits: Limits | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES,
+          interceptors: Sequence[grpc.ServerInterceptor] = (), serving: bool = True) -> RunningServer:
     """Start the manager on `listen` (port 0 picks one); metrics on metrics_port (0 picks, None = off).
 
     journal: a durable kvservice.journal.Journal (its manager is served); None = an in-memory one
         (idempotent retries, no durability). Configured `pools` missing from it are created through it.
     tls: serve TLS (mutual TLS if it has a client CA); tokens: require pool-scoped bearer tokens.
     limits: per-request caps (default Limits()); max_message_bytes: gRPC message limit both ways.
+    interceptors: more server interceptors (after the token check); serving=False starts with the
+        BlockManager service NOT_SERVING in health (a standby: kvservice/ha.py), the server itself SERVING.
     """
     if journal is None:
         journal = Journal(manager or BlockManager(lease_seconds))
@@ -99,24 +102,26 @@ def serve(listen: str = "127.0.0.1:0", metrics_port: int | None = None, pools: S
         commit = Histogram("kvservice_journal_commit_seconds", "Time to make one mutating RPC durable.",
                            registry=metrics.registry, buckets=COMMIT_BUCKETS)
         journal.observe_commit = commit.observe
-    interceptors = []
+    chain: list[grpc.ServerInterceptor] = []
     if tokens is not None:
-        interceptors.append(TokenAuthInterceptor(tokens, BM, manager_rules(_worker_pool(manager))))
+        chain.append(TokenAuthInterceptor(tokens, BM, manager_rules(_worker_pool(manager))))
+    chain.extend(interceptors)
     servicer = BlockManagerServicer(ManagerAPI(manager), metrics, journal, limits or Limits())
-    server, port, health_servicer = grpc_server(SERVICE_NAME, servicer, listen, tls, interceptors, max_workers,
+    server, port, health_servicer = grpc_server(SERVICE_NAME, servicer, listen, tls, chain, max_workers,
                                                 max_message_bytes)
     running = RunningServer(server, port, None, manager, metrics, None, journal, health=health_servicer)
     journal.on_fail = lambda why: _fail_stop(running)
     server.start()
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING if serving
+                        else health_pb2.HealthCheckResponse.NOT_SERVING)
     if metrics_port is not None:
         http, _thread = start_http_server(metrics_port, addr=metrics_addr, registry=metrics.registry)
         running._http, running.metrics_port = http, http.server_port
     log.info("kvservice listening on port %d (%s%s), metrics on %s, state: %s", port,
              "mutual TLS" if tls and tls.client_ca else "TLS" if tls else "plaintext",
              f", {len(tokens)} tokens" if tokens is not None else "", running.metrics_port,
-             journal.state_dir or "memory only")
+             journal.state_dir or (journal.store.path if journal.store is not None else "memory only"))
     return running
 
 
