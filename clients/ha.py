@@ -27,8 +27,8 @@ import grpc
 from .client import BlockManagerClient, RetryPolicy, TLSOptions, auth_metadata, make_channel
 
 EPOCH_METADATA = "kvservice-leader-epoch"
-#: Enough tries, with backoff to 0.5 s, to ride out a failover (lease TTL 2 s by default) plus margin.
-FAILOVER_RETRY = RetryPolicy(attempts=30, initial_backoff=0.05, max_backoff=0.5)
+#: Enough tries (backoff up to 0.25 s, about 15 s in all) to ride out a failover (lease TTL 2 s by default) plus margin.
+FAILOVER_RETRY = RetryPolicy(attempts=60, initial_backoff=0.05, max_backoff=0.25)
 _ROTATE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
