@@ -273,6 +273,26 @@ def open_journal(config: NatsConfig, lease_seconds: float = 10.0, journal_config
     return journal
 
 
+def open_sole_writer(config: NatsConfig, journal_config: JournalConfig | None = None, lease_seconds: float = 10.0,
+                     epoch: int = 0) -> Journal:
+    """Recover the replicated state and fence the stream as its only writer, *without* a lease.
+
+    For tools run while no manager runs (kvservice import-state) and for tests. A manager that
+    takes the lease later fences this writer out in turn. epoch: at least this epoch.
+    """
+    link = NatsLink(config, client_name="kvservice-tool")
+    try:
+        store = NatsStore(link, owns_link=True)
+        journal = Journal(BlockManager(lease_seconds), store, journal_config)  # type: ignore[arg-type]
+        journal._recover()
+        store.stop_reading()
+        store.fence(max(store.max_epoch + 1, epoch))
+    except BaseException:
+        link.close()
+        raise
+    return journal
+
+
 def serve_ha(config: NatsConfig, lease_config: LeaseConfig, listen: str, pools: Sequence[PoolConfig] = (),
              node: str | None = None, advertise: str = "", journal_config: JournalConfig | None = None,
              lease_seconds: float = 10.0, **serve_kwargs: Any) -> tuple[RunningServer, HAController]:
@@ -324,5 +344,5 @@ def stop_ha(running: RunningServer, ha: HAController, grace: float = 2.0) -> Non
     ha.store.link.close()
 
 
-__all__ = ["EPOCH_METADATA", "HACollector", "HAController", "LeaderGate", "LeaseLost", "open_journal", "serve_ha",
-           "stop_ha"]
+__all__ = ["EPOCH_METADATA", "HACollector", "HAController", "LeaderGate", "LeaseLost", "open_journal",
+           "open_sole_writer", "serve_ha", "stop_ha"]
