@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev,torch]'
-	bash deploy/ci-install.sh $(BIN)/python || echo "warning: deploy test tools missing; tests/deploy will skip" >&2
+	bash deploy/ci-install.sh $(BIN)/python || { [ "$$CI" = true ] && exit 1; echo "warning: deploy test tools or nats-server missing; tests/deploy and the replication tests will skip" >&2; }
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -29,6 +29,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/bench_manager.py --out bench/results/manager.md
 	$(BIN)/python bench/bench_sharing.py --out bench/results/sharing.md
 	$(BIN)/python bench/bench_durability.py --out bench/results/durability.md
+	$(BIN)/python bench/bench_ha.py --out bench/results/ha.md
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -2,7 +2,9 @@
 # Install what tests/deploy needs, idempotently: promtool + prometheus (Debian package
 # `prometheus`), kubectl with kustomize >= v4 (package `kubectl` where a Kubernetes apt
 # repository is configured, else Debian's `kubernetes-client`), and the pip package
-# `kubernetes-validate` into the given Python's environment.
+# `kubernetes-validate` into the given Python's environment. Also `nats-server` (Debian
+# package), which the replication tests (tests/integration/test_ha.py, test_journal_backends.py)
+# start on loopback: with CI=true this script fails if it cannot be installed, so CI runs them.
 #
 # usage: deploy/ci-install.sh [PYTHON]      (default: .venv/bin/python, else python3)
 #        SKIP_APT=1 deploy/ci-install.sh    (only the pip part)
@@ -25,6 +27,7 @@ if [[ "$(id -u)" != 0 ]] && command -v sudo >/dev/null; then SUDO="sudo"; fi
 
 apt_pkgs=()
 command -v promtool >/dev/null && command -v prometheus >/dev/null || apt_pkgs+=(prometheus)
+command -v nats-server >/dev/null || [[ -x /usr/sbin/nats-server ]] || apt_pkgs+=(nats-server)
 need_kubectl=0
 command -v kubectl >/dev/null || need_kubectl=1
 
@@ -48,7 +51,14 @@ if [[ "${SKIP_APT:-0}" != 1 && ( ${#apt_pkgs[@]} -gt 0 || $need_kubectl == 1 ) ]
   if [[ $made_policy == 1 ]]; then $SUDO rm -f /usr/sbin/policy-rc.d; fi
   if [[ -d /run/systemd/system ]] && command -v systemctl >/dev/null; then
     $SUDO systemctl disable --now prometheus.service >/dev/null 2>&1 || true
+    $SUDO systemctl disable --now nats-server.service >/dev/null 2>&1 || true
   fi
+fi
+
+# The replication tests skip without nats-server on a laptop; CI must run them.
+if [[ "${CI:-}" == "true" ]] && ! command -v nats-server >/dev/null && [[ ! -x /usr/sbin/nats-server ]]; then
+  echo "ERROR: CI=true but nats-server is not installed (apt-get install nats-server)" >&2
+  exit 1
 fi
 
 if ! "$PY" -c "import kubernetes_validate" 2>/dev/null; then
@@ -66,5 +76,6 @@ fi
 echo "deploy test tools:"
 echo "  promtool:   $(command -v promtool || echo MISSING) $(promtool --version 2>/dev/null | head -1 || true)"
 echo "  prometheus: $(command -v prometheus || echo MISSING)"
+echo "  nats-server: $(command -v nats-server || ls /usr/sbin/nats-server 2>/dev/null || echo MISSING) $(nats-server --version 2>/dev/null || /usr/sbin/nats-server --version 2>/dev/null || true)"
 echo "  kubectl:    $(command -v kubectl || echo MISSING) $(kubectl version --client 2>/dev/null | tr '\n' ' ' || true)"
 echo "  kubernetes-validate: $("$PY" -c 'import importlib.metadata as m; print(m.version("kubernetes-validate"))')"

@@ -22,17 +22,18 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from clients import ClientError
+from clients import BlockManagerClient, ClientError
 from clients.client import RetryPolicy
 from clients.ha import LeaderClient, leader_epoch
 from clients.launch import wait_for_ports
 from kvservice.ha import open_journal
 from kvservice.invariants import assert_invariants
-from kvservice.journal_nats import parse_state_url
+from kvservice.journal_nats import NatsConfig, NatsLink, parse_state_url
 from kvservice.planner import Sizing
 from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1 import block_manager_pb2_grpc as pb_grpc
 
+from ..natsutil import NatsCluster
 from .conftest import ROOT
 from .test_durability import POOL, SEQ_BASE, SLOTS, SPEC, Loader
 
@@ -285,9 +286,57 @@ def kill_loop(system: HASystem, kills: int, rng: np.random.Generator, load_secon
     return out
 
 
-def client_error_code(fn) -> grpc.StatusCode | None:
+@dataclass
+class PauseResult:
+    old_epoch: int
+    paused_seconds: float
+    acknowledged: bool                  # the Step that waited for the paused leader got an OK reply
+    code: grpc.StatusCode | None        # ... or this error
+    exit_status: int | None             # of the paused process after SIGCONT
+    lost: int
+    duplicated: int
+    problems: list[str]
+
+
+def pause_leader(system: HASystem, extra_seconds: float = 0.5) -> PauseResult:
+    """SIGSTOP the leader; send it a Step (it waits in the socket); once the standby has taken over and
+    `extra_seconds` more passed, SIGCONT. What did that Step get, and what became of the old leader?"""
+    slot, epoch = system.leader()
+    pinned = BlockManagerClient(slot.target, timeout=30, retries=0)
+    pinned.get_pool(POOL)                                   # connected before the pause
+    got: dict[str, object] = {}
+
+    def late_step() -> None:
+        try:
+            got["reply"] = pinned.step(POOL, admit=[SEQ_BASE * 1000 + slot.runs], admit_tokens=[5])
+        except ClientError as err:
+            got["code"] = err.code
+    t0 = time.monotonic()
+    slot.pause()
+    th = threading.Thread(target=late_step, daemon=True)
+    th.start()
     try:
-        fn()
-    except ClientError as err:
-        return err.code
-    return None
+        system.first_ack_after(t0, epoch)                   # the standby took over meanwhile
+        time.sleep(extra_seconds)
+    finally:
+        slot.resume()
+    paused = time.monotonic() - t0
+    th.join(60)
+    try:
+        status = slot.proc.wait(30)
+    except subprocess.TimeoutExpired:
+        status = None
+    pinned.close()
+    lost, dup, problems = system.check_exact()
+    return PauseResult(epoch, paused, "reply" in got, got.get("code"), status, lost, dup, problems)  # type: ignore[arg-type]
+
+
+def cluster_leader_node(cluster: NatsCluster, nats_name: str):
+    config = NatsConfig(tuple(cluster.urls), name=nats_name)
+    link = NatsLink(config)
+    try:
+        info = link.call(link.js.stream_info(config.stream), 10)
+        leader = info.cluster.leader if info.cluster else None
+    finally:
+        link.close()
+    return next((n for n in cluster.nodes if n.name == leader), cluster.nodes[0])

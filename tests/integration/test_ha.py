@@ -29,8 +29,7 @@ from kvservice.planner import Sizing
 from kvservice.server import SERVICE_NAME, serve
 
 from ..natsutil import NatsCluster, require_nats_server
-from .ha_harness import HASystem, client_error_code, kill_loop
-from .test_durability import POOL
+from .ha_harness import HASystem, cluster_leader_node, kill_loop, pause_leader
 
 pytestmark = pytest.mark.integration
 TEST_LEASE = ("--leader-ttl", "1.0", "--leader-renew", "0.25", "--compact-every", "200")
@@ -206,34 +205,16 @@ def test_a_paused_leader_acknowledges_nothing_after_its_lease_lapsed(nats3, tmp_
     system.start()
     try:
         time.sleep(1.0)
-        old, epoch = system.leader()
-        pinned = BlockManagerClient(old.target, timeout=30, retries=0)
-        pinned.get_pool(POOL)                                         # connected before the pause
-        outcome: dict[str, object] = {}
-
-        def late_step() -> None:
-            outcome["code"] = client_error_code(lambda: outcome.setdefault(
-                "reply", pinned.step(POOL, admit=[9_999_999], admit_tokens=[5])))
-
         t_stop = time.monotonic()
-        old.pause()                                                   # SIGSTOP: lease renewals stop
-        t = threading.Thread(target=late_step)
-        t.start()                                                     # sits in the paused process's socket
-        system.first_ack_after(t_stop, epoch, timeout=30)             # the standby took over meanwhile
-        time.sleep(0.5)
-        old.resume()                                                  # SIGCONT, well past its lease
-        t.join(40)
-        assert not t.is_alive()
-        assert outcome["code"] == grpc.StatusCode.UNAVAILABLE and "reply" not in outcome
-        assert old.proc.wait(30) == 3                                 # fail-stop: exit status 3
-        pinned.close()
-        lost, dup, problems = system.check_exact()
-        assert (lost, dup) == (0, 0), problems
+        r = pause_leader(system)                 # SIGSTOP, a Step waits in its socket, takeover, SIGCONT
+        assert not r.acknowledged and r.code == grpc.StatusCode.UNAVAILABLE
+        assert r.exit_status == 3                # fail-stop
+        assert (r.lost, r.duplicated) == (0, 0), r.problems
         system.raise_loader_errors()
         assert all(ld.client.stale_replies == 0 for ld in system.loaders)
-        assert all(e > epoch for ld in system.loaders for at, e in ld.acks if at > t_stop + 1.0)
+        assert all(e > r.old_epoch for ld in system.loaders for at, e in ld.acks if at > t_stop + r.paused_seconds)
         # the stream: nothing of the old epoch after the new leader's fence
-        assert_no_write_after_fence(NatsConfig(tuple(nats3.urls), name=name), epoch)
+        assert_no_write_after_fence(NatsConfig(tuple(nats3.urls), name=name), r.old_epoch)
     finally:
         system.stop()
 
@@ -302,14 +283,3 @@ def test_a_nats_node_killed_mid_run_costs_no_step(tmp_path):
     finally:
         system.stop()
         cluster.stop()
-
-
-def cluster_leader_node(cluster: NatsCluster, nats_name: str):
-    config = NatsConfig(tuple(cluster.urls), name=nats_name)
-    link = NatsLink(config)
-    try:
-        info = link.call(link.js.stream_info(config.stream), 10)
-        leader = info.cluster.leader if info.cluster else None
-    finally:
-        link.close()
-    return next((n for n in cluster.nodes if n.name == leader), cluster.nodes[0])
