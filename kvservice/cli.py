@@ -86,10 +86,21 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("state_dir", help="a --state-dir, or the nats://HOST:PORT,... of a replicated manager")
     c.add_argument("--nats-name", default=os.environ.get("KVSERVICE_NATS_NAME", "kvservice"))
     c.add_argument("--log-level", default="WARNING")
+    for name, what in (("export-state", "write the replicated state (nats://...) into a new SQLite state dir"),
+                       ("import-state", "write a SQLite state dir as the snapshot of a new replicated deployment")):
+        x = sub.add_parser(name, help=what)
+        x.add_argument("source", help="nats://HOST:PORT,... (export) or a state dir (import)")
+        x.add_argument("target", help="a new state dir (export) or nats://HOST:PORT,... (import)")
+        x.add_argument("--nats-name", default=os.environ.get("KVSERVICE_NATS_NAME", "kvservice"))
+        x.add_argument("--nats-replicas", type=int, default=1, help="import: replicas of the new stream")
+        x.add_argument("--epoch", type=int, default=1, help="import: leader epoch to continue from (docs/HA.md)")
+        x.add_argument("--log-level", default="WARNING")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "check-state":
         return check_state(args.state_dir, args.nats_name)
+    if args.command in ("export-state", "import-state"):
+        return move_state(args)
     return run_serve(parser, args)
 
 
@@ -181,6 +192,26 @@ def _serve_replicated(args: argparse.Namespace, pools: list, tls: ServerTLS | No
         print(f"kvservice: stopped: {ha.failed or (running.journal.failed if running.journal else '?')}",
               file=sys.stderr)
         return EXIT_FAILED
+    return 0
+
+
+def move_state(args: argparse.Namespace) -> int:
+    """export-state (NATS -> a new state dir: a backup) and import-state (a state dir -> a new NATS deployment)."""
+    from .ha import export_state, import_state
+    from .journal_nats import parse_state_url
+    try:
+        if args.command == "export-state":
+            j = export_state(parse_state_url(args.source, name=args.nats_name), args.target)
+            print(f"exported {args.source} (stream KVS_{args.nats_name}) at journal position {j.seq} into "
+                  f"{args.target}")
+        else:
+            config = parse_state_url(args.target, name=args.nats_name, replicas=args.nats_replicas)
+            seq, epoch = import_state(args.source, config, args.epoch)
+            print(f"imported {args.source} at journal position {seq} into {config.url} (stream {config.stream}); "
+                  f"managers continue from epoch {epoch}")
+    except KVError as err:
+        print(f"kvservice: {err.message}", file=sys.stderr)
+        return 2
     return 0
 
 

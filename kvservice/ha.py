@@ -30,6 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -39,7 +40,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from .config import PoolConfig
 from .errors import KVError
-from .journal import Journal, JournalConfig, ensure_pools
+from .journal import DB_NAME, Journal, JournalConfig, SqliteStore, StateError, ensure_pools
 from .journal_nats import Fenced, JournalGap, NatsConfig, NatsLink, NatsStore, StoreError
 from .leader import Lease, LeaseConfig, LeaseLost
 from .manager import BlockManager
@@ -293,6 +294,52 @@ def open_sole_writer(config: NatsConfig, journal_config: JournalConfig | None = 
     return journal
 
 
+def export_state(config: NatsConfig, state_dir: str | Path) -> Journal:
+    """Recover the replicated state read-only and write it as the snapshot of a new SQLite state dir.
+
+    The dir is a backup (copy it anywhere) and a valid `--state-dir` / `check-state` argument.
+    Returns the recovered journal (closed). Refuses a dir that already holds kvservice state.
+    """
+    src = open_journal(config, readonly=True)
+    try:
+        path = Path(state_dir)
+        if (path / DB_NAME).exists():
+            raise StateError(f"{path} already holds kvservice state; export into a new dir")
+        path.mkdir(parents=True, exist_ok=True)
+        dst = SqliteStore(path, sync="full")
+        try:
+            src.snapshot_to(dst)
+        finally:
+            dst.close()
+    finally:
+        src.close(snapshot=False)
+    return src
+
+
+def import_state(state_dir: str | Path, config: NatsConfig, epoch: int = 1) -> tuple[int, int]:
+    """Write the state of a SQLite state dir as the snapshot of a new replicated deployment; (position, epoch).
+
+    For a deployment name that holds nothing yet: a restore after NATS lost its data, or the move
+    of a single manager to replication. No manager may run on that name meanwhile (this fences
+    the stream without a lease). epoch: the epoch the managers continue from; above any epoch
+    clients and workers have seen, or they refuse the new leader until restarted.
+    """
+    src = Journal.open(state_dir, readonly=True)
+    link = NatsLink(config, client_name="kvservice-import")
+    try:
+        store = NatsStore(link)
+        if store.stream_last_seq() > 0 or store.last_snapshot() is not None:
+            raise StateError(f"{store.path} already holds a journal; import into a fresh --nats-name "
+                             "(docs/operations.md, 'Restore from a snapshot')")
+        store.fence(max(1, epoch))
+        store.seq = src.seq
+        src.snapshot_to(store)
+        return src.seq, store.epoch
+    finally:
+        src.close(snapshot=False)
+        link.close()
+
+
 def serve_ha(config: NatsConfig, lease_config: LeaseConfig, listen: str, pools: Sequence[PoolConfig] = (),
              node: str | None = None, advertise: str = "", journal_config: JournalConfig | None = None,
              lease_seconds: float = 10.0, **serve_kwargs: Any) -> tuple[RunningServer, HAController]:
@@ -344,5 +391,5 @@ def stop_ha(running: RunningServer, ha: HAController, grace: float = 2.0) -> Non
     ha.store.link.close()
 
 
-__all__ = ["EPOCH_METADATA", "HACollector", "HAController", "LeaderGate", "LeaseLost", "open_journal",
-           "open_sole_writer", "serve_ha", "stop_ha"]
+__all__ = ["EPOCH_METADATA", "HACollector", "HAController", "LeaderGate", "LeaseLost", "export_state",
+           "import_state", "open_journal", "open_sole_writer", "serve_ha", "stop_ha"]

@@ -462,8 +462,7 @@ class Journal:
         if self.store is None or self.store.readonly or self.seq == self.snapshot_seq:
             return
         t0 = time.perf_counter()
-        state = {"format": FORMAT, "seq": self.seq, **dump_manager(self.manager), "window": self.window.export()}
-        blob = pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+        blob = self._snapshot_blob()
         try:
             self.store.write_snapshot(self.seq, blob, time.time())
         except Exception as err:          # the entries are still there: keep serving, try again later
@@ -476,6 +475,18 @@ class Journal:
         self.snapshots += 1
         log.info("snapshot at journal position %d: %d bytes in %.1f ms", self.seq, len(blob),
                  1e3 * (time.perf_counter() - t0))
+
+    def _snapshot_blob(self) -> bytes:
+        state = {"format": FORMAT, "seq": self.seq, **dump_manager(self.manager), "window": self.window.export()}
+        return pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def snapshot_to(self, store: Any) -> None:
+        """Write this journal's state as a snapshot at its position into another store (any backend).
+
+        Backups and moves between backends (kvservice export-state / import-state, docs/HA.md).
+        """
+        with self._lock:
+            store.write_snapshot(self.seq, self._snapshot_blob(), time.time())
 
     def close(self, snapshot: bool = True) -> None:
         """Snapshot (if asked and healthy) and release the state dir."""

@@ -28,6 +28,7 @@ from kvservice.leader import Lease, LeaseConfig, LeaseLost
 from kvservice.planner import Sizing
 from kvservice.server import SERVICE_NAME, serve
 
+from ..deploy.support import REPLICATED_METRICS, sample_names
 from ..natsutil import NatsCluster, require_nats_server
 from .ha_harness import HASystem, cluster_leader_node, kill_loop, pause_leader
 
@@ -120,6 +121,11 @@ def test_standby_follows_refuses_and_takes_over_when_the_leader_stops(nats3):
             time.sleep(0.02)
         assert ha_b.journal.seq == ha_a.journal.seq                 # hot: it follows the stream
         assert state_tree(b.manager) == state_tree(a.manager)
+        scraped = {name: _series(r) for name, r in (("a", a), ("b", b))}
+        for r in scraped.values():                                    # what dashboards and alerts use
+            assert sample_names(REPLICATED_METRICS) <= r["names"]
+        assert scraped["a"]["kvservice_leader"] == 1.0 and scraped["b"]["kvservice_leader"] == 0.0
+        assert scraped["b"]["kvservice_leader_epoch"] == float(epoch_a)
         with grpc.insecure_channel(target_b) as ch:                  # a standby is not ready, but alive
             health = health_pb2_grpc.HealthStub(ch)
             assert health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME)).status == \
@@ -151,6 +157,17 @@ def test_standby_follows_refuses_and_takes_over_when_the_leader_stops(nats3):
             stop_ha(b, ha_b)
         if not a_stopped:
             stop_ha(a, ha_a)
+
+
+def _series(running) -> dict:
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+    out: dict = {"names": set()}
+    for fam in text_string_to_metric_families(generate_latest(running.metrics.registry).decode()):
+        for sample in fam.samples:
+            out["names"].add(sample.name)
+            out[sample.name] = sample.value
+    return out
 
 
 # ---- clients refuse a lower epoch ---------------------------------------------------------------------------
