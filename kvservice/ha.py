@@ -29,7 +29,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -165,6 +165,7 @@ class HAController:
             self.lease.lose(f"takeover failed: {getattr(err, 'message', err)}")
             self._fail(f"takeover failed: {getattr(err, 'message', err)}")
             return
+        _refresh_worker_leases(self.journal.manager)
         self.gate.promote(epoch)
         self.role = "leader"
         try:
@@ -215,6 +216,20 @@ class HAController:
 
     def release(self) -> None:
         self.lease.release()
+
+
+def _refresh_worker_leases(manager: BlockManager) -> None:
+    """At takeover every worker record gets a fresh lease start, as after a restart (docs/DURABILITY.md).
+
+    Heartbeats are not journaled, so a standby never saw them (and a scrape of its metrics may
+    have swept records dead). A live worker's next heartbeat, with the epoch it holds, succeeds;
+    one that died meanwhile is marked dead one lease later.
+    """
+    reg = manager.workers
+    now = reg._clock()               # WorkerRegistry has no public restore hook yet (as journal.load_manager)
+    with reg._lock:
+        for wid, rec in reg._workers.items():
+            reg._workers[wid] = replace(rec, last_heartbeat=now, alive=True)
 
 
 class HACollector:

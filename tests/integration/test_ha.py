@@ -159,6 +159,38 @@ def test_standby_follows_refuses_and_takes_over_when_the_leader_stops(nats3):
             stop_ha(a, ha_a)
 
 
+def test_workers_keep_their_epoch_across_a_takeover(nats3):
+    from prometheus_client import generate_latest
+
+    from kvservice.v1 import block_manager_pb2 as pb
+    config = NatsConfig(tuple(nats3.urls), name=fresh_name(), replicas=3)
+    lc = LeaseConfig(ttl_seconds=1.0, renew_seconds=0.25, poll_seconds=0.05, margin_seconds=0.1)
+    a, ha_a = serve_ha(config, lc, "127.0.0.1:0", node="a", lease_seconds=2.0)
+    b, ha_b = serve_ha(config, lc, "127.0.0.1:0", node="b", lease_seconds=2.0)
+    stopped_a = False
+    try:
+        with LeaderClient([f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"], timeout=5) as c:
+            c.create_pool("w", CacheSpec.uniform(2, 1, 64, page_size=16), Sizing(num_slots=64, max_seq_len=256))
+            epoch = c.register_worker(pb.RegisterWorkerRequest(worker_id="w0", pool="w", backend="cpu")).epoch
+            deadline = time.monotonic() + 20
+            while ha_b.journal.seq < ha_a.journal.seq and time.monotonic() < deadline:
+                time.sleep(0.02)
+            for _ in range(2):
+                time.sleep(1.2)
+                c.heartbeat("w0", epoch)                      # the leader sees w0 beat; the standby does not
+            generate_latest(b.metrics.registry)               # a scrape of the standby sweeps w0 dead there
+            assert not next(w for w in b.manager.workers.workers() if w.worker_id == "w0").alive
+            stop_ha(a, ha_a)                                  # planned handover
+            stopped_a = True
+            c.heartbeat("w0", epoch)                          # same epoch, on the new leader
+            (w,) = c.workers("w")
+            assert (w.worker_id, w.epoch, w.alive) == ("w0", epoch, True) and c.epoch == ha_b.store.epoch
+    finally:
+        stop_ha(b, ha_b)
+        if not stopped_a:
+            stop_ha(a, ha_a)
+
+
 def _series(running) -> dict:
     from prometheus_client import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
