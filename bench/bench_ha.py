@@ -189,9 +189,15 @@ def main(argv: list[str] | None = None) -> int:
                                       on_kill=lambda t: print(f"kill {t.kill}: epoch {t.old_epoch} -> {t.new_epoch}, "
                                                               f"failover {t.failover_seconds:.3f} s, lost {t.lost}, "
                                                               f"duplicated {t.duplicated}", flush=True))
-                pauses = paused_leader(system, 3 if not args.quick else 1)
+                try:
+                    pauses = paused_leader(system, 3 if not args.quick else 1)
+                except Exception as err:          # report what happened rather than lose the run
+                    pauses = [f"FAILED: {type(err).__name__}: {err}"]
                 print(*pauses, sep="\n", flush=True)
-                node_loss = nats_node_loss(system, cluster)
+                try:
+                    node_loss = nats_node_loss(system, cluster)
+                except Exception as err:
+                    node_loss = f"FAILED: {type(err).__name__}: {err}"
                 print(node_loss, flush=True)
                 acked = sum(ld.acked for ld in system.loaders)
                 stale = sum(ld.client.stale_replies for ld in system.loaders)

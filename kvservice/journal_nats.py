@@ -400,8 +400,9 @@ class NatsStore:
         Fences are consumed here too (they raise max_epoch). Raises JournalGap if the stream was
         purged past what this store has read.
         """
-        if self._sub is None:
-            self._call(self._subscribe(max(1, self.first_stream_seq, self.last_stream_seq + 1)))
+        if self._sub is None:        # a consumer is created through the JetStream meta leader: allow an election
+            self._call(self._subscribe(max(1, self.first_stream_seq, self.last_stream_seq + 1)),
+                       max(10.0, 3 * self.config.request_seconds))
         msgs = self._call(self._take(wait, max_messages), wait + self.config.request_seconds + 1.0)
         out = []
         for msg in msgs:

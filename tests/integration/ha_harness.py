@@ -28,7 +28,7 @@ from clients.ha import LeaderClient, leader_epoch
 from clients.launch import wait_for_ports
 from kvservice.ha import open_journal
 from kvservice.invariants import assert_invariants
-from kvservice.journal_nats import NatsConfig, NatsLink, parse_state_url
+from kvservice.journal_nats import NatsConfig, NatsLink, StoreError, parse_state_url
 from kvservice.planner import Sizing
 from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1 import block_manager_pb2_grpc as pb_grpc
@@ -210,7 +210,14 @@ class HASystem:
                 if not ld.idle.wait(max(0.0, deadline - time.monotonic())):
                     raise AssertionError(f"loader {ld.idx} did not finish its step in {timeout:g} s")
             self.raise_loader_errors()
-            seqs = recovered(self.state, self.nats_name)
+            while True:          # NATS may be electing a stream or meta leader (a node was just killed)
+                try:
+                    seqs = recovered(self.state, self.nats_name)
+                    break
+                except StoreError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(1.0)
             return compare(seqs, self.loaders)
         finally:
             for ld in self.loaders:
