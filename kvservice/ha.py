@@ -76,18 +76,25 @@ class LeaderGate(grpc.ServerInterceptor):
 
     def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
         handler = continuation(details)
-        if handler is None or handler.unary_unary is None or \
-                details.method.lstrip("/").partition("/")[0] != self.service:
+        if handler is None or details.method.lstrip("/").partition("/")[0] != self.service:
             return handler
-        inner = handler.unary_unary
+        kw = {"request_deserializer": handler.request_deserializer,
+              "response_serializer": handler.response_serializer}
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(self._gated(handler.unary_unary), **kw)
+        if handler.unary_stream is not None:        # server streams (WatchEvents): only the leader's
+            return grpc.unary_stream_rpc_method_handler(self._gated(handler.unary_stream), **kw)
+        if handler.stream_unary is not None:
+            return grpc.stream_unary_rpc_method_handler(self._gated(handler.stream_unary), **kw)
+        return grpc.stream_stream_rpc_method_handler(self._gated(handler.stream_stream), **kw)
 
+    def _gated(self, inner: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
         def gated(request: Any, context: grpc.ServicerContext) -> Any:
             if not self.leader:
                 context.abort(grpc.StatusCode.UNAVAILABLE, self.refusal())
             context.send_initial_metadata(((EPOCH_METADATA, str(self.epoch)),))
             return inner(request, context)
-        return grpc.unary_unary_rpc_method_handler(gated, request_deserializer=handler.request_deserializer,
-                                                   response_serializer=handler.response_serializer)
+        return gated
 
 
 @dataclass
