@@ -73,7 +73,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _state_arg(value: str) -> str:
-    if value == "memory" or value.startswith(("nats://", "tls://")):
+    if value == "memory" or value.startswith("nats://"):
         return value
     raise argparse.ArgumentTypeError(f"expected 'memory' or nats://HOST:PORT[,HOST:PORT...], got {value!r}")
 
@@ -168,6 +168,9 @@ def _serve_replicated(args: argparse.Namespace, pools: list, tls: ServerTLS | No
     from .journal_nats import parse_state_url
     from .leader import LeaseConfig
     config = parse_state_url(args.state, name=args.nats_name, replicas=args.nats_replicas)
+    if config.replicas == 1:
+        log.warning("--nats-replicas 1: the journal has a single copy on one NATS server; production uses 3 "
+                    "(docs/HA.md)")
     lease = LeaseConfig(ttl_seconds=args.leader_ttl, renew_seconds=args.leader_renew,
                         poll_seconds=min(LeaseConfig().poll_seconds, args.leader_ttl / 4),
                         margin_seconds=min(LeaseConfig().margin_seconds, args.leader_ttl / 8))
@@ -219,7 +222,7 @@ def check_state(state_dir: str, nats_name: str = "kvservice") -> int:
     """Recover state_dir without writing it, check DESIGN.md's invariants on every pool, print a summary."""
     from .invariants import assert_invariants
     try:
-        if state_dir.startswith(("nats://", "tls://")):
+        if state_dir.startswith("nats://"):
             from .ha import open_journal
             from .journal_nats import parse_state_url
             journal = open_journal(parse_state_url(state_dir, name=nats_name), readonly=True)

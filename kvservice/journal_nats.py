@@ -138,7 +138,7 @@ class NatsConfig:
 
 def parse_state_url(url: str, **fields: Any) -> NatsConfig:
     """NatsConfig of ``--state nats://h1:4222,nats://h2:4222`` (``nats://h1:4222,h2:4222`` works too)."""
-    if not url.startswith(("nats://", "tls://")):
+    if not url.startswith("nats://"):
         raise InvalidArgument(f"--state {url!r}: expected 'memory' or nats://HOST:PORT[,HOST:PORT...]")
     servers = []
     for part in url.split(","):
