@@ -53,6 +53,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="leader lease, seconds: a standby takes over this long after the leader stops renewing")
     r.add_argument("--leader-renew", type=float, default=LeaseConfig().renew_seconds,
                    help="lease renewal period, seconds (at most a third of --leader-ttl)")
+    r.add_argument("--leader-lapse", type=float, default=LeaseConfig().lapse_seconds,
+                   help="how long a leader whose renewals fail keeps trying (serving nothing) before it gives up "
+                   "the lease; covers a NATS election")
     r.add_argument("--advertise", help="gRPC address written into the leader key for clients (default: listen "
                    "host:port)")
     r.add_argument("--node-id", help="this manager's name in the leader key (default: HOSTNAME-pid)")
@@ -173,7 +176,8 @@ def _serve_replicated(args: argparse.Namespace, pools: list, tls: ServerTLS | No
                     "(docs/HA.md)")
     lease = LeaseConfig(ttl_seconds=args.leader_ttl, renew_seconds=args.leader_renew,
                         poll_seconds=min(LeaseConfig().poll_seconds, args.leader_ttl / 4),
-                        margin_seconds=min(LeaseConfig().margin_seconds, args.leader_ttl / 8))
+                        margin_seconds=min(LeaseConfig().margin_seconds, args.leader_ttl / 8),
+                        lapse_seconds=args.leader_lapse)
     running, ha = serve_ha(config, lease, args.listen, pools, node=args.node_id, advertise=args.advertise or "",
                            journal_config=_journal_config(args), lease_seconds=args.lease_seconds,
                            metrics_port=None if args.metrics_port < 0 else args.metrics_port,

@@ -61,6 +61,7 @@ class LeaderGate(grpc.ServerInterceptor):
         self.leader = False
         self.why = "standby: following the journal"
         self.leader_hint: Callable[[], str] = lambda: ""
+        self.valid: Callable[[], bool] = lambda: True       # False while the leader's lease is lapsed
 
     def promote(self, epoch: int) -> None:
         self.epoch, self.leader = epoch, True
@@ -92,6 +93,9 @@ class LeaderGate(grpc.ServerInterceptor):
         def gated(request: Any, context: grpc.ServicerContext) -> Any:
             if not self.leader:
                 context.abort(grpc.StatusCode.UNAVAILABLE, self.refusal())
+            if not self.valid():
+                context.abort(grpc.StatusCode.UNAVAILABLE, "the leader's lease lapsed (NATS unreachable or the "
+                              "process was paused); it serves again once renewed, or a standby takes over: retry")
             context.send_initial_metadata(((EPOCH_METADATA, str(self.epoch)),))
             return inner(request, context)
         return gated
@@ -120,6 +124,7 @@ class HAController:
 
     def start(self) -> None:
         self.gate.leader_hint = self._leader_hint
+        self.gate.valid = lambda: self.lease.remaining_seconds > 0
         self._thread = threading.Thread(target=self._follow, daemon=True, name="ha-standby")
         self._thread.start()
 
@@ -161,13 +166,14 @@ class HAController:
         t0 = time.monotonic()
         self.role = "taking over"
         self.lease.start_renewing(0, self._lost)
+        lapse = self.lease.config.lapse_seconds
         try:
-            self.store.guard = self.lease.check
+            self.store.guard = lambda: self.lease.wait_valid(lapse)   # waits through a lapse, raises once lost
             self.store.readonly = False        # it may fence now; it appends only once fenced (epoch > 0)
             epoch = self._fence()
             self.store.stop_reading()
             self.lease.epoch = epoch
-            self.lease.check()
+            self.lease.wait_valid(lapse)
         except (KVError, OSError) as err:
             self.lease.lose(f"takeover failed: {getattr(err, 'message', err)}")
             self._fail(f"takeover failed: {getattr(err, 'message', err)}")

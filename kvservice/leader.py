@@ -1,23 +1,30 @@
 """Leader election: one leader key in a JetStream KV bucket, taken and renewed by compare-and-set.
 
-The bucket ``KVS_<name>_leader`` has a TTL (its stream's max_age) equal to the lease, so a key
-nobody renews disappears by itself. The key's value names the holder (node id, gRPC address,
-epoch); its *revision* (the KV stream sequence of the last write) is what compare-and-set checks:
+The bucket ``KVS_<name>_leader`` has a TTL (its stream's max_age: the lease plus the longest
+lapse, below), so a key nobody renews disappears by itself. The key's value names the holder
+(node id, gRPC address, epoch); its *revision* (the KV stream sequence of the last write) is
+what compare-and-set checks:
 
 - take (standby): ``create`` when the key is absent (expired, released or never written), or
-  ``update(last=r)`` once the same revision r has been observed unchanged for a whole TTL by
-  this process's monotonic clock. Either succeeds for exactly one contender.
-- renew (leader): every ``renew_seconds``, ``update(last=own revision)``. A renew the server
-  refuses (the revision moved: someone else took the key) deposes the leader at once; a renew
-  that times out is retried until the lease lapses.
+  ``update(last=r)`` once the same revision r has been *read* unchanged for a whole TTL by this
+  process's monotonic clock (a failed read restarts that clock: a standby that cannot see the
+  key cannot tell whether the leader renews it). Either succeeds for exactly one contender.
+- renew (leader): every ``renew_seconds``, ``update(last=own revision)``. A renewal the server
+  refuses (the revision moved: someone else took the key) deposes the leader at once.
 - valid until: ``t_sent + ttl - margin`` where t_sent is when the last successful write of the
-  key was *sent*. Any contender takes over only after observing that revision for a full TTL,
+  key was *sent*. Any contender takes over only after reading that revision for a full TTL,
   which began after it was written, so at a later instant than this bound (clock *rates* may
   differ by up to margin/ttl; nothing depends on clock values being in sync).
+- lapsed: past ``valid_until`` with renewals failing (NATS electing a leader after a node
+  died, a partition, or this process paused by SIGSTOP, a GC, a starved CPU). The leader
+  acknowledges nothing while lapsed and keeps renewing by compare-and-set on its revision for
+  up to ``lapse_seconds``: if that succeeds, nobody wrote the key meanwhile, so nobody else led,
+  and it goes on (a NATS election costs a pause, not a failover); if it is refused, or the
+  lapse lasts too long, the lease is lost.
 
-``check()`` is the fence the journal calls before every publish and before acknowledging:
-past ``valid_until`` (renewals failing, or this process paused by SIGSTOP, a GC or a
-starved CPU) it raises LeaseLost, so a leader whose lease lapsed never acknowledges a write.
+``check()`` raises unless the lease is valid now; ``wait_valid()`` (the journal's guard, before
+every publish and before acknowledging) waits through a lapse and raises once it is lost, so
+a leader never acknowledges a write it made without a valid lease.
 
 Runs on a NatsLink's event loop (see kvservice/journal_nats.py): the renewer is an asyncio
 task there; ``try_acquire``, ``check`` and ``release`` are called from ordinary threads.
@@ -51,6 +58,12 @@ class LeaseLost(KVError):
     reason = "LEASE_LOST"
 
 
+class LeaseLapsed(LeaseLost):
+    """The lease is past its bound and not renewed yet: acknowledge nothing until it is (or is lost)."""
+
+    reason = "LEASE_LAPSED"
+
+
 @dataclass(frozen=True, slots=True)
 class LeaseConfig:
     """Timing of the leader lease, seconds.
@@ -61,12 +74,16 @@ class LeaseConfig:
         renewals can fail before the lease lapses.
     poll_seconds: how often a standby looks at the key.
     margin_seconds: the leader stops acknowledging this long before its lease could have lapsed.
+    lapse_seconds: how long a lapsed leader keeps trying to renew (it serves nothing meanwhile)
+        before it gives the lease up; covers a JetStream Raft election (4-9 s). The bucket TTL
+        is ttl + lapse_seconds.
     """
 
     ttl_seconds: float = 2.0
     renew_seconds: float = 0.5
     poll_seconds: float = 0.1
     margin_seconds: float = 0.1
+    lapse_seconds: float = 12.0
 
     def __post_init__(self) -> None:
         if not 0 < self.margin_seconds < self.ttl_seconds / 4:
@@ -76,6 +93,12 @@ class LeaseConfig:
                                   f"{self.ttl_seconds:g} s): a leader must be able to miss two renewals")
         if not 0 < self.poll_seconds <= self.ttl_seconds:
             raise InvalidArgument(f"poll_seconds must be in (0, ttl], got {self.poll_seconds}")
+        if self.lapse_seconds < 0:
+            raise InvalidArgument(f"lapse_seconds must be >= 0, got {self.lapse_seconds}")
+
+    @property
+    def bucket_ttl_seconds(self) -> float:
+        return self.ttl_seconds + self.lapse_seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +143,7 @@ class Lease:
         self._on_lost: Callable[[str], None] | None = None
         self._renewer: asyncio.Future[Any] | None = None
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)     # notified on every renewal and on loss
         self.kv = link.call(self._ensure_bucket(), link.config.request_seconds + 1.0)
 
     async def _ensure_bucket(self) -> Any:
@@ -129,7 +153,7 @@ class Lease:
         except nats.js.errors.BucketNotFoundError:
             try:
                 return await js.create_key_value(api.KeyValueConfig(
-                    bucket=self.bucket, ttl=self.config.ttl_seconds, history=1, replicas=c.replicas,
+                    bucket=self.bucket, ttl=self.config.bucket_ttl_seconds, history=1, replicas=c.replicas,
                     storage=api.StorageType.FILE, description="kvservice leader lease"))
             except nats.js.errors.BadRequestError:
                 return await js.key_value(self.bucket)
@@ -152,6 +176,9 @@ class Lease:
             entry = await self.kv.get(KEY)
         except nats.js.errors.KeyNotFoundError:
             return await self._take(None)
+        except BaseException:
+            self._seen = None          # unreadable: whether the leader renews is unknown, start over
+            raise
         self.holder = Holder.parse(entry.value, entry.revision)
         if self.holder.node == self.node:
             return await self._take(entry.revision)    # our own take timed out but landed: nobody wrote since
@@ -173,7 +200,7 @@ class Lease:
                 rev = await self.kv.update(KEY, self._value(), last=revision)
         except nats.js.errors.KeyWrongLastSequenceError:
             return False                               # another contender won
-        with self._lock:
+        with self._changed:
             self.revision, self.valid_until, self.held = rev, sent + self.config.ttl_seconds - \
                 self.config.margin_seconds, True
         self._seen = None
@@ -193,13 +220,13 @@ class Lease:
             await asyncio.sleep(c.renew_seconds)
             while self.held:
                 sent = self.clock()
-                left = self.valid_until - sent
-                if left <= 0:
-                    self._lose(f"lease lapsed: no renewal succeeded within {c.ttl_seconds:g} s")
+                if sent - self.valid_until > c.lapse_seconds:
+                    silent = sent - self.valid_until + c.ttl_seconds
+                    self._lose(f"lease lapsed: no renewal succeeded for {silent:.1f} s")
                     return
                 try:
                     rev = await asyncio.wait_for(self.kv.update(KEY, self._value(), last=self.revision),
-                                                 min(left, max(c.renew_seconds, 0.25)))
+                                                 max(c.renew_seconds, 0.25))
                 except nats.js.errors.KeyWrongLastSequenceError:
                     mine = await self._own_revision()
                     if mine is None:
@@ -209,13 +236,18 @@ class Lease:
                     continue
                 except (TimeoutError, nats.errors.Error, OSError) as err:
                     self.renew_failures += 1
-                    log.warning("lease renewal failed (%s: %s); %.2f s left", type(err).__name__, err,
-                                self.valid_until - self.clock())
+                    log.warning("lease renewal failed (%s: %s); %s", type(err).__name__, err,
+                                f"{self.valid_until - self.clock():.2f} s left" if self.clock() < self.valid_until
+                                else "lapsed: serving nothing until a renewal succeeds")
                     await asyncio.sleep(min(0.1, c.renew_seconds / 4))
                     continue
-                with self._lock:
+                with self._changed:
                     if self.held:
+                        if self.clock() >= self.valid_until:
+                            log.warning("lease renewed after a lapse of %.2f s: serving again",
+                                        self.clock() - self.valid_until)
                         self.revision, self.valid_until = rev, sent + c.ttl_seconds - c.margin_seconds
+                    self._changed.notify_all()
                 self.renewals += 1
                 break
 
@@ -229,23 +261,38 @@ class Lease:
         return entry.revision if holder.node == self.node else None
 
     def check(self) -> None:
-        """LeaseLost unless this process holds an unexpired lease right now (called around every write)."""
+        """LeaseLost unless this process holds a lease valid right now (LeaseLapsed while it is being renewed)."""
         if not self.held:
             raise LeaseLost(f"this manager is not the leader ({self.lost or 'standby'})")
-        if self.clock() >= self.valid_until:
-            self._lose(f"lease lapsed {self.clock() - self.valid_until:.2f} s ago without a renewal "
-                       "(process paused or NATS unreachable)")
-            raise LeaseLost(f"this manager is no longer the leader: {self.lost}")
+        late = self.clock() - self.valid_until
+        if late >= 0:
+            raise LeaseLapsed(f"the leader lease lapsed {late:.2f} s ago and is not renewed yet (NATS unreachable "
+                              "or this process was paused)")
+
+    def wait_valid(self, timeout: float) -> None:
+        """Return once the lease is valid; LeaseLost once it is lost, LeaseLapsed after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                try:
+                    self.check()
+                    return
+                except LeaseLapsed:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise
+                    self._changed.wait(min(left, 0.05))
 
     @property
     def remaining_seconds(self) -> float:
         return max(0.0, self.valid_until - self.clock()) if self.held else 0.0
 
     def _lose(self, why: str) -> None:
-        with self._lock:
+        with self._changed:
             if not self.held:
                 return
             self.held, self.lost = False, why
+            self._changed.notify_all()
         log.critical("leadership lost (epoch %d): %s", self.epoch, why)
         if self._on_lost is not None:
             self._on_lost(why)
@@ -258,9 +305,10 @@ class Lease:
         """Stop renewing and delete the key if it is still ours (a clean stop: the standby takes over at once)."""
         if self._renewer is not None:
             self._renewer.cancel()
-        with self._lock:
+        with self._changed:
             held, self.held = self.held, False
             self.lost = self.lost or "released"
+            self._changed.notify_all()
         if held:
             try:
                 self.link.call(self.kv.delete(KEY, last=self.revision), self.link.config.request_seconds + 1.0)
@@ -278,4 +326,4 @@ class Lease:
         return self.holder
 
 
-__all__ = ["Holder", "Lease", "LeaseConfig", "LeaseLost"]
+__all__ = ["Holder", "Lease", "LeaseConfig", "LeaseLapsed", "LeaseLost"]

@@ -24,7 +24,7 @@ from kvservice.geometry import CacheSpec
 from kvservice.ha import LeaderGate, open_journal, serve_ha, stop_ha
 from kvservice.journal import state_tree
 from kvservice.journal_nats import NatsConfig, NatsLink, NatsStore
-from kvservice.leader import Lease, LeaseConfig, LeaseLost
+from kvservice.leader import Lease, LeaseConfig, LeaseLapsed, LeaseLost
 from kvservice.planner import Sizing
 from kvservice.server import SERVICE_NAME, serve
 
@@ -82,10 +82,15 @@ def test_lease_is_taken_by_compare_and_set_only_after_a_silent_ttl(nats3):
         b.release()                                       # a clean stop deletes the key by CAS...
         assert c.try_acquire()                            # ...so a standby takes it at once
         c.check()
-        clocks[2].now += 6.0 - 0.5                        # c's renewals never ran (fake clock): its bound passes
-        with pytest.raises(LeaseLost, match="lapsed"):
+        clocks[2].now += 6.0 - 0.5                        # no renewal yet (fake clock): c's bound passes
+        with pytest.raises(LeaseLapsed, match="lapsed"):  # lapsed: it must not acknowledge...
             c.check()
-        assert not c.held
+        with pytest.raises(LeaseLapsed):
+            c.wait_valid(0.2)
+        assert c.held and c.lost is None                  # ...but nobody took the key: a renewal resumes it
+        c.start_renewing(3, lambda why: lost.set())
+        c.wait_valid(10)
+        assert c.renewals >= 1 and c.remaining_seconds > 5.0
     finally:
         for link in links:
             link.close()
