@@ -15,6 +15,7 @@ from .config import DEFAULT_POOLS_YAML, load_pools, load_pools_file
 from .errors import InvalidArgument, KVError
 from .event_log import DEFAULT_RING_BATCHES, DEFAULT_RING_BYTES, EventsConfig
 from .journal import Journal, JournalConfig
+from .leader import LeaseConfig
 from .server import MAX_MESSAGE_BYTES, serve
 from .servicer import Limits
 from .zmq_events import zmq_configs
@@ -40,13 +41,28 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     d = s.add_argument_group("state (docs/DURABILITY.md)")
     d.add_argument("--state-dir", default=os.environ.get("KVSERVICE_STATE_DIR"),
                    help="durable state: SQLite journal + snapshots in this dir (env KVSERVICE_STATE_DIR)")
-    d.add_argument("--state", choices=["memory"], help="'memory': throwaway state, no warning (the default "
-                   "without --state-dir)")
+    d.add_argument("--state", type=_state_arg, help="'memory': throwaway state, no warning (the default without "
+                   "--state-dir); nats://HOST:PORT[,HOST:PORT...]: replicated state on NATS JetStream, with a "
+                   "standby manager taking over (docs/HA.md)")
     d.add_argument("--sync", choices=["full", "normal"], default="full",
                    help="full: fsync every commit (survives power loss); normal: survives a process crash only")
     d.add_argument("--compact-every", type=int, default=10_000, help="journal entries between snapshots")
     d.add_argument("--idempotency-window", type=int, default=100_000, help="request ids remembered")
     d.add_argument("--idempotency-seconds", type=float, default=600.0, help="... for at most this long")
+    r = s.add_argument_group("replication, with --state nats://... (docs/HA.md)")
+    r.add_argument("--nats-name", default=os.environ.get("KVSERVICE_NATS_NAME", "kvservice"),
+                   help="deployment name: stream KVS_<name>, buckets KVS_<name>_snapshots / _leader")
+    r.add_argument("--nats-replicas", type=int, default=1, help="JetStream replicas (3 in production, 1 for dev)")
+    r.add_argument("--leader-ttl", type=float, default=LeaseConfig().ttl_seconds,
+                   help="leader lease, seconds: a standby takes over this long after the leader stops renewing")
+    r.add_argument("--leader-renew", type=float, default=LeaseConfig().renew_seconds,
+                   help="lease renewal period, seconds (at most a third of --leader-ttl)")
+    r.add_argument("--leader-lapse", type=float, default=LeaseConfig().lapse_seconds,
+                   help="how long a leader whose renewals fail keeps trying (serving nothing) before it gives up "
+                   "the lease; covers a NATS election")
+    r.add_argument("--advertise", help="gRPC address written into the leader key for clients (default: listen "
+                   "host:port)")
+    r.add_argument("--node-id", help="this manager's name in the leader key (default: HOSTNAME-pid)")
     lim = s.add_argument_group("limits")
     lim.add_argument("--max-step-sequences", type=int, default=_LIMITS.max_step_sequences,
                      help="ids in one Step (0 = no cap)")
@@ -90,28 +106,45 @@ def events_config(args: argparse.Namespace) -> EventsConfig:
                         max_watchers=args.kv_events_max_watchers,
                         zmq=zmq_configs(args.kv_events_zmq, args.kv_events_replay, args.kv_events_pool,
                                         args.kv_events_topic, args.kv_events_medium))
+def _state_arg(value: str) -> str:
+    if value == "memory" or value.startswith("nats://"):
+        return value
+    raise argparse.ArgumentTypeError(f"expected 'memory' or nats://HOST:PORT[,HOST:PORT...], got {value!r}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvservice", description="Paged KV-cache block manager.")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
-    c = sub.add_parser("check-state", help="recover a state dir read-only, check all of it, say what is wrong")
-    c.add_argument("state_dir")
+    c = sub.add_parser("check-state", help="recover a state dir (or nats://...) read-only, check all of it, say "
+                       "what is wrong")
+    c.add_argument("state_dir", help="a --state-dir, or the nats://HOST:PORT,... of a replicated manager")
     c.add_argument("--repair", action="store_true",
                    help="accept the state dir as it is on disk (rewrite its MANIFEST) when every content check "
                         "passes; for a damaged or lost MANIFEST or write-ahead log you chose to give up on")
+    c.add_argument("--nats-name", default=os.environ.get("KVSERVICE_NATS_NAME", "kvservice"))
     c.add_argument("--log-level", default="WARNING")
+    for name, what in (("export-state", "write the replicated state (nats://...) into a new SQLite state dir"),
+                       ("import-state", "write a SQLite state dir as the snapshot of a new replicated deployment")):
+        x = sub.add_parser(name, help=what)
+        x.add_argument("source", help="nats://HOST:PORT,... (export) or a state dir (import)")
+        x.add_argument("target", help="a new state dir (export) or nats://HOST:PORT,... (import)")
+        x.add_argument("--nats-name", default=os.environ.get("KVSERVICE_NATS_NAME", "kvservice"))
+        x.add_argument("--nats-replicas", type=int, default=1, help="import: replicas of the new stream")
+        x.add_argument("--epoch", type=int, default=1, help="import: leader epoch to continue from (docs/HA.md)")
+        x.add_argument("--log-level", default="WARNING")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "check-state":
-        return check_state(args.state_dir, args.repair)
+        return check_state(args.state_dir, args.repair, args.nats_name)
+    if args.command in ("export-state", "import-state"):
+        return move_state(args)
     return run_serve(parser, args)
 
 
 def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    if args.state == "memory" and args.state_dir:
-        parser.error("--state memory and --state-dir exclude each other")
+    if args.state and args.state_dir:
+        parser.error(f"--state {args.state.split(',')[0]} and --state-dir exclude each other")
     if bool(args.tls_cert) != bool(args.tls_key):
         parser.error("--tls-cert and --tls-key go together")
     if args.tls_client_ca and not args.tls_cert:
@@ -128,10 +161,10 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         tokens = TokenTable.from_file(args.tokens_file) if args.tokens_file else None
         limits = Limits(args.max_step_sequences, args.max_step_tokens, args.max_pool_slots, args.max_pools)
         events = events_config(args)
+        if args.state and args.state != "memory":
+            return _serve_replicated(args, pools, tls, tokens, limits, events)
         if args.state_dir:
-            config = JournalConfig(sync=args.sync, compact_every=args.compact_every,
-                                   id_window=args.idempotency_window, id_window_seconds=args.idempotency_seconds)
-            journal = Journal.open(args.state_dir, args.lease_seconds, config)
+            journal = Journal.open(args.state_dir, args.lease_seconds, _journal_config(args))
         elif args.state != "memory":
             log.warning("state is in memory only and is lost when this process ends; pass --state-dir DIR for "
                         "durable state (or --state memory to silence this)")
@@ -162,15 +195,89 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return 0
 
 
-def check_state(state_dir: str, repair: bool = False) -> int:
+def _journal_config(args: argparse.Namespace) -> JournalConfig:
+    return JournalConfig(sync=args.sync, compact_every=args.compact_every, id_window=args.idempotency_window,
+                         id_window_seconds=args.idempotency_seconds)
+
+
+def _serve_replicated(args: argparse.Namespace, pools: list, tls: ServerTLS | None, tokens: TokenTable | None,
+                      limits: Limits, events: EventsConfig) -> int:
+    """`serve --state nats://...`: a standby that follows the journal and takes over as leader (docs/HA.md)."""
+    from .ha import serve_ha, stop_ha
+    from .journal_nats import parse_state_url
+    from .leader import LeaseConfig
+    config = parse_state_url(args.state, name=args.nats_name, replicas=args.nats_replicas)
+    if config.replicas == 1:
+        log.warning("--nats-replicas 1: the journal has a single copy on one NATS server; production uses 3 "
+                    "(docs/HA.md)")
+    lease = LeaseConfig(ttl_seconds=args.leader_ttl, renew_seconds=args.leader_renew,
+                        poll_seconds=min(LeaseConfig().poll_seconds, args.leader_ttl / 4),
+                        margin_seconds=min(LeaseConfig().margin_seconds, args.leader_ttl / 8),
+                        lapse_seconds=args.leader_lapse)
+    running, ha = serve_ha(config, lease, args.listen, pools, node=args.node_id, advertise=args.advertise or "",
+                           journal_config=_journal_config(args), lease_seconds=args.lease_seconds,
+                           metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+                           max_workers=args.threads, metrics_addr=args.metrics_addr, tls=tls, tokens=tokens,
+                           limits=limits, max_message_bytes=args.max_message_bytes, events=events,
+                           max_streams=args.max_streams)
+    print(f"kvservice: listening on {args.listen.rsplit(':', 1)[0]}:{running.port}, metrics on port "
+          f"{running.metrics_port}, state: {config.url} (stream {config.stream}), standby until it holds the "
+          f"lease", flush=True)
+    if args.port_file:
+        Path(args.port_file).write_text(f"{running.port} {running.metrics_port or 0}\n")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(0.05) and not running.failed.is_set():
+        pass
+    failed = running.failed.is_set()
+    stop_ha(running, ha, grace=0.5 if failed else 2.0)
+    if failed:
+        print(f"kvservice: stopped: {ha.failed or (running.journal.failed if running.journal else '?')}",
+              file=sys.stderr)
+        return EXIT_FAILED
+    return 0
+
+
+def move_state(args: argparse.Namespace) -> int:
+    """export-state (NATS -> a new state dir: a backup) and import-state (a state dir -> a new NATS deployment)."""
+    from .ha import export_state, import_state
+    from .journal_nats import parse_state_url
+    try:
+        if args.command == "export-state":
+            j = export_state(parse_state_url(args.source, name=args.nats_name), args.target)
+            print(f"exported {args.source} (stream KVS_{args.nats_name}) at journal position {j.seq} into "
+                  f"{args.target}")
+        else:
+            config = parse_state_url(args.target, name=args.nats_name, replicas=args.nats_replicas)
+            seq, epoch = import_state(args.source, config, args.epoch)
+            print(f"imported {args.source} at journal position {seq} into {config.url} (stream {config.stream}); "
+                  f"managers continue from epoch {epoch}")
+    except KVError as err:
+        print(f"kvservice: {err.message}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def check_state(state_dir: str, repair: bool = False, nats_name: str = "kvservice") -> int:
     """Recover state_dir without writing it (unless repair) and report; exit 0 sound, 1 invariants broken, 2 unusable.
 
-    Every check recovery makes is made (see kvservice/store_sqlite.py): a problem is printed with
-    what to do, exactly as `kvservice serve` would refuse to start with it.
+    Every check recovery makes is made (see kvservice/store_sqlite.py; for nats://... the stream and
+    snapshot checks of kvservice/journal_nats.py): a problem is printed with what to do, exactly as
+    `kvservice serve` would refuse to start with it.
     """
     from .invariants import assert_invariants
+    replicated = state_dir.startswith("nats://")
     try:
-        journal = Journal.open(state_dir, repair=repair) if repair else Journal.open(state_dir, readonly=True)
+        if replicated:
+            if repair:
+                raise InvalidArgument("--repair works on a state dir; a replicated journal has no MANIFEST to "
+                                      "rewrite (restore it with kvservice import-state, docs/operations.md)")
+            from .ha import open_journal
+            from .journal_nats import parse_state_url
+            journal = open_journal(parse_state_url(state_dir, name=nats_name), readonly=True)
+        else:
+            journal = Journal.open(state_dir, repair=repair) if repair else Journal.open(state_dir, readonly=True)
     except KVError as err:
         problems = getattr(err, "problems", [err.message])
         print(f"kvservice: NOT USABLE ({err.reason}): {err.message}", file=sys.stderr)
@@ -181,9 +288,13 @@ def check_state(state_dir: str, repair: bool = False) -> int:
     try:
         store = journal.store
         m = getattr(store, "manifest", None) or {}
+        if replicated:
+            witness = f"stream {store.config.stream} read to its end, leader epoch {store.max_epoch}"  # type: ignore
+        else:
+            witness = (f"MANIFEST: {'running' if m.get('running') else 'stopped cleanly'}, at least "
+                       f"{m.get('last_seq', '?')} acknowledged")
         print(f"{state_dir}: journal position {journal.seq}, snapshot at {journal.snapshot_seq}, incarnation "
-              f"{journal.incarnation}, {len(journal.window.ids)} request ids remembered; MANIFEST: "
-              f"{'running' if m.get('running') else 'stopped cleanly'}, at least {m.get('last_seq', '?')} acknowledged")
+              f"{journal.incarnation}, {len(journal.window.ids)} request ids remembered; {witness}")
         for note in getattr(store, "notes", []):
             print(f"note: {note}")
         for name in journal.manager.pool_names():

@@ -28,7 +28,7 @@ import logging
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -356,29 +356,7 @@ class Journal:
         logging.getLogger("kvservice").addFilter(quiet)
         try:
             for e in self.store.entries_after(snapshot_seq):
-                if e.seq != expected:
-                    raise StateError(f"{where}: journal entries {expected}..{e.seq - 1} are missing (after the "
-                                     f"snapshot at {snapshot_seq}): acknowledged changes are lost")
-                if entry_digest(e.seq, e.method, e.request, e.created) != e.digest:
-                    raise StateError(f"{where}: journal entry {e.seq} fails its checksum (damaged)")
-                if e.method not in REQUESTS:
-                    raise StateError(f"{where}: journal entry {e.seq} has unknown method {e.method!r}")
-                try:
-                    request = REQUESTS[e.method].FromString(e.request)
-                    reply = getattr(api, e.method)(request)
-                except KVError as err:
-                    raise StateError(f"{where}: journal entry {e.seq} ({e.method}) failed on replay: "
-                                     f"{err.message}; the state and this kvservice disagree") from None
-                except Exception as err:              # a bug or an unreadable entry: never a traceback at start
-                    raise StateError(f"{where}: journal entry {e.seq} ({e.method}) cannot be replayed "
-                                     f"({type(err).__name__}: {err})") from None
-                rid = getattr(request, "request_id", "")
-                if window is not None and rid:
-                    window.remember(rid, e.method, digest(e.request), e.seq, e.created, reply)
-                if window is not None:
-                    self._appended += len(e.request)
-                    if e.method in _TARGET:
-                        self._dirty.add(getattr(request, _TARGET[e.method]))
+                self._replay(api, e, expected, window, where)
                 expected += 1
                 replayed += 1
         finally:
@@ -395,6 +373,58 @@ class Journal:
             with manager.locked(name) as pool:
                 out[name] = pool
         return out
+
+    def _replay(self, api: ManagerAPI, e: Entry, expected: int, window: IdempotencyWindow | None,
+                where: str) -> None:
+        """Check one journal entry (position, checksum, method) and apply it through api (recovery, a standby).
+
+        window None: rebuild a manager only (resync). StateError naming the entry if it cannot be applied.
+        """
+        if e.seq != expected:
+            raise StateError(f"{where}: journal entries {expected}..{e.seq - 1} are missing (after position "
+                             f"{expected - 1}): acknowledged changes are lost")
+        if entry_digest(e.seq, e.method, e.request, e.created) != e.digest:
+            raise StateError(f"{where}: journal entry {e.seq} fails its checksum (damaged)")
+        if e.method not in REQUESTS:
+            raise StateError(f"{where}: journal entry {e.seq} has unknown method {e.method!r}")
+        try:
+            request = REQUESTS[e.method].FromString(e.request)
+            reply = getattr(api, e.method)(request)
+        except KVError as err:
+            raise StateError(f"{where}: journal entry {e.seq} ({e.method}) failed on replay: "
+                             f"{err.message}; the state and this kvservice disagree") from None
+        except Exception as err:              # a bug or an unreadable entry: never a traceback at start
+            raise StateError(f"{where}: journal entry {e.seq} ({e.method}) cannot be replayed "
+                             f"({type(err).__name__}: {err})") from None
+        rid = getattr(request, "request_id", "")
+        if window is not None and rid:
+            window.remember(rid, e.method, digest(e.request), e.seq, e.created, reply)
+        if window is not None:
+            self._appended += len(e.request)
+            if e.method in _TARGET:
+                self._dirty.add(getattr(request, _TARGET[e.method]))
+
+    def apply_entry(self, entry: Entry) -> None:
+        """Check and apply the next entry another manager journaled (journal lock held; a standby, kvservice/ha.py).
+
+        The same checks as recovery (position, checksum, replay); StateError if it cannot be applied.
+        """
+        quiet = _Quiet()
+        logging.getLogger("kvservice").addFilter(quiet)
+        try:
+            self._replay(self.api, entry, self.seq + 1, self.window, self.store.location)
+        finally:
+            logging.getLogger("kvservice").removeFilter(quiet)
+        self.seq = entry.seq
+
+    def follow(self, entries: Iterable[Entry]) -> int:
+        """Apply entries another manager journaled (a hot standby), under the journal lock; returns how many."""
+        n = 0
+        with self._lock:
+            for entry in entries:
+                self.apply_entry(entry)
+                n += 1
+        return n
 
     # ---- the hooks the servicer calls -----------------------------------------------------
     def execute(self, method: str, request: Message, apply: Callable[[Message], Message]) -> Message:
@@ -581,6 +611,24 @@ class Journal:
                      enc.nbytes, 1e3 * cap.pause, 1e3 * self.snapshot_seconds)
         finally:
             self._writer_done.set()
+
+    def snapshot_to(self, store: JournalStore) -> None:
+        """Write this journal's state as a snapshot at its position into another store (any backend).
+
+        Backups and moves between backends (kvservice export-state / import-state, docs/HA.md). The
+        target must accept writes (begun); this journal's own store is not written.
+        """
+        self._writer_done.wait()
+        with self._lock:
+            ids, replies = self.window.capture()
+            states: dict[str, Any] = {}
+            for name in self.manager.pool_names():
+                with self.manager.locked(name) as pool:
+                    states[name] = pool.capture_state()
+            workers, seq = self.manager.workers.workers(), self.seq
+        states = {name: st if isinstance(st, PoolState) else st(runs=True) for name, st in states.items()}
+        window = snap.WindowState(ids, [(rid, m, msg.SerializeToString()) for rid, m, msg in replies])
+        store.write_snapshot(seq, snap.encode(seq, store.incarnation, time.time(), states, workers, window, METHODS))
 
     def wait_for_snapshot(self, timeout: float | None = None) -> bool:
         """Wait for a snapshot being written on the snapshot thread; False if still running after timeout."""

@@ -88,7 +88,8 @@ def serve(listen: str = "127.0.0.1:0", metrics_port: int | None = None, pools: S
           metrics_addr: str = "127.0.0.1", lease_seconds: float = 10.0,
           journal: Journal | None = None, *, tls: ServerTLS | None = None, tokens: TokenTable | None = None,
           limits: Limits | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES,
-          events: EventsConfig | None = None, max_streams: int = 64) -> RunningServer:
+          events: EventsConfig | None = None, max_streams: int = 64,
+          interceptors: Sequence[grpc.ServerInterceptor] = (), serving: bool = True) -> RunningServer:
     """Start the manager on `listen` (port 0 picks one); metrics on metrics_port (0 picks, None = off).
 
     journal: a durable kvservice.journal.Journal (its manager is served); None = an in-memory one
@@ -97,6 +98,8 @@ def serve(listen: str = "127.0.0.1:0", metrics_port: int | None = None, pools: S
     limits: per-request caps (default Limits()); max_message_bytes: gRPC message limit both ways.
     events: KV event rings, WatchEvents streams and ZeroMQ publishers (default EventsConfig()).
     max_streams: StepStream/EchoStream calls open at once; each holds a thread, added to max_workers.
+    interceptors: more server interceptors (after the token check); serving=False starts with the
+        BlockManager service NOT_SERVING in health (a standby: kvservice/ha.py), the server itself SERVING.
     """
     if journal is None:
         journal = Journal(manager or BlockManager(lease_seconds))
@@ -112,13 +115,14 @@ def serve(listen: str = "127.0.0.1:0", metrics_port: int | None = None, pools: S
         commit = Histogram("kvservice_journal_commit_seconds", "Time to make one mutating RPC durable.",
                            registry=metrics.registry, buckets=COMMIT_BUCKETS)
         journal.observe_commit = commit.observe
-    interceptors = []
+    chain: list[grpc.ServerInterceptor] = []
     if tokens is not None:
-        interceptors.append(TokenAuthInterceptor(tokens, BM, manager_rules(_worker_pool(manager))))
+        chain.append(TokenAuthInterceptor(tokens, BM, manager_rules(_worker_pool(manager))))
+    chain.extend(interceptors)
     api = ManagerAPI(manager, max_reply_bytes=max_message_bytes, fence=True)
     servicer = BlockManagerServicer(api, metrics, journal, limits or Limits(), max_streams)
     try:
-        server, port, health_servicer = grpc_server(SERVICE_NAME, servicer, listen, tls, interceptors,
+        server, port, health_servicer = grpc_server(SERVICE_NAME, servicer, listen, tls, chain,
                                                     max_workers + max_streams, max_message_bytes)
     except BaseException:
         for pub in publishers:
@@ -128,15 +132,16 @@ def serve(listen: str = "127.0.0.1:0", metrics_port: int | None = None, pools: S
                             publishers=publishers)
     journal.on_fail = lambda why: _fail_stop(running)
     server.start()
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING if serving
+                        else health_pb2.HealthCheckResponse.NOT_SERVING)
     if metrics_port is not None:
         http, _thread = start_http_server(metrics_port, addr=metrics_addr, registry=metrics.registry)
         running._http, running.metrics_port = http, http.server_port
     log.info("kvservice listening on port %d (%s%s), metrics on %s, state: %s", port,
              "mutual TLS" if tls and tls.client_ca else "TLS" if tls else "plaintext",
              f", {len(tokens)} tokens" if tokens is not None else "", running.metrics_port,
-             journal.state_dir or "memory only")
+             journal.state_dir or (journal.store.location if journal.store.durable else "memory only"))
     return running
 
 

@@ -2,8 +2,8 @@
 
 A store keeps acknowledged entries (each with a checksum) and the newest snapshot; the journal
 (kvservice/journal.py) does everything else. Backends: MemoryStore here, store_sqlite.SqliteStore
-(a state dir). A new backend (e.g. NATS JetStream) implements JournalStore and joins the shared
-suite tests/unit/test_journal_backends.py.
+(a state dir), journal_nats.NatsStore (a NATS JetStream stream: replicated managers, docs/HA.md).
+Every backend implements JournalStore and passes the shared suite tests/unit/test_journal_backends.py.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Skips CI must not take. A test that needs a tool CI installs (deploy/ci-install.sh and the
-dev extra: kubectl, promtool, prometheus, openssl, nvcc, libnvrtc, g++, grpcio-tools,
+dev extra: kubectl, promtool, prometheus, openssl, nats-server, nvcc, libnvrtc, g++, grpcio-tools,
 kubernetes-validate) skips on a developer's machine that lacks it, saying how to install it,
 but FAILS when the environment variable CI is set (CI runs with CI=true): a missing tool there
 is a broken CI setup, not a reason to report green."""

@@ -22,6 +22,7 @@ from prometheus_client import start_http_server
 
 from clients.client import BlockManagerClient, TLSOptions
 from clients.codec import ClientError
+from clients.ha import LeaderClient
 from kvservice.auth import WORKER, ServerTLS, TokenAuthInterceptor, TokenTable, worker_rules
 from kvservice.convert import cache_spec_from_proto
 from kvservice.errors import KVError
@@ -117,7 +118,9 @@ def serve_worker(manager: str, pool: str, worker_id: str, layer_begin: int = 0, 
     manager_tls / manager_token: how to reach a manager that serves TLS / wants a bearer token.
     tls / tokens: this worker's own server (TLS or mutual TLS; pool-scoped bearer tokens).
     """
-    client = BlockManagerClient(manager, timeout=10, tls=manager_tls, token=manager_token)
+    # A LeaderClient: `manager` may list several addresses (replicated managers, docs/HA.md), and a reply
+    # from a deposed leader (a lower epoch than one already seen) is refused and retried elsewhere.
+    client = LeaderClient(manager, timeout=10, tls=manager_tls, token=manager_token)
     client.wait_ready(30)
     info = client.get_pool(pool)
     all_layers = not layer_end

@@ -72,7 +72,22 @@ def sample_names(metrics: dict[str, str]) -> set[str]:
     return out
 
 
-KNOWN_SERIES = sample_names(MANAGER_METRICS) | sample_names(WORKER_METRICS) | {"up"}
+#: Exported by a replicated manager (--state nats://..., docs/HA.md) only: the live scrape here runs a
+#: single in-memory manager; tests/integration/test_ha.py scrapes a replicated one for these.
+REPLICATED_METRICS = {
+    "kvservice_leader": "gauge",
+    "kvservice_leader_epoch": "gauge",
+    "kvservice_lease_remaining_seconds": "gauge",
+    "kvservice_lease_renewals_total": "counter",
+    "kvservice_lease_renew_failures_total": "counter",
+    "kvservice_standby_lag_entries": "gauge",
+    "kvservice_standby_applied_total": "counter",
+    "kvservice_takeover_seconds": "gauge",
+    "kvservice_journal_append_retries_total": "counter",
+    "kvservice_nats_disconnects_total": "counter",
+    "kvservice_journal_commit_seconds": "histogram",
+}
+KNOWN_SERIES = sample_names(MANAGER_METRICS) | sample_names(WORKER_METRICS) | sample_names(REPLICATED_METRICS) | {"up"}
 
 
 def need(tool: str) -> str:

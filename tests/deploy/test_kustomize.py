@@ -20,13 +20,16 @@ from tests.ci import need_module
 
 from .support import DEPLOY, REPO, need
 
-OVERLAYS = ["base", "overlays/dev-cpu", "overlays/prod-gpu", "overlays/prod-gpu-operator"]
+OVERLAYS = ["base", "overlays/dev-cpu", "overlays/prod-gpu", "overlays/prod-gpu-operator", "overlays/ha"]
 #: Extra renders through a throw-away kustomization: the components on top of an overlay.
 COMBOS = {
     "dev-cpu+prometheus-operator+tls": ("overlays/dev-cpu", ["components/prometheus-operator", "components/tls"]),
     "prod-gpu+tls": ("overlays/prod-gpu", ["components/tls"]),
 }
 VARIANTS = OVERLAYS + list(COMBOS)
+#: Variants with one manager and its journal on a volume (overlays/ha: two managers, state on NATS).
+SINGLE_MANAGER = [v for v in VARIANTS if v != "overlays/ha"]
+NATS = "StatefulSet/kvservice-nats"
 CRD_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
 #: Oldest Kubernetes the manifests target (native gRPC probes are GA from 1.27) and the newest known.
 K8S_VERSIONS = ["1.29.0", "latest"]
@@ -166,7 +169,8 @@ def test_operator_kinds_only_where_asked(rendered) -> None:
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_pods_are_locked_down_and_sized(rendered, variant: str) -> None:
     templates = pod_templates(rendered(variant))
-    assert {n for n, _ in templates} == {"StatefulSet/kvservice-manager", "Deployment/kvworker"}
+    assert {n for n, _ in templates} == {"StatefulSet/kvservice-manager", "Deployment/kvworker"} | (
+        {NATS} if variant == "overlays/ha" else set())
     for name, tpl in templates:
         spec = tpl["spec"]
         psc = spec["securityContext"]
@@ -192,7 +196,9 @@ def test_pods_are_locked_down_and_sized(rendered, variant: str) -> None:
             for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
                 assert probe in c, f"{where}: no {probe}"
                 p = c[probe]
-                if "tls" in variant and name.startswith("StatefulSet"):
+                if name == NATS:
+                    assert container_port(tpl, p["httpGet"]["port"]) == 8222, f"{where}: {probe}"
+                elif "tls" in variant and name.startswith("StatefulSet"):
                     assert p["exec"]["command"][0] == "grpc-health-check", where
                 else:
                     assert container_port(tpl, p["grpc"]["port"]), f"{where}: {probe} port is no container port"
@@ -200,7 +206,7 @@ def test_pods_are_locked_down_and_sized(rendered, variant: str) -> None:
             assert "/tmp" in mounts, f"{where}: read-only root needs a writable /tmp"
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", SINGLE_MANAGER)
 def test_manager_statefulset_journal_and_pools(rendered, variant: str) -> None:
     from kvservice.config import load_pools
 
@@ -230,7 +236,7 @@ def test_manager_statefulset_journal_and_pools(rendered, variant: str) -> None:
     assert headless["spec"]["clusterIP"] == "None"
 
 
-@pytest.mark.parametrize("variant", ["base", "overlays/prod-gpu", "overlays/prod-gpu-operator"])
+@pytest.mark.parametrize("variant", ["base", "overlays/prod-gpu", "overlays/prod-gpu-operator", "overlays/ha"])
 def test_gpu_workers(rendered, variant: str) -> None:
     w = one(rendered(variant), "Deployment", "kvworker")
     c = w["spec"]["template"]["spec"]["containers"][0]
@@ -240,7 +246,7 @@ def test_gpu_workers(rendered, variant: str) -> None:
     assert any(t["key"] == "nvidia.com/gpu" for t in w["spec"]["template"]["spec"]["tolerations"])
     assert {"--metrics-addr=0.0.0.0", "--advertise=$(POD_IP):50061"} <= set(c["args"])
     assert any(e["name"] == "POD_IP" for e in c["env"]), "$(POD_IP) in args needs the env var"
-    if "prod" in variant:
+    if "prod" in variant or "ha" in variant:
         assert w["spec"]["template"]["spec"]["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
 
 
@@ -271,7 +277,8 @@ def test_services_and_pdbs_select_their_pods(rendered, variant: str) -> None:
     assert {(p["name"], p["port"]) for p in mgr["spec"]["ports"]} == {("grpc", 50051), ("metrics", 9400)}
     for pdb in by_kind(docs, "PodDisruptionBudget"):
         assert sum(matches(pdb["spec"]["selector"], t["metadata"]["labels"]) for _, t in templates) == 1
-    assert {p["metadata"]["name"] for p in by_kind(docs, "PodDisruptionBudget")} == {"kvservice-manager", "kvworker"}
+    pdbs = {"kvservice-manager", "kvworker"} | ({"kvservice-nats"} if variant == "overlays/ha" else set())
+    assert {p["metadata"]["name"] for p in by_kind(docs, "PodDisruptionBudget")} == pdbs
     for kind, name in (("StatefulSet", "kvservice-manager"), ("Deployment", "kvworker")):
         w = one(docs, kind, name)
         assert matches(w["spec"]["selector"], w["spec"]["template"]["metadata"]["labels"])
@@ -322,7 +329,7 @@ def allowed(docs: list[dict], target_labels: dict, port: int, src_labels: dict, 
     return False
 
 
-@pytest.mark.parametrize("variant", ["overlays/dev-cpu", "overlays/prod-gpu"])
+@pytest.mark.parametrize("variant", ["overlays/dev-cpu", "overlays/prod-gpu", "overlays/ha"])
 def test_network_policies(rendered, variant: str) -> None:
     docs = rendered(variant)
     ns = next(d["metadata"]["name"] for d in docs if d["kind"] == "Namespace")
@@ -356,7 +363,19 @@ def test_network_policies(rendered, variant: str) -> None:
     assert any(matches(peer.get("podSelector"), mgr) and {"port": 50051, "protocol": "TCP"} in rule["ports"]
                for rule in wpol["spec"]["egress"] for peer in rule["to"])
     mpol = one(docs, "NetworkPolicy", "kvservice-manager")
-    assert all(p["port"] == 53 for rule in mpol["spec"]["egress"] for p in rule["ports"])
+    if variant != "overlays/ha":
+        assert all(p["port"] == 53 for rule in mpol["spec"]["egress"] for p in rule["ports"])
+        return
+    # ha: the managers also dial NATS (4222), and only NATS takes that; NATS routes among its pods
+    nats = one(docs, "StatefulSet", "kvservice-nats")["spec"]["template"]["metadata"]["labels"]
+    assert {p["port"] for rule in mpol["spec"]["egress"] for p in rule["ports"]} == {53, 4222}
+    assert all(matches(peer["podSelector"], nats) for rule in mpol["spec"]["egress"] for peer in rule["to"]
+               if any(p["port"] == 4222 for p in rule["ports"]))
+    cases = [(nats, 4222, mgr, ns, None, True), (nats, 4222, wrk, ns, None, False),
+             (nats, 4222, scheduler, ns, None, False), (nats, 6222, nats, ns, None, True),
+             (nats, 6222, mgr, ns, None, False), (nats, 4222, stranger, ns, None, False)]
+    wrong = [c for c in cases if allowed(docs, c[0], c[1], c[2], c[3], c[4]) != c[5]]
+    assert not wrong, wrong
 
 
 def test_namespace_enforces_restricted_pod_security(rendered) -> None:
@@ -435,3 +454,52 @@ def test_manager_limits_fit_its_memory_limit(rendered, variant: str) -> None:
     c = one(rendered(variant), "StatefulSet", "kvservice-manager")["spec"]["template"]["spec"]["containers"][0]
     limit = _bytes(c["resources"]["limits"]["memory"])
     assert _manager_budget(c["args"]) <= limit, f"{variant}: limits need {_manager_budget(c['args'])} of {limit}"
+
+
+# ---- high availability -------------------------------------------------------------------------------
+
+def test_ha_overlay_runs_two_managers_on_a_nats_cluster(rendered) -> None:
+    docs = rendered("overlays/ha")
+    sts = one(docs, "StatefulSet", "kvservice-manager")
+    spec, tpl = sts["spec"], sts["spec"]["template"]["spec"]
+    assert spec["replicas"] == 2 and spec["podManagementPolicy"] == "Parallel"
+    assert spec["updateStrategy"] == {"type": "OnDelete"}, "a standby is never Ready: a rolling update would stall"
+    assert "volumeClaimTemplates" not in spec, "the state lives in NATS, not on a volume"
+    anti = tpl["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
+    assert anti["topologyKey"] == "kubernetes.io/hostname" and matches(anti["labelSelector"],
+                                                                        sts["spec"]["template"]["metadata"]["labels"])
+    c = tpl["containers"][0]
+    state = next(a.split("=", 1)[1] for a in c["args"] if a.startswith("--state="))
+    nats = one(docs, "StatefulSet", "kvservice-nats")
+    headless = one(docs, "Service", nats["spec"]["serviceName"])
+    assert headless["spec"]["clusterIP"] == "None"
+    assert state.split(",") == [f"nats://kvservice-nats-{i}.{headless['metadata']['name']}:4222"
+                                for i in range(nats["spec"]["replicas"])]
+    assert "--nats-replicas=3" in c["args"] and not any(a.startswith("--state-dir") for a in c["args"])
+    assert {"--node-id=$(POD_NAME)", "--advertise=$(POD_IP):50051"} <= set(c["args"])
+    assert {e["name"] for e in c["env"]} >= {"POD_NAME", "POD_IP"}
+    assert "/var/lib/kvservice" not in {m["mountPath"] for m in c["volumeMounts"]}
+    # readiness = leader only (the Service routes to it); liveness = the whole server (standbys pass)
+    assert c["readinessProbe"]["grpc"]["service"] == "kvservice.v1.BlockManager"
+    assert "service" not in c["livenessProbe"]["grpc"] and "service" not in c["startupProbe"]["grpc"]
+    from kvservice.server import SERVICE_NAME
+    assert c["readinessProbe"]["grpc"]["service"] == SERVICE_NAME
+    # NATS: three servers on three nodes, the official image, JetStream on a volume each
+    assert nats["spec"]["replicas"] == 3 and nats["spec"]["podManagementPolicy"] == "Parallel"
+    ntpl = nats["spec"]["template"]["spec"]
+    assert ntpl["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0][
+        "topologyKey"] == "kubernetes.io/hostname"
+    image = ntpl["containers"][0]["image"]
+    assert image.split(":")[0] == "nats" and not image.endswith(":latest")
+    assert nats["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"]
+    cm_name = next(v["configMap"]["name"] for v in ntpl["volumes"] if v["name"] == "config")
+    conf = one(docs, "ConfigMap", cm_name)["data"]["nats.conf"]
+    assert "jetstream" in conf and "store_dir: /data/jetstream" in conf
+    assert {m["mountPath"] for m in ntpl["containers"][0]["volumeMounts"]} >= {"/data", "/etc/nats"}
+    for i in range(3):
+        assert f"nats://kvservice-nats-{i}.kvservice-nats:6222" in conf
+    assert "pid_file: /tmp/nats.pid" in conf and "ldm=/tmp/nats.pid" in " ".join(
+        ntpl["containers"][0]["lifecycle"]["preStop"]["exec"]["command"])
+    # disruption budgets: NATS keeps a Raft quorum (one of three down at most)
+    assert one(docs, "PodDisruptionBudget", "kvservice-nats")["spec"]["maxUnavailable"] == 1
+    assert one(docs, "PodDisruptionBudget", "kvservice-manager")["spec"]["minAvailable"] == 1

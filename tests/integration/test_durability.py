@@ -34,11 +34,13 @@ class Loader(threading.Thread):
     model: seq -> (tokens, pages) as acknowledged; inflight: the one unacknowledged step, if any.
     """
 
-    def __init__(self, idx: int, target: str, stop: threading.Event) -> None:
+    def __init__(self, idx: int, target: str, stop: threading.Event, client: BlockManagerClient | None = None) -> None:
         super().__init__(daemon=True, name=f"loader{idx}")
         self.idx, self.stop = idx, stop
-        self.client = BlockManagerClient(target, timeout=5,
-                                         retry=RetryPolicy(attempts=100, initial_backoff=0.05, max_backoff=0.25))
+        self.client = client or BlockManagerClient(target, timeout=5, retry=RetryPolicy(
+            attempts=100, initial_backoff=0.05, max_backoff=0.25))
+        self.hold = threading.Event()      # set: finish the step in flight, then wait (idle is set meanwhile)
+        self.idle = threading.Event()
         self.model: dict[int, tuple[int, list[int]]] = {}
         self.inflight: tuple[list[int], dict[int, int], dict[int, int]] | None = None
         self.lock = threading.Lock()
@@ -49,6 +51,11 @@ class Loader(threading.Thread):
         rng = np.random.default_rng(self.idx)
         next_id, preempt = self.idx * SEQ_BASE + 1, False
         while not self.stop.is_set():
+            if self.hold.is_set():
+                self.idle.set()
+                time.sleep(0.005)
+                continue
+            self.idle.clear()
             live = list(self.model)
             free = [i for i in live if preempt or rng.random() < 0.1]
             ext = [i for i in live if i not in free and self.model[i][0] < 900 and rng.random() < 0.8]

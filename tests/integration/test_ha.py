@@ -1,0 +1,337 @@
+"""Replicated managers on real nats-server processes: leases, takeover, kill -9 loops, a paused leader, NATS node loss.
+
+Every test runs its own deployment name (stream and buckets) on a NATS cluster started for
+the module on loopback ports chosen at start; fixtures stop every process they start.
+Timings are never asserted (the failover figures are in bench/results/ha.md); what is
+asserted: who may write, what was acknowledged, what was recovered.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from clients import ClientError
+from clients.client import BlockManagerClient, RetryPolicy
+from clients.ha import LeaderClient
+from kvservice.geometry import CacheSpec
+from kvservice.ha import LeaderGate, open_journal, serve_ha, stop_ha
+from kvservice.journal import state_tree
+from kvservice.journal_nats import NatsConfig, NatsLink, NatsStore
+from kvservice.leader import Lease, LeaseConfig, LeaseLapsed, LeaseLost
+from kvservice.planner import Sizing
+from kvservice.server import SERVICE_NAME, serve
+
+from ..deploy.support import REPLICATED_METRICS, sample_names
+from ..natsutil import NatsCluster, require_nats_server
+from .ha_harness import HASystem, cluster_leader_node, kill_loop, pause_leader
+
+pytestmark = pytest.mark.integration
+TEST_LEASE = ("--leader-ttl", "1.0", "--leader-renew", "0.25", "--compact-every", "200")
+
+
+@pytest.fixture(scope="module")
+def nats3(tmp_path_factory):
+    require_nats_server()
+    cluster = NatsCluster(tmp_path_factory.mktemp("nats3"), 3).start()
+    yield cluster
+    cluster.stop()
+
+
+def fresh_name() -> str:
+    return "t" + uuid.uuid4().hex[:10]
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# ---- the lease ----------------------------------------------------------------------------------------
+
+def test_lease_is_taken_by_compare_and_set_only_after_a_silent_ttl(nats3):
+    config = NatsConfig(tuple(nats3.urls), name=fresh_name(), replicas=3)
+    lc = LeaseConfig(ttl_seconds=6.0, renew_seconds=0.05, poll_seconds=0.1, margin_seconds=0.5)
+    links = [NatsLink(config) for _ in range(3)]
+    clocks = [FakeClock() for _ in range(3)]
+    try:
+        a, b, c = (Lease(link, lc, n, f"addr-{n}", clock=clk) for link, clk, n in zip(links, clocks, "abc",
+                                                                                      strict=True))
+        assert a.try_acquire()                           # absent: created
+        assert not b.try_acquire()                       # first sight of a's revision starts b's timer
+        clocks[1].now += 5.9
+        assert not b.try_acquire() and b.holder.node == "a"
+        a.check()                                         # a's own bound is sent + ttl - margin
+        clocks[1].now += 0.2                              # 6.1 s of the same revision: b takes it by CAS
+        assert b.try_acquire() and b.held
+        assert not c.try_acquire() and c.holder.node == "b"
+        lost = threading.Event()                          # a never noticed (paused, say); its renewal is refused
+        a.start_renewing(1, lambda why: lost.set())
+        assert lost.wait(10) and "another manager holds the leader key" in a.lost
+        with pytest.raises(LeaseLost):
+            a.check()
+        b.release()                                       # a clean stop deletes the key by CAS...
+        assert c.try_acquire()                            # ...so a standby takes it at once
+        c.check()
+        clocks[2].now += 6.0 - 0.5                        # no renewal yet (fake clock): c's bound passes
+        with pytest.raises(LeaseLapsed, match="lapsed"):  # lapsed: it must not acknowledge...
+            c.check()
+        with pytest.raises(LeaseLapsed):
+            c.wait_valid(0.2)
+        assert c.held and c.lost is None                  # ...but nobody took the key: a renewal resumes it
+        c.start_renewing(3, lambda why: lost.set())
+        c.wait_valid(10)
+        assert c.renewals >= 1 and c.remaining_seconds > 5.0
+    finally:
+        for link in links:
+            link.close()
+
+
+def test_lease_config_refuses_a_renewal_too_close_to_the_ttl():
+    with pytest.raises(Exception, match="ttl/3"):
+        LeaseConfig(ttl_seconds=1.0, renew_seconds=0.5)
+
+
+# ---- a standby follows, refuses, takes over ------------------------------------------------------------
+
+def test_standby_follows_refuses_and_takes_over_when_the_leader_stops(nats3):
+    config = NatsConfig(tuple(nats3.urls), name=fresh_name(), replicas=3)
+    lc = LeaseConfig(ttl_seconds=1.0, renew_seconds=0.25, poll_seconds=0.05, margin_seconds=0.1)
+    a, ha_a = serve_ha(config, lc, "127.0.0.1:0", node="a")
+    b = ha_b = None
+    a_stopped = False
+    try:
+        with LeaderClient([f"127.0.0.1:{a.port}"], timeout=5) as c:
+            c.create_pool("p", CacheSpec.uniform(2, 1, 64, page_size=16), Sizing(num_slots=256, max_seq_len=512))
+            for i in range(1, 31):
+                c.step("p", admit=[i], admit_tokens=[int(i * 7 % 90) + 1])
+            epoch_a = c.epoch
+        assert epoch_a >= 1 and ha_a.role == "leader"
+        b, ha_b = serve_ha(config, lc, "127.0.0.1:0", node="b")
+        target_b = f"127.0.0.1:{b.port}"
+        with LeaderClient([f"127.0.0.1:{a.port}"], timeout=5) as c:
+            for i in range(1, 31):
+                c.step("p", extend=[i], extend_tokens=3)
+        deadline = time.monotonic() + 20
+        while ha_b.journal.seq < ha_a.journal.seq and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert ha_b.journal.seq == ha_a.journal.seq                 # hot: it follows the stream
+        assert state_tree(b.manager) == state_tree(a.manager)
+        scraped = {name: _series(r) for name, r in (("a", a), ("b", b))}
+        for r in scraped.values():                                    # what dashboards and alerts use
+            assert sample_names(REPLICATED_METRICS) <= r["names"]
+        assert scraped["a"]["kvservice_leader"] == 1.0 and scraped["b"]["kvservice_leader"] == 0.0
+        assert scraped["b"]["kvservice_leader_epoch"] == float(epoch_a)
+        with grpc.insecure_channel(target_b) as ch:                  # a standby is not ready, but alive
+            health = health_pb2_grpc.HealthStub(ch)
+            assert health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME)).status == \
+                health_pb2.HealthCheckResponse.NOT_SERVING
+            assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
+        with BlockManagerClient(target_b, retries=0) as direct:
+            with pytest.raises(ClientError) as exc:
+                direct.get_pool("p")
+            assert exc.value.code == grpc.StatusCode.UNAVAILABLE and "the leader is a at 127.0.0.1" in exc.value.message
+        before = state_tree(a.manager)
+        stop_ha(a, ha_a)                                             # clean stop: snapshot, key released
+        a_stopped = True
+        with LeaderClient([target_b], timeout=5) as c:
+            r = c.step("p", extend=[5], extend_tokens=1)
+            assert c.epoch == epoch_a + 1
+        assert r.num_tokens.tolist() == [5 * 7 % 90 + 1 + 3 + 1]
+        assert ha_b.role == "leader"
+        with b.manager.locked("p") as pool:
+            assert pool.steps > 0
+        after = state_tree(b.manager)
+        assert after != before
+        j = open_journal(config, readonly=True)                      # what a third manager would recover
+        try:
+            assert state_tree(j.manager) == after
+        finally:
+            j.close(snapshot=False)
+    finally:
+        if ha_b is not None:
+            stop_ha(b, ha_b)
+        if not a_stopped:
+            stop_ha(a, ha_a)
+
+
+def test_workers_keep_their_epoch_across_a_takeover(nats3):
+    from prometheus_client import generate_latest
+
+    from kvservice.v1 import block_manager_pb2 as pb
+    config = NatsConfig(tuple(nats3.urls), name=fresh_name(), replicas=3)
+    lc = LeaseConfig(ttl_seconds=1.0, renew_seconds=0.25, poll_seconds=0.05, margin_seconds=0.1)
+    a, ha_a = serve_ha(config, lc, "127.0.0.1:0", node="a", lease_seconds=2.0)
+    b, ha_b = serve_ha(config, lc, "127.0.0.1:0", node="b", lease_seconds=2.0)
+    stopped_a = False
+    try:
+        with LeaderClient([f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"], timeout=5) as c:
+            c.create_pool("w", CacheSpec.uniform(2, 1, 64, page_size=16), Sizing(num_slots=64, max_seq_len=256))
+            epoch = c.register_worker(pb.RegisterWorkerRequest(worker_id="w0", pool="w", backend="cpu")).epoch
+            deadline = time.monotonic() + 20
+            while ha_b.journal.seq < ha_a.journal.seq and time.monotonic() < deadline:
+                time.sleep(0.02)
+            for _ in range(2):
+                time.sleep(1.2)
+                c.heartbeat("w0", epoch)                      # the leader sees w0 beat; the standby does not
+            generate_latest(b.metrics.registry)               # a scrape of the standby sweeps w0 dead there
+            assert not next(w for w in b.manager.workers.workers() if w.worker_id == "w0").alive
+            stop_ha(a, ha_a)                                  # planned handover
+            stopped_a = True
+            c.heartbeat("w0", epoch)                          # same epoch, on the new leader
+            (w,) = c.workers("w")
+            assert (w.worker_id, w.epoch, w.alive) == ("w0", epoch, True) and c.epoch == ha_b.store.epoch
+    finally:
+        stop_ha(b, ha_b)
+        if not stopped_a:
+            stop_ha(a, ha_a)
+
+
+def _series(running) -> dict:
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+    out: dict = {"names": set()}
+    for fam in text_string_to_metric_families(generate_latest(running.metrics.registry).decode()):
+        for sample in fam.samples:
+            out["names"].add(sample.name)
+            out[sample.name] = sample.value
+    return out
+
+
+# ---- clients refuse a lower epoch ---------------------------------------------------------------------------
+
+def test_client_refuses_replies_from_a_lower_epoch():
+    gates = [LeaderGate(), LeaderGate()]
+    servers = [serve(interceptors=[g]) for g in gates]
+    targets = [f"127.0.0.1:{s.port}" for s in servers]
+    try:
+        gates[0].promote(5)
+        with LeaderClient(targets, timeout=2, retry=RetryPolicy(attempts=6, initial_backoff=0.01,
+                                                                max_backoff=0.02)) as c:
+            assert c.echo(b"x") == b"x" and c.epoch == 5
+            gates[0].depose("deposed in a test")
+            gates[1].promote(3)                        # a manager of an older epoch answers now
+            with pytest.raises(ClientError) as exc:
+                c.echo(b"y")
+            assert exc.value.code == grpc.StatusCode.UNAVAILABLE
+            assert c.stale_replies >= 1 and c.epoch == 5
+            gates[1].promote(6)                        # the real successor
+            assert c.echo(b"z") == b"z" and c.epoch == 6
+    finally:
+        for s in servers:
+            s.stop(0)
+
+
+# ---- kill -9 under load -------------------------------------------------------------------------------------
+
+def test_kill9_of_the_leader_under_load_loses_and_repeats_no_step(nats3, tmp_path):
+    name = fresh_name()
+    system = HASystem(tmp_path, nats3.url, name, extra=("--nats-replicas", "3", *TEST_LEASE))
+    system.start()
+    try:
+        takeovers = kill_loop(system, 20, np.random.default_rng(14), load_seconds=(0.2, 0.8))
+        system.raise_loader_errors()
+    finally:
+        system.stop()
+    assert len(takeovers) == 20
+    bad = [t for t in takeovers if t.lost or t.duplicated]
+    assert not bad, bad
+    epochs = [t.new_epoch for t in takeovers]
+    assert all(t.new_epoch > t.old_epoch for t in takeovers) and epochs == sorted(epochs)
+    assert all(ld.client.stale_replies == 0 for ld in system.loaders)
+    assert min(ld.acked for ld in system.loaders) > 20
+
+
+# ---- a paused leader ------------------------------------------------------------------------------------------
+
+def test_a_paused_leader_acknowledges_nothing_after_its_lease_lapsed(nats3, tmp_path):
+    name = fresh_name()
+    system = HASystem(tmp_path, nats3.url, name, extra=("--nats-replicas", "3", *TEST_LEASE))
+    system.start()
+    try:
+        time.sleep(1.0)
+        t_stop = time.monotonic()
+        r = pause_leader(system)                 # SIGSTOP, a Step waits in its socket, takeover, SIGCONT
+        assert not r.acknowledged and r.code == grpc.StatusCode.UNAVAILABLE
+        assert r.exit_status == 3                # fail-stop
+        assert (r.lost, r.duplicated) == (0, 0), r.problems
+        system.raise_loader_errors()
+        assert all(ld.client.stale_replies == 0 for ld in system.loaders)
+        assert all(e > r.old_epoch for ld in system.loaders for at, e in ld.acks if at > t_stop + r.paused_seconds)
+        # the stream: nothing of the old epoch after the new leader's fence
+        assert_no_write_after_fence(NatsConfig(tuple(nats3.urls), name=name), r.old_epoch)
+    finally:
+        system.stop()
+
+
+def assert_no_write_after_fence(config: NatsConfig, old_epoch: int) -> None:
+    link = NatsLink(config)
+    try:
+        store = NatsStore(link, readonly=True, create=False)
+        store.last_snapshot()                  # a snapshot of a newer leader covers (and purged) its fence
+        seen_new_fence = store.max_epoch > old_epoch
+        msgs = link.call(_all_messages(link, config), 30)
+        for headers in msgs:
+            kind, epoch = headers.get("Kvs-Kind"), int(headers.get("Kvs-Epoch", "0"))
+            if kind == "fence" and epoch > old_epoch:
+                seen_new_fence = True
+            elif kind == "entry" and seen_new_fence:
+                assert epoch > old_epoch, f"an entry of epoch {epoch} after the fence of a newer one"
+        assert seen_new_fence
+    finally:
+        link.close()
+
+
+async def _all_messages(link: NatsLink, config: NatsConfig) -> list[dict[str, str]]:
+    from nats.js import api
+    info = await link.js.stream_info(config.stream)
+    out = []
+    sub = await link.js.subscribe(config.subject, ordered_consumer=True, stream=config.stream,
+                                  config=api.ConsumerConfig(deliver_policy=api.DeliverPolicy.ALL))
+    try:
+        while len(out) < info.state.messages:
+            msg = await sub.next_msg(timeout=5)
+            out.append(dict(msg.headers or {}))
+    finally:
+        await sub.unsubscribe()
+    return out
+
+
+# ---- a NATS node dies ---------------------------------------------------------------------------------------
+
+def test_a_nats_node_killed_mid_run_costs_no_step_and_no_failover(tmp_path):
+    require_nats_server()
+    cluster = NatsCluster(tmp_path / "nats", 3).start()
+    system = HASystem(tmp_path / "managers", cluster.url, fresh_name(), extra=("--nats-replicas", "3", *TEST_LEASE))
+    try:
+        system.start()
+        time.sleep(1.0)
+        _, epoch = system.leader()
+        victim = cluster_leader_node(cluster, system.nats_name)      # the worst one: it leads the journal
+        t_kill = time.monotonic()
+        victim.kill()
+        system.first_ack_after(t_kill + 0.5, epoch - 1, timeout=40)   # Steps go on (after a Raft election)
+        time.sleep(2.0)
+        assert all(s.alive() for s in system.slots), "a manager gave up during the NATS election"
+        assert system.leader()[1] == epoch, "the leader lapsed and lost its lease"
+        lost, dup, problems = system.check_exact()
+        assert (lost, dup) == (0, 0), problems
+        victim.start()                                                # it comes back and catches up
+        cluster.wait_ready()
+        time.sleep(1.0)
+        lost, dup, problems = system.check_exact()
+        assert (lost, dup) == (0, 0), problems
+        system.raise_loader_errors()
+        assert all(ld.client.stale_replies == 0 for ld in system.loaders)
+    finally:
+        system.stop()
+        cluster.stop()

@@ -1,0 +1,356 @@
+"""One recovery suite, two journal backends: SQLite (a state dir) and NATS JetStream (a real nats-server).
+
+The backend fixture opens a writable Journal over persistent state, "crashes" it (closes it
+without a snapshot, as kill -9 would leave it) and opens it again; every test here runs
+against both. NATS-only tests at the end: entries larger than a message, a writer dying
+mid-entry, two writers (fencing), checksums.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvservice.errors import KVError
+from kvservice.ha import open_journal, open_sole_writer
+from kvservice.invariants import assert_invariants
+from kvservice.journal import Journal, JournalConfig, StateError, state_tree
+from kvservice.journal_nats import NatsConfig, NatsLink, NatsStore, StoreError
+from kvservice.servicer import JournalUnavailable
+from kvservice.v1 import block_manager_pb2 as pb
+from kvservice.wire import to_tensor
+
+from ..natsutil import NatsCluster, require_nats_server
+from ..unit.test_journal import body, prefix_workload, run, setup_pools, step_req, workload
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def nats1(tmp_path_factory):
+    require_nats_server()
+    cluster = NatsCluster(tmp_path_factory.mktemp("nats1"), 1).start()
+    yield cluster
+    cluster.stop()
+
+
+class SqliteBackend:
+    name = "sqlite"
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def open(self, config: JournalConfig) -> Journal:
+        return Journal.open(self.path, config=config)
+
+    def open_readonly(self) -> Journal:
+        return Journal.open(self.path, readonly=True)
+
+    def stored_entries(self) -> int:
+        import sqlite3
+        db = sqlite3.connect(self.path / "state.db")
+        try:
+            return db.execute("SELECT COUNT(*) FROM entries").fetchone()[0]
+        finally:
+            db.close()
+
+
+class NatsBackend:
+    """A deployment name of its own on the module's nats-server; a new writer fences out the previous one."""
+
+    name = "nats"
+
+    def __init__(self, cluster: NatsCluster) -> None:
+        self.config = NatsConfig(tuple(cluster.urls), name="b" + uuid.uuid4().hex[:10])
+
+    def open(self, config: JournalConfig) -> Journal:
+        return open_sole_writer(self.config, journal_config=config)
+
+    def open_readonly(self) -> Journal:
+        return open_journal(self.config, readonly=True)
+
+    def stored_entries(self) -> int:
+        link = NatsLink(self.config)
+        try:
+            info = link.call(link.js.stream_info(self.config.stream), 10)
+            return int(info.state.messages)
+        finally:
+            link.close()
+
+
+@pytest.fixture(params=["sqlite", "nats"])
+def backend(request, tmp_path):
+    if request.param == "sqlite":
+        return SqliteBackend(tmp_path / "state")
+    return NatsBackend(request.getfixturevalue("nats1"))
+
+
+def crash(j: Journal) -> None:
+    j.close(snapshot=False)
+
+
+FAST = JournalConfig(sync="normal", compact_every=1000)
+
+
+@pytest.mark.parametrize("compact_every", [1000, 17])
+def test_recovery_rebuilds_the_exact_state(backend, compact_every):
+    j = backend.open(JournalConfig(sync="normal", compact_every=compact_every))
+    setup_pools(j)
+    workload(j, np.random.default_rng(compact_every), 120)
+    prefix_workload(j, np.random.default_rng(compact_every), 60)
+    with j.manager.locked("c") as pool:
+        assert pool.prefix.hits > 0                       # the prefix cache was exercised
+    before = state_tree(j.manager)
+    crash(j)
+    j2 = backend.open(FAST)
+    assert state_tree(j2.manager) == before
+    for name in j2.manager.pool_names():
+        with j2.manager.locked(name) as pool:
+            assert_invariants(pool)
+    workload(j2, np.random.default_rng(5), 30)           # it goes on exactly like the original would
+    after = state_tree(j2.manager)
+    j2.close()                                            # clean: snapshot
+    j3 = backend.open_readonly()
+    try:
+        assert state_tree(j3.manager) == after and j3.seq == j3.snapshot_seq
+    finally:
+        j3.close(snapshot=False)
+
+
+def test_snapshots_bound_the_journal_tail(backend):
+    j = backend.open(JournalConfig(sync="normal", compact_every=10, background_snapshots=False))
+    setup_pools(j)
+    workload(j, np.random.default_rng(1), 45)
+    assert j.snapshots >= 3 and j.seq - j.snapshot_seq < 10
+    tail = j.seq - j.snapshot_seq
+    tree = state_tree(j.manager)
+    crash(j)
+    assert backend.stored_entries() == tail               # compaction dropped what the snapshot covers
+    j2 = backend.open_readonly()
+    try:
+        assert j2.seq - j2.snapshot_seq == tail and state_tree(j2.manager) == tree
+    finally:
+        j2.close(snapshot=False)
+
+
+def test_retry_after_a_restart_gets_the_original_reply(backend):
+    j = backend.open(FAST)
+    setup_pools(j)
+    first = run(j, "Step", step_req("a", admit=[1, 2], n=[40, 17], rid="step-1"))
+    crash(j)
+    j2 = backend.open(FAST)                               # regenerated by replay
+    assert body(run(j2, "Step", step_req("a", admit=[1, 2], n=[40, 17], rid="step-1"))) == body(first)
+    j2.close()                                            # ... or kept in the snapshot
+    j3 = backend.open(FAST)
+    assert j3.seq == j3.snapshot_seq
+    again = run(j3, "Step", step_req("a", admit=[1, 2], n=[40, 17], rid="step-1"))
+    assert body(again) == body(first)          # the same reply, stamped with the position now
+    assert (again.position.incarnation, again.position.seq) == (j3.incarnation, j3.seq)
+    assert j3.incarnation > first.position.incarnation
+    assert j3.window.hits == 1
+    with j3.manager.locked("a") as pool:
+        assert pool.steps == 1
+    crash(j3)
+
+
+def test_write_failure_fail_stops_and_the_step_is_not_there_after_recovery(backend):
+    j = backend.open(FAST)
+    setup_pools(j)
+    run(j, "Step", step_req("a", admit=[1], n=[20], rid="ok"))
+    durable = state_tree(j.manager)
+    stops = []
+    j.on_fail = stops.append
+
+    def broken(*_a):
+        raise OSError(5, "Input/output error")
+    j.store.append = broken
+    with pytest.raises(JournalUnavailable, match="not made durable"):
+        run(j, "Step", step_req("a", admit=[2], n=[20], rid="lost"))
+    assert stops and j.failed
+    crash(j)
+    j2 = backend.open_readonly()
+    try:
+        assert state_tree(j2.manager) == durable
+    finally:
+        j2.close(snapshot=False)
+
+
+# ---- NATS only ------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def nats_backend(nats1):
+    return NatsBackend(nats1)
+
+
+def _prefix_pool_request(name: str, max_seq_len: int) -> pb.CreatePoolRequest:
+    from kvservice.geometry import CacheSpec
+    from kvservice.journal import create_request
+    from kvservice.planner import Sizing
+    req = create_request(name, CacheSpec.uniform(2, 1, 64, page_size=16),
+                         Sizing(num_slots=max_seq_len // 16 + 64, max_seq_len=max_seq_len), ())
+    req.enable_prefix_caching = True
+    return req
+
+
+def test_an_entry_larger_than_a_message_is_split_and_rebuilt(nats_backend):
+    j = nats_backend.open(FAST)
+    run(j, "CreatePool", _prefix_pool_request("big", 400_000))
+    tokens = np.random.default_rng(3).integers(1, 30_000, 300_000).astype(np.int64)     # 2.4 MB of token ids
+    req = step_req("big", admit=[7], n=[len(tokens)], rid="big-1")
+    req.admit_token_ids.CopyFrom(to_tensor(tokens))
+    assert req.ByteSize() > 2 * j.store.max_part_bytes
+    run(j, "Step", req)
+    run(j, "Step", step_req("big", extend=[7], k=5, rid="small"))
+    tree = state_tree(j.manager)
+    crash(j)
+    j2 = nats_backend.open_readonly()
+    try:
+        assert state_tree(j2.manager) == tree and j2.seq == 3
+        assert "big-1" in j2.window.ids
+    finally:
+        j2.close(snapshot=False)
+
+
+def test_a_writer_dying_mid_entry_leaves_nothing_half_applied(nats_backend):
+    j = nats_backend.open(FAST)
+    run(j, "CreatePool", _prefix_pool_request("big", 400_000))
+    run(j, "Step", step_req("big", admit=[1], n=[100], rid="one"))
+    tree = state_tree(j.manager)
+    store: NatsStore = j.store
+    # The first part of a three-part entry reaches the stream, then the writer dies.
+    store._publish(b"\x00" * 1000, {"Kvs-Kind": "entry", "Kvs-Seq": str(store.seq + 1), "Kvs-Method": "Step",
+                                    "Kvs-At": "0.0", "Kvs-Epoch": str(store.epoch), "Kvs-Part": "0/3",
+                                    "Kvs-Digest": "0" * 32, "Nats-Msg-Id": "dying"})
+    crash(j)
+    j2 = nats_backend.open(FAST)                          # the next writer reads past it and fences
+    assert state_tree(j2.manager) == tree
+    run(j2, "Step", step_req("big", extend=[1], k=2, rid="two"))
+    tree2 = state_tree(j2.manager)
+    crash(j2)
+    j3 = nats_backend.open_readonly()
+    try:
+        assert state_tree(j3.manager) == tree2 and j3.seq == 3
+    finally:
+        j3.close(snapshot=False)
+
+
+def test_a_fenced_writer_cannot_append_and_fail_stops(nats_backend):
+    old = nats_backend.open(FAST)
+    setup_pools(old)
+    run(old, "Step", step_req("a", admit=[1], n=[10], rid="before"))
+    new = nats_backend.open(FAST)                         # recovers and fences: old's view is now stale
+    tree = state_tree(new.manager)
+    with pytest.raises(JournalUnavailable, match="another manager wrote it"):
+        run(old, "Step", step_req("a", admit=[2], n=[10], rid="stale"))
+    assert old.failed
+    run(new, "Step", step_req("a", admit=[3], n=[10], rid="after"))
+    crash(old)
+    crash(new)
+    j = nats_backend.open_readonly()
+    try:
+        assert "stale" not in j.window.ids and "after" in j.window.ids
+        with j.manager.locked("a") as pool:
+            ids, _ = pool.sequences()
+            assert sorted(ids.tolist()) == [1, 3]
+        assert state_tree(j.manager) != tree
+    finally:
+        j.close(snapshot=False)
+
+
+def test_a_corrupt_entry_or_snapshot_is_refused(nats_backend):
+    j = nats_backend.open(FAST)
+    setup_pools(j)
+    store: NatsStore = j.store
+    store._publish(b"not the request", {"Kvs-Kind": "entry", "Kvs-Seq": str(store.seq + 1), "Kvs-Method": "Step",
+                                        "Kvs-At": "0.0", "Kvs-Epoch": str(store.epoch), "Kvs-Part": "0/1",
+                                        "Kvs-Digest": "0" * 32, "Nats-Msg-Id": "corrupt"})
+    crash(j)
+    with pytest.raises(StateError, match="fails its checksum"):
+        nats_backend.open_readonly()
+    # A snapshot whose header does not match its bytes
+    link = NatsLink(nats_backend.config)
+    try:
+        from nats.js import api
+        obs = link.call(link.js.object_store(nats_backend.config.snapshot_bucket), 10)
+        meta = {"format": 2, "seq": 99, "stream_seq": 0, "epoch": 1, "at": 0.0, "bytes": 3, "digest": "0" * 32}
+        link.call(obs.put("snap-" + "9" * 20, b"abc", meta=api.ObjectMeta(name="snap-" + "9" * 20,
+                                                                           description=json.dumps(meta))), 10)
+    finally:
+        link.close()
+    with pytest.raises(StoreError, match="does not match its header"):
+        nats_backend.open_readonly()
+
+
+def test_a_missing_deployment_is_reported(nats1):
+    config = NatsConfig(tuple(nats1.urls), name="absent" + uuid.uuid4().hex[:6])
+    with pytest.raises(StoreError, match="no kvservice journal there"):
+        open_journal(config, readonly=True)
+
+
+def test_recovery_refuses_an_entry_the_code_cannot_replay(nats_backend):
+    j = nats_backend.open(FAST)
+    setup_pools(j)
+    store: NatsStore = j.store
+    bad = step_req("a", extend=[12345], k=1).SerializeToString()       # an unknown sequence: refused on replay
+    from kvservice.stores import entry_digest
+    digest = entry_digest(store.seq + 1, "Step", bad, 0.0).hex()           # intact: only the replay refuses it
+    store._publish(bad, {"Kvs-Kind": "entry", "Kvs-Seq": str(store.seq + 1), "Kvs-Method": "Step", "Kvs-At": "0.0",
+                         "Kvs-Epoch": str(store.epoch), "Kvs-Part": "0/1", "Kvs-Digest": digest,
+                         "Nats-Msg-Id": "unreplayable"})
+    crash(j)
+    with pytest.raises((StateError, KVError), match="failed on replay"):
+        nats_backend.open_readonly()
+
+
+def test_state_moves_between_backends_unchanged(nats1, tmp_path):
+    """A state dir imported into NATS, served, exported back: the same state at every hop (backup and restore)."""
+    from kvservice.ha import export_state, import_state
+    j = Journal.open(tmp_path / "single", config=FAST)
+    setup_pools(j)
+    workload(j, np.random.default_rng(7), 60)
+    tree = state_tree(j.manager)
+    j.close()
+    config = NatsConfig(tuple(nats1.urls), name="m" + uuid.uuid4().hex[:8])
+    seq, epoch = import_state(tmp_path / "single", config, epoch=41)
+    assert epoch == 41
+    with pytest.raises(StateError, match="already holds a journal"):
+        import_state(tmp_path / "single", config)
+    w = open_sole_writer(config, journal_config=FAST)              # what a manager taking over does
+    assert state_tree(w.manager) == tree and w.seq == seq and w.store.epoch == 42
+    workload(w, np.random.default_rng(8), 20)
+    tree2 = state_tree(w.manager)
+    crash(w)
+    export_state(config, tmp_path / "backup")
+    with pytest.raises(StateError, match="already holds kvservice state"):
+        export_state(config, tmp_path / "backup")
+    b = Journal.open(tmp_path / "backup", readonly=True)
+    try:
+        assert state_tree(b.manager) == tree2
+    finally:
+        b.close(snapshot=False)
+
+
+def test_check_state_and_export_state_on_the_command_line(nats_backend, tmp_path):
+    import subprocess
+    import sys
+
+    from .conftest import ROOT
+    j = nats_backend.open(FAST)
+    setup_pools(j)
+    workload(j, np.random.default_rng(9), 20)
+    crash(j)
+    url, name = nats_backend.config.url, nats_backend.config.name
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "kvservice.cli", *args, "--nats-name", name], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)
+    out = cli("check-state", url)
+    assert out.returncode == 0 and "pool a:" in out.stdout and "invariants ok" in out.stdout, out.stdout + out.stderr
+    out = cli("export-state", url, str(tmp_path / "copy"))
+    assert out.returncode == 0 and "exported" in out.stdout, out.stderr
+    out = cli("import-state", str(tmp_path / "copy"), url)                # that deployment is not empty
+    assert out.returncode == 2 and "already holds a journal" in out.stderr

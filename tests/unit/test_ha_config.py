@@ -1,0 +1,69 @@
+"""Replication settings refuse bad input with a clear message (no NATS server needed)."""
+
+import subprocess
+import sys
+
+import pytest
+
+from clients.ha import LeaderClient, leader_epoch
+from kvservice.errors import InvalidArgument
+from kvservice.journal_nats import NatsConfig, parse_state_url
+from kvservice.leader import Holder, LeaseConfig
+
+from ..integration.conftest import ROOT
+
+
+def test_state_urls():
+    c = parse_state_url("nats://a.example:4222,b.example:4223,nats://10.0.0.3:4222/", name="prod", replicas=3)
+    assert c.servers == ("nats://a.example:4222", "nats://b.example:4223", "nats://10.0.0.3:4222")
+    assert (c.stream, c.subject, c.snapshot_bucket, c.leader_bucket) == (
+        "KVS_prod", "kvs.prod.journal", "KVS_prod_snapshots", "KVS_prod_leader")
+    for bad, words in [("http://a:4222", "expected 'memory' or nats://"), ("nats://a", "is not nats://HOST:PORT"),
+                       ("nats://a:4222,b c:1", "is not nats://HOST:PORT"), ("nats://,", "is not nats://HOST:PORT")]:
+        with pytest.raises(InvalidArgument, match=words):
+            parse_state_url(bad)
+
+
+def test_nats_config_limits():
+    with pytest.raises(InvalidArgument, match="at least one NATS server"):
+        NatsConfig(())
+    with pytest.raises(InvalidArgument, match="must match"):
+        NatsConfig(("nats://a:1",), name="has.dot")
+    with pytest.raises(InvalidArgument, match="odd size"):
+        NatsConfig(("nats://a:1",), replicas=2)
+    with pytest.raises(InvalidArgument, match="append_seconds"):
+        NatsConfig(("nats://a:1",), request_seconds=5, append_seconds=1)
+
+
+def test_lease_config_limits():
+    LeaseConfig()                                              # the defaults hold
+    with pytest.raises(InvalidArgument, match="miss two renewals"):
+        LeaseConfig(ttl_seconds=2.0, renew_seconds=1.0)
+    with pytest.raises(InvalidArgument, match="margin_seconds"):
+        LeaseConfig(ttl_seconds=2.0, margin_seconds=0.6)
+    with pytest.raises(InvalidArgument, match="poll_seconds"):
+        LeaseConfig(poll_seconds=0)
+
+
+def test_a_leader_key_that_is_not_ours_is_read_as_unknown():
+    assert Holder.parse(b'{"node": "m0", "address": "10.0.0.1:50051", "epoch": 7}', 12) == \
+        Holder("m0", "10.0.0.1:50051", 7, 12)
+    assert Holder.parse(b"\xff not json", 3) == Holder("?", "", 0, 3)
+
+
+def test_leader_client_arguments_and_epoch_metadata():
+    with pytest.raises(ValueError, match="at least one"):
+        LeaderClient(" , ")
+    assert leader_epoch((("kvservice-leader-epoch", "12"), ("x", "y"))) == 12
+    assert leader_epoch((("kvservice-leader-epoch", "twelve"),)) is None
+    assert leader_epoch(()) is None
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--state", "s3://bucket"], "expected 'memory' or nats://"),
+    (["--state", "nats://a:4222", "--state-dir", "/tmp/x"], "exclude each other"),
+])
+def test_serve_refuses_bad_state_flags(args, words):
+    out = subprocess.run([sys.executable, "-m", "kvservice.cli", "serve", "--metrics-port", "-1", *args], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and words in out.stderr, out.stderr
