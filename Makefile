@@ -29,6 +29,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/bench_manager.py --out bench/results/manager.md
 	$(BIN)/python bench/bench_sharing.py --out bench/results/sharing.md
 	$(BIN)/python bench/bench_durability.py --out bench/results/durability.md
+	$(BIN)/python bench/bench_limits.py --results bench/results/durability.md
 	$(BIN)/python bench/bench_routing.py --out bench/results/routing.md
 	$(BIN)/python bench/bench_ha.py --out bench/results/ha.md
 
