@@ -102,8 +102,8 @@ def main() -> int:
                              Sizing(num_slots=1 << 24), False, ragged, None, tmp))
         wide = CacheSpec(tuple(LayerSpec(1, 64 * (1 + i % 4)) for i in range(16)), 16, "interleaved")
         m = np.full(3_000, 256, dtype=np.int64)
-        rows.append(run_case("16-index-space interleaved pool: 3,000 x 256 tokens (16 slot mappings per token: a ~100 MB reply)",
-                             wide, Sizing(num_slots=1 << 20), False, m, None, tmp))
+        rows.append(run_case("16-index-space interleaved pool: 3,000 x 256 tokens (16 slot mappings per token: "
+                             "a ~100 MB reply)", wide, Sizing(num_slots=1 << 20), False, m, None, tmp))
     lines = [BEGIN, "## Peak manager memory for the largest Step the limits allow", "",
              f"`python bench/bench_limits.py` ({time.strftime('%Y-%m-%d')}): a real `kvservice serve` process with "
              f"the base overlay's message limit ({MESSAGE_BYTES >> 20} MiB) and default Limits; peak RSS is the "
