@@ -180,19 +180,24 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     print(f"kvservice: listening on {args.listen.rsplit(':', 1)[0]}:{running.port}, metrics on port "
           f"{running.metrics_port}, pools: {', '.join(running.manager.pool_names()) or 'none'}, state: "
           f"{args.state_dir or 'memory'}", flush=True)
-    if args.port_file:
-        Path(args.port_file).write_text(f"{running.port} {running.metrics_port or 0}\n")
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    while not stop.wait(0.2) and not running.failed.is_set():
-        pass
+    _serve_until_stopped(running, args.port_file, 0.2)
     running.stop(grace=0.5 if running.failed.is_set() else 2.0)
     if running.failed.is_set():
         print(f"kvservice: stopped: {running.journal.failed if running.journal else 'journal failed'}",
               file=sys.stderr)
         return EXIT_FAILED
     return 0
+
+
+def _serve_until_stopped(running: object, port_file: str | None, poll_seconds: float) -> None:
+    """Write the port file (if asked), then wait for SIGTERM/SIGINT or a failed server."""
+    if port_file:
+        Path(port_file).write_text(f"{running.port} {running.metrics_port or 0}\n")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(poll_seconds) and not running.failed.is_set():
+        pass
 
 
 def _journal_config(args: argparse.Namespace) -> JournalConfig:
@@ -223,13 +228,7 @@ def _serve_replicated(args: argparse.Namespace, pools: list, tls: ServerTLS | No
     print(f"kvservice: listening on {args.listen.rsplit(':', 1)[0]}:{running.port}, metrics on port "
           f"{running.metrics_port}, state: {config.url} (stream {config.stream}), standby until it holds the "
           f"lease", flush=True)
-    if args.port_file:
-        Path(args.port_file).write_text(f"{running.port} {running.metrics_port or 0}\n")
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    while not stop.wait(0.05) and not running.failed.is_set():
-        pass
+    _serve_until_stopped(running, args.port_file, 0.05)
     failed = running.failed.is_set()
     stop_ha(running, ha, grace=0.5 if failed else 2.0)
     if failed:

@@ -106,9 +106,7 @@ def emit_tables(spaces: tuple[IndexSpace, ...], page_size: int, slot_tables: lis
         table = PageTable(indptr.astype(space.index_dtype), space.page_indices(idx), last) if tables else None
         bt = None
         if block_table:
-            bt = space.page_indices(sub)
-            if bt is sub or np.shares_memory(bt, sub):
-                bt = bt.copy()
+            bt = space.page_indices(sub)                  # may be sub itself: its -1 padding stays -1
             bt[sub < 0] = -1
         out.append(SpaceTables(space, mapping, table, bt))
     return tuple(out)

@@ -27,7 +27,6 @@ from clients.client import RetryPolicy
 from clients.ha import LeaderClient, leader_epoch
 from clients.launch import wait_for_ports
 from kvservice.ha import open_journal
-from kvservice.invariants import assert_invariants
 from kvservice.journal_nats import NatsConfig, NatsLink, StoreError, parse_state_url
 from kvservice.planner import Sizing
 from kvservice.v1 import block_manager_pb2 as pb
@@ -35,7 +34,7 @@ from kvservice.v1 import block_manager_pb2_grpc as pb_grpc
 
 from ..natsutil import NatsCluster
 from .conftest import ROOT
-from .test_durability import POOL, SEQ_BASE, SLOTS, SPEC, Loader
+from .test_durability import POOL, SEQ_BASE, SLOTS, SPEC, Loader, recovered_from
 
 #: Loader clients: short deadlines (a paused leader is left quickly), many quick retries.
 LOADER_RETRY = RetryPolicy(attempts=400, initial_backoff=0.02, max_backoff=0.25)
@@ -234,17 +233,7 @@ class HASystem:
 
 def recovered(state: str, nats_name: str) -> dict[int, tuple[int, list[int]]]:
     """The pool as a takeover would rebuild it from NATS (read-only), after checking every invariant."""
-    j = open_journal(parse_state_url(state, name=nats_name), readonly=True)
-    try:
-        with j.manager.locked(POOL) as pool:
-            assert_invariants(pool)
-            ids, tokens = pool.sequences()
-            seqs = {int(i): (int(n), pool.sequence_slots(i, 0).tolist()) for i, n in zip(ids, tokens, strict=True)}
-    finally:
-        j.close(snapshot=False)
-    owned = [s for _, pages in seqs.values() for s in pages]
-    assert len(owned) == len(set(owned)), "a slot has two owners"
-    return seqs
+    return recovered_from(open_journal(parse_state_url(state, name=nats_name), readonly=True))
 
 
 def compare(seqs: dict[int, tuple[int, list[int]]], loaders: list[HALoader]) -> tuple[int, int, list[str]]:

@@ -101,7 +101,11 @@ class Loader(threading.Thread):
 
 def recovered(state_dir) -> dict[int, tuple[int, list[int]]]:
     """The pool as a restart would rebuild it (read-only), after checking every invariant."""
-    j = Journal.open(state_dir, readonly=True)
+    return recovered_from(Journal.open(state_dir, readonly=True))
+
+
+def recovered_from(j) -> dict[int, tuple[int, list[int]]]:
+    """seq_id -> (tokens, group-0 slots) of POOL in a recovered journal (closed after), invariants checked."""
     try:
         with j.manager.locked(POOL) as pool:
             assert_invariants(pool)
