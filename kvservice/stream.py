@@ -226,7 +226,8 @@ def step_one(servicer: Any, session: StreamSession, request: Any, broken: type[E
                 def apply(r: pb.StepRequest) -> pb.StepReply:
                     return session.apply(servicer.api, r)
 
-                reply = journal.execute("Step", request, apply) if journal is not None else apply(request)
+                with servicer.api.manager.events.transaction():    # its KV events show once it is journaled
+                    reply = journal.execute("Step", request, apply) if journal is not None else apply(request)
             finally:
                 session.last_seq = max(session.last_seq, seq)
             if reply.stream_seq != seq:           # a reply rebuilt by journal recovery (a unary Step's)

@@ -68,3 +68,44 @@ def test_error_reply_carries_the_status_of_a_unary_step():
     r = error_reply(4, ResourceExhausted("needs 3 slots, 1 free", needed=3, free=1))
     assert (r.stream_seq, r.error.code, r.error.reason) == (4, 8, "RESOURCE_EXHAUSTED")
     assert dict(r.error.metadata) == {"needed": "3", "free": "1"} and r.error.message == "needs 3 slots, 1 free"
+
+
+def test_stream_steps_publish_their_kv_events_once_journaled():
+    """Under serve (deferred KV events), a StepStream request's batch shows once the journal took it, like a
+    unary Step's; a refused request shows none."""
+    import numpy as np
+
+    from clients.codec import create_pool_request, step_request
+    from kvservice.api import ManagerAPI
+    from kvservice.events import BlockStored
+    from kvservice.geometry import CacheSpec
+    from kvservice.journal import Journal
+    from kvservice.manager import BlockManager
+    from kvservice.metrics import ManagerMetrics
+    from kvservice.planner import Sizing
+    from kvservice.servicer import BlockManagerServicer, JournalUnavailable, Limits
+    from kvservice.stream import step_one
+    from kvservice.v1 import block_manager_pb2 as pb
+
+    m = BlockManager()
+    m.events.deferred = True                   # as kvservice serve sets it
+    api = ManagerAPI(m)
+    sv = BlockManagerServicer(api, ManagerMetrics(m), Journal(m), Limits())
+    api.CreatePool(create_pool_request("p", CacheSpec.uniform(2, 2, 8, "float16", 4), Sizing(num_slots=64,
+                                       max_seq_len=128), prefix_caching=True))
+    sub = m.events.subscribe("p", None, "test")
+    session = StreamSession("s")
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(1, 1000, 13)
+
+    def send(seq: int, **kw: object) -> pb.StepReply:
+        r = step_request("p", **kw)
+        r.stream_seq = seq
+        return step_one(sv, session, r, JournalUnavailable, lambda s: None)
+
+    assert not send(1, admit=[7], admit_tokens=[13], admit_token_ids=prompt).HasField("error")
+    (lb,) = sub.poll(0)
+    stored = [e for e in lb.batch.events if isinstance(e, BlockStored)]
+    assert sum(len(e.block_hashes) for e in stored) == 3        # 13 tokens, page size 4: 3 full pages
+    assert send(2, extend=[99], extend_tokens=[1]).HasField("error")  # unknown sequence: refused
+    assert sub.poll(0) == []
