@@ -427,8 +427,13 @@ class Journal:
         return n
 
     # ---- the hooks the servicer calls -----------------------------------------------------
-    def execute(self, method: str, request: Message, apply: Callable[[Message], Message]) -> Message:
-        """Apply a mutating request once: durable before it returns, the stored reply for a retried request_id."""
+    def execute(self, method: str, request: Message, apply: Callable[[Message], Message],
+                decoded: bool = False) -> Message:
+        """Apply a mutating request once: durable before it returns, the stored reply for a retried request_id.
+
+        decoded: the caller has decoded every array of this request already (a stream's repeated request
+        bytes), so they are not decoded again before apply.
+        """
         cap = None
         with self._lock:
             self._check_usable()
@@ -439,7 +444,7 @@ class Journal:
                 stored = self.window.lookup(rid, method, fingerprint)
                 if stored is not None:
                     return self._stamped_copy(stored)
-            if method == "Step":
+            if method == "Step" and not decoded:
                 _decode_step(request)
             with self._gate.writing(getattr(request, _TARGET[method]) if method in _TARGET else None):
                 try:
