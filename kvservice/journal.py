@@ -190,7 +190,8 @@ class _Gate:
             return
         with self._cv:
             self._busy = pool
-            self._cv.wait_for(lambda: not self._readers[pool] and not self._readers[self.ALL])
+            if self._readers[pool] or self._readers[self.ALL]:
+                self._cv.wait_for(lambda: not self._readers[pool] and not self._readers[self.ALL])
         try:
             yield
         finally:
