@@ -15,6 +15,9 @@ call, so a client that reconnects with the same id continues it:
   exactly that; otherwise full tables.
 - Limits (servicer.Limits) are checked per request, except for a request whose arrays are the same
   bytes as the last one checked on the stream (a steady decode loop): its caps cannot have changed.
+  Likewise its arrays are not decoded again (by the session or the journal), and the step's cost
+  check (ManagerAPI.check_step_cost) runs once per request bytes and pool when the request alone
+  settled it. Its KV events become visible once it is journaled (events.transaction).
 
 Sessions are bounded (least recently used one dropped past ``max_streams``; idle ones expire), so
 stream ids cannot grow the server's memory without bound; a dropped session only costs its client
