@@ -4,6 +4,8 @@
 Writes a markdown report (default bench/results/manager.md). Timings are
 measured, never asserted; compare the ratios measured in one run.
 Usage: python bench/bench_manager.py [--out FILE] [--quick]
+       python bench/bench_manager.py --stream [--batches 1,256] [--rounds 8]: only StepStream deltas vs EchoStream
+       (the issue 12 ratio) and the in-process breakdown, printed (and written to --out if given); about 20 s.
 """
 
 from __future__ import annotations
@@ -153,11 +155,14 @@ def _decode_calls(c: BlockManagerClient, es: object, b: int, ids: np.ndarray, st
             "Echo": c.echo, "EchoStream": es.echo}   # type: ignore[attr-defined]
 
 
-def bench_transport(steps: int, rounds: int = 8) -> tuple[list[tuple], dict[str, tuple[float, float]]]:
+def bench_transport(steps: int, rounds: int = 8, batches: tuple[int, ...] = BATCHES,
+                    modes: tuple[int, ...] = (0, 1, 2),
+                    sized_echo: bool = False) -> tuple[list[tuple], dict[str, tuple[float, float]]]:
     """Decode steps over a manager process: unary Step, StepStream with full tables and with deltas, and the
     unary and streaming Echo floors, interleaved in rounds so that machine noise hits every mode alike.
 
-    Returns ([(B, mode, p50 us, p99 us, reply bytes)], {"Echo": (p50, p99), "EchoStream": (p50, p99)}).
+    sized_echo: also EchoStream round trips whose payload is as long as a delta request of B ("sized{B}").
+    Returns ([(B, mode, p50 us, p99 us, reply bytes)], {"Echo": (p50, p99), "EchoStream": (p50, p99), ...}).
     """
     per_round = max(1, steps // rounds)
     rows: list[tuple] = []
@@ -167,10 +172,15 @@ def bench_transport(steps: int, rounds: int = 8) -> tuple[list[tuple], dict[str,
         try:
             with BlockManagerClient(target, timeout=30) as c, c.echo_stream() as es:
                 c.wait_ready()
-                for b in BATCHES:
+                for b in batches:
                     ids = _decode_pools(c, b, steps + 20, "t")
                     streams = {1: c.step_stream(f"tb{b}m1", deltas=False), 2: c.step_stream(f"tb{b}m2")}
-                    calls = _decode_calls(c, es, b, ids, streams)
+                    calls = {k: fn for k, fn in _decode_calls(c, es, b, ids, streams).items() if k not in (0, 1, 2)
+                             or k in modes}
+                    if sized_echo:      # EchoStream carrying as many bytes as a delta request: same transport
+                        pad = bytes(len(streams[2].request_bytes(None, ids, 1, None, None, True, False, {})))
+                        streams[2].seq -= 1
+                        calls["sized"] = lambda pad=pad: es.echo(pad)
                     lat: dict = {k: [] for k in calls}
                     for fn in calls.values():              # warm-up: 20 calls each
                         for _ in range(20):
@@ -181,9 +191,11 @@ def bench_transport(steps: int, rounds: int = 8) -> tuple[list[tuple], dict[str,
                                 t0 = time.perf_counter()
                                 fn()
                                 lat[k].append(time.perf_counter() - t0)
-                    sizes = [_unary_reply_bytes(c, f"tb{b}m0", ids)] + [streams[m].last_reply.ByteSize()
-                                                                        for m in (1, 2)]
-                    rows += [(b, MODES[m], *percentiles(lat[m]), sizes[m]) for m in range(len(MODES))]
+                    sizes = {m: _unary_reply_bytes(c, f"tb{b}m0", ids) if m == 0 else streams[m].last_reply.ByteSize()
+                             for m in modes}
+                    rows += [(b, MODES[m], *percentiles(lat[m]), sizes[m]) for m in modes]
+                    if sized_echo:
+                        echo[f"sized{b}"] = lat["sized"]
                     echo["Echo"] += lat["Echo"]
                     echo["EchoStream"] += lat["EchoStream"]
                     for st in streams.values():
@@ -247,26 +259,33 @@ def bench_concurrent(steps: int, schedulers: int = 16, b: int = 64) -> list[tupl
     return out
 
 
-def bench_stream_breakdown(steps: int) -> list[tuple[int, float, float, float, float]]:
+def bench_stream_breakdown(steps: int, batches: tuple[int, ...] = BATCHES,
+                           gap: float = 0.0) -> list[tuple[int, float, float, float, float]]:
     """Where a StepStream decode request's time goes, in-process (no transport): per B, p50 us of
     Pool.step alone (no CSR tables), of the server's whole request (stream.step_one: session, Limits,
     memory journal, step, delta encoding, reply serialization) and of the client's work (request bytes,
-    reply parsing, applying the delta to the mirror). Returns [(B, pool step, server, client, reply bytes)].
+    reply parsing, applying the delta to the mirror). The manager is set up as `kvservice serve` sets it up
+    (reply size bound, deferred KV events, memory journal, default Limits).
+    gap: seconds the thread sleeps before each server request (a served request follows an idle wait).
+    Returns [(B, pool step, server, client, reply bytes)].
     """
     from clients import codec
     from clients.stream import _Core
     from kvservice.api import ManagerAPI
+    from kvservice.event_log import EventsConfig, configure_events
     from kvservice.journal import Journal
     from kvservice.manager import BlockManager
     from kvservice.metrics import ManagerMetrics
+    from kvservice.server import MAX_MESSAGE_BYTES
     from kvservice.servicer import BlockManagerServicer, JournalUnavailable, Limits
     from kvservice.stream import StreamSession, step_one
     from kvservice.v1 import block_manager_pb2 as pb
 
     out = []
-    for b in BATCHES:
+    for b in batches:
         manager = BlockManager()
-        api = ManagerAPI(manager)
+        api = ManagerAPI(manager, max_reply_bytes=MAX_MESSAGE_BYTES, fence=True)     # as serve() builds it
+        configure_events(manager, EventsConfig())
         sv = BlockManagerServicer(api, ManagerMetrics(manager), Journal(manager), Limits())
         rng = np.random.default_rng(0)
         ctx = rng.integers(256, 1024, b)
@@ -286,6 +305,9 @@ def bench_stream_breakdown(steps: int) -> list[tuple[int, float, float, float, f
             pool.step(extend_ids=ids, extend_tokens=ones, tables=False)
             t1 = time.perf_counter()
             data = core.request_bytes(None, ids, 1, None, None, True, False, {})
+            t1b = time.perf_counter()
+            if gap:
+                time.sleep(gap)
             t2 = time.perf_counter()
             reply = step_one(sv, session, pb.StepRequest.FromString(data), JournalUnavailable, observe)
             wire = reply.SerializeToString()
@@ -295,7 +317,7 @@ def bench_stream_breakdown(steps: int) -> list[tuple[int, float, float, float, f
             if i >= steps // 10:
                 lat["pool"].append(t1 - t0)
                 lat["server"].append(t3 - t2)
-                lat["client"].append(t4 - t3 + t2 - t1)
+                lat["client"].append(t4 - t3 + t1b - t1)
             size = len(wire)
         out.append((b, percentiles(lat["pool"])[0], percentiles(lat["server"])[0], percentiles(lat["client"])[0],
                     size))
@@ -315,15 +337,53 @@ def machine() -> str:
             f"grpcio {__import__('grpc').__version__}")
 
 
+def stream_only(batches: tuple[int, ...], rounds: int, out: str | None) -> int:
+    """The issue 12 ratio alone: StepStream with deltas vs EchoStream (interleaved), and the in-process breakdown."""
+    steps = 50 * rounds
+    breakdown = bench_stream_breakdown(steps, batches)
+    idle = {b: server for b, _, server, _, _ in bench_stream_breakdown(steps, batches, gap=200e-6)}
+    transport, echo = bench_transport(steps, rounds, batches, modes=(2,), sized_echo=True)
+    e50 = echo["EchoStream"][0]
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [f"# StepStream vs EchoStream ({now}, {machine()})", "",
+             f"`python bench/bench_manager.py --stream --batches {','.join(map(str, batches))} --rounds {rounds}`; "
+             f"EchoStream p50 {e50:.0f} us (p99 {echo['EchoStream'][1]:.0f}).", "",
+             "EchoStream with a payload as long as the StepStream request: the same bytes on the wire both ways, "
+             "no work.", "",
+             "In-process figures: the server's request and the client's work back to back, and the server's "
+             "request after its thread slept 200 us (as a served request follows an idle wait).", "",
+             "| B | StepStream deltas p50 us | p99 us | / EchoStream p50 | sized EchoStream / EchoStream | "
+             "server request us (in-process) | ... after 200 us idle | client us (in-process) | reply bytes |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    parts = {b: (server, client) for b, _, server, client, _ in breakdown}
+    for b, _, p50, p99, size in transport:
+        lines.append(f"| {b} | {p50:.0f} | {p99:.0f} | {p50 / e50:.2f}x | {echo[f'sized{b}'][0] / e50:.2f}x | "
+                     f"{parts[b][0]:.0f} | {idle[b]:.0f} | {parts[b][1]:.0f} | {size:,} |")
+    lines.append("")
+    print("\n".join(lines))
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text("\n".join(lines))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default=str(ROOT / "bench/results/manager.md"))
     ap.add_argument("--quick", action="store_true", help="short run (smoke test)")
+    ap.add_argument("--stream", action="store_true", help="only StepStream deltas vs EchoStream and the in-process "
+                    "breakdown (the issue 12 ratio), printed; written to --out only if it is given")
+    ap.add_argument("--batches", default="1,256", help="with --stream: batch sizes")
+    ap.add_argument("--rounds", type=int, default=8, help="with --stream: interleaved rounds of 50 steps")
     args = ap.parse_args()
+    if args.stream:
+        return stream_only(tuple(int(b) for b in args.batches.split(",")), args.rounds,
+                           args.out if "--out" in sys.argv else None)
     seconds, steps = (0.2, 60) if args.quick else (2.0, 400)
     alloc = bench_allocator(seconds)
     inproc = bench_step_inprocess(steps)
     breakdown = bench_stream_breakdown(steps)
+    idle = {b: server for b, _, server, _, _ in bench_stream_breakdown(steps, gap=200e-6)}
     transport, echo = bench_transport(steps)
     concurrent = bench_concurrent(steps // 4)
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
@@ -376,14 +436,17 @@ def main() -> int:
               "The same steps without gRPC: `Pool.step` alone (no CSR tables, as the delta path asks), the server's "
               "whole request (`kvservice.stream.step_one`: session, Limits, memory journal, the step, delta "
               "encoding, reply serialization) and the client's work (request bytes, reply parsing, applying the "
-              "delta to the mirror). Transport floor + server + client is what a stream round trip would cost "
-              "on an idle machine; the measured round trips above also carry the other processes' load.", "",
-              "| B | Pool.step p50 us | server request p50 us | client p50 us | EchoStream p50 + both "
-              "| as x EchoStream |",
-              "|---:|---:|---:|---:|---:|---:|"]
+              "delta to the mirror), back to back; and the server's request after its thread slept 200 us, as "
+              "a served request follows an idle wait (code that runs right after its core idled runs slower on "
+              "these machines). Transport floor + server + client is a lower bound of a stream round trip; the "
+              "measured round trips above also pay the idle-gap cost on both ends (docs/ARCHITECTURE.md, "
+              "Streams: Latency).", "",
+              "| B | Pool.step p50 us | server request p50 us | ... after 200 us idle | client p50 us | "
+              "EchoStream p50 + both | as x EchoStream |",
+              "|---:|---:|---:|---:|---:|---:|---:|"]
     for b, p_step, p_server, p_client, _ in breakdown:
         total = echo["EchoStream"][0] + p_server + p_client
-        lines.append(f"| {b} | {p_step:.0f} | {p_server:.0f} | {p_client:.0f} | {total:.0f} | "
+        lines.append(f"| {b} | {p_step:.0f} | {p_server:.0f} | {idle[b]:.0f} | {p_client:.0f} | {total:.0f} | "
                      f"{total / echo['EchoStream'][0]:.2f}x |")
     lines += [""]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

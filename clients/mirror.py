@@ -229,7 +229,7 @@ class PageTableMirror:
         rows = xp.flatnonzero(count)
         if len(rows) and int(held_n.max()) * len(num_n) > self.max_entries:
             return False
-        if len(rows) and (int(count[rows].max()) != 1 or int(count.min()) < 0):
+        if len(rows) and (int(count.max()) != 1 or int(count.min()) < 0):    # every row gains 0 or 1 page
             return False
         cols = self._held[rows]
         width = int(cols.max()) + 1 if len(rows) else 0

@@ -137,36 +137,42 @@ class ManagerAPI:
         reply.pool_incarnation = incarnation
         return reply
 
-    def run_step(self, pool: Pool, request: pb.StepRequest, kwargs: dict[str, object]) -> StepResult:
-        """Under the pool's lock: refuse a step whose cost is over the limits before it changes anything,
-        run it, and record its KV events. Step and StepStream both come through here."""
-        self._check_step_cost(pool, request, _step_args(kwargs))
+    def run_step(self, pool: Pool, request: pb.StepRequest, kwargs: dict[str, object],
+                 cost_checked: bool = False) -> StepResult:
+        """Under the pool's lock: refuse a step whose cost is over the limits before it changes anything
+        (check_step_cost, unless the caller did: cost_checked), run it, and record its KV events. Step and
+        StepStream both come through here."""
+        if not cost_checked:
+            self.check_step_cost(pool, request, kwargs)
         res = pool.step(**kwargs)
         admit_tokens = kwargs["admit_tokens"]
         self.manager.events.after_step(pool, admit_tokens, kwargs["admit_token_ids"] is not None)
         return res
 
-    def _check_step_cost(self, pool: Pool, request: pb.StepRequest, args: dict[str, np.ndarray | None]) -> None:
+    def check_step_cost(self, pool: Pool, request: pb.StepRequest, kwargs: dict[str, object]) -> bool:
         """Refuse, before the pool changes, a step whose counts could overflow or whose reply could not be sent.
 
-        Runs under the pool's lock. The bound from the request alone (extended rows at their
-        longest) settles almost every step; one over the limit is bounded again with the pool's
-        token total, then with its rows' own tokens, and refused only if that is over too.
+        Runs under the pool's lock; kwargs: the step's Pool.step arguments (step_kwargs). The bound from
+        the request alone (extended rows at their longest) settles almost every step; one over the
+        limit is bounded again with the pool's token total, then with its rows' own tokens, and refused
+        only if that is over too. Returns True if the request alone settled it (the pool's plan and the
+        request's arrays: the same request on the same pool passes again), False if the pool's state did.
         """
+        args = _step_args(kwargs)
         sums = check_step_counts(pool.name, pool.max_seq_len, pool.plan.num_slots, pool.page_size,
                                  (("extend_num_tokens", args["extend_num_tokens"]),
                                   ("admit_num_tokens", args["admit_num_tokens"])))
         if not self.max_reply_bytes:
-            return
+            return True
         model = self._model(pool)
         shape = _quick_shape(model, args, sums)
         if shape is None or step_reply_bound(model, shape, not request.omit_tables,
                                              request.include_block_table).total <= self.max_reply_bytes:
-            return
+            return shape is not None
         for level in (1, 2):
             found = _step_reply_bound(pool, model, request, args, level)
             if found is None or found[0].total <= self.max_reply_bytes:
-                return
+                return False
         bound, new_tokens = found
         raise _reply_too_large(pool.name, bound, self.max_reply_bytes, new_tokens, model.num_spaces, request)
 

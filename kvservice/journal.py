@@ -24,6 +24,7 @@ arrays: the pause) and encoded and written outside it. See docs/DURABILITY.md.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -93,6 +94,43 @@ class JournalConfig:
 def digest(data: bytes) -> bytes:
     """16-byte fingerprint of a serialized request (a reused request_id must carry the same request)."""
     return snap.digest16(data)
+
+
+class PrefixDigests:
+    """digest() of requests that repeat a long prefix, hashing only what follows it.
+
+    A steady decode loop sends the same arrays every step; what changes (request_id, stream_seq,
+    delta fields) is serialized after them. Per key (the pool), the hash state after the last long
+    request's prefix is kept; a request starting with those same bytes hashes only its tail. The
+    value is digest(data) exactly: blake2b is computed over the bytes in order, wherever it pauses.
+    Not thread-safe (the journal calls it under its lock); at most max_keys prefixes are kept.
+    """
+
+    MIN_PREFIX = 1024          # shorter requests are hashed whole (cheap anyway)
+    TAIL = 256                 # bytes left out of a new prefix: where request_id and stream_seq sit
+
+    def __init__(self, max_keys: int = 256) -> None:
+        self.max_keys = max_keys
+        self._kept: dict[str, tuple[bytes, Any]] = {}     # key -> (prefix bytes, hash state after them)
+        self.hits = 0
+
+    def __call__(self, key: str, data: bytes) -> bytes:
+        kept = self._kept.get(key)
+        if kept is not None and len(data) > len(kept[0]) and data.startswith(kept[0]):
+            h = kept[1].copy()
+            h.update(memoryview(data)[len(kept[0]):])
+            self.hits += 1
+            return h.digest()
+        cut = len(data) - self.TAIL
+        if cut < self.MIN_PREFIX:
+            return digest(data)
+        h = hashlib.blake2b(digest_size=16)
+        h.update(memoryview(data)[:cut])
+        if len(self._kept) >= self.max_keys and key not in self._kept:
+            self._kept.clear()
+        self._kept[key] = (data[:cut], h.copy())
+        h.update(memoryview(data)[cut:])
+        return h.digest()
 
 
 # ---- idempotency ---------------------------------------------------------------------------------------
@@ -190,7 +228,8 @@ class _Gate:
             return
         with self._cv:
             self._busy = pool
-            self._cv.wait_for(lambda: not self._readers[pool] and not self._readers[self.ALL])
+            if self._readers[pool] or self._readers[self.ALL]:
+                self._cv.wait_for(lambda: not self._readers[pool] and not self._readers[self.ALL])
         try:
             yield
         finally:
@@ -267,6 +306,7 @@ class Journal:
         self.on_fail: Callable[[str], None] | None = None
         self.observe_commit: Callable[[float], None] | None = None
         self._lock = threading.Lock()
+        self._digests = PrefixDigests()             # request fingerprints of steady decode loops
         self._gate = _Gate()
         self._writer_done = threading.Event()        # clear while a captured snapshot is being written
         self._writer_done.set()
@@ -427,19 +467,24 @@ class Journal:
         return n
 
     # ---- the hooks the servicer calls -----------------------------------------------------
-    def execute(self, method: str, request: Message, apply: Callable[[Message], Message]) -> Message:
-        """Apply a mutating request once: durable before it returns, the stored reply for a retried request_id."""
+    def execute(self, method: str, request: Message, apply: Callable[[Message], Message],
+                decoded: bool = False) -> Message:
+        """Apply a mutating request once: durable before it returns, the stored reply for a retried request_id.
+
+        decoded: the caller has decoded every array of this request already (a stream's repeated request
+        bytes), so they are not decoded again before apply.
+        """
         cap = None
         with self._lock:
             self._check_usable()
             rid = getattr(request, "request_id", "")
             data = request.SerializeToString(deterministic=True)
-            fingerprint = digest(data) if rid else b""
+            fingerprint = (self._digests(request.pool, data) if method == "Step" else digest(data)) if rid else b""
             if rid:
                 stored = self.window.lookup(rid, method, fingerprint)
                 if stored is not None:
                     return self._stamped_copy(stored)
-            if method == "Step":
+            if method == "Step" and not decoded:
                 _decode_step(request)
             with self._gate.writing(getattr(request, _TARGET[method]) if method in _TARGET else None):
                 try:

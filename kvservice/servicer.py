@@ -159,7 +159,8 @@ class Journal(Protocol):
     return a stored reply instead (a retried request_id) without calling apply.
     """
 
-    def execute(self, method: str, request: Message, apply: Callable[[Message], Message]) -> Message: ...
+    def execute(self, method: str, request: Message, apply: Callable[[Message], Message],
+                decoded: bool = False) -> Message: ...
 
 
 class BlockManagerServicer(pb_grpc.BlockManagerServicer):

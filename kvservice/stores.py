@@ -19,17 +19,31 @@ from . import snapshot as snap
 
 @dataclass(frozen=True, slots=True)
 class Entry:
-    """One acknowledged mutating request: position, method, serialized request, wall-clock time, checksum."""
+    """One acknowledged mutating request: position, method, serialized request, wall-clock time, checksum.
+
+    checksum: as stored (an entry read back), or None for a new entry: `digest` computes it on first
+    read (a store that writes it reads it at append; the in-memory store only if it is read back).
+    """
 
     seq: int
     method: str
     request: bytes
     created: float
-    digest: bytes
+    checksum: bytes | None = None
+
+    @property
+    def digest(self) -> bytes:
+        """The entry's checksum (entry_digest of its fields when it was made here)."""
+        d = self.checksum
+        if d is None:
+            d = entry_digest(self.seq, self.method, self.request, self.created)
+            object.__setattr__(self, "checksum", d)      # the same value whichever thread gets here first
+        return d
 
     @staticmethod
     def make(seq: int, method: str, request: bytes, created: float) -> Entry:
-        return Entry(seq, method, request, created, entry_digest(seq, method, request, created))
+        """A new entry; its checksum is computed when first read."""
+        return Entry(seq, method, request, created)
 
 
 def entry_digest(seq: int, method: str, request: bytes, created: float) -> bytes:

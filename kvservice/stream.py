@@ -15,6 +15,9 @@ call, so a client that reconnects with the same id continues it:
   exactly that; otherwise full tables.
 - Limits (servicer.Limits) are checked per request, except for a request whose arrays are the same
   bytes as the last one checked on the stream (a steady decode loop): its caps cannot have changed.
+  Likewise its arrays are not decoded again (by the session or the journal), and the step's cost
+  check (ManagerAPI.check_step_cost) runs once per request bytes and pool when the request alone
+  settled it. Its KV events become visible once it is journaled (events.transaction).
 
 Sessions are bounded (least recently used one dropped past ``max_streams``; idle ones expire), so
 stream ids cannot grow the server's memory without bound; a dropped session only costs its client
@@ -32,6 +35,7 @@ import re
 import threading
 import time
 import uuid
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -50,6 +54,7 @@ _STREAM_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 _CODES = ((InvalidArgument, code_pb2.INVALID_ARGUMENT), (FailedPrecondition, code_pb2.FAILED_PRECONDITION),
           (ResourceExhausted, code_pb2.RESOURCE_EXHAUSTED), (NotFound, code_pb2.NOT_FOUND),
           (AlreadyExists, code_pb2.ALREADY_EXISTS))
+_UNSET: Any = object()
 _OTHER_ARRAYS = ("free_seq_ids", "admit_seq_ids", "admit_num_tokens", "fork_parent_ids", "fork_child_ids",
                  "admit_token_ids")
 
@@ -62,6 +67,8 @@ class StreamSession:
     checked: key of the last request that passed the Limits check (a steady decode loop's arrays).
     kwargs: (key, Pool.step arguments) of the last request with a key (_request_key): the same bytes decode
         the same.
+    settled: (key, weak reference to the pool) of the last request whose cost check (ManagerAPI.check_step_cost)
+        was settled by the request alone: the same bytes on the same pool pass it again.
     last_used: registry clock at the last request (idle sessions expire).
     """
 
@@ -72,6 +79,7 @@ class StreamSession:
         self.held: HeldTables | None = None
         self.checked: tuple | None = None
         self.kwargs: tuple[tuple, dict] | None = None
+        self.settled: tuple[tuple, weakref.ref] | None = None
         self.last_used = 0.0
 
     def check_order(self, seq: int) -> None:
@@ -84,15 +92,23 @@ class StreamSession:
                                   f"{self.last_seq}; send {self.last_seq + 1} next (or resend an earlier one)",
                                   reason="STREAM_SEQ", expected=self.last_seq + 1)
 
-    def apply(self, api: ManagerAPI, request: pb.StepRequest) -> pb.StepReply:
-        """Run the step (under the pool lock) and encode its reply: incremental if the client's base allows."""
+    def decoded(self, key: tuple | None) -> bool:
+        """True if `key` (_request_key) is the key of the last request whose arrays were decoded on this stream."""
+        return key is not None and self.kwargs is not None and self.kwargs[0] == key
+
+    def apply(self, api: ManagerAPI, request: pb.StepRequest, key: Any = _UNSET) -> pb.StepReply:
+        """Run the step (under the pool lock) and encode its reply: incremental if the client's base allows.
+
+        key: the request's _request_key if the caller has it (computed otherwise).
+        """
         delta = request.delta_tables
         if delta and (request.omit_tables or request.include_block_table):
             raise InvalidArgument("delta_tables asks for incremental tables; omit_tables and include_block_table "
                                   "do not go with it (the client's mirror builds block tables): set one or the other")
-        key, cached = _request_key(request, self.stream_id), self.kwargs
-        if key is not None and cached is not None and cached[0] == key:
-            kwargs = dict(cached[1])          # a steady decode loop: the same bytes as last time
+        if key is _UNSET:
+            key = _request_key(request, self.stream_id)
+        if self.decoded(key):
+            kwargs = dict(self.kwargs[1])     # type: ignore[index]  # a steady decode loop: the same bytes as last time
         else:
             kwargs = step_kwargs(request)
             self.kwargs = (key, dict(kwargs)) if key is not None else None
@@ -100,15 +116,19 @@ class StreamSession:
         pool, lock = api.manager.pool_and_lock(request.pool)
         incarnation = api.manager.incarnation(request.pool)
         with lock:
+            # The cost check of api.run_step, once per request bytes and pool when the request alone settled it.
+            settled = self.settled
+            if key is None or settled is None or settled[0] != key or settled[1]() is not pool:
+                self.settled = (key, weakref.ref(pool)) if api.check_step_cost(pool, request, kwargs) and key else None
             held = self.held
             if delta and held is not None and held.usable(pool, request.delta_base):
                 kwargs["tables"] = any(pool.windows)       # slot mappings suffice without sliding windows
-                res = api.run_step(pool, request, kwargs)
+                res = api.run_step(pool, request, kwargs, cost_checked=True)
                 reply, self.held = encode_delta(pool, res, held, seq, key is not None and held.key == key)
                 self.held.key = key
                 reply.pool_incarnation = incarnation
                 return reply
-            res = api.run_step(pool, request, kwargs)
+            res = api.run_step(pool, request, kwargs, cost_checked=True)
             self.held = held_from_full(seq, pool, res) if delta else None
             if self.held is not None:
                 self.held.key = key
@@ -224,9 +244,11 @@ def step_one(servicer: Any, session: StreamSession, request: Any, broken: type[E
                     request.request_id = f"{session.stream_id}#{seq}"
 
                 def apply(r: pb.StepRequest) -> pb.StepReply:
-                    return session.apply(servicer.api, r)
+                    return session.apply(servicer.api, r, key)
 
-                reply = journal.execute("Step", request, apply) if journal is not None else apply(request)
+                with servicer.api.manager.events.transaction():    # its KV events show once it is journaled
+                    reply = journal.execute("Step", request, apply, decoded=session.decoded(key)) \
+                        if journal is not None else apply(request)
             finally:
                 session.last_seq = max(session.last_seq, seq)
             if reply.stream_seq != seq:           # a reply rebuilt by journal recovery (a unary Step's)

@@ -69,14 +69,15 @@ def from_tensor(t: pb.Tensor, name: str, kinds: str = "iu") -> np.ndarray:
                               f" is not an array dtype")
     if want.kind not in kinds:
         raise InvalidArgument(f"{name}: dtype {pb.DType.Name(t.dtype)} not allowed here")
-    if len(t.data) % want.itemsize:
-        raise InvalidArgument(f"{name}: {len(t.data)} bytes is not a whole number of {want.itemsize}-byte items")
-    items = len(t.data) // want.itemsize
+    data = t.data                       # each read of a bytes field builds a new object: read it once
+    if len(data) % want.itemsize:
+        raise InvalidArgument(f"{name}: {len(data)} bytes is not a whole number of {want.itemsize}-byte items")
+    items = len(data) // want.itemsize
     declared = declared_items(t, name)
     if declared is not None and declared != items:
         raise InvalidArgument(f"{name}: shape {list(t.shape)} declares {declared} items but the data holds {items} "
-                              f"({len(t.data)} bytes of {pb.DType.Name(t.dtype)})")
-    a = np.frombuffer(t.data, dtype=want)
+                              f"({len(data)} bytes of {pb.DType.Name(t.dtype)})")
+    a = np.frombuffer(data, dtype=want)
     if declared is not None:
         if not declared:       # empty: NumPy still refuses extents whose non-zero product passes its address space
             span = want.itemsize
@@ -85,7 +86,7 @@ def from_tensor(t: pb.Tensor, name: str, kinds: str = "iu") -> np.ndarray:
             if span > MAX_SPAN_BYTES:
                 raise InvalidArgument(f"{name}: shape {list(t.shape)} describes more than 2^62 bytes")
         a = a.reshape(tuple(t.shape))
-    return a.astype(want.newbyteorder("="), copy=False)
+    return a if want.isnative else a.astype(want.newbyteorder("="))
 
 
 def field_array(msg: object, field: str, kinds: str = "iu") -> np.ndarray | None:

@@ -440,3 +440,27 @@ def test_calls_go_on_while_a_snapshot_is_written():
     expected = state_tree(j.manager)
     j.close(snapshot=False)
     assert state_tree(Journal.recover(store, config=FAST).manager) == expected      # snapshot + later entries
+
+
+def test_prefix_digests_equal_whole_digests():
+    """PrefixDigests hashes only what follows a kept prefix; its value is digest() of the whole request on
+    every path: repeated prefix, changed byte inside it, shorter or short requests, other keys, eviction."""
+    from kvservice.journal import PrefixDigests, digest
+
+    rng = np.random.default_rng(11)
+    pd = PrefixDigests(max_keys=2)
+    body = rng.integers(0, 256, 5000, dtype=np.uint8).tobytes()
+    cases = []
+    for seq in range(1, 40):
+        tail = f"s#{seq}".encode() + rng.integers(0, 256, int(rng.integers(0, 200)), dtype=np.uint8).tobytes()
+        data = body + tail
+        if seq % 7 == 0:                                  # one byte of the arrays changed
+            i = int(rng.integers(0, len(body)))
+            data = body[:i] + bytes([body[i] ^ 1]) + body[i + 1:] + tail
+        if seq % 11 == 0:
+            data = body[:int(rng.integers(0, 1500))]      # short: hashed whole
+        cases.append(("pool9" if seq % 13 == 0 else f"pool{seq % 2}", data))    # a third key evicts the others
+    for key, data in cases:
+        assert pd(key, data) == digest(data)
+    assert pd.hits >= 15                                  # the steady requests did reuse a prefix
+    assert len(pd._kept) <= 2

@@ -68,3 +68,79 @@ def test_error_reply_carries_the_status_of_a_unary_step():
     r = error_reply(4, ResourceExhausted("needs 3 slots, 1 free", needed=3, free=1))
     assert (r.stream_seq, r.error.code, r.error.reason) == (4, 8, "RESOURCE_EXHAUSTED")
     assert dict(r.error.metadata) == {"needed": "3", "free": "1"} and r.error.message == "needs 3 slots, 1 free"
+
+
+
+def _served(prefix: bool = False, max_seq_len: int = 128, **api_kw: object):
+    """(manager, servicer, send(seq, **step_request fields) -> StepReply) of one stream on pool "p", set up as
+    kvservice serve sets up a manager (deferred KV events, memory journal, default Limits)."""
+    from clients.codec import create_pool_request, step_request
+    from kvservice.api import ManagerAPI
+    from kvservice.geometry import CacheSpec
+    from kvservice.journal import Journal
+    from kvservice.manager import BlockManager
+    from kvservice.metrics import ManagerMetrics
+    from kvservice.planner import Sizing
+    from kvservice.servicer import BlockManagerServicer, JournalUnavailable, Limits
+    from kvservice.stream import step_one
+
+    m = BlockManager()
+    m.events.deferred = True
+    api = ManagerAPI(m, **api_kw)
+    sv = BlockManagerServicer(api, ManagerMetrics(m), Journal(m), Limits())
+
+    def create(max_len: int) -> None:
+        api.CreatePool(create_pool_request("p", CacheSpec.uniform(2, 2, 8, "float16", 4), Sizing(
+            num_slots=64, max_seq_len=max_len), prefix_caching=prefix))
+
+    create(max_seq_len)
+    session = StreamSession("s")
+
+    def send(seq: int, **kw: object):
+        r = step_request("p", **kw)
+        r.stream_seq = seq
+        return step_one(sv, session, r, JournalUnavailable, lambda s: None)
+
+    return m, sv, send, create, session
+
+
+def test_stream_steps_publish_their_kv_events_once_journaled():
+    """Under serve (deferred KV events), a StepStream request's batch shows once the journal took it, like a
+    unary Step's; a refused request shows none."""
+    import numpy as np
+
+    from kvservice.events import BlockStored
+
+    m, _, send, _, _ = _served(prefix=True)
+    sub = m.events.subscribe("p", None, "test")
+    prompt = np.random.default_rng(3).integers(1, 1000, 13)
+    assert not send(1, admit=[7], admit_tokens=[13], admit_token_ids=prompt).HasField("error")
+    (lb,) = sub.poll(0)
+    stored = [e for e in lb.batch.events if isinstance(e, BlockStored)]
+    assert sum(len(e.block_hashes) for e in stored) == 3        # 13 tokens, page size 4: 3 full pages
+    assert send(2, extend=[99], extend_tokens=[1]).HasField("error")  # unknown sequence: refused
+    assert sub.poll(0) == []
+
+
+def test_cost_check_runs_once_per_request_bytes_and_pool():
+    """A steady decode loop's cost check (counts vs max_seq_len, reply bound) runs once; new bytes or a new pool
+    of the same name are checked again (a recreated pool with a smaller max_seq_len refuses the same bytes)."""
+    m, sv, send, create, _ = _served(max_reply_bytes=1 << 20)
+    calls = []
+    check = sv.api.check_step_cost
+    sv.api.check_step_cost = lambda *a: calls.append(a[0].name) or check(*a)
+    assert not send(1, admit=[1, 2], admit_tokens=[30, 9]).HasField("error")
+    for seq in range(2, 7):
+        r = send(seq, extend=[1, 2], extend_tokens=[3, 1])
+        assert not r.HasField("error") and r.stream_seq == seq
+    assert len(calls) == 2                                    # the admission, then the first extend only
+    r = send(7, extend=[2, 1], extend_tokens=[1, 3])          # other bytes: checked
+    assert not r.HasField("error") and len(calls) == 3
+    assert m.pool_and_lock("p")[0].sequences()[1].tolist() == [30 + 5 * 3 + 3, 9 + 5 + 1]
+    send(8, extend=[2, 1], extend_tokens=[1, 3])              # same bytes again: not checked
+    assert len(calls) == 3
+    sv.api.DeletePool(__import__("kvservice.v1.block_manager_pb2", fromlist=["x"]).DeletePoolRequest(pool="p",
+                                                                                                       force=True))
+    create(2)                                                 # max_seq_len 2 < the 3 tokens of the same bytes
+    r = send(9, extend=[2, 1], extend_tokens=[1, 3])
+    assert r.error.reason == "OVER_MAX_SEQ_LEN" and len(calls) == 4
