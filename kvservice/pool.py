@@ -216,7 +216,10 @@ class Pool:
             if res is not None:
                 return res
         plan = self._plan(inp)
-        return self._commit(inp, plan, tables, block_table)
+        res = self._commit(inp, plan, tables, block_table)
+        if self.prefix is not None and self.prefix.fleet is not None:
+            self.prefix.fleet.flush()                 # the manager's ScorePrefix index (fleet_index.py)
+        return res
 
     # ---- phase 1: validate ---------------------------------------------------------------
     def _validate(self, free_ids: object, extend_ids: object, extend_tokens: object, admit_ids: object,

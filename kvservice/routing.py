@@ -145,6 +145,65 @@ def _cached_pages(cache: object, pages: np.ndarray, limit: int, ns: int,
     return limit
 
 
+def _check_prompt(token_ids: np.ndarray) -> np.ndarray:
+    """The prompt as int64 [n], or InvalidArgument."""
+    tok = np.asarray(token_ids)
+    if tok.ndim != 1 or tok.dtype.kind not in "iu":
+        raise InvalidArgument(f"token_ids must be a 1-D integer array, got shape {tok.shape} dtype {tok.dtype}")
+    if len(tok) > MAX_SCORE_TOKENS:
+        raise InvalidArgument(f"token_ids has {len(tok)} tokens; ScorePrefix takes at most {MAX_SCORE_TOKENS}",
+                              reason="LIMIT_EXCEEDED", limit=MAX_SCORE_TOKENS)
+    return tok.astype(np.int64, copy=False)
+
+
+def _pool_names(manager: BlockManager, pools: list[str] | None) -> list[str]:
+    if pools:
+        names = list(dict.fromkeys(pools))
+        for name in names:
+            with manager.locked(name):         # NotFound now, before any work
+                pass
+        return names
+    return manager.pool_names()
+
+
+def _live_workers(manager: BlockManager) -> dict[str, list[tuple[str, str]]]:
+    alive: dict[str, list[tuple[str, str]]] = {}
+    for w in manager.workers.workers():
+        if w.alive:
+            alive.setdefault(w.pool, []).append((w.worker_id, w.address))
+    return alive
+
+
+def _chain(chains: dict[tuple[int, int], _Chain], tok: np.ndarray, ps: int, ns: int) -> _Chain:
+    """The prompt's chain for (page_size, namespace id), made once per query."""
+    chain = chains.get((ps, ns))
+    if chain is None:
+        full = len(tok) // ps
+        chain = chains[(ps, ns)] = _Chain(tok[:full * ps].reshape(full, ps), ns)
+    return chain
+
+
+def _pool_hits(pool: object, tok: np.ndarray, salt: str, extra_key: str, chains: dict[tuple[int, int], _Chain]) -> int:
+    """Pages of the prompt one pool would serve now, asking the pool itself (the per-pool path; pool locked)."""
+    cache, ps = pool.prefix, pool.page_size
+    if cache is None or len(tok) <= ps:
+        return 0
+    if len(pool.prefixes) > 1:
+        return pool.cached_prefix_pages(tok, salt, extra_key)          # hybrid: every group's rule
+    ids, new = cache.namespace_ids([salt], [extra_key])
+    if new:                                    # a namespace the cache has never seen holds nothing
+        return 0
+    ns = int(ids[0])
+    limit = (len(tok) - 1) // ps
+    if cache.hash_fn is page_hashes:
+        chain = _chain(chains, tok, ps, ns)
+        return _cached_pages(cache, chain.pages, limit, ns, chain.upto)
+    full = len(tok) // ps                      # an injected hash function (tests): its hashes, all at once
+    pages = tok[:full * ps].reshape(full, ps)
+    own = prompt_hashes(pages, ns, cache.hash_fn)
+    return _cached_pages(cache, pages, limit, ns, lambda n: own)
+
+
 def score_prefix(manager: BlockManager, token_ids: np.ndarray, salt: str = "", extra_key: str = "",
                  pools: list[str] | None = None, model: str = "") -> list[PrefixScore]:
     """Score one prompt against pools.
@@ -152,52 +211,70 @@ def score_prefix(manager: BlockManager, token_ids: np.ndarray, salt: str = "", e
     token_ids: int32/int64 [n], the prompt (n <= MAX_SCORE_TOKENS).
     pools: names to score (NotFound for an unknown one), in this order; None/empty = every pool, by
     name, only those created for `model` when it is given.
+
+    Pools whose cache is a member of the manager's fleet index (fleet_index.py) are answered by
+    one probe of that index per (page size, namespace id); the others (hybrid pools, injected hash
+    functions) and members whose answer ends on a mixed entry are asked one by one (_pool_hits).
     """
-    tok = np.asarray(token_ids)
-    if tok.ndim != 1 or tok.dtype.kind not in "iu":
-        raise InvalidArgument(f"token_ids must be a 1-D integer array, got shape {tok.shape} dtype {tok.dtype}")
-    if len(tok) > MAX_SCORE_TOKENS:
-        raise InvalidArgument(f"token_ids has {len(tok)} tokens; ScorePrefix takes at most {MAX_SCORE_TOKENS}",
-                              reason="LIMIT_EXCEEDED", limit=MAX_SCORE_TOKENS)
-    tok = tok.astype(np.int64, copy=False)
-    if pools:
-        names = list(dict.fromkeys(pools))
-        for name in names:
-            with manager.locked(name):         # NotFound now, before any work
-                pass
-    else:
-        names = manager.pool_names()
-    alive: dict[str, list[tuple[str, str]]] = {}
-    for w in manager.workers.workers():
-        if w.alive:
-            alive.setdefault(w.pool, []).append((w.worker_id, w.address))
+    tok = _check_prompt(token_ids)
+    names = _pool_names(manager, pools)
+    alive = _live_workers(manager)
+    fleet = manager.fleet
     chains: dict[tuple[int, int], _Chain] = {}     # (page_size, ns) -> chain
-    out = []
+    rows: list[list] = []                          # [name, hits (None = from the index), page_size, caching]
+    jobs: dict[tuple[int, int], list[tuple[int, object]]] = {}     # (page_size, ns) -> [(row, member)]
     for name in names:
         with manager.locked(name) as pool:
             if not pools and model and pool.model != model:
                 continue
             cache, ps = pool.prefix, pool.page_size
-            hits = 0
-            if cache is not None and len(tok) > ps and len(pool.prefixes) > 1:
-                hits = pool.cached_prefix_pages(tok, salt, extra_key)      # hybrid: every group's rule
-            elif cache is not None and len(tok) > ps:
+            member = getattr(cache, "fleet", None)
+            if member is not None and member.index is fleet and cache.hash_fn is page_hashes and len(tok) > ps:
                 ids, new = cache.namespace_ids([salt], [extra_key])
-                if not new:                     # a namespace the cache has never seen holds nothing
-                    ns = int(ids[0])
-                    full = len(tok) // ps
-                    pages = tok[:full * ps].reshape(full, ps)
-                    if cache.hash_fn is page_hashes:
-                        chain = chains.get((ps, ns))
-                        if chain is None:
-                            chain = chains[(ps, ns)] = _Chain(pages, ns)
-                        upto = chain.upto
-                    else:                       # an injected hash function (tests): its hashes, all at once
-                        own = prompt_hashes(pages, ns, cache.hash_fn)
-                        upto = lambda n, own=own: own         # noqa: E731
-                    hits = _cached_pages(cache, pages, (len(tok) - 1) // ps, ns, upto)
-            out.append(PrefixScore(name, hits * ps, ps, cache is not None, tuple(alive.get(name, ()))))
+                if new:
+                    rows.append([name, 0, ps, True])
+                    continue
+                member.flush()
+                jobs.setdefault((ps, int(ids[0])), []).append((len(rows), member))
+                rows.append([name, None, ps, True])
+            else:
+                rows.append([name, _pool_hits(pool, tok, salt, extra_key, chains), ps, cache is not None])
+    ask: list[int] = []                            # rows the index cannot settle: asked one by one
+    for (ps, ns), members in jobs.items():
+        limit = (len(tok) - 1) // ps
+        chain = _chain(chains, tok, ps, ns)
+        hashes = chain.upto(limit)[:limit]
+        with fleet.lock:
+            bits = [m.bit for _, m in members]
+            served, check = fleet.served_pages(ps, hashes, chain.pages[:limit], (salt, extra_key),
+                                               [b if b is not None else 0 for b in bits])
+            for (r, m), b, hits, chk in zip(members, bits, served.tolist(), check.tolist(), strict=True):
+                if chk or b is None or fleet._bits[b] is not m:       # mixed entry, or the pool left meanwhile
+                    ask.append(r)
+                else:
+                    rows[r][1] = hits
+    for r in ask:
+        with manager.locked(rows[r][0]) as pool:
+            rows[r][1] = _pool_hits(pool, tok, salt, extra_key, chains)
+    return [PrefixScore(name, hits * ps, ps, caching, tuple(alive.get(name, ()))) for name, hits, ps, caching in rows]
+
+
+def score_prefix_per_pool(manager: BlockManager, token_ids: np.ndarray, salt: str = "", extra_key: str = "",
+                          pools: list[str] | None = None, model: str = "") -> list[PrefixScore]:
+    """score_prefix asking every pool itself, without the fleet index (the reference and the bench's baseline)."""
+    tok = _check_prompt(token_ids)
+    names = _pool_names(manager, pools)
+    alive = _live_workers(manager)
+    chains: dict[tuple[int, int], _Chain] = {}
+    out = []
+    for name in names:
+        with manager.locked(name) as pool:
+            if not pools and model and pool.model != model:
+                continue
+            hits = _pool_hits(pool, tok, salt, extra_key, chains)
+            out.append(PrefixScore(name, hits * pool.page_size, pool.page_size, pool.prefix is not None,
+                                   tuple(alive.get(name, ()))))
     return out
 
 
-__all__ = ["MAX_SCORE_TOKENS", "PrefixScore", "chained_hashes", "score_prefix"]
+__all__ = ["MAX_SCORE_TOKENS", "PrefixScore", "chained_hashes", "score_prefix", "score_prefix_per_pool"]

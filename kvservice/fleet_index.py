@@ -1,0 +1,361 @@
+"""One index of the cached pages of every pool of a manager: hash -> the pools that would serve it.
+
+ScorePrefix asks, for one prompt, how many of its pages each pool's prefix cache would serve
+(``PrefixCache.match``'s rule). Asking each pool in turn costs a hash probe and a token
+comparison per pool and page; this index answers every pool with one probe of the prompt's
+page hashes and one token comparison per page.
+
+An *entry* per page hash (a hash held by at least one pool) keeps:
+
+- ``mask``: uint64 words, bit b set when pool b (its member bit) *serves* the hash: the pool
+  registered the hash in a slot c whose parent slot is either -1 (a first page) or a registered
+  slot, and whose *content* equals the entry's canonical content;
+- canonical content: (parent hash, namespace, token ids) of the first page registered under the
+  hash, where the parent hash is the hash now registered in the page's parent slot (0 for a first
+  page) and the namespace is a manager-wide id of the (salt, extra key) pair;
+- ``holders``: pools that registered the hash at all; ``mixed``: some holder's content differed
+  from the canonical one since the entry was made (a 64-bit hash collision).
+
+Why this is exact: a prompt's page j is served by pool p iff p registered h_j in a slot c with the
+prompt's namespace and tokens whose parent slot is p's slot of h_{j-1} (-1 for j = 0). If p's bit
+is set for h_0..h_{k-1} and the canonical content of each equals (h_{j-1}, namespace, tokens of
+page j) (checked once, for all pools), then c_j's parent slot holds h_{j-1}, so it *is* p's slot
+of h_{j-1}: k pages are served. Conversely a served page has that content, so p's bit is set
+unless p's content differs from the canonical one, which makes the entry mixed: a pool whose run
+of set bits ends on a mixed entry is checked by the per-pool path (routing.py). Entries, bits and
+holders are kept exactly as caches register and forget pages (tests compare them with an index
+built from scratch).
+
+Upkeep: a cache's member (:class:`FleetMember`, ``PrefixCache.fleet``) notes the hashes whose
+state may have changed (a page registered or forgotten, and the pages whose parent slot that
+was) and :meth:`FleetMember.flush` re-evaluates them, vectorised, at the end of every Step and
+before a query. Only pools with one prefix cache and the default hash function are members
+(hybrid pools and injected hash functions take the per-pool path).
+
+Locking: a member's notes are changed under its pool's lock; the index under its own lock
+(``FleetIndex.lock``), always taken after a pool's lock, never before one.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+_ONE = np.uint64(1)
+
+
+class _Table:
+    """The entries of one page size. Rows are reused; key -> row in a dict.
+
+    mask: uint64 [rows, words]; holders: int64 [rows]; mixed: bool [rows];
+    parent_hash: uint64 [rows]; namespace: int64 [rows]; tokens: int64 [rows, page_size].
+    """
+
+    def __init__(self, page_size: int, words: int) -> None:
+        self.page_size = page_size
+        self.rows: dict[int, int] = {}
+        self.free: list[int] = []
+        self._alloc(64, words)
+
+    def _alloc(self, cap: int, words: int) -> None:
+        self.mask = np.zeros((cap, words), dtype=np.uint64)
+        self.holders = np.zeros(cap, dtype=np.int64)
+        self.mixed = np.zeros(cap, dtype=bool)
+        self.parent_hash = np.zeros(cap, dtype=np.uint64)
+        self.namespace = np.full(cap, -1, dtype=np.int64)
+        self.tokens = np.zeros((cap, self.page_size), dtype=np.int64)
+        self.used = 0
+
+    def grow(self, cap: int, words: int) -> None:
+        """At least cap rows and words mask words (contents kept)."""
+        old = (self.mask, self.holders, self.mixed, self.parent_hash, self.namespace, self.tokens)
+        used = self.used
+        cap = max(cap, len(self.holders))
+        self._alloc(cap, words)
+        self.used = used
+        self.mask[:used, :old[0].shape[1]] = old[0][:used]
+        for new, o in zip((self.holders, self.mixed, self.parent_hash, self.namespace, self.tokens), old[1:],
+                          strict=True):
+            new[:used] = o[:used]
+
+    def rows_of(self, hashes: list[int]) -> np.ndarray:
+        """int64 [n]: the row of each hash, -1 if none."""
+        get = self.rows.get
+        return np.fromiter((get(h, -1) for h in hashes), dtype=np.int64, count=len(hashes))
+
+    def take_rows(self, hashes: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(rows int64 [n], new bool [n]): the row of each (distinct) hash, new rows made for the unknown."""
+        rows = self.rows_of(hashes)
+        new = rows < 0
+        k = int(new.sum())
+        if k:
+            reuse = min(k, len(self.free))
+            fresh = k - reuse
+            if self.used + fresh > len(self.holders):
+                self.grow(max(2 * len(self.holders), self.used + fresh), self.mask.shape[1])
+            got = [self.free.pop() for _ in range(reuse)] + list(range(self.used, self.used + fresh))
+            self.used += fresh
+            rows[new] = got
+            at = np.flatnonzero(new).tolist()
+            self.rows.update(zip([hashes[i] for i in at], got, strict=True))
+        return rows, new
+
+    def release(self, rows: np.ndarray, hashes: list[int]) -> None:
+        """Rows whose last holder left: forget them (hashes: their keys)."""
+        for h in hashes:
+            del self.rows[h]
+        self.mask[rows] = 0
+        self.mixed[rows] = False
+        self.namespace[rows] = -1
+        self.free.extend(rows.tolist())
+
+
+class FleetIndex:
+    """The entries of all member caches of one manager, by page size (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.tables: dict[int, _Table] = {}
+        self.words = 1
+        self._bits: list[FleetMember | None] = []
+        self._ns: dict[tuple[str, str], int] = {}
+
+    def namespace_id(self, key: tuple[str, str]) -> int:
+        """Manager-wide id of a (salt, extra key) pair (call under self.lock)."""
+        got = self._ns.get(key)
+        if got is None:
+            got = self._ns[key] = len(self._ns)
+        return got
+
+    def known_namespace(self, key: tuple[str, str]) -> int:
+        """Id of a pair, -1 if no member ever registered a page in it (call under self.lock)."""
+        return self._ns.get(key, -1)
+
+    def table(self, page_size: int) -> _Table:
+        t = self.tables.get(page_size)
+        if t is None:
+            t = self.tables[page_size] = _Table(page_size, self.words)
+        return t
+
+    def attach(self, cache: object) -> FleetMember:
+        """Make a cache a member: its registered pages enter the index now and as they change."""
+        member = FleetMember(self, cache)
+        with self.lock:
+            try:
+                bit = self._bits.index(None)
+            except ValueError:
+                bit = len(self._bits)
+                self._bits.append(None)
+            if bit >= 64 * self.words:
+                self.words += 1
+                for t in self.tables.values():
+                    t.grow(len(t.holders), self.words)
+            self._bits[bit] = member
+            member.bit = bit
+        cache.fleet = member
+        member.note_all()
+        member.flush()
+        return member
+
+    def detach(self, member: FleetMember) -> None:
+        """Take a member's pages out of the index and free its bit (a deleted or replaced pool)."""
+        with self.lock:
+            if member.bit is None:
+                return
+            member._drop(list(member.held))
+            self._bits[member.bit] = None
+            member.bit = None
+        if getattr(member.cache, "fleet", None) is member:
+            member.cache.fleet = None
+
+    def served_pages(self, page_size: int, hashes: np.ndarray, pages: np.ndarray, namespace: tuple[str, str],
+                     bits: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Pages of one prompt each member serves, from the index alone (call under self.lock).
+
+        hashes: uint64 [P], the prompt's chained page hashes in the members' namespace id;
+        pages: int64 [P, page_size], its token ids; bits: the members' bits (all with that namespace id).
+        Returns (served int64 [len(bits)], check bool [len(bits)]): check = the run ends on a mixed
+        entry, so the member must be asked itself (the per-pool path).
+        """
+        n = len(bits)
+        t = self.tables.get(page_size)
+        ns = self._ns.get(namespace, -1)
+        if t is None or ns < 0 or not len(hashes) or not n:
+            return np.zeros(n, dtype=np.int64), np.zeros(n, dtype=bool)
+        rows = t.rows_of(hashes.tolist())
+        safe = np.maximum(rows, 0)
+        ok = rows >= 0
+        prev = np.empty(len(hashes), dtype=np.uint64)
+        prev[0] = 0
+        prev[1:] = hashes[:-1]
+        ok &= t.parent_hash[safe] == prev
+        ok &= t.namespace[safe] == ns
+        ok &= (t.tokens[safe] == pages).all(axis=1)
+        stop = np.argmin(ok) if not ok.all() else len(ok)       # no member serves past a page nobody serves
+        b = np.asarray(bits, dtype=np.int64)
+        word, shift = b >> 6, (b & 63).astype(np.uint64)
+        masks = t.mask[safe[:stop]][:, word]                     # [stop, n]: the word of each member's bit
+        have = ((masks >> shift) & _ONE).astype(bool)
+        served = np.where(have.all(axis=0), stop, np.argmin(have, axis=0)).astype(np.int64) if stop else \
+            np.zeros(n, dtype=np.int64)
+        at = np.minimum(served, len(hashes) - 1)
+        check = (served < len(hashes)) & (rows[at] >= 0) & t.mixed[safe[at]]
+        return served, check
+
+    def snapshot(self) -> dict[int, dict[int, tuple[int, frozenset[int]]]]:
+        """page size -> hash -> (holders, bits of the members serving it): for tests (call under self.lock)."""
+        out: dict[int, dict[int, tuple[int, frozenset[int]]]] = {}
+        for ps, t in self.tables.items():
+            d = {}
+            for h, r in t.rows.items():
+                bits = frozenset(64 * w + i for w in range(t.mask.shape[1]) for i in range(64)
+                                 if int(t.mask[r, w]) >> i & 1)
+                d[h] = (int(t.holders[r]), bits)
+            out[ps] = d
+        return out
+
+
+class FleetMember:
+    """One prefix cache's part of a FleetIndex (``PrefixCache.fleet``).
+
+    held: hash -> the row this cache counts as a holder of; children: parent slot -> registered
+    slots whose parent it is; dirty: hashes to re-evaluate at the next flush.
+    """
+
+    def __init__(self, index: FleetIndex, cache: object) -> None:
+        self.index = index
+        self.cache = cache
+        self.bit: int | None = None
+        self.held: dict[int, int] = {}
+        self.children: dict[int, set[int]] = {}
+        self.dirty: set[int] = set()
+        self._ns_ids = np.zeros(0, dtype=np.int64)       # the cache's namespace id -> manager-wide id
+
+    def __deepcopy__(self, memo: dict) -> None:
+        return None                     # a copied pool (tests) is nobody's member
+
+    # ---- notes (under the pool's lock) ------------------------------------------------------
+    def note_all(self) -> None:
+        """Re-evaluate every registered page (after attach)."""
+        c = self.cache
+        self.children.clear()
+        slots = np.fromiter(c.by_hash.values(), dtype=np.int64, count=len(c.by_hash))
+        self.registered(slots, c.parent[slots])
+        self.dirty.update(self.held)
+
+    def registered(self, slots: np.ndarray, parents: np.ndarray) -> None:
+        """The cache registered pages in slots (int64 [n]) whose parent slots are parents (int64 [n])."""
+        c, children = self.cache, self.children
+        self.dirty.update(c.hash[slots].tolist())
+        for s, p in zip(slots.tolist(), parents.tolist(), strict=True):
+            if p >= 0:
+                kids = children.get(p)
+                if kids is None:
+                    children[p] = {s}
+                else:
+                    kids.add(s)
+            kids = children.get(s)                    # pages registered earlier with this slot as parent
+            if kids:
+                self.dirty.update(c.hash[list(kids)].tolist())
+        if len(self.dirty) > 4 * len(c.hash) + 1024:
+            self.flush()
+
+    def forgotten(self, slot: int, block_hash: int) -> None:
+        """The cache is forgetting the page in slot (still described by the cache's arrays)."""
+        c = self.cache
+        p = int(c.parent[slot])
+        kids = self.children.get(p)
+        if kids is not None:
+            kids.discard(slot)
+            if not kids:
+                del self.children[p]
+        self.dirty.add(block_hash)
+        kids = self.children.get(slot)
+        if kids:
+            self.dirty.update(c.hash[list(kids)].tolist())
+
+    # ---- flush (under the pool's lock) ------------------------------------------------------
+    def flush(self) -> None:
+        """Bring the index up to date with the cache for every noted hash."""
+        if not self.dirty:
+            return
+        hashes = list(self.dirty)
+        self.dirty = set()
+        c = self.cache
+        get = c.by_hash.get
+        slots = np.fromiter((get(h, -1) for h in hashes), dtype=np.int64, count=len(hashes))
+        with self.index.lock:
+            if self.bit is None:
+                return
+            self._drop([h for h in hashes if h in self.held])
+            now = np.flatnonzero(slots >= 0)
+            if len(now):
+                self._add([hashes[i] for i in now.tolist()], slots[now])
+
+    def _namespaces(self, local: np.ndarray) -> np.ndarray:
+        """Manager-wide ids of the cache's namespace ids (int64 [n])."""
+        ids = self.cache.namespaces._ids
+        if len(self._ns_ids) < len(ids):
+            table = np.full(len(ids), -1, dtype=np.int64)
+            for key, i in ids.items():
+                table[i] = self.index.namespace_id(key)
+            self._ns_ids = table
+        return self._ns_ids[local]
+
+    def _drop(self, hashes: list[int]) -> None:
+        """This cache no longer counts for these hashes (under the index's lock)."""
+        if not hashes:
+            return
+        t = self.index.table(self.cache.page_size)
+        rows = np.array([self.held.pop(h) for h in hashes], dtype=np.int64)
+        w, b = self.bit >> 6, np.uint64(1) << np.uint64(self.bit & 63)
+        t.mask[rows, w] &= ~b
+        t.holders[rows] -= 1
+        gone = np.flatnonzero(t.holders[rows] == 0)
+        if len(gone):
+            t.release(rows[gone], [hashes[i] for i in gone.tolist()])
+
+    def _add(self, hashes: list[int], slots: np.ndarray) -> None:
+        """This cache holds these hashes in these slots now (under the index's lock)."""
+        c = self.cache
+        t = self.index.table(c.page_size)
+        if t.mask.shape[1] < self.index.words:
+            t.grow(len(t.holders), self.index.words)
+        par = c.parent[slots]
+        parent_hash = np.where(par >= 0, c.hash[np.maximum(par, 0)], np.uint64(0))
+        linked = (par == -1) | ((par >= 0) & (parent_hash != 0))          # the parent slot is registered
+        ns = self._namespaces(c.namespace[slots])
+        tok = c.tokens[slots]
+        rows, new = t.take_rows(hashes)
+        fresh = rows[new]
+        t.parent_hash[fresh] = parent_hash[new]
+        t.namespace[fresh] = ns[new]
+        t.tokens[fresh] = tok[new]
+        t.holders[rows] += 1
+        same = (t.parent_hash[rows] == parent_hash) & (t.namespace[rows] == ns) & (t.tokens[rows] == tok).all(axis=1)
+        t.mixed[rows[~same]] = True
+        serve = rows[same & linked]
+        t.mask[serve, self.bit >> 6] |= np.uint64(1) << np.uint64(self.bit & 63)
+        self.held.update(zip(hashes, rows.tolist(), strict=True))
+
+
+def rebuilt(members: list[FleetMember]) -> FleetIndex:
+    """A new index of these members' caches built from scratch, same bits (the tests' reference)."""
+    idx = FleetIndex()
+    for m in members:
+        if m.bit is None:
+            continue
+        while m.bit >= 64 * idx.words:
+            idx.words += 1
+        idx._bits.extend([None] * (m.bit + 1 - len(idx._bits)))
+        copy = FleetMember(idx, m.cache)
+        copy.bit = m.bit
+        idx._bits[m.bit] = copy
+        copy.note_all()
+        copy.dirty.update(m.cache.by_hash)
+        copy.flush()
+    return idx
+
+
+__all__ = ["FleetIndex", "FleetMember", "rebuilt"]
