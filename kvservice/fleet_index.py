@@ -46,10 +46,10 @@ _ONE = np.uint64(1)
 
 
 class _Table:
-    """The entries of one page size. Rows are reused; key -> row in a dict.
+    """The entries of one (page size, namespace). Rows are reused; key -> row in a dict.
 
-    mask: uint64 [rows, words]; holders: int64 [rows]; mixed: bool [rows];
-    parent_hash: uint64 [rows]; namespace: int64 [rows]; tokens: int64 [rows, page_size].
+    mask: uint64 [rows, words]; holders, stale: int64 [rows]; mixed: bool [rows];
+    parent_hash: uint64 [rows]; tokens: int64 [rows, page_size].
     """
 
     def __init__(self, page_size: int, words: int) -> None:
@@ -61,22 +61,22 @@ class _Table:
     def _alloc(self, cap: int, words: int) -> None:
         self.mask = np.zeros((cap, words), dtype=np.uint64)
         self.holders = np.zeros(cap, dtype=np.int64)
+        self.stale = np.zeros(cap, dtype=np.int64)
         self.mixed = np.zeros(cap, dtype=bool)
         self.parent_hash = np.zeros(cap, dtype=np.uint64)
-        self.namespace = np.full(cap, -1, dtype=np.int64)
         self.tokens = np.zeros((cap, self.page_size), dtype=np.int64)
         self.used = 0
 
     def grow(self, cap: int, words: int) -> None:
         """At least cap rows and words mask words (contents kept)."""
-        old = (self.mask, self.holders, self.mixed, self.parent_hash, self.namespace, self.tokens)
+        old = (self.mask, self.holders, self.stale, self.mixed, self.parent_hash, self.tokens)
         used = self.used
         cap = max(cap, len(self.holders))
         self._alloc(cap, words)
         self.used = used
         self.mask[:used, :old[0].shape[1]] = old[0][:used]
-        for new, o in zip((self.holders, self.mixed, self.parent_hash, self.namespace, self.tokens), old[1:],
-                          strict=True):
+        for new, o in zip((self.holders, self.stale, self.mixed, self.parent_hash, self.tokens),
+                          old[1:], strict=True):
             new[:used] = o[:used]
 
     def rows_of(self, hashes: list[int]) -> np.ndarray:
@@ -107,7 +107,6 @@ class _Table:
             del self.rows[h]
         self.mask[rows] = 0
         self.mixed[rows] = False
-        self.namespace[rows] = -1
         self.free.extend(rows.tolist())
 
 
@@ -116,7 +115,7 @@ class FleetIndex:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.tables: dict[int, _Table] = {}
+        self.tables: dict[tuple[int, int], _Table] = {}     # (page_size, namespace) -> entries
         self.words = 1
         self._bits: list[FleetMember | None] = []
         self._ns: dict[tuple[str, str], int] = {}
@@ -132,10 +131,10 @@ class FleetIndex:
         """Id of a pair, -1 if no member ever registered a page in it (call under self.lock)."""
         return self._ns.get(key, -1)
 
-    def table(self, page_size: int) -> _Table:
-        t = self.tables.get(page_size)
+    def table(self, page_size: int, namespace: int) -> _Table:
+        t = self.tables.get((page_size, namespace))
         if t is None:
-            t = self.tables[page_size] = _Table(page_size, self.words)
+            t = self.tables[(page_size, namespace)] = _Table(page_size, self.words)
         return t
 
     def attach(self, cache: object) -> FleetMember:
@@ -179,9 +178,8 @@ class FleetIndex:
         entry, so the member must be asked itself (the per-pool path).
         """
         n = len(bits)
-        t = self.tables.get(page_size)
-        ns = self._ns.get(namespace, -1)
-        if t is None or ns < 0 or not len(hashes) or not n:
+        t = self.tables.get((page_size, self._ns.get(namespace, -1)))
+        if t is None or not len(hashes) or not n:
             return np.zeros(n, dtype=np.int64), np.zeros(n, dtype=bool)
         rows = t.rows_of(hashes.tolist())
         safe = np.maximum(rows, 0)
@@ -190,37 +188,34 @@ class FleetIndex:
         prev[0] = 0
         prev[1:] = hashes[:-1]
         ok &= t.parent_hash[safe] == prev
-        ok &= t.namespace[safe] == ns
         ok &= (t.tokens[safe] == pages).all(axis=1)
-        stop = np.argmin(ok) if not ok.all() else len(ok)       # no member serves past a page nobody serves
-        b = np.asarray(bits, dtype=np.int64)
-        word, shift = b >> 6, (b & 63).astype(np.uint64)
-        masks = t.mask[safe[:stop]][:, word]                     # [stop, n]: the word of each member's bit
-        have = ((masks >> shift) & _ONE).astype(bool)
-        served = np.where(have.all(axis=0), stop, np.argmin(have, axis=0)).astype(np.int64) if stop else \
-            np.zeros(n, dtype=np.int64)
+        stop = int(np.argmin(ok)) if not ok.all() else len(ok)   # no member serves past a page nobody serves
+        served = _runs(t.mask[safe[:stop]], bits)
         at = np.minimum(served, len(hashes) - 1)
-        check = (served < len(hashes)) & (rows[at] >= 0) & t.mixed[safe[at]]
+        check = (served < len(hashes)) & (rows[at] >= 0) & (t.mixed[safe[at]] | (t.stale[safe[at]] > 0))
         return served, check
 
-    def snapshot(self) -> dict[int, dict[int, tuple[int, frozenset[int]]]]:
-        """page size -> hash -> (holders, bits of the members serving it): for tests (call under self.lock)."""
-        out: dict[int, dict[int, tuple[int, frozenset[int]]]] = {}
-        for ps, t in self.tables.items():
+    def snapshot(self) -> dict[tuple[int, tuple[str, str]], dict[int, tuple[int, frozenset[int], int, bool]]]:
+        """(page size, (salt, extra key)) -> hash -> (holders, bits of the members serving it, stale, mixed):
+        for tests (call under self.lock)."""
+        names = {i: key for key, i in self._ns.items()}
+        out: dict[tuple[int, tuple[str, str]], dict[int, tuple[int, frozenset[int], int, bool]]] = {}
+        for (ps, ns), t in self.tables.items():
             d = {}
             for h, r in t.rows.items():
                 bits = frozenset(64 * w + i for w in range(t.mask.shape[1]) for i in range(64)
                                  if int(t.mask[r, w]) >> i & 1)
-                d[h] = (int(t.holders[r]), bits)
-            out[ps] = d
+                d[h] = (int(t.holders[r]), bits, int(t.stale[r]), bool(t.mixed[r]))
+            if d:
+                out[(ps, names[ns])] = d
         return out
 
 
 class FleetMember:
     """One prefix cache's part of a FleetIndex (``PrefixCache.fleet``).
 
-    held: hash -> the row this cache counts as a holder of; children: parent slot -> registered
-    slots whose parent it is; dirty: hashes to re-evaluate at the next flush.
+    held: hash -> (namespace, 2 * the row this cache counts as a holder of + 1 if it counts as stale there);
+    children: parent slot -> registered slots whose parent it is; dirty: hashes to re-evaluate at the next flush.
     """
 
     def __init__(self, index: FleetIndex, cache: object) -> None:
@@ -307,37 +302,68 @@ class FleetMember:
         """This cache no longer counts for these hashes (under the index's lock)."""
         if not hashes:
             return
-        t = self.index.table(self.cache.page_size)
-        rows = np.array([self.held.pop(h) for h in hashes], dtype=np.int64)
+        held = [self.held.pop(h) for h in hashes]
+        ns = np.array([n for n, _ in held], dtype=np.int64)
+        enc = np.array([e for _, e in held], dtype=np.int64)
         w, b = self.bit >> 6, np.uint64(1) << np.uint64(self.bit & 63)
-        t.mask[rows, w] &= ~b
-        t.holders[rows] -= 1
-        gone = np.flatnonzero(t.holders[rows] == 0)
-        if len(gone):
-            t.release(rows[gone], [hashes[i] for i in gone.tolist()])
+        for n in np.unique(ns).tolist():
+            at = np.flatnonzero(ns == n)
+            t = self.index.table(self.cache.page_size, n)
+            rows = enc[at] >> 1
+            t.mask[rows, w] &= ~b
+            t.holders[rows] -= 1
+            t.stale[rows] -= enc[at] & 1
+            gone = np.flatnonzero(t.holders[rows] == 0)
+            if len(gone):
+                t.release(rows[gone], [hashes[i] for i in at[gone].tolist()])
 
     def _add(self, hashes: list[int], slots: np.ndarray) -> None:
         """This cache holds these hashes in these slots now (under the index's lock)."""
         c = self.cache
-        t = self.index.table(c.page_size)
-        if t.mask.shape[1] < self.index.words:
-            t.grow(len(t.holders), self.index.words)
         par = c.parent[slots]
-        parent_hash = np.where(par >= 0, c.hash[np.maximum(par, 0)], np.uint64(0))
-        linked = (par == -1) | ((par >= 0) & (parent_hash != 0))          # the parent slot is registered
+        parent_hash = c.parent_hash[slots]                    # as registered (0 for a first page)
+        now = np.where(par >= 0, c.hash[np.maximum(par, 0)], np.uint64(0))    # what the parent slot holds now
+        linked = np.where(par >= 0, (now != 0) & (now == parent_hash), (par == -1) & (parent_hash == 0))
+        stale = ~linked & ~((par >= 0) & (now == 0))         # neither served nor surely missed: ask the pool
         ns = self._namespaces(c.namespace[slots])
         tok = c.tokens[slots]
-        rows, new = t.take_rows(hashes)
-        fresh = rows[new]
-        t.parent_hash[fresh] = parent_hash[new]
-        t.namespace[fresh] = ns[new]
-        t.tokens[fresh] = tok[new]
-        t.holders[rows] += 1
-        same = (t.parent_hash[rows] == parent_hash) & (t.namespace[rows] == ns) & (t.tokens[rows] == tok).all(axis=1)
-        t.mixed[rows[~same]] = True
-        serve = rows[same & linked]
-        t.mask[serve, self.bit >> 6] |= np.uint64(1) << np.uint64(self.bit & 63)
-        self.held.update(zip(hashes, rows.tolist(), strict=True))
+        bit_word, bit = self.bit >> 6, np.uint64(1) << np.uint64(self.bit & 63)
+        for n in np.unique(ns).tolist():
+            at = np.flatnonzero(ns == n)
+            t = self.index.table(c.page_size, n)
+            if t.mask.shape[1] < self.index.words:
+                t.grow(len(t.holders), self.index.words)
+            keys = [hashes[i] for i in at.tolist()]
+            rows, new = t.take_rows(keys)
+            fresh = rows[new]
+            t.parent_hash[fresh] = parent_hash[at[new]]
+            t.tokens[fresh] = tok[at[new]]
+            t.holders[rows] += 1
+            t.stale[rows] += stale[at]
+            same = (t.parent_hash[rows] == parent_hash[at]) & (t.tokens[rows] == tok[at]).all(axis=1)
+            t.mixed[rows[~same]] = True
+            t.mask[rows[same & linked[at]], bit_word] |= bit
+            self.held.update(zip(keys, ((n, e) for e in (2 * rows + stale[at]).tolist()), strict=True))
+
+
+def _runs(mask: np.ndarray, bits: list[int]) -> np.ndarray:
+    """int64 [len(bits)]: for each bit, how many leading rows of mask (uint64 [k, words]) have it set.
+
+    The running AND of the rows only loses bits, at most 64 per word, so the rows where it changes
+    are few: each bit's run ends at the first change that clears it.
+    """
+    b = np.asarray(bits, dtype=np.int64)
+    out = np.full(len(b), len(mask), dtype=np.int64)
+    if not len(mask):
+        return out
+    acc = np.bitwise_and.accumulate(mask, axis=0)
+    word, bit = b >> 6, (b & 63).astype(np.uint64)
+    ends = np.flatnonzero((acc[1:] != acc[:-1]).any(axis=1)) + 1             # acc[i] lost bits of acc[i - 1]
+    have = ((acc[np.concatenate(([0], ends))][:, word] >> bit) & _ONE).astype(bool)   # [changes + 1, n]
+    first_off = np.argmin(have, axis=0)                                      # first change that clears the bit
+    lost = ~have.all(axis=0)
+    out[lost] = np.concatenate(([0], ends))[first_off[lost]]
+    return out
 
 
 def rebuilt(members: list[FleetMember]) -> FleetIndex:

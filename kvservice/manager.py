@@ -190,8 +190,8 @@ class BlockManager:
 
 
 def _join(fleet: FleetIndex, pool: Pool) -> None:
-    """Make a pool's prefix cache a member of the fleet index when it has exactly one (no hybrid pool)."""
-    if pool.prefixes is not None and len(pool.prefixes) == 1:
+    """Make a pool's prefix cache a member of the fleet index when it has exactly one, of full attention."""
+    if pool.prefixes is not None and len(pool.prefixes) == 1 and not any(pool.windows):
         fleet.attach(pool.prefix)
 
 

@@ -188,8 +188,8 @@ def _pool_hits(pool: object, tok: np.ndarray, salt: str, extra_key: str, chains:
     cache, ps = pool.prefix, pool.page_size
     if cache is None or len(tok) <= ps:
         return 0
-    if len(pool.prefixes) > 1:
-        return pool.cached_prefix_pages(tok, salt, extra_key)          # hybrid: every group's rule
+    if len(pool.prefixes) > 1 or any(pool.windows):
+        return pool.cached_prefix_pages(tok, salt, extra_key)          # hybrid or sliding: every group's rule
     ids, new = cache.namespace_ids([salt], [extra_key])
     if new:                                    # a namespace the cache has never seen holds nothing
         return 0
