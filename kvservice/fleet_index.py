@@ -228,7 +228,10 @@ class FleetMember:
         self._ns_ids = np.zeros(0, dtype=np.int64)       # the cache's namespace id -> manager-wide id
 
     def __deepcopy__(self, memo: dict) -> None:
-        return None                     # a copied pool (tests) is nobody's member
+        return None                     # a copied or pickled pool is nobody's member (a manager attaches it)
+
+    def __reduce__(self) -> tuple:
+        return (_detached, ())
 
     # ---- notes (under the pool's lock) ------------------------------------------------------
     def note_all(self) -> None:
@@ -344,6 +347,11 @@ class FleetMember:
             t.mixed[rows[~same]] = True
             t.mask[rows[same & linked[at]], bit_word] |= bit
             self.held.update(zip(keys, ((n, e) for e in (2 * rows + stale[at]).tolist()), strict=True))
+
+
+def _detached() -> None:
+    """What a pickled member becomes: nothing (the cache's fleet attribute is None until a manager attaches it)."""
+    return None
 
 
 def _runs(mask: np.ndarray, bits: list[int]) -> np.ndarray:

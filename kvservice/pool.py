@@ -707,7 +707,8 @@ class Pool:
     #                  tokens (registered slots only), hits; the namespaces shared by the groups
     # Rebuilt, not stored (caches, scratch, constants): Pool._sorted, _last_batch, _fast, page_size,
     # max_seq_len, windows, layer_space, _sliding, _is_sliding, _anchor_group (from the plan);
-    # SlotAllocator._mark, _ones, num_slots, caching, on_evict.
+    # SlotAllocator._mark, _ones, num_slots, caching, on_evict; PrefixCache.fleet (the manager attaches a
+    # restored pool to its fleet index, which reads the cache again: fleet_index.py).
     def capture_state(self) -> Callable[[], PoolState]:
         """Copy what export_state needs and return the function that builds the PoolState from the copies.
 
