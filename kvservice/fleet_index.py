@@ -5,32 +5,38 @@ ScorePrefix asks, for one prompt, how many of its pages each pool's prefix cache
 comparison per pool and page; this index answers every pool with one probe of the prompt's
 page hashes and one token comparison per page.
 
-An *entry* per page hash (a hash held by at least one pool) keeps:
+Entries live in one table per (page size, namespace), the namespace being a manager-wide id of
+the (salt, extra key) pair (a pool's own namespace ids, which its hashes depend on, differ from
+pool to pool). An *entry* per page hash held by at least one pool keeps:
 
-- ``mask``: uint64 words, bit b set when pool b (its member bit) *serves* the hash: the pool
-  registered the hash in a slot c whose parent slot is either -1 (a first page) or a registered
-  slot, and whose *content* equals the entry's canonical content;
-- canonical content: (parent hash, namespace, token ids) of the first page registered under the
-  hash, where the parent hash is the hash now registered in the page's parent slot (0 for a first
-  page) and the namespace is a manager-wide id of the (salt, extra key) pair;
-- ``holders``: pools that registered the hash at all; ``mixed``: some holder's content differed
-  from the canonical one since the entry was made (a 64-bit hash collision).
+- ``mask``: uint64 words, bit b set when the pool of member bit b *serves* the hash: it
+  registered the hash in a slot c that is *linked* (its parent slot is -1 and its registered
+  parent hash 0, or its parent slot now holds exactly the page's registered parent hash) and
+  whose content equals the entry's canonical content;
+- canonical content: (registered parent hash, token ids) of the first page registered under
+  the hash (0 = a first page);
+- ``holders``: member pools that registered the hash at all; ``stale``: holders whose page is
+  neither linked nor surely missed (its parent slot holds another registered hash: a parent
+  pointer to a reused slot); ``mixed``: some holder's content differed from the canonical one
+  since the entry was made (a 64-bit hash collision; sticky until the entry empties).
 
-Why this is exact: a prompt's page j is served by pool p iff p registered h_j in a slot c with the
-prompt's namespace and tokens whose parent slot is p's slot of h_{j-1} (-1 for j = 0). If p's bit
-is set for h_0..h_{k-1} and the canonical content of each equals (h_{j-1}, namespace, tokens of
-page j) (checked once, for all pools), then c_j's parent slot holds h_{j-1}, so it *is* p's slot
-of h_{j-1}: k pages are served. Conversely a served page has that content, so p's bit is set
-unless p's content differs from the canonical one, which makes the entry mixed: a pool whose run
-of set bits ends on a mixed entry is checked by the per-pool path (routing.py). Entries, bits and
-holders are kept exactly as caches register and forget pages (tests compare them with an index
-built from scratch).
+Why this is exact: pool p serves the prompt's page j iff p registered h_j in a slot c with the
+prompt's namespace and tokens whose parent slot is p's slot of h_{j-1} (-1 for j = 0). If p's
+bit is set for h_0..h_{k-1} and each entry's canonical content equals (h_{j-1} (0 for j = 0),
+tokens of page j), checked once for all pools, then c_j's parent slot holds h_{j-1}, so it *is*
+p's slot of h_{j-1}: k pages are served. Conversely, a page p serves but whose bit is unset has
+content other than the canonical (the entry is mixed) or a parent slot holding another hash
+than the one registered (the entry has stale holders); a pool whose run of set bits ends on
+such an entry is asked itself (routing.py). A parent slot holding nothing registered is a sure
+miss. Entries, bits and counts are kept exactly as caches register and forget pages (tests
+compare them with an index built from scratch).
 
 Upkeep: a cache's member (:class:`FleetMember`, ``PrefixCache.fleet``) notes the hashes whose
-state may have changed (a page registered or forgotten, and the pages whose parent slot that
-was) and :meth:`FleetMember.flush` re-evaluates them, vectorised, at the end of every Step and
-before a query. Only pools with one prefix cache and the default hash function are members
-(hybrid pools and injected hash functions take the per-pool path).
+state may have changed (a page registered or forgotten, and the registered pages whose parent
+slot that was) and :meth:`FleetMember.flush` re-evaluates them, vectorised, at the end of every
+Step and before a query. Only pools with one prefix cache, of full attention, are members;
+queries use the index only for members with the default hash function (hybrid and sliding pools
+and injected hash functions take the per-pool path).
 
 Locking: a member's notes are changed under its pool's lock; the index under its own lock
 (``FleetIndex.lock``), always taken after a pool's lock, never before one.

@@ -6,11 +6,15 @@ prompt would return in ``admit_cached_tokens`` at that moment: full pages whose 
 indexed *and* whose cached page matches the prompt's tokens, namespace (salt + extra key) and
 parent page, at most ``(n - 1) // page_size`` pages. Nothing changes (no LRU touch, no pin).
 
-Cost: the prompt's page hashes are computed once per namespace id (NumPy over the pages, the
-chain in Python integers) and shared by the pools. A pool that does not hold the first page
-costs one dictionary lookup; the others are checked with NumPy over all pages at once, looking
-hashes up in the cache's NumPy mirror of its index (hash_index.py), in two rounds (the first
-FIRST_PAGES pages, then the rest) so that a pool missing early costs little.
+Cost: the prompt's page hashes are computed once per (page size, namespace id) (NumPy over the
+pages, the chain in Python integers) and shared by the pools. Pools with one full-attention
+cache are answered together by the manager's fleet index (fleet_index.py): one probe of the
+prompt's hashes and one token comparison per page for all of them. The others (hybrid and
+sliding pools, injected hash functions) and the few the index cannot settle (a hash collision,
+a stale parent pointer) are asked one by one (_pool_hits): a pool that does not hold the first
+page costs one dictionary lookup; the others are checked with NumPy over all pages at once,
+looking hashes up in the cache's NumPy mirror of its index (hash_index.py), in two rounds (the
+first FIRST_PAGES pages, then the rest) so that a pool missing early costs little.
 """
 
 from __future__ import annotations
