@@ -221,7 +221,8 @@ class FleetMember:
     """One prefix cache's part of a FleetIndex (``PrefixCache.fleet``).
 
     held: hash -> (namespace, 2 * the row this cache counts as a holder of + 1 if it counts as stale there);
-    children: parent slot -> registered slots whose parent it is; dirty: hashes to re-evaluate at the next flush.
+    children: parent slot -> registered slots whose parent it is; dirty (hashes) and dirty_slots
+    (slots, read as the hashes they hold then): what to re-evaluate at the next flush.
     """
 
     def __init__(self, index: FleetIndex, cache: object) -> None:
@@ -231,6 +232,7 @@ class FleetMember:
         self.held: dict[int, int] = {}
         self.children: dict[int, set[int]] = {}
         self.dirty: set[int] = set()
+        self.dirty_slots: set[int] = set()           # registered slots whose parent slot changed: their hashes
         self._ns_ids = np.zeros(0, dtype=np.int64)       # the cache's namespace id -> manager-wide id
 
     def __deepcopy__(self, memo: dict) -> None:
@@ -252,41 +254,46 @@ class FleetMember:
         """The cache registered pages in slots (int64 [n]) whose parent slots are parents (int64 [n])."""
         c, children = self.cache, self.children
         self.dirty.update(c.hash[slots].tolist())
-        for s, p in zip(slots.tolist(), parents.tolist(), strict=True):
+        sl = slots.tolist()
+        for s in children.keys() & sl:                # pages registered earlier with one of these slots as parent
+            self.dirty_slots.update(children[s])
+        get = children.get
+        for s, p in zip(sl, parents.tolist(), strict=True):
             if p >= 0:
-                kids = children.get(p)
+                kids = get(p)
                 if kids is None:
                     children[p] = {s}
                 else:
                     kids.add(s)
-            kids = children.get(s)                    # pages registered earlier with this slot as parent
-            if kids:
-                self.dirty.update(c.hash[list(kids)].tolist())
-        if len(self.dirty) > 4 * len(c.hash) + 1024:
+        if len(self.dirty) + len(self.dirty_slots) > 4 * len(c.hash) + 1024:
             self.flush()
 
     def forgotten(self, slot: int, block_hash: int) -> None:
         """The cache is forgetting the page in slot (still described by the cache's arrays)."""
-        c = self.cache
-        p = int(c.parent[slot])
-        kids = self.children.get(p)
+        children = self.children
+        p = self.cache.parent.item(slot)
+        kids = children.get(p)
         if kids is not None:
             kids.discard(slot)
             if not kids:
-                del self.children[p]
+                del children[p]
         self.dirty.add(block_hash)
-        kids = self.children.get(slot)
+        kids = children.get(slot)
         if kids:
-            self.dirty.update(c.hash[list(kids)].tolist())
+            self.dirty_slots.update(kids)
 
     # ---- flush (under the pool's lock) ------------------------------------------------------
     def flush(self) -> None:
         """Bring the index up to date with the cache for every noted hash."""
+        c = self.cache
+        if self.dirty_slots:
+            h = c.hash[np.fromiter(self.dirty_slots, dtype=np.int64, count=len(self.dirty_slots))]
+            self.dirty.update(h[h != 0].tolist())     # those forgotten since were noted by hash then
+            self.dirty_slots = set()
         if not self.dirty:
             return
         hashes = list(self.dirty)
         self.dirty = set()
-        c = self.cache
         get = c.by_hash.get
         slots = np.fromiter((get(h, -1) for h in hashes), dtype=np.int64, count=len(hashes))
         with self.index.lock:
