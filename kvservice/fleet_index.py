@@ -62,7 +62,7 @@ class _Table:
         self.page_size = page_size
         self.rows: dict[int, int] = {}
         self.free: list[int] = []
-        self._alloc(64, words)
+        self._alloc(8, words)                 # one table per tenant namespace: start small
 
     def _alloc(self, cap: int, words: int) -> None:
         self.mask = np.zeros((cap, words), dtype=np.uint64)
@@ -332,6 +332,8 @@ class FleetMember:
             gone = np.flatnonzero(t.holders[rows] == 0)
             if len(gone):
                 t.release(rows[gone], [hashes[i] for i in at[gone].tolist()])
+                if not t.rows:                         # a namespace nobody caches any more: its table goes
+                    del self.index.tables[(self.cache.page_size, n)]
 
     def _add(self, hashes: list[int], slots: np.ndarray) -> None:
         """This cache holds these hashes in these slots now (under the index's lock)."""

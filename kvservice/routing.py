@@ -70,11 +70,13 @@ class _Chain:
         """uint64 [>= n]: the hashes of at least the first n pages (n <= P). Read-only."""
         if len(self._array) >= n:
             return self._array
-        if self._page_h is None:
-            self._page_h = _page_only_hashes(self.pages).tolist()
+        if self._page_h is None:                 # page j's own hash ^ j * M2 (mod 2^64): what the chain mixes in
+            with np.errstate(over="ignore"):
+                cols = np.arange(len(self.pages), dtype=np.uint64) * _M2
+            self._page_h = (_page_only_hashes(self.pages) ^ cols).tolist()
         h, out, m1, m2, mask = self.h, self.out, _M1_I, _M2_I, _MASK
-        for j in range(len(out), n):             # prefix._mix, inlined: this loop is the cost of a long prompt
-            x = h ^ self._page_h[j] ^ ((j * m2) & mask)
+        for c in self._page_h[len(out):n]:        # prefix._mix, inlined: this loop is the cost of a long prompt
+            x = h ^ c
             x ^= x >> 30
             x = (x * m1) & mask
             x ^= x >> 27
