@@ -175,18 +175,19 @@ class FleetIndex:
             member.cache.fleet = None
 
     def served_pages(self, page_size: int, hashes: np.ndarray, pages: np.ndarray, namespace: tuple[str, str],
-                     bits: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """Pages of one prompt each member serves, from the index alone (call under self.lock).
+                     bits: list[int]) -> tuple[np.ndarray, np.ndarray, bool]:
+        """Pages of a prompt's first P pages each member serves, from the index alone (call under self.lock).
 
         hashes: uint64 [P], the prompt's chained page hashes in the members' namespace id;
         pages: int64 [P, page_size], its token ids; bits: the members' bits (all with that namespace id).
-        Returns (served int64 [len(bits)], check bool [len(bits)]): check = the run ends on a mixed
-        entry, so the member must be asked itself (the per-pool path).
+        Returns (served int64 [len(bits)], check bool [len(bits)], reached): check = the member's run
+        ends on a mixed or stale entry, so the member must be asked itself (the per-pool path);
+        reached = some member may serve all P pages (the caller may look further).
         """
         n = len(bits)
         t = self.tables.get((page_size, self._ns.get(namespace, -1)))
         if t is None or not len(hashes) or not n:
-            return np.zeros(n, dtype=np.int64), np.zeros(n, dtype=bool)
+            return np.zeros(n, dtype=np.int64), np.zeros(n, dtype=bool), False
         rows = t.rows_of(hashes.tolist())
         safe = np.maximum(rows, 0)
         ok = rows >= 0
@@ -199,7 +200,7 @@ class FleetIndex:
         served = _runs(t.mask[safe[:stop]], bits)
         at = np.minimum(served, len(hashes) - 1)
         check = (served < len(hashes)) & (rows[at] >= 0) & (t.mixed[safe[at]] | (t.stale[safe[at]] > 0))
-        return served, check
+        return served, check, stop == len(hashes)
 
     def snapshot(self) -> dict[tuple[int, tuple[str, str]], dict[int, tuple[int, frozenset[int], int, bool]]]:
         """(page size, (salt, extra key)) -> hash -> (holders, bits of the members serving it, stale, mixed):

@@ -249,16 +249,22 @@ def score_prefix(manager: BlockManager, token_ids: np.ndarray, salt: str = "", e
     for (ps, ns), members in jobs.items():
         limit = (len(tok) - 1) // ps
         chain = _chain(chains, tok, ps, ns)
-        hashes = chain.upto(limit)[:limit]
-        with fleet.lock:
-            bits = [m.bit for _, m in members]
-            served, check = fleet.served_pages(ps, hashes, chain.pages[:limit], (salt, extra_key),
-                                               [b if b is not None else 0 for b in bits])
-            for (r, m), b, hits, chk in zip(members, bits, served.tolist(), check.tolist(), strict=True):
-                if chk or b is None or fleet._bits[b] is not m:       # mixed entry, or the pool left meanwhile
-                    ask.append(r)
-                else:
-                    rows[r][1] = hits
+        hi = min(limit, FIRST_PAGES)
+        while True:            # the chain is computed only as far as some member may serve (outside the lock)
+            hashes = chain.upto(hi)[:hi]
+            with fleet.lock:
+                bits = [m.bit for _, m in members]
+                served, check, reached = fleet.served_pages(ps, hashes, chain.pages[:hi], (salt, extra_key),
+                                                            [b if b is not None else 0 for b in bits])
+                if reached and hi < limit:
+                    hi = min(limit, 8 * hi)
+                    continue
+                for (r, m), b, hits, chk in zip(members, bits, served.tolist(), check.tolist(), strict=True):
+                    if chk or b is None or fleet._bits[b] is not m:       # mixed or stale entry, or the pool left
+                        ask.append(r)
+                    else:
+                        rows[r][1] = hits
+            break
     for r in ask:
         with manager.locked(rows[r][0]) as pool:
             rows[r][1] = _pool_hits(pool, tok, salt, extra_key, chains)

@@ -248,3 +248,24 @@ def test_a_page_whose_parent_slot_was_reused_is_asked_of_the_pool():
     assert t.stale[t.rows[h1]] == 1
     assert m.pool_and_lock("p")[0].cached_prefix_pages(prompt) == 2
     assert score_prefix(m, prompt)[0].cached_tokens == 2 * PS == score_prefix_per_pool(m, prompt)[0].cached_tokens
+
+
+def test_long_prompts_are_scored_in_growing_blocks():
+    """Prefixes ending around the first block's edge (64 pages) and far past it: the hashes are computed block by
+    block only as far as some pool may serve, and every pool gets exactly the pages it holds."""
+    m = BlockManager()
+    spec = CacheSpec.uniform(1, 1, 64, page_size=PS)
+    rng = np.random.default_rng(13)
+    prompt = rng.integers(1, 50_000, 2001)
+    held = [0, 63 * PS, 64 * PS, 64 * PS + 3, 65 * PS, 400 * PS + 1, 2000, 2001]
+    for i, n in enumerate(held):
+        m.create_pool(f"p{i}", spec, Sizing(num_slots=520, max_seq_len=2004), prefix_caching=True)
+        if n:
+            with m.locked(f"p{i}") as pool:
+                pool.step(admit_ids=[1], admit_tokens=[n], admit_token_ids=prompt[:n])
+                pool.step(free_ids=[1])
+    for length in (2001, 64 * PS + 1, 64 * PS, 300):
+        got = [s.cached_tokens for s in score_prefix(m, prompt[:length])]
+        assert got == [min(n // PS, (length - 1) // PS) * PS for n in held], length
+        assert got == [s.cached_tokens for s in score_prefix_per_pool(m, prompt[:length])]
+    assert score_prefix(m, np.concatenate((prompt[:100], [7] * 500)))[-1].cached_tokens == 100 // PS * PS
