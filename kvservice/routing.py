@@ -194,12 +194,16 @@ def _pool_hits(pool: object, tok: np.ndarray, salt: str, extra_key: str, chains:
     cache, ps = pool.prefix, pool.page_size
     if cache is None or len(tok) <= ps:
         return 0
-    if len(pool.prefixes) > 1 or any(pool.windows):
-        return pool.cached_prefix_pages(tok, salt, extra_key)          # hybrid or sliding: every group's rule
     ids, new = cache.namespace_ids([salt], [extra_key])
     if new:                                    # a namespace the cache has never seen holds nothing
         return 0
     ns = int(ids[0])
+    if len(pool.prefixes) > 1 or any(pool.windows):        # hybrid or sliding: every group's rule
+        full = not pool.windows[pool.prefixes.index(cache)]
+        if full and cache.hash_fn is page_hashes and cache.by_hash.get(int(_chain(chains, tok, ps, ns).upto(1)[0])) \
+                is None:
+            return 0                           # the full group must serve page 0: without it, nothing is served
+        return pool.cached_prefix_pages(tok, salt, extra_key)
     limit = (len(tok) - 1) // ps
     if cache.hash_fn is page_hashes:
         chain = _chain(chains, tok, ps, ns)
