@@ -49,6 +49,7 @@ import threading
 import numpy as np
 
 _ONE = np.uint64(1)
+_NS_SHIFT = 40                  # FleetMember.held packs (namespace, row, stale) in one int: rows < 2^39
 
 
 class _Table:
@@ -221,7 +222,8 @@ class FleetIndex:
 class FleetMember:
     """One prefix cache's part of a FleetIndex (``PrefixCache.fleet``).
 
-    held: hash -> (namespace, 2 * the row this cache counts as a holder of + 1 if it counts as stale there);
+    held: hash -> namespace << _NS_SHIFT | 2 * the row this cache counts as a holder of | 1 if it counts as
+    stale there;
     children: parent slot -> registered slots whose parent it is; dirty (hashes) and dirty_slots
     (slots, read as the hashes they hold then): what to re-evaluate at the next flush.
     """
@@ -293,17 +295,16 @@ class FleetMember:
             self.dirty_slots = set()
         if not self.dirty:
             return
-        hashes = list(self.dirty)
-        self.dirty = set()
-        get = c.by_hash.get
-        slots = np.fromiter((get(h, -1) for h in hashes), dtype=np.int64, count=len(hashes))
+        dirty, self.dirty = self.dirty, set()
+        gone = list(self.held.keys() & dirty)
+        hashes = [h for h in dirty if h in c.by_hash]
+        slots = np.fromiter(map(c.by_hash.__getitem__, hashes), dtype=np.int64, count=len(hashes))
         with self.index.lock:
             if self.bit is None:
                 return
-            self._drop([h for h in hashes if h in self.held])
-            now = np.flatnonzero(slots >= 0)
-            if len(now):
-                self._add([hashes[i] for i in now.tolist()], slots[now])
+            self._drop(gone)
+            if hashes:
+                self._add(hashes, slots)
 
     def _namespaces(self, local: np.ndarray) -> np.ndarray:
         """Manager-wide ids of the cache's namespace ids (int64 [n])."""
@@ -319,9 +320,8 @@ class FleetMember:
         """This cache no longer counts for these hashes (under the index's lock)."""
         if not hashes:
             return
-        held = [self.held.pop(h) for h in hashes]
-        ns = np.array([n for n, _ in held], dtype=np.int64)
-        enc = np.array([e for _, e in held], dtype=np.int64)
+        code = np.fromiter(map(self.held.pop, hashes), dtype=np.int64, count=len(hashes))
+        ns, enc = code >> _NS_SHIFT, code & ((1 << _NS_SHIFT) - 1)
         w, b = self.bit >> 6, np.uint64(1) << np.uint64(self.bit & 63)
         for n in np.unique(ns).tolist():
             at = np.flatnonzero(ns == n)
@@ -362,7 +362,7 @@ class FleetMember:
             same = (t.parent_hash[rows] == parent_hash[at]) & (t.tokens[rows] == tok[at]).all(axis=1)
             t.mixed[rows[~same]] = True
             t.mask[rows[same & linked[at]], bit_word] |= bit
-            self.held.update(zip(keys, ((n, e) for e in (2 * rows + stale[at]).tolist()), strict=True))
+            self.held.update(zip(keys, ((n << _NS_SHIFT) + 2 * rows + stale[at]).tolist(), strict=True))
 
 
 def _detached() -> None:
