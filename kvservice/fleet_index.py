@@ -34,9 +34,11 @@ compare them with an index built from scratch).
 Upkeep: a cache's member (:class:`FleetMember`, ``PrefixCache.fleet``) notes the hashes whose
 state may have changed (a page registered or forgotten, and the registered pages whose parent
 slot that was) and :meth:`FleetMember.flush` re-evaluates them, vectorised, at the end of every
-Step and before a query. Only pools with one prefix cache, of full attention, are members;
-queries use the index only for members with the default hash function (hybrid and sliding pools
-and injected hash functions take the per-pool path).
+Step (and before a query when the pool changed outside a Step and its lock is free): a query
+reads a member pool as of its last Step, without waiting for one in flight. Only pools with one
+prefix cache, of full attention, are members; queries use the index only for members with the
+default hash function (hybrid and sliding pools and injected hash functions take the per-pool
+path).
 
 Locking: a member's notes are changed under its pool's lock; the index under its own lock
 (``FleetIndex.lock``), always taken after a pool's lock, never before one.

@@ -216,10 +216,11 @@ class Pool:
             if res is not None:
                 return res
         plan = self._plan(inp)
-        res = self._commit(inp, plan, tables, block_table)
-        if self.prefix is not None and self.prefix.fleet is not None:
-            self.prefix.fleet.flush()                 # the manager's ScorePrefix index (fleet_index.py)
-        return res
+        try:
+            return self._commit(inp, plan, tables, block_table)
+        finally:
+            if self.prefix is not None and self.prefix.fleet is not None:
+                self.prefix.fleet.flush()             # the manager's ScorePrefix index (fleet_index.py)
 
     # ---- phase 1: validate ---------------------------------------------------------------
     def _validate(self, free_ids: object, extend_ids: object, extend_tokens: object, admit_ids: object,

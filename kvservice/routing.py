@@ -166,8 +166,7 @@ def _pool_names(manager: BlockManager, pools: list[str] | None) -> list[str]:
     if pools:
         names = list(dict.fromkeys(pools))
         for name in names:
-            with manager.locked(name):         # NotFound now, before any work
-                pass
+            manager.pool_and_lock(name)        # NotFound now, before any work (without waiting for the pool)
         return names
     return manager.pool_names()
 
@@ -224,7 +223,8 @@ def score_prefix(manager: BlockManager, token_ids: np.ndarray, salt: str = "", e
 
     Pools whose cache is a member of the manager's fleet index (fleet_index.py) are answered by
     one probe of that index per (page size, namespace id); the others (hybrid pools, injected hash
-    functions) and members whose answer ends on a mixed entry are asked one by one (_pool_hits).
+    functions) and members whose answer ends on a mixed or stale entry are asked one by one (_pool_hits).
+    A member is read without its lock, as of its last Step: a Step in flight is not waited for.
     """
     tok = _check_prompt(token_ids)
     names = _pool_names(manager, pools)
@@ -234,20 +234,27 @@ def score_prefix(manager: BlockManager, token_ids: np.ndarray, salt: str = "", e
     rows: list[list] = []                          # [name, hits (None = from the index), page_size, caching]
     jobs: dict[tuple[int, int], list[tuple[int, object]]] = {}     # (page_size, ns) -> [(row, member)]
     for name in names:
-        with manager.locked(name) as pool:
-            if not pools and model and pool.model != model:
+        pool, lock = manager.pool_and_lock(name)
+        if not pools and model and pool.model != model:
+            continue
+        cache, ps = pool.prefix, pool.page_size
+        member = getattr(cache, "fleet", None)
+        if member is not None and member.index is fleet and cache.hash_fn is page_hashes and len(tok) > ps:
+            # Read from the index without waiting for the pool: a Step brings the index up to date when it
+            # ends, so the index holds the pool as of its last Step (a Step in flight is not waited for).
+            ids, new = cache.namespace_ids([salt], [extra_key])
+            if new:
+                rows.append([name, 0, ps, True])
                 continue
-            cache, ps = pool.prefix, pool.page_size
-            member = getattr(cache, "fleet", None)
-            if member is not None and member.index is fleet and cache.hash_fn is page_hashes and len(tok) > ps:
-                ids, new = cache.namespace_ids([salt], [extra_key])
-                if new:
-                    rows.append([name, 0, ps, True])
-                    continue
-                member.flush()
-                jobs.setdefault((ps, int(ids[0])), []).append((len(rows), member))
-                rows.append([name, None, ps, True])
-            else:
+            if (member.dirty or member.dirty_slots) and lock.acquire(blocking=False):
+                try:                                   # changed outside a Step (tests, tools): catch up
+                    member.flush()
+                finally:
+                    lock.release()
+            jobs.setdefault((ps, int(ids[0])), []).append((len(rows), member))
+            rows.append([name, None, ps, True])
+        else:
+            with lock:
                 rows.append([name, _pool_hits(pool, tok, salt, extra_key, chains), ps, cache is not None])
     ask: list[int] = []                            # rows the index cannot settle: asked one by one
     for (ps, ns), members in jobs.items():

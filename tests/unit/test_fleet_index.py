@@ -269,3 +269,21 @@ def test_long_prompts_are_scored_in_growing_blocks():
         assert got == [min(n // PS, (length - 1) // PS) * PS for n in held], length
         assert got == [s.cached_tokens for s in score_prefix_per_pool(m, prompt[:length])]
     assert score_prefix(m, np.concatenate((prompt[:100], [7] * 500)))[-1].cached_tokens == 100 // PS * PS
+
+
+def test_a_step_in_flight_does_not_hold_up_a_score():
+    """A member pool is answered from the index as of its last Step, without its lock (held here, as by a long
+    Step); a pool asked itself (hybrid) still waits for its lock."""
+    m, w, loads = fleet_manager(5)
+    run_steps(m, loads, 10)
+    prompt, salt, key = next((f, salt, key) for f in w.families for salt in ("", "tenant-b") for key in KEYS
+                             if score_prefix(m, f, salt, key, pools=["a"])[0].cached_tokens)
+    before = score_prefix(m, prompt, salt, key, pools=["a", "b"])
+    out = []
+    _, lock = m.pool_and_lock("a")
+    with lock:
+        t = threading.Thread(target=lambda: out.append(score_prefix(m, prompt, salt, key, pools=["a", "b"])))
+        t.start()
+        t.join(60)                                   # a guard against a deadlock, not a timing
+        assert not t.is_alive()
+    assert out == [before]
