@@ -171,7 +171,8 @@ def main() -> int:
         "Each pool has a prefix cache holding part of the prompt (admitted and freed earlier). *mixed*: pool i holds "
         "a random-length prefix (uniform, 0 to all of it); *full*: every pool holds the whole prompt (the worst case: "
         f"every pool is walked to the end, {TOKENS // PS:,} pages each). The answer per pool is what an admission "
-        "would find cached. gRPC includes sending the 32k token ids (INT64) and the client's decode.", "",
+        "would find cached. gRPC includes sending the 32k token ids (INT32: the client sends INT64 only for "
+        "ids past 2^31) and the client's decode.", "",
         "*per pool*: every pool asked in turn (hash probe and token comparison per pool: the code before the fleet "
         "index, kept as `routing.score_prefix_per_pool`; its gRPC server is the same server with ScorePrefix "
         "switched to it); *fleet index*: one probe of the manager's index for all pools (`routing.score_prefix`, "
