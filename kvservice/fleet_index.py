@@ -47,6 +47,7 @@ Locking: a member's notes are changed under its pool's lock; the index under its
 from __future__ import annotations
 
 import threading
+from itertools import repeat
 
 import numpy as np
 
@@ -90,8 +91,7 @@ class _Table:
 
     def rows_of(self, hashes: list[int]) -> np.ndarray:
         """int64 [n]: the row of each hash, -1 if none."""
-        get = self.rows.get
-        return np.fromiter((get(h, -1) for h in hashes), dtype=np.int64, count=len(hashes))
+        return np.fromiter(map(self.rows.get, hashes, repeat(-1)), dtype=np.int64, count=len(hashes))
 
     def take_rows(self, hashes: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """(rows int64 [n], new bool [n]): the row of each (distinct) hash, new rows made for the unknown."""
