@@ -47,6 +47,7 @@ Locking: a member's notes are changed under its pool's lock; the index under its
 from __future__ import annotations
 
 import threading
+from collections import deque
 from itertools import repeat
 
 import numpy as np
@@ -65,7 +66,8 @@ class _Table:
     def __init__(self, page_size: int, words: int) -> None:
         self.page_size = page_size
         self.rows: dict[int, int] = {}
-        self.free: list[int] = []
+        self.free = np.zeros(8, dtype=np.int64)      # released rows, a stack: free[:num_free]
+        self.num_free = 0
         self._alloc(8, words)                 # one table per tenant namespace: start small
 
     def _alloc(self, cap: int, words: int) -> None:
@@ -99,24 +101,29 @@ class _Table:
         new = rows < 0
         k = int(new.sum())
         if k:
-            reuse = min(k, len(self.free))
+            reuse = min(k, self.num_free)
             fresh = k - reuse
             if self.used + fresh > len(self.holders):
                 self.grow(max(2 * len(self.holders), self.used + fresh), self.mask.shape[1])
-            got = [self.free.pop() for _ in range(reuse)] + list(range(self.used, self.used + fresh))
+            self.num_free -= reuse
+            got = np.concatenate((self.free[self.num_free:self.num_free + reuse],
+                                  np.arange(self.used, self.used + fresh, dtype=np.int64)))
             self.used += fresh
             rows[new] = got
             at = np.flatnonzero(new).tolist()
-            self.rows.update(zip([hashes[i] for i in at], got, strict=True))
+            self.rows.update(zip([hashes[i] for i in at], got.tolist(), strict=True))
         return rows, new
 
     def release(self, rows: np.ndarray, hashes: list[int]) -> None:
         """Rows whose last holder left: forget them (hashes: their keys)."""
-        for h in hashes:
-            del self.rows[h]
+        deque(map(self.rows.__delitem__, hashes), maxlen=0)
         self.mask[rows] = 0
         self.mixed[rows] = False
-        self.free.extend(rows.tolist())
+        if self.num_free + len(rows) > len(self.free):
+            self.free = np.concatenate((self.free[:self.num_free], np.zeros(self.num_free + 2 * len(rows),
+                                                                            dtype=np.int64)))
+        self.free[self.num_free:self.num_free + len(rows)] = rows
+        self.num_free += len(rows)
 
 
 class FleetIndex:
@@ -334,7 +341,8 @@ class FleetMember:
             t.stale[rows] -= enc[at] & 1
             gone = np.flatnonzero(t.holders[rows] == 0)
             if len(gone):
-                t.release(rows[gone], [hashes[i] for i in at[gone].tolist()])
+                t.release(rows[gone], hashes if len(gone) == len(hashes) else
+                          [hashes[i] for i in at[gone].tolist()])
                 if not t.rows:                         # a namespace nobody caches any more: its table goes
                     del self.index.tables[(self.cache.page_size, n)]
 
@@ -354,7 +362,7 @@ class FleetMember:
             t = self.index.table(c.page_size, n)
             if t.mask.shape[1] < self.index.words:
                 t.grow(len(t.holders), self.index.words)
-            keys = [hashes[i] for i in at.tolist()]
+            keys = hashes if len(at) == len(hashes) else [hashes[i] for i in at.tolist()]
             rows, new = t.take_rows(keys)
             fresh = rows[new]
             t.parent_hash[fresh] = parent_hash[at[new]]
