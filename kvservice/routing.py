@@ -25,7 +25,7 @@ from itertools import repeat
 
 import numpy as np
 
-from .errors import InvalidArgument
+from .errors import InvalidArgument, NotFound
 from .manager import BlockManager
 from .prefix import _GOLD, _M1, _M2, _mix, page_hashes, prompt_hashes
 
@@ -219,7 +219,7 @@ def score_prefix(manager: BlockManager, token_ids: np.ndarray, salt: str = "", e
 
     token_ids: int32/int64 [n], the prompt (n <= MAX_SCORE_TOKENS).
     pools: names to score (NotFound for an unknown one), in this order; None/empty = every pool, by
-    name, only those created for `model` when it is given.
+    name, only those created for `model` when it is given (a pool deleted meanwhile is left out).
 
     Pools whose cache is a member of the manager's fleet index (fleet_index.py) are answered by
     one probe of that index per (page size, namespace id); the others (hybrid pools, injected hash
@@ -234,7 +234,12 @@ def score_prefix(manager: BlockManager, token_ids: np.ndarray, salt: str = "", e
     rows: list[list] = []                          # [name, hits (None = from the index), page_size, caching]
     jobs: dict[tuple[int, int], list[tuple[int, object]]] = {}     # (page_size, ns) -> [(row, member)]
     for name in names:
-        pool, lock = manager.pool_and_lock(name)
+        try:
+            pool, lock = manager.pool_and_lock(name)
+        except NotFound:
+            if pools:
+                raise
+            continue                                   # deleted since the names were listed: not a pool now
         if not pools and model and pool.model != model:
             continue
         cache, ps = pool.prefix, pool.page_size
@@ -277,9 +282,15 @@ def score_prefix(manager: BlockManager, token_ids: np.ndarray, salt: str = "", e
                         rows[r][1] = hits
             break
     for r in ask:
-        with manager.locked(rows[r][0]) as pool:
-            rows[r][1] = _pool_hits(pool, tok, salt, extra_key, chains)
-    return [PrefixScore(name, hits * ps, ps, caching, tuple(alive.get(name, ()))) for name, hits, ps, caching in rows]
+        try:
+            with manager.locked(rows[r][0]) as pool:
+                rows[r][1] = _pool_hits(pool, tok, salt, extra_key, chains)
+        except NotFound:
+            if pools:
+                raise
+            rows[r][1] = None                          # deleted meanwhile: left out
+    return [PrefixScore(name, hits * ps, ps, caching, tuple(alive.get(name, ())))
+            for name, hits, ps, caching in rows if hits is not None]
 
 
 def score_prefix_per_pool(manager: BlockManager, token_ids: np.ndarray, salt: str = "", extra_key: str = "",

@@ -287,3 +287,48 @@ def test_a_step_in_flight_does_not_hold_up_a_score():
         t.join(60)                                   # a guard against a deadlock, not a timing
         assert not t.is_alive()
     assert out == [before]
+
+
+def test_pools_created_and_deleted_while_scoring():
+    """A query over every pool leaves out one deleted meanwhile (no NotFound), a reused bit never answers for the
+    pool that left (each temporary pool caches its own prompt), and the index stays exact."""
+    m, w, loads = fleet_manager(6)
+    run_steps(m, loads, 10)
+    spec = CacheSpec.uniform(1, 1, 64, page_size=PS)
+    own = [np.random.default_rng(50 + i).integers(60_000, 90_000, 60) for i in range(3)]   # no family shares them
+    stop, errors = threading.Event(), []
+
+    def churn():
+        try:
+            k = 0
+            while not stop.is_set() and k < 300:
+                i = k % 3
+                if f"tmp{i}" in m.pool_names():
+                    m.delete_pool(f"tmp{i}", force=True)
+                else:
+                    m.create_pool(f"tmp{i}", spec, Sizing(num_slots=64, max_seq_len=256), prefix_caching=True)
+                    with m.locked(f"tmp{i}") as pool:
+                        pool.step(admit_ids=[1], admit_tokens=[60], admit_token_ids=own[i])
+                k += 1
+        except Exception as e:                                    # reported below
+            errors.append(e)
+
+    t = threading.Thread(target=churn)
+    t.start()
+    seen = 0
+    try:
+        for k in range(60):
+            i = k % 3
+            for s in score_prefix(m, np.concatenate((own[i], [1, 2, 3]))):
+                if s.pool == f"tmp{i}":
+                    assert s.cached_tokens in (0, 60)              # 0: created, not yet stepped
+                    seen += s.cached_tokens == 60
+                else:
+                    assert s.cached_tokens == 0, s
+    finally:
+        stop.set()
+        t.join()
+    assert not errors
+    assert seen                                                   # the temporary pools were found and scored
+    assert_index_exact(m)
+    assert_scores_exact(m, w, prompts=4)
