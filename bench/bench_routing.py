@@ -175,7 +175,7 @@ def main() -> int:
         "ids past 2^31) and the client's decode.", "",
         "*per pool*: every pool asked in turn (hash probe and token comparison per pool: the code before the fleet "
         "index, kept as `routing.score_prefix_per_pool`; its gRPC server is the same server with ScorePrefix "
-        "switched to it); *fleet index*: one probe of the manager's index for all pools (`routing.score_prefix`, "
+        "switched to it); *fleet index*: one walk of the manager's index for all pools (`routing.score_prefix`, "
         "what ships). The two paths run in the same process (in-process) or against two servers holding the same "
         "pools (gRPC), calls interleaved, so a row pair shares the machine's load.", "",
         "| where | cached prefixes | path | p50 ms | p99 ms | tokens cached, summed over pools |",

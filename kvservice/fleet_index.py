@@ -2,8 +2,9 @@
 
 ScorePrefix asks, for one prompt, how many of its pages each pool's prefix cache would serve
 (``PrefixCache.match``'s rule). Asking each pool in turn costs a hash probe and a token
-comparison per pool and page; this index answers every pool with one probe of the prompt's
-page hashes and one token comparison per page.
+comparison per pool and page; this index answers every pool with one walk along the prompt
+(one dictionary lookup per page, which also yields the page's chained hash: the chain is never
+mixed in Python) and one token comparison per page.
 
 Entries live in one table per (page size, namespace), the namespace being a manager-wide id of
 the (salt, extra key) pair (a pool's own namespace ids, which its hashes depend on, differ from
@@ -53,14 +54,17 @@ from itertools import repeat
 import numpy as np
 
 _ONE = np.uint64(1)
+_M1_INV = np.uint64(pow(0xBF58476D1CE4E5B9, -1, 1 << 64))
+_M2_INV = np.uint64(pow(0x94D049BB133111EB, -1, 1 << 64))
 _NS_SHIFT = 40                  # FleetMember.held packs (namespace, row, stale) in one int: rows < 2^39
 
 
 class _Table:
     """The entries of one (page size, namespace). Rows are reused; key -> row in a dict.
 
+    rows: key -> row, the key of a page hash h being unmix(h) (the value the chain mixed into h).
     mask: uint64 [rows, words]; holders, stale: int64 [rows]; mixed: bool [rows];
-    parent_hash: uint64 [rows]; tokens: int64 [rows, page_size].
+    hash, parent_hash: uint64 [rows]; tokens: int64 [rows, page_size].
     """
 
     def __init__(self, page_size: int, words: int) -> None:
@@ -76,27 +80,32 @@ class _Table:
         self.stale = np.zeros(cap, dtype=np.int64)
         self.mixed = np.zeros(cap, dtype=bool)
         self.parent_hash = np.zeros(cap, dtype=np.uint64)
+        self.hash = np.zeros(cap, dtype=np.uint64)
         self.tokens = np.zeros((cap, self.page_size), dtype=np.int64)
         self.used = 0
 
     def grow(self, cap: int, words: int) -> None:
         """At least cap rows and words mask words (contents kept)."""
-        old = (self.mask, self.holders, self.stale, self.mixed, self.parent_hash, self.tokens)
+        old = (self.mask, self.holders, self.stale, self.mixed, self.parent_hash, self.hash, self.tokens)
         used = self.used
         cap = max(cap, len(self.holders))
         self._alloc(cap, words)
         self.used = used
         self.mask[:used, :old[0].shape[1]] = old[0][:used]
-        for new, o in zip((self.holders, self.stale, self.mixed, self.parent_hash, self.tokens),
+        for new, o in zip((self.holders, self.stale, self.mixed, self.parent_hash, self.hash, self.tokens),
                           old[1:], strict=True):
             new[:used] = o[:used]
 
+    def row_of(self, block_hash: int) -> int:
+        """The row of a page hash, -1 if none."""
+        return self.rows.get(int(unmix(np.array([block_hash], dtype=np.uint64))[0]), -1)
+
     def rows_of(self, hashes: list[int]) -> np.ndarray:
-        """int64 [n]: the row of each hash, -1 if none."""
+        """int64 [n]: the row of each key, -1 if none."""
         return np.fromiter(map(self.rows.get, hashes, repeat(-1)), dtype=np.int64, count=len(hashes))
 
     def take_rows(self, hashes: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """(rows int64 [n], new bool [n]): the row of each (distinct) hash, new rows made for the unknown."""
+        """(rows int64 [n], new bool [n]): the row of each (distinct) key, new rows made for the unknown."""
         rows = self.rows_of(hashes)
         new = rows < 0
         k = int(new.sum())
@@ -184,33 +193,51 @@ class FleetIndex:
         if getattr(member.cache, "fleet", None) is member:
             member.cache.fleet = None
 
-    def served_pages(self, page_size: int, hashes: np.ndarray, pages: np.ndarray, namespace: tuple[str, str],
-                     bits: list[int]) -> tuple[np.ndarray, np.ndarray, bool]:
-        """Pages of a prompt's first P pages each member serves, from the index alone (call under self.lock).
+    def served_pages(self, page_size: int, seed: int, terms: list[int], pages: np.ndarray,
+                     namespace: tuple[str, str], bits: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Pages of a prompt each member serves, from the index alone (call under self.lock).
 
-        hashes: uint64 [P], the prompt's chained page hashes in the members' namespace id;
-        pages: int64 [P, page_size], its token ids; bits: the members' bits (all with that namespace id).
-        Returns (served int64 [len(bits)], check bool [len(bits)], reached): check = the member's run
-        ends on a mixed or stale entry, so the member must be asked itself (the per-pool path);
-        reached = some member may serve all P pages (the caller may look further).
+        The prompt's chained hashes are not computed: entries are keyed by the value the chain mixes
+        (the previous page's hash ^ terms[j], see unmix), so the prompt is walked from entry to entry,
+        each giving the next page's hash, as far as entries exist. seed: the chain's value before page
+        0 in the members' namespace id; terms: one per page the prompt may take from a cache (P);
+        pages: int64 [>= P, page_size], its token ids; bits: the members' bits (all with that namespace id).
+        Returns (served int64 [len(bits)], check bool [len(bits)]): check = the member's run ends on
+        a mixed or stale entry (or on the one chain value the Step stores as another), so the member
+        must be asked itself (the per-pool path).
         """
         n = len(bits)
         t = self.tables.get((page_size, self._ns.get(namespace, -1)))
-        if t is None or not len(hashes) or not n:
-            return np.zeros(n, dtype=np.int64), np.zeros(n, dtype=bool), False
-        rows = t.rows_of(hashes.tolist())
-        safe = np.maximum(rows, 0)
-        ok = rows >= 0
-        prev = np.empty(len(hashes), dtype=np.uint64)
-        prev[0] = 0
+        if t is None or not terms or not n:
+            return np.zeros(n, dtype=np.int64), np.zeros(n, dtype=bool)
+        get, stored = t.rows.get, t.hash
+        found: list[int] = []
+        h, odd = seed, False
+        for c in terms:                          # the chain's values, read from the entries (mix not computed)
+            x = h ^ c
+            if x == _X0:                         # the chain's value is 0, which the Step stores as 1: ask the pools
+                odd = True
+                break
+            r = get(x, -1)
+            if r < 0:
+                break
+            found.append(r)
+            h = stored.item(r)
+        k = len(found)
+        rows = np.array(found, dtype=np.int64)
+        hashes = stored[rows]
+        prev = np.zeros(k, dtype=np.uint64)
         prev[1:] = hashes[:-1]
-        ok &= t.parent_hash[safe] == prev
-        ok &= (t.tokens[safe] == pages).all(axis=1)
-        stop = int(np.argmin(ok)) if not ok.all() else len(ok)   # no member serves past a page nobody serves
-        served = _runs(t.mask[safe[:stop]], bits)
-        at = np.minimum(served, len(hashes) - 1)
-        check = (served < len(hashes)) & (rows[at] >= 0) & (t.mixed[safe[at]] | (t.stale[safe[at]] > 0))
-        return served, check, stop == len(hashes)
+        ok = (t.parent_hash[rows] == prev) & (t.tokens[rows] == pages[:k]).all(axis=1)
+        stop = int(np.argmin(ok)) if not ok.all() else k          # no member serves past a page nobody serves
+        served = _runs(t.mask[rows[:stop]], bits)
+        at = np.minimum(served, max(k - 1, 0))
+        check = served < k
+        if k:
+            check &= t.mixed[rows[at]] | (t.stale[rows[at]] > 0)
+        if odd:
+            check |= served == k
+        return served, check
 
     def snapshot(self) -> dict[tuple[int, tuple[str, str]], dict[int, tuple[int, frozenset[int], int, bool]]]:
         """(page size, (salt, extra key)) -> hash -> (holders, bits of the members serving it, stale, mixed):
@@ -219,7 +246,8 @@ class FleetIndex:
         out: dict[tuple[int, tuple[str, str]], dict[int, tuple[int, frozenset[int], int, bool]]] = {}
         for (ps, ns), t in self.tables.items():
             d = {}
-            for h, r in t.rows.items():
+            for r in t.rows.values():
+                h = int(t.hash[r])
                 bits = frozenset(64 * w + i for w in range(t.mask.shape[1]) for i in range(64)
                                  if int(t.mask[r, w]) >> i & 1)
                 d[h] = (int(t.holders[r]), bits, int(t.stale[r]), bool(t.mixed[r]))
@@ -341,8 +369,7 @@ class FleetMember:
             t.stale[rows] -= enc[at] & 1
             gone = np.flatnonzero(t.holders[rows] == 0)
             if len(gone):
-                t.release(rows[gone], hashes if len(gone) == len(hashes) else
-                          [hashes[i] for i in at[gone].tolist()])
+                t.release(rows[gone], unmix(t.hash[rows[gone]]).tolist())
                 if not t.rows:                         # a namespace nobody caches any more: its table goes
                     del self.index.tables[(self.cache.page_size, n)]
 
@@ -363,8 +390,10 @@ class FleetMember:
             if t.mask.shape[1] < self.index.words:
                 t.grow(len(t.holders), self.index.words)
             keys = hashes if len(at) == len(hashes) else [hashes[i] for i in at.tolist()]
-            rows, new = t.take_rows(keys)
+            h = np.array(keys, dtype=np.uint64)
+            rows, new = t.take_rows(unmix(h).tolist())
             fresh = rows[new]
+            t.hash[fresh] = h[new]
             t.parent_hash[fresh] = parent_hash[at[new]]
             t.tokens[fresh] = tok[at[new]]
             t.holders[rows] += 1
@@ -373,6 +402,25 @@ class FleetMember:
             t.mixed[rows[~same]] = True
             t.mask[rows[same & linked[at]], bit_word] |= bit
             self.held.update(zip(keys, ((n << _NS_SHIFT) + 2 * rows + stale[at]).tolist(), strict=True))
+
+
+def unmix(h: np.ndarray) -> np.ndarray:
+    """The inverse of prefix._mix (splitmix64's finaliser is a bijection): uint64 [n] -> uint64 [n].
+
+    A page's chained hash is mix(previous page's hash ^ its own term), so unmix(hash) is what a
+    walk along a prompt computes without mixing anything (FleetIndex.served_pages).
+    """
+    with np.errstate(over="ignore"):
+        x = h.astype(np.uint64)
+        x = x ^ (x >> np.uint64(31)) ^ (x >> np.uint64(62))
+        x = x * _M2_INV
+        x = x ^ (x >> np.uint64(27)) ^ (x >> np.uint64(54))
+        x = x * _M1_INV
+        return x ^ (x >> np.uint64(30)) ^ (x >> np.uint64(60))
+
+
+#: The value whose mix is 0: a page hashed to 0 is stored as 1 by the Step (prefix.page_hashes).
+_X0 = int(unmix(np.zeros(1, dtype=np.uint64))[0])
 
 
 def _detached() -> None:
@@ -418,4 +466,4 @@ def rebuilt(members: list[FleetMember]) -> FleetIndex:
     return idx
 
 
-__all__ = ["FleetIndex", "FleetMember", "rebuilt"]
+__all__ = ["FleetIndex", "FleetMember", "rebuilt", "unmix"]

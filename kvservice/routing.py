@@ -6,10 +6,12 @@ prompt would return in ``admit_cached_tokens`` at that moment: full pages whose 
 indexed *and* whose cached page matches the prompt's tokens, namespace (salt + extra key) and
 parent page, at most ``(n - 1) // page_size`` pages. Nothing changes (no LRU touch, no pin).
 
-Cost: the prompt's page hashes are computed once per (page size, namespace id) (NumPy over the
-pages, the chain in Python integers) and shared by the pools. Pools with one full-attention
-cache are answered together by the manager's fleet index (fleet_index.py): one probe of the
-prompt's hashes and one token comparison per page for all of them. The others (hybrid and
+Cost: each page's own token hash is computed once per (page size, namespace id), with NumPy.
+Pools with one full-attention cache are answered together by the manager's fleet index
+(fleet_index.py): one walk along the prompt's pages (a dictionary lookup per page, which gives
+the page's chained hash, as far as any pool holds the prompt) and one token comparison per page
+for all of them. The chain itself (Python integers, shared by the pools) is computed only for
+the pools asked one by one: the others (hybrid and
 sliding pools, injected hash functions) and the few the index cannot settle (a hash collision,
 a stale parent pointer) are asked one by one (_pool_hits): a pool that does not hold the first
 page costs one dictionary lookup; the others are checked with NumPy over all pages at once,
@@ -61,21 +63,26 @@ class _Chain:
 
     def __init__(self, pages: np.ndarray, ns: int) -> None:
         self.pages = pages
-        self.h = _mix_int((ns + _GOLD_I) & _MASK)
+        self.seed = self.h = _mix_int((ns + _GOLD_I) & _MASK)     # the chain's value before page 0
         self.out: list[int] = []
         self._array = np.zeros(0, dtype=np.uint64)
         self._page_h: list[int] | None = None
+
+    def terms(self) -> list[int]:
+        """Per page, what the chain mixes in: the page's own token hash ^ j * M2 (mod 2^64). Page j's chain
+        value is mix(value of page j - 1 ^ terms[j]), the first page's predecessor being `seed`."""
+        if self._page_h is None:
+            with np.errstate(over="ignore"):
+                cols = np.arange(len(self.pages), dtype=np.uint64) * _M2
+            self._page_h = (_page_only_hashes(self.pages) ^ cols).tolist()
+        return self._page_h
 
     def upto(self, n: int) -> np.ndarray:
         """uint64 [>= n]: the hashes of at least the first n pages (n <= P). Read-only."""
         if len(self._array) >= n:
             return self._array
-        if self._page_h is None:                 # page j's own hash ^ j * M2 (mod 2^64): what the chain mixes in
-            with np.errstate(over="ignore"):
-                cols = np.arange(len(self.pages), dtype=np.uint64) * _M2
-            self._page_h = (_page_only_hashes(self.pages) ^ cols).tolist()
         h, out, m1, m2, mask = self.h, self.out, _M1_I, _M2_I, _MASK
-        for c in self._page_h[len(out):n]:        # prefix._mix, inlined: this loop is the cost of a long prompt
+        for c in self.terms()[len(out):n]:        # prefix._mix, inlined: this loop is the cost of a long prompt
             x = h ^ c
             x ^= x >> 30
             x = (x * m1) & mask
@@ -222,7 +229,7 @@ def score_prefix(manager: BlockManager, token_ids: np.ndarray, salt: str = "", e
     name, only those created for `model` when it is given (a pool deleted meanwhile is left out).
 
     Pools whose cache is a member of the manager's fleet index (fleet_index.py) are answered by
-    one probe of that index per (page size, namespace id); the others (hybrid pools, injected hash
+    one walk of that index per (page size, namespace id); the others (hybrid pools, injected hash
     functions) and members whose answer ends on a mixed or stale entry are asked one by one (_pool_hits).
     A member is read without its lock, as of its last Step: a Step in flight is not waited for.
     """
@@ -265,22 +272,16 @@ def score_prefix(manager: BlockManager, token_ids: np.ndarray, salt: str = "", e
     for (ps, ns), members in jobs.items():
         limit = (len(tok) - 1) // ps
         chain = _chain(chains, tok, ps, ns)
-        hi = min(limit, FIRST_PAGES)
-        while True:            # the chain is computed only as far as some member may serve (outside the lock)
-            hashes = chain.upto(hi)[:hi]
-            with fleet.lock:
-                bits = [m.bit for _, m in members]
-                served, check, reached = fleet.served_pages(ps, hashes, chain.pages[:hi], (salt, extra_key),
-                                                            [b if b is not None else 0 for b in bits])
-                if reached and hi < limit:
-                    hi = min(limit, 8 * hi)
-                    continue
-                for (r, m), b, hits, chk in zip(members, bits, served.tolist(), check.tolist(), strict=True):
-                    if chk or b is None or fleet._bits[b] is not m:       # mixed or stale entry, or the pool left
-                        ask.append(r)
-                    else:
-                        rows[r][1] = hits
-            break
+        terms = chain.terms()[:limit]
+        with fleet.lock:
+            bits = [m.bit for _, m in members]
+            served, check = fleet.served_pages(ps, chain.seed, terms, chain.pages, (salt, extra_key),
+                                               [b if b is not None else 0 for b in bits])
+            for (r, m), b, hits, chk in zip(members, bits, served.tolist(), check.tolist(), strict=True):
+                if chk or b is None or fleet._bits[b] is not m:       # mixed or stale entry, or the pool left
+                    ask.append(r)
+                else:
+                    rows[r][1] = hits
     for r in ask:
         try:
             with manager.locked(rows[r][0]) as pool:

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 from kvservice.errors import ResourceExhausted
-from kvservice.fleet_index import rebuilt
+from kvservice.fleet_index import _X0, rebuilt, unmix
 from kvservice.geometry import CacheSpec, LayerSpec
 from kvservice.manager import BlockManager
 from kvservice.planner import Sizing
 from kvservice.pool import Pool
-from kvservice.prefix import page_hashes
+from kvservice.prefix import _mix, page_hashes
 from kvservice.routing import chained_hashes, score_prefix, score_prefix_per_pool
 from tests.kv_workload import PS, Workload, pool_step_args
 
@@ -179,7 +179,7 @@ def test_a_colliding_page_sends_the_pool_to_the_per_pool_path():
     x.step(admit_ids=[1], admit_tokens=[41], admit_token_ids=q)
     m.pool_and_lock("y")[0].step(admit_ids=[1], admit_tokens=[41], admit_token_ids=p)
     t = m.fleet.tables[(PS, m.fleet.known_namespace(("", "")))]
-    assert t.mixed[[t.rows[h] for h in x.prefix.by_hash]].all()
+    assert t.mixed[[t.row_of(h) for h in x.prefix.by_hash]].all()
     sx, sy = score_prefix(m, p)
     assert (sx.cached_tokens, sy.cached_tokens) == (0, 40)
     assert sy.cached_tokens == admit_now(m.pool_and_lock("y")[0], p, "", "")
@@ -245,14 +245,14 @@ def test_a_page_whose_parent_slot_was_reused_is_asked_of_the_pool():
     h0, h1 = chained_hashes(prompt[:2 * PS].reshape(2, PS), 0).tolist()
     m = registered_by_hand([(5, -1, prompt[:PS], h0, 0), (7, 5, prompt[PS:2 * PS], h1, 777)])
     (t,) = m.fleet.tables.values()
-    assert t.stale[t.rows[h1]] == 1
+    assert t.stale[t.row_of(h1)] == 1
     assert m.pool_and_lock("p")[0].cached_prefix_pages(prompt) == 2
     assert score_prefix(m, prompt)[0].cached_tokens == 2 * PS == score_prefix_per_pool(m, prompt)[0].cached_tokens
 
 
-def test_long_prompts_are_scored_in_growing_blocks():
-    """Prefixes ending around the first block's edge (64 pages) and far past it: the hashes are computed block by
-    block only as far as some pool may serve, and every pool gets exactly the pages it holds."""
+def test_long_prompts_and_prefixes_of_every_length():
+    """Prefixes ending around 64 pages (the per-pool path's first round) and far past it, prompts cut at them:
+    every pool gets exactly the pages it holds."""
     m = BlockManager()
     spec = CacheSpec.uniform(1, 1, 64, page_size=PS)
     rng = np.random.default_rng(13)
@@ -332,3 +332,34 @@ def test_pools_created_and_deleted_while_scoring():
     assert seen                                                   # the temporary pools were found and scored
     assert_index_exact(m)
     assert_scores_exact(m, w, prompts=4)
+
+
+def test_unmix_inverts_the_steps_mix():
+    x = np.random.default_rng(14).integers(0, 2**63, 1000, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+    x = np.concatenate((x, np.array([0, 1, 2**64 - 1], dtype=np.uint64)))
+    assert np.array_equal(unmix(_mix(x)), x)
+    assert np.array_equal(_mix(unmix(x)), x)
+    assert _mix(np.array([_X0], dtype=np.uint64))[0] == 0
+
+
+def test_the_chain_value_stored_as_another_sends_the_pools_to_their_own_path(monkeypatch):
+    """The Step stores a page whose chain value is 0 as 1 (never seen: 2^-64). Pretend page 3's value is that one:
+    the walk stops there and the pools that hold page 3 are asked themselves, so the answers stay exact."""
+    import kvservice.fleet_index as fi
+    from kvservice.routing import _Chain
+
+    m = BlockManager()
+    spec = CacheSpec.uniform(1, 1, 64, page_size=PS)
+    rng = np.random.default_rng(15)
+    prompt = rng.integers(1, 1000, 41)
+    for name, n in (("short", 8), ("long", 40)):
+        m.create_pool(name, spec, Sizing(num_slots=32, max_seq_len=64), prefix_caching=True)
+        m.pool_and_lock(name)[0].step(admit_ids=[1], admit_tokens=[n], admit_token_ids=prompt[:n])
+    hashes = chained_hashes(prompt[:40].reshape(10, PS), 0)
+    monkeypatch.setattr(fi, "_X0", int(unmix(hashes[3:4])[0]))
+    chain = _Chain(prompt[:40].reshape(10, PS), 0)
+    with m.fleet.lock:
+        bits = [m.pool_and_lock(n)[0].prefix.fleet.bit for n in ("short", "long")]
+        served, check = m.fleet.served_pages(PS, chain.seed, chain.terms(), chain.pages, ("", ""), bits)
+    assert served.tolist() == [2, 3] and check.tolist() == [False, True]
+    assert [(s.pool, s.cached_tokens) for s in score_prefix(m, prompt)] == [("long", 40), ("short", 8)]
