@@ -300,7 +300,8 @@ class BlockManagerClient:
 
     def score_prefix(self, token_ids: object, salt: str = "", extra_key: str = "", pools: tuple[str, ...] = (),
                      model: str = "", timeout: float | None = None) -> pb.ScorePrefixReply:
-        """Tokens of a prompt (int64 [n]) each pool's prefix cache holds now (see BlockManager.ScorePrefix)."""
+        """Tokens of a prompt (int [n]; sent as INT32 when every id fits) each pool's prefix cache holds now
+        (see BlockManager.ScorePrefix)."""
         req = codec.score_request(token_ids, salt, extra_key, pools, model)
         return self._call(self._stub.ScorePrefix, req, timeout)
 

@@ -99,9 +99,12 @@ def create_pool_request(name: str, spec: CacheSpec, sizing: Sizing, backends: tu
 
 def score_request(token_ids: object, salt: str = "", extra_key: str = "", pools: tuple[str, ...] = (),
                   model: str = "") -> pb.ScorePrefixRequest:
-    """A ScorePrefix request; token_ids: int [n] (sent as INT64)."""
-    return pb.ScorePrefixRequest(token_ids=to_tensor(np.asarray(token_ids, dtype=np.int64)), cache_salt=salt,
-                                 extra_key=extra_key, pools=list(pools), model=model)
+    """A ScorePrefix request; token_ids: int [n], sent as INT32 when every id fits (half the bytes), else INT64."""
+    tok = np.asarray(token_ids, dtype=np.int64)
+    if not len(tok) or (int(tok.min()) >= -(2**31) and int(tok.max()) < 2**31):
+        tok = tok.astype(np.int32)
+    return pb.ScorePrefixRequest(token_ids=to_tensor(tok), cache_salt=salt, extra_key=extra_key, pools=list(pools),
+                                 model=model)
 
 
 def _sizing(s: Sizing) -> pb.Sizing:

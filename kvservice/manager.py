@@ -17,6 +17,7 @@ from contextlib import contextmanager
 
 from .errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from .event_log import EventHub
+from .fleet_index import FleetIndex
 from .geometry import CacheSpec
 from .planner import Plan, Sizing, plan
 from .pool import Pool
@@ -35,6 +36,7 @@ class BlockManager:
         self._incarnations: dict[str, int] = {}      # pool -> incarnation, in [1, 2^63)
         self._lock = threading.Lock()
         self.events = EventHub(self)         # KV event logs of the pools (event_log.py)
+        self.fleet = FleetIndex()            # hash -> pools serving it, for ScorePrefix (fleet_index.py)
 
     def create_pool(self, name: str, spec: CacheSpec, sizing: Sizing, backends: tuple[str, ...] = (),
                     prefix_caching: bool = False, incarnation: int = 0,
@@ -58,6 +60,7 @@ class BlockManager:
             self._pools[name] = pool
             self._locks[name] = threading.Lock()
             self._incarnations[name] = pool.incarnation = incarnation or new_incarnation()
+            _join(self.fleet, pool)
             return pool
 
     def delete_pool(self, name: str, force: bool = False) -> None:
@@ -70,6 +73,8 @@ class BlockManager:
                     pool=name, sequences=pool.num_sequences)
             del self._pools[name]
             del self._locks[name]
+            if pool.prefix is not None and pool.prefix.fleet is not None:
+                self.fleet.detach(pool.prefix.fleet)
             self._incarnations.pop(name, None)
             self.workers.drop_pool(name)
         self.events.pool_deleted(name)
@@ -150,6 +155,9 @@ class BlockManager:
         with self._lock:
             self._pools = dict(pools)
             self._locks = {name: threading.Lock() for name in pools}
+            self.fleet = FleetIndex()        # built again from the recovered caches
+            for pool in self._pools.values():
+                _join(self.fleet, pool)
             # Each recovered pool carries its incarnation (0 from a state without one: derived on first use).
             self._incarnations = {name: p.incarnation for name, p in pools.items() if p.incarnation}
         if workers is not None:
@@ -179,6 +187,12 @@ class BlockManager:
             # Other pools are not listed: they may belong to tenants the caller may not see.
             raise NotFound(f"pool {name!r} does not exist", pool=name)
         return pool
+
+
+def _join(fleet: FleetIndex, pool: Pool) -> None:
+    """Make a pool's prefix cache a member of the fleet index when it has exactly one, of full attention."""
+    if pool.prefixes is not None and len(pool.prefixes) == 1 and not any(pool.windows):
+        fleet.attach(pool.prefix)
 
 
 def new_incarnation() -> int:

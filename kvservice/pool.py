@@ -216,7 +216,11 @@ class Pool:
             if res is not None:
                 return res
         plan = self._plan(inp)
-        return self._commit(inp, plan, tables, block_table)
+        try:
+            return self._commit(inp, plan, tables, block_table)
+        finally:
+            if self.prefix is not None and self.prefix.fleet is not None:
+                self.prefix.fleet.flush()             # the manager's ScorePrefix index (fleet_index.py)
 
     # ---- phase 1: validate ---------------------------------------------------------------
     def _validate(self, free_ids: object, extend_ids: object, extend_tokens: object, admit_ids: object,
@@ -704,7 +708,8 @@ class Pool:
     #                  tokens (registered slots only), hits; the namespaces shared by the groups
     # Rebuilt, not stored (caches, scratch, constants): Pool._sorted, _last_batch, _fast, page_size,
     # max_seq_len, windows, layer_space, _sliding, _is_sliding, _anchor_group (from the plan);
-    # SlotAllocator._mark, _ones, num_slots, caching, on_evict.
+    # SlotAllocator._mark, _ones, num_slots, caching, on_evict; PrefixCache.fleet (the manager attaches a
+    # restored pool to its fleet index, which reads the cache again: fleet_index.py).
     def capture_state(self) -> Callable[[], PoolState]:
         """Copy what export_state needs and return the function that builds the PoolState from the copies.
 

@@ -127,6 +127,7 @@ class PrefixCache:
         self.tokens = np.zeros((n, page_size), dtype=np.int64)
         self.hits = 0                   # pages served from the cache
         self.sink = None                # events.GroupEventSource told of every page registered and forgotten
+        self.fleet = None               # fleet_index.FleetMember told of the same (the manager's ScorePrefix index)
         allocator.on_evict = self.forget
         allocator.caching = True
 
@@ -195,11 +196,15 @@ class PrefixCache:
         self.tokens[s] = pages[keep]
         if self.sink is not None:
             self.sink.stored(slots, parents, hashes, pages, keep, self.hash, parent_hashes)
+        if self.fleet is not None:
+            self.fleet.registered(s, parents[keep])
 
     def forget(self, slot: int) -> None:
         """Drop a slot's page from the cache (it is being reused for something else)."""
         h = int(self.hash[slot])
         if h and self.by_hash.get(h) == slot:
+            if self.fleet is not None:
+                self.fleet.forgotten(slot, h)
             del self.by_hash[h]
             if self.sink is not None:
                 self.sink.removed(h, slot)

@@ -6,11 +6,17 @@ prompt would return in ``admit_cached_tokens`` at that moment: full pages whose 
 indexed *and* whose cached page matches the prompt's tokens, namespace (salt + extra key) and
 parent page, at most ``(n - 1) // page_size`` pages. Nothing changes (no LRU touch, no pin).
 
-Cost: the prompt's page hashes are computed once per namespace id (NumPy over the pages, the
-chain in Python integers) and shared by the pools. A pool that does not hold the first page
-costs one dictionary lookup; the others are checked with NumPy over all pages at once, looking
-hashes up in the cache's NumPy mirror of its index (hash_index.py), in two rounds (the first
-FIRST_PAGES pages, then the rest) so that a pool missing early costs little.
+Cost: each page's own token hash is computed once per (page size, namespace id), with NumPy.
+Pools with one full-attention cache are answered together by the manager's fleet index
+(fleet_index.py): one walk along the prompt's pages (a dictionary lookup per page, which gives
+the page's chained hash, as far as any pool holds the prompt) and one token comparison per page
+for all of them. The chain itself (Python integers, shared by the pools) is computed only for
+the pools asked one by one: the others (hybrid and
+sliding pools, injected hash functions) and the few the index cannot settle (a hash collision,
+a stale parent pointer) are asked one by one (_pool_hits): a pool that does not hold the first
+page costs one dictionary lookup; the others are checked with NumPy over all pages at once,
+looking hashes up in the cache's NumPy mirror of its index (hash_index.py), in two rounds (the
+first FIRST_PAGES pages, then the rest) so that a pool missing early costs little.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from itertools import repeat
 
 import numpy as np
 
-from .errors import InvalidArgument
+from .errors import InvalidArgument, NotFound
 from .manager import BlockManager
 from .prefix import _GOLD, _M1, _M2, _mix, page_hashes, prompt_hashes
 
@@ -57,20 +63,27 @@ class _Chain:
 
     def __init__(self, pages: np.ndarray, ns: int) -> None:
         self.pages = pages
-        self.h = _mix_int((ns + _GOLD_I) & _MASK)
+        self.seed = self.h = _mix_int((ns + _GOLD_I) & _MASK)     # the chain's value before page 0
         self.out: list[int] = []
         self._array = np.zeros(0, dtype=np.uint64)
         self._page_h: list[int] | None = None
+
+    def terms(self) -> list[int]:
+        """Per page, what the chain mixes in: the page's own token hash ^ j * M2 (mod 2^64). Page j's chain
+        value is mix(value of page j - 1 ^ terms[j]), the first page's predecessor being `seed`."""
+        if self._page_h is None:
+            with np.errstate(over="ignore"):
+                cols = np.arange(len(self.pages), dtype=np.uint64) * _M2
+            self._page_h = (_page_only_hashes(self.pages) ^ cols).tolist()
+        return self._page_h
 
     def upto(self, n: int) -> np.ndarray:
         """uint64 [>= n]: the hashes of at least the first n pages (n <= P). Read-only."""
         if len(self._array) >= n:
             return self._array
-        if self._page_h is None:
-            self._page_h = _page_only_hashes(self.pages).tolist()
         h, out, m1, m2, mask = self.h, self.out, _M1_I, _M2_I, _MASK
-        for j in range(len(out), n):             # prefix._mix, inlined: this loop is the cost of a long prompt
-            x = h ^ self._page_h[j] ^ ((j * m2) & mask)
+        for c in self.terms()[len(out):n]:        # prefix._mix, inlined: this loop is the cost of a long prompt
+            x = h ^ c
             x ^= x >> 30
             x = (x * m1) & mask
             x ^= x >> 27
@@ -145,59 +158,158 @@ def _cached_pages(cache: object, pages: np.ndarray, limit: int, ns: int,
     return limit
 
 
-def score_prefix(manager: BlockManager, token_ids: np.ndarray, salt: str = "", extra_key: str = "",
-                 pools: list[str] | None = None, model: str = "") -> list[PrefixScore]:
-    """Score one prompt against pools.
-
-    token_ids: int32/int64 [n], the prompt (n <= MAX_SCORE_TOKENS).
-    pools: names to score (NotFound for an unknown one), in this order; None/empty = every pool, by
-    name, only those created for `model` when it is given.
-    """
+def _check_prompt(token_ids: np.ndarray) -> np.ndarray:
+    """The prompt as int64 [n], or InvalidArgument."""
     tok = np.asarray(token_ids)
     if tok.ndim != 1 or tok.dtype.kind not in "iu":
         raise InvalidArgument(f"token_ids must be a 1-D integer array, got shape {tok.shape} dtype {tok.dtype}")
     if len(tok) > MAX_SCORE_TOKENS:
         raise InvalidArgument(f"token_ids has {len(tok)} tokens; ScorePrefix takes at most {MAX_SCORE_TOKENS}",
                               reason="LIMIT_EXCEEDED", limit=MAX_SCORE_TOKENS)
-    tok = tok.astype(np.int64, copy=False)
+    return tok.astype(np.int64, copy=False)
+
+
+def _pool_names(manager: BlockManager, pools: list[str] | None) -> list[str]:
     if pools:
         names = list(dict.fromkeys(pools))
         for name in names:
-            with manager.locked(name):         # NotFound now, before any work
-                pass
-    else:
-        names = manager.pool_names()
+            manager.pool_and_lock(name)        # NotFound now, before any work (without waiting for the pool)
+        return names
+    return manager.pool_names()
+
+
+def _live_workers(manager: BlockManager) -> dict[str, list[tuple[str, str]]]:
     alive: dict[str, list[tuple[str, str]]] = {}
     for w in manager.workers.workers():
         if w.alive:
             alive.setdefault(w.pool, []).append((w.worker_id, w.address))
+    return alive
+
+
+def _chain(chains: dict[tuple[int, int], _Chain], tok: np.ndarray, ps: int, ns: int) -> _Chain:
+    """The prompt's chain for (page_size, namespace id), made once per query."""
+    chain = chains.get((ps, ns))
+    if chain is None:
+        full = len(tok) // ps
+        chain = chains[(ps, ns)] = _Chain(tok[:full * ps].reshape(full, ps), ns)
+    return chain
+
+
+def _pool_hits(pool: object, tok: np.ndarray, salt: str, extra_key: str, chains: dict[tuple[int, int], _Chain]) -> int:
+    """Pages of the prompt one pool would serve now, asking the pool itself (the per-pool path; pool locked)."""
+    cache, ps = pool.prefix, pool.page_size
+    if cache is None or len(tok) <= ps:
+        return 0
+    ids, new = cache.namespace_ids([salt], [extra_key])
+    if new:                                    # a namespace the cache has never seen holds nothing
+        return 0
+    ns = int(ids[0])
+    if len(pool.prefixes) > 1 or any(pool.windows):        # hybrid or sliding: every group's rule
+        full = not pool.windows[pool.prefixes.index(cache)]
+        if full and cache.hash_fn is page_hashes and cache.by_hash.get(int(_chain(chains, tok, ps, ns).upto(1)[0])) \
+                is None:
+            return 0                           # the full group must serve page 0: without it, nothing is served
+        return pool.cached_prefix_pages(tok, salt, extra_key)
+    limit = (len(tok) - 1) // ps
+    if cache.hash_fn is page_hashes:
+        chain = _chain(chains, tok, ps, ns)
+        return _cached_pages(cache, chain.pages, limit, ns, chain.upto)
+    full = len(tok) // ps                      # an injected hash function (tests): its hashes, all at once
+    pages = tok[:full * ps].reshape(full, ps)
+    own = prompt_hashes(pages, ns, cache.hash_fn)
+    return _cached_pages(cache, pages, limit, ns, lambda n: own)
+
+
+def score_prefix(manager: BlockManager, token_ids: np.ndarray, salt: str = "", extra_key: str = "",
+                 pools: list[str] | None = None, model: str = "") -> list[PrefixScore]:
+    """Score one prompt against pools.
+
+    token_ids: int32/int64 [n], the prompt (n <= MAX_SCORE_TOKENS).
+    pools: names to score (NotFound for an unknown one), in this order; None/empty = every pool, by
+    name, only those created for `model` when it is given (a pool deleted meanwhile is left out).
+
+    Pools whose cache is a member of the manager's fleet index (fleet_index.py) are answered by
+    one walk of that index per (page size, namespace id); the others (hybrid pools, injected hash
+    functions) and members whose answer ends on a mixed or stale entry are asked one by one (_pool_hits).
+    A member is read without its lock, as of its last Step: a Step in flight is not waited for.
+    """
+    tok = _check_prompt(token_ids)
+    names = _pool_names(manager, pools)
+    alive = _live_workers(manager)
+    fleet = manager.fleet
     chains: dict[tuple[int, int], _Chain] = {}     # (page_size, ns) -> chain
+    rows: list[list] = []                          # [name, hits (None = from the index), page_size, caching]
+    jobs: dict[tuple[int, int], list[tuple[int, object]]] = {}     # (page_size, ns) -> [(row, member)]
+    for name in names:
+        try:
+            pool, lock = manager.pool_and_lock(name)
+        except NotFound:
+            if pools:
+                raise
+            continue                                   # deleted since the names were listed: not a pool now
+        if not pools and model and pool.model != model:
+            continue
+        cache, ps = pool.prefix, pool.page_size
+        member = getattr(cache, "fleet", None)
+        if member is not None and member.index is fleet and cache.hash_fn is page_hashes and len(tok) > ps:
+            # Read from the index without waiting for the pool: a Step brings the index up to date when it
+            # ends, so the index holds the pool as of its last Step (a Step in flight is not waited for).
+            ids, new = cache.namespace_ids([salt], [extra_key])
+            if new:
+                rows.append([name, 0, ps, True])
+                continue
+            if (member.dirty or member.dirty_slots) and lock.acquire(blocking=False):
+                try:                                   # changed outside a Step (tests, tools): catch up
+                    member.flush()
+                finally:
+                    lock.release()
+            jobs.setdefault((ps, int(ids[0])), []).append((len(rows), member))
+            rows.append([name, None, ps, True])
+        else:
+            with lock:
+                rows.append([name, _pool_hits(pool, tok, salt, extra_key, chains), ps, cache is not None])
+    ask: list[int] = []                            # rows the index cannot settle: asked one by one
+    for (ps, ns), members in jobs.items():
+        limit = (len(tok) - 1) // ps
+        chain = _chain(chains, tok, ps, ns)
+        terms = chain.terms()[:limit]
+        with fleet.lock:
+            bits = [m.bit for _, m in members]
+            served, check = fleet.served_pages(ps, chain.seed, terms, chain.pages, (salt, extra_key),
+                                               [b if b is not None else 0 for b in bits])
+            for (r, m), b, hits, chk in zip(members, bits, served.tolist(), check.tolist(), strict=True):
+                if chk or b is None or fleet._bits[b] is not m:       # mixed or stale entry, or the pool left
+                    ask.append(r)
+                else:
+                    rows[r][1] = hits
+    for r in ask:
+        try:
+            with manager.locked(rows[r][0]) as pool:
+                rows[r][1] = _pool_hits(pool, tok, salt, extra_key, chains)
+        except NotFound:
+            if pools:
+                raise
+            rows[r][1] = None                          # deleted meanwhile: left out
+    return [PrefixScore(name, hits * ps, ps, caching, tuple(alive.get(name, ())))
+            for name, hits, ps, caching in rows if hits is not None]
+
+
+def score_prefix_per_pool(manager: BlockManager, token_ids: np.ndarray, salt: str = "", extra_key: str = "",
+                          pools: list[str] | None = None, model: str = "") -> list[PrefixScore]:
+    """score_prefix asking every pool itself, without the fleet index (the reference and the bench's baseline)."""
+    tok = _check_prompt(token_ids)
+    names = _pool_names(manager, pools)
+    alive = _live_workers(manager)
+    chains: dict[tuple[int, int], _Chain] = {}
     out = []
     for name in names:
         with manager.locked(name) as pool:
             if not pools and model and pool.model != model:
                 continue
-            cache, ps = pool.prefix, pool.page_size
-            hits = 0
-            if cache is not None and len(tok) > ps and len(pool.prefixes) > 1:
-                hits = pool.cached_prefix_pages(tok, salt, extra_key)      # hybrid: every group's rule
-            elif cache is not None and len(tok) > ps:
-                ids, new = cache.namespace_ids([salt], [extra_key])
-                if not new:                     # a namespace the cache has never seen holds nothing
-                    ns = int(ids[0])
-                    full = len(tok) // ps
-                    pages = tok[:full * ps].reshape(full, ps)
-                    if cache.hash_fn is page_hashes:
-                        chain = chains.get((ps, ns))
-                        if chain is None:
-                            chain = chains[(ps, ns)] = _Chain(pages, ns)
-                        upto = chain.upto
-                    else:                       # an injected hash function (tests): its hashes, all at once
-                        own = prompt_hashes(pages, ns, cache.hash_fn)
-                        upto = lambda n, own=own: own         # noqa: E731
-                    hits = _cached_pages(cache, pages, (len(tok) - 1) // ps, ns, upto)
-            out.append(PrefixScore(name, hits * ps, ps, cache is not None, tuple(alive.get(name, ()))))
+            hits = _pool_hits(pool, tok, salt, extra_key, chains)
+            out.append(PrefixScore(name, hits * pool.page_size, pool.page_size, pool.prefix is not None,
+                                   tuple(alive.get(name, ()))))
     return out
 
 
-__all__ = ["MAX_SCORE_TOKENS", "PrefixScore", "chained_hashes", "score_prefix"]
+__all__ = ["MAX_SCORE_TOKENS", "PrefixScore", "chained_hashes", "score_prefix", "score_prefix_per_pool"]

@@ -141,6 +141,9 @@ def test_api_checks_the_request_before_decoding():
     with pytest.raises(InvalidArgument, match="whole number"):
         api.ScorePrefix(pb.ScorePrefixRequest(token_ids=cpb.Tensor(dtype=cpb.INT64, data=b"\0" * 9)))
     prompt = np.arange(1, 30)
+    assert score_request(prompt).token_ids.dtype == cpb.INT32                 # ids that fit travel as INT32
+    wide = score_request([1, 2**40]).token_ids
+    assert wide.dtype == cpb.INT64 and np.frombuffer(wide.data, "<i8").tolist() == [1, 2**40]
     reply = api.ScorePrefix(score_request(prompt, pools=("p0",)))
     assert reply.num_tokens == 29 and reply.scores[0].cached_tokens == 0
     api.Step(step_request("p0", admit=[1], admit_tokens=[29], admit_token_ids=prompt))

@@ -89,7 +89,8 @@ def test_every_pool_field_is_exported_or_rebuilt():
                                             "cacheable", "_mark", "_ones", "num_slots", "caching", "on_evict"}
     assert set(vars(PrefixCache(SlotAllocator(4), 16))) == {"by_hash", "hash", "parent", "parent_hash", "anchor",
                                                             "namespace", "tokens", "namespaces", "hits",
-                                                            "allocator", "page_size", "hash_fn", "group", "sink"}
+                                                            "allocator", "page_size", "hash_fn", "group", "sink",
+                                                            "fleet"}
 
 
 def test_an_idle_pool_at_the_default_maximum_size_is_small():
