@@ -10,7 +10,7 @@ Writes a markdown report (default bench/results/ha.md), everything measured in o
      state against what the clients were told after every takeover (lost, duplicated);
   3. a leader paused (SIGSTOP) past its lease, then resumed with a request waiting for it;
   4. a NATS node (the journal stream's leader) killed -9 mid-run.
-Timings are measured, never asserted. Usage: python bench/bench_ha.py [--out FILE] [--quick] [--kills N]
+Timings are measured, never asserted. Usage: python bench/bench_ha.py [--out FILE] [--quick] [--kills N] [--latency-only]
 """
 
 from __future__ import annotations
@@ -160,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(ROOT / "bench/results/ha.md"))
     ap.add_argument("--quick", action="store_true", help="fewer steps and kills (a smoke run)")
     ap.add_argument("--kills", type=int, default=0, help="leader kills (default 40; 10 with --quick)")
+    ap.add_argument("--latency-only", action="store_true",
+                    help="only the Step latency rows and the publish breakdown, printed (no report written)")
     args = ap.parse_args(argv)
     n, rounds = (200, 2) if args.quick else (800, 4)
     kills = args.kills or (10 if args.quick else 40)
@@ -179,6 +181,14 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append((b, kind, np.percentile(t, 50), np.percentile(t, 99)))
                     print(f"B={b:<4} {kind:<14} p50 {rows[-1][2]:.3f} ms  p99 {rows[-1][3]:.3f} ms", flush=True)
             rtt = {k: publish_rtt(clusters[k], n) for k in ("nats-r1", "nats-r3")}
+            if args.latency_only:
+                base = {b: p50 for b, k, p50, _ in rows if k == "sqlite-full"}
+                for b, k, p50, _ in rows:
+                    print(f"B={b:<4} {k:<14} {p50 / base[b]:.2f}x of sqlite-full")
+                for k, v in rtt.items():
+                    print(f"{k}: publish on the loop {v[0]:.3f} ms, through the link {v[1]:.3f} ms, "
+                          f"empty hop {v[2]:.3f} ms")
+                return 0
             clusters["nats-r1"].stop()
             cluster = clusters["nats-r3"]
             system = HASystem(tmp / "managers", cluster.url, "bench" + uuid.uuid4().hex[:6],

@@ -30,7 +30,7 @@ from kvservice.server import SERVICE_NAME, serve
 
 from ..deploy.support import REPLICATED_METRICS, sample_names
 from ..natsutil import NatsCluster, require_nats_server
-from .ha_harness import HASystem, cluster_leader_node, kill_loop, pause_leader
+from .ha_harness import HASystem, cluster_leader_node, epoch_of, kill_loop, pause_leader
 
 pytestmark = pytest.mark.integration
 TEST_LEASE = ("--leader-ttl", "1.0", "--leader-renew", "0.25", "--compact-every", "200")
@@ -335,3 +335,113 @@ def test_a_nats_node_killed_mid_run_costs_no_step_and_no_failover(tmp_path):
     finally:
         system.stop()
         cluster.stop()
+
+
+# ---- WatchEvents across a failover ------------------------------------------------------------------------
+
+class _HAWatcher(threading.Thread):
+    """A LeaderClient's WatchEvents from `from_sequence` into {seq: events}, in arrival order (parts joined)."""
+
+    def __init__(self, targets: list[str], pool: str, from_sequence: int) -> None:
+        super().__init__(daemon=True)
+        self.client = LeaderClient(targets, timeout=2.0)
+        self.stream = self.client.watch_events(pool, from_sequence)
+        self.batches: list[tuple[int, bool, list]] = []
+        self.error: Exception | None = None
+
+    def run(self) -> None:
+        from kvservice.events_proto import proto_to_events
+        try:
+            events: list = []
+            for msg in self.stream:
+                events += proto_to_events(msg)
+                if not msg.more:
+                    self.batches.append((msg.sequence, msg.reset, events))
+                    events = []
+        except Exception as err:               # reported by the test
+            self.error = err
+
+    def wait_for(self, seq: int, timeout: float = 40.0) -> None:
+        end = time.monotonic() + timeout
+        while not (self.batches and self.batches[-1][0] >= seq):
+            assert self.error is None, self.error
+            assert time.monotonic() < end, f"watcher stuck at {self.batches[-1][0] if self.batches else None}"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.stream.cancel()
+        self.join(10)
+        self.client.close()
+
+
+def _wait_for_event_sequence(slot, pool: str, seq: int, timeout: float = 30.0) -> None:
+    """Until the manager's kvservice_kv_event_sequence{pool} (its last visible batch) reaches seq."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+    end = time.monotonic() + timeout
+    got = None
+    while time.monotonic() < end:
+        with urllib.request.urlopen(f"http://127.0.0.1:{slot.metrics_port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        got = next((x.value for fam in text_string_to_metric_families(text) for x in fam.samples
+                    if x.name == "kvservice_kv_event_sequence" and x.labels.get("pool") == pool), None)
+        if got is not None and got >= seq:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{slot.name}: last visible event batch of {pool} is {got}, the leader's is {seq}")
+
+
+def test_watch_events_resume_on_the_new_leader_after_kill9_with_no_gap_or_duplicate(nats3, tmp_path):
+    """A watcher subscribed through a LeaderClient; steps before and after two kill -9 of the leader. What
+    it received equals, batch for batch, the events rebuilt by replaying the journal from NATS."""
+    from tests.kv_workload import Workload
+
+    from .ha_harness import ManagerSlot
+    from .test_kv_events import SIZING as EV_SIZING
+    from .test_kv_events import SPEC as EV_SPEC
+    from .test_kv_events import canon, run_steps
+    name = fresh_name()
+    extra = ("--nats-replicas", "3", "--leader-ttl", "1.0", "--leader-renew", "0.25", "--compact-every", "100000")
+    slots = [ManagerSlot(tmp_path, s, nats3.url, name, extra) for s in ("a", "b")]
+    watcher = None
+    try:
+        for s in slots:
+            s.start()
+        targets = [s.target for s in slots]
+        w = Workload(np.random.default_rng(23))
+        with LeaderClient(targets, timeout=2.0) as c:
+            c.create_pool("ev", EV_SPEC, EV_SIZING, prefix_caching=True)
+            watcher = _HAWatcher(targets, "ev", 1)
+            watcher.start()
+            seq = run_steps(c, w, 20)
+            watcher.wait_for(seq)
+            for _ in range(2):
+                leader = next(s for s in slots if s.alive() and epoch_of(s.target) is not None)
+                standby = next(s for s in slots if s is not leader)
+                _wait_for_event_sequence(standby, "ev", seq)   # the standby's ring: the same numbers, visible
+                run_steps(c, w, 5)                     # some batches the watcher may not have read yet
+                leader.kill9()
+                leader.start()                         # back as the standby (recovered from NATS, following)
+                seq = run_steps(c, w, 15)              # retried onto the new leader; the watcher is away meanwhile
+                watcher.wait_for(seq)
+            epoch = c.epoch
+        assert watcher.stream.reconnects >= 2 and watcher.client.epoch == epoch >= 3
+        watcher.stop()
+        got = watcher.batches
+        assert [s for s, _, _ in got] == list(range(1, seq + 1)), "a gap or a duplicate"
+        assert not any(reset for _, reset, _ in got)
+        j = open_journal(NatsConfig(tuple(nats3.urls), name=name), readonly=True)   # the journal, replayed
+        try:
+            rebuilt = {lb.seq: lb.batch.events for lb in j.manager.events.logs["ev"].batches}
+        finally:
+            j.close(snapshot=False)
+        assert sorted(rebuilt) == list(range(1, seq + 1))
+        for s, _, events in got:
+            assert canon(events) == canon(rebuilt[s]), f"batch {s} differs from the journal's"
+        assert sum(len(e) for _, _, e in got) > 3 * seq // 2
+    finally:
+        if watcher is not None and watcher.is_alive():
+            watcher.stop()
+        for s in slots:
+            s.stop()
