@@ -30,7 +30,9 @@ Threading: nats-py is asyncio-only while the manager is synchronous (gRPC thread
 journal lock). A ``NatsLink`` owns one NATS connection on its own event-loop thread; sync code
 submits coroutines with ``asyncio.run_coroutine_threadsafe`` and waits with a timeout
 (``NatsLink.call``), and a coroutine still running at the timeout is cancelled. Code that
-already runs on the loop (the lease renewer) awaits directly and never calls ``call``.
+already runs on the loop (the lease renewer) awaits directly and never calls ``call``. The
+journal's publishes (appends and fences, one per Step) skip the loop: ``NatsLink.direct`` is a
+connection of their own that the appending thread writes and reads itself (kvservice/nats_direct.py).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from nats.js import api
 
 from . import snapshot as snap
 from .errors import InvalidArgument, KVError, StateError
+from .nats_direct import DirectError, DirectPublisher
 from .stores import Entry, JournalStore
 
 log = logging.getLogger("kvservice.nats")
@@ -167,6 +170,8 @@ class NatsLink:
         self._thread.start()
         self.disconnects = 0
         self.closing = False
+        #: The journal's publishes: a connection of their own, used by the appending thread (nats_direct.py).
+        self.direct = DirectPublisher(config.servers, f"{client_name}-journal", config.request_seconds)
         try:
             self.nc = self.call(self._connect(client_name, connect_seconds), connect_seconds + 1.0)
         except BaseException:
@@ -218,6 +223,7 @@ class NatsLink:
         if self.loop.is_closed():
             return
         self.closing = True
+        self.direct.close()
         if not self.nc.is_closed:
             try:
                 self.call(self.nc.close(), 5.0)
@@ -587,9 +593,7 @@ class NatsStore(JournalStore):
         while True:
             headers["Nats-Expected-Last-Sequence"] = str(self.last_stream_seq)
             try:
-                ack = self.link.call(self.link.js.publish(c.subject, payload, timeout=c.request_seconds,
-                                                          stream=c.stream, headers=dict(headers)),
-                                     c.request_seconds + 1.0)
+                stream_seq = self._publish_once(payload, headers)
             except nats.js.errors.APIError as err:
                 if err.err_code in _WRONG_LAST_SEQUENCE:
                     raise Fenced(f"the journal stream moved past {self.last_stream_seq} ({err.description}): "
@@ -601,7 +605,7 @@ class NatsStore(JournalStore):
                     nats.errors.ConnectionClosedError, nats.js.errors.NoStreamResponseError, OSError) as err:
                 why = err
             else:
-                self.last_stream_seq = int(ack.seq)
+                self.last_stream_seq = stream_seq
                 return
             if time.monotonic() + delay >= deadline:
                 raise StoreError(f"NATS did not store the journal entry within {c.append_seconds:g} s "
@@ -610,6 +614,24 @@ class NatsStore(JournalStore):
             self._check_guard()
             time.sleep(delay)
             delay = min(0.5, delay * 2)
+
+    def _publish_once(self, payload: bytes, headers: dict[str, str]) -> int:
+        """One JetStream publish, acknowledged: its stream sequence; APIError etc. as js.publish raises them."""
+        c = self.config
+        try:
+            reply = self.link.direct.request(c.subject, payload, {**headers, "Nats-Expected-Stream": c.stream},
+                                             c.request_seconds)
+        except DirectError as err:
+            raise StoreError(err.message) from None
+        if reply.no_responders:
+            raise nats.js.errors.NoStreamResponseError
+        try:
+            ack = json.loads(reply.data)
+        except ValueError:
+            raise StoreError(f"NATS answered a journal publish with {reply.data[:80]!r}") from None
+        if "error" in ack:
+            nats.js.errors.APIError.from_error(ack["error"])       # raises the matching APIError
+        return int(ack["seq"])
 
     def close(self, clean: bool = True, seq: int = 0) -> None:
         self.stop_reading()
