@@ -60,10 +60,13 @@ class DirectPublisher:
     Thread-safe (one request at a time). max_payload: the server's limit, known once connected.
     """
 
-    def __init__(self, servers: tuple[str, ...], name: str, connect_seconds: float = 2.0) -> None:
+    def __init__(self, servers: tuple[str, ...], name: str, connect_seconds: float = 2.0,
+                 idle_check_seconds: float = 30.0) -> None:
         self.servers = servers
         self.name = name
         self.connect_seconds = connect_seconds
+        self.idle_check_seconds = idle_check_seconds
+        self._last_io = 0.0
         self.max_payload = 0
         self.connects = 0
         self._sock: socket.socket | None = None
@@ -82,7 +85,10 @@ class DirectPublisher:
         """
         hdr = "NATS/1.0\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n"
         with self._lock:
-            deadline = time.monotonic() + timeout
+            now = time.monotonic()
+            deadline = now + timeout
+            if self._sock is not None and now - self._last_io >= self.idle_check_seconds:
+                self._check_open()
             if self._sock is None:
                 self._connect(min(timeout, self.connect_seconds))
             token = next(self._tokens)
@@ -94,6 +100,7 @@ class DirectPublisher:
                 while True:
                     got = self._read_message(deadline)
                     if got is not None and got[0] == reply:
+                        self._last_io = time.monotonic()
                         return got[1]
             except TimeoutError:
                 raise nats.errors.TimeoutError from None
@@ -141,8 +148,28 @@ class DirectPublisher:
                 continue
             self._next = (self._next + i + 1) % len(self.servers)   # the next reconnection tries another
             self.connects += 1
+            self._last_io = time.monotonic()
             return
         raise DirectError(f"cannot open the journal's NATS connection: {'; '.join(errors)}")
+
+    def _check_open(self) -> None:
+        """After a quiet spell: read what arrived without waiting; drop the connection if the server closed it.
+
+        A server closes a connection that left its PINGs unanswered for a few minutes (this one
+        reads only while publishing); reconnecting now spares the publish a failed try and its retry.
+        """
+        assert self._sock is not None
+        try:
+            self._sock.setblocking(False)
+            while True:
+                chunk = self._sock.recv(65536)
+                if not chunk:
+                    raise ConnectionResetError("closed by the server")
+                self._buf += chunk
+        except BlockingIOError:
+            return                                 # open; whatever came is parsed by the next read
+        except OSError:
+            self._drop()
 
     def _drop(self) -> None:
         if self._sock is not None:

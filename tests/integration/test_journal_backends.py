@@ -400,6 +400,14 @@ def test_direct_publisher_acks_reconnects_and_skips_late_replies(nats_backend):
         assert pub.connects == 2
         reply = pub.request("kvs.nobody.listens", b"z", {}, 5)       # no responder: status 503, not a hang
         assert reply.no_responders
+        watchful = DirectPublisher(config.servers, "test", idle_check_seconds=0.0)
+        try:                                        # one that looks before it publishes after a quiet spell
+            watchful.request(config.subject, b"a", {"Kvs-Kind": "test"}, 5)
+            watchful._sock.shutdown(socket.SHUT_RDWR)
+            ack = json.loads(watchful.request(config.subject, b"b", {"Kvs-Kind": "test"}, 5).data)
+            assert ack["seq"] == last + 3 and watchful.connects == 2       # reconnected first, no failed try
+        finally:
+            watchful.close()
     finally:
         pub.close()
         link.close()
