@@ -11,7 +11,7 @@ Writes a markdown report (default bench/results/ha.md), everything measured in o
   3. a leader paused (SIGSTOP) past its lease, then resumed with a request waiting for it;
   4. a NATS node (the journal stream's leader) killed -9 mid-run.
 Timings are measured, never asserted.
-Usage: python bench/bench_ha.py [--out FILE] [--quick] [--kills N] [--latency-only]
+Usage: python bench/bench_ha.py [--out FILE] [--quick] [--kills N] [--latency-only] [--with-loop-path]
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import shutil
 import sys
 import tempfile
 import time
+import types
 import uuid
 from pathlib import Path
 
@@ -47,7 +48,16 @@ from tests.natsutil import NatsCluster  # noqa: E402
 BATCHES = (1, 256)
 KINDS = ("sqlite-full", "sqlite-normal", "nats-r1", "nats-r3")
 NAMES = {"sqlite-full": "SQLite, sync=full (default `--state-dir`)", "sqlite-normal": "SQLite, sync=normal",
-         "nats-r1": "NATS JetStream, 1 node, R1", "nats-r3": "NATS JetStream, 3 nodes, R3 (production)"}
+         "nats-r1": "NATS JetStream, 1 node, R1", "nats-r3": "NATS JetStream, 3 nodes, R3 (production)",
+         "nats-r3-loop": "NATS JetStream, 3 nodes, R3, appends through the nats-py loop (the path replaced)"}
+
+
+def _loop_publish(store: NatsStore, payload: bytes, headers: dict[str, str]) -> int:
+    """An append's publish as it was before kvservice/nats_direct.py: js.publish on the link's loop."""
+    c = store.config
+    ack = store.link.call(store.link.js.publish(c.subject, payload, timeout=c.request_seconds, stream=c.stream,
+                                                headers=dict(headers)), c.request_seconds + 1.0)
+    return int(ack.seq)
 
 
 def _grpc_times(port: int, b: int, n: int) -> np.ndarray:
@@ -70,9 +80,11 @@ def step_latency(kind: str, b: int, n: int, tmp: Path, clusters: dict[str, NatsC
         finally:
             running.stop(0)
             shutil.rmtree(d, ignore_errors=True)
-    cluster = clusters[kind]
+    cluster = clusters[kind.removesuffix("-loop")]
     config = NatsConfig(tuple(cluster.urls), name="lat" + uuid.uuid4().hex[:8], replicas=len(cluster.nodes))
     running, ha = serve_ha(config, LeaseConfig(), "127.0.0.1:0")
+    if kind.endswith("-loop"):
+        ha.store._publish_once = types.MethodType(_loop_publish, ha.store)  # type: ignore[method-assign]
     try:
         deadline = time.monotonic() + 30
         while ha.role != "leader":
@@ -165,9 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(ROOT / "bench/results/ha.md"))
     ap.add_argument("--quick", action="store_true", help="fewer steps and kills (a smoke run)")
     ap.add_argument("--kills", type=int, default=0, help="leader kills (default 40; 10 with --quick)")
+    ap.add_argument("--with-loop-path", action="store_true",
+                    help="one more latency row: R3 with appends through the nats-py loop, the path replaced")
     ap.add_argument("--latency-only", action="store_true",
                     help="only the Step latency rows and the publish breakdown, printed (no report written)")
     args = ap.parse_args(argv)
+    args.load_at_start = os.getloadavg()[0]
     n, rounds = (200, 2) if args.quick else (800, 4)
     kills = args.kills or (10 if args.quick else 40)
     lease = LeaseConfig()
@@ -177,11 +192,12 @@ def main(argv: list[str] | None = None) -> int:
         try:
             rows = []
             for b in BATCHES:
-                samples: dict[str, list[np.ndarray]] = {k: [] for k in KINDS}
+                kinds = (*KINDS, "nats-r3-loop") if args.with_loop_path else KINDS
+                samples: dict[str, list[np.ndarray]] = {k: [] for k in kinds}
                 for _ in range(rounds):                  # interleaved: machine drift hits every configuration alike
-                    for kind in KINDS:
+                    for kind in kinds:
                         samples[kind].append(step_latency(kind, b, n // rounds, tmp, clusters) * 1e3)
-                for kind in KINDS:
+                for kind in kinds:
                     t = np.concatenate(samples[kind])
                     rows.append((b, kind, np.percentile(t, 50), np.percentile(t, 99)))
                     print(f"B={b:<4} {kind:<14} p50 {rows[-1][2]:.3f} ms  p99 {rows[-1][3]:.3f} ms", flush=True)
@@ -230,12 +246,17 @@ def write_report(args: argparse.Namespace, rows: list, rtt: dict[str, tuple[floa
                  n: int, rounds: int) -> None:
     f = np.array([t.failover_seconds for t in takeovers])
     base = {b: p50 for b, k, p50, _ in rows if k == "sqlite-full"}
+    load = os.getloadavg()[0]
+    busy = max(load, args.load_at_start) > (os.cpu_count() or 1)
+    shared = " (above the CPU count: the machine was shared)" if busy else ""
     lines = [
         "# Replicated manager: failover and journal cost", "",
         f"{datetime.date.today()}, {platform.node()}, {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} CPUs (shared with other jobs: figures are noisy), Python {platform.python_version()}, "
         f"{_nats_version()}; every server on loopback. Command: `python bench/bench_ha.py"
-        f"{' --quick' if args.quick else ''}{f' --kills {args.kills}' if args.kills else ''}`.", "",
+        f"{' --quick' if args.quick else ''}{f' --kills {args.kills}' if args.kills else ''}`. 1-minute load "
+        f"average at the start {args.load_at_start:.1f}, at the end {load:.1f}"
+        f"{shared}.", "",
         "## Failover", "",
         f"Two managers (`kvservice serve --state nats://... --nats-replicas 3`, default lease: TTL "
         f"{lease.ttl_seconds:g} s, renewed every {lease.renew_seconds:g} s, standby looks every "
