@@ -445,3 +445,67 @@ def test_watch_events_resume_on_the_new_leader_after_kill9_with_no_gap_or_duplic
             watcher.stop()
         for s in slots:
             s.stop()
+
+
+def test_watch_events_refuses_a_lower_epoch_and_resumes_where_it_stopped():
+    """Two in-process managers fed the same Steps (so the same batches): the watcher's leader stops, the
+    other answers first with a lower epoch (refused), then as the successor: the stream resumes exactly."""
+    from tests.kv_workload import Workload, client_step_args
+
+    from .test_kv_events import SIZING as EV_SIZING
+    from .test_kv_events import SPEC as EV_SPEC
+    from .test_kv_events import canon
+    gates = [LeaderGate(), LeaderGate()]
+    servers = [serve(interceptors=[g]) for g in gates]
+    targets = [f"127.0.0.1:{s.port}" for s in servers]
+    gates[0].promote(5)
+    gates[1].promote(3)                                     # a deposed manager still answering
+    directs = [BlockManagerClient(t, timeout=5) for t in targets]
+    w = Workload(np.random.default_rng(31))
+
+    def step_both(n: int, alive: list[BlockManagerClient]) -> int:
+        for _ in range(n):
+            kw = w.step()
+            outcomes = []
+            for d in alive:
+                try:
+                    d.step("ev", **client_step_args(kw))
+                    outcomes.append(True)
+                except ClientError as err:
+                    assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    outcomes.append(False)
+            assert len(set(outcomes)) == 1
+            if outcomes[0]:
+                w.applied(kw)
+        seqs = {d.stats("ev")["ev"].event_sequence for d in alive}
+        assert len(seqs) == 1
+        return seqs.pop()
+    watcher = None
+    try:
+        for d in directs:
+            d.create_pool("ev", EV_SPEC, EV_SIZING, prefix_caching=True, request_id="create-ev")
+        watcher = _HAWatcher(targets, "ev", 1)
+        watcher.client.retry = RetryPolicy(attempts=200, initial_backoff=0.01, max_backoff=0.05)
+        watcher.start()
+        first = step_both(15, directs)
+        watcher.wait_for(first)
+        assert watcher.client.epoch == 5
+        servers[0].stop(0)                                  # the leader goes; the other still says epoch 3
+        time.sleep(0.3)
+        assert watcher.client.stale_replies >= 1 and watcher.error is None
+        last = step_both(10, directs[1:])
+        gates[1].promote(6)                                 # now the successor
+        watcher.wait_for(last)
+        assert watcher.client.epoch == 6 and watcher.stream.reconnects >= 2
+        got = watcher.batches
+        assert [s for s, _, _ in got] == list(range(1, last + 1)) and not any(r for _, r, _ in got)
+        ring = {lb.seq: lb.batch.events for lb in servers[1].manager.events.logs["ev"].batches}
+        for s, _, events in got:
+            assert canon(events) == canon(ring[s])
+    finally:
+        if watcher is not None:
+            watcher.stop()
+        for d in directs:
+            d.close()
+        for s in servers:
+            s.stop(0)
