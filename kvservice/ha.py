@@ -52,6 +52,8 @@ log = logging.getLogger("kvservice.ha")
 #: Initial-metadata key of every reply of a replicated manager: the epoch of the leader that answered.
 EPOCH_METADATA = "kvservice-leader-epoch"
 FENCE_ATTEMPTS = 20
+#: Recoveries tried while a leader's compaction keeps overtaking the reader (each one reads a newer snapshot).
+RECOVERY_ATTEMPTS = 5
 
 
 class LeaderGate(grpc.ServerInterceptor):
@@ -305,8 +307,16 @@ def open_journal(config: NatsConfig, lease_seconds: float = 10.0, journal_config
     own = link is None
     link = link or NatsLink(config, client_name="kvservice-inspect" if readonly else "kvservice")
     try:
-        store = NatsStore(link, readonly=True, owns_link=own, create=not readonly)
-        journal = Journal.recover(store, lease_seconds, journal_config)
+        for attempt in range(RECOVERY_ATTEMPTS):
+            store = NatsStore(link, readonly=True, create=not readonly)
+            try:
+                journal = Journal.recover(store, lease_seconds, journal_config)
+                break
+            except JournalGap as err:       # the leader compacted while we read: a newer snapshot holds it all
+                if attempt + 1 == RECOVERY_ATTEMPTS:
+                    raise
+                log.info("recovering again: %s", err.message)
+        store.owns_link = own
     except BaseException:
         if own:
             link.close()

@@ -354,6 +354,23 @@ class NatsStore(JournalStore):
 
     last_snapshot = load_snapshot
 
+    def _snapshot_newer_than(self, seq: int) -> bool:
+        """Whether the bucket holds a snapshot of a position after seq now (one listing)."""
+        return self._call(self._newest_snapshot_name(), max(10.0, self.config.request_seconds)) > f"snap-{seq:020d}"
+
+    async def _newest_snapshot_name(self) -> str:
+        obs = self._obs
+        if obs is None:
+            try:
+                obs = await self.link.js.object_store(self.config.snapshot_bucket)
+            except nats.js.errors.BucketNotFoundError:
+                return ""
+        try:
+            infos = await obs.list(ignore_deletes=True)
+        except nats.js.errors.NotFoundError:
+            return ""
+        return max((i.name for i in infos if i.name.startswith("snap-") and not i.deleted), default="")
+
     async def _last_snapshot(self) -> tuple[dict[str, Any], bytes] | None:
         if self._obs is None:
             return None
@@ -428,9 +445,21 @@ class NatsStore(JournalStore):
         deadline = time.monotonic() + max(30.0, self.config.append_seconds)
         while self.last_stream_seq < last:
             batch = self.poll(0.5, strict=strict)
-            if not batch and time.monotonic() > deadline:
-                raise StoreError(f"{self.path}: stream stopped at {self.last_stream_seq} while reading to {last}")
+            if not batch:
+                first = self._call(self._stream_first_seq())
+                if first > self.last_stream_seq + 1 and (strict or self._snapshot_newer_than(self.seq)):
+                    raise self._overtaken()         # what we were to read next was purged by a compaction
+                if time.monotonic() > deadline:
+                    raise StoreError(f"{self.path}: stream stopped at {self.last_stream_seq} while reading to {last}")
             yield from batch
+
+    def _overtaken(self) -> JournalGap:
+        return JournalGap(f"{self.path}: the stream was compacted past position {self.seq} while it was read (a "
+                          "newer snapshot was stored meanwhile); recover again from it")
+
+    async def _stream_first_seq(self) -> int:
+        info = await self.link.js.stream_info(self.config.stream)
+        return int(info.state.first_seq)
 
     async def _stream_last_seq(self) -> int:
         info = await self.link.js.stream_info(self.config.stream)
@@ -493,6 +522,10 @@ class NatsStore(JournalStore):
         stream_seq = int(msg.metadata.sequence.stream)
         if stream_seq <= self.last_stream_seq:
             return None                                   # redelivered after a consumer reset
+        if stream_seq > self.last_stream_seq + 1 and not strict and self._snapshot_newer_than(self.seq):
+            # Recovery listed the snapshots, then the leader stored a newer one and purged the stream
+            # below it before these messages were read: what is missing is in that snapshot.
+            raise self._overtaken()
         self.last_stream_seq = stream_seq
         h = msg.headers or {}
         kind = h.get("Kvs-Kind", "")

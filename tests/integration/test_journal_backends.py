@@ -442,3 +442,36 @@ def test_direct_publisher_refuses_what_is_not_a_reachable_nats_server():
         assert pub.connects == 0 and pub._sock is None
     finally:
         srv.close()
+
+
+def test_a_reader_overtaken_by_a_compaction_recovers_again_from_the_newer_snapshot(nats_backend):
+    """A reader lists the snapshots, then the leader stores a newer one and purges the stream below it before
+    the reader reads on: the reader is told (JournalGap, not "acknowledged changes are lost"), and open_journal
+    recovers again, from the newer snapshot, to exactly the writer's state."""
+    from kvservice.journal_nats import JournalGap
+    j = nats_backend.open(FAST)
+    rng = np.random.default_rng(17)
+    setup_pools(j)
+    workload(j, rng, 15, pools=("a",))
+    j.snapshot()
+    first = j.snapshot_seq
+    workload(j, rng, 15, pools=("b",))
+    link = NatsLink(nats_backend.config)
+    try:
+        reader = NatsStore(link, readonly=True, create=False)
+        assert reader.load_snapshot()[0] == first            # what it listed: the older snapshot
+        j.snapshot()                                          # meanwhile: a newer one, the stream purged below it
+        assert j.snapshot_seq > first
+        with pytest.raises(JournalGap, match="compacted past position"):
+            list(reader.entries_after(first))
+        reader.close(clean=False, seq=first)
+    finally:
+        link.close()
+    run(j, "Step", step_req("c", admit=[1], n=[30], rid="after"))
+    tree, seq = state_tree(j.manager), j.seq
+    j2 = nats_backend.open_readonly()
+    try:
+        assert state_tree(j2.manager) == tree and j2.seq == seq and j2.snapshot_seq == j.snapshot_seq
+    finally:
+        j2.close(snapshot=False)
+        crash(j)
