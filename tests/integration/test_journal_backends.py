@@ -424,10 +424,12 @@ def test_direct_publisher_refuses_what_is_not_a_reachable_nats_server():
     port = srv.getsockname()[1]
 
     def not_nats() -> None:
-        for _ in range(2):
+        try:
             conn, _ = srv.accept()
-            conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
-            conn.close()
+        except OSError:                             # closed by the test
+            return
+        conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+        conn.close()
     th = threading.Thread(target=not_nats, daemon=True)
     th.start()
     free = socket.socket()
@@ -442,6 +444,7 @@ def test_direct_publisher_refuses_what_is_not_a_reachable_nats_server():
         assert pub.connects == 0 and pub._sock is None
     finally:
         srv.close()
+        th.join(5)
 
 
 def test_a_reader_overtaken_by_a_compaction_recovers_again_from_the_newer_snapshot(nats_backend):
