@@ -19,7 +19,8 @@ reply from a lower one (a deposed leader): the call is retried elsewhere, never 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -127,18 +128,97 @@ class LeaderClient(BlockManagerClient):
             if err.code() in _ROTATE:
                 self._rotate(index)
             raise
-        epoch = leader_epoch(call.initial_metadata())
-        if epoch is not None:
-            with self._lock:
-                if epoch < self.epoch:
-                    self.stale_replies += 1
-                    seen = self.epoch
-                else:
-                    self.epoch, seen = epoch, -1
-            if seen >= 0:
-                self._rotate(index)
-                raise StaleLeader(epoch, seen, self.targets[index])
+        self._check_epoch(leader_epoch(call.initial_metadata()), index)
         return response
+
+    def _check_epoch(self, epoch: int | None, index: int) -> None:
+        """Record a reply's epoch; StaleLeader (and move to the next address) if it is below one already seen."""
+        if epoch is None:
+            return
+        with self._lock:
+            if epoch < self.epoch:
+                self.stale_replies += 1
+                seen = self.epoch
+            else:
+                self.epoch, seen = epoch, -1
+        if seen >= 0:
+            self._rotate(index)
+            raise StaleLeader(epoch, seen, self.targets[index])
+
+    def watch_events(self, pool: str, from_sequence: int = 0,  # type: ignore[override]
+                     timeout: float | None = None) -> LeaderEventStream:
+        """The pool's KV event batches from from_sequence on (0 = a reset, then live), resumed across failovers.
+
+        See LeaderEventStream. timeout: of each connection (None = none).
+        """
+        return LeaderEventStream(self, pool, from_sequence, timeout)
+
+
+class LeaderEventStream:
+    """WatchEvents that follows the leader: on failover it resumes on the new leader from the next sequence.
+
+    Iterate for pb.KVEventBatch messages, as from BlockManagerClient.watch_events. When the stream
+    breaks with UNAVAILABLE or DEADLINE_EXCEEDED (the leader died, was deposed or paused) or a
+    manager answers with a lower epoch than seen, it reconnects to the next address with
+    ``from_sequence`` = the last batch received + 1, retrying as the client's RetryPolicy allows
+    (the budget starts anew once a batch arrives). A standby numbers batches as the leader did
+    (they are rebuilt from the same journal entries), so the batches resume with no gap and no
+    duplicate. A batch split over several messages (``more``) is yielded only once all its parts
+    arrived, so a break inside one never repeats a part. If the new leader no longer holds the
+    batches asked for (more than its ring retains were missed, or it recovered from a snapshot
+    newer than them), the first batch after the reconnection is a *reset* (``reset`` set,
+    AllBlocksCleared and then the whole cache, ``reset_reason`` says why), exactly as
+    after a manager restart. Other errors raise ClientError. reconnects: how many times it resumed.
+    """
+
+    def __init__(self, client: LeaderClient, pool: str, from_sequence: int, timeout: float | None) -> None:
+        self._client, self.pool, self.timeout = client, pool, timeout
+        self.next_sequence = from_sequence
+        self.reconnects = 0
+        self._call: Any = None
+        self._cancelled = False
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        call = self._call
+        if call is not None:
+            call.cancel()
+
+    def __iter__(self) -> Iterator[Any]:
+        from kvservice.v1 import block_manager_pb2 as pb
+
+        from .client import CallBudget, ClientError
+        c = self._client
+        budget: CallBudget | None = None
+        while not self._cancelled:
+            index = c._current
+            req = pb.WatchEventsRequest(pool=self.pool, from_sequence=self.next_sequence)
+            call = self._call = c._stubs[index].WatchEvents(req, timeout=self.timeout, metadata=c._metadata)
+            parts: list[Any] = []
+            try:
+                if self._cancelled:
+                    call.cancel()
+                c._check_epoch(leader_epoch(call.initial_metadata()), index)
+                for msg in call:
+                    parts.append(msg)
+                    if msg.more:
+                        continue
+                    budget = None                    # progress: a later failover gets a whole budget again
+                    self.next_sequence = msg.sequence + 1
+                    yield from parts
+                    parts = []
+                return                               # the server ended it (the pool was deleted)
+            except grpc.RpcError as err:
+                if self._cancelled:
+                    return
+                if err.code() not in _ROTATE:
+                    raise ClientError.from_rpc(err) from None
+                c._rotate(index)
+                if budget is None:
+                    budget = CallBudget(c.retry, self.timeout or c.timeout, "WatchEvents", None, _ROTATE)
+                budget.tries += 1
+                time.sleep(budget.pause_or_raise(err))
+                self.reconnects += 1
 
 
 class _LeaderStub:
@@ -154,4 +234,4 @@ class _LeaderStub:
         return call
 
 
-__all__ = ["EPOCH_METADATA", "FAILOVER_RETRY", "LeaderClient", "StaleLeader", "leader_epoch"]
+__all__ = ["EPOCH_METADATA", "FAILOVER_RETRY", "LeaderClient", "LeaderEventStream", "StaleLeader", "leader_epoch"]

@@ -28,7 +28,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -46,11 +46,14 @@ from .leader import Lease, LeaseConfig, LeaseLost
 from .manager import BlockManager
 from .server import SERVICE_NAME, RunningServer, serve
 from .store_sqlite import DB_NAME, SqliteStore
+from .stores import Entry
 
 log = logging.getLogger("kvservice.ha")
 #: Initial-metadata key of every reply of a replicated manager: the epoch of the leader that answered.
 EPOCH_METADATA = "kvservice-leader-epoch"
 FENCE_ATTEMPTS = 20
+#: Recoveries tried while a leader's compaction keeps overtaking the reader (each one reads a newer snapshot).
+RECOVERY_ATTEMPTS = 5
 
 
 class LeaderGate(grpc.ServerInterceptor):
@@ -142,7 +145,7 @@ class HAController:
             try:
                 batch = self.store.poll(poll)
                 if batch:
-                    self.applied += self.journal.follow(batch)
+                    self._apply(batch)
                 now = time.monotonic()
                 if now >= next_lag:
                     next_lag = now + 1.0
@@ -161,6 +164,16 @@ class HAController:
             except KVError as err:
                 self._fail(f"standby cannot follow the journal: {err.message}")
                 return
+
+    def _apply(self, entries: Iterable[Entry]) -> None:
+        """Apply acknowledged entries; their KV event batches become visible at once, numbered as the leader's.
+
+        The hub stages batches until a transaction ends (a leader shows them once durable); these
+        entries are durable already, so the batches are committed here: the standby's rings hold the
+        same sequence numbers and events as the leader's, and WatchEvents resumes on it after a takeover.
+        """
+        with self.journal.manager.events.transaction():
+            self.applied += self.journal.follow(entries)
 
     # ---- takeover -------------------------------------------------------------------------------------
     def _take_over(self) -> None:
@@ -195,7 +208,7 @@ class HAController:
     def _fence(self) -> int:
         """Read to the end of the stream and fence it with the next epoch; again if the old leader wrote meanwhile."""
         for _ in range(FENCE_ATTEMPTS):
-            self.applied += self.journal.follow(self.store.catch_up())
+            self._apply(self.store.catch_up())
             seen = self.lease.holder.epoch if self.lease.holder is not None else 0
             epoch = max(self.store.max_epoch, seen) + 1
             try:
@@ -294,8 +307,16 @@ def open_journal(config: NatsConfig, lease_seconds: float = 10.0, journal_config
     own = link is None
     link = link or NatsLink(config, client_name="kvservice-inspect" if readonly else "kvservice")
     try:
-        store = NatsStore(link, readonly=True, owns_link=own, create=not readonly)
-        journal = Journal.recover(store, lease_seconds, journal_config)
+        for attempt in range(RECOVERY_ATTEMPTS):
+            store = NatsStore(link, readonly=True, create=not readonly)
+            try:
+                journal = Journal.recover(store, lease_seconds, journal_config)
+                break
+            except JournalGap as err:       # the leader compacted while we read: a newer snapshot holds it all
+                if attempt + 1 == RECOVERY_ATTEMPTS:
+                    raise
+                log.info("recovering again: %s", err.message)
+        store.owns_link = own
     except BaseException:
         if own:
             link.close()

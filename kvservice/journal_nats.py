@@ -30,7 +30,9 @@ Threading: nats-py is asyncio-only while the manager is synchronous (gRPC thread
 journal lock). A ``NatsLink`` owns one NATS connection on its own event-loop thread; sync code
 submits coroutines with ``asyncio.run_coroutine_threadsafe`` and waits with a timeout
 (``NatsLink.call``), and a coroutine still running at the timeout is cancelled. Code that
-already runs on the loop (the lease renewer) awaits directly and never calls ``call``.
+already runs on the loop (the lease renewer) awaits directly and never calls ``call``. The
+journal's publishes (appends and fences, one per Step) skip the loop: ``NatsLink.direct`` is a
+connection of their own that the appending thread writes and reads itself (kvservice/nats_direct.py).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from nats.js import api
 
 from . import snapshot as snap
 from .errors import InvalidArgument, KVError, StateError
+from .nats_direct import DirectError, DirectPublisher
 from .stores import Entry, JournalStore
 
 log = logging.getLogger("kvservice.nats")
@@ -167,6 +170,8 @@ class NatsLink:
         self._thread.start()
         self.disconnects = 0
         self.closing = False
+        #: The journal's publishes: a connection of their own, used by the appending thread (nats_direct.py).
+        self.direct = DirectPublisher(config.servers, f"{client_name}-journal", config.request_seconds)
         try:
             self.nc = self.call(self._connect(client_name, connect_seconds), connect_seconds + 1.0)
         except BaseException:
@@ -218,6 +223,7 @@ class NatsLink:
         if self.loop.is_closed():
             return
         self.closing = True
+        self.direct.close()
         if not self.nc.is_closed:
             try:
                 self.call(self.nc.close(), 5.0)
@@ -348,6 +354,23 @@ class NatsStore(JournalStore):
 
     last_snapshot = load_snapshot
 
+    def _snapshot_newer_than(self, seq: int) -> bool:
+        """Whether the bucket holds a snapshot of a position after seq now (one listing)."""
+        return self._call(self._newest_snapshot_name(), max(10.0, self.config.request_seconds)) > f"snap-{seq:020d}"
+
+    async def _newest_snapshot_name(self) -> str:
+        obs = self._obs
+        if obs is None:
+            try:
+                obs = await self.link.js.object_store(self.config.snapshot_bucket)
+            except nats.js.errors.BucketNotFoundError:
+                return ""
+        try:
+            infos = await obs.list(ignore_deletes=True)
+        except nats.js.errors.NotFoundError:
+            return ""
+        return max((i.name for i in infos if i.name.startswith("snap-") and not i.deleted), default="")
+
     async def _last_snapshot(self) -> tuple[dict[str, Any], bytes] | None:
         if self._obs is None:
             return None
@@ -422,9 +445,21 @@ class NatsStore(JournalStore):
         deadline = time.monotonic() + max(30.0, self.config.append_seconds)
         while self.last_stream_seq < last:
             batch = self.poll(0.5, strict=strict)
-            if not batch and time.monotonic() > deadline:
-                raise StoreError(f"{self.path}: stream stopped at {self.last_stream_seq} while reading to {last}")
+            if not batch:
+                first = self._call(self._stream_first_seq())
+                if first > self.last_stream_seq + 1 and (strict or self._snapshot_newer_than(self.seq)):
+                    raise self._overtaken()         # what we were to read next was purged by a compaction
+                if time.monotonic() > deadline:
+                    raise StoreError(f"{self.path}: stream stopped at {self.last_stream_seq} while reading to {last}")
             yield from batch
+
+    def _overtaken(self) -> JournalGap:
+        return JournalGap(f"{self.path}: the stream was compacted past position {self.seq} while it was read (a "
+                          "newer snapshot was stored meanwhile); recover again from it")
+
+    async def _stream_first_seq(self) -> int:
+        info = await self.link.js.stream_info(self.config.stream)
+        return int(info.state.first_seq)
 
     async def _stream_last_seq(self) -> int:
         info = await self.link.js.stream_info(self.config.stream)
@@ -487,6 +522,10 @@ class NatsStore(JournalStore):
         stream_seq = int(msg.metadata.sequence.stream)
         if stream_seq <= self.last_stream_seq:
             return None                                   # redelivered after a consumer reset
+        if stream_seq > self.last_stream_seq + 1 and not strict and self._snapshot_newer_than(self.seq):
+            # Recovery listed the snapshots, then the leader stored a newer one and purged the stream
+            # below it before these messages were read: what is missing is in that snapshot.
+            raise self._overtaken()
         self.last_stream_seq = stream_seq
         h = msg.headers or {}
         kind = h.get("Kvs-Kind", "")
@@ -587,9 +626,7 @@ class NatsStore(JournalStore):
         while True:
             headers["Nats-Expected-Last-Sequence"] = str(self.last_stream_seq)
             try:
-                ack = self.link.call(self.link.js.publish(c.subject, payload, timeout=c.request_seconds,
-                                                          stream=c.stream, headers=dict(headers)),
-                                     c.request_seconds + 1.0)
+                stream_seq = self._publish_once(payload, headers)
             except nats.js.errors.APIError as err:
                 if err.err_code in _WRONG_LAST_SEQUENCE:
                     raise Fenced(f"the journal stream moved past {self.last_stream_seq} ({err.description}): "
@@ -601,7 +638,7 @@ class NatsStore(JournalStore):
                     nats.errors.ConnectionClosedError, nats.js.errors.NoStreamResponseError, OSError) as err:
                 why = err
             else:
-                self.last_stream_seq = int(ack.seq)
+                self.last_stream_seq = stream_seq
                 return
             if time.monotonic() + delay >= deadline:
                 raise StoreError(f"NATS did not store the journal entry within {c.append_seconds:g} s "
@@ -610,6 +647,24 @@ class NatsStore(JournalStore):
             self._check_guard()
             time.sleep(delay)
             delay = min(0.5, delay * 2)
+
+    def _publish_once(self, payload: bytes, headers: dict[str, str]) -> int:
+        """One JetStream publish, acknowledged: its stream sequence; APIError etc. as js.publish raises them."""
+        c = self.config
+        try:
+            reply = self.link.direct.request(c.subject, payload, {**headers, "Nats-Expected-Stream": c.stream},
+                                             c.request_seconds)
+        except DirectError as err:
+            raise StoreError(err.message) from None
+        if reply.no_responders:
+            raise nats.js.errors.NoStreamResponseError
+        try:
+            ack = json.loads(reply.data)
+        except ValueError:
+            raise StoreError(f"NATS answered a journal publish with {reply.data[:80]!r}") from None
+        if "error" in ack:
+            nats.js.errors.APIError.from_error(ack["error"])       # raises the matching APIError
+        return int(ack["seq"])
 
     def close(self, clean: bool = True, seq: int = 0) -> None:
         self.stop_reading()

@@ -30,7 +30,7 @@ from kvservice.server import SERVICE_NAME, serve
 
 from ..deploy.support import REPLICATED_METRICS, sample_names
 from ..natsutil import NatsCluster, require_nats_server
-from .ha_harness import HASystem, cluster_leader_node, kill_loop, pause_leader
+from .ha_harness import HASystem, cluster_leader_node, epoch_of, kill_loop, pause_leader
 
 pytestmark = pytest.mark.integration
 TEST_LEASE = ("--leader-ttl", "1.0", "--leader-renew", "0.25", "--compact-every", "200")
@@ -335,3 +335,177 @@ def test_a_nats_node_killed_mid_run_costs_no_step_and_no_failover(tmp_path):
     finally:
         system.stop()
         cluster.stop()
+
+
+# ---- WatchEvents across a failover ------------------------------------------------------------------------
+
+class _HAWatcher(threading.Thread):
+    """A LeaderClient's WatchEvents from `from_sequence` into {seq: events}, in arrival order (parts joined)."""
+
+    def __init__(self, targets: list[str], pool: str, from_sequence: int) -> None:
+        super().__init__(daemon=True)
+        self.client = LeaderClient(targets, timeout=2.0)
+        self.stream = self.client.watch_events(pool, from_sequence)
+        self.batches: list[tuple[int, bool, list]] = []
+        self.error: Exception | None = None
+
+    def run(self) -> None:
+        from kvservice.events_proto import proto_to_events
+        try:
+            events: list = []
+            for msg in self.stream:
+                events += proto_to_events(msg)
+                if not msg.more:
+                    self.batches.append((msg.sequence, msg.reset, events))
+                    events = []
+        except Exception as err:               # reported by the test
+            self.error = err
+
+    def wait_for(self, seq: int, timeout: float = 40.0) -> None:
+        end = time.monotonic() + timeout
+        while not (self.batches and self.batches[-1][0] >= seq):
+            assert self.error is None, self.error
+            assert time.monotonic() < end, f"watcher stuck at {self.batches[-1][0] if self.batches else None}"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.stream.cancel()
+        self.join(10)
+        self.client.close()
+
+
+def _wait_for_event_sequence(slot, pool: str, seq: int, timeout: float = 30.0) -> None:
+    """Until the manager's kvservice_kv_event_sequence{pool} (its last visible batch) reaches seq."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+    end = time.monotonic() + timeout
+    got = None
+    while time.monotonic() < end:
+        with urllib.request.urlopen(f"http://127.0.0.1:{slot.metrics_port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        got = next((x.value for fam in text_string_to_metric_families(text) for x in fam.samples
+                    if x.name == "kvservice_kv_event_sequence" and x.labels.get("pool") == pool), None)
+        if got is not None and got >= seq:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{slot.name}: last visible event batch of {pool} is {got}, the leader's is {seq}")
+
+
+def test_watch_events_resume_on_the_new_leader_after_kill9_with_no_gap_or_duplicate(nats3, tmp_path):
+    """A watcher subscribed through a LeaderClient; steps before and after two kill -9 of the leader. What
+    it received equals, batch for batch, the events rebuilt by replaying the journal from NATS."""
+    from tests.kv_workload import Workload
+
+    from .ha_harness import ManagerSlot
+    from .test_kv_events import SIZING as EV_SIZING
+    from .test_kv_events import SPEC as EV_SPEC
+    from .test_kv_events import canon, run_steps
+    name = fresh_name()
+    extra = ("--nats-replicas", "3", "--leader-ttl", "1.0", "--leader-renew", "0.25", "--compact-every", "100000")
+    slots = [ManagerSlot(tmp_path, s, nats3.url, name, extra) for s in ("a", "b")]
+    watcher = None
+    try:
+        for s in slots:
+            s.start()
+        targets = [s.target for s in slots]
+        w = Workload(np.random.default_rng(23))
+        with LeaderClient(targets, timeout=2.0) as c:
+            c.create_pool("ev", EV_SPEC, EV_SIZING, prefix_caching=True)
+            watcher = _HAWatcher(targets, "ev", 1)
+            watcher.start()
+            seq = run_steps(c, w, 20)
+            watcher.wait_for(seq)
+            for _ in range(2):
+                leader = next(s for s in slots if s.alive() and epoch_of(s.target) is not None)
+                standby = next(s for s in slots if s is not leader)
+                _wait_for_event_sequence(standby, "ev", seq)   # the standby's ring: the same numbers, visible
+                run_steps(c, w, 5)                     # some batches the watcher may not have read yet
+                leader.kill9()
+                leader.start()                         # back as the standby (recovered from NATS, following)
+                seq = run_steps(c, w, 15)              # retried onto the new leader; the watcher is away meanwhile
+                watcher.wait_for(seq)
+            epoch = c.epoch
+        assert watcher.stream.reconnects >= 2 and watcher.client.epoch == epoch >= 3
+        watcher.stop()
+        got = watcher.batches
+        assert [s for s, _, _ in got] == list(range(1, seq + 1)), "a gap or a duplicate"
+        assert not any(reset for _, reset, _ in got)
+        j = open_journal(NatsConfig(tuple(nats3.urls), name=name), readonly=True)   # the journal, replayed
+        try:
+            rebuilt = {lb.seq: lb.batch.events for lb in j.manager.events.logs["ev"].batches}
+        finally:
+            j.close(snapshot=False)
+        assert sorted(rebuilt) == list(range(1, seq + 1))
+        for s, _, events in got:
+            assert canon(events) == canon(rebuilt[s]), f"batch {s} differs from the journal's"
+        assert sum(len(e) for _, _, e in got) > 3 * seq // 2
+    finally:
+        if watcher is not None and watcher.is_alive():
+            watcher.stop()
+        for s in slots:
+            s.stop()
+
+
+def test_watch_events_refuses_a_lower_epoch_and_resumes_where_it_stopped():
+    """Two in-process managers fed the same Steps (so the same batches): the watcher's leader stops, the
+    other answers first with a lower epoch (refused), then as the successor: the stream resumes exactly."""
+    from tests.kv_workload import Workload, client_step_args
+
+    from .test_kv_events import SIZING as EV_SIZING
+    from .test_kv_events import SPEC as EV_SPEC
+    from .test_kv_events import canon
+    gates = [LeaderGate(), LeaderGate()]
+    servers = [serve(interceptors=[g]) for g in gates]
+    targets = [f"127.0.0.1:{s.port}" for s in servers]
+    gates[0].promote(5)
+    gates[1].promote(3)                                     # a deposed manager still answering
+    directs = [BlockManagerClient(t, timeout=5) for t in targets]
+    w = Workload(np.random.default_rng(31))
+
+    def step_both(n: int, alive: list[BlockManagerClient]) -> int:
+        for _ in range(n):
+            kw = w.step()
+            outcomes = []
+            for d in alive:
+                try:
+                    d.step("ev", **client_step_args(kw))
+                    outcomes.append(True)
+                except ClientError as err:
+                    assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    outcomes.append(False)
+            assert len(set(outcomes)) == 1
+            if outcomes[0]:
+                w.applied(kw)
+        seqs = {d.stats("ev")["ev"].event_sequence for d in alive}
+        assert len(seqs) == 1
+        return seqs.pop()
+    watcher = None
+    try:
+        for d in directs:
+            d.create_pool("ev", EV_SPEC, EV_SIZING, prefix_caching=True, request_id="create-ev")
+        watcher = _HAWatcher(targets, "ev", 1)
+        watcher.client.retry = RetryPolicy(attempts=200, initial_backoff=0.01, max_backoff=0.05)
+        watcher.start()
+        first = step_both(15, directs)
+        watcher.wait_for(first)
+        assert watcher.client.epoch == 5
+        servers[0].stop(0)                                  # the leader goes; the other still says epoch 3
+        time.sleep(0.3)
+        assert watcher.client.stale_replies >= 1 and watcher.error is None
+        last = step_both(10, directs[1:])
+        gates[1].promote(6)                                 # now the successor
+        watcher.wait_for(last)
+        assert watcher.client.epoch == 6 and watcher.stream.reconnects >= 2
+        got = watcher.batches
+        assert [s for s, _, _ in got] == list(range(1, last + 1)) and not any(r for _, r, _ in got)
+        ring = {lb.seq: lb.batch.events for lb in servers[1].manager.events.logs["ev"].batches}
+        for s, _, events in got:
+            assert canon(events) == canon(ring[s])
+    finally:
+        if watcher is not None:
+            watcher.stop()
+        for d in directs:
+            d.close()
+        for s in servers:
+            s.stop(0)

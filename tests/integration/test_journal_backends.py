@@ -9,6 +9,7 @@ mid-entry, two writers (fencing), checksums.
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from pathlib import Path
 
@@ -354,3 +355,126 @@ def test_check_state_and_export_state_on_the_command_line(nats_backend, tmp_path
     assert out.returncode == 0 and "exported" in out.stdout, out.stderr
     out = cli("import-state", str(tmp_path / "copy"), url)                # that deployment is not empty
     assert out.returncode == 2 and "already holds a journal" in out.stderr
+
+
+# ---- the journal's direct publish connection (kvservice/nats_direct.py) -------------------------------------------
+
+def test_direct_publisher_acks_reconnects_and_skips_late_replies(nats_backend):
+    import asyncio
+    import socket
+
+    import nats.errors
+
+    from kvservice.nats_direct import DirectPublisher
+    config = nats_backend.config
+    link = NatsLink(config)
+    pub = DirectPublisher(config.servers, "test")
+    try:
+        NatsStore(link)                                              # creates the stream
+        rng = np.random.default_rng(9)
+        payloads = [rng.bytes(int(rng.integers(1, 3000))) for _ in range(5)]
+        seqs = [int(json.loads(pub.request(config.subject, p, {"Kvs-Kind": "test"}, 5).data)["seq"])
+                for p in payloads]
+        last = link.call(link.js.stream_info(config.stream), 10).state.last_seq
+        assert seqs == list(range(last - 4, last + 1))
+        stored = [link.call(link.js.get_msg(config.stream, s), 10) for s in seqs]   # what the server holds
+        assert [m.data for m in stored] == payloads and all(m.headers["Kvs-Kind"] == "test" for m in stored)
+
+        delays = {b"slow": 0.6, b"fast": 0.0}                        # a responder on another connection
+
+        async def respond(msg) -> None:
+            await asyncio.sleep(delays[msg.data])
+            await link.nc.publish(msg.reply, b"re:" + msg.data)
+        link.call(link.nc.subscribe("kvs.test.echo", cb=respond), 5)
+        link.call(link.nc.flush(), 5)
+        with pytest.raises(nats.errors.TimeoutError):
+            pub.request("kvs.test.echo", b"slow", {}, 0.2)
+        time.sleep(0.7)                                              # its late reply is on the socket now
+        assert pub.request("kvs.test.echo", b"fast", {}, 5).data == b"re:fast"
+        assert pub.connects == 1
+
+        pub._sock.shutdown(socket.SHUT_RDWR)                         # the server side goes away
+        with pytest.raises(OSError):
+            pub.request(config.subject, b"x", {"Kvs-Kind": "test"}, 5)
+        assert json.loads(pub.request(config.subject, b"y", {"Kvs-Kind": "test"}, 5).data)["seq"] == last + 1
+        assert pub.connects == 2
+        reply = pub.request("kvs.nobody.listens", b"z", {}, 5)       # no responder: status 503, not a hang
+        assert reply.no_responders
+        watchful = DirectPublisher(config.servers, "test", idle_check_seconds=0.0)
+        try:                                        # one that looks before it publishes after a quiet spell
+            watchful.request(config.subject, b"a", {"Kvs-Kind": "test"}, 5)
+            watchful._sock.shutdown(socket.SHUT_RDWR)
+            ack = json.loads(watchful.request(config.subject, b"b", {"Kvs-Kind": "test"}, 5).data)
+            assert ack["seq"] == last + 3 and watchful.connects == 2       # reconnected first, no failed try
+        finally:
+            watchful.close()
+    finally:
+        pub.close()
+        link.close()
+
+
+def test_direct_publisher_refuses_what_is_not_a_reachable_nats_server():
+    import socket
+    import threading
+
+    from kvservice.nats_direct import DirectError, DirectPublisher
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(4)
+    port = srv.getsockname()[1]
+
+    def not_nats() -> None:
+        try:
+            conn, _ = srv.accept()
+        except OSError:                             # closed by the test
+            return
+        conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+        conn.close()
+    th = threading.Thread(target=not_nats, daemon=True)
+    th.start()
+    free = socket.socket()
+    free.bind(("127.0.0.1", 0))
+    closed_port = free.getsockname()[1]
+    free.close()
+    try:
+        pub = DirectPublisher((f"nats://127.0.0.1:{port}", f"nats://127.0.0.1:{closed_port}"), "test")
+        with pytest.raises(DirectError) as err:
+            pub.request("kvs.x", b"", {}, 2)
+        assert "does not speak the NATS protocol" in err.value.message and str(closed_port) in err.value.message
+        assert pub.connects == 0 and pub._sock is None
+    finally:
+        srv.close()
+        th.join(5)
+
+
+def test_a_reader_overtaken_by_a_compaction_recovers_again_from_the_newer_snapshot(nats_backend):
+    """A reader lists the snapshots, then the leader stores a newer one and purges the stream below it before
+    the reader reads on: the reader is told (JournalGap, not "acknowledged changes are lost"), and open_journal
+    recovers again, from the newer snapshot, to exactly the writer's state."""
+    from kvservice.journal_nats import JournalGap
+    j = nats_backend.open(FAST)
+    rng = np.random.default_rng(17)
+    setup_pools(j)
+    workload(j, rng, 15, pools=("a",))
+    j.snapshot()
+    first = j.snapshot_seq
+    workload(j, rng, 15, pools=("b",))
+    link = NatsLink(nats_backend.config)
+    try:
+        reader = NatsStore(link, readonly=True, create=False)
+        assert reader.load_snapshot()[0] == first            # what it listed: the older snapshot
+        j.snapshot()                                          # meanwhile: a newer one, the stream purged below it
+        assert j.snapshot_seq > first
+        with pytest.raises(JournalGap, match="compacted past position"):
+            list(reader.entries_after(first))
+        reader.close(clean=False, seq=first)
+    finally:
+        link.close()
+    run(j, "Step", step_req("c", admit=[1], n=[30], rid="after"))
+    tree, seq = state_tree(j.manager), j.seq
+    j2 = nats_backend.open_readonly()
+    try:
+        assert state_tree(j2.manager) == tree and j2.seq == seq and j2.snapshot_seq == j.snapshot_seq
+    finally:
+        j2.close(snapshot=False)
+        crash(j)
