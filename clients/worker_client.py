@@ -7,6 +7,7 @@ UNAVAILABLE "worker w1 at 127.0.0.1:5001 is unreachable: ...".
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,7 @@ from kvservice.wire import from_tensor, to_tensor
 
 from .client import TLSOptions, auth_metadata, make_channel
 from .codec import ClientError
+from .ha import EPOCH_METADATA
 
 POLICIES = {"nan": wpb.POLICY_NAN, "zeros": wpb.POLICY_ZEROS, "error": wpb.POLICY_ERROR}
 
@@ -49,11 +51,20 @@ class WorkerClient:
     token). pool_incarnation: sent with every kernel call (PoolInfo.incarnation or
     StepReply.pool_incarnation); a worker planned for another incarnation of its pool refuses the
     call FAILED_PRECONDITION (reason STALE_INCARNATION). 0 = not checked.
+
+    leader_epoch: with a replicated manager (docs/HA.md), the leader epoch the call's tables come
+    from, sent as the metadata ``kvservice-leader-epoch`` with every call that carries slots or
+    tables: an int, or a callable read at each call (``lambda: leader_client.epoch``, the highest
+    epoch a clients.ha.LeaderClient has seen). A worker that has seen a higher epoch refuses the
+    call FAILED_PRECONDITION (reason STALE_LEADER_EPOCH); one of a replicated manager refuses a call
+    without it (LEADER_EPOCH_REQUIRED). 0 = none sent (an unreplicated manager).
     """
 
     def __init__(self, address: str, worker_id: str = "", timeout: float = 30.0, *, tls: TLSOptions | None = None,
-                 token: str | None = None, pool_incarnation: int = 0) -> None:
+                 token: str | None = None, pool_incarnation: int = 0,
+                 leader_epoch: int | Callable[[], int] = 0) -> None:
         self.address = address
+        self.leader_epoch = leader_epoch
         self.worker_id = worker_id or address
         self.timeout = timeout
         self.pool_incarnation = pool_incarnation
@@ -77,7 +88,9 @@ class WorkerClient:
         try:
             if hasattr(request, "pool_incarnation"):
                 request.pool_incarnation = self.pool_incarnation
-            return method(request, timeout=self.timeout, metadata=self._metadata)
+            epoch = self.leader_epoch() if callable(self.leader_epoch) else self.leader_epoch
+            metadata = (*(self._metadata or ()), (EPOCH_METADATA, str(epoch))) if epoch else self._metadata
+            return method(request, timeout=self.timeout, metadata=metadata)
         except grpc.RpcError as exc:
             err = ClientError.from_rpc(exc)
             what = "is unreachable" if err.code == grpc.StatusCode.UNAVAILABLE else "refused the call"

@@ -18,6 +18,10 @@ class WorkerMetrics:
                                          registry=self.registry)
         self.kernel_duration = Histogram("kvworker_kernel_duration_seconds", "Time per kernel call.", ["kernel"],
                                          registry=self.registry, buckets=KERNEL_BUCKETS)
+        self.leader_epoch_refusals = Counter("kvworker_leader_epoch_refusals_total",
+                                             "Kernel calls refused for naming a deposed leader's epoch or none "
+                                             "(replicated managers, docs/HA.md).", ["reason"],
+                                             registry=self.registry)
         self.cache_bytes = Gauge("kvworker_cache_bytes", "Bytes of KV cache this worker holds.", ["pool"],
                                  registry=self.registry)
         self.pool = pool

@@ -132,7 +132,8 @@ def serve_worker(manager: str, pool: str, worker_id: str, layer_begin: int = 0, 
                                 "device_name": device_name, "epoch": 0, "incarnation": info.incarnation,
                                 "all_layers": all_layers}
     metrics = WorkerMetrics(pool)
-    servicer = WorkerServicer(caches, metrics, identity, test_hooks)
+    servicer = WorkerServicer(caches, metrics, identity, test_hooks,
+                              leader_epoch=lambda: client.epoch)
     interceptors = [TokenAuthInterceptor(tokens, WORKER, worker_rules(pool))] if tokens is not None else []
     server, port, health_servicer = grpc_server(SERVICE_NAME, servicer, listen, tls, interceptors, max_workers=4)
     server.start()

@@ -22,7 +22,7 @@ from kvservice.v1 import worker_pb2_grpc as wpb_grpc
 from kvservice.wire import from_tensor, to_tensor
 from worker import ops_numpy
 from worker.caches import CacheSet
-from worker.fencing import MemoryGate, check_incarnation
+from worker.fencing import LeaderEpochFence, MemoryGate, check_incarnation
 from worker.kernel_api import REASONS, KernelViolationError, Policy, ViolationRecord, check_copy_pairs
 from worker.metrics import WorkerMetrics
 from worker.tables import DeviceTables
@@ -36,12 +36,20 @@ class OutOfRange(KVError):
     reason = "OUT_OF_RANGE"
 
 
+#: The RPCs that carry manager-issued slots or page tables: fenced by leader epoch (worker.fencing.LeaderEpochFence).
+EPOCH_FENCED = frozenset({"AppendKV", "DecodeAttention", "CopyBlocks", "UpdateTables"})
+
+
 def _rpc(fn: Callable[..., Any]) -> Callable[..., Any]:
+    fenced = fn.__name__ in EPOCH_FENCED
+
     @functools.wraps(fn)
     def wrapper(self: WorkerServicer, request: Any, context: grpc.ServicerContext) -> Any:
         try:
             with self.memory.shared():             # a re-plan swaps the caches only between calls
                 check_incarnation(self.identity, request)
+                if fenced:
+                    self.leader_fence.check(context.invocation_metadata(), self.identity, fn.__name__)
                 return fn(self, request, context)
         except OutOfRange as err:
             context.abort(grpc.StatusCode.OUT_OF_RANGE, err.message)
@@ -57,13 +65,16 @@ def _rpc(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 class WorkerServicer(wpb_grpc.WorkerServicer):
     def __init__(self, caches: CacheSet, metrics: WorkerMetrics, identity: dict[str, Any],
-                 test_hooks: bool = False) -> None:
+                 test_hooks: bool = False, leader_epoch: Callable[[], int] | None = None) -> None:
         self.caches = caches
         self.ops = caches.ops
         self.metrics = metrics
         self.identity = identity        # worker_id, pool, epoch, incarnation, backend, device_name
         self.test_hooks = test_hooks
         self.memory = MemoryGate()
+        # leader_epoch: the highest leader epoch the worker's manager client has seen (replicated managers)
+        self.leader_fence = LeaderEpochFence(
+            leader_epoch, on_refuse=lambda reason: metrics.leader_epoch_refusals.labels(reason).inc())
         self.tables = DeviceTables(caches.geometry, caches.xp)    # persistent page tables (UpdateTables)
         self.max_reply_bytes = MAX_MESSAGE_BYTES    # the worker's gRPC limit (kvservice.server.grpc_server)
         self._zero_series(caches)
@@ -79,6 +90,8 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
                     metrics.violations.labels(kernel, str(layer), reason)
         for name in caches.buffers:
             metrics.guard_corruptions.labels(name)
+        for reason in ("STALE_LEADER_EPOCH", "LEADER_EPOCH_REQUIRED"):
+            metrics.leader_epoch_refusals.labels(reason)
 
     def replan(self, caches: CacheSet, incarnation: int) -> None:
         """Serve from caches planned for another incarnation of the pool (after in-flight calls end)."""

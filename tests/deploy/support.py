@@ -54,6 +54,7 @@ WORKER_METRICS = {
     "kvworker_guard_corruptions_total": "counter",
     "kvworker_kernel_duration_seconds": "histogram",
     "kvworker_cache_bytes": "gauge",
+    "kvworker_leader_epoch_refusals_total": "counter",
 }
 #: Exported only once a pool caches prefixes (the default pool does not) or has KV event subscribers.
 COMING = {"kvservice_prefix_cache_hits_total", "kvservice_prefix_cache_lookup_pages_total",
