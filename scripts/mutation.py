@@ -16,8 +16,12 @@ Every Python mutant runs with KV_DIFF_SCALE=0.05 (the differential test's short 
 set is about 4,600 mutants: hours on a 2-core machine. --sample N runs a seeded random sample of N
 mutants per module (2 N for pool.py) and reports the sample's score and survivors.
 
-Usage: python scripts/mutation.py [--python] [--cu] [--sample N] [--out bench/results/mutation.md]
-                                  [--max-children N]
+Each part's results are kept in bench/results/mutation_python.json and mutation_cu.json (the
+command that ran, seed, sample, every mutant's status, survivors' diffs), and the report is built
+from both files, so a part can be rerun alone (--report alone rebuilds the report).
+
+Usage: python scripts/mutation.py [--python] [--cu] [--report] [--sample N] [--seed S]
+                                  [--out bench/results/mutation.md] [--max-children N]
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 EQUIVALENT = ROOT / "bench" / "mutation_equivalent.txt"
+RESULTS = {"python": ROOT / "bench" / "results" / "mutation_python.json",
+           "cu": ROOT / "bench" / "results" / "mutation_cu.json"}
 CU_TESTS = ["tests/kernels/test_decode.py", "tests/kernels/test_append_copy.py",
             "tests/kernels/test_validate_guard.py", "tests/kernels/test_sanitizers.py",
             "tests/kernels/test_large_offset.py"]
@@ -118,7 +124,7 @@ def python_part(max_children: int, sample: int = 0, seed: int = 10) -> dict:
 
 def cu_part() -> list[tuple[str, str, str]]:
     """Apply each hand-made .cu mutant to a copy of the tree; (file, what, killed|survived|bad mutant)."""
-    out = []
+    out: list[tuple[str, str, str]] = []
     for fname, find, repl, what in CU_MUTANTS:
         src = (ROOT / "worker" / "kernels" / fname).read_text()
         if src.count(find) != 1:
@@ -134,6 +140,7 @@ def cu_part() -> list[tuple[str, str, str]]:
             r = _run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *CU_TESTS], tree,
                      1800, env)
             out.append((fname, what, "killed" if r.returncode != 0 else "survived"))
+            print(f"{fname}: {what}: {out[-1][2]}", flush=True)
     return out
 
 
@@ -145,7 +152,7 @@ def equivalents() -> dict[str, str]:
     return {k.strip(): v.strip() for k, v in pairs}
 
 
-def report(py: dict | None, cu: list | None) -> str:
+def report(py: dict | None, cu: dict | None) -> str:
     lines = ["# Mutation check", "",
              f"Generated {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC by `make mutation` "
              "(`python scripts/mutation.py`).", ""]
@@ -176,9 +183,14 @@ def report(py: dict | None, cu: list | None) -> str:
         for n in unexplained:
             lines += [f"- `{n}`", "", "```diff", py["survivors"][n].strip()[:1500], "```", ""]
     if cu is not None:
+        res = cu["results"]
+        n_killed = sum(r == "killed" for _, _, r in res)
         lines += ["", "## CUDA sources (hand-made mutants, emulated kernels under the kernel tests)", "",
+                  f"`{cu['command']}`: {len(res)} mutants, {n_killed} killed, {len(res) - n_killed} not killed "
+                  f"({cu['seconds'] / 60:.0f} min). Each rebuilds the g++-emulated kernels (plain and ASan) in a "
+                  "copy of the tree and runs " + ", ".join(f"`{t}`" for t in CU_TESTS) + ".", "",
                   "| file | mutant | result |", "|---|---|---|"]
-        lines += [f"| {f} | {w} | {r} |" for f, w, r in cu]
+        lines += [f"| {f} | {w} | {r} |" for f, w, r in res]
     return "\n".join(lines) + "\n"
 
 
@@ -190,11 +202,20 @@ def main() -> int:
     ap.add_argument("--max-children", type=int, default=2)
     ap.add_argument("--sample", type=int, default=0, help="mutants per module (0 = all)")
     ap.add_argument("--seed", type=int, default=10)
+    ap.add_argument("--report", action="store_true", help="only rebuild the report from the kept results")
     a = ap.parse_args()
-    both = not (a.python or a.cu)
-    py = python_part(a.max_children, a.sample, a.seed) if a.python or both else None
-    cu = cu_part() if a.cu or both else None
-    Path(a.out).write_text(report(py, cu))
+    both = not (a.python or a.cu or a.report)
+    command = "python scripts/mutation.py " + " ".join(sys.argv[1:])
+    if a.python or both:
+        py = python_part(a.max_children, a.sample, a.seed)
+        RESULTS["python"].write_text(json.dumps({**py, "seed": a.seed, "command": command}, indent=1))
+    if a.cu or both:
+        t0 = time.time()
+        cu = cu_part()
+        RESULTS["cu"].write_text(json.dumps({"results": cu, "seconds": time.time() - t0, "command": command},
+                                            indent=1))
+    kept = {k: json.loads(f.read_text()) for k, f in RESULTS.items() if f.exists()}
+    Path(a.out).write_text(report(kept.get("python"), kept.get("cu")))
     print(Path(a.out).read_text())
     return 0
 

@@ -159,3 +159,10 @@ def test_index_dtype_of_a_later_space_counts_its_base():
     s0, s1 = g.index_spaces
     assert (s0.index_dtype, s1.index_dtype) == (np.dtype(np.int32), np.dtype(np.int64))
     assert s1.base == n and int(s1.page_indices(np.array([n - 1], np.int32))[0]) == 2 * n - 1
+
+
+@pytest.mark.parametrize("n", [0, -2])
+def test_uniform_spec_names_a_bad_layer_count(n):
+    with pytest.raises(InvalidArgument) as e:
+        CacheSpec.uniform(n, 8, 128)
+    assert e.value.message == f"num_layers must be > 0, got {n}"

@@ -286,3 +286,41 @@ def test_prefix_fields_without_admissions_are_refused(kwargs):
     with pytest.raises(InvalidArgument):
         pool.step(extend_ids=[1], extend_tokens=[1], **kwargs)
     assert snapshot(pool) == before
+
+
+# Error contract: a refused step names the request field a client must fix (mutation check survivors).
+
+@pytest.mark.parametrize(("step", "message"), [
+    ({"fork_parents": [3], "fork_children": [[4, 5]]},
+     "fork_child_ids must be a 1-D integer array, got shape (1, 2) dtype int64"),
+    ({"extend_ids": [3], "extend_tokens": [2.5]},
+     "extend_num_tokens must be a 1-D integer array, got shape (1,) dtype float64"),
+    ({"free_ids": [3], "admit_token_ids": [11, 12]},
+     "admit_token_ids given for a step with no admissions; send it only with admit_seq_ids (one entry per "
+     "admission, token ids: their sum)"),
+    ({"free_ids": [3], "admit_salts": ["tenant-a"]}, "admit_cache_salts given for a step with no admissions"),
+    ({"free_ids": [3], "admit_extra_keys": ["lora-7"]}, "admit_extra_keys given for a step with no admissions"),
+])
+def test_refused_step_names_the_field(step, message):
+    pool = make_pool()
+    pool.step(admit_ids=[3], admit_tokens=[6])
+    before = snapshot(pool)
+    with pytest.raises(InvalidArgument) as e:
+        pool.step(**step)
+    assert e.value.message.startswith(message)
+    assert snapshot(pool) == before
+
+
+def test_state_without_an_incarnation_restores_as_none_yet():
+    """A version-2 state that lacks the incarnation field passes the state check and restores with 0."""
+    from kvservice.snapshot import check_pool_state
+    pool = make_pool()
+    pool.incarnation = 5
+    rng = np.random.default_rng(8)
+    pool.step(admit_ids=[4, 8, 15], admit_tokens=rng.integers(1, 30, 3))
+    state = pool.export_state()
+    assert state.meta.pop("incarnation") == 5
+    assert check_pool_state(state, pool.plan) == []
+    twin = Pool.from_state(state, pool.plan)
+    assert twin.incarnation == 0
+    assert snapshot(twin) == snapshot(pool)

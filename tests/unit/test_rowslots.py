@@ -85,3 +85,26 @@ def test_one_long_sequence_beside_65535_short_ones_costs_what_it_holds():
     # A few words per row and per held page (~6 MB), where a dense table would take 65,536 x 8,192 x 4 = 2 GiB.
     assert pool.slot_table_bytes() < 64 * (rows + held_pages)
     assert pool.sequence_slots(0).shape == (8192,) and pool.sequence_slots(65535).shape == (1,)
+
+
+def test_a_dropped_row_is_like_a_fresh_one():
+    """A row handle the pool reuses after a drop: no segment, and an empty reservation costs nothing."""
+    rng = np.random.default_rng(12)
+    rs = RowSlots(np.dtype(np.int32), rows=8)
+    rows = np.arange(5, dtype=np.int64)
+    first = rng.integers(0, 3, 5)
+    hi = first + rng.integers(1, 9, 5)
+    rs.reserve(rows, first, hi)
+    rs.drop(rows[:3])
+    assert rs.start[:3].tolist() == rs.lo[:3].tolist() == rs.cap[:3].tolist() == [0, 0, 0]
+    live, used = rs.live, rs.used
+    rs.reserve(rows[:3], np.zeros(3, dtype=np.int64), np.zeros(3, dtype=np.int64))
+    assert (rs.live, rs.used) == (live, used) and rs.cap[:3].tolist() == [0, 0, 0]
+
+
+def test_nbytes_counts_the_arena_and_three_int64_arrays_per_row():
+    rs = RowSlots(np.dtype(np.int32), rows=16)
+    assert rs.nbytes() == 64 * 4 + 3 * 16 * 8                    # 64-entry arena + start, lo, cap
+    rs.grow_rows(40)
+    rs.reserve(np.arange(3, dtype=np.int64), np.zeros(3, dtype=np.int64), np.array([50, 2, 7]))
+    assert len(rs.arena) == 2 * (100 + 4 + 14) and rs.nbytes() == 236 * 4 + 3 * 40 * 8
