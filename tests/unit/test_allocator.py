@@ -257,19 +257,25 @@ def test_sharing_a_plain_free_slot_names_it():
 
 
 @pytest.mark.parametrize(("corrupt", "message"), [
-    (lambda a: a._refcnt.__setitem__(int(a.free_slots()[0]), 1), "a free slot has owners"),
-    (lambda a: a.cacheable.__setitem__(int(a._stack[0]), True), "a slot on the plain free stack is marked cacheable"),
-    (lambda a: a.cacheable.__setitem__(next(iter(a._cached)), False), "a cached free slot is not marked cacheable"),
+    (lambda a, used: a._cached.__setitem__(int(a._stack[0]), None),
+     "a slot is free twice (stack and cache, or twice in one)"),
+    (lambda a, used: a._refcnt.__setitem__(int(a.free_slots()[0]), 1), "a free slot has owners"),
+    (lambda a, used: a._refcnt.__setitem__(used, -1), "negative refcount"),
+    (lambda a, used: a._refcnt.__setitem__(used, 0), "free count != slots with refcount 0"),
+    (lambda a, used: a.cacheable.__setitem__(int(a._stack[0]), True),
+     "a slot on the plain free stack is marked cacheable"),
+    (lambda a, used: a.cacheable.__setitem__(next(iter(a._cached)), False),
+     "a cached free slot is not marked cacheable"),
 ])
 def test_check_names_the_broken_invariant(corrupt, message):
     a = SlotAllocator(8)
     a.caching = True
-    s = a.allocate(4)
+    s = a.allocate(5)
     a.cacheable[s[:2]] = True
-    a.free(s)                            # two slots to the LRU, two to the stack
-    assert a.num_cached == 2
+    a.free(s[:4])                        # two slots to the LRU, two to the stack, one still used
+    assert a.num_cached == 2 and a.num_used == 1
     a.check()
-    corrupt(a)
+    corrupt(a, int(s[4]))
     with pytest.raises(AssertionError) as e:
         a.check()
     assert str(e.value) == message           # the whole text: a person reads it when a soak fails

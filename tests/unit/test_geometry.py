@@ -166,3 +166,10 @@ def test_uniform_spec_names_a_bad_layer_count(n):
     with pytest.raises(InvalidArgument) as e:
         CacheSpec.uniform(n, 8, 128)
     assert e.value.message == f"num_layers must be > 0, got {n}"
+
+
+def test_uniform_spec_passes_every_layer_field_on():
+    spec = CacheSpec.uniform(3, 4, 64, "bfloat16", page_size=8, layout="interleaved", sliding_window=512)
+    assert spec.layers == (LayerSpec(4, 64, "bfloat16", 512),) * 3
+    assert (spec.page_size, spec.layout) == (8, "interleaved")
+    assert [gr.sliding_window for gr in Geometry(spec, 50).groups] == [512]

@@ -324,3 +324,26 @@ def test_state_without_an_incarnation_restores_as_none_yet():
     twin = Pool.from_state(state, pool.plan)
     assert twin.incarnation == 0
     assert snapshot(twin) == snapshot(pool)
+
+
+def test_unknown_sequence_in_slots_held_names_the_field_and_the_id():
+    pool = make_pool()
+    pool.step(admit_ids=[3, 8], admit_tokens=[6, 9])
+    assert pool.slots_held(np.array([8, 3])).tolist() == [[3], [2]]
+    with pytest.raises(NotFound) as e:
+        pool.slots_held(np.array([3, 41]))
+    assert e.value.message == "seq_ids: sequence 41 is not in pool 'p'"
+
+
+def test_decode_step_lists_no_copies_per_layer_group():
+    """The repeated-batch fast path (no sliding window, nothing shared) answers like the general path:
+    one (0, 2) copy list per layer group."""
+    pool = make_pool()
+    rng = np.random.default_rng(4)
+    pool.step(admit_ids=[1, 2, 3], admit_tokens=rng.integers(2, 9, 3))
+    general = pool.step(extend_ids=[1, 2, 3], extend_tokens=[1, 1, 1])
+    decode = pool.step(extend_ids=[1, 2, 3], extend_tokens=[1, 1, 1])     # the same rows again: the fast path
+    assert decode.num_tokens.tolist() == (general.num_tokens + 1).tolist()
+    for r in (general, decode):
+        assert len(r.copies) == len(pool.allocators) == 1
+        assert all(c.shape == (0, 2) and c.dtype == np.int64 for c in r.copies)
