@@ -173,3 +173,21 @@ def test_uniform_spec_passes_every_layer_field_on():
     assert spec.layers == (LayerSpec(4, 64, "bfloat16", 512),) * 3
     assert (spec.page_size, spec.layout) == (8, "interleaved")
     assert [gr.sliding_window for gr in Geometry(spec, 50).groups] == [512]
+
+
+def test_unknown_layout_lists_the_valid_ones():
+    with pytest.raises(InvalidArgument) as e:
+        CacheSpec((LayerSpec(2, 64),), 16, "paged")
+    assert e.value.message == "unknown layout 'paged'; use one of per_layer, interleaved"
+
+
+@pytest.mark.parametrize(("scale", "offset", "base"), [(1, 0, 1), (1, 0, 7), (1, 1, 0), (2, 0, 0), (4, 2, 9)])
+def test_page_indices_of_any_space_against_the_formula(scale, offset, base):
+    """page = base + slot * scale + offset for every (scale, offset, base), the identity space's shortcut aside."""
+    from kvservice.geometry import IndexSpace
+    rng = np.random.default_rng(base * 10 + scale)
+    slots = rng.integers(0, 50, 12)
+    space = IndexSpace(0, 0, scale, offset, base + 50 * scale + offset, (0,), base)
+    pages = space.page_indices(slots)
+    assert pages.dtype == np.int32
+    assert pages.tolist() == [base + s * scale + offset for s in slots.tolist()]

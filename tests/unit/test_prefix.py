@@ -67,6 +67,7 @@ def test_a_page_whose_chained_hash_is_zero_gets_one():
 def test_namespace_ids_are_dense_and_remembered_only_when_added():
     spaces = Namespaces()
     ids, new = spaces.ids(["t1", "t2", "t1", ""], ["", "lora", "", ""])
+    assert ids.dtype == np.int64
     assert ids.tolist() == [0, 1, 0, 2] and new == {("t1", ""): 0, ("t2", "lora"): 1, ("", ""): 2}
     again, _ = spaces.ids(["", "t1"], ["", ""])
     assert again.tolist() == [0, 1]                      # nothing remembered yet: numbered afresh
