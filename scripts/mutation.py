@@ -196,18 +196,18 @@ def _cu_run(fname: str | None, find: str = "", repl: str = "") -> tuple[int, str
         return r.returncode, f"a crash of the test process (pytest exit code {r.returncode}, no test report; {err!r})"
 
 
-def cu_part(match: str = "") -> list[tuple[str, str, str]]:
+def cu_part(match: list[str] | None = None) -> list[tuple[str, str, str]]:
     """Apply each hand-made .cu mutant to a copy of the tree; (file, what, verdict with the killing test).
 
     A control run of the unmutated copy comes first: if it fails, no verdict would mean anything.
-    match: run only the mutants whose description contains it (the control still runs).
+    match: run only the mutants whose description contains one of these (the control still runs).
     """
     code, why = _cu_run(None)
     if code != 0:
         raise SystemExit(f"control run (no mutant) fails: {why}; fix the tree before the .cu mutants")
     out: list[tuple[str, str, str]] = [("(none)", "control: the unmutated copy", "passes")]
     for fname, find, repl, what in CU_MUTANTS:
-        if match not in what:
+        if match and not any(m in what for m in match):
             continue
         src = (ROOT / "worker" / "kernels" / fname).read_text()
         if src.count(find) != 1:
@@ -332,7 +332,8 @@ def main() -> int:
     ap.add_argument("--sample", type=int, default=0, help="mutants per module (0 = all)")
     ap.add_argument("--seed", type=int, default=10)
     ap.add_argument("--report", action="store_true", help="only rebuild the report from the kept results")
-    ap.add_argument("--cu-match", default="", help="run only the .cu mutants whose description contains this")
+    ap.add_argument("--cu-match", action="append", default=[],
+                    help="run only the .cu mutants whose description contains this (repeatable)")
     ap.add_argument("--minutes", type=float, default=0, help="stop the Python mutant runs after this long")
     ap.add_argument("--recheck", action="store_true",
                     help="also run the earlier survivors of bench/mutation_killed.txt and mutation_equivalent.txt")

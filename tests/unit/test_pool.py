@@ -347,3 +347,18 @@ def test_decode_step_lists_no_copies_per_layer_group():
     for r in (general, decode):
         assert len(r.copies) == len(pool.allocators) == 1
         assert all(c.shape == (0, 2) and c.dtype == np.int64 for c in r.copies)
+
+
+@pytest.mark.parametrize("kind", ["extend", "admit"])
+def test_too_long_a_sequence_names_the_step_part_the_id_and_the_limit(kind):
+    pool = make_pool(max_seq_len=40)
+    pool.step(admit_ids=[3, 8], admit_tokens=[6, 30])
+    before = snapshot(pool)
+    step = {"extend_ids": [3, 8], "extend_tokens": [2, 15]} if kind == "extend" else \
+        {"admit_ids": [5, 9], "admit_tokens": [41, 7]}
+    seq, n = (8, 45) if kind == "extend" else (5, 41)
+    with pytest.raises(InvalidArgument) as e:
+        pool.step(**step)
+    assert e.value.message == f"{kind}: sequence {seq} would hold {n} tokens; pool 'p' takes at most max_seq_len=40"
+    assert e.value.metadata == {"seq_id": str(seq), "max_seq_len": "40"}
+    assert snapshot(pool) == before
