@@ -153,12 +153,14 @@ def python_part(max_children: int, sample: int = 0, seed: int = 10, minutes: flo
             known = set(_statuses(None))
             rechecked = sorted({n for f in (KILLED, EQUIVALENT) for n in _names_in(f)} & known)
     t_run = time.time()
+    stopped = False
     proc = subprocess.Popen([*mutmut, "run", "--max-children", str(max_children),
                              *sorted(set(names or []) | set(rechecked))], cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         tail, _ = proc.communicate(timeout=minutes * 60 if minutes else 6 * 3600)
     except subprocess.TimeoutExpired:
+        stopped = True
         proc.send_signal(signal.SIGINT)             # mutmut stops its workers and keeps the results so far
         try:
             tail, _ = proc.communicate(timeout=120)
@@ -170,7 +172,7 @@ def python_part(max_children: int, sample: int = 0, seed: int = 10, minutes: flo
     survivors = sorted(k for k, s in status.items() if s in ("survived", "no tests"))
     diffs = {name: _run([*mutmut, "show", name], ROOT, 120).stdout for name in survivors}
     sample_names = sorted(names) if names else sorted(status)
-    return {"seconds": time.time() - t0, "run_seconds": run_seconds, "minutes_limit": minutes,
+    return {"seconds": time.time() - t0, "run_seconds": run_seconds, "minutes_limit": minutes, "stopped": stopped,
             "sample": sample, "seed": seed, "sample_names": sample_names, "recheck_names": rechecked,
             "survivors": diffs, "status": status, "run_tail": (tail or "")[-2000:]}
 
@@ -253,7 +255,8 @@ def _python_report(py: dict) -> list[str]:
     n_later = sum(n in later for n in surv)
     what = (f"a seeded sample (seed {py['seed']}) of {len(sample)} mutants, {py['sample']} per module and "
             f"{2 * py['sample']} of pool.py" if py["sample"] else f"all {len(sample)} mutants")
-    limit = f", stopped at its {py['minutes_limit']:.0f}-minute limit" if py.get("minutes_limit") else ""
+    limit = "" if not py.get("minutes_limit") else f", stopped at its {py['minutes_limit']:.0f}-minute limit" \
+        if py.get("stopped") else f", within its {py['minutes_limit']:.0f}-minute limit"
     lines = ["## Python (mutmut)", "",
              f"`{py['command']}`: {what}. Mutant runs took {py['run_seconds'] / 60:.0f} min{limit} "
              f"({py['seconds'] / 60:.0f} min with mutant generation and coverage). Each mutant ran the tests of "

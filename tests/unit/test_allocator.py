@@ -279,3 +279,25 @@ def test_check_names_the_broken_invariant(corrupt, message):
     with pytest.raises(AssertionError) as e:
         a.check()
     assert str(e.value) == message           # the whole text: a person reads it when a soak fails
+
+
+def test_exhaustion_metadata_says_needed_and_free():
+    a = SlotAllocator(6)
+    a.allocate(4)
+    with pytest.raises(ResourceExhausted) as e:
+        a.allocate(5)
+    assert e.value.metadata == {"needed": "5", "free": "2"}
+
+
+def test_free_takes_int32_ids_and_names_the_first_bad_id():
+    rng = np.random.default_rng(9)
+    a = SlotAllocator(10)
+    s = a.allocate(5)
+    a.free(s[:3].astype(np.int32))                     # any integer dtype of ids, not only intp
+    assert a.num_free == 8 and a.refcount(s).tolist() == [0, 0, 0, 1, 1]
+    bad = int(rng.integers(10, 99))
+    with pytest.raises(InvalidArgument) as e:
+        a.free(np.array([0, s[3], bad, -4]))           # a valid 0 first: the message names the bad id
+    assert e.value.message == f"slot {bad} does not exist (num_slots=10)"
+    assert a.num_free == 8
+    a.check()

@@ -191,3 +191,16 @@ def test_page_indices_of_any_space_against_the_formula(scale, offset, base):
     pages = space.page_indices(slots)
     assert pages.dtype == np.int32
     assert pages.tolist() == [base + s * scale + offset for s in slots.tolist()]
+
+
+def test_one_slot_is_a_pool_and_zero_is_refused_by_name():
+    g = Geometry(CacheSpec.uniform(2, 2, 64), 1)
+    assert g.num_slots == 1 and [s.num_pages for s in g.index_spaces] == [1]
+    with pytest.raises(InvalidArgument) as e:
+        Geometry(CacheSpec.uniform(2, 2, 64), 0)
+    assert e.value.message == "a pool needs at least one slot, got num_slots=0"
+
+
+def test_interleaved_without_padding_does_not_warn():
+    g = Geometry(CacheSpec((LayerSpec(2, 128), LayerSpec(2, 128), LayerSpec(4, 64)), 16, "interleaved"), 10)
+    assert g.groups[0].slot_bytes == 3 * g.layers[0].page_bytes and g.warnings == []

@@ -362,3 +362,21 @@ def test_too_long_a_sequence_names_the_step_part_the_id_and_the_limit(kind):
     assert e.value.message == f"{kind}: sequence {seq} would hold {n} tokens; pool 'p' takes at most max_seq_len=40"
     assert e.value.metadata == {"seq_id": str(seq), "max_seq_len": "40"}
     assert snapshot(pool) == before
+
+
+def test_slot_tables_switch_to_int64_exactly_past_int32():
+    from kvservice.pool import slot_table_dtype
+    assert [slot_table_dtype(n) for n in (1, 2**31 - 1, 2**31, 2**32 - 1, 2**32)] == \
+        [np.dtype(np.int32)] * 2 + [np.dtype(np.int64)] * 3
+    pool = make_pool(num_slots=48)
+    assert all(rs.dtype == np.int32 for rs in pool._slots)
+
+
+def test_refusals_for_lack_of_slots_are_counted_one_by_one():
+    pool = make_pool(num_slots=6)
+    pool.step(admit_ids=[1], admit_tokens=[9])            # 3 of 6 slots
+    rng = np.random.default_rng(6)
+    for i in range(3):
+        with pytest.raises(ResourceExhausted):
+            pool.step(admit_ids=[10 + i], admit_tokens=[int(rng.integers(13, 25))])   # > 3 free pages
+        assert pool.refused == i + 1 and pool.alloc_failures == {"out_of_slots": i + 1}

@@ -108,3 +108,24 @@ def test_nbytes_counts_the_arena_and_three_int64_arrays_per_row():
     rs.grow_rows(40)
     rs.reserve(np.arange(3, dtype=np.int64), np.zeros(3, dtype=np.int64), np.array([50, 2, 7]))
     assert len(rs.arena) == 2 * (100 + 4 + 14) and rs.nbytes() == 236 * 4 + 3 * 40 * 8
+
+
+def test_iota_is_a_prefix_of_a_doubling_range():
+    rs = RowSlots(np.dtype(np.int32))
+    assert rs.iota(5).tolist() == [0, 1, 2, 3, 4]
+    got = rs.iota(1500)
+    assert got.dtype == np.int64 and got.tolist() == list(range(1500))
+    assert len(rs._iota) == 2048                            # doubled: growing costs O(log n) allocations
+
+
+def test_an_exact_fit_after_compaction_uses_the_arena_without_growing_it():
+    rs = RowSlots(np.dtype(np.int32), rows=8)
+    z = np.zeros(1, dtype=np.int64)
+    for r in range(3):                                   # three segments of 16 entries: 48 of 64 used
+        rs.reserve(np.array([r]), z, np.array([8]))
+    rs.arena[rs.flat(np.array([2, 2]), np.array([0, 7]))] = [31, 37]
+    rs.drop(np.array([0, 1]))                            # 32 dead, 16 live
+    rs.reserve(np.array([3]), z, np.array([24]))          # 48 more: fits exactly once the dead are packed
+    assert (rs.used, len(rs.arena), rs.dead, rs.live) == (64, 64, 0, 64)
+    got = rs.gather(np.array([2, 3]), np.zeros(2, dtype=np.int64), np.array([8, 24]))
+    assert got.tolist() == [31, *[-1] * 6, 37] + [-1] * 24

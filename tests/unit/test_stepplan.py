@@ -55,3 +55,22 @@ def test_cow_rows_against_a_model(seed):
     got = cow_rows(last, owners)
     assert got.dtype == np.bool_ and got.shape == (n,)
     assert got.tolist() == cow_model(last.tolist(), owners.tolist())
+
+
+def test_uint64_ids_are_not_copied_and_signed_ids_convert():
+    from kvservice.stepplan import parse_ids
+    rng = np.random.default_rng(2)
+    ids = rng.integers(0, 2**62, 7, dtype=np.uint64)
+    assert parse_ids("admit_seq_ids", ids) is ids          # the request's array, no per-step copy
+    signed = rng.integers(0, 2**40, 5)
+    got = parse_ids("free_seq_ids", signed)
+    assert got.dtype == np.uint64 and got.tolist() == signed.tolist()
+
+
+def test_a_repeated_sequence_is_named_with_the_rule():
+    from kvservice.stepplan import check_distinct
+    with pytest.raises(InvalidArgument) as e:
+        check_distinct(np.array([4, 9, 2, 9], dtype=np.uint64))
+    assert e.value.message == ("sequence 9 appears more than once in one step; each sequence may be freed, "
+                               "extended, admitted or created by a fork once per step")
+    assert e.value.metadata == {"seq_id": "9"}
