@@ -177,6 +177,35 @@ def python_part(max_children: int, sample: int = 0, seed: int = 10, minutes: flo
             "survivors": diffs, "status": status, "run_tail": (tail or "")[-2000:]}
 
 
+def _changed_lines(diff: str) -> list[str]:
+    return [ln for ln in diff.splitlines() if ln[:1] in "+-" and not ln.startswith(("+++", "---"))]
+
+
+def recheck_killed(max_children: int, minutes: float = 0, diffs: dict[str, str] | None = None) -> dict:
+    """Run, through mutmut, the earlier survivors that bench/mutation_killed.txt says a new test kills.
+
+    diffs: the survivors' diffs as first recorded; a name whose mutant now differs (its function was
+    edited since, and mutmut numbers that function's mutants anew) is not run but listed as gone.
+    """
+    mutmut = [sys.executable, "-m", "mutmut"]
+    env = {**os.environ, "KV_DIFF_SCALE": "0.05"}
+    t0 = time.time()
+    _run([*mutmut, "run", "--max-children", str(max_children), "no-such-mutant"], ROOT, 3600, env)
+    listed = _names_in(KILLED)
+    names = sorted(set(listed) & set(_statuses(None)))
+    diffs = diffs or {}
+    names = [n for n in names if n not in diffs or _changed_lines(diffs[n]) == _changed_lines(
+        _run([*mutmut, "show", n], ROOT, 120).stdout)]
+    try:
+        _run([*mutmut, "run", "--max-children", str(max_children), *names], ROOT,
+             minutes * 60 if minutes else 6 * 3600, env)
+    except subprocess.TimeoutExpired:
+        pass
+    status = _statuses(set(names))
+    return {"seconds": time.time() - t0, "status": status,
+            "gone": sorted(set(listed) - set(names))}          # functions edited since: the name no longer exists
+
+
 def _cu_run(fname: str | None, find: str = "", repl: str = "") -> tuple[int, str]:
     """The kernel tests on a copy of the tree with one .cu edit (none: the control); (exit code, first failure)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -189,13 +218,16 @@ def _cu_run(fname: str | None, find: str = "", repl: str = "") -> tuple[int, str
             f = tree / "worker" / "kernels" / fname
             f.write_text(f.read_text().replace(find, repl))
         env = {**os.environ, "PYTHONPATH": str(tree)}
-        r = _run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *CU_TESTS], tree, 1800, env)
+        r = _run([sys.executable, "-m", "pytest", "-x", "-v", "-p", "no:cacheprovider", *CU_TESTS], tree, 1800, env)
         failed = [ln.split(" - ")[0].split(" ", 1)[1] for ln in r.stdout.splitlines()
                   if ln.startswith(("FAILED ", "ERROR "))]
         if failed or r.returncode == 0:
             return r.returncode, failed[0] if failed else ""
-        err = (r.stderr.strip().splitlines() or [""])[-1][:160]
-        return r.returncode, f"a crash of the test process (pytest exit code {r.returncode}, no test report; {err!r})"
+        # A crash (e.g. SIGSEGV) leaves no report: -v printed the running test's id before it started.
+        started = [ln.split(" ")[0] for ln in r.stdout.splitlines() if ln.startswith("tests/") and "::" in ln]
+        where = started[-1] if started else "an unnamed test"
+        sig = f"signal {-r.returncode}" if r.returncode < 0 else f"exit code {r.returncode}"
+        return r.returncode, f"a crash of the test process in {where} ({sig}, no test report)"
 
 
 def cu_part(match: list[str] | None = None) -> list[tuple[str, str, str]]:
@@ -279,7 +311,9 @@ def _python_report(py: dict) -> list[str]:
     lines += ["", f"Survivors of the sample: {len(surv)}; equivalent (reason below, from "
               f"bench/mutation_equivalent.txt) {n_eq}; killed since by a test written for it (bench/"
               f"mutation_killed.txt; checked with the mutant active) {n_later}; neither "
-              f"{len(surv) - n_eq - n_later}.", ""]
+              f"{len(surv) - n_eq - n_later}. With the tests written since, the sample's score over its "
+              f"non-equivalent mutants is (killed + killed since) / (checked - equivalent) = "
+              f"{t['killed'] + n_later}/{checked - n_eq} = {(t['killed'] + n_later) / max(checked - n_eq, 1):.1%}.", ""]
     for n in surv:
         if n in eq:
             lines.append(f"- `{n}`: equivalent: {eq[n]}")
@@ -299,6 +333,18 @@ def _python_report(py: dict) -> list[str]:
             st = status.get(n, "not checked")
             note = f"equivalent: {eq[n]}" if n in eq else f"test: `{later[n]}`" if n in later else ""
             lines.append(f"- `{n}`: {st}; {note}")
+    rk = py.get("recheck_killed")
+    if rk:
+        rt = _tally(rk["status"], sorted(rk["status"]))
+        lines += ["", "### The survivors a new test kills, run again through mutmut", "",
+                  f"`{rk['command']}` ({rk['seconds'] / 60:.0f} min): {len(rk['status'])} mutants of "
+                  f"bench/mutation_killed.txt: killed {rt['killed']}, survived {rt['survived']}, no tests "
+                  f"{rt['no tests']}, not checked {rt['not checked']}."]
+        lines += [f"- `{n}`: {st}" for n, st in sorted(rk["status"].items()) if st not in KILLED_STATUSES]
+        if rk["gone"]:
+            lines += ["", "Not run (their function was edited since, so mutmut numbers its mutants anew): "
+                      + ", ".join(f"`{n}`" for n in rk["gone"]) + "; each was checked by hand as noted in "
+                      "bench/mutation_killed.txt."]
     return lines
 
 
@@ -337,11 +383,13 @@ def main() -> int:
     ap.add_argument("--report", action="store_true", help="only rebuild the report from the kept results")
     ap.add_argument("--cu-match", action="append", default=[],
                     help="run only the .cu mutants whose description contains this (repeatable)")
+    ap.add_argument("--recheck-killed", action="store_true",
+                    help="run the mutants of bench/mutation_killed.txt again; kept beside the Python results")
     ap.add_argument("--minutes", type=float, default=0, help="stop the Python mutant runs after this long")
     ap.add_argument("--recheck", action="store_true",
                     help="also run the earlier survivors of bench/mutation_killed.txt and mutation_equivalent.txt")
     a = ap.parse_args()
-    both = not (a.python or a.cu or a.report)
+    both = not (a.python or a.cu or a.report or a.recheck_killed)
     command = "python scripts/mutation.py " + " ".join(sys.argv[1:])
     if a.python or both:
         py = python_part(a.max_children, a.sample, a.seed, a.minutes, a.recheck)
@@ -357,6 +405,11 @@ def main() -> int:
             reruns = [*old.get("reruns", []), {"command": command, "seconds": kept_cu["seconds"]}]
             kept_cu = {**old, "results": rows, "reruns": reruns}
         RESULTS["cu"].write_text(json.dumps(kept_cu, indent=1))
+    if a.recheck_killed:
+        kept_py = json.loads(RESULTS["python"].read_text())
+        kept_py["recheck_killed"] = {**recheck_killed(a.max_children, a.minutes, kept_py["survivors"]),
+                                     "command": command}
+        RESULTS["python"].write_text(json.dumps(kept_py, indent=1))
     kept = {k: json.loads(f.read_text()) for k, f in RESULTS.items() if f.exists()}
     Path(a.out).write_text(report(kept.get("python"), kept.get("cu")))
     print(Path(a.out).read_text())
