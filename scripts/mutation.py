@@ -367,7 +367,8 @@ def report(py: dict | None, cu: dict | None) -> str:
                   "control run of the unmutated copy passes first (else no verdict is given).", "",
                   "| file | mutant | result |", "|---|---|---|"]
         lines += [f"| {f} | {w} | {r} |" for f, w, r in res]
-        lines += [f"\nRerun of some rows: `{r['command']}` ({r['seconds'] / 60:.0f} min)."
+        lines += [f"\nRerun of some rows (their test process crashed, and the first runs' parser named no test): "
+                  f"`{r['command']}` ({r['seconds'] / 60:.0f} min)."
                   for r in cu.get("reruns", [])]
     return "\n".join(lines) + "\n"
 
