@@ -54,6 +54,11 @@ __all__ = ["Pool", "SpaceTables", "StepResult"]
 _NO_COPIES = np.zeros((0, 2), dtype=np.int64)
 
 
+def slot_table_dtype(num_slots: int) -> np.dtype:
+    """dtype of the slot tables (RowSlots arenas) of a pool of num_slots slots: int32 while it can hold them."""
+    return np.dtype(np.int32 if num_slots <= 2**31 - 1 else np.int64)
+
+
 @dataclass(frozen=True, slots=True)
 class StepResult:
     """Outcome of one step for the scheduled batch (extended, then admitted, then forked sequences).
@@ -117,8 +122,7 @@ class Pool:
         self._num_tokens = np.zeros(cap, dtype=np.int64)   # 0 = row unused
         self._held = np.zeros(cap, dtype=np.int64)         # ceil(num_tokens / page_size), released pages included
         self._seq_ids = np.zeros(cap, dtype=np.uint64)
-        slot_dtype = np.dtype(np.int32 if geo.num_slots <= 2**31 - 1 else np.int64)
-        self._slots = [RowSlots(slot_dtype, cap) for _ in geo.groups]
+        self._slots = [RowSlots(slot_table_dtype(geo.num_slots), cap) for _ in geo.groups]
         self._first = [np.zeros(cap, dtype=np.int64) for _ in geo.groups]
         self.steps = 0
         self.admitted = 0

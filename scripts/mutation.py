@@ -16,8 +16,12 @@ Every Python mutant runs with KV_DIFF_SCALE=0.05 (the differential test's short 
 set is about 4,600 mutants: hours on a 2-core machine. --sample N runs a seeded random sample of N
 mutants per module (2 N for pool.py) and reports the sample's score and survivors.
 
-Usage: python scripts/mutation.py [--python] [--cu] [--sample N] [--out bench/results/mutation.md]
-                                  [--max-children N]
+Each part's results are kept in bench/results/mutation_python.json and mutation_cu.json (the
+command that ran, seed, sample, every mutant's status, survivors' diffs), and the report is built
+from both files, so a part can be rerun alone (--report alone rebuilds the report).
+
+Usage: python scripts/mutation.py [--python] [--cu] [--report] [--sample N] [--seed S] [--minutes M]
+                                  [--recheck] [--out bench/results/mutation.md] [--max-children N]
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -37,9 +42,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 EQUIVALENT = ROOT / "bench" / "mutation_equivalent.txt"
+KILLED = ROOT / "bench" / "mutation_killed.txt"
+RESULTS = {"python": ROOT / "bench" / "results" / "mutation_python.json",
+           "cu": ROOT / "bench" / "results" / "mutation_cu.json"}
 CU_TESTS = ["tests/kernels/test_decode.py", "tests/kernels/test_append_copy.py",
             "tests/kernels/test_validate_guard.py", "tests/kernels/test_sanitizers.py",
-            "tests/kernels/test_large_offset.py"]
+            "tests/kernels/test_large_offset.py", "tests/kernels/test_widen.py"]
 
 # (file, text to find, replacement, what the mutant breaks). Each must match exactly once.
 CU_MUTANTS: list[tuple[str, str, str, str]] = [
@@ -69,6 +77,27 @@ CU_MUTANTS: list[tuple[str, str, str, str]] = [
     ("paged.cuh", "atomicAdd(&rec[0], 1ull);", "", "violations not counted"),
     ("paged.cuh", "o[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);",
      "o[2 * i + 1] = __uint_as_float(w[i] & 0xfffe0000u);", "bf16 conversion drops a mantissa bit"),
+    ("append_kv.cu", "kv_copy_bytes(dv, v + i * row_bytes, row_bytes, tid, blockDim.x);",
+     "kv_copy_bytes(dv, k + i * row_bytes, row_bytes, tid, blockDim.x);", "V rows written from K"),
+    ("append_kv.cu", "  if (s < 0) return KV_OUT_OF_BOUNDS;\n", "",
+     "a negative slot other than -1 reaches the page check (-5 / 16 is page 0)"),
+    ("append_kv.cu", "if (s == KV_SKIP_SLOT) {", "if (false) {", "the skip slot -1 is written (page 0, offset -1)"),
+    ("copy_blocks.cu", "if (rs == KV_OK && rd == KV_OK) {", "if (rd == KV_OK) {", "a pair with a bad source is copied"),
+    ("copy_blocks.cu", "page_bytes, tid, blockDim.x);", "page_bytes / 2, tid, blockDim.x);", "half a page copied"),
+    ("decode_attention.cu", "? seq_len - A.window : 0;", "? seq_len - A.window + 1 : 0;",
+     "sliding window one token short"),
+    ("decode_attention.cu", "const float f = mx == kv_ninf() ? 1.f : exp2f(m[g] - mx);", "const float f = 1.f;",
+     "online softmax never rescales earlier tiles"),
+    ("decode_attention.cu", "o = acc_o / sum;", "o = acc_o;", "lane-group merge not normalised"),
+    ("decode_attention.cu", "bad = bad || part_flag[s * batch + row] != 0;", "bad = part_flag[s * batch + row] != 0;",
+     "split merge keeps only the last split's violation flag"),
+    ("decode_attention.cu", "(m == kv_ninf() ? kv_ninf() : m + logf(wsum));", "(m == kv_ninf() ? kv_ninf() : m);",
+     "split merge's lse forgets the sum"),
+    ("validate_page_table.cu", "if (row < batch && rreason != KV_BAD_INDPTR) {",
+     "if (row < batch && rreason == KV_OK) {", "entries of a row with a bad last_page_len not checked"),
+    ("guard.cu", "      ++bad;\n", "", "guard check never counts a changed byte"),
+    ("widen.cu", "i < n; i += stride) out[i] = KvElem<T>::one(in + i);",
+     "i < n - 1; i += stride) out[i] = KvElem<T>::one(in + i);", "widen drops the last tail element"),
 ]
 
 
@@ -92,93 +121,255 @@ def _statuses(names: list[str] | None) -> dict[str, str]:
     return out
 
 
-def python_part(max_children: int, sample: int = 0, seed: int = 10) -> dict:
-    """Run mutmut (all mutants, or a seeded sample per module); counts per status and survivors' diffs."""
+def _names_in(path: Path) -> list[str]:
+    """Mutant names of a `name: ...` list (bench/mutation_killed.txt, bench/mutation_equivalent.txt)."""
+    if not path.exists():
+        return []
+    return [ln.split(":", 1)[0].strip() for ln in path.read_text().splitlines() if ":" in ln and not ln.startswith("#")]
+
+
+def python_part(max_children: int, sample: int = 0, seed: int = 10, minutes: float = 0,
+                recheck: bool = False) -> dict:
+    """Run mutmut (all mutants, or a seeded sample per module, plus with `recheck` the survivors of earlier
+    samples listed in bench/mutation_killed.txt and bench/mutation_equivalent.txt); statuses and survivors' diffs.
+
+    minutes: stop the mutant runs after this long (0 = no limit); mutants not reached stay "not checked".
+    """
     mutmut = [sys.executable, "-m", "mutmut"]
     env = {**os.environ, "KV_DIFF_SCALE": "0.05"}
     t0 = time.time()
-    names = None
-    if sample:
+    names: list[str] | None = None
+    rechecked: list[str] = []
+    if sample or recheck:
+        # Generates the mutants and the per-test coverage (stats) without running any mutant.
         _run([*mutmut, "run", "--max-children", str(max_children), "no-such-mutant"], ROOT, 3600, env)
-        rng = random.Random(seed)
         names = []
-        for f in sorted(glob.glob(str(ROOT / "mutants" / "**" / "*.meta"), recursive=True)):
-            keys = sorted(json.loads(Path(f).read_text()).get("exit_code_by_key", {}))
-            names += rng.sample(keys, min(2 * sample if f.endswith("pool.py.meta") else sample, len(keys)))
-    run = _run([*mutmut, "run", "--max-children", str(max_children), *(names or [])], ROOT, 6 * 3600, env)
-    status = _statuses(set(names) if names else None)
-    counts: dict[str, int] = {}
-    for s in status.values():
-        counts[s] = counts.get(s, 0) + 1
+        if sample:
+            rng = random.Random(seed)
+            for f in sorted(glob.glob(str(ROOT / "mutants" / "**" / "*.meta"), recursive=True)):
+                keys = sorted(json.loads(Path(f).read_text()).get("exit_code_by_key", {}))
+                names += rng.sample(keys, min(2 * sample if f.endswith("pool.py.meta") else sample, len(keys)))
+        if recheck:
+            known = set(_statuses(None))
+            rechecked = sorted({n for f in (KILLED, EQUIVALENT) for n in _names_in(f)} & known)
+    t_run = time.time()
+    stopped = False
+    proc = subprocess.Popen([*mutmut, "run", "--max-children", str(max_children),
+                             *sorted(set(names or []) | set(rechecked))], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        tail, _ = proc.communicate(timeout=minutes * 60 if minutes else 6 * 3600)
+    except subprocess.TimeoutExpired:
+        stopped = True
+        proc.send_signal(signal.SIGINT)             # mutmut stops its workers and keeps the results so far
+        try:
+            tail, _ = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            tail, _ = proc.communicate()
+    run_seconds = time.time() - t_run
+    status = _statuses(set(names or []) | set(rechecked) if names is not None else None)
     survivors = sorted(k for k, s in status.items() if s in ("survived", "no tests"))
     diffs = {name: _run([*mutmut, "show", name], ROOT, 120).stdout for name in survivors}
-    return {"seconds": time.time() - t0, "counts": counts, "total": len(status), "sample": sample,
-            "survivors": diffs, "status": status, "run_tail": run.stdout[-2000:]}
+    sample_names = sorted(names) if names else sorted(status)
+    return {"seconds": time.time() - t0, "run_seconds": run_seconds, "minutes_limit": minutes, "stopped": stopped,
+            "sample": sample, "seed": seed, "sample_names": sample_names, "recheck_names": rechecked,
+            "survivors": diffs, "status": status, "run_tail": (tail or "")[-2000:]}
 
 
-def cu_part() -> list[tuple[str, str, str]]:
-    """Apply each hand-made .cu mutant to a copy of the tree; (file, what, killed|survived|bad mutant)."""
-    out = []
+def _changed_lines(diff: str) -> list[str]:
+    return [ln for ln in diff.splitlines() if ln[:1] in "+-" and not ln.startswith(("+++", "---"))]
+
+
+def recheck_killed(max_children: int, minutes: float = 0, diffs: dict[str, str] | None = None) -> dict:
+    """Run, through mutmut, the earlier survivors that bench/mutation_killed.txt says a new test kills.
+
+    diffs: the survivors' diffs as first recorded; a name whose mutant now differs (its function was
+    edited since, and mutmut numbers that function's mutants anew) is not run but listed as gone.
+    """
+    mutmut = [sys.executable, "-m", "mutmut"]
+    env = {**os.environ, "KV_DIFF_SCALE": "0.05"}
+    t0 = time.time()
+    _run([*mutmut, "run", "--max-children", str(max_children), "no-such-mutant"], ROOT, 3600, env)
+    listed = _names_in(KILLED)
+    names = sorted(set(listed) & set(_statuses(None)))
+    diffs = diffs or {}
+    names = [n for n in names if n not in diffs or _changed_lines(diffs[n]) == _changed_lines(
+        _run([*mutmut, "show", n], ROOT, 120).stdout)]
+    try:
+        _run([*mutmut, "run", "--max-children", str(max_children), *names], ROOT,
+             minutes * 60 if minutes else 6 * 3600, env)
+    except subprocess.TimeoutExpired:
+        pass
+    status = _statuses(set(names))
+    return {"seconds": time.time() - t0, "status": status,
+            "gone": sorted(set(listed) - set(names))}          # functions edited since: the name no longer exists
+
+
+def _cu_run(fname: str | None, find: str = "", repl: str = "") -> tuple[int, str]:
+    """The kernel tests on a copy of the tree with one .cu edit (none: the control); (exit code, first failure)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = Path(tmp) / "tree"
+        for part in ("worker", "kvservice", "clients", "tests", "pyproject.toml"):
+            p = ROOT / part
+            (shutil.copytree if p.is_dir() else shutil.copy)(p, tree / part, **({"ignore": shutil.ignore_patterns(
+                "__pycache__")} if p.is_dir() else {}))
+        if fname is not None:
+            f = tree / "worker" / "kernels" / fname
+            f.write_text(f.read_text().replace(find, repl))
+        env = {**os.environ, "PYTHONPATH": str(tree)}
+        r = _run([sys.executable, "-m", "pytest", "-x", "-v", "-p", "no:cacheprovider", *CU_TESTS], tree, 1800, env)
+        failed = [ln.split(" - ")[0].split(" ", 1)[1] for ln in r.stdout.splitlines()
+                  if ln.startswith(("FAILED ", "ERROR "))]
+        if failed or r.returncode == 0:
+            return r.returncode, failed[0] if failed else ""
+        # A crash (e.g. SIGSEGV) leaves no report: -v printed the running test's id before it started.
+        started = [ln.split(" ")[0] for ln in r.stdout.splitlines() if ln.startswith("tests/") and "::" in ln]
+        where = started[-1] if started else "an unnamed test"
+        sig = f"signal {-r.returncode}" if r.returncode < 0 else f"exit code {r.returncode}"
+        return r.returncode, f"a crash of the test process in {where} ({sig}, no test report)"
+
+
+def cu_part(match: list[str] | None = None) -> list[tuple[str, str, str]]:
+    """Apply each hand-made .cu mutant to a copy of the tree; (file, what, verdict with the killing test).
+
+    A control run of the unmutated copy comes first: if it fails, no verdict would mean anything.
+    match: run only the mutants whose description contains one of these (the control still runs).
+    """
+    code, why = _cu_run(None)
+    if code != 0:
+        raise SystemExit(f"control run (no mutant) fails: {why}; fix the tree before the .cu mutants")
+    out: list[tuple[str, str, str]] = [("(none)", "control: the unmutated copy", "passes")]
     for fname, find, repl, what in CU_MUTANTS:
+        if match and not any(m in what for m in match):
+            continue
         src = (ROOT / "worker" / "kernels" / fname).read_text()
         if src.count(find) != 1:
             out.append((fname, what, "not applied (source changed)"))
             continue
-        with tempfile.TemporaryDirectory() as tmp:
-            tree = Path(tmp) / "tree"
-            for part in ("worker", "kvservice", "clients", "tests", "pyproject.toml"):
-                p = ROOT / part
-                (shutil.copytree if p.is_dir() else shutil.copy)(p, tree / part)
-            (tree / "worker" / "kernels" / fname).write_text(src.replace(find, repl))
-            env = {**os.environ, "PYTHONPATH": str(tree)}
-            r = _run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *CU_TESTS], tree,
-                     1800, env)
-            out.append((fname, what, "killed" if r.returncode != 0 else "survived"))
+        code, why = _cu_run(fname, find, repl)
+        out.append((fname, what, f"killed by {why}" if code != 0 else "survived"))
+        print(f"{fname}: {what}: {out[-1][2]}", flush=True)
     return out
 
 
-def equivalents() -> dict[str, str]:
-    if not EQUIVALENT.exists():
+def _pairs(path: Path) -> dict[str, str]:
+    if not path.exists():
         return {}
-    pairs = (line.split(":", 1) for line in EQUIVALENT.read_text().splitlines() if ":" in line
+    pairs = (line.split(":", 1) for line in path.read_text().splitlines() if ":" in line
              and not line.startswith("#"))
     return {k.strip(): v.strip() for k, v in pairs}
 
 
-def report(py: dict | None, cu: list | None) -> str:
+def equivalents() -> dict[str, str]:
+    return _pairs(EQUIVALENT)
+
+
+KILLED_STATUSES = ("killed", "timeout", "segfault")
+
+
+def _tally(status: dict[str, str], names: list[str]) -> dict[str, int]:
+    t = {"killed": 0, "survived": 0, "no tests": 0, "not checked": 0}
+    for n in names:
+        st = status.get(n, "not checked")
+        key = "killed" if st in KILLED_STATUSES else st if st in ("survived", "no tests") else "not checked"
+        t[key] += 1
+    return t
+
+
+def _python_report(py: dict) -> list[str]:
+    status, eq, later = py["status"], equivalents(), _pairs(KILLED)
+    sample = py["sample_names"]
+    t = _tally(status, sample)
+    checked = t["killed"] + t["survived"] + t["no tests"]
+    surv = sorted(n for n in sample if status.get(n) in ("survived", "no tests"))
+    n_eq = sum(n in eq for n in surv)
+    n_later = sum(n in later for n in surv)
+    what = (f"a seeded sample (seed {py['seed']}) of {len(sample)} mutants, {py['sample']} per module and "
+            f"{2 * py['sample']} of pool.py" if py["sample"] else f"all {len(sample)} mutants")
+    limit = "" if not py.get("minutes_limit") else f", stopped at its {py['minutes_limit']:.0f}-minute limit" \
+        if py.get("stopped") else f", within its {py['minutes_limit']:.0f}-minute limit"
+    lines = ["## Python (mutmut)", "",
+             f"`{py['command']}`: {what}. Mutant runs took {py['run_seconds'] / 60:.0f} min{limit} "
+             f"({py['seconds'] / 60:.0f} min with mutant generation and coverage). Each mutant ran the tests of "
+             "pyproject's `pytest_add_cli_args_test_selection` that cover its function, with KV_DIFF_SCALE=0.05.",
+             "",
+             f"Sample: killed {t['killed']}, survived {t['survived']}, no tests {t['no tests']}, not checked "
+             f"{t['not checked']}. Score over the checked mutants (killed / killed + survived + no tests): "
+             f"{t['killed'] / max(checked, 1):.1%}; with the {n_eq} equivalent survivors left out of the "
+             f"denominator: {t['killed'] / max(checked - n_eq, 1):.1%}. Timeouts count as killed (the mutant "
+             "hung a test).", "",
+             "| module | killed | survived | of them equivalent | no tests | not checked |",
+             "|---|---:|---:|---:|---:|---:|"]
+    mods: dict[str, list[str]] = {}
+    for n in sample:
+        mods.setdefault(n.split(".x")[0], []).append(n)          # kvservice.pool.x_step__mutmut_3
+    for m, ns in sorted(mods.items()):
+        mt = _tally(status, ns)
+        me = sum(n in eq and status.get(n) in ("survived", "no tests") for n in ns)
+        lines.append(f"| {m} | {mt['killed']} | {mt['survived']} | {me} | {mt['no tests']} | {mt['not checked']} |")
+    lines += ["", f"Survivors of the sample: {len(surv)}; equivalent (reason below, from "
+              f"bench/mutation_equivalent.txt) {n_eq}; killed since by a test written for it (bench/"
+              f"mutation_killed.txt; checked with the mutant active) {n_later}; neither "
+              f"{len(surv) - n_eq - n_later}. With the tests written since, the sample's score over its "
+              f"non-equivalent mutants is (killed + killed since) / (checked - equivalent) = "
+              f"{t['killed'] + n_later}/{checked - n_eq} = {(t['killed'] + n_later) / max(checked - n_eq, 1):.1%}.", ""]
+    for n in surv:
+        if n in eq:
+            lines.append(f"- `{n}`: equivalent: {eq[n]}")
+        elif n in later:
+            lines.append(f"- `{n}`: killed since by `{later[n]}`")
+    open_ = [n for n in surv if n not in eq and n not in later]
+    for n in open_:
+        lines += ["", f"- `{n}`: not yet killed or explained", "", "```diff", py["survivors"][n].strip()[:1500], "```"]
+    rc = py.get("recheck_names") or []
+    if rc:
+        rt = _tally(status, rc)
+        lines += ["", "### Survivors of earlier samples, run again", "",
+                  f"{len(rc)} mutants (those named in bench/mutation_killed.txt and bench/mutation_equivalent.txt): "
+                  f"killed {rt['killed']}, survived {rt['survived']}, no tests {rt['no tests']}, not checked "
+                  f"{rt['not checked']}.", ""]
+        for n in rc:
+            st = status.get(n, "not checked")
+            note = f"equivalent: {eq[n]}" if n in eq else f"test: `{later[n]}`" if n in later else ""
+            lines.append(f"- `{n}`: {st}; {note}")
+    rk = py.get("recheck_killed")
+    if rk:
+        rt = _tally(rk["status"], sorted(rk["status"]))
+        lines += ["", "### The survivors a new test kills, run again through mutmut", "",
+                  f"`{rk['command']}` ({rk['seconds'] / 60:.0f} min): {len(rk['status'])} mutants of "
+                  f"bench/mutation_killed.txt: killed {rt['killed']}, survived {rt['survived']}, no tests "
+                  f"{rt['no tests']}, not checked {rt['not checked']}."]
+        lines += [f"- `{n}`: {st}" for n, st in sorted(rk["status"].items()) if st not in KILLED_STATUSES]
+        if rk["gone"]:
+            lines += ["", "Not run (their function was edited since, so mutmut numbers its mutants anew): "
+                      + ", ".join(f"`{n}`" for n in rk["gone"]) + "; each was checked by hand as noted in "
+                      "bench/mutation_killed.txt."]
+    return lines
+
+
+def report(py: dict | None, cu: dict | None) -> str:
     lines = ["# Mutation check", "",
-             f"Generated {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC by `make mutation` "
-             "(`python scripts/mutation.py`).", ""]
+             f"Generated {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC by `python scripts/mutation.py --report` from "
+             "the kept results of the runs named below (bench/results/mutation_python.json, mutation_cu.json); "
+             "`make mutation` runs both parts. Machine: the shared 2-core VM, runs under `nice`.", ""]
     if py is not None:
-        c = py["counts"]
-        killed, survived, untested = c.get("killed", 0), c.get("survived", 0), c.get("no tests", 0)
-        eq = equivalents()
-        explained = [n for n in py["survivors"] if n in eq]
-        unexplained = [n for n in py["survivors"] if n not in eq]
-        score = killed / max(killed + survived + untested, 1)
-        what = (f"a seeded sample of {py['total']} mutants ({py['sample']} per module, {2 * py['sample']} of "
-                "pool.py)" if py["sample"] else f"all {py['total']} mutants")
-        per_module: dict[str, list[int]] = {}
-        for name, s in py["status"].items():
-            row = per_module.setdefault(name.split(".x")[0], [0, 0, 0])      # kvservice.pool.x_step__mutmut_3
-            row[0] += s in ("killed", "timeout", "segfault")
-            row[1] += s == "survived"
-            row[2] += s == "no tests"
-        lines += ["## Python (mutmut)", "",
-                  f"{what}: " + ", ".join(f"{k} {v}" for k, v in sorted(c.items())) +
-                  f"; score (killed / killed + survived + no tests) {score:.1%} ({py['seconds'] / 60:.0f} min; "
-                  "timeouts count as killed: the mutant hung a test).", "",
-                  "| module | killed | survived | no tests |", "|---|---:|---:|---:|"]
-        lines += [f"| {m} | {k} | {s} | {u} |" for m, (k, s, u) in sorted(per_module.items())]
-        lines += ["", f"Survivors explained as equivalent: {len(explained)}; unexplained: {len(unexplained)}.", ""]
-        for n in explained:
-            lines.append(f"- `{n}` (equivalent): {eq[n]}")
-        for n in unexplained:
-            lines += [f"- `{n}`", "", "```diff", py["survivors"][n].strip()[:1500], "```", ""]
+        lines += _python_report(py)
     if cu is not None:
+        res = cu["results"]
+        mutants = [r for r in res if r[0] != "(none)"]
+        n_killed = sum(r.startswith("killed") for _, _, r in mutants)
         lines += ["", "## CUDA sources (hand-made mutants, emulated kernels under the kernel tests)", "",
+                  f"`{cu['command']}`: {len(mutants)} mutants, {n_killed} killed, {len(mutants) - n_killed} not "
+                  f"killed ({cu['seconds'] / 60:.0f} min). Each applies one edit to a copy of the tree, where the "
+                  "tests rebuild the g++-emulated kernels (plain and ASan variants) and run "
+                  + ", ".join(f"`{t}`" for t in CU_TESTS) + " with `-x`; the first failing test is named. A "
+                  "control run of the unmutated copy passes first (else no verdict is given).", "",
                   "| file | mutant | result |", "|---|---|---|"]
-        lines += [f"| {f} | {w} | {r} |" for f, w, r in cu]
+        lines += [f"| {f} | {w} | {r} |" for f, w, r in res]
+        lines += [f"\nRerun of some rows (their test process crashed, and the first runs' parser named no test): "
+                  f"`{r['command']}` ({r['seconds'] / 60:.0f} min)."
+                  for r in cu.get("reruns", [])]
     return "\n".join(lines) + "\n"
 
 
@@ -190,11 +381,38 @@ def main() -> int:
     ap.add_argument("--max-children", type=int, default=2)
     ap.add_argument("--sample", type=int, default=0, help="mutants per module (0 = all)")
     ap.add_argument("--seed", type=int, default=10)
+    ap.add_argument("--report", action="store_true", help="only rebuild the report from the kept results")
+    ap.add_argument("--cu-match", action="append", default=[],
+                    help="run only the .cu mutants whose description contains this (repeatable)")
+    ap.add_argument("--recheck-killed", action="store_true",
+                    help="run the mutants of bench/mutation_killed.txt again; kept beside the Python results")
+    ap.add_argument("--minutes", type=float, default=0, help="stop the Python mutant runs after this long")
+    ap.add_argument("--recheck", action="store_true",
+                    help="also run the earlier survivors of bench/mutation_killed.txt and mutation_equivalent.txt")
     a = ap.parse_args()
-    both = not (a.python or a.cu)
-    py = python_part(a.max_children, a.sample, a.seed) if a.python or both else None
-    cu = cu_part() if a.cu or both else None
-    Path(a.out).write_text(report(py, cu))
+    both = not (a.python or a.cu or a.report or a.recheck_killed)
+    command = "python scripts/mutation.py " + " ".join(sys.argv[1:])
+    if a.python or both:
+        py = python_part(a.max_children, a.sample, a.seed, a.minutes, a.recheck)
+        RESULTS["python"].write_text(json.dumps({**py, "seed": a.seed, "command": command}, indent=1))
+    if a.cu or both:
+        t0 = time.time()
+        cu = cu_part(a.cu_match)
+        kept_cu = {"results": cu, "seconds": time.time() - t0, "command": command}
+        if a.cu_match and RESULTS["cu"].exists():           # a rerun of some mutants: update their rows only
+            old = json.loads(RESULTS["cu"].read_text())
+            new_rows = {(f, w): r for f, w, r in cu}
+            rows = [[f, w, new_rows.get((f, w), r)] for f, w, r in old["results"]]
+            reruns = [*old.get("reruns", []), {"command": command, "seconds": kept_cu["seconds"]}]
+            kept_cu = {**old, "results": rows, "reruns": reruns}
+        RESULTS["cu"].write_text(json.dumps(kept_cu, indent=1))
+    if a.recheck_killed:
+        kept_py = json.loads(RESULTS["python"].read_text())
+        kept_py["recheck_killed"] = {**recheck_killed(a.max_children, a.minutes, kept_py["survivors"]),
+                                     "command": command}
+        RESULTS["python"].write_text(json.dumps(kept_py, indent=1))
+    kept = {k: json.loads(f.read_text()) for k, f in RESULTS.items() if f.exists()}
+    Path(a.out).write_text(report(kept.get("python"), kept.get("cu")))
     print(Path(a.out).read_text())
     return 0
 

@@ -51,3 +51,11 @@ def test_widen_checks_its_arguments() -> None:
         ops_numpy.widen(np.zeros(8, np.float16), "bfloat16")
     with pytest.raises(ValueError, match="16-byte aligned"):
         kernels_cpu.widen(np.zeros(9, np.uint16)[1:], "bfloat16")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_widen_names_the_shape_it_wants(dtype) -> None:
+    x = np.ones((2, 4), np.float16 if dtype == "float16" else np.uint16)
+    with pytest.raises(ValueError) as e:
+        ops_numpy.widen(x, dtype)
+    assert str(e.value) == "x: expected shape [n] = (None,), got (2, 4)"

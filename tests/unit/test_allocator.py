@@ -217,3 +217,87 @@ def test_lru_order_against_a_model(ops):
         assert a.evictions == m.evictions and a.peak_used == m.peak
         assert {s for s in range(N_SLOTS) if a.cacheable[s]} == m.cacheable
         a.check()
+
+
+# Error contract: each refusal names the numbers and the reason a person (or a client) acts on.
+
+def test_negative_allocation_names_the_count_and_changes_nothing():
+    a = SlotAllocator(6)
+    a.allocate(2)
+    with pytest.raises(InvalidArgument, match=r"cannot allocate a negative number of slots \(-3\)"):
+        a.allocate(-3)
+    assert a.num_free == 4
+    a.check()
+
+
+def test_double_free_carries_the_reason_and_the_slot():
+    rng = np.random.default_rng(31)
+    a = SlotAllocator(9)
+    s = a.allocate(5)
+    victim = int(rng.choice(s))
+    a.free(np.array([victim]))
+    with pytest.raises(InvalidArgument, match=f"double free of slot {victim}: it is already free") as e:
+        a.free(s)                        # unique ids, one of them already free
+    assert e.value.reason == "DOUBLE_FREE" and e.value.metadata == {"slot": str(victim)}
+    with pytest.raises(InvalidArgument, match=f"double free of slot {victim}: freed more often") as e:
+        a.free(np.array([victim, victim]))
+    assert e.value.reason == "DOUBLE_FREE" and e.value.metadata == {"slot": str(victim)}
+    assert a.num_free == 5 and a.refcount(s).tolist() == [0 if x == victim else 1 for x in s.tolist()]
+
+
+def test_sharing_a_plain_free_slot_names_it():
+    a = SlotAllocator(7)
+    held = a.allocate(3)
+    free_slot = int(a.free_slots()[-1])
+    with pytest.raises(InvalidArgument, match=f"slot {free_slot} is free and holds no cached page; it cannot "
+                                              "be shared") as e:
+        a.share(np.array([held[0], free_slot]))
+    assert e.value.metadata == {"slot": str(free_slot)}
+    assert a.refcount(held).tolist() == [1, 1, 1] and a.num_free == 4
+
+
+@pytest.mark.parametrize(("corrupt", "message"), [
+    (lambda a, used: a._cached.__setitem__(int(a._stack[0]), None),
+     "a slot is free twice (stack and cache, or twice in one)"),
+    (lambda a, used: a._refcnt.__setitem__(int(a.free_slots()[0]), 1), "a free slot has owners"),
+    (lambda a, used: a._refcnt.__setitem__(used, -1), "negative refcount"),
+    (lambda a, used: a._refcnt.__setitem__(used, 0), "free count != slots with refcount 0"),
+    (lambda a, used: a.cacheable.__setitem__(int(a._stack[0]), True),
+     "a slot on the plain free stack is marked cacheable"),
+    (lambda a, used: a.cacheable.__setitem__(next(iter(a._cached)), False),
+     "a cached free slot is not marked cacheable"),
+])
+def test_check_names_the_broken_invariant(corrupt, message):
+    a = SlotAllocator(8)
+    a.caching = True
+    s = a.allocate(5)
+    a.cacheable[s[:2]] = True
+    a.free(s[:4])                        # two slots to the LRU, two to the stack, one still used
+    assert a.num_cached == 2 and a.num_used == 1
+    a.check()
+    corrupt(a, int(s[4]))
+    with pytest.raises(AssertionError) as e:
+        a.check()
+    assert str(e.value) == message           # the whole text: a person reads it when a soak fails
+
+
+def test_exhaustion_metadata_says_needed_and_free():
+    a = SlotAllocator(6)
+    a.allocate(4)
+    with pytest.raises(ResourceExhausted) as e:
+        a.allocate(5)
+    assert e.value.metadata == {"needed": "5", "free": "2"}
+
+
+def test_free_takes_int32_ids_and_names_the_first_bad_id():
+    rng = np.random.default_rng(9)
+    a = SlotAllocator(10)
+    s = a.allocate(5)
+    a.free(s[:3].astype(np.int32))                     # any integer dtype of ids, not only intp
+    assert a.num_free == 8 and a.refcount(s).tolist() == [0, 0, 0, 1, 1]
+    bad = int(rng.integers(10, 99))
+    with pytest.raises(InvalidArgument) as e:
+        a.free(np.array([0, s[3], bad, -4]))           # a valid 0 first: the message names the bad id
+    assert e.value.message == f"slot {bad} does not exist (num_slots=10)"
+    assert a.num_free == 8
+    a.check()

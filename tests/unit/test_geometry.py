@@ -159,3 +159,48 @@ def test_index_dtype_of_a_later_space_counts_its_base():
     s0, s1 = g.index_spaces
     assert (s0.index_dtype, s1.index_dtype) == (np.dtype(np.int32), np.dtype(np.int64))
     assert s1.base == n and int(s1.page_indices(np.array([n - 1], np.int32))[0]) == 2 * n - 1
+
+
+@pytest.mark.parametrize("n", [0, -2])
+def test_uniform_spec_names_a_bad_layer_count(n):
+    with pytest.raises(InvalidArgument) as e:
+        CacheSpec.uniform(n, 8, 128)
+    assert e.value.message == f"num_layers must be > 0, got {n}"
+
+
+def test_uniform_spec_passes_every_layer_field_on():
+    spec = CacheSpec.uniform(3, 4, 64, "bfloat16", page_size=8, layout="interleaved", sliding_window=512)
+    assert spec.layers == (LayerSpec(4, 64, "bfloat16", 512),) * 3
+    assert (spec.page_size, spec.layout) == (8, "interleaved")
+    assert [gr.sliding_window for gr in Geometry(spec, 50).groups] == [512]
+
+
+def test_unknown_layout_lists_the_valid_ones():
+    with pytest.raises(InvalidArgument) as e:
+        CacheSpec((LayerSpec(2, 64),), 16, "paged")
+    assert e.value.message == "unknown layout 'paged'; use one of per_layer, interleaved"
+
+
+@pytest.mark.parametrize(("scale", "offset", "base"), [(1, 0, 1), (1, 0, 7), (1, 1, 0), (2, 0, 0), (4, 2, 9)])
+def test_page_indices_of_any_space_against_the_formula(scale, offset, base):
+    """page = base + slot * scale + offset for every (scale, offset, base), the identity space's shortcut aside."""
+    from kvservice.geometry import IndexSpace
+    rng = np.random.default_rng(base * 10 + scale)
+    slots = rng.integers(0, 50, 12)
+    space = IndexSpace(0, 0, scale, offset, base + 50 * scale + offset, (0,), base)
+    pages = space.page_indices(slots)
+    assert pages.dtype == np.int32
+    assert pages.tolist() == [base + s * scale + offset for s in slots.tolist()]
+
+
+def test_one_slot_is_a_pool_and_zero_is_refused_by_name():
+    g = Geometry(CacheSpec.uniform(2, 2, 64), 1)
+    assert g.num_slots == 1 and [s.num_pages for s in g.index_spaces] == [1]
+    with pytest.raises(InvalidArgument) as e:
+        Geometry(CacheSpec.uniform(2, 2, 64), 0)
+    assert e.value.message == "a pool needs at least one slot, got num_slots=0"
+
+
+def test_interleaved_without_padding_does_not_warn():
+    g = Geometry(CacheSpec((LayerSpec(2, 128), LayerSpec(2, 128), LayerSpec(4, 64)), 16, "interleaved"), 10)
+    assert g.groups[0].slot_bytes == 3 * g.layers[0].page_bytes and g.warnings == []

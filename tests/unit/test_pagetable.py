@@ -96,3 +96,17 @@ def test_counts_past_max_reports():
 def test_malformed_tables_raise(t, match):
     with pytest.raises(InvalidArgument, match=match):
         validate_page_table(t, FLAT, 16)
+
+
+@pytest.mark.parametrize(("field", "message"), [
+    ("indptr", "indptr must be a 1-D integer array, got shape (1, 2) dtype int64"),
+    ("indices", "indices must be a 1-D integer array, got shape (1,) dtype float32"),
+    ("last_page_len", "last_page_len must be a 1-D integer array, got shape () dtype int64"),
+])
+def test_malformed_table_message_names_the_array(field, message):
+    """The whole message: the array's name, its shape and dtype are what a caller fixes."""
+    good = {"indptr": np.array([0, 1]), "indices": np.array([7]), "last_page_len": np.array([3])}
+    bad = {"indptr": np.array([[0, 1]]), "indices": np.array([7.0], np.float32), "last_page_len": np.array(3)}
+    with pytest.raises(InvalidArgument) as e:
+        validate_page_table(PageTable(**{**good, field: bad[field]}), FLAT, 16)
+    assert e.value.message == message

@@ -286,3 +286,97 @@ def test_prefix_fields_without_admissions_are_refused(kwargs):
     with pytest.raises(InvalidArgument):
         pool.step(extend_ids=[1], extend_tokens=[1], **kwargs)
     assert snapshot(pool) == before
+
+
+# Error contract: a refused step names the request field a client must fix (mutation check survivors).
+
+@pytest.mark.parametrize(("step", "message"), [
+    ({"fork_parents": [3], "fork_children": [[4, 5]]},
+     "fork_child_ids must be a 1-D integer array, got shape (1, 2) dtype int64"),
+    ({"extend_ids": [3], "extend_tokens": [2.5]},
+     "extend_num_tokens must be a 1-D integer array, got shape (1,) dtype float64"),
+    ({"free_ids": [3], "admit_token_ids": [11, 12]},
+     "admit_token_ids given for a step with no admissions; send it only with admit_seq_ids (one entry per "
+     "admission, token ids: their sum)"),
+    ({"free_ids": [3], "admit_salts": ["tenant-a"]}, "admit_cache_salts given for a step with no admissions"),
+    ({"free_ids": [3], "admit_extra_keys": ["lora-7"]}, "admit_extra_keys given for a step with no admissions"),
+])
+def test_refused_step_names_the_field(step, message):
+    pool = make_pool()
+    pool.step(admit_ids=[3], admit_tokens=[6])
+    before = snapshot(pool)
+    with pytest.raises(InvalidArgument) as e:
+        pool.step(**step)
+    assert e.value.message.startswith(message)
+    assert snapshot(pool) == before
+
+
+def test_state_without_an_incarnation_restores_as_none_yet():
+    """A version-2 state that lacks the incarnation field passes the state check and restores with 0."""
+    from kvservice.snapshot import check_pool_state
+    pool = make_pool()
+    pool.incarnation = 5
+    rng = np.random.default_rng(8)
+    pool.step(admit_ids=[4, 8, 15], admit_tokens=rng.integers(1, 30, 3))
+    state = pool.export_state()
+    assert state.meta.pop("incarnation") == 5
+    assert check_pool_state(state, pool.plan) == []
+    twin = Pool.from_state(state, pool.plan)
+    assert twin.incarnation == 0
+    assert snapshot(twin) == snapshot(pool)
+
+
+def test_unknown_sequence_in_slots_held_names_the_field_and_the_id():
+    pool = make_pool()
+    pool.step(admit_ids=[3, 8], admit_tokens=[6, 9])
+    assert pool.slots_held(np.array([8, 3])).tolist() == [[3], [2]]
+    with pytest.raises(NotFound) as e:
+        pool.slots_held(np.array([3, 41]))
+    assert e.value.message == "seq_ids: sequence 41 is not in pool 'p'"
+
+
+def test_decode_step_lists_no_copies_per_layer_group():
+    """The repeated-batch fast path (no sliding window, nothing shared) answers like the general path:
+    one (0, 2) copy list per layer group."""
+    pool = make_pool()
+    rng = np.random.default_rng(4)
+    pool.step(admit_ids=[1, 2, 3], admit_tokens=rng.integers(2, 9, 3))
+    general = pool.step(extend_ids=[1, 2, 3], extend_tokens=[1, 1, 1])
+    decode = pool.step(extend_ids=[1, 2, 3], extend_tokens=[1, 1, 1])     # the same rows again: the fast path
+    assert decode.num_tokens.tolist() == (general.num_tokens + 1).tolist()
+    for r in (general, decode):
+        assert len(r.copies) == len(pool.allocators) == 1
+        assert all(c.shape == (0, 2) and c.dtype == np.int64 for c in r.copies)
+
+
+@pytest.mark.parametrize("kind", ["extend", "admit"])
+def test_too_long_a_sequence_names_the_step_part_the_id_and_the_limit(kind):
+    pool = make_pool(max_seq_len=40)
+    pool.step(admit_ids=[3, 8], admit_tokens=[6, 30])
+    before = snapshot(pool)
+    step = {"extend_ids": [3, 8], "extend_tokens": [2, 15]} if kind == "extend" else \
+        {"admit_ids": [5, 9], "admit_tokens": [41, 7]}
+    seq, n = (8, 45) if kind == "extend" else (5, 41)
+    with pytest.raises(InvalidArgument) as e:
+        pool.step(**step)
+    assert e.value.message == f"{kind}: sequence {seq} would hold {n} tokens; pool 'p' takes at most max_seq_len=40"
+    assert e.value.metadata == {"seq_id": str(seq), "max_seq_len": "40"}
+    assert snapshot(pool) == before
+
+
+def test_slot_tables_switch_to_int64_exactly_past_int32():
+    from kvservice.pool import slot_table_dtype
+    assert [slot_table_dtype(n) for n in (1, 2**31 - 1, 2**31, 2**32 - 1, 2**32)] == \
+        [np.dtype(np.int32)] * 2 + [np.dtype(np.int64)] * 3
+    pool = make_pool(num_slots=48)
+    assert all(rs.dtype == np.int32 for rs in pool._slots)
+
+
+def test_refusals_for_lack_of_slots_are_counted_one_by_one():
+    pool = make_pool(num_slots=6)
+    pool.step(admit_ids=[1], admit_tokens=[9])            # 3 of 6 slots
+    rng = np.random.default_rng(6)
+    for i in range(3):
+        with pytest.raises(ResourceExhausted):
+            pool.step(admit_ids=[10 + i], admit_tokens=[int(rng.integers(13, 25))])   # > 3 free pages
+        assert pool.refused == i + 1 and pool.alloc_failures == {"out_of_slots": i + 1}

@@ -322,3 +322,27 @@ def test_sliding_only_pool_caches_and_refuses_a_collision_on_the_parent_hash():
     other = [1, 1, 1, 1, *prompt[4:]]
     assert admit(pool, 3, other).cached_tokens.tolist() == [0]    # pages registered under real hashes only
     assert_invariants(pool)
+
+
+def test_cached_prefix_pages_predicts_the_next_admissions_hit_and_changes_nothing():
+    """A router's question: how many pages would this prompt take from the cache now? Checked against
+    what the admission then actually takes, over random prompts sharing random prefixes, per tenant."""
+    rng = np.random.default_rng(23)
+    pool = cached_pool(num_slots=64)
+    base = rng.integers(1, 1000, 40).tolist()
+    assert pool.cached_prefix_pages(np.array(base)) == 0
+    hits = []
+    for seq in range(1, 13):
+        keep = int(rng.integers(0, 40))
+        prompt = base[:keep] + rng.integers(1, 1000, int(rng.integers(1, 10))).tolist()
+        salt = str(rng.choice(["", "tenant-b"]))
+        before = (pool.prefix.hits, pool.allocators[0].num_free, pool.allocators[0].num_cached)
+        want = pool.cached_prefix_pages(np.array(prompt), salt=salt)
+        assert (pool.prefix.hits, pool.allocators[0].num_free, pool.allocators[0].num_cached) == before
+        got = admit(pool, seq, prompt, salt=salt).cached_tokens[0]
+        assert got == want * PS
+        hits.append(want)
+        if seq % 3 == 0:
+            pool.step(free_ids=[seq - 1])
+    assert max(hits) >= 3                                   # the check saw real hits, not only zeros
+    assert_invariants(pool)

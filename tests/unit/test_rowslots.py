@@ -85,3 +85,47 @@ def test_one_long_sequence_beside_65535_short_ones_costs_what_it_holds():
     # A few words per row and per held page (~6 MB), where a dense table would take 65,536 x 8,192 x 4 = 2 GiB.
     assert pool.slot_table_bytes() < 64 * (rows + held_pages)
     assert pool.sequence_slots(0).shape == (8192,) and pool.sequence_slots(65535).shape == (1,)
+
+
+def test_a_dropped_row_is_like_a_fresh_one():
+    """A row handle the pool reuses after a drop: no segment, and an empty reservation costs nothing."""
+    rng = np.random.default_rng(12)
+    rs = RowSlots(np.dtype(np.int32), rows=8)
+    rows = np.arange(5, dtype=np.int64)
+    first = rng.integers(0, 3, 5)
+    hi = first + rng.integers(1, 9, 5)
+    rs.reserve(rows, first, hi)
+    rs.drop(rows[:3])
+    assert rs.start[:3].tolist() == rs.lo[:3].tolist() == rs.cap[:3].tolist() == [0, 0, 0]
+    live, used = rs.live, rs.used
+    rs.reserve(rows[:3], np.zeros(3, dtype=np.int64), np.zeros(3, dtype=np.int64))
+    assert (rs.live, rs.used) == (live, used) and rs.cap[:3].tolist() == [0, 0, 0]
+
+
+def test_nbytes_counts_the_arena_and_three_int64_arrays_per_row():
+    rs = RowSlots(np.dtype(np.int32), rows=16)
+    assert rs.nbytes() == 64 * 4 + 3 * 16 * 8                    # 64-entry arena + start, lo, cap
+    rs.grow_rows(40)
+    rs.reserve(np.arange(3, dtype=np.int64), np.zeros(3, dtype=np.int64), np.array([50, 2, 7]))
+    assert len(rs.arena) == 2 * (100 + 4 + 14) and rs.nbytes() == 236 * 4 + 3 * 40 * 8
+
+
+def test_iota_is_a_prefix_of_a_doubling_range():
+    rs = RowSlots(np.dtype(np.int32))
+    assert rs.iota(5).tolist() == [0, 1, 2, 3, 4]
+    got = rs.iota(1500)
+    assert got.dtype == np.int64 and got.tolist() == list(range(1500))
+    assert len(rs._iota) == 2048                            # doubled: growing costs O(log n) allocations
+
+
+def test_an_exact_fit_after_compaction_uses_the_arena_without_growing_it():
+    rs = RowSlots(np.dtype(np.int32), rows=8)
+    z = np.zeros(1, dtype=np.int64)
+    for r in range(3):                                   # three segments of 16 entries: 48 of 64 used
+        rs.reserve(np.array([r]), z, np.array([8]))
+    rs.arena[rs.flat(np.array([2, 2]), np.array([0, 7]))] = [31, 37]
+    rs.drop(np.array([0, 1]))                            # 32 dead, 16 live
+    rs.reserve(np.array([3]), z, np.array([24]))          # 48 more: fits exactly once the dead are packed
+    assert (rs.used, len(rs.arena), rs.dead, rs.live) == (64, 64, 0, 64)
+    got = rs.gather(np.array([2, 3]), np.zeros(2, dtype=np.int64), np.array([8, 24]))
+    assert got.tolist() == [31, *[-1] * 6, 37] + [-1] * 24

@@ -1,0 +1,76 @@
+"""Request parsing and the copy-on-write rule of kvservice.stepplan, against plain-Python references."""
+
+import numpy as np
+import pytest
+
+from kvservice.errors import InvalidArgument
+from kvservice.stepplan import MAX_COUNT, cow_rows, parse_counts
+
+
+@pytest.mark.parametrize(("counts", "message"), [
+    (np.array([[3, 4]]), "extend_num_tokens must be a 1-D integer array, got shape (1, 2) dtype int64"),
+    (np.array([1.0, 2.0]), "extend_num_tokens must be a 1-D integer array, got shape (2,) dtype float64"),
+    (np.array([2]), "extend_num_tokens has 1 entries for 2 sequence ids"),
+    (np.array([5, 0]), "extend_num_tokens must be > 0 tokens per sequence, got 0"),
+    (np.array([5, MAX_COUNT + 1]), f"extend_num_tokens must be at most {MAX_COUNT} tokens per sequence, "
+                                   f"got {MAX_COUNT + 1}"),
+    # Past 2**63 a uint64 count would wrap negative as int64: it is named as too large, with its true value.
+    (np.array([7, 2**63 + 5], dtype=np.uint64), f"extend_num_tokens must be at most {MAX_COUNT} tokens per "
+                                                 f"sequence, got {2**63 + 5}"),
+])
+def test_bad_counts_are_named_with_the_value(counts, message):
+    with pytest.raises(InvalidArgument) as e:
+        parse_counts("extend_num_tokens", counts, 2)
+    assert e.value.message == message
+
+
+def test_counts_up_to_the_limit_pass_and_int64_input_is_not_copied():
+    rng = np.random.default_rng(5)
+    counts = rng.integers(1, 1000, 6)
+    counts[rng.integers(6)] = MAX_COUNT                   # the limit itself is a valid count
+    got = parse_counts("admit_num_tokens", counts, 6)
+    assert got.tolist() == counts.tolist() and got.dtype == np.int64
+    assert got is counts                                  # the request's array, no per-step copy
+    small = parse_counts("admit_num_tokens", np.array([9, 4], dtype=np.uint8), 2, max_value=9)
+    assert small.tolist() == [9, 4] and small.dtype == np.int64
+
+
+def cow_model(last, owners):
+    """Plain Python: of c extenders of a slot with r owners, all copy if r > c, else all but the last."""
+    out = []
+    for i, s in enumerate(last):
+        c = sum(1 for x in last if x == s)
+        is_last = all(x != s for x in last[i + 1:])
+        out.append(bool(owners[i] > c or not is_last))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_cow_rows_against_a_model(seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 40))
+    last = rng.integers(1, 12, n)                          # repeated slots: rows sharing a partial page
+    c = np.bincount(last, minlength=12)[last]
+    owners = c + rng.integers(0, 2, n) * rng.integers(1, 3, n)   # r >= c: every extender owns the page
+    got = cow_rows(last, owners)
+    assert got.dtype == np.bool_ and got.shape == (n,)
+    assert got.tolist() == cow_model(last.tolist(), owners.tolist())
+
+
+def test_uint64_ids_are_not_copied_and_signed_ids_convert():
+    from kvservice.stepplan import parse_ids
+    rng = np.random.default_rng(2)
+    ids = rng.integers(0, 2**62, 7, dtype=np.uint64)
+    assert parse_ids("admit_seq_ids", ids) is ids          # the request's array, no per-step copy
+    signed = rng.integers(0, 2**40, 5)
+    got = parse_ids("free_seq_ids", signed)
+    assert got.dtype == np.uint64 and got.tolist() == signed.tolist()
+
+
+def test_a_repeated_sequence_is_named_with_the_rule():
+    from kvservice.stepplan import check_distinct
+    with pytest.raises(InvalidArgument) as e:
+        check_distinct(np.array([4, 9, 2, 9], dtype=np.uint64))
+    assert e.value.message == ("sequence 9 appears more than once in one step; each sequence may be freed, "
+                               "extended, admitted or created by a fork once per step")
+    assert e.value.metadata == {"seq_id": "9"}
