@@ -248,11 +248,12 @@ def write_report(args: argparse.Namespace, rows: list, rtt: dict[str, tuple[floa
     base = {b: p50 for b, k, p50, _ in rows if k == "sqlite-full"}
     load = os.getloadavg()[0]
     busy = max(load, args.load_at_start) > (os.cpu_count() or 1)
-    shared = " (above the CPU count: the machine was shared)" if busy else ""
+    shared = (" (above the CPU count: besides the bench's own NATS servers, managers and clients, other jobs "
+              "may have run: compare rows of this run)") if busy else ""
     lines = [
         "# Replicated manager: failover and journal cost", "",
         f"{datetime.date.today()}, {platform.node()}, {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} CPUs (shared with other jobs: figures are noisy), Python {platform.python_version()}, "
+        f"{os.cpu_count()} CPUs, Python {platform.python_version()}, "
         f"{_nats_version()}; every server on loopback. Command: `python bench/bench_ha.py"
         f"{' --quick' if args.quick else ''}{f' --kills {args.kills}' if args.kills else ''}`. 1-minute load "
         f"average at the start {args.load_at_start:.1f}, at the end {load:.1f}"
