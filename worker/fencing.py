@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from clients.ha import EPOCH_METADATA
 from kvservice.errors import FailedPrecondition, InvalidArgument
 
 
@@ -72,20 +73,18 @@ def check_incarnation(identity: dict[str, Any], request: Any) -> None:
             reason="STALE_INCARNATION", pool=identity["pool"], incarnation=mine)
 
 
-#: gRPC metadata key naming the replicated manager's leader epoch (the same key the manager's replies carry).
-LEADER_EPOCH_METADATA = "kvservice-leader-epoch"
-
-
 class LeaderEpochFence:
     """Refuses kernel calls whose page tables come from a deposed leader of a replicated manager (docs/HA.md).
 
     A replicated manager stamps every reply with its leader epoch; a scheduler stamps every worker call that
     carries manager-issued tables or slots (AppendKV, DecodeAttention, CopyBlocks, UpdateTables) with the
-    highest epoch it has seen, in the metadata ``kvservice-leader-epoch``. The worker knows the highest epoch
-    too: from its own manager client (register, heartbeat) and from stamped calls. A call stamped below it
-    is refused (FAILED_PRECONDITION, reason STALE_LEADER_EPOCH) before it touches memory: its scheduler
-    still follows a manager that has lost the lease. Once the worker has seen an epoch, an unstamped call
-    of those kinds is refused too (reason LEADER_EPOCH_REQUIRED). A worker of an unreplicated manager
+    highest epoch it has seen, in the metadata ``kvservice-leader-epoch``. The worker learns the current
+    epoch only from its own manager client (registration, heartbeats: replies the manager vouches for),
+    never from a caller's stamp, so a wrong stamp cannot fence the worker off. A call stamped below that
+    epoch is refused (FAILED_PRECONDITION, reason STALE_LEADER_EPOCH) before it touches memory: its
+    scheduler still follows a manager that has lost the lease. A stamp above it is accepted (the scheduler
+    met the successor before the worker's next heartbeat). Once the worker has seen an epoch, an unstamped
+    call of those kinds is refused too (reason LEADER_EPOCH_REQUIRED). A worker of an unreplicated manager
     (no epoch ever seen) checks nothing.
 
     source: returns the highest epoch the worker's manager client has seen (0 = none);
@@ -96,53 +95,42 @@ class LeaderEpochFence:
                  on_refuse: Callable[[str], None] | None = None) -> None:
         self._source = source
         self._on_refuse = on_refuse
-        self._lock = threading.Lock()
-        self._seen = 0
         self.refused = 0
 
     @property
     def seen(self) -> int:
-        """The highest leader epoch known to this worker (0 = an unreplicated manager)."""
-        polled = self._source() if self._source is not None else 0
-        with self._lock:
-            if polled > self._seen:
-                self._seen = polled
-            return self._seen
+        """The highest leader epoch the worker's manager client has seen (0 = an unreplicated manager)."""
+        return self._source() if self._source is not None else 0
 
     def check(self, metadata: Any, identity: dict[str, Any], method: str) -> None:
-        """Raise FailedPrecondition if `metadata` (a call's invocation metadata) names a lower epoch than seen,
-        or none once one has been seen; a higher one becomes the new highest."""
+        """Raise FailedPrecondition if `metadata` (a call's invocation metadata) names a lower epoch than
+        seen, or none once one has been seen; InvalidArgument if it names no valid epoch."""
         stamped: int | None = None
         for key, value in metadata or ():
-            if key == LEADER_EPOCH_METADATA:
+            if key == EPOCH_METADATA:
                 try:
                     stamped = int(value)
                 except (TypeError, ValueError):
-                    raise InvalidArgument(f"{method}: metadata {LEADER_EPOCH_METADATA} must be a decimal "
+                    raise InvalidArgument(f"{method}: metadata {EPOCH_METADATA} must be a decimal "
                                           f"epoch, got {value!r}") from None
                 if stamped < 1:
-                    raise InvalidArgument(f"{method}: metadata {LEADER_EPOCH_METADATA} must be >= 1, got {stamped}")
+                    raise InvalidArgument(f"{method}: metadata {EPOCH_METADATA} must be >= 1, got {stamped}")
         seen = self.seen
-        with self._lock:
-            if stamped is not None and stamped > self._seen:
-                self._seen = stamped
-                return
-            if stamped is None and not seen:
-                return
-            if stamped is not None and stamped >= seen:
-                return
-            self.refused += 1
-        who = f"worker {identity.get('worker_id', '?')} of pool {identity.get('pool', '?')!r}"
+        if not seen or (stamped is not None and stamped >= seen):
+            return
+        self.refused += 1
+        reason = "LEADER_EPOCH_REQUIRED" if stamped is None else "STALE_LEADER_EPOCH"
         if self._on_refuse is not None:
-            self._on_refuse("LEADER_EPOCH_REQUIRED" if stamped is None else "STALE_LEADER_EPOCH")
+            self._on_refuse(reason)
+        who = f"worker {identity.get('worker_id', '?')} of pool {identity.get('pool', '?')!r}"
         if stamped is None:
             raise FailedPrecondition(
                 f"{method}: {who} serves a replicated manager (leader epoch {seen}) and this call names no "
                 f"leader epoch: send the epoch of the manager reply its tables came from in the metadata "
-                f"{LEADER_EPOCH_METADATA} (clients.worker_client.WorkerClient(leader_epoch=...))",
-                reason="LEADER_EPOCH_REQUIRED", epoch=seen)
+                f"{EPOCH_METADATA} (clients.worker_client.WorkerClient(leader_epoch=...))",
+                reason=reason, epoch=seen)
         raise FailedPrecondition(
             f"{method}: {who} has seen leader epoch {seen}, but this call's tables come from epoch {stamped}: "
             "a deposed manager. Nothing was read or written; take the tables from the current leader "
             "(a LeaderClient retries there) and send the call again",
-            reason="STALE_LEADER_EPOCH", epoch=seen, stamped=stamped)
+            reason=reason, epoch=seen, stamped=stamped)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from clients import ClientError
+from clients.ha import EPOCH_METADATA as LEADER_EPOCH_METADATA
 from clients.ha import LeaderClient
 from clients.worker_client import WorkerClient
 from kvservice.errors import FailedPrecondition, InvalidArgument
@@ -22,7 +23,7 @@ from kvservice.server import serve
 from kvservice.status import error_info
 from kvservice.v1 import worker_pb2 as wpb
 from kvservice.v1 import worker_pb2_grpc as wpb_grpc
-from worker.fencing import LEADER_EPOCH_METADATA, LeaderEpochFence
+from worker.fencing import LeaderEpochFence
 from worker.server import serve_worker
 from worker.service import EPOCH_FENCED
 
@@ -47,8 +48,8 @@ def test_fence_orders_epochs_and_requires_one_once_replicated():
     fence = LeaderEpochFence(lambda: polled[0], on_refuse=reasons.append)
     fence.check((), IDENTITY, "AppendKV")                         # unreplicated manager: nothing to check
     fence.check(((LEADER_EPOCH_METADATA, "3"),), IDENTITY, "AppendKV")
-    assert fence.seen == 3                                        # a stamped call taught it epoch 3
-    polled[0] = 5                                                 # its manager client saw a successor
+    assert fence.seen == 0                                        # a caller's stamp teaches the worker nothing
+    polled[0] = 5                                                 # its manager client saw epoch 5
     assert fence.seen == 5
     with pytest.raises(FailedPrecondition) as exc:
         fence.check(((LEADER_EPOCH_METADATA, "4"),), IDENTITY, "DecodeAttention")
@@ -58,13 +59,14 @@ def test_fence_orders_epochs_and_requires_one_once_replicated():
         fence.check((("authorization", "Bearer x"),), IDENTITY, "CopyBlocks")
     assert exc.value.reason == "LEADER_EPOCH_REQUIRED" and LEADER_EPOCH_METADATA in exc.value.message
     fence.check(((LEADER_EPOCH_METADATA, "5"),), IDENTITY, "AppendKV")
-    fence.check(((LEADER_EPOCH_METADATA, "9"),), IDENTITY, "AppendKV")
-    assert fence.seen == 9 and fence.refused == 2
+    fence.check(((LEADER_EPOCH_METADATA, str(2**62)),), IDENTITY, "AppendKV")   # ahead of the worker: accepted
+    fence.check(((LEADER_EPOCH_METADATA, "5"),), IDENTITY, "AppendKV")         # ... and it fenced nobody off
+    assert fence.seen == 5 and fence.refused == 2
     assert reasons == ["STALE_LEADER_EPOCH", "LEADER_EPOCH_REQUIRED"]
     for bad in ("x", "0", "-2"):
         with pytest.raises(InvalidArgument):
             fence.check(((LEADER_EPOCH_METADATA, bad),), IDENTITY, "AppendKV")
-    assert fence.seen == 9 and fence.refused == 2
+    assert fence.seen == 5 and fence.refused == 2
 
 
 # ---- a worker of a replicated manager ---------------------------------------------------------------------

@@ -464,3 +464,19 @@ def test_prefix_digests_equal_whole_digests():
         assert pd(key, data) == digest(data)
     assert pd.hits >= 15                                  # the steady requests did reuse a prefix
     assert len(pd._kept) <= 2
+
+
+def test_prefix_digests_memory_is_bounded_whatever_the_requests():
+    """Hostile Steps (made-up pool names, huge arrays) cannot make the kept prefixes grow past the bounds,
+    and every digest is still digest() of the whole request."""
+    from kvservice.journal import PrefixDigests, digest
+
+    rng = np.random.default_rng(12)
+    pd = PrefixDigests(max_keys=64, max_bytes=200_000)
+    huge = rng.integers(0, 256, PrefixDigests.MAX_PREFIX + 4096, dtype=np.uint8).tobytes()
+    assert pd("p", huge) == digest(huge) and pd.kept_bytes == 0        # too long to keep: hashed whole
+    for i in range(300):
+        data = rng.integers(1, 256, int(rng.integers(2_000, 60_000)), dtype=np.uint8).tobytes()
+        assert pd(f"made-up-{i % 97}", data) == digest(data)
+        assert pd.kept_bytes == sum(len(p) for p, _ in pd._kept.values()) <= 200_000
+        assert len(pd._kept) <= 64
