@@ -208,12 +208,16 @@ class LeaderEventStream:
                     yield from parts
                     parts = []
                 return                               # the server ended it (the pool was deleted)
+            except GeneratorExit:                    # the consumer closed the stream: end the call with it
+                call.cancel()
+                raise
             except grpc.RpcError as err:
                 if self._cancelled:
                     return
                 if err.code() not in _ROTATE:
                     raise ClientError.from_rpc(err) from None
                 c._rotate(index)
+                call.cancel()                        # a refused epoch leaves its stream open otherwise
                 if budget is None:
                     budget = CallBudget(c.retry, self.timeout or c.timeout, "WatchEvents", None, _ROTATE)
                 budget.tries += 1

@@ -662,9 +662,13 @@ class NatsStore(JournalStore):
             ack = json.loads(reply.data)
         except ValueError:
             raise StoreError(f"NATS answered a journal publish with {reply.data[:80]!r}") from None
-        if "error" in ack:
+        if isinstance(ack, dict) and "error" in ack:
             nats.js.errors.APIError.from_error(ack["error"])       # raises the matching APIError
-        return int(ack["seq"])
+        try:
+            return int(ack["seq"])
+        except (KeyError, TypeError, ValueError):
+            raise StoreError(f"NATS answered a journal publish without a stream sequence: "
+                             f"{reply.data[:80]!r}") from None
 
     def close(self, clean: bool = True, seq: int = 0) -> None:
         self.stop_reading()

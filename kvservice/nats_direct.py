@@ -84,6 +84,7 @@ class DirectPublisher:
         failed (it is dropped; the next call connects to the next server).
         """
         hdr = "NATS/1.0\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n"
+        hb = hdr.encode()
         with self._lock:
             now = time.monotonic()
             deadline = now + timeout
@@ -91,9 +92,11 @@ class DirectPublisher:
                 self._check_open()
             if self._sock is None:
                 self._connect(min(timeout, self.connect_seconds))
+            if len(hb) + len(payload) > self.max_payload:
+                raise DirectError(f"a journal publish of {len(hb) + len(payload)} bytes exceeds the NATS server's "
+                                  f"max_payload of {self.max_payload} bytes")
             token = next(self._tokens)
             reply = f"{self._inbox}.{token}".encode()
-            hb = hdr.encode()
             try:
                 self._send(b"HPUB %s %s %d %d\r\n%s%s\r\n" % (subject.encode(), reply, len(hb), len(hb) + len(payload),
                                                              hb, payload))
@@ -102,11 +105,14 @@ class DirectPublisher:
                     if got is not None and got[0] == reply:
                         self._last_io = time.monotonic()
                         return got[1]
-            except TimeoutError:
+            except TimeoutError:                   # no reply in time; a partial message stays buffered whole
                 raise nats.errors.TimeoutError from None
             except (OSError, DirectError):
                 self._drop()
                 raise
+            except (ValueError, IndexError) as err:   # a malformed protocol line: this connection is out of step
+                self._drop()
+                raise DirectError(f"the NATS server sent a malformed protocol line ({err})") from None
 
     def close(self) -> None:
         with self._lock:
@@ -200,35 +206,43 @@ class DirectPublisher:
         self._buf += chunk
 
     def _read_line(self, deadline: float) -> bytes:
+        i = self._peek_line(deadline)
+        line = bytes(self._buf[:i])
+        del self._buf[:i + 2]
+        return line
+
+    def _peek_line(self, deadline: float) -> int:
+        """Index of the CRLF ending the buffered protocol line (reading until there is one); nothing consumed."""
         while True:
             i = self._buf.find(b"\r\n")
             if i >= 0:
-                line = bytes(self._buf[:i])
-                del self._buf[:i + 2]
-                return line
+                return i
             if len(self._buf) > 1 << 16:
                 raise DirectError("a NATS protocol line longer than 64 KiB")
             self._recv(deadline)
 
-    def _read_exact(self, n: int, deadline: float) -> bytes:
-        while len(self._buf) < n + 2:
-            self._recv(deadline)
-        data = bytes(self._buf[:n])
-        del self._buf[:n + 2]
-        return data
-
     def _read_message(self, deadline: float, until_pong: bool = False) -> tuple[bytes, Reply] | str | None:
-        """The next protocol item: (reply subject, Reply) for a message, "pong", or None for anything else."""
-        line = self._read_line(deadline)
+        """The next protocol item: (reply subject, Reply) for a message, "pong", or None for anything else.
+
+        A message is consumed only once its whole body is buffered, so a timeout in the middle of one
+        leaves the buffer at its start and the next call parses it from there.
+        """
+        i = self._peek_line(deadline)
+        line = bytes(self._buf[:i])
         op = line[:5].upper()
-        if op.startswith(b"HMSG "):
-            f = line.split()                      # HMSG subject sid [reply] hdr_len total_len
-            hlen, total = int(f[-2]), int(f[-1])
-            body = self._read_exact(total, deadline)
+        if op.startswith((b"HMSG ", b"MSG ")):
+            f = line.split()      # HMSG subject sid [reply] hdr_len total_len, or MSG subject sid [reply] len
+            total = int(f[-1])
+            hlen = int(f[-2]) if op.startswith(b"HMSG ") else 0
+            if not 0 <= hlen <= total <= self.max_payload + (1 << 16):
+                raise DirectError(f"a NATS message header with impossible sizes: {line[:80]!r}")
+            end = i + 2 + total + 2
+            while len(self._buf) < end:
+                self._recv(deadline)
+            body = bytes(self._buf[i + 2:i + 2 + total])
+            del self._buf[:end]
             return f[1], Reply(body[:hlen], body[hlen:])
-        if op.startswith(b"MSG "):
-            f = line.split()                      # MSG subject sid [reply] len
-            return f[1], Reply(b"", self._read_exact(int(f[-1]), deadline))
+        del self._buf[:i + 2]
         if op.startswith(b"PING"):
             self._send(b"PONG\r\n")
             return None

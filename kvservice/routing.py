@@ -229,9 +229,11 @@ def score_prefix(manager: BlockManager, token_ids: np.ndarray, salt: str = "", e
     name, only those created for `model` when it is given (a pool deleted meanwhile is left out).
 
     Pools whose cache is a member of the manager's fleet index (fleet_index.py) are answered by
-    one walk of that index per (page size, namespace id); the others (hybrid pools, injected hash
-    functions) and members whose answer ends on a mixed or stale entry are asked one by one (_pool_hits).
-    A member is read without its lock, as of its last Step: a Step in flight is not waited for.
+    one walk of that index per (page size, namespace id); the others (hybrid and sliding-only pools,
+    injected hash functions) and members whose answer ends on a mixed or stale entry are asked one by
+    one (_pool_hits). A member is read without its lock, as of its last Step: a Step in flight is not
+    waited for. A prompt of at most one page scores 0 everywhere without asking (hits are whole pages
+    and leave the last token to compute).
     """
     tok = _check_prompt(token_ids)
     names = _pool_names(manager, pools)
@@ -250,6 +252,9 @@ def score_prefix(manager: BlockManager, token_ids: np.ndarray, salt: str = "", e
         if not pools and model and pool.model != model:
             continue
         cache, ps = pool.prefix, pool.page_size
+        if len(tok) <= ps:                             # hits are whole pages short of the last token: none
+            rows.append([name, 0, ps, cache is not None])
+            continue
         member = getattr(cache, "fleet", None)
         if member is not None and member.index is fleet and cache.hash_fn is page_hashes and len(tok) > ps:
             # Read from the index without waiting for the pool: a Step brings the index up to date when it

@@ -12,7 +12,7 @@ import struct
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from . import snapshot as snap
 
@@ -29,7 +29,7 @@ class Entry:
     method: str
     request: bytes
     created: float
-    checksum: bytes | None = None
+    checksum: bytes | None = field(default=None, compare=False)   # filled lazily: not part of equality
 
     @property
     def digest(self) -> bytes:

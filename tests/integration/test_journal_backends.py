@@ -478,3 +478,84 @@ def test_a_reader_overtaken_by_a_compaction_recovers_again_from_the_newer_snapsh
     finally:
         j2.close(snapshot=False)
         crash(j)
+
+
+def test_direct_publisher_keeps_its_place_across_a_reply_cut_by_a_timeout_and_drops_a_malformed_line():
+    """A scripted NATS peer on a real socket: the first reply arrives in two pieces with the request's timeout
+    between them (the request times out; the next one skips that late reply whole and gets its own), then a
+    malformed message line (DirectError, the connection is dropped, the next request connects again)."""
+    import re
+    import socket
+    import threading
+    import time
+
+    import nats.errors
+
+    from kvservice.nats_direct import DirectError, DirectPublisher
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(4)
+    port = srv.getsockname()[1]
+    ack = b'{"stream":"s","seq":%d}'
+    hdr = b"NATS/1.0\r\n\r\n"
+
+    def serve_one(conn: socket.socket, script: list) -> None:
+        conn.sendall(b'INFO {"headers":true,"max_payload":1048576}\r\n')
+        buf = b""
+        while b"PING\r\n" not in buf:
+            buf += conn.recv(65536)
+        conn.sendall(b"PONG\r\n")
+        buf = b""
+        for step in script:
+            while not re.search(rb"HPUB \S+ (\S+) \d+ \d+\r\n", buf):
+                buf += conn.recv(65536)
+            reply = re.search(rb"HPUB \S+ (\S+) \d+ \d+\r\n", buf).group(1)
+            buf = buf[buf.index(b"\r\n") + 2:]
+            step(conn, reply)
+
+    def split_reply(conn, reply):
+        body = hdr + b"\r\n-ERR 'a payload line, not a protocol line'\r\n" + ack % 1   # bytes are bytes in a body
+        msg = b"HMSG %s 1 %d %d\r\n%s\r\n" % (reply, len(hdr), len(body), body)
+        conn.sendall(msg[:len(msg) - 9])
+        time.sleep(0.6)                                  # the request gave up after 0.2 s
+        conn.sendall(msg[len(msg) - 9:])
+
+    def whole_reply(conn, reply):
+        body = hdr + ack % 2
+        conn.sendall(b"PING\r\nHMSG %s 1 %d %d\r\n%s\r\n" % (reply, len(hdr), len(body), body))
+
+    def malformed(conn, reply):
+        conn.sendall(b"HMSG %s 1 twelve\r\n" % reply)
+
+    def peer() -> None:
+        try:
+            conn, _ = srv.accept()
+            serve_one(conn, [split_reply, whole_reply, malformed])
+            conn2, _ = srv.accept()
+            serve_one(conn2, [whole_reply])
+            time.sleep(0.5)
+            conn.close()
+            conn2.close()
+        except OSError:
+            return
+    th = threading.Thread(target=peer, daemon=True)
+    th.start()
+    try:
+        pub = DirectPublisher((f"nats://127.0.0.1:{port}",), "test")
+        with pytest.raises(nats.errors.TimeoutError):
+            pub.request("kvs.x", b"entry-1", {"Nats-Msg-Id": "1"}, 0.2)
+        time.sleep(0.6)                                  # the rest of the late reply is on its way
+        got = pub.request("kvs.x", b"entry-2", {"Nats-Msg-Id": "2"}, 5)
+        assert got.data == ack % 2 and got.headers == hdr and pub.connects == 1
+        with pytest.raises(DirectError) as err:
+            pub.request("kvs.x", b"entry-3", {"Nats-Msg-Id": "3"}, 5)
+        assert "malformed" in err.value.message and pub._sock is None
+        assert pub.request("kvs.x", b"entry-3", {"Nats-Msg-Id": "3"}, 5).data == ack % 2
+        assert pub.connects == 2
+        with pytest.raises(DirectError) as err:
+            pub.request("kvs.x", b"x" * (1 << 20), {}, 5)
+        assert "max_payload of 1048576" in err.value.message
+        pub.close()
+    finally:
+        srv.close()
+        th.join(5)

@@ -363,3 +363,19 @@ def test_the_chain_value_stored_as_another_sends_the_pools_to_their_own_path(mon
         served, check = m.fleet.served_pages(PS, chain.seed, chain.terms(), chain.pages, ("", ""), bits)
     assert served.tolist() == [2, 3] and check.tolist() == [False, True]
     assert [(s.pool, s.cached_tokens) for s in score_prefix(m, prompt)] == [("long", 40), ("short", 8)]
+
+
+def test_prompts_of_at_most_one_page_score_what_an_admission_gets_in_every_pool_kind():
+    """Short prompts are answered 0 without asking any pool (their last token is always computed): checked
+    against admissions on full, hybrid and sliding-only pools, with page sizes 4 and 8."""
+    m, w, loads = fleet_manager(3)
+    run_steps(m, loads, 8)
+    for fam in w.families:
+        for n in range(1, 10):
+            prompt = np.asarray(fam[:n], dtype=np.int64)
+            for s in score_prefix(m, prompt, "", KEYS[0]):
+                if not s.prefix_caching:
+                    assert s.cached_tokens == 0
+                    continue
+                with m.locked(s.pool) as pool:
+                    assert s.cached_tokens == admit_now(pool, prompt, "", KEYS[0]), (s, n)
