@@ -202,6 +202,8 @@ def test_slots_held_counts_each_group_and_excludes_released_window_pages():
     assert [len(pool.sequence_slots(1, g)) for g in (0, 1)] == [8, 3] and pool.first_page(1, 1) == 5
     with pytest.raises(NotFound):
         pool.slots_held(np.array([3]))
+    none = pool.slots_held(np.array([], dtype=np.int64))   # no sequences: no rows, one column per group
+    assert none.shape == (0, 2) and none.dtype == np.int64
 
 
 @pytest.mark.parametrize(("prepare", "step", "want_rows"), [
