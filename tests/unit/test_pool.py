@@ -328,6 +328,20 @@ def test_state_without_an_incarnation_restores_as_none_yet():
     assert snapshot(twin) == snapshot(pool)
 
 
+def test_state_keeps_the_model_and_one_without_it_restores_unnamed():
+    """The model name round-trips through a state; a state that lacks the field restores as "" (unnamed)."""
+    from kvservice.snapshot import check_pool_state
+    pool = Pool("p", make_pool().plan, False, "m-7b")
+    pool.step(admit_ids=[4, 9], admit_tokens=np.random.default_rng(9).integers(1, 30, 2))
+    state = pool.export_state()
+    assert Pool.from_state(state, pool.plan).model == "m-7b"
+    assert state.meta.pop("model") == "m-7b"
+    assert check_pool_state(state, pool.plan) == []
+    twin = Pool.from_state(state, pool.plan)
+    assert twin.model == ""
+    assert snapshot(twin) == snapshot(pool)
+
+
 def test_unknown_sequence_in_slots_held_names_the_field_and_the_id():
     pool = make_pool()
     pool.step(admit_ids=[3, 8], admit_tokens=[6, 9])
