@@ -342,6 +342,36 @@ def test_state_keeps_the_model_and_one_without_it_restores_unnamed():
     assert snapshot(twin) == snapshot(pool)
 
 
+def test_state_spec_stores_runs_of_equal_layers_and_rebuilds_the_plan():
+    """meta["spec"]["layers"] holds [kv_heads, head_dim, dtype, window, count] per run of equal consecutive
+    layers, and pool_plan rebuilds the very layer list from it."""
+    from kvservice.snapshot import pool_plan
+    a, b, c = LayerSpec(2, 64), LayerSpec(2, 64, sliding_window=8), LayerSpec(4, 32, "bfloat16")
+    layers = (a, a, a, b, c, c, a)
+    pool = make_pool(num_slots=48, layers=layers)
+    meta = pool.export_state().meta
+    assert meta["spec"]["layers"] == [[2, 64, a.dtype, 0, 3], [2, 64, a.dtype, 8, 1], [4, 32, "bfloat16", 0, 2],
+                                      [2, 64, a.dtype, 0, 1]]
+    assert pool_plan(meta).geometry.spec.layers == layers
+
+
+def test_a_free_stack_of_descending_runs_is_captured_as_runs_when_asked():
+    """Past 2**20 free slots the captured free stack is kept as runs of descending ids; finish(runs=True)
+    hands those runs on (what the snapshot encoder writes), finish() the plain array, both the same ids."""
+    from kvservice.pool import IdRuns
+    n = (1 << 20) + 96
+    pool = make_pool(num_slots=n, layers=(LayerSpec(2, 64),))
+    rng = np.random.default_rng(10)
+    pool.step(admit_ids=[1, 2, 3], admit_tokens=rng.integers(5, 40, 3))
+    pool.step(free_ids=[2])
+    runs = pool.capture_state()(runs=True).arrays["free_stack/0"]
+    plain = pool.capture_state()().arrays["free_stack/0"]
+    assert isinstance(runs, IdRuns) and isinstance(plain, np.ndarray) and plain.dtype == np.int64
+    assert np.array_equal(runs.array(), plain)
+    held = np.concatenate([pool.sequence_slots(i, 0) for i in (1, 3)])
+    assert np.array_equal(np.sort(plain), np.setdiff1d(np.arange(n), held))
+
+
 def test_unknown_sequence_in_slots_held_names_the_field_and_the_id():
     pool = make_pool()
     pool.step(admit_ids=[3, 8], admit_tokens=[6, 9])
