@@ -372,6 +372,20 @@ def test_a_free_stack_of_descending_runs_is_captured_as_runs_when_asked():
     assert np.array_equal(np.sort(plain), np.setdiff1d(np.arange(n), held))
 
 
+@pytest.mark.parametrize("n", [(1 << 20) + 1, (1 << 20) + 2, (2 << 20) + 2])
+def test_runs_found_chunk_by_chunk_give_back_every_id(n):
+    """_copy_ids scans in 2**20-element chunks: a run broken at any place, the last id and the chunk
+    edges included, comes back as the same ids (a few breaks: IdRuns; the reference is the array itself)."""
+    from kvservice.pool import IdRuns, _copy_ids
+    rng = np.random.default_rng(n)
+    a = np.arange(3 * n, 2 * n, -1, dtype=np.int64)       # one descending run of n ids
+    at = np.unique(np.concatenate([[n - 1, (1 << 20) - 1, 1 << 20], rng.integers(1, n, 5)]))
+    a[at] = rng.integers(5 * n, 6 * n, len(at))             # each breaks the run before and after it
+    runs = _copy_ids(a)
+    assert isinstance(runs, IdRuns)
+    assert np.array_equal(runs.array(), a)
+
+
 def test_unknown_sequence_in_slots_held_names_the_field_and_the_id():
     pool = make_pool()
     pool.step(admit_ids=[3, 8], admit_tokens=[6, 9])
