@@ -48,6 +48,11 @@ EQUIVALENT = ROOT / "bench" / "mutation_equivalent.txt"
 KILLED = ROOT / "bench" / "mutation_killed.txt"
 RESULTS = {"python": ROOT / "bench" / "results" / "mutation_python.json",
            "cu": ROOT / "bench" / "results" / "mutation_cu.json"}
+# mutmut forks each mutant's test run from a process whose coverage pass already ran torch: with its OpenMP
+# thread team started, a forked child that reaches an OpenMP region (torch.einsum in the reference tests) waits
+# forever for threads it does not have, and mutmut's wall-clock limit then counts that mutant as a timeout, i.e.
+# killed. One OpenMP/MKL thread (no team) keeps the children from hanging; it is also what 2 shared cores want.
+MUTANT_ENV = {**os.environ, "KV_DIFF_SCALE": "0.05", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 CU_TESTS = ["tests/kernels/test_decode.py", "tests/kernels/test_append_copy.py",
             "tests/kernels/test_validate_guard.py", "tests/kernels/test_sanitizers.py",
             "tests/kernels/test_large_offset.py", "tests/kernels/test_widen.py"]
@@ -139,7 +144,7 @@ def python_part(max_children: int, sample: int = 0, seed: int = 10, minutes: flo
     minutes: stop the mutant runs after this long (0 = no limit); mutants not reached stay "not checked".
     """
     mutmut = [sys.executable, "-m", "mutmut"]
-    env = {**os.environ, "KV_DIFF_SCALE": "0.05"}
+    env = MUTANT_ENV
     t0 = time.time()
     names: list[str] | None = None
     rechecked: list[str] = []
@@ -198,7 +203,7 @@ def recheck_killed(max_children: int, minutes: float = 0, diffs: dict[str, str] 
     edited since, and mutmut numbers that function's mutants anew) is not run but listed as gone.
     """
     mutmut = [sys.executable, "-m", "mutmut"]
-    env = {**os.environ, "KV_DIFF_SCALE": "0.05"}
+    env = MUTANT_ENV
     t0 = time.time()
     _run([*mutmut, "run", "--max-children", str(max_children), "no-such-mutant"], ROOT, 3600, env)
     listed = _names_in(KILLED)
