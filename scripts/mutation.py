@@ -21,9 +21,12 @@ command that ran, seed, sample, every mutant's status, survivors' diffs), and th
 from both files, so a part can be rerun alone (--report alone rebuilds the report). Each seed's Python
 sample is kept apart (a rerun of a seed replaces only that seed's), so the report shows every sample's
 raw score against the tests of its day: a new seed, drawn after the tests written for the earlier
-samples' survivors, is an out-of-sample estimate of the whole set's score.
+samples' survivors, is an out-of-sample estimate of the whole set's score. mutmut counts a mutant whose
+forked test run hangs as killed (timeout); each timeout is run again in one plain pytest process
+(--confirm-timeouts for samples kept before this check), and one whose tests pass counts as survived.
 
 Usage: python scripts/mutation.py [--python] [--cu] [--report] [--sample N] [--seed S] [--minutes M] [--note TEXT]
+                                  [--confirm-timeouts]
                                   [--recheck] [--out bench/results/mutation.md] [--max-children N]
 """
 
@@ -180,12 +183,40 @@ def python_part(max_children: int, sample: int = 0, seed: int = 10, minutes: flo
             tail, _ = proc.communicate()
     run_seconds = time.time() - t_run
     status = _statuses(set(names or []) | set(rechecked) if names is not None else None)
-    survivors = sorted(k for k, s in status.items() if s in ("survived", "no tests"))
+    check = confirm_timeouts(sorted(k for k, s in status.items() if s == "timeout"))
+    survivors = sorted(k for k, s in {**status, **check}.items() if s in ("survived", "no tests"))
     diffs = {name: _run([*mutmut, "show", name], ROOT, 120).stdout for name in survivors}
     sample_names = sorted(names) if names else sorted(status)
     return {"seconds": time.time() - t0, "run_seconds": run_seconds, "minutes_limit": minutes, "stopped": stopped,
             "sample": sample, "seed": seed, "sample_names": sample_names, "recheck_names": rechecked,
-            "survivors": diffs, "status": status, "run_tail": (tail or "")[-2000:], "module_totals": totals}
+            "survivors": diffs, "status": status, "run_tail": (tail or "")[-2000:], "module_totals": totals,
+            "timeout_check": check}
+
+
+def confirm_timeouts(names: list[str]) -> dict[str, str]:
+    """mutmut's timeouts run again without its fork: the mutant's covering tests (mutmut's stats) in one plain
+    pytest process in mutants/, under a 10-minute wall limit. A forked child can hang for a reason that is not the
+    mutant (a thread pool of the parent), and mutmut counts any hang as killed. name -> "killed" (a test fails),
+    "survived" (they pass) or "timeout" (still hangs, or pytest could not run them)."""
+    if not names:
+        return {}
+    by_function = json.loads((ROOT / "mutants" / "mutmut-stats.json").read_text())["tests_by_mangled_function_name"]
+    out = {}
+    for name in names:
+        tests = sorted(by_function.get(name.partition("__mutmut_")[0], []))
+        try:
+            r = _run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests], ROOT / "mutants",
+                     600, {**MUTANT_ENV, "MUTANT_UNDER_TEST": name})
+            out[name] = {0: "survived", 1: "killed"}.get(r.returncode, "timeout") if tests else "timeout"
+        except subprocess.TimeoutExpired:
+            out[name] = "timeout"
+        print(f"timeout run again: {name}: {out[name]}", flush=True)
+    return out
+
+
+def _status_of(py: dict) -> dict[str, str]:
+    """A sample's statuses, with its timeouts replaced by their run without mutmut's fork where it was made."""
+    return {**py["status"], **py.get("timeout_check", {})}
 
 
 def _module(name: str) -> str:
@@ -296,7 +327,7 @@ def _figures(py: dict) -> dict:
     """One sample's raw figures: tally, checked, survivors, equivalent and killed-since counts."""
     if py.get("summary_only"):
         return py["figures"]
-    status, eq, later = py["status"], equivalents(), _pairs(KILLED)
+    status, eq, later = _status_of(py), equivalents(), _pairs(KILLED)
     sample = py["sample_names"]
     t = _tally(status, sample)
     surv = sorted(n for n in sample if status.get(n) in ("survived", "no tests"))
@@ -310,7 +341,7 @@ def _weighted(py: dict) -> tuple[float, float] | None:
     totals = py.get("module_totals")
     if not totals or py.get("summary_only"):
         return None
-    status, eq = py["status"], equivalents()
+    status, eq = _status_of(py), equivalents()
     num = [0.0, 0.0]
     den = 0
     for m, total in totals.items():
@@ -355,7 +386,7 @@ def _summary_report(py: dict) -> list[str]:
 def _python_report(py: dict) -> list[str]:
     if py.get("summary_only"):
         return _summary_report(py)
-    status, eq, later = py["status"], equivalents(), _pairs(KILLED)
+    status, eq, later = _status_of(py), equivalents(), _pairs(KILLED)
     sample = py["sample_names"]
     f = _figures(py)
     t, checked, n_eq, n_later = f, f["checked"], f["equivalent"], f["killed since"]
@@ -373,7 +404,7 @@ def _python_report(py: dict) -> list[str]:
              f"{t['not checked']}. Score over the checked mutants (killed / killed + survived + no tests): "
              f"{t['killed'] / max(checked, 1):.1%}; with the {n_eq} equivalent survivors left out of the "
              f"denominator: {t['killed'] / max(checked - n_eq, 1):.1%}. Timeouts count as killed (the mutant "
-             "hung a test)." + _weighted_text(py), "",
+             "hung a test)" + _timeout_text(py) + "." + _weighted_text(py), "",
              "| module | killed | survived | of them equivalent | no tests | not checked |",
              "|---|---:|---:|---:|---:|---:|"]
     mods: dict[str, list[str]] = {}
@@ -421,6 +452,17 @@ def _python_report(py: dict) -> list[str]:
                       + ", ".join(f"`{n}`" for n in rk["gone"]) + "; each was checked by hand as noted in "
                       "bench/mutation_killed.txt."]
     return lines
+
+
+def _timeout_text(py: dict) -> str:
+    check = py.get("timeout_check")
+    if check is None:
+        return ""
+    n = {k: sum(v == k for v in check.values()) for k in ("killed", "survived", "timeout")}
+    how = f" by `{py['timeout_check_command']}`" if py.get("timeout_check_command") else ""
+    return (f" once run again without mutmut's fork{how}: of mutmut's {len(check)} timeouts, {n['killed']} "
+            f"fail a test (killed), {n['survived']} pass every covering test (counted survived here) and "
+            f"{n['timeout']} still hang" + py.get("timeout_check_note", ""))
 
 
 def _weighted_text(py: dict) -> str:
@@ -487,11 +529,13 @@ def main() -> int:
     ap.add_argument("--recheck-killed", action="store_true",
                     help="run the mutants of bench/mutation_killed.txt again; kept beside the Python results")
     ap.add_argument("--minutes", type=float, default=0, help="stop the Python mutant runs after this long")
+    ap.add_argument("--confirm-timeouts", action="store_true",
+                    help="run the kept samples' mutmut timeouts again without its fork (those not run so yet)")
     ap.add_argument("--note", default="", help="what tests the sample ran against (a column of the report)")
     ap.add_argument("--recheck", action="store_true",
                     help="also run the earlier survivors of bench/mutation_killed.txt and mutation_equivalent.txt")
     a = ap.parse_args()
-    both = not (a.python or a.cu or a.report or a.recheck_killed)
+    both = not (a.python or a.cu or a.report or a.recheck_killed or a.confirm_timeouts)
     command = "python scripts/mutation.py " + " ".join(sys.argv[1:])
     if a.python or both:
         samples = [r for r in _load_python() if r["seed"] != a.seed]      # a rerun of a seed replaces it
@@ -511,6 +555,16 @@ def main() -> int:
             reruns = [*old.get("reruns", []), {"command": command, "seconds": kept_cu["seconds"]}]
             kept_cu = {**old, "results": rows, "reruns": reruns}
         RESULTS["cu"].write_text(json.dumps(kept_cu, indent=1))
+    if a.confirm_timeouts:                                  # the kept samples' timeouts, with today's tests
+        samples = _load_python()
+        for py in samples:
+            if not py.get("summary_only") and "timeout_check" not in py:
+                py["timeout_check"] = confirm_timeouts(sorted(n for n, st in py["status"].items() if st == "timeout"))
+                py["timeout_check_command"] = command
+                for name, st in py["timeout_check"].items():
+                    if st == "survived":
+                        py["survivors"][name] = _run([sys.executable, "-m", "mutmut", "show", name], ROOT, 120).stdout
+        _save_python(samples)
     if a.recheck_killed:                                    # kept with the newest sample
         samples = _load_python()
         diffs = {n: d for r in samples for n, d in r.get("survivors", {}).items()}
