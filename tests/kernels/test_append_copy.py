@@ -48,6 +48,7 @@ def test_append_off_lattice_record_and_error_policy(ops) -> None:
         ops.append_kv(c.buf, c.layout, k, k, sm, policy=Policy.ERROR)
     r = ei.value.record
     assert (r.count, r.row, r.value, r.reason) == (1, 1, int(sm[1]), "off_lattice")
+    assert str(ei.value).startswith("append_kv: 1 page-table violation(s); first at row 1")   # names the kernel
 
 
 def test_append_checks_arguments(ops) -> None:

@@ -197,6 +197,8 @@ def test_error_policy_raises_with_record(ops) -> None:
         run(ops, c, rand(rng, (2, 1, 64), "float32"), (indptr, indices, lpl), policy=Policy.ERROR)
     rec = ei.value.record
     assert (rec.count, rec.row, rec.position, rec.value, rec.reason) == (1, 1, 3, -2, "out_of_bounds")
+    assert str(ei.value) == "decode_attention: 1 page-table violation(s); first at row 1, position 3: value -2 " \
+                            "(out_of_bounds)"
 
 
 @pytest.mark.parametrize("split", [0, 1])
