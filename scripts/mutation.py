@@ -375,6 +375,22 @@ def _overview(samples: list[dict]) -> list[str]:
     return lines
 
 
+def _out_of_sample(samples: list[dict]) -> list[str]:
+    """The newest sample, drawn after the tests written for every earlier sample's survivors, scores those tests
+    on mutants they were not written for: the estimate of the whole set's score."""
+    py = samples[-1]
+    if len(samples) < 2 or py.get("summary_only"):
+        return []
+    f, w = _figures(py), _weighted(py)
+    c, e = f["checked"], f["equivalent"]
+    return [f"**Out-of-sample estimate** (seed {py['seed']}, a fresh sample drawn after all the tests written for "
+            f"the earlier samples' survivors, before any test written for its own): {f['killed'] / max(c - e, 1):.1%} "
+            f"of its non-equivalent mutants killed ({f['killed']} of {c - e}; {f['killed'] / max(c, 1):.1%} of all "
+            f"{c} checked, {e} survivors being equivalent)"
+            + (f"; weighted by each module's number of mutants: {w[1]:.1%} ({w[0]:.1%} of all)" if w else "")
+            + ".", ""]
+
+
 def _summary_report(py: dict) -> list[str]:
     f = py["figures"]
     return [f"### Sample seed {py['seed']}", "", f"`{py['command']}`: {py['what']}", "",
@@ -493,7 +509,7 @@ def report(samples: list[dict], cu: dict | None) -> str:
              "the kept results of the runs named below (bench/results/mutation_python.json, mutation_cu.json); "
              "`make mutation` runs both parts. Machine: the shared 2-core VM, runs under `nice`.", ""]
     if samples:
-        lines += ["## Python (mutmut)", "", *_overview(samples), ""]
+        lines += ["## Python (mutmut)", "", *_out_of_sample(samples), *_overview(samples), ""]
         for py in samples:
             lines += _python_report(py)
             lines.append("")
