@@ -302,6 +302,9 @@ def test_prefix_fields_without_admissions_are_refused(kwargs):
      "admission, token ids: their sum)"),
     ({"free_ids": [3], "admit_salts": ["tenant-a"]}, "admit_cache_salts given for a step with no admissions"),
     ({"free_ids": [3], "admit_extra_keys": ["lora-7"]}, "admit_extra_keys given for a step with no admissions"),
+    ({"free_ids": [3.0]}, "free_seq_ids must be a 1-D integer array, got shape (1,) dtype float64"),
+    ({"extend_ids": [[3]], "extend_tokens": [2]},
+     "extend_seq_ids must be a 1-D integer array, got shape (1, 1) dtype int64"),
 ])
 def test_refused_step_names_the_field(step, message):
     pool = make_pool()
@@ -310,6 +313,19 @@ def test_refused_step_names_the_field(step, message):
     with pytest.raises(InvalidArgument) as e:
         pool.step(**step)
     assert e.value.message.startswith(message)
+    assert snapshot(pool) == before
+
+
+def test_an_unknown_fork_parent_and_extra_salts_are_named_with_the_field():
+    pool = Pool("c", plan(CacheSpec.uniform(1, 1, 64, page_size=4), Sizing(num_slots=16)), prefix_caching=True)
+    pool.step(admit_ids=[1], admit_tokens=[5], admit_token_ids=np.arange(11, 16))
+    before = snapshot(pool)
+    with pytest.raises(NotFound) as e:
+        pool.step(fork_parents=[9], fork_children=[4])
+    assert e.value.message == "fork_parent_ids: sequence 9 is not in pool 'c'"
+    with pytest.raises(InvalidArgument) as e:
+        pool.step(admit_ids=[7], admit_tokens=[4], admit_token_ids=np.arange(21, 25), admit_salts=["a", "b"])
+    assert e.value.message == "admit_cache_salts has 2 entries for 1 admissions; give one per admission or none"
     assert snapshot(pool) == before
 
 
