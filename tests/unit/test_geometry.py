@@ -19,6 +19,10 @@ def test_per_layer_one_space_per_group():
     assert g.pool_pages == 200 and [s.num_pages for s in g.index_spaces] == [100, 100]
     assert g.layer_space.tolist() == [0, 0, 0, 1, 1]
     assert g.groups[0].slot_bytes == 3 * 2 * 16 * 8 * 128 * 2
+    page = 2 * 16 * 8 * 128 * 2                           # K and V of one page, float16
+    assert [(v.layer, v.group, v.index_space, v.page_bytes, v.byte_offset, v.scale, v.offset, v.upper_bound, v.base)
+            for v in g.layers] == [(i, int(i >= 3), int(i >= 3), page, 0, 1, 0, 100 * (1 + (i >= 3)), 100 * (i >= 3))
+                                   for i in range(5)]
 
 
 def test_interleaved_two_sizes_differ_in_scale_and_every_page_is_aligned():
