@@ -13,6 +13,7 @@ def test_per_layer_one_space_per_group():
     spec = CacheSpec((LayerSpec(8, 128),) * 3 + (LayerSpec(8, 128, sliding_window=512),) * 2, 16)
     g = Geometry(spec, 100)
     assert [gr.layers for gr in g.groups] == [(0, 1, 2), (3, 4)]
+    assert [(gr.id, gr.sliding_window) for gr in g.groups] == [(0, 0), (1, 512)]
     # Disjoint ranges: space 1 starts where space 0 ends.
     assert [(s.group, s.scale, s.offset, s.base, s.upper_bound) for s in g.index_spaces] == \
         [(0, 1, 0, 0, 100), (1, 1, 0, 100, 200)]
