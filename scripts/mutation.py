@@ -248,6 +248,7 @@ def recheck_killed(max_children: int, minutes: float = 0, diffs: dict[str, str] 
     except subprocess.TimeoutExpired:
         pass
     status = _statuses(set(names))
+    status |= confirm_timeouts(sorted(n for n, st in status.items() if st == "timeout"))
     return {"seconds": time.time() - t0, "status": status,
             "gone": sorted(set(listed) - set(names))}          # functions edited since: the name no longer exists
 
