@@ -389,7 +389,21 @@ def _out_of_sample(samples: list[dict]) -> list[str]:
             f"of its non-equivalent mutants killed ({f['killed']} of {c - e}; {f['killed'] / max(c, 1):.1%} of all "
             f"{c} checked, {e} survivors being equivalent)"
             + (f"; weighted by each module's number of mutants: {w[1]:.1%} ({w[0]:.1%} of all)" if w else "")
-            + ".", ""]
+            + _fresh_text(py) + ".", ""]
+
+
+def _fresh_text(py: dict) -> str:
+    """The score over the mutants no earlier sample drew (none of them can have a test written for it)."""
+    earlier = set(py.get("earlier_sample_names", []))
+    fresh = [n for n in py["sample_names"] if n not in earlier]
+    if not earlier or len(fresh) == len(py["sample_names"]):
+        return ""
+    status, eq = _status_of(py), equivalents()
+    t = _tally(status, fresh)
+    c = t["killed"] + t["survived"] + t["no tests"]
+    e = sum(n in eq and status.get(n) in ("survived", "no tests") for n in fresh)
+    return (f"; over the {len(fresh)} mutants no earlier sample drew: {t['killed'] / max(c - e, 1):.1%} "
+            f"({t['killed']} of {c - e})")
 
 
 def _summary_report(py: dict) -> list[str]:
