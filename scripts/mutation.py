@@ -51,10 +51,11 @@ EQUIVALENT = ROOT / "bench" / "mutation_equivalent.txt"
 KILLED = ROOT / "bench" / "mutation_killed.txt"
 RESULTS = {"python": ROOT / "bench" / "results" / "mutation_python.json",
            "cu": ROOT / "bench" / "results" / "mutation_cu.json"}
-# mutmut forks each mutant's test run from a process whose coverage pass already ran torch: with its OpenMP
-# thread team started, a forked child that reaches an OpenMP region (torch.einsum in the reference tests) waits
-# forever for threads it does not have, and mutmut's wall-clock limit then counts that mutant as a timeout, i.e.
-# killed. One OpenMP/MKL thread (no team) keeps the children from hanging; it is also what 2 shared cores want.
+# mutmut forks each mutant's test run from a process whose coverage pass already ran torch and the emulated kernels
+# (both OpenMP): a forked child that reaches an OpenMP region can wait forever for threads it does not have, and
+# mutmut's wall-clock limit then counts that mutant as a timeout, i.e. killed. One OpenMP/MKL thread keeps torch
+# from starting a team (seen hung in einsum); the emulated kernels ask for their thread blocks' own thread count
+# and still hang, so every timeout is run again in a plain pytest process (confirm_timeouts).
 MUTANT_ENV = {**os.environ, "KV_DIFF_SCALE": "0.05", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 CU_TESTS = ["tests/kernels/test_decode.py", "tests/kernels/test_append_copy.py",
             "tests/kernels/test_validate_guard.py", "tests/kernels/test_sanitizers.py",
