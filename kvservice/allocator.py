@@ -157,7 +157,7 @@ class SlotAllocator:
         self._top += k
 
     def refcount(self, slots: np.ndarray) -> np.ndarray:
-        """Refcounts of the given slots (a copy)."""
+        """Refcounts of the given slots: int32 [len(slots)], owners per slot (a copy)."""
         return self._refcnt[slots].copy()
 
     def free_slots(self) -> np.ndarray:

@@ -18,9 +18,15 @@ mutants per module (2 N for pool.py) and reports the sample's score and survivor
 
 Each part's results are kept in bench/results/mutation_python.json and mutation_cu.json (the
 command that ran, seed, sample, every mutant's status, survivors' diffs), and the report is built
-from both files, so a part can be rerun alone (--report alone rebuilds the report).
+from both files, so a part can be rerun alone (--report alone rebuilds the report). Each seed's Python
+sample is kept apart (a rerun of a seed replaces only that seed's), so the report shows every sample's
+raw score against the tests of its day: a new seed, drawn after the tests written for the earlier
+samples' survivors, is an out-of-sample estimate of the whole set's score. mutmut counts a mutant whose
+forked test run hangs as killed (timeout); each timeout is run again in one plain pytest process
+(--confirm-timeouts for samples kept before this check), and one whose tests pass counts as survived.
 
-Usage: python scripts/mutation.py [--python] [--cu] [--report] [--sample N] [--seed S] [--minutes M]
+Usage: python scripts/mutation.py [--python] [--cu] [--report] [--sample N] [--seed S] [--minutes M] [--note TEXT]
+                                  [--confirm-timeouts]
                                   [--recheck] [--out bench/results/mutation.md] [--max-children N]
 """
 
@@ -45,6 +51,12 @@ EQUIVALENT = ROOT / "bench" / "mutation_equivalent.txt"
 KILLED = ROOT / "bench" / "mutation_killed.txt"
 RESULTS = {"python": ROOT / "bench" / "results" / "mutation_python.json",
            "cu": ROOT / "bench" / "results" / "mutation_cu.json"}
+# mutmut forks each mutant's test run from a process whose coverage pass already ran torch and the emulated kernels
+# (both OpenMP): a forked child that reaches an OpenMP region can wait forever for threads it does not have, and
+# mutmut's wall-clock limit then counts that mutant as a timeout, i.e. killed. One OpenMP/MKL thread keeps torch
+# from starting a team (seen hung in einsum); the emulated kernels ask for their thread blocks' own thread count
+# and still hang, so every timeout is run again in a plain pytest process (confirm_timeouts).
+MUTANT_ENV = {**os.environ, "KV_DIFF_SCALE": "0.05", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 CU_TESTS = ["tests/kernels/test_decode.py", "tests/kernels/test_append_copy.py",
             "tests/kernels/test_validate_guard.py", "tests/kernels/test_sanitizers.py",
             "tests/kernels/test_large_offset.py", "tests/kernels/test_widen.py"]
@@ -136,10 +148,11 @@ def python_part(max_children: int, sample: int = 0, seed: int = 10, minutes: flo
     minutes: stop the mutant runs after this long (0 = no limit); mutants not reached stay "not checked".
     """
     mutmut = [sys.executable, "-m", "mutmut"]
-    env = {**os.environ, "KV_DIFF_SCALE": "0.05"}
+    env = MUTANT_ENV
     t0 = time.time()
     names: list[str] | None = None
     rechecked: list[str] = []
+    totals: dict[str, int] = {}
     if sample or recheck:
         # Generates the mutants and the per-test coverage (stats) without running any mutant.
         _run([*mutmut, "run", "--max-children", str(max_children), "no-such-mutant"], ROOT, 3600, env)
@@ -148,6 +161,8 @@ def python_part(max_children: int, sample: int = 0, seed: int = 10, minutes: flo
             rng = random.Random(seed)
             for f in sorted(glob.glob(str(ROOT / "mutants" / "**" / "*.meta"), recursive=True)):
                 keys = sorted(json.loads(Path(f).read_text()).get("exit_code_by_key", {}))
+                if keys:
+                    totals[_module(keys[0])] = len(keys)
                 names += rng.sample(keys, min(2 * sample if f.endswith("pool.py.meta") else sample, len(keys)))
         if recheck:
             known = set(_statuses(None))
@@ -169,12 +184,44 @@ def python_part(max_children: int, sample: int = 0, seed: int = 10, minutes: flo
             tail, _ = proc.communicate()
     run_seconds = time.time() - t_run
     status = _statuses(set(names or []) | set(rechecked) if names is not None else None)
-    survivors = sorted(k for k, s in status.items() if s in ("survived", "no tests"))
+    check = confirm_timeouts(sorted(k for k, s in status.items() if s == "timeout"))
+    survivors = sorted(k for k, s in {**status, **check}.items() if s in ("survived", "no tests"))
     diffs = {name: _run([*mutmut, "show", name], ROOT, 120).stdout for name in survivors}
     sample_names = sorted(names) if names else sorted(status)
     return {"seconds": time.time() - t0, "run_seconds": run_seconds, "minutes_limit": minutes, "stopped": stopped,
             "sample": sample, "seed": seed, "sample_names": sample_names, "recheck_names": rechecked,
-            "survivors": diffs, "status": status, "run_tail": (tail or "")[-2000:]}
+            "survivors": diffs, "status": status, "run_tail": (tail or "")[-2000:], "module_totals": totals,
+            "timeout_check": check}
+
+
+def confirm_timeouts(names: list[str]) -> dict[str, str]:
+    """mutmut's timeouts run again without its fork: the mutant's covering tests (mutmut's stats) in one plain
+    pytest process in mutants/, under a 10-minute wall limit. A forked child can hang for a reason that is not the
+    mutant (a thread pool of the parent), and mutmut counts any hang as killed. name -> "killed" (a test fails),
+    "survived" (they pass) or "timeout" (still hangs, or pytest could not run them)."""
+    if not names:
+        return {}
+    by_function = json.loads((ROOT / "mutants" / "mutmut-stats.json").read_text())["tests_by_mangled_function_name"]
+    out = {}
+    for name in names:
+        tests = sorted(by_function.get(name.partition("__mutmut_")[0], []))
+        try:
+            r = _run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests], ROOT / "mutants",
+                     600, {**MUTANT_ENV, "MUTANT_UNDER_TEST": name})
+            out[name] = {0: "survived", 1: "killed"}.get(r.returncode, "timeout") if tests else "timeout"
+        except subprocess.TimeoutExpired:
+            out[name] = "timeout"
+        print(f"timeout run again: {name}: {out[name]}", flush=True)
+    return out
+
+
+def _status_of(py: dict) -> dict[str, str]:
+    """A sample's statuses, with its timeouts replaced by their run without mutmut's fork where it was made."""
+    return {**py["status"], **py.get("timeout_check", {})}
+
+
+def _module(name: str) -> str:
+    return name.split(".x")[0]                              # kvservice.pool.x_step__mutmut_3 -> kvservice.pool
 
 
 def _changed_lines(diff: str) -> list[str]:
@@ -188,7 +235,7 @@ def recheck_killed(max_children: int, minutes: float = 0, diffs: dict[str, str] 
     edited since, and mutmut numbers that function's mutants anew) is not run but listed as gone.
     """
     mutmut = [sys.executable, "-m", "mutmut"]
-    env = {**os.environ, "KV_DIFF_SCALE": "0.05"}
+    env = MUTANT_ENV
     t0 = time.time()
     _run([*mutmut, "run", "--max-children", str(max_children), "no-such-mutant"], ROOT, 3600, env)
     listed = _names_in(KILLED)
@@ -202,6 +249,7 @@ def recheck_killed(max_children: int, minutes: float = 0, diffs: dict[str, str] 
     except subprocess.TimeoutExpired:
         pass
     status = _statuses(set(names))
+    status |= confirm_timeouts(sorted(n for n, st in status.items() if st == "timeout"))
     return {"seconds": time.time() - t0, "status": status,
             "gone": sorted(set(listed) - set(names))}          # functions edited since: the name no longer exists
 
@@ -277,19 +325,109 @@ def _tally(status: dict[str, str], names: list[str]) -> dict[str, int]:
     return t
 
 
-def _python_report(py: dict) -> list[str]:
-    status, eq, later = py["status"], equivalents(), _pairs(KILLED)
+def _figures(py: dict) -> dict:
+    """One sample's raw figures: tally, checked, survivors, equivalent and killed-since counts."""
+    if py.get("summary_only"):
+        return py["figures"]
+    status, eq, later = _status_of(py), equivalents(), _pairs(KILLED)
     sample = py["sample_names"]
     t = _tally(status, sample)
-    checked = t["killed"] + t["survived"] + t["no tests"]
     surv = sorted(n for n in sample if status.get(n) in ("survived", "no tests"))
-    n_eq = sum(n in eq for n in surv)
-    n_later = sum(n in later for n in surv)
+    return {**t, "mutants": len(sample), "checked": t["killed"] + t["survived"] + t["no tests"],
+            "equivalent": sum(n in eq for n in surv), "killed since": sum(n in later for n in surv)}
+
+
+def _weighted(py: dict) -> tuple[float, float] | None:
+    """The whole set's score estimated from a per-module sample: each module's sample score weighted by its
+    number of mutants (raw, and over the non-equivalent ones); None without the module totals."""
+    totals = py.get("module_totals")
+    if not totals or py.get("summary_only"):
+        return None
+    status, eq = _status_of(py), equivalents()
+    num = [0.0, 0.0]
+    den = 0
+    for m, total in totals.items():
+        ns = [n for n in py["sample_names"] if _module(n) == m]
+        t = _tally(status, ns)
+        checked = t["killed"] + t["survived"] + t["no tests"]
+        e = sum(n in eq and status.get(n) in ("survived", "no tests") for n in ns)
+        if checked:
+            num[0] += total * t["killed"] / checked
+            num[1] += total * t["killed"] / max(checked - e, 1)
+            den += total
+    return (num[0] / den, num[1] / den) if den else None
+
+
+def _overview(samples: list[dict]) -> list[str]:
+    lines = ["Each sample is a fresh seeded random draw over the mutants as mutmut numbered them at its run; its "
+             "score is the raw one, from the tests that existed when it ran (before any test written for its own "
+             "survivors). Score = killed / checked (checked = killed + survived + no tests); without equivalents = "
+             "killed / (checked - equivalent survivors); after = (killed + killed since by a new test) / "
+             "(checked - equivalent).", "",
+             "| seed | tests it ran against | mutants | killed | survived | no tests | not checked | score | "
+             "equivalent survivors | score without equivalents | killed since | after |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for py in samples:
+        f = _figures(py)
+        c, e = f["checked"], f["equivalent"]
+        lines.append(f"| {py['seed']} | {py.get('note', '')} | {f['mutants']} | {f['killed']} | {f['survived']} | "
+                     f"{f['no tests']} | {f['not checked']} | {f['killed'] / max(c, 1):.1%} | {e} | "
+                     f"{f['killed'] / max(c - e, 1):.1%} | {f['killed since']} | "
+                     f"{(f['killed'] + f['killed since']) / max(c - e, 1):.1%} |")
+    return lines
+
+
+def _out_of_sample(samples: list[dict]) -> list[str]:
+    """The newest sample, drawn after the tests written for every earlier sample's survivors, scores those tests
+    on mutants they were not written for: the estimate of the whole set's score."""
+    py = samples[-1]
+    if len(samples) < 2 or py.get("summary_only"):
+        return []
+    f, w = _figures(py), _weighted(py)
+    c, e = f["checked"], f["equivalent"]
+    return [f"**Out-of-sample estimate** (seed {py['seed']}, a fresh sample drawn after all the tests written for "
+            f"the earlier samples' survivors, before any test written for its own): {f['killed'] / max(c - e, 1):.1%} "
+            f"of its non-equivalent mutants killed ({f['killed']} of {c - e}; {f['killed'] / max(c, 1):.1%} of all "
+            f"{c} checked, {e} survivors being equivalent)"
+            + (f"; weighted by each module's number of mutants: {w[1]:.1%} ({w[0]:.1%} of all)" if w else "")
+            + _fresh_text(py) + ".", ""]
+
+
+def _fresh_text(py: dict) -> str:
+    """The score over the mutants no earlier sample drew (none of them can have a test written for it)."""
+    earlier = set(py.get("earlier_sample_names", []))
+    fresh = [n for n in py["sample_names"] if n not in earlier]
+    if not earlier or len(fresh) == len(py["sample_names"]):
+        return ""
+    status, eq = _status_of(py), equivalents()
+    t = _tally(status, fresh)
+    c = t["killed"] + t["survived"] + t["no tests"]
+    e = sum(n in eq and status.get(n) in ("survived", "no tests") for n in fresh)
+    return (f"; over the {len(fresh)} mutants no earlier sample drew: {t['killed'] / max(c - e, 1):.1%} "
+            f"({t['killed']} of {c - e})")
+
+
+def _summary_report(py: dict) -> list[str]:
+    f = py["figures"]
+    return [f"### Sample seed {py['seed']}", "", f"`{py['command']}`: {py['what']}", "",
+            f"Killed {f['killed']}, survived {f['survived']}, no tests {f['no tests']}, not checked "
+            f"{f['not checked']}; {f['equivalent']} survivors equivalent, {f['killed since']} killed since by a "
+            "new test (both in the seed-11 section's rerun below). " + py.get("source", "")]
+
+
+def _python_report(py: dict) -> list[str]:
+    if py.get("summary_only"):
+        return _summary_report(py)
+    status, eq, later = _status_of(py), equivalents(), _pairs(KILLED)
+    sample = py["sample_names"]
+    f = _figures(py)
+    t, checked, n_eq, n_later = f, f["checked"], f["equivalent"], f["killed since"]
+    surv = sorted(n for n in sample if status.get(n) in ("survived", "no tests"))
     what = (f"a seeded sample (seed {py['seed']}) of {len(sample)} mutants, {py['sample']} per module and "
             f"{2 * py['sample']} of pool.py" if py["sample"] else f"all {len(sample)} mutants")
     limit = "" if not py.get("minutes_limit") else f", stopped at its {py['minutes_limit']:.0f}-minute limit" \
         if py.get("stopped") else f", within its {py['minutes_limit']:.0f}-minute limit"
-    lines = ["## Python (mutmut)", "",
+    lines = [f"### Sample seed {py['seed']}", "",
              f"`{py['command']}`: {what}. Mutant runs took {py['run_seconds'] / 60:.0f} min{limit} "
              f"({py['seconds'] / 60:.0f} min with mutant generation and coverage). Each mutant ran the tests of "
              "pyproject's `pytest_add_cli_args_test_selection` that cover its function, with KV_DIFF_SCALE=0.05.",
@@ -298,12 +436,12 @@ def _python_report(py: dict) -> list[str]:
              f"{t['not checked']}. Score over the checked mutants (killed / killed + survived + no tests): "
              f"{t['killed'] / max(checked, 1):.1%}; with the {n_eq} equivalent survivors left out of the "
              f"denominator: {t['killed'] / max(checked - n_eq, 1):.1%}. Timeouts count as killed (the mutant "
-             "hung a test).", "",
+             "hung a test)" + _timeout_text(py) + "." + _weighted_text(py), "",
              "| module | killed | survived | of them equivalent | no tests | not checked |",
              "|---|---:|---:|---:|---:|---:|"]
     mods: dict[str, list[str]] = {}
     for n in sample:
-        mods.setdefault(n.split(".x")[0], []).append(n)          # kvservice.pool.x_step__mutmut_3
+        mods.setdefault(_module(n), []).append(n)
     for m, ns in sorted(mods.items()):
         mt = _tally(status, ns)
         me = sum(n in eq and status.get(n) in ("survived", "no tests") for n in ns)
@@ -325,7 +463,7 @@ def _python_report(py: dict) -> list[str]:
     rc = py.get("recheck_names") or []
     if rc:
         rt = _tally(status, rc)
-        lines += ["", "### Survivors of earlier samples, run again", "",
+        lines += ["", "#### Survivors of earlier samples, run again", "",
                   f"{len(rc)} mutants (those named in bench/mutation_killed.txt and bench/mutation_equivalent.txt): "
                   f"killed {rt['killed']}, survived {rt['survived']}, no tests {rt['no tests']}, not checked "
                   f"{rt['not checked']}.", ""]
@@ -336,7 +474,7 @@ def _python_report(py: dict) -> list[str]:
     rk = py.get("recheck_killed")
     if rk:
         rt = _tally(rk["status"], sorted(rk["status"]))
-        lines += ["", "### The survivors a new test kills, run again through mutmut", "",
+        lines += ["", "#### The survivors a new test kills, run again through mutmut", "",
                   f"`{rk['command']}` ({rk['seconds'] / 60:.0f} min): {len(rk['status'])} mutants of "
                   f"bench/mutation_killed.txt: killed {rt['killed']}, survived {rt['survived']}, no tests "
                   f"{rt['no tests']}, not checked {rt['not checked']}."]
@@ -348,13 +486,49 @@ def _python_report(py: dict) -> list[str]:
     return lines
 
 
-def report(py: dict | None, cu: dict | None) -> str:
+def _timeout_text(py: dict) -> str:
+    check = py.get("timeout_check")
+    if check is None:
+        return ""
+    n = {k: sum(v == k for v in check.values()) for k in ("killed", "survived", "timeout")}
+    how = f" by `{py['timeout_check_command']}`" if py.get("timeout_check_command") else ""
+    return (f" once run again without mutmut's fork{how}: of mutmut's {len(check)} timeouts, {n['killed']} "
+            f"fail a test (killed), {n['survived']} pass every covering test (counted survived here) and "
+            f"{n['timeout']} still hang" + py.get("timeout_check_note", ""))
+
+
+def _weighted_text(py: dict) -> str:
+    w = _weighted(py)
+    if w is None:
+        return ""
+    prior = sorted(set(py["sample_names"]) & set(py.get("earlier_sample_names", [])))
+    return (f" Weighted by each module's number of mutants ({sum(py['module_totals'].values())} in all), the "
+            f"estimate of the whole set's score is {w[0]:.1%}, and {w[1]:.1%} without the equivalent survivors."
+            + (f" {len(prior)} of the sampled mutants were also in an earlier sample." if prior else ""))
+
+
+def _load_python() -> list[dict]:
+    """The kept Python samples, oldest seed first (an older file held one sample at its top level)."""
+    if not RESULTS["python"].exists():
+        return []
+    kept = json.loads(RESULTS["python"].read_text())
+    return kept["samples"] if "samples" in kept else [kept]
+
+
+def _save_python(samples: list[dict]) -> None:
+    RESULTS["python"].write_text(json.dumps({"samples": sorted(samples, key=lambda r: r["seed"])}, indent=1))
+
+
+def report(samples: list[dict], cu: dict | None) -> str:
     lines = ["# Mutation check", "",
              f"Generated {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC by `python scripts/mutation.py --report` from "
              "the kept results of the runs named below (bench/results/mutation_python.json, mutation_cu.json); "
              "`make mutation` runs both parts. Machine: the shared 2-core VM, runs under `nice`.", ""]
-    if py is not None:
-        lines += _python_report(py)
+    if samples:
+        lines += ["## Python (mutmut)", "", *_out_of_sample(samples), *_overview(samples), ""]
+        for py in samples:
+            lines += _python_report(py)
+            lines.append("")
     if cu is not None:
         res = cu["results"]
         mutants = [r for r in res if r[0] != "(none)"]
@@ -387,14 +561,21 @@ def main() -> int:
     ap.add_argument("--recheck-killed", action="store_true",
                     help="run the mutants of bench/mutation_killed.txt again; kept beside the Python results")
     ap.add_argument("--minutes", type=float, default=0, help="stop the Python mutant runs after this long")
+    ap.add_argument("--confirm-timeouts", action="store_true",
+                    help="run the kept samples' mutmut timeouts again without its fork (those not run so yet)")
+    ap.add_argument("--note", default="", help="what tests the sample ran against (a column of the report)")
     ap.add_argument("--recheck", action="store_true",
                     help="also run the earlier survivors of bench/mutation_killed.txt and mutation_equivalent.txt")
     a = ap.parse_args()
-    both = not (a.python or a.cu or a.report or a.recheck_killed)
+    both = not (a.python or a.cu or a.report or a.recheck_killed or a.confirm_timeouts)
     command = "python scripts/mutation.py " + " ".join(sys.argv[1:])
     if a.python or both:
+        samples = [r for r in _load_python() if r["seed"] != a.seed]      # a rerun of a seed replaces it
         py = python_part(a.max_children, a.sample, a.seed, a.minutes, a.recheck)
-        RESULTS["python"].write_text(json.dumps({**py, "seed": a.seed, "command": command}, indent=1))
+        earlier = sorted({n for r in samples for n in r.get("sample_names", [])})
+        _save_python([*samples, {**py, "seed": a.seed, "command": command, "note": a.note,
+                                 "date": f"{dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC",
+                                 "earlier_sample_names": earlier}])
     if a.cu or both:
         t0 = time.time()
         cu = cu_part(a.cu_match)
@@ -406,13 +587,23 @@ def main() -> int:
             reruns = [*old.get("reruns", []), {"command": command, "seconds": kept_cu["seconds"]}]
             kept_cu = {**old, "results": rows, "reruns": reruns}
         RESULTS["cu"].write_text(json.dumps(kept_cu, indent=1))
-    if a.recheck_killed:
-        kept_py = json.loads(RESULTS["python"].read_text())
-        kept_py["recheck_killed"] = {**recheck_killed(a.max_children, a.minutes, kept_py["survivors"]),
-                                     "command": command}
-        RESULTS["python"].write_text(json.dumps(kept_py, indent=1))
-    kept = {k: json.loads(f.read_text()) for k, f in RESULTS.items() if f.exists()}
-    Path(a.out).write_text(report(kept.get("python"), kept.get("cu")))
+    if a.confirm_timeouts:                                  # the kept samples' timeouts, with today's tests
+        samples = _load_python()
+        for py in samples:
+            if not py.get("summary_only") and "timeout_check" not in py:
+                py["timeout_check"] = confirm_timeouts(sorted(n for n, st in py["status"].items() if st == "timeout"))
+                py["timeout_check_command"] = command
+                for name, st in py["timeout_check"].items():
+                    if st == "survived":
+                        py["survivors"][name] = _run([sys.executable, "-m", "mutmut", "show", name], ROOT, 120).stdout
+        _save_python(samples)
+    if a.recheck_killed:                                    # kept with the newest sample
+        samples = _load_python()
+        diffs = {n: d for r in samples for n, d in r.get("survivors", {}).items()}
+        samples[-1]["recheck_killed"] = {**recheck_killed(a.max_children, a.minutes, diffs), "command": command}
+        _save_python(samples)
+    cu_kept = json.loads(RESULTS["cu"].read_text()) if RESULTS["cu"].exists() else None
+    Path(a.out).write_text(report(_load_python(), cu_kept))
     print(Path(a.out).read_text())
     return 0
 

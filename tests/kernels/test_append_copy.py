@@ -48,6 +48,7 @@ def test_append_off_lattice_record_and_error_policy(ops) -> None:
         ops.append_kv(c.buf, c.layout, k, k, sm, policy=Policy.ERROR)
     r = ei.value.record
     assert (r.count, r.row, r.value, r.reason) == (1, 1, int(sm[1]), "off_lattice")
+    assert str(ei.value).startswith("append_kv: 1 page-table violation(s); first at row 1")   # names the kernel
 
 
 def test_append_checks_arguments(ops) -> None:
@@ -62,6 +63,17 @@ def test_append_checks_arguments(ops) -> None:
         ops.append_kv(c.buf, c.layout, k, k.astype(np.float32), np.zeros(2, dtype=np.int64))
     with pytest.raises(ValueError, match="layout needs"):
         ops.append_kv(c.buf[:3], c.layout, k, k, np.zeros(2, dtype=np.int64))
+
+
+def test_misshapen_slot_mapping_and_pairs_are_named_with_the_shape_wanted(ops) -> None:
+    """A 2-D slot_mapping or a pairs array that is not [n, 2] is refused naming the argument and its shape."""
+    rng = np.random.default_rng(24)
+    c = make_cache(rng, "per_layer", 4, 4, 2, 64, "float16")
+    k = rand(rng, (2, 2, 64), "float16")
+    with pytest.raises(ValueError, match=r"^slot_mapping: expected shape \[n\] = \(-?\d+,\), got \(2, 1\)$"):
+        ops.append_kv(c.buf, c.layout, k, k, np.zeros((2, 1), dtype=np.int64))
+    with pytest.raises(ValueError, match=r"^pairs: expected shape \[n, 2\] = \(3, 2\), got \(3, 3\)$"):
+        ops.copy_blocks([c.buf], c.layout, np.zeros((3, 3), dtype=np.int64))
 
 
 @pytest.mark.parametrize("kind", ["per_layer", "interleaved"])

@@ -75,6 +75,30 @@ def test_sliding_window_and_sm_scale(ops, dtype: str, kind: str, window: int, sp
         assert rel_err(res.out[1:], full[1:]) > 100 * TOL[dtype]
 
 
+def test_each_head_keeps_its_own_softmax_max(ops) -> None:
+    """With a large sm_scale the heads' score ranges lie hundreds apart: each head's softmax must subtract its
+    own max (one max over all heads would underflow every exp of the lower heads to 0 and give NaN)."""
+    rng = np.random.default_rng(7)
+    c = make_cache(rng, "per_layer", 16, 8, 2, 64, "float32")
+    table = make_table(rng, c, [29, 50])
+    q = rand(rng, (2, 4, 64), "float32")
+    q[:, 2:] *= 0.01                                      # kv head 1's queries: scores far below kv head 0's
+    res = run(ops, c, q, table, sm_scale=400.0)
+    assert np.isfinite(res.out).all() and np.isfinite(res.lse).all()
+    check(res, c, q, table, "float32", sm_scale=400.0)
+
+
+def test_bad_queries_are_named_with_what_they_need(ops) -> None:
+    """q of the wrong dtype, or with a head count that is not a multiple of kv_heads, is refused by name."""
+    rng = np.random.default_rng(8)
+    c = make_cache(rng, "per_layer", 16, 8, 2, 64, "float16")
+    table = make_table(rng, c, [9, 20])
+    with pytest.raises(TypeError, match=r"^q: expected dtype float16, got float32$"):
+        ops.decode_attention(rand(rng, (2, 4, 64), "float32"), c.buf, c.layout, *table)
+    with pytest.raises(ValueError, match=r"^q: num_q_heads 3 must be a positive multiple of kv_heads 2$"):
+        ops.decode_attention(rand(rng, (2, 3, 64), "float16"), c.buf, c.layout, *table)
+
+
 def test_split_equals_reference_at_many_split_sizes() -> None:
     rng = np.random.default_rng(5)
     c = make_cache(rng, "per_layer", 64, 4, 1, 64, "float32")
@@ -173,6 +197,8 @@ def test_error_policy_raises_with_record(ops) -> None:
         run(ops, c, rand(rng, (2, 1, 64), "float32"), (indptr, indices, lpl), policy=Policy.ERROR)
     rec = ei.value.record
     assert (rec.count, rec.row, rec.position, rec.value, rec.reason) == (1, 1, 3, -2, "out_of_bounds")
+    assert str(ei.value) == "decode_attention: 1 page-table violation(s); first at row 1, position 3: value -2 " \
+                            "(out_of_bounds)"
 
 
 @pytest.mark.parametrize("split", [0, 1])

@@ -78,6 +78,19 @@ def test_guard_fill_and_check(ops) -> None:
         ops.guard_check(buf, 10)
 
 
+def test_guard_names_the_first_corrupted_byte_of_the_back_zone(ops) -> None:
+    """With the front zone intact, first_offset is the buffer offset of the back zone's first changed byte
+    (n - guard + its index there), and a changed payload byte is never counted."""
+    rng = np.random.default_rng(32)
+    buf = guarded(4096, 64)
+    ops.guard_fill(buf, 64)
+    buf[64:64 + 4096] = rng.integers(1, 256, 4096, dtype=np.uint8)      # the payload is not guarded
+    at = np.sort(rng.choice(np.arange(1, 64), 3, replace=False))
+    buf[buf.shape[0] - 64 + at] ^= rng.integers(1, 256, 3, dtype=np.uint8)
+    rep = ops.guard_check(buf, 64)
+    assert (rep.corrupted_bytes, rep.first_offset) == (3, 64 + 4096 + int(at[0]))
+
+
 def test_guard_catches_stray_write_of_unchecked_kernel() -> None:
     """With bounds checks compiled out, an append one page past the end lands in
     the back guard zone, and guard_check names the offset."""

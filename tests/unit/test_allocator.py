@@ -301,3 +301,19 @@ def test_free_takes_int32_ids_and_names_the_first_bad_id():
     assert e.value.message == f"slot {bad} does not exist (num_slots=10)"
     assert a.num_free == 8
     a.check()
+
+
+@pytest.mark.parametrize("n", [0, -3])
+def test_an_allocator_without_slots_is_refused_with_the_count(n):
+    with pytest.raises(InvalidArgument) as e:
+        SlotAllocator(n)
+    assert e.value.message == f"num_slots must be > 0, got {n}"
+    assert SlotAllocator(1).num_free == 1                  # one slot is an allocator
+
+
+def test_refcounts_are_int32_owner_counts():
+    a = SlotAllocator(6)
+    s = a.allocate(3)
+    a.share(s[[0, 2]], np.array([1, 2]))
+    rc = a.refcount(s)
+    assert rc.dtype == np.int32 and rc.tolist() == [2, 1, 3]

@@ -13,12 +13,17 @@ def test_per_layer_one_space_per_group():
     spec = CacheSpec((LayerSpec(8, 128),) * 3 + (LayerSpec(8, 128, sliding_window=512),) * 2, 16)
     g = Geometry(spec, 100)
     assert [gr.layers for gr in g.groups] == [(0, 1, 2), (3, 4)]
+    assert [(gr.id, gr.sliding_window) for gr in g.groups] == [(0, 0), (1, 512)]
     # Disjoint ranges: space 1 starts where space 0 ends.
     assert [(s.group, s.scale, s.offset, s.base, s.upper_bound) for s in g.index_spaces] == \
         [(0, 1, 0, 0, 100), (1, 1, 0, 100, 200)]
     assert g.pool_pages == 200 and [s.num_pages for s in g.index_spaces] == [100, 100]
     assert g.layer_space.tolist() == [0, 0, 0, 1, 1]
     assert g.groups[0].slot_bytes == 3 * 2 * 16 * 8 * 128 * 2
+    page = 2 * 16 * 8 * 128 * 2                           # K and V of one page, float16
+    assert [(v.layer, v.group, v.index_space, v.page_bytes, v.byte_offset, v.scale, v.offset, v.upper_bound, v.base)
+            for v in g.layers] == [(i, int(i >= 3), int(i >= 3), page, 0, 1, 0, 100 * (1 + (i >= 3)), 100 * (i >= 3))
+                                   for i in range(5)]
 
 
 def test_interleaved_two_sizes_differ_in_scale_and_every_page_is_aligned():

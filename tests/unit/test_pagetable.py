@@ -8,7 +8,14 @@ import pytest
 
 from kvservice.errors import InvalidArgument
 from kvservice.geometry import IndexSpace
-from kvservice.pagetable import PageTable, validate_page_table
+from kvservice.pagetable import (
+    OFF_LATTICE,
+    OUT_OF_BOUNDS,
+    WRONG_INDEX_SPACE,
+    PageTable,
+    page_reasons,
+    validate_page_table,
+)
 
 FLAT = IndexSpace(0, 0, 1, 0, 100, (0,))
 LATTICE = IndexSpace(1, 0, 4, 2, 400, (1,))
@@ -110,3 +117,25 @@ def test_malformed_table_message_names_the_array(field, message):
     with pytest.raises(InvalidArgument) as e:
         validate_page_table(PageTable(**{**good, field: bad[field]}), FLAT, 16)
     assert e.value.message == message
+
+
+@pytest.mark.parametrize("scale", [1, 2, 3])
+def test_page_reasons_against_a_plain_python_rule(scale):
+    """Each page's int8 reason: out of the pool, else outside [base, upper_bound), else off the lattice
+    base + offset + k * scale (checked for every scale, 2 included), else 0."""
+    rng = np.random.default_rng(40 + scale)
+    base, offset, pool_pages = 7, scale - 1, 60
+    upper = base + 12 * scale
+    pages = rng.integers(-3, pool_pages + 4, (5, 40))
+
+    def rule(q):
+        if q < 0 or q >= pool_pages:
+            return OUT_OF_BOUNDS
+        if q < base or q >= upper:
+            return WRONG_INDEX_SPACE
+        return OFF_LATTICE if (q - base - offset) % scale else 0
+
+    got = page_reasons(pages, base=base, upper_bound=upper, scale=scale, offset=offset, pool_pages=pool_pages)
+    assert got.dtype == np.int8 and got.shape == pages.shape
+    assert got.tolist() == [[rule(q) for q in row] for row in pages.tolist()]
+    assert (got == OFF_LATTICE).any() == (scale > 1)

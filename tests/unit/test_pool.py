@@ -202,6 +202,8 @@ def test_slots_held_counts_each_group_and_excludes_released_window_pages():
     assert [len(pool.sequence_slots(1, g)) for g in (0, 1)] == [8, 3] and pool.first_page(1, 1) == 5
     with pytest.raises(NotFound):
         pool.slots_held(np.array([3]))
+    none = pool.slots_held(np.array([], dtype=np.int64))   # no sequences: no rows, one column per group
+    assert none.shape == (0, 2) and none.dtype == np.int64
 
 
 @pytest.mark.parametrize(("prepare", "step", "want_rows"), [
@@ -300,6 +302,9 @@ def test_prefix_fields_without_admissions_are_refused(kwargs):
      "admission, token ids: their sum)"),
     ({"free_ids": [3], "admit_salts": ["tenant-a"]}, "admit_cache_salts given for a step with no admissions"),
     ({"free_ids": [3], "admit_extra_keys": ["lora-7"]}, "admit_extra_keys given for a step with no admissions"),
+    ({"free_ids": [3.0]}, "free_seq_ids must be a 1-D integer array, got shape (1,) dtype float64"),
+    ({"extend_ids": [[3]], "extend_tokens": [2]},
+     "extend_seq_ids must be a 1-D integer array, got shape (1, 1) dtype int64"),
 ])
 def test_refused_step_names_the_field(step, message):
     pool = make_pool()
@@ -308,6 +313,19 @@ def test_refused_step_names_the_field(step, message):
     with pytest.raises(InvalidArgument) as e:
         pool.step(**step)
     assert e.value.message.startswith(message)
+    assert snapshot(pool) == before
+
+
+def test_an_unknown_fork_parent_and_extra_salts_are_named_with_the_field():
+    pool = Pool("c", plan(CacheSpec.uniform(1, 1, 64, page_size=4), Sizing(num_slots=16)), prefix_caching=True)
+    pool.step(admit_ids=[1], admit_tokens=[5], admit_token_ids=np.arange(11, 16))
+    before = snapshot(pool)
+    with pytest.raises(NotFound) as e:
+        pool.step(fork_parents=[9], fork_children=[4])
+    assert e.value.message == "fork_parent_ids: sequence 9 is not in pool 'c'"
+    with pytest.raises(InvalidArgument) as e:
+        pool.step(admit_ids=[7], admit_tokens=[4], admit_token_ids=np.arange(21, 25), admit_salts=["a", "b"])
+    assert e.value.message == "admit_cache_salts has 2 entries for 1 admissions; give one per admission or none"
     assert snapshot(pool) == before
 
 
@@ -324,6 +342,64 @@ def test_state_without_an_incarnation_restores_as_none_yet():
     twin = Pool.from_state(state, pool.plan)
     assert twin.incarnation == 0
     assert snapshot(twin) == snapshot(pool)
+
+
+def test_state_keeps_the_model_and_one_without_it_restores_unnamed():
+    """The model name round-trips through a state; a state that lacks the field restores as "" (unnamed)."""
+    from kvservice.snapshot import check_pool_state
+    pool = Pool("p", make_pool().plan, False, "m-7b")
+    pool.step(admit_ids=[4, 9], admit_tokens=np.random.default_rng(9).integers(1, 30, 2))
+    state = pool.export_state()
+    assert Pool.from_state(state, pool.plan).model == "m-7b"
+    assert state.meta.pop("model") == "m-7b"
+    assert check_pool_state(state, pool.plan) == []
+    twin = Pool.from_state(state, pool.plan)
+    assert twin.model == ""
+    assert snapshot(twin) == snapshot(pool)
+
+
+def test_state_spec_stores_runs_of_equal_layers_and_rebuilds_the_plan():
+    """meta["spec"]["layers"] holds [kv_heads, head_dim, dtype, window, count] per run of equal consecutive
+    layers, and pool_plan rebuilds the very layer list from it."""
+    from kvservice.snapshot import pool_plan
+    a, b, c = LayerSpec(2, 64), LayerSpec(2, 64, sliding_window=8), LayerSpec(4, 32, "bfloat16")
+    layers = (a, a, a, b, c, c, a)
+    pool = make_pool(num_slots=48, layers=layers)
+    meta = pool.export_state().meta
+    assert meta["spec"]["layers"] == [[2, 64, a.dtype, 0, 3], [2, 64, a.dtype, 8, 1], [4, 32, "bfloat16", 0, 2],
+                                      [2, 64, a.dtype, 0, 1]]
+    assert pool_plan(meta).geometry.spec.layers == layers
+
+
+def test_a_free_stack_of_descending_runs_is_captured_as_runs_when_asked():
+    """Past 2**20 free slots the captured free stack is kept as runs of descending ids; finish(runs=True)
+    hands those runs on (what the snapshot encoder writes), finish() the plain array, both the same ids."""
+    from kvservice.pool import IdRuns
+    n = (1 << 20) + 96
+    pool = make_pool(num_slots=n, layers=(LayerSpec(2, 64),))
+    rng = np.random.default_rng(10)
+    pool.step(admit_ids=[1, 2, 3], admit_tokens=rng.integers(5, 40, 3))
+    pool.step(free_ids=[2])
+    runs = pool.capture_state()(runs=True).arrays["free_stack/0"]
+    plain = pool.capture_state()().arrays["free_stack/0"]
+    assert isinstance(runs, IdRuns) and isinstance(plain, np.ndarray) and plain.dtype == np.int64
+    assert np.array_equal(runs.array(), plain)
+    held = np.concatenate([pool.sequence_slots(i, 0) for i in (1, 3)])
+    assert np.array_equal(np.sort(plain), np.setdiff1d(np.arange(n), held))
+
+
+@pytest.mark.parametrize("n", [(1 << 20) + 1, (1 << 20) + 2, (2 << 20) + 2])
+def test_runs_found_chunk_by_chunk_give_back_every_id(n):
+    """_copy_ids scans in 2**20-element chunks: a run broken at any place, the last id and the chunk
+    edges included, comes back as the same ids (a few breaks: IdRuns; the reference is the array itself)."""
+    from kvservice.pool import IdRuns, _copy_ids
+    rng = np.random.default_rng(n)
+    a = np.arange(3 * n, 2 * n, -1, dtype=np.int64)       # one descending run of n ids
+    at = np.unique(np.concatenate([[n - 1, (1 << 20) - 1, 1 << 20], rng.integers(1, n, 5)]))
+    a[at] = rng.integers(5 * n, 6 * n, len(at))             # each breaks the run before and after it
+    runs = _copy_ids(a)
+    assert isinstance(runs, IdRuns)
+    assert np.array_equal(runs.array(), a)
 
 
 def test_unknown_sequence_in_slots_held_names_the_field_and_the_id():

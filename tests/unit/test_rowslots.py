@@ -113,6 +113,7 @@ def test_nbytes_counts_the_arena_and_three_int64_arrays_per_row():
 def test_iota_is_a_prefix_of_a_doubling_range():
     rs = RowSlots(np.dtype(np.int32))
     assert rs.iota(5).tolist() == [0, 1, 2, 3, 4]
+    assert rs.iota(1024).tolist() == list(range(1024)) and len(rs._iota) == 1024    # an exact fit: no growth
     got = rs.iota(1500)
     assert got.dtype == np.int64 and got.tolist() == list(range(1500))
     assert len(rs._iota) == 2048                            # doubled: growing costs O(log n) allocations
