@@ -33,15 +33,13 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import grpc  # noqa: E402
 
-from bench.bench_durability import _admit, _decode, _pool_request, _times  # noqa: E402
+from bench.bench_durability import grpc_step_times  # noqa: E402
 from kvservice.ha import serve_ha, stop_ha  # noqa: E402
 from kvservice.journal import Journal, JournalConfig  # noqa: E402
 from kvservice.journal_nats import NatsConfig, NatsLink, NatsStore  # noqa: E402
 from kvservice.leader import LeaseConfig  # noqa: E402
 from kvservice.server import serve  # noqa: E402
-from kvservice.v1 import block_manager_pb2_grpc as pb_grpc  # noqa: E402
 from tests.integration.ha_harness import HASystem, cluster_leader_node, kill_loop, pause_leader  # noqa: E402
 from tests.natsutil import NatsCluster  # noqa: E402
 
@@ -60,23 +58,12 @@ def _loop_publish(store: NatsStore, payload: bytes, headers: dict[str, str]) -> 
     return int(ack.seq)
 
 
-def _grpc_times(port: int, b: int, n: int) -> np.ndarray:
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", 256 << 20)])
-    try:
-        stub = pb_grpc.BlockManagerStub(channel)
-        stub.CreatePool(_pool_request(b), timeout=30)
-        stub.Step(_admit(b), timeout=30)
-        return _times(lambda r: stub.Step(r, timeout=30), _decode(b), n)
-    finally:
-        channel.close()
-
-
 def step_latency(kind: str, b: int, n: int, tmp: Path, clusters: dict[str, NatsCluster]) -> np.ndarray:
     if kind.startswith("sqlite"):
         d = tmp / uuid.uuid4().hex
         running = serve(journal=Journal.open(d, config=JournalConfig(sync=kind.split("-")[1])))
         try:
-            return _grpc_times(running.port, b, n)
+            return grpc_step_times(running.port, b, n)
         finally:
             running.stop(0)
             shutil.rmtree(d, ignore_errors=True)
@@ -91,7 +78,7 @@ def step_latency(kind: str, b: int, n: int, tmp: Path, clusters: dict[str, NatsC
             if time.monotonic() > deadline:
                 raise RuntimeError(f"no takeover: {ha.failed}")
             time.sleep(0.01)
-        return _grpc_times(running.port, b, n)
+        return grpc_step_times(running.port, b, n)
     finally:
         stop_ha(running, ha, grace=0)
 
