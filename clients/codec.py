@@ -116,11 +116,23 @@ def _ids(a: object) -> np.ndarray:
     return np.asarray(a, dtype=np.uint64)
 
 
+_INT32_MAX = np.iinfo(np.int32).max
+
+
+def _wire(a: np.ndarray) -> pb.Tensor:
+    """An id or count array as a Tensor: INT32 when every value fits (half the bytes; the manager reads any
+    integer dtype), else as it is (uint64 ids, int64 counts)."""
+    if len(a) and a.dtype != np.int32 and 0 <= int(a.min()) and int(a.max()) <= _INT32_MAX:
+        a = a.astype(np.int32)
+    return to_tensor(a)
+
+
 def step_request(pool: str, free: object = None, extend: object = None, extend_tokens: object = None,
                  admit: object = None, admit_tokens: object = None, tables: bool = True,
                  block_table: bool = False, fork: object = None, admit_token_ids: object = None,
                  salts: object = None, extra_keys: object = None, request_id: str = "") -> pb.StepRequest:
-    """Build a StepRequest; ids as uint64, token counts as int64 (scalars broadcast over ids).
+    """Build a StepRequest; ids and token counts as INT32 when they fit, else uint64 / int64 (scalar counts
+    broadcast over ids).
 
     fork: (parent, child) pairs. admit_token_ids: the admitted prompts' token ids, concatenated (prefix
     caching). salts, extra_keys: one string per admission.
@@ -142,8 +154,8 @@ def step_request(pool: str, free: object = None, extend: object = None, extend_t
             continue
         ids = _ids(ids)
         counts = np.broadcast_to(np.asarray(1 if counts is None else counts, dtype=np.int64), ids.shape)
-        getattr(req, f_ids).CopyFrom(to_tensor(ids))
-        getattr(req, f_n).CopyFrom(to_tensor(np.ascontiguousarray(counts)))
+        getattr(req, f_ids).CopyFrom(_wire(ids))
+        getattr(req, f_n).CopyFrom(_wire(np.ascontiguousarray(counts)))
     return req
 
 

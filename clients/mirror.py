@@ -25,6 +25,7 @@ import numpy as np
 from kvservice.errors import KVError
 from kvservice.geometry import IndexSpace
 from kvservice.pagetable import PageTable
+from kvservice.stepplan import MAX_COUNT
 from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1.common_pb2 import INT32, INT64
 from kvservice.wire import fill_tensor, from_tensor
@@ -72,6 +73,7 @@ class PageTableMirror:
         self.new_token_indptr = xp.zeros(1, dtype=np.int64)   # int64 [B + 1]
         self._held = xp.zeros(0, dtype=np.int64)          # int64 [B]: ceil(num_tokens / page_size)
         self.spaces: dict[int, _Space] = {}
+        self._steps: tuple[int, Any] | None = None        # (tokens_added, its new_token_indptr), reused (read-only)
 
     def invalidate(self) -> None:
         """Forget the tables (the next reply must be a full one)."""
@@ -146,8 +148,11 @@ class PageTableMirror:
     def _apply_delta(self, reply: pb.StepReply) -> None:
         xp, ps = self.xp, self.page_size
         d = reply.delta
-        num_n = self._arr(reply.num_tokens, "num_tokens")
-        tok = self._arr(reply.new_token_indptr, "new_token_indptr")
+        if d.tokens_added:
+            num_n, tok = self._uniform(reply)
+        else:
+            num_n = self._arr(reply.num_tokens, "num_tokens")
+            tok = self._arr(reply.new_token_indptr, "new_token_indptr")
         b = len(num_n)
         if len(tok) != b + 1:
             raise MirrorError(f"new_token_indptr has {len(tok)} entries for {b} rows")
@@ -217,6 +222,23 @@ class PageTableMirror:
             self.spaces[sid].table, self.spaces[sid].first = table, first_n
         self.seq_ids, self.num_tokens, self.new_token_indptr, self._held = seq_ids, num_n, tok, held_n
         self.seq = reply.stream_seq
+
+    def _uniform(self, reply: pb.StepReply) -> tuple[Any, Any]:
+        """num_tokens and new_token_indptr of a delta with tokens_added: the base batch, each row + tokens_added."""
+        t = reply.delta.tokens_added
+        if reply.delta.HasField("base_rows") or reply.HasField("num_tokens") or reply.HasField("new_token_indptr"):
+            raise MirrorError("a delta with tokens_added covers the base batch alone; it carries no base_rows, "
+                              "num_tokens or new_token_indptr")
+        if t > MAX_COUNT:
+            raise MirrorError(f"tokens_added {t} is more than a sequence can gain in a step ({MAX_COUNT})")
+        b = self.batch_size
+        steps = self._steps
+        if steps is None or steps[0] != t or len(steps[1]) != b + 1:
+            indptr = self.xp.arange(b + 1, dtype=np.int64) * t
+            if self.xp is np:
+                indptr.flags.writeable = False       # shared by the results of a steady loop, as replies' arrays are
+            steps = self._steps = (t, indptr)
+        return self.num_tokens + t, steps[1]
 
     def _append_only(self, reply: pb.StepReply, num_n: Any, tok: Any) -> bool:
         """A steady decode delta (same batch, at most one page gained per row, nothing released or replaced)

@@ -244,12 +244,11 @@ def _decode_delta(pool: Pool, res: StepResult, held: HeldTables, seq: int,
     opened = np.flatnonzero(~partial)            # rows whose new token opened a page
     replaced = np.flatnonzero(partial & (page != held.last[0]))      # copy-on-write moved the last page
     reply = pb.StepReply(layer_index_space=pool.layer_space, num_free_slots=res.num_free_slots, stream_seq=seq)
-    _put(reply.num_tokens, INT64, res.num_tokens)
-    _put(reply.new_token_indptr, INT64, res.new_token_indptr)
     for g, pairs in enumerate(res.copies):
         if len(pairs):
             reply.copies.add(group=g, pairs=to_tensor(pairs))
     reply.delta.base_seq = held.seq
+    reply.delta.tokens_added = 1             # the client's mirror derives num_tokens and new_token_indptr
     if len(replaced):
         gd = reply.delta.groups.add(group=0)
         fill_tensor(gd.replaced_rows, replaced.astype(np.int32))
@@ -323,6 +322,11 @@ def _step_reply_base(pool: Pool, res: StepResult, seq: int, base: int, same: boo
     reply.delta.base_seq = base
     if same:
         reply.ClearField("seq_ids")
+        k = np.diff(res.new_token_indptr)
+        if len(k) and int(k.min()) == int(k.max()):      # a uniform extend: counts follow from the base's
+            reply.ClearField("num_tokens")
+            reply.ClearField("new_token_indptr")
+            reply.delta.tokens_added = int(k[0])
     else:
         fill_tensor(reply.delta.base_rows, src.astype(np.int32))
     return reply

@@ -340,14 +340,16 @@ class SpaceDelta(_message.Message):
     def __init__(self, pages: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., replaced: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class TableDelta(_message.Message):
-    __slots__ = ("base_seq", "base_rows", "groups")
+    __slots__ = ("base_seq", "base_rows", "groups", "tokens_added")
     BASE_SEQ_FIELD_NUMBER: _ClassVar[int]
     BASE_ROWS_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_ADDED_FIELD_NUMBER: _ClassVar[int]
     base_seq: int
     base_rows: _common_pb2.Tensor
     groups: _containers.RepeatedCompositeFieldContainer[GroupDelta]
-    def __init__(self, base_seq: _Optional[int] = ..., base_rows: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., groups: _Optional[_Iterable[_Union[GroupDelta, _Mapping]]] = ...) -> None: ...
+    tokens_added: int
+    def __init__(self, base_seq: _Optional[int] = ..., base_rows: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., groups: _Optional[_Iterable[_Union[GroupDelta, _Mapping]]] = ..., tokens_added: _Optional[int] = ...) -> None: ...
 
 class GroupDelta(_message.Message):
     __slots__ = ("group", "first_rows", "first_pages", "replaced_rows")

@@ -20,6 +20,7 @@ from kvservice.manager import BlockManager
 from kvservice.planner import Sizing
 from kvservice.stream import StreamSession
 from kvservice.v1 import block_manager_pb2 as pb
+from kvservice.wire import to_tensor
 from tests.support_stream import MAX_LEN, NUM_SLOTS, PAGE, SPECS, Driver, assert_same_tables
 
 
@@ -109,11 +110,57 @@ def test_steady_decode_sends_only_new_pages():
         starts = int(((lens - 1) % PAGE == 0).sum())         # rows whose new token opens a page
         (st,) = reply.tables
         assert len(reply.seq_ids.data) == 0 and not reply.delta.HasField("base_rows")
+        assert reply.delta.tokens_added == 1 and not reply.HasField("num_tokens")      # counts follow from +1
+        assert not reply.HasField("new_token_indptr")
         assert not st.HasField("indptr") and not st.HasField("slot_mapping")
         assert len(st.delta.pages.data) == 4 * starts and len(st.delta.replaced.data) == 0
         twin.mirror.apply(reply)
         full = codec.parse_step(twin.api.Step(codec.step_request("b", extend=ids, extend_tokens=1, block_table=True)))
         assert_same_tables(twin.mirror, full, "decode")
+
+
+def _delta_step(twin: Twin, kw: dict) -> pb.StepReply:
+    ra = codec.step_request("a", **kw)
+    twin.seq += 1
+    ra.stream_seq, ra.delta_tables, ra.delta_base = twin.seq, True, twin.mirror.seq
+    return twin.session.apply(twin.api, ra)
+
+
+def test_a_uniform_extend_sends_tokens_added_and_a_mixed_one_sends_counts():
+    twin = Twin("per_layer")
+    twin.step({"admit": [1, 2, 3], "admit_tokens": [3, 9, 17]})
+    reply = _delta_step(twin, {"extend": [1, 2, 3], "extend_tokens": 3})       # speculative decode: +3 each
+    assert reply.delta.tokens_added == 3 and not reply.HasField("num_tokens")
+    twin.mirror.apply(reply)
+    full = codec.parse_step(twin.api.Step(codec.step_request(
+        "b", extend=[1, 2, 3], extend_tokens=3, block_table=True)))
+    assert twin.mirror.num_tokens.tolist() == [6, 12, 20] == full.num_tokens.tolist()
+    assert twin.mirror.new_token_indptr.tolist() == [0, 3, 6, 9] == full.new_token_indptr.tolist()
+    assert_same_tables(twin.mirror, full, "uniform +3")
+    reply = _delta_step(twin, {"extend": [1, 2, 3], "extend_tokens": [1, 2, 1]})
+    assert reply.delta.tokens_added == 0
+    assert np.frombuffer(reply.num_tokens.data, np.int64).tolist() == [7, 14, 21]
+    twin.mirror.apply(reply)
+    assert twin.mirror.new_token_indptr.tolist() == [0, 1, 3, 4]
+
+
+@pytest.mark.parametrize("damage", ["base_rows", "num_tokens", "indptr", "huge"])
+def test_a_malformed_tokens_added_delta_is_refused_by_the_mirror(damage):
+    twin = Twin("per_layer")
+    twin.step({"admit": [1, 2], "admit_tokens": [3, 5]})
+    reply = _delta_step(twin, {"extend": [1, 2], "extend_tokens": 1})
+    assert reply.delta.tokens_added == 1
+    if damage == "base_rows":
+        reply.delta.base_rows.CopyFrom(to_tensor(np.array([0, 1], np.int32)))
+    elif damage == "num_tokens":
+        reply.num_tokens.CopyFrom(to_tensor(np.array([4, 6], np.int64)))
+    elif damage == "indptr":
+        reply.new_token_indptr.CopyFrom(to_tensor(np.array([0, 1, 2], np.int64)))
+    else:
+        reply.delta.tokens_added = 1 << 62        # would overflow int64 token counts
+    with pytest.raises(MirrorError, match="tokens_added"):
+        twin.mirror.apply(reply)
+    assert twin.mirror.seq == 0               # nothing half-applied is kept: the next request asks for full tables
 
 
 def test_copy_on_write_replaces_the_last_page():
