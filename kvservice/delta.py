@@ -231,6 +231,8 @@ def _decode_delta(pool: Pool, res: StepResult, held: HeldTables, seq: int,
                   same_batch: bool) -> tuple[pb.StepReply, HeldTables] | None:
     """encode_delta of a steady decode step (same batch, one new token per row, one group without a window),
     in a fixed handful of NumPy calls; None when the step is not one."""
+    if res.opened is not None:
+        return _opened_delta(pool, res, held, seq)
     ids, b = res.seq_ids, len(res.seq_ids)
     if (len(res.tables) == 0 or res.tables[0].table is not None or len(held.first) != 1 or b != len(held.seq_ids)
             or int(res.new_token_indptr[-1]) != b):
@@ -261,6 +263,33 @@ def _decode_delta(pool: Pool, res: StepResult, held: HeldTables, seq: int,
         _put(out.delta.pages, code, pg.take(opened).astype(sp.index_dtype))
         _put(out.delta.replaced, code, pg.take(replaced).astype(sp.index_dtype))
     return reply, HeldTables(seq, held.pool, pool.steps, ids, res.num_tokens, held.first, [page])
+
+
+def _opened_delta(pool: Pool, res: StepResult, held: HeldTables, seq: int) -> tuple[pb.StepReply, HeldTables]:
+    """_decode_delta of a step that reported the pages it opened (StepResult.opened: Pool.step's steady decode
+    path asked for no slot mappings), which is all the delta holds: no page can be replaced without sharing.
+
+    Pool.step gives `opened` only for the pool's last batch again, one token per row, one layer group: with
+    held.usable checked before the step, that batch is held's (same rows, same order), each row + 1.
+    """
+    rows, slots = res.opened                                # type: ignore[misc]
+    if len(held.first) != 1 or len(res.seq_ids) != len(held.seq_ids):
+        raise AssertionError("a steady decode step continues the held batch of one layer group")
+    reply = pb.StepReply(layer_index_space=pool.layer_space, num_free_slots=res.num_free_slots, stream_seq=seq)
+    reply.delta.base_seq = held.seq
+    reply.delta.tokens_added = 1
+    last = held.last[0]
+    for i, sp in enumerate(pool.plan.geometry.index_spaces):
+        pages = sp.page_indices(slots[sp.group])
+        if i == 0:                                          # the group's first space: the rows' last pages
+            last = last.copy()
+            last[rows] = pages
+        out = reply.tables.add(index_space=sp.id, group=sp.group, scale=sp.scale, offset=sp.offset,
+                               upper_bound=sp.upper_bound, base=sp.base)
+        code = INT32 if sp.index_dtype.itemsize == 4 else INT64
+        _put(out.delta.pages, code, pages)
+        _put(out.delta.replaced, code, pages[:0])
+    return reply, HeldTables(seq, held.pool, pool.steps, res.seq_ids, res.num_tokens, held.first, [last])
 
 
 def _put(t: Any, code: int, a: np.ndarray) -> None:

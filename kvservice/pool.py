@@ -52,6 +52,8 @@ from .stepplan import (
 __all__ = ["Pool", "SpaceTables", "StepResult"]
 
 _NO_COPIES = np.zeros((0, 2), dtype=np.int64)
+_NO_ROWS = np.zeros(0, dtype=np.int64)
+_NO_ROWS.flags.writeable = False
 
 
 def slot_table_dtype(num_slots: int) -> np.dtype:
@@ -70,6 +72,9 @@ class StepResult:
     num_free_slots: free slots after the step (fewest over the groups).
     cached_tokens: shape [A], int64; tokens of each admission found in the prefix cache.
     copies: per layer group, int64 [n, 2] (src_slot, dst_slot) pairs to copy before the kernels run.
+    opened: only from a steady decode step asked for no tables and no slot mappings (Pool.step with
+        tables=False, mappings=False; tables is then empty): (rows int64 [n], the batch rows whose new
+        token opened a page; per layer group, int64 [n], the slot of that page). None otherwise.
     """
 
     seq_ids: np.ndarray
@@ -79,6 +84,7 @@ class StepResult:
     num_free_slots: int
     cached_tokens: np.ndarray | None = None
     copies: tuple[np.ndarray, ...] = ()
+    opened: tuple[np.ndarray, tuple[np.ndarray, ...]] | None = None
 
 
 class Pool:
@@ -199,7 +205,7 @@ class Pool:
              admit_ids: object = None, admit_tokens: object = None, tables: bool = True,
              block_table: bool = False, fork_parents: object = None, fork_children: object = None,
              admit_token_ids: object = None, admit_salts: object = None,
-             admit_extra_keys: object = None) -> StepResult:
+             admit_extra_keys: object = None, mappings: bool = True) -> StepResult:
         """One scheduler iteration, all or nothing: free, fork, extend, admit.
 
         free_ids: shape [F], uint64 (or non-negative int); live sequences to drop.
@@ -209,6 +215,9 @@ class Pool:
         admit_ids, admit_tokens: shape [A]; new sequences and the tokens (> 0) each starts with.
         admit_token_ids: shape [sum(admit_tokens)], the admissions' token ids, for prefix caching.
         admit_salts, admit_extra_keys: A strings or none; cache pages are shared only within one pair.
+        mappings: False (with tables=False) lets a steady decode step (the last step's batch, one token each,
+            one layer group, nothing shared) skip slot mappings and tables and report StepResult.opened
+            instead (the stream's incremental tables need nothing else); any other step ignores it.
         Returns the batch (E extended, A admitted, K children) with slot mappings, tables,
         cached token counts and copy-on-write pairs.
         Raises InvalidArgument, NotFound, AlreadyExists or ResourceExhausted; then nothing changed.
@@ -216,7 +225,7 @@ class Pool:
         inp = self._validate(free_ids, extend_ids, extend_tokens, admit_ids, admit_tokens, fork_parents,
                              fork_children, admit_token_ids, admit_salts, admit_extra_keys)
         if inp.repeat and self._fast and not (self._sharing or self._sliding):
-            res = self._decode_step(inp.e_ids, inp.e_rows, inp.e_k, tables, block_table)
+            res = self._decode_step(inp.e_ids, inp.e_rows, inp.e_k, tables, block_table, mappings)
             if res is not None:
                 return res
         plan = self._plan(inp)
@@ -476,7 +485,7 @@ class Pool:
                           self.num_free_slots, cached, copies)
 
     def _decode_step(self, e_ids: np.ndarray, rows: np.ndarray, k: np.ndarray, tables: bool,
-                     block_table: bool) -> StepResult | None:
+                     block_table: bool, mappings: bool = True) -> StepResult | None:
         """The steady decode loop: the last step's batch grows again, nothing freed, admitted, shared or released.
 
         Same result as the general path with fewer NumPy calls. Returns None (the general path then
@@ -491,17 +500,23 @@ class Pool:
         total = int(need.sum())
         if total > self.num_free_slots:
             return None
+        nz = _NO_ROWS
+        slots: tuple[np.ndarray, ...] = tuple(_NO_ROWS for _ in self.allocators)
         if total:
             nz = np.flatnonzero(need)
             g_rows, g_lo, g_hi = rows[nz], held_old[nz], held_new[nz]
-            for g, alloc in enumerate(self.allocators):
-                self._alloc_pages(g, alloc, g_rows, g_lo, g_hi, total)
+            slots = tuple(self._alloc_pages(g, alloc, g_rows, g_lo, g_hi, total)
+                          for g, alloc in enumerate(self.allocators))
         self._num_tokens[rows] = new
         self._held[rows] = held_new
         self.steps += 1
         b = len(rows)
         tok_indptr = np.zeros(b + 1, dtype=np.int64)
         np.cumsum(k, out=tok_indptr[1:])
+        if not (tables or mappings) and len(self.allocators) == 1 and total == len(nz) and int(tok_indptr[-1]) == b:
+            # One token per row (so at most one page each): the pages opened are all a delta needs.
+            return StepResult(self._seq_ids[rows], new, tok_indptr, (), self.num_free_slots, None,
+                              (_NO_COPIES,), (nz, tuple(s.astype(np.int64, copy=False) for s in slots)))
         return StepResult(self._seq_ids[rows], new, tok_indptr,
                           self._emit(rows, old, new, held_new, tok_indptr, tables, block_table),
                           self.num_free_slots, None, tuple(_NO_COPIES for _ in self.allocators))
@@ -536,15 +551,18 @@ class Pool:
         return copies
 
     def _alloc_pages(self, g: int, alloc: SlotAllocator, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray,
-                     total: int) -> None:
-        """Fill columns [lo, hi) of distinct rows of group g (each hi > lo) with total = sum(hi - lo) new slots."""
+                     total: int) -> np.ndarray:
+        """Fill columns [lo, hi) of distinct rows of group g (each hi > lo) with total = sum(hi - lo) new slots;
+        returns them (row by row, columns ascending)."""
         rs = self._slots[g]
         rs.reserve(rows, self._first[g][rows], hi)
         if total == len(rows):                             # every row gains exactly one page (decode)
             flat = rs.flat(rows, lo)
         else:
             flat, _ = rs.span(rows, lo, hi)
-        rs.arena[flat] = alloc.allocate(total)
+        got = alloc.allocate(total)
+        rs.arena[flat] = got
+        return got
 
     def _release(self, rows: np.ndarray) -> None:
         """Frees: every page of the rows loses an owner; the rows leave the pool."""

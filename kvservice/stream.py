@@ -123,6 +123,7 @@ class StreamSession:
             held = self.held
             if delta and held is not None and held.usable(pool, request.delta_base):
                 kwargs["tables"] = any(pool.windows)       # slot mappings suffice without sliding windows
+                kwargs["mappings"] = kwargs["tables"]      # and a steady decode step needs only the pages it opened
                 res = api.run_step(pool, request, kwargs, cost_checked=True)
                 reply, self.held = encode_delta(pool, res, held, seq, key is not None and held.key == key)
                 self.held.key = key

@@ -255,3 +255,54 @@ def test_a_recreated_pool_gets_full_tables_and_the_deleted_one_is_not_kept():
     ra.stream_seq, ra.delta_tables, ra.delta_base = 2, True, twin.mirror.seq
     reply = twin.session.apply(twin.api, ra)
     assert not reply.HasField("delta") and reply.tables[0].HasField("indptr")
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_opened_pages_path_answers_byte_for_byte_as_the_slot_mapping_path(seed, monkeypatch):
+    """Pool.step(mappings=False) reports only the pages a steady decode step opened; the reply built from them
+    equals the one built from the step's slot mappings, on random batches with admissions and frees between."""
+    twin = Twin("per_layer", num_slots=2048)
+    sizing = Sizing(num_slots=2048, max_seq_len=MAX_LEN)
+    twin.api.CreatePool(codec.create_pool_request("c", SPECS["per_layer"][0], sizing))
+    ref = StreamSession("ref")
+    real_run = ManagerAPI.run_step
+    opened = []
+
+    def run_step(self, pool, request, kwargs, cost_checked=False):
+        if pool.name == "c":
+            kwargs["mappings"] = True                 # the reference: slot mappings, as before the shortcut
+        res = real_run(self, pool, request, kwargs, cost_checked)
+        if pool.name == "a":
+            opened.append(res.opened is not None)
+        return res
+
+    monkeypatch.setattr(ManagerAPI, "run_step", run_step)
+    rng = np.random.default_rng(seed)
+    toks: dict[int, int] = {}
+    nxt = 1
+    for i in range(120):
+        if i % 15 == 0:                                # a batch change: admit some, free some (all near MAX_LEN)
+            new = list(range(nxt, nxt + int(rng.integers(1, 6))))
+            nxt += len(new)
+            gone = [x for x, n in toks.items() if rng.random() < 0.3 or n > MAX_LEN - 16]
+            lens = rng.integers(1, 3 * PAGE, len(new))
+            kept = {x: n + 1 for x, n in toks.items() if x not in gone}
+            kw = {"admit": new, "admit_tokens": lens}     # a mixed step: the rows that stay go on through
+            if kept:                                       # encode_delta's general path, which reads the last
+                kw["extend"] = list(kept)                  # pages the shortcut left
+                kw["extend_tokens"] = 1
+            if gone:
+                kw["free"] = gone
+            toks = kept | dict(zip(new, lens.tolist(), strict=True))
+        else:
+            kw = {"extend": list(toks), "extend_tokens": 1}
+            toks = {x: n + 1 for x, n in toks.items()}
+        replies = []
+        for pool, session in (("a", twin.session), ("c", ref)):
+            ra = codec.step_request(pool, **kw)
+            ra.stream_seq, ra.delta_tables, ra.delta_base = i + 1, True, i
+            replies.append(session.apply(twin.api, ra))
+        a, c = replies
+        a.pool_incarnation = c.pool_incarnation = 0
+        assert a.SerializeToString(deterministic=True) == c.SerializeToString(deterministic=True), f"step {i} {kw}"
+    assert sum(opened) >= 90, opened                   # the shortcut ran on the steady steps
