@@ -114,13 +114,29 @@ def bench_step_inprocess(steps: int) -> list[tuple[int, float, float, int]]:
     return out
 
 
-def start_server(tmp: Path) -> tuple[subprocess.Popen, str]:
+def start_server(tmp: Path, metrics: bool = False) -> tuple[subprocess.Popen, str]:
+    """A `kvservice serve` process on a free port; metrics: also serve /metrics (its port: METRICS_PORT[target])."""
     port_file = tmp / "ports"
     proc = subprocess.Popen([sys.executable, "-m", "kvservice.cli", "serve", "--listen", "127.0.0.1:0",
-                             "--metrics-port", "-1", "--no-pools", "--port-file", str(port_file),
+                             "--metrics-port", "0" if metrics else "-1", "--no-pools", "--port-file", str(port_file),
                              "--log-level", "WARNING"], cwd=ROOT)
-    port, _ = wait_for_ports(proc, port_file, 30, what="manager")
+    port, metrics_port = wait_for_ports(proc, port_file, 30, what="manager")
+    METRICS_PORT[f"127.0.0.1:{port}"] = metrics_port
     return proc, f"127.0.0.1:{port}"
+
+
+METRICS_PORT: dict[str, int] = {}
+
+
+def served_step_seconds(target: str) -> tuple[float, float]:
+    """(sum of seconds, count) of the manager's kvservice_rpc_duration_seconds{method="Step"}: each StepStream
+    request's server-side time (stream.step_one) as measured inside the serving process."""
+    import re
+    import urllib.request
+    text = urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT[target]}/metrics", timeout=10).read().decode()
+    got = [float(re.search(r"kvservice_rpc_duration_seconds_" + k + r'\{method="Step"\} (\S+)', text).group(1))
+           for k in ("sum", "count")]
+    return got[0], got[1]
 
 
 MODES = ("unary Step", "StepStream, full tables", "StepStream, deltas")
@@ -156,19 +172,21 @@ def _decode_calls(c: BlockManagerClient, es: object, b: int, ids: np.ndarray, st
 
 
 def bench_transport(steps: int, rounds: int = 8, batches: tuple[int, ...] = BATCHES,
-                    modes: tuple[int, ...] = (0, 1, 2),
-                    sized_echo: bool = False) -> tuple[list[tuple], dict[str, tuple[float, float]]]:
+                    modes: tuple[int, ...] = (0, 1, 2), sized_echo: bool = False,
+                    served: dict[int, float] | None = None) -> tuple[list[tuple], dict[str, tuple[float, float]]]:
     """Decode steps over a manager process: unary Step, StepStream with full tables and with deltas, and the
     unary and streaming Echo floors, interleaved in rounds so that machine noise hits every mode alike.
 
     sized_echo: also EchoStream round trips whose payload is as long as a delta request of B ("sized{B}").
+    served: filled with B -> mean us of a Step request inside the manager process during the timed rounds
+        (its /metrics histogram); only with modes (2,), where nothing else observes method="Step".
     Returns ([(B, mode, p50 us, p99 us, reply bytes)], {"Echo": (p50, p99), "EchoStream": (p50, p99), ...}).
     """
     per_round = max(1, steps // rounds)
     rows: list[tuple] = []
     echo: dict[str, list[float]] = {"Echo": [], "EchoStream": []}
     with tempfile.TemporaryDirectory() as tmp:
-        proc, target = start_server(Path(tmp))
+        proc, target = start_server(Path(tmp), metrics=served is not None)
         try:
             with BlockManagerClient(target, timeout=30) as c, c.echo_stream() as es:
                 c.wait_ready()
@@ -185,12 +203,17 @@ def bench_transport(steps: int, rounds: int = 8, batches: tuple[int, ...] = BATC
                     for fn in calls.values():              # warm-up: 20 calls each
                         for _ in range(20):
                             fn()
+                    before = served_step_seconds(target) if served is not None else None
                     for _ in range(rounds):
                         for k, fn in calls.items():
                             for _ in range(per_round):
                                 t0 = time.perf_counter()
                                 fn()
                                 lat[k].append(time.perf_counter() - t0)
+                    if before is not None:
+                        assert modes == (2,), "served times need the delta stream alone"
+                        after = served_step_seconds(target)
+                        served[b] = (after[0] - before[0]) / max(after[1] - before[1], 1) * 1e6
                     sizes = {m: _unary_reply_bytes(c, f"tb{b}m0", ids) if m == 0 else streams[m].last_reply.ByteSize()
                              for m in modes}
                     rows += [(b, MODES[m], *percentiles(lat[m]), sizes[m]) for m in modes]
@@ -342,7 +365,8 @@ def stream_only(batches: tuple[int, ...], rounds: int, out: str | None) -> int:
     steps = 50 * rounds
     breakdown = bench_stream_breakdown(steps, batches)
     idle = {b: server for b, _, server, _, _ in bench_stream_breakdown(steps, batches, gap=200e-6)}
-    transport, echo = bench_transport(steps, rounds, batches, modes=(2,), sized_echo=True)
+    served: dict[int, float] = {}
+    transport, echo = bench_transport(steps, rounds, batches, modes=(2,), sized_echo=True, served=served)
     e50 = echo["EchoStream"][0]
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines = [f"# StepStream vs EchoStream ({now}, {machine()})", "",
@@ -352,13 +376,16 @@ def stream_only(batches: tuple[int, ...], rounds: int, out: str | None) -> int:
              "no work.", "",
              "In-process figures: the server's request and the client's work back to back, and the server's "
              "request after its thread slept 200 us (as a served request follows an idle wait).", "",
+             "Served: the mean of the same requests' server-side time (stream.step_one) measured inside the "
+             "manager process during the timed rounds (its kvservice_rpc_duration_seconds{method=\"Step\"}).", "",
              "| B | StepStream deltas p50 us | p99 us | / EchoStream p50 | sized EchoStream / EchoStream | "
-             "server request us (in-process) | ... after 200 us idle | client us (in-process) | reply bytes |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "server request us (in-process) | ... after 200 us idle | served, mean us | client us (in-process) | "
+             "reply bytes |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     parts = {b: (server, client) for b, _, server, client, _ in breakdown}
     for b, _, p50, p99, size in transport:
         lines.append(f"| {b} | {p50:.0f} | {p99:.0f} | {p50 / e50:.2f}x | {echo[f'sized{b}'][0] / e50:.2f}x | "
-                     f"{parts[b][0]:.0f} | {idle[b]:.0f} | {parts[b][1]:.0f} | {size:,} |")
+                     f"{parts[b][0]:.0f} | {idle[b]:.0f} | {served[b]:.0f} | {parts[b][1]:.0f} | {size:,} |")
     lines.append("")
     print("\n".join(lines))
     if out:
