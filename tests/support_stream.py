@@ -23,6 +23,8 @@ SPECS = {
     # three layer views, two groups, a sliding window of 6 tokens: CSR source, released pages
     "hybrid": (CacheSpec((LayerSpec(1, 64), LayerSpec(1, 128), LayerSpec(1, 64, sliding_window=6)), PAGE,
                          "interleaved"), False),
+    # one group seen as two index spaces (page = base + slot * scale + offset, scale 2): the steady decode path
+    "views": (CacheSpec((LayerSpec(1, 64), LayerSpec(1, 128)), PAGE, "interleaved"), False),
     # prefix caching: admissions share cached pages, children copy on write
     "prefix": (CacheSpec.uniform(2, 1, 64, "float16", PAGE), True),
 }

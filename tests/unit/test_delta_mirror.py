@@ -257,13 +257,14 @@ def test_a_recreated_pool_gets_full_tables_and_the_deleted_one_is_not_kept():
     assert not reply.HasField("delta") and reply.tables[0].HasField("indptr")
 
 
+@pytest.mark.parametrize("spec_name", ["per_layer", "views"])
 @pytest.mark.parametrize("seed", range(3))
-def test_the_opened_pages_path_answers_byte_for_byte_as_the_slot_mapping_path(seed, monkeypatch):
+def test_the_opened_pages_path_answers_byte_for_byte_as_the_slot_mapping_path(spec_name, seed, monkeypatch):
     """Pool.step(mappings=False) reports only the pages a steady decode step opened; the reply built from them
     equals the one built from the step's slot mappings, on random batches with admissions and frees between."""
-    twin = Twin("per_layer", num_slots=2048)
+    twin = Twin(spec_name, num_slots=2048)
     sizing = Sizing(num_slots=2048, max_seq_len=MAX_LEN)
-    twin.api.CreatePool(codec.create_pool_request("c", SPECS["per_layer"][0], sizing))
+    twin.api.CreatePool(codec.create_pool_request("c", SPECS[spec_name][0], sizing))
     ref = StreamSession("ref")
     real_run = ManagerAPI.run_step
     opened = []
