@@ -1,0 +1,40 @@
+"""clients.codec: the bytes a StepRequest carries (INT32 where the values fit, never a value changed)."""
+
+import numpy as np
+import pytest
+
+from clients import codec
+from kvservice.api import ManagerAPI
+from kvservice.geometry import CacheSpec
+from kvservice.manager import BlockManager
+from kvservice.planner import Sizing
+from kvservice.v1 import common_pb2 as cpb
+from kvservice.wire import from_tensor
+
+
+@pytest.mark.parametrize(("ids", "wire"), [([1, 2, 3], cpb.INT32), ([0, 2**31 - 1], cpb.INT32),
+                                           ([1, 2**31], cpb.UINT64), ([5, 2**40, 2**64 - 1], cpb.UINT64)])
+def test_ids_go_as_int32_only_when_every_one_fits(ids, wire):
+    req = codec.step_request("p", extend=ids, extend_tokens=1, admit=ids, admit_tokens=[7] * len(ids))
+    for field in (req.extend_seq_ids, req.admit_seq_ids):
+        assert field.dtype == wire
+        assert from_tensor(field, "ids").astype(np.uint64).tolist() == ids      # no id changed on the way
+    assert req.extend_num_tokens.dtype == req.admit_num_tokens.dtype == cpb.INT32
+    assert from_tensor(req.admit_num_tokens, "counts").tolist() == [7] * len(ids)
+
+
+def test_counts_that_do_not_fit_or_are_not_positive_keep_int64():
+    assert codec.step_request("p", extend=[1, 2], extend_tokens=[1, 2**31]).extend_num_tokens.dtype == cpb.INT64
+    req = codec.step_request("p", extend=[1, 2], extend_tokens=[3, -1])     # the manager says why it is refused
+    assert req.extend_num_tokens.dtype == cpb.INT64
+    assert from_tensor(req.extend_num_tokens, "counts").tolist() == [3, -1]
+
+
+def test_a_large_sequence_id_survives_a_step_through_the_manager():
+    api = ManagerAPI(BlockManager())
+    api.CreatePool(codec.create_pool_request("p", CacheSpec.uniform(2, 1, 64, "float16", 16),
+                                             Sizing(num_slots=64, max_seq_len=256)))
+    big = [3, 2**31 + 5, 2**63 + 9]
+    codec.parse_step(api.Step(codec.step_request("p", admit=big, admit_tokens=[4, 5, 6])))
+    res = codec.parse_step(api.Step(codec.step_request("p", extend=big, extend_tokens=1)))
+    assert res.seq_ids.tolist() == big and res.num_tokens.tolist() == [5, 6, 7]
