@@ -117,15 +117,18 @@ def bench_step_inprocess(steps: int) -> list[tuple[int, float, float, int]]:
 def start_server(tmp: Path, metrics: bool = False) -> tuple[subprocess.Popen, str]:
     """A `kvservice serve` process on a free port; metrics: also serve /metrics (its port: METRICS_PORT[target])."""
     port_file = tmp / "ports"
+    cpus = SERVER_CPUS
     proc = subprocess.Popen([sys.executable, "-m", "kvservice.cli", "serve", "--listen", "127.0.0.1:0",
                              "--metrics-port", "0" if metrics else "-1", "--no-pools", "--port-file", str(port_file),
-                             "--log-level", "WARNING"], cwd=ROOT)
+                             "--log-level", "WARNING"], cwd=ROOT,
+                            preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus))
     port, metrics_port = wait_for_ports(proc, port_file, 30, what="manager")
     METRICS_PORT[f"127.0.0.1:{port}"] = metrics_port
     return proc, f"127.0.0.1:{port}"
 
 
 METRICS_PORT: dict[str, int] = {}
+SERVER_CPUS: set[int] | None = None     # --pin: the manager process's CPUs (None: the scheduler's, all by default)
 
 
 def served_step_seconds(target: str) -> tuple[float, float]:
@@ -360,8 +363,16 @@ def machine() -> str:
             f"grpcio {__import__('grpc').__version__}")
 
 
-def stream_only(batches: tuple[int, ...], rounds: int, out: str | None) -> int:
-    """The issue 12 ratio alone: StepStream with deltas vs EchoStream (interleaved), and the in-process breakdown."""
+def stream_only(batches: tuple[int, ...], rounds: int, out: str | None, pin: str | None = None) -> int:
+    """The issue 12 ratio alone: StepStream with deltas vs EchoStream (interleaved), and the in-process breakdown.
+
+    pin: "SERVER_CPUS:CLIENT_CPUS" (e.g. "0:1"): the manager and this process on CPUs of their own.
+    """
+    global SERVER_CPUS
+    if pin:
+        server, client = ({int(c) for c in part.split(",")} for part in pin.split(":"))
+        SERVER_CPUS = server
+        os.sched_setaffinity(0, client)
     steps = 50 * rounds
     breakdown = bench_stream_breakdown(steps, batches)
     idle = {b: server for b, _, server, _, _ in bench_stream_breakdown(steps, batches, gap=200e-6)}
@@ -370,7 +381,8 @@ def stream_only(batches: tuple[int, ...], rounds: int, out: str | None) -> int:
     e50 = echo["EchoStream"][0]
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines = [f"# StepStream vs EchoStream ({now}, {machine()})", "",
-             f"`python bench/bench_manager.py --stream --batches {','.join(map(str, batches))} --rounds {rounds}`; "
+             f"`python bench/bench_manager.py --stream --batches {','.join(map(str, batches))} --rounds {rounds}"
+             f"{' --pin ' + pin if pin else ''}`; "
              f"EchoStream p50 {e50:.0f} us (p99 {echo['EchoStream'][1]:.0f}).", "",
              "EchoStream with a payload as long as the StepStream request: the same bytes on the wire both ways, "
              "no work.", "",
@@ -402,10 +414,12 @@ def main() -> int:
                     "breakdown (the issue 12 ratio), printed; written to --out only if it is given")
     ap.add_argument("--batches", default="1,256", help="with --stream: batch sizes")
     ap.add_argument("--rounds", type=int, default=8, help="with --stream: interleaved rounds of 50 steps")
+    ap.add_argument("--pin", help="with --stream: SERVER_CPUS:CLIENT_CPUS, e.g. 0:1 (manager and scheduler on "
+                    "cores of their own)")
     args = ap.parse_args()
     if args.stream:
         return stream_only(tuple(int(b) for b in args.batches.split(",")), args.rounds,
-                           args.out if "--out" in sys.argv else None)
+                           args.out if "--out" in sys.argv else None, args.pin)
     seconds, steps = (0.2, 60) if args.quick else (2.0, 400)
     alloc = bench_allocator(seconds)
     inproc = bench_step_inprocess(steps)
