@@ -232,11 +232,12 @@ class PageTableMirror:
         if t > MAX_COUNT:
             raise MirrorError(f"tokens_added {t} is more than a sequence can gain in a step ({MAX_COUNT})")
         b = self.batch_size
+        if self.xp is not np:                        # device arrays cannot be made read-only: a fresh one each time
+            return self.num_tokens + t, self.xp.arange(b + 1, dtype=np.int64) * t
         steps = self._steps
         if steps is None or steps[0] != t or len(steps[1]) != b + 1:
-            indptr = self.xp.arange(b + 1, dtype=np.int64) * t
-            if self.xp is np:
-                indptr.flags.writeable = False       # shared by the results of a steady loop, as replies' arrays are
+            indptr = np.arange(b + 1, dtype=np.int64) * t
+            indptr.flags.writeable = False           # shared by the results of a steady loop, as replies' arrays are
             steps = self._steps = (t, indptr)
         return self.num_tokens + t, steps[1]
 

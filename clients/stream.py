@@ -108,7 +108,8 @@ class _Core:
             body = req.SerializeToString()
             self._cached = (key, body) if key is not None else None
         self.seq += 1
-        tail = pb.StepRequest(stream_seq=self.seq, delta_tables=delta, delta_base=self.mirror.seq if delta else 0)
+        tail = pb.StepRequest(stream_seq=self.seq, delta_tables=delta, delta_base=self.mirror.seq if delta else 0,
+                              accept_tokens_added=delta)
         return body + tail.SerializeToString()
 
     def result(self, reply: pb.StepReply, tables: bool, block_table: bool) -> StepResult:

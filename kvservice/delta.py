@@ -140,8 +140,8 @@ def match_rows(held: HeldTables, res: StepResult) -> np.ndarray | None:
     return np.where(ok, src, -1)
 
 
-def encode_delta(pool: Pool, res: StepResult, held: HeldTables, seq: int,
-                 same_batch: bool = False) -> tuple[pb.StepReply, HeldTables]:
+def encode_delta(pool: Pool, res: StepResult, held: HeldTables, seq: int, same_batch: bool = False,
+                 derive: bool = False) -> tuple[pb.StepReply, HeldTables]:
     """The incremental reply of step result `res` relative to `held`, and what the client holds after it.
 
     res: the step's result, with CSR tables (required if the pool has sliding windows) or without.
@@ -149,8 +149,10 @@ def encode_delta(pool: Pool, res: StepResult, held: HeldTables, seq: int,
     held.usable(pool, base) checked before it (rows sent whole are gathered from the pool).
     same_batch: the caller knows the batch is held's, same order, each row +k (the same extend-only
     request as the one that made held, with no step between): the decode path skips comparing them.
+    derive: the client derives counts from tokens_added (StepRequest.accept_tokens_added): a uniform
+    extend of the base batch then leaves num_tokens and new_token_indptr out.
     """
-    fast = _decode_delta(pool, res, held, seq, same_batch)
+    fast = _decode_delta(pool, res, held, seq, same_batch, derive)
     if fast is not None:
         return fast
     ps = pool.page_size
@@ -180,7 +182,7 @@ def encode_delta(pool: Pool, res: StepResult, held: HeldTables, seq: int,
         same = False
     whole_rows = np.flatnonzero(~cont)
     whole = pool.tables_for(res.seq_ids[whole_rows]) if not csr and len(whole_rows) else None
-    reply = _step_reply_base(pool, res, seq, held.seq, same, np.where(cont, src, -1))
+    reply = _step_reply_base(pool, res, seq, held.seq, same, np.where(cont, src, -1), derive)
     new_first, new_last = [], []
     for g in sorted(heads):
         spaces = [i for i, st in enumerate(res.tables) if st.space.group == g]
@@ -227,12 +229,12 @@ def encode_delta(pool: Pool, res: StepResult, held: HeldTables, seq: int,
     return reply, HeldTables(seq, held.pool, pool.steps, res.seq_ids, num_n, new_first, new_last)
 
 
-def _decode_delta(pool: Pool, res: StepResult, held: HeldTables, seq: int,
-                  same_batch: bool) -> tuple[pb.StepReply, HeldTables] | None:
+def _decode_delta(pool: Pool, res: StepResult, held: HeldTables, seq: int, same_batch: bool,
+                  derive: bool) -> tuple[pb.StepReply, HeldTables] | None:
     """encode_delta of a steady decode step (same batch, one new token per row, one group without a window),
     in a fixed handful of NumPy calls; None when the step is not one."""
     if res.opened is not None:
-        return _opened_delta(pool, res, held, seq)
+        return _opened_delta(pool, res, held, seq, derive)
     ids, b = res.seq_ids, len(res.seq_ids)
     if (len(res.tables) == 0 or res.tables[0].table is not None or len(held.first) != 1 or b != len(held.seq_ids)
             or int(res.new_token_indptr[-1]) != b):
@@ -246,11 +248,11 @@ def _decode_delta(pool: Pool, res: StepResult, held: HeldTables, seq: int,
     opened = np.flatnonzero(~partial)            # rows whose new token opened a page
     replaced = np.flatnonzero(partial & (page != held.last[0]))      # copy-on-write moved the last page
     reply = pb.StepReply(layer_index_space=pool.layer_space, num_free_slots=res.num_free_slots, stream_seq=seq)
+    _counts(reply, res, derive)
     for g, pairs in enumerate(res.copies):
         if len(pairs):
             reply.copies.add(group=g, pairs=to_tensor(pairs))
     reply.delta.base_seq = held.seq
-    reply.delta.tokens_added = 1             # the client's mirror derives num_tokens and new_token_indptr
     if len(replaced):
         gd = reply.delta.groups.add(group=0)
         fill_tensor(gd.replaced_rows, replaced.astype(np.int32))
@@ -265,7 +267,8 @@ def _decode_delta(pool: Pool, res: StepResult, held: HeldTables, seq: int,
     return reply, HeldTables(seq, held.pool, pool.steps, ids, res.num_tokens, held.first, [page])
 
 
-def _opened_delta(pool: Pool, res: StepResult, held: HeldTables, seq: int) -> tuple[pb.StepReply, HeldTables]:
+def _opened_delta(pool: Pool, res: StepResult, held: HeldTables, seq: int,
+                  derive: bool) -> tuple[pb.StepReply, HeldTables]:
     """_decode_delta of a step that reported the pages it opened (StepResult.opened: Pool.step's steady decode
     path asked for no slot mappings), which is all the delta holds: no page can be replaced without sharing.
 
@@ -276,8 +279,8 @@ def _opened_delta(pool: Pool, res: StepResult, held: HeldTables, seq: int) -> tu
     if len(held.first) != 1 or len(res.seq_ids) != len(held.seq_ids):
         raise AssertionError("a steady decode step continues the held batch of one layer group")
     reply = pb.StepReply(layer_index_space=pool.layer_space, num_free_slots=res.num_free_slots, stream_seq=seq)
+    _counts(reply, res, derive)
     reply.delta.base_seq = held.seq
-    reply.delta.tokens_added = 1
     last = held.last[0]
     for i, sp in enumerate(pool.plan.geometry.index_spaces):
         pages = sp.page_indices(slots[sp.group])
@@ -290,6 +293,15 @@ def _opened_delta(pool: Pool, res: StepResult, held: HeldTables, seq: int) -> tu
         _put(out.delta.pages, code, pages)
         _put(out.delta.replaced, code, pages[:0])
     return reply, HeldTables(seq, held.pool, pool.steps, res.seq_ids, res.num_tokens, held.first, [last])
+
+
+def _counts(reply: pb.StepReply, res: StepResult, derive: bool) -> None:
+    """A steady decode delta's counts (every row + 1): tokens_added if the client derives them, else the arrays."""
+    if derive:
+        reply.delta.tokens_added = 1
+    else:
+        _put(reply.num_tokens, INT64, res.num_tokens)
+        _put(reply.new_token_indptr, INT64, res.new_token_indptr)
 
 
 def _put(t: Any, code: int, a: np.ndarray) -> None:
@@ -344,15 +356,15 @@ def _from_slot_mappings(res: StepResult, spaces: list[int], head: int, whole: tu
     return values, replaced, last_n
 
 
-def _step_reply_base(pool: Pool, res: StepResult, seq: int, base: int, same: bool,
-                     src: np.ndarray) -> pb.StepReply:
+def _step_reply_base(pool: Pool, res: StepResult, seq: int, base: int, same: bool, src: np.ndarray,
+                     derive: bool) -> pb.StepReply:
     reply = step_reply(pool, res, tables=False)
     reply.stream_seq = seq
     reply.delta.base_seq = base
     if same:
         reply.ClearField("seq_ids")
         k = np.diff(res.new_token_indptr)
-        if len(k) and int(k.min()) == int(k.max()):      # a uniform extend: counts follow from the base's
+        if derive and len(k) and int(k.min()) == int(k.max()):      # a uniform extend: counts follow from the base's
             reply.ClearField("num_tokens")
             reply.ClearField("new_token_indptr")
             reply.delta.tokens_added = int(k[0])

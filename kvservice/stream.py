@@ -125,7 +125,8 @@ class StreamSession:
                 kwargs["tables"] = any(pool.windows)       # slot mappings suffice without sliding windows
                 kwargs["mappings"] = kwargs["tables"]      # and a steady decode step needs only the pages it opened
                 res = api.run_step(pool, request, kwargs, cost_checked=True)
-                reply, self.held = encode_delta(pool, res, held, seq, key is not None and held.key == key)
+                reply, self.held = encode_delta(pool, res, held, seq, key is not None and held.key == key,
+                                                request.accept_tokens_added)
                 self.held.key = key
                 reply.pool_incarnation = incarnation
                 return reply

@@ -266,7 +266,7 @@ class DeletePoolReply(_message.Message):
     def __init__(self, position: _Optional[_Union[JournalPosition, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("pool", "free_seq_ids", "extend_seq_ids", "extend_num_tokens", "admit_seq_ids", "admit_num_tokens", "omit_tables", "include_block_table", "request_id", "fork_parent_ids", "fork_child_ids", "admit_token_ids", "admit_cache_salts", "admit_extra_keys", "stream_seq", "delta_tables", "delta_base")
+    __slots__ = ("pool", "free_seq_ids", "extend_seq_ids", "extend_num_tokens", "admit_seq_ids", "admit_num_tokens", "omit_tables", "include_block_table", "request_id", "fork_parent_ids", "fork_child_ids", "admit_token_ids", "admit_cache_salts", "admit_extra_keys", "stream_seq", "delta_tables", "delta_base", "accept_tokens_added")
     POOL_FIELD_NUMBER: _ClassVar[int]
     FREE_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     EXTEND_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -284,6 +284,7 @@ class StepRequest(_message.Message):
     STREAM_SEQ_FIELD_NUMBER: _ClassVar[int]
     DELTA_TABLES_FIELD_NUMBER: _ClassVar[int]
     DELTA_BASE_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_TOKENS_ADDED_FIELD_NUMBER: _ClassVar[int]
     pool: str
     free_seq_ids: _common_pb2.Tensor
     extend_seq_ids: _common_pb2.Tensor
@@ -301,7 +302,8 @@ class StepRequest(_message.Message):
     stream_seq: int
     delta_tables: bool
     delta_base: int
-    def __init__(self, pool: _Optional[str] = ..., free_seq_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., extend_seq_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., extend_num_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., admit_seq_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., admit_num_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., omit_tables: _Optional[bool] = ..., include_block_table: _Optional[bool] = ..., request_id: _Optional[str] = ..., fork_parent_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., fork_child_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., admit_token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., admit_cache_salts: _Optional[_Iterable[str]] = ..., admit_extra_keys: _Optional[_Iterable[str]] = ..., stream_seq: _Optional[int] = ..., delta_tables: _Optional[bool] = ..., delta_base: _Optional[int] = ...) -> None: ...
+    accept_tokens_added: bool
+    def __init__(self, pool: _Optional[str] = ..., free_seq_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., extend_seq_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., extend_num_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., admit_seq_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., admit_num_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., omit_tables: _Optional[bool] = ..., include_block_table: _Optional[bool] = ..., request_id: _Optional[str] = ..., fork_parent_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., fork_child_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., admit_token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., admit_cache_salts: _Optional[_Iterable[str]] = ..., admit_extra_keys: _Optional[_Iterable[str]] = ..., stream_seq: _Optional[int] = ..., delta_tables: _Optional[bool] = ..., delta_base: _Optional[int] = ..., accept_tokens_added: _Optional[bool] = ...) -> None: ...
 
 class SpaceTables(_message.Message):
     __slots__ = ("index_space", "group", "scale", "offset", "upper_bound", "base", "slot_mapping", "indptr", "indices", "last_page_len", "block_table", "delta")

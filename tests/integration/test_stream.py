@@ -234,7 +234,8 @@ def test_stream_resumes_across_a_manager_restart(tmp_path):
             def int32(*xs):                       # the client sends ids and counts that fit as INT32
                 return cpb.Tensor(dtype=cpb.INT32, data=np.array(xs, np.int32).tobytes())
 
-            last = {"extend_seq_ids": int32(1, 2, 3), "extend_num_tokens": int32(1, 1, 1), "delta_tables": True}
+            last = {"extend_seq_ids": int32(1, 2, 3), "extend_num_tokens": int32(1, 1, 1), "delta_tables": True,
+                    "accept_tokens_added": True}
             send(stream_request(a, s.seq, delta_base=s.seq - 1, **last))
             first = reply()                       # its original reply: +1 token on each of [10, 14, 7]
             assert first.stream_seq == s.seq and first.delta.tokens_added == 1

@@ -54,7 +54,7 @@ class Twin:
             return full
         self.seq += 1
         ra.stream_seq = self.seq
-        ra.delta_tables = mode in ("delta", "bad_base")
+        ra.delta_tables = ra.accept_tokens_added = mode in ("delta", "bad_base")      # as today's client
         ra.delta_base = self.mirror.seq + 1000 if mode == "bad_base" else self.mirror.seq
         try:
             reply = self.session.apply(self.api, ra)
@@ -105,6 +105,7 @@ def test_steady_decode_sends_only_new_pages():
         ra = codec.step_request("a", extend=ids, extend_tokens=1)
         twin.seq += 1
         ra.stream_seq, ra.delta_tables, ra.delta_base = twin.seq, True, twin.mirror.seq
+        ra.accept_tokens_added = True
         reply = twin.session.apply(twin.api, ra)
         lens = lens + 1
         starts = int(((lens - 1) % PAGE == 0).sum())         # rows whose new token opens a page
@@ -119,11 +120,29 @@ def test_steady_decode_sends_only_new_pages():
         assert_same_tables(twin.mirror, full, "decode")
 
 
-def _delta_step(twin: Twin, kw: dict) -> pb.StepReply:
+def _delta_step(twin: Twin, kw: dict, accept: bool = True) -> pb.StepReply:
     ra = codec.step_request("a", **kw)
     twin.seq += 1
     ra.stream_seq, ra.delta_tables, ra.delta_base = twin.seq, True, twin.mirror.seq
+    ra.accept_tokens_added = accept
     return twin.session.apply(twin.api, ra)
+
+
+def test_a_client_that_does_not_accept_tokens_added_gets_the_counts():
+    """A StepStream client from before tokens_added (no accept_tokens_added) gets num_tokens and
+    new_token_indptr in every delta, as it did: a manager upgraded under it keeps working."""
+    twin = Twin("per_layer")
+    twin.step({"admit": [1, 2, 3], "admit_tokens": [3, 9, 17]})
+    for kw, counts in (({"extend": [1, 2, 3], "extend_tokens": 1}, [4, 10, 18]),        # the opened-pages path
+                       ({"extend": [1, 2, 3], "extend_tokens": 1}, [5, 11, 19]),
+                       ({"extend": [1, 2, 3], "extend_tokens": 3}, [8, 14, 22])):       # a uniform extend
+        reply = _delta_step(twin, kw, accept=False)
+        assert reply.HasField("delta") and reply.delta.tokens_added == 0
+        assert np.frombuffer(reply.num_tokens.data, np.int64).tolist() == counts
+        k = kw["extend_tokens"]
+        assert np.frombuffer(reply.new_token_indptr.data, np.int64).tolist() == [0, k, 2 * k, 3 * k]
+        twin.mirror.apply(reply)
+        assert twin.mirror.num_tokens.tolist() == counts
 
 
 def test_a_uniform_extend_sends_tokens_added_and_a_mixed_one_sends_counts():
@@ -257,9 +276,10 @@ def test_a_recreated_pool_gets_full_tables_and_the_deleted_one_is_not_kept():
     assert not reply.HasField("delta") and reply.tables[0].HasField("indptr")
 
 
+@pytest.mark.parametrize("accept", [True, False])
 @pytest.mark.parametrize("spec_name", ["per_layer", "views"])
 @pytest.mark.parametrize("seed", range(3))
-def test_the_opened_pages_path_answers_byte_for_byte_as_the_slot_mapping_path(spec_name, seed, monkeypatch):
+def test_the_opened_pages_path_answers_byte_for_byte_as_the_slot_mapping_path(spec_name, seed, accept, monkeypatch):
     """Pool.step(mappings=False) reports only the pages a steady decode step opened; the reply built from them
     equals the one built from the step's slot mappings, on random batches with admissions and frees between."""
     twin = Twin(spec_name, num_slots=2048)
@@ -302,6 +322,7 @@ def test_the_opened_pages_path_answers_byte_for_byte_as_the_slot_mapping_path(sp
         for pool, session in (("a", twin.session), ("c", ref)):
             ra = codec.step_request(pool, **kw)
             ra.stream_seq, ra.delta_tables, ra.delta_base = i + 1, True, i
+            ra.accept_tokens_added = accept
             replies.append(session.apply(twin.api, ra))
         a, c = replies
         a.pool_incarnation = c.pool_incarnation = 0
