@@ -296,12 +296,12 @@ def test_pools_created_and_deleted_while_scoring():
     run_steps(m, loads, 10)
     spec = CacheSpec.uniform(1, 1, 64, page_size=PS)
     own = [np.random.default_rng(50 + i).integers(60_000, 90_000, 60) for i in range(3)]   # no family shares them
-    stop, errors = threading.Event(), []
+    stop, errors, cycles = threading.Event(), [], [0]
 
     def churn():
         try:
             k = 0
-            while not stop.is_set() and k < 300:
+            while not stop.is_set():                              # runs for as long as the queries do
                 i = k % 3
                 if f"tmp{i}" in m.pool_names():
                     m.delete_pool(f"tmp{i}", force=True)
@@ -310,14 +310,18 @@ def test_pools_created_and_deleted_while_scoring():
                     with m.locked(f"tmp{i}") as pool:
                         pool.step(admit_ids=[1], admit_tokens=[60], admit_token_ids=own[i])
                 k += 1
+                cycles[0] = k
         except Exception as e:                                    # reported below
             errors.append(e)
 
     t = threading.Thread(target=churn)
     t.start()
-    seen = 0
+    seen = k = 0
     try:
-        for k in range(60):
+        # At least 60 queries, and on until a temporary pool was scored while the churn went on: how the two threads
+        # interleave is up to the scheduler (on a loaded machine the churn once ran all its work before the first
+        # query), so a fixed count of either cannot promise that they overlapped.
+        while (k < 60 or not seen) and k < 20_000 and not errors:
             i = k % 3
             for s in score_prefix(m, np.concatenate((own[i], [1, 2, 3]))):
                 if s.pool == f"tmp{i}":
@@ -325,11 +329,12 @@ def test_pools_created_and_deleted_while_scoring():
                     seen += s.cached_tokens == 60
                 else:
                     assert s.cached_tokens == 0, s
+            k += 1
     finally:
         stop.set()
         t.join()
     assert not errors
-    assert seen                                                   # the temporary pools were found and scored
+    assert seen, (k, cycles[0])                                   # the temporary pools were found and scored
     assert_index_exact(m)
     assert_scores_exact(m, w, prompts=4)
 
