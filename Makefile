@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/python -m clients.main_job
+	$(BIN)/python -m kvservice.examples.main_job
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

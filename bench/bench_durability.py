@@ -35,17 +35,17 @@ sys.path.insert(0, str(ROOT))
 
 import grpc  # noqa: E402
 
-from kvservice.api import ManagerAPI  # noqa: E402
-from kvservice.geometry import CacheSpec  # noqa: E402
-from kvservice.journal import Journal, JournalConfig, create_request  # noqa: E402
-from kvservice.manager import BlockManager  # noqa: E402
-from kvservice.metrics import ManagerMetrics  # noqa: E402
-from kvservice.planner import Sizing  # noqa: E402
-from kvservice.server import serve  # noqa: E402
-from kvservice.servicer import BlockManagerServicer, Limits  # noqa: E402
+from kvservice.contract.wire import to_tensor  # noqa: E402
+from kvservice.core.geometry import CacheSpec  # noqa: E402
+from kvservice.core.planner import Sizing  # noqa: E402
+from kvservice.manager.api import ManagerAPI  # noqa: E402
+from kvservice.manager.pools import BlockManager  # noqa: E402
+from kvservice.server.app import serve  # noqa: E402
+from kvservice.server.metrics import ManagerMetrics  # noqa: E402
+from kvservice.server.servicer import BlockManagerServicer, Limits  # noqa: E402
+from kvservice.state.journal import Journal, JournalConfig, create_request  # noqa: E402
 from kvservice.v1 import block_manager_pb2 as pb  # noqa: E402
 from kvservice.v1 import block_manager_pb2_grpc as pb_grpc  # noqa: E402
-from kvservice.wire import to_tensor  # noqa: E402
 
 SPEC = CacheSpec.uniform(32, 8, 128, "float16", 16)     # Llama-3-8B-like, per-layer layout
 BATCHES = (64, 256)

@@ -35,11 +35,11 @@ sys.path.insert(0, str(ROOT))
 
 
 from bench.bench_durability import grpc_step_times  # noqa: E402
-from kvservice.ha import serve_ha, stop_ha  # noqa: E402
-from kvservice.journal import Journal, JournalConfig  # noqa: E402
-from kvservice.journal_nats import NatsConfig, NatsLink, NatsStore  # noqa: E402
-from kvservice.leader import LeaseConfig  # noqa: E402
-from kvservice.server import serve  # noqa: E402
+from kvservice.server.app import serve  # noqa: E402
+from kvservice.server.ha import serve_ha, stop_ha  # noqa: E402
+from kvservice.state.journal import Journal, JournalConfig  # noqa: E402
+from kvservice.state.nats.journal import NatsConfig, NatsLink, NatsStore  # noqa: E402
+from kvservice.state.nats.leader import LeaseConfig  # noqa: E402
 from tests.integration.ha_harness import HASystem, cluster_leader_node, kill_loop, pause_leader  # noqa: E402
 from tests.natsutil import NatsCluster  # noqa: E402
 
@@ -51,7 +51,7 @@ NAMES = {"sqlite-full": "SQLite, sync=full (default `--state-dir`)", "sqlite-nor
 
 
 def _loop_publish(store: NatsStore, payload: bytes, headers: dict[str, str]) -> int:
-    """An append's publish as it was before kvservice/nats_direct.py: js.publish on the link's loop."""
+    """An append's publish as it was before kvservice/state/nats/direct.py: js.publish on the link's loop."""
     c = store.config
     ack = store.link.call(store.link.js.publish(c.subject, payload, timeout=c.request_seconds, stream=c.stream,
                                                 headers=dict(headers)), c.request_seconds + 1.0)
@@ -249,7 +249,8 @@ def write_report(args: argparse.Namespace, rows: list, rtt: dict[str, tuple[floa
         f"Two managers (`kvservice serve --state nats://... --nats-replicas 3`, default lease: TTL "
         f"{lease.ttl_seconds:g} s, renewed every {lease.renew_seconds:g} s, standby looks every "
         f"{lease.poll_seconds:g} s) on a 3-node NATS JetStream cluster; three scheduler-like clients "
-        "(`clients.ha.LeaderClient` over both addresses, 2 s deadline, retries with backoff 20-250 ms) doing random "
+        "(`kvservice.client.ha.LeaderClient` over both addresses, 2 s deadline, retries with backoff 20-250 ms) "
+        "doing random "
         "admissions, extensions and frees. "
         f"The leader is killed -9 {len(takeovers)} times, each after a random 0.3-1.5 s of load; the killed "
         "process is restarted at once and becomes the standby. Failover = kill to the first Step acknowledged by "
@@ -275,7 +276,7 @@ def write_report(args: argparse.Namespace, rows: list, rtt: dict[str, tuple[floa
     for b, k, p50, p99 in rows:
         lines.append(f"| {b} | {NAMES[k]} | {p50:.3f} | {p99:.3f} | {p50 / base[b]:.2f}x |")
     lines += ["", f"Where the NATS journal's share goes ({n} publishes of 300 bytes, each awaited; p50 ms). A journal "
-              "append uses the direct connection (kvservice/nats_direct.py: the appending thread sends and waits "
+              "append uses the direct connection (kvservice/state/nats/direct.py: the appending thread sends and waits "
               "for the acknowledgement itself); the nats-py columns are the path it replaced:", "",
               "| cluster | nats-py, awaited on its loop | nats-py through NatsLink.call (sync caller) | "
               "direct connection (sync caller) | an empty NatsLink.call (thread hop) |", "|---|---:|---:|---:|---:|"]

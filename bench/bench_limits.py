@@ -29,10 +29,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from clients import BlockManagerClient  # noqa: E402
-from clients.launch import wait_for_ports  # noqa: E402
-from kvservice.geometry import CacheSpec, LayerSpec  # noqa: E402
-from kvservice.planner import Sizing  # noqa: E402
+from kvservice.client import BlockManagerClient  # noqa: E402
+from kvservice.core.geometry import CacheSpec, LayerSpec  # noqa: E402
+from kvservice.core.planner import Sizing  # noqa: E402
+from kvservice.tools.launch import wait_for_ports  # noqa: E402
 
 MESSAGE_BYTES = 128 << 20          # deploy/base: --max-message-bytes
 DEPLOY_MEMORY = 4 << 30            # deploy/base manager-statefulset.yaml: limits.memory
@@ -53,7 +53,7 @@ def run_case(name: str, spec: CacheSpec, sizing: Sizing, prefix: bool, admit_tok
              token_ids: np.ndarray | None, tmp: Path) -> dict:
     ports = tmp / f"{name}.ports"
     log = open(tmp / f"{name}.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "kvservice.cli", "serve", "--listen", "127.0.0.1:0",
+    proc = subprocess.Popen([sys.executable, "-m", "kvservice.server.cli", "serve", "--listen", "127.0.0.1:0",
                              "--metrics-port", "-1", "--port-file", str(ports), "--max-message-bytes",
                              str(MESSAGE_BYTES)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:

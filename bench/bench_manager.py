@@ -26,12 +26,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from clients import BlockManagerClient  # noqa: E402
-from clients.launch import wait_for_ports  # noqa: E402
-from kvservice.allocator import SlotAllocator  # noqa: E402
-from kvservice.geometry import CacheSpec  # noqa: E402
-from kvservice.planner import Sizing, plan  # noqa: E402
-from kvservice.pool import Pool  # noqa: E402
+from kvservice.client import BlockManagerClient  # noqa: E402
+from kvservice.core.allocator import SlotAllocator  # noqa: E402
+from kvservice.core.geometry import CacheSpec  # noqa: E402
+from kvservice.core.planner import Sizing, plan  # noqa: E402
+from kvservice.core.pool import Pool  # noqa: E402
+from kvservice.tools.launch import wait_for_ports  # noqa: E402
 
 SPEC = CacheSpec.uniform(32, 8, 128, "float16", 16)     # Llama-3-8B-like, per-layer layout
 BATCHES = (1, 64, 256, 1024)
@@ -118,7 +118,7 @@ def start_server(tmp: Path, metrics: bool = False) -> tuple[subprocess.Popen, st
     """A `kvservice serve` process on a free port; metrics: also serve /metrics (its port: METRICS_PORT[target])."""
     port_file = tmp / "ports"
     cpus = SERVER_CPUS
-    proc = subprocess.Popen([sys.executable, "-m", "kvservice.cli", "serve", "--listen", "127.0.0.1:0",
+    proc = subprocess.Popen([sys.executable, "-m", "kvservice.server.cli", "serve", "--listen", "127.0.0.1:0",
                              "--metrics-port", "0" if metrics else "-1", "--no-pools", "--port-file", str(port_file),
                              "--log-level", "WARNING"], cwd=ROOT,
                             preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus))
@@ -159,7 +159,7 @@ def _decode_pools(c: BlockManagerClient, b: int, steps: int, tag: str, modes: in
 
 def _unary_reply_bytes(c: BlockManagerClient, pool: str, ids: np.ndarray) -> int:
     """Bytes of one decode Step reply with full tables (the stub called directly, to size the reply)."""
-    from clients import codec
+    from kvservice.client import codec
     req = codec.step_request(pool, extend=ids, extend_tokens=1)
     req.request_id = "size-" + pool
     return c._stub.Step(req, timeout=30).ByteSize()
@@ -295,16 +295,16 @@ def bench_stream_breakdown(steps: int, batches: tuple[int, ...] = BATCHES,
     gap: seconds the thread sleeps before each server request (a served request follows an idle wait).
     Returns [(B, pool step, server, client, reply bytes)].
     """
-    from clients import codec
-    from clients.stream import _Core
-    from kvservice.api import ManagerAPI
-    from kvservice.event_log import EventsConfig, configure_events
-    from kvservice.journal import Journal
-    from kvservice.manager import BlockManager
-    from kvservice.metrics import ManagerMetrics
-    from kvservice.server import MAX_MESSAGE_BYTES
-    from kvservice.servicer import BlockManagerServicer, JournalUnavailable, Limits
-    from kvservice.stream import StreamSession, step_one
+    from kvservice.client import codec
+    from kvservice.client.stream import _Core
+    from kvservice.events.hub import EventsConfig, configure_events
+    from kvservice.manager.api import ManagerAPI
+    from kvservice.manager.pools import BlockManager
+    from kvservice.server.app import MAX_MESSAGE_BYTES
+    from kvservice.server.metrics import ManagerMetrics
+    from kvservice.server.servicer import BlockManagerServicer, JournalUnavailable, Limits
+    from kvservice.server.stream import StreamSession, step_one
+    from kvservice.state.journal import Journal
     from kvservice.v1 import block_manager_pb2 as pb
 
     out = []
@@ -475,7 +475,7 @@ def main() -> int:
     lines += [f"| {mode} | {rate:,.0f} | {p50:.0f} |" for mode, rate, p50 in concurrent]
     lines += ["", "## Where a StepStream decode request's time goes (in-process, no transport)", "",
               "The same steps without gRPC: `Pool.step` alone (no CSR tables, as the delta path asks), the server's "
-              "whole request (`kvservice.stream.step_one`: session, Limits, memory journal, the step, delta "
+              "whole request (`kvservice.server.stream.step_one`: session, Limits, memory journal, the step, delta "
               "encoding, reply serialization) and the client's work (request bytes, reply parsing, applying the "
               "delta to the mirror), back to back; and the server's request after its thread slept 200 us, as "
               "a served request follows an idle wait (code that runs right after its core idled runs slower on "

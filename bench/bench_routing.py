@@ -21,13 +21,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_manager import machine, percentiles, start_server  # noqa: E402
-from clients import BlockManagerClient  # noqa: E402
-from clients.launch import wait_for_ports  # noqa: E402
-from kvservice.geometry import CacheSpec  # noqa: E402
-from kvservice.manager import BlockManager  # noqa: E402
-from kvservice.planner import Sizing, plan  # noqa: E402
-from kvservice.pool import Pool  # noqa: E402
-from kvservice.routing import score_prefix, score_prefix_per_pool  # noqa: E402
+from kvservice.client import BlockManagerClient  # noqa: E402
+from kvservice.core.geometry import CacheSpec  # noqa: E402
+from kvservice.core.planner import Sizing, plan  # noqa: E402
+from kvservice.core.pool import Pool  # noqa: E402
+from kvservice.manager.pools import BlockManager  # noqa: E402
+from kvservice.manager.routing import score_prefix, score_prefix_per_pool  # noqa: E402
+from kvservice.tools.launch import wait_for_ports  # noqa: E402
 
 TOKENS, POOLS, PS = 32_768, 64, 16
 SPEC = CacheSpec.uniform(32, 8, 128, "bfloat16", PS)
@@ -77,8 +77,9 @@ def bench_inprocess(kind: str, reps: int) -> list[tuple[str, float, float, int]]
 
 
 #: The server of the "per pool" gRPC rows: the same server with ScorePrefix taking the per-pool path.
-PER_POOL_SERVER = ("import sys, kvservice.events_proto as e, kvservice.routing as r; "
-                   "e._score = r.score_prefix_per_pool; from kvservice.cli import main; sys.exit(main(sys.argv[1:]))")
+PER_POOL_SERVER = ("import sys, kvservice.events.messages as e, kvservice.manager.routing as r; "
+                   "e._score = r.score_prefix_per_pool; from kvservice.server.cli import main; "
+                   "sys.exit(main(sys.argv[1:]))")
 
 
 def start_per_pool_server(tmp: Path) -> tuple[subprocess.Popen, str]:

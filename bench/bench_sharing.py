@@ -19,10 +19,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_manager import machine, percentiles, start_server  # noqa: E402
-from clients import BlockManagerClient  # noqa: E402
-from kvservice.geometry import CacheSpec, LayerSpec  # noqa: E402
-from kvservice.planner import Sizing, plan  # noqa: E402
-from kvservice.pool import Pool  # noqa: E402
+from kvservice.client import BlockManagerClient  # noqa: E402
+from kvservice.core.geometry import CacheSpec, LayerSpec  # noqa: E402
+from kvservice.core.planner import Sizing, plan  # noqa: E402
+from kvservice.core.pool import Pool  # noqa: E402
 
 B = 256
 SHARED, TAIL = 512, 128           # 640-token prompts, 80% of them a shared system prompt

@@ -8,7 +8,7 @@ buffer and an empty row.
 
 ``make_inputs`` builds a case from its seed (random non-zero data),
 ``run_case`` runs the kernel through any compiled backend, ``check_case``
-compares with the float64 torch reference (``worker.reference``) and the
+compares with the float64 torch reference (``kvservice.worker.reference``) and the
 NumPy validator's record. Only numpy and ``worker`` are imported at module
 level (torch lazily in ``check_case``), so a sanitized subprocess can run
 cases without torch.
@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from worker import kernel_api as api
-from worker.kernel_api import KernelViolationError, PageLayout, Policy
+from kvservice.worker import kernel_api as api
+from kvservice.worker.kernel_api import KernelViolationError, PageLayout, Policy
 
 DTYPES = ("float32", "float16", "bfloat16")
 HEAD_DIMS = (32, 64, 128, 256, 512)
@@ -88,7 +88,7 @@ class Inputs:
     q: np.ndarray  # [batch, q_heads, head_dim], cache storage dtype
     cache: np.ndarray  # flat layer (or group) buffer, storage dtype
     layout: PageLayout
-    raw: Any  # worker.reference.RawLayer: the same pages by raw byte offsets (the oracle's addressing)
+    raw: Any  # kvservice.worker.reference.RawLayer: the same pages by raw byte offsets (the oracle's addressing)
     indptr: np.ndarray  # int32 [batch + 1]
     indices: np.ndarray  # int32 [nnz]
     last_page_len: np.ndarray  # int32 [batch]
@@ -111,7 +111,7 @@ def make_inputs(case: Case) -> Inputs:
     pages = [-(-n // ps) for n in lens]
     num_slots = sum(pages) + 3
     pe = 2 * ps * kh * d
-    from worker.reference import RawLayer
+    from kvservice.worker.reference import RawLayer
 
     if v.kind == "per_layer":
         layout = PageLayout.per_layer(num_slots, ps, kh, d, case.dtype)
@@ -163,7 +163,7 @@ def run_case(be: Any, case: Case, inp: Inputs) -> Result:
 
 def check_case(case: Case, inp: Inputs, got: Result) -> list[str]:
     """What is wrong with ``got`` (empty list: the case passed)."""
-    from worker import ops_numpy, reference
+    from kvservice.worker import ops_numpy, reference
 
     v = case.variant
     problems: list[str] = []

@@ -46,10 +46,10 @@ class Ctx:
 
     def backend(self, unchecked: bool = False) -> Any:
         if self.cuda:
-            from worker import kernels_cuda
+            from kvservice.worker import kernels_cuda
 
             return kernels_cuda.backend(unchecked)
-        from worker import kernels_cpu
+        from kvservice.worker import kernels_cpu
 
         return kernels_cpu.backend("nocheck" if unchecked else "plain")
 
@@ -112,7 +112,7 @@ def versions(cuda: bool) -> dict[str, str]:
 def group_preflight(ctx: Ctx) -> int:
     """Build one module (checked or unchecked), resolve every kernel, report
     versions and resources. Exit 2 when anything is missing."""
-    from worker import kernel_api as api
+    from kvservice.worker import kernel_api as api
 
     build = ctx.args.build
     v = versions(ctx.cuda)
@@ -169,9 +169,9 @@ def group_decode_sweep(ctx: Ctx) -> int:
 
 def group_append_copy_guard(ctx: Ctx) -> int:
     from bench.decode_cases import rand
-    from worker import kernel_api as api
-    from worker import ops_numpy
-    from worker.kernel_api import PageLayout
+    from kvservice.worker import kernel_api as api
+    from kvservice.worker import ops_numpy
+    from kvservice.worker.kernel_api import PageLayout
 
     be, rng = ctx.backend(), np.random.default_rng(1)
     xp = be.xp
@@ -216,9 +216,9 @@ def group_over_4gib(ctx: Ctx) -> int:
     copied further up, decode over both; every page involved, and the pages a
     32-bit byte offset would have wrapped to, compared with host-built contents."""
     from bench.decode_cases import rand
-    from worker import kernel_api as api
-    from worker import reference
-    from worker.kernel_api import PageLayout
+    from kvservice.worker import kernel_api as api
+    from kvservice.worker import reference
+    from kvservice.worker.kernel_api import PageLayout
 
     be, rng = ctx.backend(), np.random.default_rng(2)
     xp = be.xp
@@ -350,8 +350,8 @@ def decode_shapes(ctx: Ctx) -> list[tuple[int, int, int, int, int]]:
 
 
 def group_timing(ctx: Ctx) -> int:
-    from worker import kernel_api as api
-    from worker.kernel_api import PageLayout
+    from kvservice.worker import kernel_api as api
+    from kvservice.worker.kernel_api import PageLayout
 
     checked, unchecked = ctx.backend(), ctx.backend(unchecked=True)
     xp, rng = checked.xp, np.random.default_rng(3)
@@ -435,7 +435,7 @@ GROUPS: dict[str, Callable[[Ctx], int]] = {
 # The device's protobuf may be older than the committed stubs: nothing here may
 # pull in the service layer (the generated stubs, gRPC, protobuf). The worker's
 # kernel API shares the page-table rules of kvservice.pagetable (pure NumPy).
-FORBIDDEN_IMPORTS = ("kvservice.v1", "kvservice.api", "kvservice.servicer", "grpc", "google.protobuf")
+FORBIDDEN_IMPORTS = ("kvservice.v1", "kvservice.manager.api", "kvservice.server.servicer", "grpc", "google.protobuf")
 
 
 def run_child(args: argparse.Namespace) -> int:

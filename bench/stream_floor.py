@@ -1,7 +1,7 @@
 """How much work a StepStream round trip has room for: a stand-in manager whose stream requests cost a set time.
 
 The stand-in is the real `kvservice serve` process with one change, made here and never in the service:
-after a stream's first two real requests, `kvservice.stream.step_one` answers each request with the
+after a stream's first two real requests, `kvservice.server.stream.step_one` answers each request with the
 stream's last real reply (its seq renumbered) after spinning for --work microseconds. So the bytes on the
 wire are exactly a decode step's at that batch (the client's real request, the real delta reply) and the
 server-side work is a known busy wait. The client spins for --client-work microseconds after each reply,
@@ -41,8 +41,8 @@ def _spin(seconds: float) -> None:
 
 def serve_standin(argv: list[str]) -> int:
     """`kvservice serve argv` with stream requests answered by the stand-in (see the module docstring)."""
-    import kvservice.stream as stream
-    from kvservice.cli import main
+    import kvservice.server.stream as stream
+    from kvservice.server.cli import main
 
     real = stream.step_one
     work = float(os.environ[_WORK_ENV]) * 1e-6
@@ -69,10 +69,10 @@ def measure(batch: int, work_us: float, client_us: float, steps: int = 400,
     import grpc
 
     from bench.bench_manager import _decode_pools
-    from clients import BlockManagerClient
-    from clients.launch import wait_for_ports
-    from clients.stream import METHOD
-    from kvservice.stream import STREAM_ID_KEY
+    from kvservice.client import BlockManagerClient
+    from kvservice.client.stream import METHOD
+    from kvservice.server.stream import STREAM_ID_KEY
+    from kvservice.tools.launch import wait_for_ports
     from kvservice.v1 import block_manager_pb2 as pb
 
     with tempfile.TemporaryDirectory() as tmp:

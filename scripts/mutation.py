@@ -7,7 +7,7 @@ Two parts (`make mutation` runs both):
   NumPy kernels) and runs the tests that cover each mutant. Survivors are listed
   with their diff; a survivor that is equivalent (no test can tell it apart) is
   explained in bench/mutation_equivalent.txt, one ``name: why`` per line.
-- CUDA sources: hand-made mutants of worker/kernels/*.cu (a bounds check
+- CUDA sources: hand-made mutants of kvservice/worker/kernels/*.cu (a bounds check
   dropped, an off-by-one, 32-bit address arithmetic, a lost violation flag), each
   applied to a copy of the tree and run against the emulated-kernel tests
   (ASan included). A mutant survives if those tests still pass.
@@ -221,7 +221,7 @@ def _status_of(py: dict) -> dict[str, str]:
 
 
 def _module(name: str) -> str:
-    return name.split(".x")[0]                              # kvservice.pool.x_step__mutmut_3 -> kvservice.pool
+    return name.split(".x")[0]  # kvservice.core.pool.x_step__mutmut_3 -> kvservice.core.pool
 
 
 def _changed_lines(diff: str) -> list[str]:
@@ -258,12 +258,12 @@ def _cu_run(fname: str | None, find: str = "", repl: str = "") -> tuple[int, str
     """The kernel tests on a copy of the tree with one .cu edit (none: the control); (exit code, first failure)."""
     with tempfile.TemporaryDirectory() as tmp:
         tree = Path(tmp) / "tree"
-        for part in ("worker", "kvservice", "clients", "tests", "pyproject.toml"):
+        for part in ("kvservice", "tests", "pyproject.toml"):
             p = ROOT / part
             (shutil.copytree if p.is_dir() else shutil.copy)(p, tree / part, **({"ignore": shutil.ignore_patterns(
                 "__pycache__")} if p.is_dir() else {}))
         if fname is not None:
-            f = tree / "worker" / "kernels" / fname
+            f = tree / "kvservice" / "worker" / "kernels" / fname
             f.write_text(f.read_text().replace(find, repl))
         env = {**os.environ, "PYTHONPATH": str(tree)}
         r = _run([sys.executable, "-m", "pytest", "-x", "-v", "-p", "no:cacheprovider", *CU_TESTS], tree, 1800, env)
@@ -291,7 +291,7 @@ def cu_part(match: list[str] | None = None) -> list[tuple[str, str, str]]:
     for fname, find, repl, what in CU_MUTANTS:
         if match and not any(m in what for m in match):
             continue
-        src = (ROOT / "worker" / "kernels" / fname).read_text()
+        src = (ROOT / "kvservice" / "worker" / "kernels" / fname).read_text()
         if src.count(find) != 1:
             out.append((fname, what, "not applied (source changed)"))
             continue

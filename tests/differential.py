@@ -1,6 +1,6 @@
 """Differential testing of a pool against tests/refmodel.py: random op sequences, full comparison, shrinking.
 
-A run drives one real pool (in-process `kvservice.pool.Pool`, or the real server
+A run drives one real pool (in-process `kvservice.core.pool.Pool`, or the real server
 over gRPC) and the reference model through the same random Steps. After every
 Step it compares everything the reply carries (batch order, token counts,
 new-token indptr, every slot mapping, every index space's CSR and block table,
@@ -35,11 +35,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from kvservice import convert
-from kvservice.errors import AlreadyExists, InvalidArgument, KVError, NotFound, ResourceExhausted
-from kvservice.geometry import CacheSpec, LayerSpec
-from kvservice.planner import Sizing, plan
-from kvservice.pool import Pool
+from kvservice.contract import convert
+from kvservice.contract.errors import AlreadyExists, InvalidArgument, KVError, NotFound, ResourceExhausted
+from kvservice.core.geometry import CacheSpec, LayerSpec
+from kvservice.core.planner import Sizing, plan
+from kvservice.core.pool import Pool
 
 from .refmodel import Outcome, RefPool, Row, Step, cdiv
 
@@ -152,7 +152,7 @@ def _arr(xs, dtype=np.int64) -> np.ndarray:
 
 
 class InProcess:
-    """Drives kvservice.pool.Pool directly; can read its whole state."""
+    """Drives kvservice.core.pool.Pool directly; can read its whole state."""
 
     full_state = True
 
@@ -211,7 +211,7 @@ class OverGrpc:
         self.client, self.name = client, name
 
     def step(self, st: Step) -> Reply:
-        from clients.codec import ClientError
+        from kvservice.client.codec import ClientError
 
         try:
             r = self.client.step(self.name, free=st.free or None, extend=[i for i, _ in st.ext] or None,

@@ -1,6 +1,6 @@
 """A deliberately plain reference model of a pool: dicts, lists and ints, no NumPy, no fast paths.
 
-Written from DESIGN.md and docs/ARCHITECTURE.md (never from kvservice/pool.py,
+Written from DESIGN.md and docs/ARCHITECTURE.md (never from kvservice/core/pool.py,
 allocator.py or prefix.py) so that a differential test can hold the real pool
 to the documented semantics:
 
@@ -63,7 +63,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvservice.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from kvservice.contract.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
 
 
 def cdiv(a: int, b: int) -> int:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvservice.geometry import CacheSpec, LayerSpec
+from kvservice.core.geometry import CacheSpec, LayerSpec
 
 PAGE = 4
 SPECS = {
@@ -55,7 +55,7 @@ class Driver:
         return base[start:start + n]
 
     def draw(self) -> dict:
-        """Keyword arguments of clients.codec.step_request for the next step."""
+        """Keyword arguments of kvservice.client.codec.step_request for the next step."""
         r = self.rng
         kind = r.choice(["admit", "decode", "decode", "decode", "chunk", "fork", "free", "mixed", "mistake"])
         live = list(self.live)
@@ -109,7 +109,8 @@ class Driver:
 
 
 def assert_same_tables(mirror, full, where: str) -> None:
-    """The mirror's tables equal a full reply's (clients.codec.StepResult with block tables), values and dtypes."""
+    """The mirror's tables equal a full reply's (kvservice.client.codec.StepResult with block tables), values and
+    dtypes."""
     assert mirror.seq_ids.tolist() == full.seq_ids.tolist(), where
     assert np.array_equal(np.asarray(mirror.num_tokens), full.num_tokens), where
     assert np.array_equal(np.asarray(mirror.new_token_indptr), full.new_token_indptr), where

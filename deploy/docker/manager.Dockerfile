@@ -12,11 +12,9 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY kvservice ./kvservice
-COPY clients ./clients
-COPY worker ./worker
 RUN python -m venv /opt/kvservice \
  && /opt/kvservice/bin/pip install --no-cache-dir . \
- && /opt/kvservice/bin/python -c "import kvservice.server, clients, grpc_health.v1"
+ && /opt/kvservice/bin/python -c "import kvservice.server.app, kvservice.client, grpc_health.v1"
 
 FROM python:3.11.12-slim-bookworm
 LABEL org.opencontainers.image.title="kvservice" \

@@ -4,7 +4,7 @@
 #   docker build -f deploy/docker/worker.Dockerfile -t kvworker:0.1.0 .       (from the repository root)
 #
 # The CUDA *runtime* image carries libcudart and NVRTC, which CuPy's RawModule uses to
-# compile worker/kernels/*.cu at first use (cached under CUPY_CACHE_DIR, an emptyDir in
+# compile kvservice/worker/kernels/*.cu at first use (cached under CUPY_CACHE_DIR, an emptyDir in
 # Kubernetes). Ubuntu 24.04's python3 is 3.12 (the project needs >= 3.11).
 # Pinned by exact tag; pin by digest for production (docker buildx imagetools inspect ...).
 
@@ -16,11 +16,9 @@ RUN apt-get update \
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY kvservice ./kvservice
-COPY clients ./clients
-COPY worker ./worker
 RUN python3 -m venv /opt/kvservice \
  && /opt/kvservice/bin/pip install --no-cache-dir '.[gpu]' \
- && /opt/kvservice/bin/python -c "import worker, cupy, grpc_health.v1"
+ && /opt/kvservice/bin/python -c "import kvservice.worker.server, cupy, grpc_health.v1"
 
 FROM nvidia/cuda:12.6.3-runtime-ubuntu24.04
 LABEL org.opencontainers.image.title="kvworker" \

@@ -17,7 +17,7 @@ def start_manager(tmp_path: Path) -> Iterator:
 
     def start(pools: str = TINY_POOLS) -> Proc:
         (tmp_path / "pools.yaml").write_text(pools)
-        proc = start_process(["-m", "kvservice.cli", "serve", "--listen", "127.0.0.1:0", "--metrics-port", "0",
+        proc = start_process(["-m", "kvservice.server.cli", "serve", "--listen", "127.0.0.1:0", "--metrics-port", "0",
                        "--pools", str(tmp_path / "pools.yaml"), "--log-level", "WARNING"], tmp_path,
                       f"manager{len(procs)}")
         procs.append(proc)
@@ -34,7 +34,7 @@ def start_worker(tmp_path: Path) -> Iterator:
     procs: list[Proc] = []
 
     def start(manager: Proc, pool: str = "default") -> Proc:
-        proc = start_process(["-m", "worker.cli", "serve", "--manager", manager.grpc_addr, "--pool", pool,
+        proc = start_process(["-m", "kvservice.worker.cli", "serve", "--manager", manager.grpc_addr, "--pool", pool,
                        "--backend", "cpu", "--listen", "127.0.0.1:0", "--metrics-port", "0",
                        "--enable-test-hooks", "--log-level", "WARNING"], tmp_path, f"worker{len(procs)}")
         procs.append(proc)

@@ -16,7 +16,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from clients.launch import wait_for_ports
+from kvservice.tools.launch import wait_for_ports
 from tests.ci import need_tool
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,7 +36,7 @@ MANAGER_METRICS = {
     "kvservice_alloc_failures_total": "counter",
     "kvservice_prefix_cache_hits_total": "counter",
     "kvservice_rpc_duration_seconds": "histogram",
-    # KV events and prefix lookups (kvservice/event_metrics.py)
+    # KV events and prefix lookups (kvservice/events/metrics.py)
     "kvservice_prefix_cache_lookup_pages_total": "counter",
     "kvservice_prefix_cache_hit_pages_total": "counter",
     "kvservice_kv_events_published_total": "counter",

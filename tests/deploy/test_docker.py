@@ -154,7 +154,7 @@ def test_health_check_script_against_a_live_manager(start_manager) -> None:
 @pytest.mark.integration
 def test_health_check_script_against_a_live_worker(start_manager, start_worker) -> None:
     """What the worker image's HEALTHCHECK and the Deployment's gRPC probes (service "") ask."""
-    pytest.importorskip("worker.server", reason="worker service not built yet (issue 4)")
+    pytest.importorskip("kvservice.worker.server", reason="worker service not built yet (issue 4)")
     worker = start_worker(start_manager())
     r = _health(worker.grpc_addr)
     assert r.returncode == 0, r.stderr

@@ -208,7 +208,7 @@ def test_pods_are_locked_down_and_sized(rendered, variant: str) -> None:
 
 @pytest.mark.parametrize("variant", SINGLE_MANAGER)
 def test_manager_statefulset_journal_and_pools(rendered, variant: str) -> None:
-    from kvservice.config import load_pools
+    from kvservice.server.config import load_pools
 
     docs = rendered(variant)
     sts = one(docs, "StatefulSet", "kvservice-manager")
@@ -436,8 +436,8 @@ def test_manager_and_worker_rpcs_need_tokens(rendered, variant: str) -> None:
 #: request and reply with their copies), 2 x it per other gRPC thread receiving, 25 bytes per slot of
 #: max_total_slots and 200 MiB for the process itself.
 def _manager_budget(args: list[str]) -> int:
-    from kvservice.server import MAX_MESSAGE_BYTES
-    from kvservice.servicer import Limits
+    from kvservice.server.app import MAX_MESSAGE_BYTES
+    from kvservice.server.servicer import Limits
 
     msg = int(_flag(args, "--max-message-bytes") or MAX_MESSAGE_BYTES)
     threads = int(_flag(args, "--threads") or 8)
@@ -482,7 +482,7 @@ def test_ha_overlay_runs_two_managers_on_a_nats_cluster(rendered) -> None:
     # readiness = leader only (the Service routes to it); liveness = the whole server (standbys pass)
     assert c["readinessProbe"]["grpc"]["service"] == "kvservice.v1.BlockManager"
     assert "service" not in c["livenessProbe"]["grpc"] and "service" not in c["startupProbe"]["grpc"]
-    from kvservice.server import SERVICE_NAME
+    from kvservice.server.app import SERVICE_NAME
     assert c["readinessProbe"]["grpc"]["service"] == SERVICE_NAME
     # NATS: three servers on three nodes, the official image, JetStream on a volume each
     assert nats["spec"]["replicas"] == 3 and nats["spec"]["podManagementPolicy"] == "Parallel"

@@ -106,7 +106,7 @@ def wait_for(cond: Callable[[], Any], what: str, log: Path | None = None, timeou
 
 
 def test_manager_series_and_alerts_through_prometheus(tmp_path: Path, start_manager) -> None:
-    from clients import BlockManagerClient, ClientError
+    from kvservice.client import BlockManagerClient, ClientError
 
     manager = start_manager()     # pool "default": 16 slots of 16 tokens
     with prometheus(tmp_path, {"kvservice-manager": manager}) as prom, \
@@ -147,11 +147,11 @@ def test_manager_series_and_alerts_through_prometheus(tmp_path: Path, start_mana
 
 
 def test_worker_violation_visible_through_prometheus(tmp_path: Path, start_manager, start_worker) -> None:
-    pytest.importorskip("worker.server", reason="worker service not built yet (issue 4)")
+    pytest.importorskip("kvservice.worker.server", reason="worker service not built yet (issue 4)")
     import numpy as np
 
-    from clients.worker_client import WorkerClient
-    from kvservice.pagetable import PageTable
+    from kvservice.client.worker_client import WorkerClient
+    from kvservice.contract.pagetable import PageTable
 
     manager = start_manager()
     worker = start_worker(manager)

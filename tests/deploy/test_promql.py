@@ -136,7 +136,7 @@ def _scrape_names(text: str) -> set[str]:
 
 @pytest.mark.integration
 def test_manager_exports_what_dashboards_and_alerts_use(start_manager) -> None:
-    from clients import BlockManagerClient, ClientError
+    from kvservice.client import BlockManagerClient, ClientError
 
     manager = start_manager()
     with BlockManagerClient(manager.grpc_addr, timeout=5.0) as c:
@@ -155,11 +155,11 @@ def test_manager_exports_what_dashboards_and_alerts_use(start_manager) -> None:
 
 @pytest.mark.integration
 def test_worker_exports_what_dashboards_and_alerts_use(start_manager, start_worker) -> None:
-    pytest.importorskip("worker.server", reason="worker service not built yet (issue 4)")
+    pytest.importorskip("kvservice.worker.server", reason="worker service not built yet (issue 4)")
     import numpy as np
 
-    from clients.worker_client import WorkerClient
-    from kvservice.pagetable import PageTable
+    from kvservice.client.worker_client import WorkerClient
+    from kvservice.contract.pagetable import PageTable
 
     worker = start_worker(start_manager())
     with WorkerClient(worker.grpc_addr, timeout=10.0) as w:

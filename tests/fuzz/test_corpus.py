@@ -10,13 +10,13 @@ import grpc
 import numpy as np
 import pytest
 
-from kvservice.api import ManagerAPI
-from kvservice.geometry import CacheSpec
-from kvservice.invariants import assert_invariants
-from kvservice.journal import Journal, JournalConfig, state_tree
-from kvservice.server import serve
-from kvservice.servicer import Limits
-from kvservice.status import error_info
+from kvservice.contract.status import error_info
+from kvservice.core.geometry import CacheSpec
+from kvservice.core.invariants import assert_invariants
+from kvservice.manager.api import ManagerAPI
+from kvservice.server.app import serve
+from kvservice.server.servicer import Limits
+from kvservice.state.journal import Journal, JournalConfig, state_tree
 from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1 import block_manager_pb2_grpc as pb_grpc
 
@@ -48,7 +48,7 @@ def server(request, tmp_path_factory):
 
 
 def _spec(spec):
-    from kvservice.convert import cache_spec_to_proto
+    from kvservice.contract.convert import cache_spec_to_proto
     return cache_spec_to_proto(spec)
 
 

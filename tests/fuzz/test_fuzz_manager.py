@@ -15,13 +15,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvservice.convert import cache_spec_to_proto
-from kvservice.geometry import CacheSpec, LayerSpec
-from kvservice.invariants import assert_invariants
-from kvservice.journal import Journal, JournalConfig, state_tree
-from kvservice.server import RunningServer, serve
-from kvservice.servicer import Limits
-from kvservice.status import error_info
+from kvservice.contract.convert import cache_spec_to_proto
+from kvservice.contract.status import error_info
+from kvservice.core.geometry import CacheSpec, LayerSpec
+from kvservice.core.invariants import assert_invariants
+from kvservice.server.app import RunningServer, serve
+from kvservice.server.servicer import Limits
+from kvservice.state.journal import Journal, JournalConfig, state_tree
 from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1 import block_manager_pb2_grpc as pb_grpc
 from kvservice.v1 import common_pb2 as cpb

@@ -16,9 +16,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from clients.mirror import MirrorError, PageTableMirror
-from kvservice.journal import Journal, state_tree
-from kvservice.stream import STREAM_ID_KEY
+from kvservice.contract.mirror import MirrorError, PageTableMirror
+from kvservice.server.stream import STREAM_ID_KEY
+from kvservice.state.journal import Journal, state_tree
 from kvservice.v1 import block_manager_pb2 as pb
 
 from .support import COUNTS, fuzz_settings

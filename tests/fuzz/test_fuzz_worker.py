@@ -15,14 +15,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvservice.geometry import CacheSpec, LayerSpec
-from kvservice.planner import Sizing
-from kvservice.server import serve
+from kvservice.core.geometry import CacheSpec, LayerSpec
+from kvservice.core.planner import Sizing
+from kvservice.server.app import serve
 from kvservice.v1 import common_pb2 as cpb
 from kvservice.v1 import worker_pb2 as wpb
 from kvservice.v1 import worker_pb2_grpc as wpb_grpc
-from worker.caches import CacheSet
-from worker.server import serve_worker
+from kvservice.worker.caches import CacheSet
+from kvservice.worker.server import serve_worker
 
 from .support import call, float_tensor, fuzz_settings, garbage_tensor, int_tensor, maybe, mostly, small_or_huge
 
@@ -49,7 +49,7 @@ class Worker:
 def workers():
     manager = serve()
     target = f"127.0.0.1:{manager.port}"
-    from clients import BlockManagerClient
+    from kvservice.client import BlockManagerClient
     with BlockManagerClient(target) as c:
         for name, spec in POOLS.items():
             c.create_pool(name, spec, Sizing(num_slots=NUM_SLOTS, max_seq_len=256))

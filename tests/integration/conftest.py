@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from clients import BlockManagerClient
-from clients.launch import wait_for_ports
+from kvservice.client import BlockManagerClient
+from kvservice.tools.launch import wait_for_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,7 +19,7 @@ class ManagerProcess:
         self.port_file.unlink(missing_ok=True)            # a stale file from an earlier run in this dir
         self.log = open(tmp / "manager.log", "w+")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvservice.cli", "serve", "--listen", "127.0.0.1:0", "--metrics-port", "0",
+            [sys.executable, "-m", "kvservice.server.cli", "serve", "--listen", "127.0.0.1:0", "--metrics-port", "0",
              "--port-file", str(self.port_file), *extra],
             cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         port, metrics = wait_for_ports(self.proc, self.port_file, 30, tmp / "manager.log", "manager")

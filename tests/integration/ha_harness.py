@@ -22,13 +22,13 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from clients import BlockManagerClient, ClientError
-from clients.client import RetryPolicy
-from clients.ha import LeaderClient, leader_epoch
-from clients.launch import wait_for_ports
-from kvservice.ha import open_journal
-from kvservice.journal_nats import NatsConfig, NatsLink, StoreError, parse_state_url
-from kvservice.planner import Sizing
+from kvservice.client import BlockManagerClient, ClientError
+from kvservice.client.client import RetryPolicy
+from kvservice.client.ha import LeaderClient, leader_epoch
+from kvservice.core.planner import Sizing
+from kvservice.server.ha import open_journal
+from kvservice.state.nats.journal import NatsConfig, NatsLink, StoreError, parse_state_url
+from kvservice.tools.launch import wait_for_ports
 from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1 import block_manager_pb2_grpc as pb_grpc
 
@@ -61,7 +61,7 @@ class ManagerSlot:
         d.mkdir(parents=True)
         self.log = open(d / "manager.log", "w+")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvservice.cli", "serve", "--listen", f"127.0.0.1:{self.port}",
+            [sys.executable, "-m", "kvservice.server.cli", "serve", "--listen", f"127.0.0.1:{self.port}",
              "--metrics-port", "0", "--port-file", str(d / "ports"), "--no-pools", "--state", self.state,
              "--nats-name", self.nats_name, "--node-id", f"{self.name}-{self.runs}", *self.extra],
             cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})

@@ -12,7 +12,7 @@ PLAN = ["plan", "--layers", "32", "--kv-heads", "32", "--head-dim", "128", "--dt
 
 
 def kvctl(*args, target=None):
-    cmd = [sys.executable, "-m", "clients.kvctl"] + (["--target", target] if target else []) + list(args)
+    cmd = [sys.executable, "-m", "kvservice.tools.kvctl"] + (["--target", target] if target else []) + list(args)
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
 
 
@@ -58,7 +58,7 @@ def test_kvctl_against_a_server(manager):
 
 @pytest.mark.integration
 def test_main_job_completes():
-    r = subprocess.run([sys.executable, "-m", "clients.main_job", "--requests", "60"], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "kvservice.examples.main_job", "--requests", "60"], cwd=ROOT,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     for words in ("sequences served     60", "refused admissions", "step latency p50", "(0 violations)"):

@@ -1,6 +1,6 @@
 """Clients: one request_id per logical call, retries until a deadline, the id in the error, a manager behind is caught.
 
-Real servers on loopback (kvservice.server.serve, in process), started and stopped on one port.
+Real servers on loopback (kvservice.server.app.serve, in process), started and stopped on one port.
 """
 
 import asyncio
@@ -9,12 +9,12 @@ import socket
 import grpc
 import pytest
 
-from clients import BlockManagerClient, ClientError
-from clients.aio import AsyncBlockManagerClient
-from clients.client import ManagerBehind, RetryPolicy
-from kvservice.geometry import CacheSpec
-from kvservice.planner import Sizing
-from kvservice.server import serve
+from kvservice.client import BlockManagerClient, ClientError
+from kvservice.client.aio import AsyncBlockManagerClient
+from kvservice.client.client import ManagerBehind, RetryPolicy
+from kvservice.core.geometry import CacheSpec
+from kvservice.core.planner import Sizing
+from kvservice.server.app import serve
 
 pytestmark = pytest.mark.integration
 SPEC = CacheSpec.uniform(2, 1, 64, page_size=16)

@@ -11,7 +11,7 @@ import itertools
 
 import pytest
 
-from clients import BlockManagerClient
+from kvservice.client import BlockManagerClient
 from tests.differential import (
     KINDS,
     TOTALS,

@@ -10,14 +10,14 @@ import grpc
 import numpy as np
 import pytest
 
-from clients import BlockManagerClient, ClientError
-from clients.client import RetryPolicy, new_request_id
-from clients.launch import wait_for_ports
-from kvservice.geometry import CacheSpec
-from kvservice.invariants import assert_invariants
-from kvservice.journal import Journal, JournalConfig
-from kvservice.planner import Sizing
-from kvservice.server import serve
+from kvservice.client import BlockManagerClient, ClientError
+from kvservice.client.client import RetryPolicy, new_request_id
+from kvservice.core.geometry import CacheSpec
+from kvservice.core.invariants import assert_invariants
+from kvservice.core.planner import Sizing
+from kvservice.server.app import serve
+from kvservice.state.journal import Journal, JournalConfig
+from kvservice.tools.launch import wait_for_ports
 
 from .conftest import ROOT, ManagerProcess
 
@@ -179,7 +179,7 @@ def test_kill9_under_load_keeps_every_acknowledged_step(tmp_path):
     assert live == {s: t for ld in loaders for s, (t, _) in ld.model.items()}
     m.stop()                                               # clean stop: snapshot
     check_against(recovered(state), loaders, exact=True)
-    out = subprocess.run([sys.executable, "-m", "kvservice.cli", "check-state", str(state)], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "kvservice.server.cli", "check-state", str(state)], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "invariants ok" in out.stdout, out.stdout + out.stderr
 
@@ -354,7 +354,8 @@ def test_workers_keep_their_lease_and_epoch_across_a_manager_restart(tmp_path):
         c.create_pool("w", CacheSpec.uniform(2, 1, 32, "float32", 16), Sizing(num_slots=16, max_seq_len=128))
     ports = tmp_path / "worker.ports"
     log = open(tmp_path / "worker.log", "w+")
-    worker = subprocess.Popen([sys.executable, "-m", "worker.cli", "serve", "--manager", m.target, "--pool", "w",
+    worker = subprocess.Popen([sys.executable, "-m", "kvservice.worker.cli", "serve", "--manager", m.target,
+                               "--pool", "w",
                                "--listen", "127.0.0.1:0", "--metrics-port", "-1", "--port-file", str(ports),
                                "--worker-id", "w0"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:

@@ -7,19 +7,19 @@ import grpc
 import numpy as np
 import pytest
 
-from clients import BlockManagerClient, ClientError
-from kvservice.auth import TokenTable
-from kvservice.geometry import CacheSpec
-from kvservice.planner import Sizing
-from kvservice.server import serve
-from kvservice.status import error_info
+from kvservice.client import BlockManagerClient, ClientError
+from kvservice.contract.auth import TokenTable
+from kvservice.contract.status import error_info
+from kvservice.contract.wire import to_tensor
+from kvservice.core.geometry import CacheSpec
+from kvservice.core.planner import Sizing
+from kvservice.server.app import serve
 from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1 import block_manager_pb2_grpc as pb_grpc
 from kvservice.v1 import worker_pb2 as wpb
 from kvservice.v1 import worker_pb2_grpc as wpb_grpc
-from kvservice.wire import to_tensor
-from worker.reference import RawLayer, page_view
-from worker.server import serve_worker
+from kvservice.worker.reference import RawLayer, page_view
+from kvservice.worker.server import serve_worker
 
 pytestmark = pytest.mark.integration
 TOKENS = {"admin": "admin-0123456789abcdef", "ta": "tenant-a-0123456789abcdef", "tb": "tenant-b-0123456789abcdef",
@@ -178,7 +178,7 @@ def test_recreated_pool_with_the_same_geometry_keeps_the_caches(cluster):
 def test_incarnations_are_stamped_by_the_server_and_survive_replay_and_retries(tmp_path):
     """The server chooses the incarnation (a client's value is replaced); a retried CreatePool gets the stored
     reply; a journal replay recreates the same incarnation, and registrations replay under it."""
-    from kvservice.journal import Journal, JournalConfig
+    from kvservice.state.journal import Journal, JournalConfig
 
     running = serve(journal=Journal.open(tmp_path, config=JournalConfig(sync="normal")))
     target = f"127.0.0.1:{running.port}"
@@ -206,8 +206,8 @@ def test_incarnations_are_stamped_by_the_server_and_survive_replay_and_retries(t
 
 def test_worker_client_sends_its_token_and_incarnation(cluster):
     """A worker with --tokens-file (as the manifests run it): WorkerClient's token and pool_incarnation reach it."""
-    from clients.worker_client import WorkerClient
-    from kvservice.pagetable import PageTable
+    from kvservice.client.worker_client import WorkerClient
+    from kvservice.contract.pagetable import PageTable
 
     table = TokenTable.from_yaml(TOKENS_YAML)
     w = serve_worker(cluster["target"], "b", "wb-tokens", backend="cpu", manager_token=TOKENS["tb"], tokens=table)

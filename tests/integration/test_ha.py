@@ -17,16 +17,16 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from clients import ClientError
-from clients.client import BlockManagerClient, RetryPolicy
-from clients.ha import LeaderClient
-from kvservice.geometry import CacheSpec
-from kvservice.ha import LeaderGate, open_journal, serve_ha, stop_ha
-from kvservice.journal import state_tree
-from kvservice.journal_nats import NatsConfig, NatsLink, NatsStore
-from kvservice.leader import Lease, LeaseConfig, LeaseLapsed, LeaseLost
-from kvservice.planner import Sizing
-from kvservice.server import SERVICE_NAME, serve
+from kvservice.client import ClientError
+from kvservice.client.client import BlockManagerClient, RetryPolicy
+from kvservice.client.ha import LeaderClient
+from kvservice.core.geometry import CacheSpec
+from kvservice.core.planner import Sizing
+from kvservice.server.app import SERVICE_NAME, serve
+from kvservice.server.ha import LeaderGate, open_journal, serve_ha, stop_ha
+from kvservice.state.journal import state_tree
+from kvservice.state.nats.journal import NatsConfig, NatsLink, NatsStore
+from kvservice.state.nats.leader import Lease, LeaseConfig, LeaseLapsed, LeaseLost
 
 from ..deploy.support import REPLICATED_METRICS, sample_names
 from ..natsutil import NatsCluster, require_nats_server
@@ -350,7 +350,7 @@ class _HAWatcher(threading.Thread):
         self.error: Exception | None = None
 
     def run(self) -> None:
-        from kvservice.events_proto import proto_to_events
+        from kvservice.events.messages import proto_to_events
         try:
             events: list = []
             for msg in self.stream:

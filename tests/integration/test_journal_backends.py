@@ -16,14 +16,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvservice.errors import KVError
-from kvservice.ha import open_journal, open_sole_writer
-from kvservice.invariants import assert_invariants
-from kvservice.journal import Journal, JournalConfig, StateError, state_tree
-from kvservice.journal_nats import NatsConfig, NatsLink, NatsStore, StoreError
-from kvservice.servicer import JournalUnavailable
+from kvservice.contract.errors import KVError
+from kvservice.contract.wire import to_tensor
+from kvservice.core.invariants import assert_invariants
+from kvservice.server.ha import open_journal, open_sole_writer
+from kvservice.server.servicer import JournalUnavailable
+from kvservice.state.journal import Journal, JournalConfig, StateError, state_tree
+from kvservice.state.nats.journal import NatsConfig, NatsLink, NatsStore, StoreError
 from kvservice.v1 import block_manager_pb2 as pb
-from kvservice.wire import to_tensor
 
 from ..natsutil import NatsCluster, require_nats_server
 from ..unit.test_journal import body, prefix_workload, run, setup_pools, step_req, workload
@@ -188,9 +188,9 @@ def nats_backend(nats1):
 
 
 def _prefix_pool_request(name: str, max_seq_len: int) -> pb.CreatePoolRequest:
-    from kvservice.geometry import CacheSpec
-    from kvservice.journal import create_request
-    from kvservice.planner import Sizing
+    from kvservice.core.geometry import CacheSpec
+    from kvservice.core.planner import Sizing
+    from kvservice.state.journal import create_request
     req = create_request(name, CacheSpec.uniform(2, 1, 64, page_size=16),
                          Sizing(num_slots=max_seq_len // 16 + 64, max_seq_len=max_seq_len), ())
     req.enable_prefix_caching = True
@@ -297,7 +297,7 @@ def test_recovery_refuses_an_entry_the_code_cannot_replay(nats_backend):
     setup_pools(j)
     store: NatsStore = j.store
     bad = step_req("a", extend=[12345], k=1).SerializeToString()       # an unknown sequence: refused on replay
-    from kvservice.stores import entry_digest
+    from kvservice.state.stores import entry_digest
     digest = entry_digest(store.seq + 1, "Step", bad, 0.0).hex()           # intact: only the replay refuses it
     store._publish(bad, {"Kvs-Kind": "entry", "Kvs-Seq": str(store.seq + 1), "Kvs-Method": "Step", "Kvs-At": "0.0",
                          "Kvs-Epoch": str(store.epoch), "Kvs-Part": "0/1", "Kvs-Digest": digest,
@@ -309,7 +309,7 @@ def test_recovery_refuses_an_entry_the_code_cannot_replay(nats_backend):
 
 def test_state_moves_between_backends_unchanged(nats1, tmp_path):
     """A state dir imported into NATS, served, exported back: the same state at every hop (backup and restore)."""
-    from kvservice.ha import export_state, import_state
+    from kvservice.server.ha import export_state, import_state
     j = Journal.open(tmp_path / "single", config=FAST)
     setup_pools(j)
     workload(j, np.random.default_rng(7), 60)
@@ -347,7 +347,7 @@ def test_check_state_and_export_state_on_the_command_line(nats_backend, tmp_path
     url, name = nats_backend.config.url, nats_backend.config.name
 
     def cli(*args):
-        return subprocess.run([sys.executable, "-m", "kvservice.cli", *args, "--nats-name", name], cwd=ROOT,
+        return subprocess.run([sys.executable, "-m", "kvservice.server.cli", *args, "--nats-name", name], cwd=ROOT,
                               capture_output=True, text=True, timeout=120)
     out = cli("check-state", url)
     assert out.returncode == 0 and "pool a:" in out.stdout and "invariants ok" in out.stdout, out.stdout + out.stderr
@@ -357,7 +357,7 @@ def test_check_state_and_export_state_on_the_command_line(nats_backend, tmp_path
     assert out.returncode == 2 and "already holds a journal" in out.stderr
 
 
-# ---- the journal's direct publish connection (kvservice/nats_direct.py) -------------------------------------------
+# ---- the journal's direct publish connection (kvservice/state/nats/direct.py) ------------------------------------
 
 def test_direct_publisher_acks_reconnects_and_skips_late_replies(nats_backend):
     import asyncio
@@ -365,7 +365,7 @@ def test_direct_publisher_acks_reconnects_and_skips_late_replies(nats_backend):
 
     import nats.errors
 
-    from kvservice.nats_direct import DirectPublisher
+    from kvservice.state.nats.direct import DirectPublisher
     config = nats_backend.config
     link = NatsLink(config)
     pub = DirectPublisher(config.servers, "test")
@@ -417,7 +417,7 @@ def test_direct_publisher_refuses_what_is_not_a_reachable_nats_server():
     import socket
     import threading
 
-    from kvservice.nats_direct import DirectError, DirectPublisher
+    from kvservice.state.nats.direct import DirectError, DirectPublisher
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(4)
@@ -451,7 +451,7 @@ def test_a_reader_overtaken_by_a_compaction_recovers_again_from_the_newer_snapsh
     """A reader lists the snapshots, then the leader stores a newer one and purges the stream below it before
     the reader reads on: the reader is told (JournalGap, not "acknowledged changes are lost"), and open_journal
     recovers again, from the newer snapshot, to exactly the writer's state."""
-    from kvservice.journal_nats import JournalGap
+    from kvservice.state.nats.journal import JournalGap
     j = nats_backend.open(FAST)
     rng = np.random.default_rng(17)
     setup_pools(j)
@@ -491,7 +491,7 @@ def test_direct_publisher_keeps_its_place_across_a_reply_cut_by_a_timeout_and_dr
 
     import nats.errors
 
-    from kvservice.nats_direct import DirectError, DirectPublisher
+    from kvservice.state.nats.direct import DirectError, DirectPublisher
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(4)

@@ -22,15 +22,15 @@ import numpy as np
 import pytest
 import zmq
 
-from clients import BlockManagerClient, ClientError
-from kvservice.auth import TokenTable
-from kvservice.event_log import EventsConfig
-from kvservice.events import apply_events
-from kvservice.events_proto import proto_to_events
-from kvservice.geometry import CacheSpec
-from kvservice.planner import Sizing
-from kvservice.server import serve
-from kvservice.zmq_events import ZmqConfig
+from kvservice.client import BlockManagerClient, ClientError
+from kvservice.contract.auth import TokenTable
+from kvservice.core.cache_events import apply_events
+from kvservice.core.geometry import CacheSpec
+from kvservice.core.planner import Sizing
+from kvservice.events.hub import EventsConfig
+from kvservice.events.messages import proto_to_events
+from kvservice.events.zmq import ZmqConfig
+from kvservice.server.app import serve
 from tests.kv_workload import PS, Workload, client_step_args
 
 from .test_durability import kill9, start
@@ -375,7 +375,7 @@ def test_tokens_scope_watch_events_and_scores_to_their_pools():
 
 
 def test_kvctl_score_and_events(capsys, tmp_path):
-    from clients import kvctl
+    from kvservice.tools import kvctl
 
     running = serve("127.0.0.1:0")
     target = f"127.0.0.1:{running.port}"
@@ -410,7 +410,7 @@ def test_kvctl_score_and_events(capsys, tmp_path):
     (["--kv-events-max-watchers", "8", "--threads", "8"], "would let event streams take every one of the 8"),
 ])
 def test_serve_refuses_bad_event_flags(capsys, flags, message):
-    from kvservice import cli
+    from kvservice.server import cli
 
     assert cli.main(["serve", "--listen", "127.0.0.1:0", "--metrics-port", "-1", "--no-pools", "--state", "memory",
                      *flags]) == 2

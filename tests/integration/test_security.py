@@ -10,15 +10,15 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from clients import BlockManagerClient, ClientError
-from clients.aio import AsyncBlockManagerClient
-from clients.client import TLSOptions
-from clients.launch import wait_for_ports
-from kvservice.auth import ServerTLS, TokenTable
-from kvservice.errors import InvalidArgument
-from kvservice.geometry import CacheSpec
-from kvservice.planner import Sizing
-from kvservice.server import serve
+from kvservice.client import BlockManagerClient, ClientError
+from kvservice.client.aio import AsyncBlockManagerClient
+from kvservice.client.client import TLSOptions
+from kvservice.contract.auth import ServerTLS, TokenTable
+from kvservice.contract.errors import InvalidArgument
+from kvservice.core.geometry import CacheSpec
+from kvservice.core.planner import Sizing
+from kvservice.server.app import serve
+from kvservice.tools.launch import wait_for_ports
 from kvservice.v1 import worker_pb2 as wpb
 from kvservice.v1 import worker_pb2_grpc as wpb_grpc
 from tests.ci import need_tool
@@ -134,7 +134,7 @@ def test_tokens_are_required_and_scoped_to_pools(pki, secure_manager):
 
 def test_kvctl_flags(pki, secure_manager):
     def kvctl(*extra):
-        return subprocess.run([sys.executable, "-m", "clients.kvctl", "--target", secure_manager.target,
+        return subprocess.run([sys.executable, "-m", "kvservice.tools.kvctl", "--target", secure_manager.target,
                                "--tls-ca", str(pki / "ca.crt"), "--tls-cert", str(pki / "client.crt"),
                                "--tls-key", str(pki / "client.key"), *extra, "pools"],
                               cwd=ROOT, capture_output=True, text=True, timeout=60)
@@ -151,7 +151,7 @@ def test_worker_with_tls_and_tokens_both_ways(pki, secure_manager, tmp_path):
             "--tls-client-ca", str(pki / "ca.crt"), "--tokens-file", str(pki / "tokens.yaml")]
     to_manager = ["--manager-ca", str(pki / "ca.crt"), "--manager-cert", str(pki / "client.crt"),
                   "--manager-key", str(pki / "client.key"), "--manager-token-file", str(pki / "worker-w.token")]
-    proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "serve", "--manager", secure_manager.target,
+    proc = subprocess.Popen([sys.executable, "-m", "kvservice.worker.cli", "serve", "--manager", secure_manager.target,
                              "--pool", "w", "--listen", "127.0.0.1:0", "--metrics-port", "-1", "--port-file",
                              str(ports), "--worker-id", "tw", *cert, *to_manager],
                             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)

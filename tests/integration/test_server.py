@@ -10,11 +10,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from clients import ClientError
-from clients.aio import AsyncBlockManagerClient
-from kvservice.geometry import CacheSpec, LayerSpec
-from kvservice.pagetable import PageTable, validate_page_table
-from kvservice.planner import Sizing
+from kvservice.client import ClientError
+from kvservice.client.aio import AsyncBlockManagerClient
+from kvservice.contract.pagetable import PageTable, validate_page_table
+from kvservice.core.geometry import CacheSpec, LayerSpec
+from kvservice.core.planner import Sizing
 from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1 import block_manager_pb2_grpc as pb_grpc
 from kvservice.v1 import common_pb2 as cpb
@@ -200,7 +200,7 @@ def test_async_client(manager):
 
 
 def test_deadline_and_unavailable_are_reported():
-    from clients import BlockManagerClient
+    from kvservice.client import BlockManagerClient
     with BlockManagerClient("127.0.0.1:1", timeout=0.5, retries=1) as c:
         with pytest.raises(ClientError) as exc:
             c.list_pools()

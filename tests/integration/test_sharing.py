@@ -7,10 +7,10 @@ are compared with runs that share nothing and with a dense float64 reference.
 import numpy as np
 import pytest
 
-from clients import BlockManagerClient
-from clients.generate import Cluster, generate, sample_parallel
-from clients.tiny_model import TinyConfig, TinyModel
-from kvservice.planner import Sizing
+from kvservice.client import BlockManagerClient
+from kvservice.core.planner import Sizing
+from kvservice.examples.generate import Cluster, generate, sample_parallel
+from kvservice.examples.tiny_model import TinyConfig, TinyModel
 
 from .conftest import ManagerProcess
 from .test_worker import WorkerProcess

@@ -14,14 +14,14 @@ import grpc
 import numpy as np
 import pytest
 
-from clients import BlockManagerClient, ClientError
-from clients.aio import AsyncBlockManagerClient
-from clients.client import RetryPolicy
-from clients.stream import StepStream
-from kvservice.auth import TokenTable
-from kvservice.planner import Sizing
-from kvservice.server import serve
-from kvservice.stream import STREAM_ID_KEY
+from kvservice.client import BlockManagerClient, ClientError
+from kvservice.client.aio import AsyncBlockManagerClient
+from kvservice.client.client import RetryPolicy
+from kvservice.client.stream import StepStream
+from kvservice.contract.auth import TokenTable
+from kvservice.core.planner import Sizing
+from kvservice.server.app import serve
+from kvservice.server.stream import STREAM_ID_KEY
 from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1 import common_pb2 as cpb
 from tests.support_stream import MAX_LEN, NUM_SLOTS, SPECS, Driver, assert_same_tables
@@ -302,7 +302,8 @@ def test_open_streams_are_capped_and_unary_calls_still_served():
 
 def test_kvctl_ping_and_decode(manager, client):
     def kvctl(*args):
-        return subprocess.run([sys.executable, "-m", "clients.kvctl", "--target", manager.target, "--json", *args],
+        return subprocess.run([sys.executable, "-m", "kvservice.tools.kvctl", "--target", manager.target, "--json",
+                               *args],
                               cwd=ROOT, capture_output=True, text=True, timeout=120)
 
     r = kvctl("ping", "--count", "20")

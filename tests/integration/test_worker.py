@@ -10,25 +10,25 @@ import grpc
 import numpy as np
 import pytest
 
-from clients import BlockManagerClient, ClientError
-from clients.generate import Cluster, generate
-from clients.launch import wait_for_ports
-from clients.tiny_model import TinyConfig, TinyModel
-from clients.worker_client import WorkerClient
-from kvservice.geometry import CacheSpec, Geometry, IndexSpace, LayerSpec
-from kvservice.pagetable import REASONS, PageTable, validate_page_table
-from kvservice.planner import Sizing
-from kvservice.server import grpc_server
+from kvservice.client import BlockManagerClient, ClientError
+from kvservice.client.worker_client import WorkerClient
+from kvservice.contract.pagetable import REASONS, PageTable, validate_page_table
+from kvservice.contract.wire import from_tensor, to_tensor
+from kvservice.core.geometry import CacheSpec, Geometry, IndexSpace, LayerSpec
+from kvservice.core.planner import Sizing
+from kvservice.examples.generate import Cluster, generate
+from kvservice.examples.tiny_model import TinyConfig, TinyModel
+from kvservice.server.app import grpc_server
+from kvservice.tools.launch import wait_for_ports
 from kvservice.v1 import common_pb2 as cpb
 from kvservice.v1 import worker_pb2 as wpb
 from kvservice.v1 import worker_pb2_grpc as wpb_grpc
-from kvservice.wire import from_tensor, to_tensor
+from kvservice.worker import ops_numpy, reference
+from kvservice.worker.caches import CacheSet
+from kvservice.worker.metrics import WorkerMetrics
+from kvservice.worker.server import SERVICE_NAME
+from kvservice.worker.service import WorkerServicer
 from tests.kernels.spaces import NNZ, NUM_SLOTS, POOLS, STATUS_ROWS, space_table
-from worker import ops_numpy, reference
-from worker.caches import CacheSet
-from worker.metrics import WorkerMetrics
-from worker.server import SERVICE_NAME
-from worker.service import WorkerServicer
 
 from .conftest import ROOT, ManagerProcess
 
@@ -42,7 +42,7 @@ class WorkerProcess:
         port_file = tmp / f"{worker_id}.ports"
         port_file.unlink(missing_ok=True)
         self.log = open(tmp / f"{worker_id}.log", "a+")
-        cmd = [sys.executable, "-m", "worker.cli", "serve", "--manager", target, "--pool", pool, "--listen",
+        cmd = [sys.executable, "-m", "kvservice.worker.cli", "serve", "--manager", target, "--pool", pool, "--listen",
                "127.0.0.1:0", "--metrics-port", "0", "--port-file", str(port_file), "--worker-id", worker_id,
                "--enable-test-hooks", *(["--layers", layers] if layers else []), *extra]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
@@ -237,11 +237,11 @@ def test_killed_worker_is_marked_dead_and_its_clients_told(system):
 def test_kvctl_workers_lists_them(system):
     import json
 
-    out = subprocess.run([sys.executable, "-m", "clients.kvctl", "--target", system["mgr"].target, "workers",
+    out = subprocess.run([sys.executable, "-m", "kvservice.tools.kvctl", "--target", system["mgr"].target, "workers",
                           "tiny"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "w0" in out.stdout and "0-1" in out.stdout and "alive" in out.stdout
-    doc = json.loads(subprocess.run([sys.executable, "-m", "clients.kvctl", "--target", system["mgr"].target,
+    doc = json.loads(subprocess.run([sys.executable, "-m", "kvservice.tools.kvctl", "--target", system["mgr"].target,
                                      "--json", "workers"], cwd=ROOT, capture_output=True, text=True,
                                     timeout=60).stdout)
     assert {w["worker_id"] for w in doc} >= {"w0", "w1", "wh"}

@@ -11,21 +11,21 @@ import grpc
 import numpy as np
 import pytest
 
-from clients import ClientError
-from clients.ha import EPOCH_METADATA as LEADER_EPOCH_METADATA
-from clients.ha import LeaderClient
-from clients.worker_client import WorkerClient
-from kvservice.errors import FailedPrecondition, InvalidArgument
-from kvservice.geometry import CacheSpec
-from kvservice.ha import LeaderGate
-from kvservice.planner import Sizing
-from kvservice.server import serve
-from kvservice.status import error_info
+from kvservice.client import ClientError
+from kvservice.client.ha import EPOCH_METADATA as LEADER_EPOCH_METADATA
+from kvservice.client.ha import LeaderClient
+from kvservice.client.worker_client import WorkerClient
+from kvservice.contract.errors import FailedPrecondition, InvalidArgument
+from kvservice.contract.status import error_info
+from kvservice.core.geometry import CacheSpec
+from kvservice.core.planner import Sizing
+from kvservice.server.app import serve
+from kvservice.server.ha import LeaderGate
 from kvservice.v1 import worker_pb2 as wpb
 from kvservice.v1 import worker_pb2_grpc as wpb_grpc
-from worker.fencing import LeaderEpochFence
-from worker.server import serve_worker
-from worker.service import EPOCH_FENCED
+from kvservice.worker.fencing import LeaderEpochFence
+from kvservice.worker.server import serve_worker
+from kvservice.worker.service import EPOCH_FENCED
 
 pytestmark = pytest.mark.integration
 IDENTITY = {"worker_id": "w0", "pool": "p"}

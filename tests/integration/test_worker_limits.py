@@ -4,15 +4,15 @@ import grpc
 import numpy as np
 import pytest
 
-from clients import BlockManagerClient
-from kvservice.geometry import CacheSpec
-from kvservice.planner import Sizing
-from kvservice.server import serve
-from kvservice.status import error_info
+from kvservice.client import BlockManagerClient
+from kvservice.contract.status import error_info
+from kvservice.contract.wire import to_tensor
+from kvservice.core.geometry import CacheSpec
+from kvservice.core.planner import Sizing
+from kvservice.server.app import serve
 from kvservice.v1 import worker_pb2 as wpb
 from kvservice.v1 import worker_pb2_grpc as wpb_grpc
-from kvservice.wire import to_tensor
-from worker.server import serve_worker
+from kvservice.worker.server import serve_worker
 
 pytestmark = pytest.mark.integration
 

@@ -13,14 +13,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from clients import BlockManagerClient, ClientError
-from clients.worker_client import WorkerClient
-from kvservice.geometry import CacheSpec
-from kvservice.planner import Sizing
-from kvservice.server import serve
+from kvservice.client import BlockManagerClient, ClientError
+from kvservice.client.worker_client import WorkerClient
+from kvservice.core.geometry import CacheSpec
+from kvservice.core.planner import Sizing
+from kvservice.server.app import serve
 from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1 import common_pb2 as cpb
-from worker.server import serve_worker
+from kvservice.worker.server import serve_worker
 
 pytestmark = pytest.mark.integration
 SPEC = CacheSpec.uniform(2, 2, 32, "float32", 16)

@@ -18,7 +18,7 @@ os.environ["KVK_CPU_VARIANT"] = sys.argv[1]
 import numpy as np
 from conftest import make_cache, make_table, rand
 
-from worker import kernels_cpu as kc
+from kvservice.worker import kernels_cpu as kc
 
 
 def rec(r) -> list:

@@ -15,10 +15,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # 128-thread teams on 2 cores
 
-from worker import kernels_cpu, ops_numpy  # noqa: E402
-from worker.kernel_api import DTYPES, PageLayout  # noqa: E402
-from worker.reference import TOLERANCE as TOL  # noqa: E402, F401  (per-row relative, see row_rel_err)
-from worker.reference import RawLayer, row_rel_err  # noqa: E402
+from kvservice.worker import kernels_cpu, ops_numpy  # noqa: E402
+from kvservice.worker.kernel_api import DTYPES, PageLayout  # noqa: E402
+from kvservice.worker.reference import TOLERANCE as TOL  # noqa: E402, F401  (per-row relative, see row_rel_err)
+from kvservice.worker.reference import RawLayer, row_rel_err  # noqa: E402
 
 BACKENDS = {"emu": kernels_cpu, "numpy": ops_numpy}
 POISON = np.float32(12345.0)
@@ -83,7 +83,7 @@ def make_table(rng: np.random.Generator, cache: Cache, seq_lens: list[int]) -> t
 
 
 def rel_err(a: np.ndarray, ref: np.ndarray) -> float:
-    """Largest per-row relative error (worker.reference.row_rel_err)."""
+    """Largest per-row relative error (kvservice.worker.reference.row_rel_err)."""
     return row_rel_err(a, ref)
 
 

@@ -1,5 +1,5 @@
 """Pools of every kind and the cross-space matrix (issue #10, NUMBERING.md): a table built for
-each index space with kvservice.geometry must be clean on that space's layers and rejected,
+each index space with kvservice.core.geometry must be clean on that space's layers and rejected,
 entry for entry as ``wrong_index_space``, on every layer of every other space; append and
 copy through another space's pages must write nothing. Shared by test_index_spaces.py
 (NumPy ops and the emulated kernels), asan_driver.py (the same under ASan) and
@@ -11,8 +11,8 @@ from types import ModuleType
 
 import numpy as np
 
-from kvservice.geometry import CacheSpec, Geometry, IndexSpace, LayerSpec
-from kvservice.pagetable import PageTable
+from kvservice.contract.pagetable import PageTable
+from kvservice.core.geometry import CacheSpec, Geometry, IndexSpace, LayerSpec
 
 NUM_SLOTS = 6
 PAGE = 8
@@ -54,7 +54,7 @@ def matrix(ops: ModuleType, spec: CacheSpec, caches: dict[int, np.ndarray], seed
     layer. ``caches``: layer -> its buffer (an exact-size array, so a sanitizer sees any stray
     access). Returns one row per (space, layer, kernel) with the record and whether the
     layer's buffer kept every byte (append/copy through another space)."""
-    from worker.caches import CacheSet
+    from kvservice.worker.caches import CacheSet
 
     geo = Geometry(spec, NUM_SLOTS)
     layouts = CacheSet(spec, NUM_SLOTS, 0, len(spec.layers), ops).layouts
@@ -101,7 +101,7 @@ def rand_storage(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -
 
 def layer_caches(ops: ModuleType, spec: CacheSpec, seed: int = 1) -> dict[int, np.ndarray]:
     """Each layer's buffer as its own exact-size array (a copy of the CacheSet payload with random data)."""
-    from worker.caches import CacheSet
+    from kvservice.worker.caches import CacheSet
 
     cs = CacheSet(spec, NUM_SLOTS, 0, len(spec.layers), ops)
     rng = np.random.default_rng(seed)

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import numpy as np
 
 from bench import decode_cases as dc
-from worker import kernels_cpu
+from kvservice.worker import kernels_cpu
 
 
 def main() -> None:

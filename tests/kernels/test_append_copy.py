@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from conftest import make_cache, rand
 
-from worker import kernels_cpu, ops_numpy, reference
-from worker.kernel_api import KernelViolationError, Policy
+from kvservice.worker import kernels_cpu, ops_numpy, reference
+from kvservice.worker.kernel_api import KernelViolationError, Policy
 
 
 @pytest.mark.parametrize("kind", ["per_layer", "interleaved"])

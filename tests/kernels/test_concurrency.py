@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import make_cache, make_table, rand
 
-from worker import kernels_cpu, ops_numpy
+from kvservice.worker import kernels_cpu, ops_numpy
 
 THREADS, REPEATS = 4, 3
 

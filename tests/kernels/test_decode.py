@@ -1,6 +1,6 @@
 """Decode attention: emulated CUDA and NumPy paths vs the float64 torch reference.
 
-Tolerances are worker.reference.TOLERANCE, per row, for output and lse: the
+Tolerances are kvservice.worker.reference.TOLERANCE, per row, for output and lse: the
 oracle widens the same 16-bit inputs exactly, so only float32 arithmetic differs.
 """
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from conftest import TOL, lse_err, make_cache, make_table, poisoned, rand, rel_err
 
-from worker import kernels_cpu, ops_numpy, reference
-from worker.kernel_api import KernelViolationError, Policy
+from kvservice.worker import kernels_cpu, ops_numpy, reference
+from kvservice.worker.kernel_api import KernelViolationError, Policy
 
 
 def run(ops, c, q, table, **kw):
@@ -232,7 +232,7 @@ def test_row_level_violations(ops) -> None:
 
 def test_default_splits_fill_the_device() -> None:
     """Split-KV from residency: blocks run in waves of `slots` (SMs x blocks per SM)."""
-    from worker.kernel_api import MIN_SPLIT_PAGES, default_splits
+    from kvservice.worker.kernel_api import MIN_SPLIT_PAGES, default_splits
 
     assert default_splits(512, 256, 528) == 0  # 512 of 528 slots busy: one wave, no split
     # 512 blocks on 396 slots: 2 waves at 65 %; 3 splits of 86 pages -> 4 waves at 97 %

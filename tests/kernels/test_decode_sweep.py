@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from bench import decode_cases as dc
-from worker import kernels_cpu
+from kvservice.worker import kernels_cpu
 
 DRIVER = Path(__file__).with_name("sweep_driver.py")
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not available")

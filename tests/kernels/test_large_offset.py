@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from conftest import TOL, rand, rel_err
 
-from worker import kernels_cpu, ops_numpy, reference
-from worker.kernel_api import PageLayout
-from worker.reference import RawLayer
+from kvservice.worker import kernels_cpu, ops_numpy, reference
+from kvservice.worker.kernel_api import PageLayout
+from kvservice.worker.reference import RawLayer
 
 PS, KH, D = 16, 8, 128  # float16 page = 64 KiB
 NUM_SLOTS = 2**16 + 8  # 4 GiB + 512 KiB

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from kvservice.worker import kernel_api
 from tests.ci import find_nvcc, missing
-from worker import kernel_api
 
 ROOT = Path(__file__).resolve().parents[2]
-KDIR = ROOT / "worker" / "kernels"
+KDIR = ROOT / "kvservice" / "worker" / "kernels"
 OUT = ROOT / "build" / "nvcc"
 ARCHS = ("sm_80", "sm_90")
 FLAGS = ["-std=c++17", "-Werror", "all-warnings", "-Xptxas", "-v", "-c"]

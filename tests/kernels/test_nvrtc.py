@@ -10,8 +10,8 @@ import os
 
 import pytest
 
+from kvservice.worker import kernels_cuda
 from tests.ci import missing
-from worker import kernels_cuda
 
 
 def load_nvrtc() -> ctypes.CDLL | None:

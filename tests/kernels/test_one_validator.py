@@ -1,9 +1,9 @@
 """ONE validator semantics (issue #10 item 2): the same table of cases runs against the
-manager's validator (kvservice.pagetable), the worker's NumPy ops (validate and decode) and
+manager's validator (kvservice.contract.pagetable), the worker's NumPy ops (validate and decode) and
 the emulated kernels (validate, decode, decode split), and every one must give the
 hand-written answer: every violation as (reason, row, position, value) in (row, position)
 order for the manager, and for each kernel the record (count + first violation), the row
-status bits and the poisoned rows. The rules are written once, in kvservice/pagetable.py's
+status bits and the poisoned rows. The rules are written once, in kvservice/contract/pagetable.py's
 module docstring."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvservice.geometry import IndexSpace
-from kvservice.pagetable import REASONS, PageTable, validate_page_table
-from worker import kernels_cpu, ops_numpy
-from worker.kernel_api import PageLayout
+from kvservice.contract.pagetable import REASONS, PageTable, validate_page_table
+from kvservice.core.geometry import IndexSpace
+from kvservice.worker import kernels_cpu, ops_numpy
+from kvservice.worker.kernel_api import PageLayout
 
 # The second of three index spaces of a pool: pages [40, 80) of [0, 120), lattice 41 + 4k.
 PS, BASE, SCALE, OFFSET, SLOTS, POOL = 16, 40, 4, 1, 10, 120

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from spaces import POOLS, check_matrix, layer_caches, matrix
 
+from kvservice.worker import kernels_cpu, ops_numpy
 from tests.ci import need_tool
-from worker import kernels_cpu, ops_numpy
 
 DRIVER = Path(__file__).with_name("asan_driver.py")
 

@@ -8,8 +8,8 @@ from conftest import make_cache, make_table, rand
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worker import kernel_api as api
-from worker import kernels_cpu, ops_numpy
+from kvservice.worker import kernel_api as api
+from kvservice.worker import kernels_cpu, ops_numpy
 
 
 def test_validate_reports_rows(ops) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from worker import kernels_cpu, ops_numpy
+from kvservice.worker import kernels_cpu, ops_numpy
 
 ALL = np.arange(2**16, dtype=np.uint16)
 

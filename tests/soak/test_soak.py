@@ -13,11 +13,11 @@ import grpc
 import numpy as np
 import pytest
 
-from clients import BlockManagerClient, ClientError
-from kvservice.geometry import CacheSpec
-from kvservice.invariants import assert_invariants
-from kvservice.journal import Journal
-from kvservice.planner import Sizing
+from kvservice.client import BlockManagerClient, ClientError
+from kvservice.core.geometry import CacheSpec
+from kvservice.core.invariants import assert_invariants
+from kvservice.core.planner import Sizing
+from kvservice.state.journal import Journal
 
 from ..integration.conftest import ManagerProcess
 from .conftest import RESULTS

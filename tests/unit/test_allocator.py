@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvservice.allocator import SlotAllocator
-from kvservice.errors import InvalidArgument, ResourceExhausted
+from kvservice.contract.errors import InvalidArgument, ResourceExhausted
+from kvservice.core.allocator import SlotAllocator
 
 
 def test_allocate_free_roundtrip_values():

@@ -1,15 +1,15 @@
-"""clients.codec: the bytes a StepRequest carries (INT32 where the values fit, never a value changed)."""
+"""kvservice.client.codec: the bytes a StepRequest carries (INT32 where the values fit, never a value changed)."""
 
 import numpy as np
 import pytest
 
-from clients import codec
-from kvservice.api import ManagerAPI
-from kvservice.geometry import CacheSpec
-from kvservice.manager import BlockManager
-from kvservice.planner import Sizing
+from kvservice.client import codec
+from kvservice.contract.wire import from_tensor
+from kvservice.core.geometry import CacheSpec
+from kvservice.core.planner import Sizing
+from kvservice.manager.api import ManagerAPI
+from kvservice.manager.pools import BlockManager
 from kvservice.v1 import common_pb2 as cpb
-from kvservice.wire import from_tensor
 
 
 @pytest.mark.parametrize(("ids", "wire"), [([1, 2, 3], cpb.INT32), ([0, 2**31 - 1], cpb.INT32),

@@ -12,15 +12,15 @@ a wrong base: the session must then fall back to full tables, and stay exact.
 import numpy as np
 import pytest
 
-from clients import codec
-from clients.mirror import MirrorError, PageTableMirror
-from kvservice.api import ManagerAPI
-from kvservice.errors import KVError
-from kvservice.manager import BlockManager
-from kvservice.planner import Sizing
-from kvservice.stream import StreamSession
+from kvservice.client import codec
+from kvservice.contract.errors import KVError
+from kvservice.contract.mirror import MirrorError, PageTableMirror
+from kvservice.contract.wire import to_tensor
+from kvservice.core.planner import Sizing
+from kvservice.manager.api import ManagerAPI
+from kvservice.manager.pools import BlockManager
+from kvservice.server.stream import StreamSession
 from kvservice.v1 import block_manager_pb2 as pb
-from kvservice.wire import to_tensor
 from tests.support_stream import MAX_LEN, NUM_SLOTS, PAGE, SPECS, Driver, assert_same_tables
 
 

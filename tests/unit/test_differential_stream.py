@@ -1,8 +1,8 @@
 """The differential test (tests/differential.py, tests/refmodel.py) with every Step over a stream with deltas.
 
 `InProcessStream` is the differential's InProcess driver, except that each Step goes through a
-kvservice.stream.StreamSession with delta_tables and the reply's tables are read back from a
-clients.mirror.PageTableMirror. The differential compares them with the reference model on every
+kvservice.server.stream.StreamSession with delta_tables and the reply's tables are read back from a
+kvservice.contract.mirror.PageTableMirror. The differential compares them with the reference model on every
 step, so the mirror's CSR, slot mappings and block tables equal what full tables must be, over
 the same random op sequences (all pool kinds: sliding, interleaved, hybrid, prefix caching),
 and the pool state is still checked in full after every op.
@@ -14,19 +14,19 @@ import pytest
 # The reference-model harness of issue 10 (tests/differential.py); skipped where it is not present yet.
 differential = pytest.importorskip("tests.differential")
 
-from clients import codec  # noqa: E402
-from clients.mirror import PageTableMirror  # noqa: E402
-from kvservice.pagetable import PageTable  # noqa: E402
-from kvservice.pool import SpaceTables  # noqa: E402
-from kvservice.stream import StreamSession  # noqa: E402
-from kvservice.wire import field_array, from_tensor  # noqa: E402
+from kvservice.client import codec  # noqa: E402
+from kvservice.contract.mirror import PageTableMirror  # noqa: E402
+from kvservice.contract.pagetable import PageTable  # noqa: E402
+from kvservice.contract.wire import field_array, from_tensor  # noqa: E402
+from kvservice.core.pool import SpaceTables  # noqa: E402
+from kvservice.server.stream import StreamSession  # noqa: E402
 
 
 def _one_pool_api(pool):
     """A real ManagerAPI over a manager holding just this pool (as "p"): StreamSession goes through
     ManagerAPI.run_step (cost checks, KV events) exactly as the server does."""
-    from kvservice.api import ManagerAPI
-    from kvservice.manager import BlockManager
+    from kvservice.manager.api import ManagerAPI
+    from kvservice.manager.pools import BlockManager
     manager = BlockManager()
     manager.restore({"p": pool})
     return ManagerAPI(manager)

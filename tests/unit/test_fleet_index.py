@@ -7,14 +7,14 @@ import threading
 import numpy as np
 import pytest
 
-from kvservice.errors import ResourceExhausted
-from kvservice.fleet_index import _X0, rebuilt, unmix
-from kvservice.geometry import CacheSpec, LayerSpec
-from kvservice.manager import BlockManager
-from kvservice.planner import Sizing
-from kvservice.pool import Pool
-from kvservice.prefix import _mix, page_hashes
-from kvservice.routing import chained_hashes, score_prefix, score_prefix_per_pool
+from kvservice.contract.errors import ResourceExhausted
+from kvservice.core.geometry import CacheSpec, LayerSpec
+from kvservice.core.planner import Sizing
+from kvservice.core.pool import Pool
+from kvservice.core.prefix import _mix, page_hashes
+from kvservice.manager.fleet_index import _X0, rebuilt, unmix
+from kvservice.manager.pools import BlockManager
+from kvservice.manager.routing import chained_hashes, score_prefix, score_prefix_per_pool
 from tests.kv_workload import PS, Workload, pool_step_args
 
 KEYS = ["", "lora-1"]
@@ -350,8 +350,8 @@ def test_unmix_inverts_the_steps_mix():
 def test_the_chain_value_stored_as_another_sends_the_pools_to_their_own_path(monkeypatch):
     """The Step stores a page whose chain value is 0 as 1 (never seen: 2^-64). Pretend page 3's value is that one:
     the walk stops there and the pools that hold page 3 are asked themselves, so the answers stay exact."""
-    import kvservice.fleet_index as fi
-    from kvservice.routing import _Chain
+    import kvservice.manager.fleet_index as fi
+    from kvservice.manager.routing import _Chain
 
     m = BlockManager()
     spec = CacheSpec.uniform(1, 1, 64, page_size=PS)

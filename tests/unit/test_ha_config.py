@@ -5,10 +5,10 @@ import sys
 
 import pytest
 
-from clients.ha import LeaderClient, leader_epoch
-from kvservice.errors import InvalidArgument
-from kvservice.journal_nats import NatsConfig, parse_state_url
-from kvservice.leader import Holder, LeaseConfig
+from kvservice.client.ha import LeaderClient, leader_epoch
+from kvservice.contract.errors import InvalidArgument
+from kvservice.state.nats.journal import NatsConfig, parse_state_url
+from kvservice.state.nats.leader import Holder, LeaseConfig
 
 from ..integration.conftest import ROOT
 
@@ -64,6 +64,6 @@ def test_leader_client_arguments_and_epoch_metadata():
     (["--state", "nats://a:4222", "--state-dir", "/tmp/x"], "exclude each other"),
 ])
 def test_serve_refuses_bad_state_flags(args, words):
-    out = subprocess.run([sys.executable, "-m", "kvservice.cli", "serve", "--metrics-port", "-1", *args], cwd=ROOT,
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-m", "kvservice.server.cli", "serve", "--metrics-port", "-1", *args],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and words in out.stderr, out.stderr

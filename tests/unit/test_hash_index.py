@@ -2,8 +2,8 @@
 
 import numpy as np
 
-from kvservice import hash_index
-from kvservice.hash_index import HashSlots
+from kvservice.core import hash_index
+from kvservice.core.hash_index import HashSlots
 
 
 def test_lookup_matches_a_dict_through_overwrites_and_rebuilds():

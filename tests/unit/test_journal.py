@@ -12,16 +12,16 @@ import time
 import numpy as np
 import pytest
 
-from kvservice.errors import AlreadyExists, InvalidArgument, KVError, ResourceExhausted, StateError
-from kvservice.geometry import CacheSpec, LayerSpec
-from kvservice.invariants import assert_invariants
-from kvservice.journal import Journal, JournalConfig, MemoryStore, create_request, state_tree
-from kvservice.manager import BlockManager
-from kvservice.planner import Sizing
-from kvservice.servicer import JournalUnavailable, Limits
+from kvservice.contract.errors import AlreadyExists, InvalidArgument, KVError, ResourceExhausted, StateError
+from kvservice.contract.wire import to_tensor
+from kvservice.core.geometry import CacheSpec, LayerSpec
+from kvservice.core.invariants import assert_invariants
+from kvservice.core.planner import Sizing
+from kvservice.manager.pools import BlockManager
+from kvservice.server.servicer import JournalUnavailable, Limits
+from kvservice.state.journal import Journal, JournalConfig, MemoryStore, create_request, state_tree
 from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1 import common_pb2
-from kvservice.wire import to_tensor
 
 FAST = JournalConfig(sync="normal", compact_every=1000, background_snapshots=False)
 
@@ -445,7 +445,7 @@ def test_calls_go_on_while_a_snapshot_is_written():
 def test_prefix_digests_equal_whole_digests():
     """PrefixDigests hashes only what follows a kept prefix; its value is digest() of the whole request on
     every path: repeated prefix, changed byte inside it, shorter or short requests, other keys, eviction."""
-    from kvservice.journal import PrefixDigests, digest
+    from kvservice.state.journal import PrefixDigests, digest
 
     rng = np.random.default_rng(11)
     pd = PrefixDigests(max_keys=2)
@@ -469,7 +469,7 @@ def test_prefix_digests_equal_whole_digests():
 def test_prefix_digests_memory_is_bounded_whatever_the_requests():
     """Hostile Steps (made-up pool names, huge arrays) cannot make the kept prefixes grow past the bounds,
     and every digest is still digest() of the whole request."""
-    from kvservice.journal import PrefixDigests, digest
+    from kvservice.state.journal import PrefixDigests, digest
 
     rng = np.random.default_rng(12)
     pd = PrefixDigests(max_keys=64, max_bytes=200_000)

@@ -17,10 +17,10 @@ import uuid
 import numpy as np
 import pytest
 
-from kvservice.errors import StateError
-from kvservice.journal import Entry, Journal, JournalConfig, MemoryStore, state_tree
-from kvservice.manager import BlockManager
-from kvservice.store_sqlite import SqliteStore
+from kvservice.contract.errors import StateError
+from kvservice.manager.pools import BlockManager
+from kvservice.state.journal import Entry, Journal, JournalConfig, MemoryStore, state_tree
+from kvservice.state.sqlite.store import SqliteStore
 from kvservice.v1 import block_manager_pb2 as pb
 
 from .test_journal import body, prefix_workload, setup_pools, step_req, workload
@@ -95,11 +95,11 @@ class NatsBackend:
     name = "nats"
 
     def __init__(self, tmp_path, cluster):
-        from kvservice.journal_nats import NatsConfig
+        from kvservice.state.nats.journal import NatsConfig
         self.config = NatsConfig(tuple(cluster.urls), name="u" + uuid.uuid4().hex[:10])
 
     def open(self, config):
-        from kvservice.ha import open_sole_writer
+        from kvservice.server.ha import open_sole_writer
         return open_sole_writer(self.config, journal_config=config)
 
     def crash(self, j):
@@ -107,7 +107,7 @@ class NatsBackend:
         j.close(snapshot=False)
 
     def _with_link(self, fn):
-        from kvservice.journal_nats import NatsLink
+        from kvservice.state.nats.journal import NatsLink
         link = NatsLink(self.config)
         try:
             return fn(link, lambda coro: link.call(coro, 10))
@@ -145,7 +145,7 @@ class NatsBackend:
         """One bit of the newest snapshot flipped, its object header rewritten to match (damage at the writer)."""
         from nats.js import api
 
-        from kvservice.journal_nats import _digest
+        from kvservice.state.nats.journal import _digest
 
         def damage(link, call):
             obs = call(link.js.object_store(self.config.snapshot_bucket))

@@ -6,13 +6,13 @@ import pickle
 import numpy as np
 import pytest
 
-from kvservice import events as ev
-from kvservice.api import ManagerAPI
-from kvservice.errors import NotFound, ResourceExhausted
-from kvservice.geometry import CacheSpec
-from kvservice.manager import BlockManager
-from kvservice.planner import Sizing
-from kvservice.prefix import prompt_hashes
+from kvservice.contract.errors import NotFound, ResourceExhausted
+from kvservice.core import cache_events as ev
+from kvservice.core.geometry import CacheSpec
+from kvservice.core.planner import Sizing
+from kvservice.core.prefix import prompt_hashes
+from kvservice.manager.api import ManagerAPI
+from kvservice.manager.pools import BlockManager
 from tests.kv_workload import PS, Workload, pool_step_args
 
 SPEC = CacheSpec.uniform(2, 1, 64, page_size=PS)
@@ -154,7 +154,7 @@ def test_staged_batches_show_only_when_the_request_completes():
     prompt = np.arange(1, 41, dtype=np.int64)
 
     def admit(seq_id):
-        from clients.codec import step_request
+        from kvservice.client.codec import step_request
         return api.Step(step_request("p", admit=[seq_id], admit_tokens=[40], admit_token_ids=prompt))
 
     with m.events.transaction():
@@ -163,7 +163,7 @@ def test_staged_batches_show_only_when_the_request_completes():
     (lb,) = sub.poll(0)
     assert lb.seq == 1 and ev.apply_events(v := {}, lb.batch.events) is None and len(v[0]) == 10
     with pytest.raises(RuntimeError), m.events.transaction():
-        api.Step(__import__("clients.codec", fromlist=["x"]).step_request("p", free=[1]))
+        api.Step(__import__("kvservice.client.codec", fromlist=["x"]).step_request("p", free=[1]))
         admit(2)                                      # hits: no new pages, no batch
         raise RuntimeError("the journal failed")
     assert sub.poll(0) == []                           # never shown
@@ -232,7 +232,7 @@ def test_metrics_count_lookups_hits_events_and_lag():
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    from kvservice.event_metrics import EventCollector
+    from kvservice.events.metrics import EventCollector
 
     m = make_manager()
     reg = CollectorRegistry()
@@ -257,7 +257,7 @@ def test_metrics_count_lookups_hits_events_and_lag():
 
 
 def test_big_resets_split_into_messages_of_one_sequence_and_round_trip(monkeypatch):
-    from kvservice import events_proto
+    from kvservice.events import messages as events_proto
 
     monkeypatch.setattr(events_proto, "MESSAGE_PAGES", 7)
     m = make_manager()

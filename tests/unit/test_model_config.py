@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from clients import kvctl
-from kvservice.config import load_pools, load_pools_file
-from kvservice.errors import InvalidArgument
-from kvservice.model_config import load_model_cache, model_cache
+from kvservice.contract.errors import InvalidArgument
+from kvservice.core.model_config import load_model_cache, model_cache
+from kvservice.server.config import load_pools, load_pools_file
+from kvservice.tools import kvctl
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "model_configs"
 BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}

@@ -6,9 +6,8 @@ holds the cases that every implementation must answer identically."""
 import numpy as np
 import pytest
 
-from kvservice.errors import InvalidArgument
-from kvservice.geometry import IndexSpace
-from kvservice.pagetable import (
+from kvservice.contract.errors import InvalidArgument
+from kvservice.contract.pagetable import (
     OFF_LATTICE,
     OUT_OF_BOUNDS,
     WRONG_INDEX_SPACE,
@@ -16,6 +15,7 @@ from kvservice.pagetable import (
     page_reasons,
     validate_page_table,
 )
+from kvservice.core.geometry import IndexSpace
 
 FLAT = IndexSpace(0, 0, 1, 0, 100, (0,))
 LATTICE = IndexSpace(1, 0, 4, 2, 400, (1,))

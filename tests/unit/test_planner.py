@@ -2,10 +2,10 @@
 
 import pytest
 
-from kvservice.backends import BACKENDS, check_backends, resolve_backend
-from kvservice.errors import FailedPrecondition, InvalidArgument
-from kvservice.geometry import CacheSpec, LayerSpec
-from kvservice.planner import Sizing, plan
+from kvservice.contract.errors import FailedPrecondition, InvalidArgument
+from kvservice.core.backends import BACKENDS, check_backends, resolve_backend
+from kvservice.core.geometry import CacheSpec, LayerSpec
+from kvservice.core.planner import Sizing, plan
 
 LLAMA = CacheSpec.uniform(32, 32, 128, "float16", 16)
 

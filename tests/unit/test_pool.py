@@ -3,12 +3,12 @@
 import numpy as np
 import pytest
 
-from kvservice.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
-from kvservice.geometry import CacheSpec, LayerSpec
-from kvservice.invariants import assert_invariants
-from kvservice.pagetable import validate_page_table
-from kvservice.planner import Sizing, plan
-from kvservice.pool import Pool
+from kvservice.contract.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from kvservice.contract.pagetable import validate_page_table
+from kvservice.core.geometry import CacheSpec, LayerSpec
+from kvservice.core.invariants import assert_invariants
+from kvservice.core.planner import Sizing, plan
+from kvservice.core.pool import Pool
 
 
 def make_pool(num_slots=64, page_size=4, layout="per_layer", layers=None, max_seq_len=0):
@@ -331,7 +331,7 @@ def test_an_unknown_fork_parent_and_extra_salts_are_named_with_the_field():
 
 def test_state_without_an_incarnation_restores_as_none_yet():
     """A version-2 state that lacks the incarnation field passes the state check and restores with 0."""
-    from kvservice.snapshot import check_pool_state
+    from kvservice.state.snapshot import check_pool_state
     pool = make_pool()
     pool.incarnation = 5
     rng = np.random.default_rng(8)
@@ -346,7 +346,7 @@ def test_state_without_an_incarnation_restores_as_none_yet():
 
 def test_state_keeps_the_model_and_one_without_it_restores_unnamed():
     """The model name round-trips through a state; a state that lacks the field restores as "" (unnamed)."""
-    from kvservice.snapshot import check_pool_state
+    from kvservice.state.snapshot import check_pool_state
     pool = Pool("p", make_pool().plan, False, "m-7b")
     pool.step(admit_ids=[4, 9], admit_tokens=np.random.default_rng(9).integers(1, 30, 2))
     state = pool.export_state()
@@ -361,7 +361,7 @@ def test_state_keeps_the_model_and_one_without_it_restores_unnamed():
 def test_state_spec_stores_runs_of_equal_layers_and_rebuilds_the_plan():
     """meta["spec"]["layers"] holds [kv_heads, head_dim, dtype, window, count] per run of equal consecutive
     layers, and pool_plan rebuilds the very layer list from it."""
-    from kvservice.snapshot import pool_plan
+    from kvservice.state.snapshot import pool_plan
     a, b, c = LayerSpec(2, 64), LayerSpec(2, 64, sliding_window=8), LayerSpec(4, 32, "bfloat16")
     layers = (a, a, a, b, c, c, a)
     pool = make_pool(num_slots=48, layers=layers)
@@ -374,7 +374,7 @@ def test_state_spec_stores_runs_of_equal_layers_and_rebuilds_the_plan():
 def test_a_free_stack_of_descending_runs_is_captured_as_runs_when_asked():
     """Past 2**20 free slots the captured free stack is kept as runs of descending ids; finish(runs=True)
     hands those runs on (what the snapshot encoder writes), finish() the plain array, both the same ids."""
-    from kvservice.pool import IdRuns
+    from kvservice.core.pool import IdRuns
     n = (1 << 20) + 96
     pool = make_pool(num_slots=n, layers=(LayerSpec(2, 64),))
     rng = np.random.default_rng(10)
@@ -392,7 +392,7 @@ def test_a_free_stack_of_descending_runs_is_captured_as_runs_when_asked():
 def test_runs_found_chunk_by_chunk_give_back_every_id(n):
     """_copy_ids scans in 2**20-element chunks: a run broken at any place, the last id and the chunk
     edges included, comes back as the same ids (a few breaks: IdRuns; the reference is the array itself)."""
-    from kvservice.pool import IdRuns, _copy_ids
+    from kvservice.core.pool import IdRuns, _copy_ids
     rng = np.random.default_rng(n)
     a = np.arange(3 * n, 2 * n, -1, dtype=np.int64)       # one descending run of n ids
     at = np.unique(np.concatenate([[n - 1, (1 << 20) - 1, 1 << 20], rng.integers(1, n, 5)]))
@@ -441,7 +441,7 @@ def test_too_long_a_sequence_names_the_step_part_the_id_and_the_limit(kind):
 
 
 def test_slot_tables_switch_to_int64_exactly_past_int32():
-    from kvservice.pool import slot_table_dtype
+    from kvservice.core.pool import slot_table_dtype
     assert [slot_table_dtype(n) for n in (1, 2**31 - 1, 2**31, 2**32 - 1, 2**32)] == \
         [np.dtype(np.int32)] * 2 + [np.dtype(np.int64)] * 3
     pool = make_pool(num_slots=48)

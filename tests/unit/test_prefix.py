@@ -1,9 +1,9 @@
-"""kvservice.prefix's pure parts against plain-Python references: chained page hashes, namespace ids."""
+"""kvservice.core.prefix's pure parts against plain-Python references: chained page hashes, namespace ids."""
 
 import numpy as np
 import pytest
 
-from kvservice.prefix import Namespaces, page_hashes
+from kvservice.core.prefix import Namespaces, page_hashes
 
 MASK = 2**64 - 1
 GOLD, M1, M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB

@@ -3,12 +3,12 @@
 import numpy as np
 import pytest
 
-from kvservice.errors import InvalidArgument, ResourceExhausted
-from kvservice.geometry import CacheSpec, LayerSpec
-from kvservice.invariants import assert_invariants
-from kvservice.planner import Sizing, plan
-from kvservice.pool import Pool
-from kvservice.prefix import page_hashes
+from kvservice.contract.errors import InvalidArgument, ResourceExhausted
+from kvservice.core.geometry import CacheSpec, LayerSpec
+from kvservice.core.invariants import assert_invariants
+from kvservice.core.planner import Sizing, plan
+from kvservice.core.pool import Pool
+from kvservice.core.prefix import page_hashes
 
 PS = 4
 

@@ -15,11 +15,11 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvservice.errors import ResourceExhausted
-from kvservice.geometry import CacheSpec
-from kvservice.invariants import assert_invariants
-from kvservice.planner import Sizing, plan
-from kvservice.pool import Pool
+from kvservice.contract.errors import ResourceExhausted
+from kvservice.core.geometry import CacheSpec
+from kvservice.core.invariants import assert_invariants
+from kvservice.core.planner import Sizing, plan
+from kvservice.core.pool import Pool
 
 PS = 2
 SLOTS = 12

@@ -5,7 +5,7 @@ The differential tests trust the model; these pin its reading of each documented
 
 import pytest
 
-from kvservice.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from kvservice.contract.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
 from tests.refmodel import RefPool, Step
 
 

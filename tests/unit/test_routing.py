@@ -5,15 +5,15 @@ import copy
 import numpy as np
 import pytest
 
-from clients.codec import score_request, step_request
-from kvservice.api import ManagerAPI
-from kvservice.errors import InvalidArgument, NotFound, ResourceExhausted
-from kvservice.geometry import CacheSpec
-from kvservice.journal import state_tree
-from kvservice.manager import BlockManager
-from kvservice.planner import Sizing
-from kvservice.prefix import prompt_hashes
-from kvservice.routing import MAX_SCORE_TOKENS, chained_hashes, score_prefix
+from kvservice.client.codec import score_request, step_request
+from kvservice.contract.errors import InvalidArgument, NotFound, ResourceExhausted
+from kvservice.core.geometry import CacheSpec
+from kvservice.core.planner import Sizing
+from kvservice.core.prefix import prompt_hashes
+from kvservice.manager.api import ManagerAPI
+from kvservice.manager.pools import BlockManager
+from kvservice.manager.routing import MAX_SCORE_TOKENS, chained_hashes, score_prefix
+from kvservice.state.journal import state_tree
 from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1 import common_pb2 as cpb
 from tests.kv_workload import PS, Workload, pool_step_args

@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from kvservice.geometry import CacheSpec, LayerSpec
-from kvservice.planner import Sizing, plan
-from kvservice.pool import Pool
-from kvservice.rowslots import RowSlots
+from kvservice.core.geometry import CacheSpec, LayerSpec
+from kvservice.core.planner import Sizing, plan
+from kvservice.core.pool import Pool
+from kvservice.core.rowslots import RowSlots
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -5,16 +5,16 @@ import json
 import numpy as np
 import pytest
 
-from kvservice import snapshot as snap
-from kvservice.allocator import SlotAllocator
-from kvservice.errors import KVError, StateError
-from kvservice.geometry import CacheSpec, LayerSpec
-from kvservice.invariants import assert_invariants
-from kvservice.journal import METHODS, Journal, JournalConfig, state_tree
-from kvservice.manager import BlockManager
-from kvservice.planner import Sizing, plan
-from kvservice.pool import Pool, PoolState
-from kvservice.prefix import PrefixCache
+from kvservice.contract.errors import KVError, StateError
+from kvservice.core.allocator import SlotAllocator
+from kvservice.core.geometry import CacheSpec, LayerSpec
+from kvservice.core.invariants import assert_invariants
+from kvservice.core.planner import Sizing, plan
+from kvservice.core.pool import Pool, PoolState
+from kvservice.core.prefix import PrefixCache
+from kvservice.manager.pools import BlockManager
+from kvservice.state import snapshot as snap
+from kvservice.state.journal import METHODS, Journal, JournalConfig, state_tree
 
 from .test_journal import prefix_workload, setup_pools, workload
 

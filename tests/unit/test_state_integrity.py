@@ -18,10 +18,10 @@ import sys
 import numpy as np
 import pytest
 
-from kvservice.cli import check_state
-from kvservice.errors import StateError
-from kvservice.journal import Journal, JournalConfig, state_tree
-from kvservice.sqlite_wal import check_wal, db_header
+from kvservice.contract.errors import StateError
+from kvservice.server.cli import check_state
+from kvservice.state.journal import Journal, JournalConfig, state_tree
+from kvservice.state.sqlite.wal import check_wal, db_header
 
 from .test_journal import prefix_workload, run, setup_pools, step_req, workload
 
@@ -260,11 +260,11 @@ def test_check_state_names_the_problem_without_a_traceback(tmp_path):
     data = bytearray(snapshot.read_bytes())
     data[40] ^= 0x10                                         # inside the JSON header
     snapshot.write_bytes(bytes(data))
-    out = subprocess.run([sys.executable, "-m", "kvservice.cli", "check-state", str(d)], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "kvservice.server.cli", "check-state", str(d)], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "Traceback" not in out.stderr + out.stdout
     assert "fails its checksum" in out.stderr and snapshot.name in out.stderr
-    serve = subprocess.run([sys.executable, "-m", "kvservice.cli", "serve", "--state-dir", str(d), "--no-pools",
+    serve = subprocess.run([sys.executable, "-m", "kvservice.server.cli", "serve", "--state-dir", str(d), "--no-pools",
                             "--listen", "127.0.0.1:0", "--metrics-port", "-1"], cwd=ROOT, capture_output=True,
                            text=True, timeout=120)
     assert serve.returncode == 2 and "Traceback" not in serve.stderr and "fails its checksum" in serve.stderr

@@ -18,12 +18,12 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvservice.errors import AlreadyExists, InvalidArgument, KVError, NotFound, ResourceExhausted
-from kvservice.geometry import CacheSpec, LayerSpec
-from kvservice.invariants import assert_invariants
-from kvservice.pagetable import validate_page_table
-from kvservice.planner import Sizing, plan
-from kvservice.pool import Pool
+from kvservice.contract.errors import AlreadyExists, InvalidArgument, KVError, NotFound, ResourceExhausted
+from kvservice.contract.pagetable import validate_page_table
+from kvservice.core.geometry import CacheSpec, LayerSpec
+from kvservice.core.invariants import assert_invariants
+from kvservice.core.planner import Sizing, plan
+from kvservice.core.pool import Pool
 
 PAGE = 4
 SLOTS = 24

@@ -1,10 +1,10 @@
-"""Request parsing and the copy-on-write rule of kvservice.stepplan, against plain-Python references."""
+"""Request parsing and the copy-on-write rule of kvservice.core.stepplan, against plain-Python references."""
 
 import numpy as np
 import pytest
 
-from kvservice.errors import InvalidArgument
-from kvservice.stepplan import MAX_COUNT, cow_rows, parse_counts
+from kvservice.contract.errors import InvalidArgument
+from kvservice.core.stepplan import MAX_COUNT, cow_rows, parse_counts
 
 
 @pytest.mark.parametrize(("counts", "message"), [
@@ -58,7 +58,7 @@ def test_cow_rows_against_a_model(seed):
 
 
 def test_uint64_ids_are_not_copied_and_signed_ids_convert():
-    from kvservice.stepplan import parse_ids
+    from kvservice.core.stepplan import parse_ids
     rng = np.random.default_rng(2)
     ids = rng.integers(0, 2**62, 7, dtype=np.uint64)
     assert parse_ids("admit_seq_ids", ids) is ids          # the request's array, no per-step copy
@@ -68,7 +68,7 @@ def test_uint64_ids_are_not_copied_and_signed_ids_convert():
 
 
 def test_a_repeated_sequence_is_named_with_the_rule():
-    from kvservice.stepplan import check_distinct
+    from kvservice.core.stepplan import check_distinct
     with pytest.raises(InvalidArgument) as e:
         check_distinct(np.array([4, 9, 2, 9], dtype=np.uint64))
     assert e.value.message == ("sequence 9 appears more than once in one step; each sequence may be freed, "

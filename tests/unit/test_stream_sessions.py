@@ -2,8 +2,8 @@
 
 import pytest
 
-from kvservice.errors import InvalidArgument, ResourceExhausted
-from kvservice.stream import StreamRegistry, StreamSession, error_reply
+from kvservice.contract.errors import InvalidArgument, ResourceExhausted
+from kvservice.server.stream import StreamRegistry, StreamSession, error_reply
 
 
 class Clock:
@@ -74,15 +74,15 @@ def test_error_reply_carries_the_status_of_a_unary_step():
 def _served(prefix: bool = False, max_seq_len: int = 128, **api_kw: object):
     """(manager, servicer, send(seq, **step_request fields) -> StepReply) of one stream on pool "p", set up as
     kvservice serve sets up a manager (deferred KV events, memory journal, default Limits)."""
-    from clients.codec import create_pool_request, step_request
-    from kvservice.api import ManagerAPI
-    from kvservice.geometry import CacheSpec
-    from kvservice.journal import Journal
-    from kvservice.manager import BlockManager
-    from kvservice.metrics import ManagerMetrics
-    from kvservice.planner import Sizing
-    from kvservice.servicer import BlockManagerServicer, JournalUnavailable, Limits
-    from kvservice.stream import step_one
+    from kvservice.client.codec import create_pool_request, step_request
+    from kvservice.core.geometry import CacheSpec
+    from kvservice.core.planner import Sizing
+    from kvservice.manager.api import ManagerAPI
+    from kvservice.manager.pools import BlockManager
+    from kvservice.server.metrics import ManagerMetrics
+    from kvservice.server.servicer import BlockManagerServicer, JournalUnavailable, Limits
+    from kvservice.server.stream import step_one
+    from kvservice.state.journal import Journal
 
     m = BlockManager()
     m.events.deferred = True
@@ -109,7 +109,7 @@ def test_stream_steps_publish_their_kv_events_once_journaled():
     unary Step's; a refused request shows none."""
     import numpy as np
 
-    from kvservice.events import BlockStored
+    from kvservice.core.cache_events import BlockStored
 
     m, _, send, _, _ = _served(prefix=True)
     sub = m.events.subscribe("p", None, "test")

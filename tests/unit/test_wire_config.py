@@ -3,12 +3,12 @@
 import numpy as np
 import pytest
 
-from kvservice import convert
-from kvservice.config import DEFAULT_POOLS_YAML, load_pools
-from kvservice.errors import InvalidArgument
-from kvservice.geometry import CacheSpec, LayerSpec
+from kvservice.contract import convert
+from kvservice.contract.errors import InvalidArgument
+from kvservice.contract.wire import from_tensor, to_tensor
+from kvservice.core.geometry import CacheSpec, LayerSpec
+from kvservice.server.config import DEFAULT_POOLS_YAML, load_pools
 from kvservice.v1 import common_pb2 as cpb
-from kvservice.wire import from_tensor, to_tensor
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.int64, np.uint64, np.float16, np.float32])

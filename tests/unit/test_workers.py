@@ -2,11 +2,11 @@
 
 import pytest
 
-from kvservice.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
-from kvservice.geometry import CacheSpec
-from kvservice.manager import BlockManager
-from kvservice.planner import Sizing
-from kvservice.workers import WorkerRegistry
+from kvservice.contract.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from kvservice.core.geometry import CacheSpec
+from kvservice.core.planner import Sizing
+from kvservice.manager.pools import BlockManager
+from kvservice.manager.workers import WorkerRegistry
 
 
 class Clock:

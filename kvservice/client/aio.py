@@ -1,0 +1,130 @@
+"""asyncio BlockManager client with the same calls, deadlines, retries, request ids, position check and security.
+
+Retries follow kvservice/client/client.py exactly (one request_id per logical call, backoff until the
+call's deadline, RETRIES_EXHAUSTED carrying the request_id, ManagerBehind); only the waits are awaited.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+
+from kvservice.client import codec
+from kvservice.client.client import (
+    RETRY_CODES,
+    CallBudget,
+    PositionTracker,
+    RetryPolicy,
+    TLSOptions,
+    auth_metadata,
+    channel_options,
+    new_request_id,
+)
+from kvservice.client.codec import StepResult
+from kvservice.client.stream import AsyncStepStream
+from kvservice.contract.pagetable import PageTable, ValidationReport
+from kvservice.core.geometry import CacheSpec
+from kvservice.core.planner import Sizing
+from kvservice.v1 import block_manager_pb2 as pb
+from kvservice.v1 import block_manager_pb2_grpc as pb_grpc
+
+
+class AsyncBlockManagerClient:
+    """asyncio twin of BlockManagerClient (use inside a running event loop); same arguments."""
+
+    def __init__(self, target: str, timeout: float = 10.0, retries: int | None = None, *,
+                 tls: TLSOptions | None = None, token: str | None = None, retry: RetryPolicy | None = None) -> None:
+        self.target = target
+        self.timeout = timeout
+        self.retry = retry or RetryPolicy(attempts=0 if retries is None else 1 + max(0, retries))
+        self.position = PositionTracker()
+        self._metadata = auth_metadata(token)
+        if tls is None:
+            self._channel = grpc.aio.insecure_channel(target, options=channel_options())
+        else:
+            self._channel = grpc.aio.secure_channel(target, tls.credentials(), options=channel_options(tls))
+        self._stub = pb_grpc.BlockManagerStub(self._channel)
+
+    def __repr__(self) -> str:
+        return f"AsyncBlockManagerClient({self.target!r}, token={'set' if self._metadata else 'none'})"
+
+    async def __aenter__(self) -> AsyncBlockManagerClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    def reset_position(self) -> None:
+        """Forget the journal positions seen (after resynchronising with a manager that came back behind)."""
+        self.position = PositionTracker()
+
+    async def _call(self, method: Any, request: Any, timeout: float | None) -> Any:
+        """One logical call: attempts under one request_id until it succeeds, fails for good, or the deadline passes."""
+        rid = getattr(request, "request_id", None) or None
+        name = type(request).__name__.removesuffix("Request")
+        budget = CallBudget(self.retry, timeout or self.timeout, name, rid, RETRY_CODES)
+        seen = self.position.seen()
+        while True:
+            try:
+                reply = await method(request, timeout=budget.attempt_timeout(), metadata=self._metadata)
+            except grpc.aio.AioRpcError as exc:
+                await asyncio.sleep(budget.pause_or_raise(exc))
+                continue
+            self.position.check(name, reply, seen, rid)
+            return reply
+
+    async def plan(self, spec: CacheSpec, sizing: Sizing, backends: tuple[str, ...] = (),
+                   timeout: float | None = None) -> pb.PlanReply:
+        return await self._call(self._stub.Plan, codec.plan_request(spec, sizing, backends), timeout)
+
+    async def get_pool(self, pool: str, timeout: float | None = None) -> pb.PoolInfo:
+        return await self._call(self._stub.GetPool, pb.GetPoolRequest(pool=pool), timeout)
+
+    async def list_pools(self, timeout: float | None = None) -> list[pb.PoolInfo]:
+        return list((await self._call(self._stub.ListPools, pb.ListPoolsRequest(), timeout)).pools)
+
+    async def sequences(self, pool: str, limit: int = 0, timeout: float | None = None) -> pb.ListSequencesReply:
+        return await self._call(self._stub.ListSequences, pb.ListSequencesRequest(pool=pool, limit=limit), timeout)
+
+    async def stats(self, pool: str = "", timeout: float | None = None) -> dict[str, pb.PoolStats]:
+        return dict((await self._call(self._stub.GetStats, pb.GetStatsRequest(pool=pool), timeout)).pools)
+
+    async def validate(self, pool: str, layer: int, table: PageTable, max_reports: int = 100,
+                       timeout: float | None = None) -> ValidationReport:
+        reply = await self._call(self._stub.ValidatePageTable,
+                                 codec.validate_request(pool, layer, table, max_reports), timeout)
+        return codec.parse_validate(reply)
+
+    async def echo(self, payload: bytes = b"", timeout: float | None = None) -> bytes:
+        return (await self._call(self._stub.Echo, pb.EchoRequest(payload=payload), timeout)).payload
+
+    async def create_pool(self, name: str, spec: CacheSpec, sizing: Sizing, backends: tuple[str, ...] = (),
+                          timeout: float | None = None, request_id: str | None = None, **extra: Any) -> pb.PoolInfo:
+        req = codec.create_pool_request(name, spec, sizing, backends, **extra)
+        req.request_id = request_id or new_request_id()
+        return await self._call(self._stub.CreatePool, req, timeout)
+
+    async def delete_pool(self, pool: str, force: bool = False, timeout: float | None = None,
+                          request_id: str | None = None) -> None:
+        req = pb.DeletePoolRequest(pool=pool, force=force, request_id=request_id or new_request_id())
+        await self._call(self._stub.DeletePool, req, timeout)
+
+    async def step(self, pool: str, free: object = None, extend: object = None, extend_tokens: object = None,
+                   admit: object = None, admit_tokens: object = None, tables: bool = True,
+                   block_table: bool = False, timeout: float | None = None, request_id: str | None = None,
+                   **extra: Any) -> StepResult:
+        req = codec.step_request(pool, free, extend, extend_tokens, admit, admit_tokens, tables, block_table,
+                                 **extra)
+        req.request_id = request_id or new_request_id()
+        return codec.parse_step(await self._call(self._stub.Step, req, timeout))
+
+    async def step_stream(self, pool: str, deltas: bool = True, timeout: float | None = None,
+                          stream_id: str | None = None) -> AsyncStepStream:
+        """An AsyncStepStream on `pool` (kvservice/client/stream.py); learns the pool's page size with one GetPool."""
+        page_size = (await self.get_pool(pool, timeout)).plan.page_size
+        return AsyncStepStream(self, pool, page_size, deltas, timeout, stream_id)

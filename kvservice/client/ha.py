@@ -1,0 +1,240 @@
+"""Clients of a replicated manager (kvservice serve --state nats://...): find the leader, refuse stale epochs.
+
+Two ways to reach the leader, and both work together:
+
+- One address that only the leader answers behind (the Kubernetes Service: only the leader's
+  readiness probe passes). A standby or a dead pod answers UNAVAILABLE or not at all; the retry
+  reaches whichever pod is ready by then.
+- Several addresses (``"host-a:50051,host-b:50051"``): a call that gets UNAVAILABLE (a standby
+  says so at once) or DEADLINE_EXCEEDED (a paused or dead leader) moves to the next address.
+
+Either way a retried mutating call keeps its request_id, so the new leader, which followed
+the journal, answers a request the old one applied with the original reply (exactly once).
+
+Every reply of a replicated manager carries the leader's epoch in the initial metadata
+``kvservice-leader-epoch``. LeaderClient remembers the highest epoch it has seen and refuses a
+reply from a lower one (a deposed leader): the call is retried elsewhere, never returned.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import grpc
+
+from kvservice.client.client import BlockManagerClient, RetryPolicy, TLSOptions, auth_metadata, make_channel
+
+EPOCH_METADATA = "kvservice-leader-epoch"
+#: Enough tries (backoff up to 0.25 s, about 15 s in all) to ride out a failover (lease TTL 2 s by default) plus margin.
+FAILOVER_RETRY = RetryPolicy(attempts=60, initial_backoff=0.05, max_backoff=0.25)
+_ROTATE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def leader_epoch(metadata: Any) -> int | None:
+    """The epoch in a reply's metadata, or None (a manager without replication)."""
+    for key, value in metadata or ():
+        if key == EPOCH_METADATA:
+            try:
+                return int(value)
+            except (TypeError, ValueError):
+                return None
+    return None
+
+
+class StaleLeader(grpc.RpcError):
+    """A reply stamped with a lower epoch than one already seen: treated as UNAVAILABLE (retried elsewhere)."""
+
+    def __init__(self, epoch: int, seen: int, target: str) -> None:
+        super().__init__()
+        self._message = (f"{target} answered as leader epoch {epoch}, but epoch {seen} was already seen: "
+                         "a deposed manager; its reply was refused")
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return self._message
+
+    def trailing_metadata(self) -> tuple:
+        return ()
+
+    def initial_metadata(self) -> tuple:
+        return ()
+
+
+class LeaderClient(BlockManagerClient):
+    """A BlockManagerClient over one or more manager addresses that follows the leader (see the module doc).
+
+    targets: "host:port" or "host:port,host:port" or a sequence. retry: default FAILOVER_RETRY
+    (about 10 s of tries). epoch: the highest leader epoch seen (0 = none yet);
+    stale_replies: replies refused for a lower epoch.
+    """
+
+    def __init__(self, targets: str | Sequence[str], timeout: float = 10.0, retries: int | None = None, *,
+                 tls: TLSOptions | None = None, token: str | None = None, retry: RetryPolicy | None = None) -> None:
+        self.targets = [t.strip() for t in (targets.split(",") if isinstance(targets, str) else targets) if t.strip()]
+        if not self.targets:
+            raise ValueError("LeaderClient needs at least one manager address")
+        if retry is None:
+            retry = FAILOVER_RETRY if retries is None else RetryPolicy(attempts=1 + max(0, retries))
+        self._channels = [make_channel(t, tls) for t in self.targets]
+        super().__init__(",".join(self.targets), timeout, channel=self._channels[0], tls=tls, token=token,
+                         retry=retry)
+        from kvservice.v1 import block_manager_pb2_grpc as pb_grpc
+        self._stubs = [pb_grpc.BlockManagerStub(ch) for ch in self._channels]
+        self._stub = _LeaderStub(self)            # what BlockManagerClient's calls go through
+        self._metadata = auth_metadata(token)
+        self._current = 0
+        self._lock = threading.Lock()
+        self.epoch = 0
+        self.stale_replies = 0
+
+    @property
+    def current_target(self) -> str:
+        return self.targets[self._current]
+
+    def close(self) -> None:
+        for ch in self._channels:
+            ch.close()
+
+    def wait_ready(self, timeout: float = 10.0) -> None:
+        """Block until one of the addresses accepts a connection (not necessarily the leader)."""
+        futures = [grpc.channel_ready_future(ch) for ch in self._channels]
+        done = threading.Event()
+        for f in futures:
+            f.add_done_callback(lambda _f: done.set())
+        ok = done.wait(timeout)
+        for f in futures:
+            f.cancel()
+        if not ok:
+            from kvservice.client.codec import ClientError
+            raise ClientError(grpc.StatusCode.UNAVAILABLE, f"no manager answered at {self.target} within "
+                              f"{timeout:.0f} s")
+
+    def _rotate(self, index: int) -> None:
+        with self._lock:
+            if self._current == index:
+                self._current = (index + 1) % len(self.targets)
+
+    def _invoke(self, name: str, request: Any, timeout: float | None, metadata: Any) -> Any:
+        index = self._current
+        method = getattr(self._stubs[index], name)
+        try:
+            response, call = method.with_call(request, timeout=timeout, metadata=metadata)
+        except grpc.RpcError as err:
+            if err.code() in _ROTATE:
+                self._rotate(index)
+            raise
+        self._check_epoch(leader_epoch(call.initial_metadata()), index)
+        return response
+
+    def _check_epoch(self, epoch: int | None, index: int) -> None:
+        """Record a reply's epoch; StaleLeader (and move to the next address) if it is below one already seen."""
+        if epoch is None:
+            return
+        with self._lock:
+            if epoch < self.epoch:
+                self.stale_replies += 1
+                seen = self.epoch
+            else:
+                self.epoch, seen = epoch, -1
+        if seen >= 0:
+            self._rotate(index)
+            raise StaleLeader(epoch, seen, self.targets[index])
+
+    def watch_events(self, pool: str, from_sequence: int = 0,  # type: ignore[override]
+                     timeout: float | None = None) -> LeaderEventStream:
+        """The pool's KV event batches from from_sequence on (0 = a reset, then live), resumed across failovers.
+
+        See LeaderEventStream. timeout: of each connection (None = none).
+        """
+        return LeaderEventStream(self, pool, from_sequence, timeout)
+
+
+class LeaderEventStream:
+    """WatchEvents that follows the leader: on failover it resumes on the new leader from the next sequence.
+
+    Iterate for pb.KVEventBatch messages, as from BlockManagerClient.watch_events. When the stream
+    breaks with UNAVAILABLE or DEADLINE_EXCEEDED (the leader died, was deposed or paused) or a
+    manager answers with a lower epoch than seen, it reconnects to the next address with
+    ``from_sequence`` = the last batch received + 1, retrying as the client's RetryPolicy allows
+    (the budget starts anew once a batch arrives). A standby numbers batches as the leader did
+    (they are rebuilt from the same journal entries), so the batches resume with no gap and no
+    duplicate. A batch split over several messages (``more``) is yielded only once all its parts
+    arrived, so a break inside one never repeats a part. If the new leader no longer holds the
+    batches asked for (more than its ring retains were missed, or it recovered from a snapshot
+    newer than them), the first batch after the reconnection is a *reset* (``reset`` set,
+    AllBlocksCleared and then the whole cache, ``reset_reason`` says why), exactly as
+    after a manager restart. Other errors raise ClientError. reconnects: how many times it resumed.
+    """
+
+    def __init__(self, client: LeaderClient, pool: str, from_sequence: int, timeout: float | None) -> None:
+        self._client, self.pool, self.timeout = client, pool, timeout
+        self.next_sequence = from_sequence
+        self.reconnects = 0
+        self._call: Any = None
+        self._cancelled = False
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        call = self._call
+        if call is not None:
+            call.cancel()
+
+    def __iter__(self) -> Iterator[Any]:
+        from kvservice.client.client import CallBudget, ClientError
+        from kvservice.v1 import block_manager_pb2 as pb
+        c = self._client
+        budget: CallBudget | None = None
+        while not self._cancelled:
+            index = c._current
+            req = pb.WatchEventsRequest(pool=self.pool, from_sequence=self.next_sequence)
+            call = self._call = c._stubs[index].WatchEvents(req, timeout=self.timeout, metadata=c._metadata)
+            parts: list[Any] = []
+            try:
+                if self._cancelled:
+                    call.cancel()
+                c._check_epoch(leader_epoch(call.initial_metadata()), index)
+                for msg in call:
+                    parts.append(msg)
+                    if msg.more:
+                        continue
+                    budget = None                    # progress: a later failover gets a whole budget again
+                    self.next_sequence = msg.sequence + 1
+                    yield from parts
+                    parts = []
+                return                               # the server ended it (the pool was deleted)
+            except GeneratorExit:                    # the consumer closed the stream: end the call with it
+                call.cancel()
+                raise
+            except grpc.RpcError as err:
+                if self._cancelled:
+                    return
+                if err.code() not in _ROTATE:
+                    raise ClientError.from_rpc(err) from None
+                c._rotate(index)
+                call.cancel()                        # a refused epoch leaves its stream open otherwise
+                if budget is None:
+                    budget = CallBudget(c.retry, self.timeout or c.timeout, "WatchEvents", None, _ROTATE)
+                budget.tries += 1
+                time.sleep(budget.pause_or_raise(err))
+                self.reconnects += 1
+
+
+class _LeaderStub:
+    """Looks like a BlockManagerStub; every method goes to the LeaderClient's current address."""
+
+    def __init__(self, client: LeaderClient) -> None:
+        self._client = client
+
+    def __getattr__(self, name: str) -> Any:
+        def call(request: Any, timeout: float | None = None, metadata: Any = None) -> Any:
+            return self._client._invoke(name, request, timeout, metadata)
+        call.__name__ = name
+        return call
+
+
+__all__ = ["EPOCH_METADATA", "FAILOVER_RETRY", "LeaderClient", "LeaderEventStream", "StaleLeader", "leader_epoch"]

@@ -1,0 +1,328 @@
+"""StepStream clients (sync and asyncio): one long-lived stream per scheduler, incremental tables, resends.
+
+``client.step_stream(pool)`` opens a stream; ``stream.step(...)`` takes the arguments of
+``BlockManagerClient.step`` and returns the same StepResult, one request in flight at a time.
+
+- Requests carry ``stream_seq`` 1, 2, 3, ... under one stream id (metadata ``kvservice-stream-id``,
+  a uuid4 per stream, not per step). A request of a steady decode loop (the same extend ids and
+  counts as the last one) is not serialized again: its bytes are reused with a new seq appended.
+- deltas=True asks for incremental tables and keeps them in a :class:`PageTableMirror`; a result's
+  tables are gathered from the mirror on first access and are exactly what a full reply carries
+  (read them before the next step on the stream: the mirror then moves on).
+- A broken stream (UNAVAILABLE) or a reply later than the deadline (the call is cancelled) makes the
+  client reopen the stream under the same id and resend the unanswered request with the same seq
+  and bytes; the manager answers it with its original reply if it was applied (exactly once).
+- A refused request raises ClientError (code, message, ErrorInfo reason and metadata, as from a unary
+  Step); the stream goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import grpc
+import numpy as np
+
+from kvservice.client import codec
+from kvservice.client.codec import ClientError, SpaceTables, StepResult
+from kvservice.contract.mirror import MirrorError, PageTableMirror
+from kvservice.contract.wire import field_array, from_tensor
+from kvservice.server.stream import STREAM_ID_KEY
+from kvservice.v1 import block_manager_pb2 as pb
+
+METHOD = "/kvservice.v1.BlockManager/StepStream"
+ECHO_METHOD = "/kvservice.v1.BlockManager/EchoStream"
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+_RETRY = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class MirrorTables(Mapping):
+    """index space id -> SpaceTables of one result, gathered from the stream's mirror on first access."""
+
+    def __init__(self, mirror: PageTableMirror, block_table: bool) -> None:
+        self._mirror, self._seq, self._block_table = mirror, mirror.seq, block_table
+        self._keys = sorted(mirror.spaces)
+        self._done: dict[int, SpaceTables] = {}
+
+    def __getitem__(self, space_id: int) -> SpaceTables:
+        got = self._done.get(space_id)
+        if got is not None:
+            return got
+        m = self._mirror
+        if m.seq != self._seq:
+            raise MirrorError(f"the tables of request {self._seq} were replaced by request {m.seq} on the stream; "
+                              "read a result's tables before the next step")
+        if space_id not in m.spaces:
+            raise KeyError(space_id)
+        got = SpaceTables(m.spaces[space_id].info, m.slot_mapping(space_id), m.page_table(space_id),
+                          m.block_table(space_id) if self._block_table else None)
+        self._done[space_id] = got
+        return got
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+def reply_error(reply: pb.StepReply) -> ClientError:
+    e = reply.error
+    return ClientError(_CODES.get(e.code, grpc.StatusCode.UNKNOWN), e.message, e.reason, dict(e.metadata))
+
+
+class _Core:
+    """Request bytes and reply handling shared by the sync and asyncio streams."""
+
+    def __init__(self, pool: str, page_size: int, deltas: bool, stream_id: str | None) -> None:
+        self.pool = pool
+        self.deltas = deltas
+        self.stream_id = stream_id or f"s-{uuid.uuid4().hex}"
+        self.seq = 0                      # stream_seq of the last request sent
+        self.mirror = PageTableMirror(page_size)
+        self._cached: tuple[tuple, bytes] | None = None
+        self.reused = 0                   # requests whose body bytes were reused (steady decode)
+        self.last_reply: pb.StepReply | None = None     # the last reply received (its size is reported by benches)
+
+    def request_bytes(self, free: object, extend: object, extend_tokens: object, admit: object, admit_tokens: object,
+                      tables: bool, block_table: bool, extra: dict[str, Any]) -> bytes:
+        """The next request, serialized: the (cached) body, then stream_seq and the delta fields."""
+        delta = self.deltas and tables
+        key = None
+        if free is None and admit is None and not extra and extend is not None:
+            k = 1 if extend_tokens is None else extend_tokens
+            key = (np.asarray(extend).tobytes(), np.asarray(k).tobytes(), tables, block_table)
+        if key is not None and self._cached is not None and self._cached[0] == key:
+            body = self._cached[1]
+            self.reused += 1
+        else:
+            req = codec.step_request(self.pool, free, extend, extend_tokens, admit, admit_tokens, tables,
+                                     block_table and not delta, **extra)
+            body = req.SerializeToString()
+            self._cached = (key, body) if key is not None else None
+        self.seq += 1
+        tail = pb.StepRequest(stream_seq=self.seq, delta_tables=delta, delta_base=self.mirror.seq if delta else 0,
+                              accept_tokens_added=delta)
+        return body + tail.SerializeToString()
+
+    def result(self, reply: pb.StepReply, tables: bool, block_table: bool) -> StepResult:
+        """The StepResult of a reply (ClientError if it was refused or its delta does not apply)."""
+        self.last_reply = reply
+        if reply.HasField("error"):
+            if reply.error.reason == "REQUEST_ALREADY_APPLIED":
+                self.mirror.invalidate()          # a reply we never saw moved the server's tables on
+            raise reply_error(reply)
+        if not (self.deltas and tables):
+            if self.deltas:
+                self.mirror.invalidate()
+            return codec.parse_step(reply)
+        try:
+            self.mirror.apply(reply)
+        except MirrorError as err:
+            self.mirror.invalidate()              # the next request asks for full tables
+            raise ClientError(grpc.StatusCode.DATA_LOSS, f"stream {self.stream_id}: {err}", "MIRROR_OUT_OF_SYNC") \
+                from None
+        m = self.mirror
+        copies = {c.group: from_tensor(c.pairs, "pairs").reshape(-1, 2) for c in reply.copies}
+        return StepResult(m.seq_ids, m.num_tokens, m.new_token_indptr, MirrorTables(m, block_table),  # type: ignore[arg-type]
+                          tuple(reply.layer_index_space), reply.num_free_slots,
+                          field_array(reply, "admit_cached_tokens"), copies)
+
+
+class StepStream(_Core):
+    """A StepStream of a BlockManagerClient (use client.step_stream(pool)). Not thread-safe: one caller.
+
+    deltas: incremental tables through a PageTableMirror. timeout: seconds a reply may take (default:
+    the client's). stream_id: name of the stream (default a fresh one; reuse one only to resume it).
+    """
+
+    def __init__(self, client: Any, pool: str, deltas: bool = True, timeout: float | None = None,
+                 stream_id: str | None = None, page_size: int | None = None) -> None:
+        super().__init__(pool, page_size or client.get_pool(pool).plan.page_size, deltas, stream_id)
+        self.client = client
+        self.timeout = timeout or client.timeout
+        self._method = client._channel.stream_stream(METHOD, request_serializer=None,
+                                                     response_deserializer=pb.StepReply.FromString)
+        self._metadata = (*(client._metadata or ()), (STREAM_ID_KEY, self.stream_id))
+        self._call: Any = None
+        self._queue: queue.SimpleQueue | None = None
+        self._deadline = 0.0              # time.monotonic() by which the reply is due; 0 = none pending
+        self._expired = False
+        self._closed = False
+        self._watchdog: threading.Thread | None = None
+        self.reconnects = 0
+
+    def __enter__(self) -> StepStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """End the stream (the server keeps its session for a while: the same id could resume it)."""
+        self._closed = True
+        self._drop_call()
+
+    def step(self, free: object = None, extend: object = None, extend_tokens: object = None, admit: object = None,
+             admit_tokens: object = None, tables: bool = True, block_table: bool = False,
+             **extra: Any) -> StepResult:
+        """One scheduler iteration (arguments as BlockManagerClient.step; ids uint64 [n], counts int64 [n] or a
+        scalar). Returns the batch with slot mappings and page tables per index space."""
+        data = self.request_bytes(free, extend, extend_tokens, admit, admit_tokens, tables, block_table, extra)
+        return self.result(self._roundtrip(data), tables, block_table)
+
+    # ---- transport ---------------------------------------------------------------------------
+    def _open(self) -> None:
+        q: queue.SimpleQueue = queue.SimpleQueue()
+
+        def requests() -> Iterator[bytes]:
+            while (item := q.get()) is not None:
+                yield item
+
+        self._queue = q
+        self._call = self._method(requests(), metadata=self._metadata)
+        if self._watchdog is None:
+            self._watchdog = threading.Thread(target=self._watch, name=f"deadline-{self.stream_id}", daemon=True)
+            self._watchdog.start()
+
+    def _drop_call(self) -> None:
+        if self._queue is not None:
+            self._queue.put(None)
+        if self._call is not None:
+            self._call.cancel()
+        self._call = self._queue = None
+
+    def _watch(self) -> None:
+        """Cancels the call when a reply is overdue (a long-lived stream has no per-message deadline)."""
+        tick = min(0.25, self.timeout / 4)
+        while not self._closed:
+            d, call = self._deadline, self._call
+            if d and call is not None and time.monotonic() > d:
+                self._expired = True
+                call.cancel()
+            time.sleep(tick)
+
+    def _roundtrip(self, data: bytes) -> pb.StepReply:
+        attempts = max(1, self.client.retry.attempts)
+        for attempt in range(attempts):
+            try:
+                if self._call is None:
+                    self._open()
+                self._expired = False
+                self._deadline = time.monotonic() + self.timeout
+                self._queue.put(data)             # type: ignore[union-attr]
+                try:
+                    return next(self._call)
+                except StopIteration:
+                    raise ClientError(grpc.StatusCode.UNAVAILABLE, "the manager ended the stream") from None
+                finally:
+                    self._deadline = 0.0
+            except (grpc.RpcError, ClientError) as exc:
+                err = exc if isinstance(exc, ClientError) else ClientError.from_rpc(exc)
+                if self._expired:
+                    err = ClientError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply within {self.timeout:g} s on "
+                                      f"stream {self.stream_id}")
+                self._drop_call()
+                if err.code in _RETRY and attempt + 1 < attempts and not self._closed:
+                    self.reconnects += 1
+                    time.sleep(self.client.retry.backoff(attempt))
+                    continue
+                raise err from None
+        raise AssertionError("unreachable")
+
+
+class AsyncStepStream(_Core):
+    """asyncio twin of StepStream: `stream = await client.step_stream(pool)`; same arguments and behaviour."""
+
+    def __init__(self, client: Any, pool: str, page_size: int, deltas: bool = True, timeout: float | None = None,
+                 stream_id: str | None = None) -> None:
+        super().__init__(pool, page_size, deltas, stream_id)
+        self.client = client
+        self.timeout = timeout or client.timeout
+        self._method = client._channel.stream_stream(METHOD, request_serializer=None,
+                                                     response_deserializer=pb.StepReply.FromString)
+        self._metadata = (*(client._metadata or ()), (STREAM_ID_KEY, self.stream_id))
+        self._call: Any = None
+        self.reconnects = 0
+
+    async def __aenter__(self) -> AsyncStepStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
+
+    async def step(self, free: object = None, extend: object = None, extend_tokens: object = None,
+                   admit: object = None, admit_tokens: object = None, tables: bool = True, block_table: bool = False,
+                   **extra: Any) -> StepResult:
+        data = self.request_bytes(free, extend, extend_tokens, admit, admit_tokens, tables, block_table, extra)
+        return self.result(await self._roundtrip(data), tables, block_table)
+
+    async def _roundtrip(self, data: bytes) -> pb.StepReply:
+        attempts = max(1, self.client.retry.attempts)
+        for attempt in range(attempts):
+            try:
+                if self._call is None:
+                    self._call = self._method(metadata=self._metadata)
+                await self._call.write(data)
+                reply = await asyncio.wait_for(self._call.read(), self.timeout)
+                if reply is grpc.aio.EOF:
+                    raise ClientError(grpc.StatusCode.UNAVAILABLE, "the manager ended the stream")
+                return reply
+            except (grpc.aio.AioRpcError, ClientError, TimeoutError) as exc:
+                if isinstance(exc, TimeoutError):
+                    err = ClientError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply within {self.timeout:g} s on "
+                                      f"stream {self.stream_id}")
+                else:
+                    err = exc if isinstance(exc, ClientError) else ClientError.from_rpc(exc)
+                if self._call is not None:
+                    self._call.cancel()
+                    self._call = None
+                if err.code in _RETRY and attempt + 1 < attempts:
+                    self.reconnects += 1
+                    await asyncio.sleep(self.client.retry.backoff(attempt))
+                    continue
+                raise err from None
+        raise AssertionError("unreachable")
+
+
+class EchoStream:
+    """Round trips of empty-ish payloads over one EchoStream (the transport floor of StepStream)."""
+
+    def __init__(self, client: Any) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        method = client._channel.stream_stream(ECHO_METHOD, request_serializer=pb.EchoRequest.SerializeToString,
+                                               response_deserializer=pb.EchoReply.FromString)
+
+        def requests() -> Iterator[pb.EchoRequest]:
+            while (item := self._queue.get()) is not None:
+                yield item
+
+        self._call = method(requests(), metadata=client._metadata)
+
+    def echo(self, payload: bytes = b"") -> bytes:
+        self._queue.put(pb.EchoRequest(payload=payload))
+        try:
+            return next(self._call).payload
+        except grpc.RpcError as exc:
+            raise ClientError.from_rpc(exc) from None
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._call.cancel()
+
+    def __enter__(self) -> EchoStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,149 @@
+"""Client of one Worker: kernels on a remote KV cache, NumPy in and out.
+
+Errors come back as ClientError whose message names the worker (id and
+address), so a scheduler knows which shard failed: a killed worker is
+UNAVAILABLE "worker w1 at 127.0.0.1:5001 is unreachable: ...".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+
+from kvservice.client.client import TLSOptions, auth_metadata, make_channel
+from kvservice.client.codec import ClientError
+from kvservice.client.ha import EPOCH_METADATA
+from kvservice.contract.pagetable import PageTable
+from kvservice.contract.wire import from_tensor, to_tensor
+from kvservice.v1 import block_manager_pb2 as pb
+from kvservice.v1 import common_pb2 as cpb
+from kvservice.v1 import worker_pb2 as wpb
+from kvservice.v1 import worker_pb2_grpc as wpb_grpc
+
+POLICIES = {"nan": wpb.POLICY_NAN, "zeros": wpb.POLICY_ZEROS, "error": wpb.POLICY_ERROR}
+
+
+@dataclass(frozen=True, slots=True)
+class Attention:
+    """out: float32 [B, q_heads, head_dim]; lse: float32 [B, q_heads]; violation of this call."""
+
+    out: np.ndarray
+    lse: np.ndarray
+    violation: wpb.ViolationRecord
+
+
+def _cache_tensor(a: np.ndarray, dtype: str | None) -> cpb.Tensor:
+    """dtype None: the array's own (float16/float32); "bfloat16": a holds raw uint16 bit patterns."""
+    if dtype == "bfloat16":
+        return to_tensor(np.ascontiguousarray(a).view(np.uint16), cpb.BFLOAT16)
+    return to_tensor(np.ascontiguousarray(a, dtype=dtype))
+
+
+class WorkerClient:
+    """Talks to one worker. timeout: deadline per call, seconds. Kernel calls are not retried.
+
+    tls / token: for a worker started with --tls-* / --tokens-file (the shipped manifests need a
+    token). pool_incarnation: sent with every kernel call (PoolInfo.incarnation or
+    StepReply.pool_incarnation); a worker planned for another incarnation of its pool refuses the
+    call FAILED_PRECONDITION (reason STALE_INCARNATION). 0 = not checked.
+
+    leader_epoch: with a replicated manager (docs/HA.md), the leader epoch the call's tables come
+    from, sent as the metadata ``kvservice-leader-epoch`` with every call that carries slots or
+    tables: an int, or a callable read at each call (``lambda: leader_client.epoch``, the highest
+    epoch a kvservice.client.ha.LeaderClient has seen). A worker that has seen a higher epoch refuses the
+    call FAILED_PRECONDITION (reason STALE_LEADER_EPOCH); one of a replicated manager refuses a call
+    without it (LEADER_EPOCH_REQUIRED). 0 = none sent (an unreplicated manager).
+    """
+
+    def __init__(self, address: str, worker_id: str = "", timeout: float = 30.0, *, tls: TLSOptions | None = None,
+                 token: str | None = None, pool_incarnation: int = 0,
+                 leader_epoch: int | Callable[[], int] = 0) -> None:
+        self.address = address
+        self.leader_epoch = leader_epoch
+        self.worker_id = worker_id or address
+        self.timeout = timeout
+        self.pool_incarnation = pool_incarnation
+        self._metadata = auth_metadata(token)
+        self._channel = make_channel(address, tls)
+        self._stub = wpb_grpc.WorkerStub(self._channel)
+
+    def __repr__(self) -> str:
+        return f"WorkerClient({self.address!r}, token={'set' if self._metadata else 'none'})"
+
+    def __enter__(self) -> WorkerClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def _call(self, method: Any, request: Any) -> Any:
+        try:
+            if hasattr(request, "pool_incarnation"):
+                request.pool_incarnation = self.pool_incarnation
+            epoch = self.leader_epoch() if callable(self.leader_epoch) else self.leader_epoch
+            metadata = (*(self._metadata or ()), (EPOCH_METADATA, str(epoch))) if epoch else self._metadata
+            return method(request, timeout=self.timeout, metadata=metadata)
+        except grpc.RpcError as exc:
+            err = ClientError.from_rpc(exc)
+            what = "is unreachable" if err.code == grpc.StatusCode.UNAVAILABLE else "refused the call"
+            raise ClientError(err.code, f"worker {self.worker_id} at {self.address} {what}: {err.message}",
+                              err.reason, err.metadata) from None
+
+    def info(self) -> wpb.WorkerStatus:
+        return self._call(self._stub.Info, wpb.WorkerInfoRequest())
+
+    def append_kv(self, layer: int, k: np.ndarray, v: np.ndarray, slot_mapping: np.ndarray | None = None,
+                  dtype: str | None = None, policy: str = "nan", table_id: str = "") -> wpb.KernelReply:
+        """k, v: [n, kv_heads, head_dim] in the cache dtype; slot_mapping: int64 [n] of the layer's index space,
+        or None with table_id: the new tokens of the worker's persistent tables (update_tables).
+
+        dtype: None sends the arrays' own dtype; "bfloat16" sends uint16 arrays as bfloat16 bits.
+        """
+        req = wpb.AppendKVRequest(layer=layer, k=_cache_tensor(k, dtype), v=_cache_tensor(v, dtype),
+                                  policy=POLICIES[policy], table_id=table_id)
+        if slot_mapping is not None:
+            req.slot_mapping.CopyFrom(to_tensor(np.asarray(slot_mapping, dtype=np.int64)))
+        return self._call(self._stub.AppendKV, req)
+
+    def decode_attention(self, layer: int, q: np.ndarray, table: PageTable | None = None, dtype: str | None = None,
+                         sm_scale: float = 0.0, policy: str = "nan", table_id: str = "") -> Attention:
+        """q: [B, q_heads, head_dim] in the cache dtype; table: CSR of the layer's index space (int32), or None
+        with table_id: the batch of the worker's persistent tables (update_tables)."""
+        req = wpb.DecodeAttentionRequest(layer=layer, q=_cache_tensor(q, dtype), sm_scale=sm_scale,
+                                         policy=POLICIES[policy], table_id=table_id)
+        if table is not None:
+            req.indptr.CopyFrom(to_tensor(np.asarray(table.indptr, dtype=np.int32)))
+            req.indices.CopyFrom(to_tensor(np.asarray(table.indices, dtype=np.int32)))
+            req.last_page_len.CopyFrom(to_tensor(np.asarray(table.last_page_len, dtype=np.int32)))
+        reply = self._call(self._stub.DecodeAttention, req)
+        return Attention(from_tensor(reply.out, "out", "f"), from_tensor(reply.lse, "lse", "f"), reply.violation)
+
+    def update_tables(self, table_id: str, reply: pb.StepReply) -> wpb.UpdateTablesReply:
+        """Apply a StepStream reply (full, or incremental on the copy's last one) to the persistent tables
+        `table_id` on the worker's device."""
+        return self._call(self._stub.UpdateTables, wpb.UpdateTablesRequest(table_id=table_id, step=reply))
+
+    def copy_blocks(self, group: int, pairs: np.ndarray, policy: str = "nan") -> wpb.KernelReply:
+        """pairs: int64 [n, 2] of (src_slot, dst_slot)."""
+        return self._call(self._stub.CopyBlocks, wpb.CopyBlocksRequest(
+            group=group, pairs=to_tensor(np.asarray(pairs, dtype=np.int64).reshape(-1, 2)), policy=POLICIES[policy]))
+
+    def validate(self, layer: int, table: PageTable) -> wpb.WorkerValidateReply:
+        return self._call(self._stub.ValidatePageTable, wpb.WorkerValidateRequest(
+            layer=layer, indptr=to_tensor(np.asarray(table.indptr, dtype=np.int32)),
+            indices=to_tensor(np.asarray(table.indices, dtype=np.int32)),
+            last_page_len=to_tensor(np.asarray(table.last_page_len, dtype=np.int32))))
+
+    def check_guards(self) -> wpb.CheckGuardsReply:
+        return self._call(self._stub.CheckGuards, wpb.CheckGuardsRequest())
+
+    def corrupt_guard(self, buffer: str, after: bool = False, offset: int = 0) -> None:
+        """Test hook: flip one canary byte (the worker must run with --enable-test-hooks)."""
+        self._call(self._stub.CorruptGuard, wpb.CorruptGuardRequest(buffer=buffer, after=after, offset=offset))

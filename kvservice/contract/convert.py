@@ -1,0 +1,100 @@
+"""Proto messages <-> domain objects (CacheSpec, Sizing, Plan, pool stats)."""
+
+from __future__ import annotations
+
+from kvservice.contract.errors import InvalidArgument
+from kvservice.core.geometry import MAX_LAYERS, CacheSpec, LayerSpec
+from kvservice.core.planner import Plan, Sizing
+from kvservice.core.pool import Pool
+from kvservice.manager.workers import WorkerRecord
+from kvservice.v1 import block_manager_pb2 as pb
+from kvservice.v1 import common_pb2 as cpb
+
+CACHE_DTYPES = {cpb.FLOAT16: "float16", cpb.BFLOAT16: "bfloat16", cpb.FLOAT32: "float32",
+                cpb.FLOAT8_E4M3: "float8_e4m3"}
+DTYPE_CODES = {v: k for k, v in CACHE_DTYPES.items()}
+LAYOUTS = {pb.LAYOUT_UNSPECIFIED: "per_layer", pb.PER_LAYER: "per_layer", pb.INTERLEAVED: "interleaved"}
+LAYOUT_CODES = {"per_layer": pb.PER_LAYER, "interleaved": pb.INTERLEAVED}
+
+
+def cache_spec_from_proto(msg: pb.CacheSpec) -> CacheSpec:
+    if msg.layout not in LAYOUTS:
+        raise InvalidArgument(f"cache.layout {msg.layout} is not a known layout")
+    layers: list[LayerSpec] = []
+    for i, ls in enumerate(msg.layers):
+        if ls.dtype not in CACHE_DTYPES:
+            raise InvalidArgument(f"cache.layers[{i}].dtype must be a cache dtype "
+                                  f"(FLOAT16, BFLOAT16, FLOAT32, FLOAT8_E4M3), got {ls.dtype}")
+        count = ls.count or 1
+        if len(layers) + count > MAX_LAYERS:
+            raise InvalidArgument(f"cache spec has more than {MAX_LAYERS} layers")
+        layers.extend([LayerSpec(ls.kv_heads, ls.head_dim, CACHE_DTYPES[ls.dtype], ls.sliding_window)] * count)
+    return CacheSpec(tuple(layers), msg.page_size, LAYOUTS[msg.layout])
+
+
+def cache_spec_to_proto(spec: CacheSpec) -> pb.CacheSpec:
+    out = pb.CacheSpec(page_size=spec.page_size, layout=LAYOUT_CODES[spec.layout])
+    for layer in spec.layers:    # run-length encode identical consecutive layers
+        if out.layers and _same(out.layers[-1], layer):
+            out.layers[-1].count += 1
+        else:
+            out.layers.add(kv_heads=layer.kv_heads, head_dim=layer.head_dim, dtype=DTYPE_CODES[layer.dtype],
+                           sliding_window=layer.sliding_window, count=1)
+    return out
+
+
+def _same(msg: pb.LayerSpec, layer: LayerSpec) -> bool:
+    return (msg.kv_heads, msg.head_dim, msg.dtype, msg.sliding_window) == (
+        layer.kv_heads, layer.head_dim, DTYPE_CODES[layer.dtype], layer.sliding_window)
+
+
+def sizing_from_proto(msg: pb.Sizing) -> Sizing:
+    return Sizing(msg.max_batch, msg.max_seq_len, msg.memory_budget_bytes, msg.num_slots)
+
+
+def index_space_to_proto(space: object) -> pb.IndexSpace:
+    return pb.IndexSpace(id=space.id, group=space.group, scale=space.scale, offset=space.offset,
+                         upper_bound=space.upper_bound, layers=list(space.layers), base=space.base,
+                         index_dtype=cpb.INT32 if space.index_dtype.itemsize == 4 else cpb.INT64)
+
+
+def plan_to_proto(plan: Plan) -> pb.PlanReply:
+    geo = plan.geometry
+    return pb.PlanReply(
+        num_slots=plan.num_slots, page_size=plan.page_size, max_seq_len=plan.max_seq_len,
+        max_pages_per_seq=plan.max_pages_per_seq, bytes_per_layer=plan.bytes_per_layer,
+        bytes_per_slot=plan.bytes_per_slot, total_bytes=plan.total_bytes, max_byte_offset=plan.max_byte_offset,
+        offsets_exceed_int32=plan.offsets_exceed_int32, offsets_exceed_uint32=plan.offsets_exceed_uint32,
+        indices_need_int64=plan.indices_need_int64,
+        layers=[pb.LayerPlan(layer=v.layer, group=v.group, index_space=v.index_space, page_bytes=v.page_bytes,
+                             bytes=v.page_bytes * plan.num_slots, scale=v.scale, offset=v.offset,
+                             upper_bound=v.upper_bound, base=v.base) for v in geo.layers],
+        groups=[pb.GroupPlan(group=g.id, sliding_window=g.sliding_window, layers=list(g.layers),
+                             slot_bytes=g.slot_bytes, buffer_bytes=g.buffer_bytes) for g in geo.groups],
+        index_spaces=[index_space_to_proto(s) for s in geo.index_spaces],
+        backends=list(plan.backends), warnings=list(plan.warnings), pool_pages=geo.pool_pages)
+
+
+def pool_stats(pool: Pool) -> pb.PoolStats:
+    cache = pool.prefix
+    return pb.PoolStats(num_slots=pool.plan.num_slots, num_free_slots=pool.num_free_slots,
+                        peak_used_slots=pool.peak_used_slots, num_sequences=pool.num_sequences,
+                        num_tokens=pool.num_tokens_total, steps=pool.steps, admitted=pool.admitted,
+                        refused=pool.refused, prefix_caching=cache is not None,
+                        prefix_cache_hits=cache.hits if cache else 0,
+                        prefix_cache_evictions=cache.allocator.evictions if cache else 0,
+                        cached_slots=cache.allocator.num_cached if cache else 0,
+                        event_sequence=pool.events.seq)
+
+
+def pool_info(pool: Pool, incarnation: int) -> pb.PoolInfo:
+    return pb.PoolInfo(name=pool.name, plan=plan_to_proto(pool.plan), stats=pool_stats(pool),
+                       cache=cache_spec_to_proto(pool.plan.geometry.spec), incarnation=incarnation,
+                       model=pool.model)
+
+
+def worker_info(w: WorkerRecord, seconds_since_heartbeat: float) -> pb.WorkerInfo:
+    return pb.WorkerInfo(worker_id=w.worker_id, pool=w.pool, layer_begin=w.layer_begin, layer_end=w.layer_end,
+                         tp_rank=w.tp_rank, tp_size=w.tp_size, backend=w.backend, device_name=w.device_name,
+                         device_memory_bytes=w.device_memory_bytes, address=w.address, epoch=w.epoch,
+                         alive=w.alive, seconds_since_heartbeat=seconds_since_heartbeat, incarnation=w.incarnation)

@@ -1,0 +1,178 @@
+"""Slot allocator of one layer group: a free stack, an LRU of cached free slots, a refcount per slot.
+
+Allocation pops a contiguous run off the stack (one slice); freeing pushes the
+slots whose refcount reached zero back (one slice). With prefix caching, a freed
+slot that still holds a reusable page (``cacheable[slot]``) goes to an LRU
+instead, where a later prefix hit can revive it (O(1)) until an allocation that
+finds the stack empty evicts it, oldest first (O(1) per page). A free of a slot
+that is already free is an error naming the slot, never a refcount below zero.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+import numpy as np
+
+from kvservice.contract.errors import InvalidArgument, ResourceExhausted
+
+
+class SlotAllocator:
+    """Hands out slot ids in [0, num_slots).
+
+    Fields (only this class changes them, except ``cacheable``, set by the prefix cache):
+      _stack[:_top]   free slot ids holding nothing reusable, intp; the next allocation takes the top.
+      _cached         free slots holding a reusable page, least recently released first.
+      _refcnt[slot]   owners (sequences); 0 = free (on the stack or in _cached).
+      cacheable[slot] True while the slot's page is registered in the prefix cache.
+      on_evict(slot)  called when a cached slot is taken for a new page.
+    """
+
+    __slots__ = ("_cached", "_mark", "_ones", "_refcnt", "_stack", "_top", "cacheable", "caching", "evictions",
+                 "num_slots", "on_evict", "peak_used")
+
+    def __init__(self, num_slots: int) -> None:
+        if num_slots <= 0:
+            raise InvalidArgument(f"num_slots must be > 0, got {num_slots}")
+        self.num_slots = num_slots
+        # intp (int64) ids: NumPy converts any other index dtype before a fancy index.
+        self._stack = np.arange(num_slots - 1, -1, -1, dtype=np.intp)  # slot 0 on top
+        self._top = num_slots
+        self._refcnt = np.zeros(num_slots, dtype=np.int32)
+        self._mark = np.zeros(num_slots, dtype=np.intp)
+        self._ones = np.ones(num_slots, dtype=np.int32)
+        self._cached: OrderedDict[int, None] = OrderedDict()
+        self.cacheable = np.zeros(num_slots, dtype=bool)
+        self.caching = False                 # set by a prefix cache: released slots may be cacheable
+        self.on_evict: Callable[[int], None] | None = None
+        self.peak_used = 0
+        self.evictions = 0
+
+    @property
+    def num_free(self) -> int:
+        """Slots an allocation can take: the stack plus the evictable cached slots."""
+        return self._top + len(self._cached)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_slots - self.num_free
+
+    def allocate(self, n: int) -> np.ndarray:
+        """Take n free slots (refcount 1 each), evicting cached pages only when the stack runs out."""
+        if n < 0:
+            raise InvalidArgument(f"cannot allocate a negative number of slots ({n})")
+        if n > self.num_free:
+            raise ResourceExhausted(f"needed {n} slots, {self.num_free} free", needed=n, free=self.num_free)
+        take = min(n, self._top)
+        top = self._top - take
+        slots = self._stack[top:self._top].copy()
+        self._top = top
+        if take < n:
+            evicted = [self._cached.popitem(last=False)[0] for _ in range(n - take)]
+            for s in evicted:
+                self.cacheable[s] = False
+                if self.on_evict is not None:
+                    self.on_evict(s)
+            self.evictions += len(evicted)
+            slots = np.concatenate((slots, np.array(evicted, dtype=np.intp)))
+        self._refcnt[slots] = self._ones[:n]
+        used = self.num_slots - self._top - len(self._cached)
+        if used > self.peak_used:
+            self.peak_used = used
+        return slots
+
+    def share(self, slots: np.ndarray, counts: np.ndarray | None = None) -> None:
+        """Add counts[i] (default 1) owners to slots[i] (ids distinct). Free cached slots leave the LRU."""
+        if not len(slots):
+            return
+        rc = self._refcnt[slots]
+        for s in slots[rc == 0].tolist():
+            if s not in self._cached:
+                raise InvalidArgument(f"slot {s} is free and holds no cached page; it cannot be shared",
+                                      slot=s)
+            del self._cached[s]
+        self._refcnt[slots] = rc + (1 if counts is None else counts.astype(np.int32))
+        used = self.num_used
+        if used > self.peak_used:
+            self.peak_used = used
+
+    def free(self, slots: np.ndarray, unique: bool = False) -> None:
+        """Drop one reference from each slot; slots reaching zero become free (or cached).
+
+        slots: shape [n], intp. unique=True is the caller's promise that the ids
+        are valid and no slot repeats (one sequence's own slots); otherwise ids are
+        range-checked and repeats counted. Raises InvalidArgument (changing
+        nothing) on a double free or a bad id.
+        """
+        n = len(slots)
+        if n == 0:
+            return
+        if not unique:
+            slots = np.asarray(slots, dtype=np.intp)
+            if slots.ndim != 1 or slots.view(np.uintp).max() >= self.num_slots:
+                bad = slots[(slots < 0) | (slots >= self.num_slots)][0]
+                raise InvalidArgument(f"slot {bad} does not exist (num_slots={self.num_slots})", slot=bad)
+            order = np.arange(n)
+            self._mark[slots] = order
+            if (self._mark[slots] != order).any():
+                self._free_repeated(slots)
+                return
+        rc = self._refcnt.take(slots)
+        lo, hi = rc.min(), rc.max()
+        if lo <= 0:
+            raise InvalidArgument(f"double free of slot {slots[rc <= 0][0]}: it is already free",
+                                  reason="DOUBLE_FREE", slot=slots[rc <= 0][0])
+        if hi == 1:                          # sole owner everywhere: all slots become free
+            self._refcnt[slots] = 0
+            self._release(slots)
+            return
+        rc -= 1
+        self._refcnt[slots] = rc
+        self._release(slots[rc == 0])
+
+    def _free_repeated(self, slots: np.ndarray) -> None:
+        uniq, counts = np.unique(slots, return_counts=True)
+        rc = self._refcnt[uniq]
+        over = counts > rc
+        if over.any():
+            raise InvalidArgument(f"double free of slot {uniq[over][0]}: freed more often than it is owned",
+                                  reason="DOUBLE_FREE", slot=uniq[over][0])
+        rc -= counts.astype(np.int32)
+        self._refcnt[uniq] = rc
+        self._release(uniq[rc == 0])
+
+    def _release(self, released: np.ndarray) -> None:
+        keep = self.cacheable[released] if self.caching else None
+        if keep is not None and keep.any():
+            for s in released[keep].tolist():
+                self._cached[s] = None               # most recently released last
+            released = released[~keep]
+        k = len(released)
+        self._stack[self._top:self._top + k] = released
+        self._top += k
+
+    def refcount(self, slots: np.ndarray) -> np.ndarray:
+        """Refcounts of the given slots: int32 [len(slots)], owners per slot (a copy)."""
+        return self._refcnt[slots].copy()
+
+    def free_slots(self) -> np.ndarray:
+        """Every free slot id: the stack (top last), then cached slots (LRU first)."""
+        return np.concatenate((self._stack[:self._top], np.fromiter(self._cached, dtype=np.intp,
+                                                                      count=len(self._cached))))
+
+    def check(self) -> None:
+        """Assert this allocator's own invariants (free slots == slots with refcount 0)."""
+        stack = self._stack[:self._top]
+        free = self.free_slots()
+        assert len(np.unique(free)) == len(free), "a slot is free twice (stack and cache, or twice in one)"
+        assert (self._refcnt[free] == 0).all(), "a free slot has owners"
+        assert (self._refcnt >= 0).all(), "negative refcount"
+        assert int((self._refcnt == 0).sum()) == len(free), "free count != slots with refcount 0"
+        assert not self.cacheable[stack].any(), "a slot on the plain free stack is marked cacheable"
+        cached = free[len(stack):]
+        assert self.cacheable[cached].all(), "a cached free slot is not marked cacheable"

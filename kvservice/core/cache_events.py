@@ -1,0 +1,267 @@
+"""KV events of a pool: which cached pages appeared and disappeared, in vLLM's vocabulary.
+
+A router that keeps an index of what each replica has cached (llm-d's kv-cache indexer,
+Dynamo's KV router) follows a stream of three events: ``BlockStored`` (pages became findable
+by their hash), ``BlockRemoved`` (their hashes are gone) and ``AllBlocksCleared``. Here they
+are derived from the prefix cache itself: the cache calls its ``sink`` (a
+:class:`GroupEventSource`) when it registers pages and when it forgets one, so the events
+are exactly the changes of the index ``PrefixCache.by_hash``, in order.
+
+The sources of one pool share one :class:`PoolEvents`, which belongs to the pool's state
+(snapshotted with it, rebuilt by journal replay, since replay runs the same steps): it holds
+the changes of the step in progress and the number of the last batch. After every Step the
+manager takes the step's changes as one batch numbered ``seq + 1`` (:meth:`take_batch`); a
+restarted manager therefore numbers the batches it regenerates by replay exactly as the first
+run did. Transport (the gRPC stream, ZeroMQ) is elsewhere (``event_log.py``, ``zmq_events.py``).
+
+Layer groups: every source names its group, the group's kind ("full_attention" or
+"sliding_window") and window, so a hybrid pool whose groups cache prefixes only adds sources.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvservice.core.hash_index import HashSlots
+
+FULL_ATTENTION = "full_attention"
+SLIDING_WINDOW = "sliding_window"
+#: Pending changes (pages) a pool keeps when nobody takes its batches (a pool used without a
+#: manager); past this it drops them and the next batch is a reset (AllBlocksCleared + the cache).
+MAX_PENDING_PAGES = 1 << 16
+_NO_HASHES = np.zeros(0, dtype=np.uint64)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """Pages that became findable, a chain: each page's parent is the page before it.
+
+    block_hashes: uint64 [n], the pages' chained hashes (never 0).
+    parent_block_hash: hash of the first page's parent page; 0 = the first page starts a prompt.
+    token_ids: int64 [n * block_size], the pages' tokens in order.
+    block_size: tokens per page. group: layer group; kind, sliding_window: the group's attention
+    (window 0 for full attention).
+    """
+
+    group: int
+    block_hashes: np.ndarray
+    parent_block_hash: int
+    token_ids: np.ndarray
+    block_size: int
+    kind: str = FULL_ATTENTION
+    sliding_window: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """Pages no longer findable: block_hashes uint64 [n] of layer group `group`."""
+
+    group: int
+    block_hashes: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    """Forget everything known about this pool's cache (a reset or a deleted pool)."""
+
+
+Event = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+def event_pages(ev: Event) -> int:
+    """Pages an event names (0 for AllBlocksCleared)."""
+    return 0 if isinstance(ev, AllBlocksCleared) else len(ev.block_hashes)
+
+
+class _Pending:
+    """Changes recorded since the last batch: events in order, pages named, and whether any were dropped."""
+
+    __slots__ = ("events", "overflowed", "pages")
+
+    def __init__(self) -> None:
+        self.events: list[Event | list] = []   # a list = hashes of a BlockRemoved still growing: [group, [h, ...]]
+        self.pages = 0
+        self.overflowed = False
+
+    def add(self, n: int) -> bool:
+        """Count n more pages; False (and everything dropped) once MAX_PENDING_PAGES is passed."""
+        if self.overflowed:
+            return False
+        self.pages += n
+        if self.pages > MAX_PENDING_PAGES:
+            self.events.clear()
+            self.pages = 0
+            self.overflowed = True
+            return False
+        return True
+
+
+class GroupEventSource:
+    """The event sink of one layer group's prefix cache (``PrefixCache.sink``).
+
+    parent_hash[slot]: uint64 [num_slots], hash of the parent page of the page registered in slot
+    (0 = none), kept so that the cache's whole state can be described again (:func:`state_events`).
+    index: the cache's hashes -> slots as a NumPy table (hash_index.py), for ScorePrefix.
+    """
+
+    __slots__ = ("group", "index", "kind", "parent_hash", "pending", "sliding_window")
+
+    def __init__(self, pending: _Pending, group: int, sliding_window: int, num_slots: int) -> None:
+        self.pending = pending
+        self.group = group
+        self.sliding_window = sliding_window
+        self.kind = SLIDING_WINDOW if sliding_window else FULL_ATTENTION
+        self.parent_hash = np.zeros(num_slots, dtype=np.uint64)
+        self.index = HashSlots(num_slots)
+
+    def stored(self, slots: np.ndarray, parents: np.ndarray, hashes: np.ndarray, pages: np.ndarray,
+               keep: np.ndarray, slot_hash: np.ndarray, parent_hashes: np.ndarray | None = None) -> None:
+        """Pages the cache just registered.
+
+        slots, parents: int64 [n], the slot of each offered page and of its parent page (-1 = none);
+        hashes: uint64 [n]; pages: int64 [n, page_size] token ids; keep: int64 [k], which of the n
+        were registered (each a new hash); slot_hash: uint64 [num_slots], the cache's hash per slot;
+        parent_hashes: uint64 [n], the hash of each page's parent page (0 = none) when the caller
+        knows it (a sliding group's first kept page has a parent it does not hold).
+        Consecutive registered pages of one prompt become one BlockStored chain.
+        """
+        if not len(keep):
+            return
+        keep = np.sort(keep)
+        par = parents[keep]
+        prev = np.maximum(keep - 1, 0)
+        same_prompt = (keep > 0) & (slots[prev] == par)
+        if parent_hashes is not None:
+            parent_h = parent_hashes[keep].astype(np.uint64)
+        else:
+            parent_h = np.where(same_prompt, hashes[prev], np.where(par >= 0, slot_hash[np.maximum(par, 0)], 0))
+            parent_h = parent_h.astype(np.uint64)
+        h = hashes[keep]
+        self.parent_hash[slots[keep]] = parent_h
+        if self.index.full_after(len(keep)):
+            live = np.flatnonzero(slot_hash)
+            self.index.rebuild(slot_hash[live], live)
+        else:
+            self.index.insert(h, slots[keep].astype(np.int64))
+        if not self.pending.add(len(keep)):
+            return
+        cuts = np.flatnonzero(parent_h[1:] != h[:-1]) + 1        # a new chain where the parent is not the last page
+        ps = pages.shape[1]
+        tok = pages[keep]
+        for lo, hi in zip(np.concatenate(([0], cuts)).tolist(), np.concatenate((cuts, [len(keep)])).tolist(),
+                          strict=True):
+            self.pending.events.append(BlockStored(self.group, h[lo:hi].copy(), int(parent_h[lo]),
+                                                   tok[lo:hi].reshape(-1).copy(), ps, self.kind,
+                                                   self.sliding_window))
+
+    def removed(self, block_hash: int, slot: int) -> None:
+        """A page the cache forgot (its slot is being reused); runs of removals become one BlockRemoved."""
+        self.parent_hash[slot] = 0
+        p = self.pending
+        if not p.add(1):
+            return
+        last = p.events[-1] if p.events else None
+        if isinstance(last, list) and last[0] == self.group:
+            last[1].append(block_hash)
+        else:
+            p.events.append([self.group, [block_hash]])
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """The events of one step of a pool (or a reset), numbered.
+
+    seq: the batch's sequence number, from 1, one per step that changed the cache.
+    events: in the order the changes happened.
+    reset: the batch starts with AllBlocksCleared and then describes the whole cache as of seq.
+    """
+
+    seq: int
+    events: tuple[Event, ...]
+    reset: bool = False
+
+    @property
+    def num_pages(self) -> int:
+        return sum(event_pages(e) for e in self.events)
+
+
+class PoolEvents:
+    """Event state of one pool (part of the pool, so part of its durable state).
+
+    seq: number of the last batch taken (0 = none yet); sources: one per layer group that caches.
+    """
+
+    def __init__(self) -> None:
+        self.seq = 0
+        self.pending = _Pending()
+        self.sources: dict[int, GroupEventSource] = {}
+
+    def source(self, group: int, sliding_window: int, num_slots: int) -> GroupEventSource:
+        """The sink for layer group `group`'s prefix cache (created once per group)."""
+        src = self.sources.get(group)
+        if src is None:
+            src = self.sources[group] = GroupEventSource(self.pending, group, sliding_window, num_slots)
+        return src
+
+    def take_batch(self, caches: list) -> Batch | None:
+        """The changes since the last call as batch seq + 1, or None if nothing changed.
+
+        caches: the pool's prefix caches (for a reset after dropped changes).
+        """
+        p = self.pending
+        if not p.events and not p.overflowed:
+            return None
+        self.seq += 1
+        if p.overflowed:
+            batch = Batch(self.seq, (AllBlocksCleared(), *state_events(caches)), reset=True)
+        else:
+            batch = Batch(self.seq, tuple(
+                BlockRemoved(e[0], np.array(e[1], dtype=np.uint64)) if isinstance(e, list) else e for e in p.events))
+        p.events = []
+        p.pages = 0
+        p.overflowed = False
+        return batch
+
+
+def pool_caches(pool: object) -> list:
+    """The prefix caches of a pool that publish events: one per layer group, when prefix caching is on."""
+    caches = getattr(pool, "prefixes", None) or ()
+    return [c for c in caches if getattr(c, "sink", None) is not None]
+
+
+def state_events(caches: list) -> list[BlockStored]:
+    """The caches' whole content as BlockStored events, one per page (slot order).
+
+    A consumer that applies AllBlocksCleared and then these holds exactly the caches' indexes.
+    """
+    out: list[BlockStored] = []
+    for cache in caches:
+        src: GroupEventSource = cache.sink
+        slots = np.flatnonzero(cache.hash)
+        hashes, parents, tokens = cache.hash[slots], src.parent_hash[slots], cache.tokens[slots]
+        for i in range(len(slots)):
+            out.append(BlockStored(src.group, hashes[i:i + 1].copy(), int(parents[i]), tokens[i].copy(),
+                                   cache.page_size, src.kind, src.sliding_window))
+    return out
+
+
+def indexed_hashes(caches: list) -> dict[int, set[int]]:
+    """group -> the set of hashes the caches can find now (what a consumer of the events must hold)."""
+    return {cache.sink.group: set(cache.by_hash) for cache in caches}
+
+
+def apply_events(index: dict[int, set[int]], events: tuple[Event, ...] | list[Event]) -> None:
+    """Apply events to a consumer's view group -> set of hashes (the reference of the tests and tools)."""
+    for e in events:
+        if isinstance(e, AllBlocksCleared):
+            index.clear()
+        elif isinstance(e, BlockStored):
+            index.setdefault(e.group, set()).update(e.block_hashes.tolist())
+        else:
+            index.setdefault(e.group, set()).difference_update(e.block_hashes.tolist())
+
+
+__all__ = ["FULL_ATTENTION", "SLIDING_WINDOW", "AllBlocksCleared", "Batch", "BlockRemoved", "BlockStored", "Event",
+           "GroupEventSource", "PoolEvents", "apply_events", "indexed_hashes", "pool_caches", "state_events"]

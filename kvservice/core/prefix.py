@@ -1,0 +1,235 @@
+"""Prefix cache: full prompt pages found again by a chained hash, confirmed by their token ids.
+
+Page j of a prompt gets ``h_j = mix(h_{j-1}, namespace, tokens of page j)``, a
+deterministic 64-bit hash computed with NumPy over a whole batch of admissions
+at once (the same in every process, so a journal replays to the same cache). A
+hash hit is only a candidate: it is accepted if the cached page's token ids,
+namespace (tenant salt + extra key such as a LoRA id) and parent page (the slot
+accepted for page j-1) all match. So two prompts that collide on a hash can
+never alias, and tenants never see each other's pages.
+
+Each layer group has its own cache over its own slots (hybrid models). A
+sliding-window group keeps only the pages inside its window, so its page j-1
+may be gone while page j is still useful: there a candidate is confirmed by its
+token ids, namespace and *anchor*, the slot that a full-attention group of the
+pool held for the same page when it was registered, which must be exactly the
+page that group just confirmed by its own parent chain. So a hit in a sliding
+group is as exact as in a full group. A pool with sliding groups only has no
+such anchor; there the parent page's 64-bit hash stands in for it (the one
+place a hash collision could alias, documented in docs/ARCHITECTURE.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from kvservice.core.allocator import SlotAllocator
+
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_GOLD = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64 finaliser, elementwise on uint64."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * _M1
+    x = x ^ (x >> np.uint64(27))
+    x = x * _M2
+    return x ^ (x >> np.uint64(31))
+
+
+def page_hashes(pages: np.ndarray, col: np.ndarray, starts: np.ndarray, full: np.ndarray,
+                namespaces: np.ndarray) -> np.ndarray:
+    """Chained hashes of the full pages of A prompts, stored ragged (no A x longest-prompt array).
+
+    pages: int64 [N, page_size] token ids of every full page, prompt after prompt.
+    col: int64 [N] index of each page inside its prompt; starts: int64 [A] first page of each prompt;
+    full: int64 [A] full pages of each prompt (N = full.sum()); namespaces: int64 [A] id per (salt, extra key).
+    Returns uint64 [N], never 0. Work is O(N) plus one short NumPy pass per page column.
+    """
+    with np.errstate(over="ignore"):
+        tok = pages.astype(np.uint64)
+        page_h = np.full(len(pages), _GOLD, dtype=np.uint64)
+        for t in range(tok.shape[1]):                        # hash each page's tokens
+            page_h = _mix(page_h ^ (tok[:, t] + _GOLD))
+        out = np.empty(len(pages), dtype=np.uint64)
+        order = np.argsort(-full, kind="stable")             # longest prompts first: column j's prompts are a prefix
+        f, st = full[order], starts[order]
+        h = _mix(namespaces[order].astype(np.uint64) + _GOLD)
+        p = int(f[0]) if len(f) else 0
+        active = np.searchsorted(-f, -np.arange(p), side="left")   # prompts with more than j full pages
+        for j in range(p):                                    # chain page hashes
+            k = int(active[j])
+            at = st[:k] + j
+            h[:k] = _mix(h[:k] ^ page_h[at] ^ (np.uint64(j) * _M2))
+            out[at] = h[:k]
+        out[out == 0] = 1
+    return out
+
+
+def prompt_hashes(pages: np.ndarray, namespace: int,
+                  hash_fn: Callable[..., np.ndarray] = page_hashes) -> np.ndarray:
+    """Chained hashes of one prompt's full pages: pages int64 [P, page_size] -> uint64 [P]."""
+    p = len(pages)
+    return hash_fn(pages, np.arange(p, dtype=np.int64), np.zeros(1, dtype=np.int64),
+                   np.array([p], dtype=np.int64), np.array([namespace], dtype=np.int64))
+
+
+class Namespaces:
+    """A small int per (tenant salt, extra key), shared by the caches of all groups of a pool."""
+
+    def __init__(self) -> None:
+        self._ids: dict[tuple[str, str], int] = {}
+
+    def ids(self, salts: list[str], keys: list[str]) -> tuple[np.ndarray, dict[tuple[str, str], int]]:
+        """(ids int64 [n], new): pairs seen for the first time get the next ids but are only
+        remembered once `add(new)` is called, after the step can no longer fail."""
+        out = np.empty(len(salts), dtype=np.int64)
+        new: dict[tuple[str, str], int] = {}
+        for i, k in enumerate(zip(salts, keys, strict=True)):
+            known = self._ids.get(k)
+            if known is None:
+                known = new.setdefault(k, len(self._ids) + len(new))
+            out[i] = known
+        return out, new
+
+    def add(self, new: dict[tuple[str, str], int]) -> None:
+        self._ids.update(new)
+
+
+class PrefixCache:
+    """Registered full pages of one layer group's slots.
+
+    Per slot: hash (0 = none), parent slot (-1 = first page or not kept), parent page's
+    hash (0 = first page), anchor (the full group's slot of the same page; -1 = none),
+    namespace id and the page's token ids. ``hash_fn`` is injectable so tests can force
+    collisions.
+    """
+
+    def __init__(self, allocator: SlotAllocator, page_size: int,
+                 hash_fn: Callable[..., np.ndarray] = page_hashes, namespaces: Namespaces | None = None,
+                 group: int = 0) -> None:
+        n = allocator.num_slots
+        self.allocator = allocator
+        self.page_size = page_size
+        self.hash_fn = hash_fn
+        self.group = group
+        self.namespaces = namespaces if namespaces is not None else Namespaces()
+        self.by_hash: dict[int, int] = {}
+        self.hash = np.zeros(n, dtype=np.uint64)
+        self.parent = np.full(n, -2, dtype=np.int64)
+        self.parent_hash = np.zeros(n, dtype=np.uint64)
+        self.anchor = np.full(n, -1, dtype=np.int64)
+        self.namespace = np.full(n, -1, dtype=np.int64)
+        self.tokens = np.zeros((n, page_size), dtype=np.int64)
+        self.hits = 0                   # pages served from the cache
+        self.sink = None                # events.GroupEventSource told of every page registered and forgotten
+        self.fleet = None               # fleet_index.FleetMember told of the same (the manager's ScorePrefix index)
+        allocator.on_evict = self.forget
+        allocator.caching = True
+
+    def namespace_ids(self, salts: list[str], keys: list[str]) -> tuple[np.ndarray, dict[tuple[str, str], int]]:
+        return self.namespaces.ids(salts, keys)
+
+    def add_namespaces(self, new: dict[tuple[str, str], int]) -> None:
+        self.namespaces.add(new)
+
+    def candidates(self, pages: np.ndarray, row: np.ndarray, ns: np.ndarray,
+                   hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The cached slot of each page (-1 = none) and whether its namespace and token ids match.
+
+        pages: int64 [N, page_size]; row: int64 [N] prompt of each page; ns: int64 [A]; hashes: uint64 [N].
+        Returns (cand int64 [N], ok bool [N]).
+        """
+        get = self.by_hash.get
+        uniq, inv = np.unique(hashes, return_inverse=True)       # shared prefixes: one lookup each
+        found = np.fromiter((get(h, -1) for h in uniq.tolist()), dtype=np.int64, count=len(uniq))
+        cand = found[inv.reshape(-1)]
+        safe = np.maximum(cand, 0)
+        ok = cand >= 0
+        ok &= self.namespace[safe] == ns[row]
+        ok &= (self.tokens[safe] == pages).all(axis=1)
+        return cand, ok
+
+    def match(self, pages: np.ndarray, row: np.ndarray, col: np.ndarray, limit: np.ndarray, ns: np.ndarray,
+              hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Longest confirmed cached prefix of each of A prompts (pages stored ragged, see page_hashes).
+
+        Confirmation follows the parent chain: page j's cached parent must be the slot confirmed
+        for page j-1. pages: int64 [N, page_size]; row, col: int64 [N] prompt and position of each
+        page; limit: int64 [A] pages each prompt may take from the cache; ns: int64 [A]; hashes: uint64 [N].
+        Returns (hits int64 [A], cand int64 [N]: the cached slot of each page, valid where col < hits[row]).
+        """
+        cand, ok = self.candidates(pages, row, ns, hashes)
+        ok &= col < limit[row]
+        prev = np.full(len(cand), -1, dtype=np.int64)
+        inner = np.flatnonzero(col > 0)
+        prev[inner] = cand[inner - 1]
+        ok &= self.parent[np.maximum(cand, 0)] == prev
+        return leading_run(ok, row, col, len(limit)), cand
+
+    def register(self, slots: np.ndarray, parents: np.ndarray, ns: np.ndarray, pages: np.ndarray,
+                 hashes: np.ndarray, parent_hashes: np.ndarray | None = None,
+                 anchors: np.ndarray | None = None) -> None:
+        """Make pages findable: slots/parents/ns int64 [n], pages int64 [n, page_size], hashes uint64 [n],
+        parent_hashes uint64 [n] (0 for a first page), anchors int64 [n] (-1 = none).
+
+        A hash already registered (the same content in another slot) keeps its first slot.
+        """
+        uniq_h, first = np.unique(hashes, return_index=True)        # one slot per new hash
+        cand = slots[first]
+        by_hash = self.by_hash
+        new = np.fromiter((h not in by_hash for h in uniq_h.tolist()), dtype=bool, count=len(uniq_h))
+        new &= self.hash[cand] == 0
+        s, h = cand[new], uniq_h[new]
+        by_hash.update(zip(h.tolist(), s.tolist(), strict=True))
+        self.allocator.cacheable[s] = True
+        keep = first[new]
+        self.hash[s] = h
+        self.parent[s] = parents[keep]
+        self.parent_hash[s] = parent_hashes[keep] if parent_hashes is not None else 0
+        self.anchor[s] = anchors[keep] if anchors is not None else -1
+        self.namespace[s] = ns[keep]
+        self.tokens[s] = pages[keep]
+        if self.sink is not None:
+            self.sink.stored(slots, parents, hashes, pages, keep, self.hash, parent_hashes)
+        if self.fleet is not None:
+            self.fleet.registered(s, parents[keep])
+
+    def forget(self, slot: int) -> None:
+        """Drop a slot's page from the cache (it is being reused for something else)."""
+        h = int(self.hash[slot])
+        if h and self.by_hash.get(h) == slot:
+            if self.fleet is not None:
+                self.fleet.forgotten(slot, h)
+            del self.by_hash[h]
+            if self.sink is not None:
+                self.sink.removed(h, slot)
+        self.hash[slot] = 0
+        self.parent[slot] = -2
+        self.parent_hash[slot] = 0
+        self.anchor[slot] = -1
+        self.namespace[slot] = -1
+        self.allocator.cacheable[slot] = False
+
+
+def leading_run(ok: np.ndarray, row: np.ndarray, col: np.ndarray, num_rows: int) -> np.ndarray:
+    """Per prompt, how many of its first pages are all ok (pages stored ragged, col 0.. per row)."""
+    hits = np.bincount(row, minlength=num_rows).astype(np.int64)   # every page ok ...
+    bad = np.flatnonzero(~ok)
+    np.minimum.at(hits, row[bad], col[bad])                          # ... up to the first that is not
+    return hits
+
+
+def run_ending_at(ok: np.ndarray, col: np.ndarray) -> np.ndarray:
+    """int64 [N]: length of the run of ok pages that ends at each page, within its prompt (0 if not ok)."""
+    n = len(ok)
+    idx = np.arange(n, dtype=np.int64)
+    # Index of the last page before or at i that breaks a run (not ok, or the first page of a prompt - 1).
+    breaks = np.where(~ok, idx, -1)
+    starts = np.where(col == 0, idx - 1, -1)
+    last_break = np.maximum.accumulate(np.maximum(breaks, starts)) if n else breaks
+    return np.where(ok, idx - last_break, 0)

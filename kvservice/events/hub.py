@@ -1,0 +1,397 @@
+"""The manager's KV event logs: one bounded ring of numbered batches per pool, and its subscribers.
+
+After every successful Step, ``ManagerAPI`` hands the pool to :meth:`EventHub.after_step` (under
+the pool's lock): the step's changes become batch ``seq`` of that pool's :class:`EventLog`.
+Subscribers (a gRPC ``WatchEvents`` stream, a ZeroMQ publisher) read batches by sequence number
+from the ring, each at its own pace.
+
+Only committed batches are visible. Under ``kvservice serve`` (``deferred``), a batch recorded
+while a request is applied is *staged* for the applying thread and becomes visible when the
+servicer's :meth:`EventHub.transaction` ends normally, that is after the journal made the
+request durable; if the request is not acknowledged it never shows, so a restarted manager,
+which regenerates batches by journal replay, never contradicts a batch it published.
+
+A subscriber asking for a batch the ring no longer holds (older than the oldest retained,
+e.g. older than the snapshot a restarted manager recovered from) gets a *reset* instead:
+AllBlocksCleared and then the pool's whole cache as of some sequence S, followed by the
+batches after S. So a consumer's view is exact again, and the reset says that it happened.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvservice.contract.errors import NotFound, ResourceExhausted
+from kvservice.core.cache_events import AllBlocksCleared, Batch, BlockRemoved, BlockStored, pool_caches, state_events
+
+if TYPE_CHECKING:
+    from kvservice.manager.pools import BlockManager
+
+#: Batches a pool's ring keeps for late or resuming subscribers (vLLM's replay buffer holds 10,000 steps).
+DEFAULT_RING_BATCHES = 10_000
+#: ... and at most this many bytes of hashes and token ids (memory the manager spends per pool).
+DEFAULT_RING_BYTES = 64 << 20
+
+
+@dataclass(slots=True)
+class LoggedBatch:
+    """A batch as the ring holds it: the domain batch, when it was recorded, and cached encodings.
+
+    ts: seconds since the epoch when this process recorded it (a replayed batch: when replayed).
+    nbytes: bytes of its hashes and token ids. encoded: transport -> cached encoding.
+    """
+
+    batch: Batch
+    ts: float
+    nbytes: int
+    encoded: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def seq(self) -> int:
+        return self.batch.seq
+
+
+def _nbytes(batch: Batch) -> int:
+    n = 0
+    for e in batch.events:
+        if isinstance(e, BlockStored):
+            n += e.block_hashes.nbytes + e.token_ids.nbytes
+        elif isinstance(e, BlockRemoved):
+            n += e.block_hashes.nbytes
+    return n
+
+
+@dataclass(slots=True)
+class Counters:
+    """Per pool and transport, for /metrics (monotonic)."""
+
+    sent: int = 0          # batches handed to subscribers (a reset counts once)
+    dropped: int = 0       # batches a subscriber could not get from the ring (replaced by a reset)
+    resets: int = 0        # resets sent
+
+
+@dataclass(frozen=True, slots=True)
+class EventsConfig:
+    """KV event settings of a manager (``kvservice serve --kv-events-*``).
+
+    ring_batches, ring_bytes: what each pool's ring retains for late or resuming subscribers.
+    max_watchers: concurrent WatchEvents streams (each holds a gRPC server thread).
+    zmq: ZeroMQ publishers (zmq_events.ZmqConfig), one per pool.
+    """
+
+    ring_batches: int = DEFAULT_RING_BATCHES
+    ring_bytes: int = DEFAULT_RING_BYTES
+    max_watchers: int = 4
+    zmq: tuple = ()
+
+
+class EventLog:
+    """The ring of one pool. Fields change only under the hub's lock.
+
+    batches: retained batches, seq ascending and consecutive. committed: the last visible seq.
+    head: the last seq recorded (staged ones included). closed: the pool was deleted.
+    """
+
+    def __init__(self, pool: str, base: int, max_batches: int, max_bytes: int) -> None:
+        self.pool = pool
+        self.batches: deque[LoggedBatch] = deque()
+        self.bytes = 0
+        self.committed = base
+        self.head = base
+        self.max_batches = max_batches
+        self.max_bytes = max_bytes
+        self.closed = False
+        self.subscribers: set[Subscription] = set()
+        self.events_by_type = {"BlockStored": 0, "BlockRemoved": 0, "AllBlocksCleared": 0}
+        self.batches_total = 0
+        self.counters: dict[str, Counters] = {}
+
+    @property
+    def oldest(self) -> int:
+        """The oldest seq a subscriber can still read (committed + 1 when the ring is empty)."""
+        return self.batches[0].seq if self.batches else self.committed + 1
+
+    def append(self, lb: LoggedBatch) -> None:
+        """Add the next batch (seq = head + 1) and drop the oldest committed ones past the ring's bounds."""
+        if lb.seq != self.head + 1:      # cannot happen (one numbering per pool); keep serving: readers get a reset
+            self.batches.clear()
+            self.bytes = 0
+            self.committed = self.head = lb.seq - 1
+        self.batches.append(lb)
+        self.head = lb.seq
+        self.bytes += lb.nbytes
+        while len(self.batches) > 1 and (len(self.batches) > self.max_batches or self.bytes > self.max_bytes) \
+                and self.batches[0].seq <= self.committed:
+            self.bytes -= self.batches.popleft().nbytes
+
+    def commit(self, seq: int) -> None:
+        """Make batches up to seq visible (and count their events)."""
+        for lb in reversed(self.batches):
+            if lb.seq <= self.committed:
+                break
+            if lb.seq <= seq:
+                self.batches_total += 1
+                for e in lb.batch.events:
+                    self.events_by_type[type(e).__name__] += 1
+        self.committed = max(self.committed, seq)
+
+    def counter(self, transport: str) -> Counters:
+        c = self.counters.get(transport)
+        if c is None:
+            c = self.counters[transport] = Counters()
+        return c
+
+
+class EventHub:
+    """Every pool's event log. Lock order: a pool's lock, then the hub's (never the other way round).
+
+    deferred: stage batches until :meth:`transaction` ends (set by ``kvservice serve``); False =
+    visible at once (recovery replay, in-process use). max_subscribers: concurrent WatchEvents
+    streams (each holds a server thread).
+    """
+
+    def __init__(self, manager: BlockManager, ring_batches: int = DEFAULT_RING_BATCHES,
+                 ring_bytes: int = DEFAULT_RING_BYTES, max_subscribers: int = 4) -> None:
+        self.manager = manager
+        self.ring_batches = ring_batches
+        self.ring_bytes = ring_bytes
+        self.max_subscribers = max_subscribers
+        self.deferred = False
+        self.cond = threading.Condition(threading.Lock())
+        self.logs: dict[str, EventLog] = {}
+        self.lookup_pages: dict[tuple[str, int], int] = {}   # (pool, group) -> prompt pages looked up
+        self._local = threading.local()
+
+    # ---- writing (under the pool's lock) ---------------------------------------------------
+    def after_step(self, pool: object, admit_num_tokens: np.ndarray | None = None,
+                   with_token_ids: bool = False) -> None:
+        """Record the step's changes of `pool` as its next batch; count the prompt pages it looked up.
+
+        admit_num_tokens: int64 [A], tokens of the step's admissions; with_token_ids: they carried
+        token ids (so each full page but the last token's was looked up in the prefix cache).
+        """
+        caches = pool_caches(pool)
+        if with_token_ids and caches and admit_num_tokens is not None and len(admit_num_tokens):
+            n = int(((np.asarray(admit_num_tokens, dtype=np.int64) - 1) // pool.page_size).sum())
+            for cache in caches:
+                key = (pool.name, cache.sink.group)
+                with self.cond:
+                    self.lookup_pages[key] = self.lookup_pages.get(key, 0) + n
+        batch = pool.events.take_batch(caches)
+        if batch is None:
+            return
+        lb = LoggedBatch(batch, time.time(), _nbytes(batch))
+        with self.cond:
+            log = self._log_locked(pool.name, batch.seq - 1)
+            log.append(lb)
+            if self.deferred:
+                self._staged().append((log, batch.seq))
+            else:
+                log.commit(batch.seq)
+                self.cond.notify_all()
+
+    def pool_deleted(self, name: str) -> None:
+        """The pool is gone: its log ends with an AllBlocksCleared batch (staged like any other)."""
+        with self.cond:
+            log = self.logs.get(name)
+            if log is None or log.closed:
+                self.logs.pop(name, None)
+                return
+            lb = LoggedBatch(Batch(log.head + 1, (AllBlocksCleared(),), reset=True), time.time(), 0)
+            log.append(lb)
+            log.closed = True
+            del self.logs[name]
+            if self.deferred:
+                self._staged().append((log, lb.seq))
+            else:
+                log.commit(lb.seq)
+                self.cond.notify_all()
+
+    def _staged(self) -> list[tuple[EventLog, int]]:
+        staged = getattr(self._local, "staged", None)
+        if staged is None:
+            staged = self._local.staged = []
+        return staged
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        """Around one request's apply + durable commit: its batches become visible only if it returns."""
+        staged = self._staged()
+        staged.clear()
+        try:
+            yield
+        except BaseException:
+            # Not acknowledged. A durable journal fail-stops here, so these batches are never seen; a
+            # memory-only manager that carries on shows them with the next commit, as its memory did change.
+            staged.clear()
+            raise
+        if staged:
+            with self.cond:
+                for log, seq in staged:
+                    log.commit(seq)
+                self.cond.notify_all()
+            staged.clear()
+
+    def _log_locked(self, name: str, base: int) -> EventLog:
+        log = self.logs.get(name)
+        if log is None:
+            log = self.logs[name] = EventLog(name, base, self.ring_batches, self.ring_bytes)
+        return log
+
+    # ---- reading ----------------------------------------------------------------------------
+    def subscribe(self, pool: str, from_seq: int | None, transport: str, limit: bool = True) -> Subscription:
+        """A reader of `pool`'s batches from from_seq on (None = from the next batch; 0 = reset first).
+
+        NotFound for an unknown pool; ResourceExhausted past max_subscribers (when limit).
+        """
+        with self.manager.locked(pool) as p:          # pool lock, then the hub's
+            seq = p.events.seq
+            with self.cond:
+                log = self._log_locked(pool, seq)
+                if limit and sum(s.limited for lg in self.logs.values() for s in lg.subscribers) >= \
+                        self.max_subscribers:
+                    raise ResourceExhausted(f"{self.max_subscribers} event subscribers are connected, this "
+                                            "manager's limit (--kv-events-max-watchers); close one or raise it",
+                                            reason="LIMIT_EXCEEDED", limit=self.max_subscribers)
+                sub = Subscription(self, log, log.head + 1 if from_seq is None else from_seq, transport, limit)
+                log.subscribers.add(sub)
+                log.counter(transport)
+        return sub
+
+    def pool_seq(self, pool: str) -> int:
+        """The pool's last committed batch sequence (0 if none)."""
+        with self.cond:
+            log = self.logs.get(pool)
+            if log is not None:
+                return log.committed
+        with self.manager.locked(pool) as p:
+            return p.events.seq
+
+
+class Subscription:
+    """One reader of one pool's log. `next_seq`: the next batch it wants. Use from one thread."""
+
+    def __init__(self, hub: EventHub, log: EventLog, next_seq: int, transport: str, limited: bool) -> None:
+        self.hub = hub
+        self.log = log
+        self.next_seq = next_seq
+        self.transport = transport
+        self.limited = limited
+        self.closed = False
+
+    @property
+    def lag(self) -> int:
+        """Committed batches this subscriber has not read yet."""
+        return max(0, self.log.committed - (self.next_seq - 1))
+
+    def close(self) -> None:
+        with self.hub.cond:
+            self.log.subscribers.discard(self)
+            self.closed = True
+
+    def poll(self, timeout: float) -> list[LoggedBatch] | None:
+        """The next visible batches (waiting up to timeout seconds for one), [] if none came, None once the
+        pool is gone and everything was read. A reset (a LoggedBatch whose batch.reset is set) comes when
+        next_seq is 0, older than the ring's oldest, or ahead of the log (a log that started anew)."""
+        hub, log = self.hub, self.log
+        with hub.cond:
+            why = self._reset_reason()
+            if why is None:
+                if log.committed < self.next_seq and not log.closed:
+                    hub.cond.wait(timeout)
+                    why = self._reset_reason()
+            if why is None:
+                if self.next_seq > log.committed:
+                    if log.closed and log.committed >= log.head:
+                        log.subscribers.discard(self)
+                        return None
+                    return []
+                start = self.next_seq - log.batches[0].seq
+                out = [lb for lb in itertools.islice(log.batches, start, None) if lb.seq <= log.committed]
+                self.next_seq = out[-1].seq + 1
+                log.counter(self.transport).sent += len(out)
+                return out
+            if why == "behind":
+                log.counter(self.transport).dropped += log.oldest - self.next_seq
+        return self._reset(why)
+
+    def _reset_reason(self) -> str | None:
+        log = self.log
+        if self.next_seq == 0:
+            return "requested"
+        if self.next_seq < log.oldest:
+            return "behind"
+        if self.next_seq > log.head + 1:
+            return "ahead"
+        return None
+
+    def _reset(self, why: str) -> list[LoggedBatch] | None:
+        """AllBlocksCleared + the whole cache as of the pool's last batch, labelled with that batch's sequence.
+
+        A deleted pool's subscriber gets AllBlocksCleared alone, then None."""
+        log = self.log
+        try:
+            if log.closed:
+                raise NotFound(f"pool {log.pool!r} was deleted")
+            with self.hub.manager.locked(log.pool) as pool:
+                seq = pool.events.seq
+                events = (AllBlocksCleared(), *state_events(pool_caches(pool)))
+        except NotFound:
+            with self.hub.cond:
+                if self.next_seq > log.head:
+                    log.subscribers.discard(self)
+                    return None
+                self.next_seq = log.head + 1
+            return [LoggedBatch(Batch(log.head, (AllBlocksCleared(),), reset=True), time.time(), 0,
+                                {"reset_reason": "the pool was deleted"})]
+        batch = Batch(seq, events, reset=True)
+        with self.hub.cond:
+            self.next_seq = seq + 1
+            c = log.counter(self.transport)
+            c.resets += 1
+            c.sent += 1
+        return [LoggedBatch(batch, time.time(), _nbytes(batch), {"reset_reason": RESET_REASONS[why]})]
+
+
+def configure_events(manager: BlockManager, config: EventsConfig) -> list:
+    """Apply `config` to a manager about to serve: batches become visible only once durable (the servicer's
+    transaction), and its ZeroMQ publishers start. Returns the started publishers (stop them on shutdown)."""
+    from kvservice.events.zmq import ZmqPublisher  # pyzmq only where ZeroMQ is used
+    hub = manager.events
+    with hub.cond:
+        hub.ring_batches, hub.ring_bytes, hub.max_subscribers = config.ring_batches, config.ring_bytes, \
+            config.max_watchers
+        for lg in hub.logs.values():
+            lg.max_batches, lg.max_bytes = config.ring_batches, config.ring_bytes
+        hub.deferred = True
+    started: list = []
+    try:
+        for z in config.zmq:
+            started.append(ZmqPublisher(hub, z).start())
+    except BaseException:
+        for pub in started:
+            pub.stop()
+        raise
+    return started
+
+
+RESET_REASONS = {
+    "requested": "from_sequence 0: the current cache, then live batches",
+    "behind": "the batches asked for are no longer retained (older than the ring, or than the snapshot a "
+              "restarted manager recovered from)",
+    "ahead": "the sequence asked for is ahead of this pool's log (the pool was re-created or the manager lost "
+             "unacknowledged batches)",
+}
+
+
+__all__ = ["DEFAULT_RING_BATCHES", "DEFAULT_RING_BYTES", "EventHub", "EventLog", "EventsConfig", "LoggedBatch",
+           "Subscription", "configure_events"]

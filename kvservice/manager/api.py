@@ -1,0 +1,371 @@
+"""The BlockManager API as plain methods (proto in, domain call, proto out). No gRPC here."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+
+import numpy as np
+
+from kvservice.contract import convert
+from kvservice.contract.errors import InvalidArgument, ResourceExhausted
+from kvservice.contract.pagetable import PageTable, validate_page_table
+from kvservice.contract.wire import field_array, fill_tensor, to_tensor
+from kvservice.core.limits import (
+    ReplyBound,
+    ReplyModel,
+    StepShape,
+    check_step_counts,
+    exact_sum,
+    pages_after,
+    step_reply_bound,
+)
+from kvservice.core.planner import plan
+from kvservice.core.pool import Pool, StepResult
+from kvservice.events import messages as events_proto
+from kvservice.manager.pools import BlockManager
+from kvservice.v1 import block_manager_pb2 as pb
+
+log = logging.getLogger("kvservice")
+STEP_ARRAYS = ("free_seq_ids", "extend_seq_ids", "extend_num_tokens", "admit_seq_ids", "admit_num_tokens",
+               "fork_parent_ids", "fork_child_ids", "admit_token_ids")
+#: Violations a ValidatePageTable reply lists at most (max_reports above it is lowered to this).
+MAX_REPORTS = 1000
+#: Bytes of one SequenceInfo in a ListSequencesReply, at most (three varints and framing).
+SEQUENCE_INFO_BYTES = 36
+
+
+def step_kwargs(request: pb.StepRequest) -> dict[str, object]:
+    """Pool.step keyword arguments of a StepRequest (arrays decoded; the pool checks them)."""
+    a = {f: field_array(request, f) if request.HasField(f) else None for f in STEP_ARRAYS}
+    return {"free_ids": a["free_seq_ids"], "extend_ids": a["extend_seq_ids"], "extend_tokens": a["extend_num_tokens"],
+            "admit_ids": a["admit_seq_ids"], "admit_tokens": a["admit_num_tokens"], "tables": not request.omit_tables,
+            "block_table": request.include_block_table, "fork_parents": a["fork_parent_ids"],
+            "fork_children": a["fork_child_ids"], "admit_token_ids": a["admit_token_ids"],
+            "admit_salts": list(request.admit_cache_salts) or None,
+            "admit_extra_keys": list(request.admit_extra_keys) or None}
+
+
+def _step_args(kwargs: dict[str, object]) -> dict[str, object]:
+    """The decoded request arrays of step_kwargs, by their StepRequest field names."""
+    return {"free_seq_ids": kwargs["free_ids"], "extend_seq_ids": kwargs["extend_ids"],
+            "extend_num_tokens": kwargs["extend_tokens"], "admit_seq_ids": kwargs["admit_ids"],
+            "admit_num_tokens": kwargs["admit_tokens"], "fork_parent_ids": kwargs["fork_parents"],
+            "fork_child_ids": kwargs["fork_children"], "admit_token_ids": kwargs["admit_token_ids"]}
+
+
+def step_reply(pool: Pool, res: StepResult, tables: bool = True) -> pb.StepReply:
+    """The StepReply of a step's result; tables=False leaves out every SpaceTables (a caller adds its own)."""
+    reply = pb.StepReply(layer_index_space=pool.layer_space, num_free_slots=res.num_free_slots)
+    fill_tensor(reply.seq_ids, res.seq_ids)
+    fill_tensor(reply.num_tokens, res.num_tokens)
+    fill_tensor(reply.new_token_indptr, res.new_token_indptr)
+    if res.cached_tokens is not None:
+        reply.admit_cached_tokens.CopyFrom(to_tensor(res.cached_tokens))
+    for g, pairs in enumerate(res.copies):
+        if len(pairs):
+            reply.copies.add(group=g, pairs=to_tensor(pairs))
+    if not tables:
+        return reply
+    for st in res.tables:
+        sp = st.space
+        out = reply.tables.add(index_space=sp.id, group=sp.group, scale=sp.scale, offset=sp.offset,
+                               upper_bound=sp.upper_bound, base=sp.base)
+        fill_tensor(out.slot_mapping, st.slot_mapping)
+        if st.table is not None:
+            fill_tensor(out.indptr, st.table.indptr)
+            fill_tensor(out.indices, st.table.indices)
+            fill_tensor(out.last_page_len, st.table.last_page_len)
+        if st.block_table is not None:
+            fill_tensor(out.block_table, st.block_table)
+    return reply
+
+
+class ManagerAPI:
+    """Every BlockManager RPC as a plain method: request message in, reply message out.
+
+    Raises KVError subclasses for callers' mistakes; knows nothing of gRPC, so the
+    journal can replay requests through it and tests can call it directly.
+    """
+
+    def __init__(self, manager: BlockManager, max_reply_bytes: int = 0, fence: bool = False) -> None:
+        """max_reply_bytes: the transport's largest message; a request whose reply could be bigger
+        is refused before it changes anything (0 = no limit).
+        fence: check that a registering worker planned its memory for the pool's current incarnation
+        and owns its worker_id (the server's API). False where a journal replays registrations that
+        were accepted when they were made: a replay must not fail on a lease or a regenerated id.
+        """
+        self.manager = manager
+        self.max_reply_bytes = max_reply_bytes
+        self.fence = fence
+
+    def Plan(self, request: pb.PlanRequest) -> pb.PlanReply:
+        spec = convert.cache_spec_from_proto(request.cache)
+        return convert.plan_to_proto(plan(spec, convert.sizing_from_proto(request.sizing), tuple(request.backends)))
+
+    def CreatePool(self, request: pb.CreatePoolRequest) -> pb.PoolInfo:
+        spec = convert.cache_spec_from_proto(request.cache)
+        self.manager.create_pool(request.name, spec, convert.sizing_from_proto(request.sizing),
+                                 tuple(request.backends), request.enable_prefix_caching,
+                                 request.incarnation or derived_incarnation(request), request.model)
+        return self._pool_info(request.name)
+
+    def GetPool(self, request: pb.GetPoolRequest) -> pb.PoolInfo:
+        return self._pool_info(request.pool)
+
+    def ListPools(self, request: pb.ListPoolsRequest) -> pb.ListPoolsReply:
+        reply = pb.ListPoolsReply()
+        for name in self.manager.pool_names():
+            reply.pools.append(self._pool_info(name))
+        return reply
+
+    def _pool_info(self, name: str) -> pb.PoolInfo:
+        incarnation = self.manager.incarnation(name)
+        with self.manager.locked(name) as pool:
+            return convert.pool_info(pool, incarnation)
+
+    def DeletePool(self, request: pb.DeletePoolRequest) -> pb.DeletePoolReply:
+        self.manager.delete_pool(request.pool, request.force)
+        return pb.DeletePoolReply()
+
+    def Step(self, request: pb.StepRequest) -> pb.StepReply:
+        kwargs = step_kwargs(request)
+        pool, lock = self.manager.pool_and_lock(request.pool)
+        incarnation = self.manager.incarnation(request.pool)
+        with lock:
+            res = self.run_step(pool, request, kwargs)
+        reply = step_reply(pool, res)
+        reply.pool_incarnation = incarnation
+        return reply
+
+    def run_step(self, pool: Pool, request: pb.StepRequest, kwargs: dict[str, object],
+                 cost_checked: bool = False) -> StepResult:
+        """Under the pool's lock: refuse a step whose cost is over the limits before it changes anything
+        (check_step_cost, unless the caller did: cost_checked), run it, and record its KV events. Step and
+        StepStream both come through here."""
+        if not cost_checked:
+            self.check_step_cost(pool, request, kwargs)
+        res = pool.step(**kwargs)
+        admit_tokens = kwargs["admit_tokens"]
+        self.manager.events.after_step(pool, admit_tokens, kwargs["admit_token_ids"] is not None)
+        return res
+
+    def check_step_cost(self, pool: Pool, request: pb.StepRequest, kwargs: dict[str, object]) -> bool:
+        """Refuse, before the pool changes, a step whose counts could overflow or whose reply could not be sent.
+
+        Runs under the pool's lock; kwargs: the step's Pool.step arguments (step_kwargs). The bound from
+        the request alone (extended rows at their longest) settles almost every step; one over the
+        limit is bounded again with the pool's token total, then with its rows' own tokens, and refused
+        only if that is over too. Returns True if the request alone settled it (the pool's plan and the
+        request's arrays: the same request on the same pool passes again), False if the pool's state did.
+        """
+        args = _step_args(kwargs)
+        sums = check_step_counts(pool.name, pool.max_seq_len, pool.plan.num_slots, pool.page_size,
+                                 (("extend_num_tokens", args["extend_num_tokens"]),
+                                  ("admit_num_tokens", args["admit_num_tokens"])))
+        if not self.max_reply_bytes:
+            return True
+        model = self._model(pool)
+        shape = _quick_shape(model, args, sums)
+        if shape is None or step_reply_bound(model, shape, not request.omit_tables,
+                                             request.include_block_table).total <= self.max_reply_bytes:
+            return shape is not None
+        for level in (1, 2):
+            found = _step_reply_bound(pool, model, request, args, level)
+            if found is None or found[0].total <= self.max_reply_bytes:
+                return False
+        bound, new_tokens = found
+        raise _reply_too_large(pool.name, bound, self.max_reply_bytes, new_tokens, model.num_spaces, request)
+
+    @staticmethod
+    def _model(pool: Pool) -> ReplyModel:
+        return ReplyModel.of(pool.plan)
+
+    def step_reply_bound(self, request: pb.StepRequest, level: int = 2) -> ReplyBound | None:
+        """Upper bound on the bytes of this Step's reply in the pool's current state, without running it.
+
+        level 0: from the request alone (extended rows and fork children at max_pages); 1: extended
+        rows bounded by the pool's token total; 2: by their own tokens. Each is >= the next. None for a
+        request the pool would refuse (malformed arrays, unknown ids).
+        """
+        args = {f: field_array(request, f) if request.HasField(f) else None for f in STEP_ARRAYS}
+        with self.manager.locked(request.pool) as pool:
+            model = self._model(pool)
+            if level == 0:
+                sums = check_step_counts(pool.name, pool.max_seq_len, pool.plan.num_slots, pool.page_size,
+                                         (("extend_num_tokens", args["extend_num_tokens"]),
+                                          ("admit_num_tokens", args["admit_num_tokens"])))
+                shape = _quick_shape(model, args, sums)
+                return None if shape is None else step_reply_bound(model, shape, not request.omit_tables,
+                                                                   request.include_block_table)
+            found = _step_reply_bound(pool, model, request, args, level)
+        return None if found is None else found[0]
+
+    def ListSequences(self, request: pb.ListSequencesRequest) -> pb.ListSequencesReply:
+        with self.manager.locked(request.pool) as pool:
+            ids, tokens = pool.sequences()
+            total = len(ids)
+            if request.limit:
+                ids, tokens = ids[:request.limit], tokens[:request.limit]
+            per_seq = SEQUENCE_INFO_BYTES + 11 * len(pool.allocators)     # + one varint per layer group
+            fits = (self.max_reply_bytes - 64) // per_seq
+            if self.max_reply_bytes and len(ids) > fits:
+                raise ResourceExhausted(f"pool {request.pool!r} holds {total} sequences; listing {len(ids)} of them "
+                                        f"could pass this server's message limit of {self.max_reply_bytes} bytes; "
+                                        f"pass limit <= {fits}", reason="REPLY_TOO_LARGE",
+                                        limit=self.max_reply_bytes, fits=fits)
+            held = pool.slots_held(ids)
+        return pb.ListSequencesReply(total=total, sequences=[
+            pb.SequenceInfo(seq_id=i, num_tokens=n, num_slots=h[0], num_slots_per_group=h)
+            for i, n, h in zip(ids.tolist(), tokens.tolist(), held.tolist(), strict=True)])
+
+    def GetStats(self, request: pb.GetStatsRequest) -> pb.StatsReply:
+        names = [request.pool] if request.pool else self.manager.pool_names()
+        reply = pb.StatsReply()
+        for name in names:
+            with self.manager.locked(name) as pool:
+                reply.pools[name].CopyFrom(convert.pool_stats(pool))
+        return reply
+
+    def ValidatePageTable(self, request: pb.ValidatePageTableRequest) -> pb.ValidatePageTableReply:
+        arrays = {}
+        for f in ("indptr", "indices", "last_page_len"):
+            a = field_array(request, f)
+            if a is None:
+                raise InvalidArgument(f"{f} is required")
+            arrays[f] = a
+        with self.manager.locked(request.pool) as pool:
+            space = pool.plan.geometry.space_of_layer(request.layer)
+            ps, pool_pages = pool.page_size, pool.plan.geometry.pool_pages
+        report = validate_page_table(PageTable(**arrays), space, ps, min(request.max_reports or 100, MAX_REPORTS),
+                                     pool_pages=pool_pages)
+        return pb.ValidatePageTableReply(
+            ok=report.ok, num_violations=report.num_violations, index_space=convert.index_space_to_proto(space),
+            violations=[pb.Violation(reason=v.reason, row=v.row, position=v.position, value=v.value,
+                                     detail=v.detail) for v in report.violations])
+
+    def Echo(self, request: pb.EchoRequest) -> pb.EchoReply:
+        return pb.EchoReply(payload=request.payload)
+
+    def RegisterWorker(self, request: pb.RegisterWorkerRequest) -> pb.RegisterWorkerReply:
+        rec = self.manager.register_worker(
+            request.worker_id, request.pool, incarnation=request.incarnation, owner=request.registered_by,
+            enforce=self.fence, layer_begin=request.layer_begin, layer_end=request.layer_end,
+            tp_rank=request.tp_rank, tp_size=request.tp_size, backend=request.backend,
+            device_name=request.device_name, device_memory_bytes=request.device_memory_bytes,
+            address=request.address)
+        info = self._pool_info(request.pool)
+        log.info("worker %s registered for pool %s (incarnation %d) layers [%d, %d) epoch %d at %s", rec.worker_id,
+                 rec.pool, rec.incarnation, rec.layer_begin, rec.layer_end, rec.epoch, rec.address)
+        return pb.RegisterWorkerReply(epoch=rec.epoch, lease_seconds=self.manager.workers.lease_seconds, pool=info)
+
+    def Heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatReply:
+        self.manager.heartbeat(request.worker_id, request.epoch, request.pool, request.incarnation)
+        return pb.HeartbeatReply(lease_seconds=self.manager.workers.lease_seconds)
+
+    def ScorePrefix(self, request: pb.ScorePrefixRequest) -> pb.ScorePrefixReply:
+        return events_proto.score_prefix(self.manager, request)
+
+    def ListWorkers(self, request: pb.ListWorkersRequest) -> pb.ListWorkersReply:
+        reg = self.manager.workers
+        return pb.ListWorkersReply(workers=[convert.worker_info(w, reg.seconds_since_heartbeat(w))
+                                            for w in reg.workers(request.pool)])
+
+
+def _quick_shape(model: ReplyModel, args: dict[str, np.ndarray | None],
+                 sums: list[tuple[int, int, int] | None]) -> StepShape | None:
+    """The shape of a step from its request alone (every extended row and fork child at max_pages):
+    a few scalars, for the hot path. None if the arrays are malformed (the pool refuses them)."""
+    ids = [args[f] for f in ("extend_seq_ids", "admit_seq_ids", "fork_parent_ids", "fork_child_ids")]
+    if any(a is not None and (a.ndim != 1 or a.dtype.kind not in "iu") for a in ids):
+        return None
+    e, a, p, c = (0 if x is None else len(x) for x in ids)
+    counts = [args["extend_num_tokens"], args["admit_num_tokens"]]
+    if [0 if x is None else len(x) for x in counts] != [e, a] or p != c:
+        return None
+    if any(summary is not None and summary[0] <= 0 for summary in sums):
+        return None
+    ext, adm = sums                                             # (min, max, sum) of each count array
+    e_sum = ext[2] if ext else 0
+    a_top, a_sum = (adm[1], adm[2]) if adm else (0, 0)
+    ps, top_pages = model.page_size, model.max_pages
+    admitted = (a_sum + a * (ps - 1)) // ps                     # >= sum of ceil(n / ps)
+    pages = (e + c) * top_pages + admitted
+    widest = top_pages if e or c else -(-a_top // ps)
+    return StepShape(e + a + c, e, a, e_sum + a_sum, (pages,) * len(model.index_bytes), widest)
+
+
+def _step_reply_bound(pool: Pool, model: ReplyModel, request: pb.StepRequest, args: dict[str, np.ndarray | None],
+                      level: int) -> tuple[ReplyBound, int] | None:
+    """(reply bound, new tokens) of a step; None if its arrays are malformed or (level 2) name unknown rows.
+
+    level 1: extended rows bounded by the pool's token total; 2: by their own tokens (O(N log N)).
+    The pool refuses such a step anyway, with a message naming the field or sequence.
+    """
+    ids = [args[f] for f in ("extend_seq_ids", "admit_seq_ids", "fork_parent_ids", "fork_child_ids")]
+    if any(a is not None and (a.ndim != 1 or a.dtype.kind not in "iu")
+           for a in (*ids, args["extend_num_tokens"], args["admit_num_tokens"])):
+        return None
+    e_ids, a_ids, parents, children = (_or_empty(a) for a in ids)
+    e_k, a_n = (_or_empty(args[f]).astype(np.int64) for f in ("extend_num_tokens", "admit_num_tokens"))
+    if len(e_k) != len(e_ids) or len(a_n) != len(a_ids) or len(parents) != len(children):
+        return None
+    if (len(e_k) and int(e_k.min()) <= 0) or (len(a_n) and int(a_n.min()) <= 0):
+        return None
+    e_old = c_tokens = None
+    if level == 2:
+        live_ids, live_tokens = pool.sequences()
+        e_old, found_e = _tokens_of(live_ids, live_tokens, e_ids)
+        c_tokens, found_p = _tokens_of(live_ids, live_tokens, parents)
+        if not (found_e and found_p):
+            return None
+    new_tokens = exact_sum(e_k) + exact_sum(a_n)
+    pages, widest = pages_after(model.page_size, model.max_pages, model.windows, e_old, e_k, a_n, c_tokens,
+                                len(children), pool.num_tokens_total)
+    shape = StepShape(len(e_ids) + len(a_ids) + len(children), len(e_ids), len(a_ids), new_tokens, pages, widest)
+    return step_reply_bound(model, shape, not request.omit_tables, request.include_block_table), new_tokens
+
+
+def derived_incarnation(request: pb.CreatePoolRequest) -> int:
+    """The incarnation of a creation that carries none (a configured pool): a hash of the request, so that
+    a replay of the same request creates the same incarnation. In [1, 2^63)."""
+    data = request.SerializeToString(deterministic=True)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1 or 1
+
+
+def _or_empty(a: np.ndarray | None) -> np.ndarray:
+    return np.zeros(0, dtype=np.int64) if a is None else a
+
+
+def _tokens_of(live_ids: np.ndarray, live_tokens: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, bool]:
+    """(tokens held by each of ids (int64), whether all are live); live_ids sorted uint64."""
+    if not len(ids):
+        return np.zeros(0, dtype=np.int64), True
+    if not len(live_ids) or (ids.dtype.kind == "i" and int(ids.min()) < 0):
+        return np.zeros(0, dtype=np.int64), False
+    keys = ids.astype(np.uint64)
+    pos = np.minimum(np.searchsorted(live_ids, keys), len(live_ids) - 1)
+    return live_tokens[pos].astype(np.int64), bool((live_ids[pos] == keys).all())
+
+
+def _reply_too_large(pool: str, bound: ReplyBound, limit: int, new_tokens: int, spaces: int,
+                     request: pb.StepRequest) -> ResourceExhausted:
+    """RESOURCE_EXHAUSTED naming the limit, what the reply holds, and what would make it fit."""
+    parts = f"slot mappings {bound.slot_mappings} ({new_tokens} new tokens x {spaces} index spaces x 8 bytes)"
+    if bound.tables:
+        parts += f", page tables {bound.tables}"
+    if bound.block_tables:
+        parts += f", block tables {bound.block_tables}"
+    if bound.block_tables and bound.total - bound.block_tables <= limit:
+        advice = "leave include_block_table off (the CSR tables carry the same pages)"
+    elif bound.total - bound.block_tables - bound.tables <= limit:
+        advice = "set omit_tables (the reply then carries slot mappings only), or split the step into smaller batches"
+    else:
+        per_step = max(1, new_tokens * (limit - bound.rest) // max(1, bound.total - bound.rest))
+        advice = (f"split it into smaller steps (at most about {per_step} new tokens per step for this pool), "
+                  "or raise the message limit of server and client (--max-message-bytes)")
+    return ResourceExhausted(
+        f"pool {pool!r}: the reply to this Step could take {bound.total} bytes ({parts}), more than this server's "
+        f"message limit of {limit} bytes; nothing was changed: {advice}", reason="REPLY_TOO_LARGE",
+        reply_bytes=bound.total, limit=limit, new_tokens=new_tokens,
+        omit_tables=request.omit_tables, include_block_table=request.include_block_table)

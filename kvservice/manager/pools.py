@@ -1,0 +1,207 @@
+"""BlockManager: the named pools of one manager process, each behind its own lock.
+
+Every pool has an *incarnation*: a 63-bit id, new each time a pool of that name is created.
+Workers register with the incarnation they planned their memory from and heartbeat with it;
+a pool deleted and created again (maybe with another geometry) tells its old workers to
+register again instead of letting their appends land in memory planned for the old one.
+Deleting a pool forgets its workers (and frees their worker_ids).
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from kvservice.contract.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from kvservice.core.geometry import CacheSpec
+from kvservice.core.planner import Plan, Sizing, plan
+from kvservice.core.pool import Pool
+from kvservice.events.hub import EventHub
+from kvservice.manager.fleet_index import FleetIndex
+from kvservice.manager.workers import WorkerRecord, WorkerRegistry
+
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")      # fullmatch: `$` would also accept a trailing newline
+
+
+class BlockManager:
+    """Creates, finds and deletes pools; every call on a pool runs under that pool's lock."""
+
+    def __init__(self, lease_seconds: float = 10.0) -> None:
+        self.workers = WorkerRegistry(lease_seconds)
+        self._pools: dict[str, Pool] = {}
+        self._locks: dict[str, threading.Lock] = {}
+        self._incarnations: dict[str, int] = {}      # pool -> incarnation, in [1, 2^63)
+        self._lock = threading.Lock()
+        self.events = EventHub(self)         # KV event logs of the pools (event_log.py)
+        self.fleet = FleetIndex()            # hash -> pools serving it, for ScorePrefix (fleet_index.py)
+
+    def create_pool(self, name: str, spec: CacheSpec, sizing: Sizing, backends: tuple[str, ...] = (),
+                    prefix_caching: bool = False, incarnation: int = 0,
+                    model: str = "") -> Pool:
+        """Plan and create a pool; AlreadyExists if the name is taken.
+
+        incarnation: the new pool's incarnation, in [1, 2^63) (0 = a random one). Callers that
+        replay a journal pass the one recorded with the creation.
+        """
+        if not 0 <= incarnation < 2**63:
+            raise InvalidArgument(f"incarnation must be in [0, 2^63), got {incarnation}")
+        if not _NAME.fullmatch(name):
+            raise InvalidArgument(f"pool name {name!r} must match [A-Za-z0-9_.-]{{1,64}}")
+        if len(model) > 256 or not model.isprintable():
+            raise InvalidArgument(f"model name must be at most 256 printable characters, got {len(model)}")
+        planned: Plan = plan(spec, sizing, backends)
+        with self._lock:
+            if name in self._pools:
+                raise AlreadyExists(f"pool {name!r} already exists", pool=name)
+            pool = Pool(name, planned, prefix_caching, model)
+            self._pools[name] = pool
+            self._locks[name] = threading.Lock()
+            self._incarnations[name] = pool.incarnation = incarnation or new_incarnation()
+            _join(self.fleet, pool)
+            return pool
+
+    def delete_pool(self, name: str, force: bool = False) -> None:
+        """Drop a pool; FailedPrecondition while sequences are live, unless force."""
+        with self._lock:
+            pool = self._get(name)
+            if pool.num_sequences and not force:
+                raise FailedPrecondition(
+                    f"pool {name!r} still holds {pool.num_sequences} sequences; free them or pass force",
+                    pool=name, sequences=pool.num_sequences)
+            del self._pools[name]
+            del self._locks[name]
+            if pool.prefix is not None and pool.prefix.fleet is not None:
+                self.fleet.detach(pool.prefix.fleet)
+            self._incarnations.pop(name, None)
+            self.workers.drop_pool(name)
+        self.events.pool_deleted(name)
+
+    def incarnation(self, name: str) -> int:
+        """The current incarnation of a pool; NotFound if it does not exist."""
+        with self._lock:
+            return self._incarnation_locked(name)
+
+    def incarnations(self) -> dict[str, int]:
+        """Pool -> incarnation of every pool (for snapshots: restore with restore_incarnation)."""
+        with self._lock:
+            return {name: self._incarnation_locked(name) for name in self._pools}
+
+    def restore_incarnation(self, name: str, incarnation: int) -> None:
+        """Set the incarnation of a pool installed from a snapshot."""
+        if not 0 < incarnation < 2**63:
+            raise InvalidArgument(f"incarnation must be in [1, 2^63), got {incarnation}")
+        with self._lock:
+            self._get(name).incarnation = incarnation
+            self._incarnations[name] = incarnation
+
+    def _incarnation_locked(self, name: str) -> int:
+        self._get(name)
+        inc = self._incarnations.get(name)
+        if inc is None:
+            # A pool installed by a snapshot that kept no incarnation: take the one its workers
+            # registered with (records of a deleted pool are gone, so they are all current), or a new one.
+            known = [w.incarnation for w in self.workers.workers(name) if w.incarnation]
+            inc = self._incarnations[name] = self._pools[name].incarnation = known[0] if known else new_incarnation()
+        return inc
+
+    def register_worker(self, worker_id: str, pool: str, incarnation: int = 0, owner: str = "",
+                        enforce: bool = True, **fields: object) -> WorkerRecord:
+        """Register a worker of an existing pool (see WorkerRegistry.register for fields).
+
+        incarnation: the pool incarnation the worker planned its memory from (0 = the current one);
+        FailedPrecondition (reason STALE_INCARNATION) if the pool was created again since.
+        owner: the registering token's name. enforce=False (journal replay) skips the incarnation
+        and ownership checks: the registration was accepted when it was made.
+        """
+        with self._lock:
+            num_layers = len(self._get(pool).plan.geometry.layers)
+            if not enforce and incarnation and pool not in self._incarnations:
+                self._incarnations[pool] = self._pools[pool].incarnation = incarnation   # a state without one
+            current = self._incarnation_locked(pool)
+        if enforce and incarnation and incarnation != current:
+            raise _stale(pool, incarnation, current, worker_id)
+        return self.workers.register(worker_id, pool, num_layers, incarnation=current, owner=owner,  # type: ignore[arg-type]
+                                     enforce=enforce, **fields)
+
+    def heartbeat(self, worker_id: str, epoch: int, pool: str = "", incarnation: int = 0) -> None:
+        """Renew a worker's lease (WorkerRegistry.heartbeat), checking the pool and its incarnation.
+
+        pool "" (older workers) = the pool the worker registered with. NotFound if the named pool
+        does not exist or the worker is not registered in it; FailedPrecondition (STALE_INCARNATION)
+        if the pool was created again since the worker registered.
+        """
+        if pool:
+            current = self.incarnation(pool)
+            if incarnation and incarnation != current:
+                raise _stale(pool, incarnation, current, worker_id)
+        else:
+            rec = next((w for w in self.workers.workers() if w.worker_id == worker_id), None)
+            current = self.incarnation(rec.pool) if rec is not None and rec.pool in self.pool_names() else 0
+        self.workers.heartbeat(worker_id, epoch, pool, current)
+
+    def total_slots(self) -> int:
+        """Slots x layer groups summed over every pool (what their allocators hold memory for)."""
+        with self._lock:
+            return sum(p.plan.num_slots * len(p.plan.geometry.groups) for p in self._pools.values())
+
+    def restore(self, pools: dict[str, Pool], workers: list[WorkerRecord] | None = None) -> None:
+        """Replace every pool (and, if given, every worker record) with recovered ones: the journal's hook.
+
+        Each pool gets a fresh lock. A caller still holding an old pool keeps its old object.
+        """
+        with self._lock:
+            self._pools = dict(pools)
+            self._locks = {name: threading.Lock() for name in pools}
+            self.fleet = FleetIndex()        # built again from the recovered caches
+            for pool in self._pools.values():
+                _join(self.fleet, pool)
+            # Each recovered pool carries its incarnation (0 from a state without one: derived on first use).
+            self._incarnations = {name: p.incarnation for name, p in pools.items() if p.incarnation}
+        if workers is not None:
+            self.workers.restore(workers)
+
+    def pool_names(self) -> list[str]:
+        with self._lock:
+            return sorted(self._pools)
+
+    def pool_and_lock(self, name: str) -> tuple[Pool, threading.Lock]:
+        """A pool and its lock (hot path; `locked` is the convenient form)."""
+        with self._lock:
+            return self._get(name), self._locks[name]
+
+    @contextmanager
+    def locked(self, name: str) -> Iterator[Pool]:
+        """Hold a pool's lock while using it: `with manager.locked("p") as pool: pool.step(...)`."""
+        with self._lock:
+            pool = self._get(name)
+            lock = self._locks[name]
+        with lock:
+            yield pool
+
+    def _get(self, name: str) -> Pool:
+        pool = self._pools.get(name)
+        if pool is None:
+            # Other pools are not listed: they may belong to tenants the caller may not see.
+            raise NotFound(f"pool {name!r} does not exist", pool=name)
+        return pool
+
+
+def _join(fleet: FleetIndex, pool: Pool) -> None:
+    """Make a pool's prefix cache a member of the fleet index when it has exactly one, of full attention."""
+    if pool.prefixes is not None and len(pool.prefixes) == 1 and not any(pool.windows):
+        fleet.attach(pool.prefix)
+
+
+def new_incarnation() -> int:
+    """A random incarnation in [1, 2^63)."""
+    return secrets.randbits(63) or 1
+
+
+def _stale(pool: str, incarnation: int, current: int, worker_id: str) -> FailedPrecondition:
+    return FailedPrecondition(
+        f"pool {pool!r} is incarnation {current}, not {incarnation}: it was deleted and created again since this "
+        "worker read it; fetch the pool (GetPool), re-plan the worker's memory and register again",
+        reason="STALE_INCARNATION", pool=pool, incarnation=current, worker_id=worker_id)

@@ -1,0 +1,320 @@
+"""Prefix scores: how many tokens of a prompt each pool's prefix cache holds now (the ScorePrefix RPC).
+
+A router asks this before sending a request, to pick the replica that recomputes least
+(compare llm-d's GetPodScores). The answer for a pool is exactly what a Step admitting the
+prompt would return in ``admit_cached_tokens`` at that moment: full pages whose chained hash is
+indexed *and* whose cached page matches the prompt's tokens, namespace (salt + extra key) and
+parent page, at most ``(n - 1) // page_size`` pages. Nothing changes (no LRU touch, no pin).
+
+Cost: each page's own token hash is computed once per (page size, namespace id), with NumPy.
+Pools with one full-attention cache are answered together by the manager's fleet index
+(fleet_index.py): one walk along the prompt's pages (a dictionary lookup per page, which gives
+the page's chained hash, as far as any pool holds the prompt) and one token comparison per page
+for all of them. The chain itself (Python integers, shared by the pools) is computed only for
+the pools asked one by one: the others (hybrid and
+sliding pools, injected hash functions) and the few the index cannot settle (a hash collision,
+a stale parent pointer) are asked one by one (_pool_hits): a pool that does not hold the first
+page costs one dictionary lookup; the others are checked with NumPy over all pages at once,
+looking hashes up in the cache's NumPy mirror of its index (hash_index.py), in two rounds (the
+first FIRST_PAGES pages, then the rest) so that a pool missing early costs little.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import repeat
+
+import numpy as np
+
+from kvservice.contract.errors import InvalidArgument, NotFound
+from kvservice.core.prefix import _GOLD, _M1, _M2, _mix, page_hashes, prompt_hashes
+from kvservice.manager.pools import BlockManager
+
+#: Prompt tokens one ScorePrefix may carry.
+MAX_SCORE_TOKENS = 1 << 20
+#: Pages checked in the first round; the rest only if all of them were hits.
+FIRST_PAGES = 64
+_MASK = (1 << 64) - 1
+_GOLD_I, _M1_I, _M2_I = int(_GOLD), int(_M1), int(_M2)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixScore:
+    """One pool's score. workers: (worker_id, address) of its live workers."""
+
+    pool: str
+    cached_tokens: int
+    page_size: int
+    prefix_caching: bool
+    workers: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def cached_pages(self) -> int:
+        return self.cached_tokens // self.page_size
+
+
+class _Chain:
+    """Chained page hashes of one prompt for one namespace id, computed on demand (shared by the pools).
+
+    Equal to prefix.prompt_hashes(pages, ns) (tests hold it to that).
+    pages: int64 [P, page_size].
+    """
+
+    def __init__(self, pages: np.ndarray, ns: int) -> None:
+        self.pages = pages
+        self.seed = self.h = _mix_int((ns + _GOLD_I) & _MASK)     # the chain's value before page 0
+        self.out: list[int] = []
+        self._array = np.zeros(0, dtype=np.uint64)
+        self._page_h: list[int] | None = None
+
+    def terms(self) -> list[int]:
+        """Per page, what the chain mixes in: the page's own token hash ^ j * M2 (mod 2^64). Page j's chain
+        value is mix(value of page j - 1 ^ terms[j]), the first page's predecessor being `seed`."""
+        if self._page_h is None:
+            with np.errstate(over="ignore"):
+                cols = np.arange(len(self.pages), dtype=np.uint64) * _M2
+            self._page_h = (_page_only_hashes(self.pages) ^ cols).tolist()
+        return self._page_h
+
+    def upto(self, n: int) -> np.ndarray:
+        """uint64 [>= n]: the hashes of at least the first n pages (n <= P). Read-only."""
+        if len(self._array) >= n:
+            return self._array
+        h, out, m1, m2, mask = self.h, self.out, _M1_I, _M2_I, _MASK
+        for c in self.terms()[len(out):n]:        # prefix._mix, inlined: this loop is the cost of a long prompt
+            x = h ^ c
+            x ^= x >> 30
+            x = (x * m1) & mask
+            x ^= x >> 27
+            x = (x * m2) & mask
+            h = x ^ (x >> 31)
+            out.append(h or 1)
+        self.h = h
+        self._array = np.array(out, dtype=np.uint64)
+        return self._array
+
+
+def _mix_int(x: int) -> int:
+    """prefix._mix (splitmix64 finaliser) on one Python int."""
+    x ^= x >> 30
+    x = (x * _M1_I) & _MASK
+    x ^= x >> 27
+    x = (x * _M2_I) & _MASK
+    return x ^ (x >> 31)
+
+
+def _page_only_hashes(pages: np.ndarray) -> np.ndarray:
+    """Each page's own token hash, before chaining (the first loop of prefix.page_hashes): uint64 [P]."""
+    with np.errstate(over="ignore"):
+        tok = pages.astype(np.uint64)
+        h = np.full(len(pages), _GOLD, dtype=np.uint64)
+        for t in range(pages.shape[1]):
+            h = _mix(h ^ (tok[:, t] + _GOLD))
+    return h
+
+
+def chained_hashes(pages: np.ndarray, ns: int) -> np.ndarray:
+    """uint64 [P]: the Step's chained hashes of one prompt's full pages (int64 [P, page_size]) in namespace ns."""
+    return _Chain(pages, ns).upto(len(pages))[:len(pages)].copy()
+
+
+def _candidates(cache: object, hashes: np.ndarray) -> np.ndarray:
+    """int64 [n]: the slot registered for each hash, or -1 (the NumPy mirror when the cache has one)."""
+    index = getattr(getattr(cache, "sink", None), "index", None)
+    if index is not None:
+        cand = index.lookup(hashes)
+        stale = cand >= 0
+        stale[stale] = cache.hash[cand[stale]] != hashes[stale]      # forgotten since: not a candidate
+        cand[stale] = -1
+        return cand
+    get = cache.by_hash.get
+    return np.fromiter(map(get, hashes.tolist(), repeat(-1)), dtype=np.int64, count=len(hashes))
+
+
+def _cached_pages(cache: object, pages: np.ndarray, limit: int, ns: int,
+                  hashes_upto: Callable[[int], np.ndarray]) -> int:
+    """Pages of the prompt the cache would serve now (PrefixCache.match's rule).
+
+    Checked in two rounds, the first FIRST_PAGES pages and then the rest, so a pool that misses early
+    costs little. hashes_upto(n): uint64 [>= n], the prompt's chained hashes.
+    """
+    if cache.by_hash.get(int(hashes_upto(1)[0])) is None:
+        return 0
+    prev, lo = -1, 0
+    for hi in (min(limit, FIRST_PAGES), limit):
+        if hi <= lo:
+            continue
+        h = hashes_upto(hi)[lo:hi]
+        cand = _candidates(cache, h)
+        safe = np.maximum(cand, 0)
+        ok = cand >= 0
+        ok &= cache.namespace[safe] == ns
+        ok &= cache.parent[safe] == np.concatenate(([prev], cand[:-1]))
+        ok &= (cache.tokens[safe] == pages[lo:hi]).all(axis=1)
+        if not ok.all():
+            return lo + int(np.argmin(ok))
+        prev, lo = int(cand[-1]), hi
+    return limit
+
+
+def _check_prompt(token_ids: np.ndarray) -> np.ndarray:
+    """The prompt as int64 [n], or InvalidArgument."""
+    tok = np.asarray(token_ids)
+    if tok.ndim != 1 or tok.dtype.kind not in "iu":
+        raise InvalidArgument(f"token_ids must be a 1-D integer array, got shape {tok.shape} dtype {tok.dtype}")
+    if len(tok) > MAX_SCORE_TOKENS:
+        raise InvalidArgument(f"token_ids has {len(tok)} tokens; ScorePrefix takes at most {MAX_SCORE_TOKENS}",
+                              reason="LIMIT_EXCEEDED", limit=MAX_SCORE_TOKENS)
+    return tok.astype(np.int64, copy=False)
+
+
+def _pool_names(manager: BlockManager, pools: list[str] | None) -> list[str]:
+    if pools:
+        names = list(dict.fromkeys(pools))
+        for name in names:
+            manager.pool_and_lock(name)        # NotFound now, before any work (without waiting for the pool)
+        return names
+    return manager.pool_names()
+
+
+def _live_workers(manager: BlockManager) -> dict[str, list[tuple[str, str]]]:
+    alive: dict[str, list[tuple[str, str]]] = {}
+    for w in manager.workers.workers():
+        if w.alive:
+            alive.setdefault(w.pool, []).append((w.worker_id, w.address))
+    return alive
+
+
+def _chain(chains: dict[tuple[int, int], _Chain], tok: np.ndarray, ps: int, ns: int) -> _Chain:
+    """The prompt's chain for (page_size, namespace id), made once per query."""
+    chain = chains.get((ps, ns))
+    if chain is None:
+        full = len(tok) // ps
+        chain = chains[(ps, ns)] = _Chain(tok[:full * ps].reshape(full, ps), ns)
+    return chain
+
+
+def _pool_hits(pool: object, tok: np.ndarray, salt: str, extra_key: str, chains: dict[tuple[int, int], _Chain]) -> int:
+    """Pages of the prompt one pool would serve now, asking the pool itself (the per-pool path; pool locked)."""
+    cache, ps = pool.prefix, pool.page_size
+    if cache is None or len(tok) <= ps:
+        return 0
+    ids, new = cache.namespace_ids([salt], [extra_key])
+    if new:                                    # a namespace the cache has never seen holds nothing
+        return 0
+    ns = int(ids[0])
+    if len(pool.prefixes) > 1 or any(pool.windows):        # hybrid or sliding: every group's rule
+        full = not pool.windows[pool.prefixes.index(cache)]
+        if full and cache.hash_fn is page_hashes and cache.by_hash.get(int(_chain(chains, tok, ps, ns).upto(1)[0])) \
+                is None:
+            return 0                           # the full group must serve page 0: without it, nothing is served
+        return pool.cached_prefix_pages(tok, salt, extra_key)
+    limit = (len(tok) - 1) // ps
+    if cache.hash_fn is page_hashes:
+        chain = _chain(chains, tok, ps, ns)
+        return _cached_pages(cache, chain.pages, limit, ns, chain.upto)
+    full = len(tok) // ps                      # an injected hash function (tests): its hashes, all at once
+    pages = tok[:full * ps].reshape(full, ps)
+    own = prompt_hashes(pages, ns, cache.hash_fn)
+    return _cached_pages(cache, pages, limit, ns, lambda n: own)
+
+
+def score_prefix(manager: BlockManager, token_ids: np.ndarray, salt: str = "", extra_key: str = "",
+                 pools: list[str] | None = None, model: str = "") -> list[PrefixScore]:
+    """Score one prompt against pools.
+
+    token_ids: int32/int64 [n], the prompt (n <= MAX_SCORE_TOKENS).
+    pools: names to score (NotFound for an unknown one), in this order; None/empty = every pool, by
+    name, only those created for `model` when it is given (a pool deleted meanwhile is left out).
+
+    Pools whose cache is a member of the manager's fleet index (fleet_index.py) are answered by
+    one walk of that index per (page size, namespace id); the others (hybrid and sliding-only pools,
+    injected hash functions) and members whose answer ends on a mixed or stale entry are asked one by
+    one (_pool_hits). A member is read without its lock, as of its last Step: a Step in flight is not
+    waited for. A prompt of at most one page scores 0 everywhere without asking (hits are whole pages
+    and leave the last token to compute).
+    """
+    tok = _check_prompt(token_ids)
+    names = _pool_names(manager, pools)
+    alive = _live_workers(manager)
+    fleet = manager.fleet
+    chains: dict[tuple[int, int], _Chain] = {}     # (page_size, ns) -> chain
+    rows: list[list] = []                          # [name, hits (None = from the index), page_size, caching]
+    jobs: dict[tuple[int, int], list[tuple[int, object]]] = {}     # (page_size, ns) -> [(row, member)]
+    for name in names:
+        try:
+            pool, lock = manager.pool_and_lock(name)
+        except NotFound:
+            if pools:
+                raise
+            continue                                   # deleted since the names were listed: not a pool now
+        if not pools and model and pool.model != model:
+            continue
+        cache, ps = pool.prefix, pool.page_size
+        if len(tok) <= ps:                             # hits are whole pages short of the last token: none
+            rows.append([name, 0, ps, cache is not None])
+            continue
+        member = getattr(cache, "fleet", None)
+        if member is not None and member.index is fleet and cache.hash_fn is page_hashes and len(tok) > ps:
+            # Read from the index without waiting for the pool: a Step brings the index up to date when it
+            # ends, so the index holds the pool as of its last Step (a Step in flight is not waited for).
+            ids, new = cache.namespace_ids([salt], [extra_key])
+            if new:
+                rows.append([name, 0, ps, True])
+                continue
+            if (member.dirty or member.dirty_slots) and lock.acquire(blocking=False):
+                try:                                   # changed outside a Step (tests, tools): catch up
+                    member.flush()
+                finally:
+                    lock.release()
+            jobs.setdefault((ps, int(ids[0])), []).append((len(rows), member))
+            rows.append([name, None, ps, True])
+        else:
+            with lock:
+                rows.append([name, _pool_hits(pool, tok, salt, extra_key, chains), ps, cache is not None])
+    ask: list[int] = []                            # rows the index cannot settle: asked one by one
+    for (ps, ns), members in jobs.items():
+        limit = (len(tok) - 1) // ps
+        chain = _chain(chains, tok, ps, ns)
+        terms = chain.terms()[:limit]
+        with fleet.lock:
+            bits = [m.bit for _, m in members]
+            served, check = fleet.served_pages(ps, chain.seed, terms, chain.pages, (salt, extra_key),
+                                               [b if b is not None else 0 for b in bits])
+            for (r, m), b, hits, chk in zip(members, bits, served.tolist(), check.tolist(), strict=True):
+                if chk or b is None or fleet._bits[b] is not m:       # mixed or stale entry, or the pool left
+                    ask.append(r)
+                else:
+                    rows[r][1] = hits
+    for r in ask:
+        try:
+            with manager.locked(rows[r][0]) as pool:
+                rows[r][1] = _pool_hits(pool, tok, salt, extra_key, chains)
+        except NotFound:
+            if pools:
+                raise
+            rows[r][1] = None                          # deleted meanwhile: left out
+    return [PrefixScore(name, hits * ps, ps, caching, tuple(alive.get(name, ())))
+            for name, hits, ps, caching in rows if hits is not None]
+
+
+def score_prefix_per_pool(manager: BlockManager, token_ids: np.ndarray, salt: str = "", extra_key: str = "",
+                          pools: list[str] | None = None, model: str = "") -> list[PrefixScore]:
+    """score_prefix asking every pool itself, without the fleet index (the reference and the bench's baseline)."""
+    tok = _check_prompt(token_ids)
+    names = _pool_names(manager, pools)
+    alive = _live_workers(manager)
+    chains: dict[tuple[int, int], _Chain] = {}
+    out = []
+    for name in names:
+        with manager.locked(name) as pool:
+            if not pools and model and pool.model != model:
+                continue
+            hits = _pool_hits(pool, tok, salt, extra_key, chains)
+            out.append(PrefixScore(name, hits * pool.page_size, pool.page_size, pool.prefix is not None,
+                                   tuple(alive.get(name, ()))))
+    return out
+
+
+__all__ = ["MAX_SCORE_TOKENS", "PrefixScore", "chained_hashes", "score_prefix", "score_prefix_per_pool"]

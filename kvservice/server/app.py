@@ -1,0 +1,232 @@
+"""A running manager: gRPC server (BlockManager + health + reflection), the journal, and the /metrics endpoint."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+from google.protobuf.descriptor_pool import Default as _default_pool
+from google.protobuf.message_factory import GetMessageClass
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from kvservice.contract.auth import BM, ServerTLS, TokenAuthInterceptor, TokenTable, manager_rules
+from kvservice.events.hub import EventsConfig, configure_events
+from kvservice.events.metrics import EventCollector
+from kvservice.manager.api import ManagerAPI
+from kvservice.manager.pools import BlockManager
+from kvservice.server.config import PoolConfig
+from kvservice.server.metrics import ManagerMetrics
+from kvservice.server.servicer import BlockManagerServicer, Limits
+from kvservice.state.journal import Journal, ensure_pools
+from kvservice.v1 import block_manager_pb2
+
+log = logging.getLogger("kvservice")
+
+#: Largest request or reply, bytes. A Step for 4096 sequences of 128k tokens carries
+#: ~32M int32 indices per index space; raise it for bigger batches.
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+SERVICE_NAME = block_manager_pb2.DESCRIPTOR.services_by_name["BlockManager"].full_name
+_POOL = _default_pool()
+COMMIT_BUCKETS = (10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 0.1, 1.0)
+
+
+@dataclass
+class RunningServer:
+    server: grpc.Server
+    port: int
+    metrics_port: int | None
+    manager: BlockManager
+    metrics: ManagerMetrics
+    _http: object | None = None
+    journal: Journal | None = None
+    #: Set when the journal failed (fail-stop): the process should exit and be restarted.
+    failed: threading.Event = field(default_factory=threading.Event)
+    health: health.HealthServicer | None = None
+    publishers: list = field(default_factory=list)     # ZeroMQ KV event publishers (zmq_events.py)
+
+    def stop(self, grace: float = 1.0) -> None:
+        """Stop serving (in-flight calls get `grace` seconds), then snapshot and close the journal."""
+        self.server.stop(grace).wait()
+        for pub in self.publishers:
+            pub.stop()
+        if self._http is not None:
+            self._http.shutdown()  # type: ignore[attr-defined]
+        if self.journal is not None:
+            self.journal.close()
+
+
+class JournalCollector:
+    """kvservice_journal_* levels and counters, read at scrape time."""
+
+    def __init__(self, journal: Journal) -> None:
+        self.journal = journal
+
+    def collect(self) -> Iterator[Metric]:
+        j = self.journal
+        yield GaugeMetricFamily("kvservice_journal_tail_entries", "Journal entries since the last snapshot "
+                                "(replayed on recovery).", value=j.seq - j.snapshot_seq)
+        yield CounterMetricFamily("kvservice_journal_snapshots_total", "Snapshots written (compactions).",
+                                  value=j.snapshots)
+        yield CounterMetricFamily("kvservice_idempotent_replays_total", "Retried requests answered with their "
+                                  "original reply.", value=j.window.hits)
+        yield GaugeMetricFamily("kvservice_journal_failed", "1 once the journal failed (the manager fail-stops).",
+                                value=1.0 if j.failed else 0.0)
+        yield GaugeMetricFamily("kvservice_journal_snapshot_pause_seconds", "Longest time mutating calls waited "
+                                "while a snapshot was captured (the journal lock held).",
+                                value=j.snapshot_pause_max_seconds)
+
+
+def serve(listen: str = "127.0.0.1:0", metrics_port: int | None = None, pools: Sequence[PoolConfig] = (),
+          manager: BlockManager | None = None, max_workers: int = 8,
+          metrics_addr: str = "127.0.0.1", lease_seconds: float = 10.0,
+          journal: Journal | None = None, *, tls: ServerTLS | None = None, tokens: TokenTable | None = None,
+          limits: Limits | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES,
+          events: EventsConfig | None = None, max_streams: int = 64,
+          interceptors: Sequence[grpc.ServerInterceptor] = (), serving: bool = True) -> RunningServer:
+    """Start the manager on `listen` (port 0 picks one); metrics on metrics_port (0 picks, None = off).
+
+    journal: a durable kvservice.state.journal.Journal (its manager is served); None = an in-memory one
+        (idempotent retries, no durability). Configured `pools` missing from it are created through it.
+    tls: serve TLS (mutual TLS if it has a client CA); tokens: require pool-scoped bearer tokens.
+    limits: per-request caps (default Limits()); max_message_bytes: gRPC message limit both ways.
+    events: KV event rings, WatchEvents streams and ZeroMQ publishers (default EventsConfig()).
+    max_streams: StepStream/EchoStream calls open at once; each holds a thread, added to max_workers.
+    interceptors: more server interceptors (after the token check); serving=False starts with the
+        BlockManager service NOT_SERVING in health (a standby: kvservice/server/ha.py), the server itself SERVING.
+    """
+    if journal is None:
+        journal = Journal(manager or BlockManager(lease_seconds))
+    elif manager is not None and manager is not journal.manager:
+        raise ValueError("pass either a manager or a journal (which holds its manager), not both")
+    manager = journal.manager
+    ensure_pools(journal, list(pools))
+    metrics = ManagerMetrics(manager)
+    metrics.registry.register(JournalCollector(journal))
+    metrics.registry.register(EventCollector(manager))
+    publishers = configure_events(manager, events or EventsConfig())
+    if journal.store is not None:
+        commit = Histogram("kvservice_journal_commit_seconds", "Time to make one mutating RPC durable.",
+                           registry=metrics.registry, buckets=COMMIT_BUCKETS)
+        journal.observe_commit = commit.observe
+    chain: list[grpc.ServerInterceptor] = []
+    if tokens is not None:
+        chain.append(TokenAuthInterceptor(tokens, BM, manager_rules(_worker_pool(manager))))
+    chain.extend(interceptors)
+    api = ManagerAPI(manager, max_reply_bytes=max_message_bytes, fence=True)
+    servicer = BlockManagerServicer(api, metrics, journal, limits or Limits(), max_streams)
+    try:
+        server, port, health_servicer = grpc_server(SERVICE_NAME, servicer, listen, tls, chain,
+                                                    max_workers + max_streams, max_message_bytes)
+    except BaseException:
+        for pub in publishers:
+            pub.stop()
+        raise
+    running = RunningServer(server, port, None, manager, metrics, None, journal, health=health_servicer,
+                            publishers=publishers)
+    journal.on_fail = lambda why: _fail_stop(running)
+    server.start()
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING if serving
+                        else health_pb2.HealthCheckResponse.NOT_SERVING)
+    if metrics_port is not None:
+        http, _thread = start_http_server(metrics_port, addr=metrics_addr, registry=metrics.registry)
+        running._http, running.metrics_port = http, http.server_port
+    log.info("kvservice listening on port %d (%s%s), metrics on %s, state: %s", port,
+             "mutual TLS" if tls and tls.client_ca else "TLS" if tls else "plaintext",
+             f", {len(tokens)} tokens" if tokens is not None else "", running.metrics_port,
+             journal.state_dir or (journal.store.location if journal.store.durable else "memory only"))
+    return running
+
+
+def grpc_server(service: str, servicer: object, listen: str, tls: ServerTLS | None = None,
+                interceptors: Sequence[grpc.ServerInterceptor] = (), max_workers: int = 8,
+                max_message_bytes: int = MAX_MESSAGE_BYTES) -> tuple[grpc.Server, int, health.HealthServicer]:
+    """A gRPC server (not started) with `servicer` under lenient handlers, health and reflection, bound to
+    `listen` (port 0 picks one). Returns (server, bound port, health servicer). Manager and worker share it."""
+    options = [("grpc.max_receive_message_length", max_message_bytes),
+               ("grpc.max_send_message_length", max_message_bytes), ("grpc.so_reuseport", 0)]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=options,
+                         interceptors=list(interceptors))
+    add_lenient_service(server, service, servicer)         # undecodable bytes: INVALID_ARGUMENT, not INTERNAL
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((service, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    port = server.add_secure_port(listen, tls.credentials()) if tls else server.add_insecure_port(listen)
+    if port == 0:
+        raise OSError(f"cannot listen on {listen}")
+    return server, port, health_servicer
+
+
+class Malformed:
+    """Stands for a request whose bytes do not parse: the handler answers INVALID_ARGUMENT, not gRPC's INTERNAL."""
+
+    __slots__ = ("error", "type_name")
+
+    def __init__(self, type_name: str, error: Exception) -> None:
+        self.type_name, self.error = type_name, error
+
+
+def lenient_handlers(service: str, servicer: object) -> dict[str, grpc.RpcMethodHandler]:
+    """The methods of `service` (full name) on `servicer`, with a request parser that never raises.
+
+    gRPC answers a request it cannot deserialize with INTERNAL; here it becomes INVALID_ARGUMENT
+    naming the message type. Usable for any service of kvservice.v1 (the worker's too).
+    """
+    handlers = {}
+    for m in _POOL.FindServiceByName(service).methods:
+        req_cls, rep_cls = GetMessageClass(m.input_type), GetMessageClass(m.output_type)
+        kw = {"request_deserializer": _parser(req_cls), "response_serializer": rep_cls.SerializeToString}
+        if m.client_streaming:                  # the handler answers a Malformed item of the stream itself
+            make = grpc.stream_stream_rpc_method_handler if m.server_streaming else grpc.stream_unary_rpc_method_handler
+            handlers[m.name] = make(getattr(servicer, m.name), **kw)
+        else:
+            make = grpc.unary_stream_rpc_method_handler if m.server_streaming else grpc.unary_unary_rpc_method_handler
+            handlers[m.name] = make(_refuse_malformed(getattr(servicer, m.name)), **kw)
+    return handlers
+
+
+def add_lenient_service(server: grpc.Server, service: str, servicer: object) -> None:
+    """Register `servicer` like the generated add_*Servicer_to_server, with lenient_handlers."""
+    handlers = lenient_handlers(service, servicer)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+    server.add_registered_method_handlers(service, handlers)
+
+
+def _parser(cls: type) -> Callable[[bytes], object]:
+    def parse(data: bytes) -> object:
+        try:
+            return cls.FromString(data)
+        except Exception as err:      # DecodeError, or anything else a hostile payload provokes
+            return Malformed(cls.DESCRIPTOR.full_name, err)
+    return parse
+
+
+def _refuse_malformed(behavior: Callable[[object, grpc.ServicerContext], object]) -> Callable[..., object]:
+    def guarded(request: object, context: grpc.ServicerContext) -> object:
+        if isinstance(request, Malformed):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"request is not a valid {request.type_name} message ({type(request.error).__name__})")
+        return behavior(request, context)
+    return guarded
+
+
+def _fail_stop(running: RunningServer) -> None:
+    """The journal failed: report NOT_SERVING and let the process owner (kvservice serve) exit."""
+    if running.health is not None:
+        for name in ("", SERVICE_NAME):
+            running.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    running.failed.set()
+
+
+def _worker_pool(manager: BlockManager) -> Callable[[str], str | None]:
+    def pool_of(worker_id: str) -> str | None:
+        rec = next((w for w in manager.workers.workers() if w.worker_id == worker_id), None)
+        return rec.pool if rec else None
+    return pool_of

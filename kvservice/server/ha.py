@@ -1,0 +1,446 @@
+"""A replicated manager: the NATS journal (journal_nats.py) and the leader lease (leader.py) wired to the server.
+
+Every manager process starts as a **standby**: it recovers the newest snapshot plus the
+journal tail, then follows the stream continuously (its in-memory state stays a few entries
+behind the leader's) while it looks at the leader key every ``poll_seconds``. gRPC calls to a
+standby are refused UNAVAILABLE naming the leader, and its readiness (health of
+``kvservice.v1.BlockManager``) is NOT_SERVING, so a Kubernetes Service only routes to the leader;
+the whole-server health ("") stays SERVING (liveness).
+
+**Takeover**, once the lease is free or its holder stopped renewing for a TTL: start renewing;
+read the stream to its end; append a fence of epoch ``highest epoch seen + 1`` with the
+expected-last-sequence check (if the old leader slipped an entry in, read it and fence again);
+from then on the old leader can no longer append. Then serve: every reply of this process
+carries the epoch in the initial metadata ``kvservice-leader-epoch``; clients and workers
+refuse a reply with a lower epoch than one they have seen (kvservice/client/ha.py).
+
+**Fail-stop.** A leader whose renewal is refused (someone else holds the key), whose lease
+lapsed (the journal's ``guard`` raises before a publish and before an append returns) or whose
+append was fenced stops serving writes at once: the journal fails, health turns NOT_SERVING
+and ``kvservice serve`` exits 3; restarted, it comes back as a standby. A standby that fell
+behind a compaction (JournalGap) or cannot replay an entry fail-stops the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import grpc
+import nats.errors
+from grpc_health.v1 import health_pb2
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from kvservice.contract.errors import KVError, StateError
+from kvservice.manager.pools import BlockManager
+from kvservice.server.app import SERVICE_NAME, RunningServer, serve
+from kvservice.server.config import PoolConfig
+from kvservice.state.journal import Journal, JournalConfig, ensure_pools
+from kvservice.state.nats.journal import Fenced, JournalGap, NatsConfig, NatsLink, NatsStore, StoreError
+from kvservice.state.nats.leader import Lease, LeaseConfig, LeaseLost
+from kvservice.state.sqlite.store import DB_NAME, SqliteStore
+from kvservice.state.stores import Entry
+
+log = logging.getLogger("kvservice.server.ha")
+#: Initial-metadata key of every reply of a replicated manager: the epoch of the leader that answered.
+EPOCH_METADATA = "kvservice-leader-epoch"
+FENCE_ATTEMPTS = 20
+#: Recoveries tried while a leader's compaction keeps overtaking the reader (each one reads a newer snapshot).
+RECOVERY_ATTEMPTS = 5
+
+
+class LeaderGate(grpc.ServerInterceptor):
+    """Refuses BlockManager calls UNAVAILABLE unless this process leads; stamps the epoch on every reply."""
+
+    def __init__(self, service: str = SERVICE_NAME) -> None:
+        self.service = service
+        self.epoch = 0
+        self.leader = False
+        self.why = "standby: following the journal"
+        self.leader_hint: Callable[[], str] = lambda: ""
+        self.valid: Callable[[], bool] = lambda: True       # False while the leader's lease is lapsed
+
+    def promote(self, epoch: int) -> None:
+        self.epoch, self.leader = epoch, True
+
+    def depose(self, why: str) -> None:
+        self.leader, self.why = False, why
+
+    def refusal(self) -> str:
+        hint = self.leader_hint()
+        return (f"this manager does not serve requests ({self.why})"
+                + (f"; the leader is {hint}" if hint else "; no leader right now (failover in progress)")
+                + ": retry (the clients retry UNAVAILABLE with the same request_id)")
+
+    def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
+        handler = continuation(details)
+        if handler is None or details.method.lstrip("/").partition("/")[0] != self.service:
+            return handler
+        kw = {"request_deserializer": handler.request_deserializer,
+              "response_serializer": handler.response_serializer}
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(self._gated(handler.unary_unary), **kw)
+        if handler.unary_stream is not None:        # server streams (WatchEvents): only the leader's
+            return grpc.unary_stream_rpc_method_handler(self._gated(handler.unary_stream), **kw)
+        if handler.stream_unary is not None:
+            return grpc.stream_unary_rpc_method_handler(self._gated(handler.stream_unary), **kw)
+        return grpc.stream_stream_rpc_method_handler(self._gated(handler.stream_stream), **kw)
+
+    def _gated(self, inner: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+        def gated(request: Any, context: grpc.ServicerContext) -> Any:
+            if not self.leader:
+                context.abort(grpc.StatusCode.UNAVAILABLE, self.refusal())
+            if not self.valid():
+                context.abort(grpc.StatusCode.UNAVAILABLE, "the leader's lease lapsed (NATS unreachable or the "
+                              "process was paused); it serves again once renewed, or a standby takes over: retry")
+            context.send_initial_metadata(((EPOCH_METADATA, str(self.epoch)),))
+            return inner(request, context)
+        return gated
+
+
+@dataclass
+class HAController:
+    """Follows the journal while standby, takes the lease over, fences the stream, fail-stops on loss.
+
+    set_serving(bool): flips the readiness health; on_failed(why): the journal failed (the server exits).
+    """
+
+    journal: Journal
+    store: NatsStore
+    lease: Lease
+    gate: LeaderGate
+    pools: Sequence[PoolConfig] = ()
+    set_serving: Callable[[bool], None] = lambda _serving: None
+    role: str = "standby"
+    takeover_seconds: float = 0.0
+    applied: int = 0
+    lag_entries: int = 0
+    failed: str | None = None
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.gate.leader_hint = self._leader_hint
+        self.gate.valid = lambda: self.lease.remaining_seconds > 0
+        self._thread = threading.Thread(target=self._follow, daemon=True, name="ha-standby")
+        self._thread.start()
+
+    def _leader_hint(self) -> str:
+        h = self.lease.holder
+        return f"{h.node} at {h.address or '?'} (epoch {h.epoch})" if h is not None else ""
+
+    # ---- standby ------------------------------------------------------------------------------------
+    def _follow(self) -> None:
+        poll = self.lease.config.poll_seconds
+        next_look = 0.0
+        next_lag = 0.0
+        while not self._stop.is_set():
+            try:
+                batch = self.store.poll(poll)
+                if batch:
+                    self._apply(batch)
+                now = time.monotonic()
+                if now >= next_lag:
+                    next_lag = now + 1.0
+                    self.lag_entries = max(0, self.store.stream_last_seq() - self.store.last_stream_seq)
+                if now >= next_look:
+                    next_look = now + poll
+                    if self.lease.try_acquire():
+                        self._take_over()
+                        return
+            except JournalGap as err:
+                self._fail(f"standby fell behind a compaction: {err.message}")
+                return
+            except (StoreError, nats.errors.Error, OSError) as err:
+                log.warning("standby: %s; retrying", getattr(err, "message", err))   # NATS unreachable for now
+                self._stop.wait(poll)
+            except KVError as err:
+                self._fail(f"standby cannot follow the journal: {err.message}")
+                return
+
+    def _apply(self, entries: Iterable[Entry]) -> None:
+        """Apply acknowledged entries; their KV event batches become visible at once, numbered as the leader's.
+
+        The hub stages batches until a transaction ends (a leader shows them once durable); these
+        entries are durable already, so the batches are committed here: the standby's rings hold the
+        same sequence numbers and events as the leader's, and WatchEvents resumes on it after a takeover.
+        """
+        with self.journal.manager.events.transaction():
+            self.applied += self.journal.follow(entries)
+
+    # ---- takeover -------------------------------------------------------------------------------------
+    def _take_over(self) -> None:
+        t0 = time.monotonic()
+        self.role = "taking over"
+        self.lease.start_renewing(0, self._lost)
+        lapse = self.lease.config.lapse_seconds
+        try:
+            self.store.guard = lambda: self.lease.wait_valid(lapse)   # waits through a lapse, raises once lost
+            self.store.readonly = False        # it may fence now; it appends only once fenced (epoch > 0)
+            epoch = self._fence()
+            self.store.stop_reading()
+            self.lease.epoch = epoch
+            self.journal.incarnation = epoch        # replies carry (epoch, seq) as their journal position
+            self.lease.wait_valid(lapse)
+        except (KVError, OSError) as err:
+            self.lease.lose(f"takeover failed: {getattr(err, 'message', err)}")
+            self._fail(f"takeover failed: {getattr(err, 'message', err)}")
+            return
+        _refresh_worker_leases(self.journal.manager)
+        self.gate.promote(epoch)
+        self.role = "leader"
+        try:
+            ensure_pools(self.journal, list(self.pools))
+        except KVError as err:
+            log.error("configured pools not created after takeover: %s", err.message)
+        self.set_serving(True)
+        self.takeover_seconds = time.monotonic() - t0
+        log.warning("leader now: epoch %d at journal position %d (takeover %.3f s)", epoch, self.journal.seq,
+                    self.takeover_seconds)
+
+    def _fence(self) -> int:
+        """Read to the end of the stream and fence it with the next epoch; again if the old leader wrote meanwhile."""
+        for _ in range(FENCE_ATTEMPTS):
+            self._apply(self.store.catch_up())
+            seen = self.lease.holder.epoch if self.lease.holder is not None else 0
+            epoch = max(self.store.max_epoch, seen) + 1
+            try:
+                self.store.fence(epoch)
+                return epoch
+            except Fenced:
+                log.warning("the journal moved while fencing epoch %d; reading on", epoch)
+        raise StoreError(f"could not fence the journal in {FENCE_ATTEMPTS} attempts: another writer keeps appending")
+
+    # ---- losing it ----------------------------------------------------------------------------------------
+    def _lost(self, why: str) -> None:
+        self.gate.depose(f"leadership lost: {why}")
+        self._fail(f"leadership lost: {why}")
+
+    def journal_failed(self, why: str) -> None:
+        """The journal failed (a fenced or failed append): stop renewing so the standby takes over."""
+        self.gate.depose(why)
+        self.lease.lose(f"journal failed: {why}")
+        self.role = "failed"
+        self.failed = self.failed or why
+
+    def _fail(self, why: str) -> None:
+        self.role, self.failed = "failed", self.failed or why
+        self.set_serving(False)
+        self.journal._fail(why)         # fail-stop: `kvservice serve` exits 3 and is restarted as a standby
+
+    def stop(self) -> None:
+        """Stop following; a leader releases its key so the standby takes over at once (after a final snapshot)."""
+        self._stop.set()
+        self.gate.depose("shutting down")
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(10)
+
+    def release(self) -> None:
+        self.lease.release()
+
+
+def _refresh_worker_leases(manager: BlockManager) -> None:
+    """At takeover every worker record gets a fresh lease start, as after a restart (docs/DURABILITY.md).
+
+    Heartbeats are not journaled, so a standby never saw them (and a scrape of its metrics may
+    have swept records dead). A live worker's next heartbeat, with the epoch it holds, succeeds;
+    one that died meanwhile is marked dead one lease later.
+    """
+    reg = manager.workers
+    now = reg._clock()               # WorkerRegistry has no public restore hook yet (as journal.load_manager)
+    with reg._lock:
+        for wid, rec in reg._workers.items():
+            reg._workers[wid] = replace(rec, last_heartbeat=now, alive=True)
+
+
+class HACollector:
+    """kvservice_leader*, kvservice_lease_*, kvservice_standby_* series, read at scrape time."""
+
+    def __init__(self, ha: HAController) -> None:
+        self.ha = ha
+
+    def collect(self) -> Iterator[Metric]:
+        ha, lease, store = self.ha, self.ha.lease, self.ha.store
+        yield GaugeMetricFamily("kvservice_leader", "1 while this manager is the leader (serves requests), else 0.",
+                                value=1.0 if ha.role == "leader" and lease.held else 0.0)
+        yield GaugeMetricFamily("kvservice_leader_epoch", "Epoch of the current leader as this manager knows it "
+                                "(its own while it leads; the highest fenced one while standby).",
+                                value=float(max(store.max_epoch, store.epoch)))
+        yield GaugeMetricFamily("kvservice_lease_remaining_seconds", "Seconds left on this leader's lease "
+                                "(0 on a standby).", value=lease.remaining_seconds)
+        yield CounterMetricFamily("kvservice_lease_renewals_total", "Successful renewals of the leader lease.",
+                                  value=lease.renewals)
+        yield CounterMetricFamily("kvservice_lease_renew_failures_total", "Lease renewals that failed "
+                                  "(timeout or NATS error; the lease lapses if they go on for a TTL).",
+                                  value=lease.renew_failures)
+        yield GaugeMetricFamily("kvservice_standby_lag_entries", "Journal stream messages the standby has not "
+                                "applied yet (replication lag; 0 on the leader).",
+                                value=float(ha.lag_entries if ha.role == "standby" else 0))
+        yield CounterMetricFamily("kvservice_standby_applied_total", "Journal entries this manager applied while "
+                                  "following the leader.", value=ha.applied)
+        yield GaugeMetricFamily("kvservice_takeover_seconds", "How long this manager's takeover took (lease won "
+                                "to serving); 0 if it never took over.", value=ha.takeover_seconds)
+        yield CounterMetricFamily("kvservice_journal_append_retries_total", "Journal publishes retried after a "
+                                  "timeout or a missing stream leader.", value=store.append_retries)
+        yield CounterMetricFamily("kvservice_nats_disconnects_total", "Times the NATS connection dropped "
+                                  "(the client reconnects to another server).", value=store.link.disconnects)
+
+
+def default_node_id() -> str:
+    return f"{os.environ.get('HOSTNAME') or socket.gethostname()}-{os.getpid()}"
+
+
+def open_journal(config: NatsConfig, lease_seconds: float = 10.0, journal_config: JournalConfig | None = None,
+                 readonly: bool = True, link: NatsLink | None = None) -> Journal:
+    """Recover the replicated state (newest snapshot + journal tail) into a fresh manager.
+
+    readonly: inspection (kvservice check-state nats://...): nothing is written. A standby opens
+    it the same way, and its store turns writable only after it won the lease and fenced.
+    """
+    own = link is None
+    link = link or NatsLink(config, client_name="kvservice-inspect" if readonly else "kvservice")
+    try:
+        for attempt in range(RECOVERY_ATTEMPTS):
+            store = NatsStore(link, readonly=True, create=not readonly)
+            try:
+                journal = Journal.recover(store, lease_seconds, journal_config)
+                break
+            except JournalGap as err:       # the leader compacted while we read: a newer snapshot holds it all
+                if attempt + 1 == RECOVERY_ATTEMPTS:
+                    raise
+                log.info("recovering again: %s", err.message)
+        store.owns_link = own
+    except BaseException:
+        if own:
+            link.close()
+        raise
+    return journal
+
+
+def open_sole_writer(config: NatsConfig, journal_config: JournalConfig | None = None, lease_seconds: float = 10.0,
+                     epoch: int = 0) -> Journal:
+    """Recover the replicated state and fence the stream as its only writer, *without* a lease.
+
+    For tools run while no manager runs (kvservice import-state) and for tests. A manager that
+    takes the lease later fences this writer out in turn. epoch: at least this epoch.
+    """
+    link = NatsLink(config, client_name="kvservice-tool")
+    try:
+        store = NatsStore(link, owns_link=True)
+        journal = Journal.recover(store, lease_seconds, journal_config)
+        store.stop_reading()
+        store.fence(max(store.max_epoch + 1, epoch))
+        journal.incarnation = store.incarnation
+    except BaseException:
+        link.close()
+        raise
+    return journal
+
+
+def export_state(config: NatsConfig, state_dir: str | Path) -> Journal:
+    """Recover the replicated state read-only and write it as the snapshot of a new SQLite state dir.
+
+    The dir is a backup (copy it anywhere) and a valid `--state-dir` / `check-state` argument.
+    Returns the recovered journal (closed). Refuses a dir that already holds kvservice state.
+    """
+    src = open_journal(config, readonly=True)
+    try:
+        path = Path(state_dir)
+        if (path / DB_NAME).exists():
+            raise StateError(f"{path} already holds kvservice state; export into a new dir")
+        path.mkdir(parents=True, exist_ok=True)
+        dst = SqliteStore.open(path, sync="full")
+        try:
+            dst.begin(src.seq)
+            src.snapshot_to(dst)
+        finally:
+            dst.close(clean=True, seq=src.seq)
+    finally:
+        src.close(snapshot=False)
+    return src
+
+
+def import_state(state_dir: str | Path, config: NatsConfig, epoch: int = 1) -> tuple[int, int]:
+    """Write the state of a SQLite state dir as the snapshot of a new replicated deployment; (position, epoch).
+
+    For a deployment name that holds nothing yet: a restore after NATS lost its data, or the move
+    of a single manager to replication. No manager may run on that name meanwhile (this fences
+    the stream without a lease). epoch: the epoch the managers continue from; above any epoch
+    clients and workers have seen, or they refuse the new leader until restarted.
+    """
+    src = Journal.open(state_dir, readonly=True)
+    link = NatsLink(config, client_name="kvservice-import")
+    try:
+        store = NatsStore(link)
+        if store.stream_last_seq() > 0 or store.last_snapshot() is not None:
+            raise StateError(f"{store.path} already holds a journal; import into a fresh --nats-name "
+                             "(docs/operations.md, 'Restore from a snapshot')")
+        store.seq = src.seq
+        store.fence(max(1, epoch))
+        src.snapshot_to(store)
+        return src.seq, store.epoch
+    finally:
+        src.close(snapshot=False)
+        link.close()
+
+
+def serve_ha(config: NatsConfig, lease_config: LeaseConfig, listen: str, pools: Sequence[PoolConfig] = (),
+             node: str | None = None, advertise: str = "", journal_config: JournalConfig | None = None,
+             lease_seconds: float = 10.0, **serve_kwargs: Any) -> tuple[RunningServer, HAController]:
+    """Start a replicated manager: recover, serve as a standby, follow, take over when the lease is free.
+
+    serve_kwargs go to server.serve (tls, tokens, limits, metrics_port, ...). Stop it with
+    `stop_ha(running, ha)`.
+    """
+    node = node or default_node_id()
+    link = NatsLink(config, client_name=f"kvservice-{node}")
+    try:
+        journal = open_journal(config, lease_seconds, journal_config, readonly=False, link=link)
+        assert isinstance(journal.store, NatsStore)
+        lease = Lease(link, lease_config, node, advertise)
+    except BaseException:
+        link.close()
+        raise
+    gate = LeaderGate()
+    extra = list(serve_kwargs.pop("interceptors", ()))
+    running = serve(listen, journal=journal, interceptors=[*extra, gate], serving=False, **serve_kwargs)
+    if not advertise:
+        lease.address = f"{listen.rsplit(':', 1)[0]}:{running.port}"
+
+    def set_serving(on: bool) -> None:
+        if running.health is not None and not running.failed.is_set():
+            running.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING if on
+                               else health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    ha = HAController(journal, journal.store, lease, gate, pools, set_serving)
+    previous = journal.on_fail
+
+    def on_fail(why: str) -> None:
+        ha.journal_failed(why)
+        if previous is not None:
+            previous(why)
+    journal.on_fail = on_fail
+    running.metrics.registry.register(HACollector(ha))
+    ha.start()
+    log.info("manager %s: standby of %s (journal position %d), lease %g s", node, config.url, journal.seq,
+             lease_config.ttl_seconds)
+    return running, ha
+
+
+def stop_ha(running: RunningServer, ha: HAController, grace: float = 2.0) -> None:
+    """Stop serving and following; a healthy leader snapshots, then releases the key (fast planned failover)."""
+    ha.stop()
+    running.stop(grace)               # snapshot (leader only: a standby's store is read-only) and close the journal
+    ha.release()
+    ha.store.link.close()
+
+
+__all__ = ["EPOCH_METADATA", "HACollector", "HAController", "LeaderGate", "LeaseLost", "export_state",
+           "import_state", "open_journal", "open_sole_writer", "serve_ha", "stop_ha"]

@@ -1,0 +1,230 @@
+"""gRPC adapter of the BlockManager: maps each RPC onto ManagerAPI, errors onto statuses, times it.
+
+Requests are first checked against the server's Limits (batch and pool caps). The server
+stamps what a client may not choose into two requests before they are journaled: the
+incarnation of a new pool (CreatePool) and the name of the token that registers a worker
+(RegisterWorker.registered_by). Mutating RPCs
+go through the journal when one is configured, which makes them durable before the reply
+and idempotent by request_id; reads of pool state go through it too, so they only see
+committed state and nothing once the journal failed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import grpc
+import numpy as np
+from google.protobuf.message import Message
+
+from kvservice.contract.auth import current_principal
+from kvservice.contract.convert import cache_spec_from_proto, plan_to_proto, sizing_from_proto
+from kvservice.contract.errors import InvalidArgument, JournalUnavailable, KVError, ResourceExhausted
+from kvservice.contract.status import to_status
+from kvservice.contract.wire import field_array
+from kvservice.core.planner import Plan, plan
+from kvservice.manager.api import ManagerAPI, derived_incarnation
+from kvservice.manager.pools import BlockManager, new_incarnation
+from kvservice.server.metrics import ManagerMetrics
+from kvservice.server.stream import StreamRegistry, echo_stream, step_stream
+from kvservice.server.watch import watch_events
+from kvservice.v1 import block_manager_pb2 as pb
+from kvservice.v1 import block_manager_pb2_grpc as pb_grpc
+
+log = logging.getLogger("kvservice")
+
+#: RPCs that change state: journaled and, with a request_id, idempotent.
+MUTATING = frozenset({"CreatePool", "DeletePool", "Step", "RegisterWorker"})
+#: Reads of pool state: they wait for an in-flight commit and are refused once the journal failed.
+STATE_READS = frozenset({"GetPool", "ListPools", "ListSequences", "GetStats"})
+METHODS = tuple(pb.DESCRIPTOR.services_by_name["BlockManager"].methods_by_name)
+#: Streaming RPCs: handlers of their own (kvservice/server/stream.py), not the unary adapter below.
+STREAMING = frozenset(m.name for m in pb.DESCRIPTOR.services_by_name["BlockManager"].methods
+                      if m.client_streaming or m.server_streaming)
+_STEP_ARRAYS = ("free_seq_ids", "extend_seq_ids", "extend_num_tokens", "admit_seq_ids", "admit_num_tokens",
+                "fork_parent_ids", "fork_child_ids", "admit_token_ids")
+_SEQ_FIELDS = ("free_seq_ids", "extend_seq_ids", "admit_seq_ids", "fork_child_ids")   # one sequence each
+_ITEMSIZE = {10: 4, 11: 8, 12: 8}      # INT32, INT64, UINT64 (others are refused by the API)
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Per-request caps checked before the domain sees a request; 0 = no cap.
+
+    max_step_sequences: ids in one Step (free + extend + admit + fork children).
+    max_step_tokens: new tokens in one Step (sum of extend and admit counts; also admit_token_ids).
+    max_pool_slots: slots of one pool summed over its layer groups (allocator memory, ~24 bytes each).
+    max_pools: pools one manager holds.
+    max_request_id: characters of a request_id.
+    max_total_slots: slots of all pools together, summed like max_pool_slots: what bounds the
+        pools' memory (about 25 bytes per slot), whatever max_pools says. docs/SECURITY.md#limits.
+    """
+
+    max_step_sequences: int = 65_536
+    max_step_tokens: int = 8_388_608
+    max_pool_slots: int = 1 << 24
+    max_pools: int = 256
+    max_request_id: int = 128
+    max_total_slots: int = 1 << 24
+
+    def check(self, method: str, request: Any, manager: BlockManager) -> None:
+        """InvalidArgument (reason LIMIT_EXCEEDED) for a request over a cap; ResourceExhausted at max_pools."""
+        rid = getattr(request, "request_id", "")
+        if self.max_request_id and len(rid) > self.max_request_id:
+            raise _over("request_id", len(rid), self.max_request_id, "characters", "")
+        if method == "Step":
+            self._check_step(request)
+        elif method == "CreatePool":
+            self._check_create(request, manager)
+        elif method == "Plan":
+            _check_representable(plan(cache_spec_from_proto(request.cache), sizing_from_proto(request.sizing),
+                                      tuple(request.backends)))
+
+    def _check_step(self, r: pb.StepRequest) -> None:
+        n = sum(_items(r, f) for f in _SEQ_FIELDS if r.HasField(f))
+        tokens = 0
+        for f in ("extend_num_tokens", "admit_num_tokens"):
+            a = field_array(r, f)
+            if a is None or not a.size or not self.max_step_tokens:
+                continue                    # no cap: the API bounds each count by the pool's max_seq_len
+            top = int(a.max())
+            if top > self.max_step_tokens:
+                _decode_all(r)
+                raise _over(f"{f} entry", top, self.max_step_tokens, "tokens", "--max-step-tokens")
+            tokens += int(a.sum(dtype=np.int64))   # entries <= cap; a negative one is refused by the API anyway
+        if r.HasField("admit_token_ids"):
+            tokens = max(tokens, _items(r, "admit_token_ids"))
+        if self.max_step_sequences and n > self.max_step_sequences:
+            _decode_all(r)       # a malformed array gets the API's own message, not a cap's
+            raise _over("sequences in one Step", n, self.max_step_sequences, "ids", "--max-step-sequences")
+        if self.max_step_tokens and tokens > self.max_step_tokens:
+            _decode_all(r)
+            raise _over("new tokens in one Step", tokens, self.max_step_tokens, "tokens", "--max-step-tokens")
+
+    def _check_create(self, r: pb.CreatePoolRequest, manager: BlockManager) -> None:
+        if self.max_pools and len(manager.pool_names()) >= self.max_pools:
+            raise ResourceExhausted(f"the manager holds {self.max_pools} pools, its limit (--max-pools); delete "
+                                    "one first", reason="LIMIT_EXCEEDED", limit=self.max_pools)
+        p = plan(cache_spec_from_proto(r.cache), sizing_from_proto(r.sizing), tuple(r.backends))
+        _check_representable(p)
+        slots = p.num_slots * len(p.geometry.groups)
+        if self.max_pool_slots and slots > self.max_pool_slots:
+            raise _over(f"pool {r.name!r}: slots x layer groups", slots, self.max_pool_slots, "slots",
+                        "--max-pool-slots")
+        if self.max_total_slots:
+            held = manager.total_slots()
+            if held + slots > self.max_total_slots:
+                raise ResourceExhausted(
+                    f"pool {r.name!r} needs {slots} slots x layer groups; the manager's pools hold {held} of its "
+                    f"{self.max_total_slots} (max_total_slots, which bounds their memory at about 25 bytes a slot); "
+                    "delete a pool or plan a smaller one", reason="LIMIT_EXCEEDED", needed=slots, held=held,
+                    limit=self.max_total_slots)
+
+
+def _items(r: Any, field: str) -> int:
+    """Elements of a Tensor field, from its byte length (no decoding)."""
+    t = getattr(r, field)
+    return len(t.data) // _ITEMSIZE.get(t.dtype, 1)
+
+
+def _decode_all(r: pb.StepRequest) -> None:
+    for f in _STEP_ARRAYS:
+        field_array(r, f)
+
+
+def _check_representable(p: Plan) -> None:
+    """InvalidArgument if a plan's byte figures do not fit the reply's uint64 fields (planner.py accepts them)."""
+    try:
+        plan_to_proto(p)
+    except ValueError:
+        raise InvalidArgument(f"this cache needs {p.total_bytes} bytes ({p.bytes_per_slot} per slot): more than a "
+                              "64-bit byte count can describe; check kv_heads, head_dim and page_size",
+                              reason="LIMIT_EXCEEDED", total_bytes=p.total_bytes) from None
+
+
+def _over(what: str, value: int, limit: int, unit: str, flag: str) -> InvalidArgument:
+    hint = f" (server flag {flag})" if flag else ""
+    return InvalidArgument(f"{what}: {value} {unit} is over this server's limit of {limit}{hint}; split the "
+                           "request", reason="LIMIT_EXCEEDED", value=value, limit=limit)
+
+
+class Journal(Protocol):
+    """Durability hook: run `apply` and make its effect durable before the reply is sent.
+
+    apply(request) -> reply performs the domain change. An implementation may
+    return a stored reply instead (a retried request_id) without calling apply.
+    """
+
+    def execute(self, method: str, request: Message, apply: Callable[[Message], Message],
+                decoded: bool = False) -> Message: ...
+
+
+class BlockManagerServicer(pb_grpc.BlockManagerServicer):
+    def __init__(self, api: ManagerAPI, metrics: ManagerMetrics, journal: Journal | None = None,
+                 limits: Limits | None = None, max_streams: int = 64) -> None:
+        self.api = api
+        self.metrics = metrics
+        self.journal = journal
+        self.limits = limits
+        self.streams = StreamRegistry(max_active=max_streams)     # open StepStream / EchoStream calls
+
+    def StepStream(self, request_iterator: Any, context: grpc.ServicerContext) -> Any:
+        return step_stream(self, request_iterator, context)
+
+    def EchoStream(self, request_iterator: Any, context: grpc.ServicerContext) -> Any:
+        return echo_stream(self, request_iterator, context)
+
+    def WatchEvents(self, request: pb.WatchEventsRequest, context: grpc.ServicerContext) -> Iterator[Any]:
+        yield from watch_events(self.api.manager.events, request, context, self.metrics)
+
+
+def _adapter(name: str) -> Callable[..., Any]:
+    def method(self: BlockManagerServicer, request: Any, context: grpc.ServicerContext) -> Any:
+        start = time.perf_counter()
+        try:
+            apply = getattr(self.api, name)
+            if getattr(self.journal, "failed", None):
+                raise JournalUnavailable(f"the manager stopped serving: {self.journal.failed}")  # type: ignore[union-attr]
+            if self.limits is not None:
+                self.limits.check(name, request, self.api.manager)
+            _stamp(name, request)
+            if self.journal is not None and name in MUTATING:
+                with self.api.manager.events.transaction():    # its KV events show once it is durable
+                    return self.journal.execute(name, request, apply)
+            if name in STATE_READS and hasattr(self.journal, "read"):
+                return self.journal.read(request, apply)  # type: ignore[union-attr]
+            return apply(request)
+        except JournalUnavailable as err:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
+        except KVError as err:
+            context.abort_with_status(to_status(err))
+        except Exception:
+            log.exception("%s failed", name)
+            context.abort(grpc.StatusCode.INTERNAL, f"internal error in {name}; see the manager's log")
+        finally:
+            self.metrics.rpc_duration.labels(name).observe(time.perf_counter() - start)
+    method.__name__ = name
+    return method
+
+
+def _stamp(name: str, request: Any) -> None:
+    """Fill the fields only the server sets, replacing whatever a client sent, before the request is journaled.
+
+    CreatePool: the new pool's incarnation; derived from the request when it has a request_id (a retry
+    of it must carry the same bytes), else random. RegisterWorker: the caller's token name.
+    """
+    if name == "CreatePool":
+        request.incarnation = 0
+        request.incarnation = derived_incarnation(request) if request.request_id else new_incarnation()
+    elif name == "RegisterWorker":
+        request.registered_by = current_principal()
+
+
+for _name in METHODS:
+    if _name in STREAMING:
+        continue
+    setattr(BlockManagerServicer, _name, _adapter(_name))

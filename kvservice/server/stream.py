@@ -1,0 +1,323 @@
+"""StepStream and EchoStream: one long-lived stream per scheduler (gRPC adapter, like servicer.py).
+
+A stream is named by the call metadata ``kvservice-stream-id`` (the server makes one up when it
+is absent; such a stream cannot be resumed). Its server-side :class:`StreamSession` outlives the
+call, so a client that reconnects with the same id continues it:
+
+- Each request carries ``stream_seq`` (1, 2, 3, ...). Its idempotency key is
+  ``"<stream id>#<stream_seq>"`` unless the request brings its own ``request_id``, and it goes
+  through the same Journal hook as a unary Step: a resent request gets its original reply, once
+  applied, with no UUID per step. A seq that skips ahead of the stream is refused.
+- A refused request gets a reply with ``error`` set (the status a unary Step would have ended with)
+  and the stream goes on. Only a broken stream (a failed journal: UNAVAILABLE) ends the call.
+- With ``delta_tables`` the reply carries only what changed in the tables (kvservice/manager/delta.py),
+  relative to what the session last sent, when the request's ``delta_base`` says the client holds
+  exactly that; otherwise full tables.
+- Limits (servicer.Limits) are checked per request, except for a request whose arrays are the same
+  bytes as the last one checked on the stream (a steady decode loop): its caps cannot have changed.
+  Likewise its arrays are not decoded again (by the session or the journal), and the step's cost
+  check (ManagerAPI.check_step_cost) runs once per request bytes and pool when the request alone
+  settled it. Its KV events become visible once it is journaled (events.transaction).
+
+Sessions are bounded (least recently used one dropped past ``max_streams``; idle ones expire), so
+stream ids cannot grow the server's memory without bound; a dropped session only costs its client
+one full reply. Each open stream holds a server thread; ``kvservice serve --max-streams`` caps them
+(and adds that many threads), so unary calls are never starved.
+
+Metrics: each stream request is observed in ``kvservice_rpc_duration_seconds`` as ``method="Step"``
+(``"Echo"`` for EchoStream): the same operation, so alerts and dashboards cover both transports.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+import uuid
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+from google.rpc import code_pb2
+
+from kvservice.contract.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    KVError,
+    NotFound,
+    ResourceExhausted,
+)
+from kvservice.manager.api import ManagerAPI, step_kwargs, step_reply
+from kvservice.manager.delta import HeldTables, encode_delta, held_from_full
+from kvservice.v1 import block_manager_pb2 as pb
+
+log = logging.getLogger("kvservice")
+STREAM_ID_KEY = "kvservice-stream-id"
+_STREAM_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+_CODES = ((InvalidArgument, code_pb2.INVALID_ARGUMENT), (FailedPrecondition, code_pb2.FAILED_PRECONDITION),
+          (ResourceExhausted, code_pb2.RESOURCE_EXHAUSTED), (NotFound, code_pb2.NOT_FOUND),
+          (AlreadyExists, code_pb2.ALREADY_EXISTS))
+_UNSET: Any = object()
+_OTHER_ARRAYS = ("free_seq_ids", "admit_seq_ids", "admit_num_tokens", "fork_parent_ids", "fork_child_ids",
+                 "admit_token_ids")
+
+
+class StreamSession:
+    """Server-side state of one stream, kept across reconnects. Guard every use with `lock`.
+
+    last_seq: highest stream_seq answered (0 = none yet, or the session is new after a restart).
+    held: what the client's mirror holds after the last table-carrying reply (None = nothing known).
+    checked: key of the last request that passed the Limits check (a steady decode loop's arrays).
+    kwargs: (key, Pool.step arguments) of the last request with a key (_request_key): the same bytes decode
+        the same.
+    settled: (key, weak reference to the pool) of the last request whose cost check (ManagerAPI.check_step_cost)
+        was settled by the request alone: the same bytes on the same pool pass it again.
+    last_used: registry clock at the last request (idle sessions expire).
+    """
+
+    def __init__(self, stream_id: str) -> None:
+        self.stream_id = stream_id
+        self.lock = threading.Lock()
+        self.last_seq = 0
+        self.held: HeldTables | None = None
+        self.checked: tuple | None = None
+        self.kwargs: tuple[tuple, dict] | None = None
+        self.settled: tuple[tuple, weakref.ref] | None = None
+        self.last_used = 0.0
+
+    def check_order(self, seq: int) -> None:
+        """InvalidArgument for a stream_seq that is 0 or skips ahead of the stream."""
+        if seq < 1:
+            raise InvalidArgument("stream_seq must be >= 1 on StepStream: number the requests of a stream 1, 2, 3, ...",
+                                  reason="STREAM_SEQ")
+        if self.last_seq and seq > self.last_seq + 1:
+            raise InvalidArgument(f"stream_seq {seq} skips ahead: stream {self.stream_id!r} answered up to "
+                                  f"{self.last_seq}; send {self.last_seq + 1} next (or resend an earlier one)",
+                                  reason="STREAM_SEQ", expected=self.last_seq + 1)
+
+    def decoded(self, key: tuple | None) -> bool:
+        """True if `key` (_request_key) is the key of the last request whose arrays were decoded on this stream."""
+        return key is not None and self.kwargs is not None and self.kwargs[0] == key
+
+    def apply(self, api: ManagerAPI, request: pb.StepRequest, key: Any = _UNSET) -> pb.StepReply:
+        """Run the step (under the pool lock) and encode its reply: incremental if the client's base allows.
+
+        key: the request's _request_key if the caller has it (computed otherwise).
+        """
+        delta = request.delta_tables
+        if delta and (request.omit_tables or request.include_block_table):
+            raise InvalidArgument("delta_tables asks for incremental tables; omit_tables and include_block_table "
+                                  "do not go with it (the client's mirror builds block tables): set one or the other")
+        if key is _UNSET:
+            key = _request_key(request, self.stream_id)
+        if self.decoded(key):
+            kwargs = dict(self.kwargs[1])     # type: ignore[index]  # a steady decode loop: the same bytes as last time
+        else:
+            kwargs = step_kwargs(request)
+            self.kwargs = (key, dict(kwargs)) if key is not None else None
+        seq = request.stream_seq
+        pool, lock = api.manager.pool_and_lock(request.pool)
+        incarnation = api.manager.incarnation(request.pool)
+        with lock:
+            # The cost check of api.run_step, once per request bytes and pool when the request alone settled it.
+            settled = self.settled
+            if key is None or settled is None or settled[0] != key or settled[1]() is not pool:
+                self.settled = (key, weakref.ref(pool)) if api.check_step_cost(pool, request, kwargs) and key else None
+            held = self.held
+            if delta and held is not None and held.usable(pool, request.delta_base):
+                kwargs["tables"] = any(pool.windows)       # slot mappings suffice without sliding windows
+                kwargs["mappings"] = kwargs["tables"]      # and a steady decode step needs only the pages it opened
+                res = api.run_step(pool, request, kwargs, cost_checked=True)
+                reply, self.held = encode_delta(pool, res, held, seq, key is not None and held.key == key,
+                                                request.accept_tokens_added)
+                self.held.key = key
+                reply.pool_incarnation = incarnation
+                return reply
+            res = api.run_step(pool, request, kwargs, cost_checked=True)
+            self.held = held_from_full(seq, pool, res) if delta else None
+            if self.held is not None:
+                self.held.key = key
+        reply = step_reply(pool, res)
+        reply.stream_seq = seq
+        reply.pool_incarnation = incarnation
+        return reply
+
+
+class StreamRegistry:
+    """stream id -> StreamSession, at most max_streams (least recently used dropped), idle ones expire.
+
+    max_active: streams open at once (each holds a server thread while open; the server gets that many
+    threads on top of its own, so unary calls are never starved). A stream past it is refused.
+    """
+
+    def __init__(self, max_streams: int = 4096, idle_seconds: float = 600.0,
+                 clock: Callable[[], float] = time.monotonic, max_active: int = 64) -> None:
+        self.max_streams = max_streams
+        self.idle_seconds = idle_seconds
+        self.clock = clock
+        self.max_active = max_active
+        self.active = 0
+        self._sessions: OrderedDict[str, StreamSession] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def enter(self) -> bool:
+        """Count a stream call opening; False (not counted) if max_active are open already."""
+        with self._lock:
+            if self.active >= self.max_active:
+                return False
+            self.active += 1
+            return True
+
+    def leave(self) -> None:
+        with self._lock:
+            self.active -= 1
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def session(self, stream_id: str) -> StreamSession:
+        """The session of a stream id (a new one if unknown, dropped or expired); drops expired and excess ones.
+
+        Sessions are ordered by when their stream last opened; a session's own last_used (set per request)
+        keeps an open stream from expiring.
+        """
+        now = self.clock()
+        with self._lock:
+            s = self._sessions.pop(stream_id, None)
+            if s is None or now - s.last_used > self.idle_seconds:
+                s = StreamSession(stream_id)
+            s.last_used = now
+            self._sessions[stream_id] = s
+            while self._sessions:
+                oldest = next(iter(self._sessions.values()))
+                if len(self._sessions) <= self.max_streams and now - oldest.last_used <= self.idle_seconds:
+                    break
+                self._sessions.popitem(last=False)
+            return s
+
+
+def stream_id_of(context: grpc.ServicerContext) -> str | None:
+    """The stream id from the call metadata, a made-up one if absent, None if malformed."""
+    for key, value in context.invocation_metadata() or ():
+        if key == STREAM_ID_KEY:
+            return value if isinstance(value, str) and _STREAM_ID.match(value) else None
+    return f"anon-{uuid.uuid4().hex}"
+
+
+def error_reply(seq: int, err: KVError) -> pb.StepReply:
+    """A reply saying the request was refused with `err` (same code, message and ErrorInfo as a unary Step)."""
+    code = next((n for cls, n in _CODES if isinstance(err, cls)), code_pb2.INTERNAL)
+    return pb.StepReply(stream_seq=seq, error=pb.RequestStatus(code=code, message=err.message, reason=err.reason,
+                                                                metadata=err.metadata))
+
+
+def _request_key(r: pb.StepRequest, stream_id: str) -> tuple | None:
+    """What Limits and Pool.step read of a request that only extends (its arrays' bytes, pool, flags), None
+    for any other request or one with its own request_id: equal keys decode and check the same."""
+    if (r.request_id and r.request_id != f"{stream_id}#{r.stream_seq}") or any(r.HasField(f) for f in _OTHER_ARRAYS) \
+            or r.admit_cache_salts or r.admit_extra_keys:
+        return None
+    return (r.pool, r.extend_seq_ids.dtype, r.extend_seq_ids.data, r.extend_num_tokens.dtype,
+            r.extend_num_tokens.data, r.omit_tables, r.include_block_table)
+
+
+def step_one(servicer: Any, session: StreamSession, request: Any, broken: type[Exception],
+             observe: Callable[[float], None]) -> pb.StepReply:
+    """Answer one request of a StepStream; raises `broken` (the journal's JournalUnavailable) only.
+
+    request: a StepRequest, or the server's stand-in for bytes that did not parse.
+    observe: records the request's server-side seconds.
+    """
+    start = time.perf_counter()
+    ok = isinstance(request, pb.StepRequest)
+    seq = request.stream_seq if ok else 0
+    try:
+        with session.lock:
+            if not ok:
+                raise InvalidArgument(f"request is not a valid {getattr(request, 'type_name', 'StepRequest')} "
+                                      "message")
+            journal = servicer.journal
+            if getattr(journal, "failed", None):
+                raise broken(f"the manager stopped serving: {journal.failed}")
+            session.check_order(seq)
+            try:
+                key = _request_key(request, session.stream_id)
+                if servicer.limits is not None and (key is None or key != session.checked):
+                    servicer.limits.check("Step", request, servicer.api.manager)
+                    session.checked = key
+                if not request.request_id:
+                    request.request_id = f"{session.stream_id}#{seq}"
+
+                def apply(r: pb.StepRequest) -> pb.StepReply:
+                    return session.apply(servicer.api, r, key)
+
+                with servicer.api.manager.events.transaction():    # its KV events show once it is journaled
+                    reply = journal.execute("Step", request, apply, decoded=session.decoded(key)) \
+                        if journal is not None else apply(request)
+            finally:
+                session.last_seq = max(session.last_seq, seq)
+            if reply.stream_seq != seq:           # a reply rebuilt by journal recovery (a unary Step's)
+                reply.stream_seq = seq
+            return reply
+    except broken:
+        raise
+    except KVError as err:
+        return error_reply(seq, err)
+    except Exception:
+        log.exception("StepStream request %d of stream %r failed", seq, session.stream_id)
+        return pb.StepReply(stream_seq=seq, error=pb.RequestStatus(
+            code=code_pb2.INTERNAL, message="internal error in StepStream; see the manager's log", reason="INTERNAL"))
+    finally:
+        observe(time.perf_counter() - start)
+
+
+def step_stream(servicer: Any, requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[pb.StepReply]:
+    """The StepStream handler: one reply per request, in order."""
+    from kvservice.server.servicer import JournalUnavailable  # servicer imports this module
+
+    stream_id = stream_id_of(context)
+    if stream_id is None:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"metadata {STREAM_ID_KEY} must be 1-64 characters of "
+                      "[A-Za-z0-9_.:-]")
+    registry = servicer.streams
+    _enter(registry, context)
+    try:
+        session = registry.session(stream_id)
+        observe = servicer.metrics.rpc_duration.labels("Step").observe     # a stream request is a Step: same alerts
+        for request in requests:
+            try:
+                reply = step_one(servicer, session, request, JournalUnavailable, observe)
+            except JournalUnavailable as err:
+                context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
+            session.last_used = registry.clock()
+            yield reply
+    finally:
+        registry.leave()
+
+
+def _enter(registry: StreamRegistry, context: grpc.ServicerContext) -> None:
+    if not registry.enter():
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"this manager has {registry.max_active} streams open, its "
+                      "limit (kvservice serve --max-streams); close one, or use unary calls")
+
+
+def echo_stream(servicer: Any, requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[pb.EchoReply]:
+    """The EchoStream handler: each payload back, in order (the transport floor of StepStream)."""
+    registry = servicer.streams
+    _enter(registry, context)
+    try:
+        observe = servicer.metrics.rpc_duration.labels("Echo").observe
+        for request in requests:
+            start = time.perf_counter()
+            if not isinstance(request, pb.EchoRequest):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request is not a valid kvservice.v1.EchoRequest "
+                              "message")
+            reply = pb.EchoReply(payload=request.payload)
+            observe(time.perf_counter() - start)
+            yield reply
+    finally:
+        registry.leave()

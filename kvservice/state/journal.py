@@ -1,0 +1,773 @@
+"""The journal: mutating RPCs applied once, in order, made durable by a store before their reply.
+
+:class:`Journal` is what the servicer calls. It serialises mutating requests (one lock), answers a
+retried request_id with the original reply (:class:`IdempotencyWindow`), applies a new request to
+the in-memory manager and appends it to a :class:`JournalStore` before the reply leaves, and
+stamps every reply with the journal position (incarnation, seq) so a client can tell when a
+manager came back behind what it saw. Reads of pool state wait only for an uncommitted change of
+the pool they read (:class:`_Gate`), never for other pools or for a snapshot.
+
+Refusals and failures: a domain error (any ``kvservice.contract.errors`` class, including a request that
+cannot be decoded) changed nothing, is not journaled and the manager keeps serving. A store that
+cannot append fails the journal stop (every later call UNAVAILABLE, ``on_fail`` tells the server to
+exit): memory would otherwise run ahead of the disk. An unexpected exception inside a change (a bug)
+leaves memory possibly different from the journal, so the manager is rebuilt from the store (its
+snapshot and entries: exactly what was acknowledged) and keeps serving; only if that fails does it stop.
+
+Stores (kvservice/state/stores.py: the interface a backend implements): ``MemoryStore`` (``--state memory``:
+in-process, lost with the process) and ``store_sqlite.SqliteStore`` (``--state-dir``). Recovery is the same for
+both: decode and check the newest snapshot (kvservice/state/snapshot.py), replay every later entry after
+verifying its checksum and that none is missing, then check every pool's invariants and the store's
+witness of the last acknowledged position. Snapshots are captured under the lock (copies of the
+arrays: the pause) and encoded and written outside it. See docs/DURABILITY.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from google.protobuf.message import DecodeError, Message
+
+from kvservice.contract.errors import AlreadyExists, InvalidArgument, JournalUnavailable, KVError, StateError
+from kvservice.contract.wire import field_array
+from kvservice.core.geometry import CacheSpec
+from kvservice.core.planner import Sizing
+from kvservice.core.pool import PoolState
+from kvservice.manager.api import STEP_ARRAYS, ManagerAPI
+from kvservice.manager.pools import BlockManager
+from kvservice.state import snapshot as snap
+from kvservice.state.stores import Entry, JournalStore, MemoryStore, entry_digest
+from kvservice.v1 import block_manager_pb2 as pb
+
+log = logging.getLogger("kvservice.state.journal")
+
+REQUESTS: dict[str, type[Message]] = {"CreatePool": pb.CreatePoolRequest, "DeletePool": pb.DeletePoolRequest,
+                                      "Step": pb.StepRequest, "RegisterWorker": pb.RegisterWorkerRequest}
+REPLIES: dict[str, type[Message]] = {"CreatePool": pb.PoolInfo, "DeletePool": pb.DeletePoolReply,
+                                     "Step": pb.StepReply, "RegisterWorker": pb.RegisterWorkerReply}
+METHODS = list(REQUESTS)
+SYNC_MODES = ("full", "normal")
+_TARGET = {"Step": "pool", "DeletePool": "pool", "CreatePool": "name"}     # the pool a mutation changes
+
+
+@dataclass(frozen=True, slots=True)
+class JournalConfig:
+    """Knobs of the journal.
+
+    sync: SQLite `synchronous` in WAL mode. "full" fsyncs every commit (survives power loss);
+        "normal" survives a process crash (kill -9) but may lose the last commits on an OS crash.
+    compact_every: entries (acknowledged mutating RPCs) between snapshots; bounds recovery replay.
+    compact_bytes: serialized request bytes between snapshots (the other bound).
+    id_window: request ids remembered for idempotency (most recent).
+    id_window_seconds: ... and for at most this long, seconds.
+    reply_cache_bytes: serialized bytes of replies kept for retries (most recent first kept).
+    snapshot_replies: replies written into each snapshot (the most recent ones).
+    background_snapshots: encode and write compaction snapshots on a thread (False: inline, tests).
+    """
+
+    sync: str = "full"
+    compact_every: int = 10_000
+    compact_bytes: int = 256 << 20
+    id_window: int = 100_000
+    id_window_seconds: float = 600.0
+    reply_cache_bytes: int = 64 << 20
+    snapshot_replies: int = 256
+    background_snapshots: bool = True
+
+    def __post_init__(self) -> None:
+        if self.sync not in SYNC_MODES:
+            raise InvalidArgument(f"sync must be one of {', '.join(SYNC_MODES)}, got {self.sync!r}")
+        if self.compact_every < 1 or self.id_window < 1:
+            raise InvalidArgument("compact_every and id_window must be >= 1")
+
+
+def digest(data: bytes) -> bytes:
+    """16-byte fingerprint of a serialized request (a reused request_id must carry the same request)."""
+    return snap.digest16(data)
+
+
+class PrefixDigests:
+    """digest() of requests that repeat a long prefix, hashing only what follows it.
+
+    A steady decode loop sends the same arrays every step; what changes (request_id, stream_seq,
+    delta fields) is serialized after them. Per key (the pool), the hash state after the last long
+    request's prefix is kept; a request starting with those same bytes hashes only its tail. The
+    value is digest(data) exactly: blake2b is computed over the bytes in order, wherever it pauses.
+    Not thread-safe (the journal calls it under its lock). Bounded whatever the requests (the key is
+    an unchecked pool name): at most max_keys prefixes of at most MAX_PREFIX bytes each, max_bytes in
+    all; a longer request is hashed whole, and a full table is emptied before a new prefix goes in.
+    """
+
+    MIN_PREFIX = 1024          # shorter requests are hashed whole (cheap anyway)
+    MAX_PREFIX = 1 << 20       # longer ones too: a steady decode request at B=1024 is ~20 KB
+    TAIL = 256                 # bytes left out of a new prefix: where request_id and stream_seq sit
+
+    def __init__(self, max_keys: int = 256, max_bytes: int = 16 << 20) -> None:
+        self.max_keys = max_keys
+        self.max_bytes = max_bytes
+        self._kept: dict[str, tuple[bytes, Any]] = {}     # key -> (prefix bytes, hash state after them)
+        self.kept_bytes = 0
+        self.hits = 0
+
+    def __call__(self, key: str, data: bytes) -> bytes:
+        kept = self._kept.get(key)
+        if kept is not None and len(data) > len(kept[0]) and data.startswith(kept[0]):
+            h = kept[1].copy()
+            h.update(memoryview(data)[len(kept[0]):])
+            self.hits += 1
+            return h.digest()
+        cut = len(data) - self.TAIL
+        if not self.MIN_PREFIX <= cut <= self.MAX_PREFIX:
+            return digest(data)
+        h = hashlib.blake2b(digest_size=16)
+        h.update(memoryview(data)[:cut])
+        old = self._kept.pop(key, None)
+        if old is not None:
+            self.kept_bytes -= len(old[0])
+        if len(self._kept) >= self.max_keys or self.kept_bytes + cut > self.max_bytes:
+            self._kept.clear()
+            self.kept_bytes = 0
+        self._kept[key] = (data[:cut], h.copy())
+        self.kept_bytes += cut
+        h.update(memoryview(data)[cut:])
+        return h.digest()
+
+
+# ---- idempotency ---------------------------------------------------------------------------------------
+class IdempotencyWindow:
+    """request_id -> (method, digest, journal seq, wall time) for the last N ids / T seconds, and recent replies.
+
+    A retry of a known id gets its stored reply; an id whose reply was dropped from the
+    (byte-bounded) cache is refused ALREADY_EXISTS (reason REQUEST_ALREADY_APPLIED), never applied twice.
+    """
+
+    def __init__(self, config: JournalConfig) -> None:
+        self.config = config
+        self.ids: OrderedDict[str, tuple[str, bytes, int, float]] = OrderedDict()
+        self.replies: OrderedDict[str, tuple[Message, int]] = OrderedDict()
+        self.reply_bytes = 0
+        self.hits = 0
+
+    def lookup(self, rid: str, method: str, fingerprint: bytes) -> Message | None:
+        """The stored reply of a retried request, None for a new id; KVError for a reused or expired id."""
+        known = self.ids.get(rid)
+        if known is None:
+            return None
+        k_method, k_digest, seq, _ = known
+        if k_method != method or k_digest != fingerprint:
+            raise InvalidArgument(f"request_id {rid!r} was already used by a different {k_method} request "
+                                  f"(journal position {seq}); use a fresh id per request", reason="REQUEST_ID_REUSED",
+                                  request_id=rid)
+        stored = self.replies.get(rid)
+        if stored is None:
+            raise AlreadyExists(f"{method} {rid!r} was already applied (journal position {seq}); its reply is no "
+                                f"longer kept (reply cache {self.config.reply_cache_bytes} bytes)",
+                                reason="REQUEST_ALREADY_APPLIED", request_id=rid, position=seq)
+        self.hits += 1
+        return stored[0]
+
+    def remember(self, rid: str, method: str, fingerprint: bytes, seq: int, at: float, reply: Message | None) -> None:
+        """Record an applied request (at: wall-clock seconds) and keep its reply while the byte budget allows."""
+        self.ids[rid] = (method, fingerprint, seq, at)
+        if reply is not None:
+            size = reply.ByteSize()
+            self.replies[rid] = (reply, size)
+            self.reply_bytes += size
+        self.evict(at)
+
+    def evict(self, now: float) -> None:
+        c = self.config
+        oldest = now - c.id_window_seconds
+        while self.ids and (len(self.ids) > c.id_window or next(iter(self.ids.values()))[3] < oldest):
+            rid, _ = self.ids.popitem(last=False)
+            self._drop_reply(rid)
+        while self.replies and self.reply_bytes > c.reply_cache_bytes:
+            self._drop_reply(next(iter(self.replies)))
+
+    def _drop_reply(self, rid: str) -> None:
+        stored = self.replies.pop(rid, None)
+        if stored is not None:
+            self.reply_bytes -= stored[1]
+
+    def capture(self) -> tuple[list[tuple[str, str, bytes, int, float]], list[tuple[str, str, Message]]]:
+        """Every id and the most recent `snapshot_replies` replies (cheap: the journal lock is held)."""
+        ids = [(rid, m, d, s, t) for rid, (m, d, s, t) in self.ids.items()]
+        recent = list(self.replies.items())[-self.config.snapshot_replies:]
+        return ids, [(rid, self.ids[rid][0], msg) for rid, (msg, _) in recent]
+
+    def load(self, state: snap.WindowState) -> None:
+        self.ids = OrderedDict((rid, (m, d, s, t)) for rid, m, d, s, t in state.ids)
+        for rid, method, data in state.replies:
+            try:
+                msg = REPLIES[method].FromString(data)
+            except (KeyError, DecodeError) as err:
+                raise StateError(f"snapshot: stored reply of {rid!r} cannot be read ({err})") from None
+            self.replies[rid] = (msg, len(data))
+            self.reply_bytes += len(data)
+
+
+# ---- which pool an uncommitted change touches ------------------------------------------------------------
+class _Gate:
+    """Readers of a pool wait while a change of that pool is applied but not yet committed.
+
+    Writers (serialised by the journal lock) claim a pool, then wait for its readers to finish;
+    readers of other pools never wait. A read of every pool ("") waits for any claimed pool.
+    """
+
+    ALL = "\0all"
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition(threading.Lock())
+        self._busy: str | None = None
+        self._readers: Counter[str] = Counter()
+
+    @contextmanager
+    def writing(self, pool: str | None) -> Iterator[None]:
+        if pool is None:
+            yield
+            return
+        with self._cv:
+            self._busy = pool
+            if self._readers[pool] or self._readers[self.ALL]:
+                self._cv.wait_for(lambda: not self._readers[pool] and not self._readers[self.ALL])
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._busy = None
+                self._cv.notify_all()
+
+    @contextmanager
+    def reading(self, pool: str) -> Iterator[None]:
+        key = pool or self.ALL
+        with self._cv:
+            self._cv.wait_for(lambda: self._busy is None or (key != self.ALL and self._busy != key))
+            self._readers[key] += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._readers[key] -= 1
+                if not self._readers[key]:
+                    self._cv.notify_all()
+
+
+@dataclass(slots=True)
+class _Capture:
+    """What a snapshot holds, copied under the journal lock (encoded and written outside it)."""
+
+    seq: int
+    appended: int
+    pools: dict[str, Any]          # name -> PoolState (a pool unchanged since the last snapshot) or its finisher
+    dirty: set[str]                # pools exported anew (the rest reuse the last snapshot's arrays)
+    workers: list
+    window_ids: list
+    window_replies: list
+    pause: float
+
+
+class _Quiet(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING
+
+
+# ---- the journal ----------------------------------------------------------------------------------------
+class Journal:
+    """Serialises mutating RPCs, makes them durable through a store and idempotent by request_id.
+
+    store None = a fresh MemoryStore (``kvservice serve --state memory``).
+    Counters (read by metrics and benchmarks): commits, snapshots, window.hits, resyncs,
+    snapshot_pause_seconds / snapshot_pause_max_seconds (journal lock held to capture a snapshot),
+    snapshot_seconds and snapshot_bytes (the last snapshot's encode + write, outside the lock).
+    """
+
+    def __init__(self, manager: BlockManager, store: JournalStore | None = None,
+                 config: JournalConfig | None = None) -> None:
+        self.manager = manager
+        self.api = ManagerAPI(manager)
+        self.store: JournalStore = store if store is not None else MemoryStore()
+        self.config = config or JournalConfig()
+        self.window = IdempotencyWindow(self.config)
+        self.seq = 0                    # journal position of the last applied entry
+        self.snapshot_seq = 0           # position covered by the newest snapshot
+        self.incarnation = self.store.begin(0) if store is None else self.store.incarnation
+        self.recovery_seconds = 0.0
+        self._appended = 0              # request bytes appended (all time) ...
+        self._snap_appended = 0         # ... and when the newest snapshot was captured
+        self._compact_at = self.config.compact_every
+        self.commits = 0
+        self.snapshots = 0
+        self.resyncs = 0
+        self.snapshot_pause_seconds = 0.0
+        self.snapshot_pause_max_seconds = 0.0
+        self.snapshot_seconds = 0.0
+        self.snapshot_bytes = 0
+        self.failed: str | None = None
+        self.on_fail: Callable[[str], None] | None = None
+        self.observe_commit: Callable[[float], None] | None = None
+        self._lock = threading.Lock()
+        self._digests = PrefixDigests()             # request fingerprints of steady decode loops
+        self._gate = _Gate()
+        self._writer_done = threading.Event()        # clear while a captured snapshot is being written
+        self._writer_done.set()
+        # Pools unchanged since the last snapshot reuse its arrays: an idle pool costs no pause.
+        self._states: dict[str, Any] = {}           # name -> PoolState of the newest snapshot
+        self._dirty: set[str] = set()                # pools changed by an entry since it was captured
+        self.state_dir: Path | None = getattr(self.store, "state_dir", None)
+        if store is None and manager.pool_names():        # a manager filled outside the journal: keep a baseline
+            with self._lock:
+                cap = self._capture_locked(force=True)
+            if cap is not None:
+                self._write_capture(cap)
+
+    # ---- opening and recovery --------------------------------------------------------------
+    @classmethod
+    def open(cls, state_dir: str | Path, lease_seconds: float = 10.0, config: JournalConfig | None = None,
+             readonly: bool = False, repair: bool = False) -> Journal:
+        """Recover the manager kept in state_dir (created if missing, unless readonly) and journal into it.
+
+        readonly: inspect a state dir (of a stopped, crashed or running manager) without writing it.
+        repair: accept the state dir as it is on disk (rewrite its MANIFEST) when only the MANIFEST or its
+            witness disagrees; every content check still applies (``kvservice check-state DIR --repair``).
+        Raises StateError if the dir is busy, damaged, incomplete or from an incompatible version.
+        """
+        from kvservice.state.sqlite.store import SqliteStore
+        config = config or JournalConfig()
+        return cls.recover(SqliteStore.open(Path(state_dir), config.sync, readonly, repair), lease_seconds, config)
+
+    @classmethod
+    def recover(cls, store: JournalStore, lease_seconds: float = 10.0,
+                config: JournalConfig | None = None) -> Journal:
+        """A journal over `store` whose manager holds exactly the state the store acknowledged."""
+        journal = cls(BlockManager(lease_seconds), store, config)
+        try:
+            t0 = time.perf_counter()
+            replayed = journal._load(journal.manager, journal.window)
+            # Pools rebuilt from the snapshot were checked as they were loaded; check the ones replay changed.
+            problems = snap.verify_pools(journal._pools(journal.manager), journal._dirty)
+            if problems:
+                raise StateError(f"{store.location}: recovered state breaks invariants: {'; '.join(problems[:4])}",
+                                 reason="STATE_INVARIANTS", problems=problems)
+            store.check_position(journal.seq)
+            if not store.readonly:
+                journal.incarnation = store.begin(journal.seq)
+            journal._compact_at = journal.seq + journal.config.compact_every
+            journal.recovery_seconds = time.perf_counter() - t0
+            log.info("recovered %s: snapshot at %d, %d entries replayed in %.3f s, incarnation %d, pools: %s",
+                     store.location, journal.snapshot_seq, replayed, journal.recovery_seconds, journal.incarnation,
+                     ", ".join(journal.manager.pool_names()) or "none")
+        except BaseException:
+            store.close(clean=False, seq=journal.seq)
+            raise
+        return journal
+
+    def _load(self, manager: BlockManager, window: IdempotencyWindow | None) -> int:
+        """Restore the store's newest snapshot into manager and replay the later entries.
+
+        window None: rebuild the manager only (resync). Returns the number of entries replayed.
+        Raises StateError naming the first problem (damaged snapshot or entry, gap, failed replay).
+        """
+        try:
+            return self._load_unchecked(manager, window)
+        except StateError as err:
+            if err.reason in ("STATE_ERROR", "STATE_DAMAGED"):
+                err.reason = "STATE_DAMAGED"
+                if "backup" not in err.message:
+                    err.message = f"{err.message}. {self.store.remedy}"
+                    err.args = (err.message,)
+            raise
+
+    def _load_unchecked(self, manager: BlockManager, window: IdempotencyWindow | None) -> int:
+        where = self.store.location
+        found = self.store.load_snapshot()
+        snapshot_seq = 0
+        if found is not None:
+            snapshot_seq, blob = found
+            name = f"{where}: snapshot at {snapshot_seq} ({self.store.snapshot_where})"
+            s = snap.decode(blob, name)
+            if s.seq != snapshot_seq:
+                raise StateError(f"{name} holds position {s.seq} (damaged)")
+            manager.restore(snap.build_pools(s.pools, name), s.workers)
+            if window is not None:
+                window.load(s.window)
+        api = ManagerAPI(manager)
+        expected, replayed = snapshot_seq + 1, 0
+        quiet = _Quiet()
+        logging.getLogger("kvservice").addFilter(quiet)
+        try:
+            for e in self.store.entries_after(snapshot_seq):
+                self._replay(api, e, expected, window, where)
+                expected += 1
+                replayed += 1
+        finally:
+            logging.getLogger("kvservice").removeFilter(quiet)
+        if window is not None:
+            window.evict(time.time())
+            self.snapshot_seq, self.seq = snapshot_seq, expected - 1
+        return replayed
+
+    @staticmethod
+    def _pools(manager: BlockManager) -> dict[str, Any]:
+        out = {}
+        for name in manager.pool_names():
+            with manager.locked(name) as pool:
+                out[name] = pool
+        return out
+
+    def _replay(self, api: ManagerAPI, e: Entry, expected: int, window: IdempotencyWindow | None,
+                where: str) -> None:
+        """Check one journal entry (position, checksum, method) and apply it through api (recovery, a standby).
+
+        window None: rebuild a manager only (resync). StateError naming the entry if it cannot be applied.
+        """
+        if e.seq != expected:
+            raise StateError(f"{where}: journal entries {expected}..{e.seq - 1} are missing (after position "
+                             f"{expected - 1}): acknowledged changes are lost")
+        if entry_digest(e.seq, e.method, e.request, e.created) != e.digest:
+            raise StateError(f"{where}: journal entry {e.seq} fails its checksum (damaged)")
+        if e.method not in REQUESTS:
+            raise StateError(f"{where}: journal entry {e.seq} has unknown method {e.method!r}")
+        try:
+            request = REQUESTS[e.method].FromString(e.request)
+            reply = getattr(api, e.method)(request)
+        except KVError as err:
+            raise StateError(f"{where}: journal entry {e.seq} ({e.method}) failed on replay: "
+                             f"{err.message}; the state and this kvservice disagree") from None
+        except Exception as err:              # a bug or an unreadable entry: never a traceback at start
+            raise StateError(f"{where}: journal entry {e.seq} ({e.method}) cannot be replayed "
+                             f"({type(err).__name__}: {err})") from None
+        rid = getattr(request, "request_id", "")
+        if window is not None and rid:
+            window.remember(rid, e.method, digest(e.request), e.seq, e.created, reply)
+        if window is not None:
+            self._appended += len(e.request)
+            if e.method in _TARGET:
+                self._dirty.add(getattr(request, _TARGET[e.method]))
+
+    def apply_entry(self, entry: Entry) -> None:
+        """Check and apply the next entry another manager journaled (journal lock held; a standby,
+        kvservice/server/ha.py).
+
+        The same checks as recovery (position, checksum, replay); StateError if it cannot be applied.
+        """
+        quiet = _Quiet()
+        logging.getLogger("kvservice").addFilter(quiet)
+        try:
+            self._replay(self.api, entry, self.seq + 1, self.window, self.store.location)
+        finally:
+            logging.getLogger("kvservice").removeFilter(quiet)
+        self.seq = entry.seq
+
+    def follow(self, entries: Iterable[Entry]) -> int:
+        """Apply entries another manager journaled (a hot standby), under the journal lock; returns how many."""
+        n = 0
+        with self._lock:
+            for entry in entries:
+                self.apply_entry(entry)
+                n += 1
+        return n
+
+    # ---- the hooks the servicer calls -----------------------------------------------------
+    def execute(self, method: str, request: Message, apply: Callable[[Message], Message],
+                decoded: bool = False) -> Message:
+        """Apply a mutating request once: durable before it returns, the stored reply for a retried request_id.
+
+        decoded: the caller has decoded every array of this request already (a stream's repeated request
+        bytes), so they are not decoded again before apply.
+        """
+        cap = None
+        with self._lock:
+            self._check_usable()
+            rid = getattr(request, "request_id", "")
+            data = request.SerializeToString(deterministic=True)
+            fingerprint = (self._digests(request.pool, data) if method == "Step" else digest(data)) if rid else b""
+            if rid:
+                stored = self.window.lookup(rid, method, fingerprint)
+                if stored is not None:
+                    return self._stamped_copy(stored)
+            if method == "Step" and not decoded:
+                _decode_step(request)
+            with self._gate.writing(getattr(request, _TARGET[method]) if method in _TARGET else None):
+                try:
+                    reply = apply(request)
+                except KVError:
+                    raise                       # refused: nothing changed, nothing to journal
+                except Exception as err:
+                    self._resync(f"{method} failed unexpectedly ({type(err).__name__}: {err})")
+                    raise
+                now = time.time()
+                self._commit(method, data, now)
+                if method in _TARGET:
+                    self._dirty.add(getattr(request, _TARGET[method]))
+                self._stamp(reply)
+            if rid:
+                self.window.remember(rid, method, fingerprint, self.seq, now, reply)
+            if not self.store.readonly and self._due():
+                cap = self._capture_locked()
+        if cap is not None:
+            if self.config.background_snapshots:
+                threading.Thread(target=self._write_capture, args=(cap,), name="kvservice-snapshot",
+                                 daemon=True).start()
+            else:
+                self._write_capture(cap)
+        return reply
+
+    def read(self, request: Message, apply: Callable[[Message], Message]) -> Message:
+        """A read of pool state: only committed state is visible, and nothing once the journal failed.
+
+        It waits only while a change of the same pool is uncommitted (a read of all pools: any pool).
+        """
+        self._check_usable()
+        with self._gate.reading(getattr(request, "pool", "")):
+            reply = apply(request)
+            if isinstance(reply, pb.PoolInfo):
+                self._stamp(reply)
+        return reply
+
+    def _stamp(self, reply: Message) -> None:
+        if "position" in reply.DESCRIPTOR.fields_by_name:
+            reply.position.incarnation = self.incarnation      # type: ignore[attr-defined]
+            reply.position.seq = self.seq                      # type: ignore[attr-defined]
+
+    def _stamped_copy(self, stored: Message) -> Message:
+        reply = type(stored)()
+        reply.CopyFrom(stored)
+        self._stamp(reply)
+        return reply
+
+    def _check_usable(self) -> None:
+        if self.failed is not None:
+            raise JournalUnavailable(f"the manager stopped accepting requests: {self.failed}; it must restart "
+                                     "(state is recovered from its state dir)")
+
+    def _commit(self, method: str, data: bytes, now: float) -> None:
+        seq = self.seq + 1
+        t0 = time.perf_counter()
+        try:
+            self.store.append(Entry.make(seq, method, data, now))
+        except Exception as err:
+            self._fail(f"journal write failed ({type(err).__name__}: {err})")
+            raise JournalUnavailable(f"{method} was not made durable and is not acknowledged: "
+                                     f"{self.failed}") from None
+        if self.observe_commit is not None and self.store.durable:
+            self.observe_commit(time.perf_counter() - t0)
+        self._appended += len(data)
+        self.seq = seq
+        self.commits += 1
+
+    def _resync(self, why: str) -> None:
+        """After an unexpected error inside a change: rebuild the manager from the store (what was acknowledged)."""
+        log.exception("%s; rebuilding the manager from the journal", why)
+        try:
+            scratch = BlockManager(self.manager.workers.lease_seconds)
+            self._load(scratch, None)
+            self.manager.restore(self._pools(scratch), scratch.workers.workers())
+            self._dirty |= set(self.manager.pool_names())
+            self.resyncs += 1
+        except Exception as err:
+            self._fail(f"{why}, and rebuilding the manager from the journal failed ({type(err).__name__}: {err})")
+
+    def _fail(self, why: str) -> None:
+        if self.failed is not None:
+            return
+        self.failed = why
+        log.critical("journal failed, stopping: %s", why)
+        if self.on_fail is not None:
+            self.on_fail(why)
+
+    # ---- snapshots ---------------------------------------------------------------------------
+    @property
+    def tail_bytes(self) -> int:
+        """Request bytes journaled since the newest snapshot was captured."""
+        return self._appended - self._snap_appended
+
+    def _due(self) -> bool:
+        return self._writer_done.is_set() and (self.seq >= self._compact_at
+                                               or self.tail_bytes >= self.config.compact_bytes)
+
+    def snapshot(self) -> None:
+        """Write a snapshot now (also done every compact_every entries and on a clean close)."""
+        cap = self._capture_when_idle(check=True)
+        if cap is not None:
+            self._write_capture(cap)
+
+    def _capture_when_idle(self, check: bool) -> _Capture | None:
+        while True:
+            self._writer_done.wait()
+            with self._lock:
+                if check:
+                    self._check_usable()
+                elif self.failed is not None:
+                    return None
+                if self._writer_done.is_set():
+                    return self._capture_locked()
+
+    def _capture_locked(self, force: bool = False) -> _Capture | None:
+        """Copy what a snapshot holds (journal lock held: this is the pause every call waits for).
+
+        None if there is nothing new to snapshot (or a snapshot is being written). Otherwise the
+        caller must pass the capture to _write_capture, outside the lock.
+        """
+        if not self._writer_done.is_set() or (not force and (self.store.readonly or self.seq == self.snapshot_seq)):
+            return None
+        t0 = time.perf_counter()
+        pools: dict[str, Any] = {}
+        dirty = set()
+        for name in self.manager.pool_names():
+            with self.manager.locked(name) as pool:
+                old = self._states.get(name)
+                if old is not None and name not in self._dirty:     # refusals still move two counters
+                    pools[name] = PoolState(dict(old.meta, refused=int(pool.refused),
+                                                 alloc_failures=dict(pool.alloc_failures)), old.arrays)
+                else:
+                    pools[name] = pool.capture_state()
+                    dirty.add(name)
+        self._dirty = set()
+        ids, replies = self.window.capture()
+        pause = time.perf_counter() - t0
+        self.snapshot_pause_seconds = pause
+        self.snapshot_pause_max_seconds = max(self.snapshot_pause_max_seconds, pause)
+        self._compact_at = self.seq + self.config.compact_every
+        self._writer_done.clear()
+        return _Capture(self.seq, self._appended, pools, dirty, self.manager.workers.workers(), ids, replies, pause)
+
+    def _write_capture(self, cap: _Capture) -> None:
+        """Encode and store a captured snapshot (no journal lock: calls go on meanwhile)."""
+        t0 = time.perf_counter()
+        try:
+            states = {name: st if isinstance(st, PoolState) else st(runs=True) for name, st in cap.pools.items()}
+            window = snap.WindowState(cap.window_ids, [(rid, m, msg.SerializeToString())
+                                                       for rid, m, msg in cap.window_replies])
+            enc = snap.encode(cap.seq, self.incarnation, time.time(), states, cap.workers, window, METHODS)
+            self.store.write_snapshot(cap.seq, enc)
+        except Exception as err:          # the entries are still there: keep serving, try again later
+            log.error("snapshot at %d failed (%s: %s); recovery replays the longer tail", cap.seq,
+                      type(err).__name__, err)
+            with self._lock:
+                self._compact_at = self.seq + max(1, self.config.compact_every // 2)
+                self._dirty |= cap.dirty
+        else:
+            with self._lock:
+                self._states = states
+                self.snapshot_seq = max(self.snapshot_seq, cap.seq)
+                self._snap_appended = cap.appended
+                self.snapshots += 1
+                self.snapshot_seconds, self.snapshot_bytes = time.perf_counter() - t0, enc.nbytes
+            log.info("snapshot at journal position %d: %d bytes; pause %.1f ms, encode + write %.1f ms", cap.seq,
+                     enc.nbytes, 1e3 * cap.pause, 1e3 * self.snapshot_seconds)
+        finally:
+            self._writer_done.set()
+
+    def snapshot_to(self, store: JournalStore) -> None:
+        """Write this journal's state as a snapshot at its position into another store (any backend).
+
+        Backups and moves between backends (kvservice export-state / import-state, docs/HA.md). The
+        target must accept writes (begun); this journal's own store is not written.
+        """
+        self._writer_done.wait()
+        with self._lock:
+            ids, replies = self.window.capture()
+            states: dict[str, Any] = {}
+            for name in self.manager.pool_names():
+                with self.manager.locked(name) as pool:
+                    states[name] = pool.capture_state()
+            workers, seq = self.manager.workers.workers(), self.seq
+        states = {name: st if isinstance(st, PoolState) else st(runs=True) for name, st in states.items()}
+        window = snap.WindowState(ids, [(rid, m, msg.SerializeToString()) for rid, m, msg in replies])
+        store.write_snapshot(seq, snap.encode(seq, store.incarnation, time.time(), states, workers, window, METHODS))
+
+    def wait_for_snapshot(self, timeout: float | None = None) -> bool:
+        """Wait for a snapshot being written on the snapshot thread; False if still running after timeout."""
+        return self._writer_done.wait(timeout)
+
+    def close(self, snapshot: bool = True) -> None:
+        """Snapshot (if asked and healthy), then release the store, telling it the final position."""
+        cap = self._capture_when_idle(check=False) if snapshot and not self.store.readonly else None
+        if cap is not None:
+            self._write_capture(cap)
+        self._writer_done.wait()
+        with self._lock:
+            self.store.close(clean=self.failed is None, seq=self.seq)
+
+
+def _decode_step(request: Message) -> None:
+    """Decode every array of a Step before anything is applied: a malformed one is a refusal, never a failure."""
+    for f in STEP_ARRAYS:
+        if request.HasField(f):
+            try:
+                field_array(request, f)
+            except KVError:
+                raise
+            except Exception as err:
+                raise InvalidArgument(f"{f}: cannot be decoded ({type(err).__name__}: {err})", field=f) from None
+
+
+# ---- comparing states (tests, check-state) --------------------------------------------------------------
+def state_tree(manager: BlockManager, skip: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """Everything a recovery must reproduce, as plain nested values (==-comparable).
+
+    Pools: their exported state (pool.PoolState: meta and arrays, arrays as dtype, shape and bytes)
+    except the meta or array names in `skip`, and the diagnostic counter of refused steps (refused
+    steps are not journaled). Workers: every record field except the lease clock.
+    """
+    pools = {}
+    for name in manager.pool_names():
+        with manager.locked(name) as pool:
+            st = pool.export_state()
+        meta = {k: v for k, v in st.meta.items() if k not in skip | {"refused", "alloc_failures"}}
+        if isinstance(meta.get("prefix"), dict):
+            meta["prefix"] = {k: v for k, v in meta["prefix"].items() if k not in skip}
+        arrays = tuple((k, ("ndarray", v.dtype.str, v.shape, np.ascontiguousarray(v).tobytes()))
+                       for k, v in sorted(st.arrays.items()) if k not in skip)
+        pools[name] = (("meta", _plain(meta)), ("arrays", arrays))
+    workers = [(w.worker_id, w.pool, w.layer_begin, w.layer_end, w.tp_rank, w.tp_size, w.backend, w.epoch,
+                w.address, w.alive) for w in manager.workers.workers()]
+    return {"pools": pools, "workers": workers}
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, dict):
+        return tuple((k, _plain(x)) for k, x in sorted(v.items()))
+    if isinstance(v, list):
+        return tuple(_plain(x) for x in v)
+    return v
+
+
+def create_request(name: str, spec: CacheSpec, sizing: Sizing, backends: tuple[str, ...]) -> pb.CreatePoolRequest:
+    """The CreatePool request of a configured pool (config pools are journaled like API-created ones)."""
+    from kvservice.contract.convert import cache_spec_to_proto
+    return pb.CreatePoolRequest(name=name, cache=cache_spec_to_proto(spec), backends=list(backends),
+                                sizing=pb.Sizing(max_batch=sizing.max_batch, max_seq_len=sizing.max_seq_len,
+                                                 memory_budget_bytes=sizing.memory_budget_bytes,
+                                                 num_slots=sizing.num_slots))
+
+
+def ensure_pools(journal: Journal, pools: list[Any]) -> list[str]:
+    """Create (through the journal) each configured pool that does not exist yet; returns the names created."""
+    created = []
+    existing = set(journal.manager.pool_names())
+    for pc in pools:
+        if pc.name in existing:
+            with journal.manager.locked(pc.name) as pool:
+                if pool.plan.geometry.spec != pc.spec:
+                    log.warning("pool %r from the state dir differs from its configuration; serving the state's "
+                                "(delete the pool to recreate it from the configuration)", pc.name)
+            continue
+        journal.execute("CreatePool", create_request(pc.name, pc.spec, pc.sizing, pc.backends),
+                        journal.api.CreatePool)
+        created.append(pc.name)
+    return created
+
+
+__all__ = ["Entry", "IdempotencyWindow", "Journal", "JournalConfig", "JournalStore", "MemoryStore", "StateError",
+           "create_request", "ensure_pools", "state_tree"]

@@ -1,0 +1,1 @@
+"""The journal's replicated backend on NATS JetStream, its direct publisher and the leader lease."""

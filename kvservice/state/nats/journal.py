@@ -1,0 +1,679 @@
+"""The replicated journal backend: a NATS JetStream stream of entries and an object store of snapshots.
+
+``NatsStore`` implements the journal's store interface (``stores.JournalStore``, as the SQLite
+state dir does): ``load_snapshot`` (the bytes kvservice/state/snapshot.py encodes), ``entries_after``
+(``stores.Entry`` with the checksum the writer computed; the journal verifies it and the
+positions, as for every backend), ``begin`` (the incarnation: this store's fencing epoch),
+``append``, ``write_snapshot``, ``check_position``, ``close``. What the SQLite store's MANIFEST
+witnesses (how many changes were acknowledged) is the stream itself here: every publish is
+checked by the server against the last stream sequence this store saw, and recovery reads the
+stream to its end.
+
+What HA adds on top (used by kvservice/server/ha.py): ``poll`` (tail new entries: a hot standby),
+``catch_up`` (read to the end of the stream), ``fence(epoch)`` (become the only writer),
+``epoch`` / ``max_epoch``, and ``guard`` (a callable that raises when this process may no
+longer write: the leader lease, checked before every publish and again before an append returns).
+
+Layout, for a deployment name N (``--nats-name``, default ``kvservice``):
+- stream ``KVS_N``, subject ``kvs.N.journal``: one message per entry (or per part of an entry
+  larger than the server's max_payload), headers ``Kvs-Kind`` (entry|fence), ``Kvs-Seq``,
+  ``Kvs-Method``, ``Kvs-At``, ``Kvs-Epoch``, ``Kvs-Part`` (i/n), ``Kvs-Digest`` (the entry's
+  checksum, ``stores.entry_digest``, hex: position, method, time and the whole request). Every
+  publish carries ``Nats-Expected-Last-Sequence`` (the stream sequence this store last saw) and
+  ``Nats-Msg-Id`` (epoch.seq.part, so a retried publish is deduplicated): a writer whose view of
+  the stream is stale is refused by the server, so two managers can never both append.
+- object store ``KVS_N_snapshots``: ``snap-<seq>`` objects (the bytes kvservice/state/snapshot.py
+  encodes), their description a JSON header (journal seq, stream seq, epoch, bytes, blake2b
+  digest). After a snapshot is stored, the stream is purged below its stream sequence.
+
+Threading: nats-py is asyncio-only while the manager is synchronous (gRPC thread pool, one
+journal lock). A ``NatsLink`` owns one NATS connection on its own event-loop thread; sync code
+submits coroutines with ``asyncio.run_coroutine_threadsafe`` and waits with a timeout
+(``NatsLink.call``), and a coroutine still running at the timeout is cancelled. Code that
+already runs on the loop (the lease renewer) awaits directly and never calls ``call``. The
+journal's publishes (appends and fences, one per Step) skip the loop: ``NatsLink.direct`` is a
+connection of their own that the appending thread writes and reads itself (kvservice/state/nats/direct.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import hashlib
+import io
+import json
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable, Coroutine, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import nats
+import nats.errors
+import nats.js.errors
+from nats.js import api
+
+from kvservice.contract.errors import InvalidArgument, KVError, StateError
+from kvservice.state import snapshot as snap
+from kvservice.state.nats.direct import DirectError, DirectPublisher
+from kvservice.state.stores import Entry, JournalStore
+
+log = logging.getLogger("kvservice.nats")
+T = TypeVar("T")
+
+SNAPSHOT_FORMAT = 2                            # 2: kvservice/state/snapshot.py bytes (1: pickles, refused)
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
+_WRONG_LAST_SEQUENCE = (10071, 10164)          # JSStreamWrongLastSequence(Constant)Err
+#: Room left in each message for the headers (the payload limit counts both).
+_HEADER_ROOM = 1024
+
+
+class StoreError(KVError):
+    """The replicated store cannot do what was asked (unreachable, refused, corrupt)."""
+
+    reason = "STORE_ERROR"
+
+
+class Fenced(StoreError):
+    """Another writer appended to the stream: this store's view is stale and it may not write."""
+
+    reason = "FENCED"
+
+
+class JournalGap(StoreError):
+    """Entries between what this store has and what the stream holds were purged (a snapshot overtook us)."""
+
+    reason = "JOURNAL_GAP"
+
+
+@dataclass(frozen=True, slots=True)
+class NatsConfig:
+    """Where and how the replicated state lives.
+
+    servers: NATS URLs of the cluster (any subset reaches all of it).
+    name: deployment name; stream KVS_<name>, buckets KVS_<name>_snapshots and KVS_<name>_leader.
+    replicas: JetStream replicas of the stream and buckets (3 in production: survives one node; 1 for dev).
+    request_seconds: deadline of one request to NATS (publish, info, get).
+    append_seconds: how long an append keeps retrying a publish that timed out or found no stream
+        leader (a JetStream Raft election takes 4-9 s after a node dies) before the journal fails.
+    """
+
+    servers: tuple[str, ...]
+    name: str = "kvservice"
+    replicas: int = 1
+    request_seconds: float = 2.0
+    append_seconds: float = 15.0
+
+    def __post_init__(self) -> None:
+        if not self.servers:
+            raise InvalidArgument("--state nats://HOST:PORT needs at least one NATS server")
+        if not _NAME.match(self.name):
+            raise InvalidArgument(f"NATS name {self.name!r} must match [A-Za-z0-9_-]{{1,32}}")
+        if self.replicas not in (1, 3, 5):
+            raise InvalidArgument(f"replicas must be 1, 3 or 5 (a Raft group of an odd size), got {self.replicas}")
+        if self.request_seconds <= 0 or self.append_seconds < self.request_seconds:
+            raise InvalidArgument("request_seconds must be > 0 and append_seconds >= request_seconds")
+
+    @property
+    def stream(self) -> str:
+        return f"KVS_{self.name}"
+
+    @property
+    def subject(self) -> str:
+        return f"kvs.{self.name}.journal"
+
+    @property
+    def snapshot_bucket(self) -> str:
+        return f"KVS_{self.name}_snapshots"
+
+    @property
+    def leader_bucket(self) -> str:
+        return f"KVS_{self.name}_leader"
+
+    @property
+    def url(self) -> str:
+        return ",".join(self.servers)
+
+
+def parse_state_url(url: str, **fields: Any) -> NatsConfig:
+    """NatsConfig of ``--state nats://h1:4222,nats://h2:4222`` (``nats://h1:4222,h2:4222`` works too)."""
+    if not url.startswith("nats://"):
+        raise InvalidArgument(f"--state {url!r}: expected 'memory' or nats://HOST:PORT[,HOST:PORT...]")
+    servers = []
+    for part in url.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if "://" not in part:
+            part = "nats://" + part
+        host_port = part.split("://", 1)[1].rstrip("/")
+        if not re.fullmatch(r"[A-Za-z0-9_.\-\[\]:]+:\d{1,5}", host_port):
+            raise InvalidArgument(f"--state: {part!r} is not nats://HOST:PORT")
+        servers.append(part.rstrip("/"))
+    return NatsConfig(tuple(servers), **fields)
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+class NatsLink:
+    """One NATS connection on a dedicated event-loop thread, usable from synchronous code (see module doc)."""
+
+    def __init__(self, config: NatsConfig, client_name: str = "kvservice", connect_seconds: float = 10.0) -> None:
+        self.config = config
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="nats-loop")
+        self._thread.start()
+        self.disconnects = 0
+        self.closing = False
+        #: The journal's publishes: a connection of their own, used by the appending thread (nats_direct.py).
+        self.direct = DirectPublisher(config.servers, f"{client_name}-journal", config.request_seconds)
+        try:
+            self.nc = self.call(self._connect(client_name, connect_seconds), connect_seconds + 1.0)
+        except BaseException:
+            self._stop_loop()
+            raise
+        self.js = self.nc.jetstream(timeout=config.request_seconds)
+
+    async def _connect(self, client_name: str, connect_seconds: float) -> nats.NATS:
+        deadline = time.monotonic() + connect_seconds
+        while True:
+            try:
+                return await nats.connect(
+                    servers=list(self.config.servers), name=client_name, connect_timeout=1,
+                    reconnect_time_wait=0.1, max_reconnect_attempts=-1, ping_interval=2, max_outstanding_pings=2,
+                    error_cb=self._on_error, disconnected_cb=self._on_disconnect, reconnected_cb=self._on_reconnect,
+                    allow_reconnect=True)
+            except (TimeoutError, OSError, nats.errors.Error) as err:
+                if time.monotonic() >= deadline:
+                    raise StoreError(f"cannot reach NATS at {self.config.url} within {connect_seconds:g} s "
+                                     f"({type(err).__name__}: {err})") from None
+                await asyncio.sleep(0.2)
+
+    async def _on_error(self, err: Exception) -> None:
+        log.debug("NATS: %s: %s", type(err).__name__, err)
+
+    async def _on_disconnect(self) -> None:
+        if self.closing:
+            return
+        self.disconnects += 1
+        log.warning("NATS: disconnected from %s; reconnecting", self.config.url)
+
+    async def _on_reconnect(self) -> None:
+        url = self.nc.connected_url
+        log.warning("NATS: reconnected to %s", url.netloc if url else "?")
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
+        """Run `coro` on the loop and wait at most `timeout` seconds (then cancel it and raise StoreError)."""
+        if threading.current_thread() is self._thread:
+            coro.close()
+            raise RuntimeError("NatsLink.call from the loop thread would wait on itself; await instead")
+        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise StoreError(f"NATS did not answer within {timeout:g} s ({self.config.url})") from None
+
+    def close(self) -> None:
+        if self.loop.is_closed():
+            return
+        self.closing = True
+        self.direct.close()
+        if not self.nc.is_closed:
+            try:
+                self.call(self.nc.close(), 5.0)
+            except (StoreError, nats.errors.Error) as err:
+                log.debug("NATS close: %s", err)
+        self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5.0)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+
+@dataclass(slots=True)
+class _Part:
+    seq: int
+    method: str
+    at: float
+    count: int
+    digest: str
+    chunks: list[bytes]
+
+
+class NatsStore(JournalStore):
+    """Journal entries in a JetStream stream, snapshots in an object store (see the module doc).
+
+    The Journal's lock serialises appends; a snapshot is written from the journal's snapshot thread
+    meanwhile (it looks up the stream sequence of its position, recorded by append or read); a
+    standby's single follower thread reads. owns_link: close the link with the store (inspection tools).
+    create: create the stream and the snapshot bucket if missing (else StoreError).
+    readonly: never write; a standby's store stays read-only until it has fenced the stream.
+    """
+
+    def __init__(self, link: NatsLink, readonly: bool = False, owns_link: bool = False, create: bool = True) -> None:
+        self.link = link
+        self.config = link.config
+        self.readonly = readonly
+        self.owns_link = owns_link
+        self.path = f"{self.config.url} (stream {self.config.stream})"
+        self.location = self.path
+        self.durable = True
+        self.remedy = ("restore the deployment from a backup (kvservice import-state DIR nats://... into a fresh "
+                       "--nats-name; docs/operations.md)")
+        self.snapshot_where = f"bucket {self.config.snapshot_bucket}"
+        self.guard: Callable[[], None] | None = None
+        self.epoch = 0                 # the epoch this store writes under; 0 = not fenced (cannot append)
+        self.max_epoch = 0             # highest epoch seen in a snapshot header or a fence
+        self.seq = 0                   # journal position of the last complete entry read or written
+        self.last_stream_seq = 0       # stream sequence of the last message read or written
+        self.first_stream_seq = 0      # where reading starts: one past the stream sequence of the snapshot
+        self.appends = 0
+        self.append_retries = 0
+        self._parts: _Part | None = None
+        self._sub: Any = None
+        self._inbox: collections.deque[Any] = collections.deque()
+        self._wake: asyncio.Event | None = None
+        self._obs: Any = None
+        self._stream_at: dict[int, int] = {}    # journal position -> stream sequence of its last message
+        self._at_lock = threading.Lock()
+        self.max_part_bytes = max(4096, link.nc.max_payload - _HEADER_ROOM)
+        self._call(self._ensure(create))
+
+    @property  # type: ignore[override]
+    def incarnation(self) -> int:
+        """The epoch this store writes under (fenced), else the highest it has seen: stamped into replies."""
+        return max(self.epoch, self.max_epoch, 1)
+
+    def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """link.call, with any NATS error turned into a StoreError that names this store."""
+        try:
+            return self.link.call(coro, timeout or self.config.request_seconds + 1.0)
+        except nats.errors.Error as err:
+            raise StoreError(f"{self.path}: {type(err).__name__}: {err}") from None
+
+    def stream_last_seq(self) -> int:
+        """The stream's last sequence now (one request)."""
+        return self._call(self._stream_last_seq())
+
+    async def _ensure(self, create: bool) -> None:
+        c, js = self.config, self.link.js
+        try:
+            await js.stream_info(c.stream)
+        except nats.js.errors.NotFoundError:
+            if not create:
+                raise StoreError(f"{self.path}: no kvservice journal there (stream {c.stream} is missing)") from None
+            try:
+                await js.add_stream(api.StreamConfig(
+                    name=c.stream, subjects=[c.subject], storage=api.StorageType.FILE, num_replicas=c.replicas,
+                    retention=api.RetentionPolicy.LIMITS, discard=api.DiscardPolicy.NEW, duplicate_window=120.0,
+                    max_msg_size=-1, description="kvservice manager journal (docs/DURABILITY.md)"))
+            except nats.js.errors.BadRequestError:
+                await js.stream_info(c.stream)      # created meanwhile by the other manager
+        try:
+            self._obs = await js.object_store(c.snapshot_bucket)
+        except nats.js.errors.BucketNotFoundError:
+            if not create:
+                self._obs = None
+                return
+            try:
+                self._obs = await js.create_object_store(c.snapshot_bucket, config=api.ObjectStoreConfig(
+                    replicas=c.replicas, storage=api.StorageType.FILE, description="kvservice manager snapshots"))
+            except nats.js.errors.BadRequestError:
+                self._obs = await js.object_store(c.snapshot_bucket)
+
+    # ---- snapshots ------------------------------------------------------------------------------
+    def load_snapshot(self) -> tuple[int, bytes] | None:
+        """The newest snapshot (verified), or None; reading then starts after its stream sequence.
+
+        A writer (fenced) never reads again: its position is the stream's end, and a rebuild of its
+        manager (the journal's resync) is refused, so it fail-stops and a standby takes over.
+        """
+        if self.epoch:
+            raise StateError(f"{self.path}: a leader does not re-read the replicated journal; it stops and a "
+                             "standby (which holds every acknowledged entry) takes over")
+        found = self._call(self._last_snapshot(), max(30.0, self.config.request_seconds))
+        if found is None:
+            return None
+        meta, blob = found
+        self.seq = int(meta["seq"])
+        self.last_stream_seq = int(meta["stream_seq"])
+        self.first_stream_seq = self.last_stream_seq + 1
+        self.max_epoch = max(self.max_epoch, int(meta["epoch"]))
+        with self._at_lock:
+            self._stream_at = {self.seq: self.last_stream_seq}
+        self.snapshot_where = f"bucket {self.config.snapshot_bucket}, snap-{self.seq:020d}"
+        return self.seq, blob
+
+    last_snapshot = load_snapshot
+
+    def _snapshot_newer_than(self, seq: int) -> bool:
+        """Whether the bucket holds a snapshot of a position after seq now (one listing)."""
+        return self._call(self._newest_snapshot_name(), max(10.0, self.config.request_seconds)) > f"snap-{seq:020d}"
+
+    async def _newest_snapshot_name(self) -> str:
+        obs = self._obs
+        if obs is None:
+            try:
+                obs = await self.link.js.object_store(self.config.snapshot_bucket)
+            except nats.js.errors.BucketNotFoundError:
+                return ""
+        try:
+            infos = await obs.list(ignore_deletes=True)
+        except nats.js.errors.NotFoundError:
+            return ""
+        return max((i.name for i in infos if i.name.startswith("snap-") and not i.deleted), default="")
+
+    async def _last_snapshot(self) -> tuple[dict[str, Any], bytes] | None:
+        if self._obs is None:
+            return None
+        try:
+            infos = await self._obs.list(ignore_deletes=True)
+        except nats.js.errors.NotFoundError:
+            return None
+        snaps = sorted((i for i in infos if i.name.startswith("snap-") and not i.deleted), key=lambda i: i.name)
+        if not snaps:
+            return None
+        info = snaps[-1]
+        try:
+            meta = json.loads(info.description or "")
+            if int(meta["format"]) != SNAPSHOT_FORMAT:
+                raise ValueError(f"snapshot format {meta['format']} is not {SNAPSHOT_FORMAT} (written by an older "
+                                 "kvservice: export it with that version, import the state dir with this one)")
+        except (ValueError, KeyError, TypeError) as err:
+            raise StoreError(f"{self.path}: snapshot {info.name} has an unreadable header ({err})") from None
+        out = io.BytesIO()
+        try:
+            await self._obs.get(info.name, writeinto=out)
+        except nats.js.errors.DigestMismatchError:
+            raise StoreError(f"{self.path}: snapshot {info.name} is corrupt (SHA-256 mismatch)") from None
+        blob = out.getvalue()
+        if len(blob) != int(meta["bytes"]) or _digest(blob) != meta["digest"]:
+            raise StoreError(f"{self.path}: snapshot {info.name} does not match its header "
+                             f"({len(blob)} bytes, header says {meta['bytes']})")
+        return meta, blob
+
+    def write_snapshot(self, seq: int, encoded: snap.Encoded) -> None:
+        """Store a snapshot at journal position seq, then drop the entries and older snapshots it covers.
+
+        Runs on the journal's snapshot thread while appends go on: the stream is purged only up to
+        the stream sequence of position seq (recorded when it was appended or read).
+        """
+        if self.readonly or self.epoch == 0:
+            raise StoreError("this manager does not write the journal (read-only or standby)")
+        self._check_guard()
+        with self._at_lock:
+            stream_seq = self._stream_at.get(seq)
+        if stream_seq is None:
+            raise StoreError(f"{self.path}: no stream sequence known for journal position {seq}")
+        state = b"".join(bytes(c) for c in encoded.chunks)
+        meta = {"format": SNAPSHOT_FORMAT, "seq": seq, "stream_seq": stream_seq, "epoch": self.epoch,
+                "at": time.time(), "bytes": len(state), "digest": _digest(state)}
+        self._call(self._write_snapshot(f"snap-{seq:020d}", state, meta), max(60.0, self.config.append_seconds))
+        with self._at_lock:
+            self._stream_at = {s: q for s, q in self._stream_at.items() if s >= seq}
+
+    async def _write_snapshot(self, name: str, state: bytes, meta: dict[str, Any]) -> None:
+        assert self._obs is not None
+        await self._obs.put(name, state, meta=api.ObjectMeta(name=name, description=json.dumps(meta)))
+        await self.link.js.purge_stream(self.config.stream, seq=int(meta["stream_seq"]) + 1)
+        try:
+            infos = await self._obs.list(ignore_deletes=True)
+        except nats.js.errors.NotFoundError:
+            return
+        for info in infos:
+            if info.name.startswith("snap-") and info.name < name and not info.deleted:
+                await self._obs.delete(info.name)
+
+    # ---- reading -------------------------------------------------------------------------------------
+    def entries_after(self, seq: int) -> Iterator[Entry]:
+        """Every complete entry after journal position seq, up to the end of the stream as it is now."""
+        for entry in self.catch_up(strict=False):
+            if entry.seq > seq:
+                yield entry
+
+    def catch_up(self, strict: bool = True) -> Iterator[Entry]:
+        """Read (from where this store is) to the last message the stream holds when called."""
+        last = self.stream_last_seq()
+        deadline = time.monotonic() + max(30.0, self.config.append_seconds)
+        while self.last_stream_seq < last:
+            batch = self.poll(0.5, strict=strict)
+            if not batch:
+                first = self._call(self._stream_first_seq())
+                if first > self.last_stream_seq + 1 and (strict or self._snapshot_newer_than(self.seq)):
+                    raise self._overtaken()         # what we were to read next was purged by a compaction
+                if time.monotonic() > deadline:
+                    raise StoreError(f"{self.path}: stream stopped at {self.last_stream_seq} while reading to {last}")
+            yield from batch
+
+    def _overtaken(self) -> JournalGap:
+        return JournalGap(f"{self.path}: the stream was compacted past position {self.seq} while it was read (a "
+                          "newer snapshot was stored meanwhile); recover again from it")
+
+    async def _stream_first_seq(self) -> int:
+        info = await self.link.js.stream_info(self.config.stream)
+        return int(info.state.first_seq)
+
+    async def _stream_last_seq(self) -> int:
+        info = await self.link.js.stream_info(self.config.stream)
+        return int(info.state.last_seq)
+
+    def poll(self, wait: float, max_messages: int = 1024, strict: bool = True) -> list[Entry]:
+        """Complete entries that arrived (waiting up to `wait` s for the first message); [] if none.
+
+        Fences are consumed here too (they raise max_epoch). strict: raise JournalGap if an entry
+        does not follow the last one (the stream was purged past what this store has read: a
+        standby); else pass it on, and the journal refuses the gap (recovery: entries missing).
+        """
+        if self._sub is None:        # a consumer is created through the JetStream meta leader: allow an election
+            self._call(self._subscribe(max(1, self.first_stream_seq, self.last_stream_seq + 1)),
+                       max(10.0, 3 * self.config.request_seconds))
+        msgs = self._call(self._take(wait, max_messages), wait + self.config.request_seconds + 1.0)
+        out = []
+        for msg in msgs:
+            entry = self._decode(msg, strict)
+            if entry is not None:
+                out.append(entry)
+        return out
+
+    async def _subscribe(self, start: int) -> None:
+        self._wake = asyncio.Event()
+        self._inbox.clear()
+
+        async def deliver(msg: Any) -> None:
+            self._inbox.append(msg)
+            assert self._wake is not None
+            self._wake.set()
+        self._sub = await self.link.js.subscribe(
+            self.config.subject, cb=deliver, ordered_consumer=True, stream=self.config.stream,
+            config=api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start))
+
+    async def _take(self, wait: float, max_messages: int) -> list[Any]:
+        assert self._wake is not None
+        if not self._inbox:
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), wait)
+            except TimeoutError:
+                return []
+        out = []
+        while self._inbox and len(out) < max_messages:
+            out.append(self._inbox.popleft())
+        return out
+
+    def stop_reading(self) -> None:
+        """Drop the stream subscription (a leader does not read)."""
+        if self._sub is not None:
+            sub, self._sub = self._sub, None
+            try:
+                self._call(sub.unsubscribe())
+            except (StoreError, nats.errors.Error) as err:
+                log.debug("unsubscribe: %s", err)
+        self._inbox.clear()
+
+    def _decode(self, msg: Any, strict: bool = True) -> Entry | None:
+        stream_seq = int(msg.metadata.sequence.stream)
+        if stream_seq <= self.last_stream_seq:
+            return None                                   # redelivered after a consumer reset
+        if stream_seq > self.last_stream_seq + 1 and not strict and self._snapshot_newer_than(self.seq):
+            # Recovery listed the snapshots, then the leader stored a newer one and purged the stream
+            # below it before these messages were read: what is missing is in that snapshot.
+            raise self._overtaken()
+        self.last_stream_seq = stream_seq
+        h = msg.headers or {}
+        kind = h.get("Kvs-Kind", "")
+        if kind == "fence":
+            self._parts = None                            # an unfinished entry of the old writer is void
+            self.max_epoch = max(self.max_epoch, int(h["Kvs-Epoch"]))
+            return None
+        if kind != "entry":
+            raise StoreError(f"{self.path}: stream message {stream_seq} is not a kvservice journal entry")
+        seq = int(h["Kvs-Seq"])
+        index, count = (int(x) for x in h["Kvs-Part"].split("/"))
+        if index == 0:
+            self._parts = _Part(seq, h["Kvs-Method"], float(h["Kvs-At"]), count, h["Kvs-Digest"], [])
+        parts = self._parts
+        if parts is None or parts.seq != seq or len(parts.chunks) != index:
+            self._parts = None                            # a part whose entry began before we started: skip
+            return None
+        parts.chunks.append(bytes(msg.data))
+        if len(parts.chunks) < parts.count:
+            return None
+        self._parts = None
+        data = b"".join(parts.chunks)
+        try:
+            checksum = bytes.fromhex(parts.digest)
+        except ValueError:
+            raise StateError(f"{self.path}: journal entry {seq} (stream {stream_seq}) has an unreadable "
+                             "checksum (damaged)") from None
+        if seq <= self.seq:
+            return None                                   # covered by the snapshot we loaded
+        if seq != self.seq + 1 and strict:
+            raise JournalGap(f"{self.path}: journal entry {seq} follows {self.seq}: the entries between were "
+                             "compacted into a newer snapshot; recover again from it")
+        self.seq = seq
+        with self._at_lock:
+            self._stream_at[seq] = stream_seq
+        return Entry(seq, parts.method, data, parts.at, checksum)
+
+    # ---- writing -------------------------------------------------------------------------------------
+    def begin(self, seq: int) -> int:
+        """Recovery reached position seq; the incarnation is the epoch (a writer appends once fenced)."""
+        if seq != self.seq:
+            raise StoreError(f"recovered position {seq}, but this store read to {self.seq}")
+        return self.incarnation
+
+    def check_position(self, seq: int) -> None:
+        """The stream is the witness: recovery must have replayed every complete entry read from it."""
+        if seq != self.seq:
+            raise StateError(f"{self.path}: the stream holds entries up to {self.seq}, recovery reached {seq}",
+                             reason="STATE_ROLLBACK")
+
+    def append(self, entry: Entry) -> None:
+        """Publish one entry (in parts if larger than a message), each fenced on the last stream sequence."""
+        if self.readonly or self.epoch == 0:
+            raise StoreError("this manager does not write the journal (read-only or standby)")
+        seq, method, data, at = entry.seq, entry.method, entry.request, entry.created
+        if seq != self.seq + 1:
+            raise StoreError(f"append at journal position {seq}, but this store is at {self.seq}")
+        self._check_guard()
+        step = self.max_part_bytes
+        chunks = [data[i:i + step] for i in range(0, len(data), step)] or [b""]
+        digest = entry.digest.hex()
+        for i, chunk in enumerate(chunks):
+            headers = {"Kvs-Kind": "entry", "Kvs-Seq": str(seq), "Kvs-Method": method, "Kvs-At": repr(at),
+                       "Kvs-Epoch": str(self.epoch), "Kvs-Part": f"{i}/{len(chunks)}", "Kvs-Digest": digest,
+                       "Nats-Msg-Id": f"{self.epoch}.{seq}.{i}"}
+            self._publish(chunk, headers)
+        self.seq = seq
+        with self._at_lock:
+            self._stream_at[seq] = self.last_stream_seq
+        self.appends += 1
+        self._check_guard()                               # still the leader now that it is durable
+
+    def fence(self, epoch: int) -> None:
+        """Append a fence for `epoch` right after the last message this store read; Fenced if the stream moved.
+
+        From then on, a writer of an older epoch is refused (its expected last sequence is stale).
+        """
+        if self.readonly:
+            raise StoreError("a read-only store cannot fence")
+        if epoch <= self.max_epoch:
+            raise StoreError(f"epoch {epoch} is not above the highest seen, {self.max_epoch}")
+        self._publish(b"", {"Kvs-Kind": "fence", "Kvs-Epoch": str(epoch), "Kvs-Seq": str(self.seq),
+                            "Nats-Msg-Id": f"fence.{epoch}"})
+        self.epoch = self.max_epoch = epoch
+        self._parts = None
+        with self._at_lock:
+            self._stream_at[self.seq] = self.last_stream_seq     # a snapshot at this position reads on after it
+
+    def _check_guard(self) -> None:
+        if self.guard is not None:
+            self.guard()
+
+    def _publish(self, payload: bytes, headers: dict[str, str]) -> None:
+        """Publish with the expected-last-sequence fence; retry timeouts (same Nats-Msg-Id) until append_seconds."""
+        c = self.config
+        deadline = time.monotonic() + c.append_seconds
+        delay = 0.05
+        while True:
+            headers["Nats-Expected-Last-Sequence"] = str(self.last_stream_seq)
+            try:
+                stream_seq = self._publish_once(payload, headers)
+            except nats.js.errors.APIError as err:
+                if err.err_code in _WRONG_LAST_SEQUENCE:
+                    raise Fenced(f"the journal stream moved past {self.last_stream_seq} ({err.description}): "
+                                 "another manager wrote it; this one is no longer the leader") from None
+                if err.code is not None and err.code < 500 and err.code != 503:
+                    raise StoreError(f"NATS refused the journal entry: {err.description}") from None
+                why: Exception = err
+            except (StoreError, nats.errors.TimeoutError, nats.errors.NoRespondersError,
+                    nats.errors.ConnectionClosedError, nats.js.errors.NoStreamResponseError, OSError) as err:
+                why = err
+            else:
+                self.last_stream_seq = stream_seq
+                return
+            if time.monotonic() + delay >= deadline:
+                raise StoreError(f"NATS did not store the journal entry within {c.append_seconds:g} s "
+                                 f"({type(why).__name__}: {why})")
+            self.append_retries += 1
+            self._check_guard()
+            time.sleep(delay)
+            delay = min(0.5, delay * 2)
+
+    def _publish_once(self, payload: bytes, headers: dict[str, str]) -> int:
+        """One JetStream publish, acknowledged: its stream sequence; APIError etc. as js.publish raises them."""
+        c = self.config
+        try:
+            reply = self.link.direct.request(c.subject, payload, {**headers, "Nats-Expected-Stream": c.stream},
+                                             c.request_seconds)
+        except DirectError as err:
+            raise StoreError(err.message) from None
+        if reply.no_responders:
+            raise nats.js.errors.NoStreamResponseError
+        try:
+            ack = json.loads(reply.data)
+        except ValueError:
+            raise StoreError(f"NATS answered a journal publish with {reply.data[:80]!r}") from None
+        if isinstance(ack, dict) and "error" in ack:
+            nats.js.errors.APIError.from_error(ack["error"])       # raises the matching APIError
+        try:
+            return int(ack["seq"])
+        except (KeyError, TypeError, ValueError):
+            raise StoreError(f"NATS answered a journal publish without a stream sequence: "
+                             f"{reply.data[:80]!r}") from None
+
+    def close(self, clean: bool = True, seq: int = 0) -> None:
+        self.stop_reading()
+        if self.owns_link:
+            self.link.close()
+
+
+__all__ = ["Fenced", "JournalGap", "NatsConfig", "NatsLink", "NatsStore", "StoreError", "parse_state_url"]

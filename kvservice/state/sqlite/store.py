@@ -1,0 +1,467 @@
+"""The journal's SQLite backend: a state dir that refuses to serve when anything in it is damaged or missing.
+
+Layout of DIR (format 2):
+
+    state.db (+ -wal, -shm)   SQLite, WAL mode: meta(key, value): format, incarnation;
+                              entries(seq, method, request, created, digest): the journal tail;
+                              snapshots(seq, file, header_digest, nbytes, created): the newest snapshot
+    snapshots/snapshot-<seq>.kvs   snapshot files (kvservice/state/snapshot.py)
+    MANIFEST                  JSON witness, replaced atomically: format, incarnation, running,
+                              last_seq (at least this many changes were acknowledged), snapshot_seq, digest
+    lock                      flock of the serving process (its pid inside)
+
+What is checked on open, before anything is served (each failure is a StateError that says what is
+wrong and what to do; ``kvservice check-state DIR`` prints the same):
+the MANIFEST's own checksum; a state.db that is missing or empty while the MANIFEST says the dir
+holds state (versus a genuinely fresh dir: nothing there); the database header (a header that
+lost WAL mode would make SQLite ignore the log); the write-ahead log frame by frame
+(kvservice/state/sqlite/wal.py) — damage is refused, a torn last commit of a crashed machine is
+dropped with a warning; a log that is missing after an unclean stop; SQLite's quick_check; the
+format and incarnation; the snapshot file recorded in the database (present, same size, same
+header digest). The journal then checks the snapshot's own checksums, each entry's checksum and
+that none is missing, every pool's invariants, and finally (check_position) that the recovered
+position is not behind the MANIFEST's last_seq.
+
+Read-only opens (check-state, tests) work on a private copy of the database: on a stopped dir
+after the same checks (holding a shared lock so no manager starts meanwhile), on a running one
+through SQLite's online backup (its log is then not checked: the manager is writing it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import shutil
+import sqlite3
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from kvservice.contract.errors import StateError
+from kvservice.state import snapshot as snap
+from kvservice.state.sqlite.wal import check_wal, db_header
+from kvservice.state.stores import Entry, JournalStore
+
+log = logging.getLogger("kvservice.state.journal")
+
+FORMAT = 2
+DB_NAME = "state.db"
+MANIFEST = "MANIFEST"
+SNAP_DIR = "snapshots"
+REPAIR = "run `kvservice check-state DIR --repair` to accept the state dir as it is"
+RESTORE = "restore the state dir from a backup"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _lock_dir(state_dir: Path, shared: bool = False) -> int | None:
+    """flock DIR/lock; exclusive: StateError naming the holder if busy; shared: None if a manager holds it."""
+    path = state_dir / "lock"
+    if shared and not path.exists():
+        return -1
+    fd = os.open(path, os.O_RDONLY if shared else os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        if shared:
+            return None
+        raise StateError(f"state dir {state_dir} is in use by another kvservice (pid {holder})",
+                         reason="STATE_BUSY") from None
+    if not shared:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
+
+
+def read_manifest(state_dir: Path) -> dict[str, Any] | None:
+    """The MANIFEST (None if there is none); StateError if it is damaged."""
+    path = state_dir / MANIFEST
+    if not path.exists():
+        return None
+    try:
+        m = json.loads(path.read_bytes())
+        body = {k: v for k, v in m.items() if k != "digest"}
+        ok = m.get("digest") == snap.digest16(json.dumps(body, sort_keys=True).encode()).hex()
+        if ok:
+            for k in ("format", "incarnation", "last_seq", "snapshot_seq"):
+                if not isinstance(m[k], int):
+                    ok = False
+            ok = ok and isinstance(m["running"], bool)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        ok = False
+    if not ok:
+        raise StateError(f"{path}: damaged (checksum or fields); it is the witness of how much this dir "
+                         f"acknowledged. {REPAIR} after checking it, or {RESTORE}", reason="STATE_DAMAGED")
+    return m
+
+
+def write_manifest(state_dir: Path, **fields: Any) -> None:
+    """Replace the MANIFEST atomically (write, fsync, rename, fsync the dir)."""
+    body = {"format": FORMAT, **fields, "updated": time.time()}
+    body["digest"] = snap.digest16(json.dumps(body, sort_keys=True).encode()).hex()
+    tmp = state_dir / (MANIFEST + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(json.dumps(body, sort_keys=True, indent=1).encode() + b"\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, state_dir / MANIFEST)
+    _fsync_dir(state_dir)
+
+
+class SqliteStore(JournalStore):
+    """A state dir (see the module docstring). Use SqliteStore.open."""
+
+    durable = True
+    remedy = "Restore the state dir from a backup (see docs/DURABILITY.md, \"Damaged state\")"
+
+    def __init__(self, state_dir: Path, readonly: bool, lock_fd: int | None, repair: bool) -> None:
+        self.state_dir = state_dir
+        self.location = str(state_dir)
+        self.readonly = readonly
+        self.repair = repair
+        self.live = False                       # readonly: a manager is running on the dir
+        self._lock_fd = lock_fd
+        self._db_lock = threading.Lock()        # appends vs the snapshot thread's transaction
+        self._manifest_lock = threading.Lock()
+        self._copy_dir: Path | None = None
+        self.manifest: dict[str, Any] | None = None
+        self.snapshot_seq = 0
+        self.torn_frames = 0
+        self.notes: list[str] = []              # what check-state reports besides problems
+        self.db: sqlite3.Connection | None = None
+
+    # ---- opening ------------------------------------------------------------------------------
+    @classmethod
+    def open(cls, state_dir: Path, sync: str = "full", readonly: bool = False, repair: bool = False) -> SqliteStore:
+        """Open (creating it if missing and not readonly) and check a state dir; StateError if it cannot serve."""
+        if readonly:
+            if not (state_dir / DB_NAME).exists() and not (state_dir / MANIFEST).exists():
+                raise StateError(f"{state_dir}: no kvservice state here ({DB_NAME} and {MANIFEST} are missing)",
+                                 reason="STATE_MISSING")
+            fd = _lock_dir(state_dir, shared=True)
+            store = cls(state_dir, True, fd if fd is not None and fd >= 0 else None, False)
+            store.live = fd is None
+        else:
+            state_dir.mkdir(parents=True, exist_ok=True)
+            store = cls(state_dir, False, _lock_dir(state_dir), repair)
+        try:
+            store._open(sync)
+        except BaseException:
+            store._release()
+            raise
+        return store
+
+    def _open(self, sync: str) -> None:
+        d = self.state_dir
+        db_path, wal = d / DB_NAME, d / (DB_NAME + "-wal")
+        try:
+            self.manifest = read_manifest(d)
+        except StateError:
+            if not self.repair:
+                raise
+            self.manifest = None
+            self.notes.append("MANIFEST damaged: ignored (repair)")
+        m = self.manifest
+        db_has = db_path.exists() and db_path.stat().st_size > 0
+        snap_files = sorted((d / SNAP_DIR).glob("snapshot-*.kvs")) if (d / SNAP_DIR).exists() else []
+        fresh = False
+        if m is None and not self.repair:
+            if not db_has and not snap_files and not self.readonly:
+                fresh = True
+            elif db_has and not snap_files and self._interrupted_first_start(db_path) and not self.readonly:
+                fresh = True
+            else:
+                raise StateError(f"{d}: {MANIFEST} is missing but the dir holds kvservice state "
+                                 f"({'state.db' if db_has else 'no state.db'}, {len(snap_files)} snapshot files): "
+                                 f"how much it acknowledged is unknown. {REPAIR}, or {RESTORE}",
+                                 reason="STATE_DAMAGED")
+        if fresh:
+            for p in (db_path, wal, d / (DB_NAME + "-shm")):
+                p.unlink(missing_ok=True)
+            db_has = False
+        elif m is not None and m["format"] != FORMAT:
+            raise StateError(f"{d}: state format {m['format']} is not {FORMAT}; use the kvservice release that "
+                             "wrote it", reason="STATE_FORMAT")
+        elif not db_has:
+            raise StateError(f"{d}: {DB_NAME} is missing or empty, but {MANIFEST} says this dir holds state "
+                             f"(incarnation {m['incarnation'] if m else '?'}, at least {m['last_seq'] if m else '?'} "
+                             f"changes acknowledged, snapshot at {m['snapshot_seq'] if m else '?'}): {RESTORE}",
+                             reason="STATE_DAMAGED")
+        wal_existed = wal.exists()
+        if db_has and not (self.readonly and self.live):
+            page_size, problem = db_header(db_path)
+            if problem:
+                raise StateError(f"{d}: {problem}: {RESTORE}", reason="STATE_DAMAGED")
+            if wal_existed:
+                rep = check_wal(wal, page_size)
+                if rep.problem:
+                    raise StateError(f"{d}: {rep.problem}. {RESTORE}; or, to accept losing those commits, move "
+                                     f"{wal.name} away and {REPAIR}", reason="STATE_DAMAGED")
+                if rep.torn:
+                    self.torn_frames = rep.torn
+                    msg = (f"{wal.name}: the last {rep.torn} frames are a commit cut short by a crash of the "
+                           "machine (never acknowledged); dropped")
+                    log.warning("%s: %s", d, msg)
+                    self.notes.append(msg)
+        elif self.live:
+            self.notes.append("a manager is running on this dir: checked through an online copy; its "
+                              "write-ahead log was not checked")
+        self._connect(sync, fresh)
+        self._check_tables(wal_existed)
+
+    def _interrupted_first_start(self, db_path: Path) -> bool:
+        """A state.db with our tables and nothing in them, no MANIFEST: a first start that stopped early.
+
+        Looks at a copy: SQLite must not touch the real log before it is checked.
+        """
+        with tempfile.TemporaryDirectory(prefix="kvservice-peek-") as tmp:
+            for suffix in ("", "-wal"):
+                if Path(f"{db_path}{suffix}").exists():
+                    shutil.copyfile(f"{db_path}{suffix}", Path(tmp) / f"{DB_NAME}{suffix}")
+            return self._empty_tables(Path(tmp) / DB_NAME, db_path)
+
+    @staticmethod
+    def _empty_tables(copy: Path, db_path: Path) -> bool:
+        try:
+            db = sqlite3.connect(copy, isolation_level=None)
+            try:
+                fmt = db.execute("SELECT value FROM meta WHERE key = 'format'").fetchone()
+                if fmt is not None and fmt[0] != str(FORMAT):
+                    raise StateError(f"{db_path}: state format {fmt[0]} (pickled snapshots) was written by an "
+                                     "older kvservice and is not read by this one: finish with the old release "
+                                     "(drain its pools), then start this one on a fresh state dir",
+                                     reason="STATE_FORMAT")
+                n = db.execute("SELECT (SELECT COUNT(*) FROM entries) + (SELECT COUNT(*) FROM snapshots)").fetchone()
+                return fmt is not None and n[0] == 0
+            finally:
+                db.close()
+        except sqlite3.Error:
+            return False
+
+    def _connect(self, sync: str, fresh: bool) -> None:
+        d = self.state_dir
+        db_path = d / DB_NAME
+        try:
+            if self.readonly:
+                self._copy_dir = Path(tempfile.mkdtemp(prefix="kvservice-check-"))
+                copy = self._copy_dir / DB_NAME
+                if self.live:
+                    src = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
+                    dst = sqlite3.connect(copy)
+                    try:
+                        src.backup(dst)
+                    finally:
+                        src.close()
+                        dst.close()
+                else:
+                    shutil.copyfile(db_path, copy)
+                    if (d / (DB_NAME + "-wal")).exists():
+                        shutil.copyfile(d / (DB_NAME + "-wal"), self._copy_dir / (DB_NAME + "-wal"))
+                db_path = copy
+            else:
+                (d / (DB_NAME + "-shm")).unlink(missing_ok=True)      # we hold the lock: rebuilt from the log
+            self.db = sqlite3.connect(db_path, isolation_level=None, check_same_thread=False)
+            mode = self.db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            if mode.lower() != "wal":
+                raise StateError(f"{db_path}: cannot switch SQLite to WAL mode (got {mode})")
+            self.db.execute(f"PRAGMA synchronous={sync.upper()}")
+            if fresh:
+                self.db.executescript(f"""
+                    CREATE TABLE meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
+                    CREATE TABLE entries(seq INTEGER PRIMARY KEY, method TEXT NOT NULL, request BLOB NOT NULL,
+                                         created REAL NOT NULL, digest BLOB NOT NULL);
+                    CREATE TABLE snapshots(seq INTEGER PRIMARY KEY, file TEXT NOT NULL, header_digest BLOB NOT NULL,
+                                           nbytes INTEGER NOT NULL, created REAL NOT NULL);
+                    INSERT INTO meta VALUES ('format', '{FORMAT}'), ('incarnation', '0');
+                """)
+            else:
+                found = self.db.execute("PRAGMA quick_check(8)").fetchall()
+                if [r[0] for r in found] != ["ok"]:
+                    raise StateError(f"{d / DB_NAME}: SQLite finds the database damaged: "
+                                     f"{'; '.join(r[0] for r in found)}. {RESTORE}", reason="STATE_DAMAGED")
+        except sqlite3.Error as err:
+            raise StateError(f"{d / DB_NAME}: cannot be read ({type(err).__name__}: {err}). {RESTORE}",
+                             reason="STATE_DAMAGED") from None
+
+    def _check_tables(self, wal_existed: bool) -> None:
+        d, m = self.state_dir, self.manifest
+        try:
+            meta = dict(self.db.execute("SELECT key, value FROM meta").fetchall())      # type: ignore[union-attr]
+            row = self.db.execute("SELECT MAX(seq) FROM snapshots").fetchone()        # type: ignore[union-attr]
+        except sqlite3.Error as err:
+            raise StateError(f"{d / DB_NAME}: its tables cannot be read ({err}); written by another kvservice, or "
+                             f"damaged. {RESTORE}", reason="STATE_DAMAGED") from None
+        if meta.get("format") != str(FORMAT):
+            old = meta.get("format") == "1"
+            raise StateError(f"{d / DB_NAME}: state format {meta.get('format', '?')} is not {FORMAT}" +
+                             (": format 1 (pickled snapshots) was written by an older kvservice and is not read by "
+                              "this one; finish with the old release (drain its pools), then start this one on a "
+                              "fresh state dir" if old else f". {RESTORE}"), reason="STATE_FORMAT")
+        try:
+            self.incarnation = int(meta.get("incarnation", ""))
+        except ValueError:
+            raise StateError(f"{d / DB_NAME}: incarnation {meta.get('incarnation')!r} is damaged. {RESTORE}",
+                             reason="STATE_DAMAGED") from None
+        self.snapshot_seq = int(row[0] or 0)
+        if m is None:
+            return
+        if self.incarnation not in (m["incarnation"], m["incarnation"] + 1):
+            raise StateError(f"{d}: {DB_NAME} is at incarnation {self.incarnation} but {MANIFEST} at "
+                             f"{m['incarnation']}: the database was replaced by another copy. {RESTORE}, or {REPAIR}",
+                             reason="STATE_DAMAGED")
+        if m["running"] and self.incarnation == m["incarnation"] and not wal_existed and not self.repair:
+            raise StateError(f"{d}: {DB_NAME}-wal is missing after an unclean stop of incarnation "
+                             f"{m['incarnation']}: the changes acknowledged since its last checkpoint are lost. "
+                             f"{RESTORE}, or {REPAIR}", reason="STATE_DAMAGED")
+        if m["snapshot_seq"] > self.snapshot_seq and not self.repair:
+            raise StateError(f"{d}: {MANIFEST} records a snapshot at {m['snapshot_seq']} but {DB_NAME} "
+                             f"{'has none' if not self.snapshot_seq else f'only one at {self.snapshot_seq}'}: "
+                             f"{RESTORE}", reason="STATE_DAMAGED")
+
+    # ---- JournalStore -------------------------------------------------------------------------
+    def load_snapshot(self) -> tuple[int, bytes] | None:
+        if not self.snapshot_seq:
+            return None
+        d = self.state_dir
+        try:
+            seq, name, hd, nbytes = self.db.execute(                                  # type: ignore[union-attr]
+                "SELECT seq, file, header_digest, nbytes FROM snapshots WHERE seq = ?", (self.snapshot_seq,)).fetchone()
+        except (sqlite3.Error, TypeError, ValueError) as err:
+            raise StateError(f"{d / DB_NAME}: the snapshot record cannot be read ({err}). {RESTORE}",
+                             reason="STATE_DAMAGED") from None
+        path = d / SNAP_DIR / str(name)
+        self.snapshot_where = f"{SNAP_DIR}/{name}"
+        if path.parent != d / SNAP_DIR or not path.name.startswith("snapshot-"):
+            raise StateError(f"{d / DB_NAME}: the snapshot record names {name!r} (damaged). {RESTORE}",
+                             reason="STATE_DAMAGED")
+        try:
+            blob = path.read_bytes()
+        except FileNotFoundError:
+            again = " (the running manager replaced it meanwhile: run the check again)" if self.live else ""
+            raise StateError(f"{path}: the snapshot at {seq} is missing{again}; the entries it covers were "
+                             f"dropped, so the state cannot be rebuilt without it. {RESTORE}",
+                             reason="STATE_DAMAGED") from None
+        if len(blob) != nbytes or blob[16:32] != bytes(hd):
+            raise StateError(f"{path}: {len(blob)} bytes, header digest {blob[16:32].hex()}; the database recorded "
+                             f"{nbytes} bytes, {bytes(hd).hex()}: truncated, damaged or replaced. {RESTORE}",
+                             reason="STATE_DAMAGED")
+        return int(seq), blob
+
+    def entries_after(self, seq: int) -> Iterator[Entry]:
+        try:
+            for s, method, data, created, dg in self.db.execute(                       # type: ignore[union-attr]
+                    "SELECT seq, method, request, created, digest FROM entries WHERE seq > ? ORDER BY seq", (seq,)):
+                yield Entry(int(s), str(method), bytes(data), float(created), bytes(dg))
+        except (sqlite3.Error, TypeError, ValueError) as err:
+            raise StateError(f"{self.state_dir / DB_NAME}: journal entries cannot be read ({type(err).__name__}: "
+                             f"{err}). {RESTORE}", reason="STATE_DAMAGED") from None
+
+    def check_position(self, seq: int) -> None:
+        m = self.manifest
+        if m is not None and seq < m["last_seq"] and not self.repair:
+            raise StateError(f"{self.state_dir}: {MANIFEST} says at least {m['last_seq']} changes were acknowledged, "
+                             f"but the state dir holds only {seq}: acknowledged changes were lost (a damaged, "
+                             f"replaced or rolled-back {DB_NAME}). {RESTORE}, or {REPAIR}", reason="STATE_ROLLBACK")
+
+    def begin(self, seq: int) -> int:
+        inc = self.incarnation + 1
+        with self._db_lock:
+            self.db.execute("UPDATE meta SET value = ? WHERE key = 'incarnation'", (str(inc),))  # type: ignore[union-attr]
+            self._checkpoint()
+        self._write_manifest(incarnation=inc, running=True, last_seq=seq)
+        self.incarnation = inc
+        keep = {f"snapshot-{self.snapshot_seq:012d}.kvs"}
+        if (self.state_dir / SNAP_DIR).exists():
+            for p in (self.state_dir / SNAP_DIR).iterdir():        # files of snapshots never recorded, temp files
+                if p.name not in keep:
+                    p.unlink(missing_ok=True)
+        return inc
+
+    def append(self, entry: Entry) -> None:
+        with self._db_lock:
+            self.db.execute("INSERT INTO entries VALUES (?, ?, ?, ?, ?)",                 # type: ignore[union-attr]
+                            (entry.seq, entry.method, entry.request, entry.created, entry.digest))
+
+    def write_snapshot(self, seq: int, encoded: snap.Encoded) -> None:
+        sdir = self.state_dir / SNAP_DIR
+        sdir.mkdir(exist_ok=True)
+        name = f"snapshot-{seq:012d}.kvs"
+        tmp = sdir / (name + ".tmp")
+        with open(tmp, "wb") as f:
+            for chunk in encoded.chunks:
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, sdir / name)
+        _fsync_dir(sdir)
+        with self._db_lock:
+            db = self.db
+            db.execute("BEGIN IMMEDIATE")                                                       # type: ignore[union-attr]
+            try:
+                db.execute("INSERT OR REPLACE INTO snapshots VALUES (?, ?, ?, ?, ?)",           # type: ignore[union-attr]
+                           (seq, name, encoded.header_digest, encoded.nbytes, time.time()))
+                db.execute("DELETE FROM entries WHERE seq <= ?", (seq,))                        # type: ignore[union-attr]
+                db.execute("DELETE FROM snapshots WHERE seq < ?", (seq,))                       # type: ignore[union-attr]
+                db.execute("COMMIT")                                                            # type: ignore[union-attr]
+            except BaseException:
+                with contextlib.suppress(sqlite3.Error):
+                    db.execute("ROLLBACK")                                                      # type: ignore[union-attr]
+                raise
+            old, self.snapshot_seq = self.snapshot_seq, seq
+        if old and old != seq:
+            (sdir / f"snapshot-{old:012d}.kvs").unlink(missing_ok=True)
+        m = self.manifest or {}
+        self._write_manifest(incarnation=self.incarnation, running=True, last_seq=max(seq, m.get("last_seq", 0)))
+
+    def close(self, clean: bool, seq: int) -> None:
+        if self.db is not None and not self.readonly:
+            with self._db_lock:
+                try:
+                    done = self._checkpoint()
+                except sqlite3.Error:
+                    done = False
+                if done and self.manifest is not None:      # everything is in state.db: the log may go
+                    self._write_manifest(incarnation=self.incarnation, running=False,
+                                         last_seq=max(seq, self.manifest["last_seq"]))
+        self._release()
+
+    # ---- helpers ---------------------------------------------------------------------------------
+    def _checkpoint(self) -> bool:
+        """Copy the log into state.db and truncate it; False if a reader kept it from completing."""
+        busy, _, _ = self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()            # type: ignore[union-attr]
+        return not busy
+
+    def _write_manifest(self, **fields: Any) -> None:
+        with self._manifest_lock:
+            fields.setdefault("snapshot_seq", self.snapshot_seq)
+            write_manifest(self.state_dir, **fields)
+            self.manifest = read_manifest(self.state_dir)
+
+    def _release(self) -> None:
+        if self.db is not None:
+            with contextlib.suppress(sqlite3.Error):
+                self.db.close()
+            self.db = None
+        if self._copy_dir is not None:
+            shutil.rmtree(self._copy_dir, ignore_errors=True)
+            self._copy_dir = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+
+__all__ = ["DB_NAME", "FORMAT", "MANIFEST", "SqliteStore", "read_manifest", "write_manifest"]

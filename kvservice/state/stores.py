@@ -1,0 +1,146 @@
+"""The store interface of the journal (what a storage backend implements) and the in-memory store.
+
+A store keeps acknowledged entries (each with a checksum) and the newest snapshot; the journal
+(kvservice/state/journal.py) does everything else. Backends: MemoryStore here, store_sqlite.SqliteStore
+(a state dir), journal_nats.NatsStore (a NATS JetStream stream: replicated managers, docs/HA.md).
+Every backend implements JournalStore and passes the shared suite tests/unit/test_journal_backends.py.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from kvservice.state import snapshot as snap
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One acknowledged mutating request: position, method, serialized request, wall-clock time, checksum.
+
+    checksum: as stored (an entry read back), or None for a new entry: `digest` computes it on first
+    read (a store that writes it reads it at append; the in-memory store only if it is read back).
+    """
+
+    seq: int
+    method: str
+    request: bytes
+    created: float
+    checksum: bytes | None = field(default=None, compare=False)   # filled lazily: not part of equality
+
+    @property
+    def digest(self) -> bytes:
+        """The entry's checksum (entry_digest of its fields when it was made here)."""
+        d = self.checksum
+        if d is None:
+            d = entry_digest(self.seq, self.method, self.request, self.created)
+            object.__setattr__(self, "checksum", d)      # the same value whichever thread gets here first
+        return d
+
+    @staticmethod
+    def make(seq: int, method: str, request: bytes, created: float) -> Entry:
+        """A new entry; its checksum is computed when first read."""
+        return Entry(seq, method, request, created)
+
+
+def entry_digest(seq: int, method: str, request: bytes, created: float) -> bytes:
+    """Checksum of a journal entry: its position, method, time and request bytes."""
+    return snap.digest16(struct.pack("<qd", seq, created), method.encode(), b"\0", request)
+
+
+# ---- the store interface ---------------------------------------------------------------------------
+class JournalStore(ABC):
+    """Where a Journal keeps entries and snapshots: the interface a storage backend implements.
+
+    Calls come from the journal: append under the journal lock, write_snapshot from a snapshot
+    thread (concurrently with appends: the store serialises its own bookkeeping). Every backend
+    passes the shared suite tests/unit/test_journal_backends.py.
+    """
+
+    #: Survives the process (False: an in-process store).
+    durable: bool = False
+    #: Opened only to inspect: the journal never writes through it.
+    readonly: bool = False
+    #: Starts of a manager on this store so far (1 = the first), stamped into every reply.
+    incarnation: int = 1
+    #: Where the state lives, for messages.
+    location: str = "memory"
+    #: What an operator can do about damaged state here, appended to refusals.
+    remedy: str = "the state is lost with it"
+    #: The newest snapshot's name, for messages (set by load_snapshot).
+    snapshot_where: str = "snapshot"
+
+    @abstractmethod
+    def load_snapshot(self) -> tuple[int, bytes | memoryview] | None:
+        """The newest snapshot as (journal position, encoded bytes), None if there is none.
+
+        StateError if a snapshot should exist but is missing or damaged (its integrity as a
+        file; the journal checks the contents)."""
+
+    @abstractmethod
+    def entries_after(self, seq: int) -> Iterator[Entry]:
+        """Every entry after position seq, in order (the journal checks digests and gaps)."""
+
+    @abstractmethod
+    def begin(self, seq: int) -> int:
+        """Recovery reached position seq: start a new incarnation (returned) and accept appends."""
+
+    @abstractmethod
+    def append(self, entry: Entry) -> None:
+        """Make one entry durable before returning. Any exception means it may not be (fail-stop)."""
+
+    @abstractmethod
+    def write_snapshot(self, seq: int, encoded: snap.Encoded) -> None:
+        """Store a snapshot at position seq, then drop the entries and older snapshots it covers."""
+
+    def check_position(self, seq: int) -> None:  # noqa: B027  (optional hook, default: no witness)
+        """StateError if the store knows that more than seq entries were acknowledged (a rollback)."""
+
+    @abstractmethod
+    def close(self, clean: bool, seq: int) -> None:
+        """Release the store; clean: the journal stopped normally at position seq."""
+
+
+class MemoryStore(JournalStore):
+    """Entries and the newest snapshot in this process's memory (``kvservice serve --state memory``).
+
+    Recovery from it (Journal.recover) works within the process: tests use it to restart a
+    journal, and the journal to rebuild its manager after an unexpected error.
+    """
+
+    def __init__(self) -> None:
+        self._entries: list[Entry] = []
+        self._snapshot: tuple[int, bytes] | None = None
+        self._lock = threading.Lock()
+        self.incarnation = 0
+
+    def load_snapshot(self) -> tuple[int, bytes] | None:
+        return self._snapshot
+
+    def entries_after(self, seq: int) -> Iterator[Entry]:
+        with self._lock:
+            entries = [e for e in self._entries if e.seq > seq]
+        return iter(entries)
+
+    def begin(self, seq: int) -> int:
+        self.incarnation += 1
+        return self.incarnation
+
+    def append(self, entry: Entry) -> None:
+        with self._lock:
+            self._entries.append(entry)
+
+    def write_snapshot(self, seq: int, encoded: snap.Encoded) -> None:
+        blob = b"".join(bytes(c) for c in encoded.chunks)
+        with self._lock:
+            self._snapshot = (seq, blob)
+            self._entries = [e for e in self._entries if e.seq > seq]
+
+    def close(self, clean: bool, seq: int) -> None:
+        pass
+
+
+__all__ = ["Entry", "JournalStore", "MemoryStore", "entry_digest"]

@@ -1,0 +1,1 @@
+"""Command-line tools on the client library: kvctl, and the launch helper for started processes."""

@@ -1,0 +1,458 @@
+"""`kvctl`: plan a cache, inspect and manage pools, validate page tables, time unary vs streaming steps.
+
+Human tables by default, `--json` for machines. Exit status: 0 ok, 1 a table
+failed validation, 2 a usage error or a refused request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+import numpy as np
+
+from kvservice.client.client import BlockManagerClient, TLSOptions
+from kvservice.client.codec import ClientError
+from kvservice.contract.errors import KVError
+from kvservice.contract.pagetable import PageTable
+from kvservice.core.geometry import CacheSpec, LayerSpec
+from kvservice.core.model_config import ModelCache, load_model_cache
+from kvservice.core.planner import Plan, Sizing, plan
+
+DEFAULT_TARGET = os.environ.get("KVSERVICE_ADDR", "127.0.0.1:50051")
+
+
+def _table(rows: list[list[Any]], headers: list[str]) -> str:
+    cells = [headers] + [[_fmt(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+             for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, int):
+        return f"{v:,}"
+    return str(v)
+
+
+def _ranges(ids: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    out: list[str] = []
+    for i in ids:
+        if out and out[-1][1] == i - 1:
+            out[-1][1] = i
+        else:
+            out.append([i, i])
+    return ",".join(f"{a}-{b}" if a != b else f"{a}" for a, b in out)
+
+
+def _geometry_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model-config", metavar="PATH",
+                   help="Hugging Face config.json (or its directory): layers, KV heads, head sizes and sliding windows "
+                        "from the model; replaces --layers/--kv-heads/--head-dim")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks sharing the KV heads (--model-config)")
+    p.add_argument("--layers", type=int, help="number of layers")
+    p.add_argument("--kv-heads", type=int)
+    p.add_argument("--head-dim", type=int)
+    p.add_argument("--dtype", help="float16, bfloat16, float32, float8_e4m3 (default: float16, or the model's "
+                                   "torch_dtype with --model-config)")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per page")
+    p.add_argument("--layout", default="per_layer", choices=["per_layer", "interleaved"])
+    p.add_argument("--sliding-window", type=int, default=0, help="tokens (0 = full attention)")
+    p.add_argument("--extra-layer", action="append", default=[], metavar="KV_HEADS:HEAD_DIM[:WINDOW]",
+                   help="append a layer of another shape (hybrid models); repeatable")
+    p.add_argument("--max-batch", type=int, default=0)
+    p.add_argument("--max-seq-len", type=int, default=0)
+    p.add_argument("--memory-budget", type=int, default=0, help="bytes for all cache buffers")
+    p.add_argument("--num-slots", type=int, default=0)
+    p.add_argument("--backend", action="append", default=[],
+                   help="kernel backend the pool feeds (native, flashinfer, flash-attn2, vllm-flash-attn, "
+                        "candle-flash-attn, trtllm); repeatable")
+
+
+def _model(a: argparse.Namespace) -> ModelCache | None:
+    if not a.model_config:
+        return None
+    if a.layers or a.kv_heads or a.head_dim or a.extra_layer or a.sliding_window:
+        raise KVError("--model-config takes the layers from the model; drop --layers/--kv-heads/--head-dim/"
+                      "--sliding-window/--extra-layer")
+    return load_model_cache(a.model_config, a.tp, a.dtype, a.page_size, a.layout)
+
+
+def _spec_and_sizing(a: argparse.Namespace, model: ModelCache | None = None) -> tuple[CacheSpec, Sizing]:
+    sizing = Sizing(a.max_batch, a.max_seq_len, a.memory_budget, a.num_slots)
+    if model is not None:
+        return model.spec, sizing
+    if not (a.layers and a.kv_heads and a.head_dim):
+        raise KVError("give --model-config PATH, or all of --layers, --kv-heads and --head-dim")
+    dtype = a.dtype or "float16"
+    layers = [LayerSpec(a.kv_heads, a.head_dim, dtype, a.sliding_window)] * a.layers
+    for extra in a.extra_layer:
+        parts = [int(x) for x in extra.split(":")]
+        if len(parts) not in (2, 3):
+            raise KVError(f"--extra-layer wants KV_HEADS:HEAD_DIM[:WINDOW], got {extra!r}")
+        layers.append(LayerSpec(parts[0], parts[1], dtype, parts[2] if len(parts) == 3 else 0))
+    return CacheSpec(tuple(layers), a.page_size, a.layout), sizing
+
+
+def layer_rows(p: Plan) -> list[dict[str, Any]]:
+    """One row per layer: its group, window, shape and how it addresses pages (scale, offset, base, upper bound)."""
+    spec = p.geometry.spec
+    return [{"layer": v.layer, "group": v.group, "sliding_window": spec.layers[v.layer].sliding_window,
+             "kv_heads": spec.layers[v.layer].kv_heads, "head_dim": spec.layers[v.layer].head_dim,
+             "page_bytes": v.page_bytes, "bytes": v.page_bytes * p.num_slots, "index_space": v.index_space,
+             "scale": v.scale, "offset": v.offset, "base": v.base, "upper_bound": v.upper_bound}
+            for v in p.geometry.layers]
+
+
+def _print_layers(rows: list[dict[str, Any]]) -> None:
+    """Per-layer table; consecutive layers that differ only in their number are one row."""
+    keys = ["group", "sliding_window", "kv_heads", "head_dim", "page_bytes", "bytes", "index_space", "scale",
+            "offset", "base", "upper_bound"]
+    runs: list[tuple[list[int], dict[str, Any]]] = []
+    for r in rows:
+        if runs and all(runs[-1][1][k] == r[k] for k in keys):
+            runs[-1][0].append(r["layer"])
+        else:
+            runs.append(([r["layer"]], r))
+    print(_table([[_ranges(ids), r["group"], r["sliding_window"] or "full", r["kv_heads"], r["head_dim"],
+                   r["page_bytes"], r["bytes"], r["index_space"], r["scale"], r["offset"], r["base"],
+                   r["upper_bound"]] for ids, r in runs],
+                 ["layers", "group", "window", "kv heads", "head dim", "page bytes", "bytes per layer", "space",
+                  "scale", "offset", "base", "upper bound"]))
+
+
+def _print_plan(summary: dict[str, Any]) -> None:
+    keys = ["num_slots", "page_size", "layout", "num_layers", "max_seq_len", "max_pages_per_seq", "bytes_per_layer",
+            "bytes_per_slot", "total_bytes", "max_byte_offset", "offsets_exceed_int32", "offsets_exceed_uint32",
+            "indices_need_int64", "pool_pages"]
+    print(_table([[k, summary[k]] for k in keys], ["plan", "value"]))
+    print()
+    print(_table([[s["id"], s["group"], s["scale"], s["offset"], s.get("base", 0), s["upper_bound"], s["index_dtype"],
+                   _ranges(s["layers"])] for s in summary["index_spaces"]],
+                 ["index space", "group", "scale", "offset", "base", "upper bound", "dtype", "layers"]))
+    if summary["backends"]:
+        print(f"\nbackends satisfied: {', '.join(summary['backends'])}")
+    for w in summary["warnings"]:
+        print(f"warning: {w}")
+
+
+def _plan_from_reply(reply: Any) -> dict[str, Any]:
+    from google.protobuf.json_format import MessageToDict
+    return MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+
+def cmd_plan(a: argparse.Namespace) -> int:
+    model = _model(a)
+    spec, sizing = _spec_and_sizing(a, model)
+    p: Plan = plan(spec, sizing, tuple(a.backend))
+    summary = p.summary()
+    rows = layer_rows(p)
+    if model is not None:
+        summary["model"] = {"config": a.model_config, "model_type": model.model_type, "tp": model.tp,
+                            "layer_types": list(model.layer_types), "notes": list(model.notes)}
+    if a.json:
+        print(json.dumps({**summary, "layers": rows}, indent=2))
+        return 0
+    if model is not None:
+        print(f"model {a.model_config}: {model.model_type or 'unknown type'}, {len(spec.layers)} layers, "
+              f"tp={model.tp}, cache dtype {spec.layers[0].dtype}")
+        for note in model.notes:
+            print(f"  {note}")
+        print()
+    _print_plan(summary)
+    if model is not None or a.per_layer:
+        print()
+        _print_layers(rows)
+    return 0
+
+
+def cmd_pools(a: argparse.Namespace, c: BlockManagerClient) -> int:
+    pools = c.list_pools()
+    if a.json:
+        print(json.dumps([_plan_from_reply(p) for p in pools], indent=2))
+        return 0
+    print(_table([[p.name, p.plan.page_size, len(p.plan.layers), p.stats.num_slots, p.stats.num_free_slots,
+                   p.stats.num_sequences, p.plan.total_bytes] for p in pools],
+                 ["pool", "page size", "layers", "slots", "free", "sequences", "cache bytes"]))
+    return 0
+
+
+def cmd_create_pool(a: argparse.Namespace, c: BlockManagerClient) -> int:
+    spec, sizing = _spec_and_sizing(a, _model(a))
+    info = c.create_pool(a.name, spec, sizing, tuple(a.backend), prefix_caching=a.prefix_caching, model=a.model)
+    if a.json:
+        print(json.dumps(_plan_from_reply(info), indent=2))
+    else:
+        print(f"created pool {info.name!r}: {info.plan.num_slots:,} slots, {info.plan.total_bytes:,} bytes")
+    return 0
+
+
+def cmd_seqs(a: argparse.Namespace, c: BlockManagerClient) -> int:
+    reply = c.sequences(a.pool, a.limit)
+    if a.json:
+        print(json.dumps(_plan_from_reply(reply), indent=2))
+        return 0
+    print(_table([[s.seq_id, s.num_tokens, ",".join(str(n) for n in s.num_slots_per_group) or s.num_slots]
+                  for s in reply.sequences], ["sequence", "tokens", "slots per group"]))
+    print(f"({len(reply.sequences)} of {reply.total} shown)")
+    return 0
+
+
+def cmd_stats(a: argparse.Namespace, c: BlockManagerClient) -> int:
+    stats = c.stats(a.pool or "")
+    if a.json:
+        print(json.dumps({k: _plan_from_reply(v) for k, v in stats.items()}, indent=2))
+        return 0
+    print(_table([[n, s.num_slots, s.num_free_slots, s.peak_used_slots, s.num_sequences, s.num_tokens, s.steps,
+                   s.admitted, s.refused] for n, s in sorted(stats.items())],
+                 ["pool", "slots", "free", "peak used", "sequences", "tokens", "steps", "admitted", "refused"]))
+    return 0
+
+
+def cmd_workers(a: argparse.Namespace, c: BlockManagerClient) -> int:
+    workers = c.workers(a.pool or "")
+    if a.json:
+        print(json.dumps([_plan_from_reply(w) for w in workers], indent=2))
+        return 0
+    print(_table([[w.worker_id, w.pool, f"{w.layer_begin}-{w.layer_end - 1}", f"{w.tp_rank}/{w.tp_size}", w.backend,
+                   w.device_name, w.epoch, "alive" if w.alive else "DEAD", f"{w.seconds_since_heartbeat:.1f}s",
+                   w.address] for w in workers],
+                 ["worker", "pool", "layers", "tp", "backend", "device", "epoch", "state", "last beat", "address"]))
+    return 0
+
+
+def _ints(text: str) -> np.ndarray:
+    return np.array([int(x) for x in text.split(",") if x.strip()], dtype=np.int64)
+
+
+def cmd_validate(a: argparse.Namespace, c: BlockManagerClient) -> int:
+    if a.file:
+        doc = json.loads(open(a.file).read())
+        table = PageTable(np.asarray(doc["indptr"], np.int64), np.asarray(doc["indices"], np.int64),
+                          np.asarray(doc["last_page_len"], np.int64))
+    else:
+        if a.indptr is None or a.indices is None or a.last_page_len is None:
+            raise KVError("give --file, or all of --indptr, --indices and --last-page-len")
+        table = PageTable(_ints(a.indptr), _ints(a.indices), _ints(a.last_page_len))
+    report = c.validate(a.pool, a.layer, table, a.max_reports)
+    if a.json:
+        print(json.dumps({"ok": report.ok, "num_violations": report.num_violations,
+                          "violations": [{"reason": v.reason, "row": v.row, "position": v.position,
+                                          "value": v.value, "detail": v.detail} for v in report.violations]},
+                         indent=2))
+    elif report.ok:
+        print(f"ok: table is valid for layer {a.layer} of pool {a.pool!r}")
+    else:
+        print(f"{report.num_violations} violation(s) for layer {a.layer} of pool {a.pool!r}:")
+        print(_table([[v.reason, v.row, v.position, v.value, v.detail] for v in report.violations],
+                     ["reason", "row", "position", "value", "rule"]))
+    return 0 if report.ok else 1
+
+
+def _token_ids(a: argparse.Namespace) -> np.ndarray:
+    if (a.tokens is None) == (a.tokens_file is None):
+        raise KVError("give the prompt as --tokens 1,2,3 or --tokens-file FILE (a JSON list or whitespace-separated "
+                      "ids)")
+    if a.tokens is not None:
+        return _ints(a.tokens)
+    text = open(a.tokens_file).read()
+    try:
+        ids = json.loads(text) if text.lstrip().startswith("[") else [int(x) for x in text.split()]
+    except ValueError as err:
+        raise KVError(f"{a.tokens_file}: not a JSON list or whitespace-separated token ids ({err})") from None
+    return np.asarray(ids, dtype=np.int64)
+
+
+def cmd_score(a: argparse.Namespace, c: BlockManagerClient) -> int:
+    reply = c.score_prefix(_token_ids(a), a.salt, a.extra_key, tuple(a.pool), a.model)
+    if a.json:
+        print(json.dumps(_plan_from_reply(reply), indent=2))
+        return 0
+    print(_table([[s.pool, s.cached_tokens, s.cached_pages, s.page_size, s.prefix_caching,
+                   ", ".join(f"{w}@{addr}" for w, addr in zip(s.worker_ids, s.worker_addresses, strict=True)) or "-"]
+                  for s in reply.scores],
+                 ["pool", "cached tokens", "cached pages", "page size", "prefix caching", "live workers"]))
+    print(f"({reply.num_tokens:,} prompt tokens)")
+    return 0
+
+
+def cmd_events(a: argparse.Namespace, c: BlockManagerClient) -> int:
+    """Print a pool's KV event batches (one line each, or JSON lines) until --count batches or Ctrl-C."""
+    stream = c.watch_events(a.pool, a.from_sequence)
+    seen = 0
+    try:
+        for msg in stream:
+            if a.json:
+                print(json.dumps(_plan_from_reply(msg)), flush=True)
+            else:
+                kinds: dict[str, int] = {}
+                for ev in msg.events:
+                    k = ev.WhichOneof("event")
+                    n = 1 if k == "all_blocks_cleared" else len(getattr(ev, k).block_hashes.data) // 8
+                    kinds[k] = kinds.get(k, 0) + n
+                what = ", ".join(f"{k} {n}" for k, n in kinds.items()) or "empty"
+                note = f"  RESET: {msg.reset_reason}" if msg.reset else ""
+                print(f"{msg.sequence:>8}  {what}{note}", flush=True)
+            seen += 1
+            if a.count and seen >= a.count and not msg.more:
+                break
+    finally:
+        stream.cancel()
+    return 0
+
+
+def _p50_us(fn: Any, n: int) -> float:
+    import time
+    lat = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        lat.append(time.perf_counter() - t0)
+    return float(np.percentile(np.array(lat) * 1e6, 50))
+
+
+def cmd_ping(a: argparse.Namespace, c: BlockManagerClient) -> int:
+    """Round trips with nothing to do: unary Echo and EchoStream (the floors of Step and StepStream)."""
+    unary = _p50_us(c.echo, a.count)
+    with c.echo_stream() as es:
+        es.echo()
+        stream = _p50_us(es.echo, a.count)
+    if a.json:
+        print(json.dumps({"echo_p50_us": unary, "echo_stream_p50_us": stream, "count": a.count}))
+    else:
+        print(_table([["Echo (unary)", f"{unary:.0f}"], ["EchoStream", f"{stream:.0f}"]],
+                     ["round trip", "p50 us"]))
+    return 0
+
+
+def cmd_decode(a: argparse.Namespace, c: BlockManagerClient) -> int:
+    """Decode steps (+1 token each) for live sequences, unary Step vs StepStream (full tables, deltas).
+
+    Changes the pool: each mode adds `steps` tokens to every sequence named.
+    """
+    ids = _ints(a.ids).astype(np.uint64)
+    rows = []
+    for mode in a.mode:
+        if mode == "unary":
+            def step(**kw: Any) -> Any:
+                return c.step(a.pool, **kw)
+            stream = None
+        else:
+            stream = c.step_stream(a.pool, deltas=mode == "deltas")
+            step = stream.step
+        try:
+            p50 = _p50_us(lambda step=step: step(extend=ids, extend_tokens=1), a.steps)
+            size = stream.last_reply.ByteSize() if stream is not None else None
+        finally:
+            if stream is not None:
+                stream.close()
+        rows.append([mode, f"{p50:.0f}", "" if size is None else f"{size:,}"])
+    if a.json:
+        print(json.dumps([{"mode": m, "p50_us": float(p), "reply_bytes": int(b.replace(",", "")) if b else None}
+                          for m, p, b in rows]))
+    else:
+        print(_table(rows, ["path", "p50 us", "reply bytes"]))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvctl", description="Plan, inspect and manage kvservice pools.")
+    parser.add_argument("--target", default=DEFAULT_TARGET, help="manager address (env KVSERVICE_ADDR)")
+    parser.add_argument("--timeout", type=float, default=10.0, help="deadline per call, seconds")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument("--tls-ca", help="CA bundle that signed the manager's certificate (turns TLS on)")
+    parser.add_argument("--tls-cert", help="client certificate, for a manager with mutual TLS")
+    parser.add_argument("--tls-key", help="key of --tls-cert")
+    parser.add_argument("--tls-server-name", help="name to check the manager's certificate against")
+    parser.add_argument("--token-file", help="file holding a bearer token (default: env KVSERVICE_TOKEN)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plan", help="capacity plan for a cache (local, no server needed)")
+    _geometry_args(p)
+    p.add_argument("--per-layer", action="store_true", help="also print every layer's view (always with "
+                   "--model-config)")
+    sub.add_parser("pools", help="list pools")
+    p = sub.add_parser("create-pool", help="create a pool on the manager")
+    p.add_argument("name")
+    _geometry_args(p)
+    p.add_argument("--prefix-caching", action="store_true", help="keep released full pages findable by hash")
+    p.add_argument("--model", default="", help="the model this pool serves (kvctl score --model selects by it)")
+    p = sub.add_parser("seqs", help="list sequences of a pool")
+    p.add_argument("pool")
+    p.add_argument("--limit", type=int, default=50)
+    p = sub.add_parser("stats", help="pool statistics")
+    p.add_argument("pool", nargs="?")
+    p = sub.add_parser("workers", help="registered workers and their leases")
+    p.add_argument("pool", nargs="?")
+    p = sub.add_parser("score", help="tokens of a prompt each pool's prefix cache holds now (ScorePrefix)")
+    p.add_argument("--tokens", help="comma-separated token ids")
+    p.add_argument("--tokens-file", help="file of token ids (JSON list or whitespace-separated)")
+    p.add_argument("--pool", action="append", default=[], help="pool to score (repeatable; default: every pool)")
+    p.add_argument("--model", default="", help="with no --pool: only the pools created for this model")
+    p.add_argument("--salt", default="", help="the tenant's cache salt")
+    p.add_argument("--extra-key", default="", help="extra key (e.g. a LoRA id)")
+    p = sub.add_parser("events", help="follow a pool's KV events (WatchEvents)")
+    p.add_argument("pool")
+    p.add_argument("--from", dest="from_sequence", type=int, default=0,
+                   help="first batch (0 = the current cache as a reset, then live)")
+    p.add_argument("--count", type=int, default=0, help="stop after this many batches (0 = follow)")
+    p = sub.add_parser("validate", help="validate a page table against one layer of a pool")
+    p.add_argument("pool")
+    p.add_argument("--layer", type=int, required=True)
+    p.add_argument("--file", help="JSON file with indptr, indices, last_page_len")
+    p.add_argument("--indptr", help="comma-separated")
+    p.add_argument("--indices", help="comma-separated")
+    p.add_argument("--last-page-len", help="comma-separated")
+    p.add_argument("--max-reports", type=int, default=100)
+    p = sub.add_parser("ping", help="round trips: unary Echo and EchoStream")
+    p.add_argument("--count", type=int, default=200)
+    p = sub.add_parser("decode", help="time decode steps of live sequences: unary Step vs StepStream (adds tokens)")
+    p.add_argument("pool")
+    p.add_argument("--ids", required=True, help="comma-separated live sequence ids")
+    p.add_argument("--steps", type=int, default=50, help="steps per mode (each adds a token to every id)")
+    p.add_argument("--mode", action="append", choices=["unary", "stream", "deltas"],
+                   help="unary Step, StepStream with full tables, StepStream with incremental tables; repeatable "
+                        "(default: all three)")
+    for sp in sub.choices.values():   # accept --json after the subcommand too
+        sp.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
+    return parser
+
+
+COMMANDS = {"pools": cmd_pools, "create-pool": cmd_create_pool, "seqs": cmd_seqs, "stats": cmd_stats,
+            "workers": cmd_workers, "validate": cmd_validate, "score": cmd_score, "events": cmd_events,
+            "ping": cmd_ping, "decode": cmd_decode}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "mode", 0) is None:
+        args.mode = ["unary", "stream", "deltas"]
+    try:
+        if args.command == "plan":
+            return cmd_plan(args)
+        tls = None
+        if args.tls_ca or args.tls_cert:
+            tls = TLSOptions.from_files(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
+        token = open(args.token_file).read().strip() if args.token_file else os.environ.get("KVSERVICE_TOKEN")
+        with BlockManagerClient(args.target, timeout=args.timeout, tls=tls, token=token or None) as client:
+            return COMMANDS[args.command](args, client)
+    except KVError as err:
+        print(f"kvctl: {err.message}", file=sys.stderr)
+        return 2
+    except ClientError as err:
+        print(f"kvctl: {err.code.name}: {err.message}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        print(f"kvctl: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
