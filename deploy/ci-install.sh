@@ -86,6 +86,16 @@ if [[ -z "$(nvcc_path)" ]]; then
   fi
 fi
 
+# cuobjdump (the SASS budget, tests/kernels/test_sass_budget.py): the toolkit's, else the PyPI wheels
+# of the `sass` extra (a toolkit on PATH may lack it, as this machine's does).
+CUOBJDUMP_FROM_WHEEL='import glob, os, nvidia; print(sorted(p for r in nvidia.__path__ for p in glob.glob(os.path.join(r, "cu*", "bin", "cuobjdump")))[-1])'
+cuobjdump_path() {
+  command -v cuobjdump || "$PY" -c "$CUOBJDUMP_FROM_WHEEL" 2>/dev/null || true
+}
+if [[ -z "$(cuobjdump_path)" ]]; then
+  "$PY" -m pip install --quiet "nvidia-cuda-cuobjdump>=13,<14" "nvidia-cuda-nvdisasm>=13,<14"
+fi
+
 # The kustomizations use `components` and `labels`: kustomize >= v4 (kubectl >= 1.21).
 if command -v kubectl >/dev/null; then
   kv="$(kubectl version --client 2>/dev/null | sed -n 's/^Kustomize Version: v\([0-9]*\).*/\1/p')"
@@ -103,4 +113,6 @@ echo "  openssl:    $(command -v openssl || echo MISSING)"
 echo "  g++:        $(command -v g++ || echo MISSING)"
 nvcc="$(nvcc_path)"
 echo "  nvcc:       ${nvcc:-MISSING}"
+cuobjdump="$(cuobjdump_path)"
+echo "  cuobjdump:  ${cuobjdump:-MISSING}"
 echo "  kubernetes-validate: $("$PY" -c 'import importlib.metadata as m; print(m.version("kubernetes-validate"))')"

@@ -1,0 +1,434 @@
+"""Static instruction budget of the decode tile loop, read from the SASS nvcc emits for sm_90.
+
+    python3 scripts/sass_budget.py                  # table of every decode entry (markdown)
+    python3 scripts/sass_budget.py --check          # exit 1 when an entry is over its budget
+    python3 scripts/sass_budget.py --json FILE      # the figures as JSON as well
+    python3 scripts/sass_budget.py --real-only      # the real build only (e.g. an older source tree)
+
+What it does, with no GPU: compiles kvservice/worker/kernels/decode_attention.cu to a cubin for
+sm_90 (nvcc, cached under build/sass/<hash of sources, flags, nvcc version>/), disassembles it
+(cuobjdump -sass, or nvdisasm), and per ``kv_decode_*`` entry finds the tile loop(s): the innermost
+loops (a backward branch and its target) whose body holds both ``LDGSTS`` (cp.async) and
+``BAR.SYNC``. For each tile loop it builds the control-flow graph of the body and reports
+
+- ``static``: instructions in the body (every path of a tile, counted once);
+- ``max``: the longest path from the loop head to its back edge = the most instructions one thread
+  can issue for one tile (the figure the budget limits); ``min``: the shortest such path;
+- the instruction mix of the body (fp32 math, conversions, shuffles, MUFU, shared loads, copies,
+  integer/address, control), and whether it CALLs a subroutine (a slow division, say);
+
+normalised to one 8 KB tile of K + V (the tile of every entry but float32 d512, whose tile is
+16 KB). Three builds (VARIANTS): the real one; the steady-state tile (-DKV_SASS_STEADY compiles out
+the two branches such a tile skips: the boundary masks of a block's first and last tiles, and the
+rare lazy rescale) whose longest path is the budgeted figure; and that tile with a stand-in for a
+per-page generation check in the loop (-DKV_SASS_PROBE_PAGE_CHECK: two loads and a compare per
+page), held to the same budget so it keeps room for one. The real build's longest path, rare
+branches included, is reported beside it. Registers, shared memory, stack and spill bytes come from
+``cuobjdump -res-usage`` of the real build; any stack or local memory fails ``--check``.
+
+The performance model: a block-tile of B bytes is processed by 4 warps that each issue N
+instructions, i.e. B / (4 N) bytes per warp instruction. An H200 issues at most 132 SMs x 4
+schedulers x 1.98 GHz = 1.045e12 warp instructions/s, so at issue efficiency e the tile loop alone
+can stream 1.045e12 * e * B / (4 N) bytes/s; that is compared with the 4.3 TB/s device copy
+measured on the lent H200 (docs/KERNELS.md). Tools are found on PATH, beside this Python, or in
+NVIDIA's wheels (the ``nvcc`` extra: nvidia-cuda-nvcc, nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+KDIR = ROOT / "kvservice" / "worker" / "kernels"
+SOURCE = KDIR / "decode_attention.cu"
+CACHE = ROOT / "build" / "sass"
+ARCH = "sm_90"
+FLAGS = ["-cubin", f"-arch={ARCH}", "-std=c++17", f"-I{KDIR}"]
+PROBE_DEFINE = "-DKV_SASS_PROBE_PAGE_CHECK"
+
+# H200 model constants (docs/KERNELS.md "Performance model")
+SMS, SCHEDULERS, CLOCK_HZ = 132, 4, 1.98e9
+COPY_BYTES_S = 4.3e12  # device-to-device copy measured on the lent H200 (KINDS.md)
+WARPS = 4  # 128 threads per decode block
+TILE_UNIT = 8192  # budgets are per thread per 8 KB of K + V
+
+#: Budget: the longest path through a tile loop, instructions per thread per 8 KB, by heads per block
+#: (issue 25: f16_g4_d128 <= 420 from ~649, the 8-heads entries <= 650 from ~1,012). Both budgets hold
+#: with the --probe-page-check stand-in too (headroom for the per-page generation check).
+BUDGET = {1: 420, 4: 420, 8: 650}
+
+CATEGORIES = (
+    ("fp32", ("FFMA", "FMUL", "FADD", "FMNMX", "FSEL", "FSETP", "FCHK", "FSET")),
+    ("convert", ("HADD2", "F2F", "PRMT", "I2F", "F2I", "F2FP", "HMUL2", "HFMA2")),
+    ("shuffle", ("SHFL",)),
+    ("mufu", ("MUFU",)),
+    ("shared", ("LDS", "STS", "LDSM")),
+    ("cp.async", ("LDGSTS", "LDGDEPBAR", "DEPBAR")),
+    ("global", ("LDG", "STG", "RED", "ATOM", "ATOMG")),
+    ("barrier", ("BAR", "WARPSYNC", "NOP")),
+    ("integer", ("IMAD", "IADD3", "LEA", "SHF", "LOP3", "ISETP", "VIADD", "IABS", "IMNMX", "SEL", "MOV",
+                 "UMOV", "ULDC", "ULEA", "S2R", "S2UR", "UIADD3", "UIMAD", "USHF", "ULOP3", "R2UR", "PLOP3",
+                 "P2R", "R2P", "IADD", "VIMNMX", "UISETP", "USEL", "FLO", "POPC", "BREV", "IMUL")),
+    ("control", ("BRA", "BSSY", "BSYNC", "CALL", "RET", "EXIT", "YIELD", "BRX", "JMP")),
+)
+
+
+def find_tool(name: str) -> str | None:
+    """``name`` on PATH, beside this Python, or in an NVIDIA wheel (nvidia/cu*/bin/name)."""
+    path = shutil.which(name) or shutil.which(name, path=os.path.dirname(sys.executable))
+    if path:
+        return path
+    try:
+        import nvidia  # namespace package of NVIDIA's wheels
+    except ImportError:
+        return None
+    found = sorted(p for r in nvidia.__path__ for p in glob.glob(os.path.join(r, "cu*", "bin", name)))
+    return found[-1] if found else None
+
+
+def _nvcc_version(nvcc: str) -> str:
+    return subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
+
+
+def source_key(defines: tuple[str, ...], nvcc: str) -> str:
+    h = hashlib.sha256(" ".join([*FLAGS, *defines, _nvcc_version(nvcc), "sass-v1"]).encode())
+    for p in sorted(KDIR.glob("*")):
+        if p.suffix in (".cu", ".cuh", ".h"):
+            h.update(p.name.encode() + p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def disassemble(defines: tuple[str, ...] = ()) -> tuple[str, str]:
+    """(SASS text, resource-usage text) of decode_attention.cu for sm_90, cached by source hash."""
+    nvcc = find_tool("nvcc")
+    if nvcc is None:
+        raise RuntimeError("nvcc not found (CUDA toolkit on PATH, or pip install -e '.[nvcc]')")
+    d = CACHE / source_key(defines, nvcc)
+    sass, res = d / f"decode{''.join(defines)}.sass", d / f"decode{''.join(defines)}.res"
+    if sass.exists() and res.exists():
+        return sass.read_text(), res.read_text()
+    d.mkdir(parents=True, exist_ok=True)
+    cubin = d / f"decode{''.join(defines)}.cubin"
+    tmp = cubin.with_suffix(f".{os.getpid()}.tmp")
+    proc = subprocess.run([nvcc, *FLAGS, *defines, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"nvcc failed:\n{proc.stdout}{proc.stderr}")
+    os.replace(tmp, cubin)
+    cuobjdump, nvdisasm = find_tool("cuobjdump"), find_tool("nvdisasm")
+    if cuobjdump is None:
+        raise RuntimeError("cuobjdump not found (CUDA toolkit, or pip install nvidia-cuda-cuobjdump: the nvcc extra)")
+    if cuobjdump:
+        text = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    else:  # pragma: no cover - nvdisasm fallback
+        text = subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+    usage = subprocess.run([cuobjdump, "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
+    for path, body in ((sass, text), (res, usage)):
+        t = path.with_suffix(f".{os.getpid()}.tmp")
+        t.write_text(body)
+        os.replace(t, path)
+    return text, usage
+
+
+# ---- SASS parsing --------------------------------------------------------------------------------
+_INS = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+_FUNC = re.compile(r"Function : (\w+)")
+_PRED = re.compile(r"^@!?U?P[T0-9]+\s+")
+_TARGET = re.compile(r"(0x[0-9a-f]+)\s*$")
+
+
+def functions(sass: str) -> dict[str, list[tuple[int, str]]]:
+    """Function name -> [(address, instruction text)]."""
+    out: dict[str, list[tuple[int, str]]] = {}
+    cur: list[tuple[int, str]] | None = None
+    for line in sass.splitlines():
+        m = _FUNC.search(line)
+        if m:
+            cur = out.setdefault(m.group(1), [])
+            continue
+        m = _INS.match(line)
+        if m and cur is not None:
+            cur.append((int(m.group(1), 16), m.group(2)))
+    return out
+
+
+def opcode(text: str) -> str:
+    """Base opcode: 'IMAD' of '@P0 IMAD.WIDE.U32 R1, ...'."""
+    return _PRED.sub("", text).split()[0].split(".")[0]
+
+
+def is_branch(text: str) -> bool:
+    return opcode(text) == "BRA"
+
+
+def branch_target(text: str) -> int | None:
+    m = _TARGET.search(text)
+    return int(m.group(1), 16) if (m and is_branch(text)) else None
+
+
+def unconditional(text: str) -> bool:
+    """A branch that always jumps (no guard predicate, no predicate operand) or an EXIT/RET."""
+    op = opcode(text)
+    if op in ("EXIT", "RET"):
+        return not text.startswith("@")
+    return op == "BRA" and not text.startswith("@") and re.match(r"^BRA\s+(!?U?P[T0-9]+,)", text) is None
+
+
+def category(op: str) -> str:
+    for name, ops in CATEGORIES:
+        if op in ops:
+            return name
+    return "other"
+
+
+@dataclass
+class Loop:
+    head: int  # address of the first instruction
+    tail: int  # address of the backward branch
+    static: int = 0
+    longest: int = 0
+    shortest: int = 0
+    mix: dict[str, int] = field(default_factory=dict)
+    opcodes: dict[str, int] = field(default_factory=dict)
+    ldg: int = 0
+    calls: int = 0
+    inner_loops: int = 0
+
+
+def loops(ins: list[tuple[int, str]]) -> list[tuple[int, int]]:
+    """(head, tail) of every backward branch."""
+    out = []
+    for a, t in ins:
+        tgt = branch_target(t)
+        if tgt is not None and tgt <= a:
+            out.append((tgt, a))
+    return out
+
+
+def analyse(ins: list[tuple[int, str]], head: int, tail: int) -> Loop:
+    """Counts and paths of the loop body [head, tail]; the body must be a DAG apart from its back edge."""
+    body = [(a, t) for a, t in ins if head <= a <= tail]
+    addrs = [a for a, _ in body]
+    # basic-block leaders: the head, branch targets inside the body, instructions after a branch
+    leaders = {head}
+    for i, (_a, t) in enumerate(body):
+        tgt = branch_target(t)
+        if tgt is not None and head <= tgt <= tail and tgt != head:
+            leaders.add(tgt)
+        if is_branch(t) and i + 1 < len(body):
+            leaders.add(addrs[i + 1])
+    starts = sorted(leaders)
+    blocks = []
+    for k, s in enumerate(starts):
+        end = starts[k + 1] if k + 1 < len(starts) else tail + 1
+        blocks.append([(a, t) for a, t in body if s <= a < end])
+    block_of = {blk[0][0]: k for k, blk in enumerate(blocks)}
+    succ: list[list[int]] = []
+    inner = 0
+    for k, blk in enumerate(blocks):
+        last = blk[-1][1]
+        nxt = []
+        tgt = branch_target(last)
+        if tgt is not None:
+            if tgt in block_of and tgt != head:
+                if tgt <= blk[-1][0]:
+                    inner += 1  # a backward branch to a block inside the body: an inner loop
+                else:
+                    nxt.append(block_of[tgt])
+        if not unconditional(last) and k + 1 < len(blocks):
+            nxt.append(k + 1)
+        succ.append(nxt)
+    # longest / shortest path from block 0 to the block holding the back edge (addresses ascend: a DAG)
+    last_block = len(blocks) - 1
+    neg = float("-inf")
+    longest = [neg] * len(blocks)
+    shortest = [float("inf")] * len(blocks)
+    longest[0] = shortest[0] = len(blocks[0])
+    for k in range(len(blocks)):
+        if longest[k] == neg:
+            continue
+        for s in succ[k]:
+            longest[s] = max(longest[s], longest[k] + len(blocks[s]))
+            shortest[s] = min(shortest[s], shortest[k] + len(blocks[s]))
+    ops = Counter(opcode(t) for _, t in body)
+    mix: Counter[str] = Counter()
+    for op, n in ops.items():
+        mix[category(op)] += n
+    return Loop(head, tail, len(body), int(longest[last_block]), int(shortest[last_block]), dict(mix),
+                dict(ops.most_common()), ops.get("LDG", 0), ops.get("CALL", 0), inner)
+
+
+def tile_loops(ins: list[tuple[int, str]]) -> list[Loop]:
+    """The innermost loops whose body holds LDGSTS and BAR.SYNC: the cp.async tile loops."""
+    cands = []
+    for head, tail in loops(ins):
+        ops = Counter(opcode(t) for a, t in ins if head <= a <= tail)
+        if ops.get("LDGSTS") and ops.get("BAR"):
+            cands.append((head, tail))
+    inner = [c for c in cands if not any(o != c and c[0] <= o[0] and o[1] <= c[1] for o in cands)]
+    return [analyse(ins, h, t) for h, t in sorted(inner)]
+
+
+def resources(usage: str) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    name = None
+    for line in usage.splitlines():
+        m = re.search(r"Function (\w+):", line)
+        if m:
+            name = m.group(1)
+            continue
+        if name and "REG:" in line:
+            out[name] = {k.lower(): int(v) for k, v in re.findall(r"(\w+):(\d+)", line)}
+            name = None
+    return out
+
+
+def blocks_per_sm(registers: int, shared: int, threads: int = 128) -> int:
+    """Resident blocks on sm_90 (registers per warp in units of 256; ``shared`` includes the 1 KB
+    the system reserves per block, as cuobjdump -res-usage reports it)."""
+    wpb = threads // 32
+    per_warp = -(-registers * 32 // 256) * 256
+    by_regs = (65536 // per_warp) // wpb if registers else 32
+    return min(32, 64 // wpb, by_regs, 233472 // max(shared, 1))
+
+
+# ---- the report -------------------------------------------------------------------------------------
+_ENTRY = re.compile(r"kv_decode_(f32|f16|bf16)_g(\d+)_d(\d+)$")
+_DTYPE = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
+
+
+def tile_bytes(entry: str) -> int:
+    sys.path.insert(0, str(ROOT))
+    from kvservice.worker.kernel_api import decode_geometry
+
+    m = _ENTRY.match(entry)
+    return decode_geometry(_DTYPE[m.group(1)], int(m.group(2)), int(m.group(3))).tile_bytes
+
+
+def model(per_8k: float) -> dict[str, float]:
+    """Bytes per warp instruction and the issue-bound bandwidth (fraction of the copy) at 100 / 70 %."""
+    bpwi = TILE_UNIT / (WARPS * per_8k)
+    peak = SMS * SCHEDULERS * CLOCK_HZ * bpwi
+    return {"bytes_per_warp_instr": bpwi, "issue_bound_pct_copy": peak / COPY_BYTES_S,
+            "at_70pct_issue_pct_copy": 0.7 * peak / COPY_BYTES_S}
+
+
+#: the three builds: the real one (registers, occupancy, and the full longest path with the rare
+#: branches), the steady-state tile (KV_SASS_STEADY: boundary masks and rescale compiled out: the
+#: tile every tile but a block's first and last runs, bar a rescale), and the steady tile with a
+#: stand-in per-page generation check in the loop (KV_SASS_PROBE_PAGE_CHECK)
+VARIANTS = {"real": (), "steady": ("-DKV_SASS_STEADY",), "probe": ("-DKV_SASS_STEADY", PROBE_DEFINE)}
+
+
+def loops_of(defines: tuple[str, ...]) -> tuple[dict[str, list[Loop]], dict[str, dict[str, int]]]:
+    sass, usage = disassemble(defines)
+    return ({name: tile_loops(ins) for name, ins in functions(sass).items() if _ENTRY.match(name)},
+            resources(usage))
+
+
+def per_8k(loops: list[Loop], tb: int) -> float:
+    return max((lp.longest for lp in loops), default=float("inf")) * TILE_UNIT / tb
+
+
+def report(variants: tuple[str, ...] = ("real", "steady", "probe")) -> list[dict]:
+    with ThreadPoolExecutor(max_workers=2) as pool:  # two compiles side by side (2 cores)
+        got = dict(zip(variants, pool.map(lambda v: loops_of(VARIANTS[v]), variants), strict=True))
+    real_loops, res = got["real"]
+    rows = []
+    for name in sorted(real_loops):
+        m = _ENTRY.match(name)
+        tb, r = tile_bytes(name), res.get(name, {})
+        row: dict = {"entry": name, "heads": int(m.group(2)), "tile_bytes": tb, "budget": BUDGET[int(m.group(2))],
+                     "registers": r.get("reg", 0), "shared": r.get("shared", 0), "stack": r.get("stack", 0),
+                     "local": r.get("local", 0), "blocks_per_sm": blocks_per_sm(r.get("reg", 0), r.get("shared", 0))}
+        for v in variants:
+            loops = got[v][0].get(name, [])
+            row[v] = {"per_8k": per_8k(loops, tb), "loops": [asdict(lp) for lp in loops]}
+        row.update(model(row["steady"]["per_8k"] if "steady" in row else row["real"]["per_8k"]))
+        rows.append(row)
+    return rows
+
+
+def problems(rows: list[dict]) -> list[str]:
+    out = []
+    for r in rows:
+        for v in ("real", "steady", "probe"):
+            if v not in r:
+                continue
+            if not r[v]["loops"]:
+                out.append(f"{r['entry']} ({v}): no tile loop found (LDGSTS + BAR.SYNC in an innermost loop)")
+            for lp in r[v]["loops"]:
+                if lp["calls"] or lp["inner_loops"]:
+                    out.append(f"{r['entry']} ({v}): tile loop at {lp['head']:#x} has {lp['calls']} CALL(s) and "
+                               f"{lp['inner_loops']} inner loop(s): its path counts are not per-tile bounds")
+            if v != "real" and r[v]["per_8k"] > r["budget"]:
+                out.append(f"{r['entry']} ({v}): {r[v]['per_8k']:.0f} instructions per thread per 8 KB tile > "
+                           f"budget {r['budget']}")
+        if r["stack"] or r["local"]:
+            out.append(f"{r['entry']}: stack {r['stack']} B, local {r['local']} B (spill)")
+    return out
+
+
+def _paths(v: dict) -> str:
+    return " / ".join(str(lp["longest"]) for lp in v["loops"]) or "-"
+
+
+def markdown(rows: list[dict]) -> str:
+    head = ("| entry | tile (B) | steady tile: longest path per loop (one page / per copy) | steady, per 8 KB | "
+            "+ page check, per 8 KB | budget | with rare branches, per 8 KB | FFMA+FMUL+FADD | SHFL | MUFU | "
+            "int/addr | regs | blocks/SM | B per warp instr | issue bound, % of copy at 100 % / 70 % issue |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        st = r.get("steady") or r["real"]
+        lp = max(st["loops"], key=lambda x: x["longest"]) if st["loops"] else {"opcodes": {}, "mix": {}}
+        ops = lp["opcodes"]
+        fp = sum(ops.get(k, 0) for k in ("FFMA", "FMUL", "FADD"))
+        probe = f"{r['probe']['per_8k']:.0f}" if "probe" in r else "-"
+        lines.append(
+            f"| {r['entry']} | {r['tile_bytes']} | {_paths(st)} | {st['per_8k']:.0f} | {probe} | {r['budget']} | "
+            f"{r['real']['per_8k']:.0f} | {fp} | {ops.get('SHFL', 0)} | {ops.get('MUFU', 0)} | "
+            f"{lp['mix'].get('integer', 0)} | {r['registers']} | {r['blocks_per_sm']} | "
+            f"{r['bytes_per_warp_instr']:.1f} | {100 * r['issue_bound_pct_copy']:.0f} % / "
+            f"{100 * r['at_70pct_issue_pct_copy']:.0f} % |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--check", action="store_true", help="exit 1 when an entry is over budget or spills")
+    p.add_argument("--real-only", action="store_true",
+                   help="only the real build (longest path with the rare branches; e.g. for an older source)")
+    p.add_argument("--json", type=Path, default=None, help="write the figures as JSON too")
+    p.add_argument("--entry", default=None, help="print the opcode mix of this entry's tile loop(s)")
+    a = p.parse_args(argv)
+    rows = report(("real",) if a.real_only else ("real", "steady", "probe"))
+    print(markdown(rows), end="")
+    if a.entry:
+        for r in rows:
+            if r["entry"] == a.entry:
+                for v in ("real", "steady", "probe"):
+                    for lp in r.get(v, {}).get("loops", []):
+                        print(f"\n{a.entry} [{v}] loop {lp['head']:#x}-{lp['tail']:#x}: longest {lp['longest']}, "
+                              f"shortest {lp['shortest']}, static {lp['static']}, mix {lp['mix']}\n  {lp['opcodes']}")
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps(rows, indent=1))
+    bad = problems(rows)
+    for b in bad:
+        print(f"OVER BUDGET: {b}", file=sys.stderr)
+    return 1 if (a.check and bad) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
