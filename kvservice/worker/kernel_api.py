@@ -180,6 +180,10 @@ class PageLayout:
             raise ValueError(f"index space needs 0 <= offset < scale, base >= 0 and pool_pages >= upper_bound, "
                              f"got offset {self.offset}, scale {self.scale}, base {self.base}, "
                              f"pool_pages {self.pool_pages}, upper_bound {self.upper_bound}")
+        if self.page_elems >= 2**31:
+            raise ValueError(f"a page holds {self.page_elems} elements (2 x page_size {self.page_size} x kv_heads "
+                             f"{self.kv_heads} x head_dim {self.head_dim}); the kernels take fewer than 2^31 per page "
+                             "(offsets inside a page are 32-bit; page strides and bases stay 64-bit)")
         if self.page_stride < self.page_elems or self.page_stride % VEC[self.dtype]:
             raise ValueError(f"page_stride {self.page_stride} must be >= page elems {self.page_elems} "
                              f"and a multiple of {VEC[self.dtype]}")

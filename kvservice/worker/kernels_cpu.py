@@ -6,7 +6,8 @@ Variants (``KVK_CPU_VARIANT`` or ``build(variant)``):
   ``asan``     AddressSanitizer + UBSan; load only in a process started with
                ``LD_PRELOAD`` of libasan and libubsan (see ``sanitizer_env``);
   ``nocheck``  -DKV_NO_BOUNDS_CHECK (benchmark/negative-control only).
-Build outputs: ``build/kernels-cpu/<variant>-<hash of sources+flags>/libkvk.so``.
+Build outputs: ``build/kernels-cpu/<variant>-<hash of sources+flags>/libkvk.so`` (``KVK_CPU_BUILD_DIR``
+moves them, e.g. to time a cold build).
 
 Public API (same as kvservice.worker.kernels_cuda and kvservice.worker.ops_numpy): append_kv,
 decode_attention, copy_blocks, validate_page_table, widen, guard_fill, guard_check.
@@ -31,7 +32,7 @@ from kvservice.worker.kernel_api import GuardReport, PageLayout, Policy, Validat
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 ROOT = Path(__file__).resolve().parents[2]  # the repository (build/ lives there)
-BUILD_DIR = ROOT / "build" / "kernels-cpu"
+BUILD_DIR = Path(os.environ.get("KVK_CPU_BUILD_DIR") or ROOT / "build" / "kernels-cpu")  # the env: a cold build
 BASE_FLAGS = ["-x", "c++", "-std=c++17", "-fopenmp", "-fPIC", "-shared", "-fno-strict-aliasing",
               "-DKV_HOST_EMU", "-Wall", "-Wno-unknown-pragmas",
               # each variant keeps its own registry/statics when several are loaded
@@ -46,28 +47,32 @@ VARIANT_FLAGS = {
 }
 
 
-def sources() -> list[Path]:
-    return sorted(KERNEL_DIR.glob("*.cu"))
+def sources(kernel_dir: Path = KERNEL_DIR) -> list[Path]:
+    return sorted(kernel_dir.glob("*.cu"))
 
 
-def _source_hash(flags: Sequence[str]) -> str:
+def _source_hash(flags: Sequence[str], kernel_dir: Path = KERNEL_DIR) -> str:
     h = hashlib.sha256(" ".join(flags).encode())
-    for p in sorted(KERNEL_DIR.glob("*.cu*")) + sorted(KERNEL_DIR.glob("*.h")):
+    for p in sorted(kernel_dir.glob("*.cu*")) + sorted(kernel_dir.glob("*.h")):
         h.update(p.name.encode())
         h.update(p.read_bytes())
     return h.hexdigest()[:16]
 
 
-def build(variant: str = "plain") -> Path:
-    """Compile (or reuse) the emulation library for ``variant``; returns its path."""
+def build(variant: str = "plain", kernel_dir: Path = KERNEL_DIR, only: Sequence[str] | None = None) -> Path:
+    """Compile (or reuse) the emulation library for ``variant``; returns its path.
+    ``kernel_dir``: another copy of the sources (the planted-bug tests); ``only``: file names of
+    the .cu sources to build (default all)."""
     flags = BASE_FLAGS + VARIANT_FLAGS[variant]
-    out = BUILD_DIR / f"{variant}-{_source_hash(flags)}" / "libkvk.so"
+    srcs = [p for p in sources(kernel_dir) if only is None or p.name in only]
+    key = _source_hash([*flags, *(p.name for p in srcs)], kernel_dir)
+    out = BUILD_DIR / f"{variant}-{key}" / "libkvk.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    cmd = ["g++", *flags, f"-I{KERNEL_DIR}", *map(str, sources()), "-o", tmp]
+    cmd = ["g++", *flags, f"-I{kernel_dir}", *map(str, srcs), "-o", tmp]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         os.unlink(tmp)
@@ -90,8 +95,30 @@ def sanitizer_env(base: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+#: kv_emu_launch_mode's fault codes
+FAULTS = {-1: "unknown kernel", -2: "bad launch shape", -3: "short OpenMP team",
+          -4: "misaligned cp.async", -5: "shared-memory race"}
+
+
+class EmulationFault(RuntimeError):
+    """A launch that the device would have faulted on (misaligned cp.async), or that the strict
+    emulation found racing on shared memory. ``code``: kv_emu_launch_mode's return code."""
+
+    def __init__(self, name: str, code: int, detail: str) -> None:
+        super().__init__(f"kv_emu_launch({name}) failed with code {code} ({FAULTS.get(code, '?')}): {detail}")
+        self.code = code
+
+
 class CpuBackend:
-    """ctypes launcher over one emulation library (kernel_api.Backend)."""
+    """ctypes launcher over one emulation library (kernel_api.Backend).
+
+    ``strict``: cp.async copies land at issue and a shadow of the ring reports any read before a
+    copy's wait, a read of another thread's copy with no barrier after its wait, and a copy over
+    a piece another thread read since the last barrier (EmulationFault code -5). ``blocks_at_once``:
+    blocks of one launch run concurrently (in reverse order) instead of one after another.
+    ``lib``: a library built elsewhere (``build(kernel_dir=...)``). Misaligned cp.async is a fault
+    (code -4) in every mode.
+    """
 
     xp = np
     sms = 4  # pretend SM count for the split heuristics
@@ -101,14 +128,17 @@ class CpuBackend:
         """Pretend residency (2 blocks per SM) for the split heuristics."""
         return 2
 
-    def __init__(self, variant: str = "plain") -> None:
-        self.variant = variant
-        self.lib = ctypes.CDLL(str(build(variant)))
-        self.lib.kv_emu_launch.restype = ctypes.c_int
-        self.lib.kv_emu_launch.argtypes = [ctypes.c_char_p, ctypes.c_uint, ctypes.c_uint,
-                                           ctypes.c_uint, ctypes.c_uint, ctypes.POINTER(ctypes.c_void_p)]
+    def __init__(self, variant: str = "plain", *, strict: bool = False, blocks_at_once: int = 1,
+                 lib: Path | None = None) -> None:
+        self.variant, self.strict, self.blocks_at_once = variant, strict, max(1, int(blocks_at_once))
+        self.lib = ctypes.CDLL(str(lib or build(variant)))
+        self.lib.kv_emu_launch_mode.restype = ctypes.c_int
+        self.lib.kv_emu_launch_mode.argtypes = [ctypes.c_char_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
+                                                ctypes.c_uint, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int,
+                                                ctypes.c_int]
         self.lib.kv_emu_signature.restype = ctypes.c_char_p
         self.lib.kv_emu_signature.argtypes = [ctypes.c_char_p]
+        self.lib.kv_emu_last_fault.restype = ctypes.c_char_p
 
     def signature(self, name: str) -> str:
         sig = self.lib.kv_emu_signature(name.encode())
@@ -137,9 +167,10 @@ class CpuBackend:
             raise TypeError(f"{name}: C signature has {len(sig)} args, got {len(args)}")
         cvals = [self._arg(k, v, i, name) for i, (k, v) in enumerate(zip(sig, args, strict=True))]
         argv = (ctypes.c_void_p * len(cvals))(*[ctypes.cast(ctypes.pointer(c), ctypes.c_void_p) for c in cvals])
-        rc = self.lib.kv_emu_launch(name.encode(), *grid, block, argv)
+        rc = self.lib.kv_emu_launch_mode(name.encode(), *grid, block, argv, int(self.strict), self.blocks_at_once)
         if rc != 0:
-            raise RuntimeError(f"kv_emu_launch({name}) failed with code {rc}")
+            detail = (self.lib.kv_emu_last_fault() or b"").decode(errors="replace") if rc in (-4, -5) else ""
+            raise EmulationFault(name, rc, detail)
 
     @staticmethod
     def ptr(a: Any) -> int:
@@ -151,8 +182,15 @@ class CpuBackend:
 
 
 @functools.cache
-def backend(variant: str | None = None) -> CpuBackend:
-    return CpuBackend(variant or os.environ.get("KVK_CPU_VARIANT", "plain"))
+def backend(variant: str | None = None, strict: bool | None = None, blocks_at_once: int | None = None) -> CpuBackend:
+    """The backend of a build variant (``KVK_CPU_VARIANT``, default plain); ``strict`` and
+    ``blocks_at_once`` default to ``KVK_EMU_STRICT`` (1 = on) and ``KVK_EMU_BLOCKS`` (1)."""
+    if strict is None:
+        strict = os.environ.get("KVK_EMU_STRICT", "0") == "1"
+    if blocks_at_once is None:
+        blocks_at_once = int(os.environ.get("KVK_EMU_BLOCKS", "1"))
+    return CpuBackend(variant or os.environ.get("KVK_CPU_VARIANT", "plain"), strict=strict,
+                      blocks_at_once=blocks_at_once)
 
 
 def append_kv(cache: np.ndarray, layout: PageLayout, k: np.ndarray, v: np.ndarray,

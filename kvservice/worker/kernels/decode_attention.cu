@@ -59,16 +59,210 @@ struct KvDecGeom {
   static constexpr int BUF_FLOATS = PIPE_FLOATS > MERGE_FLOATS ? PIPE_FLOATS : MERGE_FLOATS;
   // Blocks per SM asked of ptxas (__launch_bounds__ minimum), from the
   // registers that grow with the variant: q and output (2 GM E) and scores
-  // (~4 GM RPT). Caps: 85 (6 blocks), 102 (5), 128 (4), 170 (3), 255 (2)
+  // (~4 GM RPT). Caps: 72 (7 blocks), 85 (6), 102 (5), 128 (4), 170 (3), 255 (2)
   // registers; test_nvcc fails on any spill and on fewer blocks than documented.
   static constexpr int REG_VAR = 2 * GM * E + 4 * GM * RPT;
   static constexpr int MIN_BLOCKS =
-      REG_VAR <= 24 ? 6 : REG_VAR <= 48 ? 5 : REG_VAR <= 96 ? 4 : REG_VAR <= 128 ? 3 : 2;
+      REG_VAR <= 16 ? 7 : REG_VAR <= 24 ? 6 : REG_VAR <= 48 ? 5 : REG_VAR <= 96 ? 4 : REG_VAR <= 128 ? 3 : 2;
   static_assert(D % VEC == 0 && (CPR & (CPR - 1)) == 0, "head_dim must be a power of two >= 2 pieces");
   static_assert(NCH * NT == TT * CPR, "a tile is a whole number of copies per thread");
   static_assert(GM * E <= 64, "q and output registers per lane (GM * E) capped at 64 each");
   static_assert(BUF_FLOATS * 4 + 2 * NR * GM * 4 <= 40 * 1024, "static shared memory budget");
 };
+
+// Lazy rescaling: a lane group moves its softmax reference max m only when a score exceeds it by
+// more than KV_RESCALE_SLACK (log2 domain), so most tiles skip the rescale of the accumulators.
+// Exact: out = sum(2^(s-m) v) / sum(2^(s-m)) for any m; every weight stays <= 2^8. m starts at
+// -FLT_MAX (finite), so 2^(s - m) needs no guard for masked scores (-inf) and the first rescale's
+// factor 2^(-FLT_MAX - max) is 0. (A score of -inf from inf inputs weighs 0, as in the reference.)
+// KV_SASS_STEADY (scripts/sass_budget.py only, never built into a library) compiles out the two
+// branches a steady-state tile skips (boundary masks, rescale), so the script can count that tile.
+#define KV_RESCALE_SLACK 8.0f
+#define KV_M0 (-3.402823466e38f)
+
+// What one block works on, in the segment the tile loop runs over (all 32-bit: a segment holds
+// fewer than 2^31 tokens; the block's token range is cut into such segments, each starting on a
+// page boundary).
+struct KvSegment {
+  const int* pages;  // &indices[indptr[row] + first page of the segment]
+  unsigned n;        // tokens from the segment start to the end of the block's range
+  unsigned lo;       // first token to attend (tokens [0, lo) of the first page are masked)
+};
+
+// The tile loop over one segment. Tile t holds tokens [t TT, t TT + TT) of the segment; thread
+// `tid` copies rows rk = tid / CPR + k * (NT / CPR) (k < NCH), piece tid % CPR, of K and V.
+// ONE_PAGE (page_size a multiple of TT, every segment page-aligned): a tile lies in one page, so its
+// page index is loaded once per tile and the page advances by a counter; otherwise each copy finds
+// its page with the fast divider. Rows outside [lo, n) are zero-filled (no global read) and masked.
+// Per page: one 64-bit base; every other offset is 32-bit (PageLayout.validate: a page holds fewer
+// than 2^31 elements). Page indices were checked by the block's bounds pass before this runs.
+template <typename T, int GM, int D, bool ONE_PAGE>
+__device__ __forceinline__ void kv_decode_segment(const KvSegment S, const T* __restrict__ cache,
+                                                  const long long base, const long long page_stride,
+                                                  const unsigned ps, const KvFastDiv& pdiv,
+                                                  const unsigned row_stride, const unsigned kv_off,
+                                                  const unsigned col, const KvSmem s_pipe,
+                                                  const uint4* s_tiles, const float (&qr)[GM][KvDecGeom<T, GM, D>::E],
+                                                  float (&acc)[GM][KvDecGeom<T, GM, D>::E], float (&m)[GM],
+                                                  float (&m_lazy)[GM], float (&l)[GM]) {
+  using G = KvDecGeom<T, GM, D>;
+  constexpr int NT = G::NT, VEC = G::VEC, CPR = G::CPR, LG = G::LG, CH = G::CH;
+  constexpr int NR = G::NR, RPT = G::RPT, TT = G::TT, STAGES = G::STAGES, NCH = G::NCH;
+  constexpr int RSTEP = NT / CPR;                          // rows between a thread's copies
+  constexpr unsigned STAGE_BYTES = 2u * G::STAGE_PIECES * 16u;  // K and V of one tile
+  const int tid = threadIdx.x;
+  const int lane = tid % LG, grp = tid / LG;
+  const unsigned r0 = (unsigned)(tid / CPR);
+  const KvSmem dst0 = s_pipe + (unsigned)tid * 16u;
+  const unsigned ntiles = (S.n + TT - 1) / TT;
+  const unsigned span = S.n - S.lo;  // row u is attended iff u - lo < span (unsigned)
+  unsigned next_page = 0, next_tok = 0;  // ONE_PAGE: page and first token of the next tile to issue
+
+  // Queue the K and V copies of tile t into ring stage `stage`.
+  auto issue = [&](unsigned t, unsigned stage) {
+    const KvSmem dk = dst0 + stage * STAGE_BYTES, dv = dk + G::STAGE_PIECES * 16u;
+    const unsigned u0 = t * TT;
+    if constexpr (ONE_PAGE) {
+      const T* const pg = cache + (long long)(S.pages[next_page] - base) * page_stride + col;
+#ifdef KV_SASS_PROBE_PAGE_CHECK
+      // scripts/sass_budget.py --probe-page-check only (never built into a library): a stand-in
+      // for a per-page generation check, one load of the page's expected value beside the index,
+      // one of the generation recorded for the page, a compare; a mismatch stops the copies.
+      const bool fresh = S.pages[next_page + 0x40000000u] == ((const int*)cache)[S.pages[next_page]];
+#else
+      const bool fresh = true;
+#endif
+#pragma unroll
+      for (int k = 0; k < NCH; ++k) {
+        const unsigned u = u0 + r0 + k * RSTEP;
+        const bool full = fresh && u - S.lo < span;
+        const T* const src = full ? pg + (next_tok + r0 + k * RSTEP) * row_stride : cache;
+        kv_cp_async16(dk + k * NT * 16u, src, full);
+        kv_cp_async16(dv + k * NT * 16u, full ? src + kv_off : cache, full);
+      }
+      next_tok += TT;
+      if (next_tok == ps) {
+        next_tok = 0;
+        ++next_page;
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < NCH; ++k) {
+        const unsigned u = u0 + r0 + k * RSTEP;
+        bool full = u - S.lo < span;
+        const T* src = cache;
+        if (full) {
+          const unsigned pp = pdiv.div(u), tok = u - pp * ps;
+#ifdef KV_SASS_PROBE_PAGE_CHECK
+          full = S.pages[pp + 0x40000000u] == ((const int*)cache)[S.pages[pp]];  // see above
+#endif
+          src = cache + (long long)(S.pages[pp] - base) * page_stride + col + tok * row_stride;
+        }
+        kv_cp_async16(dk + k * NT * 16u, src, full);
+        kv_cp_async16(dv + k * NT * 16u, full ? src + kv_off : cache, full);
+      }
+    }
+  };
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if ((unsigned)s < ntiles) issue(s, s);
+    kv_cp_async_commit();
+  }
+  int use = 0, put = STAGES - 1;  // ring stages of the tile in use and of the next tile to issue
+  for (unsigned t = 0; t < ntiles; ++t) {
+    if (t + STAGES - 1 < ntiles) issue(t + STAGES - 1, put);
+    kv_cp_async_commit();
+    kv_cp_async_wait<STAGES - 1>();  // this thread's copies of tile t have landed
+    __syncthreads();                 // and everyone else's
+    const uint4* const sk = s_tiles + use * 2 * G::STAGE_PIECES;
+    const uint4* const sv = sk + G::STAGE_PIECES;
+
+    // scores of this lane group's RPT rows (rows grp + i * NR of the tile): partial dot products
+    // over the lane's elements, then one LG-lane sum
+    float s[RPT * GM];
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) {
+      const int r = grp + i * NR;
+#pragma unroll
+      for (int g = 0; g < GM; ++g) s[i * GM + g] = 0.f;
+#pragma unroll
+      for (int c = 0; c < CH; ++c) {
+        float kf[VEC];
+        KvElem<T>::load(reinterpret_cast<const T*>(sk + r * CPR + lane + c * LG), kf);
+#pragma unroll
+        for (int g = 0; g < GM; ++g)
+#pragma unroll
+          for (int v = 0; v < VEC; ++v) s[i * GM + g] += qr[g][c * VEC + v] * kf[v];
+      }
+    }
+    kv_group_allreduce<LG>(s);
+    // rows outside [lo, n) were zero-filled: mask their scores (only the first and last tiles of a
+    // segment have such rows)
+#ifndef KV_SASS_STEADY
+    if (t * TT < S.lo || t * TT + TT > S.n) {
+#pragma unroll
+      for (int i = 0; i < RPT; ++i) {
+        const bool live = t * TT + (unsigned)(grp + i * NR) - S.lo < span;
+#pragma unroll
+        for (int g = 0; g < GM; ++g) s[i * GM + g] = live ? s[i * GM + g] : kv_ninf();
+      }
+    }
+#endif
+    bool need = false;
+    float mx[GM];
+#pragma unroll
+    for (int g = 0; g < GM; ++g) {
+      mx[g] = s[g];
+#pragma unroll
+      for (int i = 1; i < RPT; ++i) mx[g] = fmaxf(mx[g], s[i * GM + g]);
+      need = need || mx[g] > m_lazy[g];
+    }
+#ifndef KV_SASS_STEADY
+    if (need) {  // rare: the reference max of some head moved up by more than the slack
+#pragma unroll
+      for (int g = 0; g < GM; ++g) {
+        const float nm = fmaxf(m[g], mx[g]);
+        const float f = kv_ex2(m[g] - nm);  // m finite: 2^0 = 1 for a head whose max stayed
+        m[g] = nm;
+        m_lazy[g] = nm + KV_RESCALE_SLACK;
+        l[g] *= f;
+#pragma unroll
+        for (int e = 0; e < G::E; ++e) acc[g][e] *= f;
+      }
+    }
+#else
+    (void)need;
+#endif
+    // weights: 2^(s - m) <= 2^slack; a masked row's 2^-inf = 0
+#pragma unroll
+    for (int g = 0; g < GM; ++g) {
+#pragma unroll
+      for (int i = 0; i < RPT; ++i) {
+        s[i * GM + g] = kv_ex2(s[i * GM + g] - m[g]);
+        l[g] += s[i * GM + g];
+      }
+    }
+    // P.V for the lane group's rows (a masked row's V is zeros and its weight 0)
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) {
+      const int r = grp + i * NR;
+#pragma unroll
+      for (int c = 0; c < CH; ++c) {
+        float vf[VEC];
+        KvElem<T>::load(reinterpret_cast<const T*>(sv + r * CPR + lane + c * LG), vf);
+#pragma unroll
+        for (int g = 0; g < GM; ++g)
+#pragma unroll
+          for (int v = 0; v < VEC; ++v) acc[g][c * VEC + v] += s[i * GM + g] * vf[v];
+      }
+    }
+    __syncthreads();  // stage `use` is free for tile t + STAGES
+    use = use + 1 == STAGES ? 0 : use + 1;
+    put = put + 1 == STAGES ? 0 : put + 1;
+  }
+  kv_cp_async_wait_all();  // nothing is pending (later groups were empty)
+}
 
 template <typename T, int GM, int D>
 __device__ __forceinline__ void kv_decode_block(const T* __restrict__ q, const T* __restrict__ cache,
@@ -78,13 +272,13 @@ __device__ __forceinline__ void kv_decode_block(const T* __restrict__ q, const T
                                                 unsigned long long* rec) {
   using G = KvDecGeom<T, GM, D>;
   constexpr int NT = G::NT, VEC = G::VEC, CPR = G::CPR, LG = G::LG, CH = G::CH, E = G::E;
-  constexpr int NR = G::NR, RPT = G::RPT, TT = G::TT, STAGES = G::STAGES;
+  constexpr int NR = G::NR, TT = G::TT;
   // pipeline ring [STAGES][K, V][STAGE_PIECES] pieces; after the loop, the
   // lane-group partial outputs [NR][GM][D] (float).
-  __shared__ uint4 s_raw[G::BUF_FLOATS / 4];  // uint4: 16-byte aligned
-  __shared__ float s_m[NR * GM], s_l[NR * GM];
-  __shared__ int s_bad;
-  uint4* const s_pipe = s_raw;
+  KV_SHARED(uint4, s_raw, [G::BUF_FLOATS / 4]);  // uint4: 16-byte aligned
+  KV_SHARED(float, s_m, [NR * GM]);
+  KV_SHARED(float, s_l, [NR * GM]);
+  KV_SHARED(int, s_bad, );
   float* const s_buf = reinterpret_cast<float*>(s_raw);
 
   const int tid = threadIdx.x;
@@ -131,6 +325,9 @@ __device__ __forceinline__ void kv_decode_block(const T* __restrict__ q, const T
   }
   __syncthreads();
 #ifndef KV_NO_BOUNDS_CHECK
+  // Every table entry this block owns is checked here, before any cache load: a per-page check
+  // (bounds, lattice, and any further per-page rule such as a page generation) belongs in this
+  // pass, one coalesced load per entry per block, not in the tile loop.
   for (long long pp = chk_lo + tid; pp < chk_hi; pp += NT) {
     if (kv_page_reason(L, A.indices[a + pp]) != KV_OK) {
       atomicOr(&s_bad, 1);
@@ -139,17 +336,19 @@ __device__ __forceinline__ void kv_decode_block(const T* __restrict__ q, const T
   }
 #endif
   __syncthreads();
-  const bool bad = s_bad != 0;
+  const KvFastDiv pdiv(ps);
+  const bool bad = s_bad != 0 || !pdiv.ok;  // !ok: a page_size the wrapper refuses anyway
   const bool empty = bad || tok_lo >= tok_hi;  // block-uniform
 
   // ---- q of this lane's elements, all GM heads, in registers (log2 domain) ----
   // Lane `lane` owns pieces lane + c * LG (c < CH) of every row: elements
   // (lane + c * LG) * VEC + v, stored at [c * VEC + v].
   const float qscale = A.sm_scale * KV_LOG2E;
-  float qr[GM][E], acc[GM][E], m[GM], l[GM];
+  float qr[GM][E], acc[GM][E], m[GM], m_lazy[GM], l[GM];
 #pragma unroll
   for (int g = 0; g < GM; ++g) {
-    m[g] = kv_ninf();
+    m[g] = KV_M0;
+    m_lazy[g] = KV_M0 + KV_RESCALE_SLACK;  // == KV_M0: the first live score rescales
     l[g] = 0.f;
 #pragma unroll
     for (int c = 0; c < CH; ++c)
@@ -162,107 +361,26 @@ __device__ __forceinline__ void kv_decode_block(const T* __restrict__ q, const T
   }
 
   if (!empty) {
-    const long long ntiles = (tok_hi - tok_lo + TT - 1) / TT;
-    const KvFastDiv pdiv(ps);
-    const bool fast = pdiv.ok && tok_hi <= 0xffffffffll;
-
-    // Queue the K and V copies of tile t into ring stage t % STAGES.
-    auto issue = [&](long long t) {
-      const long long t0 = tok_lo + t * TT;
-      uint4* const sk = s_pipe + (t % STAGES) * 2 * G::STAGE_PIECES;
-      uint4* const sv = sk + G::STAGE_PIECES;
-#pragma unroll
-      for (int k = 0; k < G::NCH; ++k) {
-        const int c = tid + k * NT, r = c / CPR, piece = c % CPR;
-        const long long j = t0 + r;
-        if (j < tok_hi) {
-          long long pp;
-          if (fast) {
-            pp = pdiv.div((unsigned)j);
-          } else {
-            pp = j / ps;
-          }
-          const long long tok = j - pp * ps, p = A.indices[a + pp];
-          kv_cp_async16(sk + c, cache + kv_row_offset(L, p, 0, tok, kvh) + piece * VEC);
-          kv_cp_async16(sv + c, cache + kv_row_offset(L, p, 1, tok, kvh) + piece * VEC);
-        }
-      }
-    };
-
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-      if (s < ntiles) issue(s);
-      kv_cp_async_commit();
+    // In-page offsets are 32-bit: (kv, token, head, element) < page elements < 2^31 (checked by
+    // PageLayout.validate); the page base (p - base) * page_stride stays 64-bit.
+    const unsigned row_stride = (unsigned)(L.kv_heads * D), kv_off = (unsigned)(ps * L.kv_heads * D);
+    const unsigned col = (unsigned)(kvh * D) + (unsigned)((tid % CPR) * VEC);
+    const KvSmem s_pipe = kv_smem(s_raw);
+    // The block's tokens start on a page boundary (tokens before tok_lo are masked), in segments
+    // of fewer than 2^31 tokens so that in-segment token numbers are 32-bit.
+    const long long first = tok_lo / ps * ps;
+    const long long seg_tokens = ((1ll << 30) / ps > 1 ? (1ll << 30) / ps : 1) * ps;
+    const bool one_page = (unsigned)ps % TT == 0;
+    for (long long s0 = first; s0 < tok_hi; s0 += seg_tokens) {
+      const long long s1 = tok_hi - s0 < seg_tokens ? tok_hi : s0 + seg_tokens;
+      const KvSegment S{A.indices + a + s0 / ps, (unsigned)(s1 - s0), (unsigned)(s0 == first ? tok_lo - first : 0)};
+      if (one_page)
+        kv_decode_segment<T, GM, D, true>(S, cache, L.base, L.page_stride, (unsigned)ps, pdiv, row_stride, kv_off,
+                                          col, s_pipe, s_raw, qr, acc, m, m_lazy, l);
+      else
+        kv_decode_segment<T, GM, D, false>(S, cache, L.base, L.page_stride, (unsigned)ps, pdiv, row_stride,
+                                           kv_off, col, s_pipe, s_raw, qr, acc, m, m_lazy, l);
     }
-    for (long long t = 0; t < ntiles; ++t) {
-      if (t + STAGES - 1 < ntiles) issue(t + STAGES - 1);
-      kv_cp_async_commit();
-      kv_cp_async_wait<STAGES - 1>();  // this thread's copies of tile t have landed
-      __syncthreads();                 // and everyone else's
-      const long long t0 = tok_lo + t * TT;
-      const uint4* const sk = s_pipe + (t % STAGES) * 2 * G::STAGE_PIECES;
-      const uint4* const sv = sk + G::STAGE_PIECES;
-
-      // scores of this lane group's RPT rows (rows grp + i * NR of the tile):
-      // partial dot products over the lane's elements, then one LG-lane sum
-      float s[RPT * GM];
-#pragma unroll
-      for (int i = 0; i < RPT; ++i) {
-        const int r = grp + i * NR;
-#pragma unroll
-        for (int g = 0; g < GM; ++g) s[i * GM + g] = 0.f;
-#pragma unroll
-        for (int c = 0; c < CH; ++c) {
-          float kf[VEC];
-          KvElem<T>::load(reinterpret_cast<const T*>(sk + r * CPR + lane + c * LG), kf);
-#pragma unroll
-          for (int g = 0; g < GM; ++g)
-#pragma unroll
-            for (int v = 0; v < VEC; ++v) s[i * GM + g] += qr[g][c * VEC + v] * kf[v];
-        }
-      }
-      kv_group_allreduce<LG>(s);
-#pragma unroll
-      for (int i = 0; i < RPT; ++i) {
-        if (t0 + grp + i * NR >= tok_hi) {
-#pragma unroll
-          for (int g = 0; g < GM; ++g) s[i * GM + g] = kv_ninf();
-        }
-      }
-      // online softmax per lane group, then P.V for its rows
-#pragma unroll
-      for (int g = 0; g < GM; ++g) {
-        float mx = m[g];
-#pragma unroll
-        for (int i = 0; i < RPT; ++i) mx = fmaxf(mx, s[i * GM + g]);
-        const float f = mx == kv_ninf() ? 1.f : exp2f(m[g] - mx);
-        m[g] = mx;
-        l[g] *= f;
-#pragma unroll
-        for (int e = 0; e < E; ++e) acc[g][e] *= f;
-#pragma unroll
-        for (int i = 0; i < RPT; ++i) s[i * GM + g] = mx == kv_ninf() ? 0.f : exp2f(s[i * GM + g] - mx);
-      }
-#pragma unroll
-      for (int i = 0; i < RPT; ++i) {
-        const int r = grp + i * NR;
-        if (t0 + r < tok_hi) {
-#pragma unroll
-          for (int c = 0; c < CH; ++c) {
-            float vf[VEC];
-            KvElem<T>::load(reinterpret_cast<const T*>(sv + r * CPR + lane + c * LG), vf);
-#pragma unroll
-            for (int g = 0; g < GM; ++g)
-#pragma unroll
-              for (int v = 0; v < VEC; ++v) acc[g][c * VEC + v] += s[i * GM + g] * vf[v];
-          }
-#pragma unroll
-          for (int g = 0; g < GM; ++g) l[g] += s[i * GM + g];
-        }
-      }
-      __syncthreads();  // stage t % STAGES is free for tile t + STAGES
-    }
-    kv_cp_async_wait_all();  // nothing is pending (later groups were empty)
 
     // ---- lane-group states to shared memory (the ring is no longer used) ----
 #pragma unroll
@@ -272,7 +390,7 @@ __device__ __forceinline__ void kv_decode_block(const T* __restrict__ q, const T
 #pragma unroll
         for (int v = 0; v < VEC; ++v) s_buf[(grp * GM + g) * D + (lane + c * LG) * VEC + v] = acc[g][c * VEC + v];
       if (lane == 0) {
-        s_m[grp * GM + g] = m[g];
+        s_m[grp * GM + g] = l[g] > 0.f ? m[g] : kv_ninf();  // -inf: a lane group that saw no live token
         s_l[grp * GM + g] = l[g];
       }
     }

@@ -23,6 +23,8 @@
 #else
 // No CUDA headers needed (NVRTC-friendly): half -> float through PTX.
 #define KV_REGISTER(fn)
+// Shared memory: KV_SHARED(type, name, dims) (the host emulation gives each running block its own).
+#define KV_SHARED(type, name, dims) __shared__ type name dims
 __device__ __forceinline__ float kv_f16_to_f32(unsigned short h) {
   float f;
   asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
@@ -127,7 +129,7 @@ __device__ __forceinline__ void kv_note(unsigned long long* rec, long long row, 
 // True (uniformly) in the last block of the grid to get here; that block
 // then decodes the first key and fills row/position/value/reason.
 __device__ __forceinline__ bool kv_last_block(unsigned long long* rec) {
-  __shared__ int s_last;
+  KV_SHARED(int, s_last, );
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
@@ -179,10 +181,17 @@ __device__ __forceinline__ float kv_nan() { return __int_as_float(0x7fc00000); }
 __device__ __forceinline__ float kv_ninf() { return __int_as_float((int)0xff800000u); }
 
 // ---- element loads: 16 bytes -> float[VEC] ----------------------------------
+// (the host emulation's strict mode checks each 16-byte read of a cp.async target)
+#ifdef KV_HOST_EMU
+#define KV_EMU_SHARED_READ(p) kv_emu_shared_read(p)
+#else
+#define KV_EMU_SHARED_READ(p)
+#endif
 template <typename T> struct KvElem;
 template <> struct KvElem<float> {
   static constexpr int VEC = 4;
   __device__ static __forceinline__ void load(const float* p, float* o) {
+    KV_EMU_SHARED_READ(p);
     const float4 v = *reinterpret_cast<const float4*>(p);
     o[0] = v.x; o[1] = v.y; o[2] = v.z; o[3] = v.w;
   }
@@ -191,6 +200,7 @@ template <> struct KvElem<float> {
 template <> struct KvElem<kv_half> {
   static constexpr int VEC = 8;
   __device__ static __forceinline__ void load(const kv_half* p, float* o) {
+    KV_EMU_SHARED_READ(p);
     const uint4 v = *reinterpret_cast<const uint4*>(p);
     const unsigned w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
@@ -204,6 +214,7 @@ template <> struct KvElem<kv_half> {
 template <> struct KvElem<kv_bf16> {
   static constexpr int VEC = 8;
   __device__ static __forceinline__ void load(const kv_bf16* p, float* o) {
+    KV_EMU_SHARED_READ(p);
     const uint4 v = *reinterpret_cast<const uint4*>(p);
     const unsigned w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
@@ -256,14 +267,25 @@ struct KvFastDiv {
 
 // Asynchronous 16-byte global -> shared copies (sm_80+), grouped by commit;
 // kv_cp_async_wait<N>() returns once at most N most recent groups of this
-// thread are still in flight. The host emulation (kv_emu.h) queues the copies
-// and performs them at the wait, so a stage read before its wait reads stale
-// data in the CPU tests too.
+// thread are still in flight. A shared-memory destination is a KvSmem: the
+// 32-bit shared-window address on the device (kv_smem() converts a pointer
+// once; offsets are then plain 32-bit adds), a pointer in the host emulation.
+// kv_cp_async16(dst, src, full): full = false copies nothing from `src` and
+// zero-fills the 16 bytes (cp.async's src-size operand 0: no global read).
+// The host emulation (kv_emu.h) asserts 16-byte alignment of both sides and
+// performs the copies at the wait (or eagerly at issue, or never before a
+// barrier, in its strict modes), so a stage read before its wait, or
+// overwritten before everyone has read it, gives wrong data in CPU tests.
 #ifndef KV_HOST_EMU
-__device__ __forceinline__ void kv_cp_async16(void* smem, const void* gmem) {
+typedef unsigned KvSmem;
+__device__ __forceinline__ KvSmem kv_smem(const void* p) {
   unsigned s;
-  asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(p));
+  return s;
+}
+__device__ __forceinline__ void kv_cp_async16(KvSmem smem, const void* gmem, bool full) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem), "l"(gmem), "r"(full ? 16 : 0)
+               : "memory");
 }
 __device__ __forceinline__ void kv_cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
@@ -271,18 +293,100 @@ __device__ __forceinline__ void kv_cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 __device__ __forceinline__ void kv_cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+// 2^x for the softmax: one MUFU.EX2 (ex2.approx.ftz: relative error ~2^-22, subnormal results
+// flushed to 0; 2^-inf = 0). exp2f without fast math is ~6 instructions.
+__device__ __forceinline__ float kv_ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
 #endif
 
-// Sum of N values across each aligned group of LG lanes (LG a power of two
-// <= 32), result in every lane of the group: an xor butterfly, lane i adding
-// lane i ^ m for m = LG/2 .. 1. All lanes of the block must call it. The host
-// emulation (kv_emu.h) runs the same butterfly on values exchanged once.
+// ---- lane-group sums --------------------------------------------------------------------------
+// Sum of N values across each aligned group of LG lanes (LG a power of two <= 32), result in every
+// lane of the group. Two schedules, chosen at compile time by instruction count:
+//   butterfly: lane i adds lane i ^ m for m = LG/2 .. 1, all N values each step
+//              (N log2(LG) SHFL + N log2(LG) FADD);
+//   reduce-scatter + gather: while a lane holds more than one value, a step halves them (the lane
+//              whose bit m is set keeps the upper half and sends the lower: 2 FSEL + SHFL + FADD per
+//              pair), then plain butterfly steps; finally each value is fetched from a lane that
+//              holds it (N indexed SHFL). For N = 16, LG = 16: 76 instructions instead of 128.
+// Both are deterministic: every lane of a group ends with the same bits for each value, whatever
+// lane it reads them from (x + y == y + x in IEEE arithmetic).
+// KvReduce<LG, N>::src(i), ::slot(i): lane (within the group) and register holding value i after
+// the reduce-scatter. The host emulation runs the same schedule on values exchanged once.
+__host__ __device__ constexpr int kv_log2(int x) { return x <= 1 ? 0 : 1 + kv_log2(x / 2); }
+__host__ __device__ constexpr int kv_rs_cost(int lg, int n) {
+  // instructions of reduce-scatter + gather over lg lanes, n values
+  return lg <= 1 ? 0 : (n > 1 ? (n / 2) * 4 + kv_rs_cost(lg / 2, n / 2) : 2 + kv_rs_cost(lg / 2, 1));
+}
+template <int LG, int N>
+struct KvReduce {
+  static constexpr int STEPS = kv_log2(LG);
+  static constexpr int BUTTERFLY = 2 * N * STEPS;
+  static constexpr int SCATTER = kv_rs_cost(LG, N) + N;  // + the gather
+  static constexpr bool USE_SCATTER = LG > 1 && N > 1 && (N & (N - 1)) == 0 && SCATTER < BUTTERFLY;
+  static constexpr int FINAL = N / LG > 1 ? N / LG : 1;  // values per lane after the reduce-scatter
+  // lane bits chosen by value i during the halving steps; its register index afterwards
+  __host__ __device__ static constexpr int src(int i) {
+    int lane = 0, start = 0, cnt = N;
+    for (int m = LG / 2; m > 0 && cnt > 1; m /= 2) {
+      const int half = cnt / 2;
+      if (i - start >= half) {
+        lane |= m;
+        start += half;
+      }
+      cnt = half;
+    }
+    return lane;
+  }
+  __host__ __device__ static constexpr int slot(int i) {
+    int start = 0, cnt = N;
+    for (int m = LG / 2; m > 0 && cnt > 1; m /= 2) {
+      const int half = cnt / 2;
+      if (i - start >= half) start += half;
+      cnt = half;
+    }
+    return i - start;
+  }
+};
+
 #ifndef KV_HOST_EMU
 template <int LG, int N>
 __device__ __forceinline__ void kv_group_allreduce(float (&v)[N]) {
+  using R = KvReduce<LG, N>;
+  if constexpr (!R::USE_SCATTER) {
 #pragma unroll
-  for (int m = LG / 2; m > 0; m >>= 1)
+    for (int m = LG / 2; m > 0; m >>= 1)
 #pragma unroll
-    for (int k = 0; k < N; ++k) v[k] += __shfl_xor_sync(0xffffffffu, v[k], m);
+      for (int k = 0; k < N; ++k) v[k] += __shfl_xor_sync(0xffffffffu, v[k], m);
+  } else {
+    const unsigned lane = threadIdx.x & (LG - 1);
+    float w[N];
+#pragma unroll
+    for (int k = 0; k < N; ++k) w[k] = v[k];
+    int cnt = N;
+#pragma unroll
+    for (int m = LG / 2; m > 0; m >>= 1) {
+      if (cnt > 1) {
+        const int half = cnt / 2;
+        const bool hi = (lane & m) != 0;
+#pragma unroll
+        for (int j = 0; j < N / 2; ++j) {
+          if (j < half) {
+            const float keep = hi ? w[j + half] : w[j];
+            const float send = hi ? w[j] : w[j + half];
+            w[j] = keep + __shfl_xor_sync(0xffffffffu, send, m);
+          }
+        }
+        cnt = half;
+      } else {
+        w[0] += __shfl_xor_sync(0xffffffffu, w[0], m);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[i] = __shfl_sync(0xffffffffu, w[R::slot(i)], R::src(i), LG);
+  }
 }
 #endif

@@ -14,7 +14,7 @@ extern "C" __global__ void kv_validate_page_table(const int* indptr, const int* 
                                                   long long pool_pages, int* row_status,
                                                   unsigned long long* rec) {
   const KvLayout L{0, page_size, 1, 1, scale, offset, base, upper_bound, pool_pages};
-  __shared__ int s_mask;
+  KV_SHARED(int, s_mask, );
   const long long row = blockIdx.x;
   const long long tid = threadIdx.x;
   long long value;
