@@ -123,12 +123,20 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
         return self.caches.xp.asarray(a) if device else a
 
     def _csr(self, msg: Any) -> tuple[Any, Any, Any]:
-        ip = self._tensor(msg, "indptr", "int32", (None,), "[B + 1]")
-        if ip.shape[0] < 1:
+        ip, idx, lpl, _ = self._csr_bounded(msg)
+        return ip, idx, lpl
+
+    def _csr_bounded(self, msg: Any) -> tuple[Any, Any, Any, int]:
+        """The request's CSR table on the device, and the most pages of one row read off the host copy
+        of indptr before it moves (the kernels' split planning then needs no device read back)."""
+        host = self._tensor(msg, "indptr", "int32", (None,), "[B + 1]", device=False)
+        if host.shape[0] < 1:
             raise InvalidArgument("indptr must have B + 1 >= 1 entries")
-        b = ip.shape[0] - 1
-        return ip, self._tensor(msg, "indices", "int32", (None,), "[nnz]"), \
-            self._tensor(msg, "last_page_len", "int32", (b,), f"[B] = [{b}]")
+        b = host.shape[0] - 1
+        rows = np.diff(host.astype(np.int64))
+        max_pages = int(max(0, rows.max())) if b else 0
+        return self.caches.xp.asarray(host), self._tensor(msg, "indices", "int32", (None,), "[nnz]"), \
+            self._tensor(msg, "last_page_len", "int32", (b,), f"[B] = [{b}]"), max_pages
 
     def _record(self, rec: ViolationRecord, layer: int, reasons: dict[str, int]) -> wpb.ViolationRecord:
         for reason, n in reasons.items():
@@ -200,7 +208,11 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
                         context: grpc.ServicerContext) -> wpb.DecodeAttentionReply:
         self._layer(request.layer)
         layout = self.caches.layouts[request.layer]
-        ip, idx, lpl = self.tables.csr(request.table_id, request.layer) if request.table_id else self._csr(request)
+        if request.table_id:  # the copy's width bounds its rows: no device read back either way
+            ip, idx, lpl = self.tables.csr(request.table_id, request.layer)
+            max_pages = self.tables.max_pages(request.table_id, request.layer)
+        else:
+            ip, idx, lpl, max_pages = self._csr_bounded(request)
         b = ip.shape[0] - 1
         q = self._tensor(request, "q", layout.dtype, (b, None, layout.head_dim), f"[B, q_heads, {layout.head_dim}]")
         check_reply_bytes(4 * b * q.shape[1] * (layout.head_dim + 1) + 256, self.max_reply_bytes, "DecodeAttention",
@@ -208,7 +220,7 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
         window = self.caches.spec.layers[request.layer].sliding_window
         call, dt = self._timed("decode_attention", lambda: self.ops.decode_attention(
             q, self.caches.cache(request.layer), layout, ip, idx, lpl, sm_scale=request.sm_scale or None,
-            window=window, policy=Policy(request.policy)),
+            window=window, policy=Policy(request.policy), max_pages=max_pages),
             lambda rec: self._record(rec, request.layer, self._csr_reasons(rec, request.layer, ip, idx, lpl)))
         rec = call.record
         return wpb.DecodeAttentionReply(out=to_tensor(_host(call.out)), lse=to_tensor(_host(call.lse)),

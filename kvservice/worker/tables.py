@@ -92,6 +92,12 @@ class DeviceTables:
             raise FailedPrecondition(f"layer {layer}'s index space needs int64 page indices; the kernels take int32")
         return t.indptr.astype(np.int32), t.indices, t.last_page_len
 
+    def max_pages(self, table_id: str, layer: int) -> int:
+        """A bound on the pages of any row of ``csr(table_id, layer)``, known on the host: the width of the
+        copy's table (decode plans its splits with it instead of reading indptr back from the device)."""
+        mirror, space = self._mirror(table_id, layer)
+        return int(mirror.spaces[space].table.shape[1])
+
     def slot_mapping(self, table_id: str, layer: int) -> Any:
         """int64 [num_new_tokens] of the copy's last step in a layer's index space, on the device."""
         mirror, space = self._mirror(table_id, layer)
