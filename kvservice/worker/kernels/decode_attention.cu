@@ -59,11 +59,13 @@ struct KvDecGeom {
   static constexpr int BUF_FLOATS = PIPE_FLOATS > MERGE_FLOATS ? PIPE_FLOATS : MERGE_FLOATS;
   // Blocks per SM asked of ptxas (__launch_bounds__ minimum), from the
   // registers that grow with the variant: q and output (2 GM E) and scores
-  // (~4 GM RPT). Caps: 72 (7 blocks), 85 (6), 102 (5), 128 (4), 170 (3), 255 (2)
+  // (~4 GM RPT). Caps: 72 (7 blocks), 85 (6), 102 (5), 128 (4), 170 (3), 255 (2). The 4-heads
+  // 16-bit entries and float32 g4 d256 (REG_VAR 80-96) spilled 8 bytes at 128 registers after
+  // the issue-25 loop: they run at 3 blocks (a register diet to win the 4th back is open).
   // registers; test_nvcc fails on any spill and on fewer blocks than documented.
   static constexpr int REG_VAR = 2 * GM * E + 4 * GM * RPT;
   static constexpr int MIN_BLOCKS =
-      REG_VAR <= 16 ? 7 : REG_VAR <= 24 ? 6 : REG_VAR <= 48 ? 5 : REG_VAR <= 96 ? 4 : REG_VAR <= 128 ? 3 : 2;
+      REG_VAR <= 16 ? 7 : REG_VAR <= 24 ? 6 : REG_VAR <= 48 ? 5 : REG_VAR < 80 ? 4 : REG_VAR <= 128 ? 3 : 2;
   static_assert(D % VEC == 0 && (CPR & (CPR - 1)) == 0, "head_dim must be a power of two >= 2 pieces");
   static_assert(NCH * NT == TT * CPR, "a tile is a whole number of copies per thread");
   static_assert(GM * E <= 64, "q and output registers per lane (GM * E) capped at 64 each");
@@ -94,17 +96,19 @@ struct KvSegment {
 // ONE_PAGE (page_size a multiple of TT, every segment page-aligned): a tile lies in one page, so its
 // page index is loaded once per tile and the page advances by a counter; otherwise each copy finds
 // its page with the fast divider. Rows outside [lo, n) are zero-filled (no global read) and masked.
-// Per page: one 64-bit base; every other offset is 32-bit (PageLayout.validate: a page holds fewer
-// than 2^31 elements). Page indices were checked by the block's bounds pass before this runs.
+// Per page: one 64-bit base, page0 + p * page_bytes (page0: the address page index 0 would have,
+// cache - base pages, as a wrapping 64-bit integer: p >= base for every checked page, so the sum is
+// inside the buffer); every other offset is 32-bit (PageLayout.validate: a page holds fewer than
+// 2^31 elements). Page indices were checked by the block's bounds pass before this runs.
 template <typename T, int GM, int D, bool ONE_PAGE>
 __device__ __forceinline__ void kv_decode_segment(const KvSegment S, const T* __restrict__ cache,
-                                                  const long long base, const long long page_stride,
-                                                  const unsigned ps, const KvFastDiv& pdiv,
+                                                  const unsigned long long page0, const long long page_bytes,
+                                                  const unsigned ps, const KvFastDiv pdiv,
                                                   const unsigned row_stride, const unsigned kv_off,
                                                   const unsigned col, const KvSmem s_pipe,
                                                   const uint4* s_tiles, const float (&qr)[GM][KvDecGeom<T, GM, D>::E],
                                                   float (&acc)[GM][KvDecGeom<T, GM, D>::E], float (&m)[GM],
-                                                  float (&m_lazy)[GM], float (&l)[GM]) {
+                                                  float (&l)[GM]) {
   using G = KvDecGeom<T, GM, D>;
   constexpr int NT = G::NT, VEC = G::VEC, CPR = G::CPR, LG = G::LG, CH = G::CH;
   constexpr int NR = G::NR, RPT = G::RPT, TT = G::TT, STAGES = G::STAGES, NCH = G::NCH;
@@ -123,7 +127,7 @@ __device__ __forceinline__ void kv_decode_segment(const KvSegment S, const T* __
     const KvSmem dk = dst0 + stage * STAGE_BYTES, dv = dk + G::STAGE_PIECES * 16u;
     const unsigned u0 = t * TT;
     if constexpr (ONE_PAGE) {
-      const T* const pg = cache + (long long)(S.pages[next_page] - base) * page_stride + col;
+      const T* const pg = reinterpret_cast<const T*>(page0 + (unsigned long long)(S.pages[next_page] * page_bytes)) + col;
 #ifdef KV_SASS_PROBE_PAGE_CHECK
       // scripts/sass_budget.py --probe-page-check only (never built into a library): a stand-in
       // for a per-page generation check, one load of the page's expected value beside the index,
@@ -156,7 +160,8 @@ __device__ __forceinline__ void kv_decode_segment(const KvSegment S, const T* __
 #ifdef KV_SASS_PROBE_PAGE_CHECK
           full = S.pages[pp + 0x40000000u] == ((const int*)cache)[S.pages[pp]];  // see above
 #endif
-          src = cache + (long long)(S.pages[pp] - base) * page_stride + col + tok * row_stride;
+          src = reinterpret_cast<const T*>(page0 + (unsigned long long)(S.pages[pp] * page_bytes)) + col +
+                tok * row_stride;
         }
         kv_cp_async16(dk + k * NT * 16u, src, full);
         kv_cp_async16(dv + k * NT * 16u, full ? src + kv_off : cache, full);
@@ -169,9 +174,9 @@ __device__ __forceinline__ void kv_decode_segment(const KvSegment S, const T* __
     if ((unsigned)s < ntiles) issue(s, s);
     kv_cp_async_commit();
   }
-  int use = 0, put = STAGES - 1;  // ring stages of the tile in use and of the next tile to issue
+  int use = 0;  // ring stage of the tile in use; the next tile goes to the stage before it
   for (unsigned t = 0; t < ntiles; ++t) {
-    if (t + STAGES - 1 < ntiles) issue(t + STAGES - 1, put);
+    if (t + STAGES - 1 < ntiles) issue(t + STAGES - 1, use == 0 ? STAGES - 1 : use - 1);
     kv_cp_async_commit();
     kv_cp_async_wait<STAGES - 1>();  // this thread's copies of tile t have landed
     __syncthreads();                 // and everyone else's
@@ -216,7 +221,7 @@ __device__ __forceinline__ void kv_decode_segment(const KvSegment S, const T* __
       mx[g] = s[g];
 #pragma unroll
       for (int i = 1; i < RPT; ++i) mx[g] = fmaxf(mx[g], s[i * GM + g]);
-      need = need || mx[g] > m_lazy[g];
+      need = need || mx[g] > m[g] + KV_RESCALE_SLACK;
     }
 #ifndef KV_SASS_STEADY
     if (need) {  // rare: the reference max of some head moved up by more than the slack
@@ -225,7 +230,6 @@ __device__ __forceinline__ void kv_decode_segment(const KvSegment S, const T* __
         const float nm = fmaxf(m[g], mx[g]);
         const float f = kv_ex2(m[g] - nm);  // m finite: 2^0 = 1 for a head whose max stayed
         m[g] = nm;
-        m_lazy[g] = nm + KV_RESCALE_SLACK;
         l[g] *= f;
 #pragma unroll
         for (int e = 0; e < G::E; ++e) acc[g][e] *= f;
@@ -259,7 +263,6 @@ __device__ __forceinline__ void kv_decode_segment(const KvSegment S, const T* __
     }
     __syncthreads();  // stage `use` is free for tile t + STAGES
     use = use + 1 == STAGES ? 0 : use + 1;
-    put = put + 1 == STAGES ? 0 : put + 1;
   }
   kv_cp_async_wait_all();  // nothing is pending (later groups were empty)
 }
@@ -279,17 +282,18 @@ __device__ __forceinline__ void kv_decode_block(const T* __restrict__ q, const T
   KV_SHARED(float, s_m, [NR * GM]);
   KV_SHARED(float, s_l, [NR * GM]);
   KV_SHARED(int, s_bad, );
+  KV_SHARED(long long, s_ctx, [4]);  // row, split, first q head, heads: read back after the loop
   float* const s_buf = reinterpret_cast<float*>(s_raw);
 
   const int tid = threadIdx.x;
   const int lane = tid % LG, grp = tid / LG;  // lane in its lane group, lane group
   const long long ps = L.page_size;
-  const long long row = blockIdx.x, split = blockIdx.z;
+  long long row = blockIdx.x, split = blockIdx.z;
   const long long Gq = A.q_heads / L.kv_heads;
   const long long gchunks = (Gq + GM - 1) / GM;
   const long long kvh = blockIdx.y / gchunks, gc = blockIdx.y % gchunks;
-  const int gt = (int)(Gq - gc * GM < GM ? Gq - gc * GM : GM);
-  const long long qh0 = kvh * Gq + gc * GM;
+  int gt = (int)(Gq - gc * GM < GM ? Gq - gc * GM : GM);
+  long long qh0 = kvh * Gq + gc * GM;
   const bool counter = blockIdx.y == 0;
   const bool split_mode = part_out != nullptr;
   const long long nsplit = gridDim.z;
@@ -337,18 +341,25 @@ __device__ __forceinline__ void kv_decode_block(const T* __restrict__ q, const T
 #endif
   __syncthreads();
   const KvFastDiv pdiv(ps);
-  const bool bad = s_bad != 0 || !pdiv.ok;  // !ok: a page_size the wrapper refuses anyway
-  const bool empty = bad || tok_lo >= tok_hi;  // block-uniform
+  bool bad = s_bad != 0 || !pdiv.ok;  // !ok: a page_size the wrapper refuses anyway
+  bool empty = bad || tok_lo >= tok_hi;  // block-uniform
+  // What the merge needs goes through shared memory, so none of it holds a register across the
+  // tile loop (the 4-heads entries sit at their 128-register cap).
+  if (tid == 0) {
+    s_ctx[0] = row | (bad ? 1ll << 62 : 0) | (empty ? 1ll << 61 : 0);
+    s_ctx[1] = split;
+    s_ctx[2] = qh0;
+    s_ctx[3] = gt;
+  }
 
   // ---- q of this lane's elements, all GM heads, in registers (log2 domain) ----
   // Lane `lane` owns pieces lane + c * LG (c < CH) of every row: elements
   // (lane + c * LG) * VEC + v, stored at [c * VEC + v].
   const float qscale = A.sm_scale * KV_LOG2E;
-  float qr[GM][E], acc[GM][E], m[GM], m_lazy[GM], l[GM];
+  float qr[GM][E], acc[GM][E], m[GM], l[GM];
 #pragma unroll
   for (int g = 0; g < GM; ++g) {
-    m[g] = KV_M0;
-    m_lazy[g] = KV_M0 + KV_RESCALE_SLACK;  // == KV_M0: the first live score rescales
+    m[g] = KV_M0;  // KV_M0 + slack == KV_M0: the first live score rescales
     l[g] = 0.f;
 #pragma unroll
     for (int c = 0; c < CH; ++c)
@@ -366,6 +377,9 @@ __device__ __forceinline__ void kv_decode_block(const T* __restrict__ q, const T
     const unsigned row_stride = (unsigned)(L.kv_heads * D), kv_off = (unsigned)(ps * L.kv_heads * D);
     const unsigned col = (unsigned)(kvh * D) + (unsigned)((tid % CPR) * VEC);
     const KvSmem s_pipe = kv_smem(s_raw);
+    const long long page_bytes = L.page_stride * (long long)sizeof(T);
+    const unsigned long long page0 =
+        reinterpret_cast<unsigned long long>(cache) - (unsigned long long)(L.base * page_bytes);
     // The block's tokens start on a page boundary (tokens before tok_lo are masked), in segments
     // of fewer than 2^31 tokens so that in-segment token numbers are 32-bit.
     const long long first = tok_lo / ps * ps;
@@ -375,11 +389,11 @@ __device__ __forceinline__ void kv_decode_block(const T* __restrict__ q, const T
       const long long s1 = tok_hi - s0 < seg_tokens ? tok_hi : s0 + seg_tokens;
       const KvSegment S{A.indices + a + s0 / ps, (unsigned)(s1 - s0), (unsigned)(s0 == first ? tok_lo - first : 0)};
       if (one_page)
-        kv_decode_segment<T, GM, D, true>(S, cache, L.base, L.page_stride, (unsigned)ps, pdiv, row_stride, kv_off,
-                                          col, s_pipe, s_raw, qr, acc, m, m_lazy, l);
+        kv_decode_segment<T, GM, D, true>(S, cache, page0, page_bytes, (unsigned)ps, pdiv, row_stride, kv_off,
+                                          col, s_pipe, s_raw, qr, acc, m, l);
       else
-        kv_decode_segment<T, GM, D, false>(S, cache, L.base, L.page_stride, (unsigned)ps, pdiv, row_stride,
-                                           kv_off, col, s_pipe, s_raw, qr, acc, m, m_lazy, l);
+        kv_decode_segment<T, GM, D, false>(S, cache, page0, page_bytes, (unsigned)ps, pdiv, row_stride,
+                                           kv_off, col, s_pipe, s_raw, qr, acc, m, l);
     }
 
     // ---- lane-group states to shared memory (the ring is no longer used) ----
@@ -398,6 +412,15 @@ __device__ __forceinline__ void kv_decode_block(const T* __restrict__ q, const T
   __syncthreads();
 
   // ---- merge the NR lane groups in a fixed order and write ----
+  {
+    const long long r0 = s_ctx[0];
+    row = r0 & ((1ll << 61) - 1);
+    bad = (r0 >> 62) & 1;
+    empty = (r0 >> 61) & 1;
+    split = s_ctx[1];
+    qh0 = s_ctx[2];
+    gt = (int)s_ctx[3];
+  }
   const float poison = A.policy == KV_POLICY_ZEROS ? 0.f : kv_nan();
   const float poison_lse = A.policy == KV_POLICY_ZEROS ? kv_ninf() : kv_nan();
   for (int i = tid; i < gt * D; i += NT) {
@@ -429,7 +452,7 @@ __device__ __forceinline__ void kv_decode_block(const T* __restrict__ q, const T
       if (d == 0) lse[row * A.q_heads + qh] = bad ? poison_lse : lo;
     }
   }
-  if (split_mode && counter && tid == 0) part_flag[split * A.batch + row] = bad ? 1 : 0;
+  if (part_out != nullptr && blockIdx.y == 0 && tid == 0) part_flag[split * A.batch + row] = bad ? 1 : 0;
 #ifndef KV_NO_BOUNDS_CHECK
   if (kv_last_block(rec) && tid == 0)
     kv_csr_finish(rec, L, A.indptr, A.indices, A.last_page_len, A.nnz, A.batch);

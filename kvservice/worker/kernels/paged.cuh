@@ -353,6 +353,37 @@ struct KvReduce {
 };
 
 #ifndef KV_HOST_EMU
+// One halving step of the reduce-scatter per mask M while CNT values are live, then butterfly steps;
+// templates, so every register index is a compile-time constant (a run-time index would put the
+// values on the stack).
+template <int N, int M, int CNT>
+__device__ __forceinline__ void kv_rs_steps(float (&w)[N], unsigned lane) {
+  if constexpr (M > 0) {
+    if constexpr (CNT > 1) {
+      constexpr int HALF = CNT / 2;
+      const bool hi = (lane & M) != 0;
+#pragma unroll
+      for (int j = 0; j < HALF; ++j) {
+        const float keep = hi ? w[j + HALF] : w[j];
+        const float send = hi ? w[j] : w[j + HALF];
+        w[j] = keep + __shfl_xor_sync(0xffffffffu, send, M);
+      }
+      kv_rs_steps<N, M / 2, HALF>(w, lane);
+    } else {
+      w[0] += __shfl_xor_sync(0xffffffffu, w[0], M);
+      kv_rs_steps<N, M / 2, 1>(w, lane);
+    }
+  }
+}
+template <int LG, int N, int I>
+__device__ __forceinline__ void kv_gather(float (&v)[N], const float (&w)[N]) {
+  if constexpr (I < N) {
+    constexpr int SLOT = KvReduce<LG, N>::slot(I), SRC = KvReduce<LG, N>::src(I);
+    v[I] = __shfl_sync(0xffffffffu, w[SLOT], SRC, LG);
+    kv_gather<LG, N, I + 1>(v, w);
+  }
+}
+
 template <int LG, int N>
 __device__ __forceinline__ void kv_group_allreduce(float (&v)[N]) {
   using R = KvReduce<LG, N>;
@@ -362,31 +393,11 @@ __device__ __forceinline__ void kv_group_allreduce(float (&v)[N]) {
 #pragma unroll
       for (int k = 0; k < N; ++k) v[k] += __shfl_xor_sync(0xffffffffu, v[k], m);
   } else {
-    const unsigned lane = threadIdx.x & (LG - 1);
     float w[N];
 #pragma unroll
     for (int k = 0; k < N; ++k) w[k] = v[k];
-    int cnt = N;
-#pragma unroll
-    for (int m = LG / 2; m > 0; m >>= 1) {
-      if (cnt > 1) {
-        const int half = cnt / 2;
-        const bool hi = (lane & m) != 0;
-#pragma unroll
-        for (int j = 0; j < N / 2; ++j) {
-          if (j < half) {
-            const float keep = hi ? w[j + half] : w[j];
-            const float send = hi ? w[j] : w[j + half];
-            w[j] = keep + __shfl_xor_sync(0xffffffffu, send, m);
-          }
-        }
-        cnt = half;
-      } else {
-        w[0] += __shfl_xor_sync(0xffffffffu, w[0], m);
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < N; ++i) v[i] = __shfl_sync(0xffffffffu, w[R::slot(i)], R::src(i), LG);
+    kv_rs_steps<N, LG / 2, N>(w, threadIdx.x & (LG - 1));
+    kv_gather<LG, N, 0>(v, w);
   }
 }
 #endif
