@@ -13,9 +13,11 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -167,6 +169,23 @@ def group_decode_sweep(ctx: Ctx) -> int:
     return 0
 
 
+def group_sanitize(ctx: Ctx) -> int:
+    """A small decode per dtype (split and not, a bad page), run under compute-sanitizer by the parent
+    (memcheck / racecheck / synccheck): a few blocks, every ring stage reused, exact record."""
+    from bench import decode_cases as dc
+
+    be = ctx.backend()
+    picked = [c for c in dc.cases(full=True) if c.head_dim in (64, 128) and c.group in (1, 4, 8)][:6]
+    failed = 0
+    for case in picked:
+        inp = dc.make_inputs(case)
+        problems = dc.check_case(case, inp, dc.run_case(be, case, inp))
+        failed += bool(problems)
+        ctx.emit(kind="check", check=f"sanitized decode {case.name}", ok=not problems,
+                 detail="; ".join(problems) or "ok")
+    return 1 if failed else 0
+
+
 def group_append_copy_guard(ctx: Ctx) -> int:
     from bench.decode_cases import rand
     from kvservice.worker import kernel_api as api
@@ -205,9 +224,21 @@ def group_append_copy_guard(ctx: Ctx) -> int:
         ok = not clean and (hit.corrupted_bytes, hit.first_offset) == (1, (1 << 20) - 7)
         return ok, f"clean={clean}, corrupted={hit}"
 
+    def widen() -> tuple[bool, str]:
+        bits = np.arange(1 << 16, dtype=np.uint16)
+        bad = []
+        for dtype in ("float16", "bfloat16"):
+            x = bits.view(np.float16) if dtype == "float16" else bits
+            got = be.to_host(api.widen(be, xp.asarray(x), dtype)).view(np.uint32)
+            want = ops_numpy.widen(x, dtype).view(np.uint32)
+            if not np.array_equal(got, want):
+                bad.append(f"{dtype}: {int((got != want).sum())} of 65536 patterns differ")
+        return not bad, "; ".join(bad) or "every float16 and bfloat16 bit pattern widened exactly"
+
     ctx.check("append_kv vs NumPy (2 bad tokens)", append)
     ctx.check("copy_blocks vs NumPy (1 bad pair)", copy)
     ctx.check("guard zones", guard)
+    ctx.check("widen: every 16-bit pattern through the attention loads", widen)
     return 0
 
 
@@ -284,17 +315,18 @@ class Recorder:
         return getattr(self.be, name)
 
 
-def recorded(be: Any, call: Callable[[Any], Any]) -> tuple[Callable[[], None], list[tuple]]:
-    """Run ``call(backend)`` once; return a replay of its launches and the launches."""
+def recorded(be: Any, call: Callable[[Any], Any]) -> tuple[Callable[[], None], list[tuple], Any]:
+    """Run ``call(backend)`` once; return a replay of its launches, the launches and the call's result
+    (a replay writes the same outputs)."""
     rec = Recorder(be)
-    call(rec)
+    result = call(rec)
     launches = list(rec.launches)
 
     def replay() -> None:
         for name, grid, block, args in launches:
             be.launch(name, grid, block, args)
 
-    return replay, launches
+    return replay, launches, result
 
 
 def time_batch(ctx: Ctx, fn: Callable[[], None], n: int) -> float:
@@ -349,6 +381,154 @@ def decode_shapes(ctx: Ctx) -> list[tuple[int, int, int, int, int]]:
     return [(64, 4096, 32, 8, 128), (64, 4096, 64, 8, 128), (4, 16384, 32, 8, 128), (64, 4096, 32, 8, 64)]
 
 
+READ_ONLY_SRC = r"""
+extern "C" __global__ void kv_read_only(const uint4* p, unsigned long long n, unsigned* out) {
+  // every 16-byte word read once, four loads in flight per thread; the XOR keeps them live
+  const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+  unsigned acc = 0;
+  unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+  for (; i + 3 * stride < n; i += 4 * stride) {
+    const uint4 a = p[i], b = p[i + stride], c = p[i + 2 * stride], d = p[i + 3 * stride];
+    acc ^= a.x ^ b.y ^ c.z ^ d.w ^ a.w ^ b.x ^ c.y ^ d.z;
+  }
+  for (; i < n; i += stride) acc ^= p[i].x ^ p[i].w;
+  if (acc == 0x9e3779b9u) out[0] = acc;
+}
+"""
+
+
+def read_only(ctx: Ctx, xp: Any, buf: Any) -> Callable[[], None]:
+    """A pass that only reads ``buf`` (uint8, a multiple of 16 bytes): decode's own access kind."""
+    if not ctx.cuda:
+        words = buf.view(np.uint64)
+        return lambda: np.bitwise_xor.reduce(words)
+    kern = xp.RawKernel(READ_ONLY_SRC, "kv_read_only")
+    sink = xp.zeros(1, dtype=np.uint32)
+    n = buf.size // 16
+    sms = xp.cuda.Device().attributes["MultiProcessorCount"]
+    return lambda: kern((sms * 8,), (256,), (buf, np.uint64(n), sink))
+
+
+class ClockSampler:
+    """SM clock, memory clock, power, temperature and throttle reasons, sampled every ``period`` s by
+    a thread while a shape is timed: NVML (pynvml, the nvidia-ml-py package) when importable, else
+    one nvidia-smi query per sample; nothing on the CPU emulation. Only reads the device's state."""
+
+    FIELDS = "clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active"
+
+    def __init__(self, ctx: Ctx, period: float = 0.1) -> None:
+        self.ctx, self.period, self.samples = ctx, period, []
+        self.read: Callable[[], dict] | None = None
+        if not ctx.cuda:
+            return
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            h = pynvml.nvmlDeviceGetHandleByIndex(0)
+            reasons = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
+                pynvml.nvmlDeviceGetCurrentClocksThrottleReasons
+
+            def nvml() -> dict:
+                return {"sm_mhz": pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),
+                        "mem_mhz": pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_MEM),
+                        "power_w": pynvml.nvmlDeviceGetPowerUsage(h) / 1000.0,
+                        "temp_c": pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU),
+                        "throttle": hex(reasons(h))}
+
+            nvml()
+            self.read, self.source = nvml, "NVML"
+        except Exception:
+            if shutil.which("nvidia-smi"):
+                self.read, self.source = self._smi, "nvidia-smi"
+
+    def _smi(self) -> dict:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={self.FIELDS}", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, timeout=10).stdout.strip().split(", ")
+        vals: dict = {}
+        for key, v in zip(("sm_mhz", "mem_mhz", "power_w", "temp_c", "throttle"), out, strict=False):
+            try:
+                vals[key] = v if key == "throttle" else float(v)
+            except ValueError:
+                pass
+        return vals
+
+    def __enter__(self) -> ClockSampler:
+        self.samples, self._stop = [], threading.Event()
+        if self.read is not None:
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.samples.append(self.read())
+            except Exception:
+                return
+            self._stop.wait(self.period)
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        if self.read is not None:
+            self._thread.join(timeout=15)
+
+    def emit(self, phase: str) -> None:
+        if self.read is None:
+            return
+        line: dict[str, Any] = {"phase": phase, "samples": len(self.samples), "source": self.source}
+        for key in ("sm_mhz", "mem_mhz", "power_w", "temp_c"):
+            xs = [float(x[key]) for x in self.samples if isinstance(x.get(key), (int, float))]
+            if xs:
+                line[key] = {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+        line["throttle"] = ", ".join(sorted({str(x.get("throttle")) for x in self.samples if x.get("throttle")}))
+        self.ctx.emit(kind="clocks", **line)
+
+
+def long_rows_check(ctx: Ctx, res: Any, q: Any, cache: Any, L: Any, idx: Any, b: int, ppr: int) -> tuple[bool, str]:
+    """The output of a timing shape (every row ``ppr`` full pages, per_layer, float16) against a float64
+    torch reference of the same rows, on the GPU when there is one. Error per row: max |out - ref| over
+    the row divided by max over the row of sum_t p_t |v_t| (the scale float32 accumulation errs
+    against; for long rows plain relative error would measure cancellation, not the kernel); lse
+    relative to max(|lse|, 1). Both <= reference.TOLERANCE."""
+    import torch
+
+    from kvservice.worker import reference
+
+    def t(a: Any) -> Any:
+        return torch.from_dlpack(a) if ctx.cuda else torch.from_numpy(np.asarray(a))
+
+    ps, hkv, d = L.page_size, L.kv_heads, L.head_dim
+    hq = q.shape[1]
+    pages = t(cache).view(-1, 2, ps, hkv, d)
+    table = t(idx).long().view(b, ppr)
+    out, lse = t(res.out).double(), t(res.lse).double()
+    qd = t(q).double().view(b, hkv, hq // hkv, d)
+    scale = 1.0 / math_sqrt(d)
+    worst, worst_lse = 0.0, 0.0
+    for r0 in range(0, b, 8):
+        r1 = min(b, r0 + 8)
+        sel = pages[table[r0:r1]]  # [rows, ppr, 2, ps, hkv, d]
+        k = sel[:, :, 0].reshape(r1 - r0, ppr * ps, hkv, d).double()
+        v = sel[:, :, 1].reshape(r1 - r0, ppr * ps, hkv, d).double()
+        s = torch.einsum("bhgd,bthd->bhgt", qd[r0:r1], k) * scale
+        ref_lse = torch.logsumexp(s, -1)
+        p = torch.exp(s - ref_lse[..., None])
+        ref = torch.einsum("bhgt,bthd->bhgd", p, v).reshape(r1 - r0, hq, d)
+        mag = torch.einsum("bhgt,bthd->bhgd", p, v.abs()).reshape(r1 - r0, hq, d)
+        err = (out[r0:r1] - ref).abs().amax(dim=(1, 2)) / mag.amax(dim=(1, 2))
+        lerr = (lse[r0:r1] - ref_lse.reshape(r1 - r0, hq)).abs() / ref_lse.reshape(r1 - r0, hq).abs().clamp(min=1.0)
+        worst = max(worst, float(err.max()))
+        worst_lse = max(worst_lse, float(lerr.max()))
+    tol = reference.TOLERANCE["float16"]
+    ok = worst <= tol and worst_lse <= tol  # NaN fails both
+    return ok, f"{b} rows of {ppr * ps} tokens: max err {worst:.2e}, lse {worst_lse:.2e} (limit {tol:g})"
+
+
+def math_sqrt(x: float) -> float:
+    return float(x) ** 0.5
+
+
 def group_timing(ctx: Ctx) -> int:
     from kvservice.worker import kernel_api as api
     from kvservice.worker.kernel_api import PageLayout
@@ -356,17 +536,24 @@ def group_timing(ctx: Ctx) -> int:
     checked, unchecked = ctx.backend(), ctx.backend(unchecked=True)
     xp, rng = checked.xp, np.random.default_rng(3)
     ps = 16
-    # device-to-device copy: the bandwidth every figure is compared with
+    clocks = ClockSampler(ctx)
+    # device-to-device copy (bytes read + written) and a read-only pass (bytes read): the bandwidths
+    # every figure is compared with
     n = (64 << 20) if (ctx.quick or not ctx.cuda) else (1 << 30)
     src, dst = xp.ones(n, dtype=np.uint8), xp.empty(n, dtype=np.uint8)
     if ctx.cuda:
         copy = lambda: xp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, n, 3, 0)  # noqa: E731
     else:
         copy = lambda: np.copyto(dst, src)  # noqa: E731
-    ts = interleaved(ctx, {"copy": copy})["copy"]
-    copy_gbs = 2 * n / statistics.median(ts) / 1e9
+    with clocks:
+        ts = interleaved(ctx, {"copy": copy, "read": read_only(ctx, xp, src)})
+    clocks.emit("copy and read-only")
+    copy_gbs = 2 * n / statistics.median(ts["copy"]) / 1e9
+    read_gbs = n / statistics.median(ts["read"]) / 1e9
     ctx.emit(kind="perf", kernel="device-to-device copy", shape=f"{n >> 20} MiB", bytes=2 * n, gbs=copy_gbs,
-             pct_copy=1.0, **spread(ts))
+             pct_copy=1.0, pct_read=copy_gbs / read_gbs, **spread(ts["copy"]))
+    ctx.emit(kind="perf", kernel="read-only pass", shape=f"{n >> 20} MiB", bytes=n, gbs=read_gbs,
+             pct_copy=read_gbs / copy_gbs, pct_read=1.0, **spread(ts["read"]))
     src = dst = None
 
     for b, ctx_len, hq, hkv, d in decode_shapes(ctx):
@@ -380,40 +567,61 @@ def group_timing(ctx: Ctx) -> int:
         kv_bytes = b * ctx_len * hkv * d * 2 * 2
         shape = f"B={b} ctx={ctx_len} hq={hq} hkv={hkv} d={d} fp16 page {ps}"
         entry = api.decode_entry("float16", hq // hkv, d)
-        replays, grids = {}, {}
+        replays, grids, results = {}, {}, {}
         for label, be in (("checked", checked), ("unchecked", unchecked)):
             args = (q, cache, L, indptr, idx, lpl)
-            replays[label], launches = recorded(
+            replays[label], launches, results[label] = recorded(
                 be, lambda rb, args=args, ppr=ppr: api.decode_attention(rb, *args, max_pages=ppr))
             grids[label] = [f"{name}{list(grid)}" for name, grid, _, _ in launches]
-        ts = interleaved(ctx, replays)
+        with clocks:
+            ts = interleaved(ctx, replays)
+        clocks.emit(shape)
         for label in ("checked", "unchecked"):
             med = statistics.median(ts[label])
             ctx.emit(kind="perf", kernel=f"decode ({label})", entry=entry, shape=shape, bytes=kv_bytes,
-                     gbs=kv_bytes / med / 1e9, pct_copy=kv_bytes / med / 1e9 / copy_gbs, launches=grids[label],
+                     gbs=kv_bytes / med / 1e9, pct_copy=kv_bytes / med / 1e9 / copy_gbs,
+                     pct_read=kv_bytes / med / 1e9 / read_gbs, launches=grids[label],
                      blocks_per_sm=checked.resident_blocks(entry, api.THREADS), **spread(ts[label]))
         pairs = [c / u - 1 for c, u in zip(ts["checked"], ts["unchecked"], strict=True)]
         ctx.emit(kind="cost", kernel="bounds-check cost", shape=shape,
                  cost=statistics.median(ts["checked"]) / statistics.median(ts["unchecked"]) - 1,
                  round_costs=[round(x, 4) for x in pairs])
-        cache = None
+        # the timed outputs (the replays rewrote them) against a float64 reference of the full rows
+        ctx.check(f"long rows at the timing shape {shape} (checked build)",
+                  lambda res=results["checked"], q=q, cache=cache, L=L, idx=idx, b=b, ppr=ppr:
+                  long_rows_check(ctx, res, q, cache, L, idx, b, ppr))
+        cache = results = replays = None
 
-    # append_kv and copy_blocks (checked build)
+    # append_kv and copy_blocks (checked build) on a cache far larger than the L2, with 4 sets of
+    # distinct k and v inputs in turn (one set would stay in the L2 between launches)
     hkv, d, b, ppr = 8, 128, (4 if (ctx.quick or not ctx.cuda) else 64), 256
     L = PageLayout.per_layer(b * ppr, ps, hkv, d, "float16")
     cache = random_device(xp, rng, b * ppr * L.page_elems, np.float16)
     nt = 64 if (ctx.quick or not ctx.cuda) else b * 256
-    sm = xp.asarray(rng.permutation(b * ppr * ps)[:nt].astype(np.int64))
-    kk = random_device(xp, rng, nt * hkv * d, np.float16).reshape(nt, hkv, d)
+    sets = []
+    for _ in range(4):
+        sm = xp.asarray(rng.permutation(b * ppr * ps)[:nt].astype(np.int64))
+        kk = random_device(xp, rng, nt * hkv * d, np.float16).reshape(nt, hkv, d)
+        vv = random_device(xp, rng, nt * hkv * d, np.float16).reshape(nt, hkv, d)
+        sets.append(recorded(checked, lambda rb, kk=kk, vv=vv, sm=sm: api.append_kv(rb, cache, L, kk, vv, sm))[0])
+    turn = [0]
+
+    def append_rotating() -> None:
+        sets[turn[0] % 4]()
+        turn[0] += 1
+
     npairs = b * ppr // 8
     perm = rng.permutation(b * ppr)
     pairs = xp.asarray(np.stack([perm[:npairs], perm[npairs:2 * npairs]], 1).astype(np.int64))
-    ops = {"append_kv": recorded(checked, lambda rb: api.append_kv(rb, cache, L, kk, kk, sm))[0],
+    ops = {"append_kv": append_rotating,
            "copy_blocks": recorded(checked, lambda rb: api.copy_blocks(rb, [cache], L, pairs))[0]}
     moved = {"append_kv": 2 * 2 * nt * hkv * d * 2, "copy_blocks": 2 * npairs * L.page_elems * 2}
-    shapes = {"append_kv": f"{nt} tokens x {hkv} x {d} fp16",
+    cache_mib = b * ppr * L.page_elems * 2 >> 20
+    shapes = {"append_kv": f"{nt} tokens x {hkv} x {d} fp16 into {cache_mib} MiB, 4 input sets in turn",
               "copy_blocks": f"{npairs} pages x {L.page_elems * 2 >> 10} KiB"}
-    ts = interleaved(ctx, ops)
+    with clocks:
+        ts = interleaved(ctx, ops)
+    clocks.emit("append_kv and copy_blocks")
     for name in ops:
         med = statistics.median(ts[name])
         ctx.emit(kind="perf", kernel=name, shape=shapes[name], bytes=moved[name], gbs=moved[name] / med / 1e9,
@@ -423,6 +631,7 @@ def group_timing(ctx: Ctx) -> int:
 
 GROUPS: dict[str, Callable[[Ctx], int]] = {
     "preflight": group_preflight,
+    "sanitize": group_sanitize,  # the target of the parent's compute-sanitizer runs
     "decode-float32": group_decode_sweep,
     "decode-float16": group_decode_sweep,
     "decode-bfloat16": group_decode_sweep,
@@ -440,6 +649,10 @@ FORBIDDEN_IMPORTS = ("kvservice.v1", "kvservice.manager.api", "kvservice.server.
 
 def run_child(args: argparse.Namespace) -> int:
     ctx = Ctx(args)
+    if args.hang == args.child:  # test hook: a child stuck with a grandchild (a compiler, say) under it
+        sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        ctx.emit(kind="note", detail=f"hanging; grandchild pid {sleeper.pid}", pid=sleeper.pid)
+        time.sleep(600)
     try:
         rc = GROUPS[args.child](ctx)
     except Exception as e:

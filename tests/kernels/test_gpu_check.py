@@ -8,6 +8,7 @@ import ast
 import datetime as dt
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -44,8 +45,10 @@ def lines_of(out: Path) -> list[dict]:
 def test_parse_args_defaults() -> None:
     a = gpu_check.parse_args([])
     assert a.backend == "cuda" and a.out == ROOT / "bench" / "results" and (a.rounds, a.launches) == (7, 20)
+    assert a.budget_s == 450
     e = gpu_check.parse_args(["--backend", "emulated", "--out", "x"])
-    assert e.out == Path("x") and (e.rounds, e.launches) == (3, 2)
+    assert e.out == Path("x") and (e.rounds, e.launches) == (3, 2) and e.budget_s == 1500
+    assert gpu_check.parse_args(["--budget-s", "300"]).budget_s == 300
 
 
 def test_render_injected_results() -> None:
@@ -89,8 +92,13 @@ def test_emulated_end_to_end(tmp_path: Path) -> None:
 
     assert kernels == {(b, n) for b in ("checked", "unchecked") for n in kernel_api.kernel_names()}
     assert {x["kernel"] for x in lines if x["kind"] == "perf"} == {
-        "device-to-device copy", "decode (checked)", "decode (unchecked)", "append_kv", "copy_blocks"}
+        "device-to-device copy", "read-only pass", "decode (checked)", "decode (unchecked)", "append_kv",
+        "copy_blocks"}
     assert "FAIL" not in report and "all checks passed" in report and "| bounds-check cost <= 2% |" in report
+    long_rows = [c for c in checks if c["check"].startswith("long rows at the timing shape")]
+    assert long_rows and all("max err" in c["detail"] for c in long_rows)
+    assert any(c["check"].startswith("widen: every 16-bit pattern") for c in checks)
+    assert [x["group"] for x in lines if x["kind"] == "note"] == ["sanitizer"]  # not on the emulation
 
 
 def test_dead_child_takes_only_its_group(tmp_path: Path) -> None:
@@ -107,6 +115,49 @@ def test_dead_child_takes_only_its_group(tmp_path: Path) -> None:
     assert len(later) == 2 and all(x["ok"] for x in later)
 
 
+def test_a_hung_child_is_killed_with_its_process_group(tmp_path: Path) -> None:
+    """A child stuck with a grandchild under it (as NVRTC or g++ would be) is killed at its limit, the
+    grandchild with it, and the run goes on."""
+    proc = run_script("--backend", "emulated", "--quick", "--out", str(tmp_path), "--groups", "over-4gib",
+                      "--hang", "over-4gib", "--budget-s", "240")
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = lines_of(tmp_path)
+    (hung,) = [x for x in lines if x["kind"] == "note" and x["group"] == "over-4gib"]
+    dead = [x for x in lines if x["kind"] == "group"]
+    assert [(x["group"], x["status"]) for x in dead] == [("over-4gib", "timed out")]
+    try:
+        os.kill(hung["pid"], 0)
+        alive = True
+    except ProcessLookupError:
+        alive = False
+    assert not alive, f"grandchild {hung['pid']} outlived its group"
+
+
+def test_imports_only_what_the_device_image_has(tmp_path: Path) -> None:
+    """Under KVK_IMPORT_AUDIT=1 every import made by this repository's code (parent and children) must
+    be of the standard library, numpy, torch, cupy, pynvml or the repository itself: the quick emulated
+    run passes, so the device command needs nothing the image lacks."""
+    env = {**os.environ, "KVK_IMPORT_AUDIT": "1"}
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--backend", "emulated", "--quick", "--out", str(tmp_path),
+                           "--groups", "decode-float16,append-copy-guard,timing"], capture_output=True, text=True,
+                          timeout=900, cwd=str(ROOT), env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "KVK_IMPORT_AUDIT" not in proc.stdout + proc.stderr
+    code = ("import os, sys; os.environ['KVK_IMPORT_AUDIT'] = '1'; sys.argv = ['x', '--dry-run', '--out', "
+            f"{str(tmp_path / 'd')!r}]; sys.path.insert(0, {str(ROOT)!r}); import runpy; "
+            f"runpy.run_path({str(SCRIPT)!r}, run_name='__main__')")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).returncode == 0
+
+
+def test_import_audit_refuses_other_packages() -> None:
+    code = ("import os, sys, runpy; os.environ['KVK_IMPORT_AUDIT'] = '1'; "
+            f"mod = runpy.run_path({str(SCRIPT)!r}); mod['install_import_audit'](); "
+            f"exec(compile('import grpc', {str(ROOT / 'bench' / 'x.py')!r}, 'exec'), "
+            f"{{'__file__': {str(ROOT / 'bench' / 'x.py')!r}, '__name__': 'x'}})")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "KVK_IMPORT_AUDIT" in proc.stderr and "'grpc'" in proc.stderr
+
+
 def test_runs_on_python_310() -> None:
     """The device may have Python 3.10: no 3.11+ syntax or datetime.UTC in what gpu_check imports."""
     files = [SCRIPT, ROOT / "bench" / "gpu_groups.py", ROOT / "bench" / "decode_cases.py"] + [
@@ -121,4 +172,5 @@ def test_runs_on_python_310() -> None:
 def test_every_group_has_a_runner() -> None:
     from bench import gpu_groups
 
-    assert set(gpu_groups.GROUPS) == {"preflight", *gpu_check.GROUP_TIMEOUTS}
+    # "sanitizer" runs in the parent (compute-sanitizer around "sanitize" children)
+    assert set(gpu_groups.GROUPS) == {"preflight", "sanitize", *gpu_check.GROUP_TIMEOUTS} - {"sanitizer"}
