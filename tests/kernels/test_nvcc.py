@@ -123,6 +123,7 @@ def test_occupancy_model() -> None:
     assert blocks_per_sm("sm_80", 64, 80000) == 2  # shared memory limit
 
 
+@pytest.mark.timeout(3600)  # every .cu for two archs: minutes on a loaded 2-core machine
 def test_nvcc_all_kernels_sm80_sm90() -> None:
     jobs = [(src, arch, ()) for src in sorted(KDIR.glob("*.cu")) for arch in ARCHS]
     jobs.append((KDIR / "decode_attention.cu", "sm_90", ("-DKV_NO_BOUNDS_CHECK",)))
