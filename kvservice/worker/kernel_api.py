@@ -404,7 +404,9 @@ def decode_geometry(dtype: str, heads: int, head_dim: int) -> DecodeGeometry:
     nch = tt * cpr // THREADS
     stages = 3 if nch <= 2 else 2
     buf_floats = max(stages * 2 * tt * cpr * 4, groups * heads * head_dim)
-    smem = 4 * buf_floats + 2 * 4 * groups * heads + 4 + 4  # ring/merge, max+sum, s_bad, s_last
+    # ring/merge, max+sum, s_bad, then s_ctx (4 x int64: 8-byte aligned), s_last
+    smem = 4 * buf_floats + 2 * 4 * groups * heads + 4
+    smem = -(-smem // 8) * 8 + 4 * 8 + 4
     return DecodeGeometry(vec, lanes, groups, tt, nch, stages, smem)
 
 

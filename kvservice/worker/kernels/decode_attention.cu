@@ -59,13 +59,14 @@ struct KvDecGeom {
   static constexpr int BUF_FLOATS = PIPE_FLOATS > MERGE_FLOATS ? PIPE_FLOATS : MERGE_FLOATS;
   // Blocks per SM asked of ptxas (__launch_bounds__ minimum), from the
   // registers that grow with the variant: q and output (2 GM E) and scores
-  // (~4 GM RPT). Caps: 72 (7 blocks), 85 (6), 102 (5), 128 (4), 170 (3), 255 (2). The 4-heads
-  // 16-bit entries and float32 g4 d256 (REG_VAR 80-96) spilled 8 bytes at 128 registers after
-  // the issue-25 loop: they run at 3 blocks (a register diet to win the 4th back is open).
-  // registers; test_nvcc fails on any spill and on fewer blocks than documented.
+  // (~4 GM RPT). Caps: 72 (7 blocks), 85 (6), 102 (5), 128 (4), 170 (3), 255 (2) registers.
+  // The 4-heads 16-bit entries and float32 g4 d256 (REG_VAR 80-96) sit at the 128 cap: the
+  // per-copy page division is all 32-bit (KvFastDiv::div31) so that no 64-bit running product
+  // per copy lives across the tile loop. test_nvcc fails on any spill and on fewer blocks than
+  // documented; scripts/sass_budget.py on fewer blocks than main had before issue 25.
   static constexpr int REG_VAR = 2 * GM * E + 4 * GM * RPT;
   static constexpr int MIN_BLOCKS =
-      REG_VAR <= 16 ? 7 : REG_VAR <= 24 ? 6 : REG_VAR <= 48 ? 5 : REG_VAR < 80 ? 4 : REG_VAR <= 128 ? 3 : 2;
+      REG_VAR <= 16 ? 7 : REG_VAR <= 24 ? 6 : REG_VAR <= 48 ? 5 : REG_VAR <= 96 ? 4 : REG_VAR <= 128 ? 3 : 2;
   static_assert(D % VEC == 0 && (CPR & (CPR - 1)) == 0, "head_dim must be a power of two >= 2 pieces");
   static_assert(NCH * NT == TT * CPR, "a tile is a whole number of copies per thread");
   static_assert(GM * E <= 64, "q and output registers per lane (GM * E) capped at 64 each");
@@ -78,7 +79,8 @@ struct KvDecGeom {
 // -FLT_MAX (finite), so 2^(s - m) needs no guard for masked scores (-inf) and the first rescale's
 // factor 2^(-FLT_MAX - max) is 0. (A score of -inf from inf inputs weighs 0, as in the reference.)
 // KV_SASS_STEADY (scripts/sass_budget.py only, never built into a library) compiles out the two
-// branches a steady-state tile skips (boundary masks, rescale), so the script can count that tile.
+// branches a steady-state tile skips (boundary masks, rescale), so the script can count that tile;
+// KV_SASS_NO_MASK / KV_SASS_NO_RESCALE compile out one of them (sass_budget.py --rare: what each costs).
 #define KV_RESCALE_SLACK 8.0f
 #define KV_M0 (-3.402823466e38f)
 
@@ -156,7 +158,7 @@ __device__ __forceinline__ void kv_decode_segment(const KvSegment S, const T* __
         bool full = u - S.lo < span;
         const T* src = cache;
         if (full) {
-          const unsigned pp = pdiv.div(u), tok = u - pp * ps;
+          const unsigned pp = pdiv.div31(u), tok = u - pp * ps;
 #ifdef KV_SASS_PROBE_PAGE_CHECK
           full = S.pages[pp + 0x40000000u] == ((const int*)cache)[S.pages[pp]];  // see above
 #endif
@@ -204,7 +206,7 @@ __device__ __forceinline__ void kv_decode_segment(const KvSegment S, const T* __
     kv_group_allreduce<LG>(s);
     // rows outside [lo, n) were zero-filled: mask their scores (only the first and last tiles of a
     // segment have such rows)
-#ifndef KV_SASS_STEADY
+#if !defined(KV_SASS_STEADY) && !defined(KV_SASS_NO_MASK)
     if (t * TT < S.lo || t * TT + TT > S.n) {
 #pragma unroll
       for (int i = 0; i < RPT; ++i) {
@@ -223,7 +225,7 @@ __device__ __forceinline__ void kv_decode_segment(const KvSegment S, const T* __
       for (int i = 1; i < RPT; ++i) mx[g] = fmaxf(mx[g], s[i * GM + g]);
       need = need || mx[g] > m[g] + KV_RESCALE_SLACK;
     }
-#ifndef KV_SASS_STEADY
+#if !defined(KV_SASS_STEADY) && !defined(KV_SASS_NO_RESCALE)
     if (need) {  // rare: the reference max of some head moved up by more than the slack
 #pragma unroll
       for (int g = 0; g < GM; ++g) {

@@ -263,6 +263,9 @@ struct KvFastDiv {
     const unsigned long long hi = ((unsigned long long)n * mul) >> 32;
     return (unsigned)((hi + n) >> shift);
   }
+  // n < 2^31: mulhi(m, n) <= n, so the sum fits 32 bits (all-32-bit: no 64-bit product the
+  // compiler could strength-reduce into a running 64-bit value per copy)
+  __device__ __forceinline__ unsigned div31(unsigned n) const { return (__umulhi(n, mul) + n) >> shift; }
 };
 
 // Asynchronous 16-byte global -> shared copies (sm_80+), grouped by commit;
