@@ -27,6 +27,13 @@ from kvservice.worker import kernel_api as api
 from kvservice.worker.kernel_api import KernelViolationError, PageLayout, Policy
 
 DTYPES = ("float32", "float16", "bfloat16")
+
+#: The GPU timing shapes of bench/gpu_check.py (batch, context, q heads, kv heads, head_dim): float16,
+#: TIMING_PAGE_SIZE tokens per page, every row full pages; q and the cache uniform in TIMING_RANGE.
+#: scripts/sass_budget.py models the decode tile loop at these shapes.
+TIMING_SHAPES = ((64, 4096, 32, 8, 128), (64, 4096, 64, 8, 128), (4, 16384, 32, 8, 128), (64, 4096, 32, 8, 64))
+TIMING_PAGE_SIZE = 16
+TIMING_RANGE = (0.1, 1.0)
 HEAD_DIMS = (32, 64, 128, 256, 512)
 GROUPS = (1, 2, 3, 4, 8, 16)
 

@@ -365,20 +365,24 @@ def spread(ts: list[float]) -> dict[str, float]:
 
 def random_device(xp: Any, rng: np.random.Generator, n: int, dtype: Any) -> Any:
     """Random non-zero values, generated on the device when it is one."""
+    from bench.decode_cases import TIMING_RANGE
+
     if xp is np:
-        x = rng.uniform(0.1, 1.0, n).astype(np.float32)
+        x = rng.uniform(*TIMING_RANGE, n).astype(np.float32)
     else:
-        x = xp.random.uniform(0.1, 1.0, n, dtype=np.float32)
+        x = xp.random.uniform(*TIMING_RANGE, n, dtype=np.float32)
     return x.astype(dtype)
 
 
 def decode_shapes(ctx: Ctx) -> list[tuple[int, int, int, int, int]]:
-    """(batch, context, q heads, kv heads, head_dim), float16, page 16."""
+    """(batch, context, q heads, kv heads, head_dim), float16, page TIMING_PAGE_SIZE."""
+    from bench.decode_cases import TIMING_SHAPES
+
     if ctx.quick:
         return [(2, 128, 8, 2, 64)]
     if not ctx.cuda:
         return [(4, 256, 8, 2, 64), (1, 512, 8, 1, 128)]
-    return [(64, 4096, 32, 8, 128), (64, 4096, 64, 8, 128), (4, 16384, 32, 8, 128), (64, 4096, 32, 8, 64)]
+    return list(TIMING_SHAPES)
 
 
 READ_ONLY_SRC = r"""
@@ -534,8 +538,10 @@ def group_timing(ctx: Ctx) -> int:
     from kvservice.worker.kernel_api import PageLayout
 
     checked, unchecked = ctx.backend(), ctx.backend(unchecked=True)
+    from bench.decode_cases import TIMING_PAGE_SIZE
+
     xp, rng = checked.xp, np.random.default_rng(3)
-    ps = 16
+    ps = TIMING_PAGE_SIZE
     clocks = ClockSampler(ctx)
     # device-to-device copy (bytes read + written) and a read-only pass (bytes read): the bandwidths
     # every figure is compared with
