@@ -745,11 +745,9 @@ def _plain(v: Any) -> Any:
 
 def create_request(name: str, spec: CacheSpec, sizing: Sizing, backends: tuple[str, ...]) -> pb.CreatePoolRequest:
     """The CreatePool request of a configured pool (config pools are journaled like API-created ones)."""
-    from kvservice.contract.convert import cache_spec_to_proto
+    from kvservice.contract.convert import cache_spec_to_proto, sizing_to_proto
     return pb.CreatePoolRequest(name=name, cache=cache_spec_to_proto(spec), backends=list(backends),
-                                sizing=pb.Sizing(max_batch=sizing.max_batch, max_seq_len=sizing.max_seq_len,
-                                                 memory_budget_bytes=sizing.memory_budget_bytes,
-                                                 num_slots=sizing.num_slots))
+                                sizing=sizing_to_proto(sizing))
 
 
 def ensure_pools(journal: Journal, pools: list[Any]) -> list[str]:
