@@ -875,11 +875,12 @@ class PoolState:
     """A pool as plain data: JSON-able ``meta`` and named 1-D/2-D NumPy ``arrays`` (copies, never views).
 
     meta: version (2), name, model, incarnation, spec {page_size, layout, layers: [[kv_heads, head_dim, dtype,
-      sliding_window, count(, k_only)], ...]}, num_slots (of the largest group), group_slots (per group; absent
-      in states written before groups were sized apart: every group num_slots), max_seq_len, backends, prefix_caching, sharing, steps,
-      admitted, refused, alloc_failures {reason: count}, row_capacity, num_rows, events_seq (number of the
-      pool's last KV event batch), groups [{peak_used, evictions}],
-      prefix {hits: [per group], namespaces: [[salt, extra_key, id], ...]} or None.
+      sliding_window, count(, k_only)], ...]}, num_slots (of the largest group), group_slots (per group;
+      absent in states written before groups were sized apart: every group num_slots), max_seq_len,
+      backends, prefix_caching, sharing, steps, admitted, refused, alloc_failures {reason: count},
+      row_capacity, num_rows, events_seq (number of the pool's last KV event batch),
+      groups [{peak_used, evictions}], prefix {hits: [per group], namespaces: [[salt, extra_key, id], ...]}
+      or None.
     arrays (N live sequences in row order, G layer groups, E prefix-cache entries):
       seq_ids uint64 [N]; rows int64 [N]; num_tokens int64 [N] (tokens, > 0); free_rows int64 [R]
         (reuse order: the last is taken first);

@@ -491,7 +491,8 @@ def append_kv(be: Backend, cache: Any, layout: PageLayout, k: Any, v: Any, slot_
     check_distinct_slots(be.xp, slot_mapping)
     words = be.xp.asarray(new_record_words())
     be.launch("kv_append", (n, 1, 1), THREADS,
-              [k, NULL if v is None else v, slot_mapping, I64(n), cache, I64(layout.itemsize), *_geometry(layout), *_space(layout), words])
+              [k, NULL if v is None else v, slot_mapping, I64(n), cache, I64(layout.itemsize), *_geometry(layout),
+               *_space(layout), words])
     call = KernelCall("append_kv", words, be.to_host)
     call.raise_if(policy)
     return call
