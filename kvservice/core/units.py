@@ -12,7 +12,8 @@ _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*|%)\s*$")
 MAX_SIZE = 2**63 - 1
 
 
-def parse_bytes(text: str | int, what: str = "size", device_memory: int = 0, device_flag: str = "--device-memory") -> int:
+def parse_bytes(text: str | int, what: str = "size", device_memory: int = 0,
+                device_flag: str = "--device-memory") -> int:
     """Bytes of a size: an int, "40GiB" (binary units KiB..TiB, decimal KB..TB), or "80%" of device_memory.
 
     what: the flag or field named in errors; device_flag: what to say when a percentage has no device memory.
