@@ -50,12 +50,12 @@ NAMES = {"sqlite-full": "SQLite, sync=full (default `--state-dir`)", "sqlite-nor
          "nats-r3-loop": "NATS JetStream, 3 nodes, R3, appends through the nats-py loop (the path replaced)"}
 
 
-def _loop_publish(store: NatsStore, payload: bytes, headers: dict[str, str]) -> int:
+def _loop_publish(store: NatsStore, payload: bytes, headers: dict[str, str]) -> tuple[int, bool]:
     """An append's publish as it was before kvservice/state/nats/direct.py: js.publish on the link's loop."""
     c = store.config
     ack = store.link.call(store.link.js.publish(c.subject, payload, timeout=c.request_seconds, stream=c.stream,
                                                 headers=dict(headers)), c.request_seconds + 1.0)
-    return int(ack.seq)
+    return int(ack.seq), bool(ack.duplicate)
 
 
 def step_latency(kind: str, b: int, n: int, tmp: Path, clusters: dict[str, NatsCluster]) -> np.ndarray:

@@ -18,10 +18,15 @@ Layout, for a deployment name N (``--nats-name``, default ``kvservice``):
 - stream ``KVS_N``, subject ``kvs.N.journal``: one message per entry (or per part of an entry
   larger than the server's max_payload), headers ``Kvs-Kind`` (entry|fence), ``Kvs-Seq``,
   ``Kvs-Method``, ``Kvs-At``, ``Kvs-Epoch``, ``Kvs-Part`` (i/n), ``Kvs-Digest`` (the entry's
-  checksum, ``stores.entry_digest``, hex: position, method, time and the whole request). Every
-  publish carries ``Nats-Expected-Last-Sequence`` (the stream sequence this store last saw) and
-  ``Nats-Msg-Id`` (epoch.seq.part, so a retried publish is deduplicated): a writer whose view of
-  the stream is stale is refused by the server, so two managers can never both append.
+  checksum, ``stores.entry_digest``, hex: position, method, time and the whole request),
+  ``Kvs-Writer`` (the writer incarnation, below). Every publish carries
+  ``Nats-Expected-Last-Sequence`` (the stream sequence this store last saw): a writer whose view
+  of the stream is stale is refused by the server, so two managers can never both append. And
+  ``Nats-Msg-Id`` (``message_id``: epoch, a random token drawn at each fence, position, part): a
+  retry of the same publish keeps its id, so the server stores it once, and no other writer ever
+  uses it, so the server's "duplicate" answer can only name this writer's own earlier publish
+  (``check_ack``). docs/HA.md, "Why two writers are impossible", gives the argument;
+  tests/unit/test_ha_model.py checks it exhaustively on a model of the protocol.
 - object store ``KVS_N_snapshots``: ``snap-<seq>`` objects (the bytes kvservice/state/snapshot.py
   encodes), their description a JSON header (journal seq, stream seq, epoch, bytes, blake2b
   digest). After a snapshot is stored, the stream is purged below its stream sequence.
@@ -45,6 +50,7 @@ import io
 import json
 import logging
 import re
+import secrets
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
@@ -81,6 +87,39 @@ class Fenced(StoreError):
     """Another writer appended to the stream: this store's view is stale and it may not write."""
 
     reason = "FENCED"
+
+
+def message_id(epoch: int, writer: str, seq: int, part: int) -> str:
+    """Nats-Msg-Id of part `part` of journal entry `seq`, written by the writer incarnation (epoch, writer).
+
+    writer: the random token a store draws each time it fences (``NatsStore.fence``). A retried
+    publish keeps its id (the server answers "duplicate" with the first copy's sequence instead of
+    storing it twice); two writers never share one, even at the same epoch and position.
+    """
+    return f"{epoch}.{writer}.{seq}.{part}"
+
+
+def fence_id(epoch: int, writer: str) -> str:
+    """Nats-Msg-Id of the fence that starts writer incarnation (epoch, writer)."""
+    return f"fence.{epoch}.{writer}"
+
+
+def check_ack(seq: int, duplicate: bool, sent_before: bool, expected_last: int) -> int:
+    """The stream sequence a publish acknowledgement confirms for this writer, else Fenced.
+
+    seq, duplicate: the server's answer; sent_before: this very message (same id) was sent by this
+    writer before (a retry); expected_last: the Nats-Expected-Last-Sequence it carried. "duplicate"
+    is success only for a retry: the id is this writer's own, so the stored copy is its own earlier
+    publish. Either way the message must sit right after expected_last: the server checked that
+    before storing it (a server that did not would be caught here, not trusted).
+    """
+    if duplicate and not sent_before:
+        raise Fenced(f"NATS answered a first publish as a duplicate of stream message {seq}: another writer used "
+                     "this message id; this manager does not count it as written")
+    if seq != expected_last + 1:
+        raise Fenced(f"NATS stored the journal message at stream sequence {seq}, not right after {expected_last}: "
+                     "another writer appended in between")
+    return seq
 
 
 class JournalGap(StoreError):
@@ -271,6 +310,7 @@ class NatsStore(JournalStore):
         self.snapshot_where = f"bucket {self.config.snapshot_bucket}"
         self.guard: Callable[[], None] | None = None
         self.epoch = 0                 # the epoch this store writes under; 0 = not fenced (cannot append)
+        self.writer = ""               # random token of this writer incarnation, drawn at each fence
         self.max_epoch = 0             # highest epoch seen in a snapshot header or a fence
         self.seq = 0                   # journal position of the last complete entry read or written
         self.last_stream_seq = 0       # stream sequence of the last message read or written
@@ -590,7 +630,7 @@ class NatsStore(JournalStore):
         for i, chunk in enumerate(chunks):
             headers = {"Kvs-Kind": "entry", "Kvs-Seq": str(seq), "Kvs-Method": method, "Kvs-At": repr(at),
                        "Kvs-Epoch": str(self.epoch), "Kvs-Part": f"{i}/{len(chunks)}", "Kvs-Digest": digest,
-                       "Nats-Msg-Id": f"{self.epoch}.{seq}.{i}"}
+                       "Kvs-Writer": self.writer, "Nats-Msg-Id": message_id(self.epoch, self.writer, seq, i)}
             self._publish(chunk, headers)
         self.seq = seq
         with self._at_lock:
@@ -601,15 +641,18 @@ class NatsStore(JournalStore):
     def fence(self, epoch: int) -> None:
         """Append a fence for `epoch` right after the last message this store read; Fenced if the stream moved.
 
-        From then on, a writer of an older epoch is refused (its expected last sequence is stale).
+        From then on, every other writer is refused (its expected last sequence is stale). Each fence
+        starts a new writer incarnation: a fresh random token in every message id it writes.
         """
         if self.readonly:
             raise StoreError("a read-only store cannot fence")
         if epoch <= self.max_epoch:
             raise StoreError(f"epoch {epoch} is not above the highest seen, {self.max_epoch}")
+        writer = secrets.token_hex(8)
         self._publish(b"", {"Kvs-Kind": "fence", "Kvs-Epoch": str(epoch), "Kvs-Seq": str(self.seq),
-                            "Nats-Msg-Id": f"fence.{epoch}"})
+                            "Kvs-Writer": writer, "Nats-Msg-Id": fence_id(epoch, writer)})
         self.epoch = self.max_epoch = epoch
+        self.writer = writer
         self._parts = None
         with self._at_lock:
             self._stream_at[self.seq] = self.last_stream_seq     # a snapshot at this position reads on after it
@@ -619,14 +662,19 @@ class NatsStore(JournalStore):
             self.guard()
 
     def _publish(self, payload: bytes, headers: dict[str, str]) -> None:
-        """Publish with the expected-last-sequence fence; retry timeouts (same Nats-Msg-Id) until append_seconds."""
+        """Publish with the expected-last-sequence fence; retry timeouts (same Nats-Msg-Id) until append_seconds.
+
+        The acknowledgement is checked by ``check_ack``: "duplicate" counts only for a retry.
+        """
         c = self.config
         deadline = time.monotonic() + c.append_seconds
         delay = 0.05
+        sent = False
         while True:
             headers["Nats-Expected-Last-Sequence"] = str(self.last_stream_seq)
             try:
-                stream_seq = self._publish_once(payload, headers)
+                sent_before, sent = sent, True
+                stream_seq, duplicate = self._publish_once(payload, headers)
             except nats.js.errors.APIError as err:
                 if err.err_code in _WRONG_LAST_SEQUENCE:
                     raise Fenced(f"the journal stream moved past {self.last_stream_seq} ({err.description}): "
@@ -638,7 +686,7 @@ class NatsStore(JournalStore):
                     nats.errors.ConnectionClosedError, nats.js.errors.NoStreamResponseError, OSError) as err:
                 why = err
             else:
-                self.last_stream_seq = stream_seq
+                self.last_stream_seq = check_ack(stream_seq, duplicate, sent_before, self.last_stream_seq)
                 return
             if time.monotonic() + delay >= deadline:
                 raise StoreError(f"NATS did not store the journal entry within {c.append_seconds:g} s "
@@ -648,8 +696,8 @@ class NatsStore(JournalStore):
             time.sleep(delay)
             delay = min(0.5, delay * 2)
 
-    def _publish_once(self, payload: bytes, headers: dict[str, str]) -> int:
-        """One JetStream publish, acknowledged: its stream sequence; APIError etc. as js.publish raises them."""
+    def _publish_once(self, payload: bytes, headers: dict[str, str]) -> tuple[int, bool]:
+        """One JetStream publish, acknowledged: (stream sequence, duplicate); APIError etc. as js.publish raises."""
         c = self.config
         try:
             reply = self.link.direct.request(c.subject, payload, {**headers, "Nats-Expected-Stream": c.stream},
@@ -665,8 +713,8 @@ class NatsStore(JournalStore):
         if isinstance(ack, dict) and "error" in ack:
             nats.js.errors.APIError.from_error(ack["error"])       # raises the matching APIError
         try:
-            return int(ack["seq"])
-        except (KeyError, TypeError, ValueError):
+            return int(ack["seq"]), bool(ack.get("duplicate", False))
+        except (KeyError, TypeError, ValueError, AttributeError):
             raise StoreError(f"NATS answered a journal publish without a stream sequence: "
                              f"{reply.data[:80]!r}") from None
 
@@ -676,4 +724,5 @@ class NatsStore(JournalStore):
             self.link.close()
 
 
-__all__ = ["Fenced", "JournalGap", "NatsConfig", "NatsLink", "NatsStore", "StoreError", "parse_state_url"]
+__all__ = ["Fenced", "JournalGap", "NatsConfig", "NatsLink", "NatsStore", "StoreError", "check_ack", "fence_id",
+           "message_id", "parse_state_url"]
