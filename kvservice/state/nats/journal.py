@@ -64,6 +64,7 @@ from nats.js import api
 
 from kvservice.contract.errors import InvalidArgument, KVError, StateError
 from kvservice.state import snapshot as snap
+from kvservice.state.nats import NATS_SERVER_VERSION
 from kvservice.state.nats.direct import DirectError, DirectPublisher
 from kvservice.state.stores import Entry, JournalStore
 
@@ -120,6 +121,28 @@ def check_ack(seq: int, duplicate: bool, sent_before: bool, expected_last: int) 
         raise Fenced(f"NATS stored the journal message at stream sequence {seq}, not right after {expected_last}: "
                      "another writer appended in between")
     return seq
+
+
+def retry_startup(what: str, attempt: Callable[[], T], seconds: float = 60.0) -> T:
+    """attempt() until it does not raise StoreError (JournalGap and Fenced excepted), for up to `seconds`.
+
+    Managers started together on a fresh deployment create the stream and the buckets at the same
+    time, and JetStream answers requests about an asset being created (or a stream being elected)
+    with timeouts meanwhile: each of them retries instead of exiting.
+    """
+    deadline = time.monotonic() + seconds
+    delay = 0.2
+    while True:
+        try:
+            return attempt()
+        except (JournalGap, Fenced):
+            raise
+        except StoreError as err:
+            if time.monotonic() + delay > deadline:
+                raise StoreError(f"{what}: still failing after {seconds:g} s: {err.message}") from None
+            log.warning("%s: %s; retrying", what, err.message)
+        time.sleep(delay)
+        delay = min(2.0, delay * 2)
 
 
 class JournalGap(StoreError):
@@ -217,6 +240,14 @@ class NatsLink:
             self._stop_loop()
             raise
         self.js = self.nc.jetstream(timeout=config.request_seconds)
+        v = self.nc.connected_server_version
+        try:
+            self.server_version = f"{v.major}.{v.minor}.{v.patch}"
+        except ValueError:                          # not a semantic version (a development build)
+            self.server_version = repr(v)
+        if self.server_version != NATS_SERVER_VERSION:
+            log.warning("NATS server %s at %s; kvservice is tested with %s (docs/HA.md, 'One NATS version'): "
+                        "run that version", self.server_version, config.url, NATS_SERVER_VERSION)
 
     async def _connect(self, client_name: str, connect_seconds: float) -> nats.NATS:
         deadline = time.monotonic() + connect_seconds
@@ -246,17 +277,27 @@ class NatsLink:
         url = self.nc.connected_url
         log.warning("NATS: reconnected to %s", url.netloc if url else "?")
 
-    def call(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
-        """Run `coro` on the loop and wait at most `timeout` seconds (then cancel it and raise StoreError)."""
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float, what: str = "a request") -> T:
+        """Run `coro` on the loop and wait at most `timeout` seconds (then cancel it and raise StoreError).
+
+        what: the call, as a StoreError names it ("listing snapshots"). A NATS request inside `coro` that
+        times out by itself (nats-py's own deadline) is told apart from this wait running out: both
+        messages say which call and after how long.
+        """
         if threading.current_thread() is self._thread:
             coro.close()
             raise RuntimeError("NatsLink.call from the loop thread would wait on itself; await instead")
+        t0 = time.monotonic()
         fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
         try:
             return fut.result(timeout)
-        except concurrent.futures.TimeoutError:
+        except concurrent.futures.TimeoutError as err:      # (the builtin TimeoutError, as nats-py's are)
+            spent = time.monotonic() - t0
+            if fut.done():
+                raise StoreError(f"NATS timed out {what} after {spent:.2f} s ({type(err).__name__}"
+                                 f"{': ' + str(err) if str(err) else ''}; {self.config.url})") from None
             fut.cancel()
-            raise StoreError(f"NATS did not answer within {timeout:g} s ({self.config.url})") from None
+            raise StoreError(f"NATS did not answer {what} within {timeout:g} s ({self.config.url})") from None
 
     def close(self) -> None:
         if self.loop.is_closed():
@@ -317,6 +358,8 @@ class NatsStore(JournalStore):
         self.first_stream_seq = 0      # where reading starts: one past the stream sequence of the snapshot
         self.appends = 0
         self.append_retries = 0
+        #: Stream messages after the last one this reader received, as the server said with it (None: none yet).
+        self.pending: int | None = None
         self._parts: _Part | None = None
         self._sub: Any = None
         self._inbox: collections.deque[Any] = collections.deque()
@@ -325,23 +368,24 @@ class NatsStore(JournalStore):
         self._stream_at: dict[int, int] = {}    # journal position -> stream sequence of its last message
         self._at_lock = threading.Lock()
         self.max_part_bytes = max(4096, link.nc.max_payload - _HEADER_ROOM)
-        self._call(self._ensure(create))
+        self._call(self._ensure(create), max(10.0, 3 * self.config.request_seconds),
+                   "opening the journal stream and the snapshot bucket")
 
     @property  # type: ignore[override]
     def incarnation(self) -> int:
         """The epoch this store writes under (fenced), else the highest it has seen: stamped into replies."""
         return max(self.epoch, self.max_epoch, 1)
 
-    def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        """link.call, with any NATS error turned into a StoreError that names this store."""
+    def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None, what: str = "a request") -> T:
+        """link.call, with any NATS error turned into a StoreError that names this store and the call."""
         try:
-            return self.link.call(coro, timeout or self.config.request_seconds + 1.0)
+            return self.link.call(coro, timeout or self.config.request_seconds + 1.0, what)
         except nats.errors.Error as err:
-            raise StoreError(f"{self.path}: {type(err).__name__}: {err}") from None
+            raise StoreError(f"{self.path}: {what}: {type(err).__name__}: {err}") from None
 
     def stream_last_seq(self) -> int:
         """The stream's last sequence now (one request)."""
-        return self._call(self._stream_last_seq())
+        return self._call(self._stream_last_seq(), what="reading the stream's last sequence")
 
     async def _ensure(self, create: bool) -> None:
         c, js = self.config, self.link.js
@@ -379,7 +423,8 @@ class NatsStore(JournalStore):
         if self.epoch:
             raise StateError(f"{self.path}: a leader does not re-read the replicated journal; it stops and a "
                              "standby (which holds every acknowledged entry) takes over")
-        found = self._call(self._last_snapshot(), max(30.0, self.config.request_seconds))
+        found = self._call(self._last_snapshot(), max(30.0, self.config.request_seconds),
+                           "listing and reading the newest snapshot")
         if found is None:
             return None
         meta, blob = found
@@ -396,7 +441,22 @@ class NatsStore(JournalStore):
 
     def _snapshot_newer_than(self, seq: int) -> bool:
         """Whether the bucket holds a snapshot of a position after seq now (one listing)."""
-        return self._call(self._newest_snapshot_name(), max(10.0, self.config.request_seconds)) > f"snap-{seq:020d}"
+        return self.newest_snapshot_seq() > seq
+
+    def newest_snapshot_seq(self) -> int:
+        """Journal position of the newest snapshot in the bucket now (0 if none): one listing."""
+        name = self._call(self._newest_snapshot_name(), max(10.0, self.config.request_seconds), "listing snapshots")
+        return int(name.removeprefix("snap-")) if name else 0
+
+    def restart_reading(self) -> None:
+        """Forget the read position (a standby about to recover again from a newer snapshot: Journal.reload)."""
+        if self.epoch:
+            raise StoreError("a leader does not re-read the replicated journal")
+        self.stop_reading()
+        self.seq = self.last_stream_seq = self.first_stream_seq = 0
+        self._parts = None
+        with self._at_lock:
+            self._stream_at = {}
 
     async def _newest_snapshot_name(self) -> str:
         obs = self._obs
@@ -456,7 +516,8 @@ class NatsStore(JournalStore):
         state = b"".join(bytes(c) for c in encoded.chunks)
         meta = {"format": SNAPSHOT_FORMAT, "seq": seq, "stream_seq": stream_seq, "epoch": self.epoch,
                 "at": time.time(), "bytes": len(state), "digest": _digest(state)}
-        self._call(self._write_snapshot(f"snap-{seq:020d}", state, meta), max(60.0, self.config.append_seconds))
+        self._call(self._write_snapshot(f"snap-{seq:020d}", state, meta), max(60.0, self.config.append_seconds),
+                   f"storing snapshot {seq} ({len(state)} bytes)")
         with self._at_lock:
             self._stream_at = {s: q for s, q in self._stream_at.items() if s >= seq}
 
@@ -486,7 +547,7 @@ class NatsStore(JournalStore):
         while self.last_stream_seq < last:
             batch = self.poll(0.5, strict=strict)
             if not batch:
-                first = self._call(self._stream_first_seq())
+                first = self._call(self._stream_first_seq(), what="reading the stream's first sequence")
                 if first > self.last_stream_seq + 1 and (strict or self._snapshot_newer_than(self.seq)):
                     raise self._overtaken()         # what we were to read next was purged by a compaction
                 if time.monotonic() > deadline:
@@ -514,8 +575,11 @@ class NatsStore(JournalStore):
         """
         if self._sub is None:        # a consumer is created through the JetStream meta leader: allow an election
             self._call(self._subscribe(max(1, self.first_stream_seq, self.last_stream_seq + 1)),
-                       max(10.0, 3 * self.config.request_seconds))
-        msgs = self._call(self._take(wait, max_messages), wait + self.config.request_seconds + 1.0)
+                       max(10.0, 3 * self.config.request_seconds), "subscribing to the journal stream")
+        msgs = self._call(self._take(wait, max_messages), wait + self.config.request_seconds + 1.0,
+                          "reading the journal stream")
+        if msgs:
+            self.pending = int(msgs[-1].metadata.num_pending) + len(self._inbox)
         out = []
         for msg in msgs:
             entry = self._decode(msg, strict)
@@ -553,7 +617,7 @@ class NatsStore(JournalStore):
         if self._sub is not None:
             sub, self._sub = self._sub, None
             try:
-                self._call(sub.unsubscribe())
+                self._call(sub.unsubscribe(), what="unsubscribing from the journal stream")
             except (StoreError, nats.errors.Error) as err:
                 log.debug("unsubscribe: %s", err)
         self._inbox.clear()
@@ -682,8 +746,11 @@ class NatsStore(JournalStore):
                 if err.code is not None and err.code < 500 and err.code != 503:
                     raise StoreError(f"NATS refused the journal entry: {err.description}") from None
                 why: Exception = err
-            except (StoreError, nats.errors.TimeoutError, nats.errors.NoRespondersError,
-                    nats.errors.ConnectionClosedError, nats.js.errors.NoStreamResponseError, OSError) as err:
+            except nats.errors.TimeoutError as err:
+                why = err
+                self.link.direct.close()     # the retry (same id) goes to the next server: this one may be cut off
+            except (StoreError, nats.errors.NoRespondersError, nats.errors.ConnectionClosedError,
+                    nats.js.errors.NoStreamResponseError, OSError) as err:
                 why = err
             else:
                 self.last_stream_seq = check_ack(stream_seq, duplicate, sent_before, self.last_stream_seq)
@@ -725,4 +792,4 @@ class NatsStore(JournalStore):
 
 
 __all__ = ["Fenced", "JournalGap", "NatsConfig", "NatsLink", "NatsStore", "StoreError", "check_ack", "fence_id",
-           "message_id", "parse_state_url"]
+           "message_id", "parse_state_url", "retry_startup"]

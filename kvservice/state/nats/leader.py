@@ -144,7 +144,11 @@ class Lease:
         self._renewer: asyncio.Future[Any] | None = None
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)     # notified on every renewal and on loss
-        self.kv = link.call(self._ensure_bucket(), link.config.request_seconds + 1.0)
+        try:
+            self.kv = link.call(self._ensure_bucket(), max(10.0, 3 * link.config.request_seconds),
+                                f"opening the lease bucket {self.bucket}")
+        except nats.errors.Error as err:
+            raise StoreError(f"opening the lease bucket {self.bucket}: {type(err).__name__}: {err}") from None
 
     async def _ensure_bucket(self) -> Any:
         js, c = self.link.js, self.link.config
@@ -168,7 +172,8 @@ class Lease:
             return True
         if self.lost is not None:
             return False
-        return self.link.call(self._try_acquire(), self.link.config.request_seconds * 2 + 1.0)
+        return self.link.call(self._try_acquire(), self.link.config.request_seconds * 2 + 1.0,
+                              "reading (and maybe taking) the leader key")
 
     async def _try_acquire(self) -> bool:
         now = self.clock()
@@ -311,7 +316,8 @@ class Lease:
             self._changed.notify_all()
         if held:
             try:
-                self.link.call(self.kv.delete(KEY, last=self.revision), self.link.config.request_seconds + 1.0)
+                self.link.call(self.kv.delete(KEY, last=self.revision), self.link.config.request_seconds + 1.0,
+                               "releasing the leader key")
                 log.info("leader key released (epoch %d)", self.epoch)
             except (StoreError, nats.errors.Error) as err:
                 log.warning("could not release the leader key (%s); it lapses in %g s", err, self.config.ttl_seconds)
@@ -319,7 +325,7 @@ class Lease:
     def current(self) -> Holder | None:
         """The holder written in the key now (None if absent); a standby's view of the leader."""
         try:
-            entry = self.link.call(self.kv.get(KEY), self.link.config.request_seconds + 1.0)
+            entry = self.link.call(self.kv.get(KEY), self.link.config.request_seconds + 1.0, "reading the leader key")
         except nats.js.errors.KeyNotFoundError:
             return None
         self.holder = Holder.parse(entry.value, entry.revision)
