@@ -259,7 +259,12 @@ class HAController:
     def _fence(self) -> int:
         """Read to the end of the stream and fence it with the next epoch; again if the old leader wrote meanwhile."""
         for _ in range(FENCE_ATTEMPTS):
-            self._apply(self.store.catch_up())
+            try:
+                self._apply(self.store.catch_up())
+            except JournalGap as err:         # overtaken by the old leader's last compaction: reload, read on
+                if not self._reload(err):
+                    raise StoreError(f"takeover: {self.failed}") from None
+                continue
             seen = self.lease.holder.epoch if self.lease.holder is not None else 0
             epoch = max(self.store.max_epoch, seen) + 1
             try:
