@@ -196,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             lab.start()
             fault_run(lab, kills, np.random.default_rng(20), lambda o: print(
-                f"{o.fault} ({o.detail}): epoch {o.old_epoch} -> {o.new_epoch}, {o.seconds:.3f} s, lost {o.lost}, "
+                f"{o.fault} ({o.detail}): epoch {o.old_epoch} -> {o.new_epoch}, {o.seconds:.3f} s, longest pause "
+                f"{o.longest_pause:.2f} s, lost {o.lost}, "
                 f"duplicated {o.duplicated}{' ' + str(o.problems) if o.problems else ''}", flush=True))
             acked = sum(ld.acked for ld in lab.system.loaders)
             stale = sum(ld.client.stale_replies for ld in lab.system.loaders)
@@ -259,12 +260,14 @@ def write_report(args: argparse.Namespace, rows: list, rtt: dict[str, tuple[floa
         "|---:|---:|---:|---:|---:|---:|---:|---:|",
         f"| {len(kills)} | {np.percentile(f, 50):.2f} s | {np.percentile(f, 99):.2f} s | {f.max():.2f} s | "
         f"{f.min():.2f} s | {sum(o.lost for o in kills)} | {sum(o.duplicated for o in kills)} | {acked} |", "",
-        "| other fault | what happened | epoch | first Step acknowledged after | lost | applied twice |",
+        "| other fault | what happened | leader epoch | longest time without an acknowledged Step | lost | "
+        "applied twice |",
         "|---|---|---|---:|---:|---:|"]
     for o in outcomes:
         if o not in kills:
             lines.append(f"| {o.fault} | {o.detail}{'; ' + '; '.join(o.problems) if o.problems else ''} | "
-                         f"{o.old_epoch} -> {o.new_epoch} | {o.seconds:.2f} s | {o.lost} | {o.duplicated} |")
+                         f"{o.old_epoch} -> {o.new_epoch}{'' if o.new_epoch == o.old_epoch else ' (failover)'} | "
+                         f"{o.longest_pause:.2f} s | {o.lost} | {o.duplicated} |")
     lines += ["", f"In all: {sum(o.lost for o in outcomes)} acknowledged Steps lost, "
               f"{sum(o.duplicated for o in outcomes)} applied twice over {len(outcomes)} faults; epochs acknowledged "
               f"by more than one manager process: {len(split)}{' ' + str(split) if split else ''}; replies refused "

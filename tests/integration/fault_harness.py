@@ -36,10 +36,12 @@ class Outcome:
     detail: str
     old_epoch: int
     new_epoch: int
-    seconds: float                      # fault to the first Step acknowledged after it (failover or pause)
+    seconds: float                      # fault to the first Step acknowledged after it (by a new leader: failover)
     lost: int
     duplicated: int
     problems: list[str] = field(default_factory=list)
+    longest_pause: float = 0.0          # the longest time without an acknowledged Step, from the fault until 1 s of
+                                        # acknowledgements after it (what the clients saw)
 
 
 class FaultLab:
@@ -85,10 +87,22 @@ class FaultLab:
         t_ack = self.system.first_ack_after(t_fault, epoch if failover else epoch - 1, timeout)
         self.system.restart_dead()
         _, new_epoch = self.leader(timeout)
+        pause = self._longest_pause(t_fault, timeout)
         lost, dup, problems = self.system.check_exact(timeout)
-        out = Outcome(fault, detail, epoch, new_epoch, t_ack - t_fault, lost, dup, problems[:5])
+        out = Outcome(fault, detail, epoch, new_epoch, t_ack - t_fault, lost, dup, problems[:5], pause)
         self.outcomes.append(out)
         return out
+
+    def _longest_pause(self, t_fault: float, timeout: float) -> float:
+        """Longest gap between acknowledged Steps after t_fault, once acknowledgements have flowed for 1 s."""
+        deadline = time.monotonic() + timeout
+        while True:
+            acks = sorted(at for ld in self.system.loaders for at, _, _ in list(ld.acks) if at > t_fault)
+            gaps = np.diff([t_fault, *acks])
+            if (len(acks) > 1 and acks[-1] - acks[int(np.argmax(gaps))] > 1.0) or time.monotonic() > deadline:
+                return float(gaps.max()) if len(gaps) else float("inf")
+            self.system.raise_loader_errors()
+            time.sleep(0.1)
 
     def epochs_with_two_writers(self) -> dict[int, set[str]]:
         return {e: w for e, w in epoch_writers(self.system.loaders).items() if len(w) > 1}
@@ -109,13 +123,12 @@ class FaultLab:
     def pause_leader(self, beyond: float = 0.5) -> Outcome:
         from .ha_harness import pause_leader
         self.system.restart_dead()
-        t = time.monotonic()
         r = pause_leader(self.system, beyond)          # checks exactly itself
         new = self.leader()[1]
         detail = (f"paused {r.paused_seconds:.1f} s; the Step waiting for it got "
                   f"{'an ACK' if r.acknowledged else (r.code.name if r.code else '?')}; exit status {r.exit_status}")
-        out = Outcome("SIGSTOP leader past its lease", detail, r.old_epoch, new, time.monotonic() - t, r.lost,
-                      r.duplicated, r.problems[:5])
+        out = Outcome("SIGSTOP leader past its lease", detail, r.old_epoch, new, r.paused_seconds, r.lost,
+                      r.duplicated, r.problems[:5], r.paused_seconds)
         if r.acknowledged or r.exit_status != 3:
             out.problems.append(f"the paused leader {detail}")
         self.system.restart_dead()
