@@ -221,6 +221,7 @@ class Lease:
 
     async def _renew_loop(self) -> None:
         c = self.config
+        failed = 0                             # renewals failed in a row
         while self.held:
             await asyncio.sleep(c.renew_seconds)
             while self.held:
@@ -241,11 +242,15 @@ class Lease:
                     continue
                 except (TimeoutError, nats.errors.Error, OSError) as err:
                     self.renew_failures += 1
+                    failed += 1
                     log.warning("lease renewal failed (%s: %s); %s", type(err).__name__, err,
                                 f"{self.valid_until - self.clock():.2f} s left" if self.clock() < self.valid_until
                                 else "lapsed: serving nothing until a renewal succeeds")
+                    if failed % 2 == 0:
+                        await self._move_to_another_server()
                     await asyncio.sleep(min(0.1, c.renew_seconds / 4))
                     continue
+                failed = 0
                 with self._changed:
                     if self.held:
                         if self.clock() >= self.valid_until:
@@ -255,6 +260,16 @@ class Lease:
                     self._changed.notify_all()
                 self.renewals += 1
                 break
+
+    async def _move_to_another_server(self) -> None:
+        """Two renewals in a row got no answer: the server this connection uses may be cut off from its
+        cluster while the connection itself looks alive (nats-py notices only after its pings go unanswered,
+        seconds later than a standby would take the key). Reconnect to another server now."""
+        force = getattr(self.link.nc, "force_reconnect", None)
+        if force is not None:
+            log.warning("lease renewals unanswered through %s: reconnecting to another NATS server",
+                        self.link.nc.connected_url.netloc if self.link.nc.connected_url else "?")
+            await force()
 
     async def _own_revision(self) -> int | None:
         """The key's revision if its value is still this process's (a write that timed out but landed), else None."""
