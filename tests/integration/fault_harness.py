@@ -111,8 +111,34 @@ class FaultLab:
         return manager_replays(self.system.slots) + self.system.replays
 
     # ---- faults ------------------------------------------------------------------------------------
+    def wait_healthy(self, timeout: float = 120.0) -> None:
+        """Until the journal stream and the lease bucket each have a leader and every replica is current
+        (after a NATS fault the cluster re-elects and catches up; a leader kill is measured on a healthy one)."""
+        from kvservice.state.nats.journal import NatsConfig, NatsLink
+        config = NatsConfig(tuple(self.cluster.urls), name=self.system.nats_name)
+        deadline = time.monotonic() + timeout
+        link = NatsLink(config, client_name="fault-lab")
+        try:
+            while True:
+                try:
+                    infos = [link.call(link.js.stream_info(s), 5, f"stream info {s}")
+                             for s in (config.stream, f"KV_{config.leader_bucket}")]
+                    if all(i.cluster and i.cluster.leader and all(r.current and not r.offline
+                                                                  for r in i.cluster.replicas or ())
+                           for i in infos):
+                        return
+                except Exception:               # electing: ask again
+                    pass
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"NATS streams not healthy within {timeout:g} s")
+                time.sleep(0.2)
+        finally:
+            link.close()
+
     def kill_leader(self, rng: np.random.Generator, load: tuple[float, float] = (0.3, 1.0)) -> Outcome:
+        """kill -9 the leader after a random time under load, on a healthy NATS cluster."""
         self.system.restart_dead()
+        self.wait_healthy()
         slot, epoch = self.leader()
         time.sleep(float(rng.uniform(*load)))
         t = time.monotonic()
@@ -177,7 +203,8 @@ class FaultLab:
         finally:
             for lk in links:
                 lk.heal()
-        out = self.settle(t, epoch, "partition: leader manager | NATS", f"{slot.name}, {seconds:g} s", failover=True)
+        out = self.settle(t, epoch, "partition: the leader manager cut off from NATS", f"{slot.name}, {seconds:g} s",
+                          failover=True)
         if epoch_of(slot.target) == epoch:
             out.problems.append(f"{slot.name} still answers as leader of epoch {epoch} after the partition")
         return out
@@ -198,7 +225,7 @@ class FaultLab:
         finally:
             for lk in links:
                 lk.heal()
-        return self.settle(t, epoch, "partition: one NATS node | the rest", f"{node.name}, {seconds:g} s")
+        return self.settle(t, epoch, "partition: one NATS node cut off from everyone", f"{node.name}, {seconds:g} s")
 
 
 def summary(outcomes: list[Outcome]) -> list[str]:

@@ -42,7 +42,7 @@ def test_no_acknowledged_step_is_lost_through_kills_pauses_crashes_and_partition
         assert not bad, bad
         assert not lab.epochs_with_two_writers()
         assert all(o.new_epoch > o.old_epoch for o in lab.outcomes if o.fault.startswith(("kill -9 leader",
-                                                                                          "partition: leader")))
+                                                                                          "partition: the leader")))
         replays = lab.replays()
         assert replays and max(replays) <= COMPACT_EVERY, replays
         assert min(ld.acked for ld in lab.system.loaders) > 20
