@@ -167,11 +167,11 @@ class HASystem:
     def start(self, together: bool = False) -> None:
         """together: start every manager at once (a fresh deployment with podManagementPolicy: Parallel)."""
         if together:
-            threads = [threading.Thread(target=s.start) for s in self.slots]
+            threads = [threading.Thread(target=s.start, args=(180.0,)) for s in self.slots]
             for th in threads:
                 th.start()
             for th in threads:
-                th.join(120)
+                th.join(200)
             dead = [s.name for s in self.slots if not s.alive()]
             assert not dead, f"managers {dead} did not come up:\n" + "\n".join(s.log_tail() for s in self.slots)
         else:

@@ -218,11 +218,11 @@ def test_managers_started_together_on_a_fresh_deployment_all_come_up(nats3, tmp_
         slots = [ManagerSlot(tmp_path / name, s, nats3.url, name, ("--nats-replicas", "3", *TEST_LEASE))
                  for s in "abc"]
         try:
-            threads = [threading.Thread(target=s.start) for s in slots]
+            threads = [threading.Thread(target=s.start, args=(180.0,)) for s in slots]
             for t in threads:
                 t.start()
             for t in threads:
-                t.join(90)
+                t.join(200)
             assert all(s.alive() for s in slots), "\n".join(s.log_tail() for s in slots)
             with LeaderClient([s.target for s in slots], timeout=5) as c:
                 c.create_pool("p", CacheSpec.uniform(2, 1, 64, page_size=16), Sizing(num_slots=64, max_seq_len=256))
