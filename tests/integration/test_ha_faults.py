@@ -19,7 +19,7 @@ from ..natsutil import require_nats_server
 from .fault_harness import FaultLab, summary
 
 pytestmark = pytest.mark.integration
-COMPACT_EVERY = 200
+COMPACT_EVERY = 400                  # snapshots due every 300 entries: several in the run
 LEASE = ("--leader-ttl", "1.0", "--leader-renew", "0.25", "--compact-every", str(COMPACT_EVERY))
 
 
