@@ -35,7 +35,7 @@ class BlockManager:
         self._locks: dict[str, threading.Lock] = {}
         self._incarnations: dict[str, int] = {}      # pool -> incarnation, in [1, 2^63)
         self._lock = threading.Lock()
-        self.events = EventHub(self)         # KV event logs of the pools (event_log.py)
+        self.events = EventHub(self)         # KV event logs of the pools (events/hub.py)
         self.fleet = FleetIndex()            # hash -> pools serving it, for ScorePrefix (fleet_index.py)
 
     def create_pool(self, name: str, spec: CacheSpec, sizing: Sizing, backends: tuple[str, ...] = (),
@@ -145,7 +145,7 @@ class BlockManager:
     def total_slots(self) -> int:
         """Slots x layer groups summed over every pool (what their allocators hold memory for)."""
         with self._lock:
-            return sum(p.plan.num_slots * len(p.plan.geometry.groups) for p in self._pools.values())
+            return sum(sum(p.plan.group_slots) for p in self._pools.values())
 
     def restore(self, pools: dict[str, Pool], workers: list[WorkerRecord] | None = None) -> None:
         """Replace every pool (and, if given, every worker record) with recovered ones: the journal's hook.

@@ -14,9 +14,9 @@ import numpy as np
 
 from kvservice.contract.errors import FailedPrecondition, InvalidArgument, KVError
 from kvservice.contract.status import to_status
+from kvservice.contract.transport import MAX_MESSAGE_BYTES
 from kvservice.contract.wire import from_tensor, to_tensor
 from kvservice.core.limits import check_reply_bytes
-from kvservice.server.app import MAX_MESSAGE_BYTES
 from kvservice.v1 import common_pb2 as cpb
 from kvservice.v1 import worker_pb2 as wpb
 from kvservice.v1 import worker_pb2_grpc as wpb_grpc
@@ -77,7 +77,7 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
         self.leader_fence = LeaderEpochFence(
             leader_epoch, on_refuse=lambda reason: metrics.leader_epoch_refusals.labels(reason).inc())
         self.tables = DeviceTables(caches.geometry, caches.xp)    # persistent page tables (UpdateTables)
-        self.max_reply_bytes = MAX_MESSAGE_BYTES    # the worker's gRPC limit (kvservice.server.app.grpc_server)
+        self.max_reply_bytes = MAX_MESSAGE_BYTES    # the worker's gRPC limit (kvservice.contract.serving.grpc_server)
         self._zero_series(caches)
 
     def _zero_series(self, caches: CacheSet) -> None:
@@ -189,7 +189,14 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
         shape = (sm.shape[0], layout.kv_heads, layout.head_dim)
         doc = f"[n, kv_heads, head_dim] = {list(shape)}"
         k = self._tensor(request, "k", layout.dtype, shape, doc)
-        v = self._tensor(request, "v", layout.dtype, shape, doc)
+        if layout.k_only:                  # an MLA latent cache: the latent vectors go in k, no v
+            if request.HasField("v") and len(request.v.data):
+                raise InvalidArgument(f"layer {request.layer} caches multi-head latent attention (MLA) latents "
+                                      "(K only): send them as k and leave v empty")
+            v = None
+        else:
+            v = self._tensor(request, "v", layout.dtype, shape, doc)
+
         def reasons() -> dict[str, int]:
             host = _host(sm)
             pages = np.where(host < 0, -1, host // layout.page_size)
@@ -208,6 +215,12 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
                         context: grpc.ServicerContext) -> wpb.DecodeAttentionReply:
         self._layer(request.layer)
         layout = self.caches.layouts[request.layer]
+        if layout.k_only:
+            raise FailedPrecondition(
+                f"layer {request.layer} caches multi-head latent attention (MLA) latents; decode attention for "
+                "MLA is not implemented on this worker (its kernels attend K and V per head): run an MLA decode "
+                "kernel (FlashMLA, FlashInfer's MLA) on the same page tables", reason="MLA_DECODE_UNSUPPORTED",
+                layer=request.layer)
         if request.table_id:  # the copy's width bounds its rows: no device read back either way
             ip, idx, lpl = self.tables.csr(request.table_id, request.layer)
             max_pages = self.tables.max_pages(request.table_id, request.layer)
@@ -230,14 +243,14 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
     @_rpc
     def CopyBlocks(self, request: wpb.CopyBlocksRequest, context: grpc.ServicerContext) -> wpb.KernelReply:
         """pairs are (src_slot, dst_slot). Slots are range-checked BEFORE any arithmetic: a slot
-        outside [0, num_slots) is out_of_bounds (value = the slot as sent) and its pair is skipped;
+        outside [0, num_slots) of the group is out_of_bounds (value = the slot as sent) and its pair is skipped;
         duplicate destinations, or a slot both source and destination, are INVALID_ARGUMENT."""
         layers = self.caches.group_layers(request.group)
         if not layers:
             raise OutOfRange(f"worker {self.identity['worker_id']} holds no layer of group {request.group}")
         slots = self._tensor(request, "pairs", "int64", (None, 2), "[n, 2]", device=False)
         check_copy_pairs(np, slots, "slot")
-        bad = (slots < 0) | (slots >= self.caches.geometry.num_slots)
+        bad = (slots < 0) | (slots >= self.caches.geometry.groups[request.group].num_slots)
         # Bad slots become distinct negative pages (out_of_bounds everywhere, never equal to each other).
         sentinel = -1 - np.arange(slots.size, dtype=np.int64).reshape(slots.shape)
         safe = np.where(bad, 0, slots)
