@@ -193,10 +193,8 @@ class PageLayout:
             raise ValueError(f"index space needs 0 <= offset < scale, base >= 0 and pool_pages >= upper_bound, "
                              f"got offset {self.offset}, scale {self.scale}, base {self.base}, "
                              f"pool_pages {self.pool_pages}, upper_bound {self.upper_bound}")
-        if self.page_elems >= 2**31:
-            raise ValueError(f"a page holds {self.page_elems} elements (2 x page_size {self.page_size} x kv_heads "
-                             f"{self.kv_heads} x head_dim {self.head_dim}); the kernels take fewer than 2^31 per page "
-                             "(offsets inside a page are 32-bit; page strides and bases stay 64-bit)")
+        if self.page_elems >= 2**31:  # the kernels' in-page offsets are 32-bit (page strides and bases: 64)
+            raise ValueError(f"a page holds {self.page_elems} elements; the kernels take fewer than 2^31 per page")
         if self.page_stride < self.page_elems or self.page_stride % VEC[self.dtype]:
             raise ValueError(f"page_stride {self.page_stride} must be >= page elems {self.page_elems} "
                              f"and a multiple of {VEC[self.dtype]}")
@@ -398,11 +396,6 @@ class DecodeGeometry:
     def tile_bytes(self) -> int:
         """K + V bytes of one tile."""
         return 2 * THREADS * self.copies_per_thread * 16
-
-    @property
-    def inflight_bytes_per_warp(self) -> int:
-        """cp.async bytes a warp has in flight while it works on one tile."""
-        return (self.stages - 1) * 2 * self.copies_per_thread * 16 * 32
 
 
 def decode_geometry(dtype: str, heads: int, head_dim: int) -> DecodeGeometry:

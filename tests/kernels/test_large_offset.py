@@ -52,3 +52,15 @@ def test_page_past_4gib(big: tuple[np.ndarray, PageLayout], ops) -> None:
     assert rel_err(res.out, out) <= TOL["float16"]
     for p in (3, high, high + 2):  # leave the module fixture clean
         reference.page_view(cache, raw, p)[...] = 0
+
+
+def test_a_page_of_2_31_elements_is_refused() -> None:
+    """Offsets inside a page are 32-bit in the kernels (page strides and bases stay 64-bit): a layout whose
+    page holds 2^31 elements is refused before any kernel runs, one of 2^30 is not."""
+    huge = PageLayout.per_layer(4, 2**16, 128, 128, "float16")  # 2 x 2^16 x 2^7 x 2^7 = 2^31 elements
+    with pytest.raises(ValueError, match=r"a page holds 2147483648 elements; the kernels take fewer than 2\^31"):
+        huge.validate()
+    cache, k = np.zeros(16, dtype=np.float16), np.zeros((1, 128, 128), dtype=np.float16)
+    with pytest.raises(ValueError, match=r"fewer than 2\^31 per page"):
+        kernels_cpu.append_kv(cache, huge, k, k, np.zeros(1, dtype=np.int64))
+    PageLayout.per_layer(4, 2**15, 128, 128, "float16").validate()
