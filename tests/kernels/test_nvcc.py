@@ -6,6 +6,7 @@ build/nvcc-resources.md (paste it into the docs when an entry improves)."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -83,11 +84,17 @@ def documented_blocks() -> dict[tuple[str, str], int]:
     return out
 
 
+@functools.cache
+def nvcc_version() -> str:
+    return subprocess.run([str(NVCC), "--version"], capture_output=True, text=True).stdout
+
+
 def compile_one(src: Path, arch: str, defines: tuple[str, ...] = ()) -> tuple[int, str, list[dict]]:
     flags = [f"-arch={arch}", *FLAGS, *defines]
-    h = hashlib.sha256((" ".join(flags) + " rows-v2").encode())  # bump when parse_ptxas changes
-    for p in sorted(KDIR.glob("*")):
-        h.update(p.name.encode() + p.read_bytes())
+    h = hashlib.sha256((" ".join(flags) + nvcc_version() + " rows-v3").encode())  # bump when parse_ptxas changes
+    for p in sorted(KDIR.glob("*")):  # the source and every header: once per version of what it reads
+        if p == src or p.suffix in (".cuh", ".h"):
+            h.update(p.name.encode() + p.read_bytes())
     key = OUT / h.hexdigest()[:16] / f"{src.stem}-{arch}{''.join(defines)}.json"
     if key.exists():
         d = json.loads(key.read_text())
