@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from conftest import TOL, lse_err, make_cache, make_table, poisoned, rand, rel_err
 
+from kvservice.worker import kernel_api as api
 from kvservice.worker import kernels_cpu, ops_numpy, reference
 from kvservice.worker.kernel_api import KernelViolationError, Policy
 
@@ -106,6 +107,33 @@ def test_split_equals_reference_at_many_split_sizes() -> None:
     q = rand(rng, (1, 2, 64), "float32")
     for pps in (1, 5, 63, 64):
         check(run(kernels_cpu, c, q, table, kv_chunk_pages=pps), c, q, table, "float32")
+
+
+def test_max_pages_plans_splits_without_reading_indptr_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker passes a host-side bound on a row's pages (``max_pages``: the shipped indptr's longest row,
+    or a table copy's width): split planning then reads nothing back from the device. A bound below the
+    longest row still covers it (the last split takes the rest); one above only splits differently."""
+    rng = np.random.default_rng(16)
+    c = make_cache(rng, "per_layer", 80, 4, 1, 64, "float32")
+    table = make_table(rng, c, [250, 7])  # 63 pages and 2
+    q = rand(rng, (2, 2, 64), "float32")
+    be = kernels_cpu.backend()
+    reads: list[bool] = []
+    to_host = be.to_host
+    monkeypatch.setattr(be, "to_host", lambda a: (reads.append(a is table[0]), to_host(a))[1])
+    grids: list[tuple] = []
+    launch = be.launch
+    monkeypatch.setattr(be, "launch", lambda name, grid, *a: (grids.append(grid), launch(name, grid, *a))[1])
+    for bound in (8, 63, 300):
+        reads.clear()
+        grids.clear()
+        res = api.decode_attention(be, q, c.buf, c.layout, *table, max_pages=bound)
+        assert not any(reads), f"max_pages={bound}: indptr read back"
+        assert grids[0][2] > 1  # split (with a bound of 8, row 0's last split holds most of its 63 pages)
+        check(res, c, q, table, "float32")
+    reads.clear()
+    api.decode_attention(be, q, c.buf, c.layout, *table)
+    assert any(reads)  # without the bound the planner reads indptr back (the spy sees it)
 
 
 def test_numpy_backend_ignores_kv_chunk_pages() -> None:
