@@ -98,7 +98,7 @@ CU_MUTANTS: list[tuple[str, str, str, str]] = [
     ("copy_blocks.cu", "page_bytes, tid, blockDim.x);", "page_bytes / 2, tid, blockDim.x);", "half a page copied"),
     ("decode_attention.cu", "? seq_len - A.window : 0;", "? seq_len - A.window + 1 : 0;",
      "sliding window one token short"),
-    ("decode_attention.cu", "const float f = mx == kv_ninf() ? 1.f : exp2f(m[g] - mx);", "const float f = 1.f;",
+    ("decode_attention.cu", "const float f = kv_ex2(m[g] - nm);", "const float f = 1.f;",
      "online softmax never rescales earlier tiles"),
     ("decode_attention.cu", "o = acc_o / sum;", "o = acc_o;", "lane-group merge not normalised"),
     ("decode_attention.cu", "bad = bad || part_flag[s * batch + row] != 0;", "bad = part_flag[s * batch + row] != 0;",

@@ -89,6 +89,19 @@ def test_each_head_keeps_its_own_softmax_max(ops) -> None:
     check(res, c, q, table, "float32", sm_scale=400.0)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("split", [0, 3])
+def test_scores_far_apart_rescale_the_earlier_tiles(ops, dtype: str, split: int) -> None:
+    """A large sm_scale spreads a row's scores over hundreds of units (log2 domain), far more than the
+    lazy-rescale slack (2^8): every lane group's reference max moves up many times along the row, and each
+    move must rescale what the earlier tiles summed (a kernel that skips it is off by orders of magnitude)."""
+    rng = np.random.default_rng(17)
+    c = make_cache(rng, "per_layer", 48, 8, 2, 64, dtype)
+    table = make_table(rng, c, [150, 61, 9])
+    q = rand(rng, (3, 4, 64), dtype)
+    check(run(ops, c, q, table, sm_scale=60.0, kv_chunk_pages=split), c, q, table, dtype, sm_scale=60.0)
+
+
 def test_bad_queries_are_named_with_what_they_need(ops) -> None:
     """q of the wrong dtype, or with a head count that is not a multiple of kv_heads, is refused by name."""
     rng = np.random.default_rng(8)
