@@ -3,7 +3,7 @@
 :class:`Journal` is what the servicer calls. It serialises mutating requests (one lock), answers a
 retried request_id with the original reply (:class:`IdempotencyWindow`), applies a new request to
 the in-memory manager and appends it to a :class:`JournalStore` before the reply leaves, and
-stamps every reply with the journal position (incarnation, seq) so a client can tell when a
+stamps every reply with the journal position (lineage, incarnation, seq) so a client can tell when a
 manager came back behind what it saw. Reads of pool state wait only for an uncommitted change of
 the pool they read (:class:`_Gate`), never for other pools or for a snapshot.
 
@@ -17,8 +17,9 @@ snapshot and entries: exactly what was acknowledged) and keeps serving; only if 
 Stores (kvservice/state/stores.py: the interface a backend implements): ``MemoryStore`` (``--state memory``:
 in-process, lost with the process) and ``store_sqlite.SqliteStore`` (``--state-dir``). Recovery is the same for
 both: decode and check the newest snapshot (kvservice/state/snapshot.py), replay every later entry after
-verifying its checksum and that none is missing, then check every pool's invariants and the store's
-witness of the last acknowledged position. Snapshots are captured under the lock (copies of the
+verifying its checksum and that none is missing, then check every pool's invariants, the acknowledged
+high-water mark (stores.AckMark: entries missing past the recovered position are refused, not served) and
+the store's own witness of the last acknowledged position. Snapshots are captured under the lock (copies of the
 arrays: the pause) and encoded and written outside it. See docs/DURABILITY.md.
 """
 
@@ -46,7 +47,7 @@ from kvservice.core.pool import PoolState
 from kvservice.manager.api import STEP_ARRAYS, ManagerAPI
 from kvservice.manager.pools import BlockManager
 from kvservice.state import snapshot as snap
-from kvservice.state.stores import Entry, JournalStore, MemoryStore, entry_digest
+from kvservice.state.stores import Entry, JournalStore, MemoryStore, entry_digest, lineage_hex
 from kvservice.v1 import block_manager_pb2 as pb
 
 log = logging.getLogger("kvservice.state.journal")
@@ -163,16 +164,17 @@ class IdempotencyWindow:
         known = self.ids.get(rid)
         if known is None:
             return None
-        k_method, k_digest, seq, _ = known
+        k_method, k_digest, _, _ = known
+        # Neither error names the journal position of the earlier request: whoever sends an id learns
+        # nothing about the request that used it first (it may be another tenant's).
         if k_method != method or k_digest != fingerprint:
-            raise InvalidArgument(f"request_id {rid!r} was already used by a different {k_method} request "
-                                  f"(journal position {seq}); use a fresh id per request", reason="REQUEST_ID_REUSED",
-                                  request_id=rid)
+            raise InvalidArgument(f"request_id {rid!r} was already used by a different {k_method} request; use a "
+                                  "fresh id per request", reason="REQUEST_ID_REUSED", request_id=rid)
         stored = self.replies.get(rid)
         if stored is None:
-            raise AlreadyExists(f"{method} {rid!r} was already applied (journal position {seq}); its reply is no "
-                                f"longer kept (reply cache {self.config.reply_cache_bytes} bytes)",
-                                reason="REQUEST_ALREADY_APPLIED", request_id=rid, position=seq)
+            raise AlreadyExists(f"{method} {rid!r} was already applied; its reply is no longer kept (reply cache "
+                                f"{self.config.reply_cache_bytes} bytes)", reason="REQUEST_ALREADY_APPLIED",
+                                request_id=rid)
         self.hits += 1
         return stored[0]
 
@@ -358,18 +360,60 @@ class Journal:
             if problems:
                 raise StateError(f"{store.location}: recovered state breaks invariants: {'; '.join(problems[:4])}",
                                  reason="STATE_INVARIANTS", problems=problems)
+            journal._check_mark()
             store.check_position(journal.seq)
             if not store.readonly:
                 journal.incarnation = store.begin(journal.seq)
             journal._compact_at = journal.seq + journal.config.compact_every
             journal.recovery_seconds = time.perf_counter() - t0
-            log.info("recovered %s: snapshot at %d, %d entries replayed in %.3f s, incarnation %d, pools: %s",
-                     store.location, journal.snapshot_seq, replayed, journal.recovery_seconds, journal.incarnation,
-                     ", ".join(journal.manager.pool_names()) or "none")
+            log.info("recovered %s: snapshot at %d, %d entries replayed in %.3f s, lineage %s, incarnation %d, "
+                     "pools: %s", store.location, journal.snapshot_seq, replayed, journal.recovery_seconds,
+                     lineage_hex(store.lineage), journal.incarnation, ", ".join(journal.manager.pool_names()) or "none")
         except BaseException:
             store.close(clean=False, seq=journal.seq)
             raise
         return journal
+
+    @property
+    def lineage(self) -> int:
+        """The state's lineage (its store's), stamped into every reply beside the position."""
+        return self.store.lineage
+
+    def _check_mark(self) -> None:
+        """Recovery reached self.seq: refuse it if the store's high-water mark proves more was acknowledged.
+
+        The mark is read when the store is opened (before its entries), written after every commit
+        (_commit), so it never exceeds what was acknowledged: a recovered position below it means
+        acknowledged entries are missing. Under repair the finding is recorded (store.override) and the
+        store starts a new lineage. What the mark cannot prove: docs/DURABILITY.md.
+        """
+        store, mark = self.store, self.store.mark
+        if mark is None:
+            return
+        found = mark.found
+        where = f"{store.location}: the acknowledged high-water mark ({mark.path.name})"
+        if found is None:
+            if mark.damaged or mark.required:
+                store.override(StateError(
+                    f"{where} is {'damaged' if mark.damaged else 'missing'}, so whether the journal's tail is "
+                    f"complete cannot be proved. {store.remedy}, or run `kvservice check-state DIR --repair` to "
+                    "accept the state as it is (it then starts a new lineage)", reason="STATE_DAMAGED"))
+            return
+        if store.lineage and found.lineage != store.lineage:
+            store.override(StateError(
+                f"{where} belongs to lineage {lineage_hex(found.lineage)} but the state to "
+                f"{lineage_hex(store.lineage)}: parts of two state dirs were put together. {store.remedy}",
+                reason="STATE_DAMAGED"))
+        elif self.seq < found.seq:
+            lost = f"change {found.seq} is" if found.seq == self.seq + 1 else f"changes {self.seq + 1}..{found.seq} are"
+            store.override(StateError(
+                f"{where} says position {found.seq} was acknowledged, but the journal holds only "
+                f"{self.seq} (snapshot at {self.snapshot_seq}, then {self.seq - self.snapshot_seq} entries): "
+                f"acknowledged {lost} lost (the tail of the journal was cut: a "
+                "write-ahead log truncated or replaced by an older copy, or storage that lost writes it had "
+                f"confirmed). Serving this state would roll its clients back. {store.remedy}, or run "
+                "`kvservice check-state DIR --repair` to accept the loss (the state then starts a new lineage)",
+                reason="STATE_ROLLBACK", acknowledged=found.seq, recovered=self.seq))
 
     def _load(self, manager: BlockManager, window: IdempotencyWindow | None) -> int:
         """Restore the store's newest snapshot into manager and replay the later entries.
@@ -397,6 +441,11 @@ class Journal:
             s = snap.decode(blob, name)
             if s.seq != snapshot_seq:
                 raise StateError(f"{name} holds position {s.seq} (damaged)")
+            if s.lineage and self.store.lineage and s.lineage != self.store.lineage:
+                raise StateError(f"{name} belongs to lineage {lineage_hex(s.lineage)}, the state to "
+                                 f"{lineage_hex(self.store.lineage)}: a snapshot of another state (damaged)")
+            if s.lineage and not self.store.lineage:
+                self.store.lineage = s.lineage          # a store that records none continues its snapshot's
             manager.restore(snap.build_pools(s.pools, name), s.workers)
             if window is not None:
                 window.load(s.window)
@@ -526,18 +575,30 @@ class Journal:
         """A read of pool state: only committed state is visible, and nothing once the journal failed.
 
         It waits only while a change of the same pool is uncommitted (a read of all pools: any pool).
+        The reply carries the journal position (if its message has one).
         """
         self._check_usable()
         with self._gate.reading(getattr(request, "pool", "")):
             reply = apply(request)
-            if isinstance(reply, pb.PoolInfo):
-                self._stamp(reply)
+            self._stamp(reply)
+        return reply
+
+    def stamp(self, reply: Message) -> Message:
+        """Set the reply's journal position (lineage, incarnation, seq) to where the journal stands now.
+
+        For replies of reads that do not wait for commits (Heartbeat, ListWorkers, ScorePrefix): every
+        change acknowledged before the read was sent is at or below that position. Replies without a
+        position field are left as they are.
+        """
+        self._stamp(reply)
         return reply
 
     def _stamp(self, reply: Message) -> None:
         if "position" in reply.DESCRIPTOR.fields_by_name:
-            reply.position.incarnation = self.incarnation      # type: ignore[attr-defined]
-            reply.position.seq = self.seq                      # type: ignore[attr-defined]
+            pos = reply.position                               # type: ignore[attr-defined]
+            pos.incarnation = self.incarnation
+            pos.seq = self.seq
+            pos.lineage = self.store.lineage
 
     def _stamped_copy(self, stored: Message) -> Message:
         reply = type(stored)()
@@ -555,6 +616,9 @@ class Journal:
         t0 = time.perf_counter()
         try:
             self.store.append(Entry.make(seq, method, data, now))
+            mark = self.store.mark
+            if mark is not None:                # after the entry is durable, before the reply leaves
+                mark.write(self.store.lineage, seq)
         except Exception as err:
             self._fail(f"journal write failed ({type(err).__name__}: {err})")
             raise JournalUnavailable(f"{method} was not made durable and is not acknowledged: "
@@ -648,7 +712,8 @@ class Journal:
             states = {name: st if isinstance(st, PoolState) else st(runs=True) for name, st in cap.pools.items()}
             window = snap.WindowState(cap.window_ids, [(rid, m, msg.SerializeToString())
                                                        for rid, m, msg in cap.window_replies])
-            enc = snap.encode(cap.seq, self.incarnation, time.time(), states, cap.workers, window, METHODS)
+            enc = snap.encode(cap.seq, self.incarnation, time.time(), states, cap.workers, window, METHODS,
+                              self.store.lineage)
             self.store.write_snapshot(cap.seq, enc)
         except Exception as err:          # the entries are still there: keep serving, try again later
             log.error("snapshot at %d failed (%s: %s); recovery replays the longer tail", cap.seq,
@@ -684,7 +749,8 @@ class Journal:
             workers, seq = self.manager.workers.workers(), self.seq
         states = {name: st if isinstance(st, PoolState) else st(runs=True) for name, st in states.items()}
         window = snap.WindowState(ids, [(rid, m, msg.SerializeToString()) for rid, m, msg in replies])
-        store.write_snapshot(seq, snap.encode(seq, store.incarnation, time.time(), states, workers, window, METHODS))
+        store.write_snapshot(seq, snap.encode(seq, store.incarnation, time.time(), states, workers, window, METHODS,
+                                              self.store.lineage))
 
     def wait_for_snapshot(self, timeout: float | None = None) -> bool:
         """Wait for a snapshot being written on the snapshot thread; False if still running after timeout."""

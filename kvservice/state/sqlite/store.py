@@ -2,12 +2,15 @@
 
 Layout of DIR (format 2):
 
-    state.db (+ -wal, -shm)   SQLite, WAL mode: meta(key, value): format, incarnation;
+    state.db (+ -wal, -shm)   SQLite, WAL mode: meta(key, value): format, incarnation, lineage;
                               entries(seq, method, request, created, digest): the journal tail;
                               snapshots(seq, file, header_digest, nbytes, created): the newest snapshot
     snapshots/snapshot-<seq>.kvs   snapshot files (kvservice/state/snapshot.py)
-    MANIFEST                  JSON witness, replaced atomically: format, incarnation, running,
-                              last_seq (at least this many changes were acknowledged), snapshot_seq, digest
+    MANIFEST                  JSON witness, replaced atomically: format, incarnation, lineage, running,
+                              last_seq (at least this many changes were acknowledged), snapshot_seq,
+                              acked_mark (ACKED is kept), digest
+    ACKED                     the acknowledged high-water mark (stores.AckMark): the last position
+                              acknowledged, written after every commit, outside the log
     lock                      flock of the serving process (its pid inside)
 
 What is checked on open, before anything is served (each failure is a StateError that says what is
@@ -16,11 +19,14 @@ the MANIFEST's own checksum; a state.db that is missing or empty while the MANIF
 holds state (versus a genuinely fresh dir: nothing there); the database header (a header that
 lost WAL mode would make SQLite ignore the log); the write-ahead log frame by frame
 (kvservice/state/sqlite/wal.py) — damage is refused, a torn last commit of a crashed machine is
-dropped with a warning; a log that is missing after an unclean stop; SQLite's quick_check; the
-format and incarnation; the snapshot file recorded in the database (present, same size, same
-header digest). The journal then checks the snapshot's own checksums, each entry's checksum and
-that none is missing, every pool's invariants, and finally (check_position) that the recovered
-position is not behind the MANIFEST's last_seq.
+dropped (and the journal's high-water mark check then proves it was never acknowledged, or refuses the
+state); a log that is missing after an unclean stop; SQLite's quick_check; the format, incarnation and
+lineage; the snapshot file recorded in the database (present, same size, same header digest). The journal
+then checks the snapshot's own checksums, each entry's checksum and that none is missing, every pool's
+invariants, the recovered position against ACKED (Journal._check_mark: a tail lost from the log is
+refused, whatever the log looks like), and finally (check_position) against the MANIFEST's last_seq.
+Under repair (``check-state --repair``) a failed witness check is recorded instead (``override``) and the
+state starts a new lineage: nobody can prove it continues what clients were told.
 
 Read-only opens (check-state, tests) work on a private copy of the database: on a stopped dir
 after the same checks (holding a shared lock so no manager starts meanwhile), on a running one
@@ -39,6 +45,7 @@ import sqlite3
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -46,16 +53,21 @@ from typing import Any
 from kvservice.contract.errors import StateError
 from kvservice.state import snapshot as snap
 from kvservice.state.sqlite.wal import check_wal, db_header
-from kvservice.state.stores import Entry, JournalStore
+from kvservice.state.stores import AckMark, Entry, JournalStore, lineage_hex, new_lineage
 
 log = logging.getLogger("kvservice.state.journal")
 
 FORMAT = 2
 DB_NAME = "state.db"
 MANIFEST = "MANIFEST"
+ACKED = "ACKED"
 SNAP_DIR = "snapshots"
 REPAIR = "run `kvservice check-state DIR --repair` to accept the state dir as it is"
 RESTORE = "restore the state dir from a backup"
+
+
+def _ro_uri(path: Path) -> str:
+    return f"file:{urllib.request.pathname2url(str(path))}?mode=ro"
 
 
 def _fsync_dir(path: Path) -> None:
@@ -142,7 +154,11 @@ class SqliteStore(JournalStore):
         self.snapshot_seq = 0
         self.torn_frames = 0
         self.notes: list[str] = []              # what check-state reports besides problems
+        self.overridden: list[str] = []         # checks a repair accepted: the state then gets a new lineage
         self.db: sqlite3.Connection | None = None
+        self.mark: AckMark | None = None
+        self._sync = "full"
+        self._recovering = False                # db is the read-only connection recovery reads through
 
     # ---- opening ------------------------------------------------------------------------------
     @classmethod
@@ -170,19 +186,29 @@ class SqliteStore(JournalStore):
         db_path, wal = d / DB_NAME, d / (DB_NAME + "-wal")
         try:
             self.manifest = read_manifest(d)
-        except StateError:
-            if not self.repair:
-                raise
+        except StateError as err:
+            self.override(err)
             self.manifest = None
-            self.notes.append("MANIFEST damaged: ignored (repair)")
         m = self.manifest
+        # Read before anything else (a running manager's online copy below is taken after it, so the mark
+        # can only be behind that copy, never ahead of it).
+        self.mark = AckMark(d / ACKED, sync == "full", writable=not self.readonly)
+        self.mark.required = bool(m and m.get("acked_mark"))
         db_has = db_path.exists() and db_path.stat().st_size > 0
         snap_files = sorted((d / SNAP_DIR).glob("snapshot-*.kvs")) if (d / SNAP_DIR).exists() else []
         fresh = False
+        if m is None and self.repair and (db_has or snap_files):
+            self.overridden.append("no MANIFEST: how much was acknowledged is unknown")
+        acked = self.mark.found.seq if self.mark.found is not None else 0
+        if m is None and not self.repair and acked and not db_has:
+            raise StateError(f"{d}: {MANIFEST} and {DB_NAME} are missing, but {ACKED} says {acked} changes were "
+                             f"acknowledged here: this is not a fresh state dir. {RESTORE}, or move {ACKED} away "
+                             "to start empty", reason="STATE_DAMAGED")
         if m is None and not self.repair:
             if not db_has and not snap_files and not self.readonly:
                 fresh = True
-            elif db_has and not snap_files and self._interrupted_first_start(db_path) and not self.readonly:
+            elif db_has and not snap_files and not acked and self._interrupted_first_start(db_path) \
+                    and not self.readonly:
                 fresh = True
             else:
                 raise StateError(f"{d}: {MANIFEST} is missing but the dir holds kvservice state "
@@ -212,11 +238,7 @@ class SqliteStore(JournalStore):
                     raise StateError(f"{d}: {rep.problem}. {RESTORE}; or, to accept losing those commits, move "
                                      f"{wal.name} away and {REPAIR}", reason="STATE_DAMAGED")
                 if rep.torn:
-                    self.torn_frames = rep.torn
-                    msg = (f"{wal.name}: the last {rep.torn} frames are a commit cut short by a crash of the "
-                           "machine (never acknowledged); dropped")
-                    log.warning("%s: %s", d, msg)
-                    self.notes.append(msg)
+                    self.torn_frames = rep.torn     # whether that commit was acknowledged: check_position says
         elif self.live:
             self.notes.append("a manager is running on this dir: checked through an online copy; its "
                               "write-ahead log was not checked")
@@ -260,7 +282,7 @@ class SqliteStore(JournalStore):
                 self._copy_dir = Path(tempfile.mkdtemp(prefix="kvservice-check-"))
                 copy = self._copy_dir / DB_NAME
                 if self.live:
-                    src = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
+                    src = sqlite3.connect(_ro_uri(db_path), uri=True)
                     dst = sqlite3.connect(copy)
                     try:
                         src.backup(dst)
@@ -274,7 +296,15 @@ class SqliteStore(JournalStore):
                 db_path = copy
             else:
                 (d / (DB_NAME + "-shm")).unlink(missing_ok=True)      # we hold the lock: rebuilt from the log
-            self.db = sqlite3.connect(db_path, isolation_level=None, check_same_thread=False)
+            self._sync = sync
+            if fresh or self.readonly:
+                self.db = sqlite3.connect(db_path, isolation_level=None, check_same_thread=False)
+            else:
+                # Recovery reads through a read-only connection: if it refuses the state, closing it leaves
+                # the log as it found it (a read-write connection closing last would checkpoint it into
+                # state.db and delete it, destroying what the refusal is about). begin() reopens read-write.
+                self.db = sqlite3.connect(_ro_uri(db_path), uri=True, isolation_level=None, check_same_thread=False)
+                self._recovering = True
             mode = self.db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
             if mode.lower() != "wal":
                 raise StateError(f"{db_path}: cannot switch SQLite to WAL mode (got {mode})")
@@ -313,24 +343,29 @@ class SqliteStore(JournalStore):
                               "fresh state dir" if old else f". {RESTORE}"), reason="STATE_FORMAT")
         try:
             self.incarnation = int(meta.get("incarnation", ""))
+            self.lineage = int(meta.get("lineage", "0"), 16)
         except ValueError:
-            raise StateError(f"{d / DB_NAME}: incarnation {meta.get('incarnation')!r} is damaged. {RESTORE}",
-                             reason="STATE_DAMAGED") from None
+            raise StateError(f"{d / DB_NAME}: incarnation {meta.get('incarnation')!r} or lineage "
+                             f"{meta.get('lineage')!r} is damaged. {RESTORE}", reason="STATE_DAMAGED") from None
         self.snapshot_seq = int(row[0] or 0)
         if m is None:
             return
+        if self.lineage and m.get("lineage") and m["lineage"] != lineage_hex(self.lineage):
+            self.override(StateError(f"{d}: {DB_NAME} belongs to lineage {lineage_hex(self.lineage)} but {MANIFEST} "
+                                     f"to {m['lineage']}: the database comes from another state dir. {RESTORE}, or "
+                                     f"{REPAIR}", reason="STATE_DAMAGED"))
         if self.incarnation not in (m["incarnation"], m["incarnation"] + 1):
             raise StateError(f"{d}: {DB_NAME} is at incarnation {self.incarnation} but {MANIFEST} at "
                              f"{m['incarnation']}: the database was replaced by another copy. {RESTORE}, or {REPAIR}",
                              reason="STATE_DAMAGED")
-        if m["running"] and self.incarnation == m["incarnation"] and not wal_existed and not self.repair:
-            raise StateError(f"{d}: {DB_NAME}-wal is missing after an unclean stop of incarnation "
-                             f"{m['incarnation']}: the changes acknowledged since its last checkpoint are lost. "
-                             f"{RESTORE}, or {REPAIR}", reason="STATE_DAMAGED")
-        if m["snapshot_seq"] > self.snapshot_seq and not self.repair:
-            raise StateError(f"{d}: {MANIFEST} records a snapshot at {m['snapshot_seq']} but {DB_NAME} "
-                             f"{'has none' if not self.snapshot_seq else f'only one at {self.snapshot_seq}'}: "
-                             f"{RESTORE}", reason="STATE_DAMAGED")
+        if m["running"] and self.incarnation == m["incarnation"] and not wal_existed:
+            self.override(StateError(f"{d}: {DB_NAME}-wal is missing after an unclean stop of incarnation "
+                                     f"{m['incarnation']}: the changes acknowledged since its last checkpoint are "
+                                     f"lost. {RESTORE}, or {REPAIR}", reason="STATE_DAMAGED"))
+        if m["snapshot_seq"] > self.snapshot_seq:
+            self.override(StateError(f"{d}: {MANIFEST} records a snapshot at {m['snapshot_seq']} but {DB_NAME} "
+                                     f"{'has none' if not self.snapshot_seq else f'only one at {self.snapshot_seq}'}: "
+                                     f"{RESTORE}", reason="STATE_DAMAGED"))
 
     # ---- JournalStore -------------------------------------------------------------------------
     def load_snapshot(self) -> tuple[int, bytes] | None:
@@ -372,15 +407,49 @@ class SqliteStore(JournalStore):
 
     def check_position(self, seq: int) -> None:
         m = self.manifest
-        if m is not None and seq < m["last_seq"] and not self.repair:
-            raise StateError(f"{self.state_dir}: {MANIFEST} says at least {m['last_seq']} changes were acknowledged, "
-                             f"but the state dir holds only {seq}: acknowledged changes were lost (a damaged, "
-                             f"replaced or rolled-back {DB_NAME}). {RESTORE}, or {REPAIR}", reason="STATE_ROLLBACK")
+        if m is not None and seq < m["last_seq"]:
+            self.override(StateError(f"{self.state_dir}: {MANIFEST} says at least {m['last_seq']} changes were "
+                                     f"acknowledged, but the state dir holds only {seq}: acknowledged changes were "
+                                     f"lost (a damaged, replaced or rolled-back {DB_NAME}). {RESTORE}, or {REPAIR}",
+                                     reason="STATE_ROLLBACK"))
+        if self.torn_frames:
+            # Runs after the journal checked ACKED (Journal._check_mark): the recovered position reaches it.
+            wal = f"{DB_NAME}-wal"
+            found = self.mark.found if self.mark is not None else None
+            if found is not None and found.seq <= seq and not self.overridden:
+                msg = (f"{wal}: the last {self.torn_frames} frames are an incomplete commit, cut short by a crash; "
+                       f"the recovered position {seq} reaches the acknowledged high-water mark ({ACKED}: {found.seq}), "
+                       "so that commit was never acknowledged; dropped")
+            else:
+                msg = (f"{wal}: the last {self.torn_frames} frames are an incomplete commit (a write cut short by a "
+                       "crash, or a log cut in the middle of a frame); dropped. No acknowledged high-water mark "
+                       "vouches for the recovered position, so whether it was acknowledged is not known")
+            log.warning("%s: %s", self.state_dir, msg)
+            self.notes.append(msg)
+
+    def override(self, err: StateError) -> None:
+        if not self.repair:
+            raise err
+        self.overridden.append(err.message)
+        self.notes.append(f"accepted (repair): {err.message}")
 
     def begin(self, seq: int) -> int:
         inc = self.incarnation + 1
+        if not self.lineage or self.overridden:
+            old, self.lineage = self.lineage, new_lineage()
+            if old:
+                log.warning("%s: the state no longer provably continues lineage %s (%s); it starts lineage %s: "
+                            "clients see a new history", self.state_dir, lineage_hex(old), "; ".join(self.overridden),
+                            lineage_hex(self.lineage))
+                self.notes.append(f"new lineage {lineage_hex(self.lineage)} (was {lineage_hex(old)})")
+        assert self.mark is not None
+        self.mark.reset(self.lineage, seq)
+        if self._recovering:                    # every check passed: from here on the dir is written
+            self._reopen_writable()
         with self._db_lock:
             self.db.execute("UPDATE meta SET value = ? WHERE key = 'incarnation'", (str(inc),))  # type: ignore[union-attr]
+            self.db.execute("INSERT OR REPLACE INTO meta VALUES ('lineage', ?)",                  # type: ignore[union-attr]
+                            (lineage_hex(self.lineage),))
             self._checkpoint()
         self._write_manifest(incarnation=inc, running=True, last_seq=seq)
         self.incarnation = inc
@@ -440,6 +509,16 @@ class SqliteStore(JournalStore):
         self._release()
 
     # ---- helpers ---------------------------------------------------------------------------------
+    def _reopen_writable(self) -> None:
+        assert self.db is not None
+        self.db.close()
+        self.db = sqlite3.connect(self.state_dir / DB_NAME, isolation_level=None, check_same_thread=False)
+        mode = self.db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        if mode.lower() != "wal":
+            raise StateError(f"{self.state_dir / DB_NAME}: cannot switch SQLite to WAL mode (got {mode})")
+        self.db.execute(f"PRAGMA synchronous={self._sync.upper()}")
+        self._recovering = False
+
     def _checkpoint(self) -> bool:
         """Copy the log into state.db and truncate it; False if a reader kept it from completing."""
         busy, _, _ = self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()            # type: ignore[union-attr]
@@ -448,10 +527,14 @@ class SqliteStore(JournalStore):
     def _write_manifest(self, **fields: Any) -> None:
         with self._manifest_lock:
             fields.setdefault("snapshot_seq", self.snapshot_seq)
+            fields.setdefault("lineage", lineage_hex(self.lineage))
+            fields.setdefault("acked_mark", True)
             write_manifest(self.state_dir, **fields)
             self.manifest = read_manifest(self.state_dir)
 
     def _release(self) -> None:
+        if self.mark is not None:
+            self.mark.close()
         if self.db is not None:
             with contextlib.suppress(sqlite3.Error):
                 self.db.close()
