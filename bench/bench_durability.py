@@ -10,7 +10,10 @@ default maximum size (Limits.max_pool_slots slots), idle and nearly full: snapsh
 (journal lock held to capture it), the encode + write time (outside the lock), the largest latency of
 another pool's Steps while snapshots run, and the time a restart takes to recover it.
 Every journaled Step carries a request_id, as the clients send it. Timings are measured, never asserted.
-Usage: python bench/bench_durability.py [--out FILE] [--quick]
+--mark-only measures only what the acknowledged high-water mark (state dir ACKED, docs/DURABILITY.md)
+costs a decode Step at sync=full, B=1 and B=256, in-process and over gRPC, with and without it in one
+interleaved run, and rewrites that section of the report.
+Usage: python bench/bench_durability.py [--out FILE] [--quick] [--mark-only]
 """
 
 from __future__ import annotations
@@ -141,6 +144,72 @@ def grpc_step_times(port: int, b: int, n: int) -> np.ndarray:
         channel.close()
 
 
+def mark_times(where: str, b: int, with_mark: bool, n: int) -> np.ndarray:
+    """Seconds per decode Step at sync=full with or without the high-water mark write (in-process or gRPC)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        j = Journal.open(Path(tmp) / "s", config=JournalConfig(sync="full"))
+        mark = j.store.mark
+        if not with_mark:
+            j.store.mark = None                     # what every commit cost before the mark
+        try:
+            if where == "in-process":
+                j.execute("CreatePool", _pool_request(b), j.api.CreatePool)
+                j.execute("Step", _admit(b), j.api.Step)
+                return _times(lambda r: j.execute("Step", r, j.api.Step), _decode(b), n)
+            running = serve(journal=j)
+            try:
+                return grpc_step_times(running.port, b, n)
+            finally:
+                j.store.mark = mark
+                running.stop(0)
+        finally:
+            if where == "in-process":
+                j.store.mark = mark
+                j.close(snapshot=False)
+
+
+MARK_BATCHES = (1, 256)
+MARK_BEGIN, MARK_END = "<!-- ackmark: begin -->", "<!-- ackmark: end -->"
+
+
+def mark_section(n: int, rounds: int) -> list[str]:
+    """The report section on the high-water mark's cost (rows interleaved: machine drift hits both alike)."""
+    rows = []
+    for where in ("in-process", "gRPC"):
+        for b in MARK_BATCHES:
+            samples: dict[bool, list[np.ndarray]] = {True: [], False: []}
+            for _ in range(rounds):
+                for with_mark in (False, True):
+                    samples[with_mark].append(mark_times(where, b, with_mark, n // rounds) * 1e3)
+            p = {k: (np.percentile(np.concatenate(v), 50), np.percentile(np.concatenate(v), 99))
+                 for k, v in samples.items()}
+            rows.append((where, b, p[False], p[True]))
+            print(f"mark {where:<10} B={b:<4} without p50 {p[False][0]:.3f} ms  with p50 {p[True][0]:.3f} ms",
+                  flush=True)
+    lines = [MARK_BEGIN, "## The acknowledged high-water mark", "",
+             f"`python bench/bench_durability.py --mark-only` ({datetime.date.today()}, {platform.node()}, "
+             f"{os.cpu_count()} CPUs; state dir on {tempfile.gettempdir()}): a decode Step at sync=full without and "
+             "with the write of `ACKED` after each commit (a 40-byte pwrite and an fdatasync; docs/DURABILITY.md), "
+             f"{n} steps per row ({rounds} rounds, the two interleaved).", "",
+             "| path | B | p50 without | p50 with | p50 cost | p99 without | p99 with |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for where, b, off, on in rows:
+        lines.append(f"| {where} | {b} | {off[0]:.3f} ms | {on[0]:.3f} ms | {(on[0] - off[0]) * 1e3:+.0f} µs "
+                     f"({on[0] / off[0]:.2f}x) | {off[1]:.3f} ms | {on[1]:.3f} ms |")
+    return [*lines, MARK_END]
+
+
+def write_mark_section(out: Path, section: list[str]) -> None:
+    text = out.read_text() if out.exists() else ""
+    block = "\n".join(section)
+    if MARK_BEGIN in text and MARK_END in text:
+        head, rest = text.split(MARK_BEGIN, 1)
+        text = head + block + rest.split(MARK_END, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    out.write_text(text)
+
+
 def snapshot_and_recovery(b: int, entries: int) -> tuple[float, int, float]:
     """(seconds for one snapshot, its bytes, seconds to recover `entries` journaled decode steps)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -248,8 +317,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "bench/results/durability.md"))
     ap.add_argument("--quick", action="store_true", help="fewer steps (a smoke run)")
+    ap.add_argument("--mark-only", action="store_true", help="only the high-water mark's cost (its section)")
     args = ap.parse_args(argv)
     n, rounds = (200, 2) if args.quick else (1200, 4)
+    if args.mark_only:
+        write_mark_section(Path(args.out), mark_section(2 * n, 2 * rounds))
+        print(f"wrote {args.out}")
+        return 0
     rows = []
     for where, fn, kinds in (("in-process", in_process, ("none", "memory", "normal", "full")),
                              ("gRPC", over_grpc, ("none", "memory", "normal", "full"))):
@@ -307,7 +381,10 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {state} | {size:,} | {pause:.1f} ms | {write:.0f} ms | {p50:.2f} ms | {calm:.1f} ms | "
                      f"{worst:.1f} ms | {f'{rec:.2f} s' if rec else '-'} |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text("\n".join(lines) + "\n")
+    old = Path(args.out).read_text() if Path(args.out).exists() else ""
+    tail = old[old.index("<!-- bench_limits: begin -->"):] if "<!-- bench_limits: begin -->" in old else ""
+    Path(args.out).write_text("\n".join(lines) + "\n\n" + "\n".join(mark_section(2 * n, 2 * rounds)) + "\n"
+                              + ("\n" + tail if tail else ""))
     print(f"wrote {args.out}")
     return 0
 
