@@ -189,7 +189,8 @@ def mark_section(n: int, rounds: int) -> list[str]:
     lines = [MARK_BEGIN, "## The acknowledged high-water mark", "",
              f"`python bench/bench_durability.py --mark-only` ({datetime.date.today()}, {platform.node()}, "
              f"{os.cpu_count()} CPUs; state dir on {tempfile.gettempdir()}): a decode Step at sync=full without and "
-             "with the write of `ACKED` after each commit (a 40-byte pwrite and an fdatasync; docs/DURABILITY.md), "
+             "with the high-water mark `ACKED` advanced after each commit (a 40-byte pwrite and an fdatasync on its "
+             "writer thread, overlapping the next commit; kvservice/state/ackmark.py, docs/DURABILITY.md), "
              f"{n} steps per row ({rounds} rounds, the two interleaved).", "",
              "| path | B | p50 without | p50 with | p50 cost | p99 without | p99 with |",
              "|---|---:|---:|---:|---:|---:|---:|"]

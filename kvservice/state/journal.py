@@ -363,7 +363,10 @@ class Journal:
             journal._check_mark()
             store.check_position(journal.seq)
             if not store.readonly:
+                lineage = store.lineage
                 journal.incarnation = store.begin(journal.seq)
+                if store.lineage != lineage and journal.manager.pool_names():
+                    journal._snapshot_now()             # the snapshot it recovered from names the old lineage
             journal._compact_at = journal.seq + journal.config.compact_every
             journal.recovery_seconds = time.perf_counter() - t0
             log.info("recovered %s: snapshot at %d, %d entries replayed in %.3f s, lineage %s, incarnation %d, "
@@ -382,10 +385,11 @@ class Journal:
     def _check_mark(self) -> None:
         """Recovery reached self.seq: refuse it if the store's high-water mark proves more was acknowledged.
 
-        The mark is read when the store is opened (before its entries), written after every commit
-        (_commit), so it never exceeds what was acknowledged: a recovered position below it means
-        acknowledged entries are missing. Under repair the finding is recorded (store.override) and the
-        store starts a new lineage. What the mark cannot prove: docs/DURABILITY.md.
+        The mark is read when the store is opened (before its entries) and advanced after every commit
+        (_commit), so it never exceeds what was made durable: a recovered position below it means that
+        durable entries, all of them acknowledged but perhaps the last, are missing. Under repair the
+        finding is recorded (store.override) and the store starts a new lineage. What the mark cannot
+        prove: docs/DURABILITY.md.
         """
         store, mark = self.store, self.store.mark
         if mark is None:
@@ -442,8 +446,9 @@ class Journal:
             if s.seq != snapshot_seq:
                 raise StateError(f"{name} holds position {s.seq} (damaged)")
             if s.lineage and self.store.lineage and s.lineage != self.store.lineage:
-                raise StateError(f"{name} belongs to lineage {lineage_hex(s.lineage)}, the state to "
-                                 f"{lineage_hex(self.store.lineage)}: a snapshot of another state (damaged)")
+                self.store.override(StateError(
+                    f"{name} belongs to lineage {lineage_hex(s.lineage)}, the state to "
+                    f"{lineage_hex(self.store.lineage)}: a snapshot of another state (damaged)"))
             if s.lineage and not self.store.lineage:
                 self.store.lineage = s.lineage          # a store that records none continues its snapshot's
             manager.restore(snap.build_pools(s.pools, name), s.workers)
@@ -618,7 +623,7 @@ class Journal:
             self.store.append(Entry.make(seq, method, data, now))
             mark = self.store.mark
             if mark is not None:                # after the entry is durable, before the reply leaves
-                mark.write(self.store.lineage, seq)
+                mark.advance(self.store.lineage, seq)
         except Exception as err:
             self._fail(f"journal write failed ({type(err).__name__}: {err})")
             raise JournalUnavailable(f"{method} was not made durable and is not acknowledged: "
@@ -751,6 +756,13 @@ class Journal:
         window = snap.WindowState(ids, [(rid, m, msg.SerializeToString()) for rid, m, msg in replies])
         store.write_snapshot(seq, snap.encode(seq, store.incarnation, time.time(), states, workers, window, METHODS,
                                               self.store.lineage))
+
+    def _snapshot_now(self) -> None:
+        """Write a snapshot at the present position even if one exists there (a new lineage starts with it)."""
+        with self._lock:
+            cap = self._capture_locked(force=True)
+        if cap is not None:
+            self._write_capture(cap)
 
     def wait_for_snapshot(self, timeout: float | None = None) -> bool:
         """Wait for a snapshot being written on the snapshot thread; False if still running after timeout."""

@@ -9,22 +9,22 @@ Every backend implements JournalStore and passes the shared suite tests/unit/tes
 A store's state belongs to one *lineage* (``new_lineage``): the id of one history of acknowledged
 changes, stamped beside the position into every reply. A store that can lose the tail of its entries
 while keeping the rest (SQLite: a write-ahead log cut short) also keeps an :class:`AckMark`, a file of
-its own holding the highest position acknowledged, so that recovery can prove the tail it found complete.
+its own holding the highest position acknowledged (kvservice/state/ackmark.py), so that recovery can prove
+the tail it found complete.
 """
 
 from __future__ import annotations
 
-import os
 import secrets
 import struct
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from kvservice.contract.errors import StateError
 from kvservice.state import snapshot as snap
+from kvservice.state.ackmark import AckMark
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +61,7 @@ def entry_digest(seq: int, method: str, request: bytes, created: float) -> bytes
     return snap.digest16(struct.pack("<qd", seq, created), method.encode(), b"\0", request)
 
 
-# ---- lineages and the acknowledged high-water mark -------------------------------------------------
+# ---- lineages ------------------------------------------------------------------------------------
 def new_lineage() -> int:
     """A fresh lineage id: a random nonzero 64-bit number (0 means "none" on the wire)."""
     while True:
@@ -73,94 +73,6 @@ def new_lineage() -> int:
 def lineage_hex(lineage: int) -> str:
     """How a lineage is written in files, headers and messages: 16 hex digits."""
     return f"{lineage:016x}"
-
-
-@dataclass(frozen=True, slots=True)
-class Acked:
-    """What an AckMark says: position `seq` of `lineage` was acknowledged (so every position up to it was)."""
-
-    lineage: int
-    seq: int
-
-
-class AckMark:
-    """The acknowledged high-water mark: a small file, apart from the journal's entries, holding the highest
-    position acknowledged so far and its lineage.
-
-    The journal writes it after each entry is durable and before the reply leaves (Journal._commit), so
-    at any instant it is at most the last acknowledged position; recovery refuses a state whose position
-    is below it (acknowledged entries are missing, whatever the entries themselves look like). It lives in
-    a file of its own so that what loses the entries' tail (a write-ahead log truncated, replaced by an
-    older copy, cut by a file system) does not take it along; what it cannot see is written in
-    docs/DURABILITY.md ("What the high-water mark proves").
-
-    Layout (1024 bytes): two records, at offsets 0 and 512 (different disk sectors); position parity
-    picks the one a write replaces, so a write torn by a crash leaves the other, one position older, intact.
-    Record (40 bytes): magic b"KVACKED1", lineage uint64 LE, seq uint64 LE, blake2b-128 of those 24 bytes.
-    sync: fdatasync each write (the state dir's sync=full: the mark is as durable as the commit before it);
-    without it the mark survives a crash of the process, as sync=normal commits do.
-    """
-
-    MAGIC = b"KVACKED1"
-    SIZE = 1024
-    _SLOT = 512
-    _RECORD = struct.Struct("<8sQQ")
-
-    def __init__(self, path: Path, sync: bool = True, writable: bool = True) -> None:
-        """Read the mark now (`found`: the newest valid record, None if there is none) and, if writable, open
-        the file for writing (created if missing). `damaged`: the file holds bytes but no valid record."""
-        self.path = path
-        self.sync = sync
-        self.found: Acked | None = None
-        self.damaged = False
-        self.required = False            # set by the store: the state says it keeps a mark, so one must be found
-        self.writes = 0
-        self._fd: int | None = None
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            data = b""
-        records = [r for r in (self._decode(data[i:i + 40]) for i in (0, self._SLOT)) if r is not None]
-        self.found = max(records, key=lambda r: r.seq, default=None)
-        self.damaged = self.found is None and any(data)
-        if writable:
-            self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-
-    @classmethod
-    def _decode(cls, raw: bytes) -> Acked | None:
-        if len(raw) < 40:
-            return None
-        magic, lineage, seq = cls._RECORD.unpack(raw[:24])
-        if magic != cls.MAGIC or snap.digest16(raw[:24]) != raw[24:40]:
-            return None
-        return Acked(lineage, seq)
-
-    def write(self, lineage: int, seq: int) -> None:
-        """Record that position seq of lineage is acknowledged (durable before it returns when sync)."""
-        if self._fd is None:
-            raise StateError(f"{self.path}: opened read-only")
-        head = self._RECORD.pack(self.MAGIC, lineage, seq)
-        os.pwrite(self._fd, head + snap.digest16(head), (seq & 1) * self._SLOT)
-        if self.sync:
-            os.fdatasync(self._fd)
-        self.writes += 1
-
-    def reset(self, lineage: int, seq: int) -> None:
-        """Both records at once (a new lineage, or a repair): the file then says exactly (lineage, seq)."""
-        if self._fd is None:
-            raise StateError(f"{self.path}: opened read-only")
-        blob = bytearray(self.SIZE)
-        for s in (seq - 1, seq):
-            head = self._RECORD.pack(self.MAGIC, lineage, max(s, 0))
-            blob[(s & 1) * self._SLOT:(s & 1) * self._SLOT + 40] = head + snap.digest16(head)
-        os.pwrite(self._fd, bytes(blob), 0)
-        os.fsync(self._fd)
-        self.found = Acked(lineage, seq)
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
 
 
 # ---- the store interface ---------------------------------------------------------------------------
@@ -269,4 +181,4 @@ class MemoryStore(JournalStore):
         pass
 
 
-__all__ = ["AckMark", "Acked", "Entry", "JournalStore", "MemoryStore", "entry_digest", "lineage_hex", "new_lineage"]
+__all__ = ["Entry", "JournalStore", "MemoryStore", "entry_digest", "lineage_hex", "new_lineage"]

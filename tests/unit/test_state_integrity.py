@@ -20,9 +20,9 @@ import pytest
 
 from kvservice.contract.errors import StateError
 from kvservice.server.cli import check_state
+from kvservice.state.ackmark import AckMark
 from kvservice.state.journal import Journal, JournalConfig, state_tree
 from kvservice.state.sqlite.wal import check_wal, db_header
-from kvservice.state.stores import AckMark
 
 from .test_journal import prefix_workload, run, setup_pools, step_req, workload
 

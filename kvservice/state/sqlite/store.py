@@ -52,8 +52,9 @@ from typing import Any
 
 from kvservice.contract.errors import StateError
 from kvservice.state import snapshot as snap
+from kvservice.state.ackmark import AckMark
 from kvservice.state.sqlite.wal import check_wal, db_header
-from kvservice.state.stores import AckMark, Entry, JournalStore, lineage_hex, new_lineage
+from kvservice.state.stores import Entry, JournalStore, lineage_hex, new_lineage
 
 log = logging.getLogger("kvservice.state.journal")
 
@@ -414,18 +415,27 @@ class SqliteStore(JournalStore):
                                      reason="STATE_ROLLBACK"))
         if self.torn_frames:
             # Runs after the journal checked ACKED (Journal._check_mark): the recovered position reaches it.
-            wal = f"{DB_NAME}-wal"
-            found = self.mark.found if self.mark is not None else None
-            if found is not None and found.seq <= seq and not self.overridden:
-                msg = (f"{wal}: the last {self.torn_frames} frames are an incomplete commit, cut short by a crash; "
-                       f"the recovered position {seq} reaches the acknowledged high-water mark ({ACKED}: {found.seq}), "
-                       "so that commit was never acknowledged; dropped")
-            else:
-                msg = (f"{wal}: the last {self.torn_frames} frames are an incomplete commit (a write cut short by a "
-                       "crash, or a log cut in the middle of a frame); dropped. No acknowledged high-water mark "
-                       "vouches for the recovered position, so whether it was acknowledged is not known")
-            log.warning("%s: %s", self.state_dir, msg)
-            self.notes.append(msg)
+            self.notes.append(self._torn_verdict(seq))
+            log.warning("%s: %s", self.state_dir, self.notes[-1])
+
+    def _torn_verdict(self, seq: int) -> str:
+        """What the incomplete commit at the end of the log was, as far as ACKED can tell (ackmark.py)."""
+        head = (f"{DB_NAME}-wal: the last {self.torn_frames} frames are an incomplete commit (a write cut short by a "
+                f"crash, or a log cut in the middle of a frame); dropped.")
+        mark = self.mark
+        found = mark.found if mark is not None else None
+        if found is None or self.overridden:
+            return f"{head} No acknowledged high-water mark vouches for position {seq}: whether it was acknowledged " \
+                   "is not known"
+        head += f" The recovered position {seq} reaches the acknowledged high-water mark ({ACKED}: {found.seq})"
+        if not mark.sync:          # written before each reply: exact unless the machine itself went down
+            return f"{head}, so it was never acknowledged, unless the machine itself crashed (with --sync normal " \
+                   "that can lose acknowledged commits)"
+        if found.seq < seq:        # the mark trails the last reply by at most one position
+            return f"{head} and passes it, so it was never acknowledged"
+        return f"{head}, so it was never acknowledged unless the machine stopped within one fdatasync of its " \
+               "reply (the mark trails the last reply by at most one position); a client that got such a reply " \
+               "refuses this state (STATE_ROLLED_BACK)"
 
     def override(self, err: StateError) -> None:
         if not self.repair:
@@ -534,7 +544,8 @@ class SqliteStore(JournalStore):
 
     def _release(self) -> None:
         if self.mark is not None:
-            self.mark.close()
+            with contextlib.suppress(StateError, OSError):     # a mark that could not be written failed the journal
+                self.mark.close()
         if self.db is not None:
             with contextlib.suppress(sqlite3.Error):
                 self.db.close()
