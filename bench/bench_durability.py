@@ -144,59 +144,77 @@ def grpc_step_times(port: int, b: int, n: int) -> np.ndarray:
         channel.close()
 
 
-def mark_times(where: str, b: int, with_mark: bool, n: int) -> np.ndarray:
-    """Seconds per decode Step at sync=full with or without the high-water mark write (in-process or gRPC)."""
+def mark_times(where: str, b: int, n: int) -> dict[bool, np.ndarray]:
+    """Seconds per decode Step at sync=full without (False) and with (True) the high-water mark, in-process or
+    over gRPC: two state dirs side by side, their Steps alternating one by one (both see the same machine)."""
     with tempfile.TemporaryDirectory() as tmp:
-        j = Journal.open(Path(tmp) / "s", config=JournalConfig(sync="full"))
-        mark = j.store.mark
-        if not with_mark:
-            j.store.mark = None                     # what every commit cost before the mark
+        journals = {flag: Journal.open(Path(tmp) / str(flag), config=JournalConfig(sync="full"))
+                    for flag in (False, True)}
+        mark = journals[False].store.mark
+        journals[False].store.mark = None           # what every commit cost before the mark
+        stops, steps = [], {}
         try:
-            if where == "in-process":
-                j.execute("CreatePool", _pool_request(b), j.api.CreatePool)
-                j.execute("Step", _admit(b), j.api.Step)
-                return _times(lambda r: j.execute("Step", r, j.api.Step), _decode(b), n)
-            running = serve(journal=j)
-            try:
-                return grpc_step_times(running.port, b, n)
-            finally:
-                j.store.mark = mark
-                running.stop(0)
+            for flag, j in journals.items():
+                if where == "in-process":
+                    j.execute("CreatePool", _pool_request(b), j.api.CreatePool)
+                    j.execute("Step", _admit(b), j.api.Step)
+                    steps[flag] = lambda r, j=j: j.execute("Step", r, j.api.Step)
+                else:
+                    running = serve(journal=j)
+                    stops.append(running.stop)
+                    channel = grpc.insecure_channel(f"127.0.0.1:{running.port}")
+                    stops.append(lambda _grace, channel=channel: channel.close())
+                    stub = pb_grpc.BlockManagerStub(channel)
+                    stub.CreatePool(_pool_request(b), timeout=30)
+                    stub.Step(_admit(b), timeout=30)
+                    steps[flag] = lambda r, stub=stub: stub.Step(r, timeout=30)
+            make = _decode(b)
+            out = {flag: np.empty(n) for flag in steps}
+            for i in range(-50, n):                  # 50 warm-up rounds
+                for flag in ((False, True) if i % 2 else (True, False)):
+                    req = make()
+                    t0 = time.perf_counter()
+                    steps[flag](req)
+                    if i >= 0:
+                        out[flag][i] = time.perf_counter() - t0
+            return out
         finally:
+            journals[False].store.mark = mark
+            for stop in reversed(stops):
+                stop(0)
             if where == "in-process":
-                j.store.mark = mark
-                j.close(snapshot=False)
+                for j in journals.values():
+                    j.close(snapshot=False)
 
 
 MARK_BATCHES = (1, 256)
 MARK_BEGIN, MARK_END = "<!-- ackmark: begin -->", "<!-- ackmark: end -->"
 
 
-def mark_section(n: int, rounds: int) -> list[str]:
-    """The report section on the high-water mark's cost (rows interleaved: machine drift hits both alike)."""
+def mark_section(n: int) -> list[str]:
+    """The report section on the high-water mark's cost."""
     rows = []
     for where in ("in-process", "gRPC"):
         for b in MARK_BATCHES:
-            samples: dict[bool, list[np.ndarray]] = {True: [], False: []}
-            for _ in range(rounds):
-                for with_mark in (False, True):
-                    samples[with_mark].append(mark_times(where, b, with_mark, n // rounds) * 1e3)
-            p = {k: (np.percentile(np.concatenate(v), 50), np.percentile(np.concatenate(v), 99))
-                 for k, v in samples.items()}
-            rows.append((where, b, p[False], p[True]))
-            print(f"mark {where:<10} B={b:<4} without p50 {p[False][0]:.3f} ms  with p50 {p[True][0]:.3f} ms",
-                  flush=True)
+            t = {k: v * 1e3 for k, v in mark_times(where, b, n).items()}
+            p = {k: (np.percentile(v, 50), np.percentile(v, 99)) for k, v in t.items()}
+            paired = np.median(t[True] - t[False])
+            rows.append((where, b, p[False], p[True], paired))
+            print(f"mark {where:<10} B={b:<4} without p50 {p[False][0]:.3f} ms  with p50 {p[True][0]:.3f} ms  "
+                  f"paired median {paired * 1e3:+.0f} us", flush=True)
     lines = [MARK_BEGIN, "## The acknowledged high-water mark", "",
              f"`python bench/bench_durability.py --mark-only` ({datetime.date.today()}, {platform.node()}, "
-             f"{os.cpu_count()} CPUs; state dir on {tempfile.gettempdir()}): a decode Step at sync=full without and "
-             "with the high-water mark `ACKED` advanced after each commit (a 40-byte pwrite and an fdatasync on its "
-             "writer thread, overlapping the next commit; kvservice/state/ackmark.py, docs/DURABILITY.md), "
-             f"{n} steps per row ({rounds} rounds, the two interleaved).", "",
-             "| path | B | p50 without | p50 with | p50 cost | p99 without | p99 with |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
-    for where, b, off, on in rows:
+             f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.0f} at the end; state dirs on "
+             f"{tempfile.gettempdir()}): a decode Step at sync=full without and with the high-water mark `ACKED` "
+             "advanced after each commit (a 40-byte pwrite and an fdatasync on its writer thread, overlapping the "
+             "next commit; kvservice/state/ackmark.py, docs/DURABILITY.md). Two state dirs side by side, their "
+             f"Steps alternating one by one, {n} of each per row after 50 warm-up rounds; \"paired\" is the median "
+             "of the per-round differences (with minus without).", "",
+             "| path | B | p50 without | p50 with | p50 cost | paired median | p99 without | p99 with |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for where, b, off, on, paired in rows:
         lines.append(f"| {where} | {b} | {off[0]:.3f} ms | {on[0]:.3f} ms | {(on[0] - off[0]) * 1e3:+.0f} µs "
-                     f"({on[0] / off[0]:.2f}x) | {off[1]:.3f} ms | {on[1]:.3f} ms |")
+                     f"({on[0] / off[0]:.2f}x) | {paired * 1e3:+.0f} µs | {off[1]:.3f} ms | {on[1]:.3f} ms |")
     return [*lines, MARK_END]
 
 
@@ -322,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     n, rounds = (200, 2) if args.quick else (1200, 4)
     if args.mark_only:
-        write_mark_section(Path(args.out), mark_section(2 * n, 2 * rounds))
+        write_mark_section(Path(args.out), mark_section(n))
         print(f"wrote {args.out}")
         return 0
     rows = []
@@ -384,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     old = Path(args.out).read_text() if Path(args.out).exists() else ""
     tail = old[old.index("<!-- bench_limits: begin -->"):] if "<!-- bench_limits: begin -->" in old else ""
-    Path(args.out).write_text("\n".join(lines) + "\n\n" + "\n".join(mark_section(2 * n, 2 * rounds)) + "\n"
+    Path(args.out).write_text("\n".join(lines) + "\n\n" + "\n".join(mark_section(n)) + "\n"
                               + ("\n" + tail if tail else ""))
     print(f"wrote {args.out}")
     return 0
