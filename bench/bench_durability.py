@@ -11,8 +11,9 @@ default maximum size (Limits.max_pool_slots slots), idle and nearly full: snapsh
 another pool's Steps while snapshots run, and the time a restart takes to recover it.
 Every journaled Step carries a request_id, as the clients send it. Timings are measured, never asserted.
 --mark-only measures only what the acknowledged high-water mark (state dir ACKED, docs/DURABILITY.md)
-costs a decode Step at sync=full, B=1 and B=256, in-process and over gRPC, with and without it in one
-interleaved run, and rewrites that section of the report.
+costs a decode Step at sync=full, B=1 and B=256, in-process and over gRPC: without it, with it, and with
+the sequential design not taken, three state dirs stepping alternately in one run; it rewrites that
+section of the report.
 Usage: python bench/bench_durability.py [--out FILE] [--quick] [--mark-only]
 """
 
@@ -46,6 +47,7 @@ from kvservice.manager.pools import BlockManager  # noqa: E402
 from kvservice.server.app import serve  # noqa: E402
 from kvservice.server.metrics import ManagerMetrics  # noqa: E402
 from kvservice.server.servicer import BlockManagerServicer, Limits  # noqa: E402
+from kvservice.state.ackmark import AckMark  # noqa: E402
 from kvservice.state.journal import Journal, JournalConfig, create_request  # noqa: E402
 from kvservice.v1 import block_manager_pb2 as pb  # noqa: E402
 from kvservice.v1 import block_manager_pb2_grpc as pb_grpc  # noqa: E402
@@ -144,21 +146,33 @@ def grpc_step_times(port: int, b: int, n: int) -> np.ndarray:
         channel.close()
 
 
-def mark_times(where: str, b: int, n: int) -> dict[bool, np.ndarray]:
-    """Seconds per decode Step at sync=full without (False) and with (True) the high-water mark, in-process or
-    over gRPC: two state dirs side by side, their Steps alternating one by one (both see the same machine)."""
+class _SequentialMark(AckMark):
+    """The design not taken: the mark's pwrite and fdatasync on the reply's path (exact, one more fsync per Step)."""
+
+    def advance(self, lineage: int, seq: int) -> None:
+        os.pwrite(self._fd, self.record(lineage, seq), (seq & 1) * self.SLOT)   # type: ignore[arg-type]
+        os.fdatasync(self._fd)                                                   # type: ignore[arg-type]
+
+
+MARK_KINDS = ("without", "with", "sequential")
+
+
+def mark_times(where: str, b: int, n: int) -> dict[str, np.ndarray]:
+    """Seconds per decode Step at sync=full without the high-water mark, with it, and with a sequential one, in-process
+    or over gRPC: three state dirs side by side, their Steps alternating one by one (all see the same machine)."""
     with tempfile.TemporaryDirectory() as tmp:
-        journals = {flag: Journal.open(Path(tmp) / str(flag), config=JournalConfig(sync="full"))
-                    for flag in (False, True)}
-        mark = journals[False].store.mark
-        journals[False].store.mark = None           # what every commit cost before the mark
+        journals = {k: Journal.open(Path(tmp) / k, config=JournalConfig(sync="full")) for k in MARK_KINDS}
+        kept = {k: j.store.mark for k, j in journals.items()}
+        journals["without"].store.mark = None       # what every commit cost before the mark
+        seq_mark = _SequentialMark(kept["sequential"].path)      # type: ignore[union-attr]
+        journals["sequential"].store.mark = seq_mark
         stops, steps = [], {}
         try:
-            for flag, j in journals.items():
+            for k, j in journals.items():
                 if where == "in-process":
                     j.execute("CreatePool", _pool_request(b), j.api.CreatePool)
                     j.execute("Step", _admit(b), j.api.Step)
-                    steps[flag] = lambda r, j=j: j.execute("Step", r, j.api.Step)
+                    steps[k] = lambda r, j=j: j.execute("Step", r, j.api.Step)
                 else:
                     running = serve(journal=j)
                     stops.append(running.stop)
@@ -167,19 +181,21 @@ def mark_times(where: str, b: int, n: int) -> dict[bool, np.ndarray]:
                     stub = pb_grpc.BlockManagerStub(channel)
                     stub.CreatePool(_pool_request(b), timeout=30)
                     stub.Step(_admit(b), timeout=30)
-                    steps[flag] = lambda r, stub=stub: stub.Step(r, timeout=30)
+                    steps[k] = lambda r, stub=stub: stub.Step(r, timeout=30)
             make = _decode(b)
-            out = {flag: np.empty(n) for flag in steps}
+            out = {k: np.empty(n) for k in steps}
             for i in range(-50, n):                  # 50 warm-up rounds
-                for flag in ((False, True) if i % 2 else (True, False)):
+                for k in (MARK_KINDS if i % 2 else MARK_KINDS[::-1]):
                     req = make()
                     t0 = time.perf_counter()
-                    steps[flag](req)
+                    steps[k](req)
                     if i >= 0:
-                        out[flag][i] = time.perf_counter() - t0
+                        out[k][i] = time.perf_counter() - t0
             return out
         finally:
-            journals[False].store.mark = mark
+            for k, j in journals.items():
+                j.store.mark = kept[k]
+            seq_mark.close()
             for stop in reversed(stops):
                 stop(0)
             if where == "in-process":
@@ -197,24 +213,28 @@ def mark_section(n: int) -> list[str]:
     for where in ("in-process", "gRPC"):
         for b in MARK_BATCHES:
             t = {k: v * 1e3 for k, v in mark_times(where, b, n).items()}
-            p = {k: (np.percentile(v, 50), np.percentile(v, 99)) for k, v in t.items()}
-            paired = np.median(t[True] - t[False])
-            rows.append((where, b, p[False], p[True], paired))
-            print(f"mark {where:<10} B={b:<4} without p50 {p[False][0]:.3f} ms  with p50 {p[True][0]:.3f} ms  "
-                  f"paired median {paired * 1e3:+.0f} us", flush=True)
+            p50 = {k: np.percentile(v, 50) for k, v in t.items()}
+            p99 = {k: np.percentile(v, 99) for k, v in t.items()}
+            paired = {k: np.median(t[k] - t["without"]) for k in ("with", "sequential")}
+            rows.append((where, b, p50, p99, paired, os.getloadavg()[0]))
+            print(f"mark {where:<10} B={b:<4} p50 without {p50['without']:.3f} ms, with {p50['with']:.3f} ms (paired "
+                  f"{paired['with'] * 1e3:+.0f} us), sequential {p50['sequential']:.3f} ms (paired "
+                  f"{paired['sequential'] * 1e3:+.0f} us)", flush=True)
     lines = [MARK_BEGIN, "## The acknowledged high-water mark", "",
              f"`python bench/bench_durability.py --mark-only` ({datetime.date.today()}, {platform.node()}, "
-             f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.0f} at the end; state dirs on "
-             f"{tempfile.gettempdir()}): a decode Step at sync=full without and with the high-water mark `ACKED` "
-             "advanced after each commit (a 40-byte pwrite and an fdatasync on its writer thread, overlapping the "
-             "next commit; kvservice/state/ackmark.py, docs/DURABILITY.md). Two state dirs side by side, their "
-             f"Steps alternating one by one, {n} of each per row after 50 warm-up rounds; \"paired\" is the median "
-             "of the per-round differences (with minus without).", "",
-             "| path | B | p50 without | p50 with | p50 cost | paired median | p99 without | p99 with |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for where, b, off, on, paired in rows:
-        lines.append(f"| {where} | {b} | {off[0]:.3f} ms | {on[0]:.3f} ms | {(on[0] - off[0]) * 1e3:+.0f} µs "
-                     f"({on[0] / off[0]:.2f}x) | {paired * 1e3:+.0f} µs | {off[1]:.3f} ms | {on[1]:.3f} ms |")
+             f"{os.cpu_count()} CPUs; state dirs on {tempfile.gettempdir()}): a decode Step at sync=full without "
+             "the high-water mark `ACKED`, with it (a 40-byte pwrite and an fdatasync on its writer thread, "
+             "overlapping the next commit; kvservice/state/ackmark.py, docs/DURABILITY.md), and with the design "
+             "not taken (the same write and fdatasync on the reply's path). Three state dirs side by side, their "
+             f"Steps alternating one by one, {n} of each per row after 50 warm-up rounds; \"paired\" is the "
+             "median of the per-round differences from the row's Step without the mark.", "",
+             "| path | B | p50 without | p50 with | paired cost | p50 sequential | paired cost | p99 without / with / "
+             "sequential | load average |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for where, b, p50, p99, paired, load in rows:
+        lines.append(f"| {where} | {b} | {p50['without']:.3f} ms | {p50['with']:.3f} ms | "
+                     f"{paired['with'] * 1e3:+.0f} µs | {p50['sequential']:.3f} ms | "
+                     f"{paired['sequential'] * 1e3:+.0f} µs | {p99['without']:.2f} / {p99['with']:.2f} / "
+                     f"{p99['sequential']:.2f} ms | {load:.0f} |")
     return [*lines, MARK_END]
 
 
