@@ -4,7 +4,7 @@ A store whose entries can lose their tail while the rest survives (SQLite: a wri
 short, replaced by an older copy, truncated by a file system) cannot tell from the entries alone
 whether what it holds is everything that was acknowledged. :class:`AckMark` is a small file of its
 own: the journal advances it after every entry is durable (Journal._commit), and recovery refuses a
-state whose position is below it (Journal._check_mark). The file is written in place, never
+state whose position is below it (check_recovery, below). The file is written in place, never
 truncated, and nothing that writes the log touches it.
 
 When it is durable (``sync``, the state dir's sync=full), the write of position N (a pwrite and an
@@ -33,6 +33,7 @@ import struct
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvservice.contract.errors import StateError
 from kvservice.state.snapshot import digest16
@@ -189,4 +190,59 @@ class AckMark:
                 self._cv.notify_all()
 
 
-__all__ = ["AckMark", "Acked"]
+# ---- what recovery concludes from it (backend-neutral: any store with a mark) ------------------------------
+REPAIR = "run `kvservice check-state DIR --repair` to accept"
+
+
+def check_recovery(store: Any, seq: int, snapshot_seq: int) -> None:
+    """Recovery of `store` (a stores.JournalStore) reached position seq: refuse it (StateError through
+    store.override, which records it instead under repair: the state then starts a new lineage) if its
+    mark is missing when required, damaged, of another lineage, or above seq (acknowledged entries lost)."""
+    mark: AckMark | None = store.mark
+    if mark is None:
+        return
+    found = mark.found
+    where = f"{store.location}: the acknowledged high-water mark ({mark.path.name})"
+    if found is None:
+        if mark.damaged or mark.required:
+            store.override(StateError(
+                f"{where} is {'damaged' if mark.damaged else 'missing'}, so whether the journal's tail is complete "
+                f"cannot be proved. {store.remedy}, or {REPAIR} the state as it is (it then starts a new lineage)",
+                reason="STATE_DAMAGED"))
+    elif store.lineage and found.lineage != store.lineage:
+        store.override(StateError(
+            f"{where} belongs to lineage {found.lineage:016x} but the state to {store.lineage:016x}: parts of two "
+            f"state dirs were put together. {store.remedy}", reason="STATE_DAMAGED"))
+    elif seq < found.seq:
+        lost = f"change {found.seq} is" if found.seq == seq + 1 else f"changes {seq + 1}..{found.seq} are"
+        store.override(StateError(
+            f"{where} says position {found.seq} was acknowledged, but the journal holds only {seq} (snapshot at "
+            f"{snapshot_seq}, then {seq - snapshot_seq} entries): acknowledged {lost} lost (the tail of the journal "
+            "was cut: a write-ahead log truncated or replaced by an older copy, or storage that lost writes it had "
+            f"confirmed). Serving this state would roll its clients back. {store.remedy}, or {REPAIR} the loss "
+            "(the state then starts a new lineage)", reason="STATE_ROLLBACK", acknowledged=found.seq, recovered=seq))
+
+
+def torn_tail_note(log_name: str, frames: int, seq: int, mark: AckMark | None, vouched: bool) -> str:
+    """What an incomplete commit at the end of a log (`frames` frames, dropped) was, as far as the mark can tell.
+
+    Called once check_recovery passed (the recovered position seq reaches the mark); vouched: no check was
+    overridden (a repaired state's mark vouches for nothing)."""
+    head = (f"{log_name}: the last {frames} frames are an incomplete commit (a write cut short by a crash, or a log "
+            "cut in the middle of a frame); dropped.")
+    found = mark.found if mark is not None else None
+    if found is None or not vouched:
+        return f"{head} No acknowledged high-water mark vouches for position {seq}: whether it was acknowledged is " \
+               "not known"
+    head += f" The recovered position {seq} reaches the acknowledged high-water mark ({found.seq})"
+    if not mark.sync:          # written before each reply: exact unless the machine itself went down
+        return f"{head}, so it was never acknowledged, unless the machine itself crashed (with --sync normal that " \
+               "can lose acknowledged commits)"
+    if found.seq < seq:        # the mark trails the last reply by at most one position
+        return f"{head} and passes it, so it was never acknowledged"
+    return f"{head}, so it was never acknowledged unless the machine stopped within one fdatasync of its reply (the " \
+           "mark trails the last reply by at most one position); a client that got such a reply refuses this " \
+           "state (STATE_ROLLED_BACK)"
+
+
+__all__ = ["AckMark", "Acked", "check_recovery", "torn_tail_note"]

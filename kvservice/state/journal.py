@@ -18,14 +18,13 @@ Stores (kvservice/state/stores.py: the interface a backend implements): ``Memory
 in-process, lost with the process) and ``store_sqlite.SqliteStore`` (``--state-dir``). Recovery is the same for
 both: decode and check the newest snapshot (kvservice/state/snapshot.py), replay every later entry after
 verifying its checksum and that none is missing, then check every pool's invariants, the acknowledged
-high-water mark (stores.AckMark: entries missing past the recovered position are refused, not served) and
-the store's own witness of the last acknowledged position. Snapshots are captured under the lock (copies of the
-arrays: the pause) and encoded and written outside it. See docs/DURABILITY.md.
+high-water mark (kvservice/state/ackmark.py) and the store's witness of the last acknowledged position.
+Snapshots are captured under the lock (copies of the arrays: the pause) and encoded and written outside it.
+See docs/DURABILITY.md.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
@@ -46,8 +45,10 @@ from kvservice.core.planner import Sizing
 from kvservice.core.pool import PoolState
 from kvservice.manager.api import STEP_ARRAYS, ManagerAPI
 from kvservice.manager.pools import BlockManager
+from kvservice.state import ackmark
 from kvservice.state import snapshot as snap
-from kvservice.state.stores import Entry, JournalStore, MemoryStore, entry_digest, lineage_hex
+from kvservice.state.fingerprints import PrefixDigests, digest
+from kvservice.state.stores import Entry, JournalStore, MemoryStore, continued_lineage, entry_digest, lineage_hex
 from kvservice.v1 import block_manager_pb2 as pb
 
 log = logging.getLogger("kvservice.state.journal")
@@ -92,58 +93,6 @@ class JournalConfig:
             raise InvalidArgument("compact_every and id_window must be >= 1")
 
 
-def digest(data: bytes) -> bytes:
-    """16-byte fingerprint of a serialized request (a reused request_id must carry the same request)."""
-    return snap.digest16(data)
-
-
-class PrefixDigests:
-    """digest() of requests that repeat a long prefix, hashing only what follows it.
-
-    A steady decode loop sends the same arrays every step; what changes (request_id, stream_seq,
-    delta fields) is serialized after them. Per key (the pool), the hash state after the last long
-    request's prefix is kept; a request starting with those same bytes hashes only its tail. The
-    value is digest(data) exactly: blake2b is computed over the bytes in order, wherever it pauses.
-    Not thread-safe (the journal calls it under its lock). Bounded whatever the requests (the key is
-    an unchecked pool name): at most max_keys prefixes of at most MAX_PREFIX bytes each, max_bytes in
-    all; a longer request is hashed whole, and a full table is emptied before a new prefix goes in.
-    """
-
-    MIN_PREFIX = 1024          # shorter requests are hashed whole (cheap anyway)
-    MAX_PREFIX = 1 << 20       # longer ones too: a steady decode request at B=1024 is ~20 KB
-    TAIL = 256                 # bytes left out of a new prefix: where request_id and stream_seq sit
-
-    def __init__(self, max_keys: int = 256, max_bytes: int = 16 << 20) -> None:
-        self.max_keys = max_keys
-        self.max_bytes = max_bytes
-        self._kept: dict[str, tuple[bytes, Any]] = {}     # key -> (prefix bytes, hash state after them)
-        self.kept_bytes = 0
-        self.hits = 0
-
-    def __call__(self, key: str, data: bytes) -> bytes:
-        kept = self._kept.get(key)
-        if kept is not None and len(data) > len(kept[0]) and data.startswith(kept[0]):
-            h = kept[1].copy()
-            h.update(memoryview(data)[len(kept[0]):])
-            self.hits += 1
-            return h.digest()
-        cut = len(data) - self.TAIL
-        if not self.MIN_PREFIX <= cut <= self.MAX_PREFIX:
-            return digest(data)
-        h = hashlib.blake2b(digest_size=16)
-        h.update(memoryview(data)[:cut])
-        old = self._kept.pop(key, None)
-        if old is not None:
-            self.kept_bytes -= len(old[0])
-        if len(self._kept) >= self.max_keys or self.kept_bytes + cut > self.max_bytes:
-            self._kept.clear()
-            self.kept_bytes = 0
-        self._kept[key] = (data[:cut], h.copy())
-        self.kept_bytes += cut
-        h.update(memoryview(data)[cut:])
-        return h.digest()
-
-
 # ---- idempotency ---------------------------------------------------------------------------------------
 class IdempotencyWindow:
     """request_id -> (method, digest, journal seq, wall time) for the last N ids / T seconds, and recent replies.
@@ -164,9 +113,7 @@ class IdempotencyWindow:
         known = self.ids.get(rid)
         if known is None:
             return None
-        k_method, k_digest, _, _ = known
-        # Neither error names the journal position of the earlier request: whoever sends an id learns
-        # nothing about the request that used it first (it may be another tenant's).
+        k_method, k_digest, _, _ = known    # no error names the earlier request's position: it may be another tenant's
         if k_method != method or k_digest != fingerprint:
             raise InvalidArgument(f"request_id {rid!r} was already used by a different {k_method} request; use a "
                                   "fresh id per request", reason="REQUEST_ID_REUSED", request_id=rid)
@@ -360,13 +307,13 @@ class Journal:
             if problems:
                 raise StateError(f"{store.location}: recovered state breaks invariants: {'; '.join(problems[:4])}",
                                  reason="STATE_INVARIANTS", problems=problems)
-            journal._check_mark()
+            ackmark.check_recovery(store, journal.seq, journal.snapshot_seq)
             store.check_position(journal.seq)
             if not store.readonly:
                 lineage = store.lineage
                 journal.incarnation = store.begin(journal.seq)
                 if store.lineage != lineage and journal.manager.pool_names():
-                    journal._snapshot_now()             # the snapshot it recovered from names the old lineage
+                    journal.snapshot(force=True)        # the snapshot it recovered from names the old lineage
             journal._compact_at = journal.seq + journal.config.compact_every
             journal.recovery_seconds = time.perf_counter() - t0
             log.info("recovered %s: snapshot at %d, %d entries replayed in %.3f s, lineage %s, incarnation %d, "
@@ -381,43 +328,6 @@ class Journal:
     def lineage(self) -> int:
         """The state's lineage (its store's), stamped into every reply beside the position."""
         return self.store.lineage
-
-    def _check_mark(self) -> None:
-        """Recovery reached self.seq: refuse it if the store's high-water mark proves more was acknowledged.
-
-        The mark is read when the store is opened (before its entries) and advanced after every commit
-        (_commit), so it never exceeds what was made durable: a recovered position below it means that
-        durable entries, all of them acknowledged but perhaps the last, are missing. Under repair the
-        finding is recorded (store.override) and the store starts a new lineage. What the mark cannot
-        prove: docs/DURABILITY.md.
-        """
-        store, mark = self.store, self.store.mark
-        if mark is None:
-            return
-        found = mark.found
-        where = f"{store.location}: the acknowledged high-water mark ({mark.path.name})"
-        if found is None:
-            if mark.damaged or mark.required:
-                store.override(StateError(
-                    f"{where} is {'damaged' if mark.damaged else 'missing'}, so whether the journal's tail is "
-                    f"complete cannot be proved. {store.remedy}, or run `kvservice check-state DIR --repair` to "
-                    "accept the state as it is (it then starts a new lineage)", reason="STATE_DAMAGED"))
-            return
-        if store.lineage and found.lineage != store.lineage:
-            store.override(StateError(
-                f"{where} belongs to lineage {lineage_hex(found.lineage)} but the state to "
-                f"{lineage_hex(store.lineage)}: parts of two state dirs were put together. {store.remedy}",
-                reason="STATE_DAMAGED"))
-        elif self.seq < found.seq:
-            lost = f"change {found.seq} is" if found.seq == self.seq + 1 else f"changes {self.seq + 1}..{found.seq} are"
-            store.override(StateError(
-                f"{where} says position {found.seq} was acknowledged, but the journal holds only "
-                f"{self.seq} (snapshot at {self.snapshot_seq}, then {self.seq - self.snapshot_seq} entries): "
-                f"acknowledged {lost} lost (the tail of the journal was cut: a "
-                "write-ahead log truncated or replaced by an older copy, or storage that lost writes it had "
-                f"confirmed). Serving this state would roll its clients back. {store.remedy}, or run "
-                "`kvservice check-state DIR --repair` to accept the loss (the state then starts a new lineage)",
-                reason="STATE_ROLLBACK", acknowledged=found.seq, recovered=self.seq))
 
     def _load(self, manager: BlockManager, window: IdempotencyWindow | None) -> int:
         """Restore the store's newest snapshot into manager and replay the later entries.
@@ -445,12 +355,10 @@ class Journal:
             s = snap.decode(blob, name)
             if s.seq != snapshot_seq:
                 raise StateError(f"{name} holds position {s.seq} (damaged)")
-            if s.lineage and self.store.lineage and s.lineage != self.store.lineage:
-                self.store.override(StateError(
-                    f"{name} belongs to lineage {lineage_hex(s.lineage)}, the state to "
-                    f"{lineage_hex(self.store.lineage)}: a snapshot of another state (damaged)"))
-            if s.lineage and not self.store.lineage:
-                self.store.lineage = s.lineage          # a store that records none continues its snapshot's
+            try:                                # a store that records no lineage continues its snapshot's
+                self.store.lineage = continued_lineage(self.store.lineage, s.lineage, name)
+            except StateError as err:
+                self.store.override(err)
             manager.restore(snap.build_pools(s.pools, name), s.workers)
             if window is not None:
                 window.load(s.window)
@@ -580,7 +488,6 @@ class Journal:
         """A read of pool state: only committed state is visible, and nothing once the journal failed.
 
         It waits only while a change of the same pool is uncommitted (a read of all pools: any pool).
-        The reply carries the journal position (if its message has one).
         """
         self._check_usable()
         with self._gate.reading(getattr(request, "pool", "")):
@@ -589,12 +496,7 @@ class Journal:
         return reply
 
     def stamp(self, reply: Message) -> Message:
-        """Set the reply's journal position (lineage, incarnation, seq) to where the journal stands now.
-
-        For replies of reads that do not wait for commits (Heartbeat, ListWorkers, ScorePrefix): every
-        change acknowledged before the read was sent is at or below that position. Replies without a
-        position field are left as they are.
-        """
+        """The reply with its journal position (if it has the field) set to now: reads that wait for no commit."""
         self._stamp(reply)
         return reply
 
@@ -664,13 +566,14 @@ class Journal:
         return self._writer_done.is_set() and (self.seq >= self._compact_at
                                                or self.tail_bytes >= self.config.compact_bytes)
 
-    def snapshot(self) -> None:
-        """Write a snapshot now (also done every compact_every entries and on a clean close)."""
-        cap = self._capture_when_idle(check=True)
+    def snapshot(self, force: bool = False) -> None:
+        """Write a snapshot now (also done every compact_every entries and on a clean close); force: even if one
+        exists at this position (a new lineage starts with one of its own)."""
+        cap = self._capture_when_idle(check=True, force=force)
         if cap is not None:
             self._write_capture(cap)
 
-    def _capture_when_idle(self, check: bool) -> _Capture | None:
+    def _capture_when_idle(self, check: bool, force: bool = False) -> _Capture | None:
         while True:
             self._writer_done.wait()
             with self._lock:
@@ -679,7 +582,7 @@ class Journal:
                 elif self.failed is not None:
                     return None
                 if self._writer_done.is_set():
-                    return self._capture_locked()
+                    return self._capture_locked(force)
 
     def _capture_locked(self, force: bool = False) -> _Capture | None:
         """Copy what a snapshot holds (journal lock held: this is the pause every call waits for).
@@ -756,13 +659,6 @@ class Journal:
         window = snap.WindowState(ids, [(rid, m, msg.SerializeToString()) for rid, m, msg in replies])
         store.write_snapshot(seq, snap.encode(seq, store.incarnation, time.time(), states, workers, window, METHODS,
                                               self.store.lineage))
-
-    def _snapshot_now(self) -> None:
-        """Write a snapshot at the present position even if one exists there (a new lineage starts with it)."""
-        with self._lock:
-            cap = self._capture_locked(force=True)
-        if cap is not None:
-            self._write_capture(cap)
 
     def wait_for_snapshot(self, timeout: float | None = None) -> bool:
         """Wait for a snapshot being written on the snapshot thread; False if still running after timeout."""

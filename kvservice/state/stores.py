@@ -75,6 +75,16 @@ def lineage_hex(lineage: int) -> str:
     return f"{lineage:016x}"
 
 
+def continued_lineage(current: int, found: int | str | None, where: str) -> int:
+    """The lineage of a state of lineage `current` (0 = none yet) that reads `found` (a snapshot's, a fence's; an
+    int, its hex, or None): found if it had none, else current. StateError if the two name different histories."""
+    found = int(found, 16) if isinstance(found, str) else (found or 0)
+    if found and current and found != current:
+        raise StateError(f"{where} belongs to lineage {lineage_hex(found)}, the state to {lineage_hex(current)}: "
+                         "parts of two different states (damaged)")
+    return current or found
+
+
 # ---- the store interface ---------------------------------------------------------------------------
 class JournalStore(ABC):
     """Where a Journal keeps entries and snapshots: the interface a storage backend implements.
@@ -181,4 +191,4 @@ class MemoryStore(JournalStore):
         pass
 
 
-__all__ = ["Entry", "JournalStore", "MemoryStore", "entry_digest", "lineage_hex", "new_lineage"]
+__all__ = ["Entry", "JournalStore", "MemoryStore", "continued_lineage", "entry_digest", "lineage_hex", "new_lineage"]

@@ -11,6 +11,7 @@
 """
 
 import asyncio
+import re
 import shutil
 import subprocess
 import sys
@@ -90,11 +91,13 @@ def test_a_wal_that_lost_acknowledged_steps_after_the_last_snapshot_is_refused_a
             out = serve_cmd(d)
             text = out.stdout + out.stderr
             assert out.returncode == 2 and "Traceback" not in text, text
-            assert f"high-water mark (ACKED) says position {acked} was acknowledged" in text, text
+            # kill -9 right after the last reply: the mark's writer thread may not have written that one yet
+            said = re.search(r"high-water mark \(ACKED\) says position (\d+) was acknowledged", text)
+            assert said and acked - 1 <= int(said[1]) <= acked and int(said[1]) > snapshot + 2, text
             assert "are lost" in text and "never acknowledged" not in text, text     # the issue's false log line
             assert (d / "state.db-wal").read_bytes() == before                       # the refusal kept the evidence
             checked = check_state_cmd(d)
-            assert checked.returncode == 2 and f"says position {acked} was acknowledged" in checked.stderr
+            assert checked.returncode == 2 and f"says position {said[1]} was acknowledged" in checked.stderr
         repaired = tmp_path / "boundary"
         fixed = check_state_cmd(repaired, "--repair")
         assert fixed.returncode == 0 and "new lineage" in fixed.stdout, fixed.stdout + fixed.stderr

@@ -15,15 +15,12 @@ What HA adds on top (used by kvservice/server/ha.py): ``poll`` (tail new entries
 longer write: the leader lease, checked before every publish and again before an append returns).
 
 Layout, for a deployment name N (``--nats-name``, default ``kvservice``):
-- stream ``KVS_N``, subject ``kvs.N.journal``: one message per entry (or per part of an entry
-  larger than the server's max_payload), headers ``Kvs-Kind`` (entry|fence), ``Kvs-Seq``,
-  ``Kvs-Method``, ``Kvs-At``, ``Kvs-Epoch``, ``Kvs-Part`` (i/n), ``Kvs-Digest`` (the entry's
-  checksum, ``stores.entry_digest``, hex: position, method, time and the whole request); a fence
-  also ``Kvs-Lineage`` (the state's lineage, 16 hex digits: the first fence of a fresh stream makes
-  it, every later one repeats it, and the snapshots' description carries it too). Every
-  publish carries ``Nats-Expected-Last-Sequence`` (the stream sequence this store last saw) and
-  ``Nats-Msg-Id`` (epoch.seq.part, so a retried publish is deduplicated): a writer whose view of
-  the stream is stale is refused by the server, so two managers can never both append.
+- stream ``KVS_N``, subject ``kvs.N.journal``: one message per entry (or per part of an entry larger than the
+  server's max_payload), headers ``Kvs-Kind`` (entry|fence), ``Kvs-Seq``, ``Kvs-Method``, ``Kvs-At``, ``Kvs-Epoch``,
+  ``Kvs-Part`` (i/n), ``Kvs-Digest`` (the entry's checksum, ``stores.entry_digest``, hex: position, method, time
+  and the whole request), a fence's ``Kvs-Lineage`` (a fresh stream's first fence makes it). Every publish carries
+  ``Nats-Expected-Last-Sequence`` (the stream sequence this store last saw) and ``Nats-Msg-Id`` (epoch.seq.part,
+  so a retried publish is deduplicated): a writer whose view of the stream is stale is refused by the server.
 - object store ``KVS_N_snapshots``: ``snap-<seq>`` objects (the bytes kvservice/state/snapshot.py
   encodes), their description a JSON header (journal seq, stream seq, epoch, bytes, blake2b
   digest). After a snapshot is stored, the stream is purged below its stream sequence.
@@ -61,7 +58,7 @@ from nats.js import api
 from kvservice.contract.errors import InvalidArgument, KVError, StateError
 from kvservice.state import snapshot as snap
 from kvservice.state.nats.direct import DirectError, DirectPublisher
-from kvservice.state.stores import Entry, JournalStore, lineage_hex, new_lineage
+from kvservice.state.stores import Entry, JournalStore, continued_lineage, lineage_hex, new_lineage
 
 log = logging.getLogger("kvservice.nats")
 T = TypeVar("T")
@@ -272,7 +269,6 @@ class NatsStore(JournalStore):
                        "--nats-name; docs/operations.md)")
         self.snapshot_where = f"bucket {self.config.snapshot_bucket}"
         self.guard: Callable[[], None] | None = None
-        self.lineage = 0               # from the snapshot or a fence read; a fresh stream's first fence makes it
         self.epoch = 0                 # the epoch this store writes under; 0 = not fenced (cannot append)
         self.max_epoch = 0             # highest epoch seen in a snapshot header or a fence
         self.seq = 0                   # journal position of the last complete entry read or written
@@ -350,7 +346,6 @@ class NatsStore(JournalStore):
         self.last_stream_seq = int(meta["stream_seq"])
         self.first_stream_seq = self.last_stream_seq + 1
         self.max_epoch = max(self.max_epoch, int(meta["epoch"]))
-        self.lineage = int(meta.get("lineage", "0"), 16) or self.lineage
         with self._at_lock:
             self._stream_at = {self.seq: self.last_stream_seq}
         self.snapshot_where = f"bucket {self.config.snapshot_bucket}, snap-{self.seq:020d}"
@@ -388,7 +383,6 @@ class NatsStore(JournalStore):
         info = snaps[-1]
         try:
             meta = json.loads(info.description or "")
-            int(str(meta.get("lineage", "0")), 16)
             if int(meta["format"]) != SNAPSHOT_FORMAT:
                 raise ValueError(f"snapshot format {meta['format']} is not {SNAPSHOT_FORMAT} (written by an older "
                                  "kvservice: export it with that version, import the state dir with this one)")
@@ -537,11 +531,7 @@ class NatsStore(JournalStore):
         if kind == "fence":
             self._parts = None                            # an unfinished entry of the old writer is void
             self.max_epoch = max(self.max_epoch, int(h["Kvs-Epoch"]))
-            lineage = int(h.get("Kvs-Lineage", "0"), 16)
-            if lineage and self.lineage and lineage != self.lineage:
-                raise StateError(f"{self.path}: stream message {stream_seq} fences lineage {lineage_hex(lineage)}, "
-                                 f"the state read so far is of lineage {lineage_hex(self.lineage)} (damaged)")
-            self.lineage = self.lineage or lineage
+            self.lineage = continued_lineage(self.lineage, h.get("Kvs-Lineage"), f"{self.path}: fence {stream_seq}")
             return None
         if kind != "entry":
             raise StoreError(f"{self.path}: stream message {stream_seq} is not a kvservice journal entry")
@@ -620,9 +610,7 @@ class NatsStore(JournalStore):
         lineage = self.lineage or new_lineage()      # kept once this fence is in (the first fence of a fresh stream)
         self._publish(b"", {"Kvs-Kind": "fence", "Kvs-Epoch": str(epoch), "Kvs-Seq": str(self.seq),
                             "Kvs-Lineage": lineage_hex(lineage), "Nats-Msg-Id": f"fence.{epoch}"})
-        self.epoch = self.max_epoch = epoch
-        self.lineage = lineage
-        self._parts = None
+        self.epoch, self.max_epoch, self.lineage, self._parts = epoch, epoch, lineage, None
         with self._at_lock:
             self._stream_at[self.seq] = self.last_stream_seq     # a snapshot at this position reads on after it
 

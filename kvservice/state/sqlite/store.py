@@ -9,24 +9,22 @@ Layout of DIR (format 2):
     MANIFEST                  JSON witness, replaced atomically: format, incarnation, lineage, running,
                               last_seq (at least this many changes were acknowledged), snapshot_seq,
                               acked_mark (ACKED is kept), digest
-    ACKED                     the acknowledged high-water mark (stores.AckMark): the last position
+    ACKED                     the acknowledged high-water mark (kvservice/state/ackmark.py): the last position
                               acknowledged, written after every commit, outside the log
     lock                      flock of the serving process (its pid inside)
 
 What is checked on open, before anything is served (each failure is a StateError that says what is
-wrong and what to do; ``kvservice check-state DIR`` prints the same):
-the MANIFEST's own checksum; a state.db that is missing or empty while the MANIFEST says the dir
-holds state (versus a genuinely fresh dir: nothing there); the database header (a header that
-lost WAL mode would make SQLite ignore the log); the write-ahead log frame by frame
-(kvservice/state/sqlite/wal.py) — damage is refused, a torn last commit of a crashed machine is
-dropped (and the journal's high-water mark check then proves it was never acknowledged, or refuses the
-state); a log that is missing after an unclean stop; SQLite's quick_check; the format, incarnation and
-lineage; the snapshot file recorded in the database (present, same size, same header digest). The journal
-then checks the snapshot's own checksums, each entry's checksum and that none is missing, every pool's
-invariants, the recovered position against ACKED (Journal._check_mark: a tail lost from the log is
-refused, whatever the log looks like), and finally (check_position) against the MANIFEST's last_seq.
-Under repair (``check-state --repair``) a failed witness check is recorded instead (``override``) and the
-state starts a new lineage: nobody can prove it continues what clients were told.
+wrong and what to do; ``kvservice check-state DIR`` prints the same): the MANIFEST's own checksum; a
+state.db that is missing or empty while the MANIFEST says the dir holds state (versus a genuinely fresh
+dir); the database header (a header that lost WAL mode would make SQLite ignore the log); the write-ahead
+log frame by frame (kvservice/state/sqlite/wal.py: damage is refused, an incomplete last commit dropped);
+a log missing after an unclean stop; SQLite's quick_check; format, incarnation and lineage; the snapshot
+file recorded in the database (present, same size, same header digest). The journal then checks the
+snapshot, each entry and that none is missing, every pool's invariants, the recovered position against
+ACKED (ackmark.check_recovery: a tail lost from the log is refused, whatever the log looks like) and
+against the MANIFEST's last_seq (check_position). Under repair (``check-state --repair``) a failed witness
+check is recorded instead (``override``) and the state starts a new lineage. Recovery reads through a
+read-only connection: a refused start leaves the dir as it was.
 
 Read-only opens (check-state, tests) work on a private copy of the database: on a stopped dir
 after the same checks (holding a shared lock so no manager starts meanwhile), on a running one
@@ -36,8 +34,6 @@ through SQLite's online backup (its log is then not checked: the manager is writ
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import json
 import logging
 import os
 import shutil
@@ -52,87 +48,29 @@ from typing import Any
 
 from kvservice.contract.errors import StateError
 from kvservice.state import snapshot as snap
-from kvservice.state.ackmark import AckMark
+from kvservice.state.ackmark import AckMark, torn_tail_note
+from kvservice.state.sqlite.dirfiles import (
+    FORMAT,
+    MANIFEST,
+    REPAIR,
+    RESTORE,
+    fsync_dir,
+    lock_dir,
+    read_manifest,
+    write_manifest,
+)
 from kvservice.state.sqlite.wal import check_wal, db_header
 from kvservice.state.stores import Entry, JournalStore, lineage_hex, new_lineage
 
 log = logging.getLogger("kvservice.state.journal")
 
-FORMAT = 2
 DB_NAME = "state.db"
-MANIFEST = "MANIFEST"
 ACKED = "ACKED"
 SNAP_DIR = "snapshots"
-REPAIR = "run `kvservice check-state DIR --repair` to accept the state dir as it is"
-RESTORE = "restore the state dir from a backup"
 
 
 def _ro_uri(path: Path) -> str:
     return f"file:{urllib.request.pathname2url(str(path))}?mode=ro"
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _lock_dir(state_dir: Path, shared: bool = False) -> int | None:
-    """flock DIR/lock; exclusive: StateError naming the holder if busy; shared: None if a manager holds it."""
-    path = state_dir / "lock"
-    if shared and not path.exists():
-        return -1
-    fd = os.open(path, os.O_RDONLY if shared else os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
-        os.close(fd)
-        if shared:
-            return None
-        raise StateError(f"state dir {state_dir} is in use by another kvservice (pid {holder})",
-                         reason="STATE_BUSY") from None
-    if not shared:
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-    return fd
-
-
-def read_manifest(state_dir: Path) -> dict[str, Any] | None:
-    """The MANIFEST (None if there is none); StateError if it is damaged."""
-    path = state_dir / MANIFEST
-    if not path.exists():
-        return None
-    try:
-        m = json.loads(path.read_bytes())
-        body = {k: v for k, v in m.items() if k != "digest"}
-        ok = m.get("digest") == snap.digest16(json.dumps(body, sort_keys=True).encode()).hex()
-        if ok:
-            for k in ("format", "incarnation", "last_seq", "snapshot_seq"):
-                if not isinstance(m[k], int):
-                    ok = False
-            ok = ok and isinstance(m["running"], bool)
-    except (ValueError, KeyError, TypeError, AttributeError):
-        ok = False
-    if not ok:
-        raise StateError(f"{path}: damaged (checksum or fields); it is the witness of how much this dir "
-                         f"acknowledged. {REPAIR} after checking it, or {RESTORE}", reason="STATE_DAMAGED")
-    return m
-
-
-def write_manifest(state_dir: Path, **fields: Any) -> None:
-    """Replace the MANIFEST atomically (write, fsync, rename, fsync the dir)."""
-    body = {"format": FORMAT, **fields, "updated": time.time()}
-    body["digest"] = snap.digest16(json.dumps(body, sort_keys=True).encode()).hex()
-    tmp = state_dir / (MANIFEST + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(json.dumps(body, sort_keys=True, indent=1).encode() + b"\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, state_dir / MANIFEST)
-    _fsync_dir(state_dir)
 
 
 class SqliteStore(JournalStore):
@@ -169,12 +107,12 @@ class SqliteStore(JournalStore):
             if not (state_dir / DB_NAME).exists() and not (state_dir / MANIFEST).exists():
                 raise StateError(f"{state_dir}: no kvservice state here ({DB_NAME} and {MANIFEST} are missing)",
                                  reason="STATE_MISSING")
-            fd = _lock_dir(state_dir, shared=True)
+            fd = lock_dir(state_dir, shared=True)
             store = cls(state_dir, True, fd if fd is not None and fd >= 0 else None, False)
             store.live = fd is None
         else:
             state_dir.mkdir(parents=True, exist_ok=True)
-            store = cls(state_dir, False, _lock_dir(state_dir), repair)
+            store = cls(state_dir, False, lock_dir(state_dir), repair)
         try:
             store._open(sync)
         except BaseException:
@@ -413,29 +351,9 @@ class SqliteStore(JournalStore):
                                      f"acknowledged, but the state dir holds only {seq}: acknowledged changes were "
                                      f"lost (a damaged, replaced or rolled-back {DB_NAME}). {RESTORE}, or {REPAIR}",
                                      reason="STATE_ROLLBACK"))
-        if self.torn_frames:
-            # Runs after the journal checked ACKED (Journal._check_mark): the recovered position reaches it.
-            self.notes.append(self._torn_verdict(seq))
+        if self.torn_frames:            # after ackmark.check_recovery: the recovered position reaches ACKED
+            self.notes.append(torn_tail_note(f"{DB_NAME}-wal", self.torn_frames, seq, self.mark, not self.overridden))
             log.warning("%s: %s", self.state_dir, self.notes[-1])
-
-    def _torn_verdict(self, seq: int) -> str:
-        """What the incomplete commit at the end of the log was, as far as ACKED can tell (ackmark.py)."""
-        head = (f"{DB_NAME}-wal: the last {self.torn_frames} frames are an incomplete commit (a write cut short by a "
-                f"crash, or a log cut in the middle of a frame); dropped.")
-        mark = self.mark
-        found = mark.found if mark is not None else None
-        if found is None or self.overridden:
-            return f"{head} No acknowledged high-water mark vouches for position {seq}: whether it was acknowledged " \
-                   "is not known"
-        head += f" The recovered position {seq} reaches the acknowledged high-water mark ({ACKED}: {found.seq})"
-        if not mark.sync:          # written before each reply: exact unless the machine itself went down
-            return f"{head}, so it was never acknowledged, unless the machine itself crashed (with --sync normal " \
-                   "that can lose acknowledged commits)"
-        if found.seq < seq:        # the mark trails the last reply by at most one position
-            return f"{head} and passes it, so it was never acknowledged"
-        return f"{head}, so it was never acknowledged unless the machine stopped within one fdatasync of its " \
-               "reply (the mark trails the last reply by at most one position); a client that got such a reply " \
-               "refuses this state (STATE_ROLLED_BACK)"
 
     def override(self, err: StateError) -> None:
         if not self.repair:
@@ -486,7 +404,7 @@ class SqliteStore(JournalStore):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, sdir / name)
-        _fsync_dir(sdir)
+        fsync_dir(sdir)
         with self._db_lock:
             db = self.db
             db.execute("BEGIN IMMEDIATE")                                                       # type: ignore[union-attr]
