@@ -1,7 +1,7 @@
 """asyncio BlockManager client with the same calls, deadlines, retries, request ids, position check and security.
 
 Retries follow kvservice/client/client.py exactly (one request_id per logical call, backoff until the
-call's deadline, RETRIES_EXHAUSTED carrying the request_id, ManagerBehind); only the waits are awaited.
+call's deadline, RETRIES_EXHAUSTED carrying the request_id, StateRolledBack); only the waits are awaited.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from kvservice.client import codec
 from kvservice.client.client import (
     RETRY_CODES,
     CallBudget,
-    PositionTracker,
     RetryPolicy,
     TLSOptions,
     auth_metadata,
     channel_options,
     new_request_id,
+    position_tracker,
 )
 from kvservice.client.codec import StepResult
 from kvservice.client.stream import AsyncStepStream
@@ -35,11 +35,12 @@ class AsyncBlockManagerClient:
     """asyncio twin of BlockManagerClient (use inside a running event loop); same arguments."""
 
     def __init__(self, target: str, timeout: float = 10.0, retries: int | None = None, *,
-                 tls: TLSOptions | None = None, token: str | None = None, retry: RetryPolicy | None = None) -> None:
+                 tls: TLSOptions | None = None, token: str | None = None, retry: RetryPolicy | None = None,
+                 registry: Any = None) -> None:
         self.target = target
         self.timeout = timeout
         self.retry = retry or RetryPolicy(attempts=0 if retries is None else 1 + max(0, retries))
-        self.position = PositionTracker()
+        self.position = position_tracker(registry)
         self._metadata = auth_metadata(token)
         if tls is None:
             self._channel = grpc.aio.insecure_channel(target, options=channel_options())
@@ -60,8 +61,8 @@ class AsyncBlockManagerClient:
         await self._channel.close()
 
     def reset_position(self) -> None:
-        """Forget the journal positions seen (after resynchronising with a manager that came back behind)."""
-        self.position = PositionTracker()
+        """Forget the journal positions seen and refused (after resynchronising with a manager that was rolled back)."""
+        self.position.reset()
 
     async def _call(self, method: Any, request: Any, timeout: float | None) -> Any:
         """One logical call: attempts under one request_id until it succeeds, fails for good, or the deadline passes."""

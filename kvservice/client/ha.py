@@ -13,7 +13,10 @@ the journal, answers a request the old one applied with the original reply (exac
 
 Every reply of a replicated manager carries the leader's epoch in the initial metadata
 ``kvservice-leader-epoch``. LeaderClient remembers the highest epoch it has seen and refuses a
-reply from a lower one (a deposed leader): the call is retried elsewhere, never returned.
+reply from a lower one (a deposed leader): the call is retried elsewhere, never returned. The
+epoch check comes first; a reply that passes it then goes through the journal-position check
+of every client (kvservice/client/position.py): every manager of a deployment serves the same
+lineage, so a leader whose journal lost acknowledged entries is refused STATE_ROLLED_BACK.
 """
 
 from __future__ import annotations
@@ -79,7 +82,8 @@ class LeaderClient(BlockManagerClient):
     """
 
     def __init__(self, targets: str | Sequence[str], timeout: float = 10.0, retries: int | None = None, *,
-                 tls: TLSOptions | None = None, token: str | None = None, retry: RetryPolicy | None = None) -> None:
+                 tls: TLSOptions | None = None, token: str | None = None, retry: RetryPolicy | None = None,
+                 registry: Any = None) -> None:
         self.targets = [t.strip() for t in (targets.split(",") if isinstance(targets, str) else targets) if t.strip()]
         if not self.targets:
             raise ValueError("LeaderClient needs at least one manager address")
@@ -87,7 +91,7 @@ class LeaderClient(BlockManagerClient):
             retry = FAILOVER_RETRY if retries is None else RetryPolicy(attempts=1 + max(0, retries))
         self._channels = [make_channel(t, tls) for t in self.targets]
         super().__init__(",".join(self.targets), timeout, channel=self._channels[0], tls=tls, token=token,
-                         retry=retry)
+                         retry=retry, registry=registry)
         from kvservice.v1 import block_manager_pb2_grpc as pb_grpc
         self._stubs = [pb_grpc.BlockManagerStub(ch) for ch in self._channels]
         self._stub = _LeaderStub(self)            # what BlockManagerClient's calls go through
