@@ -158,7 +158,7 @@ class PlanReply(_message.Message):
     def __init__(self, num_slots: _Optional[int] = ..., page_size: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., max_pages_per_seq: _Optional[int] = ..., bytes_per_layer: _Optional[int] = ..., bytes_per_slot: _Optional[int] = ..., total_bytes: _Optional[int] = ..., max_byte_offset: _Optional[int] = ..., offsets_exceed_int32: _Optional[bool] = ..., offsets_exceed_uint32: _Optional[bool] = ..., indices_need_int64: _Optional[bool] = ..., layers: _Optional[_Iterable[_Union[LayerPlan, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[GroupPlan, _Mapping]]] = ..., index_spaces: _Optional[_Iterable[_Union[IndexSpace, _Mapping]]] = ..., backends: _Optional[_Iterable[str]] = ..., warnings: _Optional[_Iterable[str]] = ..., pool_pages: _Optional[int] = ...) -> None: ...
 
 class CreatePoolRequest(_message.Message):
-    __slots__ = ("name", "cache", "sizing", "backends", "request_id", "enable_prefix_caching", "incarnation", "model")
+    __slots__ = ("name", "cache", "sizing", "backends", "request_id", "enable_prefix_caching", "incarnation", "model", "prefix_hash", "prefix_hash_seed")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
     SIZING_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +167,8 @@ class CreatePoolRequest(_message.Message):
     ENABLE_PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HASH_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HASH_SEED_FIELD_NUMBER: _ClassVar[int]
     name: str
     cache: CacheSpec
     sizing: Sizing
@@ -175,7 +177,9 @@ class CreatePoolRequest(_message.Message):
     enable_prefix_caching: bool
     incarnation: int
     model: str
-    def __init__(self, name: _Optional[str] = ..., cache: _Optional[_Union[CacheSpec, _Mapping]] = ..., sizing: _Optional[_Union[Sizing, _Mapping]] = ..., backends: _Optional[_Iterable[str]] = ..., request_id: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ..., incarnation: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+    prefix_hash: str
+    prefix_hash_seed: str
+    def __init__(self, name: _Optional[str] = ..., cache: _Optional[_Union[CacheSpec, _Mapping]] = ..., sizing: _Optional[_Union[Sizing, _Mapping]] = ..., backends: _Optional[_Iterable[str]] = ..., request_id: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ..., incarnation: _Optional[int] = ..., model: _Optional[str] = ..., prefix_hash: _Optional[str] = ..., prefix_hash_seed: _Optional[str] = ...) -> None: ...
 
 class PoolStats(_message.Message):
     __slots__ = ("num_slots", "num_free_slots", "peak_used_slots", "num_sequences", "num_tokens", "steps", "admitted", "refused", "prefix_cache_hits", "prefix_cache_evictions", "cached_slots", "prefix_caching", "event_sequence")
@@ -208,13 +212,15 @@ class PoolStats(_message.Message):
     def __init__(self, num_slots: _Optional[int] = ..., num_free_slots: _Optional[int] = ..., peak_used_slots: _Optional[int] = ..., num_sequences: _Optional[int] = ..., num_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., admitted: _Optional[int] = ..., refused: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_evictions: _Optional[int] = ..., cached_slots: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., event_sequence: _Optional[int] = ...) -> None: ...
 
 class PoolInfo(_message.Message):
-    __slots__ = ("name", "plan", "stats", "cache", "incarnation", "model", "position")
+    __slots__ = ("name", "plan", "stats", "cache", "incarnation", "model", "prefix_hash", "prefix_hash_seed", "position")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HASH_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HASH_SEED_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     name: str
     plan: PlanReply
@@ -222,8 +228,10 @@ class PoolInfo(_message.Message):
     cache: CacheSpec
     incarnation: int
     model: str
+    prefix_hash: str
+    prefix_hash_seed: str
     position: JournalPosition
-    def __init__(self, name: _Optional[str] = ..., plan: _Optional[_Union[PlanReply, _Mapping]] = ..., stats: _Optional[_Union[PoolStats, _Mapping]] = ..., cache: _Optional[_Union[CacheSpec, _Mapping]] = ..., incarnation: _Optional[int] = ..., model: _Optional[str] = ..., position: _Optional[_Union[JournalPosition, _Mapping]] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., plan: _Optional[_Union[PlanReply, _Mapping]] = ..., stats: _Optional[_Union[PoolStats, _Mapping]] = ..., cache: _Optional[_Union[CacheSpec, _Mapping]] = ..., incarnation: _Optional[int] = ..., model: _Optional[str] = ..., prefix_hash: _Optional[str] = ..., prefix_hash_seed: _Optional[str] = ..., position: _Optional[_Union[JournalPosition, _Mapping]] = ...) -> None: ...
 
 class JournalPosition(_message.Message):
     __slots__ = ("incarnation", "seq")
