@@ -107,6 +107,7 @@ def serve(listen: str = "127.0.0.1:0", metrics_port: int | None = None, pools: S
         raise ValueError("pass either a manager or a journal (which holds its manager), not both")
     manager = journal.manager
     ensure_pools(journal, list(pools))
+    warn_unknown_event_pools(manager, events)
     metrics = ManagerMetrics(manager)
     metrics.registry.register(JournalCollector(journal))
     metrics.registry.register(EventCollector(manager))
@@ -143,6 +144,17 @@ def serve(listen: str = "127.0.0.1:0", metrics_port: int | None = None, pools: S
              f", {len(tokens)} tokens" if tokens is not None else "", running.metrics_port,
              journal.state_dir or (journal.store.location if journal.store.durable else "memory only"))
     return running
+
+
+def warn_unknown_event_pools(manager: BlockManager, events: EventsConfig | None) -> list[str]:
+    """Log a warning for each ZeroMQ publisher whose pool does not exist now (a typo publishes nothing; a pool
+    created later over the API is published from then on). Returns those pools."""
+    names = set(manager.pool_names())
+    missing = [z.pool for z in (events.zmq if events else ()) if z.pool not in names]
+    for pool in missing:
+        log.warning("--kv-events-zmq names pool %r, which does not exist (pools: %s); its publisher waits for a "
+                    "pool of that name to be created", pool, ", ".join(sorted(names)) or "none")
+    return missing
 
 
 def grpc_server(service: str, servicer: object, listen: str, tls: ServerTLS | None = None,

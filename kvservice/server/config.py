@@ -8,6 +8,9 @@
           - {count: 32, kv_heads: 8, head_dim: 128, dtype: float16}
         sizing: {max_batch: 64, max_seq_len: 8192}   # or num_slots / memory_budget_bytes
         backends: [flashinfer]
+        prefix_caching: true         # optional: cache full prompt pages (default false)
+        prefix_hash: vllm-sha256-cbor   # optional: page hash mode (default: serve --prefix-hash, else kvservice)
+        prefix_hash_seed: "1234"     # optional: vllm-sha256-cbor's NONE_HASH seed (vLLM's PYTHONHASHSEED)
       - name: gemma3-27b
         model_config: models/gemma-3-27b-it/config.json   # layers from the model (model_config.py);
         tp: 4                                              # relative paths: from this file's directory
@@ -47,6 +50,18 @@ class PoolConfig:
     spec: CacheSpec
     sizing: Sizing
     backends: tuple[str, ...]
+    prefix_caching: bool = False
+    prefix_hash: str = ""          # "" = the server's --prefix-hash
+    prefix_hash_seed: str = ""
+
+
+def _cache_opts(entry: dict[str, Any], where: str) -> dict[str, Any]:
+    from kvservice.core.hashing import HASH_MODES
+    mode = str(entry.get("prefix_hash", ""))
+    if mode and mode not in HASH_MODES:
+        raise InvalidArgument(f"{where}: prefix_hash {mode!r} is not one of {', '.join(HASH_MODES)}")
+    return {"prefix_caching": bool(entry.get("prefix_caching", False)), "prefix_hash": mode,
+            "prefix_hash_seed": str(entry.get("prefix_hash_seed", ""))}
 
 
 def _pool(entry: dict[str, Any], where: str, base_dir: Path | None = None) -> PoolConfig:
@@ -67,7 +82,7 @@ def _pool(entry: dict[str, Any], where: str, base_dir: Path | None = None) -> Po
         return PoolConfig(str(entry["name"]),
                           CacheSpec(tuple(layers), int(entry.get("page_size", 16)),
                                     entry.get("layout", "per_layer")),
-                          Sizing(**sizing), tuple(entry.get("backends") or ()))
+                          Sizing(**sizing), tuple(entry.get("backends") or ()), **_cache_opts(entry, where))
     except TypeError as exc:
         raise InvalidArgument(f"{where}: {exc}") from None
 
@@ -83,7 +98,7 @@ def _model_pool(entry: dict[str, Any], where: str, base_dir: Path | None) -> Poo
         model = load_model_cache(path, int(entry.get("tp", 1)), entry.get("dtype"), int(entry.get("page_size", 16)),
                                  entry.get("layout", "per_layer"))
         return PoolConfig(str(entry["name"]), model.spec, Sizing(**(entry.get("sizing") or {})),
-                          tuple(entry.get("backends") or ()))
+                          tuple(entry.get("backends") or ()), **_cache_opts(entry, where))
     except (TypeError, ValueError) as exc:
         raise InvalidArgument(f"{where}: {exc}") from None
     except InvalidArgument as exc:

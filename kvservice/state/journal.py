@@ -743,13 +743,17 @@ def _plain(v: Any) -> Any:
     return v
 
 
-def create_request(name: str, spec: CacheSpec, sizing: Sizing, backends: tuple[str, ...]) -> pb.CreatePoolRequest:
+def create_request(name: str, spec: CacheSpec, sizing: Sizing, backends: tuple[str, ...],
+                   prefix_caching: bool = False, prefix_hash: str = "", prefix_hash_seed: str = "",
+                   ) -> pb.CreatePoolRequest:
     """The CreatePool request of a configured pool (config pools are journaled like API-created ones)."""
     from kvservice.contract.convert import cache_spec_to_proto
     return pb.CreatePoolRequest(name=name, cache=cache_spec_to_proto(spec), backends=list(backends),
                                 sizing=pb.Sizing(max_batch=sizing.max_batch, max_seq_len=sizing.max_seq_len,
                                                  memory_budget_bytes=sizing.memory_budget_bytes,
-                                                 num_slots=sizing.num_slots))
+                                                 num_slots=sizing.num_slots),
+                                enable_prefix_caching=prefix_caching, prefix_hash=prefix_hash,
+                                prefix_hash_seed=prefix_hash_seed)
 
 
 def ensure_pools(journal: Journal, pools: list[Any]) -> list[str]:
@@ -763,7 +767,10 @@ def ensure_pools(journal: Journal, pools: list[Any]) -> list[str]:
                     log.warning("pool %r from the state dir differs from its configuration; serving the state's "
                                 "(delete the pool to recreate it from the configuration)", pc.name)
             continue
-        journal.execute("CreatePool", create_request(pc.name, pc.spec, pc.sizing, pc.backends),
+        journal.execute("CreatePool", create_request(pc.name, pc.spec, pc.sizing, pc.backends,
+                                                     getattr(pc, "prefix_caching", False),
+                                                     getattr(pc, "prefix_hash", ""),
+                                                     getattr(pc, "prefix_hash_seed", "")),
                         journal.api.CreatePool)
         created.append(pc.name)
     return created
