@@ -13,7 +13,7 @@ from google.protobuf.descriptor_pool import Default as _default_pool
 from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import Histogram, start_http_server
+from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvservice.contract.auth import BM, ServerTLS, TokenAuthInterceptor, TokenTable, manager_rules
@@ -22,6 +22,7 @@ from kvservice.events.metrics import EventCollector
 from kvservice.manager.api import ManagerAPI
 from kvservice.manager.pools import BlockManager
 from kvservice.server.config import PoolConfig
+from kvservice.server.http import MetricsServer, health_probe
 from kvservice.server.metrics import ManagerMetrics
 from kvservice.server.servicer import BlockManagerServicer, Limits
 from kvservice.state.journal import Journal, ensure_pools
@@ -137,7 +138,8 @@ def serve(listen: str = "127.0.0.1:0", metrics_port: int | None = None, pools: S
     health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING if serving
                         else health_pb2.HealthCheckResponse.NOT_SERVING)
     if metrics_port is not None:
-        http, _thread = start_http_server(metrics_port, addr=metrics_addr, registry=metrics.registry)
+        http = MetricsServer(metrics.registry, metrics_port, metrics_addr, health_probe(health_servicer, ""),
+                             health_probe(health_servicer, SERVICE_NAME))
         running._http, running.metrics_port = http, http.server_port
     log.info("kvservice listening on port %d (%s%s), metrics on %s, state: %s", port,
              "mutual TLS" if tls and tls.client_ca else "TLS" if tls else "plaintext",
