@@ -29,7 +29,7 @@ class SlotAllocator:
       _cached         free slots holding a reusable page -> clock value when they were released.
       _refcnt[slot]   owners (sequences); 0 = free (on the stack or in _cached).
       cacheable[slot] True while the slot's page is registered in the prefix cache.
-      on_evict(slot)  called when a cached slot is taken for a new page.
+      on_evict(slots) called with the cached slots (intp [k]) an allocation takes for new pages.
       clock           stamp of the slots released now (the pool sets it to its step number; only grows).
       policy          which cached slot an allocation evicts (evict.py), told of the prefix cache's links.
     """
@@ -52,7 +52,7 @@ class SlotAllocator:
         self.policy: EvictionPolicy = make_policy(policy, num_slots, self._cached)
         self.cacheable = np.zeros(num_slots, dtype=bool)
         self.caching = False                 # set by a prefix cache: released slots may be cacheable
-        self.on_evict: Callable[[int], None] | None = None
+        self.on_evict: Callable[[np.ndarray], None] | None = None
         self.peak_used = 0
         self.evictions = 0
 
@@ -81,16 +81,18 @@ class SlotAllocator:
         self._top = top
         if take < n:
             evicted = []
-            victim, cached, on_evict = self.policy.victim, self._cached, self.on_evict
+            victim, unlink, cached = self.policy.victim, self.policy.unlink, self._cached
             for _ in range(n - take):
                 s = victim()
                 del cached[s]
-                self.cacheable[s] = False
-                if on_evict is not None:
-                    on_evict(s)                  # the prefix cache forgets it (and unlinks it in the policy)
+                unlink(s)                        # its parent may become a leaf for the next victim
                 evicted.append(s)
+            ev = np.array(evicted, dtype=np.intp)
+            self.cacheable[ev] = False
+            if self.on_evict is not None:
+                self.on_evict(ev)                # the prefix cache forgets them
             self.evictions += len(evicted)
-            slots = np.concatenate((slots, np.array(evicted, dtype=np.intp)))
+            slots = np.concatenate((slots, ev))
         self._refcnt[slots] = self._ones[:n]
         used = self.num_slots - self._top - len(self._cached)
         if used > self.peak_used:

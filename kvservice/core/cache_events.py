@@ -154,16 +154,28 @@ class GroupEventSource:
             return
         cuts = np.flatnonzero(parent_h[1:] != h[:-1]) + 1        # a new chain where the parent is not the last page
         ps = pages.shape[1]
-        tok = pages[keep]
+        tok = pages[keep]                            # a fresh array: the events keep views of it
         extra = None
         if names is not None:
             first = (parent_h == 0).tolist()
             extra = tuple(page_keys(*names[k], f) for k, f in zip(keep.tolist(), first, strict=True))
         for lo, hi in zip(np.concatenate(([0], cuts)).tolist(), np.concatenate((cuts, [len(keep)])).tolist(),
                           strict=True):
-            self.pending.events.append(BlockStored(self.group, h[lo:hi].copy(), int(parent_h[lo]),
-                                                   tok[lo:hi].reshape(-1).copy(), ps, self.kind,
+            self.pending.events.append(BlockStored(self.group, h[lo:hi], int(parent_h[lo]),
+                                                   tok[lo:hi].reshape(-1), ps, self.kind,
                                                    self.sliding_window, extra[lo:hi] if extra else None))
+
+    def removed_many(self, hashes: list[int], slots: list[int]) -> None:
+        """Pages the cache forgot, in order (hashes and slots of each): one BlockRemoved with the last if it is ours."""
+        self.parent_hash[slots] = 0
+        p = self.pending
+        if not p.add(len(hashes)):
+            return
+        last = p.events[-1] if p.events else None
+        if isinstance(last, list) and last[0] == self.group:
+            last[1].extend(hashes)
+        else:
+            p.events.append([self.group, list(hashes)])
 
     def removed(self, block_hash: int, slot: int) -> None:
         """A page the cache forgot (its slot is being reused); runs of removals become one BlockRemoved."""

@@ -25,6 +25,7 @@ are unlinked: they are now leaves of their own).
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 
 import numpy as np
 
@@ -169,16 +170,18 @@ class Lru(EvictionPolicy):
 
     def __init__(self, num_slots: int, cached_at: dict[int, int]) -> None:
         super().__init__(num_slots, cached_at)
-        self._queue: dict[int, int] = {}          # slot -> stamp, in release order (a dict keeps insertion order)
+        self._queue: OrderedDict[int, int] = OrderedDict()     # slot -> stamp, in release order
 
     def cached(self, slots: list[int], stamp: int) -> None:
+        queue = self._queue
         for s in slots:
-            self._queue.pop(s, None)
-            self._queue[s] = stamp
+            queue[s] = stamp
+            queue.move_to_end(s)
 
     def victim(self) -> int:
-        for s, stamp in list(self._queue.items()):
-            del self._queue[s]
+        queue = self._queue
+        while queue:
+            s, stamp = queue.popitem(last=False)
             if self.cached_at.get(s) == stamp:
                 return s
         raise AssertionError("no cached slot to evict")
@@ -187,7 +190,7 @@ class Lru(EvictionPolicy):
         return [s for s, t in self._queue.items() if self.cached_at.get(s) == t]
 
     def rebuild(self) -> None:
-        self._queue = dict(sorted(self.cached_at.items(), key=lambda kv: kv[1]))
+        self._queue = OrderedDict(sorted(self.cached_at.items(), key=lambda kv: kv[1]))
 
 
 POLICIES: dict[str, type[EvictionPolicy]] = {LruLeaf.name: LruLeaf, Lru.name: Lru}

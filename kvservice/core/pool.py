@@ -322,9 +322,13 @@ class Pool:
         page_start = np.cumsum(full) - full                  # first page of each prompt
         row = np.repeat(np.arange(a, dtype=np.int64), full)
         col = np.arange(n, dtype=np.int64) - page_start[row]
-        tok_start = np.cumsum(a_n) - a_n
-        idx = (tok_start[row] + col * ps)[:, None] + np.arange(ps, dtype=np.int64)[None, :]
-        pages = tok.astype(np.int64, copy=False)[idx]      # [N, ps]: O(prompt tokens), never A x longest
+        tok = tok.astype(np.int64, copy=False)
+        if a == 1:                                          # one prompt: its full pages are a view
+            pages = tok[:n * ps].reshape(n, ps)
+        else:                                               # [N, ps]: O(prompt tokens), never A x longest
+            tok_start = np.cumsum(a_n) - a_n
+            pages = np.concatenate([tok[s:s + f * ps].reshape(f, ps)
+                                    for s, f in zip(tok_start.tolist(), full.tolist(), strict=True)])
         limit = (a_n - 1) // ps                      # at least one token of each prompt is computed
         hashes = self.prefix.hash_fn(pages, col, page_start, full, ns) if n else np.zeros(0, dtype=np.uint64)
         return Prompt(pages, row, col, full, limit, ns, hashes, new_ns)

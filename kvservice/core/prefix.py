@@ -89,7 +89,7 @@ class PrefixCache:
         self.hits = 0                   # pages served from the cache
         self.sink = None                # events.GroupEventSource told of every page registered and forgotten
         self.fleet = None               # fleet_index.FleetMember told of the same (the manager's ScorePrefix index)
-        allocator.on_evict = self.forget
+        allocator.on_evict = self.forget_many
         allocator.caching = True
 
     def namespace_ids(self, salts: list[str], keys: list[str]) -> tuple[np.ndarray, dict[tuple[str, str], int]]:
@@ -106,9 +106,12 @@ class PrefixCache:
         Returns (cand int64 [N], ok bool [N]).
         """
         get = self.by_hash.get
-        uniq, inv = np.unique(hashes, return_inverse=True)       # shared prefixes: one lookup each
-        found = np.fromiter((get(h, -1) for h in uniq.tolist()), dtype=np.int64, count=len(uniq))
-        cand = found[inv.reshape(-1)]
+        if len(ns) == 1:                                          # one prompt: its page hashes are distinct
+            cand = np.fromiter((get(h, -1) for h in hashes.tolist()), dtype=np.int64, count=len(hashes))
+        else:
+            uniq, inv = np.unique(hashes, return_inverse=True)   # shared prefixes: one lookup each
+            found = np.fromiter((get(h, -1) for h in uniq.tolist()), dtype=np.int64, count=len(uniq))
+            cand = found[inv.reshape(-1)]
         safe = np.maximum(cand, 0)
         ok = cand >= 0
         ok &= self.namespace[safe] == ns[row]
@@ -175,20 +178,28 @@ class PrefixCache:
 
     def forget(self, slot: int) -> None:
         """Drop a slot's page from the cache (it is being reused for something else)."""
-        h = int(self.hash[slot])
-        if h and self.by_hash.get(h) == slot:
-            if self.fleet is not None:
-                self.fleet.forgotten(slot, h)
-            del self.by_hash[h]
-            if self.sink is not None:
-                self.sink.removed(h, slot)
         self.allocator.policy.unlink(slot)
-        self.hash[slot] = 0
-        self.parent[slot] = -2
-        self.parent_hash[slot] = 0
-        self.anchor[slot] = -1
-        self.namespace[slot] = -1
-        self.allocator.cacheable[slot] = False
+        self.forget_many(np.array([slot], dtype=np.intp))
+
+    def forget_many(self, slots: np.ndarray) -> None:
+        """Drop the pages of slots (intp [k], distinct; already unlinked in the eviction policy), in order."""
+        by_hash, fleet, sink = self.by_hash, self.fleet, self.sink
+        gone_h, gone_s = [], []
+        for s, h in zip(slots.tolist(), self.hash[slots].tolist(), strict=True):
+            if h and by_hash.get(h) == s:
+                if fleet is not None:
+                    fleet.forgotten(s, h)
+                del by_hash[h]
+                gone_h.append(h)
+                gone_s.append(s)
+        if sink is not None and gone_h:
+            sink.removed_many(gone_h, gone_s)
+        self.hash[slots] = 0
+        self.parent[slots] = -2
+        self.parent_hash[slots] = 0
+        self.anchor[slots] = -1
+        self.namespace[slots] = -1
+        self.allocator.cacheable[slots] = False
 
 
 def leading_run(ok: np.ndarray, row: np.ndarray, col: np.ndarray, num_rows: int) -> np.ndarray:

@@ -167,7 +167,7 @@ def test_lru_order_against_a_model(ops):
     a = SlotAllocator(N_SLOTS)
     a.caching = True
     evicted = []
-    a.on_evict = lambda slot: evicted.append(int(slot))
+    a.on_evict = lambda slots: evicted.extend(slots.tolist())
     m = LRUModel(N_SLOTS)
     for op, n, picks, unique in ops:
         a.clock += 1                      # as a pool does every step: each op's releases get their own stamp

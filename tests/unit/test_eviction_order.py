@@ -107,7 +107,7 @@ def test_inner_page_is_evicted_only_when_no_leaf_is_left():
     a.free(np.array([3]), unique=True)                        # a leaf, released later
     assert a.free_slots().tolist() == [3, 0, 1]
     evicted = []
-    a.on_evict = lambda s: (evicted.append(s), a.policy.unlink(s))
+    a.on_evict = lambda s: evicted.extend(s.tolist())
     a.allocate(1)
     assert evicted == [3]
     a.allocate(1)                                             # no leaf left: the older inner pages, lower slot first
