@@ -28,7 +28,7 @@ from itertools import repeat
 import numpy as np
 
 from kvservice.contract.errors import InvalidArgument, NotFound
-from kvservice.core.hashing import _GOLD, _M1, _M2, page_hashes, prompt_hashes, token_hashes
+from kvservice.core.hashing import _GOLD, _M1, _M2, _mix_int, page_hashes, prompt_hashes, token_hashes
 from kvservice.manager.pools import BlockManager
 
 #: Prompt tokens one ScorePrefix may carry.
@@ -93,15 +93,6 @@ class _Chain:
         self.h = h
         self._array = np.array(out, dtype=np.uint64)
         return self._array
-
-
-def _mix_int(x: int) -> int:
-    """prefix._mix (splitmix64 finaliser) on one Python int."""
-    x ^= x >> 30
-    x = (x * _M1_I) & _MASK
-    x ^= x >> 27
-    x = (x * _M2_I) & _MASK
-    return x ^ (x >> 31)
 
 
 def _page_only_hashes(pages: np.ndarray) -> np.ndarray:
