@@ -16,8 +16,10 @@ runs. ``init_logger`` is a real logger and ``vllm.envs`` answers vLLM's defaults
 from __future__ import annotations
 
 import ast
+import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import logging
 import os
 import subprocess
@@ -155,7 +157,6 @@ def load(version: str, name: str) -> types.ModuleType:
     finder = _Finder(root, extra)
     sys.meta_path.insert(0, finder)
     try:
-        import importlib
         return importlib.import_module(name)
     finally:
         sys.meta_path.remove(finder)
