@@ -708,7 +708,7 @@ class KVEvent(_message.Message):
     def __init__(self, block_stored: _Optional[_Union[BlockStored, _Mapping]] = ..., block_removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., all_blocks_cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ...) -> None: ...
 
 class BlockStored(_message.Message):
-    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window")
+    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window", "extra_keys")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -716,6 +716,7 @@ class BlockStored(_message.Message):
     GROUP_IDX_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_SPEC_KIND_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_SPEC_SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _common_pb2.Tensor
     parent_block_hash: int
     token_ids: _common_pb2.Tensor
@@ -723,7 +724,14 @@ class BlockStored(_message.Message):
     group_idx: int
     kv_cache_spec_kind: str
     kv_cache_spec_sliding_window: int
-    def __init__(self, block_hashes: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., parent_block_hash: _Optional[int] = ..., token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., block_size: _Optional[int] = ..., group_idx: _Optional[int] = ..., kv_cache_spec_kind: _Optional[str] = ..., kv_cache_spec_sliding_window: _Optional[int] = ...) -> None: ...
+    extra_keys: _containers.RepeatedCompositeFieldContainer[BlockExtraKeys]
+    def __init__(self, block_hashes: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., parent_block_hash: _Optional[int] = ..., token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., block_size: _Optional[int] = ..., group_idx: _Optional[int] = ..., kv_cache_spec_kind: _Optional[str] = ..., kv_cache_spec_sliding_window: _Optional[int] = ..., extra_keys: _Optional[_Iterable[_Union[BlockExtraKeys, _Mapping]]] = ...) -> None: ...
+
+class BlockExtraKeys(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, keys: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BlockRemoved(_message.Message):
     __slots__ = ("block_hashes", "group_idx")

@@ -119,3 +119,18 @@ def test_a_reset_lists_every_parent_before_its_children():
 
 def test_removed_events_name_their_group():
     assert BlockRemoved(1, np.array([5], dtype=np.uint64)).group == 1
+
+
+def test_watch_events_messages_carry_the_same_extra_keys():
+    from kvservice.events.messages import event_to_proto, proto_to_events
+    from kvservice.v1 import block_manager_pb2 as pb
+
+    pool = _pool()
+    tok = np.arange(1, 14)
+    pool.step(admit_ids=[1], admit_tokens=[13], admit_token_ids=tok, admit_salts=["t"], admit_extra_keys=["lora"])
+    pool.step(admit_ids=[2], admit_tokens=[13], admit_token_ids=tok + 100)          # no keys at all
+    events = pool.events.take_batch(pool_caches(pool)).events
+    back = proto_to_events(pb.KVEventBatch(events=[event_to_proto(e) for e in events]))
+    assert [getattr(e, "extra_keys", None) for e in back] == [getattr(e, "extra_keys", None) for e in events]
+    assert any(e.extra_keys for e in back if isinstance(e, BlockStored))
+    assert any(isinstance(e, BlockStored) and e.extra_keys is None for e in back)
