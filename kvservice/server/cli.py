@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -13,8 +14,9 @@ from pathlib import Path
 from kvservice.contract.auth import ServerTLS, TokenTable
 from kvservice.contract.errors import InvalidArgument, KVError
 from kvservice.contract.transport import MAX_MESSAGE_BYTES
+from kvservice.core.hashing import HASH_MODES
 from kvservice.events.hub import DEFAULT_RING_BATCHES, DEFAULT_RING_BYTES, EventsConfig
-from kvservice.events.zmq import zmq_configs
+from kvservice.events.zmq import DEFAULT_FORMAT, FORMATS, zmq_configs
 from kvservice.server.app import serve
 from kvservice.server.config import DEFAULT_POOLS_YAML, load_pools, load_pools_file
 from kvservice.server.servicer import Limits
@@ -74,9 +76,17 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     lim.add_argument("--max-pools", type=int, default=_LIMITS.max_pools, help="pools (0 = no cap)")
     lim.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES, help="gRPC message limit")
     ev = s.add_argument_group("KV events (docs/operations.md#kv-events)")
-    ev.add_argument("--kv-events-zmq", action="append", default=[], metavar="[POOL=]ENDPOINT",
-                    help="publish a pool's KV events in vLLM's ZeroMQ format on this PUB endpoint, e.g. tcp://*:5557 "
-                         "(bound if it holds '*'); no POOL = --kv-events-pool; repeatable, one per pool")
+    ev.add_argument("--kv-events-zmq", action="append", default=[], metavar="[POOL=][bind:|connect:]ENDPOINT",
+                    help="publish a pool's KV events in vLLM's ZeroMQ format on this PUB endpoint, e.g. tcp://*:5557; "
+                         "bound if it holds '*' or '::' or is ipc://, else connected to a collector that binds "
+                         "(vLLM's rule; bind: or connect: forces one); no POOL = --kv-events-pool; repeatable, one "
+                         "per pool")
+    ev.add_argument("--kv-events-format", default=DEFAULT_FORMAT, choices=FORMATS,
+                    help="vLLM wire version of the ZeroMQ events: vllm-0.33 (events as tagged maps, with layer "
+                         "groups and extra keys) or vllm-0.11 (events as tagged arrays)")
+    ev.add_argument("--prefix-hash", default="", choices=("", *HASH_MODES),
+                    help="page hash of configured pools with prefix caching that name none: kvservice (default) or "
+                         "vllm-sha256-cbor (vLLM's block hashes, for routers that compute them from token ids)")
     ev.add_argument("--kv-events-replay", action="append", default=[], metavar="[POOL=]ENDPOINT",
                     help="ROUTER endpoint answering replay requests for missed batches, e.g. tcp://*:5558")
     ev.add_argument("--kv-events-pool", default="default", help="pool of an --kv-events-zmq without POOL=")
@@ -106,7 +116,7 @@ def events_config(args: argparse.Namespace) -> EventsConfig:
     return EventsConfig(ring_batches=args.kv_events_buffer, ring_bytes=args.kv_events_buffer_bytes,
                         max_watchers=args.kv_events_max_watchers,
                         zmq=zmq_configs(args.kv_events_zmq, args.kv_events_replay, args.kv_events_pool,
-                                        args.kv_events_topic, args.kv_events_medium))
+                                        args.kv_events_topic, args.kv_events_medium, args.kv_events_format))
 def _state_arg(value: str) -> str:
     if value == "memory" or value.startswith("nats://"):
         return value
@@ -158,6 +168,8 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             pools = load_pools_file(args.pools)
         else:
             pools = load_pools(DEFAULT_POOLS_YAML, "embedded defaults")
+        if args.prefix_hash:                     # the default hash mode of configured pools that name none
+            pools = [dataclasses.replace(p, prefix_hash=p.prefix_hash or args.prefix_hash) for p in pools]
         tls = ServerTLS.from_files(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
         tokens = TokenTable.from_file(args.tokens_file) if args.tokens_file else None
         limits = Limits(args.max_step_sequences, args.max_step_tokens, args.max_pool_slots, args.max_pools)

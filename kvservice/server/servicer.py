@@ -188,6 +188,7 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
 def _adapter(name: str) -> Callable[..., Any]:
     def method(self: BlockManagerServicer, request: Any, context: grpc.ServicerContext) -> Any:
         start = time.perf_counter()
+        code, reason = "OK", ""
         try:
             apply = getattr(self.api, name)
             if getattr(self.journal, "failed", None):
@@ -205,14 +206,18 @@ def _adapter(name: str) -> Callable[..., Any]:
                 self.journal.stamp(reply)                 # type: ignore[union-attr]
             return reply
         except JournalUnavailable as err:
+            code = "UNAVAILABLE"
             context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
         except KVError as err:
-            context.abort_with_status(to_status(err))
+            status = to_status(err)
+            code, reason = status.code.name, err.reason
+            context.abort_with_status(status)
         except Exception:
+            code = "INTERNAL"
             log.exception("%s failed", name)
             context.abort(grpc.StatusCode.INTERNAL, f"internal error in {name}; see the manager's log")
         finally:
-            self.metrics.rpc_duration.labels(name).observe(time.perf_counter() - start)
+            self.metrics.observe(name, time.perf_counter() - start, code, reason)
     method.__name__ = name
     return method
 

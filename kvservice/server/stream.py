@@ -227,13 +227,14 @@ def _request_key(r: pb.StepRequest, stream_id: str) -> tuple | None:
 
 
 def step_one(servicer: Any, session: StreamSession, request: Any, broken: type[Exception],
-             observe: Callable[[float], None]) -> pb.StepReply:
+             observe: Callable[[float, pb.StepReply | None], None]) -> pb.StepReply:
     """Answer one request of a StepStream; raises `broken` (the journal's JournalUnavailable) only.
 
     request: a StepRequest, or the server's stand-in for bytes that did not parse.
-    observe: records the request's server-side seconds.
+    observe: records the request's server-side seconds and its reply (None when `broken` was raised).
     """
     start = time.perf_counter()
+    reply = None
     ok = isinstance(request, pb.StepRequest)
     seq = request.stream_seq if ok else 0
     try:
@@ -267,13 +268,15 @@ def step_one(servicer: Any, session: StreamSession, request: Any, broken: type[E
     except broken:
         raise
     except KVError as err:
-        return error_reply(seq, err)
+        reply = error_reply(seq, err)
+        return reply
     except Exception:
         log.exception("StepStream request %d of stream %r failed", seq, session.stream_id)
-        return pb.StepReply(stream_seq=seq, error=pb.RequestStatus(
+        reply = pb.StepReply(stream_seq=seq, error=pb.RequestStatus(
             code=code_pb2.INTERNAL, message="internal error in StepStream; see the manager's log", reason="INTERNAL"))
+        return reply
     finally:
-        observe(time.perf_counter() - start)
+        observe(time.perf_counter() - start, reply)
 
 
 def step_stream(servicer: Any, requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[pb.StepReply]:
@@ -287,7 +290,13 @@ def step_stream(servicer: Any, requests: Iterator[Any], context: grpc.ServicerCo
     _enter(registry, context)
     try:
         session = registry.session(stream_id)
-        observe = servicer.metrics.rpc_duration.labels("Step").observe     # a stream request is a Step: same alerts
+        metrics = servicer.metrics
+
+        def observe(seconds: float, reply: pb.StepReply | None) -> None:      # a stream request is a Step: same alerts
+            if reply is None:
+                metrics.observe("Step", seconds, "UNAVAILABLE")
+            else:
+                metrics.observe_reply("Step", seconds, reply)
         for request in requests:
             try:
                 reply = step_one(servicer, session, request, JournalUnavailable, observe)
@@ -310,7 +319,7 @@ def echo_stream(servicer: Any, requests: Iterator[Any], context: grpc.ServicerCo
     registry = servicer.streams
     _enter(registry, context)
     try:
-        observe = servicer.metrics.rpc_duration.labels("Echo").observe
+        observe = servicer.metrics.rpc_duration.labels("Echo", "OK").observe
         for request in requests:
             start = time.perf_counter()
             if not isinstance(request, pb.EchoRequest):

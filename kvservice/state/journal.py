@@ -754,11 +754,13 @@ def _plain(v: Any) -> Any:
 
 
 def create_request(name: str, spec: CacheSpec, sizing: Sizing, backends: tuple[str, ...],
-                   prefix_caching: bool = False, model: str = "") -> pb.CreatePoolRequest:
+                   prefix_caching: bool = False, model: str = "", prefix_hash: str = "",
+                   prefix_hash_seed: str = "") -> pb.CreatePoolRequest:
     """The CreatePool request of a configured pool (config pools are journaled like API-created ones)."""
     from kvservice.contract.convert import cache_spec_to_proto, sizing_to_proto
     return pb.CreatePoolRequest(name=name, cache=cache_spec_to_proto(spec), backends=list(backends),
-                                sizing=sizing_to_proto(sizing), enable_prefix_caching=prefix_caching, model=model)
+                                sizing=sizing_to_proto(sizing), enable_prefix_caching=prefix_caching, model=model,
+                                prefix_hash=prefix_hash, prefix_hash_seed=prefix_hash_seed)
 
 
 def ensure_pools(journal: Journal, pools: list[Any]) -> list[str]:
@@ -773,7 +775,9 @@ def ensure_pools(journal: Journal, pools: list[Any]) -> list[str]:
                                 "(delete the pool to recreate it from the configuration)", pc.name)
             continue
         journal.execute("CreatePool", create_request(pc.name, pc.spec, pc.sizing, pc.backends,
-                                                     getattr(pc, "prefix_caching", False), getattr(pc, "model", "")),
+                                                     getattr(pc, "prefix_caching", False), getattr(pc, "model", ""),
+                                                     getattr(pc, "prefix_hash", ""),
+                                                     getattr(pc, "prefix_hash_seed", "")),
                         journal.api.CreatePool)
         created.append(pc.name)
     return created

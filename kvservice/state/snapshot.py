@@ -301,6 +301,10 @@ def check_pool_state(state: PoolState, p: Plan) -> list[str]:
                      f"prefix/{g}/namespace": (i8, 1), f"prefix/{g}/tokens": (i8, 2)}
     if m.get("version") != POOL_STATE_VERSION:
         return [f"pool state version {m.get('version')} is not {POOL_STATE_VERSION}"]
+    optional = {f"cached_stamp/{g}": (i8, 1) for g in range(len(groups))}     # absent in older snapshots
+    if m.get("prefix_caching"):
+        optional |= {f"prefix/{g}/linked": (i8, 1) for g in range(len(groups))}
+    want |= {k: v for k, v in optional.items() if k in a}
     if set(a) != set(want):
         return [f"arrays {sorted(set(a) ^ set(want))} missing or unexpected"]
     for k, (dt, nd) in want.items():
@@ -361,6 +365,9 @@ def check_pool_state(state: PoolState, p: Plan) -> list[str]:
             bad(f"group {g}: a free slot is also owned (slot {int(both[0])})")
         if len(free) + int(np.count_nonzero(owners)) != num_slots:
             bad(f"group {g}: {len(free)} free + {int(np.count_nonzero(owners))} owned != {num_slots} slots")
+        stamps = a.get(f"cached_stamp/{g}")
+        if stamps is not None and (len(stamps) != len(cached) or (len(stamps) and stamps.min() < 0)):
+            bad(f"group {g}: {len(stamps)} release stamps for {len(cached)} cached slots, or a negative one")
         if not m["prefix_caching"] and len(cached):
             bad(f"group {g}: cached free slots without a prefix cache")
         if int(m["groups"][g]["peak_used"]) < num_slots - len(free) or int(m["groups"][g]["evictions"]) < 0:
@@ -377,7 +384,8 @@ def check_pool_state(state: PoolState, p: Plan) -> list[str]:
             slot, h, tokens = a[k + "slot"], a[k + "hash"], a[k + "tokens"]
             ns, parent, anchor = a[k + "namespace"], a[k + "parent"], a[k + "anchor"]
             e = len(slot)
-            if {len(h), len(ns), len(parent), len(anchor), len(a[k + "parent_hash"]), len(tokens)} != {e} \
+            linked = a.get(k + "linked", np.zeros(e, dtype=np.int64))
+            if {len(h), len(ns), len(parent), len(anchor), len(a[k + "parent_hash"]), len(tokens), len(linked)} != {e} \
                     or (e and tokens.shape[1] != ps):
                 bad(f"group {g}: prefix cache arrays differ in length or page size")
             elif e and (slot.min() < 0 or slot.max() >= num_slots or _repeats(slot) or (h == 0).any()

@@ -174,7 +174,7 @@ class PlanReply(_message.Message):
     def __init__(self, num_slots: _Optional[int] = ..., page_size: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., max_pages_per_seq: _Optional[int] = ..., bytes_per_layer: _Optional[int] = ..., bytes_per_slot: _Optional[int] = ..., total_bytes: _Optional[int] = ..., max_byte_offset: _Optional[int] = ..., offsets_exceed_int32: _Optional[bool] = ..., offsets_exceed_uint32: _Optional[bool] = ..., indices_need_int64: _Optional[bool] = ..., layers: _Optional[_Iterable[_Union[LayerPlan, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[GroupPlan, _Mapping]]] = ..., index_spaces: _Optional[_Iterable[_Union[IndexSpace, _Mapping]]] = ..., backends: _Optional[_Iterable[str]] = ..., warnings: _Optional[_Iterable[str]] = ..., pool_pages: _Optional[int] = ..., equal_sizing_bytes: _Optional[int] = ..., notes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CreatePoolRequest(_message.Message):
-    __slots__ = ("name", "cache", "sizing", "backends", "request_id", "enable_prefix_caching", "incarnation", "model")
+    __slots__ = ("name", "cache", "sizing", "backends", "request_id", "enable_prefix_caching", "incarnation", "model", "prefix_hash", "prefix_hash_seed")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
     SIZING_FIELD_NUMBER: _ClassVar[int]
@@ -183,6 +183,8 @@ class CreatePoolRequest(_message.Message):
     ENABLE_PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HASH_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HASH_SEED_FIELD_NUMBER: _ClassVar[int]
     name: str
     cache: CacheSpec
     sizing: Sizing
@@ -191,7 +193,9 @@ class CreatePoolRequest(_message.Message):
     enable_prefix_caching: bool
     incarnation: int
     model: str
-    def __init__(self, name: _Optional[str] = ..., cache: _Optional[_Union[CacheSpec, _Mapping]] = ..., sizing: _Optional[_Union[Sizing, _Mapping]] = ..., backends: _Optional[_Iterable[str]] = ..., request_id: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ..., incarnation: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+    prefix_hash: str
+    prefix_hash_seed: str
+    def __init__(self, name: _Optional[str] = ..., cache: _Optional[_Union[CacheSpec, _Mapping]] = ..., sizing: _Optional[_Union[Sizing, _Mapping]] = ..., backends: _Optional[_Iterable[str]] = ..., request_id: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ..., incarnation: _Optional[int] = ..., model: _Optional[str] = ..., prefix_hash: _Optional[str] = ..., prefix_hash_seed: _Optional[str] = ...) -> None: ...
 
 class PoolStats(_message.Message):
     __slots__ = ("num_slots", "num_free_slots", "peak_used_slots", "num_sequences", "num_tokens", "steps", "admitted", "refused", "prefix_cache_hits", "prefix_cache_evictions", "cached_slots", "prefix_caching", "event_sequence")
@@ -224,13 +228,15 @@ class PoolStats(_message.Message):
     def __init__(self, num_slots: _Optional[int] = ..., num_free_slots: _Optional[int] = ..., peak_used_slots: _Optional[int] = ..., num_sequences: _Optional[int] = ..., num_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., admitted: _Optional[int] = ..., refused: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_evictions: _Optional[int] = ..., cached_slots: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., event_sequence: _Optional[int] = ...) -> None: ...
 
 class PoolInfo(_message.Message):
-    __slots__ = ("name", "plan", "stats", "cache", "incarnation", "model", "position")
+    __slots__ = ("name", "plan", "stats", "cache", "incarnation", "model", "prefix_hash", "prefix_hash_seed", "position")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HASH_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HASH_SEED_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     name: str
     plan: PlanReply
@@ -238,8 +244,10 @@ class PoolInfo(_message.Message):
     cache: CacheSpec
     incarnation: int
     model: str
+    prefix_hash: str
+    prefix_hash_seed: str
     position: JournalPosition
-    def __init__(self, name: _Optional[str] = ..., plan: _Optional[_Union[PlanReply, _Mapping]] = ..., stats: _Optional[_Union[PoolStats, _Mapping]] = ..., cache: _Optional[_Union[CacheSpec, _Mapping]] = ..., incarnation: _Optional[int] = ..., model: _Optional[str] = ..., position: _Optional[_Union[JournalPosition, _Mapping]] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., plan: _Optional[_Union[PlanReply, _Mapping]] = ..., stats: _Optional[_Union[PoolStats, _Mapping]] = ..., cache: _Optional[_Union[CacheSpec, _Mapping]] = ..., incarnation: _Optional[int] = ..., model: _Optional[str] = ..., prefix_hash: _Optional[str] = ..., prefix_hash_seed: _Optional[str] = ..., position: _Optional[_Union[JournalPosition, _Mapping]] = ...) -> None: ...
 
 class JournalPosition(_message.Message):
     __slots__ = ("incarnation", "seq", "lineage")
@@ -730,7 +738,7 @@ class KVEvent(_message.Message):
     def __init__(self, block_stored: _Optional[_Union[BlockStored, _Mapping]] = ..., block_removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., all_blocks_cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ...) -> None: ...
 
 class BlockStored(_message.Message):
-    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window")
+    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window", "extra_keys")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -738,6 +746,7 @@ class BlockStored(_message.Message):
     GROUP_IDX_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_SPEC_KIND_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_SPEC_SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _common_pb2.Tensor
     parent_block_hash: int
     token_ids: _common_pb2.Tensor
@@ -745,7 +754,14 @@ class BlockStored(_message.Message):
     group_idx: int
     kv_cache_spec_kind: str
     kv_cache_spec_sliding_window: int
-    def __init__(self, block_hashes: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., parent_block_hash: _Optional[int] = ..., token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., block_size: _Optional[int] = ..., group_idx: _Optional[int] = ..., kv_cache_spec_kind: _Optional[str] = ..., kv_cache_spec_sliding_window: _Optional[int] = ...) -> None: ...
+    extra_keys: _containers.RepeatedCompositeFieldContainer[BlockExtraKeys]
+    def __init__(self, block_hashes: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., parent_block_hash: _Optional[int] = ..., token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., block_size: _Optional[int] = ..., group_idx: _Optional[int] = ..., kv_cache_spec_kind: _Optional[str] = ..., kv_cache_spec_sliding_window: _Optional[int] = ..., extra_keys: _Optional[_Iterable[_Union[BlockExtraKeys, _Mapping]]] = ...) -> None: ...
+
+class BlockExtraKeys(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, keys: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BlockRemoved(_message.Message):
     __slots__ = ("block_hashes", "group_idx")

@@ -93,6 +93,8 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
             metrics.guard_corruptions.labels(name)
         for reason in ("STALE_LEADER_EPOCH", "LEADER_EPOCH_REQUIRED"):
             metrics.leader_epoch_refusals.labels(reason)
+        for kernel in KERNELS:                       # the duration panels read 0 calls, not "no data"
+            metrics.kernel_duration.labels(kernel)
 
     def replan(self, caches: CacheSet, incarnation: int) -> None:
         """Serve from caches planned for another incarnation of the pool (after in-flight calls end)."""

@@ -36,6 +36,7 @@ MANAGER_METRICS = {
     "kvservice_alloc_failures_total": "counter",
     "kvservice_prefix_cache_hits_total": "counter",
     "kvservice_rpc_duration_seconds": "histogram",
+    "kvservice_requests_refused_total": "counter",
     # KV events and prefix lookups (kvservice/events/metrics.py)
     "kvservice_prefix_cache_lookup_pages_total": "counter",
     "kvservice_prefix_cache_hit_pages_total": "counter",
@@ -168,3 +169,5 @@ pools:
     sizing: {num_slots: 16}
     backends: [native]
 """
+#: The same pool with prefix caching (the prefix-cache and KV event panels have a pool to show).
+TINY_CACHING_POOLS = TINY_POOLS + "    prefix_caching: true\n"
