@@ -17,10 +17,12 @@ import urllib.parse
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import yaml
+from prometheus_client import CollectorRegistry, start_http_server
 
 from .support import RULES, Proc, free_port, http_get, need, stop_process
 
@@ -204,7 +206,8 @@ def test_every_dashboard_and_rule_expression_has_data_on_a_fresh_manager_and_wor
         tmp_path: Path, start_manager, start_worker) -> None:
     """Before any refusal, every dashboard query returns data and every series a rule selects exists, as
     Prometheus evaluates them (a series born at the first refusal leaves panels and alerts on "no data").
-    Leadership series are a replicated manager's (tests/integration/test_ha.py); a single one has none."""
+    Leadership series are a replicated manager's (tests/integration/test_ha.py); a single one has none. The
+    client's series come from a scheduler's registry, scraped beside the manager and the worker."""
     from kvservice.client import BlockManagerClient
 
     from .support import REPLICATED_METRICS, TINY_CACHING_POOLS, sample_names
@@ -213,8 +216,12 @@ def test_every_dashboard_and_rule_expression_has_data_on_a_fresh_manager_and_wor
     replicated = sample_names(REPLICATED_METRICS)
     manager = start_manager(TINY_CACHING_POOLS)
     worker = start_worker(manager)
-    with prometheus(tmp_path, {"kvservice-manager": manager, "kvworker": worker}) as prom, \
-            BlockManagerClient(manager.grpc_addr, timeout=5.0) as c:
+    # A scheduler exports the client's series (kvservice_client_*) from its own registry, as a real one would.
+    registry = CollectorRegistry()
+    http, _ = start_http_server(0, addr="127.0.0.1", registry=registry)
+    scheduler = SimpleNamespace(metrics_port=http.server_port)
+    with prometheus(tmp_path, {"kvservice-manager": manager, "kvworker": worker, "scheduler": scheduler}) as prom, \
+            BlockManagerClient(manager.grpc_addr, timeout=5.0, registry=registry) as c:
         c.step("default", admit=[1], admit_tokens=[40], admit_token_ids=list(range(100, 140)))   # fits: no refusal
         queries = {where: grafana_to_promql(e) for where, e in dashboard_exprs().items()
                    if not metric_names(e) & replicated}
@@ -234,6 +241,7 @@ def test_every_dashboard_and_rule_expression_has_data_on_a_fresh_manager_and_wor
             left = empty()
         assert not left, "no data for: " + "; ".join(f"{w} = {queries[w]}" for w in left)
         assert prom.value('kvservice_alloc_failures_total{pool="default",reason="out_of_slots"}') == 0
+    http.shutdown()
 
 
 def test_health_and_readiness_on_the_metrics_port(start_manager) -> None:
