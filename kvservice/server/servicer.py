@@ -203,7 +203,8 @@ def _adapter(name: str) -> Callable[..., Any]:
         except KVError as err:
             context.abort_with_status(to_status(err))
         except Exception:
-            log.exception("%s failed", name)
+            log.exception("%s failed", name, extra={"pool": getattr(request, "pool", None),
+                                                    "request_id": getattr(request, "request_id", None)})
             context.abort(grpc.StatusCode.INTERNAL, f"internal error in {name}; see the manager's log")
         finally:
             self.metrics.rpc_duration.labels(name).observe(time.perf_counter() - start)

@@ -269,7 +269,8 @@ def step_one(servicer: Any, session: StreamSession, request: Any, broken: type[E
     except KVError as err:
         return error_reply(seq, err)
     except Exception:
-        log.exception("StepStream request %d of stream %r failed", seq, session.stream_id)
+        log.exception("StepStream request %d of stream %r failed", seq, session.stream_id,
+                      extra={"pool": getattr(request, "pool", None), "stream_id": session.stream_id})
         return pb.StepReply(stream_seq=seq, error=pb.RequestStatus(
             code=code_pb2.INTERNAL, message="internal error in StepStream; see the manager's log", reason="INTERNAL"))
     finally:
