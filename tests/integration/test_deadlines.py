@@ -298,11 +298,8 @@ def test_a_10_s_call_rides_a_leader_kill_and_succeeds_on_the_new_leader_within_i
     lease = ("--leader-ttl", "1.0", "--leader-renew", "0.25")
     slots = [ManagerSlot(tmp_path, name, nats.url, "deadline", lease) for name in ("a", "b")]
     try:
-        threads = [threading.Thread(target=s.start, args=(180.0,)) for s in slots]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(200)
+        for s in slots:
+            s.start(180.0)
         targets = [s.target for s in slots]
         with LeaderClient(targets, timeout=10, failover=120) as setup:   # the first election may take a while
             setup.create_pool("p", SPEC, SIZING)
@@ -326,3 +323,17 @@ def test_a_10_s_call_rides_a_leader_kill_and_succeeds_on_the_new_leader_within_i
         for s in slots:
             s.stop()
         nats.stop()
+
+
+def test_a_dead_worker_is_named_within_the_worker_clients_deadline():
+    """WorkerClient's timeout is each call's gRPC deadline; a dead worker is UNAVAILABLE naming it (gRPC may resend
+    Info, which changes nothing, inside that deadline)."""
+    from kvservice.client.worker_client import WorkerClient
+    address = f"127.0.0.1:{free_port()}"
+    with WorkerClient(address, "w-dead", timeout=2.0) as w:
+        t0 = time.monotonic()
+        with pytest.raises(ClientError) as exc:
+            w.info()
+        spent = time.monotonic() - t0
+    assert exc.value.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    assert f"worker w-dead at {address}" in exc.value.message and spent < 2.0 + CEILING
