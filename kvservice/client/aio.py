@@ -2,7 +2,7 @@
 
 Deadlines and retries follow kvservice/client/client.py exactly (``timeout`` is the deadline of a whole
 call, each attempt gets what remains, one request_id per logical call, RETRIES_EXHAUSTED carrying it,
-the failover bound, ManagerBehind); only the waits are awaited.
+the failover bound, StateRolledBack); only the waits are awaited.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import grpc
 from kvservice.client import codec
 from kvservice.client.client import (
     SERVICE,
-    PositionTracker,
     TLSOptions,
     auth_metadata,
     channel_options,
     new_request_id,
+    position_tracker,
 )
 from kvservice.client.codec import StepResult
 from kvservice.client.deadline import RETRY_CODES, CallBudget, RetryPolicy, client_policy
@@ -38,11 +38,11 @@ class AsyncBlockManagerClient:
 
     def __init__(self, target: str, timeout: float = 10.0, retries: int | None = None, *,
                  tls: TLSOptions | None = None, token: str | None = None, retry: RetryPolicy | None = None,
-                 failover: float | None = None, interceptors: Sequence[Any] = ()) -> None:
+                 registry: Any = None, failover: float | None = None, interceptors: Sequence[Any] = ()) -> None:
         self.target = target
         self.timeout = timeout
         self.retry = client_policy(retry, retries, failover)
-        self.position = PositionTracker()
+        self.position = position_tracker(registry)
         self._metadata = auth_metadata(token)
         options = channel_options(tls, self.retry.service_config(SERVICE))
         if tls is None:
@@ -65,8 +65,8 @@ class AsyncBlockManagerClient:
         await self._channel.close()
 
     def reset_position(self) -> None:
-        """Forget the journal positions seen (after resynchronising with a manager that came back behind)."""
-        self.position = PositionTracker()
+        """Forget the journal positions seen and refused (after resynchronising with a manager that was rolled back)."""
+        self.position.reset()
 
     async def _call(self, method: Any, request: Any, timeout: float | None) -> Any:
         """One logical call: attempts under one request_id until it succeeds, fails for good, or its deadline

@@ -11,14 +11,17 @@ a retry with the original reply. When a call gives up, the ClientError (reason R
 carries the request_id: calling again with it later is safe. RegisterWorker has no id: a retried
 registration just yields a newer epoch, which is safe.
 
-Position check: mutating replies and pool reads carry the manager's journal position
-(incarnation, seq). A reply whose seq is below one this client saw before it sent the call means
-the manager came back behind what it acknowledged (its state dir lost changes): the call raises
-ManagerBehind (DATA_LOSS) instead of returning state that contradicts earlier replies.
+Position check (kvservice/client/position.py): replies of mutating calls and state reads carry the
+manager's journal position (lineage, incarnation, seq). A reply whose seq is below one this client saw
+in the same lineage before it sent the call means the manager's state was rolled back (it lost changes
+it acknowledged): the call raises StateRolledBack (DATA_LOSS, reason STATE_ROLLED_BACK) instead of
+returning state that contradicts earlier replies, and counts it (``registry``: a prometheus_client
+registry that gets kvservice_client_state_rollbacks_total). A reply of a new lineage is accepted and
+reported (logged, counted).
 """
+
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -29,8 +32,9 @@ from typing import Any, TypeVar
 import grpc
 
 from kvservice.client import codec
-from kvservice.client.codec import ClientError, StepResult, position_of
+from kvservice.client.codec import ClientError, StepResult
 from kvservice.client.deadline import RETRY_CODES, CallBudget, RetryPolicy, client_policy
+from kvservice.client.position import ClientMetrics, PositionTracker, StateRolledBack
 from kvservice.client.stream import EchoStream, StepStream
 from kvservice.contract.pagetable import PageTable, ValidationReport
 from kvservice.contract.transport import MAX_MESSAGE_BYTES
@@ -75,43 +79,17 @@ class TLSOptions:
                                             certificate_chain=self.cert)
 
 
-class ManagerBehind(ClientError):
-    """A reply from a manager whose journal is behind what this client saw earlier (it lost acknowledged changes).
-
-    reply: the reply (its changes were applied by that manager); seen: the highest seq seen before the call.
-    """
-
-    def __init__(self, name: str, seen: int, got: tuple[int, int], reply: Any, request_id: str | None) -> None:
-        super().__init__(grpc.StatusCode.DATA_LOSS,
-                         f"{name}: the manager answered at journal position {got[1]} (incarnation {got[0]}) but this "
-                         f"client already saw position {seen}: the manager came back behind what it acknowledged "
-                         "(its state dir lost changes). Do not trust its state; resynchronise the scheduler, then "
-                         "call reset_position()", "MANAGER_BEHIND",
-                         {"seen_seq": str(seen), "seq": str(got[1]), "incarnation": str(got[0])}, request_id)
-        self.reply = reply
+#: The name StateRolledBack had before lineages (reason MANAGER_BEHIND then, STATE_ROLLED_BACK now).
+ManagerBehind = StateRolledBack
 
 
-class PositionTracker:
-    """The highest journal position a client has seen (thread-safe)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.seq = 0
-        self.incarnation = 0
-
-    def seen(self) -> int:
-        return self.seq
-
-    def check(self, name: str, reply: Any, seen_before: int, request_id: str | None) -> None:
-        """Record a reply's position; ManagerBehind if it is below what was seen before the call was sent."""
-        pos = position_of(reply)
-        if pos is None:
-            return
-        if pos[1] < seen_before:
-            raise ManagerBehind(name, seen_before, pos, reply, request_id)
-        with self._lock:
-            if pos[1] >= self.seq:
-                self.incarnation, self.seq = pos
+def position_tracker(registry: Any = None) -> PositionTracker:
+    """A PositionTracker whose refusals and lineage changes count in `registry` (a prometheus_client
+    CollectorRegistry; None = not exported: the counts stay on the tracker and in each error)."""
+    tracker = PositionTracker()
+    if registry is not None:
+        ClientMetrics.of(registry).attach(tracker)
+    return tracker
 
 
 def new_request_id() -> str:
@@ -164,18 +142,19 @@ class BlockManagerClient:
     call that meets no manager trying for S seconds, across a failover or restart). retries: a cap on
     extra attempts instead (0 = never retry; ignored if `retry` is given). failover: seconds a call that
     meets no manager (UNAVAILABLE: a restart, a failover) keeps trying, even past timeout (replaces the
-    policy's; 0 = never past timeout, the default). tls: TLS / mutual TLS (None =
-    plaintext). token: bearer token for a manager started with --tokens-file. position: the highest
-    journal position seen (see the module docstring).
+    policy's; 0 = never past timeout, the default). tls: TLS / mutual TLS (None = plaintext). token:
+    bearer token for a manager started with --tokens-file. registry: a prometheus_client registry to count
+    refused (rolled-back) replies and lineage changes in. position: the journal positions seen (see the module
+    docstring).
     """
 
     def __init__(self, target: str, timeout: float = 10.0, retries: int | None = None,
                  channel: grpc.Channel | None = None, *, tls: TLSOptions | None = None, token: str | None = None,
-                 retry: RetryPolicy | None = None, failover: float | None = None) -> None:
+                 retry: RetryPolicy | None = None, registry: Any = None, failover: float | None = None) -> None:
         self.target = target
         self.timeout = timeout
         self.retry = client_policy(retry, retries, failover)
-        self.position = PositionTracker()
+        self.position = position_tracker(registry)
         self._metadata = auth_metadata(token)
         self._channel = channel or make_channel(target, tls, self.retry.service_config(SERVICE))
         self._stub = pb_grpc.BlockManagerStub(self._channel)
@@ -201,8 +180,8 @@ class BlockManagerClient:
                               f"within {timeout:.0f} s") from None
 
     def reset_position(self) -> None:
-        """Forget the journal positions seen (after resynchronising with a manager that came back behind)."""
-        self.position = PositionTracker()
+        """Forget the journal positions seen and refused (after resynchronising with a manager that was rolled back)."""
+        self.position.reset()
 
     def _call(self, method: Callable[..., T], request: Any, timeout: float | None,
               codes: tuple[grpc.StatusCode, ...] = RETRY_CODES) -> T:

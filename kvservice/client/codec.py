@@ -47,11 +47,19 @@ class ClientError(Exception):
 
 
 def position_of(reply: object) -> tuple[int, int] | None:
-    """(incarnation, seq) of the journal position a reply carries, None if it has none."""
+    """(incarnation, seq) of the journal position a reply carries, None if it has none (its lineage:
+    lineage_of; all three: kvservice.client.position.journal_position)."""
     if "position" not in reply.DESCRIPTOR.fields_by_name or not reply.HasField("position"):  # type: ignore[attr-defined]
         return None
     pos = reply.position                                                                      # type: ignore[attr-defined]
     return int(pos.incarnation), int(pos.seq)
+
+
+def lineage_of(reply: object) -> int:
+    """The state lineage of a reply's journal position (0 if none)."""
+    if "position" not in reply.DESCRIPTOR.fields_by_name or not reply.HasField("position"):  # type: ignore[attr-defined]
+        return 0
+    return int(reply.position.lineage)                                                        # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +89,7 @@ class StepResult:
     cached_tokens: np.ndarray | None = None         # int64 [A]: tokens of each admission already cached
     copies: dict[int, np.ndarray] | None = None     # group -> int64 [n, 2] (src_slot, dst_slot), run first
     position: tuple[int, int] | None = None         # (incarnation, seq): the manager's journal position
+    lineage: int = 0                                # the state lineage that position belongs to (0 = none)
 
     def for_layer(self, layer: int) -> SpaceTables:
         """The tables a kernel of `layer` must use (never another space's)."""
@@ -175,7 +184,7 @@ def parse_step(reply: pb.StepReply) -> StepResult:
     return StepResult(from_tensor(reply.seq_ids, "seq_ids"), from_tensor(reply.num_tokens, "num_tokens"),
                       from_tensor(reply.new_token_indptr, "new_token_indptr"), tables,
                       tuple(reply.layer_index_space), reply.num_free_slots,
-                      field_array(reply, "admit_cached_tokens"), copies, position_of(reply))
+                      field_array(reply, "admit_cached_tokens"), copies, position_of(reply), lineage_of(reply))
 
 
 def validate_request(pool: str, layer: int, table: PageTable, max_reports: int = 100) -> pb.ValidatePageTableRequest:

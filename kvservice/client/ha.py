@@ -19,7 +19,10 @@ trying for S seconds while no manager answers.
 
 Every reply of a replicated manager carries the leader's epoch in the initial metadata
 ``kvservice-leader-epoch``. LeaderClient remembers the highest epoch it has seen and refuses a
-reply from a lower one (a deposed leader): the call is retried elsewhere, never returned.
+reply from a lower one (a deposed leader): the call is retried elsewhere, never returned. The
+epoch check comes first; a reply that passes it then goes through the journal-position check
+of every client (kvservice/client/position.py): every manager of a deployment serves the same
+lineage, so a leader whose journal lost acknowledged entries is refused STATE_ROLLED_BACK.
 """
 
 from __future__ import annotations
@@ -89,14 +92,15 @@ class LeaderClient(BlockManagerClient):
 
     def __init__(self, targets: str | Sequence[str], timeout: float = 10.0, retries: int | None = None, *,
                  tls: TLSOptions | None = None, token: str | None = None, retry: RetryPolicy | None = None,
-                 failover: float | None = None, interceptors: Sequence[grpc.UnaryUnaryClientInterceptor] = ()) -> None:
+                 registry: Any = None, failover: float | None = None,
+                 interceptors: Sequence[grpc.UnaryUnaryClientInterceptor] = ()) -> None:
         self.targets = [t.strip() for t in (targets.split(",") if isinstance(targets, str) else targets) if t.strip()]
         if not self.targets:
             raise ValueError("LeaderClient needs at least one manager address")
         retry = client_policy(retry, retries, failover, FAILOVER_RETRY)
         self._channels = [make_channel(t, tls, retry.service_config(SERVICE)) for t in self.targets]
         super().__init__(",".join(self.targets), timeout, channel=self._channels[0], tls=tls, token=token,
-                         retry=retry)
+                         retry=retry, registry=registry)
         from kvservice.v1 import block_manager_pb2_grpc as pb_grpc
         self._stubs = [pb_grpc.BlockManagerStub(grpc.intercept_channel(ch, *interceptors) if interceptors else ch)
                        for ch in self._channels]

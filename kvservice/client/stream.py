@@ -17,6 +17,8 @@
   answers it with its original reply if it was applied (exactly once).
 - A refused request raises ClientError (code, message, ErrorInfo reason and metadata, as from a unary
   Step); the stream goes on.
+- Every reply's journal position goes through the client's position check (kvservice/client/position.py):
+  a reply from a manager whose state was rolled back raises StateRolledBack before its tables are used.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import grpc
 import numpy as np
 
 from kvservice.client import codec
-from kvservice.client.codec import ClientError, SpaceTables, StepResult
+from kvservice.client.codec import ClientError, SpaceTables, StepResult, lineage_of, position_of
 from kvservice.client.deadline import RETRY_CODES, CallBudget, RetryPolicy, client_error, code_of
 from kvservice.contract.mirror import MirrorError, PageTableMirror
 from kvservice.contract.transport import STREAM_ID_KEY
@@ -124,6 +126,20 @@ class _Core:
                               accept_tokens_added=delta)
         return body + tail.SerializeToString()
 
+    def checked(self, reply: pb.StepReply, seen: Any) -> pb.StepReply:
+        """The reply, once its journal position passed the client's check (StateRolledBack otherwise).
+
+        seen: the client's positions taken before the request was sent (PositionTracker.seen()).
+        """
+        tracker = getattr(self.client, "position", None)          # type: ignore[attr-defined]
+        if tracker is not None:
+            try:
+                tracker.check("StepStream", reply, seen, f"{self.stream_id}#{self.seq}")
+            except ClientError:
+                self.mirror.invalidate()          # the refused reply's tables are never applied
+                raise
+        return reply
+
     def result(self, reply: pb.StepReply, tables: bool, block_table: bool) -> StepResult:
         """The StepResult of a reply (ClientError if it was refused or its delta does not apply)."""
         self.last_reply = reply
@@ -145,7 +161,7 @@ class _Core:
         copies = {c.group: from_tensor(c.pairs, "pairs").reshape(-1, 2) for c in reply.copies}
         return StepResult(m.seq_ids, m.num_tokens, m.new_token_indptr, MirrorTables(m, block_table),  # type: ignore[arg-type]
                           tuple(reply.layer_index_space), reply.num_free_slots,
-                          field_array(reply, "admit_cached_tokens"), copies)
+                          field_array(reply, "admit_cached_tokens"), copies, position_of(reply), lineage_of(reply))
 
 
 class StepStream(_Core):
@@ -189,7 +205,8 @@ class StepStream(_Core):
         """One scheduler iteration (arguments as BlockManagerClient.step; ids uint64 [n], counts int64 [n] or a
         scalar). Returns the batch with slot mappings and page tables per index space."""
         data = self.request_bytes(free, extend, extend_tokens, admit, admit_tokens, tables, block_table, extra)
-        return self.result(self._roundtrip(data), tables, block_table)
+        seen = self.client.position.seen()
+        return self.result(self.checked(self._roundtrip(data), seen), tables, block_table)
 
     # ---- transport ---------------------------------------------------------------------------
     def _open(self) -> None:
@@ -280,7 +297,8 @@ class AsyncStepStream(_Core):
                    admit: object = None, admit_tokens: object = None, tables: bool = True, block_table: bool = False,
                    **extra: Any) -> StepResult:
         data = self.request_bytes(free, extend, extend_tokens, admit, admit_tokens, tables, block_table, extra)
-        return self.result(await self._roundtrip(data), tables, block_table)
+        seen = self.client.position.seen()
+        return self.result(self.checked(await self._roundtrip(data), seen), tables, block_table)
 
     async def _roundtrip(self, data: bytes) -> pb.StepReply:
         budget = self.budget(self.client, self.timeout)

@@ -319,10 +319,13 @@ def check_state(state_dir: str, repair: bool = False, nats_name: str = "kvservic
         if replicated:
             witness = f"stream {store.config.stream} read to its end, leader epoch {store.max_epoch}"  # type: ignore
         else:
+            mark = store.mark.found if store.mark is not None else None
             witness = (f"MANIFEST: {'running' if m.get('running') else 'stopped cleanly'}, at least "
-                       f"{m.get('last_seq', '?')} acknowledged")
+                       f"{m.get('last_seq', '?')} acknowledged; ACKED: "
+                       f"{mark.seq if mark is not None else 'none'}")
         print(f"{state_dir}: journal position {journal.seq}, snapshot at {journal.snapshot_seq}, incarnation "
-              f"{journal.incarnation}, {len(journal.window.ids)} request ids remembered; {witness}")
+              f"{journal.incarnation}, {len(journal.window.ids)} request ids remembered; {witness}; lineage "
+              f"{journal.lineage:016x}")
         for note in getattr(store, "notes", []):
             print(f"note: {note}")
         for name in journal.manager.pool_names():

@@ -420,6 +420,7 @@ def export_state(config: NatsConfig, state_dir: str | Path) -> Journal:
         path.mkdir(parents=True, exist_ok=True)
         dst = SqliteStore.open(path, sync="full")
         try:
+            dst.lineage = src.lineage                       # a backup continues the history it copies
             dst.begin(src.seq)
             src.snapshot_to(dst)
         finally:
@@ -445,6 +446,7 @@ def import_state(state_dir: str | Path, config: NatsConfig, epoch: int = 1) -> t
             raise StateError(f"{store.path} already holds a journal; import into a fresh --nats-name "
                              "(docs/operations.md, 'Restore from a snapshot')")
         store.seq = src.seq
+        store.lineage = src.lineage                         # the deployment continues the state dir's history
         store.fence(max(1, epoch))
         src.snapshot_to(store)
         return src.seq, store.epoch

@@ -41,6 +41,9 @@ log = logging.getLogger("kvservice")
 MUTATING = frozenset({"CreatePool", "DeletePool", "Step", "RegisterWorker"})
 #: Reads of pool state: they wait for an in-flight commit and are refused once the journal failed.
 STATE_READS = frozenset({"GetPool", "ListPools", "ListSequences", "GetStats"})
+#: Other reads whose replies carry the journal position (they do not wait for commits): a client or worker
+#: checks it against what it saw before (kvservice/client/position.py).
+POSITIONED = frozenset({"Heartbeat", "ListWorkers", "ScorePrefix"})
 METHODS = tuple(pb.DESCRIPTOR.services_by_name["BlockManager"].methods_by_name)
 #: Streaming RPCs: handlers of their own (kvservice/server/stream.py), not the unary adapter below.
 STREAMING = frozenset(m.name for m in pb.DESCRIPTOR.services_by_name["BlockManager"].methods
@@ -197,7 +200,10 @@ def _adapter(name: str) -> Callable[..., Any]:
                     return self.journal.execute(name, request, apply)
             if name in STATE_READS and hasattr(self.journal, "read"):
                 return self.journal.read(request, apply)  # type: ignore[union-attr]
-            return apply(request)
+            reply = apply(request)
+            if name in POSITIONED and hasattr(self.journal, "stamp"):
+                self.journal.stamp(reply)                 # type: ignore[union-attr]
+            return reply
         except JournalUnavailable as err:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
         except KVError as err:

@@ -10,7 +10,7 @@ records and the idempotency window at one journal position. Layout (one file, or
     bytes 32..   header, UTF-8 JSON
     from the next multiple of 64: the arrays, each at its header offset, 64-byte aligned
 
-The header: ``{"format": "kvservice-snapshot", "version": VERSION, "seq", "incarnation", "created",
+The header: ``{"format": "kvservice-snapshot", "version": VERSION, "seq", "incarnation", "lineage", "created",
 "pools": {name: PoolState.meta}, "workers": [record fields], "window": {"methods": [...]},
 "arrays": [{"name", "dtype", "shape", "encoding", "offset", "nbytes", "digest"}, ...]}``. Array
 names are ``pool/<pool>/<array>`` and ``window/<array>``; dtypes come from a fixed list of
@@ -73,7 +73,11 @@ class WindowState:
 
 @dataclass(frozen=True, slots=True)
 class Snapshot:
-    """A decoded snapshot: journal position, the incarnation that wrote it, and the state."""
+    """A decoded snapshot: journal position, the incarnation that wrote it, and the state.
+
+    lineage: the state history it belongs to (kvservice.state.stores.new_lineage; 0 in snapshots written
+    before lineages).
+    """
 
     seq: int
     incarnation: int
@@ -81,6 +85,7 @@ class Snapshot:
     pools: dict[str, PoolState]
     workers: list[WorkerRecord]
     window: WindowState
+    lineage: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +139,7 @@ def _window_arrays(window: WindowState, methods: list[str]) -> dict[str, np.ndar
 
 
 def encode(seq: int, incarnation: int, created: float, pools: dict[str, PoolState], workers: list[WorkerRecord],
-           window: WindowState, methods: list[str]) -> Encoded:
+           window: WindowState, methods: list[str], lineage: int = 0) -> Encoded:
     """Encode a snapshot (the expensive part of a snapshot: run it outside the journal lock)."""
     named: list[tuple[str, np.ndarray]] = []
     for name, st in pools.items():
@@ -164,8 +169,8 @@ def encode(seq: int, incarnation: int, created: float, pools: dict[str, PoolStat
         buffers += [data, bytes(pad)] if pad else [data]
         offset += len(data) + pad
     header = json.dumps({
-        "format": FORMAT_NAME, "version": VERSION, "seq": seq, "incarnation": incarnation, "created": created,
-        "pools": {name: st.meta for name, st in pools.items()},
+        "format": FORMAT_NAME, "version": VERSION, "seq": seq, "incarnation": incarnation, "lineage": lineage,
+        "created": created, "pools": {name: st.meta for name, st in pools.items()},
         "workers": [{k: v for k, v in asdict(w).items() if k != "last_heartbeat"} for w in workers],
         "window": {"methods": methods}, "arrays": entries}, separators=(",", ":")).encode()
     hd = digest16(header)
@@ -207,7 +212,8 @@ def decode(blob: bytes | memoryview, where: str = "snapshot") -> Snapshot:
             pools[name] = PoolState(meta, {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)})
         workers = [WorkerRecord(**w, last_heartbeat=0.0) for w in h["workers"]]
         window = _window(arrays, list(h["window"]["methods"]))
-        return Snapshot(int(h["seq"]), int(h["incarnation"]), float(h["created"]), pools, workers, window)
+        return Snapshot(int(h["seq"]), int(h["incarnation"]), float(h["created"]), pools, workers, window,
+                        int(h.get("lineage", 0)))
     except StateError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as err:

@@ -242,12 +242,14 @@ class PoolInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., plan: _Optional[_Union[PlanReply, _Mapping]] = ..., stats: _Optional[_Union[PoolStats, _Mapping]] = ..., cache: _Optional[_Union[CacheSpec, _Mapping]] = ..., incarnation: _Optional[int] = ..., model: _Optional[str] = ..., position: _Optional[_Union[JournalPosition, _Mapping]] = ...) -> None: ...
 
 class JournalPosition(_message.Message):
-    __slots__ = ("incarnation", "seq")
+    __slots__ = ("incarnation", "seq", "lineage")
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
+    LINEAGE_FIELD_NUMBER: _ClassVar[int]
     incarnation: int
     seq: int
-    def __init__(self, incarnation: _Optional[int] = ..., seq: _Optional[int] = ...) -> None: ...
+    lineage: int
+    def __init__(self, incarnation: _Optional[int] = ..., seq: _Optional[int] = ..., lineage: _Optional[int] = ...) -> None: ...
 
 class GetPoolRequest(_message.Message):
     __slots__ = ("pool",)
@@ -260,10 +262,12 @@ class ListPoolsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ListPoolsReply(_message.Message):
-    __slots__ = ("pools",)
+    __slots__ = ("pools", "position")
     POOLS_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
     pools: _containers.RepeatedCompositeFieldContainer[PoolInfo]
-    def __init__(self, pools: _Optional[_Iterable[_Union[PoolInfo, _Mapping]]] = ...) -> None: ...
+    position: JournalPosition
+    def __init__(self, pools: _Optional[_Iterable[_Union[PoolInfo, _Mapping]]] = ..., position: _Optional[_Union[JournalPosition, _Mapping]] = ...) -> None: ...
 
 class DeletePoolRequest(_message.Message):
     __slots__ = ("pool", "force", "request_id")
@@ -459,12 +463,14 @@ class SequenceInfo(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_slots: _Optional[int] = ..., num_slots_per_group: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ListSequencesReply(_message.Message):
-    __slots__ = ("sequences", "total")
+    __slots__ = ("sequences", "total", "position")
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
     sequences: _containers.RepeatedCompositeFieldContainer[SequenceInfo]
     total: int
-    def __init__(self, sequences: _Optional[_Iterable[_Union[SequenceInfo, _Mapping]]] = ..., total: _Optional[int] = ...) -> None: ...
+    position: JournalPosition
+    def __init__(self, sequences: _Optional[_Iterable[_Union[SequenceInfo, _Mapping]]] = ..., total: _Optional[int] = ..., position: _Optional[_Union[JournalPosition, _Mapping]] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ("pool",)
@@ -473,7 +479,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self, pool: _Optional[str] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("pools",)
+    __slots__ = ("pools", "position")
     class PoolsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -482,8 +488,10 @@ class StatsReply(_message.Message):
         value: PoolStats
         def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[PoolStats, _Mapping]] = ...) -> None: ...
     POOLS_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
     pools: _containers.MessageMap[str, PoolStats]
-    def __init__(self, pools: _Optional[_Mapping[str, PoolStats]] = ...) -> None: ...
+    position: JournalPosition
+    def __init__(self, pools: _Optional[_Mapping[str, PoolStats]] = ..., position: _Optional[_Union[JournalPosition, _Mapping]] = ...) -> None: ...
 
 class ValidatePageTableRequest(_message.Message):
     __slots__ = ("pool", "layer", "indptr", "indices", "last_page_len", "max_reports")
@@ -624,10 +632,12 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., pool: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("lease_seconds",)
+    __slots__ = ("lease_seconds", "position")
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
     lease_seconds: float
-    def __init__(self, lease_seconds: _Optional[float] = ...) -> None: ...
+    position: JournalPosition
+    def __init__(self, lease_seconds: _Optional[float] = ..., position: _Optional[_Union[JournalPosition, _Mapping]] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ("pool",)
@@ -636,10 +646,12 @@ class ListWorkersRequest(_message.Message):
     def __init__(self, pool: _Optional[str] = ...) -> None: ...
 
 class ListWorkersReply(_message.Message):
-    __slots__ = ("workers",)
+    __slots__ = ("workers", "position")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ...) -> None: ...
+    position: JournalPosition
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., position: _Optional[_Union[JournalPosition, _Mapping]] = ...) -> None: ...
 
 class ScorePrefixRequest(_message.Message):
     __slots__ = ("token_ids", "cache_salt", "extra_key", "pools", "model")
@@ -674,12 +686,14 @@ class PrefixScore(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., cached_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., worker_ids: _Optional[_Iterable[str]] = ..., worker_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ScorePrefixReply(_message.Message):
-    __slots__ = ("scores", "num_tokens")
+    __slots__ = ("scores", "num_tokens", "position")
     SCORES_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
     scores: _containers.RepeatedCompositeFieldContainer[PrefixScore]
     num_tokens: int
-    def __init__(self, scores: _Optional[_Iterable[_Union[PrefixScore, _Mapping]]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    position: JournalPosition
+    def __init__(self, scores: _Optional[_Iterable[_Union[PrefixScore, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., position: _Optional[_Union[JournalPosition, _Mapping]] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
     __slots__ = ("pool", "from_sequence")

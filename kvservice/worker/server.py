@@ -4,6 +4,9 @@ The worker plans its memory from one incarnation of its pool, registers with it 
 with it. When the manager answers that the pool was created again (STALE_INCARNATION), or no
 longer knows the worker, the heartbeat thread fetches the pool, re-plans the caches if the
 geometry changed (kvservice.worker.fencing), and registers again with the new incarnation.
+Its manager client checks every reply's journal position (kvservice/client/position.py): a manager
+whose state was rolled back is refused (STATE_ROLLED_BACK), logged and counted in
+kvworker_state_rollbacks_total, and the worker never re-registers on the strength of such a reply.
 """
 
 from __future__ import annotations
@@ -120,7 +123,9 @@ def serve_worker(manager: str, pool: str, worker_id: str, layer_begin: int = 0, 
     """
     # A LeaderClient: `manager` may list several addresses (replicated managers, docs/HA.md), and a reply
     # from a deposed leader (a lower epoch than one already seen) is refused and retried elsewhere.
+    metrics = WorkerMetrics(pool)
     client = LeaderClient(manager, timeout=10, tls=manager_tls, token=manager_token)
+    client.position.on_rollback = lambda _err: metrics.state_rollbacks.inc()
     client.wait_ready(30)
     info = client.get_pool(pool, timeout=30)        # start-up calls may wait out a failover
     all_layers = not layer_end
@@ -131,7 +136,6 @@ def serve_worker(manager: str, pool: str, worker_id: str, layer_begin: int = 0, 
     identity: dict[str, Any] = {"worker_id": worker_id, "pool": pool, "backend": backend,
                                 "device_name": device_name, "epoch": 0, "incarnation": info.incarnation,
                                 "all_layers": all_layers}
-    metrics = WorkerMetrics(pool)
     servicer = WorkerServicer(caches, metrics, identity, test_hooks,
                               leader_epoch=lambda: client.epoch)
     interceptors = [TokenAuthInterceptor(tokens, WORKER, worker_rules(pool))] if tokens is not None else []
@@ -183,7 +187,11 @@ def _heartbeat(client: BlockManagerClient, request: pb.RegisterWorkerRequest, se
         try:
             send_heartbeat(client, identity, lease / 3)
         except ClientError as err:
-            if err.code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
+            if err.reason == "STATE_ROLLED_BACK":
+                log.error("heartbeat reply refused (the manager's state was rolled back, logged above): this worker "
+                          "keeps its caches and registration and refuses that state until the manager is restored "
+                          "or the worker restarted")
+            elif err.code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
                 try:
                     rejoin(client, request, servicer, lease / 3)
                     log.warning("re-registered %s with epoch %d (pool incarnation %d) after: %s",

@@ -55,6 +55,13 @@ WORKER_METRICS = {
     "kvworker_kernel_duration_seconds": "histogram",
     "kvworker_cache_bytes": "gauge",
     "kvworker_leader_epoch_refusals_total": "counter",
+    "kvworker_state_rollbacks_total": "counter",
+}
+#: Exported by a scheduler's client when it is given a prometheus_client registry (kvservice/client/position.py),
+#: under the scheduler's own job: nothing here scrapes one.
+CLIENT_METRICS = {
+    "kvservice_client_state_rollbacks_total": "counter",
+    "kvservice_client_lineage_changes_total": "counter",
 }
 #: Exported only once a pool caches prefixes (the default pool does not) or has KV event subscribers.
 COMING = {"kvservice_prefix_cache_hits_total", "kvservice_prefix_cache_lookup_pages_total",
@@ -89,7 +96,8 @@ REPLICATED_METRICS = {
     "kvservice_nats_disconnects_total": "counter",
     "kvservice_journal_commit_seconds": "histogram",
 }
-KNOWN_SERIES = sample_names(MANAGER_METRICS) | sample_names(WORKER_METRICS) | sample_names(REPLICATED_METRICS) | {"up"}
+KNOWN_SERIES = (sample_names(MANAGER_METRICS) | sample_names(WORKER_METRICS) | sample_names(REPLICATED_METRICS)
+                | sample_names(CLIENT_METRICS) | {"up"})
 
 
 def need(tool: str) -> str:

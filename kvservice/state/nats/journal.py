@@ -26,7 +26,9 @@ Layout, for a deployment name N (``--nats-name``, default ``kvservice``):
   retry of the same publish keeps its id, so the server stores it once, and no other writer ever
   uses it, so the server's "duplicate" answer can only name this writer's own earlier publish
   (``check_ack``). docs/HA.md, "Why two writers are impossible", gives the argument;
-  tests/unit/test_ha_model.py checks it exhaustively on a model of the protocol.
+  tests/unit/test_ha_model.py checks it exhaustively on a model of the protocol. A fence also
+  carries ``Kvs-Lineage``, the state's lineage (a fresh stream's first fence makes it;
+  docs/DURABILITY.md, "Lineages").
 - object store ``KVS_N_snapshots``: ``snap-<seq>`` objects (the bytes kvservice/state/snapshot.py
   encodes), their description a JSON header (journal seq, stream seq, epoch, bytes, blake2b
   digest). After a snapshot is stored, the stream is purged below its stream sequence.
@@ -66,7 +68,7 @@ from kvservice.contract.errors import InvalidArgument, KVError, StateError
 from kvservice.state import snapshot as snap
 from kvservice.state.nats import NATS_SERVER_VERSION
 from kvservice.state.nats.direct import DirectError, DirectPublisher
-from kvservice.state.stores import Entry, JournalStore
+from kvservice.state.stores import Entry, JournalStore, continued_lineage, lineage_hex, new_lineage
 
 log = logging.getLogger("kvservice.nats")
 T = TypeVar("T")
@@ -515,7 +517,7 @@ class NatsStore(JournalStore):
             raise StoreError(f"{self.path}: no stream sequence known for journal position {seq}")
         state = b"".join(bytes(c) for c in encoded.chunks)
         meta = {"format": SNAPSHOT_FORMAT, "seq": seq, "stream_seq": stream_seq, "epoch": self.epoch,
-                "at": time.time(), "bytes": len(state), "digest": _digest(state)}
+                "lineage": lineage_hex(self.lineage), "at": time.time(), "bytes": len(state), "digest": _digest(state)}
         self._call(self._write_snapshot(f"snap-{seq:020d}", state, meta), max(60.0, self.config.append_seconds),
                    f"storing snapshot {seq} ({len(state)} bytes)")
         with self._at_lock:
@@ -636,6 +638,7 @@ class NatsStore(JournalStore):
         if kind == "fence":
             self._parts = None                            # an unfinished entry of the old writer is void
             self.max_epoch = max(self.max_epoch, int(h["Kvs-Epoch"]))
+            self.lineage = continued_lineage(self.lineage, h.get("Kvs-Lineage"), f"{self.path}: fence {stream_seq}")
             return None
         if kind != "entry":
             raise StoreError(f"{self.path}: stream message {stream_seq} is not a kvservice journal entry")
@@ -713,10 +716,12 @@ class NatsStore(JournalStore):
         if epoch <= self.max_epoch:
             raise StoreError(f"epoch {epoch} is not above the highest seen, {self.max_epoch}")
         writer = secrets.token_hex(8)
+        lineage = self.lineage or new_lineage()      # kept once this fence is in (the first fence of a fresh stream)
         self._publish(b"", {"Kvs-Kind": "fence", "Kvs-Epoch": str(epoch), "Kvs-Seq": str(self.seq),
-                            "Kvs-Writer": writer, "Nats-Msg-Id": fence_id(epoch, writer)})
+                            "Kvs-Writer": writer, "Kvs-Lineage": lineage_hex(lineage),
+                            "Nats-Msg-Id": fence_id(epoch, writer)})
         self.epoch = self.max_epoch = epoch
-        self.writer = writer
+        self.writer, self.lineage = writer, lineage
         self._parts = None
         with self._at_lock:
             self._stream_at[self.seq] = self.last_stream_seq     # a snapshot at this position reads on after it
