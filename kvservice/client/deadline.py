@@ -16,8 +16,8 @@ call keeps its one request_id and the manager applies it at most once):
 
 Keep trying across a failover: ``RetryPolicy.failover`` (seconds, 0 = off) is a bound of its own for
 a call that met no manager. Such a call may go on until ``failover`` seconds after it started, past
-``timeout``; a call that reached a manager never does. A scheduler can so keep a short iteration
-deadline and still ride out a failover (about 2-3 s) or a manager restart.
+``timeout``; a call whose every attempt reached a manager (a slow one, say) never does. A scheduler
+can so keep a short iteration deadline and still ride out a failover (about 2-3 s) or a restart.
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ class RetryPolicy:
         ``timeout`` (0 = never past it): "keep trying across a failover", with this bound.
     attempt_timeout: most seconds one attempt may wait for its reply (0 = all the deadline leaves). A
         LeaderClient uses it to leave a paused leader for the next address.
-    grpc_attempts: gRPC's ``maxAttempts`` (2-5) of the channel's retryPolicy: tries of one issue on UNAVAILABLE.
+    grpc_attempts: gRPC's ``maxAttempts`` (1-5; 1 = no retryPolicy) of the channel's service config: tries of one
+        issue on UNAVAILABLE.
         gRPC's resends are quick (its backoff capped at initial_backoff * multiplier), so that a call learns
         soon that nobody answers; the longer pauses are the client's.
     wait_for_ready: gRPC's ``waitForReady``: an attempt waits for a connection until the deadline instead of
