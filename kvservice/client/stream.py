@@ -9,9 +9,12 @@
 - deltas=True asks for incremental tables and keeps them in a :class:`PageTableMirror`; a result's
   tables are gathered from the mirror on first access and are exactly what a full reply carries
   (read them before the next step on the stream: the mirror then moves on).
-- A broken stream (UNAVAILABLE) or a reply later than the deadline (the call is cancelled) makes the
-  client reopen the stream under the same id and resend the unanswered request with the same seq
-  and bytes; the manager answers it with its original reply if it was applied (exactly once).
+- Deadlines: a step's ``timeout`` bounds the whole step, reconnections included; a reply not in by
+  then cancels the call (DEADLINE_EXCEEDED, naming the stream and the manager). If the client's
+  RetryPolicy allows more than one attempt (``attempts``), a broken stream (UNAVAILABLE) makes the
+  client reopen it under the same id, within what remains of that deadline (or of the policy's
+  failover bound), and resend the unanswered request with the same seq and bytes; the manager
+  answers it with its original reply if it was applied (exactly once).
 - A refused request raises ClientError (code, message, ErrorInfo reason and metadata, as from a unary
   Step); the stream goes on.
 - Every reply's journal position goes through the client's position check (kvservice/client/position.py):
@@ -33,6 +36,7 @@ import numpy as np
 
 from kvservice.client import codec
 from kvservice.client.codec import ClientError, SpaceTables, StepResult, lineage_of, position_of
+from kvservice.client.deadline import RETRY_CODES, CallBudget, RetryPolicy, client_error, code_of
 from kvservice.contract.mirror import MirrorError, PageTableMirror
 from kvservice.contract.transport import STREAM_ID_KEY
 from kvservice.contract.wire import field_array, from_tensor
@@ -41,7 +45,6 @@ from kvservice.v1 import block_manager_pb2 as pb
 METHOD = "/kvservice.v1.BlockManager/StepStream"
 ECHO_METHOD = "/kvservice.v1.BlockManager/EchoStream"
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
-_RETRY = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 class MirrorTables(Mapping):
@@ -91,6 +94,16 @@ class _Core:
         self._cached: tuple[tuple, bytes] | None = None
         self.reused = 0                   # requests whose body bytes were reused (steady decode)
         self.last_reply: pb.StepReply | None = None     # the last reply received (its size is reported by benches)
+
+    def budget(self, client: Any, timeout: float) -> CallBudget:
+        """The deadline of one step: `timeout`, reconnections included; reconnects only if the client's policy
+        names more than one attempt (a stream is resent by no one else)."""
+        policy: RetryPolicy = client.retry
+        return CallBudget(policy, timeout, f"StepStream {self.stream_id} (request {self.seq})", None, RETRY_CODES,
+                          client.target)
+
+    def single_attempt(self, client: Any) -> bool:
+        return client.retry.attempts <= 1
 
     def request_bytes(self, free: object, extend: object, extend_tokens: object, admit: object, admit_tokens: object,
                       tables: bool, block_table: bool, extra: dict[str, Any]) -> bytes:
@@ -154,8 +167,9 @@ class _Core:
 class StepStream(_Core):
     """A StepStream of a BlockManagerClient (use client.step_stream(pool)). Not thread-safe: one caller.
 
-    deltas: incremental tables through a PageTableMirror. timeout: seconds a reply may take (default:
-    the client's). stream_id: name of the stream (default a fresh one; reuse one only to resume it).
+    deltas: incremental tables through a PageTableMirror. timeout: the deadline of each step, seconds,
+    reconnections included (default: the client's). stream_id: name of the stream (default a fresh one;
+    reuse one only to resume it).
     """
 
     def __init__(self, client: Any, pool: str, deltas: bool = True, timeout: float | None = None,
@@ -226,13 +240,13 @@ class StepStream(_Core):
             time.sleep(tick)
 
     def _roundtrip(self, data: bytes) -> pb.StepReply:
-        attempts = max(1, self.client.retry.attempts)
-        for attempt in range(attempts):
+        budget = self.budget(self.client, self.timeout)
+        while True:
             try:
                 if self._call is None:
                     self._open()
                 self._expired = False
-                self._deadline = time.monotonic() + self.timeout
+                self._deadline = time.monotonic() + budget.attempt_timeout()
                 self._queue.put(data)             # type: ignore[union-attr]
                 try:
                     return next(self._call)
@@ -241,17 +255,17 @@ class StepStream(_Core):
                 finally:
                     self._deadline = 0.0
             except (grpc.RpcError, ClientError) as exc:
-                err = exc if isinstance(exc, ClientError) else ClientError.from_rpc(exc)
+                err = client_error(exc)
                 if self._expired:
-                    err = ClientError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply within {self.timeout:g} s on "
-                                      f"stream {self.stream_id}")
+                    err = ClientError(grpc.StatusCode.DEADLINE_EXCEEDED, "no reply in time (the call was cancelled)")
                 self._drop_call()
-                if err.code in _RETRY and attempt + 1 < attempts and not self._closed:
-                    self.reconnects += 1
-                    time.sleep(self.client.retry.backoff(attempt))
-                    continue
-                raise err from None
-        raise AssertionError("unreachable")
+                if self._closed or code_of(err) not in RETRY_CODES:
+                    raise err from None
+                if self.single_attempt(self.client):
+                    raise budget.gave_up(err) from None
+                pause = budget.pause_or_raise(err)
+                self.reconnects += 1
+                time.sleep(pause)
 
 
 class AsyncStepStream(_Core):
@@ -287,31 +301,34 @@ class AsyncStepStream(_Core):
         return self.result(self.checked(await self._roundtrip(data), seen), tables, block_table)
 
     async def _roundtrip(self, data: bytes) -> pb.StepReply:
-        attempts = max(1, self.client.retry.attempts)
-        for attempt in range(attempts):
+        budget = self.budget(self.client, self.timeout)
+        while True:
             try:
                 if self._call is None:
                     self._call = self._method(metadata=self._metadata)
-                await self._call.write(data)
-                reply = await asyncio.wait_for(self._call.read(), self.timeout)
+                reply = await asyncio.wait_for(self._exchange(data), budget.attempt_timeout())
                 if reply is grpc.aio.EOF:
                     raise ClientError(grpc.StatusCode.UNAVAILABLE, "the manager ended the stream")
                 return reply
             except (grpc.aio.AioRpcError, ClientError, TimeoutError) as exc:
                 if isinstance(exc, TimeoutError):
-                    err = ClientError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply within {self.timeout:g} s on "
-                                      f"stream {self.stream_id}")
+                    err = ClientError(grpc.StatusCode.DEADLINE_EXCEEDED, "no reply in time (the call was cancelled)")
                 else:
-                    err = exc if isinstance(exc, ClientError) else ClientError.from_rpc(exc)
+                    err = client_error(exc)
                 if self._call is not None:
                     self._call.cancel()
                     self._call = None
-                if err.code in _RETRY and attempt + 1 < attempts:
-                    self.reconnects += 1
-                    await asyncio.sleep(self.client.retry.backoff(attempt))
-                    continue
-                raise err from None
-        raise AssertionError("unreachable")
+                if code_of(err) not in RETRY_CODES:
+                    raise err from None
+                if self.single_attempt(self.client):
+                    raise budget.gave_up(err) from None
+                pause = budget.pause_or_raise(err)
+                self.reconnects += 1
+                await asyncio.sleep(pause)
+
+    async def _exchange(self, data: bytes) -> Any:
+        await self._call.write(data)
+        return await self._call.read()
 
 
 class EchoStream:

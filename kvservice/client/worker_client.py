@@ -3,6 +3,11 @@
 Errors come back as ClientError whose message names the worker (id and
 address), so a scheduler knows which shard failed: a killed worker is
 UNAVAILABLE "worker w1 at 127.0.0.1:5001 is unreachable: ...".
+
+Deadlines: ``timeout`` is the deadline of each call, as gRPC means it. The channel's service config
+(kvservice/client/deadline.py) lets gRPC resend, within that deadline, the calls that change nothing
+(Info, DecodeAttention, ValidatePageTable, CheckGuards) after UNAVAILABLE; a call that writes the cache
+or the worker's tables is sent once.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import numpy as np
 
 from kvservice.client.client import TLSOptions, auth_metadata, make_channel
 from kvservice.client.codec import ClientError
+from kvservice.client.deadline import RetryPolicy
 from kvservice.contract.pagetable import PageTable
 from kvservice.contract.transport import EPOCH_METADATA
 from kvservice.contract.wire import from_tensor, to_tensor
@@ -25,6 +31,9 @@ from kvservice.v1 import worker_pb2 as wpb
 from kvservice.v1 import worker_pb2_grpc as wpb_grpc
 
 POLICIES = {"nan": wpb.POLICY_NAN, "zeros": wpb.POLICY_ZEROS, "error": wpb.POLICY_ERROR}
+SERVICE = wpb.DESCRIPTOR.services_by_name["Worker"]
+#: Worker calls gRPC may resend after UNAVAILABLE: those that change nothing on the worker.
+RESENDABLE = frozenset({"Info", "DecodeAttention", "ValidatePageTable", "CheckGuards"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +53,8 @@ def _cache_tensor(a: np.ndarray, dtype: str | None) -> cpb.Tensor:
 
 
 class WorkerClient:
-    """Talks to one worker. timeout: deadline per call, seconds. Kernel calls are not retried.
+    """Talks to one worker. timeout: the deadline of each call, seconds; only calls that change nothing are
+    resent within it (RESENDABLE).
 
     tls / token: for a worker started with --tls-* / --tokens-file (the shipped manifests need a
     token). pool_incarnation: sent with every kernel call (PoolInfo.incarnation or
@@ -68,7 +78,7 @@ class WorkerClient:
         self.timeout = timeout
         self.pool_incarnation = pool_incarnation
         self._metadata = auth_metadata(token)
-        self._channel = make_channel(address, tls)
+        self._channel = make_channel(address, tls, RetryPolicy().service_config(SERVICE, RESENDABLE))
         self._stub = wpb_grpc.WorkerStub(self._channel)
 
     def __repr__(self) -> str:
@@ -92,7 +102,9 @@ class WorkerClient:
             return method(request, timeout=self.timeout, metadata=metadata)
         except grpc.RpcError as exc:
             err = ClientError.from_rpc(exc)
-            what = "is unreachable" if err.code == grpc.StatusCode.UNAVAILABLE else "refused the call"
+            what = {grpc.StatusCode.UNAVAILABLE: "is unreachable",
+                    grpc.StatusCode.DEADLINE_EXCEEDED: f"did not answer within the {self.timeout:g} s deadline"}.get(
+                err.code, "refused the call")
             raise ClientError(err.code, f"worker {self.worker_id} at {self.address} {what}: {err.message}",
                               err.reason, err.metadata) from None
 

@@ -252,8 +252,8 @@ class HAController:
             log.error("configured pools not created after takeover: %s", err.message)
         self.set_serving(True)
         self.takeover_seconds = time.monotonic() - t0
-        log.warning("leader now: epoch %d at journal position %d (takeover %.3f s)", epoch, self.journal.seq,
-                    self.takeover_seconds)
+        log.info("leader now: epoch %d at journal position %d (takeover %.3f s)", epoch, self.journal.seq,
+                 self.takeover_seconds)
 
     def _fence(self) -> int:
         """Read to the end of the stream and fence it with the next epoch; again if the old leader wrote meanwhile."""

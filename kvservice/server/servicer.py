@@ -214,7 +214,8 @@ def _adapter(name: str) -> Callable[..., Any]:
             context.abort_with_status(status)
         except Exception:
             code = "INTERNAL"
-            log.exception("%s failed", name)
+            log.exception("%s failed", name, extra={"pool": getattr(request, "pool", None),
+                                                    "request_id": getattr(request, "request_id", None)})
             context.abort(grpc.StatusCode.INTERNAL, f"internal error in {name}; see the manager's log")
         finally:
             self.metrics.observe(name, time.perf_counter() - start, code, reason)

@@ -271,7 +271,8 @@ def step_one(servicer: Any, session: StreamSession, request: Any, broken: type[E
         reply = error_reply(seq, err)
         return reply
     except Exception:
-        log.exception("StepStream request %d of stream %r failed", seq, session.stream_id)
+        log.exception("StepStream request %d of stream %r failed", seq, session.stream_id,
+                      extra={"pool": getattr(request, "pool", None), "stream_id": session.stream_id})
         reply = pb.StepReply(stream_seq=seq, error=pb.RequestStatus(
             code=code_pb2.INTERNAL, message="internal error in StepStream; see the manager's log", reason="INTERNAL"))
         return reply

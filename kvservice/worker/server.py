@@ -127,7 +127,7 @@ def serve_worker(manager: str, pool: str, worker_id: str, layer_begin: int = 0, 
     client = LeaderClient(manager, timeout=10, tls=manager_tls, token=manager_token)
     client.position.on_rollback = lambda _err: metrics.state_rollbacks.inc()
     client.wait_ready(30)
-    info = client.get_pool(pool)
+    info = client.get_pool(pool, timeout=30)        # start-up calls may wait out a failover
     all_layers = not layer_end
     layer_end = layer_end or len(cache_spec_from_proto(info.cache).layers)
     ops, xp = kernel_module(backend, cpu_kernels)
@@ -150,7 +150,7 @@ def serve_worker(manager: str, pool: str, worker_id: str, layer_begin: int = 0, 
                                        tp_rank=tp_rank, tp_size=tp_size, backend=backend, device_name=device_name,
                                        device_memory_bytes=device_mem, address=address,
                                        incarnation=info.incarnation)
-    reply = client.register_worker(request)
+    reply = client.register_worker(request, timeout=30)
     identity["epoch"] = reply.epoch
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -232,12 +232,11 @@ class NatsLink:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="nats-loop")
         self._thread.start()
-        self.disconnects = 0
-        self.closing = False
+        self.disconnects, self.closing, self.last_error = 0, False, None   # last_error: nats-py's, for a failed connect
         #: The journal's publishes: a connection of their own, used by the appending thread (state/nats/direct.py).
         self.direct = DirectPublisher(config.servers, f"{client_name}-journal", config.request_seconds)
         try:
-            self.nc = self.call(self._connect(client_name, connect_seconds), connect_seconds + 1.0)
+            self.nc = self.call(self._connect(client_name, connect_seconds), connect_seconds + 5.0, "connecting")
         except BaseException:
             self._stop_loop()
             raise
@@ -252,21 +251,22 @@ class NatsLink:
                         "run that version", self.server_version, config.url, NATS_SERVER_VERSION)
 
     async def _connect(self, client_name: str, connect_seconds: float) -> nats.NATS:
-        deadline = time.monotonic() + connect_seconds
+        deadline = time.monotonic() + connect_seconds      # kept strictly: nothing is left running on the loop
         while True:
             try:
-                return await nats.connect(
+                return await asyncio.wait_for(nats.connect(
                     servers=list(self.config.servers), name=client_name, connect_timeout=1,
                     reconnect_time_wait=0.1, max_reconnect_attempts=-1, ping_interval=2, max_outstanding_pings=2,
                     error_cb=self._on_error, disconnected_cb=self._on_disconnect, reconnected_cb=self._on_reconnect,
-                    allow_reconnect=True)
+                    allow_reconnect=True), max(0.05, deadline - time.monotonic()))
             except (TimeoutError, OSError, nats.errors.Error) as err:
-                if time.monotonic() >= deadline:
-                    raise StoreError(f"cannot reach NATS at {self.config.url} within {connect_seconds:g} s "
-                                     f"({type(err).__name__}: {err})") from None
+                if time.monotonic() + 0.2 >= deadline:
+                    raise StoreError(f"cannot reach NATS at {self.config.url}: connecting gave up after "
+                                     f"{connect_seconds:g} s (last: {self.last_error or err!r})") from None
                 await asyncio.sleep(0.2)
 
     async def _on_error(self, err: Exception) -> None:
+        self.last_error = err
         log.debug("NATS: %s: %s", type(err).__name__, err)
 
     async def _on_disconnect(self) -> None:

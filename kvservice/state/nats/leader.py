@@ -192,7 +192,7 @@ class Lease:
             return False
         if now - self._seen[1] < self.config.ttl_seconds:
             return False
-        log.warning("leader %s (epoch %d) did not renew revision %d for %.2f s; taking over", self.holder.node,
+        log.info("leader %s (epoch %d) did not renew revision %d for %.2f s; taking over", self.holder.node,
                     self.holder.epoch, entry.revision, now - self._seen[1])
         return await self._take(entry.revision)
 
@@ -313,7 +313,7 @@ class Lease:
                 return
             self.held, self.lost = False, why
             self._changed.notify_all()
-        log.critical("leadership lost (epoch %d): %s", self.epoch, why)
+        log.warning("leadership lost (epoch %d): %s", self.epoch, why)     # the new leader's log says who took it
         if self._on_lost is not None:
             self._on_lost(why)
 
