@@ -25,7 +25,7 @@ from kvservice.core.planner import Sizing
 from kvservice.server.app import SERVICE_NAME, serve
 from kvservice.server.ha import LeaderGate, open_journal, serve_ha, stop_ha
 from kvservice.state.journal import state_tree
-from kvservice.state.nats.journal import NatsConfig, NatsLink, NatsStore
+from kvservice.state.nats.journal import NatsConfig, NatsLink, NatsStore, retry_startup
 from kvservice.state.nats.leader import Lease, LeaseConfig, LeaseLapsed, LeaseLost
 
 from ..deploy.support import REPLICATED_METRICS, sample_names
@@ -64,8 +64,9 @@ def test_lease_is_taken_by_compare_and_set_only_after_a_silent_ttl(nats3):
     links = [NatsLink(config) for _ in range(3)]
     clocks = [FakeClock() for _ in range(3)]
     try:
-        a, b, c = (Lease(link, lc, n, f"addr-{n}", clock=clk) for link, clk, n in zip(links, clocks, "abc",
-                                                                                      strict=True))
+        a, b, c = (retry_startup("opening the lease", lambda link=link, clk=clk, n=n:   # as serve_ha opens it
+                                 Lease(link, lc, n, f"addr-{n}", clock=clk), seconds=30)
+                   for link, clk, n in zip(links, clocks, "abc", strict=True))
         assert a.try_acquire()                           # absent: created
         assert not b.try_acquire()                       # first sight of a's revision starts b's timer
         clocks[1].now += 5.9

@@ -159,8 +159,14 @@ class Lease:
                 return await js.create_key_value(api.KeyValueConfig(
                     bucket=self.bucket, ttl=self.config.bucket_ttl_seconds, history=1, replicas=c.replicas,
                     storage=api.StorageType.FILE, description="kvservice leader lease"))
-            except nats.js.errors.BadRequestError:
-                return await js.key_value(self.bucket)
+            except nats.js.errors.BadRequestError as refused:
+                try:
+                    return await js.key_value(self.bucket)     # created meanwhile by another manager
+                except nats.js.errors.BucketNotFoundError:
+                    # not created by anyone: the refusal was real (on a cluster still electing or
+                    # missing peers, a replicated bucket cannot be placed yet); say why
+                    raise StoreError(f"creating the lease bucket {self.bucket} ({c.replicas} replicas) was "
+                                     f"refused: {refused.description or refused}") from None
 
     def _value(self) -> bytes:
         return json.dumps({"node": self.node, "address": self.address, "epoch": self.epoch}).encode()
