@@ -6,6 +6,15 @@ slot that still holds a reusable page (``cacheable[slot]``) goes to an LRU
 instead, where a later prefix hit can revive it (O(1)) until an allocation that
 finds the stack empty evicts it, oldest first (O(1) per page). A free of a slot
 that is already free is an error naming the slot, never a refcount below zero.
+
+Every slot has a generation (``generation[slot]``, uint32): it counts the slot's
+allocations, so it changes exactly when the slot passes to a new owner whose pages
+are written afresh (an allocation off the stack, an eviction from the cache, a
+copy-on-write target) and stays when owners are added to what it holds (a fork, a
+prefix-cache hit). Workers record it beside every page they write and kernels
+refuse a page whose generation is not the one their table expects (a table that
+outlived the page: docs/ARCHITECTURE.md, "Page generations"). 0 means never
+allocated; the count skips 0 when it wraps, so 0 is never handed out.
 """
 
 from __future__ import annotations
@@ -26,11 +35,12 @@ class SlotAllocator:
       _cached         free slots holding a reusable page, least recently released first.
       _refcnt[slot]   owners (sequences); 0 = free (on the stack or in _cached).
       cacheable[slot] True while the slot's page is registered in the prefix cache.
+      generation[slot] uint32: allocations of the slot so far (0 = never; wraps past 2^32 - 1 to 1).
       on_evict(slot)  called when a cached slot is taken for a new page.
     """
 
     __slots__ = ("_cached", "_mark", "_ones", "_refcnt", "_stack", "_top", "cacheable", "caching", "evictions",
-                 "num_slots", "on_evict", "peak_used")
+                 "generation", "num_slots", "on_evict", "peak_used")
 
     def __init__(self, num_slots: int) -> None:
         if num_slots <= 0:
@@ -44,6 +54,7 @@ class SlotAllocator:
         self._ones = np.ones(num_slots, dtype=np.int32)
         self._cached: OrderedDict[int, None] = OrderedDict()
         self.cacheable = np.zeros(num_slots, dtype=bool)
+        self.generation = np.zeros(num_slots, dtype=np.uint32)
         self.caching = False                 # set by a prefix cache: released slots may be cacheable
         self.on_evict: Callable[[int], None] | None = None
         self.peak_used = 0
@@ -81,10 +92,18 @@ class SlotAllocator:
             self.evictions += len(evicted)
             slots = np.concatenate((slots, np.array(evicted, dtype=np.intp)))
         self._refcnt[slots] = self._ones[:n]
+        self._bump(slots)
         used = self.num_slots - self._top - len(self._cached)
         if used > self.peak_used:
             self.peak_used = used
         return slots
+
+    def _bump(self, slots: np.ndarray) -> None:
+        """The slots pass to a new owner: next generation (never 0)."""
+        gen = self.generation[slots] + np.uint32(1)          # uint32 arithmetic: wraps to 0 ...
+        if not gen.all():
+            gen[gen == 0] = 1                                # ... which is never handed out
+        self.generation[slots] = gen
 
     def share(self, slots: np.ndarray, counts: np.ndarray | None = None) -> None:
         """Add counts[i] (default 1) owners to slots[i] (ids distinct). Free cached slots leave the LRU."""

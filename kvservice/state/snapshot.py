@@ -37,7 +37,7 @@ import numpy as np
 from kvservice.contract.errors import StateError
 from kvservice.core.geometry import CacheSpec, LayerSpec
 from kvservice.core.planner import Plan, Sizing, plan
-from kvservice.core.pool import POOL_STATE_VERSION, IdRuns, Pool, PoolState
+from kvservice.core.pool import POOL_STATE_VERSION, POOL_STATE_VERSIONS, IdRuns, Pool, PoolState
 from kvservice.manager.workers import WorkerRecord
 
 MAGIC = b"KVSNAP\r\n"
@@ -290,8 +290,11 @@ def check_pool_state(state: PoolState, p: Plan) -> list[str]:
             want |= {f"prefix/{g}/hash": (u8, 1), f"prefix/{g}/slot": (i8, 1), f"prefix/{g}/parent": (i8, 1),
                      f"prefix/{g}/parent_hash": (u8, 1), f"prefix/{g}/anchor": (i8, 1),
                      f"prefix/{g}/namespace": (i8, 1), f"prefix/{g}/tokens": (i8, 2)}
-    if m.get("version") != POOL_STATE_VERSION:
-        return [f"pool state version {m.get('version')} is not {POOL_STATE_VERSION}"]
+    if m.get("version") not in POOL_STATE_VERSIONS:
+        return [f"pool state version {m.get('version')} is not one of {POOL_STATE_VERSIONS} (this release writes "
+                f"{POOL_STATE_VERSION})"]
+    if m["version"] >= 3:
+        want |= {f"generation/{g}": (i8, 1) for g in range(len(groups))}
     if set(a) != set(want):
         return [f"arrays {sorted(set(a) ^ set(want))} missing or unexpected"]
     for k, (dt, nd) in want.items():
@@ -324,6 +327,9 @@ def check_pool_state(state: PoolState, p: Plan) -> list[str]:
     for g, grp in enumerate(groups):
         first, slots = a[f"first/{g}"], a[f"slots/{g}"]
         stack, cached = a[f"free_stack/{g}"], a[f"cached/{g}"]
+        gen = a.get(f"generation/{g}")
+        if gen is not None and (len(gen) != num_slots or (len(gen) and (gen.min() < 0 or gen.max() >= 2**32))):
+            bad(f"group {g}: slot generations are not {num_slots} values in [0, 2^32)")
         if (first < 0).any() or (first > held).any():
             bad(f"group {g}: a first held page is outside [0, held]")
             continue

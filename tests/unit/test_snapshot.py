@@ -86,7 +86,8 @@ def test_every_pool_field_is_exported_or_rebuilt():
         "page_size", "max_seq_len", "windows", "layer_space", "_sliding", "_is_sliding", "_anchor_group",
         "_sorted", "_last_batch", "_fast"}
     assert set(SlotAllocator.__slots__) == {"_stack", "_top", "_cached", "peak_used", "evictions", "_refcnt",
-                                            "cacheable", "_mark", "_ones", "num_slots", "caching", "on_evict"}
+                                            "cacheable", "_mark", "_ones", "num_slots", "caching", "on_evict",
+                                            "generation"}
     assert set(vars(PrefixCache(SlotAllocator(4), 16))) == {"by_hash", "hash", "parent", "parent_hash", "anchor",
                                                             "namespace", "tokens", "namespaces", "hits",
                                                             "allocator", "page_size", "hash_fn", "group", "sink",
