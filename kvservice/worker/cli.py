@@ -65,7 +65,8 @@ def serve(args: argparse.Namespace) -> int:
         running = serve_worker(args.manager, args.pool, worker_id, begin, end, args.tp_rank, args.tp_size,
                                args.backend, args.listen, None if args.metrics_port < 0 else args.metrics_port,
                                args.cpu_kernels, args.enable_test_hooks, args.advertise, args.metrics_addr,
-                               **security)
+                               max_table_rows=args.max_table_rows, max_tables=args.max_tables,
+                               table_quota_bytes=args.table_quota_bytes, **security)
     except (ClientError, KVError, OSError, ValueError, ImportError) as err:
         print(f"kvworker: {getattr(err, 'message', err)}", file=sys.stderr)
         return 2
@@ -115,6 +116,8 @@ def _security_args(s: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kvservice.worker.tables import MAX_TABLE_ROWS, MAX_TABLES
+
     ap = argparse.ArgumentParser(prog="kvworker", description="kvservice worker")
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("info", help="what this machine can run")
@@ -135,6 +138,13 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--worker-id")
     s.add_argument("--port-file", help="write the bound gRPC and metrics ports here (tests)")
     s.add_argument("--enable-test-hooks", action="store_true", help="allow CorruptGuard (tests only)")
+    t = s.add_argument_group("persistent tables (UpdateTables; docs/SECURITY.md#worker-tables)")
+    t.add_argument("--max-table-rows", type=int, default=MAX_TABLE_ROWS,
+                   help="rows one table may hold (at most the pool's slots); with the pool's max_seq_len it sets "
+                        "the pool's table size")
+    t.add_argument("--max-tables", type=int, default=MAX_TABLES, help="tables per tenant (token)")
+    t.add_argument("--table-quota-bytes", type=int, default=0,
+                   help="device bytes of one tenant's tables (0: 4 x the pool's table size)")
     s.add_argument("--log-level", default="INFO")
     _security_args(s)
     args = ap.parse_args(argv)
