@@ -13,8 +13,9 @@ are written afresh (an allocation off the stack, an eviction from the cache, a
 copy-on-write target) and stays when owners are added to what it holds (a fork, a
 prefix-cache hit). Workers record it beside every page they write and kernels
 refuse a page whose generation is not the one their table expects (a table that
-outlived the page: docs/ARCHITECTURE.md, "Page generations"). 0 means never
-allocated; the count skips 0 when it wraps, so 0 is never handed out.
+outlived the page: docs/ARCHITECTURE.md, "Page generations"). It starts at 0 (a
+pool seeds it from its incarnation: Pool.start_generations) and skips 0 when it
+wraps, so 0 is never handed out.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ class SlotAllocator:
       _cached         free slots holding a reusable page, least recently released first.
       _refcnt[slot]   owners (sequences); 0 = free (on the stack or in _cached).
       cacheable[slot] True while the slot's page is registered in the prefix cache.
-      generation[slot] uint32: allocations of the slot so far (0 = never; wraps past 2^32 - 1 to 1).
+      generation[slot] uint32: its start (0, or the pool's seed) plus the slot's allocations so far, wrapping
+                      past 2^32 - 1 to 1.
       on_evict(slot)  called when a cached slot is taken for a new page.
     """
 

@@ -57,6 +57,13 @@ _NO_ROWS = np.zeros(0, dtype=np.int64)
 _NO_ROWS.flags.writeable = False
 
 
+def generation_seed(incarnation: int) -> int:
+    """The generation every slot of a pool starts at (its first allocation hands out seed + 1): the low 32 bits
+    of the incarnation XOR its high 32 bits. Incarnations are random 63-bit numbers, so two incarnations of a
+    pool start their generations far apart."""
+    return (incarnation ^ (incarnation >> 32)) & 0xFFFFFFFF
+
+
 def slot_table_dtype(num_slots: int) -> np.dtype:
     """dtype of the slot tables (RowSlots arenas) of a pool of num_slots slots: int32 while it can hold them."""
     return np.dtype(np.int32 if num_slots <= 2**31 - 1 else np.int64)
@@ -721,6 +728,14 @@ class Pool:
         return emit_tables(self.plan.geometry.index_spaces, self.page_size, self._slots, self._first,
                            self._is_sliding, rows, old, new, held, tok_indptr, tables, block_table,
                            [a.generation for a in self.allocators])
+
+    def start_generations(self, incarnation: int) -> None:
+        """Start every slot's generation at this incarnation's seed (generation_seed): a table of another
+        incarnation of the pool then names other generations than this one's pages hold, so even a kernel call
+        that names no incarnation reads it as stale_page. Call once, on a new pool, before any step."""
+        seed = generation_seed(incarnation)
+        for a in self.allocators:
+            a.generation[:] = seed
 
     def generations(self, group: int, slots: np.ndarray) -> np.ndarray:
         """uint32, shape of `slots` (int, any shape): the current generation of each slot of a layer group."""

@@ -60,6 +60,7 @@ class BlockManager:
             self._pools[name] = pool
             self._locks[name] = threading.Lock()
             self._incarnations[name] = pool.incarnation = incarnation or new_incarnation()
+            pool.start_generations(pool.incarnation)
             _join(self.fleet, pool)
             return pool
 

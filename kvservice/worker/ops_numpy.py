@@ -47,9 +47,13 @@ def _to_f32(a: np.ndarray, dtype: str) -> np.ndarray:
     return a.astype(np.float32)
 
 
+#: paged.cuh KV_GEN_AHEAD: how far (in allocations of its slot) a write's generation may be ahead of the page's.
+GEN_AHEAD = 65536
+
+
 def _newer(g: np.ndarray, r: np.ndarray) -> np.ndarray:
-    """Serial-number order of uint32 generations (paged.cuh kv_gen_newer): g is newer than r."""
-    return (g.astype(np.uint32) - r.astype(np.uint32)).view(np.int32) > 0
+    """paged.cuh kv_gen_newer: r == 0 (never written), or g 1..GEN_AHEAD ahead of r (uint32, wrapping)."""
+    return (r == 0) | ((g.astype(np.uint32) - r.astype(np.uint32) - np.uint32(1)) < np.uint32(GEN_AHEAD))
 
 
 def _merge(a: TableViolations, rows: np.ndarray, positions: np.ndarray, values: np.ndarray,

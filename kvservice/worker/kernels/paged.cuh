@@ -100,8 +100,17 @@ __device__ __forceinline__ int kv_page_reason(const KvLayout& L, long long p) {
 // generation pointer means "not checked" (a table from elsewhere).
 __device__ __forceinline__ long long kv_gen_index(const KvLayout& L, long long p) { return p - L.base; }
 
-// Serial-number order of generations (they wrap at 2^32): g is newer than r.
-__device__ __forceinline__ bool kv_gen_newer(unsigned g, unsigned r) { return (int)(g - r) > 0; }
+// May a page holding generation r be opened by a write of generation g? Yes if the
+// page was never written (r == 0: no generation is ever 0), or if g follows r by 1 to
+// KV_GEN_AHEAD allocations of the slot (generations wrap at 2^32). A write of an older
+// generation (a table that outlived the page) is refused; so is one of another pool
+// incarnation, whose generations start at an unrelated seed (the odds it lands within
+// KV_GEN_AHEAD ahead are 2^-16 per page, and a page so written then reads stale_page for
+// its owner, never a silent change).
+#define KV_GEN_AHEAD 65536u
+__device__ __forceinline__ bool kv_gen_newer(unsigned g, unsigned r) {
+  return r == 0u || g - r - 1u < KV_GEN_AHEAD;
+}
 
 // KV_OK or KV_STALE_PAGE for a page p that passed kv_page_reason, read through a table
 // that expects generation `expect`.
