@@ -20,9 +20,10 @@ A table is bound to what it was made for (docs/SECURITY.md#worker-tables):
 
 Every reply is checked against the pool's plan before anything is allocated (:class:`TablePlan`):
 index spaces, dtypes, row counts, token counts and page values, like a Step. A table holds at most
-``max_rows`` rows of at most ``max_pages_per_seq`` pages per index space (the pool's table size,
-:attr:`TablePlan.max_table_bytes`), and a tenant at most ``max_tables`` tables and ``quota_bytes``
-bytes: past the quota its least recently updated tables are dropped.
+``max_rows`` rows of at most ``max_pages_per_seq`` pages per index space (:attr:`TablePlan.held_bytes`;
+one update allocates at most :attr:`TablePlan.max_table_bytes`, the pool's table size), and a tenant at
+most ``max_tables`` tables and ``quota_bytes`` bytes (default 4 x held_bytes): past them its least
+recently updated tables are dropped.
 """
 
 from __future__ import annotations
@@ -81,10 +82,16 @@ class TablePlan:
         return sum(s.index_dtype.itemsize + 4 for s in self.geometry.index_spaces)
 
     @property
-    def max_table_bytes(self) -> int:
-        """The pool's table size: what one table can hold at most (max_rows x max_pages cells per space)."""
+    def held_bytes(self) -> int:
+        """What one table can hold at most: max_rows x max_pages cells per space, and its per-row arrays."""
         spaces = len(self.geometry.index_spaces)
         return self.max_rows * (self.max_pages * self.cell_bytes + _ROW_BYTES + 8 * spaces)
+
+    @property
+    def max_table_bytes(self) -> int:
+        """The pool's table size: the most one UpdateTables may allocate, the table it builds (held_bytes) and the
+        int64 cell index it builds it with (one index space at a time)."""
+        return self.held_bytes + 8 * self.max_rows * self.max_pages
 
     def check(self, reply: pb.StepReply, held_rows: int) -> None:
         """InvalidArgument (naming the field) or ResourceExhausted for a reply this pool cannot have sent;
@@ -206,7 +213,7 @@ class DeviceTables:
                  quota_bytes: int = 0) -> None:
         self.xp = xp
         self.max_tables = max_tables
-        self.quota_bytes = quota_bytes or 4 * plan.max_table_bytes
+        self.quota_bytes = quota_bytes or 4 * plan.held_bytes
         self._tables: OrderedDict[tuple[str, str], HeldTable] = OrderedDict()
         self._lock = threading.Lock()
         self.plan_id = 0
