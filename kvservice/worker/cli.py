@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                         "the pool's table size")
     t.add_argument("--max-tables", type=int, default=MAX_TABLES, help="tables per tenant (token)")
     t.add_argument("--table-quota-bytes", type=int, default=0,
-                   help="device bytes of one tenant's tables (0: 4 x the pool's table size)")
+                   help="device bytes of one tenant's tables (0: 4 x the most one table of the pool holds)")
     s.add_argument("--log-level", default="INFO")
     _security_args(s)
     args = ap.parse_args(argv)

@@ -72,7 +72,7 @@ def table_plan(caches: CacheSet, max_table_rows: int = MAX_TABLE_ROWS) -> TableP
 
 class WorkerServicer(wpb_grpc.WorkerServicer):
     """max_table_rows, max_tables, table_quota_bytes: bounds of the persistent tables (kvservice.worker.tables;
-    0 quota = 4 tables of the pool's table size per tenant)."""
+    0 quota = 4 x the most one table of the pool holds, per tenant)."""
 
     def __init__(self, caches: CacheSet, metrics: WorkerMetrics, identity: dict[str, Any],
                  test_hooks: bool = False, leader_epoch: Callable[[], int] | None = None, *,
