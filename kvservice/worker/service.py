@@ -24,7 +24,14 @@ from kvservice.v1 import worker_pb2_grpc as wpb_grpc
 from kvservice.worker import ops_numpy
 from kvservice.worker.caches import CacheSet
 from kvservice.worker.fencing import LeaderEpochFence, MemoryGate, check_incarnation
-from kvservice.worker.kernel_api import REASONS, KernelViolationError, Policy, ViolationRecord, check_copy_pairs
+from kvservice.worker.kernel_api import (
+    REASONS,
+    SKIP_SLOT,
+    KernelViolationError,
+    Policy,
+    ViolationRecord,
+    check_copy_pairs,
+)
 from kvservice.worker.metrics import WorkerMetrics
 from kvservice.worker.tables import MAX_TABLE_ROWS, MAX_TABLES, DeviceTables, TablePlan
 
@@ -210,6 +217,7 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
         v = self._tensor(request, "v", layout.dtype, shape, doc)
         def reasons() -> dict[str, int]:
             host = _host(sm)
+            host = host[host != SKIP_SLOT]                # written nowhere, never a violation
             pages = np.where(host < 0, -1, host // layout.page_size)
             return _count_reasons(int(r) for r in layout.reasons(pages) if r)
 
