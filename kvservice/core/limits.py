@@ -33,8 +33,9 @@ from kvservice.core.planner import Plan
 #: Protobuf framing of one Tensor (dtype, a 2-D shape, the data's tag and length, the field's own
 #: tag and length) is at most 11 + 23 + 11 + 11 bytes; counted as 64.
 TENSOR_FRAMING = 64
-#: Framing of one SpaceTables message: seven Tensors and six integer fields of at most 11 bytes.
-SPACE_FRAMING = 7 * TENSOR_FRAMING + 6 * 11 + 11
+#: Framing of one SpaceTables message: five Tensors' allowance (with each part's own, ten for its seven Tensors)
+#: and six integer fields of at most 11 bytes.
+SPACE_FRAMING = 5 * TENSOR_FRAMING + 6 * 11 + 11
 #: Bytes of one page generation (UINT32) on the wire.
 GENERATION_BYTES = 4
 #: Everything else of a StepReply that does not grow with the batch (integers, future fields).
@@ -108,11 +109,11 @@ class ReplyBound:
 def step_reply_bound(model: ReplyModel, shape: StepShape, tables: bool, block_table: bool) -> ReplyBound:
     """Upper bound on the serialized StepReply of a step of `shape` in a pool of `model`."""
     b, spaces, groups = shape.rows, model.num_spaces, len(model.index_bytes)
-    mappings = spaces * ((8 + GENERATION_BYTES) * shape.new_tokens + 2 * TENSOR_FRAMING)
+    mappings = spaces * ((8 + GENERATION_BYTES) * shape.new_tokens + TENSOR_FRAMING)
     table_bytes = block_bytes = 0
     if tables:
         table_bytes = sum(isz * (b + 1 + pages) for isz, pages in zip(model.index_bytes, shape.pages, strict=True))
-        table_bytes += spaces * (4 * b + 4 * TENSOR_FRAMING)
+        table_bytes += spaces * (4 * b + 3 * TENSOR_FRAMING)
     if block_table:
         block_bytes = (sum(model.index_bytes) - GENERATION_BYTES * spaces) * b * shape.widest + spaces * TENSOR_FRAMING
     rest = (REPLY_SLACK + spaces * SPACE_FRAMING + 10 * model.num_layers + 8 * (3 * b + 1) + 8 * shape.admitted
