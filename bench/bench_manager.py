@@ -297,12 +297,13 @@ def bench_stream_breakdown(steps: int, batches: tuple[int, ...] = BATCHES,
     """
     from kvservice.client import codec
     from kvservice.client.stream import _Core
+    from kvservice.contract.errors import JournalUnavailable
+    from kvservice.contract.transport import MAX_MESSAGE_BYTES
     from kvservice.events.hub import EventsConfig, configure_events
     from kvservice.manager.api import ManagerAPI
     from kvservice.manager.pools import BlockManager
-    from kvservice.server.app import MAX_MESSAGE_BYTES
     from kvservice.server.metrics import ManagerMetrics
-    from kvservice.server.servicer import BlockManagerServicer, JournalUnavailable, Limits
+    from kvservice.server.servicer import BlockManagerServicer, Limits
     from kvservice.server.stream import StreamSession, step_one
     from kvservice.state.journal import Journal
     from kvservice.v1 import block_manager_pb2 as pb

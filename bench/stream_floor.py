@@ -71,7 +71,7 @@ def measure(batch: int, work_us: float, client_us: float, steps: int = 400,
     from bench.bench_manager import _decode_pools
     from kvservice.client import BlockManagerClient
     from kvservice.client.stream import METHOD
-    from kvservice.server.stream import STREAM_ID_KEY
+    from kvservice.contract.transport import STREAM_ID_KEY
     from kvservice.tools.launch import wait_for_ports
     from kvservice.v1 import block_manager_pb2 as pb
 

@@ -44,11 +44,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from kvservice.contract import convert
 from kvservice.contract.errors import AlreadyExists, InvalidArgument, KVError, NotFound, ResourceExhausted
 from kvservice.core.geometry import CacheSpec, LayerSpec
 from kvservice.core.planner import Sizing, plan
 from kvservice.core.pool import Pool
+from kvservice.manager import replies
 
 from .refmodel import Generations, Outcome, RefPool, Row, Step, cdiv
 
@@ -229,7 +229,7 @@ class InProcess:
         return [_space(sp) for sp in self.pool.tables_for(_arr(q.ids, np.uint64), block_table=q.block_table)]
 
     def stats(self):
-        return convert.pool_stats(self.pool)
+        return replies.pool_stats(self.pool)
 
     def snapshot(self) -> tuple:
         p = self.pool

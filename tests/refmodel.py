@@ -1,6 +1,6 @@
 """A deliberately plain reference model of a pool: dicts, lists and ints, no NumPy, no fast paths.
 
-Written from DESIGN.md and docs/ARCHITECTURE.md (never from kvservice/core/pool.py,
+Written from docs/DESIGN.md and docs/ARCHITECTURE.md (never from kvservice/core/pool.py,
 allocator.py or prefix.py) so that a differential test can hold the real pool
 to the documented semantics:
 

@@ -32,9 +32,9 @@ from kvservice.client import codec
 from kvservice.client.codec import ClientError, StepResult, position_of
 from kvservice.client.stream import EchoStream, StepStream
 from kvservice.contract.pagetable import PageTable, ValidationReport
+from kvservice.contract.transport import MAX_MESSAGE_BYTES
 from kvservice.core.geometry import CacheSpec
 from kvservice.core.planner import Sizing
-from kvservice.server.app import MAX_MESSAGE_BYTES
 from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1 import block_manager_pb2_grpc as pb_grpc
 

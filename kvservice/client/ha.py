@@ -26,8 +26,8 @@ from typing import Any
 import grpc
 
 from kvservice.client.client import BlockManagerClient, RetryPolicy, TLSOptions, auth_metadata, make_channel
+from kvservice.contract.transport import EPOCH_METADATA
 
-EPOCH_METADATA = "kvservice-leader-epoch"
 #: Enough tries (backoff up to 0.25 s, about 15 s in all) to ride out a failover (lease TTL 2 s by default) plus margin.
 FAILOVER_RETRY = RetryPolicy(attempts=60, initial_backoff=0.05, max_backoff=0.25)
 _ROTATE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)

@@ -32,8 +32,8 @@ import numpy as np
 from kvservice.client import codec
 from kvservice.client.codec import ClientError, SpaceTables, StepResult
 from kvservice.contract.mirror import MirrorError, PageTableMirror
+from kvservice.contract.transport import STREAM_ID_KEY
 from kvservice.contract.wire import field_array
-from kvservice.server.stream import STREAM_ID_KEY
 from kvservice.v1 import block_manager_pb2 as pb
 
 METHOD = "/kvservice.v1.BlockManager/StepStream"

@@ -16,8 +16,8 @@ import numpy as np
 
 from kvservice.client.client import TLSOptions, auth_metadata, make_channel
 from kvservice.client.codec import ClientError
-from kvservice.client.ha import EPOCH_METADATA
 from kvservice.contract.pagetable import PageTable
+from kvservice.contract.transport import EPOCH_METADATA
 from kvservice.contract.wire import from_tensor, to_tensor
 from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1 import common_pb2 as cpb

@@ -1,4 +1,4 @@
-"""Cache geometry: layers, layer groups, layouts and index spaces (DESIGN.md, "Domain terms").
+"""Cache geometry: layers, layer groups, layouts and index spaces (docs/DESIGN.md, "Domain terms").
 
 A *slot* holds one page of every layer of its layer group. How a layer turns a
 slot into a page index depends on the layout:

@@ -1,4 +1,4 @@
-"""assert_invariants(pool): DESIGN.md's invariants, checked from scratch (tests call it after every op)."""
+"""assert_invariants(pool): docs/DESIGN.md's invariants, checked from scratch (tests call it after every op)."""
 
 from __future__ import annotations
 

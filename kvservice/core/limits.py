@@ -198,7 +198,7 @@ def pages_after(page_size: int, max_pages: int, windows: Sequence[int], e_old: n
     out = []
     for w in windows:
         kept = e_pages
-        if w:   # a sliding group keeps pages from (old + 1 - w) // ps on (DESIGN.md: window release)
+        if w:   # a sliding group keeps pages from (old + 1 - w) // ps on (docs/DESIGN.md: window release)
             kept = e_pages - np.minimum(np.maximum(e_old + 1 - w, 0) // ps, -(-e_old // ps))
         out.append(exact_sum(kept) + admitted + exact_sum(c_pages))
     return tuple(out), widest

@@ -125,7 +125,7 @@ class Pool:
             full = [g for g, w in enumerate(self.windows) if not w]
             self._anchor_group = full[0] if full else None
             self.prefix = self.prefixes[full[0] if full else 0]
-        self.events = PoolEvents()                # KV events of the prefix caches (events.py)
+        self.events = PoolEvents()                # KV events of the prefix caches (cache_events.py)
         for g, cache in enumerate(self.prefixes or ()):
             cache.sink = self.events.source(g, self.windows[g], geo.num_slots)
         self._sharing = prefix_caching          # slots may have several owners (turned on by a fork)

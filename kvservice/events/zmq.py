@@ -14,7 +14,7 @@ Format (vLLM's ``vllm/distributed/kv_events.py``, the version whose events are t
   answered with ``(identity, b"", seq, payload)`` for every retained batch ``>= start``, then
   ``(identity, b"", -1 as 8 signed bytes, b"")``.
 
-The sequence number is the pool's own batch number (events.py), which survives a restart, so a
+The sequence number is the pool's own batch number (core/cache_events.py), which survives a restart, so a
 subscriber that missed batches asks the replay socket for them as it would ask vLLM. Asked for
 batches this manager no longer holds, the replay answers with a reset batch first
 (AllBlocksCleared, then the whole cache), labelled with the sequence it describes.

@@ -23,6 +23,7 @@ from kvservice.core.limits import (
 from kvservice.core.planner import plan
 from kvservice.core.pool import Pool, StepResult
 from kvservice.events import messages as events_proto
+from kvservice.manager import replies
 from kvservice.manager.pools import BlockManager
 from kvservice.v1 import block_manager_pb2 as pb
 
@@ -134,7 +135,7 @@ class ManagerAPI:
     def _pool_info(self, name: str) -> pb.PoolInfo:
         incarnation = self.manager.incarnation(name)
         with self.manager.locked(name) as pool:
-            return convert.pool_info(pool, incarnation)
+            return replies.pool_info(pool, incarnation)
 
     def DeletePool(self, request: pb.DeletePoolRequest) -> pb.DeletePoolReply:
         self.manager.delete_pool(request.pool, request.force)
@@ -236,7 +237,7 @@ class ManagerAPI:
         reply = pb.StatsReply()
         for name in names:
             with self.manager.locked(name) as pool:
-                reply.pools[name].CopyFrom(convert.pool_stats(pool))
+                reply.pools[name].CopyFrom(replies.pool_stats(pool))
         return reply
 
     def ValidatePageTable(self, request: pb.ValidatePageTableRequest) -> pb.ValidatePageTableReply:
@@ -280,7 +281,7 @@ class ManagerAPI:
 
     def ListWorkers(self, request: pb.ListWorkersRequest) -> pb.ListWorkersReply:
         reg = self.manager.workers
-        return pb.ListWorkersReply(workers=[convert.worker_info(w, reg.seconds_since_heartbeat(w))
+        return pb.ListWorkersReply(workers=[replies.worker_info(w, reg.seconds_since_heartbeat(w))
                                             for w in reg.workers(request.pool)])
 
 

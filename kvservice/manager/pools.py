@@ -35,7 +35,7 @@ class BlockManager:
         self._locks: dict[str, threading.Lock] = {}
         self._incarnations: dict[str, int] = {}      # pool -> incarnation, in [1, 2^63)
         self._lock = threading.Lock()
-        self.events = EventHub(self)         # KV event logs of the pools (event_log.py)
+        self.events = EventHub(self)         # KV event logs of the pools (events/hub.py)
         self.fleet = FleetIndex()            # hash -> pools serving it, for ScorePrefix (fleet_index.py)
 
     def create_pool(self, name: str, spec: CacheSpec, sizing: Sizing, backends: tuple[str, ...] = (),

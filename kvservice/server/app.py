@@ -5,18 +5,16 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent import futures
 from dataclasses import dataclass, field
 
 import grpc
-from google.protobuf.descriptor_pool import Default as _default_pool
-from google.protobuf.message_factory import GetMessageClass
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health, health_pb2
 from prometheus_client import Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvservice.contract.auth import BM, ServerTLS, TokenAuthInterceptor, TokenTable, manager_rules
+from kvservice.contract.serving import grpc_server
+from kvservice.contract.transport import MAX_MESSAGE_BYTES
 from kvservice.events.hub import EventsConfig, configure_events
 from kvservice.events.metrics import EventCollector
 from kvservice.manager.api import ManagerAPI
@@ -29,11 +27,7 @@ from kvservice.v1 import block_manager_pb2
 
 log = logging.getLogger("kvservice")
 
-#: Largest request or reply, bytes. A Step for 4096 sequences of 128k tokens carries
-#: ~32M int32 indices per index space; raise it for bigger batches.
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 SERVICE_NAME = block_manager_pb2.DESCRIPTOR.services_by_name["BlockManager"].full_name
-_POOL = _default_pool()
 COMMIT_BUCKETS = (10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 0.1, 1.0)
 
 
@@ -49,7 +43,7 @@ class RunningServer:
     #: Set when the journal failed (fail-stop): the process should exit and be restarted.
     failed: threading.Event = field(default_factory=threading.Event)
     health: health.HealthServicer | None = None
-    publishers: list = field(default_factory=list)     # ZeroMQ KV event publishers (zmq_events.py)
+    publishers: list = field(default_factory=list)     # ZeroMQ KV event publishers (events/zmq.py)
 
     def stop(self, grace: float = 1.0) -> None:
         """Stop serving (in-flight calls get `grace` seconds), then snapshot and close the journal."""
@@ -143,78 +137,6 @@ def serve(listen: str = "127.0.0.1:0", metrics_port: int | None = None, pools: S
              f", {len(tokens)} tokens" if tokens is not None else "", running.metrics_port,
              journal.state_dir or (journal.store.location if journal.store.durable else "memory only"))
     return running
-
-
-def grpc_server(service: str, servicer: object, listen: str, tls: ServerTLS | None = None,
-                interceptors: Sequence[grpc.ServerInterceptor] = (), max_workers: int = 8,
-                max_message_bytes: int = MAX_MESSAGE_BYTES) -> tuple[grpc.Server, int, health.HealthServicer]:
-    """A gRPC server (not started) with `servicer` under lenient handlers, health and reflection, bound to
-    `listen` (port 0 picks one). Returns (server, bound port, health servicer). Manager and worker share it."""
-    options = [("grpc.max_receive_message_length", max_message_bytes),
-               ("grpc.max_send_message_length", max_message_bytes), ("grpc.so_reuseport", 0)]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=options,
-                         interceptors=list(interceptors))
-    add_lenient_service(server, service, servicer)         # undecodable bytes: INVALID_ARGUMENT, not INTERNAL
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((service, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_secure_port(listen, tls.credentials()) if tls else server.add_insecure_port(listen)
-    if port == 0:
-        raise OSError(f"cannot listen on {listen}")
-    return server, port, health_servicer
-
-
-class Malformed:
-    """Stands for a request whose bytes do not parse: the handler answers INVALID_ARGUMENT, not gRPC's INTERNAL."""
-
-    __slots__ = ("error", "type_name")
-
-    def __init__(self, type_name: str, error: Exception) -> None:
-        self.type_name, self.error = type_name, error
-
-
-def lenient_handlers(service: str, servicer: object) -> dict[str, grpc.RpcMethodHandler]:
-    """The methods of `service` (full name) on `servicer`, with a request parser that never raises.
-
-    gRPC answers a request it cannot deserialize with INTERNAL; here it becomes INVALID_ARGUMENT
-    naming the message type. Usable for any service of kvservice.v1 (the worker's too).
-    """
-    handlers = {}
-    for m in _POOL.FindServiceByName(service).methods:
-        req_cls, rep_cls = GetMessageClass(m.input_type), GetMessageClass(m.output_type)
-        kw = {"request_deserializer": _parser(req_cls), "response_serializer": rep_cls.SerializeToString}
-        if m.client_streaming:                  # the handler answers a Malformed item of the stream itself
-            make = grpc.stream_stream_rpc_method_handler if m.server_streaming else grpc.stream_unary_rpc_method_handler
-            handlers[m.name] = make(getattr(servicer, m.name), **kw)
-        else:
-            make = grpc.unary_stream_rpc_method_handler if m.server_streaming else grpc.unary_unary_rpc_method_handler
-            handlers[m.name] = make(_refuse_malformed(getattr(servicer, m.name)), **kw)
-    return handlers
-
-
-def add_lenient_service(server: grpc.Server, service: str, servicer: object) -> None:
-    """Register `servicer` like the generated add_*Servicer_to_server, with lenient_handlers."""
-    handlers = lenient_handlers(service, servicer)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
-    server.add_registered_method_handlers(service, handlers)
-
-
-def _parser(cls: type) -> Callable[[bytes], object]:
-    def parse(data: bytes) -> object:
-        try:
-            return cls.FromString(data)
-        except Exception as err:      # DecodeError, or anything else a hostile payload provokes
-            return Malformed(cls.DESCRIPTOR.full_name, err)
-    return parse
-
-
-def _refuse_malformed(behavior: Callable[[object, grpc.ServicerContext], object]) -> Callable[..., object]:
-    def guarded(request: object, context: grpc.ServicerContext) -> object:
-        if isinstance(request, Malformed):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"request is not a valid {request.type_name} message ({type(request.error).__name__})")
-        return behavior(request, context)
-    return guarded
 
 
 def _fail_stop(running: RunningServer) -> None:

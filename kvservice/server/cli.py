@@ -12,9 +12,10 @@ from pathlib import Path
 
 from kvservice.contract.auth import ServerTLS, TokenTable
 from kvservice.contract.errors import InvalidArgument, KVError
+from kvservice.contract.transport import MAX_MESSAGE_BYTES
 from kvservice.events.hub import DEFAULT_RING_BATCHES, DEFAULT_RING_BYTES, EventsConfig
 from kvservice.events.zmq import zmq_configs
-from kvservice.server.app import MAX_MESSAGE_BYTES, serve
+from kvservice.server.app import serve
 from kvservice.server.config import DEFAULT_POOLS_YAML, load_pools, load_pools_file
 from kvservice.server.servicer import Limits
 from kvservice.state.journal import Journal, JournalConfig

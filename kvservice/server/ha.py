@@ -1,4 +1,5 @@
-"""A replicated manager: the NATS journal (journal_nats.py) and the leader lease (leader.py) wired to the server.
+"""A replicated manager: the NATS journal (state/nats/journal.py) and the leader lease (state/nats/leader.py)
+wired to the server.
 
 Every manager process starts as a **standby**: it recovers the newest snapshot plus the
 journal tail, then follows the stream continuously (its in-memory state stays a few entries
@@ -39,6 +40,7 @@ from grpc_health.v1 import health_pb2
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvservice.contract.errors import KVError, StateError
+from kvservice.contract.transport import EPOCH_METADATA
 from kvservice.manager.pools import BlockManager
 from kvservice.server.app import SERVICE_NAME, RunningServer, serve
 from kvservice.server.config import PoolConfig
@@ -50,7 +52,6 @@ from kvservice.state.stores import Entry
 
 log = logging.getLogger("kvservice.server.ha")
 #: Initial-metadata key of every reply of a replicated manager: the epoch of the leader that answered.
-EPOCH_METADATA = "kvservice-leader-epoch"
 FENCE_ATTEMPTS = 20
 #: Recoveries tried while a leader's compaction keeps overtaking the reader (each one reads a newer snapshot).
 RECOVERY_ATTEMPTS = 5

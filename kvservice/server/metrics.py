@@ -1,4 +1,4 @@
-"""Prometheus metrics of the manager, named as DESIGN.md says.
+"""Prometheus metrics of the manager, named as docs/DESIGN.md says.
 
 Levels (slots, sequences) and domain counters are read from the pools at
 scrape time by a collector, so the Step hot path pays nothing for them. RPC

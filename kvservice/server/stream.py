@@ -52,16 +52,17 @@ from kvservice.contract.errors import (
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
+    JournalUnavailable,
     KVError,
     NotFound,
     ResourceExhausted,
 )
+from kvservice.contract.transport import STREAM_ID_KEY
 from kvservice.manager.api import ManagerAPI, step_kwargs, step_reply
 from kvservice.manager.delta import HeldTables, encode_delta, held_from_full
 from kvservice.v1 import block_manager_pb2 as pb
 
 log = logging.getLogger("kvservice")
-STREAM_ID_KEY = "kvservice-stream-id"
 _STREAM_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 _CODES = ((InvalidArgument, code_pb2.INVALID_ARGUMENT), (FailedPrecondition, code_pb2.FAILED_PRECONDITION),
           (ResourceExhausted, code_pb2.RESOURCE_EXHAUSTED), (NotFound, code_pb2.NOT_FOUND),
@@ -292,7 +293,6 @@ def step_one(servicer: Any, session: StreamSession, request: Any, broken: type[E
 
 def step_stream(servicer: Any, requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[pb.StepReply]:
     """The StepStream handler: one reply per request, in order."""
-    from kvservice.server.servicer import JournalUnavailable  # servicer imports this module
 
     stream_id = stream_id_of(context)
     if stream_id is None:

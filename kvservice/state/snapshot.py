@@ -277,7 +277,7 @@ def pool_plan(meta: dict) -> Plan:
 
 
 def check_pool_state(state: PoolState, p: Plan) -> list[str]:
-    """DESIGN.md's invariants on a pool's state (vectorised); the problems found, [] if it is sound."""
+    """docs/DESIGN.md's invariants on a pool's state (vectorised); the problems found, [] if it is sound."""
     m, a = state.meta, state.arrays
     out: list[str] = []
     groups = p.geometry.groups

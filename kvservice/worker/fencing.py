@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from kvservice.client.ha import EPOCH_METADATA
 from kvservice.contract.errors import FailedPrecondition, InvalidArgument
+from kvservice.contract.transport import EPOCH_METADATA
 
 
 class MemoryGate:

@@ -1,4 +1,4 @@
-"""Prometheus metrics of a worker, named as DESIGN.md says."""
+"""Prometheus metrics of a worker, named as docs/DESIGN.md says."""
 
 from __future__ import annotations
 

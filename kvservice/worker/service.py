@@ -15,9 +15,9 @@ import numpy as np
 from kvservice.contract.auth import current_principal
 from kvservice.contract.errors import FailedPrecondition, InvalidArgument, KVError
 from kvservice.contract.status import to_status
+from kvservice.contract.transport import MAX_MESSAGE_BYTES
 from kvservice.contract.wire import from_tensor, to_tensor
 from kvservice.core.limits import check_reply_bytes
-from kvservice.server.app import MAX_MESSAGE_BYTES
 from kvservice.v1 import common_pb2 as cpb
 from kvservice.v1 import worker_pb2 as wpb
 from kvservice.v1 import worker_pb2_grpc as wpb_grpc
@@ -98,7 +98,7 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
         # persistent page tables (UpdateTables), bound to this incarnation and plan
         self.tables = DeviceTables(table_plan(caches, max_table_rows), identity.get("incarnation", 0), caches.xp,
                                    max_tables, table_quota_bytes)
-        self.max_reply_bytes = MAX_MESSAGE_BYTES    # the worker's gRPC limit (kvservice.server.app.grpc_server)
+        self.max_reply_bytes = MAX_MESSAGE_BYTES    # the worker's gRPC limit (kvservice.contract.serving.grpc_server)
         self._zero_series(caches)
 
     def _zero_series(self, caches: CacheSet) -> None:

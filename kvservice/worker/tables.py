@@ -5,7 +5,7 @@ each reply to the workers (UpdateTables); each worker applies it to its own Page
 whose arrays live where the kernels run (CuPy on a GPU, NumPy on the CPU backend). A decode
 step then ships only the delta to the device, and AppendKV / DecodeAttention name the copy
 (``table_id``) instead of carrying slot mappings and CSR tables: the shape of vLLM v1's
-persistent block table. The kernels still check every page index they read (DESIGN.md), and
+persistent block table. The kernels still check every page index they read (docs/DESIGN.md), and
 every page's generation (the mirror keeps the generations the manager sent beside the pages).
 
 A table is bound to what it was made for (docs/SECURITY.md#worker-tables):

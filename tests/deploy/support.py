@@ -28,7 +28,7 @@ PROMETHEUS_RULE = DEPLOY / "components" / "prometheus-operator" / "prometheusrul
 OPERATIONS = REPO / "docs" / "operations.md"
 PYTHON = str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv" / "bin" / "python").exists() else sys.executable
 
-#: What the services export (shared/DESIGN.md, "Observability names"). Histograms by family name.
+#: What the services export (docs/DESIGN.md, "Metric names"). Histograms by family name.
 MANAGER_METRICS = {
     "kvservice_slots_total": "gauge",
     "kvservice_slots_free": "gauge",

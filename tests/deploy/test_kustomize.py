@@ -436,7 +436,7 @@ def test_manager_and_worker_rpcs_need_tokens(rendered, variant: str) -> None:
 #: request and reply with their copies), 2 x it per other gRPC thread receiving, 25 bytes per slot of
 #: max_total_slots and 200 MiB for the process itself.
 def _manager_budget(args: list[str]) -> int:
-    from kvservice.server.app import MAX_MESSAGE_BYTES
+    from kvservice.contract.transport import MAX_MESSAGE_BYTES
     from kvservice.server.servicer import Limits
 
     msg = int(_flag(args, "--max-message-bytes") or MAX_MESSAGE_BYTES)

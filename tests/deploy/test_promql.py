@@ -1,5 +1,5 @@
 """Every PromQL expression of the dashboard and the alert rules parses (promtool, as recording
-rules) and names only series the services export (DESIGN.md's list, plus `up`); the manager's
+rules) and names only series the services export (docs/DESIGN.md's list, plus `up`); the manager's
 part of that list is also checked against a live /metrics scrape."""
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def test_every_expression_parses(tmp_path: Path) -> None:
 def test_only_exported_metrics_are_referenced() -> None:
     unknown = {where: sorted(metric_names(e) - KNOWN_SERIES) for where, e in all_exprs().items()}
     unknown = {k: v for k, v in unknown.items() if v}
-    assert not unknown, f"names no service exports (DESIGN.md 'Observability names'): {unknown}"
+    assert not unknown, f"names no service exports (docs/DESIGN.md 'Metric names'): {unknown}"
 
 
 def _scrape_names(text: str) -> set[str]:

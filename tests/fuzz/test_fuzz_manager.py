@@ -1,7 +1,7 @@
 """Hostile input on every BlockManager RPC, over gRPC, against an in-process manager with a durable journal.
 
 Each case must get OK or a caller-mistake status with a message (never UNKNOWN or INTERNAL;
-UNAVAILABLE would mean the journal fail-stopped), the server must stay up, and DESIGN.md's
+UNAVAILABLE would mean the journal fail-stopped), the server must stay up, and docs/DESIGN.md's
 invariants must hold on every pool afterwards. The last test recovers the journal read-only
 and checks that replay rebuilt exactly the fuzzed state.
 """
@@ -85,7 +85,7 @@ def mgr(tmp_path_factory):
 
 
 def healthy(m: Manager) -> None:
-    """The server answers, the journal has not failed, every pool keeps DESIGN.md's invariants."""
+    """The server answers, the journal has not failed, every pool keeps docs/DESIGN.md's invariants."""
     assert m.journal.failed is None, m.journal.failed
     for name in m.running.manager.pool_names():
         with m.running.manager.locked(name) as pool:

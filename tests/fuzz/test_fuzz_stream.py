@@ -4,7 +4,7 @@ Each example sends a few requests on one long-lived stream: valid steps, mutated
 ones and undecodable bytes, with stream_seq mostly in order but sometimes 0, repeated or skipping
 ahead, delta_tables on or off, delta_base right or wrong, and unary Steps of another client mixed
 in. Every reply must be OK or a caller-mistake status carried in the reply (never INTERNAL), the
-stream must stay open, DESIGN.md's invariants must hold, and every incremental reply applied to a
+stream must stay open, docs/DESIGN.md's invariants must hold, and every incremental reply applied to a
 mirror must give exactly the pool's own tables of that batch.
 """
 
@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvservice.contract.mirror import MirrorError, PageTableMirror
-from kvservice.server.stream import STREAM_ID_KEY
+from kvservice.contract.transport import STREAM_ID_KEY
 from kvservice.state.journal import Journal, state_tree
 from kvservice.v1 import block_manager_pb2 as pb
 

@@ -16,11 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvservice.contract.errors import KVError
+from kvservice.contract.errors import JournalUnavailable, KVError
 from kvservice.contract.wire import to_tensor
 from kvservice.core.invariants import assert_invariants
 from kvservice.server.ha import open_journal, open_sole_writer
-from kvservice.server.servicer import JournalUnavailable
 from kvservice.state.journal import Journal, JournalConfig, StateError, state_tree
 from kvservice.state.nats.journal import NatsConfig, NatsLink, NatsStore, StoreError
 from kvservice.v1 import block_manager_pb2 as pb

@@ -19,9 +19,9 @@ from kvservice.client.aio import AsyncBlockManagerClient
 from kvservice.client.client import RetryPolicy
 from kvservice.client.stream import StepStream
 from kvservice.contract.auth import TokenTable
+from kvservice.contract.transport import STREAM_ID_KEY
 from kvservice.core.planner import Sizing
 from kvservice.server.app import serve
-from kvservice.server.stream import STREAM_ID_KEY
 from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1 import common_pb2 as cpb
 from tests.support_stream import MAX_LEN, NUM_SLOTS, SPECS, Driver, assert_same_tables

@@ -12,13 +12,20 @@ import time
 import numpy as np
 import pytest
 
-from kvservice.contract.errors import AlreadyExists, InvalidArgument, KVError, ResourceExhausted, StateError
+from kvservice.contract.errors import (
+    AlreadyExists,
+    InvalidArgument,
+    JournalUnavailable,
+    KVError,
+    ResourceExhausted,
+    StateError,
+)
 from kvservice.contract.wire import to_tensor
 from kvservice.core.geometry import CacheSpec, LayerSpec
 from kvservice.core.invariants import assert_invariants
 from kvservice.core.planner import Sizing
 from kvservice.manager.pools import BlockManager
-from kvservice.server.servicer import JournalUnavailable, Limits
+from kvservice.server.servicer import Limits
 from kvservice.state.journal import Journal, JournalConfig, MemoryStore, create_request, state_tree
 from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1 import common_pb2

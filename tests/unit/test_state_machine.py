@@ -2,7 +2,7 @@
 
 The model owns nothing NumPy: per sequence its token count and, per layer
 group, the slot of each page (None once a sliding window released it); per
-group a refcount dict. After every step the pool must agree with it, DESIGN.md's
+group a refcount dict. After every step the pool must agree with it, docs/DESIGN.md's
 invariants must hold, and every failure (unknown id, double free, duplicate,
 bad count, out of slots) must be a clean error that changed nothing. Forks
 share slots; appends into a shared partly filled page must copy it first.

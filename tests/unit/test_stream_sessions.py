@@ -75,12 +75,13 @@ def _served(prefix: bool = False, max_seq_len: int = 128, **api_kw: object):
     """(manager, servicer, send(seq, **step_request fields) -> StepReply) of one stream on pool "p", set up as
     kvservice serve sets up a manager (deferred KV events, memory journal, default Limits)."""
     from kvservice.client.codec import create_pool_request, step_request
+    from kvservice.contract.errors import JournalUnavailable
     from kvservice.core.geometry import CacheSpec
     from kvservice.core.planner import Sizing
     from kvservice.manager.api import ManagerAPI
     from kvservice.manager.pools import BlockManager
     from kvservice.server.metrics import ManagerMetrics
-    from kvservice.server.servicer import BlockManagerServicer, JournalUnavailable, Limits
+    from kvservice.server.servicer import BlockManagerServicer, Limits
     from kvservice.server.stream import step_one
     from kvservice.state.journal import Journal
 

@@ -170,7 +170,7 @@ class NatsLink:
         self._thread.start()
         self.disconnects = 0
         self.closing = False
-        #: The journal's publishes: a connection of their own, used by the appending thread (nats_direct.py).
+        #: The journal's publishes: a connection of their own, used by the appending thread (state/nats/direct.py).
         self.direct = DirectPublisher(config.servers, f"{client_name}-journal", config.request_seconds)
         try:
             self.nc = self.call(self._connect(client_name, connect_seconds), connect_seconds + 1.0)
