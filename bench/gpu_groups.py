@@ -169,8 +169,8 @@ def group_decode_sweep(ctx: Ctx) -> int:
 
 def group_append_copy_guard(ctx: Ctx) -> int:
     from bench.decode_cases import rand
+    from kvservice.worker import guards, ops_numpy
     from kvservice.worker import kernel_api as api
-    from kvservice.worker import ops_numpy
     from kvservice.worker.kernel_api import PageLayout
 
     be, rng = ctx.backend(), np.random.default_rng(1)
@@ -198,10 +198,10 @@ def group_append_copy_guard(ctx: Ctx) -> int:
 
     def guard() -> tuple[bool, str]:
         buf = xp.zeros(1 << 20, dtype=np.uint8)
-        api.guard_fill(be, buf, 4096)
-        clean = api.guard_check(be, buf, 4096)
+        guards.guard_fill(be, buf, 4096)
+        clean = guards.guard_check(be, buf, 4096)
         buf[(1 << 20) - 7] = 0
-        hit = api.guard_check(be, buf, 4096)
+        hit = guards.guard_check(be, buf, 4096)
         ok = not clean and (hit.corrupted_bytes, hit.first_offset) == (1, (1 << 20) - 7)
         return ok, f"clean={clean}, corrupted={hit}"
 

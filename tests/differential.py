@@ -45,6 +45,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from kvservice.contract.errors import AlreadyExists, InvalidArgument, KVError, NotFound, ResourceExhausted
+from kvservice.core.allocator import generation_seed
 from kvservice.core.geometry import CacheSpec, LayerSpec
 from kvservice.core.planner import Sizing, plan
 from kvservice.core.pool import Pool
@@ -193,7 +194,8 @@ class InProcess:
         self.pool = make_pool(self.kind)
         self.incarnation = (self.incarnation * 6364136223846793005 + 1442695040888963407) % 2**63 or 1   # as random
         self.pool.incarnation = self.incarnation
-        self.pool.start_generations(self.incarnation)
+        for a in self.pool.allocators:                            # as BlockManager.create_pool does
+            a.generation[:] = generation_seed(self.incarnation)
         self.pool._fast = self.fast
         self.groups = len(self.pool.allocators)
         general = getattr(self.pool, "_decode_step", None)
@@ -219,7 +221,8 @@ class InProcess:
                    admit_token_ids=None if st.token_ids is None else _arr(st.token_ids),
                    admit_salts=st.salts, admit_extra_keys=st.keys)
         return Reply(r.seq_ids, r.num_tokens, r.new_token_indptr, [_space(sp) for sp in r.tables], list(r.copies),
-                     r.cached_tokens, r.num_free_slots, copy_generations=list(r.copy_generations),
+                     r.cached_tokens, r.num_free_slots, copy_generations=[p.allocators[g].generation.take(c) for g, c in
+                                                                         enumerate(r.copies)],
                      incarnation=p.incarnation)
 
     def generation(self, g: int, slot: int) -> int:

@@ -14,11 +14,9 @@ rows are carried over (or sent whole), front pages released, one last page repla
 ``xp`` is the array module: NumPy on the host, CuPy for a device-side copy (the worker's
 persistent table uses this class with CuPy). Only the delta crosses to the device.
 
-Page generations (SpaceTables.generations, SpaceDelta.generations) are kept in a second table of
-the same shape, uint32, written wherever a page is: ``generations`` and ``slot_generations`` give
-them in the order of ``page_table(...).indices`` and ``slot_mapping``. A reply without them (a
-manager from before generations) leaves the mirror without any until its next full reply with
-them (``has_generations`` False; the outputs are then None).
+Page generations (SpaceTables / SpaceDelta ``generations``) live in a uint32 table of the same shape,
+written with the pages (outputs: ``generations``, ``slot_generations``); a reply without them (an older
+manager) leaves the mirror without any until a full reply brings them (``has_generations``; outputs None).
 """
 
 from __future__ import annotations
@@ -310,18 +308,16 @@ class PageTableMirror:
         cols = self._held[rows]
         width = int(cols.max()) + 1 if len(rows) else 0
         spaces = []
-        keep_gens = self.has_generations
         for st in reply.tables:
             space = self.spaces.get(st.index_space)
-            pages, gens = st.delta.pages, st.delta.generations
+            pages = st.delta.pages
             if space is None or len(pages.data) != len(rows) * space.table.itemsize or \
                     pages.dtype != (INT32 if space.table.itemsize == 4 else INT64):
                 return False
-            if keep_gens and (gens.dtype != UINT32 or len(gens.data) != 4 * len(rows)):
-                if st.delta.HasField("generations"):
-                    return False                      # malformed: the general path names it
-                keep_gens = False
-            spaces.append((space, pages, gens))
+            spaces.append((space, pages, st.delta.generations))
+        keep_gens = _gens_fit(reply, len(rows)) if self.has_generations else False
+        if keep_gens is None:
+            return False                              # malformed generations: the general path names them
         for space, pages, gens in spaces:
             table = space.table if space.table.shape[1] >= width else self._widen(space.table, width)
             g = None
@@ -470,6 +466,16 @@ class PageTableMirror:
         s = self._space(space_id)
         width = int(self._held.max()) if len(self._held) else 0
         return s.table[:, :width].copy()
+
+
+def _gens_fit(reply: pb.StepReply, n: int) -> bool | None:
+    """Whether every space of a steady decode delta sends the generations of its n pages (False: none sent, the
+    mirror then holds none; None: malformed ones)."""
+    sent = [st.delta.HasField("generations") for st in reply.tables]
+    if not all(sent):
+        return None if any(sent) else False
+    ok = all(st.delta.generations.dtype == UINT32 and len(st.delta.generations.data) == 4 * n for st in reply.tables)
+    return True if ok else None
 
 
 def _host(a: Any) -> np.ndarray:

@@ -13,9 +13,9 @@ are written afresh (an allocation off the stack, an eviction from the cache, a
 copy-on-write target) and stays when owners are added to what it holds (a fork, a
 prefix-cache hit). Workers record it beside every page they write and kernels
 refuse a page whose generation is not the one their table expects (a table that
-outlived the page: docs/ARCHITECTURE.md, "Page generations"). It starts at 0 (a
-pool seeds it from its incarnation: Pool.start_generations) and skips 0 when it
-wraps, so 0 is never handed out.
+outlived the page: docs/ARCHITECTURE.md, "Page generations"). It starts at 0, or at
+a pool's seed (`generation_seed` of its incarnation, so two incarnations of a pool
+hand out unrelated generations), and skips 0 when it wraps: 0 is never handed out.
 """
 
 from __future__ import annotations
@@ -26,6 +26,12 @@ from collections.abc import Callable
 import numpy as np
 
 from kvservice.contract.errors import InvalidArgument, ResourceExhausted
+
+
+def generation_seed(incarnation: int) -> int:
+    """The generation a pool's slots start at (the first allocation hands out seed + 1): the low 32 bits of the
+    incarnation XOR its high 32 bits (incarnations are random 63-bit numbers)."""
+    return (incarnation ^ (incarnation >> 32)) & 0xFFFFFFFF
 
 
 class SlotAllocator:

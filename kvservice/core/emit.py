@@ -11,11 +11,13 @@ the same in every space of the group: the worker checks it before it reads the p
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from kvservice.contract.pagetable import PageTable
+from kvservice.core.allocator import SlotAllocator
 from kvservice.core.geometry import IndexSpace
 from kvservice.core.rowslots import RowSlots
 
@@ -50,13 +52,13 @@ class SpaceTables:
 def emit_tables(spaces: tuple[IndexSpace, ...], page_size: int, slot_tables: list[RowSlots],
                 firsts: list[np.ndarray], sliding: list[bool], rows: np.ndarray, old: np.ndarray,
                 new: np.ndarray, held: np.ndarray, tok_indptr: np.ndarray, tables: bool,
-                block_table: bool, generations: list[np.ndarray]) -> tuple[SpaceTables, ...]:
+                block_table: bool, allocators: Sequence[SlotAllocator]) -> tuple[SpaceTables, ...]:
     """Slot mappings of the new tokens and the tables of `rows`, for every index space.
 
     rows: int64 [B] row handles in batch order; old/new: int64 [B] tokens before/after the step;
     held: int64 [B] pages after the step (ceil(new / page_size)); tok_indptr: int64 [B + 1] prefix sum
-    of new - old. firsts[g]: int64 [rows] first kept page per row of group g. generations[g]: uint32
-    [num_slots], group g's slot generations.
+    of new - old. firsts[g]: int64 [rows] first kept page per row of group g. allocators[g]: group g's
+    SlotAllocator (its slot generations are sent beside the pages).
     """
     ps = page_size
     b = len(rows)
@@ -103,7 +105,7 @@ def emit_tables(spaces: tuple[IndexSpace, ...], page_size: int, slot_tables: lis
                 sub = np.full((b, bt_width), -1, dtype=np.int64)
                 r_idx, c_idx = np.nonzero(valid)
                 sub[r_idx, c_idx] = rs.arena.take(rs.flat(rows[r_idx], c_idx))
-            gen = generations[g]
+            gen = allocators[g].generation
             tok_gen = gen.take(np.maximum(tok_slots, 0))
             if first is not None and t:
                 tok_gen[tok_slots == SKIP_SLOT] = 0

@@ -34,7 +34,7 @@ from kvservice.core.cache_events import PoolEvents
 from kvservice.core.emit import SpaceTables, emit_tables
 from kvservice.core.planner import Plan
 from kvservice.core.prefix import Namespaces, PrefixCache, run_ending_at
-from kvservice.core.rowslots import RowSlots
+from kvservice.core.rowslots import RowSlots, slot_table_dtype
 from kvservice.core.stepplan import (
     EMPTY_I64,
     GroupPlan,
@@ -52,21 +52,8 @@ from kvservice.core.stepplan import (
 __all__ = ["Pool", "SpaceTables", "StepResult"]
 
 _NO_COPIES = np.zeros((0, 2), dtype=np.int64)
-_NO_COPY_GENS = np.zeros((0, 2), dtype=np.uint32)
 _NO_ROWS = np.zeros(0, dtype=np.int64)
 _NO_ROWS.flags.writeable = False
-
-
-def generation_seed(incarnation: int) -> int:
-    """The generation every slot of a pool starts at (its first allocation hands out seed + 1): the low 32 bits
-    of the incarnation XOR its high 32 bits. Incarnations are random 63-bit numbers, so two incarnations of a
-    pool start their generations far apart."""
-    return (incarnation ^ (incarnation >> 32)) & 0xFFFFFFFF
-
-
-def slot_table_dtype(num_slots: int) -> np.dtype:
-    """dtype of the slot tables (RowSlots arenas) of a pool of num_slots slots: int32 while it can hold them."""
-    return np.dtype(np.int32 if num_slots <= 2**31 - 1 else np.int64)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,11 +67,9 @@ class StepResult:
     num_free_slots: free slots after the step (fewest over the groups).
     cached_tokens: shape [A], int64; tokens of each admission found in the prefix cache.
     copies: per layer group, int64 [n, 2] (src_slot, dst_slot) pairs to copy before the kernels run.
-    copy_generations: per layer group, uint32 [n, 2]: the generations of those slots (SlotAllocator.generation).
     opened: only from a steady decode step asked for no tables and no slot mappings (Pool.step with
         tables=False, mappings=False; tables is then empty): (rows int64 [n], the batch rows whose new
         token opened a page; per layer group, int64 [n], the slot of that page). None otherwise.
-        Their generations: Pool.generations(g, slots).
     """
 
     seq_ids: np.ndarray
@@ -95,7 +80,6 @@ class StepResult:
     cached_tokens: np.ndarray | None = None
     copies: tuple[np.ndarray, ...] = ()
     opened: tuple[np.ndarray, tuple[np.ndarray, ...]] | None = None
-    copy_generations: tuple[np.ndarray, ...] = ()
 
 
 class Pool:
@@ -493,8 +477,7 @@ class Pool:
         cached = hits * ps if hits is not None else (np.zeros(len(a_rows), dtype=np.int64) if len(a_rows) else None)
         return StepResult(self._seq_ids[rows], new, tok_indptr,
                           self._emit(rows, old, new, held_new, tok_indptr, tables, block_table),
-                          self.num_free_slots, cached, copies,
-                          copy_generations=tuple(self.generations(g, c) for g, c in enumerate(copies)))
+                          self.num_free_slots, cached, copies)
 
     def _decode_step(self, e_ids: np.ndarray, rows: np.ndarray, k: np.ndarray, tables: bool,
                      block_table: bool, mappings: bool = True) -> StepResult | None:
@@ -528,12 +511,10 @@ class Pool:
         if not (tables or mappings) and len(self.allocators) == 1 and total == len(nz) and int(tok_indptr[-1]) == b:
             # One token per row (so at most one page each): the pages opened are all a delta needs.
             return StepResult(self._seq_ids[rows], new, tok_indptr, (), self.num_free_slots, None,
-                              (_NO_COPIES,), (nz, tuple(s.astype(np.int64, copy=False) for s in slots)),
-                              (_NO_COPY_GENS,))
+                              (_NO_COPIES,), (nz, tuple(s.astype(np.int64, copy=False) for s in slots)))
         return StepResult(self._seq_ids[rows], new, tok_indptr,
                           self._emit(rows, old, new, held_new, tok_indptr, tables, block_table),
-                          self.num_free_slots, None, tuple(_NO_COPIES for _ in self.allocators),
-                          copy_generations=tuple(_NO_COPY_GENS for _ in self.allocators))
+                          self.num_free_slots, None, tuple(_NO_COPIES for _ in self.allocators))
 
     def _grow(self, g: int, e_rows: np.ndarray, plan: StepPlan, a_rows: np.ndarray, a_lo: np.ndarray) -> np.ndarray:
         """Group g: copy-on-write of the planned rows, then the new pages of extensions and admissions.
@@ -725,21 +706,8 @@ class Pool:
     # ---- phase 4: emit -----------------------------------------------------------------
     def _emit(self, rows: np.ndarray, old: np.ndarray, new: np.ndarray, held: np.ndarray, tok_indptr: np.ndarray,
               tables: bool, block_table: bool) -> tuple[SpaceTables, ...]:
-        return emit_tables(self.plan.geometry.index_spaces, self.page_size, self._slots, self._first,
-                           self._is_sliding, rows, old, new, held, tok_indptr, tables, block_table,
-                           [a.generation for a in self.allocators])
-
-    def start_generations(self, incarnation: int) -> None:
-        """Start every slot's generation at this incarnation's seed (generation_seed): a table of another
-        incarnation of the pool then names other generations than this one's pages hold, so even a kernel call
-        that names no incarnation reads it as stale_page. Call once, on a new pool, before any step."""
-        seed = generation_seed(incarnation)
-        for a in self.allocators:
-            a.generation[:] = seed
-
-    def generations(self, group: int, slots: np.ndarray) -> np.ndarray:
-        """uint32, shape of `slots` (int, any shape): the current generation of each slot of a layer group."""
-        return self.allocators[group].generation.take(np.asarray(slots, dtype=np.intp))
+        return emit_tables(self.plan.geometry.index_spaces, self.page_size, self._slots, self._first, self._is_sliding,
+                           rows, old, new, held, tok_indptr, tables, block_table, self.allocators)
 
     # ---- durable state ---------------------------------------------------------------------------
     # A snapshot stores a pool in domain terms (sequences, the slots of their pages, free lists in hand-out
@@ -772,14 +740,14 @@ class Pool:
         arrays: dict[str, np.ndarray] = {
             "seq_ids": self._seq_ids[rows], "rows": rows, "num_tokens": self._num_tokens[rows],
             "free_rows": np.asarray(self._free_rows, dtype=np.int64)}
-        groups, tables, stacks, gens = [], [], [], []
+        groups, tables, stacks = [], [], []
         for g, alloc in enumerate(self.allocators):
             arrays[f"first/{g}"] = self._first[g][rows]                  # fancy indexing: copies
             rs = self._slots[g]                                           # gathered later, unlocked
             tables.append((rs.arena[:rs.used].copy(), rs.start[rows], rs.lo[rows]))
             stacks.append(_copy_ids(alloc._stack[:alloc._top]))
             arrays[f"cached/{g}"] = np.fromiter(alloc._cached, dtype=np.int64, count=len(alloc._cached))
-            gens.append(alloc.generation.copy())                         # int64 later: runs-encodable
+            arrays[f"generation/{g}"] = alloc.generation.astype(np.int64)   # a copy; int64: runs-encodable
             groups.append({"peak_used": int(alloc.peak_used), "evictions": int(alloc.evictions)})
         prefix = None
         if self.prefixes is not None:
@@ -810,7 +778,6 @@ class Pool:
             """runs: leave a free stack found to be runs as IdRuns (the snapshot encoder writes them as they are)."""
             for g, stack in enumerate(stacks):
                 arrays[f"free_stack/{g}"] = stack if runs and isinstance(stack, IdRuns) else _as_array(stack)
-                arrays[f"generation/{g}"] = gens[g].astype(np.int64)
             for g, (arena, start, lo) in enumerate(tables):
                 first = arrays[f"first/{g}"]
                 cnt = held - first
@@ -867,10 +834,8 @@ class Pool:
             alloc._top = len(stack)
             alloc._refcnt[:] = np.bincount(slots, minlength=alloc.num_slots).astype(np.int32)
             alloc._cached = OrderedDict.fromkeys(a[f"cached/{g}"].tolist())
-            alloc.peak_used = int(m["groups"][g]["peak_used"])
-            alloc.evictions = int(m["groups"][g]["evictions"])
-            if f"generation/{g}" in a:                     # version 2 states have none: all 0 (never handed out)
-                alloc.generation[:] = a[f"generation/{g}"]
+            alloc.peak_used, alloc.evictions = int(m["groups"][g]["peak_used"]), int(m["groups"][g]["evictions"])
+            alloc.generation[:] = a.get(f"generation/{g}", 0)   # version 2 states have none: all 0
         if pool.prefixes is not None:
             p = m["prefix"]
             pool.prefix.namespaces._ids = {(s, k): int(i) for s, k, i in p["namespaces"]}
@@ -898,8 +863,6 @@ class Pool:
 from collections.abc import Callable  # noqa: E402  (state export section: kept out of the module's imports)
 
 POOL_STATE_VERSION = 3
-#: Versions from_state reads: 2 (before page generations: every slot's generation starts at 0) and 3.
-POOL_STATE_VERSIONS = (2, 3)
 
 
 @dataclass(frozen=True, slots=True)
@@ -908,9 +871,9 @@ class PoolState:
 
     meta: version (3; 2 is read too), name, model, incarnation, spec {page_size, layout, layers: [[kv_heads,
       head_dim, dtype, sliding_window, count], ...]}, num_slots, max_seq_len, backends, prefix_caching, sharing, steps,
-      admitted, refused, alloc_failures {reason: count}, row_capacity, num_rows, events_seq (number of the
-      pool's last KV event batch), groups [{peak_used, evictions}],
-      prefix {hits: [per group], namespaces: [[salt, extra_key, id], ...]} or None.
+      admitted, refused, alloc_failures {reason: count}, row_capacity, num_rows, events_seq (number of the pool's
+      last KV event batch), groups [{peak_used, evictions}], prefix {hits: [per group], namespaces: [[salt,
+      extra_key, id], ...]} or None.
     arrays (N live sequences in row order, G layer groups, E prefix-cache entries):
       seq_ids uint64 [N]; rows int64 [N]; num_tokens int64 [N] (tokens, > 0); free_rows int64 [R]
         (reuse order: the last is taken first);
@@ -918,9 +881,8 @@ class PoolState:
       slots/<g> int64 [sum over sequences of held - first]: the slots of pages [first, held) of each
         sequence, sequences concatenated (held = ceil(num_tokens / page_size));
       free_stack/<g> int64 [F]: free slots holding nothing, bottom to top (the top is handed out first);
-      cached/<g> int64 [C]: free slots holding a cached page, least recently released first;
-      generation/<g> int64 [num_slots]: each slot's generation (SlotAllocator.generation, < 2^32; absent in
-        version 2);
+      cached/<g> int64 [C]: free slots holding a cached page, least recently released first; generation/<g>
+        int64 [num_slots]: each slot's SlotAllocator.generation (< 2^32; absent in version 2);
       per group g with prefix caching (E_g cache entries, by_hash order): prefix/<g>/hash uint64 [E],
       prefix/<g>/slot, prefix/<g>/parent, prefix/<g>/anchor, prefix/<g>/namespace int64 [E],
       prefix/<g>/parent_hash uint64 [E], prefix/<g>/tokens int64 [E, page_size].

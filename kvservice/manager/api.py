@@ -63,7 +63,7 @@ def step_reply(pool: Pool, res: StepResult, tables: bool = True) -> pb.StepReply
     fill_tensor(reply.new_token_indptr, res.new_token_indptr)
     if res.cached_tokens is not None:
         reply.admit_cached_tokens.CopyFrom(to_tensor(res.cached_tokens))
-    add_copies(reply, res)
+    add_copies(reply, pool, res)
     if not tables:
         return reply
     for st in res.tables:
@@ -84,14 +84,13 @@ def step_reply(pool: Pool, res: StepResult, tables: bool = True) -> pb.StepReply
     return reply
 
 
-def add_copies(reply: pb.StepReply, res: StepResult) -> None:
-    """The step's copy-on-write pairs per layer group, each with the generations of its two slots."""
-    gens = res.copy_generations
+def add_copies(reply: pb.StepReply, pool: Pool, res: StepResult) -> None:
+    """The step's copy-on-write pairs per layer group, each with the generations of its two slots (read right
+    after the step: both slots are held then)."""
     for g, pairs in enumerate(res.copies):
         if len(pairs):
             c = reply.copies.add(group=g, pairs=to_tensor(pairs))
-            if g < len(gens):
-                fill_tensor(c.generations, gens[g])
+            fill_tensor(c.generations, pool.allocators[g].generation.take(pairs))
 
 
 class ManagerAPI:

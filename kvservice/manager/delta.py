@@ -100,11 +100,12 @@ def _group_heads(tables: tuple[SpaceTables, ...]) -> dict[int, int]:
 
 def _gens(pool: Pool, sp: IndexSpace, pages: np.ndarray) -> np.ndarray:
     """uint32 [n]: the generation of each page (int [n], held pages of space sp) from its slot."""
+    gen = pool.allocators[sp.group].generation
     if not len(pages):
         return np.zeros(0, dtype=np.uint32)
     if (sp.scale, sp.offset, sp.base) == (1, 0, 0):
-        return pool.generations(sp.group, pages)
-    return pool.generations(sp.group, (np.asarray(pages, dtype=np.int64) - (sp.base + sp.offset)) // sp.scale)
+        return gen.take(pages)
+    return gen.take((np.asarray(pages, dtype=np.int64) - (sp.base + sp.offset)) // sp.scale)
 
 
 def _spans(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -265,7 +266,7 @@ def _decode_delta(pool: Pool, res: StepResult, held: HeldTables, seq: int, same_
     replaced = np.flatnonzero(partial & (page != held.last[0]))      # copy-on-write moved the last page
     reply = pb.StepReply(layer_index_space=pool.layer_space, num_free_slots=res.num_free_slots, stream_seq=seq)
     _counts(reply, res, derive)
-    add_copies(reply, res)
+    add_copies(reply, pool, res)
     reply.delta.base_seq = held.seq
     if len(replaced):
         gd = reply.delta.groups.add(group=0)
@@ -299,7 +300,7 @@ def _opened_delta(pool: Pool, res: StepResult, held: HeldTables, seq: int,
     _counts(reply, res, derive)
     reply.delta.base_seq = held.seq
     last = held.last[0]
-    gens = [pool.generations(g, s) for g, s in enumerate(slots)]
+    gens = [pool.allocators[g].generation.take(s) for g, s in enumerate(slots)]
     for i, sp in enumerate(pool.plan.geometry.index_spaces):
         pages = sp.page_indices(slots[sp.group])
         if i == 0:                                          # the group's first space: the rows' last pages

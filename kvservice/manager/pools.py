@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from kvservice.contract.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from kvservice.core.allocator import generation_seed
 from kvservice.core.geometry import CacheSpec
 from kvservice.core.planner import Plan, Sizing, plan
 from kvservice.core.pool import Pool
@@ -60,7 +61,8 @@ class BlockManager:
             self._pools[name] = pool
             self._locks[name] = threading.Lock()
             self._incarnations[name] = pool.incarnation = incarnation or new_incarnation()
-            pool.start_generations(pool.incarnation)
+            for a in pool.allocators:          # a table of another incarnation names generations never held here
+                a.generation[:] = generation_seed(pool.incarnation)
             _join(self.fleet, pool)
             return pool
 

@@ -37,7 +37,7 @@ import numpy as np
 from kvservice.contract.errors import StateError
 from kvservice.core.geometry import CacheSpec, LayerSpec
 from kvservice.core.planner import Plan, Sizing, plan
-from kvservice.core.pool import POOL_STATE_VERSION, POOL_STATE_VERSIONS, IdRuns, Pool, PoolState
+from kvservice.core.pool import POOL_STATE_VERSION, IdRuns, Pool, PoolState
 from kvservice.manager.workers import WorkerRecord
 
 MAGIC = b"KVSNAP\r\n"
@@ -49,6 +49,8 @@ MAX_HEADER_BYTES = 1 << 28
 _PREFIX = struct.Struct("<8sII16s")
 DTYPES = frozenset({"<i8", "<u8", "<i4", "<u4", "|u1", "|b1", "<f8"})
 MAX_PROBLEMS = 12
+#: Pool state versions read: 2 (before page generations: every slot starts at generation 0) and this release's.
+POOL_STATE_VERSIONS = (2, POOL_STATE_VERSION)
 
 
 def digest16(*parts: bytes | memoryview) -> bytes:

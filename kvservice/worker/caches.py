@@ -1,7 +1,7 @@
 """The worker's KV memory: one guarded buffer per layer (per_layer) or per layer group (interleaved).
 
 Each buffer is a uint8 allocation ``[guard | payload | guard]``; the guards hold
-a canary pattern (kvservice.worker.kernel_api.guard_pattern) so a stray write by any
+a canary pattern (kvservice.worker.guards.guard_pattern) so a stray write by any
 kernel, ours or not, is caught by CheckGuards. Layers view the payload through
 their PageLayout: the same page addressing the manager planned (geometry is
 rebuilt from the pool's CacheSpec and cross-checked against the manager's plan),
@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 
 from kvservice.core.geometry import INT32_MAX, CacheSpec, Geometry
-from kvservice.worker.kernel_api import DTYPES, PageLayout, guarded_view
+from kvservice.worker.guards import guarded_view
+from kvservice.worker.kernel_api import DTYPES, PageLayout
 
 GUARD_BYTES = 4096
 

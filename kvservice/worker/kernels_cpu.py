@@ -26,8 +26,10 @@ from typing import Any
 
 import numpy as np
 
+from kvservice.worker import guards
 from kvservice.worker import kernel_api as api
-from kvservice.worker.kernel_api import GuardReport, PageLayout, Policy, ValidationResult
+from kvservice.worker.guards import GuardReport
+from kvservice.worker.kernel_api import PageLayout, Policy, ValidationResult
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 ROOT = Path(__file__).resolve().parents[2]  # the repository (build/ lives there)
@@ -198,10 +200,10 @@ def widen(x: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def guard_fill(buf: np.ndarray, guard_bytes: int) -> None:
-    """See kernel_api.guard_fill."""
-    api.guard_fill(backend(), buf, guard_bytes)
+    """See kvservice.worker.guards.guard_fill."""
+    guards.guard_fill(backend(), buf, guard_bytes)
 
 
 def guard_check(buf: np.ndarray, guard_bytes: int) -> GuardReport:
-    """See kernel_api.guard_check."""
-    return api.guard_check(backend(), buf, guard_bytes)
+    """See kvservice.worker.guards.guard_check."""
+    return guards.guard_check(backend(), buf, guard_bytes)

@@ -16,8 +16,10 @@ from typing import Any
 
 import numpy as np
 
+from kvservice.worker import guards
 from kvservice.worker import kernel_api as api
-from kvservice.worker.kernel_api import GuardReport, PageLayout, Policy, ValidationResult
+from kvservice.worker.guards import GuardReport
+from kvservice.worker.kernel_api import PageLayout, Policy, ValidationResult
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 NVRTC_OPTIONS: tuple[str, ...] = ("--std=c++17",)
@@ -151,10 +153,10 @@ def widen(x: Any, dtype: str) -> Any:
 
 
 def guard_fill(buf: Any, guard_bytes: int) -> None:
-    """See kernel_api.guard_fill (CuPy uint8 buffer)."""
-    api.guard_fill(backend(), buf, guard_bytes)
+    """See kvservice.worker.guards.guard_fill (CuPy uint8 buffer)."""
+    guards.guard_fill(backend(), buf, guard_bytes)
 
 
 def guard_check(buf: Any, guard_bytes: int) -> GuardReport:
-    """See kernel_api.guard_check (CuPy uint8 buffer)."""
-    return api.guard_check(backend(), buf, guard_bytes)
+    """See kvservice.worker.guards.guard_check (CuPy uint8 buffer)."""
+    return guards.guard_check(backend(), buf, guard_bytes)

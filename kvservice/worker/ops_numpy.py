@@ -8,10 +8,11 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvservice.contract.pagetable import BAD_INDPTR, STALE_PAGE, TableViolations, table_violations
+from kvservice.worker import guards
 from kvservice.worker import kernel_api as api
+from kvservice.worker.guards import GuardReport
 from kvservice.worker.kernel_api import (
     DTYPES,
-    GuardReport,
     KernelCall,
     PageLayout,
     Policy,
@@ -95,8 +96,7 @@ def csr_violations(indptr: np.ndarray, indices: np.ndarray, last_page_len: np.nd
     definition, then stale_page with generations) and the per-row reason bit mask int32 [batch]
     (bit reason - 1)."""
     batch = api.check_csr(indptr, indices, last_page_len)
-    checked = api.check_generations("generations", generations, int(indices.shape[0]),
-                                    None if page_gen is None else [page_gen], layout, "[nnz]")
+    checked = api._check_gens("generations", generations, int(indices.shape[0]), page_gen, layout, "[nnz]")
     found = table_violations(indptr, indices, last_page_len, layout.page_size, base=layout.base,
                              upper_bound=layout.upper_bound, scale=layout.scale, offset=layout.offset,
                              pool_pages=layout.pool_pages)
@@ -173,8 +173,7 @@ def append_kv(cache: np.ndarray, layout: PageLayout, k: np.ndarray, v: np.ndarra
     for name, t in (("k", k), ("v", v)):
         api.check_array(name, t, (n, layout.kv_heads, layout.head_dim), DTYPES[layout.dtype],
                         "[n, kv_heads, head_dim]")
-    checked = api.check_generations("slot_generations", slot_generations, n,
-                                    None if page_gen is None else [page_gen], layout, "[n]")
+    checked = api._check_gens("slot_generations", slot_generations, n, page_gen, layout, "[n]")
     api.check_distinct_slots(np, slot_mapping)
     s = slot_mapping.astype(np.int64)
     skip = s == api.SKIP_SLOT                       # a token this layer does not hold: written nowhere
@@ -215,7 +214,7 @@ def copy_blocks(caches: Sequence[np.ndarray], layout: PageLayout, pairs: np.ndar
     api.check_array("pairs", pairs, (n, 2), np.int64, "[n, 2]")
     if page_gens is not None and len(page_gens) != len(caches):
         raise ValueError(f"page_gens: one record per buffer of caches ({len(caches)}), got {len(page_gens)}")
-    checked = api.check_generations("generations", generations, (n, 2), page_gens, layout, "[n, 2]")
+    checked = api._check_gens("generations", generations, (n, 2), page_gens, layout, "[n, 2]")
     api.check_copy_pairs(np, pairs)
     reasons = layout.reasons(pairs)
     i, j = np.nonzero(reasons)
@@ -253,17 +252,17 @@ def widen(x: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def guard_fill(buf: np.ndarray, guard_bytes: int) -> None:
-    """See kernel_api.guard_fill."""
-    api._check_guarded(buf, guard_bytes)
-    pat = api.guard_pattern(guard_bytes)
+    """See kvservice.worker.guards.guard_fill."""
+    guards.check_guarded(buf, guard_bytes)
+    pat = guards.guard_pattern(guard_bytes)
     buf[:guard_bytes] = pat
     buf[buf.shape[0] - guard_bytes:] = pat
 
 
 def guard_check(buf: np.ndarray, guard_bytes: int) -> GuardReport:
-    """See kernel_api.guard_check."""
-    api._check_guarded(buf, guard_bytes)
-    pat = api.guard_pattern(guard_bytes)
+    """See kvservice.worker.guards.guard_check."""
+    guards.check_guarded(buf, guard_bytes)
+    pat = guards.guard_pattern(guard_bytes)
     n = buf.shape[0]
     bad = np.concatenate([np.flatnonzero(buf[:guard_bytes] != pat),
                           n - guard_bytes + np.flatnonzero(buf[n - guard_bytes:] != pat)])

@@ -254,60 +254,72 @@ class DeviceTables:
             raise InvalidArgument("step must be a StepStream reply (stream_seq >= 1)")
         key = (tenant, table_id)
         with self._lock:
-            plan, incarnation, plan_id = self.plan, self.incarnation, self.plan_id
-            if reply.pool_incarnation and incarnation and reply.pool_incarnation != incarnation:
-                raise FailedPrecondition(
-                    f"tables {table_id!r}: this reply was made in incarnation {reply.pool_incarnation} of the pool; "
-                    f"this worker's memory is planned for incarnation {incarnation}. Take the tables of a Step of "
-                    "the current pool", reason="STALE_TABLE", table_id=table_id,
-                    table_incarnation=reply.pool_incarnation, pool_incarnation=incarnation)
-            held = self._tables.get(key)
-            live = held is not None and held.mirror is not None and held.plan == plan_id
             delta = reply.HasField("delta")
-            if held is not None and held.stream_id != reply.stream_id and (delta or not replace):
-                raise FailedPrecondition(
-                    f"tables {table_id!r} belong to stream {held.stream_id!r}; this reply comes from stream "
-                    f"{reply.stream_id!r}. Use another table_id, or send a full reply with replace to take it over",
-                    reason="STALE_TABLE", table_id=table_id)
-            if delta and not live:
-                if held is not None:
-                    raise self._stale(table_id, held)
-                raise FailedPrecondition(f"no tables {table_id!r} on this worker to apply a delta to; send a full "
-                                         "reply first (kvservice.contract.mirror.PageTableMirror.full_reply())",
-                                         reason="TABLES_OUT_OF_SYNC", table_id=table_id)
-            mirror = held.mirror if delta else None
-            plan.check(reply, mirror.batch_size if mirror is not None else 0)     # before anything is allocated
-            if mirror is None:
-                mirror = PageTableMirror(plan.page_size, self.xp, max_entries=plan.max_rows * plan.max_pages,
-                                         max_width=plan.max_pages)
-            try:
-                mirror.apply(reply)
-            except MirrorError as err:
-                if delta and not mirror.seq:
-                    self._tables.pop(key, None)       # what it held is gone (see PageTableMirror.apply)
-                raise FailedPrecondition(f"tables {table_id!r}: {err}; send a full reply "
-                                         "(kvservice.contract.mirror.PageTableMirror.full_reply())",
-                                         reason="TABLES_OUT_OF_SYNC", table_id=table_id) from None
-            if not mirror.seq:
-                raise InvalidArgument("step carries no page tables (a reply to omit_tables): nothing to hold")
-            if not mirror.has_generations:
+            held = self._bound(key, reply, replace)
+            mirror = held.mirror if delta and held is not None else None
+            self.plan.check(reply, mirror.batch_size if mirror is not None else 0)     # before anything is allocated
+            mirror = self._apply(key, reply, mirror)
+            out = HeldTable(mirror, tenant, reply.stream_id, self.incarnation, self.plan_id, _nbytes(mirror))
+            if out.nbytes > self.quota_bytes:
                 if delta:
                     self._tables.pop(key, None)
-                raise InvalidArgument("step carries no page generations (a manager older than this worker: "
-                                      "upgrade it)")
-            nbytes = _nbytes(mirror)
-            if nbytes > self.quota_bytes:
-                if delta:
-                    self._tables.pop(key, None)
-                raise ResourceExhausted(f"tables {table_id!r} would take {nbytes} bytes, more than this worker's "
+                raise ResourceExhausted(f"tables {table_id!r} would take {out.nbytes} bytes, more than this worker's "
                                         f"quota of {self.quota_bytes} bytes per tenant (kvworker serve "
-                                        "--table-quota-bytes)", reason="TABLE_TOO_LARGE", table_bytes=nbytes,
+                                        "--table-quota-bytes)", reason="TABLE_TOO_LARGE", table_bytes=out.nbytes,
                                         quota_bytes=self.quota_bytes)
-            out = HeldTable(mirror, tenant, reply.stream_id, incarnation, plan_id, nbytes)
             self._tables[key] = out
             self._tables.move_to_end(key)
             self._evict(tenant, key)
             return out
+
+    def _bound(self, key: tuple[str, str], reply: pb.StepReply, replace: bool) -> HeldTable | None:
+        """The table a reply may update (None: none yet), or FailedPrecondition: a reply of another incarnation
+        or stream, or a delta with no live table to apply to (under the lock)."""
+        table_id = key[1]
+        if reply.pool_incarnation and self.incarnation and reply.pool_incarnation != self.incarnation:
+            raise FailedPrecondition(
+                f"tables {table_id!r}: this reply was made in incarnation {reply.pool_incarnation} of the pool; "
+                f"this worker's memory is planned for incarnation {self.incarnation}. Take the tables of a Step of "
+                "the current pool", reason="STALE_TABLE", table_id=table_id,
+                table_incarnation=reply.pool_incarnation, pool_incarnation=self.incarnation)
+        held = self._tables.get(key)
+        delta = reply.HasField("delta")
+        if held is not None and held.stream_id != reply.stream_id and (delta or not replace):
+            raise FailedPrecondition(
+                f"tables {table_id!r} belong to stream {held.stream_id!r}; this reply comes from stream "
+                f"{reply.stream_id!r}. Use another table_id, or send a full reply with replace to take it over",
+                reason="STALE_TABLE", table_id=table_id)
+        if delta and (held is None or held.mirror is None or held.plan != self.plan_id):
+            if held is not None:
+                raise self._stale(table_id, held)
+            raise FailedPrecondition(f"no tables {table_id!r} on this worker to apply a delta to; send a full "
+                                     "reply first (kvservice.contract.mirror.PageTableMirror.full_reply())",
+                                     reason="TABLES_OUT_OF_SYNC", table_id=table_id)
+        return held
+
+    def _apply(self, key: tuple[str, str], reply: pb.StepReply, mirror: PageTableMirror | None) -> PageTableMirror:
+        """Apply a checked reply to the live table's mirror (a delta) or a new one (a full reply); under the lock.
+        A delta that does not fit drops the table; nothing else changes what is held."""
+        delta = mirror is not None
+        plan = self.plan
+        if mirror is None:
+            mirror = PageTableMirror(plan.page_size, self.xp, max_entries=plan.max_rows * plan.max_pages,
+                                     max_width=plan.max_pages)
+        try:
+            mirror.apply(reply)
+        except MirrorError as err:
+            if delta and not mirror.seq:
+                self._tables.pop(key, None)           # what it held is gone (see PageTableMirror.apply)
+            raise FailedPrecondition(f"tables {key[1]!r}: {err}; send a full reply "
+                                     "(kvservice.contract.mirror.PageTableMirror.full_reply())",
+                                     reason="TABLES_OUT_OF_SYNC", table_id=key[1]) from None
+        if not mirror.seq:
+            raise InvalidArgument("step carries no page tables (a reply to omit_tables): nothing to hold")
+        if not mirror.has_generations:
+            if delta:
+                self._tables.pop(key, None)
+            raise InvalidArgument("step carries no page generations (a manager older than this worker: upgrade it)")
+        return mirror
 
     def _evict(self, tenant: str, keep: tuple[str, str]) -> None:
         """Drop the tenant's least recently updated tables past max_tables or quota_bytes (never `keep`)."""
