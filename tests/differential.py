@@ -67,10 +67,11 @@ class Kind:
     num_slots: int
     max_seq_len: int
     prefix_caching: bool = False
+    group_slots: tuple[int, ...] = ()     # slots per layer group (a sliding group smaller than a full one)
 
     @property
     def sizing(self) -> Sizing:
-        return Sizing(num_slots=self.num_slots, max_seq_len=self.max_seq_len)
+        return Sizing(num_slots=self.num_slots, max_seq_len=self.max_seq_len, group_slots=self.group_slots)
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,18 @@ KINDS = {k.name: k for k in (
     Kind("prefix_sliding_only", CacheSpec((LayerSpec(1, 64, sliding_window=6), LayerSpec(2, 32, sliding_window=9),
                                            LayerSpec(1, 64, sliding_window=6)), 4, "per_layer"), 32, 64,
          prefix_caching=True),
+    # Groups sized to what they need (planner.py): the sliding groups hold fewer slots than the full group,
+    # so a step is refused by whichever group runs out first (admission control exact per group).
+    Kind("sized_hybrid", CacheSpec((LayerSpec(1, 64), LayerSpec(1, 64, sliding_window=6), LayerSpec(1, 32),
+                                    LayerSpec(2, 64, sliding_window=13)), 4, "per_layer"), 40, 72,
+         group_slots=(40, 14, 20)),
+    Kind("prefix_sized_hybrid", CacheSpec((LayerSpec(1, 128, sliding_window=10), LayerSpec(1, 64), LayerSpec(2, 64),
+                                           LayerSpec(1, 32, sliding_window=5), LayerSpec(1, 256)), 4, "interleaved"),
+         40, 64, prefix_caching=True, group_slots=(28, 40, 22)),
+    # a K-only (multi-head latent attention) layer beside K/V layers
+    Kind("latent", CacheSpec((LayerSpec(1, 576, "bfloat16", k_only=True), LayerSpec(1, 64, "bfloat16"),
+                              LayerSpec(1, 576, "bfloat16", 8, k_only=True)), 4, "interleaved"), 36, 64,
+         group_slots=(36, 16)),
 )}
 
 
@@ -132,8 +145,8 @@ def make_pool(kind: Kind) -> Pool:
 
 def make_model(kind: Kind) -> RefPool:
     geo = plan(kind.spec, kind.sizing).geometry
-    return RefPool(kind.spec.page_size, [g.sliding_window for g in geo.groups], kind.num_slots, kind.max_seq_len,
-                   kind.prefix_caching)
+    return RefPool(kind.spec.page_size, [g.sliding_window for g in geo.groups], list(geo.group_slots),
+                   kind.max_seq_len, kind.prefix_caching)
 
 
 # ---- replies in one shape, whatever the transport ---------------------------------------------
@@ -240,7 +253,7 @@ class InProcess:
         return (ids.tolist(), toks.tolist(),
                 [[p.sequence_slots(i, g).tolist() for g in range(self.groups)] for i in ids.tolist()],
                 [[p.first_page(i, g) for g in range(self.groups)] for i in ids.tolist()],
-                [a.refcount(np.arange(p.plan.num_slots)).tolist() for a in p.allocators],
+                [a.refcount(np.arange(a.num_slots)).tolist() for a in p.allocators],
                 [a.free_slots().tolist() for a in p.allocators])
 
 
@@ -348,7 +361,7 @@ class Binder:
 
     def real_slot(self, space, page: int, what: str) -> int:
         rel = page - self.base(space) - space.offset
-        if rel % space.scale or not 0 <= rel // space.scale < self.geo.num_slots:
+        if rel % space.scale or not 0 <= rel // space.scale < self.geo.groups[space.group].num_slots:
             raise Mismatch(f"{what}: page {page} is not a page of index space {space.id}")
         return rel // space.scale
 
@@ -547,15 +560,16 @@ class Binder:
                 q = m.s.seqs[i]
                 _eq(f"seq {i} group {g} slots", p.sequence_slots(i, g).tolist(), [b[x] for x in q.held(g)])
                 _eq(f"seq {i} group {g} first page", p.first_page(i, g), q.first[g])
-            rc = [0] * self.geo.num_slots
+            num_slots = self.geo.groups[g].num_slots
+            rc = [0] * num_slots
             for x, c in m.s.refs[g].items():
                 rc[b[x]] = c
-            _eq(f"group {g} refcounts", alloc.refcount(np.arange(self.geo.num_slots)).tolist(), rc)
+            _eq(f"group {g} refcounts", alloc.refcount(np.arange(num_slots)).tolist(), rc)
             if self.incarnations and self.incarnations[-1]:          # the seed is known once a reply named it
                 _eq(f"group {g} slot generations", alloc.generation.tolist(),
-                    [self.gens.slot(g, x) for x in range(self.geo.num_slots)])
+                    [self.gens.slot(g, x) for x in range(num_slots)])
             free = alloc.free_slots().tolist()
-            _eq(f"group {g} free slots", sorted(free), [x for x in range(self.geo.num_slots) if rc[x] == 0])
+            _eq(f"group {g} free slots", sorted(free), [x for x in range(num_slots) if rc[x] == 0])
             lru = m.s.lru[g]
             _eq(f"group {g} cached count", alloc.num_cached, len(lru))
             # Oldest released first; pages released by one step in any order among themselves.
@@ -656,8 +670,7 @@ class Gen:
         if x < 0.15:
             return self.invalid(live)
         st = Step(tables=r.random() < 0.9, block_table=r.random() < 0.25)
-        free_slots = min(m.num_free(g) for g in range(m.groups))
-        crowded = free_slots < m.num_slots // 3 or len(live) > 10
+        crowded = any(m.num_free(g) < m.slots[g] // 3 for g in range(m.groups)) or len(live) > 10
         pool = list(live)
         r.shuffle(pool)
         if pool and (crowded or r.random() < 0.3):

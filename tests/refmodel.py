@@ -215,13 +215,19 @@ class Generations:
 
 
 class RefPool:
-    """The model. windows[g] is group g's sliding window (0 = full attention)."""
+    """The model. windows[g] is group g's sliding window (0 = full attention).
 
-    def __init__(self, page_size: int, windows: list[int] | tuple[int, ...], num_slots: int, max_seq_len: int,
-                 prefix_caching: bool = False) -> None:
+    num_slots: slots of every group, or of each group (the plan sizes each layer group on its own:
+    a sliding group may hold fewer than a full one). A step any group cannot serve is refused.
+    """
+
+    def __init__(self, page_size: int, windows: list[int] | tuple[int, ...], num_slots: int | list[int],
+                 max_seq_len: int, prefix_caching: bool = False) -> None:
         self.ps = page_size
         self.windows = list(windows)
-        self.num_slots = num_slots
+        self.slots = list(num_slots) if isinstance(num_slots, list | tuple) else [num_slots] * len(self.windows)
+        assert len(self.slots) == len(self.windows), "one slot count per layer group"
+        self.num_slots = max(self.slots)
         self.max_seq_len = max_seq_len
         self.prefix_caching = prefix_caching
         self.s = _State(len(self.windows))
@@ -244,10 +250,10 @@ class RefPool:
 
     def clean(self, g: int, s: _State | None = None) -> int:
         s = s or self.s
-        return self.num_slots - len(s.refs[g]) - len(s.lru[g])
+        return self.slots[g] - len(s.refs[g]) - len(s.lru[g])
 
     def num_free(self, g: int) -> int:
-        return self.num_slots - len(self.s.refs[g])
+        return self.slots[g] - len(self.s.refs[g])
 
     def live(self) -> list[int]:
         return sorted(self.s.seqs)
@@ -445,7 +451,7 @@ class RefPool:
         rows += [self._emit(s, i, 0, n) for i, n in st.adm]
         rows += [self._emit(s, c, s.seqs[c].n, 0) for _, c in st.forks]
         cached = [h * ps for h in hit_pages] if st.adm else None
-        num_free = min(self.num_slots - len(s.refs[g]) for g in range(G))
+        num_free = min(self.slots[g] - len(s.refs[g]) for g in range(G))
         return Outcome(rows, copies, cached, pending, evicted, num_free, released)
 
     def _lookup(self, s: _State, n: int, prompt: tuple[tuple[str, str], list[int]]

@@ -115,7 +115,9 @@ def score_request(token_ids: object, salt: str = "", extra_key: str = "", pools:
 
 def _sizing(s: Sizing) -> pb.Sizing:
     return pb.Sizing(max_batch=s.max_batch, max_seq_len=s.max_seq_len, memory_budget_bytes=s.memory_budget_bytes,
-                     num_slots=s.num_slots)
+                     num_slots=s.num_slots, max_num_batched_tokens=s.max_num_batched_tokens,
+                     prefix_headroom_slots=s.prefix_headroom_slots, equal_groups=s.equal_groups,
+                     group_slots=list(s.group_slots))
 
 
 def _ids(a: object) -> np.ndarray:

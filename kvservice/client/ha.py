@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 
 from kvservice.client.client import BlockManagerClient, RetryPolicy, TLSOptions, auth_metadata, make_channel
-from kvservice.contract.transport import EPOCH_METADATA
+from kvservice.contract.transport import EPOCH_METADATA, NODE_METADATA
 
 #: Enough tries (backoff up to 0.25 s, about 15 s in all) to ride out a failover (lease TTL 2 s by default) plus margin.
 FAILOVER_RETRY = RetryPolicy(attempts=60, initial_backoff=0.05, max_backoff=0.25)
@@ -42,6 +42,11 @@ def leader_epoch(metadata: Any) -> int | None:
             except (TypeError, ValueError):
                 return None
     return None
+
+
+def leader_node(metadata: Any) -> str:
+    """The node id of the manager that answered (its --node-id), or "" (none given)."""
+    return next((str(value) for key, value in metadata or () if key == NODE_METADATA), "")
 
 
 class StaleLeader(grpc.RpcError):
@@ -90,6 +95,7 @@ class LeaderClient(BlockManagerClient):
         self._current = 0
         self._lock = threading.Lock()
         self.epoch = 0
+        self.leader_node = ""          # node id of the manager that sent the last accepted reply
         self.stale_replies = 0
 
     @property
@@ -129,6 +135,7 @@ class LeaderClient(BlockManagerClient):
                 self._rotate(index)
             raise
         self._check_epoch(leader_epoch(call.initial_metadata()), index)
+        self.leader_node = leader_node(call.initial_metadata())
         return response
 
     def _check_epoch(self, epoch: int | None, index: int) -> None:
@@ -237,4 +244,5 @@ class _LeaderStub:
         return call
 
 
-__all__ = ["EPOCH_METADATA", "FAILOVER_RETRY", "LeaderClient", "LeaderEventStream", "StaleLeader", "leader_epoch"]
+__all__ = ["EPOCH_METADATA", "FAILOVER_RETRY", "NODE_METADATA", "LeaderClient", "LeaderEventStream", "StaleLeader",
+           "leader_epoch", "leader_node"]

@@ -99,18 +99,21 @@ class WorkerClient:
     def info(self) -> wpb.WorkerStatus:
         return self._call(self._stub.Info, wpb.WorkerInfoRequest())
 
-    def append_kv(self, layer: int, k: np.ndarray, v: np.ndarray, slot_mapping: np.ndarray | None = None,
+    def append_kv(self, layer: int, k: np.ndarray, v: np.ndarray | None, slot_mapping: np.ndarray | None = None,
                   dtype: str | None = None, policy: str = "nan", table_id: str = "",
                   slot_generations: np.ndarray | None = None) -> wpb.KernelReply:
-        """k, v: [n, kv_heads, head_dim] in the cache dtype; slot_mapping: int64 [n] of the layer's index space,
-        or None with table_id: the new tokens of the worker's persistent tables (update_tables).
+        """k, v: [n, kv_heads, head_dim] in the cache dtype (v None for a K-only layer: an MLA layer's
+        latents, [n, 1, kv_lora_rank + qk_rope_head_dim], go in k); slot_mapping: int64 [n] of the layer's
+        index space, or None with table_id: the new tokens of the worker's persistent tables (update_tables).
 
         slot_generations: uint32 [n] (SpaceTables.slot_generations of the same reply): the worker records each
         page's generation and refuses stale writes (stale_page); None = not checked. With table_id they come
         from the table. dtype: None sends the arrays' own dtype; "bfloat16" sends uint16 arrays as bfloat16 bits.
         """
-        req = wpb.AppendKVRequest(layer=layer, k=_cache_tensor(k, dtype), v=_cache_tensor(v, dtype),
-                                  policy=POLICIES[policy], table_id=table_id)
+        req = wpb.AppendKVRequest(layer=layer, k=_cache_tensor(k, dtype), policy=POLICIES[policy],
+                                  table_id=table_id)
+        if v is not None:
+            req.v.CopyFrom(_cache_tensor(v, dtype))
         if slot_mapping is not None:
             req.slot_mapping.CopyFrom(to_tensor(np.asarray(slot_mapping, dtype=np.int64)))
         if slot_generations is not None:

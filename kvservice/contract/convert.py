@@ -9,7 +9,7 @@ from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1 import common_pb2 as cpb
 
 CACHE_DTYPES = {cpb.FLOAT16: "float16", cpb.BFLOAT16: "bfloat16", cpb.FLOAT32: "float32",
-                cpb.FLOAT8_E4M3: "float8_e4m3"}
+                cpb.FLOAT8_E4M3: "float8_e4m3", cpb.FLOAT8_E5M2: "float8_e5m2"}
 DTYPE_CODES = {v: k for k, v in CACHE_DTYPES.items()}
 LAYOUTS = {pb.LAYOUT_UNSPECIFIED: "per_layer", pb.PER_LAYER: "per_layer", pb.INTERLEAVED: "interleaved"}
 LAYOUT_CODES = {"per_layer": pb.PER_LAYER, "interleaved": pb.INTERLEAVED}
@@ -22,11 +22,12 @@ def cache_spec_from_proto(msg: pb.CacheSpec) -> CacheSpec:
     for i, ls in enumerate(msg.layers):
         if ls.dtype not in CACHE_DTYPES:
             raise InvalidArgument(f"cache.layers[{i}].dtype must be a cache dtype "
-                                  f"(FLOAT16, BFLOAT16, FLOAT32, FLOAT8_E4M3), got {ls.dtype}")
+                                  f"(FLOAT16, BFLOAT16, FLOAT32, FLOAT8_E4M3, FLOAT8_E5M2), got {ls.dtype}")
         count = ls.count or 1
         if len(layers) + count > MAX_LAYERS:
             raise InvalidArgument(f"cache spec has more than {MAX_LAYERS} layers")
-        layers.extend([LayerSpec(ls.kv_heads, ls.head_dim, CACHE_DTYPES[ls.dtype], ls.sliding_window)] * count)
+        layers.extend([LayerSpec(ls.kv_heads, ls.head_dim, CACHE_DTYPES[ls.dtype], ls.sliding_window,
+                                 ls.k_only)] * count)
     return CacheSpec(tuple(layers), msg.page_size, LAYOUTS[msg.layout])
 
 
@@ -37,17 +38,31 @@ def cache_spec_to_proto(spec: CacheSpec) -> pb.CacheSpec:
             out.layers[-1].count += 1
         else:
             out.layers.add(kv_heads=layer.kv_heads, head_dim=layer.head_dim, dtype=DTYPE_CODES[layer.dtype],
-                           sliding_window=layer.sliding_window, count=1)
+                           sliding_window=layer.sliding_window, count=1, k_only=layer.k_only)
     return out
 
 
 def _same(msg: pb.LayerSpec, layer: LayerSpec) -> bool:
-    return (msg.kv_heads, msg.head_dim, msg.dtype, msg.sliding_window) == (
-        layer.kv_heads, layer.head_dim, DTYPE_CODES[layer.dtype], layer.sliding_window)
+    return (msg.kv_heads, msg.head_dim, msg.dtype, msg.sliding_window, msg.k_only) == (
+        layer.kv_heads, layer.head_dim, DTYPE_CODES[layer.dtype], layer.sliding_window, layer.k_only)
+
+
+MAX_GROUPS = MAX_LAYERS     # a layer group has at least one layer
 
 
 def sizing_from_proto(msg: pb.Sizing) -> Sizing:
-    return Sizing(msg.max_batch, msg.max_seq_len, msg.memory_budget_bytes, msg.num_slots)
+    if len(msg.group_slots) > MAX_GROUPS:
+        raise InvalidArgument(f"sizing.group_slots has {len(msg.group_slots)} entries; a pool has at most "
+                              f"{MAX_GROUPS} layer groups")
+    return Sizing(msg.max_batch, msg.max_seq_len, msg.memory_budget_bytes, msg.num_slots, msg.max_num_batched_tokens,
+                  msg.prefix_headroom_slots, msg.equal_groups, tuple(msg.group_slots))
+
+
+def sizing_to_proto(s: Sizing) -> pb.Sizing:
+    return pb.Sizing(max_batch=s.max_batch, max_seq_len=s.max_seq_len, memory_budget_bytes=s.memory_budget_bytes,
+                     num_slots=s.num_slots, max_num_batched_tokens=s.max_num_batched_tokens,
+                     prefix_headroom_slots=s.prefix_headroom_slots, equal_groups=s.equal_groups,
+                     group_slots=list(s.group_slots))
 
 
 def index_space_to_proto(space: object) -> pb.IndexSpace:
@@ -65,9 +80,11 @@ def plan_to_proto(plan: Plan) -> pb.PlanReply:
         offsets_exceed_int32=plan.offsets_exceed_int32, offsets_exceed_uint32=plan.offsets_exceed_uint32,
         indices_need_int64=plan.indices_need_int64,
         layers=[pb.LayerPlan(layer=v.layer, group=v.group, index_space=v.index_space, page_bytes=v.page_bytes,
-                             bytes=v.page_bytes * plan.num_slots, scale=v.scale, offset=v.offset,
+                             bytes=v.page_bytes * geo.groups[v.group].num_slots, scale=v.scale, offset=v.offset,
                              upper_bound=v.upper_bound, base=v.base) for v in geo.layers],
         groups=[pb.GroupPlan(group=g.id, sliding_window=g.sliding_window, layers=list(g.layers),
-                             slot_bytes=g.slot_bytes, buffer_bytes=g.buffer_bytes) for g in geo.groups],
+                             slot_bytes=g.slot_bytes, buffer_bytes=g.buffer_bytes, num_slots=g.num_slots)
+                for g in geo.groups],
         index_spaces=[index_space_to_proto(s) for s in geo.index_spaces],
-        backends=list(plan.backends), warnings=list(plan.warnings), pool_pages=geo.pool_pages)
+        backends=list(plan.backends), warnings=list(plan.warnings), pool_pages=geo.pool_pages,
+        equal_sizing_bytes=plan.equal_sizing_bytes, notes=list(plan.notes))

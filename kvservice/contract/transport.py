@@ -13,3 +13,5 @@ MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 STREAM_ID_KEY = "kvservice-stream-id"
 #: Call metadata carrying a replicated manager's leader epoch (replies from the leader; kernel calls to workers).
 EPOCH_METADATA = "kvservice-leader-epoch"
+#: ... and the node id (--node-id) of the process that answered (clients and fault tests record who acknowledged).
+NODE_METADATA = "kvservice-leader-node"

@@ -4,7 +4,8 @@ A *slot* holds one page of every layer of its layer group. How a layer turns a
 slot into a page index depends on the layout:
 
 - ``per_layer``: each layer has its own buffer ``[num_slots, 2, page_size,
-  kv_heads, head_dim]``; page index = slot (scale 1, offset 0). Every layer of a
+  kv_heads, head_dim]`` (``[num_slots, 1, ...]`` for a K-only latent layer,
+  ``LayerSpec.k_only``); page index = slot (scale 1, offset 0). Every layer of a
   group shares one index space.
 - ``interleaved``: one buffer per layer group; a slot is the concatenation of one
   page of each layer, each placed at a byte offset that is a multiple of its own
@@ -28,6 +29,7 @@ FlashInfer and vLLM number pages.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,7 +37,7 @@ import numpy as np
 from kvservice.contract.errors import InvalidArgument
 
 #: Bytes per element of each cache dtype.
-DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3": 1}
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3": 1, "float8_e5m2": 1}
 LAYOUTS = ("per_layer", "interleaved")
 INT32_MAX = 2**31 - 1
 MAX_LAYERS = 4096
@@ -49,12 +51,17 @@ class LayerSpec:
     head_dim: elements per head, > 0.
     dtype: cache element type, one of DTYPE_BYTES.
     sliding_window: tokens attended by a sliding-window layer; 0 = full attention.
+    k_only: the page holds one tensor, not K and V: multi-head latent attention (DeepSeek-V2/V3,
+        Kimi-K2) caches one latent vector per token, ``kv_lora_rank + qk_rope_head_dim`` values, as a
+        single K-only "head" (kv_heads 1, head_dim = that sum). A page is then
+        ``[1, page_size, kv_heads, head_dim]``.
     """
 
     kv_heads: int
     head_dim: int
     dtype: str = "float16"
     sliding_window: int = 0
+    k_only: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_heads <= 0 or self.head_dim <= 0:
@@ -68,9 +75,14 @@ class LayerSpec:
             raise InvalidArgument(
                 f"sliding_window must be >= 0 (0 = full attention), got {self.sliding_window}")
 
+    @property
+    def kv_tensors(self) -> int:
+        """Tensors a page holds per token and head: 2 (K and V), or 1 (k_only)."""
+        return 1 if self.k_only else 2
+
     def page_bytes(self, page_size: int) -> int:
-        """Bytes of one page: K and V for page_size tokens."""
-        return 2 * page_size * self.kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+        """Bytes of one page: K and V (K only for k_only) for page_size tokens."""
+        return self.kv_tensors * page_size * self.kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +157,12 @@ class LayerGroup:
     layers: tuple[int, ...]
     slot_bytes: int          # bytes one slot takes over all layers of the group
     buffer_bytes: int        # largest single buffer of the group
+    num_slots: int = 0       # slots of this group (a sliding group may have fewer than a full one)
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of all the group's buffers: num_slots * slot_bytes."""
+        return self.num_slots * self.slot_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,26 +184,43 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
+def group_windows(spec: CacheSpec) -> list[int]:
+    """The sliding window (0 = full attention) of each layer group, in group order (first appearance)."""
+    windows: list[int] = []
+    for layer in spec.layers:
+        if layer.sliding_window not in windows:
+            windows.append(layer.sliding_window)
+    return windows
+
+
 class Geometry:
-    """Groups, per-layer views and index spaces of a CacheSpec with num_slots slots per group."""
+    """Groups, per-layer views and index spaces of a CacheSpec.
+
+    num_slots: slots of every group (an int), or of each group in group order (a sequence: a sliding
+    group sized to its window holds fewer than a full-attention group). ``self.num_slots`` is then the
+    largest count; each group's own is ``groups[g].num_slots``.
+    """
 
     __slots__ = ("groups", "index_spaces", "layer_space", "layers", "num_slots", "pool_pages", "spec", "warnings")
 
-    def __init__(self, spec: CacheSpec, num_slots: int) -> None:
-        if num_slots <= 0:
-            raise InvalidArgument(f"a pool needs at least one slot, got num_slots={num_slots}")
+    def __init__(self, spec: CacheSpec, num_slots: int | Sequence[int]) -> None:
+        windows = group_windows(spec)
+        counts = [int(num_slots)] * len(windows) if isinstance(num_slots, int | np.integer) else \
+            [int(n) for n in num_slots]
+        if len(counts) != len(windows):
+            raise InvalidArgument(f"{len(counts)} slot counts for {len(windows)} layer groups; give one per group")
+        if min(counts) <= 0:
+            got = counts[0] if isinstance(num_slots, int | np.integer) else counts
+            raise InvalidArgument(f"a pool needs at least one slot, got num_slots={got}")
         self.spec = spec
-        self.num_slots = num_slots
+        self.num_slots = max(counts)
         self.warnings: list[str] = []
         ps = spec.page_size
-        windows: list[int] = []
-        for layer in spec.layers:
-            if layer.sliding_window not in windows:
-                windows.append(layer.sliding_window)
         groups: list[LayerGroup] = []
         views: dict[int, LayerView] = {}
         spaces: list[IndexSpace] = []
         for gid, window in enumerate(windows):
+            num_slots = counts[gid]
             members = tuple(i for i, la in enumerate(spec.layers) if la.sliding_window == window)
             page_bytes = {i: spec.layers[i].page_bytes(ps) for i in members}
             if spec.layout == "per_layer":
@@ -221,7 +256,7 @@ class Geometry:
                     for i in layer_ids:
                         views[i] = LayerView(i, gid, space.id, page_bytes[i], offsets[i], scale, offset,
                                              space.upper_bound, base)
-            groups.append(LayerGroup(gid, window, members, slot_bytes, buffer_bytes))
+            groups.append(LayerGroup(gid, window, members, slot_bytes, buffer_bytes, num_slots))
         self.groups = tuple(groups)
         self.layers = tuple(views[i] for i in range(len(spec.layers)))
         self.index_spaces = tuple(spaces)
@@ -232,6 +267,21 @@ class Geometry:
     def bytes_per_slot(self) -> int:
         """Bytes one slot takes over every group."""
         return sum(g.slot_bytes for g in self.groups)
+
+    @property
+    def group_slots(self) -> tuple[int, ...]:
+        """Slots of each group, in group order."""
+        return tuple(g.num_slots for g in self.groups)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of every cache buffer: the sum over groups of num_slots * slot_bytes."""
+        return sum(g.bytes for g in self.groups)
+
+    def layer_pages(self, layer: int) -> int:
+        """Pages of one layer's buffer (its index space's range)."""
+        v = self.layers[layer]
+        return v.upper_bound - v.base
 
     @property
     def max_byte_offset(self) -> int:

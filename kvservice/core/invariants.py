@@ -17,7 +17,9 @@ def assert_invariants(pool: Pool) -> None:
     assert (tokens > 0).all(), "a live sequence holds no tokens"
     for g, alloc in enumerate(pool.allocators):
         alloc.check()
-        owners = np.zeros(geo.num_slots, dtype=np.int64)
+        num_slots = geo.groups[g].num_slots
+        assert alloc.num_slots == num_slots, f"group {g}: allocator of {alloc.num_slots} slots, plan {num_slots}"
+        owners = np.zeros(num_slots, dtype=np.int64)
         window = pool.windows[g]
         for seq_id, n in zip(ids.tolist(), tokens.tolist(), strict=True):
             held = pool.sequence_slots(seq_id, g)
@@ -28,12 +30,12 @@ def assert_invariants(pool: Pool) -> None:
             assert len(held) == -(-n // ps) - first, f"seq {seq_id} holds {len(held)} slots for {n} tokens"
             assert first == 0 or (window and first * ps <= max(0, n + 1 - window)), \
                 f"seq {seq_id} released page {first - 1} of group {g} while inside the window"
-            assert (held >= 0).all() and (held < geo.num_slots).all(), f"seq {seq_id} holds a bad slot id"
+            assert (held >= 0).all() and (held < num_slots).all(), f"seq {seq_id} holds a bad slot id"
             np.add.at(owners, held, 1)
-        rc = alloc.refcount(np.arange(geo.num_slots))
+        rc = alloc.refcount(np.arange(num_slots))
         # 1. refcount == number of owners; 2. free xor owned, counts add up.
         assert (rc == owners).all(), f"group {g}: refcount != owners at slot {np.flatnonzero(rc != owners)[:5]}"
-        assert alloc.num_free + int((owners > 0).sum()) == geo.num_slots, f"group {g}: free + owned != num_slots"
+        assert alloc.num_free + int((owners > 0).sum()) == num_slots, f"group {g}: free + owned != num_slots"
     for g, cache in enumerate(pool.prefixes or ()):
         alloc = pool.allocators[g]
         assert cache.allocator is alloc, f"group {g}: prefix cache over another group's allocator"

@@ -93,7 +93,7 @@ class Pool:
         geo = plan.geometry
         self.page_size = geo.spec.page_size
         self.max_seq_len = plan.max_seq_len
-        self.allocators = [SlotAllocator(geo.num_slots) for _ in geo.groups]
+        self.allocators = [SlotAllocator(g.num_slots) for g in geo.groups]     # each group its own count
         self.windows = [g.sliding_window for g in geo.groups]
         self.layer_space: list[int] = geo.layer_space.tolist()    # layer -> index space id
         self._sliding = [g for g, w in enumerate(self.windows) if w]
@@ -111,7 +111,7 @@ class Pool:
             self.prefix = self.prefixes[full[0] if full else 0]
         self.events = PoolEvents()                # KV events of the prefix caches (cache_events.py)
         for g, cache in enumerate(self.prefixes or ()):
-            cache.sink = self.events.source(g, self.windows[g], geo.num_slots)
+            cache.sink = self.events.source(g, self.windows[g], geo.groups[g].num_slots)
         self._sharing = prefix_caching          # slots may have several owners (turned on by a fork)
         self._rows: dict[int, int] = {}          # seq_id -> row (source of truth)
         self._sorted: tuple[np.ndarray, np.ndarray] | None = None  # (ids, rows) by id; None = stale
@@ -123,7 +123,7 @@ class Pool:
         self._num_tokens = np.zeros(cap, dtype=np.int64)   # 0 = row unused
         self._held = np.zeros(cap, dtype=np.int64)         # ceil(num_tokens / page_size), released pages included
         self._seq_ids = np.zeros(cap, dtype=np.uint64)
-        self._slots = [RowSlots(slot_table_dtype(geo.num_slots), cap) for _ in geo.groups]
+        self._slots = [RowSlots(slot_table_dtype(g.num_slots), cap) for g in geo.groups]
         self._first = [np.zeros(cap, dtype=np.int64) for _ in geo.groups]
         self.steps = 0
         self.admitted = 0
@@ -337,8 +337,8 @@ class Pool:
                 raise ResourceExhausted(
                     f"pool {self.name!r}: this step needs {gp.need} slots in layer group {g} but only {gp.avail} "
                     f"are free ({free_now} free + {gp.avail - free_now} released by this step) of "
-                    f"{self.plan.num_slots}; free or preempt sequences, or plan a bigger pool",
-                    needed=gp.need, free=gp.avail, num_slots=self.plan.num_slots, group=g)
+                    f"{self.allocators[g].num_slots}; free or preempt sequences, or plan a bigger pool",
+                    needed=gp.need, free=gp.avail, num_slots=self.allocators[g].num_slots, group=g)
         return StepPlan(e_old, e_new, e_held, e_held_new, a_held, groups)
 
     def _plan_hits(self, prompt: Prompt, num_admits: int) -> tuple[np.ndarray, list[np.ndarray]]:
@@ -766,7 +766,8 @@ class Pool:
         meta = {"version": POOL_STATE_VERSION, "name": self.name, "model": self.model,
                 "incarnation": int(self.incarnation),
                 "spec": {"page_size": ps, "layout": spec.layout, "layers": _spec_runs(spec)},
-                "num_slots": int(geo.num_slots), "max_seq_len": int(self.max_seq_len),
+                "num_slots": int(geo.num_slots), "group_slots": [int(n) for n in geo.group_slots],
+                "max_seq_len": int(self.max_seq_len),
                 "backends": list(self.plan.backends), "prefix_caching": self.prefixes is not None,
                 "sharing": bool(self._sharing), "steps": int(self.steps),
                 "admitted": int(self.admitted), "refused": int(self.refused),
@@ -869,11 +870,13 @@ POOL_STATE_VERSION = 3
 class PoolState:
     """A pool as plain data: JSON-able ``meta`` and named 1-D/2-D NumPy ``arrays`` (copies, never views).
 
-    meta: version (3; 2 is read too), name, model, incarnation, spec {page_size, layout, layers: [[kv_heads,
-      head_dim, dtype, sliding_window, count], ...]}, num_slots, max_seq_len, backends, prefix_caching, sharing, steps,
-      admitted, refused, alloc_failures {reason: count}, row_capacity, num_rows, events_seq (number of the pool's
-      last KV event batch), groups [{peak_used, evictions}], prefix {hits: [per group], namespaces: [[salt,
-      extra_key, id], ...]} or None.
+    meta: version (3; 2 read), name, model, incarnation, spec {page_size, layout, layers: [[kv_heads, head_dim, dtype,
+      sliding_window, count(, k_only)], ...]}, num_slots (of the largest group), group_slots (per group;
+      absent in states written before groups were sized apart: every group num_slots), max_seq_len,
+      backends, prefix_caching, sharing, steps, admitted, refused, alloc_failures {reason: count},
+      row_capacity, num_rows, events_seq (number of the pool's last KV event batch),
+      groups [{peak_used, evictions}], prefix {hits: [per group], namespaces: [[salt, extra_key, id], ...]}
+      or None.
     arrays (N live sequences in row order, G layer groups, E prefix-cache entries):
       seq_ids uint64 [N]; rows int64 [N]; num_tokens int64 [N] (tokens, > 0); free_rows int64 [R]
         (reuse order: the last is taken first);
@@ -896,10 +899,10 @@ def _spec_runs(spec: object) -> list[list]:
     runs: list[list] = []
     for la in spec.layers:                                            # type: ignore[attr-defined]
         row = [la.kv_heads, la.head_dim, la.dtype, la.sliding_window]
-        if runs and runs[-1][:4] == row:
+        if runs and runs[-1][:4] == row and bool(runs[-1][5:]) == la.k_only:
             runs[-1][4] += 1
         else:
-            runs.append([*row, 1])
+            runs.append([*row, 1, *([True] if la.k_only else [])])   # k_only only where set: older readers
     return runs
 
 

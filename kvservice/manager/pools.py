@@ -148,7 +148,7 @@ class BlockManager:
     def total_slots(self) -> int:
         """Slots x layer groups summed over every pool (what their allocators hold memory for)."""
         with self._lock:
-            return sum(p.plan.num_slots * len(p.plan.geometry.groups) for p in self._pools.values())
+            return sum(sum(p.plan.group_slots) for p in self._pools.values())
 
     def restore(self, pools: dict[str, Pool], workers: list[WorkerRecord] | None = None) -> None:
         """Replace every pool (and, if given, every worker record) with recovered ones: the journal's hook.

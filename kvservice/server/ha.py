@@ -19,7 +19,8 @@ refuse a reply with a lower epoch than one they have seen (kvservice/client/ha.p
 lapsed (the journal's ``guard`` raises before a publish and before an append returns) or whose
 append was fenced stops serving writes at once: the journal fails, health turns NOT_SERVING
 and ``kvservice serve`` exits 3; restarted, it comes back as a standby. A standby that fell
-behind a compaction (JournalGap) or cannot replay an entry fail-stops the same way.
+behind a compaction (JournalGap: its next entry was purged) recovers again from the newer
+snapshot in place (``Journal.reload``); one that cannot replay an entry fail-stops the same way.
 """
 
 from __future__ import annotations
@@ -40,12 +41,20 @@ from grpc_health.v1 import health_pb2
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvservice.contract.errors import KVError, StateError
-from kvservice.contract.transport import EPOCH_METADATA
+from kvservice.contract.transport import EPOCH_METADATA, NODE_METADATA
 from kvservice.manager.pools import BlockManager
 from kvservice.server.app import SERVICE_NAME, RunningServer, serve
 from kvservice.server.config import PoolConfig
 from kvservice.state.journal import Journal, JournalConfig, ensure_pools
-from kvservice.state.nats.journal import Fenced, JournalGap, NatsConfig, NatsLink, NatsStore, StoreError
+from kvservice.state.nats.journal import (
+    Fenced,
+    JournalGap,
+    NatsConfig,
+    NatsLink,
+    NatsStore,
+    StoreError,
+    retry_startup,
+)
 from kvservice.state.nats.leader import Lease, LeaseConfig, LeaseLost
 from kvservice.state.sqlite.store import DB_NAME, SqliteStore
 from kvservice.state.stores import Entry
@@ -63,6 +72,7 @@ class LeaderGate(grpc.ServerInterceptor):
     def __init__(self, service: str = SERVICE_NAME) -> None:
         self.service = service
         self.epoch = 0
+        self.node = ""
         self.leader = False
         self.why = "standby: following the journal"
         self.leader_hint: Callable[[], str] = lambda: ""
@@ -101,7 +111,7 @@ class LeaderGate(grpc.ServerInterceptor):
             if not self.valid():
                 context.abort(grpc.StatusCode.UNAVAILABLE, "the leader's lease lapsed (NATS unreachable or the "
                               "process was paused); it serves again once renewed, or a standby takes over: retry")
-            context.send_initial_metadata(((EPOCH_METADATA, str(self.epoch)),))
+            context.send_initial_metadata(((EPOCH_METADATA, str(self.epoch)), (NODE_METADATA, self.node)))
             return inner(request, context)
         return gated
 
@@ -123,6 +133,7 @@ class HAController:
     takeover_seconds: float = 0.0
     applied: int = 0
     lag_entries: int = 0
+    reloads: int = 0                 # recoveries from a newer snapshot after a compaction overtook this standby
     failed: str | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -130,6 +141,7 @@ class HAController:
     def start(self) -> None:
         self.gate.leader_hint = self._leader_hint
         self.gate.valid = lambda: self.lease.remaining_seconds > 0
+        self._measure_lag()                    # right from the start, not 0 until the first measurement
         self._thread = threading.Thread(target=self._follow, daemon=True, name="ha-standby")
         self._thread.start()
 
@@ -147,24 +159,57 @@ class HAController:
                 batch = self.store.poll(poll)
                 if batch:
                     self._apply(batch)
+                if self.store.pending is not None:
+                    self.lag_entries = self.store.pending        # as the server said with the last message
                 now = time.monotonic()
                 if now >= next_lag:
                     next_lag = now + 1.0
-                    self.lag_entries = max(0, self.store.stream_last_seq() - self.store.last_stream_seq)
+                    self._measure_lag()
                 if now >= next_look:
                     next_look = now + poll
                     if self.lease.try_acquire():
                         self._take_over()
                         return
             except JournalGap as err:
-                self._fail(f"standby fell behind a compaction: {err.message}")
-                return
+                if not self._reload(err):
+                    return
             except (StoreError, nats.errors.Error, OSError) as err:
                 log.warning("standby: %s; retrying", getattr(err, "message", err))   # NATS unreachable for now
                 self._stop.wait(poll)
             except KVError as err:
                 self._fail(f"standby cannot follow the journal: {err.message}")
                 return
+
+    def _measure_lag(self) -> None:
+        try:
+            self.lag_entries = max(0, self.store.stream_last_seq() - self.store.last_stream_seq)
+        except StoreError as err:
+            log.debug("standby lag not measured: %s", err.message)
+
+    def _reload(self, gap: JournalGap) -> bool:
+        """A compaction purged this standby's next entry: recover again from the newer snapshot. False: failed."""
+        log.warning("standby fell behind a compaction (%s); recovering again from the newest snapshot", gap.message)
+        for attempt in range(RECOVERY_ATTEMPTS):
+            try:
+                self.store.restart_reading()
+                with self.journal.manager.events.transaction():
+                    replayed = self.journal.reload()
+            except JournalGap as err:         # overtaken again while reading: a newer snapshot still
+                gap = err
+                continue
+            except (StoreError, nats.errors.Error, OSError) as err:
+                log.warning("standby reload: %s; retrying", getattr(err, "message", err))
+                self._stop.wait(self.lease.config.poll_seconds * (attempt + 1))
+                continue
+            except KVError as err:
+                self._fail(f"standby cannot recover from the newer snapshot: {err.message}")
+                return False
+            self.reloads += 1
+            log.warning("standby recovered again: snapshot at %d, %d entries replayed, position %d",
+                        self.journal.snapshot_seq, replayed, self.journal.seq)
+            return True
+        self._fail(f"standby fell behind a compaction and could not recover again: {gap.message}")
+        return False
 
     def _apply(self, entries: Iterable[Entry]) -> None:
         """Apply acknowledged entries; their KV event batches become visible at once, numbered as the leader's.
@@ -187,6 +232,10 @@ class HAController:
             self.store.readonly = False        # it may fence now; it appends only once fenced (epoch > 0)
             epoch = self._fence()
             self.store.stop_reading()
+            try:                               # the next snapshot is due after the store's newest, not ours
+                self.journal.snapshot_stored(self.store.newest_snapshot_seq())
+            except StoreError as err:
+                log.warning("newest snapshot not listed at takeover (%s); the next one is due early", err.message)
             self.lease.epoch = epoch
             self.journal.incarnation = epoch        # replies carry (epoch, seq) as their journal position
             self.lease.wait_valid(lapse)
@@ -209,7 +258,12 @@ class HAController:
     def _fence(self) -> int:
         """Read to the end of the stream and fence it with the next epoch; again if the old leader wrote meanwhile."""
         for _ in range(FENCE_ATTEMPTS):
-            self._apply(self.store.catch_up())
+            try:
+                self._apply(self.store.catch_up())
+            except JournalGap as err:         # overtaken by the old leader's last compaction: reload, read on
+                if not self._reload(err):
+                    raise StoreError(f"takeover: {self.failed}") from None
+                continue
             seen = self.lease.holder.epoch if self.lease.holder is not None else 0
             epoch = max(self.store.max_epoch, seen) + 1
             try:
@@ -284,6 +338,9 @@ class HACollector:
         yield GaugeMetricFamily("kvservice_standby_lag_entries", "Journal stream messages the standby has not "
                                 "applied yet (replication lag; 0 on the leader).",
                                 value=float(ha.lag_entries if ha.role == "standby" else 0))
+        yield CounterMetricFamily("kvservice_standby_reloads_total", "Times this standby recovered again from a "
+                                  "newer snapshot because a compaction purged the entries it was to apply.",
+                                  value=ha.reloads)
         yield CounterMetricFamily("kvservice_standby_applied_total", "Journal entries this manager applied while "
                                   "following the leader.", value=ha.applied)
         yield GaugeMetricFamily("kvservice_takeover_seconds", "How long this manager's takeover took (lease won "
@@ -299,8 +356,11 @@ def default_node_id() -> str:
 
 
 def open_journal(config: NatsConfig, lease_seconds: float = 10.0, journal_config: JournalConfig | None = None,
-                 readonly: bool = True, link: NatsLink | None = None) -> Journal:
+                 readonly: bool = True, link: NatsLink | None = None, startup_seconds: float = 60.0) -> Journal:
     """Recover the replicated state (newest snapshot + journal tail) into a fresh manager.
+
+    NATS errors (a stream or bucket being created by another manager started at the same time, a
+    stream leader being elected) are retried for up to startup_seconds; damaged state is not.
 
     readonly: inspection (kvservice check-state nats://...): nothing is written. A standby opens
     it the same way, and its store turns writable only after it won the lease and fenced.
@@ -309,15 +369,16 @@ def open_journal(config: NatsConfig, lease_seconds: float = 10.0, journal_config
     link = link or NatsLink(config, client_name="kvservice-inspect" if readonly else "kvservice")
     try:
         for attempt in range(RECOVERY_ATTEMPTS):
-            store = NatsStore(link, readonly=True, create=not readonly)
             try:
-                journal = Journal.recover(store, lease_seconds, journal_config)
+                journal = retry_startup("recovering the replicated state", lambda: Journal.recover(
+                    NatsStore(link, readonly=True, create=not readonly), lease_seconds, journal_config),
+                    startup_seconds)
                 break
             except JournalGap as err:       # the leader compacted while we read: a newer snapshot holds it all
                 if attempt + 1 == RECOVERY_ATTEMPTS:
                     raise
                 log.info("recovering again: %s", err.message)
-        store.owns_link = own
+        journal.store.owns_link = own
     except BaseException:
         if own:
             link.close()
@@ -405,11 +466,12 @@ def serve_ha(config: NatsConfig, lease_config: LeaseConfig, listen: str, pools: 
     try:
         journal = open_journal(config, lease_seconds, journal_config, readonly=False, link=link)
         assert isinstance(journal.store, NatsStore)
-        lease = Lease(link, lease_config, node, advertise)
+        lease = retry_startup("opening the leader lease bucket", lambda: Lease(link, lease_config, node, advertise))
     except BaseException:
         link.close()
         raise
     gate = LeaderGate()
+    gate.node = node
     extra = list(serve_kwargs.pop("interceptors", ()))
     running = serve(listen, journal=journal, interceptors=[*extra, gate], serving=False, **serve_kwargs)
     if not advertise:
@@ -443,5 +505,5 @@ def stop_ha(running: RunningServer, ha: HAController, grace: float = 2.0) -> Non
     ha.store.link.close()
 
 
-__all__ = ["EPOCH_METADATA", "HACollector", "HAController", "LeaderGate", "LeaseLost", "export_state",
+__all__ = ["EPOCH_METADATA", "NODE_METADATA", "HACollector", "HAController", "LeaderGate", "LeaseLost", "export_state",
            "import_state", "open_journal", "open_sole_writer", "serve_ha", "stop_ha"]

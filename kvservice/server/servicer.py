@@ -111,7 +111,7 @@ class Limits:
                                     "one first", reason="LIMIT_EXCEEDED", limit=self.max_pools)
         p = plan(cache_spec_from_proto(r.cache), sizing_from_proto(r.sizing), tuple(r.backends))
         _check_representable(p)
-        slots = p.num_slots * len(p.geometry.groups)
+        slots = sum(p.group_slots)            # slots x layer groups, each group its own count
         if self.max_pool_slots and slots > self.max_pool_slots:
             raise _over(f"pool {r.name!r}: slots x layer groups", slots, self.max_pool_slots, "slots",
                         "--max-pool-slots")

@@ -66,7 +66,9 @@ class JournalConfig:
 
     sync: SQLite `synchronous` in WAL mode. "full" fsyncs every commit (survives power loss);
         "normal" survives a process crash (kill -9) but may lose the last commits on an OS crash.
-    compact_every: entries (acknowledged mutating RPCs) between snapshots; bounds recovery replay.
+    compact_every: the most entries (acknowledged mutating RPCs) a recovery replays: a snapshot is
+        captured once the tail after the newest *stored* snapshot reaches ``snapshot_due_tail`` (3/4 of
+        it), so the last quarter is room for that snapshot to be written while calls go on.
     compact_bytes: serialized request bytes between snapshots (the other bound).
     id_window: request ids remembered for idempotency (most recent).
     id_window_seconds: ... and for at most this long, seconds.
@@ -89,6 +91,11 @@ class JournalConfig:
             raise InvalidArgument(f"sync must be one of {', '.join(SYNC_MODES)}, got {self.sync!r}")
         if self.compact_every < 1 or self.id_window < 1:
             raise InvalidArgument("compact_every and id_window must be >= 1")
+
+    @property
+    def snapshot_due_tail(self) -> int:
+        """Entries after the newest stored snapshot at which the next one is captured (see compact_every)."""
+        return max(1, self.compact_every - self.compact_every // 4)
 
 
 def digest(data: bytes) -> bytes:
@@ -304,7 +311,8 @@ class Journal:
         self.recovery_seconds = 0.0
         self._appended = 0              # request bytes appended (all time) ...
         self._snap_appended = 0         # ... and when the newest snapshot was captured
-        self._compact_at = self.config.compact_every
+        self._compact_at = self.config.snapshot_due_tail
+        self.replayed_entries = 0       # entries the last recovery (or reload) replayed after its snapshot
         self.commits = 0
         self.snapshots = 0
         self.resyncs = 0
@@ -361,7 +369,10 @@ class Journal:
             store.check_position(journal.seq)
             if not store.readonly:
                 journal.incarnation = store.begin(journal.seq)
-            journal._compact_at = journal.seq + journal.config.compact_every
+            # The next snapshot follows the newest one in the store, not this process's start: under leader
+            # churn each new leader would otherwise push it further and none would ever be written.
+            journal._compact_at = journal.snapshot_seq + journal.config.snapshot_due_tail
+            journal.replayed_entries = replayed
             journal.recovery_seconds = time.perf_counter() - t0
             log.info("recovered %s: snapshot at %d, %d entries replayed in %.3f s, incarnation %d, pools: %s",
                      store.location, journal.snapshot_seq, replayed, journal.recovery_seconds, journal.incarnation,
@@ -453,6 +464,31 @@ class Journal:
             self._appended += len(e.request)
             if e.method in _TARGET:
                 self._dirty.add(getattr(request, _TARGET[e.method]))
+
+    def snapshot_stored(self, seq: int) -> None:
+        """The store holds a snapshot at position seq that this journal did not write (the leader a standby
+        followed, kvservice/server/ha.py): the next snapshot is due after it, as after one of its own."""
+        with self._lock:
+            if seq > self.snapshot_seq:
+                self.snapshot_seq = seq
+                self._compact_at = seq + self.config.snapshot_due_tail
+
+    def reload(self) -> int:
+        """Replace the whole state with the store's newest snapshot and the entries after it; entries replayed.
+
+        For a standby whose next entry a compaction purged (kvservice/server/ha.py): what it missed is in the
+        newer snapshot. The idempotency window comes from it too. StateError as recovery raises it.
+        """
+        with self._lock:
+            scratch = BlockManager(self.manager.workers.lease_seconds)
+            window = IdempotencyWindow(self.config)
+            replayed = self._load(scratch, window)
+            self.manager.restore(self._pools(scratch), scratch.workers.workers())
+            self.window = window
+            self._states, self._dirty = {}, set(self.manager.pool_names())
+            self._compact_at = self.snapshot_seq + self.config.snapshot_due_tail
+            self.replayed_entries = replayed
+        return replayed
 
     def apply_entry(self, entry: Entry) -> None:
         """Check and apply the next entry another manager journaled (journal lock held; a standby,
@@ -637,7 +673,7 @@ class Journal:
         pause = time.perf_counter() - t0
         self.snapshot_pause_seconds = pause
         self.snapshot_pause_max_seconds = max(self.snapshot_pause_max_seconds, pause)
-        self._compact_at = self.seq + self.config.compact_every
+        self._compact_at = self.seq + self.config.snapshot_due_tail
         self._writer_done.clear()
         return _Capture(self.seq, self._appended, pools, dirty, self.manager.workers.workers(), ids, replies, pause)
 
@@ -743,13 +779,12 @@ def _plain(v: Any) -> Any:
     return v
 
 
-def create_request(name: str, spec: CacheSpec, sizing: Sizing, backends: tuple[str, ...]) -> pb.CreatePoolRequest:
+def create_request(name: str, spec: CacheSpec, sizing: Sizing, backends: tuple[str, ...],
+                   prefix_caching: bool = False, model: str = "") -> pb.CreatePoolRequest:
     """The CreatePool request of a configured pool (config pools are journaled like API-created ones)."""
-    from kvservice.contract.convert import cache_spec_to_proto
+    from kvservice.contract.convert import cache_spec_to_proto, sizing_to_proto
     return pb.CreatePoolRequest(name=name, cache=cache_spec_to_proto(spec), backends=list(backends),
-                                sizing=pb.Sizing(max_batch=sizing.max_batch, max_seq_len=sizing.max_seq_len,
-                                                 memory_budget_bytes=sizing.memory_budget_bytes,
-                                                 num_slots=sizing.num_slots))
+                                sizing=sizing_to_proto(sizing), enable_prefix_caching=prefix_caching, model=model)
 
 
 def ensure_pools(journal: Journal, pools: list[Any]) -> list[str]:
@@ -763,7 +798,8 @@ def ensure_pools(journal: Journal, pools: list[Any]) -> list[str]:
                     log.warning("pool %r from the state dir differs from its configuration; serving the state's "
                                 "(delete the pool to recreate it from the configuration)", pc.name)
             continue
-        journal.execute("CreatePool", create_request(pc.name, pc.spec, pc.sizing, pc.backends),
+        journal.execute("CreatePool", create_request(pc.name, pc.spec, pc.sizing, pc.backends,
+                                                     getattr(pc, "prefix_caching", False), getattr(pc, "model", "")),
                         journal.api.CreatePool)
         created.append(pc.name)
     return created

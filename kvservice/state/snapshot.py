@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from kvservice.contract.errors import StateError
-from kvservice.core.geometry import CacheSpec, LayerSpec
+from kvservice.core.geometry import CacheSpec, LayerSpec, group_windows
 from kvservice.core.planner import Plan, Sizing, plan
 from kvservice.core.pool import POOL_STATE_VERSION, IdRuns, Pool, PoolState
 from kvservice.manager.workers import WorkerRecord
@@ -271,10 +271,13 @@ def pool_plan(meta: dict) -> Plan:
     """The plan a PoolState's pool was made with (planning is deterministic)."""
     s = meta["spec"]
     layers: list[LayerSpec] = []
-    for kv_heads, head_dim, dtype, window, count in s["layers"]:
-        layers += [LayerSpec(int(kv_heads), int(head_dim), str(dtype), int(window))] * int(count)
+    for kv_heads, head_dim, dtype, window, count, *k_only in s["layers"]:
+        layers += [LayerSpec(int(kv_heads), int(head_dim), str(dtype), int(window), bool(k_only and k_only[0]))] \
+            * int(count)
     spec = CacheSpec(tuple(layers), int(s["page_size"]), str(s["layout"]))
-    return plan(spec, Sizing(num_slots=int(meta["num_slots"]), max_seq_len=int(meta["max_seq_len"])),
+    # States written before groups were sized apart have no group_slots: every group had num_slots.
+    counts = meta.get("group_slots") or [int(meta["num_slots"])] * len(group_windows(spec))
+    return plan(spec, Sizing(group_slots=tuple(int(c) for c in counts), max_seq_len=int(meta["max_seq_len"])),
                 tuple(meta["backends"]))
 
 
@@ -302,7 +305,7 @@ def check_pool_state(state: PoolState, p: Plan) -> list[str]:
     for k, (dt, nd) in want.items():
         if a[k].dtype != dt or a[k].ndim != nd:
             return [f"array {k} is {a[k].dtype} with {a[k].ndim} dims, expected {dt} with {nd}"]
-    ps, num_slots = p.page_size, p.num_slots
+    ps, largest = p.page_size, p.num_slots
     ids, rows, n, free_rows = a["seq_ids"], a["rows"], a["num_tokens"], a["free_rows"]
     num = len(ids)
     cap, num_rows = int(m["row_capacity"]), int(m["num_rows"])
@@ -327,6 +330,7 @@ def check_pool_state(state: PoolState, p: Plan) -> list[str]:
         return out
     held = (n + (ps - 1)) // ps
     for g, grp in enumerate(groups):
+        num_slots = grp.num_slots
         first, slots = a[f"first/{g}"], a[f"slots/{g}"]
         stack, cached = a[f"free_stack/{g}"], a[f"cached/{g}"]
         gen = a.get(f"generation/{g}")
@@ -370,6 +374,7 @@ def check_pool_state(state: PoolState, p: Plan) -> list[str]:
         if len(m["prefix"]["hits"]) != len(groups) or min(m["prefix"]["hits"], default=0) < 0:
             bad("prefix cache: hit counts per group are missing or negative")
         for g in range(len(groups)):
+            num_slots = groups[g].num_slots
             k = f"prefix/{g}/"
             slot, h, tokens = a[k + "slot"], a[k + "hash"], a[k + "tokens"]
             ns, parent, anchor = a[k + "namespace"], a[k + "parent"], a[k + "anchor"]
@@ -382,7 +387,7 @@ def check_pool_state(state: PoolState, p: Plan) -> list[str]:
                 bad(f"group {g}: prefix cache slots out of range or repeated, or hashes zero or repeated")
             else:
                 if e and ((ns < 0).any() or (ns >= len(spaces)).any() or ((parent < -1) | (parent >= num_slots)).any()
-                          or ((anchor < -1) | (anchor >= num_slots)).any()):
+                          or ((anchor < -1) | (anchor >= largest)).any()):
                     bad(f"group {g}: a prefix-cache namespace, parent or anchor slot is out of range")
                 if not np.isin(a[f"cached/{g}"], slot).all():
                     bad(f"group {g}: a cached free slot holds no registered page")

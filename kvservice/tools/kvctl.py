@@ -19,8 +19,9 @@ from kvservice.client.codec import ClientError
 from kvservice.contract.errors import KVError
 from kvservice.contract.pagetable import PageTable
 from kvservice.core.geometry import CacheSpec, LayerSpec
-from kvservice.core.model_config import ModelCache, load_model_cache
+from kvservice.core.model_config import DTYPES, ModelCache, load_model_cache
 from kvservice.core.planner import Plan, Sizing, plan
+from kvservice.core.units import parse_bytes
 
 DEFAULT_TARGET = os.environ.get("KVSERVICE_ADDR", "127.0.0.1:50051")
 
@@ -54,24 +55,44 @@ def _ranges(ids: list[int]) -> str:
 
 
 def _geometry_args(p: argparse.ArgumentParser) -> None:
+    """Cache and sizing flags; vLLM's names are accepted as aliases (--block-size, --max-model-len, ...)."""
     p.add_argument("--model-config", metavar="PATH",
                    help="Hugging Face config.json (or its directory): layers, KV heads, head sizes and sliding windows "
                         "from the model; replaces --layers/--kv-heads/--head-dim")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks sharing the KV heads (--model-config)")
+    p.add_argument("--allow-unknown-keys", action="store_true",
+                   help="plan a --model-config with fields this planner does not know (listed in the plan) "
+                        "instead of refusing it")
+    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
+                   help="tensor-parallel ranks sharing the KV heads (--model-config)")
     p.add_argument("--layers", type=int, help="number of layers")
     p.add_argument("--kv-heads", type=int)
     p.add_argument("--head-dim", type=int)
-    p.add_argument("--dtype", help="float16, bfloat16, float32, float8_e4m3 (default: float16, or the model's "
-                                   "torch_dtype with --model-config)")
-    p.add_argument("--page-size", type=int, default=16, help="tokens per page")
+    p.add_argument("--dtype", "--kv-cache-dtype", dest="dtype",
+                   help="cache dtype: auto (the model's torch_dtype), float16, bfloat16, float32, fp8 (= fp8_e4m3), "
+                        "fp8_e4m3, fp8_e5m2 (default: float16, or auto with --model-config)")
+    p.add_argument("--page-size", "--block-size", dest="page_size", type=int, default=16, help="tokens per page")
     p.add_argument("--layout", default="per_layer", choices=["per_layer", "interleaved"])
     p.add_argument("--sliding-window", type=int, default=0, help="tokens (0 = full attention)")
     p.add_argument("--extra-layer", action="append", default=[], metavar="KV_HEADS:HEAD_DIM[:WINDOW]",
                    help="append a layer of another shape (hybrid models); repeatable")
-    p.add_argument("--max-batch", type=int, default=0)
-    p.add_argument("--max-seq-len", type=int, default=0)
-    p.add_argument("--memory-budget", type=int, default=0, help="bytes for all cache buffers")
-    p.add_argument("--num-slots", type=int, default=0)
+    p.add_argument("--max-batch", "--max-num-seqs", dest="max_batch", type=int, default=0,
+                   help="concurrent sequences")
+    p.add_argument("--max-seq-len", "--max-model-len", dest="max_seq_len", type=int, default=0,
+                   help="tokens per sequence")
+    p.add_argument("--max-num-batched-tokens", type=int, default=0,
+                   help="tokens one step adds beyond one per sequence (the prompt chunk being prefilled); sizes "
+                        "sliding-window groups (default: min(2048, --max-model-len))")
+    p.add_argument("--prefix-headroom", type=int, default=0, metavar="SLOTS",
+                   help="extra slots per sliding-window group for prefix-cache pages")
+    p.add_argument("--equal-groups", action="store_true",
+                   help="give every layer group as many slots as the full-attention group")
+    p.add_argument("--memory-budget", default="0", metavar="SIZE",
+                   help="bytes for all cache buffers: 40GiB, 512MB, 80%% (of --device-memory) or a byte count")
+    p.add_argument("--device-memory", default="0", metavar="SIZE", help="the device's memory, for a --memory-budget "
+                   "or --gpu-memory-utilization given as a share")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.0, metavar="FRACTION",
+                   help="vLLM's name: cache budget = FRACTION x --device-memory (this plans the KV cache only)")
+    p.add_argument("--num-slots", type=int, default=0, help="explicit slot count of every layer group")
     p.add_argument("--backend", action="append", default=[],
                    help="kernel backend the pool feeds (native, flashinfer, flash-attn2, vllm-flash-attn, "
                         "candle-flash-attn, trtllm); repeatable")
@@ -79,20 +100,51 @@ def _geometry_args(p: argparse.ArgumentParser) -> None:
 
 def _model(a: argparse.Namespace) -> ModelCache | None:
     if not a.model_config:
+        if a.allow_unknown_keys:
+            raise KVError("--allow-unknown-keys goes with --model-config")
         return None
     if a.layers or a.kv_heads or a.head_dim or a.extra_layer or a.sliding_window:
         raise KVError("--model-config takes the layers from the model; drop --layers/--kv-heads/--head-dim/"
                       "--sliding-window/--extra-layer")
-    return load_model_cache(a.model_config, a.tp, a.dtype, a.page_size, a.layout)
+    return load_model_cache(a.model_config, a.tp, a.dtype, a.page_size, a.layout, a.allow_unknown_keys)
+
+
+def _sizing(a: argparse.Namespace) -> Sizing:
+    """The Sizing the flags say; KVError naming the flags when they say too little or contradict each other."""
+    for flag, v in (("--max-num-seqs/--max-batch", a.max_batch), ("--max-model-len/--max-seq-len", a.max_seq_len),
+                    ("--num-slots", a.num_slots), ("--max-num-batched-tokens", a.max_num_batched_tokens),
+                    ("--prefix-headroom", a.prefix_headroom), ("--block-size/--page-size", a.page_size)):
+        if v < 0 or (flag.startswith("--block-size") and v == 0):
+            raise KVError(f"{flag} must be {'> 0' if flag.startswith('--block-size') else '>= 0'}, got {v}")
+    device = parse_bytes(a.device_memory, "--device-memory")
+    budget = parse_bytes(a.memory_budget, "--memory-budget", device)
+    if a.gpu_memory_utilization:
+        if not 0 < a.gpu_memory_utilization <= 1:
+            raise KVError(f"--gpu-memory-utilization must be in (0, 1], got {a.gpu_memory_utilization}")
+        if budget:
+            raise KVError("give --memory-budget or --gpu-memory-utilization, not both")
+        if not device:
+            raise KVError("--gpu-memory-utilization is a share of the device's memory: give --device-memory too")
+        budget = int(device * a.gpu_memory_utilization)
+    if not (a.num_slots or budget or (a.max_batch and a.max_seq_len)):
+        have = [f for f, v in (("--max-num-seqs", a.max_batch), ("--max-model-len", a.max_seq_len)) if v]
+        raise KVError("say how big the pool is: --max-num-seqs (--max-batch) with --max-model-len (--max-seq-len), "
+                      "--memory-budget SIZE (or --gpu-memory-utilization with --device-memory), or --num-slots"
+                      + (f"; {have[0]} alone is not enough" if have else ""))
+    return Sizing(a.max_batch, a.max_seq_len, budget, a.num_slots, a.max_num_batched_tokens, a.prefix_headroom,
+                  a.equal_groups)
 
 
 def _spec_and_sizing(a: argparse.Namespace, model: ModelCache | None = None) -> tuple[CacheSpec, Sizing]:
-    sizing = Sizing(a.max_batch, a.max_seq_len, a.memory_budget, a.num_slots)
     if model is not None:
-        return model.spec, sizing
+        return model.spec, _sizing(a)
     if not (a.layers and a.kv_heads and a.head_dim):
         raise KVError("give --model-config PATH, or all of --layers, --kv-heads and --head-dim")
-    dtype = a.dtype or "float16"
+    sizing = _sizing(a)
+    dtype = DTYPES.get(str(a.dtype or "float16").lower())
+    if dtype is None:
+        raise KVError(f"--kv-cache-dtype {a.dtype!r} is not a cache dtype; use float16, bfloat16, float32, fp8, "
+                      "fp8_e4m3 or fp8_e5m2 (auto needs --model-config)")
     layers = [LayerSpec(a.kv_heads, a.head_dim, dtype, a.sliding_window)] * a.layers
     for extra in a.extra_layer:
         parts = [int(x) for x in extra.split(":")]
@@ -105,9 +157,11 @@ def _spec_and_sizing(a: argparse.Namespace, model: ModelCache | None = None) -> 
 def layer_rows(p: Plan) -> list[dict[str, Any]]:
     """One row per layer: its group, window, shape and how it addresses pages (scale, offset, base, upper bound)."""
     spec = p.geometry.spec
+    groups = p.geometry.groups
     return [{"layer": v.layer, "group": v.group, "sliding_window": spec.layers[v.layer].sliding_window,
              "kv_heads": spec.layers[v.layer].kv_heads, "head_dim": spec.layers[v.layer].head_dim,
-             "page_bytes": v.page_bytes, "bytes": v.page_bytes * p.num_slots, "index_space": v.index_space,
+             "k_only": spec.layers[v.layer].k_only, "page_bytes": v.page_bytes,
+             "bytes": v.page_bytes * groups[v.group].num_slots, "index_space": v.index_space,
              "scale": v.scale, "offset": v.offset, "base": v.base, "upper_bound": v.upper_bound}
             for v in p.geometry.layers]
 
@@ -131,9 +185,15 @@ def _print_layers(rows: list[dict[str, Any]]) -> None:
 
 def _print_plan(summary: dict[str, Any]) -> None:
     keys = ["num_slots", "page_size", "layout", "num_layers", "max_seq_len", "max_pages_per_seq", "bytes_per_layer",
-            "bytes_per_slot", "total_bytes", "max_byte_offset", "offsets_exceed_int32", "offsets_exceed_uint32",
-            "indices_need_int64", "pool_pages"]
+            "bytes_per_slot", "total_bytes", "equal_sizing_bytes", "saved_bytes", "max_byte_offset",
+            "offsets_exceed_int32", "offsets_exceed_uint32", "indices_need_int64", "pool_pages"]
     print(_table([[k, summary[k]] for k in keys], ["plan", "value"]))
+    print()
+    print(_table([[g["group"], g["sliding_window"] or "full", len(g["layers"]), g["num_slots"], g["slot_bytes"],
+                   g["bytes"]] for g in summary["groups"]],
+                 ["layer group", "window", "layers", "slots", "slot bytes", "bytes"]))
+    for n in summary.get("notes", []):
+        print(f"  {n}")
     print()
     print(_table([[s["id"], s["group"], s["scale"], s["offset"], s.get("base", 0), s["upper_bound"], s["index_dtype"],
                    _ranges(s["layers"])] for s in summary["index_spaces"]],
@@ -156,14 +216,21 @@ def cmd_plan(a: argparse.Namespace) -> int:
     summary = p.summary()
     rows = layer_rows(p)
     if model is not None:
-        summary["model"] = {"config": a.model_config, "model_type": model.model_type, "tp": model.tp,
-                            "layer_types": list(model.layer_types), "notes": list(model.notes)}
+        summary["model"] = {"config": a.model_config, **model.summary(),
+                            "state_layer_list": [{"layer": st.layer, "kind": st.kind, "bytes": st.bytes,
+                                                  "conv_elems": st.conv_elems, "ssm_elems": st.ssm_elems,
+                                                  "dtype": st.dtype} for st in model.state_layers]}
     if a.json:
         print(json.dumps({**summary, "layers": rows}, indent=2))
         return 0
     if model is not None:
-        print(f"model {a.model_config}: {model.model_type or 'unknown type'}, {len(spec.layers)} layers, "
-              f"tp={model.tp}, cache dtype {spec.layers[0].dtype}")
+        kinds = {k: model.layer_types.count(k) for k in dict.fromkeys(model.layer_types)}
+        print(f"model {a.model_config}: {model.model_type or 'unknown type'}, {len(model.layer_types)} layers "
+              f"({', '.join(f'{n} {k}' for k, n in kinds.items())}), {len(spec.layers)} paged, tp={model.tp}, "
+              f"cache dtype {spec.layers[0].dtype}, {model.kv_bytes_per_token:,} KV bytes per token")
+        if model.state_layers:
+            print(f"  {len(model.state_layers)} state layers: not paged: state {model.state_bytes_per_seq:,} bytes "
+                  "per sequence, managed by the engine")
         for note in model.notes:
             print(f"  {note}")
         print()

@@ -18,18 +18,20 @@ PER_LAYER: Layout
 INTERLEAVED: Layout
 
 class LayerSpec(_message.Message):
-    __slots__ = ("kv_heads", "head_dim", "dtype", "sliding_window", "count")
+    __slots__ = ("kv_heads", "head_dim", "dtype", "sliding_window", "count", "k_only")
     KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
+    K_ONLY_FIELD_NUMBER: _ClassVar[int]
     kv_heads: int
     head_dim: int
     dtype: _common_pb2.DType
     sliding_window: int
     count: int
-    def __init__(self, kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., sliding_window: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
+    k_only: bool
+    def __init__(self, kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., sliding_window: _Optional[int] = ..., count: _Optional[int] = ..., k_only: _Optional[bool] = ...) -> None: ...
 
 class CacheSpec(_message.Message):
     __slots__ = ("layers", "page_size", "layout")
@@ -42,16 +44,24 @@ class CacheSpec(_message.Message):
     def __init__(self, layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., page_size: _Optional[int] = ..., layout: _Optional[_Union[Layout, str]] = ...) -> None: ...
 
 class Sizing(_message.Message):
-    __slots__ = ("max_batch", "max_seq_len", "memory_budget_bytes", "num_slots")
+    __slots__ = ("max_batch", "max_seq_len", "memory_budget_bytes", "num_slots", "max_num_batched_tokens", "prefix_headroom_slots", "equal_groups", "group_slots")
     MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HEADROOM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    EQUAL_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SLOTS_FIELD_NUMBER: _ClassVar[int]
     max_batch: int
     max_seq_len: int
     memory_budget_bytes: int
     num_slots: int
-    def __init__(self, max_batch: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., num_slots: _Optional[int] = ...) -> None: ...
+    max_num_batched_tokens: int
+    prefix_headroom_slots: int
+    equal_groups: bool
+    group_slots: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, max_batch: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., num_slots: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., prefix_headroom_slots: _Optional[int] = ..., equal_groups: _Optional[bool] = ..., group_slots: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PlanRequest(_message.Message):
     __slots__ = ("cache", "sizing", "backends")
@@ -86,18 +96,20 @@ class LayerPlan(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., group: _Optional[int] = ..., index_space: _Optional[int] = ..., page_bytes: _Optional[int] = ..., bytes: _Optional[int] = ..., scale: _Optional[int] = ..., offset: _Optional[int] = ..., upper_bound: _Optional[int] = ..., base: _Optional[int] = ...) -> None: ...
 
 class GroupPlan(_message.Message):
-    __slots__ = ("group", "sliding_window", "layers", "slot_bytes", "buffer_bytes")
+    __slots__ = ("group", "sliding_window", "layers", "slot_bytes", "buffer_bytes", "num_slots")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     BUFFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
     group: int
     sliding_window: int
     layers: _containers.RepeatedScalarFieldContainer[int]
     slot_bytes: int
     buffer_bytes: int
-    def __init__(self, group: _Optional[int] = ..., sliding_window: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., slot_bytes: _Optional[int] = ..., buffer_bytes: _Optional[int] = ...) -> None: ...
+    num_slots: int
+    def __init__(self, group: _Optional[int] = ..., sliding_window: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., slot_bytes: _Optional[int] = ..., buffer_bytes: _Optional[int] = ..., num_slots: _Optional[int] = ...) -> None: ...
 
 class IndexSpace(_message.Message):
     __slots__ = ("id", "group", "scale", "offset", "upper_bound", "layers", "index_dtype", "base")
@@ -120,7 +132,7 @@ class IndexSpace(_message.Message):
     def __init__(self, id: _Optional[int] = ..., group: _Optional[int] = ..., scale: _Optional[int] = ..., offset: _Optional[int] = ..., upper_bound: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., index_dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., base: _Optional[int] = ...) -> None: ...
 
 class PlanReply(_message.Message):
-    __slots__ = ("num_slots", "page_size", "max_seq_len", "max_pages_per_seq", "bytes_per_layer", "bytes_per_slot", "total_bytes", "max_byte_offset", "offsets_exceed_int32", "offsets_exceed_uint32", "indices_need_int64", "layers", "groups", "index_spaces", "backends", "warnings", "pool_pages")
+    __slots__ = ("num_slots", "page_size", "max_seq_len", "max_pages_per_seq", "bytes_per_layer", "bytes_per_slot", "total_bytes", "max_byte_offset", "offsets_exceed_int32", "offsets_exceed_uint32", "indices_need_int64", "layers", "groups", "index_spaces", "backends", "warnings", "pool_pages", "equal_sizing_bytes", "notes")
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +150,8 @@ class PlanReply(_message.Message):
     BACKENDS_FIELD_NUMBER: _ClassVar[int]
     WARNINGS_FIELD_NUMBER: _ClassVar[int]
     POOL_PAGES_FIELD_NUMBER: _ClassVar[int]
+    EQUAL_SIZING_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NOTES_FIELD_NUMBER: _ClassVar[int]
     num_slots: int
     page_size: int
     max_seq_len: int
@@ -155,7 +169,9 @@ class PlanReply(_message.Message):
     backends: _containers.RepeatedScalarFieldContainer[str]
     warnings: _containers.RepeatedScalarFieldContainer[str]
     pool_pages: int
-    def __init__(self, num_slots: _Optional[int] = ..., page_size: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., max_pages_per_seq: _Optional[int] = ..., bytes_per_layer: _Optional[int] = ..., bytes_per_slot: _Optional[int] = ..., total_bytes: _Optional[int] = ..., max_byte_offset: _Optional[int] = ..., offsets_exceed_int32: _Optional[bool] = ..., offsets_exceed_uint32: _Optional[bool] = ..., indices_need_int64: _Optional[bool] = ..., layers: _Optional[_Iterable[_Union[LayerPlan, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[GroupPlan, _Mapping]]] = ..., index_spaces: _Optional[_Iterable[_Union[IndexSpace, _Mapping]]] = ..., backends: _Optional[_Iterable[str]] = ..., warnings: _Optional[_Iterable[str]] = ..., pool_pages: _Optional[int] = ...) -> None: ...
+    equal_sizing_bytes: int
+    notes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, num_slots: _Optional[int] = ..., page_size: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., max_pages_per_seq: _Optional[int] = ..., bytes_per_layer: _Optional[int] = ..., bytes_per_slot: _Optional[int] = ..., total_bytes: _Optional[int] = ..., max_byte_offset: _Optional[int] = ..., offsets_exceed_int32: _Optional[bool] = ..., offsets_exceed_uint32: _Optional[bool] = ..., indices_need_int64: _Optional[bool] = ..., layers: _Optional[_Iterable[_Union[LayerPlan, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[GroupPlan, _Mapping]]] = ..., index_spaces: _Optional[_Iterable[_Union[IndexSpace, _Mapping]]] = ..., backends: _Optional[_Iterable[str]] = ..., warnings: _Optional[_Iterable[str]] = ..., pool_pages: _Optional[int] = ..., equal_sizing_bytes: _Optional[int] = ..., notes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CreatePoolRequest(_message.Message):
     __slots__ = ("name", "cache", "sizing", "backends", "request_id", "enable_prefix_caching", "incarnation", "model")

@@ -14,6 +14,7 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BFLOAT16: _ClassVar[DType]
     FLOAT32: _ClassVar[DType]
     FLOAT8_E4M3: _ClassVar[DType]
+    FLOAT8_E5M2: _ClassVar[DType]
     INT32: _ClassVar[DType]
     INT64: _ClassVar[DType]
     UINT64: _ClassVar[DType]
@@ -23,6 +24,7 @@ FLOAT16: DType
 BFLOAT16: DType
 FLOAT32: DType
 FLOAT8_E4M3: DType
+FLOAT8_E5M2: DType
 INT32: DType
 INT64: DType
 UINT64: DType

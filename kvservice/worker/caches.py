@@ -15,6 +15,7 @@ whose generation is not the one its table expects (docs/KERNELS.md, "Page genera
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -42,12 +43,14 @@ class CacheSet:
     xp: numpy or cupy.
     """
 
-    def __init__(self, spec: CacheSpec, num_slots: int, layer_begin: int, layer_end: int, ops: ModuleType,
-                 xp: Any = np, guard_bytes: int = GUARD_BYTES, expected: list[tuple[int, int, int]] | None = None,
-                 max_seq_len: int = 0):
+    def __init__(self, spec: CacheSpec, num_slots: int | Sequence[int], layer_begin: int, layer_end: int,
+                 ops: ModuleType, xp: Any = np, guard_bytes: int = GUARD_BYTES,
+                 expected: list[tuple[int, int, int]] | None = None, max_seq_len: int = 0):
+        """num_slots: every group's slot count, or one per layer group (the plan's groups[].num_slots);
+        max_seq_len: the pool's (PlanReply.max_seq_len; 0: what the largest group holds)."""
         self.spec = spec
-        self.max_seq_len = max_seq_len or num_slots * spec.page_size   # the pool's (PlanReply.max_seq_len)
         self.geometry = Geometry(spec, num_slots)
+        self.max_seq_len = max_seq_len or self.geometry.num_slots * spec.page_size
         self.layer_begin, self.layer_end = layer_begin, layer_end
         self.ops, self.xp, self.guard_bytes = ops, xp, guard_bytes
         geo = self.geometry
@@ -68,14 +71,16 @@ class CacheSet:
         for layer in range(layer_begin, layer_end):
             ls, view = spec.layers[layer], geo.layers[layer]
             group = geo.groups[view.group]
+            num_slots = group.num_slots
             space = dict(base=view.base, pool_pages=geo.pool_pages)
             if spec.layout == "per_layer":
                 name, nbytes = f"layer{layer}", num_slots * view.page_bytes
-                layout = PageLayout.per_layer(num_slots, spec.page_size, ls.kv_heads, ls.head_dim, ls.dtype, **space)
+                layout = PageLayout.per_layer(num_slots, spec.page_size, ls.kv_heads, ls.head_dim, ls.dtype,
+                                              k_only=ls.k_only, **space)
             else:
                 name, nbytes = f"group{group.id}", num_slots * group.slot_bytes
                 layout = PageLayout.interleaved(num_slots, group.slot_bytes, view.byte_offset, spec.page_size,
-                                                ls.kv_heads, ls.head_dim, ls.dtype, **space)
+                                                ls.kv_heads, ls.head_dim, ls.dtype, k_only=ls.k_only, **space)
             try:
                 layout.validate()
                 if layout.upper_bound - 1 > INT32_MAX:

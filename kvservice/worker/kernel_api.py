@@ -96,7 +96,9 @@ def new_record_words() -> np.ndarray:
 
 @dataclass(frozen=True)
 class PageLayout:
-    """How one layer sees its buffer: pages of ``[2, page_size, kv_heads, head_dim]``.
+    """How one layer sees its buffer: pages of ``[2, page_size, kv_heads, head_dim]`` (K then V), or of
+    ``[1, page_size, kv_heads, head_dim]`` for a K-only layer (``k_only``: a multi-head latent attention
+    layer's latent vectors, appended, copied and validated like any page; decode attention refuses it).
 
     ``page_stride``: elements between pages. Index space (docs NUMBERING): a page
     index p is valid iff ``base <= p < upper_bound`` and ``(p - base - offset) % scale
@@ -115,10 +117,16 @@ class PageLayout:
     upper_bound: int = 0
     base: int = 0
     pool_pages: int = 0
+    k_only: bool = False
 
     def __post_init__(self) -> None:
         if self.pool_pages == 0:
             object.__setattr__(self, "pool_pages", self.upper_bound)
+
+    @property
+    def kv_tensors(self) -> int:
+        """Tensors per page: 2 (K and V) or 1 (k_only)."""
+        return 1 if self.k_only else 2
 
     @property
     def num_pages(self) -> int:
@@ -127,7 +135,7 @@ class PageLayout:
 
     @property
     def page_elems(self) -> int:
-        return 2 * self.page_size * self.kv_heads * self.head_dim
+        return self.kv_tensors * self.page_size * self.kv_heads * self.head_dim
 
     @property
     def itemsize(self) -> int:
@@ -140,26 +148,27 @@ class PageLayout:
 
     @classmethod
     def per_layer(cls, num_slots: int, page_size: int, kv_heads: int, head_dim: int, dtype: str, *,
-                  base: int = 0, pool_pages: int = 0) -> PageLayout:
+                  base: int = 0, pool_pages: int = 0, k_only: bool = False) -> PageLayout:
         """A layer buffer of num_slots pages; page index = base + slot."""
-        pe = 2 * page_size * kv_heads * head_dim
-        return cls(page_size, kv_heads, head_dim, dtype, pe, 1, 0, base + num_slots, base, pool_pages)
+        pe = (1 if k_only else 2) * page_size * kv_heads * head_dim
+        return cls(page_size, kv_heads, head_dim, dtype, pe, 1, 0, base + num_slots, base, pool_pages, k_only)
 
     @classmethod
     def interleaved(
         cls, num_slots: int, slot_bytes: int, byte_offset: int,
         page_size: int, kv_heads: int, head_dim: int, dtype: str, *, base: int = 0, pool_pages: int = 0,
+        k_only: bool = False,
     ) -> PageLayout:
         """Layer page inside a slot of ``slot_bytes``; pages aligned to their own size;
         page index = base + slot * scale + offset."""
-        pe = 2 * page_size * kv_heads * head_dim
+        pe = (1 if k_only else 2) * page_size * kv_heads * head_dim
         pb = pe * ITEMSIZE[dtype]
         if slot_bytes % pb or byte_offset % pb:
             raise ValueError(f"slot_bytes {slot_bytes} and byte_offset {byte_offset} "
                              f"must be multiples of page bytes {pb}")
         scale = slot_bytes // pb
         return cls(page_size, kv_heads, head_dim, dtype, pe, scale, byte_offset // pb, base + num_slots * scale,
-                   base, pool_pages)
+                   base, pool_pages, k_only)
 
     def page_index(self, slot: np.ndarray | int) -> np.ndarray | int:
         return self.base + slot * self.scale + self.offset
@@ -173,7 +182,11 @@ class PageLayout:
     def validate(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.head_dim not in HEAD_DIMS:
+        if self.k_only:         # no decode kernel reads it: any row of whole 16-byte pieces
+            if self.head_dim <= 0 or (self.head_dim * self.kv_heads) % VEC[self.dtype]:
+                raise ValueError(f"a K-only (latent) layer needs kv_heads * head_dim a multiple of "
+                                 f"{VEC[self.dtype]}, got {self.kv_heads} x {self.head_dim}")
+        elif self.head_dim not in HEAD_DIMS:
             raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {self.head_dim}")
         for name in ("page_size", "kv_heads", "scale", "num_pages"):
             if getattr(self, name) <= 0:
@@ -456,7 +469,8 @@ def append_kv(be: Backend, cache: Any, layout: PageLayout, k: Any, v: Any, slot_
     """Write K/V of n new tokens into ``cache`` at ``slot_mapping``.
 
     cache: the layer's buffer (any shape, C-contiguous, storage dtype of layout.dtype);
-    k, v: shape [n, kv_heads, head_dim], storage dtype of layout.dtype;
+    k, v: shape [n, kv_heads, head_dim], storage dtype of layout.dtype; v is None for a K-only layout
+        (an MLA layer's latent vectors go in k);
     slot_mapping: shape [n], dtype int64, value = page * page_size + offset, or SKIP_SLOT (-1) for a
         token this layer does not hold (written nowhere, not a violation).
     slot_generations [n], page_gen: kvservice.worker.generations (a stale write is stale_page).
@@ -467,18 +481,36 @@ def append_kv(be: Backend, cache: Any, layout: PageLayout, k: Any, v: Any, slot_
     shape = (n, layout.kv_heads, layout.head_dim)
     check_array("slot_mapping", slot_mapping, (n,), np.int64, "[n]")
     check_array("k", k, shape, DTYPES[layout.dtype], "[n, kv_heads, head_dim]")
-    check_array("v", v, shape, DTYPES[layout.dtype], "[n, kv_heads, head_dim]")
+    check_v(v, shape, layout)
     _check_gens("slot_generations", slot_generations, n, page_gen, layout, "[n]")
     if n == 0:
         return KernelCall("append_kv", None, be.to_host)
     check_distinct_slots(be.xp, slot_mapping)
     words = be.xp.asarray(new_record_words())
     be.launch("kv_append", (n, 1, 1), THREADS,
-              [k, v, slot_mapping, I64(n), cache, I64(layout.itemsize), *_geometry(layout), *_space(layout),
-               *gens.pointers(slot_generations, page_gen), words])
+              [k, NULL if v is None else v, slot_mapping, I64(n), cache, I64(layout.itemsize), *_geometry(layout),
+               *_space(layout), *gens.pointers(slot_generations, page_gen), words])
     call = KernelCall("append_kv", words, be.to_host)
     call.raise_if(policy)
     return call
+
+
+def check_v(v: Any, shape: tuple[int, int, int], layout: PageLayout) -> None:
+    """append: v like k, or None exactly when the layout is K-only (an MLA latent layer)."""
+    if layout.k_only:
+        if v is not None:
+            raise ValueError("v: this layer is K-only (a multi-head latent attention latent cache); "
+                             "send the latent vectors as k and no v")
+        return
+    check_array("v", v, shape, DTYPES[layout.dtype], "[n, kv_heads, head_dim]")
+
+
+def refuse_k_only(layout: PageLayout) -> None:
+    """decode_attention: a K-only layout is an MLA latent cache, which these kernels do not attend."""
+    if layout.k_only:
+        raise ValueError("decode attention over a multi-head latent attention (MLA) latent cache is not "
+                         "implemented by these kernels (they attend K and V per head); run an MLA decode "
+                         "kernel (FlashMLA, FlashInfer's MLA) on the same page tables")
 
 
 def decode_attention(be: Backend, q: Any, cache: Any, layout: PageLayout, indptr: Any, indices: Any,
@@ -495,9 +527,10 @@ def decode_attention(be: Backend, q: Any, cache: Any, layout: PageLayout, indptr
     split-KV path (0 = never split, None = automatic). ``max_pages``: optional
     host-side bound on pages per row (avoids reading indptr back).
     out: optional float32 [batch, num_q_heads, head_dim]; lse: optional float32
-    [batch, num_q_heads] (allocated when omitted).
+    [batch, num_q_heads] (allocated when omitted). A K-only (MLA) layout is refused (ValueError).
     generations [nnz], page_gen: kvservice.worker.generations (a stale page is never read: policy).
     """
+    refuse_k_only(layout)
     check_cache("cache", cache, layout, be.ptr(cache))
     batch = check_csr(indptr, indices, last_page_len)
     _check_gens("generations", generations, int(indices.shape[0]), page_gen, layout, "[nnz]")

@@ -123,6 +123,7 @@ def decode_attention(q: np.ndarray, cache: np.ndarray, layout: PageLayout, indpt
                      lse: np.ndarray | None = None, generations: np.ndarray | None = None,
                      page_gen: np.ndarray | None = None) -> api.AttentionCall:
     """See kernel_api.decode_attention (kv_chunk_pages/max_pages are ignored)."""
+    api.refuse_k_only(layout)
     api.check_cache("cache", cache, layout, 0)
     batch = api.check_csr(indptr, indices, last_page_len)
     hq = q.shape[1] if q.ndim == 3 else -1
@@ -170,9 +171,9 @@ def append_kv(cache: np.ndarray, layout: PageLayout, k: np.ndarray, v: np.ndarra
     api.check_cache("cache", cache, layout, 0)
     n = slot_mapping.shape[0] if slot_mapping.ndim == 1 else -1
     api.check_array("slot_mapping", slot_mapping, (n,), np.int64, "[n]")
-    for name, t in (("k", k), ("v", v)):
-        api.check_array(name, t, (n, layout.kv_heads, layout.head_dim), DTYPES[layout.dtype],
-                        "[n, kv_heads, head_dim]")
+    shape = (n, layout.kv_heads, layout.head_dim)
+    api.check_array("k", k, shape, DTYPES[layout.dtype], "[n, kv_heads, head_dim]")
+    api.check_v(v, shape, layout)
     checked = api._check_gens("slot_generations", slot_generations, n, page_gen, layout, "[n]")
     api.check_distinct_slots(np, slot_mapping)
     s = slot_mapping.astype(np.int64)
@@ -196,7 +197,8 @@ def append_kv(cache: np.ndarray, layout: PageLayout, k: np.ndarray, v: np.ndarra
     idx = base[:, None] + np.arange(row)
     flat = cache.reshape(-1)
     flat[idx] = k[ok].reshape(-1, row)
-    flat[idx + layout.page_size * row] = v[ok].reshape(-1, row)
+    if v is not None:
+        flat[idx + layout.page_size * row] = v[ok].reshape(-1, row)
     if checked:
         page_gen[page[ok] - layout.base] = slot_generations[ok]
     return _call("append_kv", found, policy)

@@ -95,7 +95,7 @@ def _warm(caches: CacheSet) -> None:
     xp = caches.xp
     geo = caches.geometry
     for layer, layout in caches.layouts.items():
-        own = [int(layout.page_index(0)), int(layout.page_index(geo.num_slots - 1))]
+        own = [int(layout.page_index(0)), int(layout.page_index(geo.groups[geo.layers[layer].group].num_slots - 1))]
         other = [s.base + s.offset for s in geo.index_spaces
                  if s.id != geo.layers[layer].index_space and s.base + s.offset <= INT32_MAX]
         indptr = xp.asarray(np.array([0, len(own) + len(other)], dtype=np.int32))
@@ -165,10 +165,15 @@ def serve_worker(manager: str, pool: str, worker_id: str, layer_begin: int = 0, 
     return running
 
 
+def group_slots(plan_: pb.PlanReply) -> list[int]:
+    """Slots of each layer group of a plan (a manager that predates per-group sizing sends 0: num_slots)."""
+    return [g.num_slots or plan_.num_slots for g in plan_.groups]
+
+
 def plan_caches(info: pb.PoolInfo, layer_begin: int, layer_end: int, ops: ModuleType, xp: Any) -> CacheSet:
     """Allocate and warm the caches of layers [layer_begin, layer_end) of the pool `info` describes."""
     expected = [(la.scale, la.offset, la.upper_bound) for la in info.plan.layers]
-    caches = CacheSet(cache_spec_from_proto(info.cache), info.plan.num_slots, layer_begin, layer_end, ops, xp,
+    caches = CacheSet(cache_spec_from_proto(info.cache), group_slots(info.plan), layer_begin, layer_end, ops, xp,
                       expected=expected, max_seq_len=info.plan.max_seq_len)
     _warm(caches)
     return caches
@@ -211,7 +216,7 @@ def rejoin(client: BlockManagerClient, request: pb.RegisterWorkerRequest, servic
     if info.incarnation != identity["incarnation"]:
         old = servicer.caches
         spec, plan_ = cache_spec_from_proto(info.cache), info.plan
-        same = (spec == old.spec and plan_.num_slots == old.geometry.num_slots
+        same = (spec == old.spec and group_slots(plan_) == list(old.geometry.group_slots)
                 and [(la.scale, la.offset, la.upper_bound) for la in plan_.layers]
                 == [(v.scale, v.offset, v.upper_bound) for v in old.geometry.layers])
         layer_end = len(spec.layers) if identity.get("all_layers") else old.layer_end

@@ -214,7 +214,14 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
         shape = (sm.shape[0], layout.kv_heads, layout.head_dim)
         doc = f"[n, kv_heads, head_dim] = {list(shape)}"
         k = self._tensor(request, "k", layout.dtype, shape, doc)
-        v = self._tensor(request, "v", layout.dtype, shape, doc)
+        if layout.k_only:                  # an MLA latent cache: the latent vectors go in k, no v
+            if request.HasField("v") and len(request.v.data):
+                raise InvalidArgument(f"layer {request.layer} caches multi-head latent attention (MLA) latents "
+                                      "(K only): send them as k and leave v empty")
+            v = None
+        else:
+            v = self._tensor(request, "v", layout.dtype, shape, doc)
+
         def reasons() -> dict[str, int]:
             host = _host(sm)
             host = host[host != SKIP_SLOT]                # written nowhere, never a violation
@@ -236,6 +243,12 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
                         context: grpc.ServicerContext) -> wpb.DecodeAttentionReply:
         self._layer(request.layer)
         layout = self.caches.layouts[request.layer]
+        if layout.k_only:
+            raise FailedPrecondition(
+                f"layer {request.layer} caches multi-head latent attention (MLA) latents; decode attention for "
+                "MLA is not implemented on this worker (its kernels attend K and V per head): run an MLA decode "
+                "kernel (FlashMLA, FlashInfer's MLA) on the same page tables", reason="MLA_DECODE_UNSUPPORTED",
+                layer=request.layer)
         if request.table_id:
             ip, idx, lpl, gens = self.tables.csr(current_principal(), request.table_id, request.layer)
         else:
@@ -259,7 +272,7 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
     @_rpc
     def CopyBlocks(self, request: wpb.CopyBlocksRequest, context: grpc.ServicerContext) -> wpb.KernelReply:
         """pairs are (src_slot, dst_slot). Slots are range-checked BEFORE any arithmetic: a slot
-        outside [0, num_slots) is out_of_bounds (value = the slot as sent) and its pair is skipped;
+        outside [0, num_slots) of the group is out_of_bounds (value = the slot as sent) and its pair is skipped;
         duplicate destinations, or a slot both source and destination, are INVALID_ARGUMENT."""
         layers = self.caches.group_layers(request.group)
         if not layers:
@@ -267,7 +280,7 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
         slots = self._tensor(request, "pairs", "int64", (None, 2), "[n, 2]", device=False)
         gens = self._gens(request, "generations", (slots.shape[0], 2), f"[n, 2] = [{slots.shape[0]}, 2]")
         check_copy_pairs(np, slots, "slot")
-        bad = (slots < 0) | (slots >= self.caches.geometry.num_slots)
+        bad = (slots < 0) | (slots >= self.caches.geometry.groups[request.group].num_slots)
         # Bad slots become distinct negative pages (out_of_bounds everywhere, never equal to each other).
         sentinel = -1 - np.arange(slots.size, dtype=np.int64).reshape(slots.shape)
         safe = np.where(bad, 0, slots)

@@ -83,6 +83,7 @@ REPLICATED_METRICS = {
     "kvservice_lease_renew_failures_total": "counter",
     "kvservice_standby_lag_entries": "gauge",
     "kvservice_standby_applied_total": "counter",
+    "kvservice_standby_reloads_total": "counter",
     "kvservice_takeover_seconds": "gauge",
     "kvservice_journal_append_retries_total": "counter",
     "kvservice_nats_disconnects_total": "counter",

@@ -490,11 +490,13 @@ def test_ha_overlay_runs_two_managers_on_a_nats_cluster(rendered) -> None:
     assert ntpl["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0][
         "topologyKey"] == "kubernetes.io/hostname"
     image = ntpl["containers"][0]["image"]
-    assert image.split(":")[0] == "nats" and not image.endswith(":latest")
+    from kvservice.state.nats import NATS_SERVER_VERSION
+    assert image == f"nats:{NATS_SERVER_VERSION}-alpine", "deploy the NATS version the tests run (docs/HA.md)"
     assert nats["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"]
     cm_name = next(v["configMap"]["name"] for v in ntpl["volumes"] if v["name"] == "config")
     conf = one(docs, "ConfigMap", cm_name)["data"]["nats.conf"]
     assert "jetstream" in conf and "store_dir: /data/jetstream" in conf
+    assert re.search(r"(?m)^\s*sync_interval:\s*always\s*$", conf), "fsync before ack (docs/HA.md)"
     assert {m["mountPath"] for m in ntpl["containers"][0]["volumeMounts"]} >= {"/data", "/etc/nats"}
     for i in range(3):
         assert f"nats://kvservice-nats-{i}.kvservice-nats:6222" in conf

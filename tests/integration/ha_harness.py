@@ -115,15 +115,26 @@ def epoch_of(target: str, timeout: float = 1.0) -> int | None:
 
 
 class HALoader(Loader):
-    """The durability Loader over a LeaderClient; every acknowledged Step recorded as (monotonic time, epoch)."""
+    """The durability Loader over a LeaderClient (the public client, as a scheduler uses it): its model of
+    every acknowledged Step is the independent record, and each acknowledgement is also logged as
+    (monotonic time, epoch, node id of the manager that answered)."""
 
     def __init__(self, idx: int, targets: list[str], stop: threading.Event) -> None:
         super().__init__(idx, "", stop, client=LeaderClient(targets, timeout=2.0, retry=LOADER_RETRY))
-        self.acks: list[tuple[float, int]] = []
+        self.acks: list[tuple[float, int, str]] = []
 
     def _acknowledge(self, r, free, ext, k) -> None:
         super()._acknowledge(r, free, ext, k)
-        self.acks.append((time.monotonic(), self.client.epoch))
+        self.acks.append((time.monotonic(), self.client.epoch, self.client.leader_node))
+
+
+def epoch_writers(loaders: list[HALoader]) -> dict[int, set[str]]:
+    """epoch -> the node ids (process incarnations: --node-id is slot-run) that acknowledged a Step under it."""
+    out: dict[int, set[str]] = {}
+    for ld in loaders:
+        for _, epoch, node in list(ld.acks):
+            out.setdefault(epoch, set()).add(node)
+    return out
 
 
 @dataclass
@@ -147,14 +158,25 @@ class HASystem:
         self.stop_loaders = threading.Event()
         self.num_loaders = loaders
         self.loaders: list[HALoader] = []
+        self.replays: list[int] = []            # entries replayed by each read-only recovery of check_exact
 
     @property
     def targets(self) -> list[str]:
         return [s.target for s in self.slots]
 
-    def start(self) -> None:
-        for s in self.slots:
-            s.start()
+    def start(self, together: bool = False) -> None:
+        """together: start every manager at once (a fresh deployment with podManagementPolicy: Parallel)."""
+        if together:
+            threads = [threading.Thread(target=s.start, args=(180.0,)) for s in self.slots]
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join(200)
+            dead = [s.name for s in self.slots if not s.alive()]
+            assert not dead, f"managers {dead} did not come up:\n" + "\n".join(s.log_tail() for s in self.slots)
+        else:
+            for s in self.slots:
+                s.start()
         with LeaderClient(self.targets, timeout=5.0) as c:
             c.create_pool(POOL, SPEC, Sizing(num_slots=SLOTS, max_seq_len=1024))
         self.loaders = [HALoader(i, self.targets, self.stop_loaders) for i in range(self.num_loaders)]
@@ -185,7 +207,7 @@ class HASystem:
         """Monotonic time of the first Step acknowledged after t by a leader of an epoch above `epoch`."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            times = [at for ld in self.loaders for at, e in list(ld.acks) if at > t and e > epoch]
+            times = [at for ld in self.loaders for at, e, _ in list(ld.acks) if at > t and e > epoch]
             if times:
                 return min(times)
             self.raise_loader_errors()
@@ -211,7 +233,8 @@ class HASystem:
             self.raise_loader_errors()
             while True:          # NATS may be electing a stream or meta leader (a node was just killed)
                 try:
-                    seqs = recovered(self.state, self.nats_name)
+                    seqs, replayed = recovered(self.state, self.nats_name)
+                    self.replays.append(replayed)
                     break
                 except StoreError:
                     if time.monotonic() > deadline:
@@ -231,9 +254,21 @@ class HASystem:
             s.stop()
 
 
-def recovered(state: str, nats_name: str) -> dict[int, tuple[int, list[int]]]:
-    """The pool as a takeover would rebuild it from NATS (read-only), after checking every invariant."""
-    return recovered_from(open_journal(parse_state_url(state, name=nats_name), readonly=True))
+def recovered(state: str, nats_name: str) -> tuple[dict[int, tuple[int, list[int]]], int]:
+    """The pool as a takeover would rebuild it from NATS (read-only), after checking every invariant; and how
+    many entries that recovery replayed after the newest snapshot."""
+    j = open_journal(parse_state_url(state, name=nats_name), readonly=True)
+    return recovered_from(j), j.replayed_entries
+
+
+def manager_replays(slots: list[ManagerSlot]) -> list[int]:
+    """Entries replayed by every recovery the managers logged (each start, each reload of a standby)."""
+    import re
+    out = []
+    for s in slots:
+        for log in s.root.glob(f"{s.name}-*/manager.log"):
+            out += [int(m) for m in re.findall(r"(\d+) entries replayed", log.read_text(errors="replace"))]
+    return out
 
 
 def compare(seqs: dict[int, tuple[int, list[int]]], loaders: list[HALoader]) -> tuple[int, int, list[str]]:

@@ -63,3 +63,26 @@ def test_main_job_completes():
     assert r.returncode == 0, r.stdout + r.stderr
     for words in ("sequences served     60", "refused admissions", "step latency p50", "(0 violations)"):
         assert words in r.stdout
+
+
+def test_kvctl_plan_speaks_vllm(tmp_path):
+    """The issue's command line, as a vLLM user types it, on Gemma 3 27B: sliding groups sized to their window."""
+    cfg = ROOT / "tests" / "fixtures" / "model_configs" / "gemma-3-27b-it.json"
+    r = kvctl("plan", "--block-size", "16", "--max-model-len", "8192", "--max-num-seqs", "8", "--kv-cache-dtype",
+              "auto", "--model-config", str(cfg))
+    assert r.returncode == 0, r.stderr
+    assert "9,785,311,232" in r.stdout and "saved_bytes" in r.stdout and "648" in r.stdout
+    r = kvctl("plan", "--max-num-seqs", "8", "--model-config", str(cfg))
+    assert r.returncode == 2 and "--max-num-seqs alone is not enough" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_serve_refuses_a_pools_yaml_with_a_misspelt_key(tmp_path):
+    f = tmp_path / "pools.yaml"
+    f.write_text("pools:\n  - name: chat\n    layers: [{count: 2, kv_heads: 8, head_dim: 128}]\n"
+                 "    sizing: {max_batch: 8, max_seq_len: 1024}\n    prefix_cachng: true\n")
+    r = subprocess.run([sys.executable, "-m", "kvservice.server.cli", "serve", "--listen", "127.0.0.1:0",
+                        "--metrics-port", "-1", "--pools", str(f)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert f"{f}: pools[0]: unknown key 'prefix_cachng' (line 5); did you mean 'prefix_caching'?" in r.stderr
+    assert "Traceback" not in r.stderr and "listening" not in r.stdout

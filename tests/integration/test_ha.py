@@ -164,6 +164,102 @@ def test_standby_follows_refuses_and_takes_over_when_the_leader_stops(nats3):
             stop_ha(a, ha_a)
 
 
+def test_a_standby_overtaken_by_a_compaction_recovers_from_the_newer_snapshot(nats3):
+    """The standby stops reading while the leader snapshots and purges past it (as while it was paused or cut
+    off); when it reads again its next entry is gone: it recovers from the newer snapshot in place (before
+    issue 20 it exited 3), its lag gauge is right at once, and it takes over with the leader's exact state."""
+    from kvservice.state.journal import JournalConfig
+    config = NatsConfig(tuple(nats3.urls), name=fresh_name(), replicas=3)
+    lc = LeaseConfig(ttl_seconds=1.0, renew_seconds=0.25, poll_seconds=0.05, margin_seconds=0.1)
+    jc = JournalConfig(compact_every=20)
+    a, ha_a = serve_ha(config, lc, "127.0.0.1:0", node="a", journal_config=jc)
+    b, ha_b = serve_ha(config, lc, "127.0.0.1:0", node="b", journal_config=jc)
+    a_stopped = False
+    try:
+        with LeaderClient([f"127.0.0.1:{a.port}"], timeout=5) as c:
+            c.create_pool("p", CacheSpec.uniform(2, 1, 64, page_size=16), Sizing(num_slots=256, max_seq_len=512))
+            for i in range(1, 6):
+                c.step("p", admit=[i], admit_tokens=[i])
+            _wait_until(lambda: ha_b.journal.seq == ha_a.journal.seq)
+            ha_b.stop()                                  # it stops reading (its subscription dropped)...
+            ha_b.store.stop_reading()
+            for i in range(6, 80):                       # ... while the leader snapshots and purges past it
+                c.step("p", admit=[i], admit_tokens=[i % 40 + 1], free=[i - 5])
+        assert ha_a.journal.wait_for_snapshot(30) and ha_a.journal.snapshots >= 2
+        assert ha_a.store.newest_snapshot_seq() > ha_b.journal.seq + 1
+        with ha_b.journal._lock:                         # the follower cannot move while we look
+            ha_b._stop.clear()
+            ha_b.start()
+            lag = ha_b.lag_entries
+        assert lag >= 74                                 # right from the start (it read 0 until measured)
+        _wait_until(lambda: ha_b.journal.seq == ha_a.journal.seq)
+        assert ha_b.reloads >= 1 and ha_b.failed is None and ha_b.role == "standby"
+        assert ha_b.journal.replayed_entries <= jc.compact_every
+        assert state_tree(b.manager) == state_tree(a.manager)
+        _wait_until(lambda: ha_b.lag_entries == 0)
+        stop_ha(a, ha_a)
+        a_stopped = True
+        with LeaderClient([f"127.0.0.1:{b.port}"], timeout=5) as c:
+            r = c.step("p", extend=[79], extend_tokens=1)
+        assert r.num_tokens.tolist() == [79 % 40 + 1 + 1] and ha_b.role == "leader"
+    finally:
+        stop_ha(b, ha_b)
+        if not a_stopped:
+            stop_ha(a, ha_a)
+
+
+def test_managers_started_together_on_a_fresh_deployment_all_come_up(nats3, tmp_path):
+    """Three `kvservice serve` started at the same instant create the stream and buckets concurrently (the ha
+    overlay's podManagementPolicy: Parallel): every one comes up (issue 20: one exited 2 in 5 of 8 trials), one
+    leads, and they all answer."""
+    from .ha_harness import ManagerSlot
+    for _ in range(2):
+        name = fresh_name()
+        slots = [ManagerSlot(tmp_path / name, s, nats3.url, name, ("--nats-replicas", "3", *TEST_LEASE))
+                 for s in "abc"]
+        try:
+            threads = [threading.Thread(target=s.start, args=(180.0,)) for s in slots]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(200)
+            assert all(s.alive() for s in slots), "\n".join(s.log_tail() for s in slots)
+            with LeaderClient([s.target for s in slots], timeout=5) as c:
+                c.create_pool("p", CacheSpec.uniform(2, 1, 64, page_size=16), Sizing(num_slots=64, max_seq_len=256))
+                leaders = [s.name for s in slots if epoch_of(s.target) is not None]
+            assert len(leaders) == 1 and all(s.alive() for s in slots)
+        finally:
+            for s in slots:
+                s.stop()
+
+
+def test_a_timeout_says_which_call_and_after_how_long(nats3):
+    import asyncio
+
+    from kvservice.state.nats.journal import StoreError
+    link = NatsLink(NatsConfig(tuple(nats3.urls), name=fresh_name()))
+    try:
+        async def slow() -> None:
+            await asyncio.sleep(5)
+
+        async def inner_timeout() -> None:
+            await asyncio.sleep(0.2)
+            raise TimeoutError("nats: timeout")
+        with pytest.raises(StoreError, match=r"did not answer listing snapshots within 0\.3 s"):
+            link.call(slow(), 0.3, "listing snapshots")
+        with pytest.raises(StoreError, match=r"timed out reading the leader key after \d+\.\d\d s .*nats: timeout"):
+            link.call(inner_timeout(), 30, "reading the leader key")
+    finally:
+        link.close()
+
+
+def _wait_until(cond, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
 def test_workers_keep_their_epoch_across_a_takeover(nats3):
     from prometheus_client import generate_latest
 
@@ -266,7 +362,8 @@ def test_a_paused_leader_acknowledges_nothing_after_its_lease_lapsed(nats3, tmp_
         assert (r.lost, r.duplicated) == (0, 0), r.problems
         system.raise_loader_errors()
         assert all(ld.client.stale_replies == 0 for ld in system.loaders)
-        assert all(e > r.old_epoch for ld in system.loaders for at, e in ld.acks if at > t_stop + r.paused_seconds)
+        assert all(e > r.old_epoch for ld in system.loaders for at, e, _ in ld.acks
+                   if at > t_stop + r.paused_seconds)
         # the stream: nothing of the old epoch after the new leader's fence
         assert_no_write_after_fence(NatsConfig(tuple(nats3.urls), name=name), r.old_epoch)
     finally:

@@ -21,7 +21,7 @@ from kvservice.contract.wire import to_tensor
 from kvservice.core.invariants import assert_invariants
 from kvservice.server.ha import open_journal, open_sole_writer
 from kvservice.state.journal import Journal, JournalConfig, StateError, state_tree
-from kvservice.state.nats.journal import NatsConfig, NatsLink, NatsStore, StoreError
+from kvservice.state.nats.journal import Fenced, NatsConfig, NatsLink, NatsStore, StoreError
 from kvservice.v1 import block_manager_pb2 as pb
 
 from ..natsutil import NatsCluster, require_nats_server
@@ -257,6 +257,38 @@ def test_a_fenced_writer_cannot_append_and_fail_stops(nats_backend):
             ids, _ = pool.sequences()
             assert sorted(ids.tolist()) == [1, 3]
         assert state_tree(j.manager) != tree
+    finally:
+        j.close(snapshot=False)
+
+
+def test_two_writers_fencing_the_same_epoch_from_the_same_view_one_wins(nats_backend):
+    """The race a non-atomic lease allows: two managers read the stream to the same end and fence the same
+    epoch. The second fence is refused (its message id is its own, so the server cannot answer it with the
+    first one's "duplicate"), its entries too; everything the winner acknowledges is recovered."""
+    first = nats_backend.open(FAST)
+    setup_pools(first)
+    run(first, "Step", step_req("a", admit=[1], n=[10], rid="before"))
+    crash(first)
+    a = open_journal(nats_backend.config, readonly=False)
+    b = open_journal(nats_backend.config, readonly=False)
+    sa, sb = a.store, b.store
+    assert sa.last_stream_seq == sb.last_stream_seq and sa.max_epoch == sb.max_epoch
+    epoch = sa.max_epoch + 1
+    for s in (sa, sb):
+        s.readonly = False
+    sa.fence(epoch)
+    with pytest.raises(Fenced, match="another manager wrote it"):
+        sb.fence(epoch)
+    a.incarnation = epoch
+    run(a, "Step", step_req("a", admit=[2], n=[10], rid="winner"))
+    sb.epoch, sb.writer = epoch, sa.writer       # even a loser that took the fence as its own (and the token)
+    with pytest.raises(JournalUnavailable):       # cannot append: the stream moved past what it read
+        run(b, "Step", step_req("a", admit=[3], n=[10], rid="loser"))
+    crash(a)
+    crash(b)
+    j = nats_backend.open_readonly()
+    try:
+        assert {"before", "winner"} <= set(j.window.ids) and "loser" not in j.window.ids
     finally:
         j.close(snapshot=False)
 

@@ -180,3 +180,58 @@ def test_skip_slots_are_written_nowhere_and_are_not_violations(ops):
     assert np.array_equal(c.buf[1, 0, 1], k[1]) and np.array_equal(c.buf[2, 1, 1], v[3])
     call = ops.append_kv(c.buf, c.layout, k, v, np.array([-1, 6, -2, 10], dtype=np.int64))
     assert (call.record.count, call.record.reason, call.record.value) == (1, "out_of_bounds", -2)
+
+
+@pytest.mark.parametrize("kind", ["per_layer", "interleaved"])
+def test_k_only_latent_pages_append_and_copy(kind: str) -> None:
+    """A multi-head latent attention layer: pages of [1, page_size, 1, 576] latents (bfloat16), written from k alone
+    (v is None), copied as whole pages; emulated CUDA and NumPy agree with an explicit expectation, a bad slot is
+    not written, and decode attention refuses the layer naming MLA."""
+    from kvservice.worker.kernel_api import PageLayout
+
+    rng = np.random.default_rng(29)
+    ps, d, n_slots = 4, 576, 9
+    pe = ps * d
+    if kind == "per_layer":
+        layout = PageLayout.per_layer(n_slots, ps, 1, d, "bfloat16", k_only=True)
+        buf0 = rand(rng, (n_slots * pe,), "bfloat16")
+    else:                          # this layer's page second in a slot of three pages: scale 3, offset 1
+        layout = PageLayout.interleaved(n_slots, 3 * pe * 2, pe * 2, ps, 1, d, "bfloat16", k_only=True)
+        buf0 = rand(rng, (n_slots * 3 * pe,), "bfloat16")
+    assert layout.page_elems == layout.page_stride == pe     # pages of the layer's own size; scale 3 in the index
+    slots = np.array([2, 7, 0, 5], dtype=np.int64)
+    sm = np.asarray(layout.page_index(slots), dtype=np.int64) * ps + np.array([0, 3, 1, 2])
+    sm = np.concatenate([sm[:2], [layout.upper_bound * ps], sm[2:]]).astype(np.int64)     # token 2 bad
+    k = rand(rng, (5, 1, d), "bfloat16")
+    got = {}
+    for name, ops in (("emu", kernels_cpu), ("numpy", ops_numpy)):
+        buf = buf0.copy()
+        rec = ops.append_kv(buf, layout, k, None, sm).record
+        assert (rec.count, rec.row, rec.value, rec.reason) == (1, 2, layout.upper_bound * ps, "out_of_bounds")
+        with pytest.raises(ValueError, match="K-only"):
+            ops.append_kv(buf, layout, k, k, sm)
+        got[name] = buf
+    assert np.array_equal(got["emu"], got["numpy"])
+    expect = buf0.copy()
+    for i, s in enumerate(sm.tolist()):
+        if i != 2:
+            at = (s // ps - layout.base) * layout.page_stride + (s % ps) * d
+            expect[at:at + d] = k[i, 0]
+    assert np.array_equal(got["emu"], expect)
+    pages = np.asarray(layout.page_index(np.array([[2, 4], [7, 8]])), dtype=np.int64)
+    for ops in (kernels_cpu, ops_numpy):
+        buf = expect.copy()
+        assert ops.copy_blocks([buf], layout, pages).record.count == 0
+        for src, dst in pages.tolist():
+            a, b = (src - layout.base) * layout.page_stride, (dst - layout.base) * layout.page_stride
+            assert np.array_equal(buf[b:b + pe], expect[a:a + pe])
+        untouched = np.ones(len(buf), dtype=bool)
+        for _, dst in pages.tolist():
+            b = (dst - layout.base) * layout.page_stride
+            untouched[b:b + pe] = False
+        assert np.array_equal(buf[untouched], expect[untouched])       # nothing else moved (the V half included)
+        ip, idx, lpl = (np.array([0, 1], dtype=np.int32), np.array([int(pages[0, 0])], dtype=np.int32),
+                        np.array([ps], dtype=np.int32))
+        with pytest.raises(ValueError, match=r"multi-head latent attention \(MLA\)"):
+            ops.decode_attention(rand(rng, (1, 16, d), "bfloat16"), buf, layout, ip, idx, lpl)
+        assert ops.validate_page_table(ip, idx, lpl, layout).record.count == 0

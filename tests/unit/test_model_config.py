@@ -13,6 +13,7 @@ from kvservice.server.config import load_pools, load_pools_file
 from kvservice.tools import kvctl
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "model_configs"
+HELDOUT = FIXTURES / "heldout"
 BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
@@ -32,9 +33,15 @@ MODELS = {
     "gemma-3-1b-it": (every(26, 6), 512, (1, 256), (1, 256), "bfloat16"),
     "gemma-3-27b-it": (every(62, 6), 1024, (16, 128), (16, 128), "bfloat16"),
     "gpt-oss-20b": ("SF" * 12, 128, (8, 64), (8, 64), "bfloat16"),
-    "gemma4-style-synthetic": (("S" * 5 + "F") * 5, 1024, (8, 256), (2, 512), "bfloat16"),
+    "gemma4-style-synthetic": (("S" * 5 + "F") * 5, 1024, (8, 256), (8, 512), "bfloat16"),
 }
 SLOTS = 4 * (2048 // 16)                     # --max-batch 4 --max-seq-len 2048 --page-size 16
+
+
+def group_slots(window):
+    """Slots of a group at --max-batch 4 --max-seq-len 2048 --page-size 16 (the default 2048 batched tokens):
+    a full group 4 x 128; a sliding group 4 x (ceil(w / 16) + 1) + 2048 / 16, never more than a full one."""
+    return SLOTS if not window else min(SLOTS, 4 * (-(-window // 16) + 1) + 2048 // 16)
 
 
 def run_kvctl(capsys, *args):
@@ -58,7 +65,7 @@ def plan_json(capsys, name, *extra):
 def test_kvctl_plan_from_each_model_family(capsys, name, layout):
     kinds, window, sliding, full, dtype = MODELS[name]
     doc = plan_json(capsys, name, "--layout", layout)
-    assert doc["num_slots"] == SLOTS and doc["num_layers"] == len(kinds)
+    assert doc["num_slots"] == (SLOTS if "F" in kinds else group_slots(window)) and doc["num_layers"] == len(kinds)
     assert "".join("S" if t == "sliding_attention" else "F" for t in doc["model"]["layer_types"]) == kinds
     groups: dict[int, list[int]] = {}
     for row in doc["layers"]:
@@ -67,7 +74,8 @@ def test_kvctl_plan_from_each_model_family(capsys, name, layout):
         assert (row["kv_heads"], row["head_dim"]) == (kv, hd), row
         assert row["sliding_window"] == (window if kinds[i] == "S" else 0)
         page_bytes = 2 * 16 * kv * hd * BYTES[dtype]
-        assert row["page_bytes"] == page_bytes and row["bytes"] == SLOTS * page_bytes
+        slots = group_slots(window if kinds[i] == "S" else 0)
+        assert row["page_bytes"] == page_bytes and row["bytes"] == slots * page_bytes
         groups.setdefault(row["group"], []).append(i)
     # one group per attention kind present
     assert len(groups) == len(set(kinds))
@@ -75,12 +83,16 @@ def test_kvctl_plan_from_each_model_family(capsys, name, layout):
         assert len({kinds[i] for i in members}) == 1
     for row in doc["layers"]:
         members = groups[row["group"]]
+        slots = group_slots(row["sliding_window"])
         if layout == "per_layer":
-            assert (row["scale"], row["offset"], row["upper_bound"] - row["base"]) == (1, 0, SLOTS)
+            assert (row["scale"], row["offset"], row["upper_bound"] - row["base"]) == (1, 0, slots)
         else:   # every layer of a group has the same page size here: slot = the group's pages side by side
             scale, offset = len(members), members.index(row["layer"])
-            assert (row["scale"], row["offset"], row["upper_bound"] - row["base"]) == (scale, offset, SLOTS * scale), \
+            assert (row["scale"], row["offset"], row["upper_bound"] - row["base"]) == (scale, offset, slots * scale), \
                 row
+    # what the plan saves against giving every group the full group's count
+    assert doc["total_bytes"] == sum(r["bytes"] for r in doc["layers"]) or layout == "interleaved"
+    assert doc["saved_bytes"] == doc["equal_sizing_bytes"] - doc["total_bytes"] >= 0
     # Disjoint index spaces: each space's range starts where the previous one ends.
     spaces = sorted({(r["index_space"], r["base"], r["upper_bound"]) for r in doc["layers"]})
     assert spaces[0][1] == 0 and all(b[1] == a[2] for a, b in itertools.pairwise(spaces))
@@ -91,7 +103,8 @@ def test_human_output_names_the_model_and_every_layer_view(capsys):
     code, out, _ = run_kvctl(capsys, "plan", "--model-config", str(FIXTURES / "gemma-2-9b.json"), "--max-batch",
                              "4", "--max-seq-len", "2048")
     assert code == 0
-    assert "gemma2, 42 layers, tp=1, cache dtype float32" in out
+    assert "gemma2, 42 layers (21 sliding_attention, 21 full_attention), 42 paged, tp=1, cache dtype float32" in out
+    assert "saved_bytes" in out and "layer group" in out
     assert "layers 2, 4, ... (counting from 1) are global" in out          # the inference is stated
     assert "bytes per layer" in out and "scale" in out and "offset" in out
     # per_layer: the 21 sliding and 21 full layers alternate, so the table has 42 runs of one layer
@@ -110,8 +123,10 @@ def test_tensor_parallel_splits_kv_heads(tp, kv, note):
 
 def test_tensor_parallel_of_a_hybrid_splits_each_kind():
     m = load_model_cache(FIXTURES / "gemma4-style-synthetic.json", tp=4)
-    assert {(la.kv_heads, la.head_dim) for la in m.spec.layers} == {(2, 256), (1, 512)}
-    assert any("num_global_key_value_heads=2 < tp=4" in n for n in m.notes)
+    assert {(la.kv_heads, la.head_dim) for la in m.spec.layers} == {(2, 256), (2, 512)}
+    cfg = json.loads((FIXTURES / "gemma4-style-synthetic.json").read_text())
+    with pytest.raises(InvalidArgument, match="'num_global_key_value_heads'=2 differs from num_key_value_heads=8"):
+        model_cache({**cfg, "num_global_key_value_heads": 2})
 
 
 def test_pools_yaml_takes_a_model_config(tmp_path):
@@ -139,14 +154,31 @@ def base():
     ({"num_key_value_heads": 0}, "field 'num_key_value_heads' must be a positive integer"),
     ({"hidden_size": 4100}, "hidden_size=4100 is not a multiple of num_attention_heads=32"),
     ({"hidden_size": None}, "field 'head_dim' is missing and cannot be derived"),
-    ({"torch_dtype": None}, "field 'torch_dtype' is missing; give the cache dtype (--dtype)"),
-    ({"torch_dtype": "int8"}, "'int8' is not a cache dtype"),
-    ({"kv_lora_rank": 512}, "field 'kv_lora_rank'=512 is not supported: multi-head latent attention"),
+    ({"torch_dtype": None}, "field 'torch_dtype' is missing; give the cache dtype (--kv-cache-dtype"),
+    ({"torch_dtype": "int8"}, "torch_dtype 'int8' is not a cache dtype"),
+    ({"kv_lora_rank": 512}, "field 'qk_rope_head_dim' is missing"),
     ({"num_kv_shared_layers": 10}, "field 'num_kv_shared_layers'=10 is not supported"),
     ({"attention_k_eq_v": True}, "field 'attention_k_eq_v'=True is not supported"),
-    ({"attention_chunk_size": 8192}, "field 'attention_chunk_size'=8192 is not supported"),
+    ({"attention_chunk_size": 8192}, "field 'attention_chunk_size'=8192 makes 24 of 32 layers chunked local"),
+    ({"layer_types": ["full_attention"] * 31 + ["lightning_attention"]},
+     "field 'layer_types'[31] is 'lightning_attention', a layer kind this planner does not know"),
     ({"layer_types": ["full_attention"] * 31 + ["linear_attention"]},
-     "field 'layer_types'[31] is 'linear_attention'"),
+     "linear_attention layers but no field gives their state size"),
+    ({"num_hidden_layers": 4, "hybrid_override_pattern": "M*-X"}, "field 'hybrid_override_pattern' has 'X'"),
+    ({"num_hidden_layers": 4, "hybrid_override_pattern": "M*-"}, "one character per layer (4)"),
+    ({"attn_layer_period": 8}, "field 'attn_layer_offset' is missing"),
+    ({"attn_layer_period": 4, "attn_layer_offset": 4}, "'attn_layer_offset'=4 must be below attn_layer_period=4"),
+    ({"full_attention_interval": 4, "layer_types": ["full_attention"] * 32},
+     "fields 'layer_types' and 'full_attention_interval' disagree on layer 0"),
+    ({"full_attention_interval": 4, "sliding_window": 4096}, "'sliding_window'=4096 is set but"),
+    ({"mamba_d_state": 16, "attn_layer_period": 8, "attn_layer_offset": 4}, "field 'mamba_expand' is missing"),
+    ({"sliding_window": 4096, "sliding_window_size": 2048}, "'sliding_window'=4096 and 'sliding_window_size'=2048"),
+    ({"head_dim": 128, "attention_head_dim": 64}, "'head_dim'=128 and 'attention_head_dim'=64 disagree"),
+    ({"use_bidirectional_attention": True}, "bidirectional attention is an encoder's"),
+    ({"rope_sacling": {"factor": 2}}, "unknown field 'rope_sacling'"),
+    ({"cross_attention_layers": [3, 8], "kv_channels": 128}, "unknown fields 'cross_attention_layers', 'kv_channels'"),
+    ({"quantization_config": {"kv_cache_scheme": {"num_bits": 4, "type": "int"}}},
+     "'quantization_config.kv_cache_scheme'={'num_bits': 4, 'type': 'int'} is not an 8-bit float"),
     ({"layer_types": ["full_attention"] * 3}, "must list one type per layer (32), got 3"),
     ({"layer_types": ["sliding_attention"] * 32}, "field 'sliding_window' is missing"),
     ({"sliding_window_pattern": 0, "sliding_window": 10}, "'sliding_window_pattern' must be a positive integer"),
@@ -173,6 +205,9 @@ def test_kvctl_reports_config_errors_and_mixed_flags(capsys, tmp_path):
     assert code == 2 and "not valid JSON" in err
     code, _, err = run_kvctl(capsys, "plan", "--model-config", str(FIXTURES / "gpt-oss-20b.json"), "--num-slots", "8")
     assert code == 2 and "field 'torch_dtype' is missing" in err
+    code, _, err = run_kvctl(capsys, "plan", "--model-config", str(HELDOUT / "llama-4-scout-17b-16e-instruct.json"),
+                             "--num-slots", "8")
+    assert code == 2 and "field 'attention_chunk_size'=8192" in err
     code, _, err = run_kvctl(capsys, "plan", "--model-config", str(FIXTURES / "llama-3-8b.json"), "--layers", "2",
                              "--num-slots", "8")
     assert code == 2 and "drop --layers" in err

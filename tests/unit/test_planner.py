@@ -58,7 +58,7 @@ def test_missing_sizing_is_a_clear_error(sizing):
 
 
 def test_sequence_longer_than_pool_is_refused():
-    with pytest.raises(InvalidArgument, match="needs 128 slots, but the pool has 10"):
+    with pytest.raises(InvalidArgument, match="needs 128 slots in layer group 0, but the group has 10"):
         plan(LLAMA, Sizing(num_slots=10, max_seq_len=2048))
 
 

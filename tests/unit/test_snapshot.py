@@ -235,12 +235,15 @@ def test_check_pool_state_covers_prefix_caches_and_sliding_windows(busy):
     assert any("slots for" in x for x in snap.check_pool_state(broken(b, window_kept), pb_))
 
 
+@pytest.mark.parametrize("group_slots", [(), (48, 20, 26)])
 @pytest.mark.parametrize("layout", ["per_layer", "interleaved"])
-def test_hybrid_prefix_cached_pool_round_trips_and_then_behaves_the_same(layout):
+def test_hybrid_prefix_cached_pool_round_trips_and_then_behaves_the_same(layout, group_slots):
     """Per-group prefix caches (anchors, parent hashes, LRU order), event numbers and the incarnation come
-    back from a snapshot; the restored pool then answers every later step exactly as the original."""
+    back from a snapshot; the restored pool then answers every later step exactly as the original. Also
+    with sliding groups smaller than the full one: their counts come back from the snapshot's meta."""
     layers = (LayerSpec(1, 64), LayerSpec(2, 64, sliding_window=8), LayerSpec(1, 32, sliding_window=13))
-    pool = Pool("h", plan(CacheSpec(layers, 4, layout), Sizing(num_slots=48, max_seq_len=96)), prefix_caching=True)
+    pool = Pool("h", plan(CacheSpec(layers, 4, layout), Sizing(num_slots=48, max_seq_len=96, group_slots=group_slots)),
+                prefix_caching=True)
     pool.incarnation = 77
     rng = np.random.default_rng(4)
     base = [rng.integers(0, 30, 40).tolist() for _ in range(3)]
@@ -268,7 +271,11 @@ def test_hybrid_prefix_cached_pool_round_trips_and_then_behaves_the_same(layout)
     steps(pool, rng, 120)
     pool.events.take_batch([])
     assert pool.events.seq > 0 and any(pc.hits for pc in pool.prefixes[1:])
-    back = Pool.from_state(pool.export_state(), pool.plan)
+    exported = pool.export_state()
+    rebuilt_plan = snap.pool_plan(exported.meta)
+    assert rebuilt_plan.group_slots == pool.plan.group_slots == (group_slots or (48, 48, 48))
+    assert snap.check_pool_state(exported, rebuilt_plan) == []
+    back = Pool.from_state(exported, rebuilt_plan)
     assert state_of(back) == state_of(pool) and back.incarnation == 77 and back.events.seq == pool.events.seq
     assert steps(back, np.random.default_rng(9), 80) == steps(pool, np.random.default_rng(9), 80)
     assert state_of(back) == state_of(pool)

@@ -68,8 +68,8 @@ def test_default_pools_parse():
 
 
 @pytest.mark.parametrize(("text", "match"), [
-    ("pools: 3", "'pools' list"),
-    ("pools: [{page_size: 16}]", "needs at least a name"),
+    ("pools: 3", "expected a list, got 3"),
+    ("pools: [{page_size: 16}]", "each pool needs a name"),
     ("pools: [{name: a, layers: [{kv_heads: 1, head_dim: 64, colour: red}]}]", "layers\\[0\\]"),
     ("pools: [{name: a, layers: [{kv_heads: 1, head_dim: 64}], sizing: {slots: 3}}]", "pools\\[0\\]"),
     ("pools: [", "not valid YAML"),
@@ -77,3 +77,67 @@ def test_default_pools_parse():
 def test_bad_pool_yaml(text, match):
     with pytest.raises(InvalidArgument, match=match):
         load_pools(text)
+
+
+STRICT = """pools:
+  - name: chat
+    page_size: 16
+    layers:
+      - {count: 2, kv_heads: 8, head_dim: 128, dtype: bfloat16}
+    sizing:
+      max_batch: 8
+      max_seq_len: 1024
+    prefix_cachng: true
+"""
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    (STRICT, "pools.yaml: pools[0]: unknown key 'prefix_cachng' (line 9); did you mean 'prefix_caching'?"),
+    (STRICT.replace("prefix_cachng", "prefix_caching").replace("max_seq_len", "max_seqlen"),
+     "pools.yaml: pools[0].sizing: unknown key 'max_seqlen' (line 8); did you mean 'max_seq_len'?"),
+    (STRICT.replace("    prefix_cachng: true\n", "").replace("dtype: bfloat16", "dtype: bfloat16, colour: red"),
+     "pools.yaml: pools[0].layers[0]: unknown key 'colour' (line 5)"),
+    (STRICT.replace("prefix_cachng: true", "prefix_caching: yes please"),
+     "pools.yaml: pools[0].prefix_caching (line 9): expected true or false, got 'yes please'"),
+    (STRICT.replace("prefix_cachng: true", "page_size: 32"),
+     "line 9: key 'page_size' is given twice (first on line 3)"),
+    (STRICT.replace("prefix_cachng: true", "block_size: 32"),
+     "'block_size' (line 9) and 'page_size' are the same setting"),
+    (STRICT.replace("prefix_cachng: true", "tp: 2"), "'tp' (line 9) goes with model_config"),
+    (STRICT.replace("max_batch: 8", "max_batch: -8").replace("    prefix_cachng: true\n", ""),
+     "pools[0].sizing.max_batch (line 7): expected an integer >= 0"),
+    (STRICT.replace("    prefix_cachng: true\n", "")
+     + "  - name: chat\n    layers: [{kv_heads: 1, head_dim: 64}]\n    sizing: {num_slots: 4}\n",
+     "pool name 'chat' is used twice"),
+])
+def test_pools_yaml_is_strict_and_names_key_and_line(text, message):
+    with pytest.raises(InvalidArgument) as err:
+        load_pools(text, "pools.yaml")
+    assert message in err.value.message, err.value.message
+
+
+def test_pools_yaml_prefix_caching_vllm_names_and_human_sizes():
+    text = STRICT.replace("prefix_cachng", "enable_prefix_caching").replace("page_size", "block_size") \
+        .replace("max_batch", "max_num_seqs").replace("max_seq_len: 1024", "max_model_len: 1024\n      "
+                                                      "memory_budget: 50%\n      device_memory: 2GiB")
+    (pc,) = load_pools(text)
+    assert pc.prefix_caching and pc.spec.page_size == 16
+    assert (pc.sizing.max_batch, pc.sizing.max_seq_len, pc.sizing.memory_budget_bytes) == (8, 1024, 2**30)
+    (plain,) = load_pools(STRICT.replace("    prefix_cachng: true\n", ""))
+    assert not plain.prefix_caching
+
+
+def test_configured_pools_are_created_with_their_prefix_caching_model_and_sizing():
+    from kvservice.manager.pools import BlockManager
+    from kvservice.state.journal import Journal, ensure_pools
+
+    text = STRICT.replace("prefix_cachng: true", "prefix_caching: true\n    model: org/chat-model") \
+        .replace("max_seq_len: 1024", "max_seq_len: 1024\n      max_num_batched_tokens: 512") \
+        .replace("head_dim: 128, dtype: bfloat16}", "head_dim: 128, dtype: bfloat16}\n      "
+                 "- {kv_heads: 8, head_dim: 128, dtype: bfloat16, sliding_window: 64}")
+    j = Journal(BlockManager())
+    assert ensure_pools(j, load_pools(text)) == ["chat"]
+    with j.manager.locked("chat") as pool:
+        assert pool.prefix is not None and pool.model == "org/chat-model"
+        # full group 8 x 64 pages; sliding group 8 x (64 / 16 + 1) + 512 / 16
+        assert pool.plan.group_slots == (8 * 64, 8 * 5 + 32)

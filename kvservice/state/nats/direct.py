@@ -15,7 +15,9 @@ replies as ``HMSG``/``MSG``; a server ``PING`` is answered ``PONG`` whenever thi
 Every failure surfaces to the caller (``journal_nats.NatsStore._publish`` retries with the same
 ``Nats-Msg-Id``, so a retried entry is stored once): a lost connection (OSError, reconnected to the
 next server on the next publish), no reply within the timeout (nats.errors.TimeoutError; the
-connection stays, and a late reply to an abandoned publish is skipped by its reply subject).
+connection stays, and a late reply to an abandoned publish is skipped by its reply subject; the
+journal closes it before retrying, so the retry goes to the next server: the one that did not
+answer may be cut off from its cluster).
 """
 
 from __future__ import annotations

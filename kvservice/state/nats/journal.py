@@ -18,10 +18,15 @@ Layout, for a deployment name N (``--nats-name``, default ``kvservice``):
 - stream ``KVS_N``, subject ``kvs.N.journal``: one message per entry (or per part of an entry
   larger than the server's max_payload), headers ``Kvs-Kind`` (entry|fence), ``Kvs-Seq``,
   ``Kvs-Method``, ``Kvs-At``, ``Kvs-Epoch``, ``Kvs-Part`` (i/n), ``Kvs-Digest`` (the entry's
-  checksum, ``stores.entry_digest``, hex: position, method, time and the whole request). Every
-  publish carries ``Nats-Expected-Last-Sequence`` (the stream sequence this store last saw) and
-  ``Nats-Msg-Id`` (epoch.seq.part, so a retried publish is deduplicated): a writer whose view of
-  the stream is stale is refused by the server, so two managers can never both append.
+  checksum, ``stores.entry_digest``, hex: position, method, time and the whole request),
+  ``Kvs-Writer`` (the writer incarnation, below). Every publish carries
+  ``Nats-Expected-Last-Sequence`` (the stream sequence this store last saw): a writer whose view
+  of the stream is stale is refused by the server, so two managers can never both append. And
+  ``Nats-Msg-Id`` (``message_id``: epoch, a random token drawn at each fence, position, part): a
+  retry of the same publish keeps its id, so the server stores it once, and no other writer ever
+  uses it, so the server's "duplicate" answer can only name this writer's own earlier publish
+  (``check_ack``). docs/HA.md, "Why two writers are impossible", gives the argument;
+  tests/unit/test_ha_model.py checks it exhaustively on a model of the protocol.
 - object store ``KVS_N_snapshots``: ``snap-<seq>`` objects (the bytes kvservice/state/snapshot.py
   encodes), their description a JSON header (journal seq, stream seq, epoch, bytes, blake2b
   digest). After a snapshot is stored, the stream is purged below its stream sequence.
@@ -45,6 +50,7 @@ import io
 import json
 import logging
 import re
+import secrets
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
@@ -58,6 +64,7 @@ from nats.js import api
 
 from kvservice.contract.errors import InvalidArgument, KVError, StateError
 from kvservice.state import snapshot as snap
+from kvservice.state.nats import NATS_SERVER_VERSION
 from kvservice.state.nats.direct import DirectError, DirectPublisher
 from kvservice.state.stores import Entry, JournalStore
 
@@ -81,6 +88,61 @@ class Fenced(StoreError):
     """Another writer appended to the stream: this store's view is stale and it may not write."""
 
     reason = "FENCED"
+
+
+def message_id(epoch: int, writer: str, seq: int, part: int) -> str:
+    """Nats-Msg-Id of part `part` of journal entry `seq`, written by the writer incarnation (epoch, writer).
+
+    writer: the random token a store draws each time it fences (``NatsStore.fence``). A retried
+    publish keeps its id (the server answers "duplicate" with the first copy's sequence instead of
+    storing it twice); two writers never share one, even at the same epoch and position.
+    """
+    return f"{epoch}.{writer}.{seq}.{part}"
+
+
+def fence_id(epoch: int, writer: str) -> str:
+    """Nats-Msg-Id of the fence that starts writer incarnation (epoch, writer)."""
+    return f"fence.{epoch}.{writer}"
+
+
+def check_ack(seq: int, duplicate: bool, sent_before: bool, expected_last: int) -> int:
+    """The stream sequence a publish acknowledgement confirms for this writer, else Fenced.
+
+    seq, duplicate: the server's answer; sent_before: this very message (same id) was sent by this
+    writer before (a retry); expected_last: the Nats-Expected-Last-Sequence it carried. "duplicate"
+    is success only for a retry: the id is this writer's own, so the stored copy is its own earlier
+    publish. Either way the message must sit right after expected_last: the server checked that
+    before storing it (a server that did not would be caught here, not trusted).
+    """
+    if duplicate and not sent_before:
+        raise Fenced(f"NATS answered a first publish as a duplicate of stream message {seq}: another writer used "
+                     "this message id; this manager does not count it as written")
+    if seq != expected_last + 1:
+        raise Fenced(f"NATS stored the journal message at stream sequence {seq}, not right after {expected_last}: "
+                     "another writer appended in between")
+    return seq
+
+
+def retry_startup(what: str, attempt: Callable[[], T], seconds: float = 60.0) -> T:
+    """attempt() until it does not raise StoreError (JournalGap and Fenced excepted), for up to `seconds`.
+
+    Managers started together on a fresh deployment create the stream and the buckets at the same
+    time, and JetStream answers requests about an asset being created (or a stream being elected)
+    with timeouts meanwhile: each of them retries instead of exiting.
+    """
+    deadline = time.monotonic() + seconds
+    delay = 0.2
+    while True:
+        try:
+            return attempt()
+        except (JournalGap, Fenced):
+            raise
+        except StoreError as err:
+            if time.monotonic() + delay > deadline:
+                raise StoreError(f"{what}: still failing after {seconds:g} s: {err.message}") from None
+            log.warning("%s: %s; retrying", what, err.message)
+        time.sleep(delay)
+        delay = min(2.0, delay * 2)
 
 
 class JournalGap(StoreError):
@@ -178,6 +240,14 @@ class NatsLink:
             self._stop_loop()
             raise
         self.js = self.nc.jetstream(timeout=config.request_seconds)
+        v = self.nc.connected_server_version
+        try:
+            self.server_version = f"{v.major}.{v.minor}.{v.patch}"
+        except ValueError:                          # not a semantic version (a development build)
+            self.server_version = repr(v)
+        if self.server_version != NATS_SERVER_VERSION:
+            log.warning("NATS server %s at %s; kvservice is tested with %s (docs/HA.md, 'One NATS version'): "
+                        "run that version", self.server_version, config.url, NATS_SERVER_VERSION)
 
     async def _connect(self, client_name: str, connect_seconds: float) -> nats.NATS:
         deadline = time.monotonic() + connect_seconds
@@ -207,17 +277,27 @@ class NatsLink:
         url = self.nc.connected_url
         log.warning("NATS: reconnected to %s", url.netloc if url else "?")
 
-    def call(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
-        """Run `coro` on the loop and wait at most `timeout` seconds (then cancel it and raise StoreError)."""
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float, what: str = "a request") -> T:
+        """Run `coro` on the loop and wait at most `timeout` seconds (then cancel it and raise StoreError).
+
+        what: the call, as a StoreError names it ("listing snapshots"). A NATS request inside `coro` that
+        times out by itself (nats-py's own deadline) is told apart from this wait running out: both
+        messages say which call and after how long.
+        """
         if threading.current_thread() is self._thread:
             coro.close()
             raise RuntimeError("NatsLink.call from the loop thread would wait on itself; await instead")
+        t0 = time.monotonic()
         fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
         try:
             return fut.result(timeout)
-        except concurrent.futures.TimeoutError:
+        except concurrent.futures.TimeoutError as err:      # (the builtin TimeoutError, as nats-py's are)
+            spent = time.monotonic() - t0
+            if fut.done():
+                raise StoreError(f"NATS timed out {what} after {spent:.2f} s ({type(err).__name__}"
+                                 f"{': ' + str(err) if str(err) else ''}; {self.config.url})") from None
             fut.cancel()
-            raise StoreError(f"NATS did not answer within {timeout:g} s ({self.config.url})") from None
+            raise StoreError(f"NATS did not answer {what} within {timeout:g} s ({self.config.url})") from None
 
     def close(self) -> None:
         if self.loop.is_closed():
@@ -271,12 +351,15 @@ class NatsStore(JournalStore):
         self.snapshot_where = f"bucket {self.config.snapshot_bucket}"
         self.guard: Callable[[], None] | None = None
         self.epoch = 0                 # the epoch this store writes under; 0 = not fenced (cannot append)
+        self.writer = ""               # random token of this writer incarnation, drawn at each fence
         self.max_epoch = 0             # highest epoch seen in a snapshot header or a fence
         self.seq = 0                   # journal position of the last complete entry read or written
         self.last_stream_seq = 0       # stream sequence of the last message read or written
         self.first_stream_seq = 0      # where reading starts: one past the stream sequence of the snapshot
         self.appends = 0
         self.append_retries = 0
+        #: Stream messages after the last one this reader received, as the server said with it (None: none yet).
+        self.pending: int | None = None
         self._parts: _Part | None = None
         self._sub: Any = None
         self._inbox: collections.deque[Any] = collections.deque()
@@ -285,23 +368,24 @@ class NatsStore(JournalStore):
         self._stream_at: dict[int, int] = {}    # journal position -> stream sequence of its last message
         self._at_lock = threading.Lock()
         self.max_part_bytes = max(4096, link.nc.max_payload - _HEADER_ROOM)
-        self._call(self._ensure(create))
+        self._call(self._ensure(create), max(10.0, 3 * self.config.request_seconds),
+                   "opening the journal stream and the snapshot bucket")
 
     @property  # type: ignore[override]
     def incarnation(self) -> int:
         """The epoch this store writes under (fenced), else the highest it has seen: stamped into replies."""
         return max(self.epoch, self.max_epoch, 1)
 
-    def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        """link.call, with any NATS error turned into a StoreError that names this store."""
+    def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None, what: str = "a request") -> T:
+        """link.call, with any NATS error turned into a StoreError that names this store and the call."""
         try:
-            return self.link.call(coro, timeout or self.config.request_seconds + 1.0)
+            return self.link.call(coro, timeout or self.config.request_seconds + 1.0, what)
         except nats.errors.Error as err:
-            raise StoreError(f"{self.path}: {type(err).__name__}: {err}") from None
+            raise StoreError(f"{self.path}: {what}: {type(err).__name__}: {err}") from None
 
     def stream_last_seq(self) -> int:
         """The stream's last sequence now (one request)."""
-        return self._call(self._stream_last_seq())
+        return self._call(self._stream_last_seq(), what="reading the stream's last sequence")
 
     async def _ensure(self, create: bool) -> None:
         c, js = self.config, self.link.js
@@ -339,7 +423,8 @@ class NatsStore(JournalStore):
         if self.epoch:
             raise StateError(f"{self.path}: a leader does not re-read the replicated journal; it stops and a "
                              "standby (which holds every acknowledged entry) takes over")
-        found = self._call(self._last_snapshot(), max(30.0, self.config.request_seconds))
+        found = self._call(self._last_snapshot(), max(30.0, self.config.request_seconds),
+                           "listing and reading the newest snapshot")
         if found is None:
             return None
         meta, blob = found
@@ -356,7 +441,22 @@ class NatsStore(JournalStore):
 
     def _snapshot_newer_than(self, seq: int) -> bool:
         """Whether the bucket holds a snapshot of a position after seq now (one listing)."""
-        return self._call(self._newest_snapshot_name(), max(10.0, self.config.request_seconds)) > f"snap-{seq:020d}"
+        return self.newest_snapshot_seq() > seq
+
+    def newest_snapshot_seq(self) -> int:
+        """Journal position of the newest snapshot in the bucket now (0 if none): one listing."""
+        name = self._call(self._newest_snapshot_name(), max(10.0, self.config.request_seconds), "listing snapshots")
+        return int(name.removeprefix("snap-")) if name else 0
+
+    def restart_reading(self) -> None:
+        """Forget the read position (a standby about to recover again from a newer snapshot: Journal.reload)."""
+        if self.epoch:
+            raise StoreError("a leader does not re-read the replicated journal")
+        self.stop_reading()
+        self.seq = self.last_stream_seq = self.first_stream_seq = 0
+        self._parts = None
+        with self._at_lock:
+            self._stream_at = {}
 
     async def _newest_snapshot_name(self) -> str:
         obs = self._obs
@@ -416,7 +516,8 @@ class NatsStore(JournalStore):
         state = b"".join(bytes(c) for c in encoded.chunks)
         meta = {"format": SNAPSHOT_FORMAT, "seq": seq, "stream_seq": stream_seq, "epoch": self.epoch,
                 "at": time.time(), "bytes": len(state), "digest": _digest(state)}
-        self._call(self._write_snapshot(f"snap-{seq:020d}", state, meta), max(60.0, self.config.append_seconds))
+        self._call(self._write_snapshot(f"snap-{seq:020d}", state, meta), max(60.0, self.config.append_seconds),
+                   f"storing snapshot {seq} ({len(state)} bytes)")
         with self._at_lock:
             self._stream_at = {s: q for s, q in self._stream_at.items() if s >= seq}
 
@@ -446,7 +547,7 @@ class NatsStore(JournalStore):
         while self.last_stream_seq < last:
             batch = self.poll(0.5, strict=strict)
             if not batch:
-                first = self._call(self._stream_first_seq())
+                first = self._call(self._stream_first_seq(), what="reading the stream's first sequence")
                 if first > self.last_stream_seq + 1 and (strict or self._snapshot_newer_than(self.seq)):
                     raise self._overtaken()         # what we were to read next was purged by a compaction
                 if time.monotonic() > deadline:
@@ -474,8 +575,11 @@ class NatsStore(JournalStore):
         """
         if self._sub is None:        # a consumer is created through the JetStream meta leader: allow an election
             self._call(self._subscribe(max(1, self.first_stream_seq, self.last_stream_seq + 1)),
-                       max(10.0, 3 * self.config.request_seconds))
-        msgs = self._call(self._take(wait, max_messages), wait + self.config.request_seconds + 1.0)
+                       max(10.0, 3 * self.config.request_seconds), "subscribing to the journal stream")
+        msgs = self._call(self._take(wait, max_messages), wait + self.config.request_seconds + 1.0,
+                          "reading the journal stream")
+        if msgs:
+            self.pending = int(msgs[-1].metadata.num_pending) + len(self._inbox)
         out = []
         for msg in msgs:
             entry = self._decode(msg, strict)
@@ -513,7 +617,7 @@ class NatsStore(JournalStore):
         if self._sub is not None:
             sub, self._sub = self._sub, None
             try:
-                self._call(sub.unsubscribe())
+                self._call(sub.unsubscribe(), what="unsubscribing from the journal stream")
             except (StoreError, nats.errors.Error) as err:
                 log.debug("unsubscribe: %s", err)
         self._inbox.clear()
@@ -590,7 +694,7 @@ class NatsStore(JournalStore):
         for i, chunk in enumerate(chunks):
             headers = {"Kvs-Kind": "entry", "Kvs-Seq": str(seq), "Kvs-Method": method, "Kvs-At": repr(at),
                        "Kvs-Epoch": str(self.epoch), "Kvs-Part": f"{i}/{len(chunks)}", "Kvs-Digest": digest,
-                       "Nats-Msg-Id": f"{self.epoch}.{seq}.{i}"}
+                       "Kvs-Writer": self.writer, "Nats-Msg-Id": message_id(self.epoch, self.writer, seq, i)}
             self._publish(chunk, headers)
         self.seq = seq
         with self._at_lock:
@@ -601,15 +705,18 @@ class NatsStore(JournalStore):
     def fence(self, epoch: int) -> None:
         """Append a fence for `epoch` right after the last message this store read; Fenced if the stream moved.
 
-        From then on, a writer of an older epoch is refused (its expected last sequence is stale).
+        From then on, every other writer is refused (its expected last sequence is stale). Each fence
+        starts a new writer incarnation: a fresh random token in every message id it writes.
         """
         if self.readonly:
             raise StoreError("a read-only store cannot fence")
         if epoch <= self.max_epoch:
             raise StoreError(f"epoch {epoch} is not above the highest seen, {self.max_epoch}")
+        writer = secrets.token_hex(8)
         self._publish(b"", {"Kvs-Kind": "fence", "Kvs-Epoch": str(epoch), "Kvs-Seq": str(self.seq),
-                            "Nats-Msg-Id": f"fence.{epoch}"})
+                            "Kvs-Writer": writer, "Nats-Msg-Id": fence_id(epoch, writer)})
         self.epoch = self.max_epoch = epoch
+        self.writer = writer
         self._parts = None
         with self._at_lock:
             self._stream_at[self.seq] = self.last_stream_seq     # a snapshot at this position reads on after it
@@ -619,14 +726,19 @@ class NatsStore(JournalStore):
             self.guard()
 
     def _publish(self, payload: bytes, headers: dict[str, str]) -> None:
-        """Publish with the expected-last-sequence fence; retry timeouts (same Nats-Msg-Id) until append_seconds."""
+        """Publish with the expected-last-sequence fence; retry timeouts (same Nats-Msg-Id) until append_seconds.
+
+        The acknowledgement is checked by ``check_ack``: "duplicate" counts only for a retry.
+        """
         c = self.config
         deadline = time.monotonic() + c.append_seconds
         delay = 0.05
+        sent = False
         while True:
             headers["Nats-Expected-Last-Sequence"] = str(self.last_stream_seq)
             try:
-                stream_seq = self._publish_once(payload, headers)
+                sent_before, sent = sent, True
+                stream_seq, duplicate = self._publish_once(payload, headers)
             except nats.js.errors.APIError as err:
                 if err.err_code in _WRONG_LAST_SEQUENCE:
                     raise Fenced(f"the journal stream moved past {self.last_stream_seq} ({err.description}): "
@@ -634,11 +746,14 @@ class NatsStore(JournalStore):
                 if err.code is not None and err.code < 500 and err.code != 503:
                     raise StoreError(f"NATS refused the journal entry: {err.description}") from None
                 why: Exception = err
-            except (StoreError, nats.errors.TimeoutError, nats.errors.NoRespondersError,
-                    nats.errors.ConnectionClosedError, nats.js.errors.NoStreamResponseError, OSError) as err:
+            except nats.errors.TimeoutError as err:
+                why = err
+                self.link.direct.close()     # the retry (same id) goes to the next server: this one may be cut off
+            except (StoreError, nats.errors.NoRespondersError, nats.errors.ConnectionClosedError,
+                    nats.js.errors.NoStreamResponseError, OSError) as err:
                 why = err
             else:
-                self.last_stream_seq = stream_seq
+                self.last_stream_seq = check_ack(stream_seq, duplicate, sent_before, self.last_stream_seq)
                 return
             if time.monotonic() + delay >= deadline:
                 raise StoreError(f"NATS did not store the journal entry within {c.append_seconds:g} s "
@@ -648,8 +763,8 @@ class NatsStore(JournalStore):
             time.sleep(delay)
             delay = min(0.5, delay * 2)
 
-    def _publish_once(self, payload: bytes, headers: dict[str, str]) -> int:
-        """One JetStream publish, acknowledged: its stream sequence; APIError etc. as js.publish raises them."""
+    def _publish_once(self, payload: bytes, headers: dict[str, str]) -> tuple[int, bool]:
+        """One JetStream publish, acknowledged: (stream sequence, duplicate); APIError etc. as js.publish raises."""
         c = self.config
         try:
             reply = self.link.direct.request(c.subject, payload, {**headers, "Nats-Expected-Stream": c.stream},
@@ -665,8 +780,8 @@ class NatsStore(JournalStore):
         if isinstance(ack, dict) and "error" in ack:
             nats.js.errors.APIError.from_error(ack["error"])       # raises the matching APIError
         try:
-            return int(ack["seq"])
-        except (KeyError, TypeError, ValueError):
+            return int(ack["seq"]), bool(ack.get("duplicate", False))
+        except (KeyError, TypeError, ValueError, AttributeError):
             raise StoreError(f"NATS answered a journal publish without a stream sequence: "
                              f"{reply.data[:80]!r}") from None
 
@@ -676,4 +791,5 @@ class NatsStore(JournalStore):
             self.link.close()
 
 
-__all__ = ["Fenced", "JournalGap", "NatsConfig", "NatsLink", "NatsStore", "StoreError", "parse_state_url"]
+__all__ = ["Fenced", "JournalGap", "NatsConfig", "NatsLink", "NatsStore", "StoreError", "check_ack", "fence_id",
+           "message_id", "parse_state_url", "retry_startup"]

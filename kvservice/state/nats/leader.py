@@ -144,7 +144,11 @@ class Lease:
         self._renewer: asyncio.Future[Any] | None = None
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)     # notified on every renewal and on loss
-        self.kv = link.call(self._ensure_bucket(), link.config.request_seconds + 1.0)
+        try:
+            self.kv = link.call(self._ensure_bucket(), max(10.0, 3 * link.config.request_seconds),
+                                f"opening the lease bucket {self.bucket}")
+        except nats.errors.Error as err:
+            raise StoreError(f"opening the lease bucket {self.bucket}: {type(err).__name__}: {err}") from None
 
     async def _ensure_bucket(self) -> Any:
         js, c = self.link.js, self.link.config
@@ -168,7 +172,8 @@ class Lease:
             return True
         if self.lost is not None:
             return False
-        return self.link.call(self._try_acquire(), self.link.config.request_seconds * 2 + 1.0)
+        return self.link.call(self._try_acquire(), self.link.config.request_seconds * 2 + 1.0,
+                              "reading (and maybe taking) the leader key")
 
     async def _try_acquire(self) -> bool:
         now = self.clock()
@@ -216,6 +221,7 @@ class Lease:
 
     async def _renew_loop(self) -> None:
         c = self.config
+        failed = 0                             # renewals failed in a row
         while self.held:
             await asyncio.sleep(c.renew_seconds)
             while self.held:
@@ -236,11 +242,15 @@ class Lease:
                     continue
                 except (TimeoutError, nats.errors.Error, OSError) as err:
                     self.renew_failures += 1
+                    failed += 1
                     log.warning("lease renewal failed (%s: %s); %s", type(err).__name__, err,
                                 f"{self.valid_until - self.clock():.2f} s left" if self.clock() < self.valid_until
                                 else "lapsed: serving nothing until a renewal succeeds")
+                    if failed % 2 == 0:
+                        await self._move_to_another_server()
                     await asyncio.sleep(min(0.1, c.renew_seconds / 4))
                     continue
+                failed = 0
                 with self._changed:
                     if self.held:
                         if self.clock() >= self.valid_until:
@@ -250,6 +260,16 @@ class Lease:
                     self._changed.notify_all()
                 self.renewals += 1
                 break
+
+    async def _move_to_another_server(self) -> None:
+        """Two renewals in a row got no answer: the server this connection uses may be cut off from its
+        cluster while the connection itself looks alive (nats-py notices only after its pings go unanswered,
+        seconds later than a standby would take the key). Reconnect to another server now."""
+        force = getattr(self.link.nc, "force_reconnect", None)
+        if force is not None:
+            log.warning("lease renewals unanswered through %s: reconnecting to another NATS server",
+                        self.link.nc.connected_url.netloc if self.link.nc.connected_url else "?")
+            await force()
 
     async def _own_revision(self) -> int | None:
         """The key's revision if its value is still this process's (a write that timed out but landed), else None."""
@@ -311,7 +331,8 @@ class Lease:
             self._changed.notify_all()
         if held:
             try:
-                self.link.call(self.kv.delete(KEY, last=self.revision), self.link.config.request_seconds + 1.0)
+                self.link.call(self.kv.delete(KEY, last=self.revision), self.link.config.request_seconds + 1.0,
+                               "releasing the leader key")
                 log.info("leader key released (epoch %d)", self.epoch)
             except (StoreError, nats.errors.Error) as err:
                 log.warning("could not release the leader key (%s); it lapses in %g s", err, self.config.ttl_seconds)
@@ -319,7 +340,7 @@ class Lease:
     def current(self) -> Holder | None:
         """The holder written in the key now (None if absent); a standby's view of the leader."""
         try:
-            entry = self.link.call(self.kv.get(KEY), self.link.config.request_seconds + 1.0)
+            entry = self.link.call(self.kv.get(KEY), self.link.config.request_seconds + 1.0, "reading the leader key")
         except nats.js.errors.KeyNotFoundError:
             return None
         self.holder = Holder.parse(entry.value, entry.revision)

@@ -35,7 +35,8 @@ __device__ __forceinline__ int kv_append_gen_reason(const KvLayout& L, const uns
 
 // grid.x = n_tokens, block = any multiple of 32 (128 used).
 // k, v: [n_tokens, kv_heads, head_dim] contiguous, same dtype as the cache
-// (elt_bytes bytes each). slot_mapping: int64 [n_tokens], value =
+// (elt_bytes bytes each). v == nullptr: a K-only layer (a multi-head latent attention
+// latent cache, pages of [1, page_size, kv_heads, head_dim]): only k is written. slot_mapping: int64 [n_tokens], value =
 // page * page_size + offset, pairwise distinct (the wrapper refuses duplicates:
 // their order of writes is undefined), or KV_SKIP_SLOT (-1): a token this layer does
 // not hold (a prefix hit's tokens before a sliding window), written nowhere and not a
@@ -66,9 +67,11 @@ extern "C" __global__ void kv_append(const char* k, const char* v, const long lo
       const long long page = s / page_size, tok = s - page * page_size;
       const long long row_bytes = kv_heads * head_dim * elt_bytes;
       char* dk = cache + kv_row_offset(L, page, 0, tok, 0) * elt_bytes;
-      char* dv = cache + kv_row_offset(L, page, 1, tok, 0) * elt_bytes;
       kv_copy_bytes(dk, k + i * row_bytes, row_bytes, tid, blockDim.x);
-      kv_copy_bytes(dv, v + i * row_bytes, row_bytes, tid, blockDim.x);
+      if (v != nullptr) {
+        char* dv = cache + kv_row_offset(L, page, 1, tok, 0) * elt_bytes;
+        kv_copy_bytes(dv, v + i * row_bytes, row_bytes, tid, blockDim.x);
+      }
       if (slot_gens != nullptr && tid == 0) page_gen[kv_gen_index(L, page)] = slot_gens[i];
     } else if (tid == 0) {
       kv_note(rec, i, i);
