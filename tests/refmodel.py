@@ -54,6 +54,17 @@ to the documented semantics:
   position), -1 where a sliding window released it and past the row's end; as
   wide as the longest row (ceil(n / page_size) of the longest sequence).
 
+- Page generations (docs/ARCHITECTURE.md "Page generations"): a slot's
+  generation counts the pages it has held, that is its allocations (a new page,
+  a copy-on-write target, a page taken after evicting a cached one), from the
+  pool's seed: the k-th allocation of a slot hands out ((seed + k - 1) mod
+  (2^32 - 1)) + 1 (so never 0), seed = the incarnation's low 32 bits XOR its high
+  32 bits. A fork or a prefix-cache hit adds an owner to a page and leaves the
+  generation alone. Every page a reply names carries the generation its slot had
+  when the page was allocated, and a page held from an earlier reply is stale
+  exactly when its slot has been allocated again since. A pool created again
+  starts from its new incarnation's seed. `Generations` below.
+
 Slots here are abstract ids: which physical slot the allocator picks is its
 choice. Every page allocated by a step gets a fresh id (listed in
 `Outcome.pending`); the caller binds ids to real slots and checks that exactly
@@ -180,6 +191,36 @@ class _State:
         return s
 
 
+class Generations:
+    """Page generations in plain dicts, from the rule in the module docstring: per layer group, physical slot ->
+    allocations so far, and page (the model's abstract slot id) -> the generation it was allocated with.
+    The caller says which physical slot each new page took (`allocated`), since only it knows."""
+
+    def __init__(self, groups: int, incarnation: int = 0) -> None:
+        self.seed = (incarnation ^ (incarnation >> 32)) & 0xFFFFFFFF
+        self.count: list[dict[int, int]] = [{} for _ in range(groups)]    # physical slot -> allocations
+        self.of: list[dict[int, int]] = [{} for _ in range(groups)]       # page -> its generation
+
+    def _value(self, k: int) -> int:
+        return self.seed if k == 0 else (self.seed + k - 1) % (2**32 - 1) + 1
+
+    def allocated(self, g: int, page: int, slot: int) -> None:
+        self.count[g][slot] = self.count[g].get(slot, 0) + 1
+        self.of[g][page] = self._value(self.count[g][slot])
+
+    def generation(self, g: int, page: int) -> int:
+        """The generation a reply sends with `page`."""
+        return self.of[g][page]
+
+    def slot(self, g: int, slot: int) -> int:
+        """A physical slot's generation now (the seed: never allocated)."""
+        return self._value(self.count[g].get(slot, 0))
+
+    def stale(self, g: int, page: int, slot: int) -> bool:
+        """True once `slot`, which held `page`, holds a newer page: a table naming `page` must not be read."""
+        return self.slot(g, slot) != self.of[g][page]
+
+
 class RefPool:
     """The model. windows[g] is group g's sliding window (0 = full attention).
 
@@ -202,6 +243,11 @@ class RefPool:
         self._stat_group = 0 if self.anchor is None else self.anchor   # the group PoolStats describes
         self._next_slot = 0
         self.pos = lambda g, slot: slot          # physical slot of an id; the differential test sets it
+
+    def reset(self) -> None:
+        """The pool was deleted and created again: no sequences, nothing cached, every counter at 0. Abstract slot
+        ids keep counting (a page of the old pool is never a page of the new one)."""
+        self.s = _State(len(self.windows))
 
     # ---- read-only views -----------------------------------------------------------------
     @property

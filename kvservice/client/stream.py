@@ -39,7 +39,7 @@ from kvservice.client.codec import ClientError, SpaceTables, StepResult, lineage
 from kvservice.client.deadline import RETRY_CODES, CallBudget, RetryPolicy, client_error, code_of
 from kvservice.contract.mirror import MirrorError, PageTableMirror
 from kvservice.contract.transport import STREAM_ID_KEY
-from kvservice.contract.wire import field_array, from_tensor
+from kvservice.contract.wire import field_array
 from kvservice.v1 import block_manager_pb2 as pb
 
 METHOD = "/kvservice.v1.BlockManager/StepStream"
@@ -66,7 +66,8 @@ class MirrorTables(Mapping):
         if space_id not in m.spaces:
             raise KeyError(space_id)
         got = SpaceTables(m.spaces[space_id].info, m.slot_mapping(space_id), m.page_table(space_id),
-                          m.block_table(space_id) if self._block_table else None)
+                          m.block_table(space_id) if self._block_table else None, m.slot_generations(space_id),
+                          m.generations(space_id))
         self._done[space_id] = got
         return got
 
@@ -158,10 +159,11 @@ class _Core:
             raise ClientError(grpc.StatusCode.DATA_LOSS, f"stream {self.stream_id}: {err}", "MIRROR_OUT_OF_SYNC") \
                 from None
         m = self.mirror
-        copies = {c.group: from_tensor(c.pairs, "pairs").reshape(-1, 2) for c in reply.copies}
+        copies, copy_gens = codec.parse_copies(reply)
         return StepResult(m.seq_ids, m.num_tokens, m.new_token_indptr, MirrorTables(m, block_table),  # type: ignore[arg-type]
                           tuple(reply.layer_index_space), reply.num_free_slots,
-                          field_array(reply, "admit_cached_tokens"), copies, position_of(reply), lineage_of(reply))
+                          field_array(reply, "admit_cached_tokens"), copies, position_of(reply), lineage_of(reply),
+                          copy_gens, reply.pool_incarnation)
 
 
 class StepStream(_Core):

@@ -9,6 +9,16 @@ stack empty evicts it. Which cached page goes first is the eviction policy's
 choice (evict.py; default: leaves first, least recently released, lower slot
 first; O(log n) per page). A free of a slot that is already free is an error
 naming the slot, never a refcount below zero.
+
+Every slot has a generation (``generation[slot]``, uint32): it counts the slot's
+allocations, so it changes exactly when the slot passes to a new owner whose pages
+are written afresh (an allocation off the stack, an eviction from the cache, a
+copy-on-write target) and stays when owners are added to what it holds (a fork, a
+prefix-cache hit). Workers record it beside every page they write and kernels
+refuse a page whose generation is not the one their table expects (a table that
+outlived the page: docs/ARCHITECTURE.md, "Page generations"). It starts at 0, or at
+a pool's seed (`generation_seed` of its incarnation, so two incarnations of a pool
+hand out unrelated generations), and skips 0 when it wraps: 0 is never handed out.
 """
 
 from __future__ import annotations
@@ -19,6 +29,12 @@ import numpy as np
 
 from kvservice.contract.errors import InvalidArgument, ResourceExhausted
 from kvservice.core.evict import EvictionPolicy, make_policy
+
+
+def generation_seed(incarnation: int) -> int:
+    """The generation a pool's slots start at (the first allocation hands out seed + 1): the low 32 bits of the
+    incarnation XOR its high 32 bits (incarnations are random 63-bit numbers)."""
+    return (incarnation ^ (incarnation >> 32)) & 0xFFFFFFFF
 
 
 class SlotAllocator:
@@ -32,10 +48,12 @@ class SlotAllocator:
       on_evict(slots) called with the cached slots (intp [k]) an allocation takes for new pages.
       clock           stamp of the slots released now (the pool sets it to its step number; only grows).
       policy          which cached slot an allocation evicts (evict.py), told of the prefix cache's links.
+      generation[slot] uint32: its start (0, or the pool's seed) plus the slot's allocations so far, wrapping
+                      past 2^32 - 1 to 1.
     """
 
     __slots__ = ("_cached", "_mark", "_ones", "_refcnt", "_stack", "_top", "cacheable", "caching", "clock",
-                 "evictions", "num_slots", "on_evict", "peak_used", "policy")
+                 "evictions", "generation", "num_slots", "on_evict", "peak_used", "policy")
 
     def __init__(self, num_slots: int, policy: str = "lru-leaf") -> None:
         if num_slots <= 0:
@@ -51,6 +69,7 @@ class SlotAllocator:
         self.clock = 0
         self.policy: EvictionPolicy = make_policy(policy, num_slots, self._cached)
         self.cacheable = np.zeros(num_slots, dtype=bool)
+        self.generation = np.zeros(num_slots, dtype=np.uint32)
         self.caching = False                 # set by a prefix cache: released slots may be cacheable
         self.on_evict: Callable[[np.ndarray], None] | None = None
         self.peak_used = 0
@@ -94,10 +113,18 @@ class SlotAllocator:
             self.evictions += len(evicted)
             slots = np.concatenate((slots, ev))
         self._refcnt[slots] = self._ones[:n]
+        self._bump(slots)
         used = self.num_slots - self._top - len(self._cached)
         if used > self.peak_used:
             self.peak_used = used
         return slots
+
+    def _bump(self, slots: np.ndarray) -> None:
+        """The slots pass to a new owner: next generation (never 0)."""
+        gen = self.generation[slots] + np.uint32(1)          # uint32 arithmetic: wraps to 0 ...
+        if not gen.all():
+            gen[gen == 0] = 1                                # ... which is never handed out
+        self.generation[slots] = gen
 
     def share(self, slots: np.ndarray, counts: np.ndarray | None = None) -> None:
         """Add counts[i] (default 1) owners to slots[i] (ids distinct). Free cached slots leave the LRU."""

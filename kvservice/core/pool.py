@@ -35,7 +35,7 @@ from kvservice.core.emit import SpaceTables, emit_tables
 from kvservice.core.hashing import DEFAULT_MODE, VLLM_DEFAULT_SEED, make_hash_fn
 from kvservice.core.planner import Plan
 from kvservice.core.prefix import Namespaces, PrefixCache, run_ending_at
-from kvservice.core.rowslots import RowSlots
+from kvservice.core.rowslots import RowSlots, slot_table_dtype
 from kvservice.core.stepplan import (
     EMPTY_I64,
     GroupPlan,
@@ -55,11 +55,6 @@ __all__ = ["Pool", "SpaceTables", "StepResult"]
 _NO_COPIES = np.zeros((0, 2), dtype=np.int64)
 _NO_ROWS = np.zeros(0, dtype=np.int64)
 _NO_ROWS.flags.writeable = False
-
-
-def slot_table_dtype(num_slots: int) -> np.dtype:
-    """dtype of the slot tables (RowSlots arenas) of a pool of num_slots slots: int32 while it can hold them."""
-    return np.dtype(np.int32 if num_slots <= 2**31 - 1 else np.int64)
 
 
 @dataclass(frozen=True, slots=True)
@@ -724,8 +719,8 @@ class Pool:
     # ---- phase 4: emit -----------------------------------------------------------------
     def _emit(self, rows: np.ndarray, old: np.ndarray, new: np.ndarray, held: np.ndarray, tok_indptr: np.ndarray,
               tables: bool, block_table: bool) -> tuple[SpaceTables, ...]:
-        return emit_tables(self.plan.geometry.index_spaces, self.page_size, self._slots, self._first,
-                           self._is_sliding, rows, old, new, held, tok_indptr, tables, block_table)
+        return emit_tables(self.plan.geometry.index_spaces, self.page_size, self._slots, self._first, self._is_sliding,
+                           rows, old, new, held, tok_indptr, tables, block_table, self.allocators)
 
     # ---- durable state ---------------------------------------------------------------------------
     # A snapshot stores a pool in domain terms (sequences, the slots of their pages, free lists in hand-out
@@ -738,9 +733,9 @@ class Pool:
     #                  [first, held) of each row), _free_rows,
     #                  _num_rows, steps, admitted, refused, alloc_failures, events (seq; its sources' parent
     #                  hashes and hash index are rebuilt from the caches)
-    #   SlotAllocator: _stack[:_top], _top, _cached (eviction order, with release stamps), peak_used, evictions;
-    #                  policy: its links per registered page (prefix/<g>/linked), the rest rebuilt; clock: the
-    #                  largest stamp (the pool sets it every step);
+    #   SlotAllocator: _stack[:_top], _top, _cached (eviction order, with release stamps), peak_used, evictions,
+    #                  generation; policy: its links per registered page (prefix/<g>/linked), the rest rebuilt;
+    #                  clock: the largest stamp (the pool sets it every step);
     #                  _refcnt is rebuilt from the owners (invariant 1), cacheable from the prefix caches
     #   PrefixCache (per group): by_hash (insertion order), hash, parent, parent_hash, anchor, namespace,
     #                  tokens (registered slots only), hits; the namespaces shared by the groups
@@ -768,6 +763,7 @@ class Pool:
             tables.append((rs.arena[:rs.used].copy(), rs.start[rows], rs.lo[rows]))
             stacks.append(_copy_ids(alloc._stack[:alloc._top]))
             arrays[f"cached/{g}"], arrays[f"cached_stamp/{g}"] = alloc.cached_stamps()
+            arrays[f"generation/{g}"] = alloc.generation.astype(np.int64)   # a copy; int64: runs-encodable
             groups.append({"peak_used": int(alloc.peak_used), "evictions": int(alloc.evictions)})
         prefix = None
         if self.prefixes is not None:
@@ -857,6 +853,7 @@ class Pool:
             alloc._refcnt[:] = np.bincount(slots, minlength=alloc.num_slots).astype(np.int32)
             alloc.peak_used = int(m["groups"][g]["peak_used"])
             alloc.evictions = int(m["groups"][g]["evictions"])
+            alloc.generation[:] = a.get(f"generation/{g}", 0)   # version 2 states have none: all 0
         if pool.prefixes is not None:
             p = m["prefix"]
             pool.prefix.namespaces._ids = {(s, k): int(i) for s, k, i in p["namespaces"]}
@@ -893,20 +890,21 @@ class Pool:
 
 from collections.abc import Callable  # noqa: E402  (state export section: kept out of the module's imports)
 
-POOL_STATE_VERSION = 2
+POOL_STATE_VERSION = 3
 
 
 @dataclass(frozen=True, slots=True)
 class PoolState:
     """A pool as plain data: JSON-able ``meta`` and named 1-D/2-D NumPy ``arrays`` (copies, never views).
 
-    meta: version (2), name, model, incarnation, prefix_hash, prefix_hash_seed (absent in older snapshots: the
-      default mode), spec {page_size, layout, layers: [[kv_heads, head_dim, dtype, sliding_window, count(,
-      k_only)], ...]}, num_slots (of the largest group), group_slots (per group; absent in states written
-      before groups were sized apart: every group num_slots), max_seq_len, backends, prefix_caching, sharing,
-      steps, admitted, refused, alloc_failures {reason: count}, row_capacity, num_rows, events_seq (number of
-      the pool's last KV event batch), groups [{peak_used, evictions}], prefix {hits: [per group],
-      namespaces: [[salt, extra_key, id], ...]} or None.
+    meta: version (3; 2 read), name, model, incarnation, prefix_hash, prefix_hash_seed (absent in older
+      snapshots: the default mode), spec {page_size, layout, layers: [[kv_heads, head_dim, dtype,
+      sliding_window, count(, k_only)], ...]}, num_slots (of the largest group), group_slots (per group;
+      absent in states written before groups were sized apart: every group num_slots), max_seq_len,
+      backends, prefix_caching, sharing, steps, admitted, refused, alloc_failures {reason: count},
+      row_capacity, num_rows, events_seq (number of the pool's last KV event batch),
+      groups [{peak_used, evictions}], prefix {hits: [per group], namespaces: [[salt, extra_key, id], ...]}
+      or None.
     arrays (N live sequences in row order, G layer groups, E prefix-cache entries):
       seq_ids uint64 [N]; rows int64 [N]; num_tokens int64 [N] (tokens, > 0); free_rows int64 [R]
         (reuse order: the last is taken first);
@@ -916,6 +914,7 @@ class PoolState:
       free_stack/<g> int64 [F]: free slots holding nothing, bottom to top (the top is handed out first);
       cached/<g> int64 [C]: free slots holding a cached page, in eviction order; cached_stamp/<g> int64 [C]:
         the step that released each (absent in older snapshots: then their order is the stamp);
+        generation/<g> int64 [num_slots]: each slot's SlotAllocator.generation (< 2^32; absent in version 2);
       per group g with prefix caching (E_g cache entries, by_hash order): prefix/<g>/hash uint64 [E],
       prefix/<g>/slot, prefix/<g>/parent, prefix/<g>/anchor, prefix/<g>/namespace int64 [E],
       prefix/<g>/parent_hash uint64 [E], prefix/<g>/tokens int64 [E, page_size], prefix/<g>/linked int64 [E]

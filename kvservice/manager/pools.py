@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from kvservice.contract.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from kvservice.core.allocator import generation_seed
 from kvservice.core.geometry import CacheSpec
 from kvservice.core.hashing import DEFAULT_MODE, HASH_MODES, VLLM_DEFAULT_SEED
 from kvservice.core.planner import Plan, Sizing, plan
@@ -68,6 +69,8 @@ class BlockManager:
             self._pools[name] = pool
             self._locks[name] = threading.Lock()
             self._incarnations[name] = pool.incarnation = incarnation or new_incarnation()
+            for a in pool.allocators:          # a table of another incarnation names generations never held here
+                a.generation[:] = generation_seed(pool.incarnation)
             _join(self.fleet, pool)
             return pool
 

@@ -30,7 +30,7 @@ from kvservice.core.planner import Plan, plan
 from kvservice.manager.api import ManagerAPI, derived_incarnation
 from kvservice.manager.pools import BlockManager, new_incarnation
 from kvservice.server.metrics import ManagerMetrics
-from kvservice.server.stream import StreamRegistry, echo_stream, step_stream
+from kvservice.server.stream import StreamRegistry, echo_stream, scoped_request_id, step_stream
 from kvservice.server.watch import watch_events
 from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1 import block_manager_pb2_grpc as pb_grpc
@@ -51,7 +51,7 @@ STREAMING = frozenset(m.name for m in pb.DESCRIPTOR.services_by_name["BlockManag
 _STEP_ARRAYS = ("free_seq_ids", "extend_seq_ids", "extend_num_tokens", "admit_seq_ids", "admit_num_tokens",
                 "fork_parent_ids", "fork_child_ids", "admit_token_ids")
 _SEQ_FIELDS = ("free_seq_ids", "extend_seq_ids", "admit_seq_ids", "fork_child_ids")   # one sequence each
-_ITEMSIZE = {10: 4, 11: 8, 12: 8}      # INT32, INT64, UINT64 (others are refused by the API)
+_ITEMSIZE = {10: 4, 11: 8, 12: 8, 13: 4}      # INT32, INT64, UINT64, UINT32 (others are refused by the API)
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,6 +196,8 @@ def _adapter(name: str) -> Callable[..., Any]:
             if self.limits is not None:
                 self.limits.check(name, request, self.api.manager)
             _stamp(name, request)
+            if name in MUTATING and getattr(request, "request_id", ""):     # one idempotency namespace per tenant
+                request.request_id = scoped_request_id(current_principal(), request.request_id)
             if self.journal is not None and name in MUTATING:
                 with self.api.manager.events.transaction():    # its KV events show once it is durable
                     return self.journal.execute(name, request, apply)
@@ -225,6 +227,7 @@ def _adapter(name: str) -> Callable[..., Any]:
 
 def _stamp(name: str, request: Any) -> None:
     """Fill the fields only the server sets, replacing whatever a client sent, before the request is journaled.
+    (Its request_id is then scoped to the caller's tenant: kvservice.server.stream.scoped_request_id.)
 
     CreatePool: the new pool's incarnation; derived from the request when it has a request_id (a retry
     of it must carry the same bytes), else random. RegisterWorker: the caller's token name.

@@ -49,6 +49,8 @@ MAX_HEADER_BYTES = 1 << 28
 _PREFIX = struct.Struct("<8sII16s")
 DTYPES = frozenset({"<i8", "<u8", "<i4", "<u4", "|u1", "|b1", "<f8"})
 MAX_PROBLEMS = 12
+#: Pool state versions read: 2 (before page generations: every slot starts at generation 0) and this release's.
+POOL_STATE_VERSIONS = (2, POOL_STATE_VERSION)
 
 
 def digest16(*parts: bytes | memoryview) -> bytes:
@@ -299,8 +301,11 @@ def check_pool_state(state: PoolState, p: Plan) -> list[str]:
             want |= {f"prefix/{g}/hash": (u8, 1), f"prefix/{g}/slot": (i8, 1), f"prefix/{g}/parent": (i8, 1),
                      f"prefix/{g}/parent_hash": (u8, 1), f"prefix/{g}/anchor": (i8, 1),
                      f"prefix/{g}/namespace": (i8, 1), f"prefix/{g}/tokens": (i8, 2)}
-    if m.get("version") != POOL_STATE_VERSION:
-        return [f"pool state version {m.get('version')} is not {POOL_STATE_VERSION}"]
+    if m.get("version") not in POOL_STATE_VERSIONS:
+        return [f"pool state version {m.get('version')} is not one of {POOL_STATE_VERSIONS} (this release writes "
+                f"{POOL_STATE_VERSION})"]
+    if m["version"] >= 3:
+        want |= {f"generation/{g}": (i8, 1) for g in range(len(groups))}
     optional = {f"cached_stamp/{g}": (i8, 1) for g in range(len(groups))}     # absent in older snapshots
     if m.get("prefix_caching"):
         optional |= {f"prefix/{g}/linked": (i8, 1) for g in range(len(groups))}
@@ -338,6 +343,9 @@ def check_pool_state(state: PoolState, p: Plan) -> list[str]:
         num_slots = grp.num_slots
         first, slots = a[f"first/{g}"], a[f"slots/{g}"]
         stack, cached = a[f"free_stack/{g}"], a[f"cached/{g}"]
+        gen = a.get(f"generation/{g}")
+        if gen is not None and (len(gen) != num_slots or (len(gen) and (gen.min() < 0 or gen.max() >= 2**32))):
+            bad(f"group {g}: slot generations are not {num_slots} values in [0, 2^32)")
         if (first < 0).any() or (first > held).any():
             bad(f"group {g}: a first held page is outside [0, held]")
             continue

@@ -334,7 +334,7 @@ class StepRequest(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., free_seq_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., extend_seq_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., extend_num_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., admit_seq_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., admit_num_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., omit_tables: _Optional[bool] = ..., include_block_table: _Optional[bool] = ..., request_id: _Optional[str] = ..., fork_parent_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., fork_child_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., admit_token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., admit_cache_salts: _Optional[_Iterable[str]] = ..., admit_extra_keys: _Optional[_Iterable[str]] = ..., stream_seq: _Optional[int] = ..., delta_tables: _Optional[bool] = ..., delta_base: _Optional[int] = ..., accept_tokens_added: _Optional[bool] = ...) -> None: ...
 
 class SpaceTables(_message.Message):
-    __slots__ = ("index_space", "group", "scale", "offset", "upper_bound", "base", "slot_mapping", "indptr", "indices", "last_page_len", "block_table", "delta")
+    __slots__ = ("index_space", "group", "scale", "offset", "upper_bound", "base", "slot_mapping", "indptr", "indices", "last_page_len", "block_table", "generations", "slot_generations", "delta")
     INDEX_SPACE_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     SCALE_FIELD_NUMBER: _ClassVar[int]
@@ -346,6 +346,8 @@ class SpaceTables(_message.Message):
     INDICES_FIELD_NUMBER: _ClassVar[int]
     LAST_PAGE_LEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
+    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
     index_space: int
     group: int
@@ -358,16 +360,22 @@ class SpaceTables(_message.Message):
     indices: _common_pb2.Tensor
     last_page_len: _common_pb2.Tensor
     block_table: _common_pb2.Tensor
+    generations: _common_pb2.Tensor
+    slot_generations: _common_pb2.Tensor
     delta: SpaceDelta
-    def __init__(self, index_space: _Optional[int] = ..., group: _Optional[int] = ..., scale: _Optional[int] = ..., offset: _Optional[int] = ..., upper_bound: _Optional[int] = ..., base: _Optional[int] = ..., slot_mapping: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., indptr: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., indices: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., last_page_len: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., block_table: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., delta: _Optional[_Union[SpaceDelta, _Mapping]] = ...) -> None: ...
+    def __init__(self, index_space: _Optional[int] = ..., group: _Optional[int] = ..., scale: _Optional[int] = ..., offset: _Optional[int] = ..., upper_bound: _Optional[int] = ..., base: _Optional[int] = ..., slot_mapping: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., indptr: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., indices: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., last_page_len: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., block_table: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., generations: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., slot_generations: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., delta: _Optional[_Union[SpaceDelta, _Mapping]] = ...) -> None: ...
 
 class SpaceDelta(_message.Message):
-    __slots__ = ("pages", "replaced")
+    __slots__ = ("pages", "replaced", "generations", "replaced_generations")
     PAGES_FIELD_NUMBER: _ClassVar[int]
     REPLACED_FIELD_NUMBER: _ClassVar[int]
+    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    REPLACED_GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     pages: _common_pb2.Tensor
     replaced: _common_pb2.Tensor
-    def __init__(self, pages: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., replaced: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    generations: _common_pb2.Tensor
+    replaced_generations: _common_pb2.Tensor
+    def __init__(self, pages: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., replaced: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., generations: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., replaced_generations: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class TableDelta(_message.Message):
     __slots__ = ("base_seq", "base_rows", "groups", "tokens_added")
@@ -413,7 +421,7 @@ class RequestStatus(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., reason: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class StepReply(_message.Message):
-    __slots__ = ("seq_ids", "num_tokens", "new_token_indptr", "tables", "layer_index_space", "num_free_slots", "admit_cached_tokens", "copies", "pool_incarnation", "position", "stream_seq", "error", "delta")
+    __slots__ = ("seq_ids", "num_tokens", "new_token_indptr", "tables", "layer_index_space", "num_free_slots", "admit_cached_tokens", "copies", "pool_incarnation", "position", "stream_seq", "error", "delta", "stream_id")
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_INDPTR_FIELD_NUMBER: _ClassVar[int]
@@ -427,6 +435,7 @@ class StepReply(_message.Message):
     STREAM_SEQ_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _common_pb2.Tensor
     num_tokens: _common_pb2.Tensor
     new_token_indptr: _common_pb2.Tensor
@@ -440,15 +449,18 @@ class StepReply(_message.Message):
     stream_seq: int
     error: RequestStatus
     delta: TableDelta
-    def __init__(self, seq_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., num_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., new_token_indptr: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tables: _Optional[_Iterable[_Union[SpaceTables, _Mapping]]] = ..., layer_index_space: _Optional[_Iterable[int]] = ..., num_free_slots: _Optional[int] = ..., admit_cached_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., copies: _Optional[_Iterable[_Union[SlotCopies, _Mapping]]] = ..., pool_incarnation: _Optional[int] = ..., position: _Optional[_Union[JournalPosition, _Mapping]] = ..., stream_seq: _Optional[int] = ..., error: _Optional[_Union[RequestStatus, _Mapping]] = ..., delta: _Optional[_Union[TableDelta, _Mapping]] = ...) -> None: ...
+    stream_id: str
+    def __init__(self, seq_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., num_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., new_token_indptr: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tables: _Optional[_Iterable[_Union[SpaceTables, _Mapping]]] = ..., layer_index_space: _Optional[_Iterable[int]] = ..., num_free_slots: _Optional[int] = ..., admit_cached_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., copies: _Optional[_Iterable[_Union[SlotCopies, _Mapping]]] = ..., pool_incarnation: _Optional[int] = ..., position: _Optional[_Union[JournalPosition, _Mapping]] = ..., stream_seq: _Optional[int] = ..., error: _Optional[_Union[RequestStatus, _Mapping]] = ..., delta: _Optional[_Union[TableDelta, _Mapping]] = ..., stream_id: _Optional[str] = ...) -> None: ...
 
 class SlotCopies(_message.Message):
-    __slots__ = ("group", "pairs")
+    __slots__ = ("group", "pairs", "generations")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     PAIRS_FIELD_NUMBER: _ClassVar[int]
+    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     group: int
     pairs: _common_pb2.Tensor
-    def __init__(self, group: _Optional[int] = ..., pairs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    generations: _common_pb2.Tensor
+    def __init__(self, group: _Optional[int] = ..., pairs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., generations: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class ListSequencesRequest(_message.Message):
     __slots__ = ("pool", "limit")

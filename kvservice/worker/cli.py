@@ -80,7 +80,8 @@ def serve(args: argparse.Namespace) -> int:
         running = serve_worker(args.manager, args.pool, worker_id, begin, end, args.tp_rank, args.tp_size,
                                args.backend, args.listen, None if args.metrics_port < 0 else args.metrics_port,
                                args.cpu_kernels, args.enable_test_hooks, args.advertise, args.metrics_addr,
-                               **security)
+                               max_table_rows=args.max_table_rows, max_tables=args.max_tables,
+                               table_quota_bytes=args.table_quota_bytes, **security)
     except (ClientError, KVError, OSError, ValueError, ImportError) as err:
         hint = f" ({CUDA_HINT})" if args.backend == "cuda" and isinstance(err, (ImportError, OSError)) else ""
         print(f"kvworker: {getattr(err, 'message', err)}{hint}", file=sys.stderr)
@@ -136,6 +137,8 @@ def _security_args(s: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvservice.worker.tables import MAX_TABLE_ROWS, MAX_TABLES
+
     ap = parser("kvworker", "kvservice worker: a shard of a pool's KV cache and the paged kernels over it.",
                 EXIT_CODES)
     sub = subparsers(ap, dest="command", required=True, metavar="COMMAND")
@@ -160,6 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--worker-id", help="this worker's name with the manager (default: HOST-POOL-BEGIN-END-rRANK)")
     s.add_argument("--port-file", help="write the bound gRPC and metrics ports here (tests)")
     s.add_argument("--enable-test-hooks", action="store_true", help="allow CorruptGuard (tests only)")
+    t = s.add_argument_group("persistent tables (UpdateTables; docs/SECURITY.md#worker-tables)")
+    t.add_argument("--max-table-rows", type=int, default=MAX_TABLE_ROWS,
+                   help="rows one table may hold (at most the pool's slots); with the pool's max_seq_len it sets "
+                        "the pool's table size")
+    t.add_argument("--max-tables", type=int, default=MAX_TABLES, help="tables per tenant (token)")
+    t.add_argument("--table-quota-bytes", type=int, default=0,
+                   help="device bytes of one tenant's tables (0: 4 x the most one table of the pool holds)")
     add_log_args(s)
     _security_args(s)
     return ap

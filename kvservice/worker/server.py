@@ -36,6 +36,7 @@ from kvservice.v1 import worker_pb2
 from kvservice.worker.caches import CacheSet
 from kvservice.worker.metrics import WorkerMetrics
 from kvservice.worker.service import WorkerServicer
+from kvservice.worker.tables import MAX_TABLE_ROWS, MAX_TABLES
 
 log = logging.getLogger("kvworker")
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
@@ -115,11 +116,14 @@ def serve_worker(manager: str, pool: str, worker_id: str, layer_begin: int = 0, 
                  metrics_port: int | None = None, cpu_kernels: str = "numpy", test_hooks: bool = False,
                  advertise: str | None = None, metrics_addr: str = "127.0.0.1", *,
                  manager_tls: TLSOptions | None = None, manager_token: str | None = None,
-                 tls: ServerTLS | None = None, tokens: TokenTable | None = None) -> RunningWorker:
+                 tls: ServerTLS | None = None, tokens: TokenTable | None = None,
+                 max_table_rows: int = MAX_TABLE_ROWS, max_tables: int = MAX_TABLES,
+                 table_quota_bytes: int = 0) -> RunningWorker:
     """Allocate, warm, serve, register; then heartbeat in the background until stop().
 
     manager_tls / manager_token: how to reach a manager that serves TLS / wants a bearer token.
     tls / tokens: this worker's own server (TLS or mutual TLS; pool-scoped bearer tokens).
+    max_table_rows / max_tables / table_quota_bytes: bounds of the persistent tables (kvservice.worker.tables).
     """
     # A LeaderClient: `manager` may list several addresses (replicated managers, docs/HA.md), and a reply
     # from a deposed leader (a lower epoch than one already seen) is refused and retried elsewhere.
@@ -137,7 +141,8 @@ def serve_worker(manager: str, pool: str, worker_id: str, layer_begin: int = 0, 
                                 "device_name": device_name, "epoch": 0, "incarnation": info.incarnation,
                                 "all_layers": all_layers}
     servicer = WorkerServicer(caches, metrics, identity, test_hooks,
-                              leader_epoch=lambda: client.epoch)
+                              leader_epoch=lambda: client.epoch, max_table_rows=max_table_rows,
+                              max_tables=max_tables, table_quota_bytes=table_quota_bytes)
     interceptors = [TokenAuthInterceptor(tokens, WORKER, worker_rules(pool))] if tokens is not None else []
     server, port, health_servicer = grpc_server(SERVICE_NAME, servicer, listen, tls, interceptors, max_workers=4)
     server.start()
@@ -173,7 +178,7 @@ def plan_caches(info: pb.PoolInfo, layer_begin: int, layer_end: int, ops: Module
     """Allocate and warm the caches of layers [layer_begin, layer_end) of the pool `info` describes."""
     expected = [(la.scale, la.offset, la.upper_bound) for la in info.plan.layers]
     caches = CacheSet(cache_spec_from_proto(info.cache), group_slots(info.plan), layer_begin, layer_end, ops, xp,
-                      expected=expected)
+                      expected=expected, max_seq_len=info.plan.max_seq_len)
     _warm(caches)
     return caches
 

@@ -89,8 +89,11 @@ def test_emulated_end_to_end(tmp_path: Path) -> None:
 
     assert kernels == {(b, n) for b in ("checked", "unchecked") for n in kernel_api.kernel_names()}
     assert {x["kernel"] for x in lines if x["kind"] == "perf"} == {
-        "device-to-device copy", "decode (checked)", "decode (unchecked)", "append_kv", "copy_blocks"}
+        "device-to-device copy", "decode (checked)", "decode (unchecked)", "decode (checked+generations)", "append_kv",
+        "copy_blocks"}
     assert "FAIL" not in report and "all checks passed" in report and "| bounds-check cost <= 2% |" in report
+    assert "| generation-check cost <= 2% |" in report
+    assert any(c["check"].startswith("stale_page") and c["ok"] for c in checks)
 
 
 def test_dead_child_takes_only_its_group(tmp_path: Path) -> None:

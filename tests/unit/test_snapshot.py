@@ -88,7 +88,7 @@ def test_every_pool_field_is_exported_or_rebuilt():
         "_sorted", "_last_batch", "_fast"}
     assert set(SlotAllocator.__slots__) == {"_stack", "_top", "_cached", "peak_used", "evictions", "_refcnt",
                                             "cacheable", "_mark", "_ones", "num_slots", "caching", "on_evict",
-                                            "clock", "policy"}
+                                            "clock", "policy", "generation"}
     assert set(vars(PrefixCache(SlotAllocator(4), 16))) == {"by_hash", "hash", "parent", "parent_hash", "anchor",
                                                             "namespace", "tokens", "namespaces", "hits",
                                                             "allocator", "page_size", "hash_fn", "group", "sink",
