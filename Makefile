@@ -35,6 +35,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/bench_limits.py --results bench/results/durability.md
 	$(BIN)/python bench/bench_routing.py --out bench/results/routing.md
 	$(BIN)/python bench/bench_ha.py --out bench/results/ha.md
+	$(BIN)/python bench/bench_cache.py --out bench/results/cache.md
 
 mutation: $(STAMP)
 	$(BIN)/pip install --quiet 'mutmut==3.8.1'

@@ -132,12 +132,13 @@ SERVER_CPUS: set[int] | None = None     # --pin: the manager process's CPUs (Non
 
 
 def served_step_seconds(target: str) -> tuple[float, float]:
-    """(sum of seconds, count) of the manager's kvservice_rpc_duration_seconds{method="Step"}: each StepStream
-    request's server-side time (stream.step_one) as measured inside the serving process."""
+    """(sum of seconds, count) of the manager's kvservice_rpc_duration_seconds{method="Step"} (every status code):
+    each StepStream request's server-side time (stream.step_one) as measured inside the serving process."""
     import re
     import urllib.request
     text = urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT[target]}/metrics", timeout=10).read().decode()
-    got = [float(re.search(r"kvservice_rpc_duration_seconds_" + k + r'\{method="Step"\} (\S+)', text).group(1))
+    got = [sum(float(v) for v in re.findall(r"kvservice_rpc_duration_seconds_" + k +
+                                           r'\{code="[A-Z_]+",method="Step"\} (\S+)', text))
            for k in ("sum", "count")]
     return got[0], got[1]
 

@@ -208,7 +208,8 @@ def render(lines: list[dict], header: dict) -> str:
                        f"{'MET' if ok else 'MISSED'} |")
     for c in costs:
         ok = c["cost"] <= TARGET_CHECK_COST
-        out.append(f"| bounds-check cost <= {TARGET_CHECK_COST:.0%} | {c['shape']} | {c['cost']:+.1%} "
+        what = c.get("kernel", "bounds-check cost")
+        out.append(f"| {what} <= {TARGET_CHECK_COST:.0%} | {c['shape']} | {c['cost']:+.1%} "
                    f"(rounds {c.get('round_costs')}) | {'MET' if ok else 'MISSED'} |")
     if not perf and not costs:
         out.append("| (not measured) | - | - | - |")

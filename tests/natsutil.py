@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -180,6 +181,16 @@ class NatsCluster:
                     raise RuntimeError(f"JetStream on {n.name} not ready in {timeout:g} s:\n"
                                        + (n.dir / "server.log").read_text()[-3000:])
                 time.sleep(0.2)
+        live = [n for n in self.nodes if n.alive()]
+        if len(live) > 1:
+            # JetStream answering is not enough: a stream with one replica per node can be placed
+            # only once the meta leader counts every peer current (on a loaded machine, seconds
+            # later; a manager's lease bucket created meanwhile was refused). Probe that placement.
+            while not asyncio.run(_replicas_placeable(live[0].url, len(live))):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"a {len(live)}-replica stream could not be placed in {timeout:g} s:\n"
+                                       + (live[0].dir / "server.log").read_text()[-3000:])
+                time.sleep(0.2)
 
     def stop(self) -> None:
         for n in self.nodes:
@@ -197,6 +208,29 @@ async def _jetstream_ready(url: str) -> bool:
         return False
     try:
         await nc.jetstream(timeout=1.0).account_info()
+        return True
+    except Exception:
+        return False
+    finally:
+        await nc.close()
+
+
+async def _replicas_placeable(url: str, replicas: int) -> bool:
+    import nats
+    from nats.js import api
+    try:
+        async def quiet(_err: Exception) -> None:
+            return None
+        nc = await nats.connect(url, connect_timeout=1, max_reconnect_attempts=0, allow_reconnect=False,
+                                error_cb=quiet)
+    except Exception:
+        return False
+    name = f"READY_PROBE_{uuid.uuid4().hex[:8]}"
+    try:
+        js = nc.jetstream(timeout=2.0)
+        await js.add_stream(api.StreamConfig(name=name, subjects=[f"ready.probe.{name}"], num_replicas=replicas,
+                                             storage=api.StorageType.MEMORY))
+        await js.delete_stream(name)
         return True
     except Exception:
         return False

@@ -33,11 +33,16 @@ to the documented semantics:
   group it takes 0..h-1. cached_tokens = h * page_size. After the step each
   group registers the admission's full prompt pages it holds whose identity it
   does not cache yet. A page whose last owner leaves (a free, a window release)
-  goes to its group's LRU while registered; an allocation uses a clean free
-  slot while one is left and only then evicts the oldest cached page. The docs
-  fix no order among pages released by the same step, so the model keeps them
-  as one generation and asks `choose` which of a generation's pages the pool
-  evicted when it evicts only some of them.
+  stays cached while registered, stamped with the step that released it; an
+  allocation uses a clean free slot while one is left and only then evicts a
+  cached page (docs/ARCHITECTURE.md, "Eviction order"): a *leaf* (no registered
+  page was registered under it as its parent page, with that parent registered
+  at the time), the one released longest ago, the lower real slot first among
+  those released by the same step. Evicting a page unlinks it from its parent
+  (which may become a leaf). Only when no cached free page is a leaf (a sliding
+  group whose dependants are still in use) is the oldest inner page evicted by
+  the same order, and the pages registered under it stop counting as its
+  dependants.
 - An admitted token whose page a sliding group does not hold (a cached token
   before the group's first kept page) has no slot in that group: its
   `new_slots` entry is (None, offset).
@@ -49,14 +54,24 @@ to the documented semantics:
   position), -1 where a sliding window released it and past the row's end; as
   wide as the longest row (ceil(n / page_size) of the longest sequence).
 
+- Page generations (docs/ARCHITECTURE.md "Page generations"): a slot's
+  generation counts the pages it has held, that is its allocations (a new page,
+  a copy-on-write target, a page taken after evicting a cached one), from the
+  pool's seed: the k-th allocation of a slot hands out ((seed + k - 1) mod
+  (2^32 - 1)) + 1 (so never 0), seed = the incarnation's low 32 bits XOR its high
+  32 bits. A fork or a prefix-cache hit adds an owner to a page and leaves the
+  generation alone. Every page a reply names carries the generation its slot had
+  when the page was allocated, and a page held from an earlier reply is stale
+  exactly when its slot has been allocated again since. A pool created again
+  starts from its new incarnation's seed. `Generations` below.
+
 Slots here are abstract ids: which physical slot the allocator picks is its
 choice. Every page allocated by a step gets a fresh id (listed in
 `Outcome.pending`); the caller binds ids to real slots and checks that exactly
 the evicted cached slots (`Outcome.evicted`) were reused. `pos(g, slot)`, set by
 the caller, answers which physical slot an id was bound to; the prefix cache's
-parent-slot and anchor rules are about physical slots, so they compare through it.
-`choose(g, candidates)` (also the caller's) picks the one page of the oldest
-generation of cached pages that the pool evicted; by default the first.
+parent-slot and anchor rules, and the eviction order's ties, are about physical
+slots, so they compare through it.
 """
 
 from __future__ import annotations
@@ -152,6 +167,8 @@ class _State:
         # anchor slot of the first full group in a sliding one, None for page 0 or without a full group)
         self.cache: list[dict[tuple, tuple[int, int | None]]] = [{} for _ in range(groups)]
         self.key_of: list[dict[int, tuple]] = [{} for _ in range(groups)]     # registered slot -> its identity
+        self.under: list[dict[int, int]] = [{} for _ in range(groups)]       # registered slot -> the parent page
+        #                                                                      it depends on (eviction order)
         self.hits = [0] * groups            # per group: pages admissions took from its cache
         self.evictions = [0] * groups       # per group: cached pages evicted for new ones
         self.limited = 0                    # hits the sliding groups cut below the full chain (or the limit)
@@ -166,11 +183,42 @@ class _State:
         s.lru = [dict(x) for x in self.lru]
         s.cache = [dict(c) for c in self.cache]
         s.key_of = [dict(k) for k in self.key_of]
+        s.under = [dict(u) for u in self.under]
         s.hits, s.evictions = list(self.hits), list(self.evictions)
         s.steps, s.admitted, s.refused, s.limited = self.steps, self.admitted, self.refused, self.limited
         s.peak = self.peak
         s.generation = self.generation
         return s
+
+
+class Generations:
+    """Page generations in plain dicts, from the rule in the module docstring: per layer group, physical slot ->
+    allocations so far, and page (the model's abstract slot id) -> the generation it was allocated with.
+    The caller says which physical slot each new page took (`allocated`), since only it knows."""
+
+    def __init__(self, groups: int, incarnation: int = 0) -> None:
+        self.seed = (incarnation ^ (incarnation >> 32)) & 0xFFFFFFFF
+        self.count: list[dict[int, int]] = [{} for _ in range(groups)]    # physical slot -> allocations
+        self.of: list[dict[int, int]] = [{} for _ in range(groups)]       # page -> its generation
+
+    def _value(self, k: int) -> int:
+        return self.seed if k == 0 else (self.seed + k - 1) % (2**32 - 1) + 1
+
+    def allocated(self, g: int, page: int, slot: int) -> None:
+        self.count[g][slot] = self.count[g].get(slot, 0) + 1
+        self.of[g][page] = self._value(self.count[g][slot])
+
+    def generation(self, g: int, page: int) -> int:
+        """The generation a reply sends with `page`."""
+        return self.of[g][page]
+
+    def slot(self, g: int, slot: int) -> int:
+        """A physical slot's generation now (the seed: never allocated)."""
+        return self._value(self.count[g].get(slot, 0))
+
+    def stale(self, g: int, page: int, slot: int) -> bool:
+        """True once `slot`, which held `page`, holds a newer page: a table naming `page` must not be read."""
+        return self.slot(g, slot) != self.of[g][page]
 
 
 class RefPool:
@@ -195,7 +243,11 @@ class RefPool:
         self._stat_group = 0 if self.anchor is None else self.anchor   # the group PoolStats describes
         self._next_slot = 0
         self.pos = lambda g, slot: slot          # physical slot of an id; the differential test sets it
-        self.choose = lambda g, candidates: candidates[0]
+
+    def reset(self) -> None:
+        """The pool was deleted and created again: no sequences, nothing cached, every counter at 0. Abstract slot
+        ids keep counting (a page of the old pool is never a page of the new one)."""
+        self.s = _State(len(self.windows))
 
     # ---- read-only views -----------------------------------------------------------------
     @property
@@ -205,6 +257,31 @@ class RefPool:
     def clean(self, g: int, s: _State | None = None) -> int:
         s = s or self.s
         return self.slots[g] - len(s.refs[g]) - len(s.lru[g])
+
+    def eviction_order(self, g: int, s: _State | None = None) -> list[int]:
+        """The cached free pages of group g in the order allocations would evict them from now on."""
+        s = s or self.s
+        lru, under = dict(s.lru[g]), dict(s.under[g])
+        out = []
+        while lru:
+            victim = self._victim(g, lru, under)
+            self._unlink(under, victim)
+            del lru[victim]
+            out.append(victim)
+        return out
+
+    def _victim(self, g: int, lru: dict[int, int], under: dict[int, int]) -> int:
+        """Of the cached free pages (slot -> step released), the one evicted next: leaves first, oldest, lower slot."""
+        inner = set(under.values())
+        leaves = [x for x in lru if x not in inner]
+        return min(leaves or list(lru), key=lambda x: (lru[x], self.pos(g, x)))
+
+    @staticmethod
+    def _unlink(under: dict[int, int], victim: int) -> None:
+        """The victim's page is gone: it no longer depends on its parent, and nothing depends on it."""
+        under.pop(victim, None)
+        for child in [c for c, p in under.items() if p == victim]:
+            del under[child]
 
     def num_free(self, g: int) -> int:
         return self.slots[g] - len(self.s.refs[g])
@@ -279,9 +356,8 @@ class RefPool:
         if self.clean(g, s) == 0:
             if not s.lru[g]:
                 raise ResourceExhausted(f"group {g}: no free slot")
-            oldest = min(s.lru[g].values())
-            candidates = [x for x, gen in s.lru[g].items() if gen == oldest]
-            victim = candidates[0] if len(candidates) == 1 else self.choose(g, candidates)
+            victim = self._victim(g, s.lru[g], s.under[g])
+            self._unlink(s.under[g], victim)
             del s.lru[g][victim]
             key = s.key_of[g].pop(victim)
             del s.cache[g][key]
@@ -400,6 +476,9 @@ class RefPool:
                         link = q.pages[self.anchor][j] if self.anchor is not None else None
                     s.cache[g][key] = (q.pages[g][j], link)
                     s.key_of[g][q.pages[g][j]] = key
+                    parent = q.pages[g][j - 1] if j > q.first[g] else None     # this group's page j - 1
+                    if parent is not None and parent in s.key_of[g]:
+                        s.under[g][q.pages[g][j]] = parent
         # the reply
         rows = [self._emit(s, i, olds[i], k) for i, k in st.ext]
         rows += [self._emit(s, i, 0, n) for i, n in st.adm]

@@ -1,28 +1,29 @@
 """asyncio BlockManager client with the same calls, deadlines, retries, request ids, position check and security.
 
-Retries follow kvservice/client/client.py exactly (one request_id per logical call, backoff until the
-call's deadline, RETRIES_EXHAUSTED carrying the request_id, ManagerBehind); only the waits are awaited.
+Deadlines and retries follow kvservice/client/client.py exactly (``timeout`` is the deadline of a whole
+call, each attempt gets what remains, one request_id per logical call, RETRIES_EXHAUSTED carrying it,
+the failover bound, StateRolledBack); only the waits are awaited.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
 
 from kvservice.client import codec
 from kvservice.client.client import (
-    RETRY_CODES,
-    CallBudget,
-    PositionTracker,
-    RetryPolicy,
+    SERVICE,
     TLSOptions,
     auth_metadata,
     channel_options,
     new_request_id,
+    position_tracker,
 )
 from kvservice.client.codec import StepResult
+from kvservice.client.deadline import RETRY_CODES, CallBudget, RetryPolicy, client_policy
 from kvservice.client.stream import AsyncStepStream
 from kvservice.contract.pagetable import PageTable, ValidationReport
 from kvservice.core.geometry import CacheSpec
@@ -32,19 +33,23 @@ from kvservice.v1 import block_manager_pb2_grpc as pb_grpc
 
 
 class AsyncBlockManagerClient:
-    """asyncio twin of BlockManagerClient (use inside a running event loop); same arguments."""
+    """asyncio twin of BlockManagerClient (use inside a running event loop); same arguments, and interceptors:
+    grpc.aio client interceptors of the channel (tracing; tests read each attempt's deadline with one)."""
 
     def __init__(self, target: str, timeout: float = 10.0, retries: int | None = None, *,
-                 tls: TLSOptions | None = None, token: str | None = None, retry: RetryPolicy | None = None) -> None:
+                 tls: TLSOptions | None = None, token: str | None = None, retry: RetryPolicy | None = None,
+                 registry: Any = None, failover: float | None = None, interceptors: Sequence[Any] = ()) -> None:
         self.target = target
         self.timeout = timeout
-        self.retry = retry or RetryPolicy(attempts=0 if retries is None else 1 + max(0, retries))
-        self.position = PositionTracker()
+        self.retry = client_policy(retry, retries, failover)
+        self.position = position_tracker(registry)
         self._metadata = auth_metadata(token)
+        options = channel_options(tls, self.retry.service_config(SERVICE))
         if tls is None:
-            self._channel = grpc.aio.insecure_channel(target, options=channel_options())
+            self._channel = grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
         else:
-            self._channel = grpc.aio.secure_channel(target, tls.credentials(), options=channel_options(tls))
+            self._channel = grpc.aio.secure_channel(target, tls.credentials(), options=options,
+                                                    interceptors=interceptors)
         self._stub = pb_grpc.BlockManagerStub(self._channel)
 
     def __repr__(self) -> str:
@@ -60,14 +65,15 @@ class AsyncBlockManagerClient:
         await self._channel.close()
 
     def reset_position(self) -> None:
-        """Forget the journal positions seen (after resynchronising with a manager that came back behind)."""
-        self.position = PositionTracker()
+        """Forget the journal positions seen and refused (after resynchronising with a manager that was rolled back)."""
+        self.position.reset()
 
     async def _call(self, method: Any, request: Any, timeout: float | None) -> Any:
-        """One logical call: attempts under one request_id until it succeeds, fails for good, or the deadline passes."""
+        """One logical call: attempts under one request_id until it succeeds, fails for good, or its deadline
+        passes; each attempt's gRPC deadline is what remains of it."""
         rid = getattr(request, "request_id", None) or None
         name = type(request).__name__.removesuffix("Request")
-        budget = CallBudget(self.retry, timeout or self.timeout, name, rid, RETRY_CODES)
+        budget = CallBudget(self.retry, timeout or self.timeout, name, rid, RETRY_CODES, self.target)
         seen = self.position.seen()
         while True:
             try:

@@ -1,24 +1,27 @@
-"""Synchronous BlockManager client: deadlines, retries that ride through a manager restart, request ids.
+"""Synchronous BlockManager client: deadlines, retries inside them, request ids.
+
+Deadlines (kvservice/client/deadline.py): a call's ``timeout`` is its whole deadline, every retry
+included; each attempt gets what remains. UNAVAILABLE (no manager answered) is retried within it,
+by gRPC (the channel's service config) and then by the client; ``RetryPolicy.failover`` is the
+separate, opt-in bound of a call that keeps trying across a failover or restart.
 
 Exactly once: a mutating call (Step, CreatePool, DeletePool) gets one request_id (uuid4 unless
-given) that every retry of that call reuses, so the manager applies it at most once and answers
-a retry with the original reply. A call is retried on UNAVAILABLE and DEADLINE_EXCEEDED with
-exponential backoff and jitter until its overall deadline (RetryPolicy.deadline, 60 s by default:
-longer than a manager restart with recovery); each attempt also has its own deadline (`timeout`).
-When the deadline passes, the ClientError (reason RETRIES_EXHAUSTED) carries the request_id:
-calling again with it later is safe. RegisterWorker has no id: a retried registration just yields
-a newer epoch, which is safe.
+given) that every attempt of that call reuses, so the manager applies it at most once and answers
+a retry with the original reply. When a call gives up, the ClientError (reason RETRIES_EXHAUSTED)
+carries the request_id: calling again with it later is safe. RegisterWorker has no id: a retried
+registration just yields a newer epoch, which is safe.
 
-Position check: mutating replies and pool reads carry the manager's journal position
-(incarnation, seq). A reply whose seq is below one this client saw before it sent the call means
-the manager came back behind what it acknowledged (its state dir lost changes): the call raises
-ManagerBehind (DATA_LOSS) instead of returning state that contradicts earlier replies.
+Position check (kvservice/client/position.py): replies of mutating calls and state reads carry the
+manager's journal position (lineage, incarnation, seq). A reply whose seq is below one this client saw
+in the same lineage before it sent the call means the manager's state was rolled back (it lost changes
+it acknowledged): the call raises StateRolledBack (DATA_LOSS, reason STATE_ROLLED_BACK) instead of
+returning state that contradicts earlier replies, and counts it (``registry``: a prometheus_client
+registry that gets kvservice_client_state_rollbacks_total). A reply of a new lineage is accepted and
+reported (logged, counted).
 """
 
 from __future__ import annotations
 
-import random
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -29,7 +32,9 @@ from typing import Any, TypeVar
 import grpc
 
 from kvservice.client import codec
-from kvservice.client.codec import ClientError, StepResult, position_of
+from kvservice.client.codec import ClientError, StepResult
+from kvservice.client.deadline import RETRY_CODES, CallBudget, RetryPolicy, client_policy
+from kvservice.client.position import ClientMetrics, PositionTracker, StateRolledBack
 from kvservice.client.stream import EchoStream, StepStream
 from kvservice.contract.pagetable import PageTable, ValidationReport
 from kvservice.contract.transport import MAX_MESSAGE_BYTES
@@ -39,7 +44,7 @@ from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1 import block_manager_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
-RETRY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+SERVICE = pb.DESCRIPTOR.services_by_name["BlockManager"]
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    # reconnect quickly after a manager restart (gRPC's default backoff grows to 120 s)
@@ -74,103 +79,17 @@ class TLSOptions:
                                             certificate_chain=self.cert)
 
 
-@dataclass(frozen=True, slots=True)
-class RetryPolicy:
-    """How one logical call rides through UNAVAILABLE and DEADLINE_EXCEEDED.
-
-    deadline: seconds the whole call may take, every attempt and backoff included; a manager
-        restart (recovery included) must fit in it.
-    attempts: most tries in all; 0 = as many as the deadline allows, 1 = never retry.
-    Backoff before try k+1 is uniform in [d/2, d] seconds, d = min(max_backoff, initial_backoff * multiplier**k).
-    """
-
-    deadline: float = 60.0
-    attempts: int = 0
-    initial_backoff: float = 0.05
-    max_backoff: float = 1.0
-    multiplier: float = 2.0
-
-    def backoff(self, attempt: int) -> float:
-        d = min(self.max_backoff, self.initial_backoff * self.multiplier ** attempt)
-        return random.uniform(d / 2, d)
+#: The name StateRolledBack had before lineages (reason MANAGER_BEHIND then, STATE_ROLLED_BACK now).
+ManagerBehind = StateRolledBack
 
 
-class CallBudget:
-    """Deadline and backoff bookkeeping of one logical call (shared by the sync and asyncio clients).
-
-    name: the RPC, for messages; request_id: its idempotency key (None for reads).
-    """
-
-    def __init__(self, policy: RetryPolicy, timeout: float, name: str, request_id: str | None,
-                 codes: tuple[grpc.StatusCode, ...]) -> None:
-        self.policy, self.timeout, self.name, self.request_id, self.codes = policy, timeout, name, request_id, codes
-        self.start = time.monotonic()
-        self.deadline = self.start + policy.deadline
-        self.tries = 0
-
-    def attempt_timeout(self) -> float:
-        """The deadline of the next attempt: `timeout`, cut to what is left of the call's deadline."""
-        self.tries += 1
-        return max(0.001, min(self.timeout, self.deadline - time.monotonic()))
-
-    def pause_or_raise(self, exc: grpc.RpcError) -> float:
-        """Seconds to wait before the next attempt; raises ClientError if the call must stop now."""
-        if exc.code() not in self.codes:
-            raise ClientError.from_rpc(exc, self.request_id) from None
-        pause = self.policy.backoff(self.tries - 1)
-        limit = self.policy.attempts
-        if (limit and self.tries >= limit) or time.monotonic() + pause >= self.deadline:
-            raise self.gave_up(exc) from None
-        return pause
-
-    def gave_up(self, exc: grpc.RpcError) -> ClientError:
-        err = ClientError.from_rpc(exc, self.request_id)
-        spent = time.monotonic() - self.start
-        again = (f"; it may or may not have been applied: call again with request_id={self.request_id!r} (safe: "
-                 "the manager answers a retry with the original reply)") if self.request_id else ""
-        return ClientError(err.code, f"{self.name} gave up after {self.tries} attempts in {spent:.1f} s (last: "
-                           f"{err.message}){again}", "RETRIES_EXHAUSTED",
-                           {**err.metadata, "attempts": str(self.tries), "last_reason": err.reason},
-                           self.request_id)
-
-
-class ManagerBehind(ClientError):
-    """A reply from a manager whose journal is behind what this client saw earlier (it lost acknowledged changes).
-
-    reply: the reply (its changes were applied by that manager); seen: the highest seq seen before the call.
-    """
-
-    def __init__(self, name: str, seen: int, got: tuple[int, int], reply: Any, request_id: str | None) -> None:
-        super().__init__(grpc.StatusCode.DATA_LOSS,
-                         f"{name}: the manager answered at journal position {got[1]} (incarnation {got[0]}) but this "
-                         f"client already saw position {seen}: the manager came back behind what it acknowledged "
-                         "(its state dir lost changes). Do not trust its state; resynchronise the scheduler, then "
-                         "call reset_position()", "MANAGER_BEHIND",
-                         {"seen_seq": str(seen), "seq": str(got[1]), "incarnation": str(got[0])}, request_id)
-        self.reply = reply
-
-
-class PositionTracker:
-    """The highest journal position a client has seen (thread-safe)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.seq = 0
-        self.incarnation = 0
-
-    def seen(self) -> int:
-        return self.seq
-
-    def check(self, name: str, reply: Any, seen_before: int, request_id: str | None) -> None:
-        """Record a reply's position; ManagerBehind if it is below what was seen before the call was sent."""
-        pos = position_of(reply)
-        if pos is None:
-            return
-        if pos[1] < seen_before:
-            raise ManagerBehind(name, seen_before, pos, reply, request_id)
-        with self._lock:
-            if pos[1] >= self.seq:
-                self.incarnation, self.seq = pos
+def position_tracker(registry: Any = None) -> PositionTracker:
+    """A PositionTracker whose refusals and lineage changes count in `registry` (a prometheus_client
+    CollectorRegistry; None = not exported: the counts stay on the tracker and in each error)."""
+    tracker = PositionTracker()
+    if registry is not None:
+        ClientMetrics.of(registry).attach(tracker)
+    return tracker
 
 
 def new_request_id() -> str:
@@ -178,16 +97,20 @@ def new_request_id() -> str:
     return uuid.uuid4().hex
 
 
-def channel_options(tls: TLSOptions | None = None) -> list[tuple[str, Any]]:
+def channel_options(tls: TLSOptions | None = None, service_config: str | None = None) -> list[tuple[str, Any]]:
+    """Options of a client channel: message limits, quick reconnects, TLS name, the retry service config."""
     extra = [("grpc.ssl_target_name_override", tls.server_name)] if tls is not None and tls.server_name else []
+    if service_config:
+        extra.append(("grpc.service_config", service_config))
     return CHANNEL_OPTIONS + extra
 
 
-def make_channel(target: str, tls: TLSOptions | None = None) -> grpc.Channel:
-    """A plaintext channel, or a TLS one (mutual TLS if tls has a cert)."""
+def make_channel(target: str, tls: TLSOptions | None = None, service_config: str | None = None) -> grpc.Channel:
+    """A plaintext channel, or a TLS one (mutual TLS if tls has a cert); service_config: RetryPolicy.service_config."""
+    options = channel_options(tls, service_config)
     if tls is None:
-        return grpc.insecure_channel(target, options=channel_options())
-    return grpc.secure_channel(target, tls.credentials(), options=channel_options(tls))
+        return grpc.insecure_channel(target, options=options)
+    return grpc.secure_channel(target, tls.credentials(), options=options)
 
 
 def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
@@ -214,21 +137,26 @@ class EventStream:
 class BlockManagerClient:
     """Talks to one manager.
 
-    timeout: deadline of each attempt, seconds. retry: how a call rides through failures (default:
-    retried until 60 s have passed). retries: a cap on extra attempts instead (0 = never retry; ignored
-    if `retry` is given). tls: TLS / mutual TLS (None = plaintext). token: bearer token for a manager
-    started with --tokens-file. position: the highest journal position seen (see the module docstring).
+    timeout: the deadline of each call, seconds, every retry included (a call may pass its own).
+    retry: how a call is retried within it (kvservice/client/deadline.py; RetryPolicy(failover=S) keeps a
+    call that meets no manager trying for S seconds, across a failover or restart). retries: a cap on
+    extra attempts instead (0 = never retry; ignored if `retry` is given). failover: seconds a call that
+    meets no manager (UNAVAILABLE: a restart, a failover) keeps trying, even past timeout (replaces the
+    policy's; 0 = never past timeout, the default). tls: TLS / mutual TLS (None = plaintext). token:
+    bearer token for a manager started with --tokens-file. registry: a prometheus_client registry to count
+    refused (rolled-back) replies and lineage changes in. position: the journal positions seen (see the module
+    docstring).
     """
 
     def __init__(self, target: str, timeout: float = 10.0, retries: int | None = None,
                  channel: grpc.Channel | None = None, *, tls: TLSOptions | None = None, token: str | None = None,
-                 retry: RetryPolicy | None = None) -> None:
+                 retry: RetryPolicy | None = None, registry: Any = None, failover: float | None = None) -> None:
         self.target = target
         self.timeout = timeout
-        self.retry = retry or RetryPolicy(attempts=0 if retries is None else 1 + max(0, retries))
-        self.position = PositionTracker()
+        self.retry = client_policy(retry, retries, failover)
+        self.position = position_tracker(registry)
         self._metadata = auth_metadata(token)
-        self._channel = channel or make_channel(target, tls)
+        self._channel = channel or make_channel(target, tls, self.retry.service_config(SERVICE))
         self._stub = pb_grpc.BlockManagerStub(self._channel)
 
     def __repr__(self) -> str:
@@ -252,15 +180,16 @@ class BlockManagerClient:
                               f"within {timeout:.0f} s") from None
 
     def reset_position(self) -> None:
-        """Forget the journal positions seen (after resynchronising with a manager that came back behind)."""
-        self.position = PositionTracker()
+        """Forget the journal positions seen and refused (after resynchronising with a manager that was rolled back)."""
+        self.position.reset()
 
     def _call(self, method: Callable[..., T], request: Any, timeout: float | None,
               codes: tuple[grpc.StatusCode, ...] = RETRY_CODES) -> T:
-        """One logical call: attempts under one request_id until it succeeds, fails for good, or the deadline passes."""
+        """One logical call: attempts under one request_id until it succeeds, fails for good, or its deadline
+        (timeout, or the client's) passes; each attempt's gRPC deadline is what remains of it."""
         rid = getattr(request, "request_id", None) or None
         name = type(request).__name__.removesuffix("Request")
-        budget = CallBudget(self.retry, timeout or self.timeout, name, rid, codes)
+        budget = CallBudget(self.retry, timeout or self.timeout, name, rid, codes, self.target)
         seen = self.position.seen()
         while True:
             try:
@@ -362,6 +291,6 @@ class BlockManagerClient:
         return self._call(self._stub.RegisterWorker, request, timeout)
 
     def heartbeat(self, worker_id: str, epoch: int, timeout: float | None = None) -> pb.HeartbeatReply:
-        """Renew a lease. Retried on UNAVAILABLE only: after a deadline the next heartbeat is due anyway."""
+        """Renew a lease. Retried on UNAVAILABLE only, within timeout: then the next heartbeat is due anyway."""
         return self._call(self._stub.Heartbeat, pb.HeartbeatRequest(worker_id=worker_id, epoch=epoch), timeout,
                           (grpc.StatusCode.UNAVAILABLE,))

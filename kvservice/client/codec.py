@@ -47,11 +47,19 @@ class ClientError(Exception):
 
 
 def position_of(reply: object) -> tuple[int, int] | None:
-    """(incarnation, seq) of the journal position a reply carries, None if it has none."""
+    """(incarnation, seq) of the journal position a reply carries, None if it has none (its lineage:
+    lineage_of; all three: kvservice.client.position.journal_position)."""
     if "position" not in reply.DESCRIPTOR.fields_by_name or not reply.HasField("position"):  # type: ignore[attr-defined]
         return None
     pos = reply.position                                                                      # type: ignore[attr-defined]
     return int(pos.incarnation), int(pos.seq)
+
+
+def lineage_of(reply: object) -> int:
+    """The state lineage of a reply's journal position (0 if none)."""
+    if "position" not in reply.DESCRIPTOR.fields_by_name or not reply.HasField("position"):  # type: ignore[attr-defined]
+        return 0
+    return int(reply.position.lineage)                                                        # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +70,10 @@ class SpaceTables:
     slot_mapping: np.ndarray            # int64 [num_new_tokens]
     table: PageTable | None             # CSR, None if omitted
     block_table: np.ndarray | None      # [B, max_pages], -1 padded, None unless asked
+    # Page generations (docs/ARCHITECTURE.md, "Page generations"), for the worker's checks; None from a
+    # manager that sends none. FlashInfer kernels take the CSR above and ignore them.
+    slot_generations: np.ndarray | None = None  # uint32 [num_new_tokens], parallel to slot_mapping
+    generations: np.ndarray | None = None       # uint32 [nnz], parallel to table.indices
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +93,9 @@ class StepResult:
     cached_tokens: np.ndarray | None = None         # int64 [A]: tokens of each admission already cached
     copies: dict[int, np.ndarray] | None = None     # group -> int64 [n, 2] (src_slot, dst_slot), run first
     position: tuple[int, int] | None = None         # (incarnation, seq): the manager's journal position
+    lineage: int = 0                                # the state lineage that position belongs to (0 = none)
+    copy_generations: dict[int, np.ndarray] | None = None  # group -> uint32 [n, 2]: the pairs' slot generations
+    pool_incarnation: int = 0                       # the pool incarnation the step ran in (0 = not said)
 
     def for_layer(self, layer: int) -> SpaceTables:
         """The tables a kernel of `layer` must use (never another space's)."""
@@ -170,12 +185,23 @@ def parse_step(reply: pb.StepReply) -> StepResult:
             table = PageTable(from_tensor(st.indptr, "indptr"), from_tensor(st.indices, "indices"),
                               from_tensor(st.last_page_len, "last_page_len"))
         tables[st.index_space] = SpaceTables(space, from_tensor(st.slot_mapping, "slot_mapping"), table,
-                                             field_array(st, "block_table"))
-    copies = {c.group: from_tensor(c.pairs, "pairs").reshape(-1, 2) for c in reply.copies}
+                                             field_array(st, "block_table"), field_array(st, "slot_generations"),
+                                             field_array(st, "generations"))
+    copies, copy_gens = parse_copies(reply)
     return StepResult(from_tensor(reply.seq_ids, "seq_ids"), from_tensor(reply.num_tokens, "num_tokens"),
                       from_tensor(reply.new_token_indptr, "new_token_indptr"), tables,
                       tuple(reply.layer_index_space), reply.num_free_slots,
-                      field_array(reply, "admit_cached_tokens"), copies, position_of(reply))
+                      field_array(reply, "admit_cached_tokens"), copies, position_of(reply), lineage_of(reply),
+                      copy_gens, reply.pool_incarnation)
+
+
+def parse_copies(reply: pb.StepReply) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray] | None]:
+    """(group -> int64 [n, 2] copy-on-write slot pairs, group -> uint32 [n, 2] their generations or None when
+    the manager sent none)."""
+    copies = {c.group: from_tensor(c.pairs, "pairs").reshape(-1, 2) for c in reply.copies}
+    if not all(c.HasField("generations") for c in reply.copies):
+        return copies, None
+    return copies, {c.group: from_tensor(c.generations, "generations").reshape(-1, 2) for c in reply.copies}
 
 
 def validate_request(pool: str, layer: int, table: PageTable, max_reports: int = 100) -> pb.ValidatePageTableRequest:

@@ -11,9 +11,18 @@ Two ways to reach the leader, and both work together:
 Either way a retried mutating call keeps its request_id, so the new leader, which followed
 the journal, answers a request the old one applied with the original reply (exactly once).
 
+Deadlines (kvservice/client/deadline.py): ``timeout`` bounds the whole call, failover included; an
+attempt that has no reply after ``RetryPolicy.attempt_timeout`` (3 s by default: a paused leader)
+moves to the next address. A failover takes about one lease (2 s) plus a takeover, so a call with
+a 10 s deadline rides it out; ``RetryPolicy(failover=S)`` lets a call with a shorter deadline keep
+trying for S seconds while no manager answers.
+
 Every reply of a replicated manager carries the leader's epoch in the initial metadata
 ``kvservice-leader-epoch``. LeaderClient remembers the highest epoch it has seen and refuses a
-reply from a lower one (a deposed leader): the call is retried elsewhere, never returned.
+reply from a lower one (a deposed leader): the call is retried elsewhere, never returned. The
+epoch check comes first; a reply that passes it then goes through the journal-position check
+of every client (kvservice/client/position.py): every manager of a deployment serves the same
+lineage, so a leader whose journal lost acknowledged entries is refused STATE_ROLLED_BACK.
 """
 
 from __future__ import annotations
@@ -25,11 +34,13 @@ from typing import Any
 
 import grpc
 
-from kvservice.client.client import BlockManagerClient, RetryPolicy, TLSOptions, auth_metadata, make_channel
+from kvservice.client.client import SERVICE, BlockManagerClient, TLSOptions, auth_metadata, make_channel
+from kvservice.client.deadline import RetryPolicy, client_policy
 from kvservice.contract.transport import EPOCH_METADATA, NODE_METADATA
 
-#: Enough tries (backoff up to 0.25 s, about 15 s in all) to ride out a failover (lease TTL 2 s by default) plus margin.
-FAILOVER_RETRY = RetryPolicy(attempts=60, initial_backoff=0.05, max_backoff=0.25)
+#: LeaderClient's default: quick retries within the call's deadline, a silent manager left after 3 s, and no
+#: gRPC-level resend (the client moves to the next address instead of asking a standby again).
+FAILOVER_RETRY = RetryPolicy(initial_backoff=0.05, max_backoff=0.25, attempt_timeout=3.0, grpc_attempts=1)
 _ROTATE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
@@ -73,23 +84,26 @@ class StaleLeader(grpc.RpcError):
 class LeaderClient(BlockManagerClient):
     """A BlockManagerClient over one or more manager addresses that follows the leader (see the module doc).
 
-    targets: "host:port" or "host:port,host:port" or a sequence. retry: default FAILOVER_RETRY
-    (about 10 s of tries). epoch: the highest leader epoch seen (0 = none yet);
-    stale_replies: replies refused for a lower epoch.
+    targets: "host:port" or "host:port,host:port" or a sequence. timeout: the deadline of each call,
+    failover included. retry: default FAILOVER_RETRY. failover: see BlockManagerClient. interceptors:
+    client interceptors of every address's unary calls (tracing; tests read each attempt's deadline).
+    epoch: the highest leader epoch seen (0 = none yet); stale_replies: replies refused for a lower epoch.
     """
 
     def __init__(self, targets: str | Sequence[str], timeout: float = 10.0, retries: int | None = None, *,
-                 tls: TLSOptions | None = None, token: str | None = None, retry: RetryPolicy | None = None) -> None:
+                 tls: TLSOptions | None = None, token: str | None = None, retry: RetryPolicy | None = None,
+                 registry: Any = None, failover: float | None = None,
+                 interceptors: Sequence[grpc.UnaryUnaryClientInterceptor] = ()) -> None:
         self.targets = [t.strip() for t in (targets.split(",") if isinstance(targets, str) else targets) if t.strip()]
         if not self.targets:
             raise ValueError("LeaderClient needs at least one manager address")
-        if retry is None:
-            retry = FAILOVER_RETRY if retries is None else RetryPolicy(attempts=1 + max(0, retries))
-        self._channels = [make_channel(t, tls) for t in self.targets]
+        retry = client_policy(retry, retries, failover, FAILOVER_RETRY)
+        self._channels = [make_channel(t, tls, retry.service_config(SERVICE)) for t in self.targets]
         super().__init__(",".join(self.targets), timeout, channel=self._channels[0], tls=tls, token=token,
-                         retry=retry)
+                         retry=retry, registry=registry)
         from kvservice.v1 import block_manager_pb2_grpc as pb_grpc
-        self._stubs = [pb_grpc.BlockManagerStub(ch) for ch in self._channels]
+        self._stubs = [pb_grpc.BlockManagerStub(grpc.intercept_channel(ch, *interceptors) if interceptors else ch)
+                       for ch in self._channels]
         self._stub = _LeaderStub(self)            # what BlockManagerClient's calls go through
         self._metadata = auth_metadata(token)
         self._current = 0
@@ -168,10 +182,10 @@ class LeaderEventStream:
     breaks with UNAVAILABLE or DEADLINE_EXCEEDED (the leader died, was deposed or paused) or a
     manager answers with a lower epoch than seen, it reconnects to the next address with
     ``from_sequence`` = the last batch received + 1, retrying as the client's RetryPolicy allows
-    (the budget starts anew once a batch arrives). A standby numbers batches as the leader did
-    (they are rebuilt from the same journal entries), so the batches resume with no gap and no
-    duplicate. A batch split over several messages (``more``) is yielded only once all its parts
-    arrived, so a break inside one never repeats a part. If the new leader no longer holds the
+    (for the client's timeout, or its failover bound if longer, anew once a batch arrives). A standby
+    numbers batches as the leader did (they are rebuilt from the same journal entries), so the batches
+    resume with no gap and no duplicate. A batch split over several messages (``more``) is yielded only
+    once all its parts arrived, so a break inside one never repeats a part. If the new leader no longer holds the
     batches asked for (more than its ring retains were missed, or it recovered from a snapshot
     newer than them), the first batch after the reconnection is a *reset* (``reset`` set,
     AllBlocksCleared and then the whole cache, ``reset_reason`` says why), exactly as
@@ -192,7 +206,8 @@ class LeaderEventStream:
             call.cancel()
 
     def __iter__(self) -> Iterator[Any]:
-        from kvservice.client.client import CallBudget, ClientError
+        from kvservice.client.codec import ClientError
+        from kvservice.client.deadline import CallBudget
         from kvservice.v1 import block_manager_pb2 as pb
         c = self._client
         budget: CallBudget | None = None
@@ -225,9 +240,8 @@ class LeaderEventStream:
                 c._rotate(index)
                 call.cancel()                        # a refused epoch leaves its stream open otherwise
                 if budget is None:
-                    budget = CallBudget(c.retry, self.timeout or c.timeout, "WatchEvents", None, _ROTATE)
-                budget.tries += 1
-                time.sleep(budget.pause_or_raise(err))
+                    budget = CallBudget(c.retry, self.timeout or c.timeout, "WatchEvents", None, _ROTATE, c.target)
+                time.sleep(budget.retry_after(err))
                 self.reconnects += 1
 
 

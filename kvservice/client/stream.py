@@ -9,11 +9,16 @@
 - deltas=True asks for incremental tables and keeps them in a :class:`PageTableMirror`; a result's
   tables are gathered from the mirror on first access and are exactly what a full reply carries
   (read them before the next step on the stream: the mirror then moves on).
-- A broken stream (UNAVAILABLE) or a reply later than the deadline (the call is cancelled) makes the
-  client reopen the stream under the same id and resend the unanswered request with the same seq
-  and bytes; the manager answers it with its original reply if it was applied (exactly once).
+- Deadlines: a step's ``timeout`` bounds the whole step, reconnections included; a reply not in by
+  then cancels the call (DEADLINE_EXCEEDED, naming the stream and the manager). If the client's
+  RetryPolicy allows more than one attempt (``attempts``), a broken stream (UNAVAILABLE) makes the
+  client reopen it under the same id, within what remains of that deadline (or of the policy's
+  failover bound), and resend the unanswered request with the same seq and bytes; the manager
+  answers it with its original reply if it was applied (exactly once).
 - A refused request raises ClientError (code, message, ErrorInfo reason and metadata, as from a unary
   Step); the stream goes on.
+- Every reply's journal position goes through the client's position check (kvservice/client/position.py):
+  a reply from a manager whose state was rolled back raises StateRolledBack before its tables are used.
 """
 
 from __future__ import annotations
@@ -30,16 +35,16 @@ import grpc
 import numpy as np
 
 from kvservice.client import codec
-from kvservice.client.codec import ClientError, SpaceTables, StepResult
+from kvservice.client.codec import ClientError, SpaceTables, StepResult, lineage_of, position_of
+from kvservice.client.deadline import RETRY_CODES, CallBudget, RetryPolicy, client_error, code_of
 from kvservice.contract.mirror import MirrorError, PageTableMirror
 from kvservice.contract.transport import STREAM_ID_KEY
-from kvservice.contract.wire import field_array, from_tensor
+from kvservice.contract.wire import field_array
 from kvservice.v1 import block_manager_pb2 as pb
 
 METHOD = "/kvservice.v1.BlockManager/StepStream"
 ECHO_METHOD = "/kvservice.v1.BlockManager/EchoStream"
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
-_RETRY = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 class MirrorTables(Mapping):
@@ -61,7 +66,8 @@ class MirrorTables(Mapping):
         if space_id not in m.spaces:
             raise KeyError(space_id)
         got = SpaceTables(m.spaces[space_id].info, m.slot_mapping(space_id), m.page_table(space_id),
-                          m.block_table(space_id) if self._block_table else None)
+                          m.block_table(space_id) if self._block_table else None, m.slot_generations(space_id),
+                          m.generations(space_id))
         self._done[space_id] = got
         return got
 
@@ -90,6 +96,16 @@ class _Core:
         self.reused = 0                   # requests whose body bytes were reused (steady decode)
         self.last_reply: pb.StepReply | None = None     # the last reply received (its size is reported by benches)
 
+    def budget(self, client: Any, timeout: float) -> CallBudget:
+        """The deadline of one step: `timeout`, reconnections included; reconnects only if the client's policy
+        names more than one attempt (a stream is resent by no one else)."""
+        policy: RetryPolicy = client.retry
+        return CallBudget(policy, timeout, f"StepStream {self.stream_id} (request {self.seq})", None, RETRY_CODES,
+                          client.target)
+
+    def single_attempt(self, client: Any) -> bool:
+        return client.retry.attempts <= 1
+
     def request_bytes(self, free: object, extend: object, extend_tokens: object, admit: object, admit_tokens: object,
                       tables: bool, block_table: bool, extra: dict[str, Any]) -> bytes:
         """The next request, serialized: the (cached) body, then stream_seq and the delta fields."""
@@ -111,6 +127,20 @@ class _Core:
                               accept_tokens_added=delta)
         return body + tail.SerializeToString()
 
+    def checked(self, reply: pb.StepReply, seen: Any) -> pb.StepReply:
+        """The reply, once its journal position passed the client's check (StateRolledBack otherwise).
+
+        seen: the client's positions taken before the request was sent (PositionTracker.seen()).
+        """
+        tracker = getattr(self.client, "position", None)          # type: ignore[attr-defined]
+        if tracker is not None:
+            try:
+                tracker.check("StepStream", reply, seen, f"{self.stream_id}#{self.seq}")
+            except ClientError:
+                self.mirror.invalidate()          # the refused reply's tables are never applied
+                raise
+        return reply
+
     def result(self, reply: pb.StepReply, tables: bool, block_table: bool) -> StepResult:
         """The StepResult of a reply (ClientError if it was refused or its delta does not apply)."""
         self.last_reply = reply
@@ -129,17 +159,19 @@ class _Core:
             raise ClientError(grpc.StatusCode.DATA_LOSS, f"stream {self.stream_id}: {err}", "MIRROR_OUT_OF_SYNC") \
                 from None
         m = self.mirror
-        copies = {c.group: from_tensor(c.pairs, "pairs").reshape(-1, 2) for c in reply.copies}
+        copies, copy_gens = codec.parse_copies(reply)
         return StepResult(m.seq_ids, m.num_tokens, m.new_token_indptr, MirrorTables(m, block_table),  # type: ignore[arg-type]
                           tuple(reply.layer_index_space), reply.num_free_slots,
-                          field_array(reply, "admit_cached_tokens"), copies)
+                          field_array(reply, "admit_cached_tokens"), copies, position_of(reply), lineage_of(reply),
+                          copy_gens, reply.pool_incarnation)
 
 
 class StepStream(_Core):
     """A StepStream of a BlockManagerClient (use client.step_stream(pool)). Not thread-safe: one caller.
 
-    deltas: incremental tables through a PageTableMirror. timeout: seconds a reply may take (default:
-    the client's). stream_id: name of the stream (default a fresh one; reuse one only to resume it).
+    deltas: incremental tables through a PageTableMirror. timeout: the deadline of each step, seconds,
+    reconnections included (default: the client's). stream_id: name of the stream (default a fresh one;
+    reuse one only to resume it).
     """
 
     def __init__(self, client: Any, pool: str, deltas: bool = True, timeout: float | None = None,
@@ -175,7 +207,8 @@ class StepStream(_Core):
         """One scheduler iteration (arguments as BlockManagerClient.step; ids uint64 [n], counts int64 [n] or a
         scalar). Returns the batch with slot mappings and page tables per index space."""
         data = self.request_bytes(free, extend, extend_tokens, admit, admit_tokens, tables, block_table, extra)
-        return self.result(self._roundtrip(data), tables, block_table)
+        seen = self.client.position.seen()
+        return self.result(self.checked(self._roundtrip(data), seen), tables, block_table)
 
     # ---- transport ---------------------------------------------------------------------------
     def _open(self) -> None:
@@ -209,13 +242,13 @@ class StepStream(_Core):
             time.sleep(tick)
 
     def _roundtrip(self, data: bytes) -> pb.StepReply:
-        attempts = max(1, self.client.retry.attempts)
-        for attempt in range(attempts):
+        budget = self.budget(self.client, self.timeout)
+        while True:
             try:
                 if self._call is None:
                     self._open()
                 self._expired = False
-                self._deadline = time.monotonic() + self.timeout
+                self._deadline = time.monotonic() + budget.attempt_timeout()
                 self._queue.put(data)             # type: ignore[union-attr]
                 try:
                     return next(self._call)
@@ -224,17 +257,17 @@ class StepStream(_Core):
                 finally:
                     self._deadline = 0.0
             except (grpc.RpcError, ClientError) as exc:
-                err = exc if isinstance(exc, ClientError) else ClientError.from_rpc(exc)
+                err = client_error(exc)
                 if self._expired:
-                    err = ClientError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply within {self.timeout:g} s on "
-                                      f"stream {self.stream_id}")
+                    err = ClientError(grpc.StatusCode.DEADLINE_EXCEEDED, "no reply in time (the call was cancelled)")
                 self._drop_call()
-                if err.code in _RETRY and attempt + 1 < attempts and not self._closed:
-                    self.reconnects += 1
-                    time.sleep(self.client.retry.backoff(attempt))
-                    continue
-                raise err from None
-        raise AssertionError("unreachable")
+                if self._closed or code_of(err) not in RETRY_CODES:
+                    raise err from None
+                if self.single_attempt(self.client):
+                    raise budget.gave_up(err) from None
+                pause = budget.pause_or_raise(err)
+                self.reconnects += 1
+                time.sleep(pause)
 
 
 class AsyncStepStream(_Core):
@@ -266,34 +299,38 @@ class AsyncStepStream(_Core):
                    admit: object = None, admit_tokens: object = None, tables: bool = True, block_table: bool = False,
                    **extra: Any) -> StepResult:
         data = self.request_bytes(free, extend, extend_tokens, admit, admit_tokens, tables, block_table, extra)
-        return self.result(await self._roundtrip(data), tables, block_table)
+        seen = self.client.position.seen()
+        return self.result(self.checked(await self._roundtrip(data), seen), tables, block_table)
 
     async def _roundtrip(self, data: bytes) -> pb.StepReply:
-        attempts = max(1, self.client.retry.attempts)
-        for attempt in range(attempts):
+        budget = self.budget(self.client, self.timeout)
+        while True:
             try:
                 if self._call is None:
                     self._call = self._method(metadata=self._metadata)
-                await self._call.write(data)
-                reply = await asyncio.wait_for(self._call.read(), self.timeout)
+                reply = await asyncio.wait_for(self._exchange(data), budget.attempt_timeout())
                 if reply is grpc.aio.EOF:
                     raise ClientError(grpc.StatusCode.UNAVAILABLE, "the manager ended the stream")
                 return reply
             except (grpc.aio.AioRpcError, ClientError, TimeoutError) as exc:
                 if isinstance(exc, TimeoutError):
-                    err = ClientError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply within {self.timeout:g} s on "
-                                      f"stream {self.stream_id}")
+                    err = ClientError(grpc.StatusCode.DEADLINE_EXCEEDED, "no reply in time (the call was cancelled)")
                 else:
-                    err = exc if isinstance(exc, ClientError) else ClientError.from_rpc(exc)
+                    err = client_error(exc)
                 if self._call is not None:
                     self._call.cancel()
                     self._call = None
-                if err.code in _RETRY and attempt + 1 < attempts:
-                    self.reconnects += 1
-                    await asyncio.sleep(self.client.retry.backoff(attempt))
-                    continue
-                raise err from None
-        raise AssertionError("unreachable")
+                if code_of(err) not in RETRY_CODES:
+                    raise err from None
+                if self.single_attempt(self.client):
+                    raise budget.gave_up(err) from None
+                pause = budget.pause_or_raise(err)
+                self.reconnects += 1
+                await asyncio.sleep(pause)
+
+    async def _exchange(self, data: bytes) -> Any:
+        await self._call.write(data)
+        return await self._call.read()
 
 
 class EchoStream:

@@ -296,7 +296,22 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
                         context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                       f"token {grant.name!r} may not use pool {pool!r} (it may use: {allowed})")
                     yield request
-            return inner(checked(), context)
+            # The handler runs (and is resumed, reply by reply) in a context of its own where
+            # current_principal() is this token's name: streams are namespaced by tenant too.
+            ctx = contextvars.copy_context()
+            ctx.run(_PRINCIPAL.set, grant.name)
+            replies = ctx.run(inner, checked(), context)
+            try:
+                while True:
+                    try:
+                        reply = ctx.run(next, replies)
+                    except StopIteration:
+                        return
+                    yield reply
+            finally:
+                close = getattr(replies, "close", None)
+                if close is not None:
+                    ctx.run(close)
         return behavior
 
     @staticmethod

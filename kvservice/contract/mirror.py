@@ -13,6 +13,10 @@ rows are carried over (or sent whole), front pages released, one last page repla
 
 ``xp`` is the array module: NumPy on the host, CuPy for a device-side copy (the worker's
 persistent table uses this class with CuPy). Only the delta crosses to the device.
+
+Page generations (SpaceTables / SpaceDelta ``generations``) live in a uint32 table of the same shape,
+written with the pages (outputs: ``generations``, ``slot_generations``); a reply without them (an older
+manager) leaves the mirror without any until a full reply brings them (``has_generations``; outputs None).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from kvservice.contract.wire import fill_tensor, from_tensor
 from kvservice.core.geometry import IndexSpace
 from kvservice.core.stepplan import MAX_COUNT
 from kvservice.v1 import block_manager_pb2 as pb
-from kvservice.v1.common_pb2 import INT32, INT64
+from kvservice.v1.common_pb2 import INT32, INT64, UINT32
 
 
 class MirrorError(Exception):
@@ -40,14 +44,16 @@ def _cdiv(a: Any, b: int) -> Any:
 
 
 class _Space:
-    """One index space: table [B, width] (index dtype, -1 = not held) and first: int64 [B] first held position."""
+    """One index space: table [B, width] (index dtype, -1 = not held), first: int64 [B] first held position,
+    gens: uint32 [B, width] the generation of each held page (None: the mirror holds no generations)."""
 
-    __slots__ = ("first", "info", "table")
+    __slots__ = ("first", "gens", "info", "table")
 
-    def __init__(self, info: IndexSpace, table: Any, first: Any) -> None:
+    def __init__(self, info: IndexSpace, table: Any, first: Any, gens: Any = None) -> None:
         self.info = info
         self.table = table
         self.first = first
+        self.gens = gens
 
 
 class PageTableMirror:
@@ -56,17 +62,20 @@ class PageTableMirror:
     page_size: tokens per page of the pool. xp: numpy (default) or cupy.
     max_entries: most table cells (B x longest row, per index space) a reply may make it hold; a reply
         asking for more is refused (MirrorError), so a hostile one cannot claim gigabytes.
+    max_width: most pages a row may hold (None: any); tables never grow wider (a worker's bound).
     seq: stream_seq of the last reply applied; 0 = holds nothing (the next request must ask for
         full tables: delta_base 0). A delta on another base changes nothing; any other reply that does
         not apply leaves the mirror holding nothing.
     """
 
-    def __init__(self, page_size: int, xp: ModuleType = np, max_entries: int = 1 << 26) -> None:
+    def __init__(self, page_size: int, xp: ModuleType = np, max_entries: int = 1 << 26,
+                 max_width: int | None = None) -> None:
         if page_size <= 0:
             raise ValueError(f"page_size must be > 0, got {page_size}")
         self.page_size = page_size
         self.xp = xp
         self.max_entries = max_entries
+        self.max_width = max_width
         self.seq = 0
         self.seq_ids = np.zeros(0, dtype=np.uint64)      # uint64 [B] (host)
         self.num_tokens = xp.zeros(0, dtype=np.int64)    # int64 [B]
@@ -79,6 +88,11 @@ class PageTableMirror:
         """Forget the tables (the next reply must be a full one)."""
         self.seq = 0
         self.spaces = {}
+
+    @property
+    def has_generations(self) -> bool:
+        """True if every page held has its generation (every reply applied since the last full one sent them)."""
+        return bool(self.spaces) and all(s.gens is not None for s in self.spaces.values())
 
     @property
     def batch_size(self) -> int:
@@ -107,9 +121,13 @@ class PageTableMirror:
                 from None
 
     def _check_size(self, b: int, width: int) -> None:
-        if b * width > self.max_entries:
+        if b * width > self.max_entries or (self.max_width is not None and width > self.max_width):
             raise MirrorError(f"the reply would make a table of {b} rows x {width} pages, over this mirror's "
-                              f"{self.max_entries} entries")
+                              f"{self.max_entries} entries or {self.max_width} pages per row")
+
+    def _widen(self, table: Any, width: int, fill: int = -1) -> Any:
+        """table with at least `width` columns (doubling, up to max_width), new columns `fill`."""
+        return _widen(self.xp, table, width, fill, self.max_width)
 
     def _arr(self, t: Any, name: str) -> Any:
         a = from_tensor(t, name)
@@ -126,6 +144,7 @@ class PageTableMirror:
         held = _cdiv(num, ps)
         b = len(num)
         spaces = {}
+        with_gens = all(st.HasField("generations") for st in reply.tables)
         for st in reply.tables:
             indptr = self._arr(st.indptr, "indptr").astype(np.int64)
             indices = self._arr(st.indices, "indices")
@@ -138,12 +157,26 @@ class PageTableMirror:
                 raise MirrorError(f"index space {st.index_space}: indptr does not describe {b} rows of "
                                   f"{len(indices)} pages within their sequences")
             table = xp.full((b, max(width, 1)), -1, dtype=indices.dtype)
-            table.ravel()[_spans(xp, xp.arange(b, dtype=np.int64) * table.shape[1] + first, cnt)] = indices
+            cells = _spans(xp, xp.arange(b, dtype=np.int64) * table.shape[1] + first, cnt)
+            table.ravel()[cells] = indices
+            gens = None
+            if with_gens:
+                values = self._gen_arr(st.generations, "generations", len(indices), st.index_space)
+                gens = xp.zeros(table.shape, dtype=np.uint32)
+                gens.ravel()[cells] = values
             spaces[st.index_space] = _Space(IndexSpace(st.index_space, st.group, st.scale, st.offset, st.upper_bound,
-                                                       ()), table, first)
+                                                       (), st.base), table, first, gens)
         self.spaces = spaces
         self._held = held
         self.seq = reply.stream_seq
+
+    def _gen_arr(self, t: Any, name: str, n: int, space: int) -> Any:
+        """A generations Tensor: uint32 [n] (n: the pages it goes with), on the mirror's device."""
+        a = from_tensor(t, name)
+        if a.dtype != np.uint32 or a.ndim != 1 or len(a) != n:
+            raise MirrorError(f"index space {space}: {name} must be UINT32 [{n}] (one per page), got "
+                              f"{a.dtype} {list(a.shape)}")
+        return a if self.xp is np else self.xp.asarray(a)
 
     def _apply_delta(self, reply: pb.StepReply) -> None:
         xp, ps = self.xp, self.page_size
@@ -181,6 +214,7 @@ class PageTableMirror:
             raise MirrorError(f"delta has {len(reply.tables)} index spaces; the mirror holds {len(self.spaces)}")
         plans: dict[int, tuple] = {}
         updated = {}
+        keep_gens = self.has_generations and all(st.delta.HasField("generations") for st in reply.tables)
         for st in reply.tables:
             space = self.spaces.get(st.index_space)
             if space is None:
@@ -190,16 +224,23 @@ class PageTableMirror:
             if plan is None:
                 plan = plans[g] = self._plan(groups.get(g), src, cont, space.first, held_p, held_n)
             first_n, released, replaced, writes = plan
-            old = space.table
+            old, old_gens = space.table, space.gens if keep_gens else None
+            gens = None
             if src is None:
-                table = old if old.shape[1] >= width_n else _widen(xp, old, width_n)
+                table = old if old.shape[1] >= width_n else self._widen(old, width_n)
+                if old_gens is not None:
+                    gens = old_gens if old_gens.shape[1] >= width_n else self._widen(old_gens, width_n, 0)
             else:
                 table = xp.full((b, max(width_n, old.shape[1], 1)), -1, dtype=old.dtype)
+                gens = xp.zeros(table.shape, dtype=np.uint32) if old_gens is not None else None
                 rows = xp.flatnonzero(cont)
                 if len(rows):
                     table[rows, :old.shape[1]] = old[src[rows]]
+                    if gens is not None:
+                        gens[rows, :old.shape[1]] = old_gens[src[rows]]
             w = table.shape[1]
             flat = table.ravel()
+            gflat = gens.ravel() if gens is not None else None
             if released is not None:
                 flat[released[0] * w + released[1]] = -1
             if replaced is not None:
@@ -207,7 +248,11 @@ class PageTableMirror:
                 if len(values) != len(replaced[0]):
                     raise MirrorError(f"index space {st.index_space}: {len(values)} replaced pages for "
                                       f"{len(replaced[0])} rows")
-                flat[replaced[0] * w + replaced[1]] = values
+                at = replaced[0] * w + replaced[1]
+                flat[at] = values
+                if gflat is not None:
+                    gflat[at] = self._gen_arr(st.delta.replaced_generations, "replaced_generations", len(values),
+                                              st.index_space)
             pages = self._arr(st.delta.pages, "pages")
             if pages.dtype != table.dtype:
                 raise MirrorError(f"index space {st.index_space}: pages are {pages.dtype}, the space's index dtype "
@@ -215,11 +260,16 @@ class PageTableMirror:
             if len(pages) != len(writes[0]):
                 raise MirrorError(f"index space {st.index_space}: delta has {len(pages)} pages, the batch adds "
                                   f"{len(writes[0])}")
+            if gflat is not None:
+                page_gens = self._gen_arr(st.delta.generations, "generations", len(pages), st.index_space)
             if len(pages):
-                flat[writes[0] * w + writes[1]] = pages
-            updated[st.index_space] = (table, first_n)
-        for sid, (table, first_n) in updated.items():
-            self.spaces[sid].table, self.spaces[sid].first = table, first_n
+                at = writes[0] * w + writes[1]
+                flat[at] = pages
+                if gflat is not None:
+                    gflat[at] = page_gens
+            updated[st.index_space] = (table, first_n, gens)
+        for sid, (table, first_n, gens) in updated.items():
+            self.spaces[sid].table, self.spaces[sid].first, self.spaces[sid].gens = table, first_n, gens
         self.seq_ids, self.num_tokens, self.new_token_indptr, self._held = seq_ids, num_n, tok, held_n
         self.seq = reply.stream_seq
 
@@ -250,8 +300,9 @@ class PageTableMirror:
         held_n = (num_n + (ps - 1)) // ps
         count = held_n - self._held
         rows = xp.flatnonzero(count)
-        if len(rows) and int(held_n.max()) * len(num_n) > self.max_entries:
-            return False
+        if len(rows) and (int(held_n.max()) * len(num_n) > self.max_entries
+                          or (self.max_width is not None and int(held_n.max()) > self.max_width)):
+            return False                              # the general path refuses it
         if len(rows) and (int(count.max()) != 1 or int(count.min()) < 0):    # every row gains 0 or 1 page
             return False
         cols = self._held[rows]
@@ -263,12 +314,20 @@ class PageTableMirror:
             if space is None or len(pages.data) != len(rows) * space.table.itemsize or \
                     pages.dtype != (INT32 if space.table.itemsize == 4 else INT64):
                 return False
-            spaces.append((space, pages))
-        for space, pages in spaces:
-            table = space.table if space.table.shape[1] >= width else _widen(xp, space.table, width)
+            spaces.append((space, pages, st.delta.generations))
+        keep_gens = _gens_fit(reply, len(rows)) if self.has_generations else False
+        if keep_gens is None:
+            return False                              # malformed generations: the general path names them
+        for space, pages, gens in spaces:
+            table = space.table if space.table.shape[1] >= width else self._widen(space.table, width)
+            g = None
+            if keep_gens:
+                g = space.gens if space.gens.shape[1] >= width else self._widen(space.gens, width, 0)
             if len(rows):
                 table[rows, cols] = self._arr(pages, "pages")
-            space.table = table
+                if g is not None:
+                    g[rows, cols] = self._arr(gens, "generations")
+            space.table, space.gens = table, g
         self.num_tokens, self.new_token_indptr, self._held = num_n, tok, held_n
         self.seq = reply.stream_seq
         return True
@@ -334,10 +393,19 @@ class PageTableMirror:
         idx = s.table.ravel().take(_spans(xp, xp.arange(len(cnt), dtype=np.int64) * w + s.first, cnt))
         return PageTable(indptr.astype(s.table.dtype), idx, (self.num_tokens - (held - 1) * ps).astype(np.int32))
 
-    def slot_mapping(self, space_id: int) -> Any:
-        """int64 [num_new_tokens]: page_index * page_size + offset_in_page of each new token, batch order."""
-        xp, ps = self.xp, self.page_size
+    def generations(self, space_id: int) -> Any:
+        """uint32 [nnz]: the generation of each page of page_table(space_id).indices; None without generations."""
+        xp = self.xp
         s = self._space(space_id)
+        if s.gens is None:
+            return None
+        cnt = self._held - s.first
+        w = s.gens.shape[1]
+        return s.gens.ravel().take(_spans(xp, xp.arange(len(cnt), dtype=np.int64) * w + s.first, cnt))
+
+    def _new_token_cells(self, s: _Space) -> tuple[Any, Any]:
+        """(cell of each new token's page in s's [B, width] tables, its position in its sequence), batch order."""
+        xp, ps = self.xp, self.page_size
         tok, num = self.new_token_indptr, self.num_tokens
         k = tok[1:] - tok[:-1]
         total = int(tok[-1])
@@ -347,8 +415,23 @@ class PageTableMirror:
         else:
             rows = xp.repeat(xp.arange(b, dtype=np.int64), k)
             pos = _spans(xp, num - k, k)
-        pages = s.table.ravel().take(rows * s.table.shape[1] + pos // ps).astype(np.int64)
+        return rows * s.table.shape[1] + pos // ps, pos
+
+    def slot_mapping(self, space_id: int) -> Any:
+        """int64 [num_new_tokens]: page_index * page_size + offset_in_page of each new token, batch order."""
+        ps = self.page_size
+        s = self._space(space_id)
+        cells, pos = self._new_token_cells(s)
+        pages = s.table.ravel().take(cells).astype(np.int64)
         return pages * ps + pos % ps
+
+    def slot_generations(self, space_id: int) -> Any:
+        """uint32 [num_new_tokens], parallel to slot_mapping: each new token's page generation; None without."""
+        s = self._space(space_id)
+        if s.gens is None:
+            return None
+        cells, _ = self._new_token_cells(s)
+        return s.gens.ravel().take(cells)
 
     def num_pages(self, space_id: int) -> int:
         """Page table entries of the batch in one space (nnz of its CSR)."""
@@ -367,12 +450,15 @@ class PageTableMirror:
         for sid, s in sorted(self.spaces.items()):
             i = s.info
             out = reply.tables.add(index_space=sid, group=i.group, scale=i.scale, offset=i.offset,
-                                   upper_bound=i.upper_bound)
+                                   upper_bound=i.upper_bound, base=i.base)
             t = self.page_table(sid)
             fill_tensor(out.slot_mapping, _host(self.slot_mapping(sid)))
             fill_tensor(out.indptr, _host(t.indptr))
             fill_tensor(out.indices, _host(t.indices))
             fill_tensor(out.last_page_len, _host(t.last_page_len))
+            if s.gens is not None:
+                fill_tensor(out.generations, _host(self.generations(sid)))
+                fill_tensor(out.slot_generations, _host(self.slot_generations(sid)))
         return reply
 
     def block_table(self, space_id: int) -> Any:
@@ -380,6 +466,16 @@ class PageTableMirror:
         s = self._space(space_id)
         width = int(self._held.max()) if len(self._held) else 0
         return s.table[:, :width].copy()
+
+
+def _gens_fit(reply: pb.StepReply, n: int) -> bool | None:
+    """Whether every space of a steady decode delta sends the generations of its n pages (False: none sent, the
+    mirror then holds none; None: malformed ones)."""
+    sent = [st.delta.HasField("generations") for st in reply.tables]
+    if not all(sent):
+        return None if any(sent) else False
+    ok = all(st.delta.generations.dtype == UINT32 and len(st.delta.generations.data) == 4 * n for st in reply.tables)
+    return True if ok else None
 
 
 def _host(a: Any) -> np.ndarray:
@@ -396,9 +492,9 @@ def _spans(xp: ModuleType, starts: Any, counts: Any) -> Any:
     return xp.repeat(starts - offsets, counts) + xp.arange(total, dtype=np.int64)
 
 
-def _widen(xp: ModuleType, table: Any, width: int) -> Any:
-    """table with at least `width` columns (doubling), new columns -1."""
-    new_w = max(width, 2 * table.shape[1])
-    out = xp.full((table.shape[0], new_w), -1, dtype=table.dtype)
+def _widen(xp: ModuleType, table: Any, width: int, fill: int = -1, cap: int | None = None) -> Any:
+    """table with at least `width` columns (doubling, but not past cap unless width is), new columns `fill`."""
+    new_w = max(width, 2 * table.shape[1] if cap is None else min(2 * table.shape[1], cap))
+    out = xp.full((table.shape[0], new_w), fill, dtype=table.dtype)
     out[:, :table.shape[1]] = table
     return out

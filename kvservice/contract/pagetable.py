@@ -44,6 +44,11 @@ from kvservice.core.geometry import IndexSpace
 #: kvservice/worker/kernels/paged.cuh; 0 means ok there).
 REASONS = ("out_of_bounds", "off_lattice", "bad_last_page_len", "bad_indptr", "wrong_index_space")
 OUT_OF_BOUNDS, OFF_LATTICE, BAD_LAST_PAGE_LEN, BAD_INDPTR, WRONG_INDEX_SPACE = range(1, 6)
+#: Reasons a worker's kernels report: those above, then stale_page (code 6), an entry whose page passes
+#: every rule above but was written under another generation than the table expects. Only a worker can
+#: tell (it needs the generations it recorded when it wrote its pages: docs/KERNELS.md, "Page generations").
+STALE_PAGE = 6
+WORKER_REASONS = (*REASONS, "stale_page")
 ROW_FIELD = -1  # position of a row-level violation (indptr pair / last_page_len of the row)
 
 

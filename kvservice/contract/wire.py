@@ -9,11 +9,12 @@ from kvservice.v1 import common_pb2 as pb
 
 # bfloat16 has no NumPy dtype: it travels as raw uint16 bit patterns.
 _TO_NP = {
-    pb.INT32: np.dtype("<i4"), pb.INT64: np.dtype("<i8"), pb.UINT64: np.dtype("<u8"),
+    pb.INT32: np.dtype("<i4"), pb.INT64: np.dtype("<i8"), pb.UINT64: np.dtype("<u8"), pb.UINT32: np.dtype("<u4"),
     pb.FLOAT16: np.dtype("<f2"), pb.FLOAT32: np.dtype("<f4"), pb.BFLOAT16: np.dtype("<u2"),
     pb.FLOAT8_E4M3: np.dtype("u1"), pb.FLOAT8_E5M2: np.dtype("u1"),
 }
 _FROM_NP = {np.dtype("int32"): pb.INT32, np.dtype("int64"): pb.INT64, np.dtype("uint64"): pb.UINT64,
+            np.dtype("uint32"): pb.UINT32,
             np.dtype("float16"): pb.FLOAT16, np.dtype("float32"): pb.FLOAT32}
 MAX_DIMS = 8
 MAX_SPAN_BYTES = 2**62

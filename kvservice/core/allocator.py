@@ -1,21 +1,40 @@
-"""Slot allocator of one layer group: a free stack, an LRU of cached free slots, a refcount per slot.
+"""Slot allocator of one layer group: a free stack, the cached free slots, a refcount per slot.
 
 Allocation pops a contiguous run off the stack (one slice); freeing pushes the
 slots whose refcount reached zero back (one slice). With prefix caching, a freed
-slot that still holds a reusable page (``cacheable[slot]``) goes to an LRU
-instead, where a later prefix hit can revive it (O(1)) until an allocation that
-finds the stack empty evicts it, oldest first (O(1) per page). A free of a slot
-that is already free is an error naming the slot, never a refcount below zero.
+slot that still holds a reusable page (``cacheable[slot]``) becomes a *cached*
+free slot instead, stamped with the allocator's clock (the pool's step number),
+where a later prefix hit can revive it (O(1)) until an allocation that finds the
+stack empty evicts it. Which cached page goes first is the eviction policy's
+choice (evict.py; default: leaves first, least recently released, lower slot
+first; O(log n) per page). A free of a slot that is already free is an error
+naming the slot, never a refcount below zero.
+
+Every slot has a generation (``generation[slot]``, uint32): it counts the slot's
+allocations, so it changes exactly when the slot passes to a new owner whose pages
+are written afresh (an allocation off the stack, an eviction from the cache, a
+copy-on-write target) and stays when owners are added to what it holds (a fork, a
+prefix-cache hit). Workers record it beside every page they write and kernels
+refuse a page whose generation is not the one their table expects (a table that
+outlived the page: docs/ARCHITECTURE.md, "Page generations"). It starts at 0, or at
+a pool's seed (`generation_seed` of its incarnation, so two incarnations of a pool
+hand out unrelated generations), and skips 0 when it wraps: 0 is never handed out.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable
 
 import numpy as np
 
 from kvservice.contract.errors import InvalidArgument, ResourceExhausted
+from kvservice.core.evict import EvictionPolicy, make_policy
+
+
+def generation_seed(incarnation: int) -> int:
+    """The generation a pool's slots start at (the first allocation hands out seed + 1): the low 32 bits of the
+    incarnation XOR its high 32 bits (incarnations are random 63-bit numbers)."""
+    return (incarnation ^ (incarnation >> 32)) & 0xFFFFFFFF
 
 
 class SlotAllocator:
@@ -23,16 +42,20 @@ class SlotAllocator:
 
     Fields (only this class changes them, except ``cacheable``, set by the prefix cache):
       _stack[:_top]   free slot ids holding nothing reusable, intp; the next allocation takes the top.
-      _cached         free slots holding a reusable page, least recently released first.
+      _cached         free slots holding a reusable page -> clock value when they were released.
       _refcnt[slot]   owners (sequences); 0 = free (on the stack or in _cached).
       cacheable[slot] True while the slot's page is registered in the prefix cache.
-      on_evict(slot)  called when a cached slot is taken for a new page.
+      on_evict(slots) called with the cached slots (intp [k]) an allocation takes for new pages.
+      clock           stamp of the slots released now (the pool sets it to its step number; only grows).
+      policy          which cached slot an allocation evicts (evict.py), told of the prefix cache's links.
+      generation[slot] uint32: its start (0, or the pool's seed) plus the slot's allocations so far, wrapping
+                      past 2^32 - 1 to 1.
     """
 
-    __slots__ = ("_cached", "_mark", "_ones", "_refcnt", "_stack", "_top", "cacheable", "caching", "evictions",
-                 "num_slots", "on_evict", "peak_used")
+    __slots__ = ("_cached", "_mark", "_ones", "_refcnt", "_stack", "_top", "cacheable", "caching", "clock",
+                 "evictions", "generation", "num_slots", "on_evict", "peak_used", "policy")
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, policy: str = "lru-leaf") -> None:
         if num_slots <= 0:
             raise InvalidArgument(f"num_slots must be > 0, got {num_slots}")
         self.num_slots = num_slots
@@ -42,10 +65,13 @@ class SlotAllocator:
         self._refcnt = np.zeros(num_slots, dtype=np.int32)
         self._mark = np.zeros(num_slots, dtype=np.intp)
         self._ones = np.ones(num_slots, dtype=np.int32)
-        self._cached: OrderedDict[int, None] = OrderedDict()
+        self._cached: dict[int, int] = {}
+        self.clock = 0
+        self.policy: EvictionPolicy = make_policy(policy, num_slots, self._cached)
         self.cacheable = np.zeros(num_slots, dtype=bool)
+        self.generation = np.zeros(num_slots, dtype=np.uint32)
         self.caching = False                 # set by a prefix cache: released slots may be cacheable
-        self.on_evict: Callable[[int], None] | None = None
+        self.on_evict: Callable[[np.ndarray], None] | None = None
         self.peak_used = 0
         self.evictions = 0
 
@@ -73,18 +99,32 @@ class SlotAllocator:
         slots = self._stack[top:self._top].copy()
         self._top = top
         if take < n:
-            evicted = [self._cached.popitem(last=False)[0] for _ in range(n - take)]
-            for s in evicted:
-                self.cacheable[s] = False
-                if self.on_evict is not None:
-                    self.on_evict(s)
+            evicted = []
+            victim, unlink, cached = self.policy.victim, self.policy.unlink, self._cached
+            for _ in range(n - take):
+                s = victim()
+                del cached[s]
+                unlink(s)                        # its parent may become a leaf for the next victim
+                evicted.append(s)
+            ev = np.array(evicted, dtype=np.intp)
+            self.cacheable[ev] = False
+            if self.on_evict is not None:
+                self.on_evict(ev)                # the prefix cache forgets them
             self.evictions += len(evicted)
-            slots = np.concatenate((slots, np.array(evicted, dtype=np.intp)))
+            slots = np.concatenate((slots, ev))
         self._refcnt[slots] = self._ones[:n]
+        self._bump(slots)
         used = self.num_slots - self._top - len(self._cached)
         if used > self.peak_used:
             self.peak_used = used
         return slots
+
+    def _bump(self, slots: np.ndarray) -> None:
+        """The slots pass to a new owner: next generation (never 0)."""
+        gen = self.generation[slots] + np.uint32(1)          # uint32 arithmetic: wraps to 0 ...
+        if not gen.all():
+            gen[gen == 0] = 1                                # ... which is never handed out
+        self.generation[slots] = gen
 
     def share(self, slots: np.ndarray, counts: np.ndarray | None = None) -> None:
         """Add counts[i] (default 1) owners to slots[i] (ids distinct). Free cached slots leave the LRU."""
@@ -149,8 +189,11 @@ class SlotAllocator:
     def _release(self, released: np.ndarray) -> None:
         keep = self.cacheable[released] if self.caching else None
         if keep is not None and keep.any():
-            for s in released[keep].tolist():
-                self._cached[s] = None               # most recently released last
+            cached = released[keep].tolist()
+            clock = self.clock
+            for s in cached:
+                self._cached[s] = clock
+            self.policy.cached(cached, clock)
             released = released[~keep]
         k = len(released)
         self._stack[self._top:self._top + k] = released
@@ -161,9 +204,23 @@ class SlotAllocator:
         return self._refcnt[slots].copy()
 
     def free_slots(self) -> np.ndarray:
-        """Every free slot id: the stack (top last), then cached slots (LRU first)."""
-        return np.concatenate((self._stack[:self._top], np.fromiter(self._cached, dtype=np.intp,
-                                                                      count=len(self._cached))))
+        """Every free slot id: the stack (top last), then cached slots in the order the policy evicts them."""
+        order = self.policy.order()
+        return np.concatenate((self._stack[:self._top], np.array(order, dtype=np.intp)))
+
+    def cached_stamps(self) -> tuple[np.ndarray, np.ndarray]:
+        """(slots int64 [C], stamps int64 [C]): the cached free slots in eviction order and their release clocks."""
+        order = self.policy.order()
+        return (np.array(order, dtype=np.int64),
+                np.array([self._cached[s] for s in order], dtype=np.int64))
+
+    def restore_cached(self, slots: np.ndarray, stamps: np.ndarray) -> None:
+        """Set the cached free slots (int64 [C]) and their release clocks (int64 [C]) (a snapshot being restored;
+        the prefix cache's links must be restored first)."""
+        self._cached.clear()
+        self._cached.update(zip(slots.tolist(), stamps.tolist(), strict=True))
+        self.clock = max(self.clock, int(stamps.max()) if len(stamps) else 0)
+        self.policy.rebuild()
 
     def check(self) -> None:
         """Assert this allocator's own invariants (free slots == slots with refcount 0)."""

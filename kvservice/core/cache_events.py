@@ -43,6 +43,8 @@ class BlockStored:
     token_ids: int64 [n * block_size], the pages' tokens in order.
     block_size: tokens per page. group: layer group; kind, sliding_window: the group's attention
     (window 0 for full attention).
+    extra_keys: None, or one entry per page: () or the page's keys besides its tokens, as vLLM publishes
+    them: the extra key (a LoRA name) on every page, then the cache salt on a prompt's first page.
     """
 
     group: int
@@ -52,6 +54,7 @@ class BlockStored:
     block_size: int
     kind: str = FULL_ATTENTION
     sliding_window: int = 0
+    extra_keys: tuple[tuple[str, ...], ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,14 +120,16 @@ class GroupEventSource:
         self.index = HashSlots(num_slots)
 
     def stored(self, slots: np.ndarray, parents: np.ndarray, hashes: np.ndarray, pages: np.ndarray,
-               keep: np.ndarray, slot_hash: np.ndarray, parent_hashes: np.ndarray | None = None) -> None:
+               keep: np.ndarray, slot_hash: np.ndarray, parent_hashes: np.ndarray | None = None,
+               names: list[tuple[str, str]] | None = None) -> None:
         """Pages the cache just registered.
 
         slots, parents: int64 [n], the slot of each offered page and of its parent page (-1 = none);
         hashes: uint64 [n]; pages: int64 [n, page_size] token ids; keep: int64 [k], which of the n
         were registered (each a new hash); slot_hash: uint64 [num_slots], the cache's hash per slot;
         parent_hashes: uint64 [n], the hash of each page's parent page (0 = none) when the caller
-        knows it (a sliding group's first kept page has a parent it does not hold).
+        knows it (a sliding group's first kept page has a parent it does not hold); names: (salt, extra
+        key) of each offered page, None when every page has neither.
         Consecutive registered pages of one prompt become one BlockStored chain.
         """
         if not len(keep):
@@ -149,12 +154,28 @@ class GroupEventSource:
             return
         cuts = np.flatnonzero(parent_h[1:] != h[:-1]) + 1        # a new chain where the parent is not the last page
         ps = pages.shape[1]
-        tok = pages[keep]
+        tok = pages[keep]                            # a fresh array: the events keep views of it
+        extra = None
+        if names is not None:
+            first = (parent_h == 0).tolist()
+            extra = tuple(page_keys(*names[k], f) for k, f in zip(keep.tolist(), first, strict=True))
         for lo, hi in zip(np.concatenate(([0], cuts)).tolist(), np.concatenate((cuts, [len(keep)])).tolist(),
                           strict=True):
-            self.pending.events.append(BlockStored(self.group, h[lo:hi].copy(), int(parent_h[lo]),
-                                                   tok[lo:hi].reshape(-1).copy(), ps, self.kind,
-                                                   self.sliding_window))
+            self.pending.events.append(BlockStored(self.group, h[lo:hi], int(parent_h[lo]),
+                                                   tok[lo:hi].reshape(-1), ps, self.kind,
+                                                   self.sliding_window, extra[lo:hi] if extra else None))
+
+    def removed_many(self, hashes: list[int], slots: list[int]) -> None:
+        """Pages the cache forgot, in order (hashes and slots of each): one BlockRemoved with the last if it is ours."""
+        self.parent_hash[slots] = 0
+        p = self.pending
+        if not p.add(len(hashes)):
+            return
+        last = p.events[-1] if p.events else None
+        if isinstance(last, list) and last[0] == self.group:
+            last[1].extend(hashes)
+        else:
+            p.events.append([self.group, list(hashes)])
 
     def removed(self, block_hash: int, slot: int) -> None:
         """A page the cache forgot (its slot is being reused); runs of removals become one BlockRemoved."""
@@ -231,19 +252,51 @@ def pool_caches(pool: object) -> list:
     return [c for c in caches if getattr(c, "sink", None) is not None]
 
 
-def state_events(caches: list) -> list[BlockStored]:
-    """The caches' whole content as BlockStored events, one per page (slot order).
+def page_keys(salt: str, extra_key: str, first: bool) -> tuple[str, ...]:
+    """A page's extra keys as vLLM's events list them: the extra key, then the salt on a prompt's first page."""
+    keys = (extra_key,) if extra_key else ()
+    return (*keys, salt) if first and salt else keys
 
-    A consumer that applies AllBlocksCleared and then these holds exactly the caches' indexes.
+
+def parents_first(hashes: np.ndarray, parents: np.ndarray) -> np.ndarray:
+    """int64 [n]: an order of n pages (hashes, parent hashes uint64 [n]) in which every page whose parent is
+    among them comes after its parent (pages whose parent is not among them first, in their given order)."""
+    index = {h: i for i, h in enumerate(hashes.tolist())}
+    children: dict[int, list[int]] = {}
+    order: list[int] = []
+    for i, p in enumerate(parents.tolist()):
+        at = index.get(p) if p else None
+        if at is None or at == i:
+            order.append(i)
+        else:
+            children.setdefault(at, []).append(i)
+    k = 0
+    while k < len(order):                            # breadth first from the roots
+        order.extend(children.pop(order[k], ()))
+        k += 1
+    for rest in children.values():                   # a cycle cannot happen (a parent is registered first); keep all
+        order.extend(rest)
+    return np.array(order, dtype=np.int64)
+
+
+def state_events(caches: list) -> list[BlockStored]:
+    """The caches' whole content as BlockStored events, one per page, every parent page before its children.
+
+    A consumer that applies AllBlocksCleared and then these holds exactly the caches' indexes (and an
+    indexer that links each page under its parent finds the parent already there).
     """
     out: list[BlockStored] = []
     for cache in caches:
         src: GroupEventSource = cache.sink
         slots = np.flatnonzero(cache.hash)
+        slots = slots[parents_first(cache.hash[slots], src.parent_hash[slots])]
         hashes, parents, tokens = cache.hash[slots], src.parent_hash[slots], cache.tokens[slots]
+        names = cache.namespaces.names()
+        ns = cache.namespace[slots].tolist()
         for i in range(len(slots)):
+            keys = page_keys(*names.get(ns[i], ("", "")), parents[i] == 0)
             out.append(BlockStored(src.group, hashes[i:i + 1].copy(), int(parents[i]), tokens[i].copy(),
-                                   cache.page_size, src.kind, src.sliding_window))
+                                   cache.page_size, src.kind, src.sliding_window, (keys,) if keys else None))
     return out
 
 

@@ -5,16 +5,19 @@ the space's (base, scale, offset): ``page = base + slot * scale + offset``. A
 space's CSR row holds the pages the row still holds in the space's layer group
 (a sliding group's row starts at its first kept page). Arrays are gathered once
 per layer group with flat takes over the group's `RowSlots` and converted per
-space.
+space. Beside every page goes its slot's generation (SlotAllocator.generation),
+the same in every space of the group: the worker checks it before it reads the page.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from kvservice.contract.pagetable import PageTable
+from kvservice.core.allocator import SlotAllocator
 from kvservice.core.geometry import IndexSpace
 from kvservice.core.rowslots import RowSlots
 
@@ -32,23 +35,30 @@ class SpaceTables:
         prefix hit that lie wholly before a sliding window.
     table: CSR page table of the batch (None if tables were omitted).
     block_table: shape [B, max_pages], index dtype of the space, padded with -1 (None unless asked).
+    slot_generations: shape [num_new_tokens], uint32; the generation of each new token's slot (0 for a
+        SKIP_SLOT token).
+    generations: shape [nnz], uint32, parallel to table.indices: each page's slot generation (None
+        when tables were omitted).
     """
 
     space: IndexSpace
     slot_mapping: np.ndarray
     table: PageTable | None
     block_table: np.ndarray | None
+    slot_generations: np.ndarray | None = None
+    generations: np.ndarray | None = None
 
 
 def emit_tables(spaces: tuple[IndexSpace, ...], page_size: int, slot_tables: list[RowSlots],
                 firsts: list[np.ndarray], sliding: list[bool], rows: np.ndarray, old: np.ndarray,
                 new: np.ndarray, held: np.ndarray, tok_indptr: np.ndarray, tables: bool,
-                block_table: bool) -> tuple[SpaceTables, ...]:
+                block_table: bool, allocators: Sequence[SlotAllocator]) -> tuple[SpaceTables, ...]:
     """Slot mappings of the new tokens and the tables of `rows`, for every index space.
 
     rows: int64 [B] row handles in batch order; old/new: int64 [B] tokens before/after the step;
     held: int64 [B] pages after the step (ceil(new / page_size)); tok_indptr: int64 [B + 1] prefix sum
-    of new - old. firsts[g]: int64 [rows] first kept page per row of group g.
+    of new - old. firsts[g]: int64 [rows] first kept page per row of group g. allocators[g]: group g's
+    SlotAllocator (its slot generations are sent beside the pages).
     """
     ps = page_size
     b = len(rows)
@@ -95,8 +105,12 @@ def emit_tables(spaces: tuple[IndexSpace, ...], page_size: int, slot_tables: lis
                 sub = np.full((b, bt_width), -1, dtype=np.int64)
                 r_idx, c_idx = np.nonzero(valid)
                 sub[r_idx, c_idx] = rs.arena.take(rs.flat(rows[r_idx], c_idx))
-            gathered[g] = (tok_slots, indptr, idx, sub)
-        tok_slots, indptr, idx, sub = gathered[g]
+            gen = allocators[g].generation
+            tok_gen = gen.take(np.maximum(tok_slots, 0))
+            if first is not None and t:
+                tok_gen[tok_slots == SKIP_SLOT] = 0
+            gathered[g] = (tok_slots, indptr, idx, sub, tok_gen, gen.take(idx) if tables else None)
+        tok_slots, indptr, idx, sub, tok_gen, idx_gen = gathered[g]
         if (space.scale, space.offset, space.base) == (1, 0, 0):
             mapping = tok_slots * ps + off_in_page
         else:
@@ -108,5 +122,5 @@ def emit_tables(spaces: tuple[IndexSpace, ...], page_size: int, slot_tables: lis
         if block_table:
             bt = space.page_indices(sub)                  # may be sub itself: its -1 padding stays -1
             bt[sub < 0] = -1
-        out.append(SpaceTables(space, mapping, table, bt))
+        out.append(SpaceTables(space, mapping, table, bt, tok_gen, idx_gen))
     return tuple(out)

@@ -10,6 +10,11 @@ which the caller checks). Re-registering a hash overwrites its entry, so the tab
 the latest slot of every hash. When live and stale entries fill 3/4 of the array, it is rebuilt
 from the cache's live pages. Deterministic (same registrations, same table), so it is part of
 the pool's state like the cache itself.
+
+Insertions are deferred: a Step only appends its (hashes, slots) to a pending list (a Step
+admitting one prompt would otherwise pay a probe loop for a table nobody may read), and the
+first lookup after it inserts them all, in order, so the table answers exactly as if each
+Step had inserted its own.
 """
 
 from __future__ import annotations
@@ -24,9 +29,11 @@ VECTOR_ROUNDS = 3
 class HashSlots:
     """keys: uint64 [capacity] (0 = empty; page hashes are never 0); slots: int64 [capacity]."""
 
-    __slots__ = ("keys", "mask", "shift", "slots", "used")
+    __slots__ = ("keys", "mask", "pending", "pending_n", "shift", "slots", "used")
 
     def __init__(self, num_slots: int) -> None:
+        self.pending: list[tuple[np.ndarray, np.ndarray]] = []   # insertions not applied yet, in order
+        self.pending_n = 0
         self._alloc(max(16, 1 << int(2 * num_slots - 1).bit_length()))
 
     def _alloc(self, capacity: int) -> None:
@@ -41,20 +48,31 @@ class HashSlots:
             return ((keys * _MULT) >> self.shift).astype(np.int64)
 
     def full_after(self, n: int) -> bool:
-        """Would n more entries fill 3/4 of the table (time to rebuild from the live pages)?"""
-        return self.used + n > (self.mask + 1) * 3 // 4
+        """Would n more entries (besides the pending ones) fill 3/4 of the table (time to rebuild from the
+        live pages)?"""
+        return self.used + self.pending_n + n > (self.mask + 1) * 3 // 4
 
     def rebuild(self, keys: np.ndarray, slots: np.ndarray) -> None:
         """Start over with exactly these (hash, slot) pairs (distinct keys), at most half full."""
         cap = self.mask + 1
         while len(keys) > cap // 2:
             cap *= 2
+        self.pending, self.pending_n = [], 0
         self._alloc(cap)
         self._put(keys, slots)
 
     def insert(self, keys: np.ndarray, slots: np.ndarray) -> None:
-        """Map distinct keys (uint64 [n], non-zero) to slots (int64 [n]); a known key gets its new slot."""
-        self._put(keys, slots)
+        """Map distinct keys (uint64 [n], non-zero) to slots (int64 [n]); a known key gets its new slot.
+        Applied at the next lookup (the arrays are kept, not copied: the caller gives fresh ones)."""
+        if len(keys):
+            self.pending.append((keys, slots))
+            self.pending_n += len(keys)
+
+    def flush(self) -> None:
+        """Apply the pending insertions, in the order they were made."""
+        pending, self.pending, self.pending_n = self.pending, [], 0
+        for keys, slots in pending:
+            self._put(keys, slots)
 
     def _put(self, keys: np.ndarray, slots: np.ndarray) -> None:
         pos = self._home(keys)
@@ -84,6 +102,8 @@ class HashSlots:
 
         Three probe rounds in NumPy settle almost every key; the few in longer clusters finish one by one.
         """
+        if self.pending:
+            self.flush()
         out = np.full(len(keys), -1, dtype=np.int64)
         pos = self._home(keys)
         todo = np.arange(len(keys))

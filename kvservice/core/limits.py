@@ -10,12 +10,13 @@ Two checks run before `Pool.step` (see `ManagerAPI.Step`):
   server's message limit (RESOURCE_EXHAUSTED, reason REPLY_TOO_LARGE), so a Step is never applied
   and then lost to gRPC's "Sent message larger than max".
 
-The reply of one index space holds ``slot_mapping`` (8 bytes per new token), and unless tables
-are omitted ``indptr`` ([B + 1]), ``indices`` (one entry per page held, after sliding windows
-released theirs) and ``last_page_len`` ([B], int32), plus ``block_table`` ([B, widest row]) when
-asked; index entries are 4 or 8 bytes (the space's index dtype). The batch part holds
-``seq_ids``, ``num_tokens`` and ``new_token_indptr`` (8 bytes each per row), the cached token
-counts of admissions and at most one copy-on-write pair per extended row and group.
+The reply of one index space holds ``slot_mapping`` and ``slot_generations`` (8 + 4 bytes per new
+token), and unless tables are omitted ``indptr`` ([B + 1]), ``indices`` and ``generations`` (one entry
+each per page held, after sliding windows released theirs) and ``last_page_len`` ([B], int32), plus
+``block_table`` ([B, widest row]) when asked; index entries are 4 or 8 bytes (the space's index dtype),
+generations 4. The batch part holds ``seq_ids``, ``num_tokens`` and ``new_token_indptr`` (8 bytes each
+per row), the cached token counts of admissions and at most one copy-on-write pair (2 x 8 bytes of
+slots, 2 x 4 of generations) per extended row and group.
 """
 
 from __future__ import annotations
@@ -32,8 +33,11 @@ from kvservice.core.planner import Plan
 #: Protobuf framing of one Tensor (dtype, a 2-D shape, the data's tag and length, the field's own
 #: tag and length) is at most 11 + 23 + 11 + 11 bytes; counted as 64.
 TENSOR_FRAMING = 64
-#: Framing of one SpaceTables message: five Tensors and six integer fields of at most 11 bytes.
+#: Framing of one SpaceTables message: five Tensors' allowance (with each part's own, ten for its seven Tensors)
+#: and six integer fields of at most 11 bytes.
 SPACE_FRAMING = 5 * TENSOR_FRAMING + 6 * 11 + 11
+#: Bytes of one page generation (UINT32) on the wire.
+GENERATION_BYTES = 4
 #: Everything else of a StepReply that does not grow with the batch (integers, future fields).
 REPLY_SLACK = 1024
 #: Sums of int64 values stay exact while count x largest value is below this.
@@ -44,7 +48,8 @@ _SAFE_SUM = 2**62
 class ReplyModel:
     """What the size of a pool's StepReply depends on, from its plan (built once per pool).
 
-    index_bytes[g]: sum over the index spaces of layer group g of their index itemsize (4 or 8).
+    index_bytes[g]: sum over the index spaces of layer group g of their index itemsize (4 or 8) plus the
+        GENERATION_BYTES each space sends beside every index.
     windows[g]: sliding window of group g, tokens (0 = full attention).
     """
 
@@ -62,7 +67,7 @@ class ReplyModel:
         geo = plan.geometry
         index_bytes = [0] * len(geo.groups)
         for s in geo.index_spaces:
-            index_bytes[s.group] += s.index_dtype.itemsize
+            index_bytes[s.group] += s.index_dtype.itemsize + GENERATION_BYTES
         return cls(len(geo.index_spaces), tuple(index_bytes), tuple(g.sliding_window for g in geo.groups),
                    len(geo.layers), plan.page_size, plan.max_pages_per_seq)
 
@@ -104,15 +109,15 @@ class ReplyBound:
 def step_reply_bound(model: ReplyModel, shape: StepShape, tables: bool, block_table: bool) -> ReplyBound:
     """Upper bound on the serialized StepReply of a step of `shape` in a pool of `model`."""
     b, spaces, groups = shape.rows, model.num_spaces, len(model.index_bytes)
-    mappings = spaces * (8 * shape.new_tokens + TENSOR_FRAMING)
+    mappings = spaces * ((8 + GENERATION_BYTES) * shape.new_tokens + TENSOR_FRAMING)
     table_bytes = block_bytes = 0
     if tables:
         table_bytes = sum(isz * (b + 1 + pages) for isz, pages in zip(model.index_bytes, shape.pages, strict=True))
         table_bytes += spaces * (4 * b + 3 * TENSOR_FRAMING)
     if block_table:
-        block_bytes = sum(model.index_bytes) * b * shape.widest + spaces * TENSOR_FRAMING
+        block_bytes = (sum(model.index_bytes) - GENERATION_BYTES * spaces) * b * shape.widest + spaces * TENSOR_FRAMING
     rest = (REPLY_SLACK + spaces * SPACE_FRAMING + 10 * model.num_layers + 8 * (3 * b + 1) + 8 * shape.admitted
-            + groups * (16 * shape.extended + TENSOR_FRAMING + 11) + 4 * TENSOR_FRAMING)
+            + groups * ((16 + 2 * GENERATION_BYTES) * shape.extended + 2 * TENSOR_FRAMING + 11) + 4 * TENSOR_FRAMING)
     return ReplyBound(mappings, table_bytes, block_bytes, rest)
 
 

@@ -32,9 +32,10 @@ from kvservice.contract.errors import AlreadyExists, InvalidArgument, NotFound, 
 from kvservice.core.allocator import SlotAllocator
 from kvservice.core.cache_events import PoolEvents
 from kvservice.core.emit import SpaceTables, emit_tables
+from kvservice.core.hashing import DEFAULT_MODE, VLLM_DEFAULT_SEED, make_hash_fn
 from kvservice.core.planner import Plan
 from kvservice.core.prefix import Namespaces, PrefixCache, run_ending_at
-from kvservice.core.rowslots import RowSlots
+from kvservice.core.rowslots import RowSlots, slot_table_dtype
 from kvservice.core.stepplan import (
     EMPTY_I64,
     GroupPlan,
@@ -54,11 +55,6 @@ __all__ = ["Pool", "SpaceTables", "StepResult"]
 _NO_COPIES = np.zeros((0, 2), dtype=np.int64)
 _NO_ROWS = np.zeros(0, dtype=np.int64)
 _NO_ROWS.flags.writeable = False
-
-
-def slot_table_dtype(num_slots: int) -> np.dtype:
-    """dtype of the slot tables (RowSlots arenas) of a pool of num_slots slots: int32 while it can hold them."""
-    return np.dtype(np.int32 if num_slots <= 2**31 - 1 else np.int64)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +86,10 @@ class StepResult:
 class Pool:
     """Named pool of slots with its sequences. Not thread-safe: the manager serialises calls."""
 
-    def __init__(self, name: str, plan: Plan, prefix_caching: bool = False, model: str = "") -> None:
+    def __init__(self, name: str, plan: Plan, prefix_caching: bool = False, model: str = "",
+                 prefix_hash: str = DEFAULT_MODE, prefix_hash_seed: str = VLLM_DEFAULT_SEED) -> None:
+        """prefix_hash: how prompt pages are hashed (hashing.HASH_MODES; ValueError for another);
+        prefix_hash_seed: NONE_HASH's seed in the vllm-sha256-cbor mode."""
         self.name = name
         self.model = model                        # the model served from this pool ("" = unnamed)
         self.incarnation = 0                      # this creation of the pool (set by the manager; 0 = none yet)
@@ -107,9 +106,12 @@ class Pool:
         self.prefixes: list[PrefixCache] | None = None
         self.prefix: PrefixCache | None = None          # the first full group's cache (or group 0's)
         self._anchor_group: int | None = None           # full group whose confirmed pages anchor sliding hits
+        self.prefix_hash = prefix_hash            # hashing mode of the prefix caches (part of the pool's identity)
+        self.prefix_hash_seed = prefix_hash_seed
         if prefix_caching:
             ns = Namespaces()
-            self.prefixes = [PrefixCache(a, self.page_size, namespaces=ns, group=g)
+            hash_fn = make_hash_fn(prefix_hash, ns, prefix_hash_seed)
+            self.prefixes = [PrefixCache(a, self.page_size, hash_fn=hash_fn, namespaces=ns, group=g)
                              for g, a in enumerate(self.allocators)]
             full = [g for g, w in enumerate(self.windows) if not w]
             self._anchor_group = full[0] if full else None
@@ -315,9 +317,13 @@ class Pool:
         page_start = np.cumsum(full) - full                  # first page of each prompt
         row = np.repeat(np.arange(a, dtype=np.int64), full)
         col = np.arange(n, dtype=np.int64) - page_start[row]
-        tok_start = np.cumsum(a_n) - a_n
-        idx = (tok_start[row] + col * ps)[:, None] + np.arange(ps, dtype=np.int64)[None, :]
-        pages = tok.astype(np.int64, copy=False)[idx]      # [N, ps]: O(prompt tokens), never A x longest
+        tok = tok.astype(np.int64, copy=False)
+        if a == 1:                                          # one prompt: its full pages are a view
+            pages = tok[:n * ps].reshape(n, ps)
+        else:                                               # [N, ps]: O(prompt tokens), never A x longest
+            tok_start = np.cumsum(a_n) - a_n
+            pages = np.concatenate([tok[s:s + f * ps].reshape(f, ps)
+                                    for s, f in zip(tok_start.tolist(), full.tolist(), strict=True)])
         limit = (a_n - 1) // ps                      # at least one token of each prompt is computed
         hashes = self.prefix.hash_fn(pages, col, page_start, full, ns) if n else np.zeros(0, dtype=np.uint64)
         return Prompt(pages, row, col, full, limit, ns, hashes, new_ns)
@@ -447,6 +453,8 @@ class Pool:
     def _commit(self, inp: StepInput, plan: StepPlan, tables: bool, block_table: bool) -> StepResult:
         """Carry out a plan (nothing can fail here), then emit the batch's tables."""
         ps = self.page_size
+        for alloc in self.allocators:
+            alloc.clock = self.steps + 1          # pages released by this step are stamped with it (eviction order)
         self._release(inp.f_rows)
         c_rows = self._take_rows(inp.c_ids)
         if len(c_rows):
@@ -711,8 +719,8 @@ class Pool:
     # ---- phase 4: emit -----------------------------------------------------------------
     def _emit(self, rows: np.ndarray, old: np.ndarray, new: np.ndarray, held: np.ndarray, tok_indptr: np.ndarray,
               tables: bool, block_table: bool) -> tuple[SpaceTables, ...]:
-        return emit_tables(self.plan.geometry.index_spaces, self.page_size, self._slots, self._first,
-                           self._is_sliding, rows, old, new, held, tok_indptr, tables, block_table)
+        return emit_tables(self.plan.geometry.index_spaces, self.page_size, self._slots, self._first, self._is_sliding,
+                           rows, old, new, held, tok_indptr, tables, block_table, self.allocators)
 
     # ---- durable state ---------------------------------------------------------------------------
     # A snapshot stores a pool in domain terms (sequences, the slots of their pages, free lists in hand-out
@@ -720,11 +728,14 @@ class Pool:
     # layout (or the next release) can read it. export_state reads, and from_state writes, exactly these
     # fields; keep both in step with any change to them (tests/unit/test_snapshot.py::
     # test_every_pool_field_is_exported_or_rebuilt lists them and fails when a field is added):
-    #   Pool:          name, plan, model, incarnation, prefixes (prefix), _sharing, _rows, _seq_ids, _num_tokens,
-    #                  _held, _first, _slots (RowSlots: the slots of pages [first, held) of each row), _free_rows,
+    #   Pool:          name, plan, model, incarnation, prefix_hash, prefix_hash_seed, prefixes (prefix), _sharing,
+    #                  _rows, _seq_ids, _num_tokens, _held, _first, _slots (RowSlots: the slots of pages
+    #                  [first, held) of each row), _free_rows,
     #                  _num_rows, steps, admitted, refused, alloc_failures, events (seq; its sources' parent
     #                  hashes and hash index are rebuilt from the caches)
-    #   SlotAllocator: _stack[:_top], _top, _cached (LRU order), peak_used, evictions;
+    #   SlotAllocator: _stack[:_top], _top, _cached (eviction order, with release stamps), peak_used, evictions,
+    #                  generation; policy: its links per registered page (prefix/<g>/linked), the rest rebuilt;
+    #                  clock: the largest stamp (the pool sets it every step);
     #                  _refcnt is rebuilt from the owners (invariant 1), cacheable from the prefix caches
     #   PrefixCache (per group): by_hash (insertion order), hash, parent, parent_hash, anchor, namespace,
     #                  tokens (registered slots only), hits; the namespaces shared by the groups
@@ -751,7 +762,8 @@ class Pool:
             rs = self._slots[g]                                           # gathered later, unlocked
             tables.append((rs.arena[:rs.used].copy(), rs.start[rows], rs.lo[rows]))
             stacks.append(_copy_ids(alloc._stack[:alloc._top]))
-            arrays[f"cached/{g}"] = np.fromiter(alloc._cached, dtype=np.int64, count=len(alloc._cached))
+            arrays[f"cached/{g}"], arrays[f"cached_stamp/{g}"] = alloc.cached_stamps()
+            arrays[f"generation/{g}"] = alloc.generation.astype(np.int64)   # a copy; int64: runs-encodable
             groups.append({"peak_used": int(alloc.peak_used), "evictions": int(alloc.evictions)})
         prefix = None
         if self.prefixes is not None:
@@ -764,6 +776,7 @@ class Pool:
                 arrays[f"prefix/{g}/anchor"] = pc.anchor[slots].copy()
                 arrays[f"prefix/{g}/namespace"] = pc.namespace[slots].copy()
                 arrays[f"prefix/{g}/tokens"] = pc.tokens[slots].copy()
+                arrays[f"prefix/{g}/linked"] = (pc.allocator.policy.parent_of[slots] >= 0).astype(np.int64)
             prefix = {"hits": [int(pc.hits) for pc in self.prefixes],
                       "namespaces": [[s, k, int(i)] for (s, k), i in self.prefix.namespaces._ids.items()]}
         spec = geo.spec
@@ -773,6 +786,7 @@ class Pool:
                 "num_slots": int(geo.num_slots), "group_slots": [int(n) for n in geo.group_slots],
                 "max_seq_len": int(self.max_seq_len),
                 "backends": list(self.plan.backends), "prefix_caching": self.prefixes is not None,
+                "prefix_hash": self.prefix_hash, "prefix_hash_seed": self.prefix_hash_seed,
                 "sharing": bool(self._sharing), "steps": int(self.steps),
                 "admitted": int(self.admitted), "refused": int(self.refused),
                 "alloc_failures": {str(k): int(v) for k, v in self.alloc_failures.items()},
@@ -809,10 +823,9 @@ class Pool:
 
         The state must have passed kvservice.state.snapshot.check_pool_state (this only rebuilds it).
         """
-        from collections import OrderedDict
-
         m, a = state.meta, state.arrays
-        pool = Pool(m["name"], plan, bool(m["prefix_caching"]), str(m.get("model", "")))
+        pool = Pool(m["name"], plan, bool(m["prefix_caching"]), str(m.get("model", "")),
+                    str(m.get("prefix_hash", DEFAULT_MODE)), str(m.get("prefix_hash_seed", VLLM_DEFAULT_SEED)))
         pool.incarnation = int(m.get("incarnation", 0))
         cap = int(m["row_capacity"])
         pool._grow_rows(cap)
@@ -838,9 +851,9 @@ class Pool:
             alloc._stack[:len(stack)] = stack
             alloc._top = len(stack)
             alloc._refcnt[:] = np.bincount(slots, minlength=alloc.num_slots).astype(np.int32)
-            alloc._cached = OrderedDict.fromkeys(a[f"cached/{g}"].tolist())
             alloc.peak_used = int(m["groups"][g]["peak_used"])
             alloc.evictions = int(m["groups"][g]["evictions"])
+            alloc.generation[:] = a.get(f"generation/{g}", 0)   # version 2 states have none: all 0
         if pool.prefixes is not None:
             p = m["prefix"]
             pool.prefix.namespaces._ids = {(s, k): int(i) for s, k, i in p["namespaces"]}
@@ -855,10 +868,20 @@ class Pool:
                 pc.tokens[slots] = a[f"prefix/{g}/tokens"]
                 pc.hits = int(p["hits"][g])
                 pool.allocators[g].cacheable[slots] = True
+                linked = a.get(f"prefix/{g}/linked")     # older snapshots: linked under any registered parent
+                par = pc.parent[slots]
+                dep = (linked != 0) if linked is not None else par >= 0
+                dep &= par >= 0
+                dep[dep] = pc.hash[par[dep]] != 0
+                pool.allocators[g].policy.link(slots[dep], par[dep])
                 src = pc.sink
                 if src is not None:                          # the event source's view of the same cache
                     src.parent_hash[slots] = a[f"prefix/{g}/parent_hash"]
                     src.index.rebuild(hashes, slots)
+        for g, alloc in enumerate(pool.allocators):   # after the links: the policy orders the cached slots by them
+            cached = a[f"cached/{g}"]
+            stamps = a.get(f"cached_stamp/{g}")         # older snapshots: LRU order as stored
+            alloc.restore_cached(cached, stamps if stamps is not None else np.arange(len(cached), dtype=np.int64))
         pool.events.seq = int(m.get("events_seq", 0))
         pool.steps, pool.admitted, pool.refused = int(m["steps"]), int(m["admitted"]), int(m["refused"])
         pool.alloc_failures = {str(k): int(v) for k, v in m["alloc_failures"].items()}
@@ -867,14 +890,15 @@ class Pool:
 
 from collections.abc import Callable  # noqa: E402  (state export section: kept out of the module's imports)
 
-POOL_STATE_VERSION = 2
+POOL_STATE_VERSION = 3
 
 
 @dataclass(frozen=True, slots=True)
 class PoolState:
     """A pool as plain data: JSON-able ``meta`` and named 1-D/2-D NumPy ``arrays`` (copies, never views).
 
-    meta: version (2), name, model, incarnation, spec {page_size, layout, layers: [[kv_heads, head_dim, dtype,
+    meta: version (3; 2 read), name, model, incarnation, prefix_hash, prefix_hash_seed (absent in older
+      snapshots: the default mode), spec {page_size, layout, layers: [[kv_heads, head_dim, dtype,
       sliding_window, count(, k_only)], ...]}, num_slots (of the largest group), group_slots (per group;
       absent in states written before groups were sized apart: every group num_slots), max_seq_len,
       backends, prefix_caching, sharing, steps, admitted, refused, alloc_failures {reason: count},
@@ -888,10 +912,13 @@ class PoolState:
       slots/<g> int64 [sum over sequences of held - first]: the slots of pages [first, held) of each
         sequence, sequences concatenated (held = ceil(num_tokens / page_size));
       free_stack/<g> int64 [F]: free slots holding nothing, bottom to top (the top is handed out first);
-      cached/<g> int64 [C]: free slots holding a cached page, least recently released first;
+      cached/<g> int64 [C]: free slots holding a cached page, in eviction order; cached_stamp/<g> int64 [C]:
+        the step that released each (absent in older snapshots: then their order is the stamp);
+        generation/<g> int64 [num_slots]: each slot's SlotAllocator.generation (< 2^32; absent in version 2);
       per group g with prefix caching (E_g cache entries, by_hash order): prefix/<g>/hash uint64 [E],
       prefix/<g>/slot, prefix/<g>/parent, prefix/<g>/anchor, prefix/<g>/namespace int64 [E],
-      prefix/<g>/parent_hash uint64 [E], prefix/<g>/tokens int64 [E, page_size].
+      prefix/<g>/parent_hash uint64 [E], prefix/<g>/tokens int64 [E, page_size], prefix/<g>/linked int64 [E]
+      (1 = the entry counts as a dependant of its parent page for eviction; absent in older snapshots).
     """
 
     meta: dict

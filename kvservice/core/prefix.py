@@ -1,9 +1,10 @@
 """Prefix cache: full prompt pages found again by a chained hash, confirmed by their token ids.
 
-Page j of a prompt gets ``h_j = mix(h_{j-1}, namespace, tokens of page j)``, a
-deterministic 64-bit hash computed with NumPy over a whole batch of admissions
-at once (the same in every process, so a journal replays to the same cache). A
-hash hit is only a candidate: it is accepted if the cached page's token ids,
+Page j of a prompt gets a chained hash of its namespace and of every token up
+to its end (hashing.py: the default 64-bit chain computed with NumPy over a
+whole batch of admissions at once, or vLLM's sha256-cbor block hash), the same
+in every process, so a journal replays to the same cache. A hash hit is only a
+candidate: it is accepted if the cached page's token ids,
 namespace (tenant salt + extra key such as a LoRA id) and parent page (the slot
 accepted for page j-1) all match. So two prompts that collide on a hash can
 never alias, and tenants never see each other's pages.
@@ -26,56 +27,7 @@ from collections.abc import Callable
 import numpy as np
 
 from kvservice.core.allocator import SlotAllocator
-
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-_GOLD = np.uint64(0x9E3779B97F4A7C15)
-
-
-def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64 finaliser, elementwise on uint64."""
-    x = x ^ (x >> np.uint64(30))
-    x = x * _M1
-    x = x ^ (x >> np.uint64(27))
-    x = x * _M2
-    return x ^ (x >> np.uint64(31))
-
-
-def page_hashes(pages: np.ndarray, col: np.ndarray, starts: np.ndarray, full: np.ndarray,
-                namespaces: np.ndarray) -> np.ndarray:
-    """Chained hashes of the full pages of A prompts, stored ragged (no A x longest-prompt array).
-
-    pages: int64 [N, page_size] token ids of every full page, prompt after prompt.
-    col: int64 [N] index of each page inside its prompt; starts: int64 [A] first page of each prompt;
-    full: int64 [A] full pages of each prompt (N = full.sum()); namespaces: int64 [A] id per (salt, extra key).
-    Returns uint64 [N], never 0. Work is O(N) plus one short NumPy pass per page column.
-    """
-    with np.errstate(over="ignore"):
-        tok = pages.astype(np.uint64)
-        page_h = np.full(len(pages), _GOLD, dtype=np.uint64)
-        for t in range(tok.shape[1]):                        # hash each page's tokens
-            page_h = _mix(page_h ^ (tok[:, t] + _GOLD))
-        out = np.empty(len(pages), dtype=np.uint64)
-        order = np.argsort(-full, kind="stable")             # longest prompts first: column j's prompts are a prefix
-        f, st = full[order], starts[order]
-        h = _mix(namespaces[order].astype(np.uint64) + _GOLD)
-        p = int(f[0]) if len(f) else 0
-        active = np.searchsorted(-f, -np.arange(p), side="left")   # prompts with more than j full pages
-        for j in range(p):                                    # chain page hashes
-            k = int(active[j])
-            at = st[:k] + j
-            h[:k] = _mix(h[:k] ^ page_h[at] ^ (np.uint64(j) * _M2))
-            out[at] = h[:k]
-        out[out == 0] = 1
-    return out
-
-
-def prompt_hashes(pages: np.ndarray, namespace: int,
-                  hash_fn: Callable[..., np.ndarray] = page_hashes) -> np.ndarray:
-    """Chained hashes of one prompt's full pages: pages int64 [P, page_size] -> uint64 [P]."""
-    p = len(pages)
-    return hash_fn(pages, np.arange(p, dtype=np.int64), np.zeros(1, dtype=np.int64),
-                   np.array([p], dtype=np.int64), np.array([namespace], dtype=np.int64))
+from kvservice.core.hashing import _GOLD, _M1, _M2, _mix, page_hashes, prompt_hashes  # noqa: F401  (re-exported)
 
 
 class Namespaces:
@@ -83,6 +35,7 @@ class Namespaces:
 
     def __init__(self) -> None:
         self._ids: dict[tuple[str, str], int] = {}
+        self._pending: dict[int, tuple[str, str]] = {}     # ids handed out by the last ids() call, not added yet
 
     def ids(self, salts: list[str], keys: list[str]) -> tuple[np.ndarray, dict[tuple[str, str], int]]:
         """(ids int64 [n], new): pairs seen for the first time get the next ids but are only
@@ -94,10 +47,18 @@ class Namespaces:
             if known is None:
                 known = new.setdefault(k, len(self._ids) + len(new))
             out[i] = known
+        self._pending = {i: k for k, i in new.items()}
         return out, new
 
     def add(self, new: dict[tuple[str, str], int]) -> None:
         self._ids.update(new)
+        self._pending = {}
+
+    def names(self) -> dict[int, tuple[str, str]]:
+        """id -> (salt, extra key), the pending ids of the last ids() call included (a hash mode reads them)."""
+        out = {i: k for k, i in self._ids.items()}
+        out.update(self._pending)
+        return out
 
 
 class PrefixCache:
@@ -128,7 +89,7 @@ class PrefixCache:
         self.hits = 0                   # pages served from the cache
         self.sink = None                # events.GroupEventSource told of every page registered and forgotten
         self.fleet = None               # fleet_index.FleetMember told of the same (the manager's ScorePrefix index)
-        allocator.on_evict = self.forget
+        allocator.on_evict = self.forget_many
         allocator.caching = True
 
     def namespace_ids(self, salts: list[str], keys: list[str]) -> tuple[np.ndarray, dict[tuple[str, str], int]]:
@@ -145,9 +106,12 @@ class PrefixCache:
         Returns (cand int64 [N], ok bool [N]).
         """
         get = self.by_hash.get
-        uniq, inv = np.unique(hashes, return_inverse=True)       # shared prefixes: one lookup each
-        found = np.fromiter((get(h, -1) for h in uniq.tolist()), dtype=np.int64, count=len(uniq))
-        cand = found[inv.reshape(-1)]
+        if len(ns) == 1:                                          # one prompt: its page hashes are distinct
+            cand = np.fromiter((get(h, -1) for h in hashes.tolist()), dtype=np.int64, count=len(hashes))
+        else:
+            uniq, inv = np.unique(hashes, return_inverse=True)   # shared prefixes: one lookup each
+            found = np.fromiter((get(h, -1) for h in uniq.tolist()), dtype=np.int64, count=len(uniq))
+            cand = found[inv.reshape(-1)]
         safe = np.maximum(cand, 0)
         ok = cand >= 0
         ok &= self.namespace[safe] == ns[row]
@@ -194,26 +158,48 @@ class PrefixCache:
         self.anchor[s] = anchors[keep] if anchors is not None else -1
         self.namespace[s] = ns[keep]
         self.tokens[s] = pages[keep]
+        par = self.parent[s]
+        dep = par >= 0
+        dep[dep] = self.hash[par[dep]] != 0                 # under a registered page: it now has a dependant
+        self.allocator.policy.link(s[dep], par[dep])
         if self.sink is not None:
-            self.sink.stored(slots, parents, hashes, pages, keep, self.hash, parent_hashes)
+            self.sink.stored(slots, parents, hashes, pages, keep, self.hash, parent_hashes, self._names(ns))
         if self.fleet is not None:
             self.fleet.registered(s, parents[keep])
 
+    def _names(self, ns: np.ndarray) -> list[tuple[str, str]] | None:
+        """(salt, extra key) per page of namespaces ns (int64 [n]); None when all are ("", "") (the common case)."""
+        uniq = np.unique(ns).tolist()
+        names = self.namespaces.names()
+        pairs = {i: names.get(i, ("", "")) for i in uniq}
+        if all(p == ("", "") for p in pairs.values()):
+            return None
+        return [pairs[i] for i in ns.tolist()]
+
     def forget(self, slot: int) -> None:
         """Drop a slot's page from the cache (it is being reused for something else)."""
-        h = int(self.hash[slot])
-        if h and self.by_hash.get(h) == slot:
-            if self.fleet is not None:
-                self.fleet.forgotten(slot, h)
-            del self.by_hash[h]
-            if self.sink is not None:
-                self.sink.removed(h, slot)
-        self.hash[slot] = 0
-        self.parent[slot] = -2
-        self.parent_hash[slot] = 0
-        self.anchor[slot] = -1
-        self.namespace[slot] = -1
-        self.allocator.cacheable[slot] = False
+        self.allocator.policy.unlink(slot)
+        self.forget_many(np.array([slot], dtype=np.intp))
+
+    def forget_many(self, slots: np.ndarray) -> None:
+        """Drop the pages of slots (intp [k], distinct; already unlinked in the eviction policy), in order."""
+        by_hash, fleet, sink = self.by_hash, self.fleet, self.sink
+        gone_h, gone_s = [], []
+        for s, h in zip(slots.tolist(), self.hash[slots].tolist(), strict=True):
+            if h and by_hash.get(h) == s:
+                if fleet is not None:
+                    fleet.forgotten(s, h)
+                del by_hash[h]
+                gone_h.append(h)
+                gone_s.append(s)
+        if sink is not None and gone_h:
+            sink.removed_many(gone_h, gone_s)
+        self.hash[slots] = 0
+        self.parent[slots] = -2
+        self.parent_hash[slots] = 0
+        self.anchor[slots] = -1
+        self.namespace[slots] = -1
+        self.allocator.cacheable[slots] = False
 
 
 def leading_run(ok: np.ndarray, row: np.ndarray, col: np.ndarray, num_rows: int) -> np.ndarray:

@@ -22,6 +22,11 @@ import numpy as np
 _MIN_CAP = 4          # columns a new segment holds at least
 
 
+def slot_table_dtype(num_slots: int) -> np.dtype:
+    """dtype of the slot tables (RowSlots arenas) of a pool of num_slots slots: int32 while it can hold them."""
+    return np.dtype(np.int32 if num_slots <= 2**31 - 1 else np.int64)
+
+
 class RowSlots:
     """Slot of page j of row r, for one layer group.
 

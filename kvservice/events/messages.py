@@ -26,7 +26,8 @@ def event_to_proto(e: object) -> pb.KVEvent:
         return pb.KVEvent(block_stored=pb.BlockStored(
             block_hashes=to_tensor(e.block_hashes), parent_block_hash=e.parent_block_hash,
             token_ids=to_tensor(e.token_ids), block_size=e.block_size, group_idx=e.group,
-            kv_cache_spec_kind=e.kind, kv_cache_spec_sliding_window=e.sliding_window))
+            kv_cache_spec_kind=e.kind, kv_cache_spec_sliding_window=e.sliding_window,
+            extra_keys=[pb.BlockExtraKeys(keys=list(k)) for k in e.extra_keys or ()]))
     if isinstance(e, BlockRemoved):
         return pb.KVEvent(block_removed=pb.BlockRemoved(block_hashes=to_tensor(e.block_hashes), group_idx=e.group))
     assert isinstance(e, AllBlocksCleared), f"unknown event {type(e).__name__}"
@@ -60,7 +61,8 @@ def proto_to_events(msg: pb.KVEventBatch) -> list[object]:
             s = ev.block_stored
             out.append(BlockStored(s.group_idx, from_tensor(s.block_hashes, "block_hashes"), s.parent_block_hash,
                                    from_tensor(s.token_ids, "token_ids"), s.block_size, s.kv_cache_spec_kind,
-                                   s.kv_cache_spec_sliding_window))
+                                   s.kv_cache_spec_sliding_window,
+                                   tuple(tuple(k.keys) for k in s.extra_keys) or None))
         elif kind == "block_removed":
             r = ev.block_removed
             out.append(BlockRemoved(r.group_idx, from_tensor(r.block_hashes, "block_hashes")))

@@ -13,6 +13,9 @@ kvservice_kv_event_subscriber_lag_batches{pool,transport} batches the furthest-b
 kvservice_kv_event_buffer_batches{pool}                 the ring's capacity (lag past it means a reset)
 
 transport: "grpc" (WatchEvents), "zmq" (a publisher), "zmq-replay" (replay requests).
+
+Every pool with prefix caching exports each of these from the first scrape (at 0, every group, type
+and transport): dashboards and alerts read 0 on a quiet manager, not "no data".
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from kvservice.contract.errors import KVError
 from kvservice.manager.pools import BlockManager
+
+TRANSPORTS = ("grpc", "zmq", "zmq-replay")
+EVENT_TYPES = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
 
 
 class EventCollector:
@@ -36,11 +42,14 @@ class EventCollector:
                                       "last token's).", labels=["pool", "group"])
         hits = CounterMetricFamily("kvservice_prefix_cache_hit_pages_total",
                                    "Prompt pages found in the prefix cache.", labels=["pool", "group"])
+        caching: dict[str, int] = {}                 # pools with prefix caching -> their number of groups
         for name in self.manager.pool_names():
             try:
                 with self.manager.locked(name) as pool:
                     for g, cache in enumerate(pool.prefixes or ()):
                         hits.add_metric([name, str(g)], cache.hits)
+                    if pool.prefixes:
+                        caching[name] = len(pool.prefixes)
             except KVError:
                 continue
         seq = GaugeMetricFamily("kvservice_kv_event_sequence", "Sequence number of the pool's last KV event batch.",
@@ -62,22 +71,27 @@ class EventCollector:
         cap = GaugeMetricFamily("kvservice_kv_event_buffer_batches", "Batches each pool's ring retains; a subscriber "
                                 "lagging more gets a reset.", labels=["pool"])
         with hub.cond:
-            for (pool_name, group), n in sorted(hub.lookup_pages.items()):
+            looked = {(p, g): 0 for p, n in caching.items() for g in range(n)} | hub.lookup_pages
+            for (pool_name, group), n in sorted(looked.items()):
                 lookups.add_metric([pool_name, str(group)], n)
-            for name, lg in sorted(hub.logs.items()):
-                seq.add_metric([name], lg.committed)
-                batches.add_metric([name], lg.batches_total)
-                cap.add_metric([name], lg.max_batches)
-                for kind, n in lg.events_by_type.items():
+            for name in sorted(set(hub.logs) | set(caching)):
+                lg = hub.logs.get(name)
+                seq.add_metric([name], lg.committed if lg else 0)
+                batches.add_metric([name], lg.batches_total if lg else 0)
+                cap.add_metric([name], lg.max_batches if lg else hub.ring_batches)
+                by_type = dict.fromkeys(EVENT_TYPES, 0) | (lg.events_by_type if lg else {})
+                for kind, n in by_type.items():
                     events.add_metric([name, kind], n)
                 per: dict[str, tuple[int, int]] = {}
-                for s in lg.subscribers:
+                for s in (lg.subscribers if lg else ()):
                     count, worst = per.get(s.transport, (0, 0))
                     per[s.transport] = (count + 1, max(worst, s.lag))
-                for transport, c in sorted(lg.counters.items()):
-                    sent.add_metric([name, transport], c.sent)
-                    dropped.add_metric([name, transport], c.dropped)
-                    resets.add_metric([name, transport], c.resets)
+                counters = lg.counters if lg else {}
+                for transport in sorted(set(TRANSPORTS) | set(counters)):
+                    c = counters.get(transport)
+                    sent.add_metric([name, transport], c.sent if c else 0)
+                    dropped.add_metric([name, transport], c.dropped if c else 0)
+                    resets.add_metric([name, transport], c.resets if c else 0)
                     count, worst = per.get(transport, (0, 0))
                     subs.add_metric([name, transport], count)
                     lag.add_metric([name, transport], worst)

@@ -41,10 +41,11 @@ class Cluster:
 
     def copy(self, step: StepResult) -> None:
         """Run the step's copy-on-write pairs on every worker that holds a layer of the group."""
+        gens = step.copy_generations or {}
         for group, pairs in (step.copies or {}).items():
             for layers, worker in self.workers:
                 if any(self.layer_groups[la] == group for la in layers):
-                    worker.copy_blocks(group, pairs)
+                    worker.copy_blocks(group, pairs, generations=gens.get(group))    # dst recorded under its own
 
     def update_tables(self, stream: StepStream) -> None:
         """Forward the stream's last reply to every worker's persistent tables (UpdateTables, named by the

@@ -53,20 +53,22 @@ def new_tokens(step: StepResult, skip: np.ndarray | None = None) -> np.ndarray:
 
 
 def causal_rows(step: StepResult, layer: int, page_size: int,
-                skip: np.ndarray | None = None) -> tuple[np.ndarray, PageTable]:
+                skip: np.ndarray | None = None) -> tuple[np.ndarray, PageTable, np.ndarray | None]:
     """Per computed new token: its position, and a CSR table whose row covers that token's causal prefix.
 
     A prefill of n tokens becomes n attention rows (row i sees tokens 0..i), so
     one decode kernel serves prefill and decode. Rows of a sliding-window layer
     start at the first page the manager still holds (pages before it are outside
     every window; the kernel attends the last `window` tokens of the row).
-    skip: per batch row, leading new tokens not computed (cached). Returns (positions int64 [T], table).
+    skip: per batch row, leading new tokens not computed (cached). Returns (positions int64 [T], table, the
+    generation of each of its pages uint32 [nnz], or None when the step carries none).
     """
     st = step.for_layer(layer)
     t = st.table
-    positions, indptr, indices, last = [], [0], [], []
+    positions, indptr, indices, last, gens = [], [0], [], [], []
     for b in range(len(step.seq_ids)):
         pages = t.row(b)
+        row_gens = st.generations[t.indptr[b]:t.indptr[b + 1]] if st.generations is not None else None
         lo, hi = step.new_token_indptr[b], step.new_token_indptr[b + 1]
         n = int(step.num_tokens[b])
         first = -(-n // page_size) - len(pages)             # pages released before the table starts
@@ -74,11 +76,14 @@ def causal_rows(step: StepResult, layer: int, page_size: int,
             held = p // page_size + 1 - first
             positions.append(p)
             indices.append(pages[:held])
+            if row_gens is not None:
+                gens.append(row_gens[:held])
             indptr.append(indptr[-1] + held)
             last.append(p % page_size + 1)
     idx = np.concatenate(indices) if indices else np.zeros(0, dtype=np.int32)
+    g = None if st.generations is None else (np.concatenate(gens) if gens else np.zeros(0, dtype=np.uint32))
     return np.array(positions, dtype=np.int64), PageTable(np.array(indptr, dtype=np.int32),
-                                                          idx.astype(np.int32), np.array(last, dtype=np.int32))
+                                                          idx.astype(np.int32), np.array(last, dtype=np.int32)), g
 
 
 class TinyModel:
@@ -140,9 +145,9 @@ class TinyModel:
         for layer, (lw, (hd, _)) in enumerate(zip(self.layers, self.shapes, strict=True)):
             worker = next(c for r, c in workers if layer in r)
             if decode:
-                positions, table = np.asarray(step.num_tokens, dtype=np.int64) - 1, None
+                positions, table, gens = np.asarray(step.num_tokens, dtype=np.int64) - 1, None, None
             else:
-                positions, table = causal_rows(step, layer, page_size, skip)
+                positions, table, gens = causal_rows(step, layer, page_size, skip)
             pos = torch.as_tensor(positions)
             x = self._norm(h, lw["n1"].to(dt))
             q = self._rope((x @ lw["wq"].to(dt)).view(-1, cfg.q_heads, hd), pos)
@@ -152,8 +157,10 @@ class TinyModel:
                 worker.append_kv(layer, k.numpy(), v.numpy(), table_id=table_id)
                 att = worker.decode_attention(layer, q.contiguous().numpy(), table_id=table_id)
             else:
-                worker.append_kv(layer, k.numpy(), v.numpy(), step.for_layer(layer).slot_mapping[keep])
-                att = worker.decode_attention(layer, q.contiguous().numpy(), table)
+                st = step.for_layer(layer)      # with page generations: recorded, then checked on read
+                worker.append_kv(layer, k.numpy(), v.numpy(), st.slot_mapping[keep],
+                                 slot_generations=None if st.slot_generations is None else st.slot_generations[keep])
+                att = worker.decode_attention(layer, q.contiguous().numpy(), table, generations=gens)
             h = h + torch.tensor(att.out).reshape(-1, cfg.q_heads * hd) @ lw["wo"].to(dt)
             h = h + self._mlp(self._norm(h, lw["n2"].to(dt)), lw, dt)
         return (self._norm(h, self.nf.to(dt)) @ self.emb.to(dt).T * self.logit_scale).numpy()

@@ -11,6 +11,7 @@ from kvservice.contract import convert
 from kvservice.contract.errors import InvalidArgument, ResourceExhausted
 from kvservice.contract.pagetable import PageTable, validate_page_table
 from kvservice.contract.wire import field_array, fill_tensor, to_tensor
+from kvservice.core.hashing import DEFAULT_MODE, VLLM_DEFAULT_SEED
 from kvservice.core.limits import (
     ReplyBound,
     ReplyModel,
@@ -63,9 +64,7 @@ def step_reply(pool: Pool, res: StepResult, tables: bool = True) -> pb.StepReply
     fill_tensor(reply.new_token_indptr, res.new_token_indptr)
     if res.cached_tokens is not None:
         reply.admit_cached_tokens.CopyFrom(to_tensor(res.cached_tokens))
-    for g, pairs in enumerate(res.copies):
-        if len(pairs):
-            reply.copies.add(group=g, pairs=to_tensor(pairs))
+    add_copies(reply, pool, res)
     if not tables:
         return reply
     for st in res.tables:
@@ -73,13 +72,26 @@ def step_reply(pool: Pool, res: StepResult, tables: bool = True) -> pb.StepReply
         out = reply.tables.add(index_space=sp.id, group=sp.group, scale=sp.scale, offset=sp.offset,
                                upper_bound=sp.upper_bound, base=sp.base)
         fill_tensor(out.slot_mapping, st.slot_mapping)
+        if st.slot_generations is not None:
+            fill_tensor(out.slot_generations, st.slot_generations)
         if st.table is not None:
             fill_tensor(out.indptr, st.table.indptr)
             fill_tensor(out.indices, st.table.indices)
             fill_tensor(out.last_page_len, st.table.last_page_len)
+            if st.generations is not None:
+                fill_tensor(out.generations, st.generations)
         if st.block_table is not None:
             fill_tensor(out.block_table, st.block_table)
     return reply
+
+
+def add_copies(reply: pb.StepReply, pool: Pool, res: StepResult) -> None:
+    """The step's copy-on-write pairs per layer group, each with the generations of its two slots (read right
+    after the step: both slots are held then)."""
+    for g, pairs in enumerate(res.copies):
+        if len(pairs):
+            c = reply.copies.add(group=g, pairs=to_tensor(pairs))
+            fill_tensor(c.generations, pool.allocators[g].generation.take(pairs))
 
 
 class ManagerAPI:
@@ -108,7 +120,8 @@ class ManagerAPI:
         spec = convert.cache_spec_from_proto(request.cache)
         self.manager.create_pool(request.name, spec, convert.sizing_from_proto(request.sizing),
                                  tuple(request.backends), request.enable_prefix_caching,
-                                 request.incarnation or derived_incarnation(request), request.model)
+                                 request.incarnation or derived_incarnation(request), request.model,
+                                 request.prefix_hash or DEFAULT_MODE, request.prefix_hash_seed or VLLM_DEFAULT_SEED)
         return self._pool_info(request.name)
 
     def GetPool(self, request: pb.GetPoolRequest) -> pb.PoolInfo:
@@ -352,7 +365,8 @@ def _tokens_of(live_ids: np.ndarray, live_tokens: np.ndarray, ids: np.ndarray) -
 def _reply_too_large(pool: str, bound: ReplyBound, limit: int, new_tokens: int, spaces: int,
                      request: pb.StepRequest) -> ResourceExhausted:
     """RESOURCE_EXHAUSTED naming the limit, what the reply holds, and what would make it fit."""
-    parts = f"slot mappings {bound.slot_mappings} ({new_tokens} new tokens x {spaces} index spaces x 8 bytes)"
+    parts = (f"slot mappings {bound.slot_mappings} ({new_tokens} new tokens x {spaces} index spaces x 12 bytes: "
+             "slot and generation)")
     if bound.tables:
         parts += f", page tables {bound.tables}"
     if bound.block_tables:

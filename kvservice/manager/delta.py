@@ -22,6 +22,10 @@ tables, whose row lengths give each row's first held position.
 
 What the server keeps per stream (:class:`HeldTables`) is O(B): the batch, token counts, and per
 layer group each row's first held position and last page. No page lists.
+
+Every page a delta sends goes with its slot's generation (``SpaceDelta.generations``,
+``replaced_generations``), read from the pool's allocators right after the step, when every page
+of the batch is held by its row: the client's mirror keeps them beside the pages.
 """
 
 from __future__ import annotations
@@ -33,11 +37,12 @@ from typing import Any
 
 import numpy as np
 
-from kvservice.contract.wire import fill_tensor, to_tensor
+from kvservice.contract.wire import fill_tensor
+from kvservice.core.geometry import IndexSpace
 from kvservice.core.pool import Pool, SpaceTables, StepResult
-from kvservice.manager.api import step_reply
+from kvservice.manager.api import add_copies, step_reply
 from kvservice.v1 import block_manager_pb2 as pb
-from kvservice.v1.common_pb2 import INT32, INT64
+from kvservice.v1.common_pb2 import INT32, INT64, UINT32
 
 _NONE = np.zeros(0, dtype=np.int64)
 _LITTLE = sys.byteorder == "little"
@@ -91,6 +96,16 @@ def _group_heads(tables: tuple[SpaceTables, ...]) -> dict[int, int]:
     for i, st in enumerate(tables):
         heads.setdefault(st.space.group, i)
     return heads
+
+
+def _gens(pool: Pool, sp: IndexSpace, pages: np.ndarray) -> np.ndarray:
+    """uint32 [n]: the generation of each page (int [n], held pages of space sp) from its slot."""
+    gen = pool.allocators[sp.group].generation
+    if not len(pages):
+        return np.zeros(0, dtype=np.uint32)
+    if (sp.scale, sp.offset, sp.base) == (1, 0, 0):
+        return gen.take(pages)
+    return gen.take((np.asarray(pages, dtype=np.int64) - (sp.base + sp.offset)) // sp.scale)
 
 
 def _spans(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -224,6 +239,8 @@ def encode_delta(pool: Pool, res: StepResult, held: HeldTables, seq: int, same_b
                                    upper_bound=sp.upper_bound, base=sp.base)
             fill_tensor(out.delta.pages, pages.astype(sp.index_dtype, copy=False))
             fill_tensor(out.delta.replaced, rep.astype(sp.index_dtype, copy=False))
+            fill_tensor(out.delta.generations, _gens(pool, sp, pages))
+            fill_tensor(out.delta.replaced_generations, _gens(pool, sp, rep))
         new_first.append(first_n)
         new_last.append(last_n)
     return reply, HeldTables(seq, held.pool, pool.steps, res.seq_ids, num_n, new_first, new_last)
@@ -249,9 +266,7 @@ def _decode_delta(pool: Pool, res: StepResult, held: HeldTables, seq: int, same_
     replaced = np.flatnonzero(partial & (page != held.last[0]))      # copy-on-write moved the last page
     reply = pb.StepReply(layer_index_space=pool.layer_space, num_free_slots=res.num_free_slots, stream_seq=seq)
     _counts(reply, res, derive)
-    for g, pairs in enumerate(res.copies):
-        if len(pairs):
-            reply.copies.add(group=g, pairs=to_tensor(pairs))
+    add_copies(reply, pool, res)
     reply.delta.base_seq = held.seq
     if len(replaced):
         gd = reply.delta.groups.add(group=0)
@@ -262,8 +277,11 @@ def _decode_delta(pool: Pool, res: StepResult, held: HeldTables, seq: int, same_
         out = reply.tables.add(index_space=sp.id, group=sp.group, scale=sp.scale, offset=sp.offset,
                                upper_bound=sp.upper_bound, base=sp.base)
         code = INT32 if sp.index_dtype.itemsize == 4 else INT64
-        _put(out.delta.pages, code, pg.take(opened).astype(sp.index_dtype))
-        _put(out.delta.replaced, code, pg.take(replaced).astype(sp.index_dtype))
+        pages, rep = pg.take(opened), pg.take(replaced)
+        _put(out.delta.pages, code, pages.astype(sp.index_dtype))
+        _put(out.delta.replaced, code, rep.astype(sp.index_dtype))
+        _put(out.delta.generations, UINT32, _gens(pool, sp, pages))
+        _put(out.delta.replaced_generations, UINT32, _gens(pool, sp, rep))
     return reply, HeldTables(seq, held.pool, pool.steps, ids, res.num_tokens, held.first, [page])
 
 
@@ -282,6 +300,7 @@ def _opened_delta(pool: Pool, res: StepResult, held: HeldTables, seq: int,
     _counts(reply, res, derive)
     reply.delta.base_seq = held.seq
     last = held.last[0]
+    gens = [pool.allocators[g].generation.take(s) for g, s in enumerate(slots)]
     for i, sp in enumerate(pool.plan.geometry.index_spaces):
         pages = sp.page_indices(slots[sp.group])
         if i == 0:                                          # the group's first space: the rows' last pages
@@ -292,6 +311,8 @@ def _opened_delta(pool: Pool, res: StepResult, held: HeldTables, seq: int,
         code = INT32 if sp.index_dtype.itemsize == 4 else INT64
         _put(out.delta.pages, code, pages)
         _put(out.delta.replaced, code, pages[:0])
+        _put(out.delta.generations, UINT32, gens[sp.group])
+        _put(out.delta.replaced_generations, UINT32, gens[sp.group][:0])
     return reply, HeldTables(seq, held.pool, pool.steps, res.seq_ids, res.num_tokens, held.first, [last])
 
 
@@ -305,7 +326,7 @@ def _counts(reply: pb.StepReply, res: StepResult, derive: bool) -> None:
 
 
 def _put(t: Any, code: int, a: np.ndarray) -> None:
-    """fill_tensor for an int32/int64 array of a known wire dtype (the decode path's few arrays)."""
+    """fill_tensor for an int32/int64/uint32 array of a known wire dtype (the decode path's few arrays)."""
     t.dtype = code
     t.data = a.tobytes() if _LITTLE else a.astype(a.dtype.newbyteorder("<")).tobytes()
 

@@ -16,7 +16,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from kvservice.contract.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from kvservice.core.allocator import generation_seed
 from kvservice.core.geometry import CacheSpec
+from kvservice.core.hashing import DEFAULT_MODE, HASH_MODES, VLLM_DEFAULT_SEED
 from kvservice.core.planner import Plan, Sizing, plan
 from kvservice.core.pool import Pool
 from kvservice.events.hub import EventHub
@@ -40,12 +42,19 @@ class BlockManager:
 
     def create_pool(self, name: str, spec: CacheSpec, sizing: Sizing, backends: tuple[str, ...] = (),
                     prefix_caching: bool = False, incarnation: int = 0,
-                    model: str = "") -> Pool:
+                    model: str = "", prefix_hash: str = DEFAULT_MODE,
+                    prefix_hash_seed: str = VLLM_DEFAULT_SEED) -> Pool:
         """Plan and create a pool; AlreadyExists if the name is taken.
 
         incarnation: the new pool's incarnation, in [1, 2^63) (0 = a random one). Callers that
         replay a journal pass the one recorded with the creation.
+        prefix_hash, prefix_hash_seed: how prompt pages are hashed (hashing.py).
         """
+        if prefix_hash not in HASH_MODES:
+            raise InvalidArgument(f"prefix_hash {prefix_hash!r} is not a hash mode; use one of "
+                                  f"{', '.join(HASH_MODES)}", reason="UNKNOWN_HASH_MODE")
+        if not prefix_hash_seed or len(prefix_hash_seed) > 256 or not prefix_hash_seed.isprintable():
+            raise InvalidArgument(f"prefix_hash_seed must be 1..256 printable characters, got {len(prefix_hash_seed)}")
         if not 0 <= incarnation < 2**63:
             raise InvalidArgument(f"incarnation must be in [0, 2^63), got {incarnation}")
         if not _NAME.fullmatch(name):
@@ -56,10 +65,12 @@ class BlockManager:
         with self._lock:
             if name in self._pools:
                 raise AlreadyExists(f"pool {name!r} already exists", pool=name)
-            pool = Pool(name, planned, prefix_caching, model)
+            pool = Pool(name, planned, prefix_caching, model, prefix_hash, prefix_hash_seed)
             self._pools[name] = pool
             self._locks[name] = threading.Lock()
             self._incarnations[name] = pool.incarnation = incarnation or new_incarnation()
+            for a in pool.allocators:          # a table of another incarnation names generations never held here
+                a.generation[:] = generation_seed(pool.incarnation)
             _join(self.fleet, pool)
             return pool
 

@@ -23,7 +23,8 @@ def pool_stats(pool: Pool) -> pb.PoolStats:
 def pool_info(pool: Pool, incarnation: int) -> pb.PoolInfo:
     return pb.PoolInfo(name=pool.name, plan=plan_to_proto(pool.plan), stats=pool_stats(pool),
                        cache=cache_spec_to_proto(pool.plan.geometry.spec), incarnation=incarnation,
-                       model=pool.model)
+                       model=pool.model, prefix_hash=pool.prefix_hash,
+                       prefix_hash_seed=pool.prefix_hash_seed if pool.prefix_hash != "kvservice" else "")
 
 
 def worker_info(w: WorkerRecord, seconds_since_heartbeat: float) -> pb.WorkerInfo:

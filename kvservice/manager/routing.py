@@ -28,7 +28,7 @@ from itertools import repeat
 import numpy as np
 
 from kvservice.contract.errors import InvalidArgument, NotFound
-from kvservice.core.prefix import _GOLD, _M1, _M2, _mix, page_hashes, prompt_hashes
+from kvservice.core.hashing import _GOLD, _M1, _M2, _mix_int, page_hashes, prompt_hashes, token_hashes
 from kvservice.manager.pools import BlockManager
 
 #: Prompt tokens one ScorePrefix may carry.
@@ -95,23 +95,9 @@ class _Chain:
         return self._array
 
 
-def _mix_int(x: int) -> int:
-    """prefix._mix (splitmix64 finaliser) on one Python int."""
-    x ^= x >> 30
-    x = (x * _M1_I) & _MASK
-    x ^= x >> 27
-    x = (x * _M2_I) & _MASK
-    return x ^ (x >> 31)
-
-
 def _page_only_hashes(pages: np.ndarray) -> np.ndarray:
-    """Each page's own token hash, before chaining (the first loop of prefix.page_hashes): uint64 [P]."""
-    with np.errstate(over="ignore"):
-        tok = pages.astype(np.uint64)
-        h = np.full(len(pages), _GOLD, dtype=np.uint64)
-        for t in range(pages.shape[1]):
-            h = _mix(h ^ (tok[:, t] + _GOLD))
-    return h
+    """Each page's own token hash, before chaining (hashing.token_hashes): uint64 [P]."""
+    return token_hashes(pages)
 
 
 def chained_hashes(pages: np.ndarray, ns: int) -> np.ndarray:

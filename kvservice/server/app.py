@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2
-from prometheus_client import Histogram, start_http_server
+from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvservice.contract.auth import BM, ServerTLS, TokenAuthInterceptor, TokenTable, manager_rules
@@ -20,6 +20,7 @@ from kvservice.events.metrics import EventCollector
 from kvservice.manager.api import ManagerAPI
 from kvservice.manager.pools import BlockManager
 from kvservice.server.config import PoolConfig
+from kvservice.server.http import MetricsServer, health_probe
 from kvservice.server.metrics import ManagerMetrics
 from kvservice.server.servicer import BlockManagerServicer, Limits
 from kvservice.state.journal import Journal, ensure_pools
@@ -101,6 +102,7 @@ def serve(listen: str = "127.0.0.1:0", metrics_port: int | None = None, pools: S
         raise ValueError("pass either a manager or a journal (which holds its manager), not both")
     manager = journal.manager
     ensure_pools(journal, list(pools))
+    warn_unknown_event_pools(manager, events)
     metrics = ManagerMetrics(manager)
     metrics.registry.register(JournalCollector(journal))
     metrics.registry.register(EventCollector(manager))
@@ -130,13 +132,25 @@ def serve(listen: str = "127.0.0.1:0", metrics_port: int | None = None, pools: S
     health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING if serving
                         else health_pb2.HealthCheckResponse.NOT_SERVING)
     if metrics_port is not None:
-        http, _thread = start_http_server(metrics_port, addr=metrics_addr, registry=metrics.registry)
+        http = MetricsServer(metrics.registry, metrics_port, metrics_addr, health_probe(health_servicer, ""),
+                             health_probe(health_servicer, SERVICE_NAME))
         running._http, running.metrics_port = http, http.server_port
     log.info("kvservice listening on port %d (%s%s), metrics on %s, state: %s", port,
              "mutual TLS" if tls and tls.client_ca else "TLS" if tls else "plaintext",
              f", {len(tokens)} tokens" if tokens is not None else "", running.metrics_port,
              journal.state_dir or (journal.store.location if journal.store.durable else "memory only"))
     return running
+
+
+def warn_unknown_event_pools(manager: BlockManager, events: EventsConfig | None) -> list[str]:
+    """Log a warning for each ZeroMQ publisher whose pool does not exist now (a typo publishes nothing; a pool
+    created later over the API is published from then on). Returns those pools."""
+    names = set(manager.pool_names())
+    missing = [z.pool for z in (events.zmq if events else ()) if z.pool not in names]
+    for pool in missing:
+        log.warning("--kv-events-zmq names pool %r, which does not exist (pools: %s); its publisher waits for a "
+                    "pool of that name to be created", pool, ", ".join(sorted(names)) or "none")
+    return missing
 
 
 def _fail_stop(running: RunningServer) -> None:

@@ -1,8 +1,10 @@
-"""`kvservice serve`: run the block manager (gRPC + health + reflection, /metrics); `kvservice check-state DIR`."""
+"""`kvservice serve`: run the block manager (gRPC + health + reflection, /metrics); `kvservice check-state DIR`;
+`kvservice export-state` / `import-state`. Flags, defaults and exit codes: `kvservice serve --help`."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -10,11 +12,14 @@ import sys
 import threading
 from pathlib import Path
 
+from kvservice.contract import logs
 from kvservice.contract.auth import ServerTLS, TokenTable
+from kvservice.contract.cli import add_log_args, existing_file, exit_epilog, parser, subparsers
 from kvservice.contract.errors import InvalidArgument, KVError
 from kvservice.contract.transport import MAX_MESSAGE_BYTES
+from kvservice.core.hashing import HASH_MODES
 from kvservice.events.hub import DEFAULT_RING_BATCHES, DEFAULT_RING_BYTES, EventsConfig
-from kvservice.events.zmq import zmq_configs
+from kvservice.events.zmq import DEFAULT_FORMAT, FORMATS, zmq_configs
 from kvservice.server.app import serve
 from kvservice.server.config import DEFAULT_POOLS_YAML, load_pools, load_pools_file
 from kvservice.server.servicer import Limits
@@ -23,22 +28,32 @@ from kvservice.state.nats.leader import LeaseConfig
 
 log = logging.getLogger("kvservice")
 _LIMITS = Limits()
+EXIT_OK, EXIT_BROKEN, EXIT_USAGE = 0, 1, 2
 EXIT_FAILED = 3   # the journal failed (fail-stop): restart the manager, it recovers from its state dir
+EXIT_CODES = {
+    EXIT_OK: "serve: stopped cleanly (SIGTERM or SIGINT); check-state: the state is sound",
+    EXIT_BROKEN: "check-state: the state breaks the pools' invariants (listed)",
+    EXIT_USAGE: "a usage or configuration error (the message names the flag or the file), an unreachable NATS, or "
+                "a state that is not usable (NOT USABLE: what to do)",
+    EXIT_FAILED: "serve: the journal failed and the manager stopped on purpose (fail-stop): restart it",
+}
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
-    s = sub.add_parser("serve", help="run the manager")
+    s = sub.add_parser("serve", help="run the manager", epilog=exit_epilog(EXIT_CODES))
     s.add_argument("--listen", default="127.0.0.1:50051", help="gRPC address (port 0 picks a free port)")
     s.add_argument("--metrics-port", type=int, default=9400, help="Prometheus /metrics port (0 picks; -1 off)")
     s.add_argument("--metrics-addr", default="127.0.0.1", help="address /metrics binds to")
-    s.add_argument("--pools", help="YAML file of pools to create at start if missing (default: one embedded pool)")
+    s.add_argument("--pools", type=existing_file, metavar="FILE",
+                   help="YAML file of pools to create at start if missing (format: kvservice/server/config.py; "
+                        "default: one embedded pool)")
     s.add_argument("--no-pools", action="store_true", help="start empty; create pools over the API")
     s.add_argument("--port-file", help="write the bound gRPC and metrics ports here (tests)")
     s.add_argument("--threads", type=int, default=8, help="gRPC worker threads")
     s.add_argument("--max-streams", type=int, default=64,
                    help="StepStream/EchoStream calls open at once (each holds a thread of its own)")
     s.add_argument("--lease-seconds", type=float, default=10.0, help="a worker silent this long is marked dead")
-    s.add_argument("--log-level", default="INFO")
+    add_log_args(s)
     d = s.add_argument_group("state (docs/DURABILITY.md)")
     d.add_argument("--state-dir", default=os.environ.get("KVSERVICE_STATE_DIR"),
                    help="durable state: SQLite journal + snapshots in this dir (env KVSERVICE_STATE_DIR)")
@@ -74,9 +89,17 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     lim.add_argument("--max-pools", type=int, default=_LIMITS.max_pools, help="pools (0 = no cap)")
     lim.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES, help="gRPC message limit")
     ev = s.add_argument_group("KV events (docs/operations.md#kv-events)")
-    ev.add_argument("--kv-events-zmq", action="append", default=[], metavar="[POOL=]ENDPOINT",
-                    help="publish a pool's KV events in vLLM's ZeroMQ format on this PUB endpoint, e.g. tcp://*:5557 "
-                         "(bound if it holds '*'); no POOL = --kv-events-pool; repeatable, one per pool")
+    ev.add_argument("--kv-events-zmq", action="append", default=[], metavar="[POOL=][bind:|connect:]ENDPOINT",
+                    help="publish a pool's KV events in vLLM's ZeroMQ format on this PUB endpoint, e.g. tcp://*:5557; "
+                         "bound if it holds '*' or '::' or is ipc://, else connected to a collector that binds "
+                         "(vLLM's rule; bind: or connect: forces one); no POOL = --kv-events-pool; repeatable, one "
+                         "per pool")
+    ev.add_argument("--kv-events-format", default=DEFAULT_FORMAT, choices=FORMATS,
+                    help="vLLM wire version of the ZeroMQ events: vllm-0.33 (events as tagged maps, with layer "
+                         "groups and extra keys) or vllm-0.11 (events as tagged arrays)")
+    ev.add_argument("--prefix-hash", default="", choices=("", *HASH_MODES),
+                    help="page hash of configured pools with prefix caching that name none: kvservice (default) or "
+                         "vllm-sha256-cbor (vLLM's block hashes, for routers that compute them from token ids)")
     ev.add_argument("--kv-events-replay", action="append", default=[], metavar="[POOL=]ENDPOINT",
                     help="ROUTER endpoint answering replay requests for missed batches, e.g. tcp://*:5558")
     ev.add_argument("--kv-events-pool", default="default", help="pool of an --kv-events-zmq without POOL=")
@@ -89,10 +112,13 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--kv-events-max-watchers", type=int, default=4,
                     help="concurrent WatchEvents streams (each holds a gRPC thread: keep below --threads)")
     sec = s.add_argument_group("security (docs/SECURITY.md)")
-    sec.add_argument("--tls-cert", help="PEM server certificate (chain); with --tls-key serves TLS")
-    sec.add_argument("--tls-key", help="PEM private key of --tls-cert")
-    sec.add_argument("--tls-client-ca", help="PEM CA bundle: require client certificates it signed (mutual TLS)")
-    sec.add_argument("--tokens-file", help="YAML of bearer tokens scoped to pools; every call then needs one")
+    sec.add_argument("--tls-cert", type=existing_file, help="PEM server certificate (chain); with --tls-key serves "
+                     "TLS")
+    sec.add_argument("--tls-key", type=existing_file, help="PEM private key of --tls-cert")
+    sec.add_argument("--tls-client-ca", type=existing_file,
+                     help="PEM CA bundle: require client certificates it signed (mutual TLS)")
+    sec.add_argument("--tokens-file", type=existing_file,
+                     help="YAML of bearer tokens scoped to pools; every call then needs one")
 
 
 def events_config(args: argparse.Namespace) -> EventsConfig:
@@ -106,41 +132,49 @@ def events_config(args: argparse.Namespace) -> EventsConfig:
     return EventsConfig(ring_batches=args.kv_events_buffer, ring_bytes=args.kv_events_buffer_bytes,
                         max_watchers=args.kv_events_max_watchers,
                         zmq=zmq_configs(args.kv_events_zmq, args.kv_events_replay, args.kv_events_pool,
-                                        args.kv_events_topic, args.kv_events_medium))
+                                        args.kv_events_topic, args.kv_events_medium, args.kv_events_format))
 def _state_arg(value: str) -> str:
     if value == "memory" or value.startswith("nats://"):
         return value
     raise argparse.ArgumentTypeError(f"expected 'memory' or nats://HOST:PORT[,HOST:PORT...], got {value!r}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvservice", description="Paged KV-cache block manager.")
-    sub = parser.add_subparsers(dest="command", required=True)
+def build_parser() -> argparse.ArgumentParser:
+    parser_ = parser("kvservice", "Paged KV-cache block manager.", EXIT_CODES)
+    sub = subparsers(parser_, dest="command", required=True, metavar="COMMAND")
     _serve_parser(sub)
     c = sub.add_parser("check-state", help="recover a state dir (or nats://...) read-only, check all of it, say "
-                       "what is wrong")
+                       "what is wrong", epilog=exit_epilog(EXIT_CODES))
     c.add_argument("state_dir", help="a --state-dir, or the nats://HOST:PORT,... of a replicated manager")
     c.add_argument("--repair", action="store_true",
                    help="accept the state dir as it is on disk (rewrite its MANIFEST) when every content check "
                         "passes; for a damaged or lost MANIFEST or write-ahead log you chose to give up on")
-    c.add_argument("--nats-name", default=os.environ.get("KVSERVICE_NATS_NAME", "kvservice"))
-    c.add_argument("--log-level", default="WARNING")
+    c.add_argument("--nats-name", default=os.environ.get("KVSERVICE_NATS_NAME", "kvservice"),
+                   help="deployment name of a nats://... state (env KVSERVICE_NATS_NAME)")
+    add_log_args(c, "WARNING")
     for name, what in (("export-state", "write the replicated state (nats://...) into a new SQLite state dir"),
                        ("import-state", "write a SQLite state dir as the snapshot of a new replicated deployment")):
-        x = sub.add_parser(name, help=what)
+        x = sub.add_parser(name, help=what, epilog=exit_epilog(EXIT_CODES))
         x.add_argument("source", help="nats://HOST:PORT,... (export) or a state dir (import)")
         x.add_argument("target", help="a new state dir (export) or nats://HOST:PORT,... (import)")
-        x.add_argument("--nats-name", default=os.environ.get("KVSERVICE_NATS_NAME", "kvservice"))
+        x.add_argument("--nats-name", default=os.environ.get("KVSERVICE_NATS_NAME", "kvservice"),
+                       help="deployment name: stream KVS_<name> (env KVSERVICE_NATS_NAME)")
         x.add_argument("--nats-replicas", type=int, default=1, help="import: replicas of the new stream")
         x.add_argument("--epoch", type=int, default=1, help="import: leader epoch to continue from (docs/HA.md)")
-        x.add_argument("--log-level", default="WARNING")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        add_log_args(x, "WARNING")
+    return parser_
+
+
+def main(argv: list[str] | None = None) -> int:
+    """kvservice; returns its exit status (EXIT_CODES)."""
+    parser_ = build_parser()
+    args = parser_.parse_args(argv)
+    logs.configure(args.log_level, args.log_format)
     if args.command == "check-state":
         return check_state(args.state_dir, args.repair, args.nats_name)
     if args.command in ("export-state", "import-state"):
         return move_state(args)
-    return run_serve(parser, args)
+    return run_serve(parser_, args)
 
 
 def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -152,12 +186,7 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error("--tls-client-ca needs --tls-cert and --tls-key")
     journal = None
     try:
-        if args.no_pools:
-            pools = []
-        elif args.pools:
-            pools = load_pools_file(args.pools)
-        else:
-            pools = load_pools(DEFAULT_POOLS_YAML, "embedded defaults")
+        pools = _startup_pools(args)
         tls = ServerTLS.from_files(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
         tokens = TokenTable.from_file(args.tokens_file) if args.tokens_file else None
         limits = Limits(args.max_step_sequences, args.max_step_tokens, args.max_pool_slots, args.max_pools)
@@ -188,6 +217,22 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
               file=sys.stderr)
         return EXIT_FAILED
     return 0
+
+
+def _startup_pools(args: argparse.Namespace) -> list:
+    """The pools `serve` starts with: none, a --pools file, or the embedded defaults; --prefix-hash fills gaps."""
+    if args.no_pools:
+        return []
+    if args.pools:
+        try:
+            pools = load_pools_file(args.pools)
+        except KVError as err:
+            raise InvalidArgument(f"--pools {err.message}") from None
+    else:
+        pools = load_pools(DEFAULT_POOLS_YAML, "embedded defaults")
+    if args.prefix_hash:                     # the default hash mode of configured pools that name none
+        pools = [dataclasses.replace(p, prefix_hash=p.prefix_hash or args.prefix_hash) for p in pools]
+    return pools
 
 
 def _serve_until_stopped(running: object, port_file: str | None, poll_seconds: float) -> None:
@@ -226,6 +271,7 @@ def _serve_replicated(args: argparse.Namespace, pools: list, tls: ServerTLS | No
                            max_workers=args.threads, metrics_addr=args.metrics_addr, tls=tls, tokens=tokens,
                            limits=limits, max_message_bytes=args.max_message_bytes, events=events,
                            max_streams=args.max_streams)
+    logs.set_process_fields(node=ha.lease.node, epoch=lambda: ha.store.epoch)   # epoch: while it leads
     print(f"kvservice: listening on {args.listen.rsplit(':', 1)[0]}:{running.port}, metrics on port "
           f"{running.metrics_port}, state: {config.url} (stream {config.stream}), standby until it holds the "
           f"lease", flush=True)
@@ -291,10 +337,13 @@ def check_state(state_dir: str, repair: bool = False, nats_name: str = "kvservic
         if replicated:
             witness = f"stream {store.config.stream} read to its end, leader epoch {store.max_epoch}"  # type: ignore
         else:
+            mark = store.mark.found if store.mark is not None else None
             witness = (f"MANIFEST: {'running' if m.get('running') else 'stopped cleanly'}, at least "
-                       f"{m.get('last_seq', '?')} acknowledged")
+                       f"{m.get('last_seq', '?')} acknowledged; ACKED: "
+                       f"{mark.seq if mark is not None else 'none'}")
         print(f"{state_dir}: journal position {journal.seq}, snapshot at {journal.snapshot_seq}, incarnation "
-              f"{journal.incarnation}, {len(journal.window.ids)} request ids remembered; {witness}")
+              f"{journal.incarnation}, {len(journal.window.ids)} request ids remembered; {witness}; lineage "
+              f"{journal.lineage:016x}")
         for note in getattr(store, "notes", []):
             print(f"note: {note}")
         for name in journal.manager.pool_names():

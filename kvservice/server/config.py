@@ -9,6 +9,8 @@
         sizing: {max_batch: 64, max_seq_len: 8192}   # or num_slots / memory_budget (40GiB, 80% of device_memory)
         backends: [flashinfer]
         prefix_caching: true         # keep released full pages findable by hash (default false)
+        prefix_hash: vllm-sha256-cbor   # page hash mode (default: serve --prefix-hash, else kvservice)
+        prefix_hash_seed: "1234"     # vllm-sha256-cbor's NONE_HASH seed (vLLM's PYTHONHASHSEED)
       - name: gemma3-27b
         model_config: models/gemma-3-27b-it/config.json   # layers from the model (model_config.py);
         tp: 4                                              # relative paths: from this file's directory
@@ -33,6 +35,7 @@ import yaml
 
 from kvservice.contract.errors import InvalidArgument
 from kvservice.core.geometry import CacheSpec, LayerSpec
+from kvservice.core.hashing import HASH_MODES
 from kvservice.core.model_config import DTYPES, load_model_cache
 from kvservice.core.planner import Sizing
 from kvservice.core.units import parse_bytes
@@ -56,6 +59,7 @@ POOL_KEYS = {
     "tensor_parallel_size": ("tp", "int"), "dtype": ("dtype", "str"), "kv_cache_dtype": ("dtype", "str"),
     "prefix_caching": ("prefix_caching", "bool"), "enable_prefix_caching": ("prefix_caching", "bool"),
     "model": ("model", "str"), "allow_unknown_keys": ("allow_unknown_keys", "bool"),
+    "prefix_hash": ("prefix_hash", "str"), "prefix_hash_seed": ("prefix_hash_seed", "str"),
 }
 LAYER_KEYS = {"count": ("count", "int"), "kv_heads": ("kv_heads", "int"), "head_dim": ("head_dim", "int"),
               "dtype": ("dtype", "str"), "sliding_window": ("sliding_window", "int0"), "k_only": ("k_only", "bool")}
@@ -78,6 +82,8 @@ class PoolConfig:
     backends: tuple[str, ...]
     prefix_caching: bool = False
     model: str = ""
+    prefix_hash: str = ""          # "" = the server's --prefix-hash
+    prefix_hash_seed: str = ""
 
 
 class _Map(dict):
@@ -188,7 +194,12 @@ def _pool(entry: Any, where: str, base_dir: Path | None = None) -> PoolConfig:
     if "name" not in e:
         raise InvalidArgument(f"{where}{_line(entry)}: each pool needs a name")
     sizing = _sizing(e.get("sizing"), where)
-    common = dict(prefix_caching=e.get("prefix_caching", False), model=e.get("model", ""))
+    mode = e.get("prefix_hash", "")
+    if mode and mode not in HASH_MODES:
+        raise InvalidArgument(f"{where}: prefix_hash {mode!r}{_line(entry, 'prefix_hash')} is not one of "
+                              f"{', '.join(HASH_MODES)}")
+    common = dict(prefix_caching=e.get("prefix_caching", False), model=e.get("model", ""), prefix_hash=mode,
+                  prefix_hash_seed=e.get("prefix_hash_seed", ""))
     backends = tuple(str(b) for b in e.get("backends", ()))
     if "model_config" in e:
         if "layers" in e:

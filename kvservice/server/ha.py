@@ -252,8 +252,8 @@ class HAController:
             log.error("configured pools not created after takeover: %s", err.message)
         self.set_serving(True)
         self.takeover_seconds = time.monotonic() - t0
-        log.warning("leader now: epoch %d at journal position %d (takeover %.3f s)", epoch, self.journal.seq,
-                    self.takeover_seconds)
+        log.info("leader now: epoch %d at journal position %d (takeover %.3f s)", epoch, self.journal.seq,
+                 self.takeover_seconds)
 
     def _fence(self) -> int:
         """Read to the end of the stream and fence it with the next epoch; again if the old leader wrote meanwhile."""
@@ -420,6 +420,7 @@ def export_state(config: NatsConfig, state_dir: str | Path) -> Journal:
         path.mkdir(parents=True, exist_ok=True)
         dst = SqliteStore.open(path, sync="full")
         try:
+            dst.lineage = src.lineage                       # a backup continues the history it copies
             dst.begin(src.seq)
             src.snapshot_to(dst)
         finally:
@@ -445,6 +446,7 @@ def import_state(state_dir: str | Path, config: NatsConfig, epoch: int = 1) -> t
             raise StateError(f"{store.path} already holds a journal; import into a fresh --nats-name "
                              "(docs/operations.md, 'Restore from a snapshot')")
         store.seq = src.seq
+        store.lineage = src.lineage                         # the deployment continues the state dir's history
         store.fence(max(1, epoch))
         src.snapshot_to(store)
         return src.seq, store.epoch

@@ -30,7 +30,7 @@ from kvservice.core.planner import Plan, plan
 from kvservice.manager.api import ManagerAPI, derived_incarnation
 from kvservice.manager.pools import BlockManager, new_incarnation
 from kvservice.server.metrics import ManagerMetrics
-from kvservice.server.stream import StreamRegistry, echo_stream, step_stream
+from kvservice.server.stream import StreamRegistry, echo_stream, scoped_request_id, step_stream
 from kvservice.server.watch import watch_events
 from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1 import block_manager_pb2_grpc as pb_grpc
@@ -41,6 +41,9 @@ log = logging.getLogger("kvservice")
 MUTATING = frozenset({"CreatePool", "DeletePool", "Step", "RegisterWorker"})
 #: Reads of pool state: they wait for an in-flight commit and are refused once the journal failed.
 STATE_READS = frozenset({"GetPool", "ListPools", "ListSequences", "GetStats"})
+#: Other reads whose replies carry the journal position (they do not wait for commits): a client or worker
+#: checks it against what it saw before (kvservice/client/position.py).
+POSITIONED = frozenset({"Heartbeat", "ListWorkers", "ScorePrefix"})
 METHODS = tuple(pb.DESCRIPTOR.services_by_name["BlockManager"].methods_by_name)
 #: Streaming RPCs: handlers of their own (kvservice/server/stream.py), not the unary adapter below.
 STREAMING = frozenset(m.name for m in pb.DESCRIPTOR.services_by_name["BlockManager"].methods
@@ -48,7 +51,7 @@ STREAMING = frozenset(m.name for m in pb.DESCRIPTOR.services_by_name["BlockManag
 _STEP_ARRAYS = ("free_seq_ids", "extend_seq_ids", "extend_num_tokens", "admit_seq_ids", "admit_num_tokens",
                 "fork_parent_ids", "fork_child_ids", "admit_token_ids")
 _SEQ_FIELDS = ("free_seq_ids", "extend_seq_ids", "admit_seq_ids", "fork_child_ids")   # one sequence each
-_ITEMSIZE = {10: 4, 11: 8, 12: 8}      # INT32, INT64, UINT64 (others are refused by the API)
+_ITEMSIZE = {10: 4, 11: 8, 12: 8, 13: 4}      # INT32, INT64, UINT64, UINT32 (others are refused by the API)
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +188,7 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
 def _adapter(name: str) -> Callable[..., Any]:
     def method(self: BlockManagerServicer, request: Any, context: grpc.ServicerContext) -> Any:
         start = time.perf_counter()
+        code, reason = "OK", ""
         try:
             apply = getattr(self.api, name)
             if getattr(self.journal, "failed", None):
@@ -192,27 +196,38 @@ def _adapter(name: str) -> Callable[..., Any]:
             if self.limits is not None:
                 self.limits.check(name, request, self.api.manager)
             _stamp(name, request)
+            if name in MUTATING and getattr(request, "request_id", ""):     # one idempotency namespace per tenant
+                request.request_id = scoped_request_id(current_principal(), request.request_id)
             if self.journal is not None and name in MUTATING:
                 with self.api.manager.events.transaction():    # its KV events show once it is durable
                     return self.journal.execute(name, request, apply)
             if name in STATE_READS and hasattr(self.journal, "read"):
                 return self.journal.read(request, apply)  # type: ignore[union-attr]
-            return apply(request)
+            reply = apply(request)
+            if name in POSITIONED and hasattr(self.journal, "stamp"):
+                self.journal.stamp(reply)                 # type: ignore[union-attr]
+            return reply
         except JournalUnavailable as err:
+            code = "UNAVAILABLE"
             context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
         except KVError as err:
-            context.abort_with_status(to_status(err))
+            status = to_status(err)
+            code, reason = status.code.name, err.reason
+            context.abort_with_status(status)
         except Exception:
-            log.exception("%s failed", name)
+            code = "INTERNAL"
+            log.exception("%s failed", name, extra={"pool": getattr(request, "pool", None),
+                                                    "request_id": getattr(request, "request_id", None)})
             context.abort(grpc.StatusCode.INTERNAL, f"internal error in {name}; see the manager's log")
         finally:
-            self.metrics.rpc_duration.labels(name).observe(time.perf_counter() - start)
+            self.metrics.observe(name, time.perf_counter() - start, code, reason)
     method.__name__ = name
     return method
 
 
 def _stamp(name: str, request: Any) -> None:
     """Fill the fields only the server sets, replacing whatever a client sent, before the request is journaled.
+    (Its request_id is then scoped to the caller's tenant: kvservice.server.stream.scoped_request_id.)
 
     CreatePool: the new pool's incarnation; derived from the request when it has a request_id (a retry
     of it must carry the same bytes), else random. RegisterWorker: the caller's token name.

@@ -1,8 +1,12 @@
 """StepStream and EchoStream: one long-lived stream per scheduler (gRPC adapter, like servicer.py).
 
 A stream is named by the call metadata ``kvservice-stream-id`` (the server makes one up when it
-is absent; such a stream cannot be resumed). Its server-side :class:`StreamSession` outlives the
-call, so a client that reconnects with the same id continues it:
+is absent; such a stream cannot be resumed) within the namespace of the caller's tenant (the name
+of its token, kvservice.contract.auth; "" without tokens): two tenants' streams of the same id are
+two streams, and the idempotency keys of their requests never meet (``scoped_request_id``), so no
+tenant can apply a Step under another's stream or learn its journal position from an error. Its
+server-side :class:`StreamSession` outlives the call, so a client that reconnects with the same id
+continues it:
 
 - Each request carries ``stream_seq`` (1, 2, 3, ...). Its idempotency key is
   ``"<stream id>#<stream_seq>"`` unless the request brings its own ``request_id``, and it goes
@@ -43,6 +47,7 @@ from typing import Any
 import grpc
 from google.rpc import code_pb2
 
+from kvservice.contract.auth import current_principal
 from kvservice.contract.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -80,8 +85,9 @@ class StreamSession:
     last_used: registry clock at the last request (idle sessions expire).
     """
 
-    def __init__(self, stream_id: str) -> None:
+    def __init__(self, stream_id: str, tenant: str = "") -> None:
         self.stream_id = stream_id
+        self.tenant = tenant
         self.lock = threading.Lock()
         self.last_seq = 0
         self.held: HeldTables | None = None
@@ -162,7 +168,7 @@ class StreamRegistry:
         self.clock = clock
         self.max_active = max_active
         self.active = 0
-        self._sessions: OrderedDict[str, StreamSession] = OrderedDict()
+        self._sessions: OrderedDict[tuple[str, str], StreamSession] = OrderedDict()
         self._lock = threading.Lock()
 
     def enter(self) -> bool:
@@ -180,19 +186,21 @@ class StreamRegistry:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def session(self, stream_id: str) -> StreamSession:
-        """The session of a stream id (a new one if unknown, dropped or expired); drops expired and excess ones.
+    def session(self, stream_id: str, tenant: str = "") -> StreamSession:
+        """The session of a tenant's stream id (a new one if unknown, dropped or expired); drops expired and
+        excess ones.
 
         Sessions are ordered by when their stream last opened; a session's own last_used (set per request)
         keeps an open stream from expiring.
         """
         now = self.clock()
+        key = (tenant, stream_id)
         with self._lock:
-            s = self._sessions.pop(stream_id, None)
+            s = self._sessions.pop(key, None)
             if s is None or now - s.last_used > self.idle_seconds:
-                s = StreamSession(stream_id)
+                s = StreamSession(stream_id, tenant)
             s.last_used = now
-            self._sessions[stream_id] = s
+            self._sessions[key] = s
             while self._sessions:
                 oldest = next(iter(self._sessions.values()))
                 if len(self._sessions) <= self.max_streams and now - oldest.last_used <= self.idle_seconds:
@@ -207,6 +215,12 @@ def stream_id_of(context: grpc.ServicerContext) -> str | None:
         if key == STREAM_ID_KEY:
             return value if isinstance(value, str) and _STREAM_ID.match(value) else None
     return f"anon-{uuid.uuid4().hex}"
+
+
+def scoped_request_id(tenant: str, request_id: str) -> str:
+    """The idempotency key of a tenant's request_id: the id itself without tokens (tenant ""), else
+    "<len(tenant)>:<tenant>/<id>", which no other tenant's id can equal."""
+    return f"{len(tenant)}:{tenant}/{request_id}" if tenant else request_id
 
 
 def error_reply(seq: int, err: KVError) -> pb.StepReply:
@@ -227,13 +241,14 @@ def _request_key(r: pb.StepRequest, stream_id: str) -> tuple | None:
 
 
 def step_one(servicer: Any, session: StreamSession, request: Any, broken: type[Exception],
-             observe: Callable[[float], None]) -> pb.StepReply:
+             observe: Callable[[float, pb.StepReply | None], None]) -> pb.StepReply:
     """Answer one request of a StepStream; raises `broken` (the journal's JournalUnavailable) only.
 
     request: a StepRequest, or the server's stand-in for bytes that did not parse.
-    observe: records the request's server-side seconds.
+    observe: records the request's server-side seconds and its reply (None when `broken` was raised).
     """
     start = time.perf_counter()
+    reply = None
     ok = isinstance(request, pb.StepRequest)
     seq = request.stream_seq if ok else 0
     try:
@@ -250,8 +265,8 @@ def step_one(servicer: Any, session: StreamSession, request: Any, broken: type[E
                 if servicer.limits is not None and (key is None or key != session.checked):
                     servicer.limits.check("Step", request, servicer.api.manager)
                     session.checked = key
-                if not request.request_id:
-                    request.request_id = f"{session.stream_id}#{seq}"
+                request.request_id = scoped_request_id(session.tenant,
+                                                       request.request_id or f"{session.stream_id}#{seq}")
 
                 def apply(r: pb.StepRequest) -> pb.StepReply:
                     return session.apply(servicer.api, r, key)
@@ -263,17 +278,21 @@ def step_one(servicer: Any, session: StreamSession, request: Any, broken: type[E
                 session.last_seq = max(session.last_seq, seq)
             if reply.stream_seq != seq:           # a reply rebuilt by journal recovery (a unary Step's)
                 reply.stream_seq = seq
+            reply.stream_id = session.stream_id   # workers bind persistent tables to it (UpdateTables)
             return reply
     except broken:
         raise
     except KVError as err:
-        return error_reply(seq, err)
+        reply = error_reply(seq, err)
+        return reply
     except Exception:
-        log.exception("StepStream request %d of stream %r failed", seq, session.stream_id)
-        return pb.StepReply(stream_seq=seq, error=pb.RequestStatus(
+        log.exception("StepStream request %d of stream %r failed", seq, session.stream_id,
+                      extra={"pool": getattr(request, "pool", None), "stream_id": session.stream_id})
+        reply = pb.StepReply(stream_seq=seq, error=pb.RequestStatus(
             code=code_pb2.INTERNAL, message="internal error in StepStream; see the manager's log", reason="INTERNAL"))
+        return reply
     finally:
-        observe(time.perf_counter() - start)
+        observe(time.perf_counter() - start, reply)
 
 
 def step_stream(servicer: Any, requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[pb.StepReply]:
@@ -286,8 +305,14 @@ def step_stream(servicer: Any, requests: Iterator[Any], context: grpc.ServicerCo
     registry = servicer.streams
     _enter(registry, context)
     try:
-        session = registry.session(stream_id)
-        observe = servicer.metrics.rpc_duration.labels("Step").observe     # a stream request is a Step: same alerts
+        session = registry.session(stream_id, current_principal())
+        metrics = servicer.metrics
+
+        def observe(seconds: float, reply: pb.StepReply | None) -> None:      # a stream request is a Step: same alerts
+            if reply is None:
+                metrics.observe("Step", seconds, "UNAVAILABLE")
+            else:
+                metrics.observe_reply("Step", seconds, reply)
         for request in requests:
             try:
                 reply = step_one(servicer, session, request, JournalUnavailable, observe)
@@ -310,7 +335,7 @@ def echo_stream(servicer: Any, requests: Iterator[Any], context: grpc.ServicerCo
     registry = servicer.streams
     _enter(registry, context)
     try:
-        observe = servicer.metrics.rpc_duration.labels("Echo").observe
+        observe = servicer.metrics.rpc_duration.labels("Echo", "OK").observe
         for request in requests:
             start = time.perf_counter()
             if not isinstance(request, pb.EchoRequest):

@@ -3,7 +3,7 @@
 :class:`Journal` is what the servicer calls. It serialises mutating requests (one lock), answers a
 retried request_id with the original reply (:class:`IdempotencyWindow`), applies a new request to
 the in-memory manager and appends it to a :class:`JournalStore` before the reply leaves, and
-stamps every reply with the journal position (incarnation, seq) so a client can tell when a
+stamps every reply with the journal position (lineage, incarnation, seq) so a client can tell when a
 manager came back behind what it saw. Reads of pool state wait only for an uncommitted change of
 the pool they read (:class:`_Gate`), never for other pools or for a snapshot.
 
@@ -17,14 +17,14 @@ snapshot and entries: exactly what was acknowledged) and keeps serving; only if 
 Stores (kvservice/state/stores.py: the interface a backend implements): ``MemoryStore`` (``--state memory``:
 in-process, lost with the process) and ``store_sqlite.SqliteStore`` (``--state-dir``). Recovery is the same for
 both: decode and check the newest snapshot (kvservice/state/snapshot.py), replay every later entry after
-verifying its checksum and that none is missing, then check every pool's invariants and the store's
-witness of the last acknowledged position. Snapshots are captured under the lock (copies of the
-arrays: the pause) and encoded and written outside it. See docs/DURABILITY.md.
+verifying its checksum and that none is missing, then check every pool's invariants, the acknowledged
+high-water mark (kvservice/state/ackmark.py) and the store's witness of the last acknowledged position.
+Snapshots are captured under the lock (copies of the arrays: the pause) and encoded and written outside it.
+See docs/DURABILITY.md.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
@@ -45,8 +45,10 @@ from kvservice.core.planner import Sizing
 from kvservice.core.pool import PoolState
 from kvservice.manager.api import STEP_ARRAYS, ManagerAPI
 from kvservice.manager.pools import BlockManager
+from kvservice.state import ackmark
 from kvservice.state import snapshot as snap
-from kvservice.state.stores import Entry, JournalStore, MemoryStore, entry_digest
+from kvservice.state.fingerprints import PrefixDigests, digest
+from kvservice.state.stores import Entry, JournalStore, MemoryStore, continued_lineage, entry_digest, lineage_hex
 from kvservice.v1 import block_manager_pb2 as pb
 
 log = logging.getLogger("kvservice.state.journal")
@@ -98,58 +100,6 @@ class JournalConfig:
         return max(1, self.compact_every - self.compact_every // 4)
 
 
-def digest(data: bytes) -> bytes:
-    """16-byte fingerprint of a serialized request (a reused request_id must carry the same request)."""
-    return snap.digest16(data)
-
-
-class PrefixDigests:
-    """digest() of requests that repeat a long prefix, hashing only what follows it.
-
-    A steady decode loop sends the same arrays every step; what changes (request_id, stream_seq,
-    delta fields) is serialized after them. Per key (the pool), the hash state after the last long
-    request's prefix is kept; a request starting with those same bytes hashes only its tail. The
-    value is digest(data) exactly: blake2b is computed over the bytes in order, wherever it pauses.
-    Not thread-safe (the journal calls it under its lock). Bounded whatever the requests (the key is
-    an unchecked pool name): at most max_keys prefixes of at most MAX_PREFIX bytes each, max_bytes in
-    all; a longer request is hashed whole, and a full table is emptied before a new prefix goes in.
-    """
-
-    MIN_PREFIX = 1024          # shorter requests are hashed whole (cheap anyway)
-    MAX_PREFIX = 1 << 20       # longer ones too: a steady decode request at B=1024 is ~20 KB
-    TAIL = 256                 # bytes left out of a new prefix: where request_id and stream_seq sit
-
-    def __init__(self, max_keys: int = 256, max_bytes: int = 16 << 20) -> None:
-        self.max_keys = max_keys
-        self.max_bytes = max_bytes
-        self._kept: dict[str, tuple[bytes, Any]] = {}     # key -> (prefix bytes, hash state after them)
-        self.kept_bytes = 0
-        self.hits = 0
-
-    def __call__(self, key: str, data: bytes) -> bytes:
-        kept = self._kept.get(key)
-        if kept is not None and len(data) > len(kept[0]) and data.startswith(kept[0]):
-            h = kept[1].copy()
-            h.update(memoryview(data)[len(kept[0]):])
-            self.hits += 1
-            return h.digest()
-        cut = len(data) - self.TAIL
-        if not self.MIN_PREFIX <= cut <= self.MAX_PREFIX:
-            return digest(data)
-        h = hashlib.blake2b(digest_size=16)
-        h.update(memoryview(data)[:cut])
-        old = self._kept.pop(key, None)
-        if old is not None:
-            self.kept_bytes -= len(old[0])
-        if len(self._kept) >= self.max_keys or self.kept_bytes + cut > self.max_bytes:
-            self._kept.clear()
-            self.kept_bytes = 0
-        self._kept[key] = (data[:cut], h.copy())
-        self.kept_bytes += cut
-        h.update(memoryview(data)[cut:])
-        return h.digest()
-
-
 # ---- idempotency ---------------------------------------------------------------------------------------
 class IdempotencyWindow:
     """request_id -> (method, digest, journal seq, wall time) for the last N ids / T seconds, and recent replies.
@@ -170,16 +120,15 @@ class IdempotencyWindow:
         known = self.ids.get(rid)
         if known is None:
             return None
-        k_method, k_digest, seq, _ = known
+        k_method, k_digest, _, _ = known    # no error names the earlier request's position: it may be another tenant's
         if k_method != method or k_digest != fingerprint:
-            raise InvalidArgument(f"request_id {rid!r} was already used by a different {k_method} request "
-                                  f"(journal position {seq}); use a fresh id per request", reason="REQUEST_ID_REUSED",
-                                  request_id=rid)
+            raise InvalidArgument(f"request_id {rid!r} was already used by a different {k_method} request; use a "
+                                  "fresh id per request", reason="REQUEST_ID_REUSED", request_id=rid)
         stored = self.replies.get(rid)
         if stored is None:
-            raise AlreadyExists(f"{method} {rid!r} was already applied (journal position {seq}); its reply is no "
-                                f"longer kept (reply cache {self.config.reply_cache_bytes} bytes)",
-                                reason="REQUEST_ALREADY_APPLIED", request_id=rid, position=seq)
+            raise AlreadyExists(f"{method} {rid!r} was already applied; its reply is no longer kept (reply cache "
+                                f"{self.config.reply_cache_bytes} bytes)", reason="REQUEST_ALREADY_APPLIED",
+                                request_id=rid)
         self.hits += 1
         return stored[0]
 
@@ -366,21 +315,30 @@ class Journal:
             if problems:
                 raise StateError(f"{store.location}: recovered state breaks invariants: {'; '.join(problems[:4])}",
                                  reason="STATE_INVARIANTS", problems=problems)
+            ackmark.check_recovery(store, journal.seq, journal.snapshot_seq)
             store.check_position(journal.seq)
             if not store.readonly:
+                lineage = store.lineage
                 journal.incarnation = store.begin(journal.seq)
+                if store.lineage != lineage and journal.manager.pool_names():
+                    journal.snapshot(force=True)        # the snapshot it recovered from names the old lineage
             # The next snapshot follows the newest one in the store, not this process's start: under leader
             # churn each new leader would otherwise push it further and none would ever be written.
             journal._compact_at = journal.snapshot_seq + journal.config.snapshot_due_tail
             journal.replayed_entries = replayed
             journal.recovery_seconds = time.perf_counter() - t0
-            log.info("recovered %s: snapshot at %d, %d entries replayed in %.3f s, incarnation %d, pools: %s",
-                     store.location, journal.snapshot_seq, replayed, journal.recovery_seconds, journal.incarnation,
-                     ", ".join(journal.manager.pool_names()) or "none")
+            log.info("recovered %s: snapshot at %d, %d entries replayed in %.3f s, lineage %s, incarnation %d, "
+                     "pools: %s", store.location, journal.snapshot_seq, replayed, journal.recovery_seconds,
+                     lineage_hex(store.lineage), journal.incarnation, ", ".join(journal.manager.pool_names()) or "none")
         except BaseException:
             store.close(clean=False, seq=journal.seq)
             raise
         return journal
+
+    @property
+    def lineage(self) -> int:
+        """The state's lineage (its store's), stamped into every reply beside the position."""
+        return self.store.lineage
 
     def _load(self, manager: BlockManager, window: IdempotencyWindow | None) -> int:
         """Restore the store's newest snapshot into manager and replay the later entries.
@@ -408,6 +366,10 @@ class Journal:
             s = snap.decode(blob, name)
             if s.seq != snapshot_seq:
                 raise StateError(f"{name} holds position {s.seq} (damaged)")
+            try:                                # a store that records no lineage continues its snapshot's
+                self.store.lineage = continued_lineage(self.store.lineage, s.lineage, name)
+            except StateError as err:
+                self.store.override(err)
             manager.restore(snap.build_pools(s.pools, name), s.workers)
             if window is not None:
                 window.load(s.window)
@@ -566,14 +528,20 @@ class Journal:
         self._check_usable()
         with self._gate.reading(getattr(request, "pool", "")):
             reply = apply(request)
-            if isinstance(reply, pb.PoolInfo):
-                self._stamp(reply)
+            self._stamp(reply)
+        return reply
+
+    def stamp(self, reply: Message) -> Message:
+        """The reply with its journal position (if it has the field) set to now: reads that wait for no commit."""
+        self._stamp(reply)
         return reply
 
     def _stamp(self, reply: Message) -> None:
         if "position" in reply.DESCRIPTOR.fields_by_name:
-            reply.position.incarnation = self.incarnation      # type: ignore[attr-defined]
-            reply.position.seq = self.seq                      # type: ignore[attr-defined]
+            pos = reply.position                               # type: ignore[attr-defined]
+            pos.incarnation = self.incarnation
+            pos.seq = self.seq
+            pos.lineage = self.store.lineage
 
     def _stamped_copy(self, stored: Message) -> Message:
         reply = type(stored)()
@@ -591,6 +559,9 @@ class Journal:
         t0 = time.perf_counter()
         try:
             self.store.append(Entry.make(seq, method, data, now))
+            mark = self.store.mark
+            if mark is not None:                # after the entry is durable, before the reply leaves
+                mark.advance(self.store.lineage, seq)
         except Exception as err:
             self._fail(f"journal write failed ({type(err).__name__}: {err})")
             raise JournalUnavailable(f"{method} was not made durable and is not acknowledged: "
@@ -631,13 +602,14 @@ class Journal:
         return self._writer_done.is_set() and (self.seq >= self._compact_at
                                                or self.tail_bytes >= self.config.compact_bytes)
 
-    def snapshot(self) -> None:
-        """Write a snapshot now (also done every compact_every entries and on a clean close)."""
-        cap = self._capture_when_idle(check=True)
+    def snapshot(self, force: bool = False) -> None:
+        """Write a snapshot now (also done every compact_every entries and on a clean close); force: even if one
+        exists at this position (a new lineage starts with one of its own)."""
+        cap = self._capture_when_idle(check=True, force=force)
         if cap is not None:
             self._write_capture(cap)
 
-    def _capture_when_idle(self, check: bool) -> _Capture | None:
+    def _capture_when_idle(self, check: bool, force: bool = False) -> _Capture | None:
         while True:
             self._writer_done.wait()
             with self._lock:
@@ -646,7 +618,7 @@ class Journal:
                 elif self.failed is not None:
                     return None
                 if self._writer_done.is_set():
-                    return self._capture_locked()
+                    return self._capture_locked(force)
 
     def _capture_locked(self, force: bool = False) -> _Capture | None:
         """Copy what a snapshot holds (journal lock held: this is the pause every call waits for).
@@ -684,7 +656,8 @@ class Journal:
             states = {name: st if isinstance(st, PoolState) else st(runs=True) for name, st in cap.pools.items()}
             window = snap.WindowState(cap.window_ids, [(rid, m, msg.SerializeToString())
                                                        for rid, m, msg in cap.window_replies])
-            enc = snap.encode(cap.seq, self.incarnation, time.time(), states, cap.workers, window, METHODS)
+            enc = snap.encode(cap.seq, self.incarnation, time.time(), states, cap.workers, window, METHODS,
+                              self.store.lineage)
             self.store.write_snapshot(cap.seq, enc)
         except Exception as err:          # the entries are still there: keep serving, try again later
             log.error("snapshot at %d failed (%s: %s); recovery replays the longer tail", cap.seq,
@@ -720,7 +693,8 @@ class Journal:
             workers, seq = self.manager.workers.workers(), self.seq
         states = {name: st if isinstance(st, PoolState) else st(runs=True) for name, st in states.items()}
         window = snap.WindowState(ids, [(rid, m, msg.SerializeToString()) for rid, m, msg in replies])
-        store.write_snapshot(seq, snap.encode(seq, store.incarnation, time.time(), states, workers, window, METHODS))
+        store.write_snapshot(seq, snap.encode(seq, store.incarnation, time.time(), states, workers, window, METHODS,
+                                              self.store.lineage))
 
     def wait_for_snapshot(self, timeout: float | None = None) -> bool:
         """Wait for a snapshot being written on the snapshot thread; False if still running after timeout."""
@@ -780,11 +754,13 @@ def _plain(v: Any) -> Any:
 
 
 def create_request(name: str, spec: CacheSpec, sizing: Sizing, backends: tuple[str, ...],
-                   prefix_caching: bool = False, model: str = "") -> pb.CreatePoolRequest:
+                   prefix_caching: bool = False, model: str = "", prefix_hash: str = "",
+                   prefix_hash_seed: str = "") -> pb.CreatePoolRequest:
     """The CreatePool request of a configured pool (config pools are journaled like API-created ones)."""
     from kvservice.contract.convert import cache_spec_to_proto, sizing_to_proto
     return pb.CreatePoolRequest(name=name, cache=cache_spec_to_proto(spec), backends=list(backends),
-                                sizing=sizing_to_proto(sizing), enable_prefix_caching=prefix_caching, model=model)
+                                sizing=sizing_to_proto(sizing), enable_prefix_caching=prefix_caching, model=model,
+                                prefix_hash=prefix_hash, prefix_hash_seed=prefix_hash_seed)
 
 
 def ensure_pools(journal: Journal, pools: list[Any]) -> list[str]:
@@ -799,7 +775,9 @@ def ensure_pools(journal: Journal, pools: list[Any]) -> list[str]:
                                 "(delete the pool to recreate it from the configuration)", pc.name)
             continue
         journal.execute("CreatePool", create_request(pc.name, pc.spec, pc.sizing, pc.backends,
-                                                     getattr(pc, "prefix_caching", False), getattr(pc, "model", "")),
+                                                     getattr(pc, "prefix_caching", False), getattr(pc, "model", ""),
+                                                     getattr(pc, "prefix_hash", ""),
+                                                     getattr(pc, "prefix_hash_seed", "")),
                         journal.api.CreatePool)
         created.append(pc.name)
     return created

@@ -10,7 +10,7 @@ records and the idempotency window at one journal position. Layout (one file, or
     bytes 32..   header, UTF-8 JSON
     from the next multiple of 64: the arrays, each at its header offset, 64-byte aligned
 
-The header: ``{"format": "kvservice-snapshot", "version": VERSION, "seq", "incarnation", "created",
+The header: ``{"format": "kvservice-snapshot", "version": VERSION, "seq", "incarnation", "lineage", "created",
 "pools": {name: PoolState.meta}, "workers": [record fields], "window": {"methods": [...]},
 "arrays": [{"name", "dtype", "shape", "encoding", "offset", "nbytes", "digest"}, ...]}``. Array
 names are ``pool/<pool>/<array>`` and ``window/<array>``; dtypes come from a fixed list of
@@ -49,6 +49,8 @@ MAX_HEADER_BYTES = 1 << 28
 _PREFIX = struct.Struct("<8sII16s")
 DTYPES = frozenset({"<i8", "<u8", "<i4", "<u4", "|u1", "|b1", "<f8"})
 MAX_PROBLEMS = 12
+#: Pool state versions read: 2 (before page generations: every slot starts at generation 0) and this release's.
+POOL_STATE_VERSIONS = (2, POOL_STATE_VERSION)
 
 
 def digest16(*parts: bytes | memoryview) -> bytes:
@@ -73,7 +75,11 @@ class WindowState:
 
 @dataclass(frozen=True, slots=True)
 class Snapshot:
-    """A decoded snapshot: journal position, the incarnation that wrote it, and the state."""
+    """A decoded snapshot: journal position, the incarnation that wrote it, and the state.
+
+    lineage: the state history it belongs to (kvservice.state.stores.new_lineage; 0 in snapshots written
+    before lineages).
+    """
 
     seq: int
     incarnation: int
@@ -81,6 +87,7 @@ class Snapshot:
     pools: dict[str, PoolState]
     workers: list[WorkerRecord]
     window: WindowState
+    lineage: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +141,7 @@ def _window_arrays(window: WindowState, methods: list[str]) -> dict[str, np.ndar
 
 
 def encode(seq: int, incarnation: int, created: float, pools: dict[str, PoolState], workers: list[WorkerRecord],
-           window: WindowState, methods: list[str]) -> Encoded:
+           window: WindowState, methods: list[str], lineage: int = 0) -> Encoded:
     """Encode a snapshot (the expensive part of a snapshot: run it outside the journal lock)."""
     named: list[tuple[str, np.ndarray]] = []
     for name, st in pools.items():
@@ -164,8 +171,8 @@ def encode(seq: int, incarnation: int, created: float, pools: dict[str, PoolStat
         buffers += [data, bytes(pad)] if pad else [data]
         offset += len(data) + pad
     header = json.dumps({
-        "format": FORMAT_NAME, "version": VERSION, "seq": seq, "incarnation": incarnation, "created": created,
-        "pools": {name: st.meta for name, st in pools.items()},
+        "format": FORMAT_NAME, "version": VERSION, "seq": seq, "incarnation": incarnation, "lineage": lineage,
+        "created": created, "pools": {name: st.meta for name, st in pools.items()},
         "workers": [{k: v for k, v in asdict(w).items() if k != "last_heartbeat"} for w in workers],
         "window": {"methods": methods}, "arrays": entries}, separators=(",", ":")).encode()
     hd = digest16(header)
@@ -207,7 +214,8 @@ def decode(blob: bytes | memoryview, where: str = "snapshot") -> Snapshot:
             pools[name] = PoolState(meta, {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)})
         workers = [WorkerRecord(**w, last_heartbeat=0.0) for w in h["workers"]]
         window = _window(arrays, list(h["window"]["methods"]))
-        return Snapshot(int(h["seq"]), int(h["incarnation"]), float(h["created"]), pools, workers, window)
+        return Snapshot(int(h["seq"]), int(h["incarnation"]), float(h["created"]), pools, workers, window,
+                        int(h.get("lineage", 0)))
     except StateError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
@@ -293,8 +301,15 @@ def check_pool_state(state: PoolState, p: Plan) -> list[str]:
             want |= {f"prefix/{g}/hash": (u8, 1), f"prefix/{g}/slot": (i8, 1), f"prefix/{g}/parent": (i8, 1),
                      f"prefix/{g}/parent_hash": (u8, 1), f"prefix/{g}/anchor": (i8, 1),
                      f"prefix/{g}/namespace": (i8, 1), f"prefix/{g}/tokens": (i8, 2)}
-    if m.get("version") != POOL_STATE_VERSION:
-        return [f"pool state version {m.get('version')} is not {POOL_STATE_VERSION}"]
+    if m.get("version") not in POOL_STATE_VERSIONS:
+        return [f"pool state version {m.get('version')} is not one of {POOL_STATE_VERSIONS} (this release writes "
+                f"{POOL_STATE_VERSION})"]
+    if m["version"] >= 3:
+        want |= {f"generation/{g}": (i8, 1) for g in range(len(groups))}
+    optional = {f"cached_stamp/{g}": (i8, 1) for g in range(len(groups))}     # absent in older snapshots
+    if m.get("prefix_caching"):
+        optional |= {f"prefix/{g}/linked": (i8, 1) for g in range(len(groups))}
+    want |= {k: v for k, v in optional.items() if k in a}
     if set(a) != set(want):
         return [f"arrays {sorted(set(a) ^ set(want))} missing or unexpected"]
     for k, (dt, nd) in want.items():
@@ -328,6 +343,9 @@ def check_pool_state(state: PoolState, p: Plan) -> list[str]:
         num_slots = grp.num_slots
         first, slots = a[f"first/{g}"], a[f"slots/{g}"]
         stack, cached = a[f"free_stack/{g}"], a[f"cached/{g}"]
+        gen = a.get(f"generation/{g}")
+        if gen is not None and (len(gen) != num_slots or (len(gen) and (gen.min() < 0 or gen.max() >= 2**32))):
+            bad(f"group {g}: slot generations are not {num_slots} values in [0, 2^32)")
         if (first < 0).any() or (first > held).any():
             bad(f"group {g}: a first held page is outside [0, held]")
             continue
@@ -355,6 +373,9 @@ def check_pool_state(state: PoolState, p: Plan) -> list[str]:
             bad(f"group {g}: a free slot is also owned (slot {int(both[0])})")
         if len(free) + int(np.count_nonzero(owners)) != num_slots:
             bad(f"group {g}: {len(free)} free + {int(np.count_nonzero(owners))} owned != {num_slots} slots")
+        stamps = a.get(f"cached_stamp/{g}")
+        if stamps is not None and (len(stamps) != len(cached) or (len(stamps) and stamps.min() < 0)):
+            bad(f"group {g}: {len(stamps)} release stamps for {len(cached)} cached slots, or a negative one")
         if not m["prefix_caching"] and len(cached):
             bad(f"group {g}: cached free slots without a prefix cache")
         if int(m["groups"][g]["peak_used"]) < num_slots - len(free) or int(m["groups"][g]["evictions"]) < 0:
@@ -371,7 +392,8 @@ def check_pool_state(state: PoolState, p: Plan) -> list[str]:
             slot, h, tokens = a[k + "slot"], a[k + "hash"], a[k + "tokens"]
             ns, parent, anchor = a[k + "namespace"], a[k + "parent"], a[k + "anchor"]
             e = len(slot)
-            if {len(h), len(ns), len(parent), len(anchor), len(a[k + "parent_hash"]), len(tokens)} != {e} \
+            linked = a.get(k + "linked", np.zeros(e, dtype=np.int64))
+            if {len(h), len(ns), len(parent), len(anchor), len(a[k + "parent_hash"]), len(tokens), len(linked)} != {e} \
                     or (e and tokens.shape[1] != ps):
                 bad(f"group {g}: prefix cache arrays differ in length or page size")
             elif e and (slot.min() < 0 or slot.max() >= num_slots or _repeats(slot) or (h == 0).any()

@@ -1,20 +1,30 @@
-"""The store interface of the journal (what a storage backend implements) and the in-memory store.
+"""The store interface of the journal (what a storage backend implements), the in-memory store, lineages
+and the acknowledged high-water mark.
 
 A store keeps acknowledged entries (each with a checksum) and the newest snapshot; the journal
 (kvservice/state/journal.py) does everything else. Backends: MemoryStore here, store_sqlite.SqliteStore
 (a state dir), journal_nats.NatsStore (a NATS JetStream stream: replicated managers, docs/HA.md).
 Every backend implements JournalStore and passes the shared suite tests/unit/test_journal_backends.py.
+
+A store's state belongs to one *lineage* (``new_lineage``): the id of one history of acknowledged
+changes, stamped beside the position into every reply. A store that can lose the tail of its entries
+while keeping the rest (SQLite: a write-ahead log cut short) also keeps an :class:`AckMark`, a file of
+its own holding the highest position acknowledged (kvservice/state/ackmark.py), so that recovery can prove
+the tail it found complete.
 """
 
 from __future__ import annotations
 
+import secrets
 import struct
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from kvservice.contract.errors import StateError
 from kvservice.state import snapshot as snap
+from kvservice.state.ackmark import AckMark
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +61,30 @@ def entry_digest(seq: int, method: str, request: bytes, created: float) -> bytes
     return snap.digest16(struct.pack("<qd", seq, created), method.encode(), b"\0", request)
 
 
+# ---- lineages ------------------------------------------------------------------------------------
+def new_lineage() -> int:
+    """A fresh lineage id: a random nonzero 64-bit number (0 means "none" on the wire)."""
+    while True:
+        lineage = secrets.randbits(64)
+        if lineage:
+            return lineage
+
+
+def lineage_hex(lineage: int) -> str:
+    """How a lineage is written in files, headers and messages: 16 hex digits."""
+    return f"{lineage:016x}"
+
+
+def continued_lineage(current: int, found: int | str | None, where: str) -> int:
+    """The lineage of a state of lineage `current` (0 = none yet) that reads `found` (a snapshot's, a fence's; an
+    int, its hex, or None): found if it had none, else current. StateError if the two name different histories."""
+    found = int(found, 16) if isinstance(found, str) else (found or 0)
+    if found and current and found != current:
+        raise StateError(f"{where} belongs to lineage {lineage_hex(found)}, the state to {lineage_hex(current)}: "
+                         "parts of two different states (damaged)")
+    return current or found
+
+
 # ---- the store interface ---------------------------------------------------------------------------
 class JournalStore(ABC):
     """Where a Journal keeps entries and snapshots: the interface a storage backend implements.
@@ -72,6 +106,15 @@ class JournalStore(ABC):
     remedy: str = "the state is lost with it"
     #: The newest snapshot's name, for messages (set by load_snapshot).
     snapshot_where: str = "snapshot"
+    #: The lineage of the state held here (new_lineage); 0 = none yet: begin() or a fence makes one for a
+    #: store that starts from nothing, and a store with none adopts the lineage of the snapshot it loads.
+    lineage: int = 0
+    #: The acknowledged high-water mark, for a store that can lose the tail of its entries (None: its own
+    #: witness, check_position, covers it). The journal writes it after every append and checks it on recovery.
+    mark: AckMark | None = None
+    #: Accept a state its witnesses disagree with (kvservice check-state --repair): a check that would refuse
+    #: is reported through override() instead, and the state then starts a new lineage.
+    repair: bool = False
 
     @abstractmethod
     def load_snapshot(self) -> tuple[int, bytes | memoryview] | None:
@@ -99,6 +142,10 @@ class JournalStore(ABC):
     def check_position(self, seq: int) -> None:  # noqa: B027  (optional hook, default: no witness)
         """StateError if the store knows that more than seq entries were acknowledged (a rollback)."""
 
+    def override(self, err: StateError) -> None:
+        """A recovery check failed: raise it, or (repair) record it and go on; the state then gets a new lineage."""
+        raise err
+
     @abstractmethod
     def close(self, clean: bool, seq: int) -> None:
         """Release the store; clean: the journal stopped normally at position seq."""
@@ -116,6 +163,7 @@ class MemoryStore(JournalStore):
         self._snapshot: tuple[int, bytes] | None = None
         self._lock = threading.Lock()
         self.incarnation = 0
+        self.lineage = new_lineage()          # state that starts from nothing in this process
 
     def load_snapshot(self) -> tuple[int, bytes] | None:
         return self._snapshot
@@ -143,4 +191,4 @@ class MemoryStore(JournalStore):
         pass
 
 
-__all__ = ["Entry", "JournalStore", "MemoryStore", "entry_digest"]
+__all__ = ["Entry", "JournalStore", "MemoryStore", "continued_lineage", "entry_digest", "lineage_hex", "new_lineage"]

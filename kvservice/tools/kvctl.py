@@ -1,7 +1,8 @@
 """`kvctl`: plan a cache, inspect and manage pools, validate page tables, time unary vs streaming steps.
 
-Human tables by default, `--json` for machines. Exit status: 0 ok, 1 a table
-failed validation, 2 a usage error or a refused request.
+Human tables by default, `--json` for machines (``events``: one JSON object per line, each line
+flushed as its batch arrives). Flags, defaults and exit codes: kvservice/tools/kvctl_parser.py
+(``kvctl --help``).
 """
 
 from __future__ import annotations
@@ -9,21 +10,30 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import sys
+import threading
 from typing import Any
 
 import numpy as np
 
 from kvservice.client.client import BlockManagerClient, TLSOptions
 from kvservice.client.codec import ClientError
+from kvservice.client.deadline import RETRY_CODES
 from kvservice.contract.errors import KVError
 from kvservice.contract.pagetable import PageTable
 from kvservice.core.geometry import CacheSpec, LayerSpec
 from kvservice.core.model_config import DTYPES, ModelCache, load_model_cache
 from kvservice.core.planner import Plan, Sizing, plan
 from kvservice.core.units import parse_bytes
-
-DEFAULT_TARGET = os.environ.get("KVSERVICE_ADDR", "127.0.0.1:50051")
+from kvservice.tools.kvctl_parser import (
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_REFUSED,
+    EXIT_UNREACHABLE,
+    EXIT_VIOLATIONS,
+    build_parser,
+)
 
 
 def _table(rows: list[list[Any]], headers: list[str]) -> str:
@@ -52,50 +62,6 @@ def _ranges(ids: list[int]) -> str:
         else:
             out.append([i, i])
     return ",".join(f"{a}-{b}" if a != b else f"{a}" for a, b in out)
-
-
-def _geometry_args(p: argparse.ArgumentParser) -> None:
-    """Cache and sizing flags; vLLM's names are accepted as aliases (--block-size, --max-model-len, ...)."""
-    p.add_argument("--model-config", metavar="PATH",
-                   help="Hugging Face config.json (or its directory): layers, KV heads, head sizes and sliding windows "
-                        "from the model; replaces --layers/--kv-heads/--head-dim")
-    p.add_argument("--allow-unknown-keys", action="store_true",
-                   help="plan a --model-config with fields this planner does not know (listed in the plan) "
-                        "instead of refusing it")
-    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
-                   help="tensor-parallel ranks sharing the KV heads (--model-config)")
-    p.add_argument("--layers", type=int, help="number of layers")
-    p.add_argument("--kv-heads", type=int)
-    p.add_argument("--head-dim", type=int)
-    p.add_argument("--dtype", "--kv-cache-dtype", dest="dtype",
-                   help="cache dtype: auto (the model's torch_dtype), float16, bfloat16, float32, fp8 (= fp8_e4m3), "
-                        "fp8_e4m3, fp8_e5m2 (default: float16, or auto with --model-config)")
-    p.add_argument("--page-size", "--block-size", dest="page_size", type=int, default=16, help="tokens per page")
-    p.add_argument("--layout", default="per_layer", choices=["per_layer", "interleaved"])
-    p.add_argument("--sliding-window", type=int, default=0, help="tokens (0 = full attention)")
-    p.add_argument("--extra-layer", action="append", default=[], metavar="KV_HEADS:HEAD_DIM[:WINDOW]",
-                   help="append a layer of another shape (hybrid models); repeatable")
-    p.add_argument("--max-batch", "--max-num-seqs", dest="max_batch", type=int, default=0,
-                   help="concurrent sequences")
-    p.add_argument("--max-seq-len", "--max-model-len", dest="max_seq_len", type=int, default=0,
-                   help="tokens per sequence")
-    p.add_argument("--max-num-batched-tokens", type=int, default=0,
-                   help="tokens one step adds beyond one per sequence (the prompt chunk being prefilled); sizes "
-                        "sliding-window groups (default: min(2048, --max-model-len))")
-    p.add_argument("--prefix-headroom", type=int, default=0, metavar="SLOTS",
-                   help="extra slots per sliding-window group for prefix-cache pages")
-    p.add_argument("--equal-groups", action="store_true",
-                   help="give every layer group as many slots as the full-attention group")
-    p.add_argument("--memory-budget", default="0", metavar="SIZE",
-                   help="bytes for all cache buffers: 40GiB, 512MB, 80%% (of --device-memory) or a byte count")
-    p.add_argument("--device-memory", default="0", metavar="SIZE", help="the device's memory, for a --memory-budget "
-                   "or --gpu-memory-utilization given as a share")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.0, metavar="FRACTION",
-                   help="vLLM's name: cache budget = FRACTION x --device-memory (this plans the KV cache only)")
-    p.add_argument("--num-slots", type=int, default=0, help="explicit slot count of every layer group")
-    p.add_argument("--backend", action="append", default=[],
-                   help="kernel backend the pool feeds (native, flashinfer, flash-attn2, vllm-flash-attn, "
-                        "candle-flash-attn, trtllm); repeatable")
 
 
 def _model(a: argparse.Namespace) -> ModelCache | None:
@@ -262,6 +228,15 @@ def cmd_create_pool(a: argparse.Namespace, c: BlockManagerClient) -> int:
     return 0
 
 
+def cmd_delete_pool(a: argparse.Namespace, c: BlockManagerClient) -> int:
+    c.delete_pool(a.name, force=a.force)
+    if a.json:
+        print(json.dumps({"deleted": a.name}))
+    else:
+        print(f"deleted pool {a.name!r}")
+    return EXIT_OK
+
+
 def cmd_seqs(a: argparse.Namespace, c: BlockManagerClient) -> int:
     reply = c.sequences(a.pool, a.limit)
     if a.json:
@@ -321,7 +296,7 @@ def cmd_validate(a: argparse.Namespace, c: BlockManagerClient) -> int:
         print(f"{report.num_violations} violation(s) for layer {a.layer} of pool {a.pool!r}:")
         print(_table([[v.reason, v.row, v.position, v.value, v.detail] for v in report.violations],
                      ["reason", "row", "position", "value", "rule"]))
-    return 0 if report.ok else 1
+    return EXIT_OK if report.ok else EXIT_VIOLATIONS
 
 
 def _token_ids(a: argparse.Namespace) -> np.ndarray:
@@ -351,29 +326,59 @@ def cmd_score(a: argparse.Namespace, c: BlockManagerClient) -> int:
     return 0
 
 
-def cmd_events(a: argparse.Namespace, c: BlockManagerClient) -> int:
-    """Print a pool's KV event batches (one line each, or JSON lines) until --count batches or Ctrl-C."""
-    stream = c.watch_events(a.pool, a.from_sequence)
-    seen = 0
+def _cancel_when_stdout_closes(stream: Any) -> threading.Event:
+    """Cancel `stream` once whoever reads stdout has gone (`kvctl events P | head -1`), instead of finding out
+    at the next batch; a terminal or a file never hangs up. The event is set when that happened."""
+    gone = threading.Event()
     try:
-        for msg in stream:
-            if a.json:
-                print(json.dumps(_plan_from_reply(msg)), flush=True)
-            else:
-                kinds: dict[str, int] = {}
-                for ev in msg.events:
-                    k = ev.WhichOneof("event")
-                    n = 1 if k == "all_blocks_cleared" else len(getattr(ev, k).block_hashes.data) // 8
-                    kinds[k] = kinds.get(k, 0) + n
-                what = ", ".join(f"{k} {n}" for k, n in kinds.items()) or "empty"
-                note = f"  RESET: {msg.reset_reason}" if msg.reset else ""
-                print(f"{msg.sequence:>8}  {what}{note}", flush=True)
-            seen += 1
-            if a.count and seen >= a.count and not msg.more:
-                break
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLERR | select.POLLHUP)   # a pipe's reader closed it
+    except (OSError, ValueError, AttributeError):
+        return gone
+
+    def watch() -> None:
+        poller.poll()
+        gone.set()
+        stream.cancel()
+    threading.Thread(target=watch, daemon=True, name="stdout-hangup").start()
+    return gone
+
+
+def cmd_events(a: argparse.Namespace, c: BlockManagerClient) -> int:
+    """Print a pool's KV event batches (one line each, or JSON lines), each flushed as it arrives, until --count
+    batches, Ctrl-C, or the reader of stdout goes away."""
+    stream = c.watch_events(a.pool, a.from_sequence)
+    gone = _cancel_when_stdout_closes(stream)
+    try:
+        return _print_events(a, stream)
+    except ClientError:
+        if gone.is_set():
+            return EXIT_OK
+        raise
     finally:
         stream.cancel()
-    return 0
+
+
+def _print_events(a: argparse.Namespace, stream: Any) -> int:
+    seen = 0
+    for msg in stream:
+        if a.json:
+            line = json.dumps(_plan_from_reply(msg))
+        else:
+            kinds: dict[str, int] = {}
+            for ev in msg.events:
+                k = ev.WhichOneof("event")
+                n = 1 if k == "all_blocks_cleared" else len(getattr(ev, k).block_hashes.data) // 8
+                kinds[k] = kinds.get(k, 0) + n
+            what = ", ".join(f"{k} {n}" for k, n in kinds.items()) or "empty"
+            note = f"  RESET: {msg.reset_reason}" if msg.reset else ""
+            line = f"{msg.sequence:>8}  {what}{note}"
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()                        # a line as its batch arrives, whatever stdout is
+        seen += 1
+        if a.count and seen >= a.count and not msg.more:
+            break
+    return EXIT_OK
 
 
 def _p50_us(fn: Any, n: int) -> float:
@@ -401,103 +406,56 @@ def cmd_ping(a: argparse.Namespace, c: BlockManagerClient) -> int:
 
 
 def cmd_decode(a: argparse.Namespace, c: BlockManagerClient) -> int:
-    """Decode steps (+1 token each) for live sequences, unary Step vs StepStream (full tables, deltas).
+    """Decode steps (+1 token each) for the sequences named, unary Step vs StepStream (full tables, deltas).
 
-    Changes the pool: each mode adds `steps` tokens to every sequence named.
+    Changes the pool: each mode adds `steps` tokens to every sequence named. With --admit N the sequences are
+    admitted first (N tokens each) and freed at the end; without it they must be live already.
     """
     ids = _ints(a.ids).astype(np.uint64)
-    rows = []
-    for mode in a.mode:
-        if mode == "unary":
-            def step(**kw: Any) -> Any:
-                return c.step(a.pool, **kw)
-            stream = None
-        else:
-            stream = c.step_stream(a.pool, deltas=mode == "deltas")
-            step = stream.step
-        try:
-            p50 = _p50_us(lambda step=step: step(extend=ids, extend_tokens=1), a.steps)
-            size = stream.last_reply.ByteSize() if stream is not None else None
-        finally:
-            if stream is not None:
-                stream.close()
-        rows.append([mode, f"{p50:.0f}", "" if size is None else f"{size:,}"])
+    if a.admit:
+        c.step(a.pool, admit=ids, admit_tokens=a.admit, tables=False)
+    try:
+        rows = [_decode_mode(a, c, ids, mode) for mode in a.mode]
+    except ClientError as err:
+        if err.code.name == "NOT_FOUND" and not a.admit:
+            raise ClientError(err.code, f"{err.message} (decode times live sequences: admit them first, or "
+                              "pass --admit TOKENS)", err.reason, err.metadata) from None
+        raise
+    finally:
+        if a.admit:
+            c.step(a.pool, free=ids, tables=False)
     if a.json:
         print(json.dumps([{"mode": m, "p50_us": float(p), "reply_bytes": int(b.replace(",", "")) if b else None}
                           for m, p, b in rows]))
     else:
         print(_table(rows, ["path", "p50 us", "reply bytes"]))
-    return 0
+    return EXIT_OK
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvctl", description="Plan, inspect and manage kvservice pools.")
-    parser.add_argument("--target", default=DEFAULT_TARGET, help="manager address (env KVSERVICE_ADDR)")
-    parser.add_argument("--timeout", type=float, default=10.0, help="deadline per call, seconds")
-    parser.add_argument("--json", action="store_true", help="machine-readable output")
-    parser.add_argument("--tls-ca", help="CA bundle that signed the manager's certificate (turns TLS on)")
-    parser.add_argument("--tls-cert", help="client certificate, for a manager with mutual TLS")
-    parser.add_argument("--tls-key", help="key of --tls-cert")
-    parser.add_argument("--tls-server-name", help="name to check the manager's certificate against")
-    parser.add_argument("--token-file", help="file holding a bearer token (default: env KVSERVICE_TOKEN)")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("plan", help="capacity plan for a cache (local, no server needed)")
-    _geometry_args(p)
-    p.add_argument("--per-layer", action="store_true", help="also print every layer's view (always with "
-                   "--model-config)")
-    sub.add_parser("pools", help="list pools")
-    p = sub.add_parser("create-pool", help="create a pool on the manager")
-    p.add_argument("name")
-    _geometry_args(p)
-    p.add_argument("--prefix-caching", action="store_true", help="keep released full pages findable by hash")
-    p.add_argument("--model", default="", help="the model this pool serves (kvctl score --model selects by it)")
-    p = sub.add_parser("seqs", help="list sequences of a pool")
-    p.add_argument("pool")
-    p.add_argument("--limit", type=int, default=50)
-    p = sub.add_parser("stats", help="pool statistics")
-    p.add_argument("pool", nargs="?")
-    p = sub.add_parser("workers", help="registered workers and their leases")
-    p.add_argument("pool", nargs="?")
-    p = sub.add_parser("score", help="tokens of a prompt each pool's prefix cache holds now (ScorePrefix)")
-    p.add_argument("--tokens", help="comma-separated token ids")
-    p.add_argument("--tokens-file", help="file of token ids (JSON list or whitespace-separated)")
-    p.add_argument("--pool", action="append", default=[], help="pool to score (repeatable; default: every pool)")
-    p.add_argument("--model", default="", help="with no --pool: only the pools created for this model")
-    p.add_argument("--salt", default="", help="the tenant's cache salt")
-    p.add_argument("--extra-key", default="", help="extra key (e.g. a LoRA id)")
-    p = sub.add_parser("events", help="follow a pool's KV events (WatchEvents)")
-    p.add_argument("pool")
-    p.add_argument("--from", dest="from_sequence", type=int, default=0,
-                   help="first batch (0 = the current cache as a reset, then live)")
-    p.add_argument("--count", type=int, default=0, help="stop after this many batches (0 = follow)")
-    p = sub.add_parser("validate", help="validate a page table against one layer of a pool")
-    p.add_argument("pool")
-    p.add_argument("--layer", type=int, required=True)
-    p.add_argument("--file", help="JSON file with indptr, indices, last_page_len")
-    p.add_argument("--indptr", help="comma-separated")
-    p.add_argument("--indices", help="comma-separated")
-    p.add_argument("--last-page-len", help="comma-separated")
-    p.add_argument("--max-reports", type=int, default=100)
-    p = sub.add_parser("ping", help="round trips: unary Echo and EchoStream")
-    p.add_argument("--count", type=int, default=200)
-    p = sub.add_parser("decode", help="time decode steps of live sequences: unary Step vs StepStream (adds tokens)")
-    p.add_argument("pool")
-    p.add_argument("--ids", required=True, help="comma-separated live sequence ids")
-    p.add_argument("--steps", type=int, default=50, help="steps per mode (each adds a token to every id)")
-    p.add_argument("--mode", action="append", choices=["unary", "stream", "deltas"],
-                   help="unary Step, StepStream with full tables, StepStream with incremental tables; repeatable "
-                        "(default: all three)")
-    for sp in sub.choices.values():   # accept --json after the subcommand too
-        sp.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
-    return parser
+def _decode_mode(a: argparse.Namespace, c: BlockManagerClient, ids: np.ndarray, mode: str) -> list[str]:
+    if mode == "unary":
+        def step(**kw: Any) -> Any:
+            return c.step(a.pool, **kw)
+        stream = None
+    else:
+        stream = c.step_stream(a.pool, deltas=mode == "deltas")
+        step = stream.step
+    try:
+        p50 = _p50_us(lambda: step(extend=ids, extend_tokens=1), a.steps)
+        size = stream.last_reply.ByteSize() if stream is not None else None
+    finally:
+        if stream is not None:
+            stream.close()
+    return [mode, f"{p50:.0f}", "" if size is None else f"{size:,}"]
 
 
-COMMANDS = {"pools": cmd_pools, "create-pool": cmd_create_pool, "seqs": cmd_seqs, "stats": cmd_stats,
-            "workers": cmd_workers, "validate": cmd_validate, "score": cmd_score, "events": cmd_events,
-            "ping": cmd_ping, "decode": cmd_decode}
+COMMANDS = {"pools": cmd_pools, "create-pool": cmd_create_pool, "delete-pool": cmd_delete_pool, "seqs": cmd_seqs,
+            "stats": cmd_stats, "workers": cmd_workers, "validate": cmd_validate, "score": cmd_score,
+            "events": cmd_events, "ping": cmd_ping, "decode": cmd_decode}
 
 
 def main(argv: list[str] | None = None) -> int:
+    """kvctl; returns its exit status (kvservice/tools/kvctl_parser.py: EXIT_CODES)."""
     args = build_parser().parse_args(argv)
     if getattr(args, "mode", 0) is None:
         args.mode = ["unary", "stream", "deltas"]
@@ -508,17 +466,23 @@ def main(argv: list[str] | None = None) -> int:
         if args.tls_ca or args.tls_cert:
             tls = TLSOptions.from_files(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
         token = open(args.token_file).read().strip() if args.token_file else os.environ.get("KVSERVICE_TOKEN")
-        with BlockManagerClient(args.target, timeout=args.timeout, tls=tls, token=token or None) as client:
+        with BlockManagerClient(args.target, timeout=args.timeout, tls=tls, token=token or None,
+                                failover=args.failover_timeout) as client:
             return COMMANDS[args.command](args, client)
     except KVError as err:
         print(f"kvctl: {err.message}", file=sys.stderr)
-        return 2
+        return EXIT_REFUSED
     except ClientError as err:
         print(f"kvctl: {err.code.name}: {err.message}", file=sys.stderr)
-        return 2
+        return EXIT_UNREACHABLE if err.code in RETRY_CODES else EXIT_REFUSED
+    except BrokenPipeError:                   # the reader of stdout went away (`kvctl ... | head -1`)
+        sys.stdout = open(os.devnull, "w")    # Python's own flush at exit would fail on the closed pipe again
+        return EXIT_OK
     except OSError as err:
         print(f"kvctl: {err}", file=sys.stderr)
-        return 2
+        return EXIT_REFUSED
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -174,7 +174,7 @@ class PlanReply(_message.Message):
     def __init__(self, num_slots: _Optional[int] = ..., page_size: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., max_pages_per_seq: _Optional[int] = ..., bytes_per_layer: _Optional[int] = ..., bytes_per_slot: _Optional[int] = ..., total_bytes: _Optional[int] = ..., max_byte_offset: _Optional[int] = ..., offsets_exceed_int32: _Optional[bool] = ..., offsets_exceed_uint32: _Optional[bool] = ..., indices_need_int64: _Optional[bool] = ..., layers: _Optional[_Iterable[_Union[LayerPlan, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[GroupPlan, _Mapping]]] = ..., index_spaces: _Optional[_Iterable[_Union[IndexSpace, _Mapping]]] = ..., backends: _Optional[_Iterable[str]] = ..., warnings: _Optional[_Iterable[str]] = ..., pool_pages: _Optional[int] = ..., equal_sizing_bytes: _Optional[int] = ..., notes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CreatePoolRequest(_message.Message):
-    __slots__ = ("name", "cache", "sizing", "backends", "request_id", "enable_prefix_caching", "incarnation", "model")
+    __slots__ = ("name", "cache", "sizing", "backends", "request_id", "enable_prefix_caching", "incarnation", "model", "prefix_hash", "prefix_hash_seed")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
     SIZING_FIELD_NUMBER: _ClassVar[int]
@@ -183,6 +183,8 @@ class CreatePoolRequest(_message.Message):
     ENABLE_PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HASH_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HASH_SEED_FIELD_NUMBER: _ClassVar[int]
     name: str
     cache: CacheSpec
     sizing: Sizing
@@ -191,7 +193,9 @@ class CreatePoolRequest(_message.Message):
     enable_prefix_caching: bool
     incarnation: int
     model: str
-    def __init__(self, name: _Optional[str] = ..., cache: _Optional[_Union[CacheSpec, _Mapping]] = ..., sizing: _Optional[_Union[Sizing, _Mapping]] = ..., backends: _Optional[_Iterable[str]] = ..., request_id: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ..., incarnation: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+    prefix_hash: str
+    prefix_hash_seed: str
+    def __init__(self, name: _Optional[str] = ..., cache: _Optional[_Union[CacheSpec, _Mapping]] = ..., sizing: _Optional[_Union[Sizing, _Mapping]] = ..., backends: _Optional[_Iterable[str]] = ..., request_id: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ..., incarnation: _Optional[int] = ..., model: _Optional[str] = ..., prefix_hash: _Optional[str] = ..., prefix_hash_seed: _Optional[str] = ...) -> None: ...
 
 class PoolStats(_message.Message):
     __slots__ = ("num_slots", "num_free_slots", "peak_used_slots", "num_sequences", "num_tokens", "steps", "admitted", "refused", "prefix_cache_hits", "prefix_cache_evictions", "cached_slots", "prefix_caching", "event_sequence")
@@ -224,13 +228,15 @@ class PoolStats(_message.Message):
     def __init__(self, num_slots: _Optional[int] = ..., num_free_slots: _Optional[int] = ..., peak_used_slots: _Optional[int] = ..., num_sequences: _Optional[int] = ..., num_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., admitted: _Optional[int] = ..., refused: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_evictions: _Optional[int] = ..., cached_slots: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., event_sequence: _Optional[int] = ...) -> None: ...
 
 class PoolInfo(_message.Message):
-    __slots__ = ("name", "plan", "stats", "cache", "incarnation", "model", "position")
+    __slots__ = ("name", "plan", "stats", "cache", "incarnation", "model", "prefix_hash", "prefix_hash_seed", "position")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HASH_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HASH_SEED_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     name: str
     plan: PlanReply
@@ -238,16 +244,20 @@ class PoolInfo(_message.Message):
     cache: CacheSpec
     incarnation: int
     model: str
+    prefix_hash: str
+    prefix_hash_seed: str
     position: JournalPosition
-    def __init__(self, name: _Optional[str] = ..., plan: _Optional[_Union[PlanReply, _Mapping]] = ..., stats: _Optional[_Union[PoolStats, _Mapping]] = ..., cache: _Optional[_Union[CacheSpec, _Mapping]] = ..., incarnation: _Optional[int] = ..., model: _Optional[str] = ..., position: _Optional[_Union[JournalPosition, _Mapping]] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., plan: _Optional[_Union[PlanReply, _Mapping]] = ..., stats: _Optional[_Union[PoolStats, _Mapping]] = ..., cache: _Optional[_Union[CacheSpec, _Mapping]] = ..., incarnation: _Optional[int] = ..., model: _Optional[str] = ..., prefix_hash: _Optional[str] = ..., prefix_hash_seed: _Optional[str] = ..., position: _Optional[_Union[JournalPosition, _Mapping]] = ...) -> None: ...
 
 class JournalPosition(_message.Message):
-    __slots__ = ("incarnation", "seq")
+    __slots__ = ("incarnation", "seq", "lineage")
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
+    LINEAGE_FIELD_NUMBER: _ClassVar[int]
     incarnation: int
     seq: int
-    def __init__(self, incarnation: _Optional[int] = ..., seq: _Optional[int] = ...) -> None: ...
+    lineage: int
+    def __init__(self, incarnation: _Optional[int] = ..., seq: _Optional[int] = ..., lineage: _Optional[int] = ...) -> None: ...
 
 class GetPoolRequest(_message.Message):
     __slots__ = ("pool",)
@@ -260,10 +270,12 @@ class ListPoolsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ListPoolsReply(_message.Message):
-    __slots__ = ("pools",)
+    __slots__ = ("pools", "position")
     POOLS_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
     pools: _containers.RepeatedCompositeFieldContainer[PoolInfo]
-    def __init__(self, pools: _Optional[_Iterable[_Union[PoolInfo, _Mapping]]] = ...) -> None: ...
+    position: JournalPosition
+    def __init__(self, pools: _Optional[_Iterable[_Union[PoolInfo, _Mapping]]] = ..., position: _Optional[_Union[JournalPosition, _Mapping]] = ...) -> None: ...
 
 class DeletePoolRequest(_message.Message):
     __slots__ = ("pool", "force", "request_id")
@@ -322,7 +334,7 @@ class StepRequest(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., free_seq_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., extend_seq_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., extend_num_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., admit_seq_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., admit_num_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., omit_tables: _Optional[bool] = ..., include_block_table: _Optional[bool] = ..., request_id: _Optional[str] = ..., fork_parent_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., fork_child_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., admit_token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., admit_cache_salts: _Optional[_Iterable[str]] = ..., admit_extra_keys: _Optional[_Iterable[str]] = ..., stream_seq: _Optional[int] = ..., delta_tables: _Optional[bool] = ..., delta_base: _Optional[int] = ..., accept_tokens_added: _Optional[bool] = ...) -> None: ...
 
 class SpaceTables(_message.Message):
-    __slots__ = ("index_space", "group", "scale", "offset", "upper_bound", "base", "slot_mapping", "indptr", "indices", "last_page_len", "block_table", "delta")
+    __slots__ = ("index_space", "group", "scale", "offset", "upper_bound", "base", "slot_mapping", "indptr", "indices", "last_page_len", "block_table", "generations", "slot_generations", "delta")
     INDEX_SPACE_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     SCALE_FIELD_NUMBER: _ClassVar[int]
@@ -334,6 +346,8 @@ class SpaceTables(_message.Message):
     INDICES_FIELD_NUMBER: _ClassVar[int]
     LAST_PAGE_LEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
+    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
     index_space: int
     group: int
@@ -346,16 +360,22 @@ class SpaceTables(_message.Message):
     indices: _common_pb2.Tensor
     last_page_len: _common_pb2.Tensor
     block_table: _common_pb2.Tensor
+    generations: _common_pb2.Tensor
+    slot_generations: _common_pb2.Tensor
     delta: SpaceDelta
-    def __init__(self, index_space: _Optional[int] = ..., group: _Optional[int] = ..., scale: _Optional[int] = ..., offset: _Optional[int] = ..., upper_bound: _Optional[int] = ..., base: _Optional[int] = ..., slot_mapping: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., indptr: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., indices: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., last_page_len: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., block_table: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., delta: _Optional[_Union[SpaceDelta, _Mapping]] = ...) -> None: ...
+    def __init__(self, index_space: _Optional[int] = ..., group: _Optional[int] = ..., scale: _Optional[int] = ..., offset: _Optional[int] = ..., upper_bound: _Optional[int] = ..., base: _Optional[int] = ..., slot_mapping: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., indptr: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., indices: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., last_page_len: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., block_table: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., generations: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., slot_generations: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., delta: _Optional[_Union[SpaceDelta, _Mapping]] = ...) -> None: ...
 
 class SpaceDelta(_message.Message):
-    __slots__ = ("pages", "replaced")
+    __slots__ = ("pages", "replaced", "generations", "replaced_generations")
     PAGES_FIELD_NUMBER: _ClassVar[int]
     REPLACED_FIELD_NUMBER: _ClassVar[int]
+    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    REPLACED_GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     pages: _common_pb2.Tensor
     replaced: _common_pb2.Tensor
-    def __init__(self, pages: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., replaced: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    generations: _common_pb2.Tensor
+    replaced_generations: _common_pb2.Tensor
+    def __init__(self, pages: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., replaced: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., generations: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., replaced_generations: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class TableDelta(_message.Message):
     __slots__ = ("base_seq", "base_rows", "groups", "tokens_added")
@@ -401,7 +421,7 @@ class RequestStatus(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., reason: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class StepReply(_message.Message):
-    __slots__ = ("seq_ids", "num_tokens", "new_token_indptr", "tables", "layer_index_space", "num_free_slots", "admit_cached_tokens", "copies", "pool_incarnation", "position", "stream_seq", "error", "delta")
+    __slots__ = ("seq_ids", "num_tokens", "new_token_indptr", "tables", "layer_index_space", "num_free_slots", "admit_cached_tokens", "copies", "pool_incarnation", "position", "stream_seq", "error", "delta", "stream_id")
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_INDPTR_FIELD_NUMBER: _ClassVar[int]
@@ -415,6 +435,7 @@ class StepReply(_message.Message):
     STREAM_SEQ_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _common_pb2.Tensor
     num_tokens: _common_pb2.Tensor
     new_token_indptr: _common_pb2.Tensor
@@ -428,15 +449,18 @@ class StepReply(_message.Message):
     stream_seq: int
     error: RequestStatus
     delta: TableDelta
-    def __init__(self, seq_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., num_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., new_token_indptr: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tables: _Optional[_Iterable[_Union[SpaceTables, _Mapping]]] = ..., layer_index_space: _Optional[_Iterable[int]] = ..., num_free_slots: _Optional[int] = ..., admit_cached_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., copies: _Optional[_Iterable[_Union[SlotCopies, _Mapping]]] = ..., pool_incarnation: _Optional[int] = ..., position: _Optional[_Union[JournalPosition, _Mapping]] = ..., stream_seq: _Optional[int] = ..., error: _Optional[_Union[RequestStatus, _Mapping]] = ..., delta: _Optional[_Union[TableDelta, _Mapping]] = ...) -> None: ...
+    stream_id: str
+    def __init__(self, seq_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., num_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., new_token_indptr: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tables: _Optional[_Iterable[_Union[SpaceTables, _Mapping]]] = ..., layer_index_space: _Optional[_Iterable[int]] = ..., num_free_slots: _Optional[int] = ..., admit_cached_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., copies: _Optional[_Iterable[_Union[SlotCopies, _Mapping]]] = ..., pool_incarnation: _Optional[int] = ..., position: _Optional[_Union[JournalPosition, _Mapping]] = ..., stream_seq: _Optional[int] = ..., error: _Optional[_Union[RequestStatus, _Mapping]] = ..., delta: _Optional[_Union[TableDelta, _Mapping]] = ..., stream_id: _Optional[str] = ...) -> None: ...
 
 class SlotCopies(_message.Message):
-    __slots__ = ("group", "pairs")
+    __slots__ = ("group", "pairs", "generations")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     PAIRS_FIELD_NUMBER: _ClassVar[int]
+    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     group: int
     pairs: _common_pb2.Tensor
-    def __init__(self, group: _Optional[int] = ..., pairs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    generations: _common_pb2.Tensor
+    def __init__(self, group: _Optional[int] = ..., pairs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., generations: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class ListSequencesRequest(_message.Message):
     __slots__ = ("pool", "limit")
@@ -459,12 +483,14 @@ class SequenceInfo(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_slots: _Optional[int] = ..., num_slots_per_group: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ListSequencesReply(_message.Message):
-    __slots__ = ("sequences", "total")
+    __slots__ = ("sequences", "total", "position")
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
     sequences: _containers.RepeatedCompositeFieldContainer[SequenceInfo]
     total: int
-    def __init__(self, sequences: _Optional[_Iterable[_Union[SequenceInfo, _Mapping]]] = ..., total: _Optional[int] = ...) -> None: ...
+    position: JournalPosition
+    def __init__(self, sequences: _Optional[_Iterable[_Union[SequenceInfo, _Mapping]]] = ..., total: _Optional[int] = ..., position: _Optional[_Union[JournalPosition, _Mapping]] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ("pool",)
@@ -473,7 +499,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self, pool: _Optional[str] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("pools",)
+    __slots__ = ("pools", "position")
     class PoolsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -482,8 +508,10 @@ class StatsReply(_message.Message):
         value: PoolStats
         def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[PoolStats, _Mapping]] = ...) -> None: ...
     POOLS_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
     pools: _containers.MessageMap[str, PoolStats]
-    def __init__(self, pools: _Optional[_Mapping[str, PoolStats]] = ...) -> None: ...
+    position: JournalPosition
+    def __init__(self, pools: _Optional[_Mapping[str, PoolStats]] = ..., position: _Optional[_Union[JournalPosition, _Mapping]] = ...) -> None: ...
 
 class ValidatePageTableRequest(_message.Message):
     __slots__ = ("pool", "layer", "indptr", "indices", "last_page_len", "max_reports")
@@ -624,10 +652,12 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., pool: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("lease_seconds",)
+    __slots__ = ("lease_seconds", "position")
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
     lease_seconds: float
-    def __init__(self, lease_seconds: _Optional[float] = ...) -> None: ...
+    position: JournalPosition
+    def __init__(self, lease_seconds: _Optional[float] = ..., position: _Optional[_Union[JournalPosition, _Mapping]] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ("pool",)
@@ -636,10 +666,12 @@ class ListWorkersRequest(_message.Message):
     def __init__(self, pool: _Optional[str] = ...) -> None: ...
 
 class ListWorkersReply(_message.Message):
-    __slots__ = ("workers",)
+    __slots__ = ("workers", "position")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ...) -> None: ...
+    position: JournalPosition
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., position: _Optional[_Union[JournalPosition, _Mapping]] = ...) -> None: ...
 
 class ScorePrefixRequest(_message.Message):
     __slots__ = ("token_ids", "cache_salt", "extra_key", "pools", "model")
@@ -674,12 +706,14 @@ class PrefixScore(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., cached_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., worker_ids: _Optional[_Iterable[str]] = ..., worker_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ScorePrefixReply(_message.Message):
-    __slots__ = ("scores", "num_tokens")
+    __slots__ = ("scores", "num_tokens", "position")
     SCORES_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
     scores: _containers.RepeatedCompositeFieldContainer[PrefixScore]
     num_tokens: int
-    def __init__(self, scores: _Optional[_Iterable[_Union[PrefixScore, _Mapping]]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    position: JournalPosition
+    def __init__(self, scores: _Optional[_Iterable[_Union[PrefixScore, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., position: _Optional[_Union[JournalPosition, _Mapping]] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
     __slots__ = ("pool", "from_sequence")
@@ -716,7 +750,7 @@ class KVEvent(_message.Message):
     def __init__(self, block_stored: _Optional[_Union[BlockStored, _Mapping]] = ..., block_removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., all_blocks_cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ...) -> None: ...
 
 class BlockStored(_message.Message):
-    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window")
+    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window", "extra_keys")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -724,6 +758,7 @@ class BlockStored(_message.Message):
     GROUP_IDX_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_SPEC_KIND_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_SPEC_SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _common_pb2.Tensor
     parent_block_hash: int
     token_ids: _common_pb2.Tensor
@@ -731,7 +766,14 @@ class BlockStored(_message.Message):
     group_idx: int
     kv_cache_spec_kind: str
     kv_cache_spec_sliding_window: int
-    def __init__(self, block_hashes: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., parent_block_hash: _Optional[int] = ..., token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., block_size: _Optional[int] = ..., group_idx: _Optional[int] = ..., kv_cache_spec_kind: _Optional[str] = ..., kv_cache_spec_sliding_window: _Optional[int] = ...) -> None: ...
+    extra_keys: _containers.RepeatedCompositeFieldContainer[BlockExtraKeys]
+    def __init__(self, block_hashes: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., parent_block_hash: _Optional[int] = ..., token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., block_size: _Optional[int] = ..., group_idx: _Optional[int] = ..., kv_cache_spec_kind: _Optional[str] = ..., kv_cache_spec_sliding_window: _Optional[int] = ..., extra_keys: _Optional[_Iterable[_Union[BlockExtraKeys, _Mapping]]] = ...) -> None: ...
+
+class BlockExtraKeys(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, keys: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BlockRemoved(_message.Message):
     __slots__ = ("block_hashes", "group_idx")

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvservice/v1/common.proto\x12\x0ckvservice.v1\"I\n\x06Tensor\x12\"\n\x05\x64type\x18\x01 \x01(\x0e\x32\x13.kvservice.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c*\x8a\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT16\x10\x01\x12\x0c\n\x08\x42\x46LOAT16\x10\x02\x12\x0b\n\x07\x46LOAT32\x10\x03\x12\x0f\n\x0b\x46LOAT8_E4M3\x10\x04\x12\x0f\n\x0b\x46LOAT8_E5M2\x10\x05\x12\t\n\x05INT32\x10\n\x12\t\n\x05INT64\x10\x0b\x12\n\n\x06UINT64\x10\x0c\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvservice/v1/common.proto\x12\x0ckvservice.v1\"I\n\x06Tensor\x12\"\n\x05\x64type\x18\x01 \x01(\x0e\x32\x13.kvservice.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c*\x96\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT16\x10\x01\x12\x0c\n\x08\x42\x46LOAT16\x10\x02\x12\x0b\n\x07\x46LOAT32\x10\x03\x12\x0f\n\x0b\x46LOAT8_E4M3\x10\x04\x12\x0f\n\x0b\x46LOAT8_E5M2\x10\x05\x12\t\n\x05INT32\x10\n\x12\t\n\x05INT64\x10\x0b\x12\n\n\x06UINT64\x10\x0c\x12\n\n\x06UINT32\x10\rb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,7 +32,7 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvservice.v1.common_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DTYPE']._serialized_start=119
-  _globals['_DTYPE']._serialized_end=257
+  _globals['_DTYPE']._serialized_end=269
   _globals['_TENSOR']._serialized_start=43
   _globals['_TENSOR']._serialized_end=116
 # @@protoc_insertion_point(module_scope)

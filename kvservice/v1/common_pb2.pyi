@@ -18,6 +18,7 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     INT32: _ClassVar[DType]
     INT64: _ClassVar[DType]
     UINT64: _ClassVar[DType]
+    UINT32: _ClassVar[DType]
 DTYPE_UNSPECIFIED: DType
 FLOAT16: DType
 BFLOAT16: DType
@@ -27,6 +28,7 @@ FLOAT8_E5M2: DType
 INT32: DType
 INT64: DType
 UINT64: DType
+UINT32: DType
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "data")

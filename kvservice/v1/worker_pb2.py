@@ -26,7 +26,7 @@ from kvservice.v1 import block_manager_pb2 as kvservice_dot_v1_dot_block__manage
 from kvservice.v1 import common_pb2 as kvservice_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvservice/v1/worker.proto\x12\x0ckvservice.v1\x1a kvservice/v1/block_manager.proto\x1a\x19kvservice/v1/common.proto\"\x81\x02\n\x0fViolationRecord\x12\x0e\n\x06kernel\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\r\n\x05\x63ount\x18\x03 \x01(\x04\x12\x0b\n\x03row\x18\x04 \x01(\x03\x12\x10\n\x08position\x18\x05 \x01(\x03\x12\r\n\x05value\x18\x06 \x01(\x03\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12K\n\x10\x63ounts_by_reason\x18\x08 \x03(\x0b\x32\x31.kvservice.v1.ViolationRecord.CountsByReasonEntry\x1a\x35\n\x13\x43ountsByReasonEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"X\n\x0bKernelReply\x12\x31\n\nviolations\x18\x01 \x03(\x0b\x32\x1d.kvservice.v1.ViolationRecord\x12\x16\n\x0ekernel_seconds\x18\x02 \x01(\x01\"\xe9\x01\n\x0f\x41ppendKVRequest\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x1f\n\x01k\x18\x02 \x01(\x0b\x32\x14.kvservice.v1.Tensor\x12\x1f\n\x01v\x18\x03 \x01(\x0b\x32\x14.kvservice.v1.Tensor\x12*\n\x0cslot_mapping\x18\x04 \x01(\x0b\x32\x14.kvservice.v1.Tensor\x12-\n\x06policy\x18\x05 \x01(\x0e\x32\x1d.kvservice.v1.ViolationPolicy\x12\x18\n\x10pool_incarnation\x18\x06 \x01(\x04\x12\x10\n\x08table_id\x18\x14 \x01(\t\"\xaf\x02\n\x16\x44\x65\x63odeAttentionRequest\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x1f\n\x01q\x18\x02 \x01(\x0b\x32\x14.kvservice.v1.Tensor\x12$\n\x06indptr\x18\x03 \x01(\x0b\x32\x14.kvservice.v1.Tensor\x12%\n\x07indices\x18\x04 \x01(\x0b\x32\x14.kvservice.v1.Tensor\x12+\n\rlast_page_len\x18\x05 \x01(\x0b\x32\x14.kvservice.v1.Tensor\x12\x10\n\x08sm_scale\x18\x06 \x01(\x02\x12-\n\x06policy\x18\x07 \x01(\x0e\x32\x1d.kvservice.v1.ViolationPolicy\x12\x18\n\x10pool_incarnation\x18\x08 \x01(\x04\x12\x10\n\x08table_id\x18\x14 \x01(\t\"\xa6\x01\n\x14\x44\x65\x63odeAttentionReply\x12!\n\x03out\x18\x01 \x01(\x0b\x32\x14.kvservice.v1.Tensor\x12!\n\x03lse\x18\x02 \x01(\x0b\x32\x14.kvservice.v1.Tensor\x12\x30\n\tviolation\x18\x03 \x01(\x0b\x32\x1d.kvservice.v1.ViolationRecord\x12\x16\n\x0ekernel_seconds\x18\x04 \x01(\x01\"\x90\x01\n\x11\x43opyBlocksRequest\x12\r\n\x05group\x18\x01 \x01(\r\x12#\n\x05pairs\x18\x02 \x01(\x0b\x32\x14.kvservice.v1.Tensor\x12-\n\x06policy\x18\x03 \x01(\x0e\x32\x1d.kvservice.v1.ViolationPolicy\x12\x18\n\x10pool_incarnation\x18\x04 \x01(\x04\"\xba\x01\n\x15WorkerValidateRequest\x12\r\n\x05layer\x18\x01 \x01(\r\x12$\n\x06indptr\x18\x02 \x01(\x0b\x32\x14.kvservice.v1.Tensor\x12%\n\x07indices\x18\x03 \x01(\x0b\x32\x14.kvservice.v1.Tensor\x12+\n\rlast_page_len\x18\x04 \x01(\x0b\x32\x14.kvservice.v1.Tensor\x12\x18\n\x10pool_incarnation\x18\x05 \x01(\x04\"}\n\x13WorkerValidateReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x30\n\tviolation\x18\x02 \x01(\x0b\x32\x1d.kvservice.v1.ViolationRecord\x12(\n\nrow_status\x18\x03 \x01(\x0b\x32\x14.kvservice.v1.Tensor\"\x14\n\x12\x43heckGuardsRequest\"L\n\x0bGuardStatus\x12\x0e\n\x06\x62uffer\x18\x01 \x01(\t\x12\x17\n\x0f\x63orrupted_bytes\x18\x02 \x01(\x04\x12\x14\n\x0c\x66irst_offset\x18\x03 \x01(\x03\"J\n\x10\x43heckGuardsReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12*\n\x07\x62uffers\x18\x02 \x03(\x0b\x32\x19.kvservice.v1.GuardStatus\"D\n\x13\x43orruptGuardRequest\x12\x0e\n\x06\x62uffer\x18\x01 \x01(\t\x12\r\n\x05\x61\x66ter\x18\x02 \x01(\x08\x12\x0e\n\x06offset\x18\x03 \x01(\r\"\x13\n\x11\x43orruptGuardReply\"\x13\n\x11WorkerInfoRequest\"\xe1\x01\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x13\n\x0blayer_begin\x18\x04 \x01(\r\x12\x11\n\tlayer_end\x18\x05 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\x06 \x01(\t\x12\x13\n\x0b\x64\x65vice_name\x18\x07 \x01(\t\x12\x13\n\x0b\x63\x61\x63he_bytes\x18\x08 \x01(\x04\x12\x13\n\x0bguard_bytes\x18\t \x01(\x04\x12\x0f\n\x07\x62uffers\x18\n \x03(\t\x12\x18\n\x10pool_incarnation\x18\x0b \x01(\x04\"N\n\x13UpdateTablesRequest\x12\x10\n\x08table_id\x18\x01 \x01(\t\x12%\n\x04step\x18\x02 \x01(\x0b\x32\x17.kvservice.v1.StepReply\"O\n\x11UpdateTablesReply\x12\x12\n\nstream_seq\x18\x01 \x01(\x04\x12\x12\n\nbatch_size\x18\x02 \x01(\x04\x12\x12\n\npages_held\x18\x03 \x01(\x04*E\n\x0fViolationPolicy\x12\x0e\n\nPOLICY_NAN\x10\x00\x12\x10\n\x0cPOLICY_ZEROS\x10\x01\x12\x10\n\x0cPOLICY_ERROR\x10\x02\x32\x90\x05\n\x06Worker\x12\x43\n\x04Info\x12\x1f.kvservice.v1.WorkerInfoRequest\x1a\x1a.kvservice.v1.WorkerStatus\x12\x44\n\x08\x41ppendKV\x12\x1d.kvservice.v1.AppendKVRequest\x1a\x19.kvservice.v1.KernelReply\x12[\n\x0f\x44\x65\x63odeAttention\x12$.kvservice.v1.DecodeAttentionRequest\x1a\".kvservice.v1.DecodeAttentionReply\x12H\n\nCopyBlocks\x12\x1f.kvservice.v1.CopyBlocksRequest\x1a\x19.kvservice.v1.KernelReply\x12[\n\x11ValidatePageTable\x12#.kvservice.v1.WorkerValidateRequest\x1a!.kvservice.v1.WorkerValidateReply\x12O\n\x0b\x43heckGuards\x12 .kvservice.v1.CheckGuardsRequest\x1a\x1e.kvservice.v1.CheckGuardsReply\x12R\n\x0c\x43orruptGuard\x12!.kvservice.v1.CorruptGuardRequest\x1a\x1f.kvservice.v1.CorruptGuardReply\x12R\n\x0cUpdateTables\x12!.kvservice.v1.UpdateTablesRequest\x1a\x1f.kvservice.v1.UpdateTablesReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvservice/v1/worker.proto\x12\x0ckvservice.v1\x1a kvservice/v1/block_manager.proto\x1a\x19kvservice/v1/common.proto\"\x81\x02\n\x0fViolationRecord\x12\x0e\n\x06kernel\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\r\n\x05\x63ount\x18\x03 \x01(\x04\x12\x0b\n\x03row\x18\x04 \x01(\x03\x12\x10\n\x08position\x18\x05 \x01(\x03\x12\r\n\x05value\x18\x06 \x01(\x03\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12K\n\x10\x63ounts_by_reason\x18\x08 \x03(\x0b\x32\x31.kvservice.v1.ViolationRecord.CountsByReasonEntry\x1a\x35\n\x13\x43ountsByReasonEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"X\n\x0bKernelReply\x12\x31\n\nviolations\x18\x01 \x03(\x0b\x32\x1d.kvservice.v1.ViolationRecord\x12\x16\n\x0ekernel_seconds\x18\x02 \x01(\x01\"\x99\x02\n\x0f\x41ppendKVRequest\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x1f\n\x01k\x18\x02 \x01(\x0b\x32\x14.kvservice.v1.Tensor\x12\x1f\n\x01v\x18\x03 \x01(\x0b\x32\x14.kvservice.v1.Tensor\x12*\n\x0cslot_mapping\x18\x04 \x01(\x0b\x32\x14.kvservice.v1.Tensor\x12-\n\x06policy\x18\x05 \x01(\x0e\x32\x1d.kvservice.v1.ViolationPolicy\x12\x18\n\x10pool_incarnation\x18\x06 \x01(\x04\x12\x10\n\x08table_id\x18\x14 \x01(\t\x12.\n\x10slot_generations\x18\x15 \x01(\x0b\x32\x14.kvservice.v1.Tensor\"\xda\x02\n\x16\x44\x65\x63odeAttentionRequest\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x1f\n\x01q\x18\x02 \x01(\x0b\x32\x14.kvservice.v1.Tensor\x12$\n\x06indptr\x18\x03 \x01(\x0b\x32\x14.kvservice.v1.Tensor\x12%\n\x07indices\x18\x04 \x01(\x0b\x32\x14.kvservice.v1.Tensor\x12+\n\rlast_page_len\x18\x05 \x01(\x0b\x32\x14.kvservice.v1.Tensor\x12\x10\n\x08sm_scale\x18\x06 \x01(\x02\x12-\n\x06policy\x18\x07 \x01(\x0e\x32\x1d.kvservice.v1.ViolationPolicy\x12\x18\n\x10pool_incarnation\x18\x08 \x01(\x04\x12\x10\n\x08table_id\x18\x14 \x01(\t\x12)\n\x0bgenerations\x18\x15 \x01(\x0b\x32\x14.kvservice.v1.Tensor\"\xa6\x01\n\x14\x44\x65\x63odeAttentionReply\x12!\n\x03out\x18\x01 \x01(\x0b\x32\x14.kvservice.v1.Tensor\x12!\n\x03lse\x18\x02 \x01(\x0b\x32\x14.kvservice.v1.Tensor\x12\x30\n\tviolation\x18\x03 \x01(\x0b\x32\x1d.kvservice.v1.ViolationRecord\x12\x16\n\x0ekernel_seconds\x18\x04 \x01(\x01\"\xbb\x01\n\x11\x43opyBlocksRequest\x12\r\n\x05group\x18\x01 \x01(\r\x12#\n\x05pairs\x18\x02 \x01(\x0b\x32\x14.kvservice.v1.Tensor\x12-\n\x06policy\x18\x03 \x01(\x0e\x32\x1d.kvservice.v1.ViolationPolicy\x12\x18\n\x10pool_incarnation\x18\x04 \x01(\x04\x12)\n\x0bgenerations\x18\x05 \x01(\x0b\x32\x14.kvservice.v1.Tensor\"\xe5\x01\n\x15WorkerValidateRequest\x12\r\n\x05layer\x18\x01 \x01(\r\x12$\n\x06indptr\x18\x02 \x01(\x0b\x32\x14.kvservice.v1.Tensor\x12%\n\x07indices\x18\x03 \x01(\x0b\x32\x14.kvservice.v1.Tensor\x12+\n\rlast_page_len\x18\x04 \x01(\x0b\x32\x14.kvservice.v1.Tensor\x12\x18\n\x10pool_incarnation\x18\x05 \x01(\x04\x12)\n\x0bgenerations\x18\x06 \x01(\x0b\x32\x14.kvservice.v1.Tensor\"}\n\x13WorkerValidateReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x30\n\tviolation\x18\x02 \x01(\x0b\x32\x1d.kvservice.v1.ViolationRecord\x12(\n\nrow_status\x18\x03 \x01(\x0b\x32\x14.kvservice.v1.Tensor\"\x14\n\x12\x43heckGuardsRequest\"L\n\x0bGuardStatus\x12\x0e\n\x06\x62uffer\x18\x01 \x01(\t\x12\x17\n\x0f\x63orrupted_bytes\x18\x02 \x01(\x04\x12\x14\n\x0c\x66irst_offset\x18\x03 \x01(\x03\"J\n\x10\x43heckGuardsReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12*\n\x07\x62uffers\x18\x02 \x03(\x0b\x32\x19.kvservice.v1.GuardStatus\"D\n\x13\x43orruptGuardRequest\x12\x0e\n\x06\x62uffer\x18\x01 \x01(\t\x12\r\n\x05\x61\x66ter\x18\x02 \x01(\x08\x12\x0e\n\x06offset\x18\x03 \x01(\r\"\x13\n\x11\x43orruptGuardReply\"\x13\n\x11WorkerInfoRequest\"\xe1\x01\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x13\n\x0blayer_begin\x18\x04 \x01(\r\x12\x11\n\tlayer_end\x18\x05 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\x06 \x01(\t\x12\x13\n\x0b\x64\x65vice_name\x18\x07 \x01(\t\x12\x13\n\x0b\x63\x61\x63he_bytes\x18\x08 \x01(\x04\x12\x13\n\x0bguard_bytes\x18\t \x01(\x04\x12\x0f\n\x07\x62uffers\x18\n \x03(\t\x12\x18\n\x10pool_incarnation\x18\x0b \x01(\x04\"_\n\x13UpdateTablesRequest\x12\x10\n\x08table_id\x18\x01 \x01(\t\x12%\n\x04step\x18\x02 \x01(\x0b\x32\x17.kvservice.v1.StepReply\x12\x0f\n\x07replace\x18\x03 \x01(\x08\"\xc9\x01\n\x11UpdateTablesReply\x12\x12\n\nstream_seq\x18\x01 \x01(\x04\x12\x12\n\nbatch_size\x18\x02 \x01(\x04\x12\x12\n\npages_held\x18\x03 \x01(\x04\x12\x18\n\x10pool_incarnation\x18\x04 \x01(\x04\x12\x13\n\x0btable_bytes\x18\x05 \x01(\x04\x12\x17\n\x0fmax_table_bytes\x18\x06 \x01(\x04\x12\x14\n\x0ctenant_bytes\x18\x07 \x01(\x04\x12\x1a\n\x12tenant_quota_bytes\x18\x08 \x01(\x04*E\n\x0fViolationPolicy\x12\x0e\n\nPOLICY_NAN\x10\x00\x12\x10\n\x0cPOLICY_ZEROS\x10\x01\x12\x10\n\x0cPOLICY_ERROR\x10\x02\x32\x90\x05\n\x06Worker\x12\x43\n\x04Info\x12\x1f.kvservice.v1.WorkerInfoRequest\x1a\x1a.kvservice.v1.WorkerStatus\x12\x44\n\x08\x41ppendKV\x12\x1d.kvservice.v1.AppendKVRequest\x1a\x19.kvservice.v1.KernelReply\x12[\n\x0f\x44\x65\x63odeAttention\x12$.kvservice.v1.DecodeAttentionRequest\x1a\".kvservice.v1.DecodeAttentionReply\x12H\n\nCopyBlocks\x12\x1f.kvservice.v1.CopyBlocksRequest\x1a\x19.kvservice.v1.KernelReply\x12[\n\x11ValidatePageTable\x12#.kvservice.v1.WorkerValidateRequest\x1a!.kvservice.v1.WorkerValidateReply\x12O\n\x0b\x43heckGuards\x12 .kvservice.v1.CheckGuardsRequest\x1a\x1e.kvservice.v1.CheckGuardsReply\x12R\n\x0c\x43orruptGuard\x12!.kvservice.v1.CorruptGuardRequest\x1a\x1f.kvservice.v1.CorruptGuardReply\x12R\n\x0cUpdateTables\x12!.kvservice.v1.UpdateTablesRequest\x1a\x1f.kvservice.v1.UpdateTablesReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,8 +35,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_VIOLATIONRECORD_COUNTSBYREASONENTRY']._loaded_options = None
   _globals['_VIOLATIONRECORD_COUNTSBYREASONENTRY']._serialized_options = b'8\001'
-  _globals['_VIOLATIONPOLICY']._serialized_start=2305
-  _globals['_VIOLATIONPOLICY']._serialized_end=2374
+  _globals['_VIOLATIONPOLICY']._serialized_start=2622
+  _globals['_VIOLATIONPOLICY']._serialized_end=2691
   _globals['_VIOLATIONRECORD']._serialized_start=105
   _globals['_VIOLATIONRECORD']._serialized_end=362
   _globals['_VIOLATIONRECORD_COUNTSBYREASONENTRY']._serialized_start=309
@@ -44,35 +44,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KERNELREPLY']._serialized_start=364
   _globals['_KERNELREPLY']._serialized_end=452
   _globals['_APPENDKVREQUEST']._serialized_start=455
-  _globals['_APPENDKVREQUEST']._serialized_end=688
-  _globals['_DECODEATTENTIONREQUEST']._serialized_start=691
-  _globals['_DECODEATTENTIONREQUEST']._serialized_end=994
-  _globals['_DECODEATTENTIONREPLY']._serialized_start=997
-  _globals['_DECODEATTENTIONREPLY']._serialized_end=1163
-  _globals['_COPYBLOCKSREQUEST']._serialized_start=1166
-  _globals['_COPYBLOCKSREQUEST']._serialized_end=1310
-  _globals['_WORKERVALIDATEREQUEST']._serialized_start=1313
-  _globals['_WORKERVALIDATEREQUEST']._serialized_end=1499
-  _globals['_WORKERVALIDATEREPLY']._serialized_start=1501
-  _globals['_WORKERVALIDATEREPLY']._serialized_end=1626
-  _globals['_CHECKGUARDSREQUEST']._serialized_start=1628
-  _globals['_CHECKGUARDSREQUEST']._serialized_end=1648
-  _globals['_GUARDSTATUS']._serialized_start=1650
-  _globals['_GUARDSTATUS']._serialized_end=1726
-  _globals['_CHECKGUARDSREPLY']._serialized_start=1728
-  _globals['_CHECKGUARDSREPLY']._serialized_end=1802
-  _globals['_CORRUPTGUARDREQUEST']._serialized_start=1804
-  _globals['_CORRUPTGUARDREQUEST']._serialized_end=1872
-  _globals['_CORRUPTGUARDREPLY']._serialized_start=1874
-  _globals['_CORRUPTGUARDREPLY']._serialized_end=1893
-  _globals['_WORKERINFOREQUEST']._serialized_start=1895
-  _globals['_WORKERINFOREQUEST']._serialized_end=1914
-  _globals['_WORKERSTATUS']._serialized_start=1917
-  _globals['_WORKERSTATUS']._serialized_end=2142
-  _globals['_UPDATETABLESREQUEST']._serialized_start=2144
-  _globals['_UPDATETABLESREQUEST']._serialized_end=2222
-  _globals['_UPDATETABLESREPLY']._serialized_start=2224
-  _globals['_UPDATETABLESREPLY']._serialized_end=2303
-  _globals['_WORKER']._serialized_start=2377
-  _globals['_WORKER']._serialized_end=3033
+  _globals['_APPENDKVREQUEST']._serialized_end=736
+  _globals['_DECODEATTENTIONREQUEST']._serialized_start=739
+  _globals['_DECODEATTENTIONREQUEST']._serialized_end=1085
+  _globals['_DECODEATTENTIONREPLY']._serialized_start=1088
+  _globals['_DECODEATTENTIONREPLY']._serialized_end=1254
+  _globals['_COPYBLOCKSREQUEST']._serialized_start=1257
+  _globals['_COPYBLOCKSREQUEST']._serialized_end=1444
+  _globals['_WORKERVALIDATEREQUEST']._serialized_start=1447
+  _globals['_WORKERVALIDATEREQUEST']._serialized_end=1676
+  _globals['_WORKERVALIDATEREPLY']._serialized_start=1678
+  _globals['_WORKERVALIDATEREPLY']._serialized_end=1803
+  _globals['_CHECKGUARDSREQUEST']._serialized_start=1805
+  _globals['_CHECKGUARDSREQUEST']._serialized_end=1825
+  _globals['_GUARDSTATUS']._serialized_start=1827
+  _globals['_GUARDSTATUS']._serialized_end=1903
+  _globals['_CHECKGUARDSREPLY']._serialized_start=1905
+  _globals['_CHECKGUARDSREPLY']._serialized_end=1979
+  _globals['_CORRUPTGUARDREQUEST']._serialized_start=1981
+  _globals['_CORRUPTGUARDREQUEST']._serialized_end=2049
+  _globals['_CORRUPTGUARDREPLY']._serialized_start=2051
+  _globals['_CORRUPTGUARDREPLY']._serialized_end=2070
+  _globals['_WORKERINFOREQUEST']._serialized_start=2072
+  _globals['_WORKERINFOREQUEST']._serialized_end=2091
+  _globals['_WORKERSTATUS']._serialized_start=2094
+  _globals['_WORKERSTATUS']._serialized_end=2319
+  _globals['_UPDATETABLESREQUEST']._serialized_start=2321
+  _globals['_UPDATETABLESREQUEST']._serialized_end=2416
+  _globals['_UPDATETABLESREPLY']._serialized_start=2419
+  _globals['_UPDATETABLESREPLY']._serialized_end=2620
+  _globals['_WORKER']._serialized_start=2694
+  _globals['_WORKER']._serialized_end=3350
 # @@protoc_insertion_point(module_scope)

@@ -54,7 +54,7 @@ class KernelReply(_message.Message):
     def __init__(self, violations: _Optional[_Iterable[_Union[ViolationRecord, _Mapping]]] = ..., kernel_seconds: _Optional[float] = ...) -> None: ...
 
 class AppendKVRequest(_message.Message):
-    __slots__ = ("layer", "k", "v", "slot_mapping", "policy", "pool_incarnation", "table_id")
+    __slots__ = ("layer", "k", "v", "slot_mapping", "policy", "pool_incarnation", "table_id", "slot_generations")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     V_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,7 @@ class AppendKVRequest(_message.Message):
     POLICY_FIELD_NUMBER: _ClassVar[int]
     POOL_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     TABLE_ID_FIELD_NUMBER: _ClassVar[int]
+    SLOT_GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     layer: int
     k: _common_pb2.Tensor
     v: _common_pb2.Tensor
@@ -69,10 +70,11 @@ class AppendKVRequest(_message.Message):
     policy: ViolationPolicy
     pool_incarnation: int
     table_id: str
-    def __init__(self, layer: _Optional[int] = ..., k: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., v: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., slot_mapping: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., policy: _Optional[_Union[ViolationPolicy, str]] = ..., pool_incarnation: _Optional[int] = ..., table_id: _Optional[str] = ...) -> None: ...
+    slot_generations: _common_pb2.Tensor
+    def __init__(self, layer: _Optional[int] = ..., k: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., v: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., slot_mapping: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., policy: _Optional[_Union[ViolationPolicy, str]] = ..., pool_incarnation: _Optional[int] = ..., table_id: _Optional[str] = ..., slot_generations: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class DecodeAttentionRequest(_message.Message):
-    __slots__ = ("layer", "q", "indptr", "indices", "last_page_len", "sm_scale", "policy", "pool_incarnation", "table_id")
+    __slots__ = ("layer", "q", "indptr", "indices", "last_page_len", "sm_scale", "policy", "pool_incarnation", "table_id", "generations")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
     INDPTR_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +84,7 @@ class DecodeAttentionRequest(_message.Message):
     POLICY_FIELD_NUMBER: _ClassVar[int]
     POOL_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     TABLE_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     layer: int
     q: _common_pb2.Tensor
     indptr: _common_pb2.Tensor
@@ -91,7 +94,8 @@ class DecodeAttentionRequest(_message.Message):
     policy: ViolationPolicy
     pool_incarnation: int
     table_id: str
-    def __init__(self, layer: _Optional[int] = ..., q: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., indptr: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., indices: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., last_page_len: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sm_scale: _Optional[float] = ..., policy: _Optional[_Union[ViolationPolicy, str]] = ..., pool_incarnation: _Optional[int] = ..., table_id: _Optional[str] = ...) -> None: ...
+    generations: _common_pb2.Tensor
+    def __init__(self, layer: _Optional[int] = ..., q: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., indptr: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., indices: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., last_page_len: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sm_scale: _Optional[float] = ..., policy: _Optional[_Union[ViolationPolicy, str]] = ..., pool_incarnation: _Optional[int] = ..., table_id: _Optional[str] = ..., generations: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class DecodeAttentionReply(_message.Message):
     __slots__ = ("out", "lse", "violation", "kernel_seconds")
@@ -106,30 +110,34 @@ class DecodeAttentionReply(_message.Message):
     def __init__(self, out: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., lse: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., violation: _Optional[_Union[ViolationRecord, _Mapping]] = ..., kernel_seconds: _Optional[float] = ...) -> None: ...
 
 class CopyBlocksRequest(_message.Message):
-    __slots__ = ("group", "pairs", "policy", "pool_incarnation")
+    __slots__ = ("group", "pairs", "policy", "pool_incarnation", "generations")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     PAIRS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     POOL_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     group: int
     pairs: _common_pb2.Tensor
     policy: ViolationPolicy
     pool_incarnation: int
-    def __init__(self, group: _Optional[int] = ..., pairs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., policy: _Optional[_Union[ViolationPolicy, str]] = ..., pool_incarnation: _Optional[int] = ...) -> None: ...
+    generations: _common_pb2.Tensor
+    def __init__(self, group: _Optional[int] = ..., pairs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., policy: _Optional[_Union[ViolationPolicy, str]] = ..., pool_incarnation: _Optional[int] = ..., generations: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class WorkerValidateRequest(_message.Message):
-    __slots__ = ("layer", "indptr", "indices", "last_page_len", "pool_incarnation")
+    __slots__ = ("layer", "indptr", "indices", "last_page_len", "pool_incarnation", "generations")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     INDPTR_FIELD_NUMBER: _ClassVar[int]
     INDICES_FIELD_NUMBER: _ClassVar[int]
     LAST_PAGE_LEN_FIELD_NUMBER: _ClassVar[int]
     POOL_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     layer: int
     indptr: _common_pb2.Tensor
     indices: _common_pb2.Tensor
     last_page_len: _common_pb2.Tensor
     pool_incarnation: int
-    def __init__(self, layer: _Optional[int] = ..., indptr: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., indices: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., last_page_len: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., pool_incarnation: _Optional[int] = ...) -> None: ...
+    generations: _common_pb2.Tensor
+    def __init__(self, layer: _Optional[int] = ..., indptr: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., indices: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., last_page_len: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., pool_incarnation: _Optional[int] = ..., generations: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class WorkerValidateReply(_message.Message):
     __slots__ = ("ok", "violation", "row_status")
@@ -208,19 +216,31 @@ class WorkerStatus(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., pool: _Optional[str] = ..., epoch: _Optional[int] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., backend: _Optional[str] = ..., device_name: _Optional[str] = ..., cache_bytes: _Optional[int] = ..., guard_bytes: _Optional[int] = ..., buffers: _Optional[_Iterable[str]] = ..., pool_incarnation: _Optional[int] = ...) -> None: ...
 
 class UpdateTablesRequest(_message.Message):
-    __slots__ = ("table_id", "step")
+    __slots__ = ("table_id", "step", "replace")
     TABLE_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    REPLACE_FIELD_NUMBER: _ClassVar[int]
     table_id: str
     step: _block_manager_pb2.StepReply
-    def __init__(self, table_id: _Optional[str] = ..., step: _Optional[_Union[_block_manager_pb2.StepReply, _Mapping]] = ...) -> None: ...
+    replace: bool
+    def __init__(self, table_id: _Optional[str] = ..., step: _Optional[_Union[_block_manager_pb2.StepReply, _Mapping]] = ..., replace: _Optional[bool] = ...) -> None: ...
 
 class UpdateTablesReply(_message.Message):
-    __slots__ = ("stream_seq", "batch_size", "pages_held")
+    __slots__ = ("stream_seq", "batch_size", "pages_held", "pool_incarnation", "table_bytes", "max_table_bytes", "tenant_bytes", "tenant_quota_bytes")
     STREAM_SEQ_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     PAGES_HELD_FIELD_NUMBER: _ClassVar[int]
+    POOL_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    TABLE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_TABLE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TENANT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TENANT_QUOTA_BYTES_FIELD_NUMBER: _ClassVar[int]
     stream_seq: int
     batch_size: int
     pages_held: int
-    def __init__(self, stream_seq: _Optional[int] = ..., batch_size: _Optional[int] = ..., pages_held: _Optional[int] = ...) -> None: ...
+    pool_incarnation: int
+    table_bytes: int
+    max_table_bytes: int
+    tenant_bytes: int
+    tenant_quota_bytes: int
+    def __init__(self, stream_seq: _Optional[int] = ..., batch_size: _Optional[int] = ..., pages_held: _Optional[int] = ..., pool_incarnation: _Optional[int] = ..., table_bytes: _Optional[int] = ..., max_table_bytes: _Optional[int] = ..., tenant_bytes: _Optional[int] = ..., tenant_quota_bytes: _Optional[int] = ...) -> None: ...

@@ -132,7 +132,11 @@ class WorkerServicer:
         block table), updated by the manager's StepStream replies as the scheduler received them: a full
         reply replaces it, an incremental one ships only what changed to the device. AppendKV and
         DecodeAttention then name it (table_id) instead of sending slot mappings and CSR tables.
-        FAILED_PRECONDITION (reason TABLES_OUT_OF_SYNC) for a delta on another base: send a full reply.
+        FAILED_PRECONDITION (reason TABLES_OUT_OF_SYNC) for a delta on another base: send a full reply;
+        reason STALE_TABLE for a reply of another pool incarnation, or of another stream than the table's
+        (without replace). The reply is checked against the pool's plan (index spaces, dtypes, ranges,
+        rows) before anything is allocated: INVALID_ARGUMENT names the field; a table larger than the
+        pool can fill, or past the tenant's quota, is RESOURCE_EXHAUSTED (docs/SECURITY.md#worker-tables).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,12 +1,16 @@
 """The worker's KV memory: one guarded buffer per layer (per_layer) or per layer group (interleaved).
 
 Each buffer is a uint8 allocation ``[guard | payload | guard]``; the guards hold
-a canary pattern (kvservice.worker.kernel_api.guard_pattern) so a stray write by any
+a canary pattern (kvservice.worker.guards.guard_pattern) so a stray write by any
 kernel, ours or not, is caught by CheckGuards. Layers view the payload through
 their PageLayout: the same page addressing the manager planned (geometry is
 rebuilt from the pool's CacheSpec and cross-checked against the manager's plan),
 including each index space's range ``[base, upper_bound)`` of the pool's page
 numbering ``[0, pool_pages)`` (docs NUMBERING): page p is buffer page ``p - base``.
+
+Beside each layer's pages the worker keeps their generations (``page_gen(layer)``, uint32 per
+page, 0 = never written): the kernels record what they write under and refuse to read a page
+whose generation is not the one its table expects (docs/KERNELS.md, "Page generations").
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from typing import Any
 import numpy as np
 
 from kvservice.core.geometry import INT32_MAX, CacheSpec, Geometry
-from kvservice.worker.kernel_api import DTYPES, PageLayout, guarded_view
+from kvservice.worker.guards import guarded_view
+from kvservice.worker.kernel_api import DTYPES, PageLayout
 
 GUARD_BYTES = 4096
 
@@ -40,10 +45,12 @@ class CacheSet:
 
     def __init__(self, spec: CacheSpec, num_slots: int | Sequence[int], layer_begin: int, layer_end: int,
                  ops: ModuleType, xp: Any = np, guard_bytes: int = GUARD_BYTES,
-                 expected: list[tuple[int, int, int]] | None = None):
-        """num_slots: every group's slot count, or one per layer group (the plan's groups[].num_slots)."""
+                 expected: list[tuple[int, int, int]] | None = None, max_seq_len: int = 0):
+        """num_slots: every group's slot count, or one per layer group (the plan's groups[].num_slots);
+        max_seq_len: the pool's (PlanReply.max_seq_len; 0: what the largest group holds)."""
         self.spec = spec
         self.geometry = Geometry(spec, num_slots)
+        self.max_seq_len = max_seq_len or self.geometry.num_slots * spec.page_size
         self.layer_begin, self.layer_end = layer_begin, layer_end
         self.ops, self.xp, self.guard_bytes = ops, xp, guard_bytes
         geo = self.geometry
@@ -60,6 +67,7 @@ class CacheSet:
         self.buffers: dict[str, Buffer] = {}
         self._layer_buffer: dict[int, str] = {}
         self.layouts: dict[int, PageLayout] = {}
+        self._page_gen: dict[int, Any] = {}
         for layer in range(layer_begin, layer_end):
             ls, view = spec.layers[layer], geo.layers[layer]
             group = geo.groups[view.group]
@@ -88,6 +96,7 @@ class CacheSet:
                 self.buffers[name] = Buffer(name, raw, nbytes)
             self._layer_buffer[layer] = name
             self.layouts[layer] = layout
+            self._page_gen[layer] = xp.zeros(layout.num_pages, dtype=np.uint32)
 
     @property
     def cache_bytes(self) -> int:
@@ -100,6 +109,20 @@ class CacheSet:
         """The layer's buffer payload as a flat array of its storage dtype."""
         buf = self.buffers[self._layer_buffer[layer]]
         return guarded_view(buf.raw, self.guard_bytes, DTYPES[self.spec.layers[layer].dtype])
+
+    def page_gen(self, layer: int) -> Any:
+        """uint32 [num_pages] of a layer: the generation each page was last written under (0 = never)."""
+        return self._page_gen[layer]
+
+    def forget_generations(self) -> None:
+        """Every page unwritten (0): the memory now serves another pool incarnation, whose slots are numbered
+        and generated afresh."""
+        for a in self._page_gen.values():
+            a.fill(0)
+
+    @property
+    def generation_bytes(self) -> int:
+        return sum(int(a.nbytes) for a in self._page_gen.values())
 
     def group_layers(self, group: int) -> list[int]:
         return [la for la in range(self.layer_begin, self.layer_end) if self.geometry.layers[la].group == group]

@@ -8,6 +8,7 @@ Array conventions (FlashInfer-style; ``xp`` is NumPy or CuPy):
   NumPy/CuPy have no bfloat16), ``float32``.
 - page tables: ``indptr`` int32 [batch + 1], ``indices`` int32 [nnz],
   ``last_page_len`` int32 [batch] in (0, page_size]; ``slot_mapping`` int64.
+- page generations (optional, checked and recorded): ``kvservice.worker.generations``.
   What a valid table is, and the reason/row/position/value of each violation, is
   defined once in ``kvservice.contract.pagetable`` (module docstring); the kernels and
   ``kvservice.worker.ops_numpy`` implement exactly that.
@@ -25,9 +26,10 @@ from typing import Any, Protocol
 import numpy as np
 
 from kvservice.contract import pagetable
+from kvservice.worker import generations as gens
 
-#: Reason names by kernel reason code (paged.cuh KV_*): 0 ok, then kvservice.contract.pagetable.REASONS.
-REASONS: tuple[str, ...] = ("ok", *pagetable.REASONS)
+#: Reason names by kernel reason code (paged.cuh KV_*): 0 ok, then pagetable.WORKER_REASONS (..., stale_page).
+REASONS: tuple[str, ...] = ("ok", *pagetable.WORKER_REASONS)
 NO_KEY = 0xFFFFFFFFFFFFFFFF
 DTYPES: dict[str, Any] = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32}
 ITEMSIZE: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -200,17 +202,6 @@ class PageLayout:
                              f"and a multiple of {VEC[self.dtype]}")
 
 
-@dataclass(frozen=True)
-class GuardReport:
-    corrupted_bytes: int
-    first_offset: int  # from the buffer start, -1 if clean
-
-    def __bool__(self) -> bool:
-        return self.corrupted_bytes > 0
-
-
-
-
 @dataclass
 class ValidationResult:
     row_status: Any  # int32 [batch], bit (reason-1) per reason seen, 0 = clean
@@ -243,6 +234,10 @@ def check_cache(name: str, cache: Any, layout: PageLayout, ptr: int) -> None:
                          f"buffer has {cache.size}")
     if ptr % 16:
         raise ValueError(f"{name}: base address must be 16-byte aligned")
+
+
+def _check_gens(name: str, g: Any, n: int | tuple[int, int], page_gens: Any, layout: PageLayout, what: str) -> bool:
+    return gens.check_generations(name, g, n, page_gens, layout.num_pages, what, check_array)
 
 
 def empty_batch_record(kernel: str, indptr: np.ndarray, nnz: int) -> ViolationRecord:
@@ -469,7 +464,7 @@ def _geometry(layout: PageLayout) -> list[Any]:
 
 
 def append_kv(be: Backend, cache: Any, layout: PageLayout, k: Any, v: Any, slot_mapping: Any,
-              *, policy: Policy = Policy.NAN) -> KernelCall:
+              *, policy: Policy = Policy.NAN, slot_generations: Any = None, page_gen: Any = None) -> KernelCall:
     """Write K/V of n new tokens into ``cache`` at ``slot_mapping``.
 
     cache: the layer's buffer (any shape, C-contiguous, storage dtype of layout.dtype);
@@ -477,7 +472,8 @@ def append_kv(be: Backend, cache: Any, layout: PageLayout, k: Any, v: Any, slot_
         (an MLA layer's latent vectors go in k);
     slot_mapping: shape [n], dtype int64, value = page * page_size + offset, or SKIP_SLOT (-1) for a
         token this layer does not hold (written nowhere, not a violation).
-    Offending tokens (negative, page out of range, off lattice) are not written.
+    slot_generations [n], page_gen: kvservice.worker.generations (a stale write is stale_page).
+    Offending tokens (negative, page out of range, off lattice, stale) are not written.
     """
     check_cache("cache", cache, layout, be.ptr(cache))
     n = int(getattr(slot_mapping, "shape", (0,))[0]) if hasattr(slot_mapping, "shape") else -1
@@ -485,13 +481,14 @@ def append_kv(be: Backend, cache: Any, layout: PageLayout, k: Any, v: Any, slot_
     check_array("slot_mapping", slot_mapping, (n,), np.int64, "[n]")
     check_array("k", k, shape, DTYPES[layout.dtype], "[n, kv_heads, head_dim]")
     check_v(v, shape, layout)
+    _check_gens("slot_generations", slot_generations, n, page_gen, layout, "[n]")
     if n == 0:
         return KernelCall("append_kv", None, be.to_host)
     check_distinct_slots(be.xp, slot_mapping)
     words = be.xp.asarray(new_record_words())
     be.launch("kv_append", (n, 1, 1), THREADS,
               [k, NULL if v is None else v, slot_mapping, I64(n), cache, I64(layout.itemsize), *_geometry(layout),
-               *_space(layout), words])
+               *_space(layout), *gens.pointers(slot_generations, page_gen), words])
     call = KernelCall("append_kv", words, be.to_host)
     call.raise_if(policy)
     return call
@@ -518,7 +515,8 @@ def refuse_k_only(layout: PageLayout) -> None:
 def decode_attention(be: Backend, q: Any, cache: Any, layout: PageLayout, indptr: Any, indices: Any,
                      last_page_len: Any, *, sm_scale: float | None = None, window: int = 0,
                      policy: Policy = Policy.NAN, kv_chunk_pages: int | None = None,
-                     max_pages: int | None = None, out: Any = None, lse: Any = None) -> AttentionCall:
+                     max_pages: int | None = None, out: Any = None, lse: Any = None,
+                     generations: Any = None, page_gen: Any = None) -> AttentionCall:
     """Paged decode attention (one query token per row) with GQA.
 
     q: shape [batch, num_q_heads, head_dim], storage dtype of layout.dtype;
@@ -529,10 +527,12 @@ def decode_attention(be: Backend, q: Any, cache: Any, layout: PageLayout, indptr
     host-side bound on pages per row (avoids reading indptr back).
     out: optional float32 [batch, num_q_heads, head_dim]; lse: optional float32
     [batch, num_q_heads] (allocated when omitted). A K-only (MLA) layout is refused (ValueError).
+    generations [nnz], page_gen: kvservice.worker.generations (a stale page is never read: policy).
     """
     refuse_k_only(layout)
     check_cache("cache", cache, layout, be.ptr(cache))
     batch = check_csr(indptr, indices, last_page_len)
+    _check_gens("generations", generations, int(indices.shape[0]), page_gen, layout, "[nnz]")
     hq = int(q.shape[1]) if len(getattr(q, "shape", ())) == 3 else -1
     check_array("q", q, (batch, hq, layout.head_dim), DTYPES[layout.dtype], "[batch, num_q_heads, head_dim]")
     if hq <= 0 or hq % layout.kv_heads:
@@ -563,16 +563,17 @@ def decode_attention(be: Backend, q: Any, cache: Any, layout: PageLayout, indptr
     words = xp.asarray(new_record_words())
     common = [q, cache, *_geometry(layout), *_space(layout), indptr, indices, last_page_len,
               I64(indices.shape[0]), I64(batch), I64(hq), I64(window), F32(scale)]
+    g = gens.pointers(generations, page_gen)
     grid = (batch, groups, splits)
     if splits == 1:
         be.launch(entry, grid, THREADS,
-                  [*common, I64(0), I64(int(policy)), out, lse, NULL, NULL, NULL, words])
+                  [*common, I64(0), I64(int(policy)), *g, out, lse, NULL, NULL, NULL, words])
     else:
         p_out = xp.empty((splits, batch, hq, layout.head_dim), dtype=np.float32)
         p_lse = xp.empty((splits, batch, hq), dtype=np.float32)
         p_flag = xp.empty((splits, batch), dtype=np.int32)
         be.launch(entry, grid, THREADS,
-                  [*common, I64(pps), I64(int(policy)), NULL, NULL, p_out, p_lse, p_flag, words])
+                  [*common, I64(pps), I64(int(policy)), *g, NULL, NULL, p_out, p_lse, p_flag, words])
         be.launch("kv_decode_merge", (batch, hq, 1), THREADS,
                   [p_out, p_lse, p_flag, I64(splits), I64(batch), I64(hq), I64(layout.head_dim),
                    I64(int(policy)), out, lse])
@@ -593,13 +594,15 @@ def attention_outputs(xp: Any, out: Any, lse: Any, batch: int, hq: int, d: int) 
 
 
 def copy_blocks(be: Backend, caches: Sequence[Any], layout: PageLayout, pairs: Any,
-                *, policy: Policy = Policy.NAN) -> KernelCall:
+                *, policy: Policy = Policy.NAN, generations: Any = None,
+                page_gens: Sequence[Any] | None = None) -> KernelCall:
     """Copy whole pages ``pairs[i] = (src_page, dst_page)`` in every buffer of ``caches``.
 
     caches: buffers sharing ``layout`` (same index space and page geometry);
     pairs: shape [n, 2], dtype int64, page indices in that index space. A pair
     with an offending entry is skipped. For an interleaved group, one call per
     index space (or one call over whole slots with a slot-sized layout).
+    generations [n, 2], page_gens (one per buffer): kvservice.worker.generations (stale: once per buffer).
     """
     if not caches:
         raise ValueError("caches: need at least one buffer")
@@ -609,24 +612,30 @@ def copy_blocks(be: Backend, caches: Sequence[Any], layout: PageLayout, pairs: A
     check_array("pairs", pairs, (n, 2), np.int64, "[n, 2]")
     if len(caches) > 65535:
         raise ValueError("caches: at most 65535 layers per call")
+    if page_gens is not None and len(page_gens) != len(caches):
+        raise ValueError(f"page_gens: one record per buffer of caches ({len(caches)}), got {len(page_gens)}")
+    checked = _check_gens("generations", generations, (n, 2), page_gens, layout, "[n, 2]")
     if n == 0:
         return KernelCall("copy_blocks", None, be.to_host)
     check_copy_pairs(be.xp, pairs)
     ptrs = be.xp.asarray(np.array([be.ptr(c) for c in caches], dtype=np.uint64))
+    gen_ptrs = be.xp.asarray(np.array([be.ptr(g) for g in page_gens], dtype=np.uint64)) if checked else NULL
     words = be.xp.asarray(new_record_words())
     be.launch("kv_copy_blocks", (n, len(caches), 1), THREADS,
               [ptrs, pairs, I64(n), I64(layout.page_elems * layout.itemsize),
-               I64(layout.page_stride * layout.itemsize), *_space(layout), words])
+               I64(layout.page_stride * layout.itemsize), *_space(layout), *gens.pointers(generations), gen_ptrs,
+               words])
     call = KernelCall("copy_blocks", words, be.to_host)
     call.raise_if(policy)
     return call
 
 
 def validate_page_table(be: Backend, indptr: Any, indices: Any, last_page_len: Any,
-                        layout: PageLayout) -> ValidationResult:
+                        layout: PageLayout, *, generations: Any = None, page_gen: Any = None) -> ValidationResult:
     """Check a CSR table on the device. Returns int32 [batch] row status
-    (bit reason-1 per reason seen, 0 = clean) and the violation record."""
+    (bit reason-1 per reason seen, 0 = clean) and the violation record; generations as decode_attention's."""
     batch = check_csr(indptr, indices, last_page_len)
+    _check_gens("generations", generations, int(indices.shape[0]), page_gen, layout, "[nnz]")
     status = be.xp.zeros((batch,), dtype=np.int32)
     if batch == 0:
         return ValidationResult(status, empty_batch_record("validate_page_table", be.to_host(indptr),
@@ -634,7 +643,7 @@ def validate_page_table(be: Backend, indptr: Any, indices: Any, last_page_len: A
     words = be.xp.asarray(new_record_words())
     be.launch("kv_validate_page_table", (batch, 1, 1), THREADS,
               [indptr, indices, last_page_len, I64(batch), I64(indices.shape[0]), I64(layout.page_size),
-               *_space(layout), status, words])
+               *_space(layout), *gens.pointers(generations, page_gen), status, words])
     return ValidationResult(status, ViolationRecord.from_words("validate_page_table", be.to_host(words)))
 
 
@@ -653,36 +662,3 @@ def widen(be: Backend, x: Any, dtype: str) -> Any:
         be.launch("kv_widen_f16" if dtype == "float16" else "kv_widen_bf16", (blocks, 1, 1), THREADS,
                   [x, out, I64(n)])
     return out
-
-
-def _check_guarded(buf: Any, guard_bytes: int) -> None:
-    check_array("buf", buf, (None,), np.uint8, "[total_bytes]")
-    if guard_bytes <= 0 or guard_bytes % 16 or 2 * guard_bytes > buf.shape[0]:
-        raise ValueError(f"guard_bytes {guard_bytes} must be a positive multiple of 16 and fit twice in the buffer")
-
-
-def guard_fill(be: Backend, buf: Any, guard_bytes: int) -> None:
-    """Write the canary pattern into both guard zones of ``buf`` (uint8 [total_bytes])."""
-    _check_guarded(buf, guard_bytes)
-    blocks = min(1024, math.ceil(2 * guard_bytes / THREADS))
-    be.launch("kv_guard_fill", (blocks, 1, 1), THREADS, [buf, I64(buf.shape[0]), I64(guard_bytes)])
-
-
-def guard_check(be: Backend, buf: Any, guard_bytes: int) -> GuardReport:
-    """Count corrupted canary bytes of ``buf`` (uint8 [total_bytes]) and the first offset."""
-    _check_guarded(buf, guard_bytes)
-    res = be.xp.asarray(np.array([0, NO_KEY], dtype=np.uint64))
-    blocks = min(1024, math.ceil(2 * guard_bytes / THREADS))
-    be.launch("kv_guard_check", (blocks, 1, 1), THREADS, [buf, I64(buf.shape[0]), I64(guard_bytes), res])
-    r = be.to_host(res)
-    return GuardReport(int(r[0]), -1 if int(r[0]) == 0 else int(r[1]))
-
-
-def guard_pattern(n: int) -> np.ndarray:
-    """Canary bytes of one guard zone (same formula as kv_guard_byte)."""
-    return (0xA5 ^ ((np.arange(n, dtype=np.int64) * 29) & 0xFF)).astype(np.uint8)
-
-
-def guarded_view(buf: Any, guard_bytes: int, dtype: Any) -> Any:
-    """The payload of a guarded buffer as a flat array of ``dtype``."""
-    return buf[guard_bytes: buf.shape[0] - guard_bytes].view(dtype)

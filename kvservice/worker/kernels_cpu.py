@@ -27,8 +27,10 @@ from typing import Any
 
 import numpy as np
 
+from kvservice.worker import guards
 from kvservice.worker import kernel_api as api
-from kvservice.worker.kernel_api import GuardReport, PageLayout, Policy, ValidationResult
+from kvservice.worker.guards import GuardReport
+from kvservice.worker.kernel_api import PageLayout, Policy, ValidationResult
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 ROOT = Path(__file__).resolve().parents[2]  # the repository (build/ lives there)
@@ -194,32 +196,40 @@ def backend(variant: str | None = None, strict: bool | None = None, blocks_at_on
 
 
 def append_kv(cache: np.ndarray, layout: PageLayout, k: np.ndarray, v: np.ndarray,
-              slot_mapping: np.ndarray, *, policy: Policy = Policy.NAN) -> api.KernelCall:
+              slot_mapping: np.ndarray, *, policy: Policy = Policy.NAN, slot_generations: np.ndarray | None = None,
+              page_gen: np.ndarray | None = None) -> api.KernelCall:
     """See kernel_api.append_kv."""
-    return api.append_kv(backend(), cache, layout, k, v, slot_mapping, policy=policy)
+    return api.append_kv(backend(), cache, layout, k, v, slot_mapping, policy=policy,
+                         slot_generations=slot_generations, page_gen=page_gen)
 
 
 def decode_attention(q: np.ndarray, cache: np.ndarray, layout: PageLayout, indptr: np.ndarray,
                      indices: np.ndarray, last_page_len: np.ndarray, *, sm_scale: float | None = None,
                      window: int = 0, policy: Policy = Policy.NAN, kv_chunk_pages: int | None = None,
                      max_pages: int | None = None, out: np.ndarray | None = None,
-                     lse: np.ndarray | None = None) -> api.AttentionCall:
+                     lse: np.ndarray | None = None, generations: np.ndarray | None = None,
+                     page_gen: np.ndarray | None = None) -> api.AttentionCall:
     """See kernel_api.decode_attention."""
     return api.decode_attention(backend(), q, cache, layout, indptr, indices, last_page_len,
                                 sm_scale=sm_scale, window=window, policy=policy,
-                                kv_chunk_pages=kv_chunk_pages, max_pages=max_pages, out=out, lse=lse)
+                                kv_chunk_pages=kv_chunk_pages, max_pages=max_pages, out=out, lse=lse,
+                                generations=generations, page_gen=page_gen)
 
 
 def copy_blocks(caches: Sequence[np.ndarray], layout: PageLayout, pairs: np.ndarray,
-                *, policy: Policy = Policy.NAN) -> api.KernelCall:
+                *, policy: Policy = Policy.NAN, generations: np.ndarray | None = None,
+                page_gens: Sequence[np.ndarray] | None = None) -> api.KernelCall:
     """See kernel_api.copy_blocks."""
-    return api.copy_blocks(backend(), caches, layout, pairs, policy=policy)
+    return api.copy_blocks(backend(), caches, layout, pairs, policy=policy, generations=generations,
+                           page_gens=page_gens)
 
 
 def validate_page_table(indptr: np.ndarray, indices: np.ndarray, last_page_len: np.ndarray,
-                        layout: PageLayout) -> ValidationResult:
+                        layout: PageLayout, *, generations: np.ndarray | None = None,
+                        page_gen: np.ndarray | None = None) -> ValidationResult:
     """See kernel_api.validate_page_table."""
-    return api.validate_page_table(backend(), indptr, indices, last_page_len, layout)
+    return api.validate_page_table(backend(), indptr, indices, last_page_len, layout, generations=generations,
+                                   page_gen=page_gen)
 
 
 def widen(x: np.ndarray, dtype: str) -> np.ndarray:
@@ -228,10 +238,10 @@ def widen(x: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def guard_fill(buf: np.ndarray, guard_bytes: int) -> None:
-    """See kernel_api.guard_fill."""
-    api.guard_fill(backend(), buf, guard_bytes)
+    """See kvservice.worker.guards.guard_fill."""
+    guards.guard_fill(backend(), buf, guard_bytes)
 
 
 def guard_check(buf: np.ndarray, guard_bytes: int) -> GuardReport:
-    """See kernel_api.guard_check."""
-    return api.guard_check(backend(), buf, guard_bytes)
+    """See kvservice.worker.guards.guard_check."""
+    return guards.guard_check(backend(), buf, guard_bytes)

@@ -16,8 +16,10 @@ from typing import Any
 
 import numpy as np
 
+from kvservice.worker import guards
 from kvservice.worker import kernel_api as api
-from kvservice.worker.kernel_api import GuardReport, PageLayout, Policy, ValidationResult
+from kvservice.worker.guards import GuardReport
+from kvservice.worker.kernel_api import PageLayout, Policy, ValidationResult
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 NVRTC_OPTIONS: tuple[str, ...] = ("--std=c++17",)
@@ -112,30 +114,37 @@ def backend(no_checks: bool = False) -> CudaBackend:
 
 
 def append_kv(cache: Any, layout: PageLayout, k: Any, v: Any, slot_mapping: Any,
-              *, policy: Policy = Policy.NAN) -> api.KernelCall:
+              *, policy: Policy = Policy.NAN, slot_generations: Any = None, page_gen: Any = None) -> api.KernelCall:
     """See kernel_api.append_kv (CuPy arrays)."""
-    return api.append_kv(backend(), cache, layout, k, v, slot_mapping, policy=policy)
+    return api.append_kv(backend(), cache, layout, k, v, slot_mapping, policy=policy,
+                         slot_generations=slot_generations, page_gen=page_gen)
 
 
 def decode_attention(q: Any, cache: Any, layout: PageLayout, indptr: Any, indices: Any, last_page_len: Any,
                      *, sm_scale: float | None = None, window: int = 0, policy: Policy = Policy.NAN,
                      kv_chunk_pages: int | None = None, max_pages: int | None = None,
-                     out: Any = None, lse: Any = None) -> api.AttentionCall:
+                     out: Any = None, lse: Any = None, generations: Any = None,
+                     page_gen: Any = None) -> api.AttentionCall:
     """See kernel_api.decode_attention (CuPy arrays)."""
     return api.decode_attention(backend(), q, cache, layout, indptr, indices, last_page_len,
                                 sm_scale=sm_scale, window=window, policy=policy,
-                                kv_chunk_pages=kv_chunk_pages, max_pages=max_pages, out=out, lse=lse)
+                                kv_chunk_pages=kv_chunk_pages, max_pages=max_pages, out=out, lse=lse,
+                                generations=generations, page_gen=page_gen)
 
 
 def copy_blocks(caches: Sequence[Any], layout: PageLayout, pairs: Any,
-                *, policy: Policy = Policy.NAN) -> api.KernelCall:
+                *, policy: Policy = Policy.NAN, generations: Any = None,
+                page_gens: Sequence[Any] | None = None) -> api.KernelCall:
     """See kernel_api.copy_blocks (CuPy arrays)."""
-    return api.copy_blocks(backend(), caches, layout, pairs, policy=policy)
+    return api.copy_blocks(backend(), caches, layout, pairs, policy=policy, generations=generations,
+                           page_gens=page_gens)
 
 
-def validate_page_table(indptr: Any, indices: Any, last_page_len: Any, layout: PageLayout) -> ValidationResult:
+def validate_page_table(indptr: Any, indices: Any, last_page_len: Any, layout: PageLayout, *,
+                        generations: Any = None, page_gen: Any = None) -> ValidationResult:
     """See kernel_api.validate_page_table (CuPy arrays)."""
-    return api.validate_page_table(backend(), indptr, indices, last_page_len, layout)
+    return api.validate_page_table(backend(), indptr, indices, last_page_len, layout, generations=generations,
+                                   page_gen=page_gen)
 
 
 def widen(x: Any, dtype: str) -> Any:
@@ -144,10 +153,10 @@ def widen(x: Any, dtype: str) -> Any:
 
 
 def guard_fill(buf: Any, guard_bytes: int) -> None:
-    """See kernel_api.guard_fill (CuPy uint8 buffer)."""
-    api.guard_fill(backend(), buf, guard_bytes)
+    """See kvservice.worker.guards.guard_fill (CuPy uint8 buffer)."""
+    guards.guard_fill(backend(), buf, guard_bytes)
 
 
 def guard_check(buf: Any, guard_bytes: int) -> GuardReport:
-    """See kernel_api.guard_check (CuPy uint8 buffer)."""
-    return api.guard_check(backend(), buf, guard_bytes)
+    """See kvservice.worker.guards.guard_check (CuPy uint8 buffer)."""
+    return guards.guard_check(backend(), buf, guard_bytes)

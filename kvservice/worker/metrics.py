@@ -22,6 +22,10 @@ class WorkerMetrics:
                                              "Kernel calls refused for naming a deposed leader's epoch or none "
                                              "(replicated managers, docs/HA.md).", ["reason"],
                                              registry=self.registry)
+        self.state_rollbacks = Counter("kvworker_state_rollbacks_total",
+                                       "Manager replies (registration, heartbeats, pool reads) this worker refused "
+                                       "because the manager's state was behind what it had already seen in the same "
+                                       "lineage (STATE_ROLLED_BACK, docs/DURABILITY.md).", registry=self.registry)
         self.cache_bytes = Gauge("kvworker_cache_bytes", "Bytes of KV cache this worker holds.", ["pool"],
                                  registry=self.registry)
         self.pool = pool

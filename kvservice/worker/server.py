@@ -4,6 +4,9 @@ The worker plans its memory from one incarnation of its pool, registers with it 
 with it. When the manager answers that the pool was created again (STALE_INCARNATION), or no
 longer knows the worker, the heartbeat thread fetches the pool, re-plans the caches if the
 geometry changed (kvservice.worker.fencing), and registers again with the new incarnation.
+Its manager client checks every reply's journal position (kvservice/client/position.py): a manager
+whose state was rolled back is refused (STATE_ROLLED_BACK), logged and counted in
+kvworker_state_rollbacks_total, and the worker never re-registers on the strength of such a reply.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from kvservice.v1 import worker_pb2
 from kvservice.worker.caches import CacheSet
 from kvservice.worker.metrics import WorkerMetrics
 from kvservice.worker.service import WorkerServicer
+from kvservice.worker.tables import MAX_TABLE_ROWS, MAX_TABLES
 
 log = logging.getLogger("kvworker")
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
@@ -112,17 +116,22 @@ def serve_worker(manager: str, pool: str, worker_id: str, layer_begin: int = 0, 
                  metrics_port: int | None = None, cpu_kernels: str = "numpy", test_hooks: bool = False,
                  advertise: str | None = None, metrics_addr: str = "127.0.0.1", *,
                  manager_tls: TLSOptions | None = None, manager_token: str | None = None,
-                 tls: ServerTLS | None = None, tokens: TokenTable | None = None) -> RunningWorker:
+                 tls: ServerTLS | None = None, tokens: TokenTable | None = None,
+                 max_table_rows: int = MAX_TABLE_ROWS, max_tables: int = MAX_TABLES,
+                 table_quota_bytes: int = 0) -> RunningWorker:
     """Allocate, warm, serve, register; then heartbeat in the background until stop().
 
     manager_tls / manager_token: how to reach a manager that serves TLS / wants a bearer token.
     tls / tokens: this worker's own server (TLS or mutual TLS; pool-scoped bearer tokens).
+    max_table_rows / max_tables / table_quota_bytes: bounds of the persistent tables (kvservice.worker.tables).
     """
     # A LeaderClient: `manager` may list several addresses (replicated managers, docs/HA.md), and a reply
     # from a deposed leader (a lower epoch than one already seen) is refused and retried elsewhere.
+    metrics = WorkerMetrics(pool)
     client = LeaderClient(manager, timeout=10, tls=manager_tls, token=manager_token)
+    client.position.on_rollback = lambda _err: metrics.state_rollbacks.inc()
     client.wait_ready(30)
-    info = client.get_pool(pool)
+    info = client.get_pool(pool, timeout=30)        # start-up calls may wait out a failover
     all_layers = not layer_end
     layer_end = layer_end or len(cache_spec_from_proto(info.cache).layers)
     ops, xp = kernel_module(backend, cpu_kernels)
@@ -131,9 +140,9 @@ def serve_worker(manager: str, pool: str, worker_id: str, layer_begin: int = 0, 
     identity: dict[str, Any] = {"worker_id": worker_id, "pool": pool, "backend": backend,
                                 "device_name": device_name, "epoch": 0, "incarnation": info.incarnation,
                                 "all_layers": all_layers}
-    metrics = WorkerMetrics(pool)
     servicer = WorkerServicer(caches, metrics, identity, test_hooks,
-                              leader_epoch=lambda: client.epoch)
+                              leader_epoch=lambda: client.epoch, max_table_rows=max_table_rows,
+                              max_tables=max_tables, table_quota_bytes=table_quota_bytes)
     interceptors = [TokenAuthInterceptor(tokens, WORKER, worker_rules(pool))] if tokens is not None else []
     server, port, health_servicer = grpc_server(SERVICE_NAME, servicer, listen, tls, interceptors, max_workers=4)
     server.start()
@@ -146,7 +155,7 @@ def serve_worker(manager: str, pool: str, worker_id: str, layer_begin: int = 0, 
                                        tp_rank=tp_rank, tp_size=tp_size, backend=backend, device_name=device_name,
                                        device_memory_bytes=device_mem, address=address,
                                        incarnation=info.incarnation)
-    reply = client.register_worker(request)
+    reply = client.register_worker(request, timeout=30)
     identity["epoch"] = reply.epoch
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -169,7 +178,7 @@ def plan_caches(info: pb.PoolInfo, layer_begin: int, layer_end: int, ops: Module
     """Allocate and warm the caches of layers [layer_begin, layer_end) of the pool `info` describes."""
     expected = [(la.scale, la.offset, la.upper_bound) for la in info.plan.layers]
     caches = CacheSet(cache_spec_from_proto(info.cache), group_slots(info.plan), layer_begin, layer_end, ops, xp,
-                      expected=expected)
+                      expected=expected, max_seq_len=info.plan.max_seq_len)
     _warm(caches)
     return caches
 
@@ -183,7 +192,11 @@ def _heartbeat(client: BlockManagerClient, request: pb.RegisterWorkerRequest, se
         try:
             send_heartbeat(client, identity, lease / 3)
         except ClientError as err:
-            if err.code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
+            if err.reason == "STATE_ROLLED_BACK":
+                log.error("heartbeat reply refused (the manager's state was rolled back, logged above): this worker "
+                          "keeps its caches and registration and refuses that state until the manager is restored "
+                          "or the worker restarted")
+            elif err.code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
                 try:
                     rejoin(client, request, servicer, lease / 3)
                     log.warning("re-registered %s with epoch %d (pool incarnation %d) after: %s",

@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from kvservice.contract.auth import current_principal
 from kvservice.contract.errors import FailedPrecondition, InvalidArgument, KVError
 from kvservice.contract.status import to_status
 from kvservice.contract.transport import MAX_MESSAGE_BYTES
@@ -23,9 +24,16 @@ from kvservice.v1 import worker_pb2_grpc as wpb_grpc
 from kvservice.worker import ops_numpy
 from kvservice.worker.caches import CacheSet
 from kvservice.worker.fencing import LeaderEpochFence, MemoryGate, check_incarnation
-from kvservice.worker.kernel_api import REASONS, KernelViolationError, Policy, ViolationRecord, check_copy_pairs
+from kvservice.worker.kernel_api import (
+    REASONS,
+    SKIP_SLOT,
+    KernelViolationError,
+    Policy,
+    ViolationRecord,
+    check_copy_pairs,
+)
 from kvservice.worker.metrics import WorkerMetrics
-from kvservice.worker.tables import DeviceTables
+from kvservice.worker.tables import MAX_TABLE_ROWS, MAX_TABLES, DeviceTables, TablePlan
 
 log = logging.getLogger("kvworker")
 WIRE_DTYPE = {"float16": cpb.FLOAT16, "bfloat16": cpb.BFLOAT16, "float32": cpb.FLOAT32}
@@ -64,9 +72,19 @@ def _rpc(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def table_plan(caches: CacheSet, max_table_rows: int = MAX_TABLE_ROWS) -> TablePlan:
+    """What a persistent table of the pool the caches are planned for may be (kvservice.worker.tables)."""
+    return TablePlan(caches.geometry, caches.max_seq_len, max(1, min(max_table_rows, caches.geometry.num_slots)))
+
+
 class WorkerServicer(wpb_grpc.WorkerServicer):
+    """max_table_rows, max_tables, table_quota_bytes: bounds of the persistent tables (kvservice.worker.tables;
+    0 quota = 4 x the most one table of the pool holds, per tenant)."""
+
     def __init__(self, caches: CacheSet, metrics: WorkerMetrics, identity: dict[str, Any],
-                 test_hooks: bool = False, leader_epoch: Callable[[], int] | None = None) -> None:
+                 test_hooks: bool = False, leader_epoch: Callable[[], int] | None = None, *,
+                 max_table_rows: int = MAX_TABLE_ROWS, max_tables: int = MAX_TABLES,
+                 table_quota_bytes: int = 0) -> None:
         self.caches = caches
         self.ops = caches.ops
         self.metrics = metrics
@@ -76,7 +94,10 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
         # leader_epoch: the highest leader epoch the worker's manager client has seen (replicated managers)
         self.leader_fence = LeaderEpochFence(
             leader_epoch, on_refuse=lambda reason: metrics.leader_epoch_refusals.labels(reason).inc())
-        self.tables = DeviceTables(caches.geometry, caches.xp)    # persistent page tables (UpdateTables)
+        self.max_table_rows = max_table_rows
+        # persistent page tables (UpdateTables), bound to this incarnation and plan
+        self.tables = DeviceTables(table_plan(caches, max_table_rows), identity.get("incarnation", 0), caches.xp,
+                                   max_tables, table_quota_bytes)
         self.max_reply_bytes = MAX_MESSAGE_BYTES    # the worker's gRPC limit (kvservice.contract.serving.grpc_server)
         self._zero_series(caches)
 
@@ -93,12 +114,16 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
             metrics.guard_corruptions.labels(name)
         for reason in ("STALE_LEADER_EPOCH", "LEADER_EPOCH_REQUIRED"):
             metrics.leader_epoch_refusals.labels(reason)
+        for kernel in KERNELS:                       # the duration panels read 0 calls, not "no data"
+            metrics.kernel_duration.labels(kernel)
 
     def replan(self, caches: CacheSet, incarnation: int) -> None:
         """Serve from caches planned for another incarnation of the pool (after in-flight calls end)."""
         with self.memory.exclusive():
+            caches.forget_generations()         # kept or new, its pages hold nothing of the new incarnation
             self.caches, self.ops = caches, caches.ops
             self.identity["incarnation"] = incarnation
+            self.tables.rebind(table_plan(caches, self.max_table_rows), incarnation)   # every table held is stale
             self._zero_series(caches)
 
     # ---- helpers ---------------------------------------------------------------------
@@ -112,7 +137,7 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
         if not msg.HasField(field):
             raise InvalidArgument(f"{field} is required: {doc}")
         t = getattr(msg, field)
-        want = WIRE_DTYPE.get(dtype, {"int32": cpb.INT32, "int64": cpb.INT64}.get(dtype))
+        want = WIRE_DTYPE.get(dtype, {"int32": cpb.INT32, "int64": cpb.INT64, "uint32": cpb.UINT32}.get(dtype))
         if t.dtype != want:
             raise InvalidArgument(f"{field} must be {cpb.DType.Name(want)} {doc}, got "
                                   f"{cpb.DType.Name(t.dtype) if t.dtype in cpb.DType.values() else t.dtype}")
@@ -138,7 +163,14 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
         return self.caches.xp.asarray(host), self._tensor(msg, "indices", "int32", (None,), "[nnz]"), \
             self._tensor(msg, "last_page_len", "int32", (b,), f"[B] = [{b}]"), max_pages
 
+    def _gens(self, msg: Any, field: str, shape: tuple[int, ...], doc: str) -> Any:
+        """An optional UINT32 generations tensor of a request (None when absent)."""
+        return self._tensor(msg, field, "uint32", shape, doc) if msg.HasField(field) else None
+
     def _record(self, rec: ViolationRecord, layer: int, reasons: dict[str, int]) -> wpb.ViolationRecord:
+        stale = rec.count - sum(reasons.values())       # the table rules' reasons are counted; the rest is time
+        if stale > 0:
+            reasons = {**reasons, "stale_page": stale}
         for reason, n in reasons.items():
             self.metrics.violations.labels(rec.kernel, str(layer), reason).inc(n)
         return wpb.ViolationRecord(kernel=rec.kernel, layer=layer, count=rec.count, row=rec.row,
@@ -184,8 +216,11 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
     def AppendKV(self, request: wpb.AppendKVRequest, context: grpc.ServicerContext) -> wpb.KernelReply:
         self._layer(request.layer)
         layout = self.caches.layouts[request.layer]
-        sm = self.tables.slot_mapping(request.table_id, request.layer) if request.table_id else \
-            self._tensor(request, "slot_mapping", "int64", (None,), "[n]")
+        if request.table_id:
+            sm, sg = self.tables.slot_mapping(current_principal(), request.table_id, request.layer)
+        else:
+            sm = self._tensor(request, "slot_mapping", "int64", (None,), "[n]")
+            sg = self._gens(request, "slot_generations", (sm.shape[0],), f"[n] = [{sm.shape[0]}]")
         shape = (sm.shape[0], layout.kv_heads, layout.head_dim)
         doc = f"[n, kv_heads, head_dim] = {list(shape)}"
         k = self._tensor(request, "k", layout.dtype, shape, doc)
@@ -199,11 +234,14 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
 
         def reasons() -> dict[str, int]:
             host = _host(sm)
+            host = host[host != SKIP_SLOT]                # written nowhere, never a violation
             pages = np.where(host < 0, -1, host // layout.page_size)
             return _count_reasons(int(r) for r in layout.reasons(pages) if r)
 
+        pg = self.caches.page_gen(request.layer) if sg is not None else None
         call, dt = self._timed("append_kv", lambda: self.ops.append_kv(
-            self.caches.cache(request.layer), layout, k, v, sm, policy=Policy(request.policy)),
+            self.caches.cache(request.layer), layout, k, v, sm, policy=Policy(request.policy),
+            slot_generations=sg, page_gen=pg),
             lambda rec: self._record(rec, request.layer, reasons()))
         reply = wpb.KernelReply(kernel_seconds=dt)
         if call.record.count:
@@ -222,10 +260,11 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
                 "kernel (FlashMLA, FlashInfer's MLA) on the same page tables", reason="MLA_DECODE_UNSUPPORTED",
                 layer=request.layer)
         if request.table_id:  # the copy's width bounds its rows: no device read back either way
-            ip, idx, lpl = self.tables.csr(request.table_id, request.layer)
-            max_pages = self.tables.max_pages(request.table_id, request.layer)
+            ip, idx, lpl, gens = self.tables.csr(current_principal(), request.table_id, request.layer)
+            max_pages = self.tables.max_pages(current_principal(), request.table_id, request.layer)
         else:
             ip, idx, lpl, max_pages = self._csr_bounded(request)
+            gens = self._gens(request, "generations", (idx.shape[0],), f"[nnz] = [{idx.shape[0]}]")
         b = ip.shape[0] - 1
         q = self._tensor(request, "q", layout.dtype, (b, None, layout.head_dim), f"[B, q_heads, {layout.head_dim}]")
         check_reply_bytes(4 * b * q.shape[1] * (layout.head_dim + 1) + 256, self.max_reply_bytes, "DecodeAttention",
@@ -233,7 +272,8 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
         window = self.caches.spec.layers[request.layer].sliding_window
         call, dt = self._timed("decode_attention", lambda: self.ops.decode_attention(
             q, self.caches.cache(request.layer), layout, ip, idx, lpl, sm_scale=request.sm_scale or None,
-            window=window, policy=Policy(request.policy), max_pages=max_pages),
+            window=window, policy=Policy(request.policy), max_pages=max_pages, generations=gens,
+            page_gen=self.caches.page_gen(request.layer) if gens is not None else None),
             lambda rec: self._record(rec, request.layer, self._csr_reasons(rec, request.layer, ip, idx, lpl)))
         rec = call.record
         return wpb.DecodeAttentionReply(out=to_tensor(_host(call.out)), lse=to_tensor(_host(call.lse)),
@@ -249,6 +289,7 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
         if not layers:
             raise OutOfRange(f"worker {self.identity['worker_id']} holds no layer of group {request.group}")
         slots = self._tensor(request, "pairs", "int64", (None, 2), "[n, 2]", device=False)
+        gens = self._gens(request, "generations", (slots.shape[0], 2), f"[n, 2] = [{slots.shape[0]}, 2]")
         check_copy_pairs(np, slots, "slot")
         bad = (slots < 0) | (slots >= self.caches.geometry.groups[request.group].num_slots)
         # Bad slots become distinct negative pages (out_of_bounds everywhere, never equal to each other).
@@ -267,7 +308,8 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
             def run(layer: int = layer, layout: Any = layout, pages: Any = pages) -> Any:
                 try:
                     return self.ops.copy_blocks([self.caches.cache(layer)], layout, pages,
-                                                policy=Policy(request.policy))
+                                                policy=Policy(request.policy), generations=gens,
+                                                page_gens=None if gens is None else [self.caches.page_gen(layer)])
                 except KernelViolationError as err:
                     raise KernelViolationError(as_slots(err.record)) from None
 
@@ -283,7 +325,10 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
         self._layer(request.layer)
         layout = self.caches.layouts[request.layer]
         ip, idx, lpl = self._csr(request)
-        res, _ = self._timed("validate_page_table", lambda: self.ops.validate_page_table(ip, idx, lpl, layout))
+        gens = self._gens(request, "generations", (idx.shape[0],), f"[nnz] = [{idx.shape[0]}]")
+        res, _ = self._timed("validate_page_table", lambda: self.ops.validate_page_table(
+            ip, idx, lpl, layout, generations=gens,
+            page_gen=self.caches.page_gen(request.layer) if gens is not None else None))
         rec = res.record
         return wpb.WorkerValidateReply(ok=rec.count == 0, row_status=to_tensor(_host(res.row_status)),
                                        violation=self._record(rec, request.layer,
@@ -291,9 +336,15 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
 
     @_rpc
     def UpdateTables(self, request: wpb.UpdateTablesRequest, context: grpc.ServicerContext) -> wpb.UpdateTablesReply:
-        m = self.tables.update(request.table_id, request.step)
+        tenant = current_principal()
+        t = self.tables.update(tenant, request.table_id, request.step, request.replace)
+        m = t.mirror
         held = sum(m.num_pages(sid) for sid in m.spaces)
-        return wpb.UpdateTablesReply(stream_seq=m.seq, batch_size=m.batch_size, pages_held=held)
+        return wpb.UpdateTablesReply(stream_seq=m.seq, batch_size=m.batch_size, pages_held=held,
+                                     pool_incarnation=t.incarnation, table_bytes=t.nbytes,
+                                     max_table_bytes=self.tables.plan.max_table_bytes,
+                                     tenant_bytes=self.tables.tenant_bytes(tenant),
+                                     tenant_quota_bytes=self.tables.quota_bytes)
 
     @_rpc
     def CheckGuards(self, request: wpb.CheckGuardsRequest, context: grpc.ServicerContext) -> wpb.CheckGuardsReply:

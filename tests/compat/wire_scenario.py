@@ -1,13 +1,14 @@
 """One scheduler's session through the public client, checking every answer: run by either client version.
 
-    python tests/compat/wire_scenario.py HOST:PORT
+    python tests/compat/wire_scenario.py HOST:PORT [--old]
 
-The same file runs with today's client (kvservice.client) and with the client of commit a063a55, the last
-one before the package layout changed (`clients`, from tests/fixtures/compat/kvservice-a063a55.zip on
-PYTHONPATH), against a server of either version (tests/integration/test_wire_compat.py). It exits 0 only if
-every call was answered as the contract says: plans, pool life cycle, unary Steps (admit with token ids,
-extend, fork with copy-on-write, free), refusals with their status codes, page tables that the server's own
-validator accepts, stream Steps with incremental tables, prefix scores, echo.
+The same file runs with today's client (kvservice.client) and, with --old, with the client of commit
+a063a55, the last one before the package layout changed (`clients`, from
+tests/fixtures/compat/kvservice-a063a55.zip on PYTHONPATH; every module it loads must come from the zip),
+against a server of either version (tests/integration/test_wire_compat.py). It exits 0 only if every call
+was answered as the contract says: plans, pool life cycle, unary Steps (admit with token ids, extend, fork
+with copy-on-write, free), refusals with their status codes, page tables that the server's own validator
+accepts, stream Steps with incremental tables, prefix scores, echo.
 """
 
 from __future__ import annotations
@@ -16,14 +17,18 @@ import sys
 
 import numpy as np
 
-try:                                    # today's layout
+OLD = "--old" in sys.argv       # the client of a063a55, from the zip on PYTHONPATH
+if OLD:
+    # An editable install of today's kvservice answers imports the zip's packages lack (its finder comes
+    # after the path): without it gone, "import kvservice.client" would mix today's client into the old one.
+    sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
+    from clients import BlockManagerClient, ClientError
+    from kvservice.geometry import CacheSpec, LayerSpec
+    from kvservice.planner import Sizing
+else:
     from kvservice.client import BlockManagerClient, ClientError
     from kvservice.core.geometry import CacheSpec, LayerSpec
     from kvservice.core.planner import Sizing
-except ImportError:                     # the layout of a063a55 and before
-    from clients import BlockManagerClient, ClientError  # type: ignore[no-redef]
-    from kvservice.geometry import CacheSpec, LayerSpec  # type: ignore[no-redef]
-    from kvservice.planner import Sizing  # type: ignore[no-redef]
 
 PAGE = 16
 POOL = "compat"
@@ -103,9 +108,13 @@ def main(target: str) -> int:
         assert c.echo(b"compat") == b"compat"
         c.delete_pool(POOL, force=True)
         _refused("NOT_FOUND", lambda: c.get_pool(POOL))
+    if OLD:
+        mixed = sorted(name for name, m in list(sys.modules.items()) if name.split(".")[0] in ("kvservice", "clients")
+                       and ".zip" not in str(getattr(m, "__file__", "")))
+        assert not mixed, f"the old client loaded modules from outside its zip: {mixed}"
     print("wire scenario: every answer as the contract says")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(next(a for a in sys.argv[1:] if a != "--old")))

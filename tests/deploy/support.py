@@ -36,6 +36,7 @@ MANAGER_METRICS = {
     "kvservice_alloc_failures_total": "counter",
     "kvservice_prefix_cache_hits_total": "counter",
     "kvservice_rpc_duration_seconds": "histogram",
+    "kvservice_requests_refused_total": "counter",
     # KV events and prefix lookups (kvservice/events/metrics.py)
     "kvservice_prefix_cache_lookup_pages_total": "counter",
     "kvservice_prefix_cache_hit_pages_total": "counter",
@@ -55,6 +56,13 @@ WORKER_METRICS = {
     "kvworker_kernel_duration_seconds": "histogram",
     "kvworker_cache_bytes": "gauge",
     "kvworker_leader_epoch_refusals_total": "counter",
+    "kvworker_state_rollbacks_total": "counter",
+}
+#: Exported by a scheduler's client when it is given a prometheus_client registry (kvservice/client/position.py),
+#: under the scheduler's own job: nothing here scrapes one.
+CLIENT_METRICS = {
+    "kvservice_client_state_rollbacks_total": "counter",
+    "kvservice_client_lineage_changes_total": "counter",
 }
 #: Exported only once a pool caches prefixes (the default pool does not) or has KV event subscribers.
 COMING = {"kvservice_prefix_cache_hits_total", "kvservice_prefix_cache_lookup_pages_total",
@@ -89,7 +97,8 @@ REPLICATED_METRICS = {
     "kvservice_nats_disconnects_total": "counter",
     "kvservice_journal_commit_seconds": "histogram",
 }
-KNOWN_SERIES = sample_names(MANAGER_METRICS) | sample_names(WORKER_METRICS) | sample_names(REPLICATED_METRICS) | {"up"}
+KNOWN_SERIES = (sample_names(MANAGER_METRICS) | sample_names(WORKER_METRICS) | sample_names(REPLICATED_METRICS)
+                | sample_names(CLIENT_METRICS) | {"up"})
 
 
 def need(tool: str) -> str:
@@ -160,3 +169,5 @@ pools:
     sizing: {num_slots: 16}
     backends: [native]
 """
+#: The same pool with prefix caching (the prefix-cache and KV event panels have a pool to show).
+TINY_CACHING_POOLS = TINY_POOLS + "    prefix_caching: true\n"

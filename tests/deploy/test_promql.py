@@ -14,6 +14,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from .support import (
+    CLIENT_METRICS,
     COMING,
     DASHBOARD,
     KNOWN_SERIES,
@@ -149,8 +150,18 @@ def test_manager_exports_what_dashboards_and_alerts_use(start_manager) -> None:
     assert expected <= live, f"the manager does not export {sorted(expected - live)}"
     referenced = {n for e in all_exprs().values() for n in metric_names(e) if n.startswith("kvservice_")}
     missing = referenced - live - sample_names({k: MANAGER_METRICS[k] for k in COMING}) - sample_names(
-        REPLICATED_METRICS)
+        REPLICATED_METRICS) - sample_names(CLIENT_METRICS)
     assert not missing, f"dashboards/alerts use manager series it does not export: {sorted(missing)}"
+
+
+def test_a_client_given_a_registry_exports_the_client_series() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kvservice.client import BlockManagerClient
+
+    registry = CollectorRegistry()
+    BlockManagerClient("127.0.0.1:1", registry=registry).close()
+    assert sample_names(CLIENT_METRICS) <= _scrape_names(generate_latest(registry).decode())
 
 
 @pytest.mark.integration

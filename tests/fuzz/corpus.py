@@ -109,13 +109,13 @@ ENTRIES = (
     # 2,400 new tokens x 16 spaces x 8 bytes = 307 KB of slot mappings
     Entry("step_slot_mappings_over_limit", "Step", lambda: _admit("wide", [600] * 4, start=100),
           grpc.StatusCode.RESOURCE_EXHAUSTED, "split it into smaller steps", "REPLY_TOO_LARGE"),
-    # decode of 80 rows of 63 pages: 80 x 63 x 16 spaces x 4 bytes = 322 KB of CSR tables
+    # decode of 80 rows of 63 pages: 80 x 63 x 16 spaces x (4 + 4) bytes = 645 KB of CSR tables and generations
     Entry("step_tables_over_limit", "Step",
           lambda: pb.StepRequest(pool="wide", extend_seq_ids=u64(WIDE_ROWS), extend_num_tokens=i64([1] * 80)),
           grpc.StatusCode.RESOURCE_EXHAUSTED, "set omit_tables", "REPLY_TOO_LARGE"),
-    # 40 rows: the CSR tables fit (161 KB), with the block tables (another 161 KB) the reply does not
+    # 24 rows: the CSR tables and their generations fit (220 KB), with the block tables (98 KB more) the reply does not
     Entry("step_block_tables_over_limit", "Step",
-          lambda: pb.StepRequest(pool="wide", extend_seq_ids=u64(WIDE_ROWS[:40]), extend_num_tokens=i64([1] * 40),
+          lambda: pb.StepRequest(pool="wide", extend_seq_ids=u64(WIDE_ROWS[:24]), extend_num_tokens=i64([1] * 24),
                                  include_block_table=True),
           grpc.StatusCode.RESOURCE_EXHAUSTED, "leave include_block_table off", "REPLY_TOO_LARGE"),
     # ---- item 8: counts that wrap the pool's int64 sums ----------------------------------------

@@ -5,8 +5,16 @@ the worker must keep answering, and the canary bytes around every cache buffer m
 intact: no fuzzed kernel call may write outside its cache (CorruptGuard, the test hook, is
 fuzzed separately and its damage undone). Kernel requests carry a pool_incarnation that is
 mostly the worker's own or 0 and sometimes another: those are refused and write nothing.
+
+UpdateTables gets real StepStream replies of its pool, mutated (tests/fuzz/hostile_tables.py), after
+replaying the stream up to them; whatever it accepts, the kernels then read through it, checked. A real
+worker process then takes the issue's hostile tables and hundreds of mutations while its peak resident
+set (VmHWM) is watched: it never grows past the pool's table size (UpdateTablesReply.max_table_bytes)
+plus the request and a constant, nor, over 64 table ids, past the tenant's quota plus that.
 """
 
+import os
+import random
 from dataclasses import dataclass
 
 import grpc
@@ -18,13 +26,15 @@ from hypothesis import strategies as st
 from kvservice.core.geometry import CacheSpec, LayerSpec
 from kvservice.core.planner import Sizing
 from kvservice.server.app import serve
+from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1 import common_pb2 as cpb
 from kvservice.v1 import worker_pb2 as wpb
 from kvservice.v1 import worker_pb2_grpc as wpb_grpc
 from kvservice.worker.caches import CacheSet
 from kvservice.worker.server import serve_worker
 
-from .support import call, float_tensor, fuzz_settings, garbage_tensor, int_tensor, maybe, mostly, small_or_huge
+from .hostile_tables import mutate
+from .support import call, float_tensor, fuzz_settings, garbage_tensor, int_tensor, maybe, mostly, names, small_or_huge
 
 pytestmark = pytest.mark.integration
 SVC = "Worker"
@@ -43,6 +53,7 @@ class Worker:
     caches: CacheSet
     spec: CacheSpec
     incarnation: int
+    target: str = ""
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +69,7 @@ def workers():
         w = serve_worker(target, name, f"fuzz-{name}", backend="cpu", test_hooks=True)
         ch = grpc.insecure_channel(f"127.0.0.1:{w.port}")
         running.append(w)
-        out[name] = Worker(wpb_grpc.WorkerStub(ch), ch, w.servicer.caches, spec, w.identity["incarnation"])
+        out[name] = Worker(wpb_grpc.WorkerStub(ch), ch, w.servicer.caches, spec, w.identity["incarnation"], target)
     yield out
     for w in out.values():
         w.channel.close()
@@ -251,3 +262,131 @@ def test_undecodable_bytes(workers, pool, method, payload):
                                 response_deserializer=lambda b: b)
     call(SVC, f"{method} (raw)", raw, payload)      # never INTERNAL: the worker registers lenient handlers
     intact(w)
+
+
+# ---- UpdateTables ------------------------------------------------------------------------------
+def stream_replies(target: str, pool: str) -> list[pb.StepReply]:
+    """A real stream's replies on `pool`, in order: full tables, then deltas of decode, prefill chunks, a free and
+    an admission, a fork with copy-on-write."""
+    from kvservice.client import BlockManagerClient
+
+    out = []
+    with BlockManagerClient(target) as c, c.step_stream(pool) as s:
+        steps = [dict(admit=[1, 2], admit_tokens=[5, 40])] + [dict(extend=[1, 2])] * 3 + \
+            [dict(extend=[1, 2], extend_tokens=[17, 1]), dict(free=[1], admit=[3], admit_tokens=[20]),
+             dict(fork=[(2, 4)]), dict(extend=[2, 4]), dict(free=[2, 3, 4])]
+        for kw in steps:
+            if "extend" in kw:
+                kw.setdefault("extend_tokens", 1)
+            s.step(**kw)
+            out.append(s.last_reply)
+    return out
+
+
+def ones(shape: tuple[int, ...], dtype: str) -> cpb.Tensor:
+    """A tensor of 1.0 in a cache dtype."""
+    if dtype == "bfloat16":
+        return cpb.Tensor(dtype=cpb.BFLOAT16, shape=list(shape), data=np.full(shape, 0x3F80, np.uint16).tobytes())
+    return cpb.Tensor(dtype={"float16": cpb.FLOAT16, "float32": cpb.FLOAT32}[dtype], shape=list(shape),
+                      data=np.ones(shape, np.dtype(dtype)).tobytes())
+
+
+@pytest.fixture(scope="module")
+def corpus(workers):
+    return {name: stream_replies(w.target, name) for name, w in workers.items()}
+
+
+@pytest.mark.parametrize("pool", sorted(POOLS))
+@fuzz_settings(150)
+@given(data=st.data())
+def test_update_tables(workers, corpus, pool, data):
+    w = workers[pool]
+    rnd = data.draw(st.randoms(use_true_random=False))
+    replies = corpus[pool]
+    at = rnd.randrange(len(replies))
+    table_id = data.draw(mostly(st.sampled_from(["f1", "f2"]), names))
+    if rnd.random() < 0.6:                     # the stream up to this reply first, so that its delta applies
+        for r in replies[:at]:
+            call(SVC, "UpdateTables", w.stub.UpdateTables, wpb.UpdateTablesRequest(table_id="base", step=r))
+        table_id = "base"
+    reply = mutate(rnd, replies[at], rnd.choice([0, 1, 1, 2, 3]))
+    up = call(SVC, "UpdateTables", w.stub.UpdateTables,
+              wpb.UpdateTablesRequest(table_id=table_id, step=reply, replace=rnd.random() < 0.2))
+    if up is not None:                         # accepted: the kernels read and write through it, checked
+        kv, hd, dtype = layer_shape(w, 0)
+        r = wpb.DecodeAttentionRequest(layer=0, table_id=table_id)
+        r.q.CopyFrom(ones((up.batch_size, 2 * kv, hd), dtype))
+        call(SVC, "DecodeAttention", w.stub.DecodeAttention, r)
+        a = wpb.AppendKVRequest(layer=0, table_id=table_id)
+        n = up.batch_size if rnd.random() < 0.5 else 1
+        for f in ("k", "v"):
+            getattr(a, f).CopyFrom(ones((n, kv, hd), dtype))
+        call(SVC, "AppendKV", w.stub.AppendKV, a)
+    intact(w)
+
+
+def vm_hwm(pid: int) -> int:
+    """Peak resident set of a process so far, bytes (VmHWM of /proc/<pid>/status)."""
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM in /proc")
+
+
+MEM_SPEC = CacheSpec.uniform(1, 1, 32, "float16", 16)
+MEM_SLOTS, MEM_SEQ = 512, 8192
+SLACK = 48 << 20          # Python, gRPC and NumPy allocator slack: a constant, whatever the requests claim
+IN_TRANSIT = 3            # a request's own bytes are held about 3 times while it is read: gRPC's buffer, the
+                          # parsed message, one bytes object per array field read (bounded by the message limit)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="VmHWM needs Linux /proc")
+def test_update_tables_peak_memory_is_bounded(tmp_path):
+    """A real worker process takes the issue's hostile tables (one claimed 512 MiB in 123 bytes, one took a worker
+    to 3.1 GiB) and 400 mutations of real replies: 0 INTERNAL, and its peak resident set grows by at most the
+    pool's table size + the largest request (3 times: in transit) + a constant; over 64 table ids of the largest
+    acceptable table, by at most the tenant's quota + that."""
+    from kvservice.client import BlockManagerClient
+    from tests.integration.conftest import ManagerProcess, WorkerProcess
+
+    from .hostile_tables import full_reply, issue_cases
+
+    m = ManagerProcess(tmp_path, "--no-pools")
+    w = None
+    try:
+        with BlockManagerClient(m.target, timeout=30) as c:
+            c.wait_ready()
+            c.create_pool("mem", MEM_SPEC, Sizing(num_slots=MEM_SLOTS, max_seq_len=MEM_SEQ))
+        w = WorkerProcess(tmp_path, m.target, "mem", "w-mem")
+        stub = wpb_grpc.WorkerStub(w.client._channel)
+        replies = stream_replies(m.target, "mem")
+        first = call(SVC, "UpdateTables", stub.UpdateTables, wpb.UpdateTablesRequest(table_id="warm", step=replies[0]))
+        table_size, quota = first.max_table_bytes, first.tenant_quota_bytes
+        max_rows, max_pages = min(1024, MEM_SLOTS), MEM_SEQ // 16
+        assert table_size == max_rows * max_pages * (4 + 4 + 8) + max_rows * (32 + 8)     # cells, gens, index, rows
+        baseline = vm_hwm(w.proc.pid)
+        largest = 0
+        rnd = random.Random(26)
+        cases = [r for _, r in issue_cases(16, MEM_SLOTS, max_rows, max_pages)]
+        cases += [wpb.UpdateTablesRequest(table_id=rnd.choice(["h", "base"]), step=mutate(rnd, rnd.choice(replies),
+                                                                                           rnd.randint(1, 3)))
+                  for _ in range(400)]
+        codes = set()
+        for req in cases:
+            largest = max(largest, req.ByteSize())
+            codes.add(call(SVC, "UpdateTables", stub.UpdateTables, req) is None)
+        single = vm_hwm(w.proc.pid) - baseline
+        assert single <= table_size + IN_TRANSIT * largest + SLACK, (single, table_size, largest)
+        big = full_reply(max_rows, max_pages * 16, 16, MEM_SLOTS, new_tokens=False)
+        for i in range(64):                          # one tenant fills 64 ids with the largest acceptable table
+            up = call(SVC, "UpdateTables", stub.UpdateTables, wpb.UpdateTablesRequest(table_id=f"max{i}", step=big))
+            assert up is not None and up.tenant_bytes <= quota
+        many = vm_hwm(w.proc.pid) - baseline
+        assert many <= quota + table_size + IN_TRANSIT * max(largest, big.ByteSize()) + SLACK, (many, quota)
+        print(f"\nworker peak growth: {single / 2**20:.1f} MiB over {len(cases)} hostile UpdateTables "
+              f"(table size {table_size / 2**20:.1f} MiB, largest request {largest / 2**20:.1f} MiB); "
+              f"{many / 2**20:.1f} MiB with 64 ids of the largest table (quota {quota / 2**20:.1f} MiB)")
+    finally:
+        if w is not None:
+            w.stop()
+        m.stop()

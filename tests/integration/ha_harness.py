@@ -36,8 +36,10 @@ from ..natsutil import NatsCluster
 from .conftest import ROOT
 from .test_durability import POOL, SEQ_BASE, SLOTS, SPEC, Loader, recovered_from
 
-#: Loader clients: short deadlines (a paused leader is left quickly), many quick retries.
-LOADER_RETRY = RetryPolicy(attempts=400, initial_backoff=0.02, max_backoff=0.25)
+#: Loader clients: a silent (paused) leader is left after 2 s, many quick retries, and a call that meets no manager
+#: keeps trying for 2 minutes (failovers under the fault suite's load on a 2-core machine).
+LOADER_RETRY = RetryPolicy(attempts=400, initial_backoff=0.02, max_backoff=0.25, attempt_timeout=2.0, grpc_attempts=1,
+                           failover=120.0)
 
 
 class ManagerSlot:
@@ -120,7 +122,7 @@ class HALoader(Loader):
     (monotonic time, epoch, node id of the manager that answered)."""
 
     def __init__(self, idx: int, targets: list[str], stop: threading.Event) -> None:
-        super().__init__(idx, "", stop, client=LeaderClient(targets, timeout=2.0, retry=LOADER_RETRY))
+        super().__init__(idx, "", stop, client=LeaderClient(targets, timeout=10.0, retry=LOADER_RETRY))
         self.acks: list[tuple[float, int, str]] = []
 
     def _acknowledge(self, r, free, ext, k) -> None:
@@ -177,7 +179,7 @@ class HASystem:
         else:
             for s in self.slots:
                 s.start()
-        with LeaderClient(self.targets, timeout=5.0) as c:
+        with LeaderClient(self.targets, timeout=5.0, failover=120) as c:
             c.create_pool(POOL, SPEC, Sizing(num_slots=SLOTS, max_seq_len=1024))
         self.loaders = [HALoader(i, self.targets, self.stop_loaders) for i in range(self.num_loaders)]
         for ld in self.loaders:

@@ -37,8 +37,8 @@ class Loader(threading.Thread):
     def __init__(self, idx: int, target: str, stop: threading.Event, client: BlockManagerClient | None = None) -> None:
         super().__init__(daemon=True, name=f"loader{idx}")
         self.idx, self.stop = idx, stop
-        self.client = client or BlockManagerClient(target, timeout=5, retry=RetryPolicy(
-            attempts=100, initial_backoff=0.05, max_backoff=0.25))
+        self.client = client or BlockManagerClient(target, timeout=5, retry=RetryPolicy(    # rides manager restarts
+            attempts=100, initial_backoff=0.05, max_backoff=0.25, failover=60))
         self.hold = threading.Event()      # set: finish the step in flight, then wait (idle is set meanwhile)
         self.idle = threading.Event()
         self.model: dict[int, tuple[int, list[int]]] = {}
@@ -198,7 +198,7 @@ def test_a_client_rides_through_manager_restarts_applying_each_step_once(tmp_pat
         c.wait_ready()
         c.create_pool(POOL, SPEC, Sizing(num_slots=64, max_seq_len=1024))
         c.step(POOL, admit=[1], admit_tokens=[1])
-    client = BlockManagerClient(m.target, timeout=2, retry=RetryPolicy(deadline=60, max_backoff=0.25))
+    client = BlockManagerClient(m.target, timeout=2, retry=RetryPolicy(failover=60, max_backoff=0.25))
     acked, errors, done = [0], [], threading.Event()
 
     def extend() -> None:

@@ -25,7 +25,7 @@ from kvservice.core.planner import Sizing
 from kvservice.server.app import SERVICE_NAME, serve
 from kvservice.server.ha import LeaderGate, open_journal, serve_ha, stop_ha
 from kvservice.state.journal import state_tree
-from kvservice.state.nats.journal import NatsConfig, NatsLink, NatsStore
+from kvservice.state.nats.journal import NatsConfig, NatsLink, NatsStore, retry_startup
 from kvservice.state.nats.leader import Lease, LeaseConfig, LeaseLapsed, LeaseLost
 
 from ..deploy.support import REPLICATED_METRICS, sample_names
@@ -64,8 +64,9 @@ def test_lease_is_taken_by_compare_and_set_only_after_a_silent_ttl(nats3):
     links = [NatsLink(config) for _ in range(3)]
     clocks = [FakeClock() for _ in range(3)]
     try:
-        a, b, c = (Lease(link, lc, n, f"addr-{n}", clock=clk) for link, clk, n in zip(links, clocks, "abc",
-                                                                                      strict=True))
+        a, b, c = (retry_startup("opening the lease", lambda link=link, clk=clk, n=n:   # as serve_ha opens it
+                                 Lease(link, lc, n, f"addr-{n}", clock=clk), seconds=30)
+                   for link, clk, n in zip(links, clocks, "abc", strict=True))
         assert a.try_acquire()                           # absent: created
         assert not b.try_acquire()                       # first sight of a's revision starts b's timer
         clocks[1].now += 5.9
@@ -110,7 +111,7 @@ def test_standby_follows_refuses_and_takes_over_when_the_leader_stops(nats3):
     b = ha_b = None
     a_stopped = False
     try:
-        with LeaderClient([f"127.0.0.1:{a.port}"], timeout=5) as c:
+        with LeaderClient([f"127.0.0.1:{a.port}"], timeout=5, failover=60) as c:
             c.create_pool("p", CacheSpec.uniform(2, 1, 64, page_size=16), Sizing(num_slots=256, max_seq_len=512))
             for i in range(1, 31):
                 c.step("p", admit=[i], admit_tokens=[int(i * 7 % 90) + 1])
@@ -118,7 +119,7 @@ def test_standby_follows_refuses_and_takes_over_when_the_leader_stops(nats3):
         assert epoch_a >= 1 and ha_a.role == "leader"
         b, ha_b = serve_ha(config, lc, "127.0.0.1:0", node="b")
         target_b = f"127.0.0.1:{b.port}"
-        with LeaderClient([f"127.0.0.1:{a.port}"], timeout=5) as c:
+        with LeaderClient([f"127.0.0.1:{a.port}"], timeout=5, failover=60) as c:
             for i in range(1, 31):
                 c.step("p", extend=[i], extend_tokens=3)
         deadline = time.monotonic() + 20
@@ -143,7 +144,7 @@ def test_standby_follows_refuses_and_takes_over_when_the_leader_stops(nats3):
         before = state_tree(a.manager)
         stop_ha(a, ha_a)                                             # clean stop: snapshot, key released
         a_stopped = True
-        with LeaderClient([target_b], timeout=5) as c:
+        with LeaderClient([target_b], timeout=5, failover=60) as c:
             r = c.step("p", extend=[5], extend_tokens=1)
             assert c.epoch == epoch_a + 1
         assert r.num_tokens.tolist() == [5 * 7 % 90 + 1 + 3 + 1]
@@ -176,7 +177,7 @@ def test_a_standby_overtaken_by_a_compaction_recovers_from_the_newer_snapshot(na
     b, ha_b = serve_ha(config, lc, "127.0.0.1:0", node="b", journal_config=jc)
     a_stopped = False
     try:
-        with LeaderClient([f"127.0.0.1:{a.port}"], timeout=5) as c:
+        with LeaderClient([f"127.0.0.1:{a.port}"], timeout=5, failover=60) as c:
             c.create_pool("p", CacheSpec.uniform(2, 1, 64, page_size=16), Sizing(num_slots=256, max_seq_len=512))
             for i in range(1, 6):
                 c.step("p", admit=[i], admit_tokens=[i])
@@ -199,7 +200,7 @@ def test_a_standby_overtaken_by_a_compaction_recovers_from_the_newer_snapshot(na
         _wait_until(lambda: ha_b.lag_entries == 0)
         stop_ha(a, ha_a)
         a_stopped = True
-        with LeaderClient([f"127.0.0.1:{b.port}"], timeout=5) as c:
+        with LeaderClient([f"127.0.0.1:{b.port}"], timeout=5, failover=60) as c:
             r = c.step("p", extend=[79], extend_tokens=1)
         assert r.num_tokens.tolist() == [79 % 40 + 1 + 1] and ha_b.role == "leader"
     finally:
@@ -224,7 +225,7 @@ def test_managers_started_together_on_a_fresh_deployment_all_come_up(nats3, tmp_
             for t in threads:
                 t.join(200)
             assert all(s.alive() for s in slots), "\n".join(s.log_tail() for s in slots)
-            with LeaderClient([s.target for s in slots], timeout=5) as c:
+            with LeaderClient([s.target for s in slots], timeout=5, failover=60) as c:
                 c.create_pool("p", CacheSpec.uniform(2, 1, 64, page_size=16), Sizing(num_slots=64, max_seq_len=256))
                 leaders = [s.name for s in slots if epoch_of(s.target) is not None]
             assert len(leaders) == 1 and all(s.alive() for s in slots)
@@ -270,7 +271,7 @@ def test_workers_keep_their_epoch_across_a_takeover(nats3):
     b, ha_b = serve_ha(config, lc, "127.0.0.1:0", node="b", lease_seconds=2.0)
     stopped_a = False
     try:
-        with LeaderClient([f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"], timeout=5) as c:
+        with LeaderClient([f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"], timeout=5, failover=60) as c:
             c.create_pool("w", CacheSpec.uniform(2, 1, 64, page_size=16), Sizing(num_slots=64, max_seq_len=256))
             epoch = c.register_worker(pb.RegisterWorkerRequest(worker_id="w0", pool="w", backend="cpu")).epoch
             deadline = time.monotonic() + 20
@@ -441,7 +442,7 @@ class _HAWatcher(threading.Thread):
 
     def __init__(self, targets: list[str], pool: str, from_sequence: int) -> None:
         super().__init__(daemon=True)
-        self.client = LeaderClient(targets, timeout=2.0)
+        self.client = LeaderClient(targets, timeout=2.0, failover=60)
         self.stream = self.client.watch_events(pool, from_sequence)
         self.batches: list[tuple[int, bool, list]] = []
         self.error: Exception | None = None
@@ -507,7 +508,7 @@ def test_watch_events_resume_on_the_new_leader_after_kill9_with_no_gap_or_duplic
             s.start()
         targets = [s.target for s in slots]
         w = Workload(np.random.default_rng(23))
-        with LeaderClient(targets, timeout=2.0) as c:
+        with LeaderClient(targets, timeout=2.0, failover=60) as c:
             c.create_pool("ev", EV_SPEC, EV_SIZING, prefix_caching=True)
             watcher = _HAWatcher(targets, "ev", 1)
             watcher.start()
@@ -582,7 +583,7 @@ def test_watch_events_refuses_a_lower_epoch_and_resumes_where_it_stopped():
         for d in directs:
             d.create_pool("ev", EV_SPEC, EV_SIZING, prefix_caching=True, request_id="create-ev")
         watcher = _HAWatcher(targets, "ev", 1)
-        watcher.client.retry = RetryPolicy(attempts=200, initial_backoff=0.01, max_backoff=0.05)
+        watcher.client.retry = RetryPolicy(attempts=200, initial_backoff=0.01, max_backoff=0.05, failover=60)
         watcher.start()
         first = step_both(15, directs)
         watcher.wait_for(first)

@@ -590,3 +590,14 @@ def test_direct_publisher_keeps_its_place_across_a_reply_cut_by_a_timeout_and_dr
     finally:
         srv.close()
         th.join(5)
+
+
+def test_a_lease_bucket_that_cannot_be_placed_is_refused_with_the_servers_reason(nats1):
+    """Three replicas asked of one unclustered server: the refusal names the bucket and why, no retry forever."""
+    from kvservice.state.nats.leader import Lease, LeaseConfig
+    link = NatsLink(NatsConfig((nats1.url,), name="t" + uuid.uuid4().hex[:10], replicas=3))
+    try:
+        with pytest.raises(StoreError, match=r"lease bucket KVS_t\w+_leader.*replicas > 1 not supported"):
+            Lease(link, LeaseConfig(), "a", "addr-a")
+    finally:
+        link.close()

@@ -65,12 +65,18 @@ class BlockStored(KVCacheEvent):
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
 
 
 class BlockRemoved(KVCacheEvent):
     block_hashes: list[ExternalBlockHash]
     medium: str | None
     group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 class AllBlocksCleared(KVCacheEvent):
@@ -82,7 +88,7 @@ class KVEventBatch(EventBatch):
 
 
 STORED_KEYS = ["type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
-               "lora_name", "group_idx", "kv_cache_spec_kind"]          # extra_keys, window: defaults, left off
+               "lora_name", "group_idx", "kv_cache_spec_kind"]     # window: default, left off; extra_keys with a salt
 
 
 class VllmSubscriber:
@@ -115,7 +121,9 @@ class VllmSubscriber:
         for ev, r in zip(batch.events, raw[1], strict=True):
             assert isinstance(r, dict) and r["type"] == type(ev).__name__
             if isinstance(ev, BlockStored):
-                assert list(r) == STORED_KEYS
+                keys = [*STORED_KEYS[:8], "extra_keys", *STORED_KEYS[8:]] if ev.extra_keys else STORED_KEYS
+                assert list(r) == keys
+                assert ev.extra_keys is None or len(ev.extra_keys) == len(ev.block_hashes)
                 assert ev.group_idx == 0 and ev.kv_cache_spec_kind == "full_attention"
                 assert ev.kv_cache_spec_sliding_window is None and ev.medium == "GPU" and ev.lora_id is None
                 assert ev.block_size == PS and len(ev.token_ids) == PS * len(ev.block_hashes)

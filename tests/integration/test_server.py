@@ -2,6 +2,7 @@
 
 import asyncio
 import itertools
+import re
 import urllib.request
 
 import grpc
@@ -182,7 +183,13 @@ def test_metrics_endpoint(client, manager):
     assert f'kvservice_slots_free{{pool="{name}"}} 5.0' in text
     assert f'kvservice_sequences{{pool="{name}"}} 2.0' in text
     assert f'kvservice_alloc_failures_total{{pool="{name}",reason="out_of_slots"}} 1.0' in text
-    assert 'kvservice_rpc_duration_seconds_count{method="Step"}' in text
+    def value(series: str) -> float:
+        return float(re.search(re.escape(series) + r" (\S+)", text).group(1))
+
+    assert value('kvservice_rpc_duration_seconds_count{code="OK",method="Step"}') >= 1
+    assert value('kvservice_rpc_duration_seconds_count{code="RESOURCE_EXHAUSTED",method="Step"}') >= 1
+    assert value('kvservice_requests_refused_total{code="RESOURCE_EXHAUSTED",method="Step",'
+                 'reason="RESOURCE_EXHAUSTED"}') >= 1
 
 
 def test_async_client(manager):

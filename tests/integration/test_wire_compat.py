@@ -29,8 +29,8 @@ def _env(old: bool) -> dict[str, str]:
 
 def _serve(tmp: Path, old: bool) -> tuple[subprocess.Popen, str, object]:
     ports, log = tmp / "ports", open(tmp / "manager.log", "w+")
-    module = "kvservice.cli" if old else "kvservice.server.cli"
-    proc = subprocess.Popen([sys.executable, "-m", module, "serve", "--listen", "127.0.0.1:0", "--metrics-port", "-1",
+    entry = [str(ROOT / "tests" / "compat" / "old_server.py")] if old else ["-m", "kvservice.server.cli"]
+    proc = subprocess.Popen([sys.executable, *entry, "serve", "--listen", "127.0.0.1:0", "--metrics-port", "-1",
                              "--port-file", str(ports)], cwd=tmp, stdout=log, stderr=subprocess.STDOUT, env=_env(old))
     port, _ = wait_for_ports(proc, ports, 60, tmp / "manager.log", "old manager" if old else "manager")
     return proc, f"127.0.0.1:{port}", log
@@ -39,7 +39,8 @@ def _serve(tmp: Path, old: bool) -> tuple[subprocess.Popen, str, object]:
 def _run(tmp: Path, server_old: bool, client_old: bool) -> subprocess.CompletedProcess:
     proc, target, log = _serve(tmp, server_old)
     try:
-        return subprocess.run([sys.executable, str(SCENARIO), target], cwd=tmp, env=_env(client_old),
+        return subprocess.run([sys.executable, str(SCENARIO), target, *(["--old"] if client_old else [])], cwd=tmp,
+                              env=_env(client_old),
                               capture_output=True, text=True, timeout=300)
     finally:
         proc.terminate()
@@ -52,10 +53,13 @@ def _run(tmp: Path, server_old: bool, client_old: bool) -> subprocess.CompletedP
 
 def test_the_fixture_is_the_old_layout(tmp_path):
     """The zip really holds the old packages (clients/, a flat kvservice/), not today's."""
-    code = "import kvservice.cli, clients.client, kvservice.pool; print(clients.client.__file__)"
+    code = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, '__module__', '')"
+            ".startswith('__editable__')]; import kvservice.cli, clients.client, kvservice.pool; "
+            "import importlib.util as u; print(clients.client.__file__, u.find_spec('kvservice.client'))")
     out = subprocess.run([sys.executable, "-c", code], env=_env(True), cwd=tmp_path, capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0 and "kvservice-a063a55.zip" in out.stdout, out.stderr
+    assert out.stdout.split()[-1] == "None", "today's kvservice.client must not be importable beside the old one"
 
 
 @pytest.mark.parametrize("server_old, client_old", [(False, True), (True, False), (False, False)],

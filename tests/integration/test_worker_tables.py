@@ -64,7 +64,7 @@ def test_kernels_by_table_id_equal_kernels_with_shipped_tables(cluster):
             assert up.pages_held == sum(len(t.table.indices) for t in r.tables.values())
             for group, pairs in (r.copies or {}).items():
                 wa.copy_blocks(group, pairs)
-                wb.copy_blocks(group, pairs)
+                wb.copy_blocks(group, pairs, generations=r.copy_generations[group])   # dst recorded for B's reads
             n_new, b = int(r.new_token_indptr[-1]), len(r.seq_ids)
             for layer in range(2):
                 k, v = (rng.standard_normal((n_new, 2, 32)).astype(np.float32) for _ in range(2))
@@ -94,9 +94,13 @@ def test_update_tables_refuses_what_it_cannot_apply(cluster):
             wb.update_tables("fresh", delta)
         assert exc.value.code == grpc.StatusCode.FAILED_PRECONDITION
         q = np.ones((2, Q_HEADS, 32), np.float32)
-        assert wb.decode_attention(0, q, table_id="fresh").violation.count == 0
-        assert np.array_equal(wb.decode_attention(0, q, table_id="fresh").out,
-                              wb.decode_attention(0, q, r.for_layer(0).table).out)
+        # This worker never wrote these sequences' K/V: every page of the resynced copy is stale_page (NaN rows),
+        # where the same table sent without its generations reads whatever the pages hold.
+        got = wb.decode_attention(0, q, table_id="fresh")
+        assert (got.violation.reason, got.violation.count) == ("stale_page", up.pages_held) and np.isnan(got.out).all()
+        assert np.isfinite(wb.decode_attention(0, q, r.for_layer(0).table).out).all()
+        assert wb.decode_attention(0, q, r.for_layer(0).table, generations=r.for_layer(0).generations) \
+            .violation.count == up.pages_held          # the same check from the raw path with the generations
         stream.step(free=[101, 102])
     for table_id, reply, code in (("bad id!", stream.mirror.full_reply(), grpc.StatusCode.INVALID_ARGUMENT),
                                   ("x", pb.StepReply(error=pb.RequestStatus(code=5)),
@@ -162,16 +166,19 @@ def test_update_tables_survives_hostile_replies(cluster, reply):
     t.indptr.CopyFrom(cpb.Tensor(dtype=10, data=np.array([0, 1, 3], np.int32).tobytes()))
     t.indices.CopyFrom(cpb.Tensor(dtype=10, data=np.array([7, 8, 9], np.int32).tobytes()))
     t.last_page_len.CopyFrom(cpb.Tensor(dtype=10, data=np.array([5, 4], np.int32).tobytes()))
+    t.generations.CopyFrom(cpb.Tensor(dtype=cpb.UINT32, data=np.array([1, 1, 2], np.uint32).tobytes()))
     wb.update_tables("hostile", base)
     q2 = np.ones((2, Q_HEADS, 32), np.float32)
-    before = wb.decode_attention(0, q2, table_id="hostile").out
+    before = wb.decode_attention(0, q2, table_id="hostile")
+    assert before.violation.reason == "stale_page"          # pages 7-9 were never written under these generations
     try:
         up = wb.update_tables("hostile", reply)
     except ClientError as err:
-        assert err.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION), err
+        assert err.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+                            grpc.StatusCode.RESOURCE_EXHAUSTED), err
         try:                      # the copy is as it was (refused up front) or gone, never half-applied
-            assert np.array_equal(wb.decode_attention(0, q2, table_id="hostile").out, before)
-            assert "applies to the reply of request" in err.message or "stream_seq" in err.message, err
+            again = wb.decode_attention(0, q2, table_id="hostile")
+            assert np.array_equal(again.out, before.out, equal_nan=True) and again.violation == before.violation
         except ClientError as gone:
             assert gone.code == grpc.StatusCode.NOT_FOUND, gone
         return

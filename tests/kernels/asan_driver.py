@@ -1,8 +1,9 @@
 """Run in a subprocess under LD_PRELOAD=libasan+libubsan by test_sanitizers.py:
 feeds bad tables to the sanitizer build of the kernels on NumPy-allocated caches
 and prints each violation record as JSON. Usage: asan_driver.py VARIANT [only],
-only = "decode" (the first decode call alone) or "spaces" (the cross-space matrix of
-spaces.py for every pool kind, each layer on its own exact-size buffer)."""
+only = "decode" (the first decode call alone), "spaces" (the cross-space matrix of
+spaces.py for every pool kind, each layer on its own exact-size buffer) or "stale" (stale_cases.py:
+page generations on every kernel)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,11 @@ def rec(r) -> list:
 
 def main() -> None:
     only = sys.argv[2] if len(sys.argv) > 2 else None
+    if only == "stale":
+        from stale_cases import stale_matrix
+
+        print(json.dumps(stale_matrix(kc)))
+        return
     if only == "spaces":
         from spaces import POOLS, layer_caches, matrix
 

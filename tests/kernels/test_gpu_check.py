@@ -101,9 +101,11 @@ def test_emulated_end_to_end(tmp_path: Path) -> None:
 
     assert kernels == {(b, n) for b in ("checked", "unchecked") for n in kernel_api.kernel_names()}
     assert {x["kernel"] for x in lines if x["kind"] == "perf"} == {
-        "device-to-device copy", "read-only pass", "decode (checked)", "decode (unchecked)", "append_kv",
-        "copy_blocks"}
+        "device-to-device copy", "read-only pass", "decode (checked)", "decode (unchecked)",
+        "decode (checked+generations)", "append_kv", "copy_blocks"}
     assert "FAIL" not in report and "all checks passed" in report and "| bounds-check cost <= 2% |" in report
+    assert "| generation-check cost <= 2% |" in report
+    assert any(c["check"].startswith("stale_page") and c["ok"] for c in checks)
     long_rows = [c for c in checks if c["check"].startswith("long rows at the timing shape")]
     assert long_rows and all("max err" in c["detail"] for c in long_rows)
     assert any(c["check"].startswith("widen: every 16-bit pattern") for c in checks)

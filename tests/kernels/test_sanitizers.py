@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from spaces import POOLS, check_matrix, layer_caches, matrix
+from stale_cases import stale_matrix
 
 from kvservice.worker import kernels_cpu, ops_numpy
 from tests.ci import need_tool
@@ -61,6 +62,24 @@ def test_cross_space_matrix_under_asan() -> None:
     for name, spec in POOLS.items():
         check_matrix(got[name], spec)
         assert got[name] == matrix(ops_numpy, spec, layer_caches(ops_numpy, spec)), name
+
+
+def test_stale_pages_under_asan() -> None:
+    """A table whose pages were freed and re-allocated (stale_cases.py) on every kernel, under ASan + UBSan: no
+    report, stale_page on exactly A's pages, its row poisoned, nothing written or copied; the NumPy ops agree."""
+    proc = run_driver("asan", "stale")
+    assert "AddressSanitizer" not in proc.stderr and "runtime error" not in proc.stderr, proc.stderr[-4000:]
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got == stale_matrix(ops_numpy)
+    for kind in ("per_layer", "interleaved"):
+        assert got[f"write-a-{kind}"][0] == got[f"write-b-{kind}"][0] == 0
+        for split in (0, 1):
+            assert got[f"decode-{kind}-{split}"][:3] + got[f"decode-{kind}-{split}"][4:] == \
+                [2, 1, 2, "stale_page", [False, True]]                    # row 1 (A's) only, both its pages
+        assert got[f"validate-{kind}"][4:] == ["stale_page", [0, 1 << 5]]
+        assert got[f"append-{kind}"][0] == 7 and got[f"append-{kind}"][4:] == ["stale_page", True]
+        assert got[f"copy-{kind}"][0] == 1 and got[f"copy-{kind}"][4:] == ["stale_page", True]
 
 
 def test_negative_control_asan_sees_unchecked_read() -> None:

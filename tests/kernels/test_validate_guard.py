@@ -8,8 +8,8 @@ from conftest import make_cache, make_table, rand
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvservice.worker import guards, kernels_cpu, ops_numpy
 from kvservice.worker import kernel_api as api
-from kvservice.worker import kernels_cpu, ops_numpy
 
 
 def test_validate_reports_rows(ops) -> None:
@@ -67,7 +67,7 @@ def guarded(total: int, guard: int) -> np.ndarray:
 def test_guard_fill_and_check(ops) -> None:
     buf = guarded(4096, 64)
     ops.guard_fill(buf, 64)
-    assert np.array_equal(buf[:64], api.guard_pattern(64)) and np.array_equal(buf[-64:], api.guard_pattern(64))
+    assert np.array_equal(buf[:64], guards.guard_pattern(64)) and np.array_equal(buf[-64:], guards.guard_pattern(64))
     assert not ops.guard_check(buf, 64)
     buf[64 + 4096 + 10] ^= 0xFF
     buf[-1] ^= 1
@@ -99,7 +99,7 @@ def test_guard_catches_stray_write_of_unchecked_kernel() -> None:
     pb = layout.page_elems * 4
     buf = guarded(4 * pb, 2 * pb)  # the whole stray page lands inside the back guard
     kernels_cpu.guard_fill(buf, 2 * pb)
-    cache = api.guarded_view(buf, 2 * pb, np.float32)
+    cache = guards.guarded_view(buf, 2 * pb, np.float32)
     k = rand(rng, (1, 1, 32), "float32")
     sm = np.array([4 * 4], dtype=np.int64)  # page 4 == upper_bound
     assert kernels_cpu.append_kv(cache, layout, k, k, sm).record.count == 1

@@ -110,6 +110,8 @@ class LRUModel:
             else:
                 part = g & got
                 assert len(part) == n, f"{what}: took {sorted(part)} of the group {sorted(g)}, wanted {n}"
+                if what == "lru":
+                    assert part == set(sorted(g)[:n]), f"evicted {sorted(part)} of {sorted(g)}: lower slots first"
                 g -= part
             taken.append(part)
             n -= len(part)
@@ -123,7 +125,7 @@ class LRUModel:
         assert sorted(got) == sorted(set().union(*taken, *old))
         at = 0
         for part in old:
-            assert set(evicted[at:at + len(part)]) == part, (evicted, old)
+            assert evicted[at:at + len(part)] == sorted(part), (evicted, old)   # lower slot first within a release
             at += len(part)
         assert at == len(evicted)
         self.evictions += len(evicted)
@@ -165,9 +167,10 @@ def test_lru_order_against_a_model(ops):
     a = SlotAllocator(N_SLOTS)
     a.caching = True
     evicted = []
-    a.on_evict = lambda slot: evicted.append(int(slot))
+    a.on_evict = lambda slots: evicted.extend(slots.tolist())
     m = LRUModel(N_SLOTS)
     for op, n, picks, unique in ops:
+        a.clock += 1                      # as a pool does every step: each op's releases get their own stamp
         held = sorted(s for s, r in m.refs.items() if r)
         cached = sorted(set().union(*m.lru)) if m.lru else []
         if op == "alloc":
@@ -204,14 +207,16 @@ def test_lru_order_against_a_model(ops):
             slots = {held[p % len(held)] for p in picks}
             a.cacheable[list(slots)] = True
             m.cacheable |= slots
-        # free_slots(): the stack bottom to top, then the LRU oldest first, each group in any order
+        # free_slots(): the stack bottom to top (each group in any order), then the cached slots oldest release
+        # first, lower slot first among those released together (no page depends on another here)
         free = a.free_slots().tolist()
-        want = [g for g in m.stack if g] + m.lru
+        want = [g for g in m.stack if g]
         got, at = [], 0
         for g in want:
             got.append(set(free[at:at + len(g)]))
             at += len(g)
-        assert at == len(free) and got == want
+        assert at + sum(map(len, m.lru)) == len(free) and got == want
+        assert free[at:] == [s for g in m.lru for s in sorted(g)]
         assert a.num_free == m.free_count() and a.num_cached == sum(map(len, m.lru))
         assert a.refcount(np.arange(N_SLOTS)).tolist() == [m.refs[s] for s in range(N_SLOTS)]
         assert a.evictions == m.evictions and a.peak_used == m.peak
@@ -257,7 +262,7 @@ def test_sharing_a_plain_free_slot_names_it():
 
 
 @pytest.mark.parametrize(("corrupt", "message"), [
-    (lambda a, used: a._cached.__setitem__(int(a._stack[0]), None),
+    (lambda a, used: a._cached.__setitem__(int(a._stack[0]), 0),
      "a slot is free twice (stack and cache, or twice in one)"),
     (lambda a, used: a._refcnt.__setitem__(int(a.free_slots()[0]), 1), "a free slot has owners"),
     (lambda a, used: a._refcnt.__setitem__(used, -1), "negative refcount"),

@@ -285,6 +285,9 @@ def test_the_opened_pages_path_answers_byte_for_byte_as_the_slot_mapping_path(sp
     twin = Twin(spec_name, num_slots=2048)
     sizing = Sizing(num_slots=2048, max_seq_len=MAX_LEN)
     twin.api.CreatePool(codec.create_pool_request("c", SPECS[spec_name][0], sizing))
+    with twin.api.manager.locked("a") as pa, twin.api.manager.locked("c") as pc:
+        for ga, gc in zip(pa.allocators, pc.allocators, strict=True):
+            gc.generation[:] = ga.generation          # the same generations (each incarnation seeds its own)
     ref = StreamSession("ref")
     real_run = ManagerAPI.run_step
     opened = []

@@ -45,7 +45,7 @@ def run_plan(name, plan):
             if failure is not None:
                 failures.append((failure, profile, fast, steps))
             else:
-                assert stats.steps + stats.queries == steps, "the run stopped early"
+                assert stats.steps + stats.queries + stats.recreated == steps, "the run stopped early"
     TOTALS.setdefault(f"in-process {name}", RunStats()).add(total)
     if failures:
         failure, profile, fast, steps = min(failures, key=lambda f: f[0].at)
@@ -68,6 +68,8 @@ def test_pool_matches_reference_model(name):
     assert total.mixed > n(100) and total.copies > n(100) and total.exhausted > n(50)
     assert total.errors - total.exhausted > n(200)               # invalid steps, all refused cleanly
     assert total.queries > n(100)
+    assert total.stale > n(100)                                   # pages of old tables whose slot was reused
+    assert total.recreated >= (5 if SCALE >= 1 else 0)            # pools re-created (~1 in 350 ops: none in short runs)
     if any(la.sliding_window for la in kind.spec.layers):
         assert total.released > n(500)
     if kind.prefix_caching:

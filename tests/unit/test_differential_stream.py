@@ -29,6 +29,7 @@ def _one_pool_api(pool):
     from kvservice.manager.pools import BlockManager
     manager = BlockManager()
     manager.restore({"p": pool})
+    manager.restore_incarnation("p", pool.incarnation)     # replies carry the pool's own (its generations' seed)
     return ManagerAPI(manager)
 
 
@@ -37,11 +38,15 @@ class InProcessStream(differential.InProcess):
 
     def __init__(self, kind, fast: bool = True) -> None:
         super().__init__(kind, fast)
+        self.kinds = {"delta": 0, "full": 0}
+
+    def recreate(self) -> None:
+        """A new pool (differential.Recreate): a new manager, stream session and mirror over it."""
+        super().recreate()
         self.api = _one_pool_api(self.pool)
         self.session = StreamSession("differential")
-        self.mirror = PageTableMirror(kind.spec.page_size)
+        self.mirror = PageTableMirror(self.kind.spec.page_size)
         self.seq = 0
-        self.kinds = {"delta": 0, "full": 0}
 
     def step(self, st):
         ext = [i for i, _ in st.ext]
@@ -61,12 +66,13 @@ class InProcessStream(differential.InProcess):
                 t = m.page_table(space.id)
                 spaces.append(SpaceTables(space, m.slot_mapping(space.id), PageTable(t.indptr, t.indices,
                                                                                       t.last_page_len),
-                                          m.block_table(space.id) if st.block_table else None))
+                                          m.block_table(space.id) if st.block_table else None,
+                                          m.slot_generations(space.id), m.generations(space.id)))
             else:
                 got = next(x for x in reply.tables if x.index_space == space.id)
                 spaces.append(SpaceTables(space, from_tensor(got.slot_mapping, "slot_mapping"), None,
-                                          field_array(got, "block_table")))
-        copies = {c.group: from_tensor(c.pairs, "pairs").reshape(-1, 2) for c in reply.copies}
+                                          field_array(got, "block_table"), field_array(got, "slot_generations")))
+        copies, gens = codec.parse_copies(reply)
         groups = len(self.pool.allocators)
         return differential.Reply(
             m.seq_ids if st.tables else from_tensor(reply.seq_ids, "seq_ids"),
@@ -74,7 +80,10 @@ class InProcessStream(differential.InProcess):
             np.asarray(m.new_token_indptr) if st.tables else from_tensor(reply.new_token_indptr, "new_token_indptr"),
             [differential._space(sp) for sp in spaces],
             [copies.get(g, np.zeros((0, 2), dtype=np.int64)) for g in range(groups)],
-            field_array(reply, "admit_cached_tokens"), reply.num_free_slots)
+            field_array(reply, "admit_cached_tokens"), reply.num_free_slots,
+            copy_generations=None if gens is None else
+            [gens.get(g, np.zeros((0, 2), dtype=np.uint32)) for g in range(groups)],
+            incarnation=reply.pool_incarnation)
 
 
 @pytest.mark.parametrize("name", list(differential.KINDS))

@@ -19,10 +19,8 @@ def mix(x):
 
 
 def page_hash(tokens):
-    h = GOLD
-    for t in tokens:
-        h = mix(h ^ ((t + GOLD) & MASK))
-    return h
+    """A page's own token hash: mix of the sum of each token's mix, position-salted (hashing.token_hashes)."""
+    return mix(sum(mix((t + (i + 1) * GOLD) & MASK) for i, t in enumerate(tokens)) & MASK)
 
 
 def prompt_hashes_model(pages, ns):
@@ -34,32 +32,39 @@ def prompt_hashes_model(pages, ns):
     return out
 
 
-def test_page_hashes_match_a_model_over_ragged_prompts():
-    rng = np.random.default_rng(17)
-    full = rng.integers(0, 5, 6)
-    ns = rng.integers(0, 4, 6)
+@pytest.mark.parametrize("prompts", [6, 1])
+def test_page_hashes_match_a_model_over_ragged_prompts(prompts):
+    """Many prompts (one NumPy pass per page column) and one prompt (plain integers): the same chain."""
+    rng = np.random.default_rng(17 + prompts)
+    full = rng.integers(0 if prompts > 1 else 1, 5, prompts)
+    ns = rng.integers(0, 4, prompts)
     ps = 3
-    pages = rng.integers(1, 50_000, (int(full.sum()), ps))
+    pages = rng.integers(-5, 2**62, (int(full.sum()), ps))
     starts = np.cumsum(full) - full
     col = np.concatenate([np.arange(f) for f in full]).astype(np.int64)
     got = page_hashes(pages, col, starts, full, ns)
-    want = [h for a in range(6) for h in prompt_hashes_model(pages[starts[a]:starts[a] + full[a]].tolist(), int(ns[a]))]
+    want = [h for a in range(prompts)
+            for h in prompt_hashes_model(pages[starts[a]:starts[a] + full[a]].tolist(), int(ns[a]))]
     assert got.dtype == np.uint64 and got.tolist() == want
 
 
 def test_a_page_whose_chained_hash_is_zero_gets_one():
     """0 marks a slot with no page: a page whose chain comes out 0 must not get it."""
+    from kvservice.manager.fleet_index import unmix
+
+    def un(x):
+        return int(unmix(np.array([x], dtype=np.uint64))[0])
+
     rng = np.random.default_rng(3)
     ns, ps = 2, 4
     head = rng.integers(1, 50_000, ps - 1).tolist()
-    state = GOLD
-    for t in head:
-        state = mix(state ^ ((t + GOLD) & MASK))
-    # The first page's chain is mix(mix(ns + GOLD) ^ page hash): 0 exactly when the page hash is
-    # mix(ns + GOLD), i.e. when the last token makes state ^ (token + GOLD) == ns + GOLD.
-    last = ((((ns + GOLD) & MASK) ^ state) - GOLD) & MASK
-    page = np.array([[*head, last - 2**64 if last >= 2**63 else last]], dtype=np.int64)
+    # The first page's chain is mix(mix(ns + GOLD) ^ T): 0 exactly when T = mix(ns + GOLD) ^ unmix(0); T is
+    # mix(S), S the sum of each token's mix, so the last token is chosen to complete S.
+    want_s = un(mix((ns + GOLD) & MASK) ^ un(0))
+    partial = sum(mix((t + (i + 1) * GOLD) & MASK) for i, t in enumerate(head)) & MASK
+    last = (un((want_s - partial) & MASK) - ps * GOLD) & MASK
     assert mix(mix((ns + GOLD) & MASK) ^ page_hash([*head, last])) == 0      # the chain really is 0
+    page = np.array([[*head, last - 2**64 if last >= 2**63 else last]], dtype=np.int64)
     got = page_hashes(page, np.array([0]), np.array([0]), np.array([1]), np.array([ns]))
     assert got.tolist() == [1]
 

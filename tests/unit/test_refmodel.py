@@ -156,3 +156,29 @@ def test_window_pages_are_registered_and_stay_cached_when_released():
     assert m.s.seqs[1].first[1] == 3 and set(m.s.lru[1]) == set(released)     # page 2 was never registered
     out = m.step(Step(adm=[(2, 9)], token_ids=PROMPT[:9]))
     assert out.cached_tokens == [8] and m.s.seqs[2].pages[1][:2] == released and not m.s.lru[1]
+
+
+def test_eviction_takes_leaves_first_oldest_first():
+    # 8 slots, page size 4: a 3-page prompt (13 tokens: pages 0-2 registered, page 3 partial) is freed;
+    # an admission needing 6 fresh pages takes the 5 clean slots and evicts one cached page: page 2,
+    # the only leaf (pages 1 and 0 each have a registered page chained under them).
+    m = RefPool(4, [0], 8, 64, prefix_caching=True)
+    prompt = list(range(50, 63))
+    m.step(Step(adm=[(1, 13)], token_ids=prompt))
+    pages = list(m.s.seqs[1].pages[0])
+    m.step(Step(free=[1]))
+    assert m.eviction_order(0) == [pages[2], pages[1], pages[0]]
+    out = m.step(Step(adm=[(2, 24)], token_ids=list(range(200, 224))))
+    assert out.evicted[0] == [pages[2]]
+    m.step(Step(free=[2]))
+    out = m.step(Step(adm=[(3, 13)], token_ids=prompt))
+    assert out.cached_tokens == [8]                          # pages 0 and 1 are still findable
+
+
+def test_eviction_ties_go_to_the_lower_real_slot():
+    m = RefPool(4, [0], 6, 64, prefix_caching=True)
+    m.pos = lambda g, slot: -slot                            # real slots numbered the other way round
+    m.step(Step(adm=[(1, 5), (2, 5)], token_ids=[*range(1, 6), *range(11, 16)]))
+    a, b = m.s.seqs[1].pages[0][0], m.s.seqs[2].pages[0][0]
+    m.step(Step(free=[1, 2]))                                # both leaves, released by one step
+    assert m.eviction_order(0) == sorted([a, b], key=lambda x: -x)

@@ -79,14 +79,16 @@ def test_every_pool_field_is_exported_or_rebuilt():
     p = Pool("p", plan(CacheSpec.uniform(1, 1, 64), Sizing(num_slots=8)), prefix_caching=True)
     assert set(vars(p)) == {
         # exported
-        "name", "plan", "model", "incarnation", "prefix", "prefixes", "_sharing", "_rows", "_seq_ids",
+        "name", "plan", "model", "incarnation", "prefix_hash", "prefix_hash_seed", "prefix", "prefixes", "_sharing",
+        "_rows", "_seq_ids",
         "_num_tokens", "_held", "_first", "_slots", "_free_rows", "_num_rows", "steps", "admitted", "refused",
         "alloc_failures", "allocators", "events",
         # rebuilt from the plan, or caches and scratch
         "page_size", "max_seq_len", "windows", "layer_space", "_sliding", "_is_sliding", "_anchor_group",
         "_sorted", "_last_batch", "_fast"}
     assert set(SlotAllocator.__slots__) == {"_stack", "_top", "_cached", "peak_used", "evictions", "_refcnt",
-                                            "cacheable", "_mark", "_ones", "num_slots", "caching", "on_evict"}
+                                            "cacheable", "_mark", "_ones", "num_slots", "caching", "on_evict",
+                                            "clock", "policy", "generation"}
     assert set(vars(PrefixCache(SlotAllocator(4), 16))) == {"by_hash", "hash", "parent", "parent_hash", "anchor",
                                                             "namespace", "tokens", "namespaces", "hits",
                                                             "allocator", "page_size", "hash_fn", "group", "sink",

@@ -20,6 +20,7 @@ import pytest
 
 from kvservice.contract.errors import StateError
 from kvservice.server.cli import check_state
+from kvservice.state.ackmark import AckMark
 from kvservice.state.journal import Journal, JournalConfig, state_tree
 from kvservice.state.sqlite.wal import check_wal, db_header
 
@@ -108,7 +109,9 @@ def test_a_flipped_bit_anywhere_is_recovered_exactly_or_refused_by_name(tmp_path
     for f, outs in results.items():
         refused = [o for o in outs if o != "ok"]
         assert all(str(src.name) not in o for o in refused)   # messages name the damaged dir, not where it came from
-        if f != "state.db":                                    # most of a database file is unused space
+        if f == "ACKED":       # two records: a damaged one leaves the other, one position older: recovery reaches it
+            assert not refused, outs
+        elif f != "state.db":                                  # most of a database file is unused space
             assert len(refused) >= len(outs) // 2, (f, outs)
 
 
@@ -132,9 +135,19 @@ def test_a_torn_last_commit_is_dropped_but_damage_before_it_is_refused(tmp_path)
     (torn / "state.db-wal").write_bytes(bytes(tail))
     rep = check_wal(torn / "state.db-wal", page)
     assert rep.problem is None and rep.torn >= 1 and rep.committed < frames
+    # The last step was acknowledged: ACKED says so, and the torn log cannot pass for a crash mid-commit.
+    with pytest.raises(StateError, match=f"ACKED.* says position {seq} was acknowledged.*holds only {seq - 1}") as exc:
+        Journal.open(torn, config=CONFIG)
+    assert exc.value.reason == "STATE_ROLLBACK" and "never acknowledged" not in exc.value.message
+    # A crash between that commit and its mark (it was never acknowledged): the mark one position back.
+    lineage = AckMark(torn / "ACKED", writable=False).found.lineage
+    back = AckMark(torn / "ACKED")
+    back.reset(lineage, seq - 1)
+    back.close()
     j = Journal.open(torn, config=CONFIG)                     # the unacknowledged last commit is gone
     assert j.seq == seq - 1 and state_tree(j.manager) == before_last
-    assert any("cut short" in n for n in j.store.notes)
+    assert any("cut short by a crash" in n and f"high-water mark ({seq - 1})" in n and "never acknowledged" in n
+               for n in j.store.notes), j.store.notes
     j.close()
     early = shutil.copytree(d, tmp_path / "early")            # the same garbage one frame earlier: damage
     mid = bytearray(data)

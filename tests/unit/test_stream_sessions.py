@@ -100,7 +100,7 @@ def _served(prefix: bool = False, max_seq_len: int = 128, **api_kw: object):
     def send(seq: int, **kw: object):
         r = step_request("p", **kw)
         r.stream_seq = seq
-        return step_one(sv, session, r, JournalUnavailable, lambda s: None)
+        return step_one(sv, session, r, JournalUnavailable, lambda s, reply: None)
 
     return m, sv, send, create, session
 

@@ -26,7 +26,9 @@ Layout, for a deployment name N (``--nats-name``, default ``kvservice``):
   retry of the same publish keeps its id, so the server stores it once, and no other writer ever
   uses it, so the server's "duplicate" answer can only name this writer's own earlier publish
   (``check_ack``). docs/HA.md, "Why two writers are impossible", gives the argument;
-  tests/unit/test_ha_model.py checks it exhaustively on a model of the protocol.
+  tests/unit/test_ha_model.py checks it exhaustively on a model of the protocol. A fence also
+  carries ``Kvs-Lineage``, the state's lineage (a fresh stream's first fence makes it;
+  docs/DURABILITY.md, "Lineages").
 - object store ``KVS_N_snapshots``: ``snap-<seq>`` objects (the bytes kvservice/state/snapshot.py
   encodes), their description a JSON header (journal seq, stream seq, epoch, bytes, blake2b
   digest). After a snapshot is stored, the stream is purged below its stream sequence.
@@ -66,7 +68,7 @@ from kvservice.contract.errors import InvalidArgument, KVError, StateError
 from kvservice.state import snapshot as snap
 from kvservice.state.nats import NATS_SERVER_VERSION
 from kvservice.state.nats.direct import DirectError, DirectPublisher
-from kvservice.state.stores import Entry, JournalStore
+from kvservice.state.stores import Entry, JournalStore, continued_lineage, lineage_hex, new_lineage
 
 log = logging.getLogger("kvservice.nats")
 T = TypeVar("T")
@@ -230,12 +232,11 @@ class NatsLink:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="nats-loop")
         self._thread.start()
-        self.disconnects = 0
-        self.closing = False
+        self.disconnects, self.closing, self.last_error = 0, False, None   # last_error: nats-py's, for a failed connect
         #: The journal's publishes: a connection of their own, used by the appending thread (state/nats/direct.py).
         self.direct = DirectPublisher(config.servers, f"{client_name}-journal", config.request_seconds)
         try:
-            self.nc = self.call(self._connect(client_name, connect_seconds), connect_seconds + 1.0)
+            self.nc = self.call(self._connect(client_name, connect_seconds), connect_seconds + 5.0, "connecting")
         except BaseException:
             self._stop_loop()
             raise
@@ -250,21 +251,22 @@ class NatsLink:
                         "run that version", self.server_version, config.url, NATS_SERVER_VERSION)
 
     async def _connect(self, client_name: str, connect_seconds: float) -> nats.NATS:
-        deadline = time.monotonic() + connect_seconds
+        deadline = time.monotonic() + connect_seconds      # kept strictly: nothing is left running on the loop
         while True:
             try:
-                return await nats.connect(
+                return await asyncio.wait_for(nats.connect(
                     servers=list(self.config.servers), name=client_name, connect_timeout=1,
                     reconnect_time_wait=0.1, max_reconnect_attempts=-1, ping_interval=2, max_outstanding_pings=2,
                     error_cb=self._on_error, disconnected_cb=self._on_disconnect, reconnected_cb=self._on_reconnect,
-                    allow_reconnect=True)
+                    allow_reconnect=True), max(0.05, deadline - time.monotonic()))
             except (TimeoutError, OSError, nats.errors.Error) as err:
-                if time.monotonic() >= deadline:
-                    raise StoreError(f"cannot reach NATS at {self.config.url} within {connect_seconds:g} s "
-                                     f"({type(err).__name__}: {err})") from None
+                if time.monotonic() + 0.2 >= deadline:
+                    raise StoreError(f"cannot reach NATS at {self.config.url}: connecting gave up after "
+                                     f"{connect_seconds:g} s (last: {self.last_error or err!r})") from None
                 await asyncio.sleep(0.2)
 
     async def _on_error(self, err: Exception) -> None:
+        self.last_error = err
         log.debug("NATS: %s: %s", type(err).__name__, err)
 
     async def _on_disconnect(self) -> None:
@@ -515,7 +517,7 @@ class NatsStore(JournalStore):
             raise StoreError(f"{self.path}: no stream sequence known for journal position {seq}")
         state = b"".join(bytes(c) for c in encoded.chunks)
         meta = {"format": SNAPSHOT_FORMAT, "seq": seq, "stream_seq": stream_seq, "epoch": self.epoch,
-                "at": time.time(), "bytes": len(state), "digest": _digest(state)}
+                "lineage": lineage_hex(self.lineage), "at": time.time(), "bytes": len(state), "digest": _digest(state)}
         self._call(self._write_snapshot(f"snap-{seq:020d}", state, meta), max(60.0, self.config.append_seconds),
                    f"storing snapshot {seq} ({len(state)} bytes)")
         with self._at_lock:
@@ -636,6 +638,7 @@ class NatsStore(JournalStore):
         if kind == "fence":
             self._parts = None                            # an unfinished entry of the old writer is void
             self.max_epoch = max(self.max_epoch, int(h["Kvs-Epoch"]))
+            self.lineage = continued_lineage(self.lineage, h.get("Kvs-Lineage"), f"{self.path}: fence {stream_seq}")
             return None
         if kind != "entry":
             raise StoreError(f"{self.path}: stream message {stream_seq} is not a kvservice journal entry")
@@ -713,10 +716,12 @@ class NatsStore(JournalStore):
         if epoch <= self.max_epoch:
             raise StoreError(f"epoch {epoch} is not above the highest seen, {self.max_epoch}")
         writer = secrets.token_hex(8)
+        lineage = self.lineage or new_lineage()      # kept once this fence is in (the first fence of a fresh stream)
         self._publish(b"", {"Kvs-Kind": "fence", "Kvs-Epoch": str(epoch), "Kvs-Seq": str(self.seq),
-                            "Kvs-Writer": writer, "Nats-Msg-Id": fence_id(epoch, writer)})
+                            "Kvs-Writer": writer, "Kvs-Lineage": lineage_hex(lineage),
+                            "Nats-Msg-Id": fence_id(epoch, writer)})
         self.epoch = self.max_epoch = epoch
-        self.writer = writer
+        self.writer, self.lineage = writer, lineage
         self._parts = None
         with self._at_lock:
             self._stream_at[self.seq] = self.last_stream_seq     # a snapshot at this position reads on after it

@@ -159,8 +159,14 @@ class Lease:
                 return await js.create_key_value(api.KeyValueConfig(
                     bucket=self.bucket, ttl=self.config.bucket_ttl_seconds, history=1, replicas=c.replicas,
                     storage=api.StorageType.FILE, description="kvservice leader lease"))
-            except nats.js.errors.BadRequestError:
-                return await js.key_value(self.bucket)
+            except nats.js.errors.BadRequestError as refused:
+                try:
+                    return await js.key_value(self.bucket)     # created meanwhile by another manager
+                except nats.js.errors.BucketNotFoundError:
+                    # not created by anyone: the refusal was real (on a cluster still electing or
+                    # missing peers, a replicated bucket cannot be placed yet); say why
+                    raise StoreError(f"creating the lease bucket {self.bucket} ({c.replicas} replicas) was "
+                                     f"refused: {refused.description or refused}") from None
 
     def _value(self) -> bytes:
         return json.dumps({"node": self.node, "address": self.address, "epoch": self.epoch}).encode()
@@ -192,7 +198,7 @@ class Lease:
             return False
         if now - self._seen[1] < self.config.ttl_seconds:
             return False
-        log.warning("leader %s (epoch %d) did not renew revision %d for %.2f s; taking over", self.holder.node,
+        log.info("leader %s (epoch %d) did not renew revision %d for %.2f s; taking over", self.holder.node,
                     self.holder.epoch, entry.revision, now - self._seen[1])
         return await self._take(entry.revision)
 
@@ -313,7 +319,7 @@ class Lease:
                 return
             self.held, self.lost = False, why
             self._changed.notify_all()
-        log.critical("leadership lost (epoch %d): %s", self.epoch, why)
+        log.warning("leadership lost (epoch %d): %s", self.epoch, why)     # the new leader's log says who took it
         if self._on_lost is not None:
             self._on_lost(why)
 

@@ -2,25 +2,29 @@
 
 Layout of DIR (format 2):
 
-    state.db (+ -wal, -shm)   SQLite, WAL mode: meta(key, value): format, incarnation;
+    state.db (+ -wal, -shm)   SQLite, WAL mode: meta(key, value): format, incarnation, lineage;
                               entries(seq, method, request, created, digest): the journal tail;
                               snapshots(seq, file, header_digest, nbytes, created): the newest snapshot
     snapshots/snapshot-<seq>.kvs   snapshot files (kvservice/state/snapshot.py)
-    MANIFEST                  JSON witness, replaced atomically: format, incarnation, running,
-                              last_seq (at least this many changes were acknowledged), snapshot_seq, digest
+    MANIFEST                  JSON witness, replaced atomically: format, incarnation, lineage, running,
+                              last_seq (at least this many changes were acknowledged), snapshot_seq,
+                              acked_mark (ACKED is kept), digest
+    ACKED                     the acknowledged high-water mark (kvservice/state/ackmark.py): the last position
+                              acknowledged, written after every commit, outside the log
     lock                      flock of the serving process (its pid inside)
 
 What is checked on open, before anything is served (each failure is a StateError that says what is
-wrong and what to do; ``kvservice check-state DIR`` prints the same):
-the MANIFEST's own checksum; a state.db that is missing or empty while the MANIFEST says the dir
-holds state (versus a genuinely fresh dir: nothing there); the database header (a header that
-lost WAL mode would make SQLite ignore the log); the write-ahead log frame by frame
-(kvservice/state/sqlite/wal.py) — damage is refused, a torn last commit of a crashed machine is
-dropped with a warning; a log that is missing after an unclean stop; SQLite's quick_check; the
-format and incarnation; the snapshot file recorded in the database (present, same size, same
-header digest). The journal then checks the snapshot's own checksums, each entry's checksum and
-that none is missing, every pool's invariants, and finally (check_position) that the recovered
-position is not behind the MANIFEST's last_seq.
+wrong and what to do; ``kvservice check-state DIR`` prints the same): the MANIFEST's own checksum; a
+state.db that is missing or empty while the MANIFEST says the dir holds state (versus a genuinely fresh
+dir); the database header (a header that lost WAL mode would make SQLite ignore the log); the write-ahead
+log frame by frame (kvservice/state/sqlite/wal.py: damage is refused, an incomplete last commit dropped);
+a log missing after an unclean stop; SQLite's quick_check; format, incarnation and lineage; the snapshot
+file recorded in the database (present, same size, same header digest). The journal then checks the
+snapshot, each entry and that none is missing, every pool's invariants, the recovered position against
+ACKED (ackmark.check_recovery: a tail lost from the log is refused, whatever the log looks like) and
+against the MANIFEST's last_seq (check_position). Under repair (``check-state --repair``) a failed witness
+check is recorded instead (``override``) and the state starts a new lineage. Recovery reads through a
+read-only connection: a refused start leaves the dir as it was.
 
 Read-only opens (check-state, tests) work on a private copy of the database: on a stopped dir
 after the same checks (holding a shared lock so no manager starts meanwhile), on a running one
@@ -30,8 +34,6 @@ through SQLite's online backup (its log is then not checked: the manager is writ
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import json
 import logging
 import os
 import shutil
@@ -39,87 +41,36 @@ import sqlite3
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from kvservice.contract.errors import StateError
 from kvservice.state import snapshot as snap
+from kvservice.state.ackmark import AckMark, torn_tail_note
+from kvservice.state.sqlite.dirfiles import (
+    FORMAT,
+    MANIFEST,
+    REPAIR,
+    RESTORE,
+    fsync_dir,
+    lock_dir,
+    read_manifest,
+    write_manifest,
+)
 from kvservice.state.sqlite.wal import check_wal, db_header
-from kvservice.state.stores import Entry, JournalStore
+from kvservice.state.stores import Entry, JournalStore, lineage_hex, new_lineage
 
 log = logging.getLogger("kvservice.state.journal")
 
-FORMAT = 2
 DB_NAME = "state.db"
-MANIFEST = "MANIFEST"
+ACKED = "ACKED"
 SNAP_DIR = "snapshots"
-REPAIR = "run `kvservice check-state DIR --repair` to accept the state dir as it is"
-RESTORE = "restore the state dir from a backup"
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _lock_dir(state_dir: Path, shared: bool = False) -> int | None:
-    """flock DIR/lock; exclusive: StateError naming the holder if busy; shared: None if a manager holds it."""
-    path = state_dir / "lock"
-    if shared and not path.exists():
-        return -1
-    fd = os.open(path, os.O_RDONLY if shared else os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
-        os.close(fd)
-        if shared:
-            return None
-        raise StateError(f"state dir {state_dir} is in use by another kvservice (pid {holder})",
-                         reason="STATE_BUSY") from None
-    if not shared:
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-    return fd
-
-
-def read_manifest(state_dir: Path) -> dict[str, Any] | None:
-    """The MANIFEST (None if there is none); StateError if it is damaged."""
-    path = state_dir / MANIFEST
-    if not path.exists():
-        return None
-    try:
-        m = json.loads(path.read_bytes())
-        body = {k: v for k, v in m.items() if k != "digest"}
-        ok = m.get("digest") == snap.digest16(json.dumps(body, sort_keys=True).encode()).hex()
-        if ok:
-            for k in ("format", "incarnation", "last_seq", "snapshot_seq"):
-                if not isinstance(m[k], int):
-                    ok = False
-            ok = ok and isinstance(m["running"], bool)
-    except (ValueError, KeyError, TypeError, AttributeError):
-        ok = False
-    if not ok:
-        raise StateError(f"{path}: damaged (checksum or fields); it is the witness of how much this dir "
-                         f"acknowledged. {REPAIR} after checking it, or {RESTORE}", reason="STATE_DAMAGED")
-    return m
-
-
-def write_manifest(state_dir: Path, **fields: Any) -> None:
-    """Replace the MANIFEST atomically (write, fsync, rename, fsync the dir)."""
-    body = {"format": FORMAT, **fields, "updated": time.time()}
-    body["digest"] = snap.digest16(json.dumps(body, sort_keys=True).encode()).hex()
-    tmp = state_dir / (MANIFEST + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(json.dumps(body, sort_keys=True, indent=1).encode() + b"\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, state_dir / MANIFEST)
-    _fsync_dir(state_dir)
+def _ro_uri(path: Path) -> str:
+    return f"file:{urllib.request.pathname2url(str(path))}?mode=ro"
 
 
 class SqliteStore(JournalStore):
@@ -142,7 +93,11 @@ class SqliteStore(JournalStore):
         self.snapshot_seq = 0
         self.torn_frames = 0
         self.notes: list[str] = []              # what check-state reports besides problems
+        self.overridden: list[str] = []         # checks a repair accepted: the state then gets a new lineage
         self.db: sqlite3.Connection | None = None
+        self.mark: AckMark | None = None
+        self._sync = "full"
+        self._recovering = False                # db is the read-only connection recovery reads through
 
     # ---- opening ------------------------------------------------------------------------------
     @classmethod
@@ -152,12 +107,12 @@ class SqliteStore(JournalStore):
             if not (state_dir / DB_NAME).exists() and not (state_dir / MANIFEST).exists():
                 raise StateError(f"{state_dir}: no kvservice state here ({DB_NAME} and {MANIFEST} are missing)",
                                  reason="STATE_MISSING")
-            fd = _lock_dir(state_dir, shared=True)
+            fd = lock_dir(state_dir, shared=True)
             store = cls(state_dir, True, fd if fd is not None and fd >= 0 else None, False)
             store.live = fd is None
         else:
             state_dir.mkdir(parents=True, exist_ok=True)
-            store = cls(state_dir, False, _lock_dir(state_dir), repair)
+            store = cls(state_dir, False, lock_dir(state_dir), repair)
         try:
             store._open(sync)
         except BaseException:
@@ -170,19 +125,29 @@ class SqliteStore(JournalStore):
         db_path, wal = d / DB_NAME, d / (DB_NAME + "-wal")
         try:
             self.manifest = read_manifest(d)
-        except StateError:
-            if not self.repair:
-                raise
+        except StateError as err:
+            self.override(err)
             self.manifest = None
-            self.notes.append("MANIFEST damaged: ignored (repair)")
         m = self.manifest
+        # Read before anything else (a running manager's online copy below is taken after it, so the mark
+        # can only be behind that copy, never ahead of it).
+        self.mark = AckMark(d / ACKED, sync == "full", writable=not self.readonly)
+        self.mark.required = bool(m and m.get("acked_mark"))
         db_has = db_path.exists() and db_path.stat().st_size > 0
         snap_files = sorted((d / SNAP_DIR).glob("snapshot-*.kvs")) if (d / SNAP_DIR).exists() else []
         fresh = False
+        if m is None and self.repair and (db_has or snap_files):
+            self.overridden.append("no MANIFEST: how much was acknowledged is unknown")
+        acked = self.mark.found.seq if self.mark.found is not None else 0
+        if m is None and not self.repair and acked and not db_has:
+            raise StateError(f"{d}: {MANIFEST} and {DB_NAME} are missing, but {ACKED} says {acked} changes were "
+                             f"acknowledged here: this is not a fresh state dir. {RESTORE}, or move {ACKED} away "
+                             "to start empty", reason="STATE_DAMAGED")
         if m is None and not self.repair:
             if not db_has and not snap_files and not self.readonly:
                 fresh = True
-            elif db_has and not snap_files and self._interrupted_first_start(db_path) and not self.readonly:
+            elif db_has and not snap_files and not acked and self._interrupted_first_start(db_path) \
+                    and not self.readonly:
                 fresh = True
             else:
                 raise StateError(f"{d}: {MANIFEST} is missing but the dir holds kvservice state "
@@ -212,11 +177,7 @@ class SqliteStore(JournalStore):
                     raise StateError(f"{d}: {rep.problem}. {RESTORE}; or, to accept losing those commits, move "
                                      f"{wal.name} away and {REPAIR}", reason="STATE_DAMAGED")
                 if rep.torn:
-                    self.torn_frames = rep.torn
-                    msg = (f"{wal.name}: the last {rep.torn} frames are a commit cut short by a crash of the "
-                           "machine (never acknowledged); dropped")
-                    log.warning("%s: %s", d, msg)
-                    self.notes.append(msg)
+                    self.torn_frames = rep.torn     # whether that commit was acknowledged: check_position says
         elif self.live:
             self.notes.append("a manager is running on this dir: checked through an online copy; its "
                               "write-ahead log was not checked")
@@ -260,7 +221,7 @@ class SqliteStore(JournalStore):
                 self._copy_dir = Path(tempfile.mkdtemp(prefix="kvservice-check-"))
                 copy = self._copy_dir / DB_NAME
                 if self.live:
-                    src = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
+                    src = sqlite3.connect(_ro_uri(db_path), uri=True)
                     dst = sqlite3.connect(copy)
                     try:
                         src.backup(dst)
@@ -274,7 +235,15 @@ class SqliteStore(JournalStore):
                 db_path = copy
             else:
                 (d / (DB_NAME + "-shm")).unlink(missing_ok=True)      # we hold the lock: rebuilt from the log
-            self.db = sqlite3.connect(db_path, isolation_level=None, check_same_thread=False)
+            self._sync = sync
+            if fresh or self.readonly:
+                self.db = sqlite3.connect(db_path, isolation_level=None, check_same_thread=False)
+            else:
+                # Recovery reads through a read-only connection: if it refuses the state, closing it leaves
+                # the log as it found it (a read-write connection closing last would checkpoint it into
+                # state.db and delete it, destroying what the refusal is about). begin() reopens read-write.
+                self.db = sqlite3.connect(_ro_uri(db_path), uri=True, isolation_level=None, check_same_thread=False)
+                self._recovering = True
             mode = self.db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
             if mode.lower() != "wal":
                 raise StateError(f"{db_path}: cannot switch SQLite to WAL mode (got {mode})")
@@ -313,24 +282,29 @@ class SqliteStore(JournalStore):
                               "fresh state dir" if old else f". {RESTORE}"), reason="STATE_FORMAT")
         try:
             self.incarnation = int(meta.get("incarnation", ""))
+            self.lineage = int(meta.get("lineage", "0"), 16)
         except ValueError:
-            raise StateError(f"{d / DB_NAME}: incarnation {meta.get('incarnation')!r} is damaged. {RESTORE}",
-                             reason="STATE_DAMAGED") from None
+            raise StateError(f"{d / DB_NAME}: incarnation {meta.get('incarnation')!r} or lineage "
+                             f"{meta.get('lineage')!r} is damaged. {RESTORE}", reason="STATE_DAMAGED") from None
         self.snapshot_seq = int(row[0] or 0)
         if m is None:
             return
+        if self.lineage and m.get("lineage") and m["lineage"] != lineage_hex(self.lineage):
+            self.override(StateError(f"{d}: {DB_NAME} belongs to lineage {lineage_hex(self.lineage)} but {MANIFEST} "
+                                     f"to {m['lineage']}: the database comes from another state dir. {RESTORE}, or "
+                                     f"{REPAIR}", reason="STATE_DAMAGED"))
         if self.incarnation not in (m["incarnation"], m["incarnation"] + 1):
             raise StateError(f"{d}: {DB_NAME} is at incarnation {self.incarnation} but {MANIFEST} at "
                              f"{m['incarnation']}: the database was replaced by another copy. {RESTORE}, or {REPAIR}",
                              reason="STATE_DAMAGED")
-        if m["running"] and self.incarnation == m["incarnation"] and not wal_existed and not self.repair:
-            raise StateError(f"{d}: {DB_NAME}-wal is missing after an unclean stop of incarnation "
-                             f"{m['incarnation']}: the changes acknowledged since its last checkpoint are lost. "
-                             f"{RESTORE}, or {REPAIR}", reason="STATE_DAMAGED")
-        if m["snapshot_seq"] > self.snapshot_seq and not self.repair:
-            raise StateError(f"{d}: {MANIFEST} records a snapshot at {m['snapshot_seq']} but {DB_NAME} "
-                             f"{'has none' if not self.snapshot_seq else f'only one at {self.snapshot_seq}'}: "
-                             f"{RESTORE}", reason="STATE_DAMAGED")
+        if m["running"] and self.incarnation == m["incarnation"] and not wal_existed:
+            self.override(StateError(f"{d}: {DB_NAME}-wal is missing after an unclean stop of incarnation "
+                                     f"{m['incarnation']}: the changes acknowledged since its last checkpoint are "
+                                     f"lost. {RESTORE}, or {REPAIR}", reason="STATE_DAMAGED"))
+        if m["snapshot_seq"] > self.snapshot_seq:
+            self.override(StateError(f"{d}: {MANIFEST} records a snapshot at {m['snapshot_seq']} but {DB_NAME} "
+                                     f"{'has none' if not self.snapshot_seq else f'only one at {self.snapshot_seq}'}: "
+                                     f"{RESTORE}", reason="STATE_DAMAGED"))
 
     # ---- JournalStore -------------------------------------------------------------------------
     def load_snapshot(self) -> tuple[int, bytes] | None:
@@ -372,15 +346,38 @@ class SqliteStore(JournalStore):
 
     def check_position(self, seq: int) -> None:
         m = self.manifest
-        if m is not None and seq < m["last_seq"] and not self.repair:
-            raise StateError(f"{self.state_dir}: {MANIFEST} says at least {m['last_seq']} changes were acknowledged, "
-                             f"but the state dir holds only {seq}: acknowledged changes were lost (a damaged, "
-                             f"replaced or rolled-back {DB_NAME}). {RESTORE}, or {REPAIR}", reason="STATE_ROLLBACK")
+        if m is not None and seq < m["last_seq"]:
+            self.override(StateError(f"{self.state_dir}: {MANIFEST} says at least {m['last_seq']} changes were "
+                                     f"acknowledged, but the state dir holds only {seq}: acknowledged changes were "
+                                     f"lost (a damaged, replaced or rolled-back {DB_NAME}). {RESTORE}, or {REPAIR}",
+                                     reason="STATE_ROLLBACK"))
+        if self.torn_frames:            # after ackmark.check_recovery: the recovered position reaches ACKED
+            self.notes.append(torn_tail_note(f"{DB_NAME}-wal", self.torn_frames, seq, self.mark, not self.overridden))
+            log.warning("%s: %s", self.state_dir, self.notes[-1])
+
+    def override(self, err: StateError) -> None:
+        if not self.repair:
+            raise err
+        self.overridden.append(err.message)
+        self.notes.append(f"accepted (repair): {err.message}")
 
     def begin(self, seq: int) -> int:
         inc = self.incarnation + 1
+        if not self.lineage or self.overridden:
+            old, self.lineage = self.lineage, new_lineage()
+            if old:
+                log.warning("%s: the state no longer provably continues lineage %s (%s); it starts lineage %s: "
+                            "clients see a new history", self.state_dir, lineage_hex(old), "; ".join(self.overridden),
+                            lineage_hex(self.lineage))
+                self.notes.append(f"new lineage {lineage_hex(self.lineage)} (was {lineage_hex(old)})")
+        assert self.mark is not None
+        self.mark.reset(self.lineage, seq)
+        if self._recovering:                    # every check passed: from here on the dir is written
+            self._reopen_writable()
         with self._db_lock:
             self.db.execute("UPDATE meta SET value = ? WHERE key = 'incarnation'", (str(inc),))  # type: ignore[union-attr]
+            self.db.execute("INSERT OR REPLACE INTO meta VALUES ('lineage', ?)",                  # type: ignore[union-attr]
+                            (lineage_hex(self.lineage),))
             self._checkpoint()
         self._write_manifest(incarnation=inc, running=True, last_seq=seq)
         self.incarnation = inc
@@ -407,7 +404,7 @@ class SqliteStore(JournalStore):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, sdir / name)
-        _fsync_dir(sdir)
+        fsync_dir(sdir)
         with self._db_lock:
             db = self.db
             db.execute("BEGIN IMMEDIATE")                                                       # type: ignore[union-attr]
@@ -440,6 +437,16 @@ class SqliteStore(JournalStore):
         self._release()
 
     # ---- helpers ---------------------------------------------------------------------------------
+    def _reopen_writable(self) -> None:
+        assert self.db is not None
+        self.db.close()
+        self.db = sqlite3.connect(self.state_dir / DB_NAME, isolation_level=None, check_same_thread=False)
+        mode = self.db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        if mode.lower() != "wal":
+            raise StateError(f"{self.state_dir / DB_NAME}: cannot switch SQLite to WAL mode (got {mode})")
+        self.db.execute(f"PRAGMA synchronous={self._sync.upper()}")
+        self._recovering = False
+
     def _checkpoint(self) -> bool:
         """Copy the log into state.db and truncate it; False if a reader kept it from completing."""
         busy, _, _ = self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()            # type: ignore[union-attr]
@@ -448,10 +455,15 @@ class SqliteStore(JournalStore):
     def _write_manifest(self, **fields: Any) -> None:
         with self._manifest_lock:
             fields.setdefault("snapshot_seq", self.snapshot_seq)
+            fields.setdefault("lineage", lineage_hex(self.lineage))
+            fields.setdefault("acked_mark", True)
             write_manifest(self.state_dir, **fields)
             self.manifest = read_manifest(self.state_dir)
 
     def _release(self) -> None:
+        if self.mark is not None:
+            with contextlib.suppress(StateError, OSError):     # a mark that could not be written failed the journal
+                self.mark.close()
         if self.db is not None:
             with contextlib.suppress(sqlite3.Error):
                 self.db.close()

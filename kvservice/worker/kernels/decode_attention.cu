@@ -6,7 +6,10 @@
 // a shift. Per block:
 //   1. bounds: every table entry the block owns is checked before any cache
 //      load (split 0 also checks the entries before the window and the
-//      row-level fields), so a bad page is never dereferenced;
+//      row-level fields), so a bad page is never dereferenced; with page
+//      generations, the same pass loads each page's expected and recorded
+//      generation once and compares them (stale_page), so the tile loop
+//      below carries no check at all;
 //   2. q of the GM heads is loaded once into registers, pre-scaled into the
 //      log2 domain;
 //   3. the token range is streamed in tiles of TT tokens through a STAGES-deep
@@ -37,6 +40,8 @@ struct KvDecodeArgs {
   const int* last_page_len;
   long long nnz, batch, q_heads, window, pages_per_split, policy;
   float sm_scale;
+  const unsigned* generations;  // uint32 [nnz] expected, or null (not checked)
+  const unsigned* page_gen;     // uint32 [pages of the layer] recorded by the worker
 };
 
 // Compile-time geometry of one (dtype, heads per block, head_dim) variant.
@@ -335,7 +340,7 @@ __device__ __forceinline__ void kv_decode_block(const T* __restrict__ q, const T
   // (bounds, lattice, and any further per-page rule such as a page generation) belongs in this
   // pass, one coalesced load per entry per block, not in the tile loop.
   for (long long pp = chk_lo + tid; pp < chk_hi; pp += NT) {
-    if (kv_page_reason(L, A.indices[a + pp]) != KV_OK) {
+    if (kv_entry_reason(L, A.indices, A.generations, A.page_gen, a + pp) != KV_OK) {
       atomicOr(&s_bad, 1);
       if (counter) kv_note(rec, row, a + pp);
     }
@@ -465,7 +470,9 @@ __device__ __forceinline__ void kv_decode_block(const T* __restrict__ q, const T
 // G = q_heads / kv_heads, GM = the entry's heads per block, D = its head_dim
 // (the layout's head_dim must equal D). q: [batch, q_heads, head_dim] (cache
 // dtype); indptr: int32 [batch + 1]; indices: int32 [nnz]; last_page_len:
-// int32 [batch]. Non-split (part_* null, num_splits 1): out float32
+// int32 [batch]. generations: uint32 [nnz], the generation the table expects of each
+// page, and page_gen: uint32 [pages of the layer], the generation each page was
+// written under (both null: not checked). Non-split (part_* null, num_splits 1): out float32
 // [batch, q_heads, head_dim], lse float32 [batch, q_heads] (natural log).
 // Split: part_out float32 [splits, batch, q_heads, head_dim], part_lse
 // [splits, batch, q_heads], part_flag int32 [splits, batch]; then kv_decode_merge.
@@ -478,12 +485,13 @@ __device__ __forceinline__ void kv_decode_block(const T* __restrict__ q, const T
       const int* indices,                                                                     \
       const int* last_page_len, long long nnz, long long batch, long long q_heads,            \
       long long window, float sm_scale, long long pages_per_split, long long policy,          \
+      const unsigned* generations, const unsigned* page_gen,                                  \
       float* out, float* lse, float* part_out, float* part_lse, int* part_flag,               \
       unsigned long long* rec) {                                                              \
     const KvLayout L{page_stride, page_size, kv_heads, head_dim, scale, offset, base,         \
                      upper_bound, pool_pages};                                                \
     const KvDecodeArgs A{indptr, indices, last_page_len, nnz, batch, q_heads,                 \
-                         window, pages_per_split, policy, sm_scale};                          \
+                         window, pages_per_split, policy, sm_scale, generations, page_gen};   \
     kv_decode_block<T, GM, D>(q, cache, L, A, out, lse, part_out, part_lse, part_flag, rec);  \
   }                                                                                           \
   KV_REGISTER(NAME)

@@ -12,7 +12,9 @@
 // A page index is checked (kv_page_reason) in this order: out_of_bounds
 // (p < 0 or p >= pool_pages), wrong_index_space (outside [base, upper_bound)),
 // off_lattice. The CSR rules (kv_csr_row_reason) are kvservice/contract/pagetable.py's.
-// All address arithmetic is 64-bit (long long); strides are in elements.
+// A page that passes them is then checked in time (kv_gen_reason, "page generations"
+// below): stale_page when the generation the worker recorded for it is not the one
+// the table expects. All address arithmetic is 64-bit (long long); strides are in elements.
 //
 // Build knobs: -DKV_HOST_EMU (g++ host emulation, see kv_emu.h);
 //              -DKV_NO_BOUNDS_CHECK (benchmark-only: compiles every check out).
@@ -47,6 +49,7 @@ struct kv_bf16 {
 #define KV_BAD_LAST_PAGE_LEN 3
 #define KV_BAD_INDPTR 4
 #define KV_WRONG_INDEX_SPACE 5
+#define KV_STALE_PAGE 6
 
 // Policy for a row that hit a violation (error == NaN on the device; the
 // Python wrapper raises after the call).
@@ -86,6 +89,49 @@ __device__ __forceinline__ int kv_page_reason(const KvLayout& L, long long p) {
   if (L.scale > 1 && (p - L.base - L.offset) % L.scale != 0) return KV_OFF_LATTICE;
   return KV_OK;
 #endif
+}
+
+// ---- page generations (docs/KERNELS.md, "Page generations") ------------------
+// The manager hands out a slot with a new generation each time the slot passes to
+// a new owner; a table carries the generation it expects beside every page
+// (uint32 [nnz], parallel to indices; a slot mapping: uint32 [n]). The worker
+// records, per layer, the generation each page was last written under:
+//     page_gen[kv_gen_index(L, p)]   uint32, one per buffer page of the layer (0 = never written)
+// A reader compares the two once per page (kv_gen_reason); a writer may write a page
+// that holds its generation, or open it with a newer one (kv_gen_newer). A null
+// generation pointer means "not checked" (a table from elsewhere).
+__device__ __forceinline__ long long kv_gen_index(const KvLayout& L, long long p) { return p - L.base; }
+
+// May a page holding generation r be opened by a write of generation g? Yes if the
+// page was never written (r == 0: no generation is ever 0), or if g follows r by 1 to
+// KV_GEN_AHEAD allocations of the slot (generations wrap at 2^32). A write of an older
+// generation (a table that outlived the page) is refused; so is one of another pool
+// incarnation, whose generations start at an unrelated seed (the odds it lands within
+// KV_GEN_AHEAD ahead are 2^-16 per page, and a page so written then reads stale_page for
+// its owner, never a silent change).
+#define KV_GEN_AHEAD 65536u
+__device__ __forceinline__ bool kv_gen_newer(unsigned g, unsigned r) {
+  return r == 0u || g - r - 1u < KV_GEN_AHEAD;
+}
+
+// KV_OK or KV_STALE_PAGE for a page p that passed kv_page_reason, read through a table
+// that expects generation `expect`.
+__device__ __forceinline__ int kv_gen_reason(const KvLayout& L, const unsigned* page_gen, long long p,
+                                             unsigned expect) {
+#ifdef KV_NO_BOUNDS_CHECK
+  (void)L; (void)page_gen; (void)p; (void)expect;
+  return KV_OK;
+#else
+  return page_gen[kv_gen_index(L, p)] == expect ? KV_OK : KV_STALE_PAGE;
+#endif
+}
+
+// Reason of table entry `pos`: bounds and lattice first, then (gens non-null) its generation.
+__device__ __forceinline__ int kv_entry_reason(const KvLayout& L, const int* indices, const unsigned* gens,
+                                               const unsigned* page_gen, long long pos) {
+  const long long p = indices[pos];
+  const int r = kv_page_reason(L, p);
+  return r == KV_OK && gens != nullptr ? kv_gen_reason(L, page_gen, p, gens[pos]) : r;
 }
 
 // CSR row check (kvservice/contract/pagetable.py rules 1-2): a = indptr[row], b = indptr[row+1]
@@ -160,7 +206,8 @@ __device__ __forceinline__ void kv_set_first(unsigned long long* rec, long long 
   rec[5] = (unsigned long long)reason;
 }
 
-// Describe the first violation of a CSR table (shared by decode + validate).
+// Describe the first violation of a CSR table (shared by decode + validate). An entry
+// noted with a page that passes the bounds was noted for its generation: stale_page.
 __device__ __forceinline__ void kv_csr_finish(unsigned long long* rec, const KvLayout& L,
                                               const int* indptr, const int* indices,
                                               const int* last_page_len, long long nnz,
@@ -173,6 +220,7 @@ __device__ __forceinline__ void kv_csr_finish(unsigned long long* rec, const KvL
   } else {
     value = indices[pos];
     reason = kv_page_reason(L, value);
+    if (reason == KV_OK) reason = KV_STALE_PAGE;
   }
   kv_set_first(rec, row, pos, value, reason);
 }

@@ -1,0 +1,136 @@
+"""A worker's persistent tables (kvservice.worker.tables) in-process: bound to tenant, stream, incarnation and plan;
+checked against the pool's plan before anything is allocated; bounded per tenant. Replies come from a real
+in-process manager stream (kvservice.server.stream.StreamSession)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvservice.contract.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from kvservice.contract.wire import to_tensor
+from kvservice.core.geometry import CacheSpec
+from kvservice.core.planner import Sizing
+from kvservice.manager.api import ManagerAPI
+from kvservice.manager.pools import BlockManager
+from kvservice.server.stream import StreamRegistry, StreamSession, scoped_request_id
+from kvservice.v1 import block_manager_pb2 as pb
+from kvservice.worker.tables import DeviceTables, TablePlan
+
+SPEC = CacheSpec.uniform(2, 1, 32, "float32", 16)
+
+
+class Stream:
+    """A manager stream in-process: step(...) returns the StepReply a scheduler would forward."""
+
+    def __init__(self, api: ManagerAPI, stream_id: str, pool: str = "p") -> None:
+        self.api, self.session, self.pool, self.seq = api, StreamSession(stream_id), pool, 0
+
+    def step(self, **kw) -> pb.StepReply:
+        self.seq += 1
+        r = pb.StepRequest(pool=self.pool, stream_seq=self.seq, delta_tables=True, delta_base=self.seq - 1,
+                           accept_tokens_added=True)
+        for f, v in kw.items():
+            getattr(r, f).CopyFrom(to_tensor(np.asarray(v, np.uint64 if f.endswith("ids") else np.int64)))
+        reply = self.session.apply(self.api, r)
+        reply.stream_id = self.session.stream_id
+        return reply
+
+
+@pytest.fixture
+def world():
+    m = BlockManager()
+    pool = m.create_pool("p", SPEC, Sizing(num_slots=32, max_seq_len=256))
+    api = ManagerAPI(m)
+    plan = TablePlan(pool.plan.geometry, pool.max_seq_len, 32)
+    return api, DeviceTables(plan, pool.incarnation, max_tables=2), pool.incarnation
+
+
+def test_tables_of_two_tenants_never_meet(world):
+    api, tables, _ = world
+    a, b = Stream(api, "s"), Stream(api, "s")
+    tables.update("ta", "t1", a.step(admit_seq_ids=[1], admit_num_tokens=[20]))
+    tables.update("tb", "t1", b.step(admit_seq_ids=[2], admit_num_tokens=[40]))
+    assert tables.csr("ta", "t1", 0)[1].tolist() != tables.csr("tb", "t1", 0)[1].tolist()
+    assert len(tables.csr("tb", "t1", 0)[1]) == 3 and len(tables.csr("ta", "t1", 0)[1]) == 2
+    with pytest.raises(NotFound):
+        tables.csr("tc", "t1", 0)
+
+
+def test_a_table_belongs_to_its_stream_until_replaced(world):
+    api, tables, _ = world
+    s1, s2 = Stream(api, "s1"), Stream(api, "s2")
+    tables.update("", "t", s1.step(admit_seq_ids=[1], admit_num_tokens=[5]))
+    other = s2.step(admit_seq_ids=[2], admit_num_tokens=[5])
+    with pytest.raises(FailedPrecondition) as exc:
+        tables.update("", "t", other)
+    assert exc.value.reason == "STALE_TABLE" and "belong to stream 's1'" in exc.value.message
+    assert tables.update("", "t", other, replace=True).stream_id == "s2"
+    with pytest.raises(FailedPrecondition):                      # a delta of the old stream: refused
+        tables.update("", "t", s1.step(extend_seq_ids=[1], extend_num_tokens=[1]))
+
+
+def test_a_replan_makes_every_table_stale_until_reloaded(world):
+    api, tables, inc = world
+    s = Stream(api, "s")
+    tables.update("", "t", s.step(admit_seq_ids=[1], admit_num_tokens=[5]))
+    plan = tables.plan
+    tables.rebind(plan, inc + 1)
+    for use in (lambda: tables.csr("", "t", 0), lambda: tables.slot_mapping("", "t", 1)):
+        with pytest.raises(FailedPrecondition) as exc:
+            use()
+        assert exc.value.reason == "STALE_TABLE"
+        assert exc.value.metadata == {"table_id": "t", "table_incarnation": str(inc),
+                                      "pool_incarnation": str(inc + 1)}
+    with pytest.raises(FailedPrecondition) as exc:                # a reply of the old incarnation
+        tables.update("", "t", s.step(extend_seq_ids=[1], extend_num_tokens=[1]))
+    assert exc.value.reason == "STALE_TABLE"
+    api2 = BlockManager()                                         # the pool created again: a full reply loads it
+    pool2 = api2.create_pool("p", SPEC, Sizing(num_slots=32, max_seq_len=256), incarnation=inc + 1)
+    s2 = Stream(ManagerAPI(api2), "s")
+    tables.update("", "t", s2.step(admit_seq_ids=[1], admit_num_tokens=[5]))
+    assert tables.csr("", "t", 0)[3].tolist() == [int(pool2.allocators[0].generation[0])]
+
+
+def test_replies_are_checked_against_the_plan_before_anything_is_allocated(world):
+    api, tables, _ = world
+    s = Stream(api, "s")
+    good = s.step(admit_seq_ids=[1, 2], admit_num_tokens=[5, 30])
+    tables.update("", "t", good)
+    before = tables.csr("", "t", 0)[1].tolist()
+
+    def bad(change, what):
+        r = pb.StepReply()
+        r.CopyFrom(good)
+        change(r)
+        with pytest.raises((InvalidArgument, ResourceExhausted)) as exc:
+            tables.update("", "t", r)
+        assert what in exc.value.message, exc.value.message
+        assert tables.csr("", "t", 0)[1].tolist() == before
+
+    bad(lambda r: setattr(r.tables[0], "upper_bound", 64), "another pool or plan")
+    bad(lambda r: r.tables[0].ClearField("generations"), "generations UINT32")
+    bad(lambda r: r.tables.add().CopyFrom(r.tables[0]), "each once")
+    bad(lambda r: r.num_tokens.CopyFrom(to_tensor(np.array([5, 300], np.int64))), "max_seq_len")
+    bad(lambda r: r.tables[0].indices.CopyFrom(to_tensor(np.array([0, 1, 32], np.int32))), "not a page")
+    bad(lambda r: r.num_tokens.CopyFrom(to_tensor(np.ones(33, np.int64))), "at most 32")
+
+
+def test_a_tenant_past_its_quota_loses_its_oldest_table_only(world):
+    api, tables, _ = world
+    s = Stream(api, "s")
+    r = s.step(admit_seq_ids=[1], admit_num_tokens=[5])
+    for t in ("t1", "t2", "t3"):
+        tables.update("a", t, r)
+    tables.update("b", "t1", r)
+    with pytest.raises(NotFound):
+        tables.csr("a", "t1", 0)                                  # max_tables = 2: a's oldest went
+    assert tables.csr("b", "t1", 0) is not None                   # another tenant's table never does
+    assert tables.tenant_bytes("a") <= tables.quota_bytes
+
+
+def test_streams_and_request_ids_are_per_tenant():
+    reg = StreamRegistry()
+    assert reg.session("s", "a") is not reg.session("s", "b") and reg.session("s", "a") is reg.session("s", "a")
+    assert scoped_request_id("", "x") == "x"
+    assert len({scoped_request_id("a/b", "c"), scoped_request_id("a", "b/c"), scoped_request_id("", "a/b/c")}) == 3
