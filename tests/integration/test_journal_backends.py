@@ -293,6 +293,34 @@ def test_two_writers_fencing_the_same_epoch_from_the_same_view_one_wins(nats_bac
         j.close(snapshot=False)
 
 
+def test_a_fence_at_an_epoch_already_seen_is_refused_before_it_is_published(nats_backend):
+    """A writer that has read the stream to its end knows the highest epoch fenced so far; a fence at that
+    epoch (or below) would make two writers of one epoch, the split brain the kill loop found. It is refused
+    by the store itself, before anything reaches the stream (not only by the expected-sequence check)."""
+    first = nats_backend.open(FAST)
+    setup_pools(first)
+    crash(first)
+    a = open_journal(nats_backend.config, readonly=False)
+    a.store.readonly = False
+    epoch = a.store.max_epoch + 1
+    a.store.fence(epoch)
+    crash(a)
+    c = open_journal(nats_backend.config, readonly=False)      # caught up: it has read a's fence
+    try:
+        store = c.store
+        assert store.max_epoch == epoch
+        store.readonly = False
+        end = store.stream_last_seq()
+        for stale in (epoch, epoch - 1):
+            with pytest.raises(StoreError, match=f"epoch {stale} is not above the highest seen, {epoch}"):
+                store.fence(stale)
+        assert store.stream_last_seq() == end and store.epoch != epoch   # nothing published, nothing taken
+        store.fence(epoch + 1)                                            # the next epoch is taken as usual
+        assert store.max_epoch == epoch + 1 and store.stream_last_seq() == end + 1
+    finally:
+        crash(c)
+
+
 def test_a_corrupt_entry_or_snapshot_is_refused(nats_backend):
     j = nats_backend.open(FAST)
     setup_pools(j)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from kvservice.contract.errors import InvalidArgument, ResourceExhausted
-from kvservice.contract.wire import to_tensor
+from kvservice.contract.wire import from_tensor, to_tensor
 from kvservice.core.geometry import CacheSpec, LayerSpec
 from kvservice.core.invariants import assert_invariants
 from kvservice.core.limits import TENSOR_FRAMING, check_step_counts
@@ -249,3 +249,49 @@ def test_one_long_prompt_among_thousands_of_short_ones_costs_its_tokens_not_a_pa
     with m.locked("p") as pool:
         assert pool.num_sequences == 4096
         assert_invariants(pool)
+
+
+def test_pages_after_bounds_every_groups_entries_and_is_exact_for_extensions():
+    """A plain replay of the bound, group by group (issue 28): the real table entries of each layer group
+    (the reply's indices of its index spaces) never exceed pages_after's figure for that group, and for a
+    step of extensions only it is exact. A sliding group's kept pages depend on where the window stood
+    *before* the step (pages released by this step are still in its reply); counting them from after the step
+    gives a bound below the reply, which the byte-level test above can miss inside its framing allowance."""
+    from kvservice.core.limits import ReplyModel, pages_after
+
+    m = BlockManager()
+    m.create_pool("p", HYBRID, Sizing(num_slots=3000, max_seq_len=400))
+    api = ManagerAPI(m)
+    rng = np.random.default_rng(28)
+    next_id, exact_steps = 1, 0
+    for step in range(80):
+        with m.locked("p") as pool:
+            live_ids, toks = pool.sequences()
+            model = ReplyModel.of(pool.plan)
+        tokens = dict(zip(live_ids.tolist(), toks.tolist(), strict=True))
+        r, next_id = random_step(rng, "p", tokens, next_id, 400)
+        r.omit_tables = False
+        if step % 2:                                   # every other step: extensions only
+            for f in ("free_seq_ids", "fork_parent_ids", "fork_child_ids", "admit_seq_ids", "admit_num_tokens"):
+                r.ClearField(f)
+        e_ids = np.frombuffer(r.extend_seq_ids.data, np.uint64).tolist() if r.HasField("extend_seq_ids") else []
+        e_k = np.frombuffer(r.extend_num_tokens.data, np.int64) if e_ids else np.zeros(0, np.int64)
+        a_n = np.frombuffer(r.admit_num_tokens.data, np.int64) if r.HasField("admit_num_tokens") else \
+            np.zeros(0, np.int64)
+        parents = np.frombuffer(r.fork_parent_ids.data, np.uint64).tolist() if r.HasField("fork_parent_ids") else []
+        e_old = np.array([tokens[i] for i in e_ids], np.int64)
+        c_tokens = np.array([tokens[i] for i in parents], np.int64)
+        bound, _ = pages_after(model.page_size, model.max_pages, model.windows, e_old, e_k, a_n, c_tokens,
+                               len(parents), None)
+        try:
+            reply = api.Step(r)
+        except ResourceExhausted:
+            continue
+        only_extensions = not (len(a_n) or parents)
+        for st in reply.tables:
+            entries = len(from_tensor(st.indices, "indices"))
+            assert entries <= bound[st.group], (step, st.group, entries, bound)
+            if only_extensions:
+                assert entries == bound[st.group], (step, st.group, entries, bound)
+        exact_steps += only_extensions and bool(e_ids)
+    assert exact_steps >= 20

@@ -68,6 +68,30 @@ def test_hash_collision_never_aliases():
     assert_invariants(pool)
 
 
+@pytest.mark.parametrize("hash_kind", ["constant", "by_position"])
+def test_a_forced_collision_differing_in_one_token_misses_at_every_position(hash_kind):
+    """Deterministic (issue 28): every page hashes alike whatever its tokens, and the new prompt differs from
+    the cached one in exactly one token, at each position of each page in turn. The hit stops at that page:
+    a comparison that skips any position of a page (say the last) lets that prompt alias the cached page."""
+    hash_fns = {"constant": lambda pages, col, *_: np.full(len(pages), 42, dtype=np.uint64),
+                "by_position": lambda pages, col, *_: (col + 1).astype(np.uint64)}
+    rng = np.random.default_rng(28)
+    cached = rng.integers(1, 1000, 3 * PS + 1).tolist()           # 3 full pages + 1 token
+    for page in range(3):
+        for pos in range(PS):
+            pool = cached_pool(hash_fn=hash_fns[hash_kind])
+            admit(pool, 1, cached)
+            other = list(cached)
+            other[page * PS + pos] += 1000                        # one token differs, nowhere else
+            r = admit(pool, 2, other)
+            # one hash for every page: the cache holds one page per hash (the first, page 0), so only it can hit
+            hit = page if hash_kind == "by_position" else min(page, 1)
+            assert r.cached_tokens.tolist() == [hit * PS], (page, pos)
+            held1, held2 = pool.sequence_slots(1).tolist(), pool.sequence_slots(2).tolist()
+            assert held2[:hit] == held1[:hit] and not set(held2[hit:]) & set(held1), (page, pos)
+            assert_invariants(pool)
+
+
 def test_parent_chain_is_checked_not_just_the_page():
     pool = cached_pool(hash_fn=lambda pages, col, *_: (col + 1).astype(np.uint64))
     admit(pool, 1, [1, 1, 1, 1, 2, 2, 2, 2, 0])
