@@ -59,9 +59,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kvservice.contract.errors import ResourceExhausted  # noqa: E402
+from kvservice.contract.geometry import CacheSpec  # noqa: E402
+from kvservice.contract.sizing import Sizing  # noqa: E402
 from kvservice.core.evict import Lru  # noqa: E402
-from kvservice.core.geometry import CacheSpec  # noqa: E402
-from kvservice.core.planner import Sizing, plan  # noqa: E402
+from kvservice.core.planner import plan  # noqa: E402
 from kvservice.core.pool import Pool  # noqa: E402
 
 TRACE = ROOT / "bench" / "data" / "conversation_trace.jsonl"

@@ -39,9 +39,9 @@ sys.path.insert(0, str(ROOT))
 
 import grpc  # noqa: E402
 
+from kvservice.contract.geometry import CacheSpec  # noqa: E402
+from kvservice.contract.sizing import Sizing  # noqa: E402
 from kvservice.contract.wire import to_tensor  # noqa: E402
-from kvservice.core.geometry import CacheSpec  # noqa: E402
-from kvservice.core.planner import Sizing  # noqa: E402
 from kvservice.manager.api import ManagerAPI  # noqa: E402
 from kvservice.manager.pools import BlockManager  # noqa: E402
 from kvservice.server.app import serve  # noqa: E402

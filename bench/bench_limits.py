@@ -30,8 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kvservice.client import BlockManagerClient  # noqa: E402
-from kvservice.core.geometry import CacheSpec, LayerSpec  # noqa: E402
-from kvservice.core.planner import Sizing  # noqa: E402
+from kvservice.contract.geometry import CacheSpec, LayerSpec  # noqa: E402
+from kvservice.contract.sizing import Sizing  # noqa: E402
 from kvservice.tools.launch import wait_for_ports  # noqa: E402
 
 MESSAGE_BYTES = 128 << 20          # deploy/base: --max-message-bytes

@@ -27,9 +27,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kvservice.client import BlockManagerClient  # noqa: E402
+from kvservice.contract.geometry import CacheSpec  # noqa: E402
+from kvservice.contract.sizing import Sizing  # noqa: E402
 from kvservice.core.allocator import SlotAllocator  # noqa: E402
-from kvservice.core.geometry import CacheSpec  # noqa: E402
-from kvservice.core.planner import Sizing, plan  # noqa: E402
+from kvservice.core.planner import plan  # noqa: E402
 from kvservice.core.pool import Pool  # noqa: E402
 from kvservice.tools.launch import wait_for_ports  # noqa: E402
 

@@ -22,8 +22,9 @@ sys.path.insert(0, str(ROOT))
 
 from bench.bench_manager import machine, percentiles, start_server  # noqa: E402
 from kvservice.client import BlockManagerClient  # noqa: E402
-from kvservice.core.geometry import CacheSpec  # noqa: E402
-from kvservice.core.planner import Sizing, plan  # noqa: E402
+from kvservice.contract.geometry import CacheSpec  # noqa: E402
+from kvservice.contract.sizing import Sizing  # noqa: E402
+from kvservice.core.planner import plan  # noqa: E402
 from kvservice.core.pool import Pool  # noqa: E402
 from kvservice.manager.pools import BlockManager  # noqa: E402
 from kvservice.manager.routing import score_prefix, score_prefix_per_pool  # noqa: E402

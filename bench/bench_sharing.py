@@ -20,8 +20,9 @@ sys.path.insert(0, str(ROOT))
 
 from bench.bench_manager import machine, percentiles, start_server  # noqa: E402
 from kvservice.client import BlockManagerClient  # noqa: E402
-from kvservice.core.geometry import CacheSpec, LayerSpec  # noqa: E402
-from kvservice.core.planner import Sizing, plan  # noqa: E402
+from kvservice.contract.geometry import CacheSpec, LayerSpec  # noqa: E402
+from kvservice.contract.sizing import Sizing  # noqa: E402
+from kvservice.core.planner import plan  # noqa: E402
 from kvservice.core.pool import Pool  # noqa: E402
 
 B = 256

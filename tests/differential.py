@@ -45,9 +45,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from kvservice.contract.errors import AlreadyExists, InvalidArgument, KVError, NotFound, ResourceExhausted
+from kvservice.contract.geometry import CacheSpec, LayerSpec
+from kvservice.contract.sizing import Sizing
 from kvservice.core.allocator import generation_seed
-from kvservice.core.geometry import CacheSpec, LayerSpec
-from kvservice.core.planner import Sizing, plan
+from kvservice.core.planner import plan
 from kvservice.core.pool import Pool
 from kvservice.manager import replies
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvservice.core.geometry import CacheSpec, LayerSpec
+from kvservice.contract.geometry import CacheSpec, LayerSpec
 
 PAGE = 4
 SPECS = {

@@ -25,9 +25,9 @@ from kvservice.client.client import (
 from kvservice.client.codec import StepResult
 from kvservice.client.deadline import RETRY_CODES, CallBudget, RetryPolicy, client_policy
 from kvservice.client.stream import AsyncStepStream
+from kvservice.contract.geometry import CacheSpec
 from kvservice.contract.pagetable import PageTable, ValidationReport
-from kvservice.core.geometry import CacheSpec
-from kvservice.core.planner import Sizing
+from kvservice.contract.sizing import Sizing
 from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1 import block_manager_pb2_grpc as pb_grpc
 

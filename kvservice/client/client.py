@@ -36,10 +36,10 @@ from kvservice.client.codec import ClientError, StepResult
 from kvservice.client.deadline import RETRY_CODES, CallBudget, RetryPolicy, client_policy
 from kvservice.client.position import ClientMetrics, PositionTracker, StateRolledBack
 from kvservice.client.stream import EchoStream, StepStream
+from kvservice.contract.geometry import CacheSpec
 from kvservice.contract.pagetable import PageTable, ValidationReport
+from kvservice.contract.sizing import Sizing
 from kvservice.contract.transport import MAX_MESSAGE_BYTES
-from kvservice.core.geometry import CacheSpec
-from kvservice.core.planner import Sizing
 from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1 import block_manager_pb2_grpc as pb_grpc
 

@@ -8,11 +8,11 @@ import grpc
 import numpy as np
 
 from kvservice.contract import convert
+from kvservice.contract.geometry import CacheSpec, IndexSpace
 from kvservice.contract.pagetable import PageTable, ValidationReport, Violation
+from kvservice.contract.sizing import Sizing
 from kvservice.contract.status import error_info
 from kvservice.contract.wire import field_array, from_tensor, to_tensor
-from kvservice.core.geometry import CacheSpec, IndexSpace
-from kvservice.core.planner import Sizing
 from kvservice.v1 import block_manager_pb2 as pb
 
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from kvservice.contract.errors import InvalidArgument
-from kvservice.core.geometry import MAX_LAYERS, CacheSpec, LayerSpec
-from kvservice.core.planner import Plan, Sizing
+from kvservice.contract.geometry import MAX_LAYERS, CacheSpec, LayerSpec
+from kvservice.contract.sizing import Plan, Sizing
 from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1 import common_pb2 as cpb
 

@@ -27,10 +27,9 @@ from typing import Any
 import numpy as np
 
 from kvservice.contract.errors import KVError
+from kvservice.contract.geometry import MAX_COUNT, IndexSpace
 from kvservice.contract.pagetable import PageTable
 from kvservice.contract.wire import fill_tensor, from_tensor
-from kvservice.core.geometry import IndexSpace
-from kvservice.core.stepplan import MAX_COUNT
 from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1.common_pb2 import INT32, INT64, UINT32
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvservice.contract.errors import InvalidArgument
-from kvservice.core.geometry import IndexSpace
+from kvservice.contract.geometry import IndexSpace
 
 #: Reasons of a bad entry; reason code = index + 1 (the kernels' KV_* codes in
 #: kvservice/worker/kernels/paged.cuh; 0 means ok there).

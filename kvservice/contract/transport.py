@@ -6,6 +6,8 @@ none of it).
 
 from __future__ import annotations
 
+from kvservice.contract.errors import ResourceExhausted
+
 #: Largest request or reply, bytes. A Step for 4096 sequences of 128k tokens carries
 #: ~32M int32 indices per index space; raise it for bigger batches.
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
@@ -15,3 +17,11 @@ STREAM_ID_KEY = "kvservice-stream-id"
 EPOCH_METADATA = "kvservice-leader-epoch"
 #: ... and the node id (--node-id) of the process that answered (clients and fault tests record who acknowledged).
 NODE_METADATA = "kvservice-leader-node"
+
+
+def check_reply_bytes(nbytes: int, limit: int, what: str, advice: str) -> None:
+    """ResourceExhausted (REPLY_TOO_LARGE) if a reply of nbytes would pass the message limit (0 = none),
+    raised before the work that would build it."""
+    if limit and nbytes > limit:
+        raise ResourceExhausted(f"the reply to {what} would take {nbytes} bytes, more than the message limit of "
+                                f"{limit} bytes; {advice}", reason="REPLY_TOO_LARGE", reply_bytes=nbytes, limit=limit)

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvservice.contract.geometry import IndexSpace
 from kvservice.contract.pagetable import PageTable
 from kvservice.core.allocator import SlotAllocator
-from kvservice.core.geometry import IndexSpace
 from kvservice.core.rowslots import RowSlots
 
 #: slot_mapping value of a token a layer group does not hold: kernels write nothing for it.

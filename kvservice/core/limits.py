@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvservice.contract.errors import InvalidArgument, ResourceExhausted
-from kvservice.core.planner import Plan
+from kvservice.contract.sizing import Plan
 
 #: Protobuf framing of one Tensor (dtype, a 2-D shape, the data's tag and length, the field's own
 #: tag and length) is at most 11 + 23 + 11 + 11 bytes; counted as 64.
@@ -202,11 +202,3 @@ def pages_after(page_size: int, max_pages: int, windows: Sequence[int], e_old: n
             kept = e_pages - np.minimum(np.maximum(e_old + 1 - w, 0) // ps, -(-e_old // ps))
         out.append(exact_sum(kept) + admitted + exact_sum(c_pages))
     return tuple(out), widest
-
-
-def check_reply_bytes(nbytes: int, limit: int, what: str, advice: str) -> None:
-    """ResourceExhausted (REPLY_TOO_LARGE) if a reply of nbytes would pass the message limit (0 = none),
-    raised before the work that would build it."""
-    if limit and nbytes > limit:
-        raise ResourceExhausted(f"the reply to {what} would take {nbytes} bytes, more than the message limit of "
-                                f"{limit} bytes; {advice}", reason="REPLY_TOO_LARGE", reply_bytes=nbytes, limit=limit)

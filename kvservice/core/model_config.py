@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from kvservice.contract.errors import InvalidArgument
-from kvservice.core.geometry import DTYPE_BYTES, CacheSpec, LayerSpec
+from kvservice.contract.geometry import DTYPE_BYTES, CacheSpec, LayerSpec
 from kvservice.core.layer_kinds import (
     ATTENTION_KINDS,
     CHUNKED,

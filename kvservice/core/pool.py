@@ -29,11 +29,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvservice.contract.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from kvservice.contract.sizing import Plan
 from kvservice.core.allocator import SlotAllocator
 from kvservice.core.cache_events import PoolEvents
 from kvservice.core.emit import SpaceTables, emit_tables
 from kvservice.core.hashing import DEFAULT_MODE, VLLM_DEFAULT_SEED, make_hash_fn
-from kvservice.core.planner import Plan
 from kvservice.core.prefix import Namespaces, PrefixCache, run_ending_at
 from kvservice.core.rowslots import RowSlots, slot_table_dtype
 from kvservice.core.stepplan import (

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvservice.contract.errors import InvalidArgument
+from kvservice.contract.geometry import MAX_COUNT
 
 EMPTY_IDS = np.zeros(0, dtype=np.uint64)
 EMPTY_I64 = np.zeros(0, dtype=np.int64)
@@ -39,7 +40,6 @@ def parse_ids(name: str, a: object) -> np.ndarray:
     return arr.astype(np.uint64, copy=False)
 
 
-MAX_COUNT = 2**40     # no pool holds more tokens per sequence; keeps every sum far from int64 overflow
 
 
 def parse_counts(name: str, a: object, n: int, max_value: int = MAX_COUNT) -> np.ndarray:

@@ -28,9 +28,9 @@ import numpy as np
 
 from kvservice.client.client import BlockManagerClient
 from kvservice.client.codec import ClientError
+from kvservice.contract.geometry import CacheSpec
 from kvservice.contract.pagetable import PageTable
-from kvservice.core.geometry import CacheSpec
-from kvservice.core.planner import Sizing
+from kvservice.contract.sizing import Sizing
 from kvservice.examples.scheduler import ReferenceScheduler, Report, Workload
 from kvservice.server.app import serve
 from kvservice.tools.launch import wait_for_ports

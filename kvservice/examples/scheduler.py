@@ -20,8 +20,8 @@ import numpy as np
 
 from kvservice.client.client import BlockManagerClient
 from kvservice.client.codec import ClientError, StepResult
+from kvservice.contract.geometry import IndexSpace
 from kvservice.contract.pagetable import validate_page_table
-from kvservice.core.geometry import IndexSpace
 
 
 @dataclass(frozen=True, slots=True)

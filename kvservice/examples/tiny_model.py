@@ -17,8 +17,8 @@ import torch
 
 from kvservice.client.codec import StepResult
 from kvservice.client.worker_client import WorkerClient
+from kvservice.contract.geometry import CacheSpec, LayerSpec
 from kvservice.contract.pagetable import PageTable
-from kvservice.core.geometry import CacheSpec, LayerSpec
 
 
 @dataclass(frozen=True, slots=True)

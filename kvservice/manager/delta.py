@@ -37,8 +37,8 @@ from typing import Any
 
 import numpy as np
 
+from kvservice.contract.geometry import IndexSpace
 from kvservice.contract.wire import fill_tensor
-from kvservice.core.geometry import IndexSpace
 from kvservice.core.pool import Pool, SpaceTables, StepResult
 from kvservice.manager.api import add_copies, step_reply
 from kvservice.v1 import block_manager_pb2 as pb

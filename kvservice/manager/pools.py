@@ -16,10 +16,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from kvservice.contract.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from kvservice.contract.geometry import CacheSpec
+from kvservice.contract.sizing import Plan, Sizing
 from kvservice.core.allocator import generation_seed
-from kvservice.core.geometry import CacheSpec
 from kvservice.core.hashing import DEFAULT_MODE, HASH_MODES, VLLM_DEFAULT_SEED
-from kvservice.core.planner import Plan, Sizing, plan
+from kvservice.core.planner import plan
 from kvservice.core.pool import Pool
 from kvservice.events.hub import EventHub
 from kvservice.manager.fleet_index import FleetIndex

@@ -34,10 +34,10 @@ from typing import Any
 import yaml
 
 from kvservice.contract.errors import InvalidArgument
-from kvservice.core.geometry import CacheSpec, LayerSpec
+from kvservice.contract.geometry import CacheSpec, LayerSpec
+from kvservice.contract.sizing import Sizing
 from kvservice.core.hashing import HASH_MODES
 from kvservice.core.model_config import DTYPES, load_model_cache
-from kvservice.core.planner import Sizing
 from kvservice.core.units import parse_bytes
 
 DEFAULT_POOLS_YAML = """

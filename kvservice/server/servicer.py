@@ -24,9 +24,10 @@ from google.protobuf.message import Message
 from kvservice.contract.auth import current_principal
 from kvservice.contract.convert import cache_spec_from_proto, plan_to_proto, sizing_from_proto
 from kvservice.contract.errors import InvalidArgument, JournalUnavailable, KVError, ResourceExhausted
+from kvservice.contract.sizing import Plan
 from kvservice.contract.status import to_status
 from kvservice.contract.wire import field_array
-from kvservice.core.planner import Plan, plan
+from kvservice.core.planner import plan
 from kvservice.manager.api import ManagerAPI, derived_incarnation
 from kvservice.manager.pools import BlockManager, new_incarnation
 from kvservice.server.metrics import ManagerMetrics

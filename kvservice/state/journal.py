@@ -39,9 +39,9 @@ import numpy as np
 from google.protobuf.message import DecodeError, Message
 
 from kvservice.contract.errors import AlreadyExists, InvalidArgument, JournalUnavailable, KVError, StateError
+from kvservice.contract.geometry import CacheSpec
+from kvservice.contract.sizing import Sizing
 from kvservice.contract.wire import field_array
-from kvservice.core.geometry import CacheSpec
-from kvservice.core.planner import Sizing
 from kvservice.core.pool import PoolState
 from kvservice.manager.api import STEP_ARRAYS, ManagerAPI
 from kvservice.manager.pools import BlockManager

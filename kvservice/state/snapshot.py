@@ -35,8 +35,9 @@ from typing import Any
 import numpy as np
 
 from kvservice.contract.errors import StateError
-from kvservice.core.geometry import CacheSpec, LayerSpec, group_windows
-from kvservice.core.planner import Plan, Sizing, plan
+from kvservice.contract.geometry import CacheSpec, LayerSpec, group_windows
+from kvservice.contract.sizing import Plan, Sizing
+from kvservice.core.planner import plan
 from kvservice.core.pool import POOL_STATE_VERSION, IdRuns, Pool, PoolState
 from kvservice.manager.workers import WorkerRecord
 

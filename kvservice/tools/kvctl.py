@@ -21,10 +21,11 @@ from kvservice.client.client import BlockManagerClient, TLSOptions
 from kvservice.client.codec import ClientError
 from kvservice.client.deadline import RETRY_CODES
 from kvservice.contract.errors import KVError
+from kvservice.contract.geometry import CacheSpec, LayerSpec
 from kvservice.contract.pagetable import PageTable
-from kvservice.core.geometry import CacheSpec, LayerSpec
+from kvservice.contract.sizing import Plan, Sizing
 from kvservice.core.model_config import DTYPES, ModelCache, load_model_cache
-from kvservice.core.planner import Plan, Sizing, plan
+from kvservice.core.planner import plan
 from kvservice.core.units import parse_bytes
 from kvservice.tools.kvctl_parser import (
     EXIT_INTERRUPTED,

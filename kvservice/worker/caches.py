@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from kvservice.core.geometry import INT32_MAX, CacheSpec, Geometry
+from kvservice.contract.geometry import INT32_MAX, CacheSpec, Geometry
 from kvservice.worker.guards import guarded_view
 from kvservice.worker.kernel_api import DTYPES, PageLayout
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from kvservice.core.geometry import Geometry
+    from kvservice.contract.geometry import Geometry
 
 #: Largest relative error of a kernel's float32 output and lse per row against
 #: this oracle (see ``row_rel_err``), by cache dtype. The oracle widens the same

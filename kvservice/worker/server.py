@@ -29,8 +29,8 @@ from kvservice.client.ha import LeaderClient
 from kvservice.contract.auth import WORKER, ServerTLS, TokenAuthInterceptor, TokenTable, worker_rules
 from kvservice.contract.convert import cache_spec_from_proto
 from kvservice.contract.errors import KVError
+from kvservice.contract.geometry import INT32_MAX
 from kvservice.contract.serving import grpc_server
-from kvservice.core.geometry import INT32_MAX
 from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1 import worker_pb2
 from kvservice.worker.caches import CacheSet

@@ -15,9 +15,8 @@ import numpy as np
 from kvservice.contract.auth import current_principal
 from kvservice.contract.errors import FailedPrecondition, InvalidArgument, KVError
 from kvservice.contract.status import to_status
-from kvservice.contract.transport import MAX_MESSAGE_BYTES
+from kvservice.contract.transport import MAX_MESSAGE_BYTES, check_reply_bytes
 from kvservice.contract.wire import from_tensor, to_tensor
-from kvservice.core.limits import check_reply_bytes
 from kvservice.v1 import common_pb2 as cpb
 from kvservice.v1 import worker_pb2 as wpb
 from kvservice.v1 import worker_pb2_grpc as wpb_grpc

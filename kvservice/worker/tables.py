@@ -37,10 +37,10 @@ from typing import Any
 import numpy as np
 
 from kvservice.contract.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from kvservice.contract.geometry import Geometry
 from kvservice.contract.mirror import MirrorError, PageTableMirror
 from kvservice.contract.pagetable import page_reasons
 from kvservice.contract.wire import from_tensor
-from kvservice.core.geometry import Geometry
 from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1 import common_pb2 as cpb
 

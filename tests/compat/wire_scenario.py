@@ -27,8 +27,8 @@ if OLD:
     from kvservice.planner import Sizing
 else:
     from kvservice.client import BlockManagerClient, ClientError
-    from kvservice.core.geometry import CacheSpec, LayerSpec
-    from kvservice.core.planner import Sizing
+    from kvservice.contract.geometry import CacheSpec, LayerSpec
+    from kvservice.contract.sizing import Sizing
 
 PAGE = 16
 POOL = "compat"

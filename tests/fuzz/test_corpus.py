@@ -10,8 +10,8 @@ import grpc
 import numpy as np
 import pytest
 
+from kvservice.contract.geometry import CacheSpec
 from kvservice.contract.status import error_info
-from kvservice.core.geometry import CacheSpec
 from kvservice.core.invariants import assert_invariants
 from kvservice.manager.api import ManagerAPI
 from kvservice.server.app import serve

@@ -16,8 +16,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvservice.contract.convert import cache_spec_to_proto
+from kvservice.contract.geometry import CacheSpec, LayerSpec
 from kvservice.contract.status import error_info
-from kvservice.core.geometry import CacheSpec, LayerSpec
 from kvservice.core.invariants import assert_invariants
 from kvservice.server.app import RunningServer, serve
 from kvservice.server.servicer import Limits

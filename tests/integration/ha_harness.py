@@ -25,7 +25,7 @@ import numpy as np
 from kvservice.client import BlockManagerClient, ClientError
 from kvservice.client.client import RetryPolicy
 from kvservice.client.ha import LeaderClient, leader_epoch
-from kvservice.core.planner import Sizing
+from kvservice.contract.sizing import Sizing
 from kvservice.server.ha import open_journal
 from kvservice.state.nats.journal import NatsConfig, NatsLink, StoreError, parse_state_url
 from kvservice.tools.launch import wait_for_ports

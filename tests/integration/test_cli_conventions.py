@@ -18,8 +18,8 @@ import pytest
 
 from kvservice.client import BlockManagerClient
 from kvservice.contract.cli import all_actions
-from kvservice.core.geometry import CacheSpec
-from kvservice.core.planner import Sizing
+from kvservice.contract.geometry import CacheSpec
+from kvservice.contract.sizing import Sizing
 from kvservice.server.cli import build_parser as kvservice_parser
 from kvservice.tools.kvctl_parser import build_parser as kvctl_parser
 from kvservice.worker.cli import build_parser as kvworker_parser

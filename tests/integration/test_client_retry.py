@@ -16,8 +16,8 @@ from kvservice.client import BlockManagerClient, ClientError
 from kvservice.client.aio import AsyncBlockManagerClient
 from kvservice.client.client import RetryPolicy
 from kvservice.client.position import StateRolledBack
-from kvservice.core.geometry import CacheSpec
-from kvservice.core.planner import Sizing
+from kvservice.contract.geometry import CacheSpec
+from kvservice.contract.sizing import Sizing
 from kvservice.server.app import serve
 from kvservice.state.journal import Journal, JournalConfig
 

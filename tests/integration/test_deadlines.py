@@ -26,8 +26,8 @@ from kvservice.client import deadline as deadline_mod
 from kvservice.client.aio import AsyncBlockManagerClient
 from kvservice.client.client import SERVICE, make_channel
 from kvservice.client.deadline import RetryPolicy
-from kvservice.core.geometry import CacheSpec
-from kvservice.core.planner import Sizing
+from kvservice.contract.geometry import CacheSpec
+from kvservice.contract.sizing import Sizing
 from kvservice.server.app import serve
 
 from .conftest import ROOT

@@ -12,9 +12,9 @@ import pytest
 
 from kvservice.client import BlockManagerClient, ClientError
 from kvservice.client.client import RetryPolicy, new_request_id
-from kvservice.core.geometry import CacheSpec
+from kvservice.contract.geometry import CacheSpec
+from kvservice.contract.sizing import Sizing
 from kvservice.core.invariants import assert_invariants
-from kvservice.core.planner import Sizing
 from kvservice.server.app import serve
 from kvservice.state.journal import Journal, JournalConfig
 from kvservice.tools.launch import wait_for_ports

@@ -9,10 +9,10 @@ import pytest
 
 from kvservice.client import BlockManagerClient, ClientError
 from kvservice.contract.auth import TokenTable
+from kvservice.contract.geometry import CacheSpec
+from kvservice.contract.sizing import Sizing
 from kvservice.contract.status import error_info
 from kvservice.contract.wire import to_tensor
-from kvservice.core.geometry import CacheSpec
-from kvservice.core.planner import Sizing
 from kvservice.server.app import serve
 from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1 import block_manager_pb2_grpc as pb_grpc

@@ -20,8 +20,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvservice.client import ClientError
 from kvservice.client.client import BlockManagerClient, RetryPolicy
 from kvservice.client.ha import LeaderClient
-from kvservice.core.geometry import CacheSpec
-from kvservice.core.planner import Sizing
+from kvservice.contract.geometry import CacheSpec
+from kvservice.contract.sizing import Sizing
 from kvservice.server.app import SERVICE_NAME, serve
 from kvservice.server.ha import LeaderGate, open_journal, serve_ha, stop_ha
 from kvservice.state.journal import state_tree

@@ -187,8 +187,8 @@ def nats_backend(nats1):
 
 
 def _prefix_pool_request(name: str, max_seq_len: int) -> pb.CreatePoolRequest:
-    from kvservice.core.geometry import CacheSpec
-    from kvservice.core.planner import Sizing
+    from kvservice.contract.geometry import CacheSpec
+    from kvservice.contract.sizing import Sizing
     from kvservice.state.journal import create_request
     req = create_request(name, CacheSpec.uniform(2, 1, 64, page_size=16),
                          Sizing(num_slots=max_seq_len // 16 + 64, max_seq_len=max_seq_len), ())

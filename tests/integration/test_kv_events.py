@@ -24,9 +24,9 @@ import zmq
 
 from kvservice.client import BlockManagerClient, ClientError
 from kvservice.contract.auth import TokenTable
+from kvservice.contract.geometry import CacheSpec
+from kvservice.contract.sizing import Sizing
 from kvservice.core.cache_events import apply_events
-from kvservice.core.geometry import CacheSpec
-from kvservice.core.planner import Sizing
 from kvservice.events.hub import EventsConfig
 from kvservice.events.messages import proto_to_events
 from kvservice.events.zmq import ZmqConfig

@@ -13,8 +13,8 @@ import pytest
 import zmq
 
 from kvservice.client import BlockManagerClient
-from kvservice.core.geometry import CacheSpec
-from kvservice.core.planner import Sizing
+from kvservice.contract.geometry import CacheSpec
+from kvservice.contract.sizing import Sizing
 from kvservice.events.hub import EventsConfig
 from kvservice.events.zmq import zmq_configs
 from kvservice.server.app import serve

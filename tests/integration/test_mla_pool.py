@@ -12,9 +12,10 @@ import pytest
 
 from kvservice.client import ClientError
 from kvservice.client.worker_client import WorkerClient
+from kvservice.contract.sizing import Sizing
 from kvservice.core.invariants import assert_invariants
 from kvservice.core.model_config import model_cache
-from kvservice.core.planner import Sizing, plan
+from kvservice.core.planner import plan
 from kvservice.core.pool import Pool
 from kvservice.server.app import grpc_server
 from kvservice.worker import ops_numpy

@@ -27,9 +27,9 @@ from kvservice.client.aio import AsyncBlockManagerClient
 from kvservice.client.client import RetryPolicy
 from kvservice.client.position import StateRolledBack
 from kvservice.contract.auth import TokenTable
+from kvservice.contract.geometry import CacheSpec
+from kvservice.contract.sizing import Sizing
 from kvservice.contract.wire import to_tensor
-from kvservice.core.geometry import CacheSpec
-from kvservice.core.planner import Sizing
 from kvservice.server.app import serve
 from kvservice.state.journal import Journal, JournalConfig
 from kvservice.state.sqlite.store import read_manifest

@@ -15,8 +15,8 @@ from kvservice.client.aio import AsyncBlockManagerClient
 from kvservice.client.client import TLSOptions
 from kvservice.contract.auth import ServerTLS, TokenTable
 from kvservice.contract.errors import InvalidArgument
-from kvservice.core.geometry import CacheSpec
-from kvservice.core.planner import Sizing
+from kvservice.contract.geometry import CacheSpec
+from kvservice.contract.sizing import Sizing
 from kvservice.server.app import serve
 from kvservice.tools.launch import wait_for_ports
 from kvservice.v1 import worker_pb2 as wpb

@@ -13,9 +13,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvservice.client import ClientError
 from kvservice.client.aio import AsyncBlockManagerClient
+from kvservice.contract.geometry import CacheSpec, LayerSpec
 from kvservice.contract.pagetable import PageTable, validate_page_table
-from kvservice.core.geometry import CacheSpec, LayerSpec
-from kvservice.core.planner import Sizing
+from kvservice.contract.sizing import Sizing
 from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1 import block_manager_pb2_grpc as pb_grpc
 from kvservice.v1 import common_pb2 as cpb

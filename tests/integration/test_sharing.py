@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvservice.client import BlockManagerClient
-from kvservice.core.planner import Sizing
+from kvservice.contract.sizing import Sizing
 from kvservice.examples.generate import Cluster, generate, sample_parallel
 from kvservice.examples.tiny_model import TinyConfig, TinyModel
 

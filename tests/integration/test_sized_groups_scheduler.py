@@ -11,8 +11,8 @@ import pytest
 from kvservice.client import BlockManagerClient
 from kvservice.client.codec import ClientError
 from kvservice.contract.errors import ResourceExhausted
+from kvservice.contract.sizing import Sizing
 from kvservice.core.model_config import load_model_cache
-from kvservice.core.planner import Sizing
 from kvservice.examples.scheduler import ReferenceScheduler, Workload
 from tests.refmodel import RefPool, Step
 

@@ -21,8 +21,8 @@ import pytest
 
 from kvservice.client import BlockManagerClient, ClientError
 from kvservice.client.worker_client import WorkerClient
-from kvservice.core.geometry import CacheSpec
-from kvservice.core.planner import Sizing
+from kvservice.contract.geometry import CacheSpec
+from kvservice.contract.sizing import Sizing
 from kvservice.worker.reference import TOLERANCE
 
 from .conftest import ManagerProcess, WorkerProcess

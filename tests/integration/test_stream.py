@@ -19,8 +19,8 @@ from kvservice.client.aio import AsyncBlockManagerClient
 from kvservice.client.client import RetryPolicy
 from kvservice.client.stream import StepStream
 from kvservice.contract.auth import TokenTable
+from kvservice.contract.sizing import Sizing
 from kvservice.contract.transport import STREAM_ID_KEY
-from kvservice.core.planner import Sizing
 from kvservice.server.app import serve
 from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1 import common_pb2 as cpb

@@ -11,11 +11,11 @@ import pytest
 
 from kvservice.client import BlockManagerClient, ClientError
 from kvservice.client.worker_client import WorkerClient
+from kvservice.contract.geometry import CacheSpec, Geometry, IndexSpace, LayerSpec
 from kvservice.contract.pagetable import REASONS, PageTable, validate_page_table
 from kvservice.contract.serving import grpc_server
+from kvservice.contract.sizing import Sizing
 from kvservice.contract.wire import from_tensor, to_tensor
-from kvservice.core.geometry import CacheSpec, Geometry, IndexSpace, LayerSpec
-from kvservice.core.planner import Sizing
 from kvservice.examples.generate import Cluster, generate
 from kvservice.examples.tiny_model import TinyConfig, TinyModel
 from kvservice.v1 import common_pb2 as cpb

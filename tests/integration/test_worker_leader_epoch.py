@@ -16,9 +16,9 @@ from kvservice.client.ha import EPOCH_METADATA as LEADER_EPOCH_METADATA
 from kvservice.client.ha import LeaderClient
 from kvservice.client.worker_client import WorkerClient
 from kvservice.contract.errors import FailedPrecondition, InvalidArgument
+from kvservice.contract.geometry import CacheSpec
+from kvservice.contract.sizing import Sizing
 from kvservice.contract.status import error_info
-from kvservice.core.geometry import CacheSpec
-from kvservice.core.planner import Sizing
 from kvservice.server.app import serve
 from kvservice.server.ha import LeaderGate
 from kvservice.v1 import worker_pb2 as wpb

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 
 from kvservice.client import BlockManagerClient
+from kvservice.contract.geometry import CacheSpec
+from kvservice.contract.sizing import Sizing
 from kvservice.contract.status import error_info
 from kvservice.contract.wire import to_tensor
-from kvservice.core.geometry import CacheSpec
-from kvservice.core.planner import Sizing
 from kvservice.server.app import serve
 from kvservice.v1 import worker_pb2 as wpb
 from kvservice.v1 import worker_pb2_grpc as wpb_grpc

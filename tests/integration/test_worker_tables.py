@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from kvservice.client import BlockManagerClient, ClientError
 from kvservice.client.worker_client import WorkerClient
-from kvservice.core.geometry import CacheSpec
-from kvservice.core.planner import Sizing
+from kvservice.contract.geometry import CacheSpec
+from kvservice.contract.sizing import Sizing
 from kvservice.server.app import serve
 from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1 import common_pb2 as cpb

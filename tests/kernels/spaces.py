@@ -1,5 +1,5 @@
 """Pools of every kind and the cross-space matrix (issue #10, NUMBERING.md): a table built for
-each index space with kvservice.core.geometry must be clean on that space's layers and rejected,
+each index space with kvservice.contract.geometry must be clean on that space's layers and rejected,
 entry for entry as ``wrong_index_space``, on every layer of every other space; append and
 copy through another space's pages must write nothing. Shared by test_index_spaces.py
 (NumPy ops and the emulated kernels), asan_driver.py (the same under ASan) and
@@ -11,8 +11,8 @@ from types import ModuleType
 
 import numpy as np
 
+from kvservice.contract.geometry import CacheSpec, Geometry, IndexSpace, LayerSpec
 from kvservice.contract.pagetable import PageTable
-from kvservice.core.geometry import CacheSpec, Geometry, IndexSpace, LayerSpec
 
 NUM_SLOTS = 6
 PAGE = 8

@@ -10,7 +10,7 @@ import pytest
 from conftest import TOL, lse_err, rel_err
 from spaces import NUM_SLOTS, POOLS, check_matrix, layer_caches, matrix, rand_storage, space_table
 
-from kvservice.core.geometry import Geometry
+from kvservice.contract.geometry import Geometry
 from kvservice.worker import kernels_cpu, ops_numpy, reference
 from kvservice.worker.caches import CacheSet
 
@@ -60,7 +60,7 @@ def test_worker_refuses_a_layer_whose_pages_pass_int32_before_allocating() -> No
     """Page tables reach the kernels as int32: a layer of a later index space whose range ends
     past 2^31 (its base counts) cannot run on the worker; a worker holding only that layer is
     refused before any buffer is allocated (the pool would be terabytes)."""
-    from kvservice.core.geometry import CacheSpec, LayerSpec
+    from kvservice.contract.geometry import CacheSpec, LayerSpec
 
     n = 2**30 + 1
     spec = CacheSpec((LayerSpec(1, 64), LayerSpec(1, 64, sliding_window=16)), 16)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kvservice.contract.geometry import IndexSpace
 from kvservice.contract.pagetable import REASONS, PageTable, validate_page_table
-from kvservice.core.geometry import IndexSpace
 from kvservice.worker import kernels_cpu, ops_numpy
 from kvservice.worker.kernel_api import PageLayout
 

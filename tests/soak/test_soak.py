@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from kvservice.client import BlockManagerClient, ClientError
-from kvservice.core.geometry import CacheSpec
+from kvservice.contract.geometry import CacheSpec
+from kvservice.contract.sizing import Sizing
 from kvservice.core.invariants import assert_invariants
-from kvservice.core.planner import Sizing
 from kvservice.state.journal import Journal
 
 from ..integration.conftest import ManagerProcess

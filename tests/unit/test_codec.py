@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 from kvservice.client import codec
+from kvservice.contract.geometry import CacheSpec
+from kvservice.contract.sizing import Sizing
 from kvservice.contract.wire import from_tensor
-from kvservice.core.geometry import CacheSpec
-from kvservice.core.planner import Sizing
 from kvservice.manager.api import ManagerAPI
 from kvservice.manager.pools import BlockManager
 from kvservice.v1 import common_pb2 as cpb

@@ -15,8 +15,8 @@ import pytest
 from kvservice.client import codec
 from kvservice.contract.errors import KVError
 from kvservice.contract.mirror import MirrorError, PageTableMirror
+from kvservice.contract.sizing import Sizing
 from kvservice.contract.wire import to_tensor
-from kvservice.core.planner import Sizing
 from kvservice.manager.api import ManagerAPI
 from kvservice.manager.pools import BlockManager
 from kvservice.server.stream import StreamSession

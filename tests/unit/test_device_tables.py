@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from kvservice.contract.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from kvservice.contract.geometry import CacheSpec
+from kvservice.contract.sizing import Sizing
 from kvservice.contract.wire import to_tensor
-from kvservice.core.geometry import CacheSpec
-from kvservice.core.planner import Sizing
 from kvservice.manager.api import ManagerAPI
 from kvservice.manager.pools import BlockManager
 from kvservice.server.stream import StreamRegistry, StreamSession, scoped_request_id

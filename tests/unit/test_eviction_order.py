@@ -7,11 +7,12 @@ page 0, after which pages 1-2 were unreachable (a hit needs every earlier page) 
 import numpy as np
 import pytest
 
+from kvservice.contract.geometry import CacheSpec, LayerSpec
+from kvservice.contract.sizing import Sizing
 from kvservice.core.allocator import SlotAllocator
 from kvservice.core.evict import Lru, LruLeaf, make_policy
-from kvservice.core.geometry import CacheSpec, LayerSpec
 from kvservice.core.invariants import assert_invariants
-from kvservice.core.planner import Sizing, plan
+from kvservice.core.planner import plan
 from kvservice.core.pool import Pool
 from kvservice.manager.pools import BlockManager
 from kvservice.manager.routing import score_prefix

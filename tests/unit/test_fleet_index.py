@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from kvservice.contract.errors import ResourceExhausted
-from kvservice.core.geometry import CacheSpec, LayerSpec
-from kvservice.core.planner import Sizing
+from kvservice.contract.geometry import CacheSpec, LayerSpec
+from kvservice.contract.sizing import Sizing
 from kvservice.core.pool import Pool
 from kvservice.core.prefix import _mix, page_hashes
 from kvservice.manager.fleet_index import _X0, rebuilt, unmix

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kvservice.contract.errors import InvalidArgument
-from kvservice.core.geometry import CacheSpec, Geometry, LayerSpec
+from kvservice.contract.geometry import CacheSpec, Geometry, LayerSpec
 
 
 def test_per_layer_one_space_per_group():
@@ -106,7 +106,7 @@ def test_index_spaces_occupy_disjoint_consecutive_ranges(spec):
 
 
 def test_index_dtype_switches_to_int64_exactly_past_int32():
-    from kvservice.core.geometry import IndexSpace
+    from kvservice.contract.geometry import IndexSpace
     assert IndexSpace(0, 0, 1, 0, 2**31, (0,)).index_dtype == np.int32        # largest page 2^31 - 1
     assert IndexSpace(0, 0, 1, 0, 2**31 + 1, (0,)).index_dtype == np.int64    # largest page 2^31
     big = IndexSpace(1, 0, 1, 0, 2**31 + 1, (0,), base=2**31 - 4)
@@ -189,7 +189,7 @@ def test_unknown_layout_lists_the_valid_ones():
 @pytest.mark.parametrize(("scale", "offset", "base"), [(1, 0, 1), (1, 0, 7), (1, 1, 0), (2, 0, 0), (4, 2, 9)])
 def test_page_indices_of_any_space_against_the_formula(scale, offset, base):
     """page = base + slot * scale + offset for every (scale, offset, base), the identity space's shortcut aside."""
-    from kvservice.core.geometry import IndexSpace
+    from kvservice.contract.geometry import IndexSpace
     rng = np.random.default_rng(base * 10 + scale)
     slots = rng.integers(0, 50, 12)
     space = IndexSpace(0, 0, scale, offset, base + 50 * scale + offset, (0,), base)

@@ -20,10 +20,10 @@ from kvservice.contract.errors import (
     ResourceExhausted,
     StateError,
 )
+from kvservice.contract.geometry import CacheSpec, LayerSpec
+from kvservice.contract.sizing import Sizing
 from kvservice.contract.wire import to_tensor
-from kvservice.core.geometry import CacheSpec, LayerSpec
 from kvservice.core.invariants import assert_invariants
-from kvservice.core.planner import Sizing
 from kvservice.manager.pools import BlockManager
 from kvservice.server.servicer import Limits
 from kvservice.state.journal import Journal, JournalConfig, MemoryStore, create_request, state_tree

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from kvservice.contract.errors import NotFound, ResourceExhausted
+from kvservice.contract.geometry import CacheSpec
+from kvservice.contract.sizing import Sizing
 from kvservice.core import cache_events as ev
-from kvservice.core.geometry import CacheSpec
-from kvservice.core.planner import Sizing
 from kvservice.core.prefix import prompt_hashes
 from kvservice.manager.api import ManagerAPI
 from kvservice.manager.pools import BlockManager

@@ -5,11 +5,11 @@ import numpy as np
 import pytest
 
 from kvservice.contract.errors import InvalidArgument, ResourceExhausted
+from kvservice.contract.geometry import CacheSpec, LayerSpec
+from kvservice.contract.sizing import Sizing
 from kvservice.contract.wire import from_tensor, to_tensor
-from kvservice.core.geometry import CacheSpec, LayerSpec
 from kvservice.core.invariants import assert_invariants
 from kvservice.core.limits import TENSOR_FRAMING, check_step_counts
-from kvservice.core.planner import Sizing
 from kvservice.manager.api import ManagerAPI
 from kvservice.manager.pools import BlockManager
 from kvservice.state.journal import state_tree

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from kvservice.contract.errors import InvalidArgument
+from kvservice.contract.sizing import Sizing
 from kvservice.core.model_config import load_model_cache, model_cache
-from kvservice.core.planner import Sizing, plan
+from kvservice.core.planner import plan
 from kvservice.core.units import parse_bytes
 from kvservice.tools import kvctl
 from tests.ci import need_module

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from kvservice.contract.errors import InvalidArgument
+from kvservice.contract.geometry import IndexSpace
 from kvservice.contract.pagetable import (
     OFF_LATTICE,
     OUT_OF_BOUNDS,
@@ -15,7 +16,6 @@ from kvservice.contract.pagetable import (
     page_reasons,
     validate_page_table,
 )
-from kvservice.core.geometry import IndexSpace
 
 FLAT = IndexSpace(0, 0, 1, 0, 100, (0,))
 LATTICE = IndexSpace(1, 0, 4, 2, 400, (1,))

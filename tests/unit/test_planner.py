@@ -3,9 +3,10 @@
 import pytest
 
 from kvservice.contract.errors import FailedPrecondition, InvalidArgument
+from kvservice.contract.geometry import CacheSpec, LayerSpec
+from kvservice.contract.sizing import Sizing
 from kvservice.core.backends import BACKENDS, check_backends, resolve_backend
-from kvservice.core.geometry import CacheSpec, LayerSpec
-from kvservice.core.planner import Sizing, plan
+from kvservice.core.planner import plan
 
 LLAMA = CacheSpec.uniform(32, 32, 128, "float16", 16)
 

@@ -4,10 +4,11 @@ import numpy as np
 import pytest
 
 from kvservice.contract.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from kvservice.contract.geometry import CacheSpec, LayerSpec
 from kvservice.contract.pagetable import validate_page_table
-from kvservice.core.geometry import CacheSpec, LayerSpec
+from kvservice.contract.sizing import Sizing
 from kvservice.core.invariants import assert_invariants
-from kvservice.core.planner import Sizing, plan
+from kvservice.core.planner import plan
 from kvservice.core.pool import Pool
 
 

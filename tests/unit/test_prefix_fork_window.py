@@ -4,9 +4,10 @@ import numpy as np
 import pytest
 
 from kvservice.contract.errors import InvalidArgument, ResourceExhausted
-from kvservice.core.geometry import CacheSpec, LayerSpec
+from kvservice.contract.geometry import CacheSpec, LayerSpec
+from kvservice.contract.sizing import Sizing
 from kvservice.core.invariants import assert_invariants
-from kvservice.core.planner import Sizing, plan
+from kvservice.core.planner import plan
 from kvservice.core.pool import Pool
 from kvservice.core.prefix import page_hashes
 

@@ -7,8 +7,8 @@ import pytest
 
 from kvservice.client.codec import score_request, step_request
 from kvservice.contract.errors import InvalidArgument, NotFound, ResourceExhausted
-from kvservice.core.geometry import CacheSpec
-from kvservice.core.planner import Sizing
+from kvservice.contract.geometry import CacheSpec
+from kvservice.contract.sizing import Sizing
 from kvservice.core.prefix import prompt_hashes
 from kvservice.manager.api import ManagerAPI
 from kvservice.manager.pools import BlockManager

@@ -3,8 +3,9 @@
 import numpy as np
 import pytest
 
-from kvservice.core.geometry import CacheSpec, LayerSpec
-from kvservice.core.planner import Sizing, plan
+from kvservice.contract.geometry import CacheSpec, LayerSpec
+from kvservice.contract.sizing import Sizing
+from kvservice.core.planner import plan
 from kvservice.core.pool import Pool
 from kvservice.core.rowslots import RowSlots
 

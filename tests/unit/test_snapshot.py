@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 
 from kvservice.contract.errors import KVError, StateError
+from kvservice.contract.geometry import CacheSpec, LayerSpec
+from kvservice.contract.sizing import Sizing
 from kvservice.core.allocator import SlotAllocator
-from kvservice.core.geometry import CacheSpec, LayerSpec
 from kvservice.core.invariants import assert_invariants
-from kvservice.core.planner import Sizing, plan
+from kvservice.core.planner import plan
 from kvservice.core.pool import Pool, PoolState
 from kvservice.core.prefix import PrefixCache
 from kvservice.manager.pools import BlockManager

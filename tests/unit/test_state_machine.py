@@ -19,10 +19,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvservice.contract.errors import AlreadyExists, InvalidArgument, KVError, NotFound, ResourceExhausted
+from kvservice.contract.geometry import CacheSpec, LayerSpec
 from kvservice.contract.pagetable import validate_page_table
-from kvservice.core.geometry import CacheSpec, LayerSpec
+from kvservice.contract.sizing import Sizing
 from kvservice.core.invariants import assert_invariants
-from kvservice.core.planner import Sizing, plan
+from kvservice.core.planner import plan
 from kvservice.core.pool import Pool
 
 PAGE = 4

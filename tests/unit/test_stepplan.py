@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from kvservice.contract.errors import InvalidArgument
-from kvservice.core.stepplan import MAX_COUNT, cow_rows, parse_counts
+from kvservice.contract.geometry import MAX_COUNT
+from kvservice.core.stepplan import cow_rows, parse_counts
 
 
 @pytest.mark.parametrize(("counts", "message"), [

@@ -76,8 +76,8 @@ def _served(prefix: bool = False, max_seq_len: int = 128, **api_kw: object):
     kvservice serve sets up a manager (deferred KV events, memory journal, default Limits)."""
     from kvservice.client.codec import create_pool_request, step_request
     from kvservice.contract.errors import JournalUnavailable
-    from kvservice.core.geometry import CacheSpec
-    from kvservice.core.planner import Sizing
+    from kvservice.contract.geometry import CacheSpec
+    from kvservice.contract.sizing import Sizing
     from kvservice.manager.api import ManagerAPI
     from kvservice.manager.pools import BlockManager
     from kvservice.server.metrics import ManagerMetrics

@@ -7,9 +7,10 @@ import msgspec
 import numpy as np
 import pytest
 
+from kvservice.contract.geometry import CacheSpec, LayerSpec
+from kvservice.contract.sizing import Sizing
 from kvservice.core.cache_events import AllBlocksCleared, Batch, BlockRemoved, BlockStored, pool_caches, state_events
-from kvservice.core.geometry import CacheSpec, LayerSpec
-from kvservice.core.planner import Sizing, plan
+from kvservice.core.planner import plan
 from kvservice.core.pool import Pool
 from kvservice.events.hub import LoggedBatch
 from kvservice.events.zmq import FORMATS, to_vllm

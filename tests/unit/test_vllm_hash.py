@@ -9,9 +9,10 @@ import types
 import numpy as np
 import pytest
 
-from kvservice.core.geometry import CacheSpec
+from kvservice.contract.geometry import CacheSpec
+from kvservice.contract.sizing import Sizing
 from kvservice.core.hashing import VLLM_DEFAULT_SEED, cbor, low64, vllm_block_hashes
-from kvservice.core.planner import Sizing, plan
+from kvservice.core.planner import plan
 from kvservice.core.pool import Pool
 from tests.vllm_ref import module
 

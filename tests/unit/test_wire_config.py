@@ -5,8 +5,8 @@ import pytest
 
 from kvservice.contract import convert
 from kvservice.contract.errors import InvalidArgument
+from kvservice.contract.geometry import CacheSpec, LayerSpec
 from kvservice.contract.wire import from_tensor, to_tensor
-from kvservice.core.geometry import CacheSpec, LayerSpec
 from kvservice.server.config import DEFAULT_POOLS_YAML, load_pools
 from kvservice.v1 import common_pb2 as cpb
 

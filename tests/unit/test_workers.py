@@ -3,8 +3,8 @@
 import pytest
 
 from kvservice.contract.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
-from kvservice.core.geometry import CacheSpec
-from kvservice.core.planner import Sizing
+from kvservice.contract.geometry import CacheSpec
+from kvservice.contract.sizing import Sizing
 from kvservice.manager.pools import BlockManager
 from kvservice.manager.workers import WorkerRegistry
 

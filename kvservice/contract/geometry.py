@@ -41,6 +41,8 @@ DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3": 1, "flo
 LAYOUTS = ("per_layer", "interleaved")
 INT32_MAX = 2**31 - 1
 MAX_LAYERS = 4096
+#: No pool holds more tokens per sequence; keeps every sum of counts far from int64 overflow.
+MAX_COUNT = 2**40
 
 
 @dataclass(frozen=True, slots=True)
