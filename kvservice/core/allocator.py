@@ -222,6 +222,31 @@ class SlotAllocator:
         self.clock = max(self.clock, int(stamps.max()) if len(stamps) else 0)
         self.policy.rebuild()
 
+    def export_state(self) -> dict:
+        """This allocator's part of a PoolState (copies; call under the pool's lock):
+
+        free_stack: the free slots holding nothing, bottom to top, as pool_state.copy_ids keeps them (IdRuns
+        or int64 [F]); cached, cached_stamp: int64 [C] each, cached_stamps(); generation: int64 [num_slots];
+        peak_used, evictions: ints. Refcounts are not exported: they are the slots' owners, counted again.
+        """
+        from kvservice.core.pool_state import copy_ids
+        cached, stamps = self.cached_stamps()
+        return {"free_stack": copy_ids(self._stack[:self._top]), "cached": cached, "cached_stamp": stamps,
+                "generation": self.generation.astype(np.int64), "peak_used": int(self.peak_used),
+                "evictions": int(self.evictions)}
+
+    def restore_state(self, free_stack: np.ndarray, held_slots: np.ndarray, peak_used: int, evictions: int,
+                      generation: np.ndarray | None) -> None:
+        """Set a fresh allocator to an exported state (the cached slots follow with restore_cached, once the
+        prefix cache's links are in). free_stack: int64 [F] bottom to top; held_slots: int64 [H], every
+        slot every sequence holds (a slot held by k sequences k times: its refcount); generation: int64
+        [num_slots] or None (a state from before generations: all 0)."""
+        self._stack[:len(free_stack)] = free_stack
+        self._top = len(free_stack)
+        self._refcnt[:] = np.bincount(held_slots, minlength=self.num_slots).astype(np.int32)
+        self.peak_used, self.evictions = int(peak_used), int(evictions)
+        self.generation[:] = 0 if generation is None else generation
+
     def check(self) -> None:
         """Assert this allocator's own invariants (free slots == slots with refcount 0)."""
         stack = self._stack[:self._top]

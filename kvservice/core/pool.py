@@ -24,6 +24,7 @@ before the step's kernels run.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,6 +35,7 @@ from kvservice.core.allocator import SlotAllocator
 from kvservice.core.cache_events import PoolEvents
 from kvservice.core.emit import SpaceTables, emit_tables
 from kvservice.core.hashing import DEFAULT_MODE, VLLM_DEFAULT_SEED, make_hash_fn
+from kvservice.core.pool_state import POOL_STATE_VERSION, IdRuns, PoolState, as_array, spec_runs
 from kvservice.core.prefix import Namespaces, PrefixCache, run_ending_at
 from kvservice.core.rowslots import RowSlots, slot_table_dtype
 from kvservice.core.stepplan import (
@@ -761,28 +763,19 @@ class Pool:
             arrays[f"first/{g}"] = self._first[g][rows]                  # fancy indexing: copies
             rs = self._slots[g]                                           # gathered later, unlocked
             tables.append((rs.arena[:rs.used].copy(), rs.start[rows], rs.lo[rows]))
-            stacks.append(_copy_ids(alloc._stack[:alloc._top]))
-            arrays[f"cached/{g}"], arrays[f"cached_stamp/{g}"] = alloc.cached_stamps()
-            arrays[f"generation/{g}"] = alloc.generation.astype(np.int64)   # a copy; int64: runs-encodable
-            groups.append({"peak_used": int(alloc.peak_used), "evictions": int(alloc.evictions)})
+            a = alloc.export_state()
+            stacks.append(a.pop("free_stack"))
+            groups.append({"peak_used": a.pop("peak_used"), "evictions": a.pop("evictions")})
+            arrays |= {f"{k}/{g}": v for k, v in a.items()}                 # cached, cached_stamp, generation
         prefix = None
         if self.prefixes is not None:
             for g, pc in enumerate(self.prefixes):
-                slots = np.fromiter(pc.by_hash.values(), dtype=np.int64, count=len(pc.by_hash))
-                arrays[f"prefix/{g}/hash"] = np.fromiter(pc.by_hash.keys(), dtype=np.uint64, count=len(pc.by_hash))
-                arrays[f"prefix/{g}/slot"] = slots
-                arrays[f"prefix/{g}/parent"] = pc.parent[slots].copy()
-                arrays[f"prefix/{g}/parent_hash"] = pc.parent_hash[slots].copy()
-                arrays[f"prefix/{g}/anchor"] = pc.anchor[slots].copy()
-                arrays[f"prefix/{g}/namespace"] = pc.namespace[slots].copy()
-                arrays[f"prefix/{g}/tokens"] = pc.tokens[slots].copy()
-                arrays[f"prefix/{g}/linked"] = (pc.allocator.policy.parent_of[slots] >= 0).astype(np.int64)
-            prefix = {"hits": [int(pc.hits) for pc in self.prefixes],
-                      "namespaces": [[s, k, int(i)] for (s, k), i in self.prefix.namespaces._ids.items()]}
+                arrays |= {f"prefix/{g}/{k}": v for k, v in pc.export_state().items()}
+            prefix = {"hits": [int(pc.hits) for pc in self.prefixes], "namespaces": self.prefix.namespaces.items()}
         spec = geo.spec
         meta = {"version": POOL_STATE_VERSION, "name": self.name, "model": self.model,
                 "incarnation": int(self.incarnation),
-                "spec": {"page_size": ps, "layout": spec.layout, "layers": _spec_runs(spec)},
+                "spec": {"page_size": ps, "layout": spec.layout, "layers": spec_runs(spec)},
                 "num_slots": int(geo.num_slots), "group_slots": [int(n) for n in geo.group_slots],
                 "max_seq_len": int(self.max_seq_len),
                 "backends": list(self.plan.backends), "prefix_caching": self.prefixes is not None,
@@ -796,7 +789,7 @@ class Pool:
         def finish(runs: bool = False) -> PoolState:
             """runs: leave a free stack found to be runs as IdRuns (the snapshot encoder writes them as they are)."""
             for g, stack in enumerate(stacks):
-                arrays[f"free_stack/{g}"] = stack if runs and isinstance(stack, IdRuns) else _as_array(stack)
+                arrays[f"free_stack/{g}"] = stack if runs and isinstance(stack, IdRuns) else as_array(stack)
             for g, (arena, start, lo) in enumerate(tables):
                 first = arrays[f"first/{g}"]
                 cnt = held - first
@@ -847,37 +840,14 @@ class Pool:
             rs.reserve(rows, first, held)
             flat, _ = rs.span(rows, first, held)
             rs.arena[flat] = slots
-            stack = a[f"free_stack/{g}"]
-            alloc._stack[:len(stack)] = stack
-            alloc._top = len(stack)
-            alloc._refcnt[:] = np.bincount(slots, minlength=alloc.num_slots).astype(np.int32)
-            alloc.peak_used = int(m["groups"][g]["peak_used"])
-            alloc.evictions = int(m["groups"][g]["evictions"])
-            alloc.generation[:] = a.get(f"generation/{g}", 0)   # version 2 states have none: all 0
+            alloc.restore_state(a[f"free_stack/{g}"], slots, m["groups"][g]["peak_used"], m["groups"][g]["evictions"],
+                                a.get(f"generation/{g}"))               # version 2 states have none: all 0
         if pool.prefixes is not None:
             p = m["prefix"]
-            pool.prefix.namespaces._ids = {(s, k): int(i) for s, k, i in p["namespaces"]}
+            pool.prefix.namespaces.restore(p["namespaces"])
             for g, pc in enumerate(pool.prefixes):
-                slots, hashes = a[f"prefix/{g}/slot"], a[f"prefix/{g}/hash"]
-                pc.by_hash = dict(zip(hashes.tolist(), slots.tolist(), strict=True))
-                pc.hash[slots] = hashes
-                pc.parent[slots] = a[f"prefix/{g}/parent"]
-                pc.parent_hash[slots] = a[f"prefix/{g}/parent_hash"]
-                pc.anchor[slots] = a[f"prefix/{g}/anchor"]
-                pc.namespace[slots] = a[f"prefix/{g}/namespace"]
-                pc.tokens[slots] = a[f"prefix/{g}/tokens"]
-                pc.hits = int(p["hits"][g])
-                pool.allocators[g].cacheable[slots] = True
-                linked = a.get(f"prefix/{g}/linked")     # older snapshots: linked under any registered parent
-                par = pc.parent[slots]
-                dep = (linked != 0) if linked is not None else par >= 0
-                dep &= par >= 0
-                dep[dep] = pc.hash[par[dep]] != 0
-                pool.allocators[g].policy.link(slots[dep], par[dep])
-                src = pc.sink
-                if src is not None:                          # the event source's view of the same cache
-                    src.parent_hash[slots] = a[f"prefix/{g}/parent_hash"]
-                    src.index.rebuild(hashes, slots)
+                at = f"prefix/{g}/"
+                pc.restore_state({k[len(at):]: v for k, v in a.items() if k.startswith(at)}, p["hits"][g])
         for g, alloc in enumerate(pool.allocators):   # after the links: the policy orders the cached slots by them
             cached = a[f"cached/{g}"]
             stamps = a.get(f"cached_stamp/{g}")         # older snapshots: LRU order as stored
@@ -887,93 +857,3 @@ class Pool:
         pool.alloc_failures = {str(k): int(v) for k, v in m["alloc_failures"].items()}
         return pool
 
-
-from collections.abc import Callable  # noqa: E402  (state export section: kept out of the module's imports)
-
-POOL_STATE_VERSION = 3
-
-
-@dataclass(frozen=True, slots=True)
-class PoolState:
-    """A pool as plain data: JSON-able ``meta`` and named 1-D/2-D NumPy ``arrays`` (copies, never views).
-
-    meta: version (3; 2 read), name, model, incarnation, prefix_hash, prefix_hash_seed (absent in older
-      snapshots: the default mode), spec {page_size, layout, layers: [[kv_heads, head_dim, dtype,
-      sliding_window, count(, k_only)], ...]}, num_slots (of the largest group), group_slots (per group;
-      absent in states written before groups were sized apart: every group num_slots), max_seq_len,
-      backends, prefix_caching, sharing, steps, admitted, refused, alloc_failures {reason: count},
-      row_capacity, num_rows, events_seq (number of the pool's last KV event batch),
-      groups [{peak_used, evictions}], prefix {hits: [per group], namespaces: [[salt, extra_key, id], ...]}
-      or None.
-    arrays (N live sequences in row order, G layer groups, E prefix-cache entries):
-      seq_ids uint64 [N]; rows int64 [N]; num_tokens int64 [N] (tokens, > 0); free_rows int64 [R]
-        (reuse order: the last is taken first);
-      first/<g> int64 [N]: first page still held in group g (0 unless a sliding window released pages);
-      slots/<g> int64 [sum over sequences of held - first]: the slots of pages [first, held) of each
-        sequence, sequences concatenated (held = ceil(num_tokens / page_size));
-      free_stack/<g> int64 [F]: free slots holding nothing, bottom to top (the top is handed out first);
-      cached/<g> int64 [C]: free slots holding a cached page, in eviction order; cached_stamp/<g> int64 [C]:
-        the step that released each (absent in older snapshots: then their order is the stamp);
-        generation/<g> int64 [num_slots]: each slot's SlotAllocator.generation (< 2^32; absent in version 2);
-      per group g with prefix caching (E_g cache entries, by_hash order): prefix/<g>/hash uint64 [E],
-      prefix/<g>/slot, prefix/<g>/parent, prefix/<g>/anchor, prefix/<g>/namespace int64 [E],
-      prefix/<g>/parent_hash uint64 [E], prefix/<g>/tokens int64 [E, page_size], prefix/<g>/linked int64 [E]
-      (1 = the entry counts as a dependant of its parent page for eviction; absent in older snapshots).
-    """
-
-    meta: dict
-    arrays: dict
-
-
-def _spec_runs(spec: object) -> list[list]:
-    runs: list[list] = []
-    for la in spec.layers:                                            # type: ignore[attr-defined]
-        row = [la.kv_heads, la.head_dim, la.dtype, la.sliding_window]
-        if runs and runs[-1][:4] == row and bool(runs[-1][5:]) == la.k_only:
-            runs[-1][4] += 1
-        else:
-            runs.append([*row, 1, *([True] if la.k_only else [])])   # k_only only where set: older readers
-    return runs
-
-
-@dataclass(frozen=True, slots=True)
-class IdRuns:
-    """A 1-D int64 array of n ids stored as runs of consecutive descending ids.
-
-    starts: int64 [R], the index where each run begins (starts[0] == 0); tops: int64 [R], the run's first
-    id plus its start index (element i of run k is tops[k] - i); n: elements in all.
-    """
-
-    starts: np.ndarray
-    tops: np.ndarray
-    n: int
-
-    def array(self) -> np.ndarray:
-        lengths = np.diff(np.append(self.starts, self.n))
-        return np.repeat(self.tops, lengths) - np.arange(self.n, dtype=np.int64)
-
-
-def _as_array(a: np.ndarray | IdRuns) -> np.ndarray:
-    return a.array() if isinstance(a, IdRuns) else a
-
-
-def _copy_ids(a: np.ndarray) -> np.ndarray | IdRuns:
-    """A 1-D id array kept for later: IdRuns, or an int64 copy.
-
-    A free stack is mostly runs of consecutive descending ids (all of it, in an idle pool): those
-    are found by a scan in 1 M-element chunks, without allocating a copy of the whole array, so the
-    caller's lock is held for a read of it only. Otherwise it is a plain copy.
-    """
-    n, chunk = len(a), 1 << 20
-    breaks, found = [np.zeros(1, dtype=np.int64)], 0
-    if n > chunk:
-        for lo in range(0, n - 1, chunk):
-            b = np.flatnonzero(np.diff(a[lo:min(n, lo + chunk + 1)]) != -1) + (lo + 1)
-            found += len(b)
-            if found > n // 64:
-                break
-            breaks.append(b)
-        else:
-            starts = np.concatenate(breaks)
-            return IdRuns(starts, a[starts].astype(np.int64) + starts, n)
-    return a.astype(np.int64)

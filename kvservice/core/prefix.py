@@ -54,6 +54,14 @@ class Namespaces:
         self._ids.update(new)
         self._pending = {}
 
+    def items(self) -> list[list]:
+        """[[salt, extra_key, id], ...] (a pool state's namespaces)."""
+        return [[salt, key, int(i)] for (salt, key), i in self._ids.items()]
+
+    def restore(self, items: list[list]) -> None:
+        """Replace every id by those of items() (a pool state being restored)."""
+        self._ids = {(salt, key): int(i) for salt, key, i in items}
+
     def names(self) -> dict[int, tuple[str, str]]:
         """id -> (salt, extra key), the pending ids of the last ids() call included (a hash mode reads them)."""
         out = {i: k for k, i in self._ids.items()}
@@ -91,6 +99,36 @@ class PrefixCache:
         self.fleet = None               # fleet_index.FleetMember told of the same (the manager's ScorePrefix index)
         allocator.on_evict = self.forget_many
         allocator.caching = True
+
+    def export_state(self) -> dict[str, np.ndarray]:
+        """This group's cache entries in by_hash order (copies; call under the pool's lock), E entries:
+        hash uint64 [E]; slot, parent, anchor, namespace int64 [E]; parent_hash uint64 [E]; tokens int64
+        [E, page_size]; linked int64 [E] (1 = counted as a dependant of its parent page for eviction)."""
+        slots = np.fromiter(self.by_hash.values(), dtype=np.int64, count=len(self.by_hash))
+        return {"hash": np.fromiter(self.by_hash.keys(), dtype=np.uint64, count=len(self.by_hash)), "slot": slots,
+                "parent": self.parent[slots], "parent_hash": self.parent_hash[slots], "anchor": self.anchor[slots],
+                "namespace": self.namespace[slots], "tokens": self.tokens[slots],
+                "linked": (self.allocator.policy.parent_of[slots] >= 0).astype(np.int64)}
+
+    def restore_state(self, e: dict[str, np.ndarray], hits: int) -> None:
+        """Register an exported state's entries in a fresh cache (its allocator's stack and refcounts restored,
+        its cached slots not yet: restore_cached orders them by the links made here). e: export_state's
+        arrays; linked may be absent (older snapshots: an entry is linked under any registered parent)."""
+        slots, hashes = e["slot"], e["hash"]
+        self.by_hash = dict(zip(hashes.tolist(), slots.tolist(), strict=True))
+        self.hash[slots] = hashes
+        for k in ("parent", "parent_hash", "anchor", "namespace", "tokens"):
+            getattr(self, k)[slots] = e[k]
+        self.hits = int(hits)
+        self.allocator.cacheable[slots] = True
+        par = self.parent[slots]
+        dep = (e["linked"] != 0) if e.get("linked") is not None else par >= 0
+        dep &= par >= 0
+        dep[dep] = self.hash[par[dep]] != 0
+        self.allocator.policy.link(slots[dep], par[dep])
+        if self.sink is not None:                       # the event source's view of the same cache
+            self.sink.parent_hash[slots] = e["parent_hash"]
+            self.sink.index.rebuild(hashes, slots)
 
     def namespace_ids(self, salts: list[str], keys: list[str]) -> tuple[np.ndarray, dict[tuple[str, str], int]]:
         return self.namespaces.ids(salts, keys)

@@ -42,7 +42,7 @@ from kvservice.contract.errors import AlreadyExists, InvalidArgument, JournalUna
 from kvservice.contract.geometry import CacheSpec
 from kvservice.contract.sizing import Sizing
 from kvservice.contract.wire import field_array
-from kvservice.core.pool import PoolState
+from kvservice.core.pool_state import PoolState
 from kvservice.manager.api import STEP_ARRAYS, ManagerAPI
 from kvservice.manager.pools import BlockManager
 from kvservice.state import ackmark
@@ -726,7 +726,7 @@ def _decode_step(request: Message) -> None:
 def state_tree(manager: BlockManager, skip: frozenset[str] = frozenset()) -> dict[str, Any]:
     """Everything a recovery must reproduce, as plain nested values (==-comparable).
 
-    Pools: their exported state (pool.PoolState: meta and arrays, arrays as dtype, shape and bytes)
+    Pools: their exported state (pool_state.PoolState: meta and arrays, arrays as dtype, shape and bytes)
     except the meta or array names in `skip`, and the diagnostic counter of refused steps (refused
     steps are not journaled). Workers: every record field except the lease clock.
     """

@@ -1,6 +1,6 @@
 """Snapshot format: NumPy arrays behind a JSON header, versioned and checksummed; nothing in it executes.
 
-A snapshot holds every pool (as ``pool.PoolState``: domain terms, not attributes), the worker
+A snapshot holds every pool (as ``pool_state.PoolState``: domain terms, not attributes), the worker
 records and the idempotency window at one journal position. Layout (one file, or one blob):
 
     bytes 0-7    magic b"KVSNAP\\r\\n"
@@ -38,7 +38,8 @@ from kvservice.contract.errors import StateError
 from kvservice.contract.geometry import CacheSpec, LayerSpec, group_windows
 from kvservice.contract.sizing import Plan, Sizing
 from kvservice.core.planner import plan
-from kvservice.core.pool import POOL_STATE_VERSION, IdRuns, Pool, PoolState
+from kvservice.core.pool import Pool
+from kvservice.core.pool_state import POOL_STATE_VERSION, IdRuns, PoolState
 from kvservice.manager.workers import WorkerRecord
 
 MAGIC = b"KVSNAP\r\n"

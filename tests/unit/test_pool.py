@@ -375,7 +375,7 @@ def test_state_spec_stores_runs_of_equal_layers_and_rebuilds_the_plan():
 def test_a_free_stack_of_descending_runs_is_captured_as_runs_when_asked():
     """Past 2**20 free slots the captured free stack is kept as runs of descending ids; finish(runs=True)
     hands those runs on (what the snapshot encoder writes), finish() the plain array, both the same ids."""
-    from kvservice.core.pool import IdRuns
+    from kvservice.core.pool_state import IdRuns
     n = (1 << 20) + 96
     pool = make_pool(num_slots=n, layers=(LayerSpec(2, 64),))
     rng = np.random.default_rng(10)
@@ -391,14 +391,14 @@ def test_a_free_stack_of_descending_runs_is_captured_as_runs_when_asked():
 
 @pytest.mark.parametrize("n", [(1 << 20) + 1, (1 << 20) + 2, (2 << 20) + 2])
 def test_runs_found_chunk_by_chunk_give_back_every_id(n):
-    """_copy_ids scans in 2**20-element chunks: a run broken at any place, the last id and the chunk
+    """copy_ids scans in 2**20-element chunks: a run broken at any place, the last id and the chunk
     edges included, comes back as the same ids (a few breaks: IdRuns; the reference is the array itself)."""
-    from kvservice.core.pool import IdRuns, _copy_ids
+    from kvservice.core.pool_state import IdRuns, copy_ids
     rng = np.random.default_rng(n)
     a = np.arange(3 * n, 2 * n, -1, dtype=np.int64)       # one descending run of n ids
     at = np.unique(np.concatenate([[n - 1, (1 << 20) - 1, 1 << 20], rng.integers(1, n, 5)]))
     a[at] = rng.integers(5 * n, 6 * n, len(at))             # each breaks the run before and after it
-    runs = _copy_ids(a)
+    runs = copy_ids(a)
     assert isinstance(runs, IdRuns)
     assert np.array_equal(runs.array(), a)
 

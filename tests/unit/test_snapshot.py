@@ -11,7 +11,8 @@ from kvservice.contract.sizing import Sizing
 from kvservice.core.allocator import SlotAllocator
 from kvservice.core.invariants import assert_invariants
 from kvservice.core.planner import plan
-from kvservice.core.pool import Pool, PoolState
+from kvservice.core.pool import Pool
+from kvservice.core.pool_state import PoolState
 from kvservice.core.prefix import PrefixCache
 from kvservice.manager.pools import BlockManager
 from kvservice.state import snapshot as snap
