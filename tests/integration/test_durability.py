@@ -150,6 +150,17 @@ def kill9(m: ManagerProcess) -> None:
     m.log.close()
 
 
+def wait_for_progress(loaders: list, steps: int, bound: float = 180.0) -> None:
+    """Until every loader has acknowledged `steps` more Steps (or one has failed, or `bound` s passed: then the
+    count assertions below say how far each got)."""
+    want = [ld.acked + steps for ld in loaders]
+    deadline = time.monotonic() + bound
+    while time.monotonic() < deadline and not any(ld.errors for ld in loaders):
+        if all(ld.acked >= w for ld, w in zip(loaders, want, strict=True)):
+            return
+        time.sleep(0.05)
+
+
 def test_kill9_under_load_keeps_every_acknowledged_step(tmp_path):
     state = tmp_path / "state"
     m = start(tmp_path, "run1", state, "--compact-every", "50")
@@ -162,12 +173,12 @@ def test_kill9_under_load_keeps_every_acknowledged_step(tmp_path):
     for ld in loaders:
         ld.start()
     try:
-        for run, seconds in (("run2", 1.5), ("run3", 1.5)):
-            time.sleep(seconds)
+        for run in ("run2", "run3"):
+            wait_for_progress(loaders, 10)                 # progress counted, not timed (a loaded machine is slow)
             kill9(m)                                       # mid-load: steps in flight, maybe mid-snapshot
             check_against(recovered(state), loaders)
             m = start(tmp_path, run, state, "--compact-every", "50", "--listen", f"127.0.0.1:{port}")
-        time.sleep(1.0)
+        wait_for_progress(loaders, 10)
     finally:
         stop.set()
         for ld in loaders:
