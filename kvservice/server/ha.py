@@ -35,7 +35,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import grpc
 import nats.errors
 from grpc_health.v1 import health_pb2
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -45,6 +44,7 @@ from kvservice.contract.transport import EPOCH_METADATA, NODE_METADATA
 from kvservice.manager.pools import BlockManager
 from kvservice.server.app import SERVICE_NAME, RunningServer, serve
 from kvservice.server.config import PoolConfig
+from kvservice.server.leader_gate import LeaderGate
 from kvservice.state.journal import Journal, JournalConfig, ensure_pools
 from kvservice.state.nats.journal import (
     Fenced,
@@ -64,56 +64,6 @@ log = logging.getLogger("kvservice.server.ha")
 FENCE_ATTEMPTS = 20
 #: Recoveries tried while a leader's compaction keeps overtaking the reader (each one reads a newer snapshot).
 RECOVERY_ATTEMPTS = 5
-
-
-class LeaderGate(grpc.ServerInterceptor):
-    """Refuses BlockManager calls UNAVAILABLE unless this process leads; stamps the epoch on every reply."""
-
-    def __init__(self, service: str = SERVICE_NAME) -> None:
-        self.service = service
-        self.epoch = 0
-        self.node = ""
-        self.leader = False
-        self.why = "standby: following the journal"
-        self.leader_hint: Callable[[], str] = lambda: ""
-        self.valid: Callable[[], bool] = lambda: True       # False while the leader's lease is lapsed
-
-    def promote(self, epoch: int) -> None:
-        self.epoch, self.leader = epoch, True
-
-    def depose(self, why: str) -> None:
-        self.leader, self.why = False, why
-
-    def refusal(self) -> str:
-        hint = self.leader_hint()
-        return (f"this manager does not serve requests ({self.why})"
-                + (f"; the leader is {hint}" if hint else "; no leader right now (failover in progress)")
-                + ": retry (the clients retry UNAVAILABLE with the same request_id)")
-
-    def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
-        handler = continuation(details)
-        if handler is None or details.method.lstrip("/").partition("/")[0] != self.service:
-            return handler
-        kw = {"request_deserializer": handler.request_deserializer,
-              "response_serializer": handler.response_serializer}
-        if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(self._gated(handler.unary_unary), **kw)
-        if handler.unary_stream is not None:        # server streams (WatchEvents): only the leader's
-            return grpc.unary_stream_rpc_method_handler(self._gated(handler.unary_stream), **kw)
-        if handler.stream_unary is not None:
-            return grpc.stream_unary_rpc_method_handler(self._gated(handler.stream_unary), **kw)
-        return grpc.stream_stream_rpc_method_handler(self._gated(handler.stream_stream), **kw)
-
-    def _gated(self, inner: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
-        def gated(request: Any, context: grpc.ServicerContext) -> Any:
-            if not self.leader:
-                context.abort(grpc.StatusCode.UNAVAILABLE, self.refusal())
-            if not self.valid():
-                context.abort(grpc.StatusCode.UNAVAILABLE, "the leader's lease lapsed (NATS unreachable or the "
-                              "process was paused); it serves again once renewed, or a standby takes over: retry")
-            context.send_initial_metadata(((EPOCH_METADATA, str(self.epoch)), (NODE_METADATA, self.node)))
-            return inner(request, context)
-        return gated
 
 
 @dataclass

@@ -20,7 +20,7 @@ from kvservice.contract.geometry import CacheSpec
 from kvservice.contract.sizing import Sizing
 from kvservice.contract.status import error_info
 from kvservice.server.app import serve
-from kvservice.server.ha import LeaderGate
+from kvservice.server.leader_gate import LeaderGate
 from kvservice.v1 import worker_pb2 as wpb
 from kvservice.v1 import worker_pb2_grpc as wpb_grpc
 from kvservice.worker.fencing import LeaderEpochFence
