@@ -222,13 +222,31 @@ def score_prefix(manager: BlockManager, token_ids: np.ndarray, salt: str = "", e
     and leave the last token to compute).
     """
     tok = _check_prompt(token_ids)
-    names = _pool_names(manager, pools)
-    alive = _live_workers(manager)
-    fleet = manager.fleet
     chains: dict[tuple[int, int], _Chain] = {}     # (page_size, ns) -> chain
-    rows: list[list] = []                          # [name, hits (None = from the index), page_size, caching]
-    jobs: dict[tuple[int, int], list[tuple[int, object]]] = {}     # (page_size, ns) -> [(row, member)]
-    for name in names:
+    rows, jobs = _collect(manager, tok, salt, extra_key, pools, model, chains)
+    ask = _answer_from_index(manager.fleet, tok, salt, extra_key, rows, jobs, chains)
+    for r in ask:                                  # rows the index cannot settle: asked one by one
+        try:
+            with manager.locked(rows[r][0]) as pool:
+                rows[r][1] = _pool_hits(pool, tok, salt, extra_key, chains)
+        except NotFound:
+            if pools:
+                raise
+            rows[r][1] = None                          # deleted meanwhile: left out
+    alive = _live_workers(manager)
+    return [PrefixScore(name, hits * ps, ps, caching, tuple(alive.get(name, ())))
+            for name, hits, ps, caching in rows if hits is not None]
+
+
+def _collect(manager: BlockManager, tok: np.ndarray, salt: str, extra_key: str, pools: list[str] | None,
+             model: str, chains: dict) -> tuple[list[list], dict[tuple[int, int], list[tuple[int, object]]]]:
+    """The pools to score, in answer order, as rows [name, hits (None = from the index), page_size, caching],
+    and the rows the fleet index answers, by (page_size, namespace id): [(row, member)]. Pools outside the
+    index are scored here, under their lock."""
+    fleet = manager.fleet
+    rows: list[list] = []
+    jobs: dict[tuple[int, int], list[tuple[int, object]]] = {}
+    for name in _pool_names(manager, pools):
         try:
             pool, lock = manager.pool_and_lock(name)
         except NotFound:
@@ -242,24 +260,31 @@ def score_prefix(manager: BlockManager, token_ids: np.ndarray, salt: str = "", e
             rows.append([name, 0, ps, cache is not None])
             continue
         member = getattr(cache, "fleet", None)
-        if member is not None and member.index is fleet and cache.hash_fn is page_hashes and len(tok) > ps:
-            # Read from the index without waiting for the pool: a Step brings the index up to date when it
-            # ends, so the index holds the pool as of its last Step (a Step in flight is not waited for).
-            ids, new = cache.namespace_ids([salt], [extra_key])
-            if new:
-                rows.append([name, 0, ps, True])
-                continue
-            if (member.dirty or member.dirty_slots) and lock.acquire(blocking=False):
-                try:                                   # changed outside a Step (tests, tools): catch up
-                    member.flush()
-                finally:
-                    lock.release()
-            jobs.setdefault((ps, int(ids[0])), []).append((len(rows), member))
-            rows.append([name, None, ps, True])
-        else:
+        if member is None or member.index is not fleet or cache.hash_fn is not page_hashes:
             with lock:
                 rows.append([name, _pool_hits(pool, tok, salt, extra_key, chains), ps, cache is not None])
-    ask: list[int] = []                            # rows the index cannot settle: asked one by one
+            continue
+        # Read from the index without waiting for the pool: a Step brings the index up to date when it
+        # ends, so the index holds the pool as of its last Step (a Step in flight is not waited for).
+        ids, new = cache.namespace_ids([salt], [extra_key])
+        if new:
+            rows.append([name, 0, ps, True])
+            continue
+        if (member.dirty or member.dirty_slots) and lock.acquire(blocking=False):
+            try:                                       # changed outside a Step (tests, tools): catch up
+                member.flush()
+            finally:
+                lock.release()
+        jobs.setdefault((ps, int(ids[0])), []).append((len(rows), member))
+        rows.append([name, None, ps, True])
+    return rows, jobs
+
+
+def _answer_from_index(fleet: object, tok: np.ndarray, salt: str, extra_key: str, rows: list[list],
+                       jobs: dict[tuple[int, int], list[tuple[int, object]]], chains: dict) -> list[int]:
+    """Fill the hits of the rows the fleet index settles (one walk per page size and namespace); returns
+    the rows it cannot (a mixed or stale entry, or a pool that left the index)."""
+    ask: list[int] = []
     for (ps, ns), members in jobs.items():
         limit = (len(tok) - 1) // ps
         chain = _chain(chains, tok, ps, ns)
@@ -273,16 +298,7 @@ def score_prefix(manager: BlockManager, token_ids: np.ndarray, salt: str = "", e
                     ask.append(r)
                 else:
                     rows[r][1] = hits
-    for r in ask:
-        try:
-            with manager.locked(rows[r][0]) as pool:
-                rows[r][1] = _pool_hits(pool, tok, salt, extra_key, chains)
-        except NotFound:
-            if pools:
-                raise
-            rows[r][1] = None                          # deleted meanwhile: left out
-    return [PrefixScore(name, hits * ps, ps, caching, tuple(alive.get(name, ())))
-            for name, hits, ps, caching in rows if hits is not None]
+    return ask
 
 
 def score_prefix_per_pool(manager: BlockManager, token_ids: np.ndarray, salt: str = "", extra_key: str = "",
