@@ -245,27 +245,8 @@ def model_cache(cfg: dict[str, Any], tp: int = 1, dtype: str | None = None, page
         raise InvalidArgument(f"{source}: expected a JSON object, got {type(cfg).__name__}")
     if isinstance(tp, bool) or not isinstance(tp, int) or tp <= 0:
         raise InvalidArgument(f"tp must be a positive integer, got {tp!r}")
-    top, where = cfg, source
-    unknown: list[str] = []
-    if cfg.get("text_config") is not None:
-        if not isinstance(cfg["text_config"], dict):
-            raise InvalidArgument(f"{source}: field 'text_config' must be an object")
-        unknown += _check_keys(top, TOP_LEVEL_IRRELEVANT, source, "")
-        cfg = cfg["text_config"]
-        where = f"{source}: text_config"
-        unknown += _check_keys(cfg, IRRELEVANT, where, "text_config.")
-    else:
-        unknown += _check_keys(cfg, IRRELEVANT, where, "")
     notes: list[str] = []
-    if unknown:
-        if not allow_unknown_keys:
-            shown = ", ".join(repr(k) for k in unknown[:8]) + (f" and {len(unknown) - 8} more" if len(unknown) > 8
-                                                                 else "")
-            raise InvalidArgument(
-                f"{source}: unknown field{'s' if len(unknown) > 1 else ''} {shown}: a field this planner does not "
-                "know may change which layers cache what, so it refuses to guess; check what it does, then pass "
-                "--allow-unknown-keys (pools.yaml: allow_unknown_keys: true) to plan anyway")
-        notes.append(f"unknown fields accepted (--allow-unknown-keys), not read: {', '.join(unknown)}")
+    top, cfg, where, unknown = _text_config(cfg, source, allow_unknown_keys, notes)
     model_type = str(cfg.get("model_type") or top.get("model_type") or "")
     for key, why in REFUSED.items():
         if cfg.get(key):
@@ -283,13 +264,54 @@ def model_cache(cfg: dict[str, Any], tp: int = 1, dtype: str | None = None, page
     layers: list[LayerSpec] = []
     if paged:
         layers = _attention_layers(cfg, [kinds[i] for i in paged], tp, cache_dtype, where, notes)
-    states: list[StateLayer] = []
-    state_dtype = model_dtype or cache_dtype
+    states = _state_layers(cfg, kinds, tp, model_dtype or cache_dtype, where, notes)
+    if not layers:
+        raise InvalidArgument(f"{where}: no layer pages K/V (every layer is {', '.join(sorted(set(kinds)))}); there "
+                              "is nothing to plan")
+    if cfg.get("num_nextn_predict_layers"):
+        notes.append(f"num_nextn_predict_layers={cfg['num_nextn_predict_layers']}: the multi-token-prediction "
+                     "layer's cache (speculative decoding only) is not planned")
+    return ModelCache(CacheSpec(tuple(layers), page_size, layout), model_type, tuple(kinds), tp, tuple(notes),
+                      tuple(paged), tuple(states), tuple(unknown))
+
+
+def _text_config(cfg: dict[str, Any], source: str, allow_unknown_keys: bool,
+                 notes: list[str]) -> tuple[dict[str, Any], dict[str, Any], str, list[str]]:
+    """(top-level config, the config that describes the layers (text_config when there is one), where it is,
+    the unknown keys); unknown keys refused unless allowed (then noted)."""
+    top, where = cfg, source
+    unknown: list[str] = []
+    if cfg.get("text_config") is not None:
+        if not isinstance(cfg["text_config"], dict):
+            raise InvalidArgument(f"{source}: field 'text_config' must be an object")
+        unknown += _check_keys(top, TOP_LEVEL_IRRELEVANT, source, "")
+        cfg = cfg["text_config"]
+        where = f"{source}: text_config"
+        unknown += _check_keys(cfg, IRRELEVANT, where, "text_config.")
+    else:
+        unknown += _check_keys(cfg, IRRELEVANT, where, "")
+    if unknown:
+        if not allow_unknown_keys:
+            shown = ", ".join(repr(k) for k in unknown[:8]) + (f" and {len(unknown) - 8} more" if len(unknown) > 8
+                                                                 else "")
+            raise InvalidArgument(
+                f"{source}: unknown field{'s' if len(unknown) > 1 else ''} {shown}: a field this planner does not "
+                "know may change which layers cache what, so it refuses to guess; check what it does, then pass "
+                "--allow-unknown-keys (pools.yaml: allow_unknown_keys: true) to plan anyway")
+        notes.append(f"unknown fields accepted (--allow-unknown-keys), not read: {', '.join(unknown)}")
+    return top, cfg, where, unknown
+
+
+def _state_layers(cfg: dict[str, Any], kinds: list[str], tp: int, state_dtype: str, where: str,
+                  notes: list[str]) -> list[StateLayer]:
+    """The layers that keep a recurrent state instead of paged K/V (Mamba, gated DeltaNet), with their bytes
+    per sequence; state_dtype: the model's dtype unless mamba_ssm_cache_dtype names another."""
     if cfg.get("mamba_ssm_cache_dtype") not in (None, "auto"):
         state_dtype = DTYPES.get(str(cfg["mamba_ssm_cache_dtype"]).lower(), "")
         if not state_dtype:
             raise InvalidArgument(f"{where}: field 'mamba_ssm_cache_dtype'={cfg['mamba_ssm_cache_dtype']!r} is not "
                                   "a dtype")
+    states: list[StateLayer] = []
     which = ""
     for i, k in enumerate(kinds):
         if k in STATE_KINDS:
@@ -299,14 +321,7 @@ def model_cache(cfg: dict[str, Any], tp: int = 1, dtype: str | None = None, page
     if states:
         notes.append(f"{len(states)} {which} layer(s) page no K/V: state {sum(s.bytes for s in states):,} bytes per "
                      f"sequence ({state_dtype}), not paged: managed by the engine")
-    if not layers:
-        raise InvalidArgument(f"{where}: no layer pages K/V (every layer is {', '.join(sorted(set(kinds)))}); there "
-                              "is nothing to plan")
-    if cfg.get("num_nextn_predict_layers"):
-        notes.append(f"num_nextn_predict_layers={cfg['num_nextn_predict_layers']}: the multi-token-prediction "
-                     "layer's cache (speculative decoding only) is not planned")
-    return ModelCache(CacheSpec(tuple(layers), page_size, layout), model_type, tuple(kinds), tp, tuple(notes),
-                      tuple(paged), tuple(states), tuple(unknown))
+    return states
 
 
 def _attention_layers(cfg: dict[str, Any], kinds: list[str], tp: int, dtype: str, where: str,
