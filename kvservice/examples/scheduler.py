@@ -143,44 +143,9 @@ class ReferenceScheduler:
                       for s in running]
             need = sum(self._pages(s.num_tokens + k) - self._pages(s.num_tokens) for s, k in growth)
             budget = free_slots + sum(self._pages(s.num_tokens) for s in finished) - need
-            admits: list[tuple[_Seq, int]] = []
-            while waiting and len(running) + len(admits) < self.max_batch:
-                first = min(self.chunk_size, waiting[0].req.prompt_len)
-                if self._pages(first) > budget and not self.optimistic:
-                    break
-                budget -= self._pages(first)
-                admits.append((waiting.popleft(), first))
-            result = None
-            while result is None:
-                try:
-                    result = self._step(finished, growth, admits)
-                except ClientError as err:
-                    if err.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
-                        raise
-                    if admits:                       # refused: back to the queue, in order
-                        report.refused_admissions += len(admits)
-                        waiting.extendleft(s for s, _ in reversed(admits))
-                        admits = []
-                    elif growth:                     # preempt the youngest running sequence
-                        victim, _ = growth.pop()
-                        running.remove(victim)
-                        finished.append(victim)      # its slots are freed by this step
-                        waiting.appendleft(_Seq(victim.req))
-                        report.preemptions += 1
-                    else:
-                        raise
-                report.step_latency_s.append(self._last_latency)
-            report.served += sum(1 for s in finished if s.done)
-            # A step that ends with the whole prompt held yields one output token.
-            for s, k in growth:
-                s.num_tokens += k
-            for s, k in admits:
-                s.num_tokens = k
-                running.append(s)
-            for s in running:
-                if not s.prefilling:
-                    s.generated += 1
-                    report.tokens_generated += 1
+            admits = self._admissions(waiting, len(running), budget)
+            result, admits = self._step_or_shed(finished, growth, admits, running, waiting, report)
+            self._advance(finished, growth, admits, running, report)
             free_slots = result.num_free_slots
             report.peak_slots_used = max(report.peak_slots_used, self.num_slots - free_slots)
             report.peak_batch = max(report.peak_batch, len(running))
@@ -193,6 +158,60 @@ class ReferenceScheduler:
         report.wall_s = time.perf_counter() - start
         report.reply_bytes, report.delta_replies = self._reply_bytes, self._delta_replies
         return report
+
+    def _admissions(self, waiting: deque[_Seq], num_running: int, budget: int) -> list[tuple[_Seq, int]]:
+        """Waiting sequences to admit this step, with their first chunk's tokens, while the batch has room
+        and (unless optimistic) the free pages after the running sequences' growth cover their first chunk."""
+        admits: list[tuple[_Seq, int]] = []
+        while waiting and num_running + len(admits) < self.max_batch:
+            first = min(self.chunk_size, waiting[0].req.prompt_len)
+            if self._pages(first) > budget and not self.optimistic:
+                break
+            budget -= self._pages(first)
+            admits.append((waiting.popleft(), first))
+        return admits
+
+    def _step_or_shed(self, finished: list[_Seq], growth: list[tuple[_Seq, int]], admits: list[tuple[_Seq, int]],
+                      running: list[_Seq], waiting: deque[_Seq], report: Report) -> tuple[object, list]:
+        """One Step, shedding load until the pool takes it: refused admissions go back to the queue in order,
+        then the youngest running sequence is preempted (re-queued from scratch). Returns (reply, admits)."""
+        result = None
+        while result is None:
+            try:
+                result = self._step(finished, growth, admits)
+            except ClientError as err:
+                if err.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise
+                if admits:                       # refused: back to the queue, in order
+                    report.refused_admissions += len(admits)
+                    waiting.extendleft(s for s, _ in reversed(admits))
+                    admits = []
+                elif growth:                     # preempt the youngest running sequence
+                    victim, _ = growth.pop()
+                    running.remove(victim)
+                    finished.append(victim)      # its slots are freed by this step
+                    waiting.appendleft(_Seq(victim.req))
+                    report.preemptions += 1
+                else:
+                    raise
+            report.step_latency_s.append(self._last_latency)
+        return result, admits
+
+    @staticmethod
+    def _advance(finished: list[_Seq], growth: list[tuple[_Seq, int]], admits: list[tuple[_Seq, int]],
+                 running: list[_Seq], report: Report) -> None:
+        """What a Step the pool took did: tokens grown and admitted, one output token per decoding sequence."""
+        report.served += sum(1 for s in finished if s.done)
+        # A step that ends with the whole prompt held yields one output token.
+        for s, k in growth:
+            s.num_tokens += k
+        for s, k in admits:
+            s.num_tokens = k
+            running.append(s)
+        for s in running:
+            if not s.prefilling:
+                s.generated += 1
+                report.tokens_generated += 1
 
     def close(self) -> None:
         if self.stream is not None:
