@@ -1,22 +1,17 @@
 """PageTableMirror: a stream's page tables kept current by incremental StepStream replies.
 
-Per index space the mirror holds a 2-D table ``[B, width]`` of page indices by position within
-each sequence (row b = row b of the last reply's batch), ``-1`` where a position is not held:
-past the row's last page, or before its first held page (released by a sliding window). That is
-vLLM v1's persistent block table, and exactly the padded block table a full reply carries; the
+Per index space: a table ``[B, width]`` of page indices by position in each sequence (row b = row b of
+the last reply's batch), ``-1`` where a position is not held (past the last page, or released by a
+sliding window): vLLM v1's persistent block table, and the padded block table a full reply carries. The
 FlashInfer CSR and the slot mappings are gathered from it on request.
 
-A full reply (no ``delta``) replaces everything; an incremental one (``StepReply.delta``, see
-block_manager.proto's TableDelta) applies to the reply whose ``stream_seq`` equals its base:
-rows are carried over (or sent whole), front pages released, one last page replaced
-(copy-on-write), pages appended. Each costs O(B + changed pages); outputs cost O(entries).
-
-``xp`` is the array module: NumPy on the host, CuPy for a device-side copy (the worker's
-persistent table uses this class with CuPy). Only the delta crosses to the device.
-
-Page generations (SpaceTables / SpaceDelta ``generations``) live in a uint32 table of the same shape,
-written with the pages (outputs: ``generations``, ``slot_generations``); a reply without them (an older
-manager) leaves the mirror without any until a full reply brings them (``has_generations``; outputs None).
+A full reply (no ``delta``) replaces everything; an incremental one (``StepReply.delta``, block_manager
+.proto's TableDelta) applies to the reply whose ``stream_seq`` is its base: rows carried over (or sent
+whole), front pages released, one last page replaced (copy-on-write), pages appended; O(B + changed
+pages), outputs O(entries). ``xp``: NumPy on the host, CuPy for a device-side copy (the worker's
+persistent tables): only the delta crosses to the device. Page generations live in a uint32 table of
+the same shape, written with the pages; a reply without them (an older manager) leaves the mirror
+without any until a full reply brings them (``has_generations``; outputs None).
 """
 
 from __future__ import annotations
@@ -129,8 +124,7 @@ class PageTableMirror:
         return _widen(self.xp, table, width, fill, self.max_width)
 
     def _arr(self, t: Any, name: str) -> Any:
-        a = from_tensor(t, name)
-        return a if self.xp is np else self.xp.asarray(a)
+        return from_tensor(t, name) if self.xp is np else self.xp.asarray(from_tensor(t, name))
 
     def _load_full(self, reply: pb.StepReply) -> None:
         xp, ps = self.xp, self.page_size
@@ -178,7 +172,6 @@ class PageTableMirror:
         return a if self.xp is np else self.xp.asarray(a)
 
     def _apply_delta(self, reply: pb.StepReply) -> None:
-        xp, ps = self.xp, self.page_size
         d = reply.delta
         if d.tokens_added:
             num_n, tok = self._uniform(reply)
@@ -190,20 +183,8 @@ class PageTableMirror:
             raise MirrorError(f"new_token_indptr has {len(tok)} entries for {b} rows")
         if not d.HasField("base_rows") and not d.groups and self._append_only(reply, num_n, tok):
             return
-        if not d.HasField("base_rows"):                   # the same batch, every row continued
-            if b != self.batch_size or len(reply.seq_ids.data):
-                raise MirrorError(f"a same-batch delta has {b} rows; the mirror holds {self.batch_size}")
-            src = cont = None
-            held_p, seq_ids = self._held, self.seq_ids
-        else:
-            src = self._arr(d.base_rows, "base_rows").astype(np.int64)
-            seq_ids = from_tensor(reply.seq_ids, "seq_ids").astype(np.uint64, copy=False)
-            if len(src) != b or len(seq_ids) != b or (b and int(src.max()) >= self.batch_size):
-                raise MirrorError(f"delta rows ({len(src)} base rows, {len(seq_ids)} ids, {b} counts) do not fit a "
-                                  f"base batch of {self.batch_size}")
-            cont = src >= 0
-            held_p = _cdiv(self._carry(self.num_tokens, src, cont, 0), ps)
-        held_n = _cdiv(num_n, ps)
+        src, cont, held_p, seq_ids = self._delta_rows(reply, b)
+        held_n = _cdiv(num_n, self.page_size)
         width_n = int(held_n.max()) if b else 0
         self._check_size(b, width_n)
         if b and int(num_n.min()) <= 0:
@@ -211,8 +192,8 @@ class PageTableMirror:
         groups = {gd.group: gd for gd in d.groups}
         if len(reply.tables) != len(self.spaces):
             raise MirrorError(f"delta has {len(reply.tables)} index spaces; the mirror holds {len(self.spaces)}")
-        plans: dict[int, tuple] = {}
-        updated = {}
+        plans: dict[int, tuple] = {}                   # group -> its plan
+        updated: dict[int, tuple] = {}                 # index space -> (table, first, generations)
         keep_gens = self.has_generations and all(st.delta.HasField("generations") for st in reply.tables)
         for st in reply.tables:
             space = self.spaces.get(st.index_space)
@@ -222,55 +203,78 @@ class PageTableMirror:
             plan = plans.get(g)
             if plan is None:
                 plan = plans[g] = self._plan(groups.get(g), src, cont, space.first, held_p, held_n)
-            first_n, released, replaced, writes = plan
-            old, old_gens = space.table, space.gens if keep_gens else None
-            gens = None
-            if src is None:
-                table = old if old.shape[1] >= width_n else self._widen(old, width_n)
-                if old_gens is not None:
-                    gens = old_gens if old_gens.shape[1] >= width_n else self._widen(old_gens, width_n, 0)
-            else:
-                table = xp.full((b, max(width_n, old.shape[1], 1)), -1, dtype=old.dtype)
-                gens = xp.zeros(table.shape, dtype=np.uint32) if old_gens is not None else None
-                rows = xp.flatnonzero(cont)
-                if len(rows):
-                    table[rows, :old.shape[1]] = old[src[rows]]
-                    if gens is not None:
-                        gens[rows, :old.shape[1]] = old_gens[src[rows]]
-            w = table.shape[1]
-            flat = table.ravel()
-            gflat = gens.ravel() if gens is not None else None
-            if released is not None:
-                flat[released[0] * w + released[1]] = -1
-            if replaced is not None:
-                values = self._arr(st.delta.replaced, "replaced")
-                if len(values) != len(replaced[0]):
-                    raise MirrorError(f"index space {st.index_space}: {len(values)} replaced pages for "
-                                      f"{len(replaced[0])} rows")
-                at = replaced[0] * w + replaced[1]
-                flat[at] = values
-                if gflat is not None:
-                    gflat[at] = self._gen_arr(st.delta.replaced_generations, "replaced_generations", len(values),
-                                              st.index_space)
-            pages = self._arr(st.delta.pages, "pages")
-            if pages.dtype != table.dtype:
-                raise MirrorError(f"index space {st.index_space}: pages are {pages.dtype}, the space's index dtype "
-                                  f"is {table.dtype}")
-            if len(pages) != len(writes[0]):
-                raise MirrorError(f"index space {st.index_space}: delta has {len(pages)} pages, the batch adds "
-                                  f"{len(writes[0])}")
-            if gflat is not None:
-                page_gens = self._gen_arr(st.delta.generations, "generations", len(pages), st.index_space)
-            if len(pages):
-                at = writes[0] * w + writes[1]
-                flat[at] = pages
-                if gflat is not None:
-                    gflat[at] = page_gens
-            updated[st.index_space] = (table, first_n, gens)
+            table, gens = self._space_after(st, space, plan, src, cont, b, width_n, keep_gens)
+            updated[st.index_space] = (table, plan[0], gens)
         for sid, (table, first_n, gens) in updated.items():
             self.spaces[sid].table, self.spaces[sid].first, self.spaces[sid].gens = table, first_n, gens
         self.seq_ids, self.num_tokens, self.new_token_indptr, self._held = seq_ids, num_n, tok, held_n
         self.seq = reply.stream_seq
+
+    def _delta_rows(self, reply: pb.StepReply, b: int) -> tuple[Any, Any, Any, Any]:
+        """(src int64 [B]: base row of each row, -1 new; cont: src >= 0; held_p: pages held before; seq_ids) or for a
+        same-batch delta (every row continued) src = cont = None."""
+        d = reply.delta
+        if not d.HasField("base_rows"):                   # the same batch, every row continued
+            if b != self.batch_size or len(reply.seq_ids.data):
+                raise MirrorError(f"a same-batch delta has {b} rows; the mirror holds {self.batch_size}")
+            return None, None, self._held, self.seq_ids
+        src = self._arr(d.base_rows, "base_rows").astype(np.int64)
+        seq_ids = from_tensor(reply.seq_ids, "seq_ids").astype(np.uint64, copy=False)
+        if len(src) != b or len(seq_ids) != b or (b and int(src.max()) >= self.batch_size):
+            raise MirrorError(f"delta rows ({len(src)} base rows, {len(seq_ids)} ids, {b} counts) do not fit a "
+                              f"base batch of {self.batch_size}")
+        cont = src >= 0
+        return src, cont, _cdiv(self._carry(self.num_tokens, src, cont, 0), self.page_size), seq_ids
+
+    def _space_after(self, st: pb.SpaceTables, space: _Space, plan: tuple, src: Any, cont: Any, b: int,
+                     width_n: int, keep_gens: bool) -> tuple[Any, Any]:
+        """(table [B, width], generations [B, width] or None) of one index space after the delta: base rows carried
+        over (a same-batch delta: widened in place), released pages cleared, replaced and new pages written."""
+        _, released, replaced, writes = plan
+        old, old_gens = space.table, space.gens if keep_gens else None
+        gens = None
+        if src is None:
+            table = old if old.shape[1] >= width_n else self._widen(old, width_n)
+            if old_gens is not None:
+                gens = old_gens if old_gens.shape[1] >= width_n else self._widen(old_gens, width_n, 0)
+        else:
+            table = self.xp.full((b, max(width_n, old.shape[1], 1)), -1, dtype=old.dtype)
+            gens = self.xp.zeros(table.shape, dtype=np.uint32) if old_gens is not None else None
+            rows = self.xp.flatnonzero(cont)
+            if len(rows):
+                table[rows, :old.shape[1]] = old[src[rows]]
+                if gens is not None:
+                    gens[rows, :old.shape[1]] = old_gens[src[rows]]
+        w = table.shape[1]
+        flat = table.ravel()
+        gflat = gens.ravel() if gens is not None else None
+        if released is not None:
+            flat[released[0] * w + released[1]] = -1
+        if replaced is not None:
+            values = self._arr(st.delta.replaced, "replaced")
+            if len(values) != len(replaced[0]):
+                raise MirrorError(f"index space {st.index_space}: {len(values)} replaced pages for "
+                                  f"{len(replaced[0])} rows")
+            at = replaced[0] * w + replaced[1]
+            flat[at] = values
+            if gflat is not None:
+                gflat[at] = self._gen_arr(st.delta.replaced_generations, "replaced_generations", len(values),
+                                          st.index_space)
+        pages = self._arr(st.delta.pages, "pages")
+        if pages.dtype != table.dtype:
+            raise MirrorError(f"index space {st.index_space}: pages are {pages.dtype}, the space's index dtype "
+                              f"is {table.dtype}")
+        if len(pages) != len(writes[0]):
+            raise MirrorError(f"index space {st.index_space}: delta has {len(pages)} pages, the batch adds "
+                              f"{len(writes[0])}")
+        if gflat is not None:
+            page_gens = self._gen_arr(st.delta.generations, "generations", len(pages), st.index_space)
+        if len(pages):
+            at = writes[0] * w + writes[1]
+            flat[at] = pages
+            if gflat is not None:
+                gflat[at] = page_gens
+        return table, gens
 
     def _uniform(self, reply: pb.StepReply) -> tuple[Any, Any]:
         """num_tokens and new_token_indptr of a delta with tokens_added: the base batch, each row + tokens_added."""
@@ -382,25 +386,22 @@ class PageTableMirror:
 
         Returns indptr [B + 1] and indices [nnz] in the space's index dtype, last_page_len int32 [B].
         """
-        xp, ps = self.xp, self.page_size
         s = self._space(space_id)
-        held = self._held
-        cnt = held - s.first
-        indptr = xp.zeros(len(cnt) + 1, dtype=np.int64)
-        xp.cumsum(cnt, out=indptr[1:])
-        w = s.table.shape[1]
-        idx = s.table.ravel().take(_spans(xp, xp.arange(len(cnt), dtype=np.int64) * w + s.first, cnt))
-        return PageTable(indptr.astype(s.table.dtype), idx, (self.num_tokens - (held - 1) * ps).astype(np.int32))
+        cnt, cells = self._held_cells(s)
+        indptr = self.xp.zeros(len(cnt) + 1, dtype=np.int64)
+        self.xp.cumsum(cnt, out=indptr[1:])
+        return PageTable(indptr.astype(s.table.dtype), s.table.ravel().take(cells),
+                         (self.num_tokens - (self._held - 1) * self.page_size).astype(np.int32))
 
     def generations(self, space_id: int) -> Any:
         """uint32 [nnz]: the generation of each page of page_table(space_id).indices; None without generations."""
-        xp = self.xp
         s = self._space(space_id)
-        if s.gens is None:
-            return None
+        return None if s.gens is None else s.gens.ravel().take(self._held_cells(s)[1])
+
+    def _held_cells(self, s: _Space) -> tuple[Any, Any]:
+        """(pages each row holds in s, int64 [B]; their cells in s's [B, width] tables, row by row)."""
         cnt = self._held - s.first
-        w = s.gens.shape[1]
-        return s.gens.ravel().take(_spans(xp, xp.arange(len(cnt), dtype=np.int64) * w + s.first, cnt))
+        return cnt, _spans(self.xp, self.xp.arange(len(cnt), dtype=np.int64) * s.table.shape[1] + s.first, cnt)
 
     def _new_token_cells(self, s: _Space) -> tuple[Any, Any]:
         """(cell of each new token's page in s's [B, width] tables, its position in its sequence), batch order."""
