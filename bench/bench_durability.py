@@ -48,7 +48,8 @@ from kvservice.server.app import serve  # noqa: E402
 from kvservice.server.metrics import ManagerMetrics  # noqa: E402
 from kvservice.server.servicer import BlockManagerServicer, Limits  # noqa: E402
 from kvservice.state.ackmark import AckMark  # noqa: E402
-from kvservice.state.journal import Journal, JournalConfig, create_request  # noqa: E402
+from kvservice.state.journal import Journal, JournalConfig  # noqa: E402
+from kvservice.state.startup import create_request  # noqa: E402
 from kvservice.v1 import block_manager_pb2 as pb  # noqa: E402
 from kvservice.v1 import block_manager_pb2_grpc as pb_grpc  # noqa: E402
 

@@ -23,7 +23,8 @@ from kvservice.server.config import PoolConfig
 from kvservice.server.http import MetricsServer, health_probe
 from kvservice.server.metrics import ManagerMetrics
 from kvservice.server.servicer import BlockManagerServicer, Limits
-from kvservice.state.journal import Journal, ensure_pools
+from kvservice.state.journal import Journal
+from kvservice.state.startup import ensure_pools
 from kvservice.v1 import block_manager_pb2
 
 log = logging.getLogger("kvservice")

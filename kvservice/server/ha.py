@@ -45,7 +45,7 @@ from kvservice.manager.pools import BlockManager
 from kvservice.server.app import SERVICE_NAME, RunningServer, serve
 from kvservice.server.config import PoolConfig
 from kvservice.server.leader_gate import LeaderGate
-from kvservice.state.journal import Journal, JournalConfig, ensure_pools
+from kvservice.state.journal import Journal, JournalConfig
 from kvservice.state.nats.journal import (
     Fenced,
     JournalGap,
@@ -57,6 +57,7 @@ from kvservice.state.nats.journal import (
 )
 from kvservice.state.nats.leader import Lease, LeaseConfig, LeaseLost
 from kvservice.state.sqlite.store import DB_NAME, SqliteStore
+from kvservice.state.startup import ensure_pools
 from kvservice.state.stores import Entry
 
 log = logging.getLogger("kvservice.server.ha")

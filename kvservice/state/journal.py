@@ -5,7 +5,7 @@ retried request_id with the original reply (:class:`IdempotencyWindow`), applies
 the in-memory manager and appends it to a :class:`JournalStore` before the reply leaves, and
 stamps every reply with the journal position (lineage, incarnation, seq) so a client can tell when a
 manager came back behind what it saw. Reads of pool state wait only for an uncommitted change of
-the pool they read (:class:`_Gate`), never for other pools or for a snapshot.
+the pool they read (:class:`~kvservice.state.gate.PoolGate`), never for other pools or for a snapshot.
 
 Refusals and failures: a domain error (any ``kvservice.contract.errors`` class, including a request that
 cannot be decoded) changed nothing, is not journaled and the manager keeps serving. A store that
@@ -28,19 +28,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-from google.protobuf.message import DecodeError, Message
+from google.protobuf.message import Message
 
-from kvservice.contract.errors import AlreadyExists, InvalidArgument, JournalUnavailable, KVError, StateError
-from kvservice.contract.geometry import CacheSpec
-from kvservice.contract.sizing import Sizing
+from kvservice.contract.errors import InvalidArgument, JournalUnavailable, KVError, StateError
 from kvservice.contract.wire import field_array
 from kvservice.core.pool_state import PoolState
 from kvservice.manager.api import STEP_ARRAYS, ManagerAPI
@@ -48,174 +43,14 @@ from kvservice.manager.pools import BlockManager
 from kvservice.state import ackmark
 from kvservice.state import snapshot as snap
 from kvservice.state.fingerprints import PrefixDigests, digest
+from kvservice.state.gate import PoolGate
+from kvservice.state.idempotency import IdempotencyWindow
+from kvservice.state.journal_config import METHODS, REQUESTS, JournalConfig
 from kvservice.state.stores import Entry, JournalStore, MemoryStore, continued_lineage, entry_digest, lineage_hex
-from kvservice.v1 import block_manager_pb2 as pb
 
 log = logging.getLogger("kvservice.state.journal")
 
-REQUESTS: dict[str, type[Message]] = {"CreatePool": pb.CreatePoolRequest, "DeletePool": pb.DeletePoolRequest,
-                                      "Step": pb.StepRequest, "RegisterWorker": pb.RegisterWorkerRequest}
-REPLIES: dict[str, type[Message]] = {"CreatePool": pb.PoolInfo, "DeletePool": pb.DeletePoolReply,
-                                     "Step": pb.StepReply, "RegisterWorker": pb.RegisterWorkerReply}
-METHODS = list(REQUESTS)
-SYNC_MODES = ("full", "normal")
 _TARGET = {"Step": "pool", "DeletePool": "pool", "CreatePool": "name"}     # the pool a mutation changes
-
-
-@dataclass(frozen=True, slots=True)
-class JournalConfig:
-    """Knobs of the journal.
-
-    sync: SQLite `synchronous` in WAL mode. "full" fsyncs every commit (survives power loss);
-        "normal" survives a process crash (kill -9) but may lose the last commits on an OS crash.
-    compact_every: the most entries (acknowledged mutating RPCs) a recovery replays: a snapshot is
-        captured once the tail after the newest *stored* snapshot reaches ``snapshot_due_tail`` (3/4 of
-        it), so the last quarter is room for that snapshot to be written while calls go on.
-    compact_bytes: serialized request bytes between snapshots (the other bound).
-    id_window: request ids remembered for idempotency (most recent).
-    id_window_seconds: ... and for at most this long, seconds.
-    reply_cache_bytes: serialized bytes of replies kept for retries (most recent first kept).
-    snapshot_replies: replies written into each snapshot (the most recent ones).
-    background_snapshots: encode and write compaction snapshots on a thread (False: inline, tests).
-    """
-
-    sync: str = "full"
-    compact_every: int = 10_000
-    compact_bytes: int = 256 << 20
-    id_window: int = 100_000
-    id_window_seconds: float = 600.0
-    reply_cache_bytes: int = 64 << 20
-    snapshot_replies: int = 256
-    background_snapshots: bool = True
-
-    def __post_init__(self) -> None:
-        if self.sync not in SYNC_MODES:
-            raise InvalidArgument(f"sync must be one of {', '.join(SYNC_MODES)}, got {self.sync!r}")
-        if self.compact_every < 1 or self.id_window < 1:
-            raise InvalidArgument("compact_every and id_window must be >= 1")
-
-    @property
-    def snapshot_due_tail(self) -> int:
-        """Entries after the newest stored snapshot at which the next one is captured (see compact_every)."""
-        return max(1, self.compact_every - self.compact_every // 4)
-
-
-# ---- idempotency ---------------------------------------------------------------------------------------
-class IdempotencyWindow:
-    """request_id -> (method, digest, journal seq, wall time) for the last N ids / T seconds, and recent replies.
-
-    A retry of a known id gets its stored reply; an id whose reply was dropped from the
-    (byte-bounded) cache is refused ALREADY_EXISTS (reason REQUEST_ALREADY_APPLIED), never applied twice.
-    """
-
-    def __init__(self, config: JournalConfig) -> None:
-        self.config = config
-        self.ids: OrderedDict[str, tuple[str, bytes, int, float]] = OrderedDict()
-        self.replies: OrderedDict[str, tuple[Message, int]] = OrderedDict()
-        self.reply_bytes = 0
-        self.hits = 0
-
-    def lookup(self, rid: str, method: str, fingerprint: bytes) -> Message | None:
-        """The stored reply of a retried request, None for a new id; KVError for a reused or expired id."""
-        known = self.ids.get(rid)
-        if known is None:
-            return None
-        k_method, k_digest, _, _ = known    # no error names the earlier request's position: it may be another tenant's
-        if k_method != method or k_digest != fingerprint:
-            raise InvalidArgument(f"request_id {rid!r} was already used by a different {k_method} request; use a "
-                                  "fresh id per request", reason="REQUEST_ID_REUSED", request_id=rid)
-        stored = self.replies.get(rid)
-        if stored is None:
-            raise AlreadyExists(f"{method} {rid!r} was already applied; its reply is no longer kept (reply cache "
-                                f"{self.config.reply_cache_bytes} bytes)", reason="REQUEST_ALREADY_APPLIED",
-                                request_id=rid)
-        self.hits += 1
-        return stored[0]
-
-    def remember(self, rid: str, method: str, fingerprint: bytes, seq: int, at: float, reply: Message | None) -> None:
-        """Record an applied request (at: wall-clock seconds) and keep its reply while the byte budget allows."""
-        self.ids[rid] = (method, fingerprint, seq, at)
-        if reply is not None:
-            size = reply.ByteSize()
-            self.replies[rid] = (reply, size)
-            self.reply_bytes += size
-        self.evict(at)
-
-    def evict(self, now: float) -> None:
-        c = self.config
-        oldest = now - c.id_window_seconds
-        while self.ids and (len(self.ids) > c.id_window or next(iter(self.ids.values()))[3] < oldest):
-            rid, _ = self.ids.popitem(last=False)
-            self._drop_reply(rid)
-        while self.replies and self.reply_bytes > c.reply_cache_bytes:
-            self._drop_reply(next(iter(self.replies)))
-
-    def _drop_reply(self, rid: str) -> None:
-        stored = self.replies.pop(rid, None)
-        if stored is not None:
-            self.reply_bytes -= stored[1]
-
-    def capture(self) -> tuple[list[tuple[str, str, bytes, int, float]], list[tuple[str, str, Message]]]:
-        """Every id and the most recent `snapshot_replies` replies (cheap: the journal lock is held)."""
-        ids = [(rid, m, d, s, t) for rid, (m, d, s, t) in self.ids.items()]
-        recent = list(self.replies.items())[-self.config.snapshot_replies:]
-        return ids, [(rid, self.ids[rid][0], msg) for rid, (msg, _) in recent]
-
-    def load(self, state: snap.WindowState) -> None:
-        self.ids = OrderedDict((rid, (m, d, s, t)) for rid, m, d, s, t in state.ids)
-        for rid, method, data in state.replies:
-            try:
-                msg = REPLIES[method].FromString(data)
-            except (KeyError, DecodeError) as err:
-                raise StateError(f"snapshot: stored reply of {rid!r} cannot be read ({err})") from None
-            self.replies[rid] = (msg, len(data))
-            self.reply_bytes += len(data)
-
-
-# ---- which pool an uncommitted change touches ------------------------------------------------------------
-class _Gate:
-    """Readers of a pool wait while a change of that pool is applied but not yet committed.
-
-    Writers (serialised by the journal lock) claim a pool, then wait for its readers to finish;
-    readers of other pools never wait. A read of every pool ("") waits for any claimed pool.
-    """
-
-    ALL = "\0all"
-
-    def __init__(self) -> None:
-        self._cv = threading.Condition(threading.Lock())
-        self._busy: str | None = None
-        self._readers: Counter[str] = Counter()
-
-    @contextmanager
-    def writing(self, pool: str | None) -> Iterator[None]:
-        if pool is None:
-            yield
-            return
-        with self._cv:
-            self._busy = pool
-            if self._readers[pool] or self._readers[self.ALL]:
-                self._cv.wait_for(lambda: not self._readers[pool] and not self._readers[self.ALL])
-        try:
-            yield
-        finally:
-            with self._cv:
-                self._busy = None
-                self._cv.notify_all()
-
-    @contextmanager
-    def reading(self, pool: str) -> Iterator[None]:
-        key = pool or self.ALL
-        with self._cv:
-            self._cv.wait_for(lambda: self._busy is None or (key != self.ALL and self._busy != key))
-            self._readers[key] += 1
-        try:
-            yield
-        finally:
-            with self._cv:
-                self._readers[key] -= 1
-                if not self._readers[key]:
-                    self._cv.notify_all()
 
 
 @dataclass(slots=True)
@@ -274,7 +109,7 @@ class Journal:
         self.observe_commit: Callable[[float], None] | None = None
         self._lock = threading.Lock()
         self._digests = PrefixDigests()             # request fingerprints of steady decode loops
-        self._gate = _Gate()
+        self._gate = PoolGate()
         self._writer_done = threading.Event()        # clear while a captured snapshot is being written
         self._writer_done.set()
         # Pools unchanged since the last snapshot reuse its arrays: an idle pool costs no pause.
@@ -722,66 +557,4 @@ def _decode_step(request: Message) -> None:
                 raise InvalidArgument(f"{f}: cannot be decoded ({type(err).__name__}: {err})", field=f) from None
 
 
-# ---- comparing states (tests, check-state) --------------------------------------------------------------
-def state_tree(manager: BlockManager, skip: frozenset[str] = frozenset()) -> dict[str, Any]:
-    """Everything a recovery must reproduce, as plain nested values (==-comparable).
-
-    Pools: their exported state (pool_state.PoolState: meta and arrays, arrays as dtype, shape and bytes)
-    except the meta or array names in `skip`, and the diagnostic counter of refused steps (refused
-    steps are not journaled). Workers: every record field except the lease clock.
-    """
-    pools = {}
-    for name in manager.pool_names():
-        with manager.locked(name) as pool:
-            st = pool.export_state()
-        meta = {k: v for k, v in st.meta.items() if k not in skip | {"refused", "alloc_failures"}}
-        if isinstance(meta.get("prefix"), dict):
-            meta["prefix"] = {k: v for k, v in meta["prefix"].items() if k not in skip}
-        arrays = tuple((k, ("ndarray", v.dtype.str, v.shape, np.ascontiguousarray(v).tobytes()))
-                       for k, v in sorted(st.arrays.items()) if k not in skip)
-        pools[name] = (("meta", _plain(meta)), ("arrays", arrays))
-    workers = [(w.worker_id, w.pool, w.layer_begin, w.layer_end, w.tp_rank, w.tp_size, w.backend, w.epoch,
-                w.address, w.alive) for w in manager.workers.workers()]
-    return {"pools": pools, "workers": workers}
-
-
-def _plain(v: Any) -> Any:
-    if isinstance(v, dict):
-        return tuple((k, _plain(x)) for k, x in sorted(v.items()))
-    if isinstance(v, list):
-        return tuple(_plain(x) for x in v)
-    return v
-
-
-def create_request(name: str, spec: CacheSpec, sizing: Sizing, backends: tuple[str, ...],
-                   prefix_caching: bool = False, model: str = "", prefix_hash: str = "",
-                   prefix_hash_seed: str = "") -> pb.CreatePoolRequest:
-    """The CreatePool request of a configured pool (config pools are journaled like API-created ones)."""
-    from kvservice.contract.convert import cache_spec_to_proto, sizing_to_proto
-    return pb.CreatePoolRequest(name=name, cache=cache_spec_to_proto(spec), backends=list(backends),
-                                sizing=sizing_to_proto(sizing), enable_prefix_caching=prefix_caching, model=model,
-                                prefix_hash=prefix_hash, prefix_hash_seed=prefix_hash_seed)
-
-
-def ensure_pools(journal: Journal, pools: list[Any]) -> list[str]:
-    """Create (through the journal) each configured pool that does not exist yet; returns the names created."""
-    created = []
-    existing = set(journal.manager.pool_names())
-    for pc in pools:
-        if pc.name in existing:
-            with journal.manager.locked(pc.name) as pool:
-                if pool.plan.geometry.spec != pc.spec:
-                    log.warning("pool %r from the state dir differs from its configuration; serving the state's "
-                                "(delete the pool to recreate it from the configuration)", pc.name)
-            continue
-        journal.execute("CreatePool", create_request(pc.name, pc.spec, pc.sizing, pc.backends,
-                                                     getattr(pc, "prefix_caching", False), getattr(pc, "model", ""),
-                                                     getattr(pc, "prefix_hash", ""),
-                                                     getattr(pc, "prefix_hash_seed", "")),
-                        journal.api.CreatePool)
-        created.append(pc.name)
-    return created
-
-
-__all__ = ["Entry", "IdempotencyWindow", "Journal", "JournalConfig", "JournalStore", "MemoryStore", "StateError",
-           "create_request", "ensure_pools", "state_tree"]
+__all__ = ["Entry", "IdempotencyWindow", "Journal", "JournalConfig", "JournalStore", "MemoryStore", "StateError"]

@@ -21,7 +21,8 @@ from kvservice.contract.status import error_info
 from kvservice.core.invariants import assert_invariants
 from kvservice.server.app import RunningServer, serve
 from kvservice.server.servicer import Limits
-from kvservice.state.journal import Journal, JournalConfig, state_tree
+from kvservice.state.journal import Journal, JournalConfig
+from kvservice.state.tree import state_tree
 from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1 import block_manager_pb2_grpc as pb_grpc
 from kvservice.v1 import common_pb2 as cpb

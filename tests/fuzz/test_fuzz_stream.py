@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from kvservice.contract.mirror import MirrorError, PageTableMirror
 from kvservice.contract.transport import STREAM_ID_KEY
-from kvservice.state.journal import Journal, state_tree
+from kvservice.state.journal import Journal
+from kvservice.state.tree import state_tree
 from kvservice.v1 import block_manager_pb2 as pb
 
 from .support import COUNTS, fuzz_settings

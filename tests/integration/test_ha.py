@@ -25,9 +25,9 @@ from kvservice.contract.sizing import Sizing
 from kvservice.server.app import SERVICE_NAME, serve
 from kvservice.server.ha import open_journal, serve_ha, stop_ha
 from kvservice.server.leader_gate import LeaderGate
-from kvservice.state.journal import state_tree
 from kvservice.state.nats.journal import NatsConfig, NatsLink, NatsStore, retry_startup
 from kvservice.state.nats.leader import Lease, LeaseConfig, LeaseLapsed, LeaseLost
+from kvservice.state.tree import state_tree
 
 from ..deploy.support import REPLICATED_METRICS, sample_names
 from ..natsutil import NatsCluster, require_nats_server

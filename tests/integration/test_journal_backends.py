@@ -20,8 +20,9 @@ from kvservice.contract.errors import JournalUnavailable, KVError
 from kvservice.contract.wire import to_tensor
 from kvservice.core.invariants import assert_invariants
 from kvservice.server.ha import open_journal, open_sole_writer
-from kvservice.state.journal import Journal, JournalConfig, StateError, state_tree
+from kvservice.state.journal import Journal, JournalConfig, StateError
 from kvservice.state.nats.journal import Fenced, NatsConfig, NatsLink, NatsStore, StoreError
+from kvservice.state.tree import state_tree
 from kvservice.v1 import block_manager_pb2 as pb
 
 from ..natsutil import NatsCluster, require_nats_server
@@ -189,7 +190,7 @@ def nats_backend(nats1):
 def _prefix_pool_request(name: str, max_seq_len: int) -> pb.CreatePoolRequest:
     from kvservice.contract.geometry import CacheSpec
     from kvservice.contract.sizing import Sizing
-    from kvservice.state.journal import create_request
+    from kvservice.state.startup import create_request
     req = create_request(name, CacheSpec.uniform(2, 1, 64, page_size=16),
                          Sizing(num_slots=max_seq_len // 16 + 64, max_seq_len=max_seq_len), ())
     req.enable_prefix_caching = True

@@ -26,7 +26,9 @@ from kvservice.contract.wire import to_tensor
 from kvservice.core.invariants import assert_invariants
 from kvservice.manager.pools import BlockManager
 from kvservice.server.servicer import Limits
-from kvservice.state.journal import Journal, JournalConfig, MemoryStore, create_request, state_tree
+from kvservice.state.journal import Journal, JournalConfig, MemoryStore
+from kvservice.state.startup import create_request
+from kvservice.state.tree import state_tree
 from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1 import common_pb2
 

@@ -19,8 +19,9 @@ import pytest
 
 from kvservice.contract.errors import StateError
 from kvservice.manager.pools import BlockManager
-from kvservice.state.journal import Entry, Journal, JournalConfig, MemoryStore, state_tree
+from kvservice.state.journal import Entry, Journal, JournalConfig, MemoryStore
 from kvservice.state.sqlite.store import SqliteStore
+from kvservice.state.tree import state_tree
 from kvservice.v1 import block_manager_pb2 as pb
 
 from .test_journal import body, prefix_workload, setup_pools, step_req, workload

@@ -12,7 +12,7 @@ from kvservice.core.invariants import assert_invariants
 from kvservice.core.limits import TENSOR_FRAMING, check_step_counts
 from kvservice.manager.api import ManagerAPI
 from kvservice.manager.pools import BlockManager
-from kvservice.state.journal import state_tree
+from kvservice.state.tree import state_tree
 from kvservice.v1 import block_manager_pb2 as pb
 
 HYBRID = CacheSpec((LayerSpec(2, 64), LayerSpec(2, 128), LayerSpec(1, 64, sliding_window=24)) * 2, 8, "interleaved")
@@ -189,7 +189,7 @@ def test_page_sums_that_could_wrap_are_summed_exactly():
 def test_total_slots_bound_the_memory_of_all_pools():
     """max_total_slots sums slots x groups over pools: many pools each under max_pool_slots cannot add up past it."""
     from kvservice.server.servicer import Limits
-    from kvservice.state.journal import create_request
+    from kvservice.state.startup import create_request
 
     m = BlockManager()
     lim = Limits(max_pool_slots=1000, max_total_slots=2500)

@@ -13,7 +13,7 @@ from kvservice.core.prefix import prompt_hashes
 from kvservice.manager.api import ManagerAPI
 from kvservice.manager.pools import BlockManager
 from kvservice.manager.routing import MAX_SCORE_TOKENS, chained_hashes, score_prefix
-from kvservice.state.journal import state_tree
+from kvservice.state.tree import state_tree
 from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1 import common_pb2 as cpb
 from tests.kv_workload import PS, Workload, pool_step_args

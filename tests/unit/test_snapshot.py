@@ -16,7 +16,8 @@ from kvservice.core.pool_state import PoolState
 from kvservice.core.prefix import PrefixCache
 from kvservice.manager.pools import BlockManager
 from kvservice.state import snapshot as snap
-from kvservice.state.journal import METHODS, Journal, JournalConfig, state_tree
+from kvservice.state.journal import METHODS, Journal, JournalConfig
+from kvservice.state.tree import state_tree
 
 from .test_journal import prefix_workload, setup_pools, workload
 

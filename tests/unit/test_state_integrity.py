@@ -21,8 +21,9 @@ import pytest
 from kvservice.contract.errors import StateError
 from kvservice.server.cli import check_state
 from kvservice.state.ackmark import AckMark
-from kvservice.state.journal import Journal, JournalConfig, state_tree
+from kvservice.state.journal import Journal, JournalConfig
 from kvservice.state.sqlite.wal import check_wal, db_header
+from kvservice.state.tree import state_tree
 
 from .test_journal import prefix_workload, run, setup_pools, step_req, workload
 

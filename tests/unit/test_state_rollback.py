@@ -20,10 +20,11 @@ from kvservice.contract.errors import StateError
 from kvservice.server.cli import check_state
 from kvservice.state import snapshot as snap
 from kvservice.state.ackmark import AckMark
-from kvservice.state.journal import Journal, JournalConfig, state_tree
+from kvservice.state.journal import Journal, JournalConfig
 from kvservice.state.sqlite.store import write_manifest
 from kvservice.state.sqlite.wal import db_header
 from kvservice.state.stores import MemoryStore, lineage_hex
+from kvservice.state.tree import state_tree
 from kvservice.v1 import block_manager_pb2 as pb
 
 from .test_journal import run, setup_pools, step_req, workload

@@ -129,7 +129,8 @@ def test_pools_yaml_prefix_caching_vllm_names_and_human_sizes():
 
 def test_configured_pools_are_created_with_their_prefix_caching_model_and_sizing():
     from kvservice.manager.pools import BlockManager
-    from kvservice.state.journal import Journal, ensure_pools
+    from kvservice.state.journal import Journal
+    from kvservice.state.startup import ensure_pools
 
     text = STRICT.replace("prefix_cachng: true", "prefix_caching: true\n    model: org/chat-model") \
         .replace("max_seq_len: 1024", "max_seq_len: 1024\n      max_num_batched_tokens: 512") \
