@@ -25,6 +25,7 @@ import numpy as np
 
 from kvservice.worker import kernel_api as api
 from kvservice.worker.kernel_api import KernelViolationError, PageLayout, Policy
+from kvservice.worker.page_layout import ITEMSIZE
 
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -125,7 +126,7 @@ def make_inputs(case: Case) -> Inputs:
         raw = RawLayer.per_layer(num_slots, ps, kh, d, case.dtype)
         cache = rand(rng, (num_slots * pe,), case.dtype)
     else:
-        pb = pe * api.ITEMSIZE[case.dtype]
+        pb = pe * ITEMSIZE[case.dtype]
         layout = PageLayout.interleaved(num_slots, 4 * pb, 2 * pb, ps, kh, d, case.dtype)
         raw = RawLayer.interleaved(num_slots, 4 * pb, 2 * pb, ps, kh, d, case.dtype)
         cache = rand(rng, (num_slots * 4 * pe,), case.dtype)

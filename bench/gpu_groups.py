@@ -114,7 +114,7 @@ def versions(cuda: bool) -> dict[str, str]:
 def group_preflight(ctx: Ctx) -> int:
     """Build one module (checked or unchecked), resolve every kernel, report
     versions and resources. Exit 2 when anything is missing."""
-    from kvservice.worker import kernel_api as api
+    from kvservice.worker import launch_plan
 
     build = ctx.args.build
     v = versions(ctx.cuda)
@@ -125,7 +125,7 @@ def group_preflight(ctx: Ctx) -> int:
     spills: list[str] = []
     try:
         be = ctx.backend(build == "unchecked")
-        for name in api.kernel_names():
+        for name in launch_plan.kernel_names():
             try:
                 res = be.resources(name) if ctx.cuda else {"signature": be.signature(name)}
             except Exception as e:
@@ -141,7 +141,7 @@ def group_preflight(ctx: Ctx) -> int:
         missing.append(f"{type(e).__name__}: {e}")
         traceback.print_exc()
     ok = not missing
-    ctx.emit(kind="check", check=f"preflight {build}: build and resolve {len(api.kernel_names())} kernels",
+    ctx.emit(kind="check", check=f"preflight {build}: build and resolve {len(launch_plan.kernel_names())} kernels",
              ok=ok, detail="; ".join(missing)[:2000] or "every kernel resolved",
              seconds=round(time.perf_counter() - t0, 3))
     if ok and ctx.cuda:  # a spill is a performance bug, not a reason to stop

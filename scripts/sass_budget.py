@@ -361,7 +361,7 @@ _DTYPE = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
 
 def tile_bytes(entry: str) -> int:
     sys.path.insert(0, str(ROOT))
-    from kvservice.worker.kernel_api import decode_geometry
+    from kvservice.worker.launch_plan import decode_geometry
 
     m = _ENTRY.match(entry)
     return decode_geometry(_DTYPE[m.group(1)], int(m.group(2)), int(m.group(3))).tile_bytes
@@ -448,6 +448,7 @@ def amortized(rows: list[dict]) -> list[dict]:
 
     from bench.decode_cases import TIMING_PAGE_SIZE, TIMING_RANGE, TIMING_SHAPES
     from kvservice.worker import kernel_api as api
+    from kvservice.worker import launch_plan
 
     by = {r["entry"]: r for r in rows}
     ps, slack = TIMING_PAGE_SIZE, rescale_slack()
@@ -458,7 +459,7 @@ def amortized(rows: list[dict]) -> list[dict]:
         r = by.get(entry)
         if r is None or "steady" not in r:
             continue
-        geo = api.decode_geometry("float16", r["heads"], d)
+        geo = launch_plan.decode_geometry("float16", r["heads"], d)
         blocks = b * hkv * math.ceil(hq // hkv / r["heads"])
         max_pages = ctx // ps
         pps = api.default_splits(blocks, max_pages, SMS * r["blocks_per_sm"])

@@ -1,6 +1,7 @@
-"""Shared kernel API: reasons, policy, violation records, page layouts,
-argument checks, and the launch planning used by both compiled backends
-(``kvservice.worker.kernels_cpu`` -- g++ host emulation, ``kvservice.worker.kernels_cuda`` -- CuPy).
+"""Shared kernel API: reasons, policy, violation records, page layouts, argument checks, and the calls
+both compiled backends launch (``kvservice.worker.kernels_cpu`` -- g++ host emulation,
+``kvservice.worker.kernels_cuda`` -- CuPy); which entry and how many splits a launch takes:
+``kvservice.worker.launch_plan``.
 
 Array conventions (FlashInfer-style; ``xp`` is NumPy or CuPy):
 
@@ -17,7 +18,6 @@ Array conventions (FlashInfer-style; ``xp`` is NumPy or CuPy):
 from __future__ import annotations
 
 import enum
-import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,16 +27,12 @@ import numpy as np
 
 from kvservice.contract import pagetable
 from kvservice.worker import generations as gens
+from kvservice.worker.launch_plan import THREADS, VEC, decode_entry, default_splits, heads_per_block
+from kvservice.worker.page_layout import DTYPES, PageLayout
 
 #: Reason names by kernel reason code (paged.cuh KV_*): 0 ok, then pagetable.WORKER_REASONS (..., stale_page).
 REASONS: tuple[str, ...] = ("ok", *pagetable.WORKER_REASONS)
 NO_KEY = 0xFFFFFFFFFFFFFFFF
-DTYPES: dict[str, Any] = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32}
-ITEMSIZE: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
-VEC: dict[str, int] = {"float16": 8, "bfloat16": 8, "float32": 4}  # elements per 16 bytes
-HEAD_DIMS: tuple[int, ...] = (32, 64, 128, 256, 512)
-THREADS = 128
-GMAX = 8  # q heads per decode block
 
 
 class Policy(enum.IntEnum):
@@ -92,114 +88,6 @@ def new_record_words() -> np.ndarray:
     w = np.zeros(8, dtype=np.uint64)
     w[1] = NO_KEY
     return w
-
-
-@dataclass(frozen=True)
-class PageLayout:
-    """How one layer sees its buffer: pages of ``[2, page_size, kv_heads, head_dim]`` (K then V), or of
-    ``[1, page_size, kv_heads, head_dim]`` for a K-only layer (``k_only``: a multi-head latent attention
-    layer's latent vectors, appended, copied and validated like any page; decode attention refuses it).
-
-    ``page_stride``: elements between pages. Index space (docs NUMBERING): a page
-    index p is valid iff ``base <= p < upper_bound`` and ``(p - base - offset) % scale
-    == 0``; it lives at buffer page ``p - base``. ``pool_pages``: end of the pool's
-    numbering (0 = ``upper_bound``), which tells ``wrong_index_space`` (a page of another
-    space of the pool) from ``out_of_bounds``.
-    """
-
-    page_size: int
-    kv_heads: int
-    head_dim: int
-    dtype: str
-    page_stride: int
-    scale: int = 1
-    offset: int = 0
-    upper_bound: int = 0
-    base: int = 0
-    pool_pages: int = 0
-    k_only: bool = False
-
-    def __post_init__(self) -> None:
-        if self.pool_pages == 0:
-            object.__setattr__(self, "pool_pages", self.upper_bound)
-
-    @property
-    def kv_tensors(self) -> int:
-        """Tensors per page: 2 (K and V) or 1 (k_only)."""
-        return 1 if self.k_only else 2
-
-    @property
-    def num_pages(self) -> int:
-        """Pages of the layer's buffer: upper_bound - base."""
-        return self.upper_bound - self.base
-
-    @property
-    def page_elems(self) -> int:
-        return self.kv_tensors * self.page_size * self.kv_heads * self.head_dim
-
-    @property
-    def itemsize(self) -> int:
-        return ITEMSIZE[self.dtype]
-
-    @property
-    def required_elems(self) -> int:
-        """Buffer elements the highest valid page reaches."""
-        return (self.num_pages - 1) * self.page_stride + self.page_elems
-
-    @classmethod
-    def per_layer(cls, num_slots: int, page_size: int, kv_heads: int, head_dim: int, dtype: str, *,
-                  base: int = 0, pool_pages: int = 0, k_only: bool = False) -> PageLayout:
-        """A layer buffer of num_slots pages; page index = base + slot."""
-        pe = (1 if k_only else 2) * page_size * kv_heads * head_dim
-        return cls(page_size, kv_heads, head_dim, dtype, pe, 1, 0, base + num_slots, base, pool_pages, k_only)
-
-    @classmethod
-    def interleaved(
-        cls, num_slots: int, slot_bytes: int, byte_offset: int,
-        page_size: int, kv_heads: int, head_dim: int, dtype: str, *, base: int = 0, pool_pages: int = 0,
-        k_only: bool = False,
-    ) -> PageLayout:
-        """Layer page inside a slot of ``slot_bytes``; pages aligned to their own size;
-        page index = base + slot * scale + offset."""
-        pe = (1 if k_only else 2) * page_size * kv_heads * head_dim
-        pb = pe * ITEMSIZE[dtype]
-        if slot_bytes % pb or byte_offset % pb:
-            raise ValueError(f"slot_bytes {slot_bytes} and byte_offset {byte_offset} "
-                             f"must be multiples of page bytes {pb}")
-        scale = slot_bytes // pb
-        return cls(page_size, kv_heads, head_dim, dtype, pe, scale, byte_offset // pb, base + num_slots * scale,
-                   base, pool_pages, k_only)
-
-    def page_index(self, slot: np.ndarray | int) -> np.ndarray | int:
-        return self.base + slot * self.scale + self.offset
-
-    def reasons(self, pages: np.ndarray) -> np.ndarray:
-        """Reason code per page index (0 ok, else out_of_bounds 1 / off_lattice 2 /
-        wrong_index_space 5), as kvservice.contract.pagetable.page_reasons; same shape, int8."""
-        return pagetable.page_reasons(pages, base=self.base, upper_bound=self.upper_bound, scale=self.scale,
-                                      offset=self.offset, pool_pages=self.pool_pages)
-
-    def validate(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.k_only:         # no decode kernel reads it: any row of whole 16-byte pieces
-            if self.head_dim <= 0 or (self.head_dim * self.kv_heads) % VEC[self.dtype]:
-                raise ValueError(f"a K-only (latent) layer needs kv_heads * head_dim a multiple of "
-                                 f"{VEC[self.dtype]}, got {self.kv_heads} x {self.head_dim}")
-        elif self.head_dim not in HEAD_DIMS:
-            raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {self.head_dim}")
-        for name in ("page_size", "kv_heads", "scale", "num_pages"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if not 0 <= self.offset < self.scale or self.base < 0 or self.pool_pages < self.upper_bound:
-            raise ValueError(f"index space needs 0 <= offset < scale, base >= 0 and pool_pages >= upper_bound, "
-                             f"got offset {self.offset}, scale {self.scale}, base {self.base}, "
-                             f"pool_pages {self.pool_pages}, upper_bound {self.upper_bound}")
-        if self.page_elems >= 2**31:  # the kernels' in-page offsets are 32-bit (page strides and bases: 64)
-            raise ValueError(f"a page holds {self.page_elems} elements; the kernels take fewer than 2^31 per page")
-        if self.page_stride < self.page_elems or self.page_stride % VEC[self.dtype]:
-            raise ValueError(f"page_stride {self.page_stride} must be >= page elems {self.page_elems} "
-                             f"and a multiple of {VEC[self.dtype]}")
 
 
 @dataclass
@@ -305,43 +193,6 @@ def check_copy_pairs(xp: Any, pairs: Any, what: str = "page") -> None:
                          "nothing was copied")
 
 
-MIN_SPLIT_PAGES = 4  # pages per split at least (a split's fixed cost: checks, q, pipeline fill)
-SPLIT_TARGET = 0.9  # fraction of the device's block slots a launch should keep busy
-
-
-@functools.lru_cache(maxsize=4096)
-def default_splits(blocks: int, max_pages: int, slots: int) -> int:
-    """Pages per split for the split-KV path (0 = no split).
-
-    ``blocks``: decode blocks without a split (batch x kv heads x q-head chunks);
-    ``max_pages``: pages of the longest row (after the window); ``slots``: blocks
-    the device runs at once (SMs x resident blocks per SM of the decode entry,
-    from the occupancy API on a GPU). A launch of n equal blocks runs in
-    ``ceil(n / slots)`` waves and keeps ``n / (ceil(n / slots) * slots)`` of the
-    slot time busy; splitting multiplies n and shortens each block. The fewest
-    splits that reach SPLIT_TARGET win (fewer partials to merge), else the best
-    found; every split keeps >= MIN_SPLIT_PAGES pages.
-    """
-    if blocks <= 0 or slots <= 0 or max_pages < 2 * MIN_SPLIT_PAGES:
-        return 0
-
-    def busy(n: int) -> float:
-        return n / (math.ceil(n / slots) * slots)
-
-    best_pps, best = 0, busy(blocks)
-    if best >= SPLIT_TARGET:
-        return 0
-    top = min(max_pages // MIN_SPLIT_PAGES, 2 * math.ceil(slots / blocks) + 2, 1024)
-    for want in range(2, top + 1):
-        pps = math.ceil(max_pages / want)
-        u = busy(blocks * math.ceil(max_pages / pps))
-        if u >= SPLIT_TARGET:
-            return pps
-        if u > best + 1e-12:
-            best_pps, best = pps, u
-    return best_pps
-
-
 class Backend(Protocol):
     xp: Any
     sms: int
@@ -359,72 +210,6 @@ class Backend(Protocol):
 NULL = np.uint64(0)
 I64 = np.int64
 F32 = np.float32
-ENTRY = {"float32": "kv_decode_f32", "float16": "kv_decode_f16", "bfloat16": "kv_decode_bf16"}
-
-
-def heads_per_block(group: int, head_dim: int) -> int:
-    """Decode entry variant: q heads per block, the smallest of 1/4/8 >= min(group, cap);
-    cap 8, or 4 at head_dim 512 (q and output registers per lane)."""
-    cap = 4 if head_dim == 512 else GMAX
-    return next(g for g in (1, 4, 8) if g >= min(group, cap))
-
-
-def decode_entry(dtype: str, group: int, head_dim: int) -> str:
-    """Name of the decode entry for a cache dtype, GQA group size and head_dim."""
-    return f"{ENTRY[dtype]}_g{heads_per_block(group, head_dim)}_d{head_dim}"
-
-
-@dataclass(frozen=True)
-class DecodeGeometry:
-    """Compile-time geometry of one decode entry (mirrors ``KvDecGeom`` in
-    decode_attention.cu; test_nvcc checks ``smem_bytes`` against ptxas)."""
-
-    vec: int  # elements per 16-byte piece
-    lanes: int  # lanes per K/V row (a lane group)
-    lane_groups: int  # per block of THREADS
-    tile_tokens: int  # tokens per pipeline tile
-    copies_per_thread: int  # 16-byte cp.async per thread per tile, K and V each
-    stages: int  # cp.async ring depth
-    smem_bytes: int  # static shared memory of the checked build
-
-    @property
-    def tile_bytes(self) -> int:
-        """K + V bytes of one tile."""
-        return 2 * THREADS * self.copies_per_thread * 16
-
-
-def decode_geometry(dtype: str, heads: int, head_dim: int) -> DecodeGeometry:
-    """Geometry of the decode entry with ``heads`` q heads per block."""
-    vec = VEC[dtype]
-    cpr = head_dim // vec
-    lanes = min(cpr, 32)
-    ch = cpr // lanes
-    groups = THREADS // lanes
-    rpt = 2 if ch == 1 else 1
-    tt = groups * rpt
-    nch = tt * cpr // THREADS
-    stages = 3 if nch <= 2 else 2
-    buf_floats = max(stages * 2 * tt * cpr * 4, groups * heads * head_dim)
-    # ring/merge, max+sum, s_bad, then s_ctx (4 x int64: 8-byte aligned), s_last
-    smem = 4 * buf_floats + 2 * 4 * groups * heads + 4
-    smem = -(-smem // 8) * 8 + 4 * 8 + 4
-    return DecodeGeometry(vec, lanes, groups, tt, nch, stages, smem)
-
-
-OTHER_KERNELS = ("kv_append", "kv_copy_blocks", "kv_decode_merge", "kv_guard_check", "kv_guard_fill",
-                 "kv_validate_page_table", "kv_widen_f16", "kv_widen_bf16")
-
-
-def decode_entries() -> list[str]:
-    """Every decode entry the sources define (dtype x heads per block x head_dim)."""
-    return sorted({decode_entry(dt, g, d) for dt in ENTRY for g in (1, 4, 8) for d in HEAD_DIMS})
-
-
-def kernel_names() -> list[str]:
-    """Every ``extern "C"`` kernel of kvservice/worker/kernels/*.cu."""
-    return sorted([*OTHER_KERNELS, *decode_entries()])
-
-
 class KernelCall:
     """Handle on a launched kernel; ``record`` reads its violation record lazily."""
 

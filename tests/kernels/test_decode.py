@@ -273,7 +273,7 @@ def test_row_level_violations(ops) -> None:
 
 def test_default_splits_fill_the_device() -> None:
     """Split-KV from residency: blocks run in waves of `slots` (SMs x blocks per SM)."""
-    from kvservice.worker.kernel_api import MIN_SPLIT_PAGES, default_splits
+    from kvservice.worker.launch_plan import MIN_SPLIT_PAGES, default_splits
 
     assert default_splits(512, 256, 528) == 0  # 512 of 528 slots busy: one wave, no split
     # 512 blocks on 396 slots: 2 waves at 65 %; 3 splits of 86 pages -> 4 waves at 97 %

@@ -97,9 +97,9 @@ def test_emulated_end_to_end(tmp_path: Path) -> None:
     assert checks and all(c["ok"] for c in checks)
     assert {x["group"] for x in lines} == {"preflight", *gpu_check.GROUP_TIMEOUTS}
     kernels = {(x["build"], x["name"]) for x in lines if x["kind"] == "kernel"}
-    from kvservice.worker import kernel_api
+    from kvservice.worker import launch_plan
 
-    assert kernels == {(b, n) for b in ("checked", "unchecked") for n in kernel_api.kernel_names()}
+    assert kernels == {(b, n) for b in ("checked", "unchecked") for n in launch_plan.kernel_names()}
     assert {x["kernel"] for x in lines if x["kind"] == "perf"} == {
         "device-to-device copy", "read-only pass", "decode (checked)", "decode (unchecked)",
         "decode (checked+generations)", "append_kv", "copy_blocks"}
@@ -214,7 +214,7 @@ def test_runs_on_python_310() -> None:
     """The device may have Python 3.10: no 3.11+ syntax or datetime.UTC in what gpu_check imports."""
     files = [SCRIPT, ROOT / "bench" / "gpu_groups.py", ROOT / "bench" / "decode_cases.py"] + [
         ROOT / "kvservice" / "worker" / f"{m}.py"
-        for m in ("kernel_api", "kernels_cuda", "kernels_cpu", "reference", "ops_numpy")]
+        for m in ("kernel_api", "launch_plan", "page_layout", "kernels_cuda", "kernels_cpu", "reference", "ops_numpy")]
     for f in files:
         src = f.read_text()
         ast.parse(src, filename=str(f), feature_version=(3, 10))

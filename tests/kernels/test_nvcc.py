@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvservice.worker import kernel_api
+from kvservice.worker import launch_plan
 from tests.ci import find_nvcc, missing
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -145,7 +145,7 @@ def test_nvcc_all_kernels_sm80_sm90() -> None:
         if not defines:
             rows += r
     names = {r["function"] for r in rows}
-    assert names == set(kernel_api.kernel_names()), names ^ set(kernel_api.kernel_names())
+    assert names == set(launch_plan.kernel_names()), names ^ set(launch_plan.kernel_names())
     report = table(rows)
     (ROOT / "build").mkdir(exist_ok=True)
     (ROOT / "build" / "nvcc-resources.md").write_text(report + "\n")
@@ -154,7 +154,7 @@ def test_nvcc_all_kernels_sm80_sm90() -> None:
         m = re.fullmatch(r"kv_decode_(\w+)_g(\d+)_d(\d+)", r["function"])
         if m:
             dtype = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}[m.group(1)]
-            assert r["smem"] == kernel_api.decode_geometry(dtype, int(m.group(2)), int(m.group(3))).smem_bytes, r
+            assert r["smem"] == launch_plan.decode_geometry(dtype, int(m.group(2)), int(m.group(3))).smem_bytes, r
     doc = documented_blocks()
     assert {f for f, _ in doc} == names, "docs/KERNELS.md resource table must list every kernel"
     drops = [(r["function"], r["arch"], blocks_per_sm(r["arch"], r["registers"], r["smem"]),

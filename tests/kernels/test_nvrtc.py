@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from kvservice.worker import kernel_api, kernels_cuda
+from kvservice.worker import kernels_cuda, launch_plan
 from tests.ci import missing
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -120,7 +120,7 @@ def test_raw_module_source_compiles(arch: str, no_checks: bool) -> None:
     if not arch.startswith("sm_"):
         return
     res = sass_budget.resources(got["usage"])
-    assert set(res) == set(kernel_api.kernel_names()), set(res) ^ set(kernel_api.kernel_names())
+    assert set(res) == set(launch_plan.kernel_names()), set(res) ^ set(launch_plan.kernel_names())
     spills = {n: r for n, r in res.items() if r.get("stack") or r.get("local")}
     assert not spills, f"NVRTC {nvrtc_version()}: stack or local memory: {spills}"
     low = {n: (sass_budget.blocks_per_sm(r["reg"], r["shared"]), sass_budget.BASELINE_BLOCKS[n])

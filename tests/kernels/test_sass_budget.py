@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvservice.worker import kernel_api
+from kvservice.worker import launch_plan
 from tests.ci import missing
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,7 +82,7 @@ def test_amortized_model_by_hand() -> None:
 
 
 def test_baseline_covers_every_entry() -> None:
-    assert sorted(sb.BASELINE_BLOCKS) == kernel_api.decode_entries()
+    assert sorted(sb.BASELINE_BLOCKS) == launch_plan.decode_entries()
 
 
 def _rows() -> list[dict]:
@@ -99,7 +99,7 @@ def rows() -> list[dict]:
 
 @pytest.mark.timeout(3600)  # three cold nvcc builds of decode_attention.cu on 2 cores
 def test_every_decode_entry_within_budget(rows: list[dict]) -> None:
-    assert sorted(r["entry"] for r in rows) == kernel_api.decode_entries()
+    assert sorted(r["entry"] for r in rows) == launch_plan.decode_entries()
     assert not sb.problems(rows), sb.problems(rows)
     by = {r["entry"]: r for r in rows}
     # the figures: f16_g4_d128 <= 420 (from ~649), the 8-heads entries <= 650 (from ~1,012),
