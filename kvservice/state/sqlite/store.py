@@ -135,25 +135,7 @@ class SqliteStore(JournalStore):
         self.mark.required = bool(m and m.get("acked_mark"))
         db_has = db_path.exists() and db_path.stat().st_size > 0
         snap_files = sorted((d / SNAP_DIR).glob("snapshot-*.kvs")) if (d / SNAP_DIR).exists() else []
-        fresh = False
-        if m is None and self.repair and (db_has or snap_files):
-            self.overridden.append("no MANIFEST: how much was acknowledged is unknown")
-        acked = self.mark.found.seq if self.mark.found is not None else 0
-        if m is None and not self.repair and acked and not db_has:
-            raise StateError(f"{d}: {MANIFEST} and {DB_NAME} are missing, but {ACKED} says {acked} changes were "
-                             f"acknowledged here: this is not a fresh state dir. {RESTORE}, or move {ACKED} away "
-                             "to start empty", reason="STATE_DAMAGED")
-        if m is None and not self.repair:
-            if not db_has and not snap_files and not self.readonly:
-                fresh = True
-            elif db_has and not snap_files and not acked and self._interrupted_first_start(db_path) \
-                    and not self.readonly:
-                fresh = True
-            else:
-                raise StateError(f"{d}: {MANIFEST} is missing but the dir holds kvservice state "
-                                 f"({'state.db' if db_has else 'no state.db'}, {len(snap_files)} snapshot files): "
-                                 f"how much it acknowledged is unknown. {REPAIR}, or {RESTORE}",
-                                 reason="STATE_DAMAGED")
+        fresh = self._fresh(m, db_path, db_has, len(snap_files))
         if fresh:
             for p in (db_path, wal, d / (DB_NAME + "-shm")):
                 p.unlink(missing_ok=True)
@@ -167,6 +149,34 @@ class SqliteStore(JournalStore):
                              f"changes acknowledged, snapshot at {m['snapshot_seq'] if m else '?'}): {RESTORE}",
                              reason="STATE_DAMAGED")
         wal_existed = wal.exists()
+        self._check_files(db_path, wal, db_has, wal_existed)
+        self._connect(sync, fresh)
+        self._check_tables(wal_existed)
+
+    def _fresh(self, m: dict | None, db_path: Path, db_has: bool, snap_files: int) -> bool:
+        """Whether the dir holds no state yet (start empty); StateError when it holds state but no MANIFEST says
+        how much was acknowledged (unless repairing: then that is noted as overridden)."""
+        d = self.state_dir
+        if m is None and self.repair and (db_has or snap_files):
+            self.overridden.append("no MANIFEST: how much was acknowledged is unknown")
+        acked = self.mark.found.seq if self.mark.found is not None else 0
+        if m is None and not self.repair and acked and not db_has:
+            raise StateError(f"{d}: {MANIFEST} and {DB_NAME} are missing, but {ACKED} says {acked} changes were "
+                             f"acknowledged here: this is not a fresh state dir. {RESTORE}, or move {ACKED} away "
+                             "to start empty", reason="STATE_DAMAGED")
+        if m is not None or self.repair:
+            return False
+        if not db_has and not snap_files and not self.readonly:
+            return True
+        if db_has and not snap_files and not acked and self._interrupted_first_start(db_path) and not self.readonly:
+            return True
+        raise StateError(f"{d}: {MANIFEST} is missing but the dir holds kvservice state "
+                         f"({'state.db' if db_has else 'no state.db'}, {snap_files} snapshot files): "
+                         f"how much it acknowledged is unknown. {REPAIR}, or {RESTORE}", reason="STATE_DAMAGED")
+
+    def _check_files(self, db_path: Path, wal: Path, db_has: bool, wal_existed: bool) -> None:
+        """The database header and the write-ahead log, checked before SQLite opens (and may rewrite) them."""
+        d = self.state_dir
         if db_has and not (self.readonly and self.live):
             page_size, problem = db_header(db_path)
             if problem:
@@ -181,8 +191,6 @@ class SqliteStore(JournalStore):
         elif self.live:
             self.notes.append("a manager is running on this dir: checked through an online copy; its "
                               "write-ahead log was not checked")
-        self._connect(sync, fresh)
-        self._check_tables(wal_existed)
 
     def _interrupted_first_start(self, db_path: Path) -> bool:
         """A state.db with our tables and nothing in them, no MANIFEST: a first start that stopped early.

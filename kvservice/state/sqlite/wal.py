@@ -109,17 +109,12 @@ def check_wal(path: Path, page_size: int) -> WalReport:
     if len(data) < HEADER_BYTES + frame_bytes:        # no complete frame: nothing can be lost
         return WalReport(0, 0, 0, 0)
     head = struct.unpack(">8I", data[:HEADER_BYTES])
-    magic, version, wal_page, _ckpt, salt1, salt2, hc0, hc1 = head
+    magic, _version, _wal_page, _ckpt, salt1, salt2, hc0, hc1 = head
     num_frames = (len(data) - HEADER_BYTES) // frame_bytes
-    if magic not in (MAGIC_LE, MAGIC_BE) or version != WAL_VERSION or wal_page != page_size:
-        return WalReport(num_frames, 0, 0, 0, f"{path.name}: header damaged (magic {magic:#x}, version {version}, "
-                         f"page size {wal_page} for a {page_size}-byte database); SQLite would ignore its "
-                         f"{num_frames} frames")
+    damaged = _header_damage(path.name, data, head, num_frames, page_size)
+    if damaged is not None:
+        return damaged
     big = magic & 1
-    hwords = list(struct.unpack(">6I" if big else "<6I", data[:24]))
-    if _header_checksum(hwords) != (hc0, hc1):
-        return WalReport(num_frames, 0, 0, 0, f"{path.name}: header checksum mismatch; SQLite would ignore its "
-                         f"{num_frames} frames")
     body = np.frombuffer(data, dtype=np.uint8, count=num_frames * frame_bytes, offset=HEADER_BYTES)
     frames = body.reshape(num_frames, frame_bytes)
     fh = frames[:, :FRAME_HEADER_BYTES].copy().view(">u4").astype(np.uint64)      # [F, 6] big-endian fields
@@ -158,24 +153,52 @@ def check_wal(path: Path, page_size: int) -> WalReport:
     k = valid
     # Frames written in this chain verify against their predecessor's stored checksum.
     local = [chained(f, stored[f - 1] if f else (hc0, hc1)) == stored[f] for f in range(k, num_frames)]
-    where = f"{path.name}: frame {k} of {num_frames}"
-    lost = f"SQLite would drop it and the {num_frames - k - 1} frames after it, commits included"
-    if not current[k]:
-        if local[0]:
-            return WalReport(num_frames, valid, committed, 0, f"{where} has a damaged salt; {lost}")
-        later = [k + i for i, ok in enumerate(local) if ok and i and current[k + i]]
-        if later:
-            return WalReport(num_frames, valid, committed, 0, f"{where} is damaged (frame {later[0]} after it "
-                             f"belongs to the log); {lost}")
-        return WalReport(num_frames, valid, committed, 0)       # leftovers of an earlier log generation
     later = [k + i for i, ok in enumerate(local) if ok and i and current[k + i]]
-    if later:
-        return WalReport(num_frames, valid, committed, 0, f"{where} fails its checksum but frame {later[0]} after "
-                         f"it is intact: the log was damaged; {lost}")
-    bit = _one_bit(words[k], pw, n, chained(k, seed), stored[k])
-    if bit is not None:
-        return WalReport(num_frames, valid, committed, 0, f"{where}: one flipped bit ({bit}); {lost}")
+    bit = _one_bit(words[k], pw, n, chained(k, seed), stored[k]) if current[k] and not later else None
+    problem = _frame_damage(f"{path.name}: frame {k} of {num_frames}", num_frames - k - 1, bool(current[k]),
+                            local[0], later, bit)
+    if problem is None and not current[k]:
+        return WalReport(num_frames, valid, committed, 0)       # leftovers of an earlier log generation
+    if problem is not None:
+        return WalReport(num_frames, valid, committed, 0, problem)
     return WalReport(num_frames, valid, committed, num_frames - committed)
+
+
+def _header_damage(name: str, data: bytes, head: tuple[int, ...], num_frames: int, page_size: int) -> WalReport | None:
+    """A report for a log whose header SQLite would refuse (then it ignores every frame), else None."""
+    magic, version, wal_page, _ckpt, _salt1, _salt2, hc0, hc1 = head
+    if magic not in (MAGIC_LE, MAGIC_BE) or version != WAL_VERSION or wal_page != page_size:
+        return WalReport(num_frames, 0, 0, 0, f"{name}: header damaged (magic {magic:#x}, version {version}, "
+                         f"page size {wal_page} for a {page_size}-byte database); SQLite would ignore its "
+                         f"{num_frames} frames")
+    hwords = list(struct.unpack(">6I" if magic & 1 else "<6I", data[:24]))
+    if _header_checksum(hwords) != (hc0, hc1):
+        return WalReport(num_frames, 0, 0, 0, f"{name}: header checksum mismatch; SQLite would ignore its "
+                         f"{num_frames} frames")
+    return None
+
+
+def _frame_damage(where: str, after: int, current: bool, self_consistent: bool, later: list[int],
+                  bit: int | None) -> str | None:
+    """Why the first frame that does not verify is damage (the log lost commits), or None: a torn tail (the
+    current log's last write cut short) or an earlier log generation's leftovers (not current).
+
+    current: the frame carries the log's salts; self_consistent: it verifies against its own predecessor's
+    stored checksum; later: frames after it that verify and belong to the log; bit: a single flipped bit
+    that would explain the mismatch.
+    """
+    lost = f"SQLite would drop it and the {after} frames after it, commits included"
+    if not current:
+        if self_consistent:
+            return f"{where} has a damaged salt; {lost}"
+        if later:
+            return f"{where} is damaged (frame {later[0]} after it belongs to the log); {lost}"
+        return None
+    if later:
+        return f"{where} fails its checksum but frame {later[0]} after it is intact: the log was damaged; {lost}"
+    if bit is not None:
+        return f"{where}: one flipped bit ({bit}); {lost}"
+    return None
 
 
 def _one_bit(words: np.ndarray, pw: np.ndarray, n: int, computed: tuple[int, int],
