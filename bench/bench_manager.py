@@ -301,8 +301,9 @@ def bench_stream_breakdown(steps: int, batches: tuple[int, ...] = BATCHES,
     from kvservice.client.stream import _Core
     from kvservice.contract.errors import JournalUnavailable
     from kvservice.contract.transport import MAX_MESSAGE_BYTES
-    from kvservice.events.hub import EventsConfig, configure_events
+    from kvservice.events.publish import configure_events
     from kvservice.manager.api import ManagerAPI
+    from kvservice.manager.event_log import EventsConfig
     from kvservice.manager.pools import BlockManager
     from kvservice.server.metrics import ManagerMetrics
     from kvservice.server.servicer import BlockManagerServicer, Limits

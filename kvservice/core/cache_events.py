@@ -12,7 +12,7 @@ The sources of one pool share one :class:`PoolEvents`, which belongs to the pool
 the changes of the step in progress and the number of the last batch. After every Step the
 manager takes the step's changes as one batch numbered ``seq + 1`` (:meth:`take_batch`); a
 restarted manager therefore numbers the batches it regenerates by replay exactly as the first
-run did. Transport (the gRPC stream, ZeroMQ) is elsewhere (``events/hub.py``, ``events/zmq.py``).
+run did. Transport (the gRPC stream, ZeroMQ) is elsewhere (``manager/event_log.py``, ``events/zmq.py``).
 
 Layer groups: every source names its group, the group's kind ("full_attention" or
 "sliding_window") and window, so a hybrid pool whose groups cache prefixes only adds sources.

@@ -1,24 +1,17 @@
-"""Proto side of the router-facing RPCs: KV event batches (WatchEvents) and prefix scores (ScorePrefix).
+"""Proto side of WatchEvents: KV event batches as messages and back (ScorePrefix's is manager/routing.py).
 
 No gRPC here: messages in, domain calls, messages out (the servicer streams them).
 """
 
 from __future__ import annotations
 
-import numpy as np
-
-from kvservice.contract.errors import InvalidArgument
 from kvservice.contract.wire import from_tensor, to_tensor
 from kvservice.core.cache_events import AllBlocksCleared, BlockRemoved, BlockStored, event_pages
-from kvservice.events.hub import LoggedBatch
-from kvservice.manager.pools import BlockManager
-from kvservice.manager.routing import MAX_SCORE_TOKENS
-from kvservice.manager.routing import score_prefix as _score
+from kvservice.manager.event_log import LoggedBatch
 from kvservice.v1 import block_manager_pb2 as pb
 
 #: Pages per WatchEvents message: a reset of a big cache is split into messages of the same sequence.
 MESSAGE_PAGES = 16_384
-_ITEMSIZE = {10: 4, 11: 8}          # INT32, INT64
 
 
 def event_to_proto(e: object) -> pb.KVEvent:
@@ -69,24 +62,3 @@ def proto_to_events(msg: pb.KVEventBatch) -> list[object]:
         else:
             out.append(AllBlocksCleared())
     return out
-
-
-def score_prefix(manager: BlockManager, request: pb.ScorePrefixRequest) -> pb.ScorePrefixReply:
-    """ScorePrefix: decode (size checked before decoding), score, encode."""
-    if not request.HasField("token_ids"):
-        raise InvalidArgument("token_ids is required: the prompt's token ids, INT32 or INT64")
-    t = request.token_ids
-    if t.dtype not in _ITEMSIZE:
-        raise InvalidArgument("token_ids must be INT32 or INT64")
-    if len(t.data) // _ITEMSIZE[t.dtype] > MAX_SCORE_TOKENS:
-        raise InvalidArgument(f"token_ids has {len(t.data) // _ITEMSIZE[t.dtype]} tokens; ScorePrefix takes at most "
-                              f"{MAX_SCORE_TOKENS}", reason="LIMIT_EXCEEDED", limit=MAX_SCORE_TOKENS)
-    tok = from_tensor(t, "token_ids")
-    if tok.ndim != 1:
-        raise InvalidArgument(f"token_ids must be 1-D, got shape {list(tok.shape)}")
-    scores = _score(manager, np.asarray(tok), request.cache_salt, request.extra_key, list(request.pools),
-                    request.model)
-    return pb.ScorePrefixReply(num_tokens=len(tok), scores=[
-        pb.PrefixScore(pool=s.pool, cached_tokens=s.cached_tokens, cached_pages=s.cached_pages, page_size=s.page_size,
-                       prefix_caching=s.prefix_caching, worker_ids=[w for w, _ in s.workers],
-                       worker_addresses=[a for _, a in s.workers]) for s in scores])

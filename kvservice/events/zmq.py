@@ -44,7 +44,7 @@ from kvservice.contract.errors import InvalidArgument, KVError
 from kvservice.core.cache_events import AllBlocksCleared as DomainCleared
 from kvservice.core.cache_events import BlockRemoved as DomainRemoved
 from kvservice.core.cache_events import BlockStored as DomainStored
-from kvservice.events.hub import EventHub, LoggedBatch, Subscription
+from kvservice.manager.event_log import EventHub, LoggedBatch, Subscription
 
 log = logging.getLogger("kvservice.events")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)

@@ -23,9 +23,9 @@ from kvservice.core.limits import (
 )
 from kvservice.core.planner import plan
 from kvservice.core.pool import Pool, StepResult
-from kvservice.events import messages as events_proto
 from kvservice.manager import replies
 from kvservice.manager.pools import BlockManager
+from kvservice.manager.routing import score_prefix_reply
 from kvservice.v1 import block_manager_pb2 as pb
 
 log = logging.getLogger("kvservice")
@@ -278,7 +278,7 @@ class ManagerAPI:
         return pb.HeartbeatReply(lease_seconds=self.manager.workers.lease_seconds)
 
     def ScorePrefix(self, request: pb.ScorePrefixRequest) -> pb.ScorePrefixReply:
-        return events_proto.score_prefix(self.manager, request)
+        return score_prefix_reply(self.manager, request)
 
     def ListWorkers(self, request: pb.ListWorkersRequest) -> pb.ListWorkersReply:
         reg = self.manager.workers

@@ -22,7 +22,7 @@ from kvservice.core.allocator import generation_seed
 from kvservice.core.hashing import DEFAULT_MODE, HASH_MODES, VLLM_DEFAULT_SEED
 from kvservice.core.planner import plan
 from kvservice.core.pool import Pool
-from kvservice.events.hub import EventHub
+from kvservice.manager.event_log import EventHub
 from kvservice.manager.fleet_index import FleetIndex
 from kvservice.manager.workers import WorkerRecord, WorkerRegistry
 
@@ -38,7 +38,7 @@ class BlockManager:
         self._locks: dict[str, threading.Lock] = {}
         self._incarnations: dict[str, int] = {}      # pool -> incarnation, in [1, 2^63)
         self._lock = threading.Lock()
-        self.events = EventHub(self)         # KV event logs of the pools (events/hub.py)
+        self.events = EventHub(self)         # KV event logs of the pools (manager/event_log.py)
         self.fleet = FleetIndex()            # hash -> pools serving it, for ScorePrefix (fleet_index.py)
 
     def create_pool(self, name: str, spec: CacheSpec, sizing: Sizing, backends: tuple[str, ...] = (),

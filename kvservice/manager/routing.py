@@ -28,8 +28,10 @@ from itertools import repeat
 import numpy as np
 
 from kvservice.contract.errors import InvalidArgument, NotFound
+from kvservice.contract.wire import from_tensor
 from kvservice.core.hashing import _GOLD, _M1, _M2, _mix_int, page_hashes, prompt_hashes, token_hashes
 from kvservice.manager.pools import BlockManager
+from kvservice.v1 import block_manager_pb2 as pb
 
 #: Prompt tokens one ScorePrefix may carry.
 MAX_SCORE_TOKENS = 1 << 20
@@ -319,4 +321,29 @@ def score_prefix_per_pool(manager: BlockManager, token_ids: np.ndarray, salt: st
     return out
 
 
-__all__ = ["MAX_SCORE_TOKENS", "PrefixScore", "chained_hashes", "score_prefix", "score_prefix_per_pool"]
+_ITEMSIZE = {10: 4, 11: 8}          # token_ids dtypes: INT32, INT64
+
+
+def score_prefix_reply(manager: BlockManager, request: pb.ScorePrefixRequest) -> pb.ScorePrefixReply:
+    """ScorePrefix: decode (size checked before decoding), score, encode."""
+    if not request.HasField("token_ids"):
+        raise InvalidArgument("token_ids is required: the prompt's token ids, INT32 or INT64")
+    t = request.token_ids
+    if t.dtype not in _ITEMSIZE:
+        raise InvalidArgument("token_ids must be INT32 or INT64")
+    if len(t.data) // _ITEMSIZE[t.dtype] > MAX_SCORE_TOKENS:
+        raise InvalidArgument(f"token_ids has {len(t.data) // _ITEMSIZE[t.dtype]} tokens; ScorePrefix takes at most "
+                              f"{MAX_SCORE_TOKENS}", reason="LIMIT_EXCEEDED", limit=MAX_SCORE_TOKENS)
+    tok = from_tensor(t, "token_ids")
+    if tok.ndim != 1:
+        raise InvalidArgument(f"token_ids must be 1-D, got shape {list(tok.shape)}")
+    scores = score_prefix(manager, np.asarray(tok), request.cache_salt, request.extra_key, list(request.pools),
+                    request.model)
+    return pb.ScorePrefixReply(num_tokens=len(tok), scores=[
+        pb.PrefixScore(pool=s.pool, cached_tokens=s.cached_tokens, cached_pages=s.cached_pages, page_size=s.page_size,
+                       prefix_caching=s.prefix_caching, worker_ids=[w for w, _ in s.workers],
+                       worker_addresses=[a for _, a in s.workers]) for s in scores])
+
+
+__all__ = ["MAX_SCORE_TOKENS", "PrefixScore", "chained_hashes", "score_prefix", "score_prefix_per_pool",
+           "score_prefix_reply"]

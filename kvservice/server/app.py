@@ -15,9 +15,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from kvservice.contract.auth import BM, ServerTLS, TokenAuthInterceptor, TokenTable, manager_rules
 from kvservice.contract.serving import grpc_server
 from kvservice.contract.transport import MAX_MESSAGE_BYTES
-from kvservice.events.hub import EventsConfig, configure_events
 from kvservice.events.metrics import EventCollector
+from kvservice.events.publish import configure_events
 from kvservice.manager.api import ManagerAPI
+from kvservice.manager.event_log import EventsConfig
 from kvservice.manager.pools import BlockManager
 from kvservice.server.config import PoolConfig
 from kvservice.server.http import MetricsServer, health_probe

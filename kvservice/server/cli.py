@@ -18,8 +18,8 @@ from kvservice.contract.cli import add_log_args, existing_file, exit_epilog, par
 from kvservice.contract.errors import InvalidArgument, KVError
 from kvservice.contract.transport import MAX_MESSAGE_BYTES
 from kvservice.core.hashing import HASH_MODES
-from kvservice.events.hub import DEFAULT_RING_BATCHES, DEFAULT_RING_BYTES, EventsConfig
 from kvservice.events.zmq import DEFAULT_FORMAT, FORMATS, zmq_configs
+from kvservice.manager.event_log import DEFAULT_RING_BATCHES, DEFAULT_RING_BYTES, EventsConfig
 from kvservice.server.app import serve
 from kvservice.server.config import DEFAULT_POOLS_YAML, load_pools, load_pools_file
 from kvservice.server.servicer import Limits

@@ -15,8 +15,8 @@ import grpc
 
 from kvservice.contract.errors import KVError
 from kvservice.contract.status import to_status
-from kvservice.events.hub import EventHub
 from kvservice.events.messages import batch_to_protos
+from kvservice.manager.event_log import EventHub
 from kvservice.v1 import block_manager_pb2 as pb
 
 log = logging.getLogger("kvservice")

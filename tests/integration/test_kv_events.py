@@ -27,9 +27,9 @@ from kvservice.contract.auth import TokenTable
 from kvservice.contract.geometry import CacheSpec
 from kvservice.contract.sizing import Sizing
 from kvservice.core.cache_events import apply_events
-from kvservice.events.hub import EventsConfig
 from kvservice.events.messages import proto_to_events
 from kvservice.events.zmq import ZmqConfig
+from kvservice.manager.event_log import EventsConfig
 from kvservice.server.app import serve
 from tests.kv_workload import PS, Workload, client_step_args
 

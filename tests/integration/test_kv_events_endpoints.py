@@ -15,8 +15,8 @@ import zmq
 from kvservice.client import BlockManagerClient
 from kvservice.contract.geometry import CacheSpec
 from kvservice.contract.sizing import Sizing
-from kvservice.events.hub import EventsConfig
 from kvservice.events.zmq import zmq_configs
+from kvservice.manager.event_log import EventsConfig
 from kvservice.server.app import serve
 
 pytestmark = pytest.mark.integration

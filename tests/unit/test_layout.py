@@ -38,11 +38,9 @@ ALLOWED = {
 }
 
 #: Imports across layers that today's code still has (module -> module), to be removed.
-KNOWN_LAYER_EXCEPTIONS = {
-    ("kvservice.manager.api", "kvservice.events.messages"), ("kvservice.manager.pools", "kvservice.events.hub"),
-}
+KNOWN_LAYER_EXCEPTIONS: set[tuple[str, str]] = set()
 #: Import loops today's code still has (each a set of modules), to be removed.
-KNOWN_CYCLES = [{"kvservice.events.hub", "kvservice.events.zmq", "kvservice.manager.pools"}]
+KNOWN_CYCLES: list[set[str]] = []
 #: Modules the client library and the worker still load from the manager's layers (entry point -> modules),
 #: to be removed.
 KNOWN_LOADS: dict[str, set[str]] = {}

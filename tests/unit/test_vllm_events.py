@@ -12,8 +12,8 @@ from kvservice.contract.sizing import Sizing
 from kvservice.core.cache_events import AllBlocksCleared, Batch, BlockRemoved, BlockStored, pool_caches, state_events
 from kvservice.core.planner import plan
 from kvservice.core.pool import Pool
-from kvservice.events.hub import LoggedBatch
 from kvservice.events.zmq import FORMATS, to_vllm
+from kvservice.manager.event_log import LoggedBatch
 from tests.vllm_ref import module
 
 PS = 4

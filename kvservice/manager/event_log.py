@@ -24,17 +24,20 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 
 from kvservice.contract.errors import NotFound, ResourceExhausted
 from kvservice.core.cache_events import AllBlocksCleared, Batch, BlockRemoved, BlockStored, pool_caches, state_events
 
-if TYPE_CHECKING:
-    from kvservice.manager.pools import BlockManager
+
+class PoolLocks(Protocol):
+    """What the hub needs of the manager: a pool by name, under its lock (BlockManager.locked)."""
+
+    def locked(self, name: str) -> AbstractContextManager[Any]: ...
 
 #: Batches a pool's ring keeps for late or resuming subscribers (vLLM's replay buffer holds 10,000 steps).
 DEFAULT_RING_BATCHES = 10_000
@@ -159,7 +162,7 @@ class EventHub:
     streams (each holds a server thread).
     """
 
-    def __init__(self, manager: BlockManager, ring_batches: int = DEFAULT_RING_BATCHES,
+    def __init__(self, manager: PoolLocks, ring_batches: int = DEFAULT_RING_BATCHES,
                  ring_bytes: int = DEFAULT_RING_BYTES, max_subscribers: int = 4) -> None:
         self.manager = manager
         self.ring_batches = ring_batches
@@ -362,27 +365,6 @@ class Subscription:
         return [LoggedBatch(batch, time.time(), _nbytes(batch), {"reset_reason": RESET_REASONS[why]})]
 
 
-def configure_events(manager: BlockManager, config: EventsConfig) -> list:
-    """Apply `config` to a manager about to serve: batches become visible only once durable (the servicer's
-    transaction), and its ZeroMQ publishers start. Returns the started publishers (stop them on shutdown)."""
-    from kvservice.events.zmq import ZmqPublisher  # pyzmq only where ZeroMQ is used
-    hub = manager.events
-    with hub.cond:
-        hub.ring_batches, hub.ring_bytes, hub.max_subscribers = config.ring_batches, config.ring_bytes, \
-            config.max_watchers
-        for lg in hub.logs.values():
-            lg.max_batches, lg.max_bytes = config.ring_batches, config.ring_bytes
-        hub.deferred = True
-    started: list = []
-    try:
-        for z in config.zmq:
-            started.append(ZmqPublisher(hub, z).start())
-    except BaseException:
-        for pub in started:
-            pub.stop()
-        raise
-    return started
-
 
 RESET_REASONS = {
     "requested": "from_sequence 0: the current cache, then live batches",
@@ -394,4 +376,4 @@ RESET_REASONS = {
 
 
 __all__ = ["DEFAULT_RING_BATCHES", "DEFAULT_RING_BYTES", "EventHub", "EventLog", "EventsConfig", "LoggedBatch",
-           "Subscription", "configure_events"]
+           "PoolLocks", "Subscription"]
