@@ -33,25 +33,17 @@ Layout, for a deployment name N (``--nats-name``, default ``kvservice``):
   encodes), their description a JSON header (journal seq, stream seq, epoch, bytes, blake2b
   digest). After a snapshot is stored, the stream is purged below its stream sequence.
 
-Threading: nats-py is asyncio-only while the manager is synchronous (gRPC thread pool, one
-journal lock). A ``NatsLink`` owns one NATS connection on its own event-loop thread; sync code
-submits coroutines with ``asyncio.run_coroutine_threadsafe`` and waits with a timeout
-(``NatsLink.call``), and a coroutine still running at the timeout is cancelled. Code that
-already runs on the loop (the lease renewer) awaits directly and never calls ``call``. The
-journal's publishes (appends and fences, one per Step) skip the loop: ``NatsLink.direct`` is a
-connection of their own that the appending thread writes and reads itself (kvservice/state/nats/direct.py).
+Threading: ``NatsLink`` (kvservice/state/nats/link.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import hashlib
 import io
 import json
 import logging
-import re
 import secrets
 import threading
 import time
@@ -64,32 +56,20 @@ import nats.errors
 import nats.js.errors
 from nats.js import api
 
-from kvservice.contract.errors import InvalidArgument, KVError, StateError
+from kvservice.contract.errors import StateError
 from kvservice.state import snapshot as snap
-from kvservice.state.nats import NATS_SERVER_VERSION
-from kvservice.state.nats.direct import DirectError, DirectPublisher
+from kvservice.state.nats.config import Fenced, JournalGap, NatsConfig, StoreError, parse_state_url, retry_startup
+from kvservice.state.nats.direct import DirectError
+from kvservice.state.nats.link import NatsLink
 from kvservice.state.stores import Entry, JournalStore, continued_lineage, lineage_hex, new_lineage
 
 log = logging.getLogger("kvservice.nats")
 T = TypeVar("T")
 
 SNAPSHOT_FORMAT = 2                            # 2: kvservice/state/snapshot.py bytes (1: pickles, refused)
-_NAME = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
 _WRONG_LAST_SEQUENCE = (10071, 10164)          # JSStreamWrongLastSequence(Constant)Err
 #: Room left in each message for the headers (the payload limit counts both).
 _HEADER_ROOM = 1024
-
-
-class StoreError(KVError):
-    """The replicated store cannot do what was asked (unreachable, refused, corrupt)."""
-
-    reason = "STORE_ERROR"
-
-
-class Fenced(StoreError):
-    """Another writer appended to the stream: this store's view is stale and it may not write."""
-
-    reason = "FENCED"
 
 
 def message_id(epoch: int, writer: str, seq: int, part: int) -> str:
@@ -125,199 +105,8 @@ def check_ack(seq: int, duplicate: bool, sent_before: bool, expected_last: int) 
     return seq
 
 
-def retry_startup(what: str, attempt: Callable[[], T], seconds: float = 60.0) -> T:
-    """attempt() until it does not raise StoreError (JournalGap and Fenced excepted), for up to `seconds`.
-
-    Managers started together on a fresh deployment create the stream and the buckets at the same
-    time, and JetStream answers requests about an asset being created (or a stream being elected)
-    with timeouts meanwhile: each of them retries instead of exiting.
-    """
-    deadline = time.monotonic() + seconds
-    delay = 0.2
-    while True:
-        try:
-            return attempt()
-        except (JournalGap, Fenced):
-            raise
-        except StoreError as err:
-            if time.monotonic() + delay > deadline:
-                raise StoreError(f"{what}: still failing after {seconds:g} s: {err.message}") from None
-            log.warning("%s: %s; retrying", what, err.message)
-        time.sleep(delay)
-        delay = min(2.0, delay * 2)
-
-
-class JournalGap(StoreError):
-    """Entries between what this store has and what the stream holds were purged (a snapshot overtook us)."""
-
-    reason = "JOURNAL_GAP"
-
-
-@dataclass(frozen=True, slots=True)
-class NatsConfig:
-    """Where and how the replicated state lives.
-
-    servers: NATS URLs of the cluster (any subset reaches all of it).
-    name: deployment name; stream KVS_<name>, buckets KVS_<name>_snapshots and KVS_<name>_leader.
-    replicas: JetStream replicas of the stream and buckets (3 in production: survives one node; 1 for dev).
-    request_seconds: deadline of one request to NATS (publish, info, get).
-    append_seconds: how long an append keeps retrying a publish that timed out or found no stream
-        leader (a JetStream Raft election takes 4-9 s after a node dies) before the journal fails.
-    """
-
-    servers: tuple[str, ...]
-    name: str = "kvservice"
-    replicas: int = 1
-    request_seconds: float = 2.0
-    append_seconds: float = 15.0
-
-    def __post_init__(self) -> None:
-        if not self.servers:
-            raise InvalidArgument("--state nats://HOST:PORT needs at least one NATS server")
-        if not _NAME.match(self.name):
-            raise InvalidArgument(f"NATS name {self.name!r} must match [A-Za-z0-9_-]{{1,32}}")
-        if self.replicas not in (1, 3, 5):
-            raise InvalidArgument(f"replicas must be 1, 3 or 5 (a Raft group of an odd size), got {self.replicas}")
-        if self.request_seconds <= 0 or self.append_seconds < self.request_seconds:
-            raise InvalidArgument("request_seconds must be > 0 and append_seconds >= request_seconds")
-
-    @property
-    def stream(self) -> str:
-        return f"KVS_{self.name}"
-
-    @property
-    def subject(self) -> str:
-        return f"kvs.{self.name}.journal"
-
-    @property
-    def snapshot_bucket(self) -> str:
-        return f"KVS_{self.name}_snapshots"
-
-    @property
-    def leader_bucket(self) -> str:
-        return f"KVS_{self.name}_leader"
-
-    @property
-    def url(self) -> str:
-        return ",".join(self.servers)
-
-
-def parse_state_url(url: str, **fields: Any) -> NatsConfig:
-    """NatsConfig of ``--state nats://h1:4222,nats://h2:4222`` (``nats://h1:4222,h2:4222`` works too)."""
-    if not url.startswith("nats://"):
-        raise InvalidArgument(f"--state {url!r}: expected 'memory' or nats://HOST:PORT[,HOST:PORT...]")
-    servers = []
-    for part in url.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        if "://" not in part:
-            part = "nats://" + part
-        host_port = part.split("://", 1)[1].rstrip("/")
-        if not re.fullmatch(r"[A-Za-z0-9_.\-\[\]:]+:\d{1,5}", host_port):
-            raise InvalidArgument(f"--state: {part!r} is not nats://HOST:PORT")
-        servers.append(part.rstrip("/"))
-    return NatsConfig(tuple(servers), **fields)
-
-
 def _digest(data: bytes) -> str:
     return hashlib.blake2b(data, digest_size=16).hexdigest()
-
-
-class NatsLink:
-    """One NATS connection on a dedicated event-loop thread, usable from synchronous code (see module doc)."""
-
-    def __init__(self, config: NatsConfig, client_name: str = "kvservice", connect_seconds: float = 10.0) -> None:
-        self.config = config
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="nats-loop")
-        self._thread.start()
-        self.disconnects, self.closing, self.last_error = 0, False, None   # last_error: nats-py's, for a failed connect
-        #: The journal's publishes: a connection of their own, used by the appending thread (state/nats/direct.py).
-        self.direct = DirectPublisher(config.servers, f"{client_name}-journal", config.request_seconds)
-        try:
-            self.nc = self.call(self._connect(client_name, connect_seconds), connect_seconds + 5.0, "connecting")
-        except BaseException:
-            self._stop_loop()
-            raise
-        self.js = self.nc.jetstream(timeout=config.request_seconds)
-        v = self.nc.connected_server_version
-        try:
-            self.server_version = f"{v.major}.{v.minor}.{v.patch}"
-        except ValueError:                          # not a semantic version (a development build)
-            self.server_version = repr(v)
-        if self.server_version != NATS_SERVER_VERSION:
-            log.warning("NATS server %s at %s; kvservice is tested with %s (docs/HA.md, 'One NATS version'): "
-                        "run that version", self.server_version, config.url, NATS_SERVER_VERSION)
-
-    async def _connect(self, client_name: str, connect_seconds: float) -> nats.NATS:
-        deadline = time.monotonic() + connect_seconds      # kept strictly: nothing is left running on the loop
-        while True:
-            try:
-                return await asyncio.wait_for(nats.connect(
-                    servers=list(self.config.servers), name=client_name, connect_timeout=1,
-                    reconnect_time_wait=0.1, max_reconnect_attempts=-1, ping_interval=2, max_outstanding_pings=2,
-                    error_cb=self._on_error, disconnected_cb=self._on_disconnect, reconnected_cb=self._on_reconnect,
-                    allow_reconnect=True), max(0.05, deadline - time.monotonic()))
-            except (TimeoutError, OSError, nats.errors.Error) as err:
-                if time.monotonic() + 0.2 >= deadline:
-                    raise StoreError(f"cannot reach NATS at {self.config.url}: connecting gave up after "
-                                     f"{connect_seconds:g} s (last: {self.last_error or err!r})") from None
-                await asyncio.sleep(0.2)
-
-    async def _on_error(self, err: Exception) -> None:
-        self.last_error = err
-        log.debug("NATS: %s: %s", type(err).__name__, err)
-
-    async def _on_disconnect(self) -> None:
-        if self.closing:
-            return
-        self.disconnects += 1
-        log.warning("NATS: disconnected from %s; reconnecting", self.config.url)
-
-    async def _on_reconnect(self) -> None:
-        url = self.nc.connected_url
-        log.warning("NATS: reconnected to %s", url.netloc if url else "?")
-
-    def call(self, coro: Coroutine[Any, Any, T], timeout: float, what: str = "a request") -> T:
-        """Run `coro` on the loop and wait at most `timeout` seconds (then cancel it and raise StoreError).
-
-        what: the call, as a StoreError names it ("listing snapshots"). A NATS request inside `coro` that
-        times out by itself (nats-py's own deadline) is told apart from this wait running out: both
-        messages say which call and after how long.
-        """
-        if threading.current_thread() is self._thread:
-            coro.close()
-            raise RuntimeError("NatsLink.call from the loop thread would wait on itself; await instead")
-        t0 = time.monotonic()
-        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        try:
-            return fut.result(timeout)
-        except concurrent.futures.TimeoutError as err:      # (the builtin TimeoutError, as nats-py's are)
-            spent = time.monotonic() - t0
-            if fut.done():
-                raise StoreError(f"NATS timed out {what} after {spent:.2f} s ({type(err).__name__}"
-                                 f"{': ' + str(err) if str(err) else ''}; {self.config.url})") from None
-            fut.cancel()
-            raise StoreError(f"NATS did not answer {what} within {timeout:g} s ({self.config.url})") from None
-
-    def close(self) -> None:
-        if self.loop.is_closed():
-            return
-        self.closing = True
-        self.direct.close()
-        if not self.nc.is_closed:
-            try:
-                self.call(self.nc.close(), 5.0)
-            except (StoreError, nats.errors.Error) as err:
-                log.debug("NATS close: %s", err)
-        self._stop_loop()
-
-    def _stop_loop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(5.0)
-        if not self._thread.is_alive():
-            self.loop.close()
 
 
 @dataclass(slots=True)
