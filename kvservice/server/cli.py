@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import os
 import signal
+import sqlite3
 import sys
 import threading
 from pathlib import Path
@@ -15,7 +17,7 @@ from pathlib import Path
 from kvservice.contract import logs
 from kvservice.contract.auth import ServerTLS, TokenTable
 from kvservice.contract.cli import add_log_args, existing_file, exit_epilog, parser, subparsers
-from kvservice.contract.errors import InvalidArgument, KVError
+from kvservice.contract.errors import InvalidArgument, KVError, StateError
 from kvservice.contract.transport import MAX_MESSAGE_BYTES
 from kvservice.core.hashing import HASH_MODES
 from kvservice.events.hub import DEFAULT_RING_BATCHES, DEFAULT_RING_BYTES, EventsConfig
@@ -25,6 +27,7 @@ from kvservice.server.config import DEFAULT_POOLS_YAML, load_pools, load_pools_f
 from kvservice.server.servicer import Limits
 from kvservice.state.journal import Journal, JournalConfig
 from kvservice.state.nats.leader import LeaseConfig
+from kvservice.state.sqlite.unusable import NO_SPACE, unusable_state
 
 log = logging.getLogger("kvservice")
 _LIMITS = Limits()
@@ -194,7 +197,7 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         if args.state and args.state != "memory":
             return _serve_replicated(args, pools, tls, tokens, limits, events)
         if args.state_dir:
-            journal = Journal.open(args.state_dir, args.lease_seconds, _journal_config(args))
+            journal = _open_state_dir(args)
         elif args.state != "memory":
             log.warning("state is in memory only and is lost when this process ends; pass --state-dir DIR for "
                         "durable state (or --state memory to silence this)")
@@ -202,11 +205,17 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                         max_workers=args.threads, metrics_addr=args.metrics_addr, lease_seconds=args.lease_seconds,
                         journal=journal, tls=tls, tokens=tokens, limits=limits,
                         max_message_bytes=args.max_message_bytes, events=events, max_streams=args.max_streams)
-    except (KVError, OSError) as err:
+    except (KVError, OSError, sqlite3.Error) as err:
         if journal is not None:
-            journal.close(snapshot=False)
-        print(f"kvservice: {getattr(err, 'message', err)}", file=sys.stderr)
-        return 2
+            with contextlib.suppress(KVError, OSError, sqlite3.Error):   # a full or read-only volume: exit anyway
+                journal.close(snapshot=False)
+        if args.state_dir and (isinstance(err, sqlite3.Error) or getattr(err, "errno", 0) in NO_SPACE):
+            err = unusable_state(err, args.state_dir) or err        # startup pools written to a full volume
+        if isinstance(err, StateError):
+            print(f"kvservice: NOT USABLE ({err.reason}): {err.message}", file=sys.stderr)
+        else:
+            print(f"kvservice: {getattr(err, 'message', err)}", file=sys.stderr)
+        return EXIT_USAGE
     print(f"kvservice: listening on {args.listen.rsplit(':', 1)[0]}:{running.port}, metrics on port "
           f"{running.metrics_port}, pools: {', '.join(running.manager.pool_names()) or 'none'}, state: "
           f"{args.state_dir or 'memory'}", flush=True)
@@ -217,6 +226,15 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
               file=sys.stderr)
         return EXIT_FAILED
     return 0
+
+
+def _open_state_dir(args: argparse.Namespace) -> Journal:
+    """The state dir's journal, recovered; a dir, database or volume that cannot be written is a StateError that
+    says why and what to do (kvservice/state/sqlite/unusable.py), never a traceback."""
+    try:
+        return Journal.open(args.state_dir, args.lease_seconds, _journal_config(args))
+    except (OSError, sqlite3.Error) as err:
+        raise unusable_state(err, args.state_dir) or err from None
 
 
 def _startup_pools(args: argparse.Namespace) -> list:
