@@ -322,3 +322,19 @@ def test_no_token_ids_publishes_hashes_only(caplog):
     finally:
         ctx.destroy(linger=0)
         running.stop(0)
+
+
+def test_the_flags_reach_the_publishers(tmp_path):
+    from kvservice.server import cli
+
+    curve, _, _ = _keys(tmp_path)
+    args = cli.build_parser().parse_args([
+        "serve", "--kv-events-zmq", "ev=tcp://*:5557", "--kv-events-replay", "ev=tcp://*:5558",
+        "--kv-events-allow-remote", "--kv-events-no-token-ids", "--kv-events-replay-rate", "0.5",
+        "--kv-events-replay-burst", "4", "--kv-events-curve-secret", str(tmp_path / "made" / "server.key_secret"),
+        "--kv-events-curve-clients", curve.clients_dir])
+    (zc,) = cli.events_config(args).zmq
+    assert (zc.allow_remote, zc.token_ids, zc.replay_rate, zc.replay_burst) == (True, False, 0.5, 4)
+    assert zc.curve == curve
+    plain = cli.events_config(cli.build_parser().parse_args(["serve", "--kv-events-zmq", "tcp://127.0.0.1:5557"]))
+    assert plain.zmq[0].curve is None and plain.zmq[0].token_ids and not plain.zmq[0].allow_remote
