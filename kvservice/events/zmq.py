@@ -66,6 +66,9 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 REFUSED = b"refused: too many replay requests from this peer (--kv-events-replay-rate); ask again later"
 #: Replay requests handled per turn of the publisher's loop (refusals are cheap; served ones are rate-limited).
 REPLAYS_PER_TURN = 64
+#: The largest message a peer may send (ZMQ_MAXMSGSIZE; a larger one disconnects it before it is buffered): a
+#: replay request is 8 bytes, a subscription a topic.
+MAX_INBOUND_BYTES = 4096
 MEDIUM_GPU = "GPU"
 
 
@@ -288,6 +291,7 @@ class ZmqPublisher:
         self._auth = config.curve.authenticator(ctx) if config.curve is not None else None
         self._pub = ctx.socket(zmq.PUB)
         self._pub.set_hwm(config.hwm)
+        self._pub.setsockopt(zmq.MAXMSGSIZE, MAX_INBOUND_BYTES)
         self._replay: zmq.Socket | None = None
         try:
             if config.binds:
@@ -300,6 +304,7 @@ class ZmqPublisher:
             self.bound_replay_endpoint = ""
             if config.replay_endpoint:
                 self._replay = ctx.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.MAXMSGSIZE, MAX_INBOUND_BYTES)
                 if config.curve is not None:
                     config.curve.serve(self._replay)
                 self._replay.bind(config.replay_endpoint)

@@ -338,3 +338,28 @@ def test_the_flags_reach_the_publishers(tmp_path):
     assert zc.curve == curve
     plain = cli.events_config(cli.build_parser().parse_args(["serve", "--kv-events-zmq", "tcp://127.0.0.1:5557"]))
     assert plain.zmq[0].curve is None and plain.zmq[0].token_ids and not plain.zmq[0].allow_remote
+
+
+def test_an_oversized_request_disconnects_its_sender_and_nothing_else():
+    zc = ZmqConfig("ev", LOCAL, LOCAL)
+    running = serve("127.0.0.1:0", events=EventsConfig(zmq=(zc,)))
+    ctx = zmq.Context()
+    try:
+        pub = running.publishers[0]
+        with BlockManagerClient(f"127.0.0.1:{running.port}", timeout=10) as c:
+            c.create_pool("ev", SPEC, SIZING, prefix_caching=True)
+            _steps(c, "ev", 1, 2, np.random.default_rng(5))
+            hostile = ctx.socket(zmq.DEALER)
+            mon = hostile.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            hostile.connect(pub.bound_replay_endpoint)
+            hostile.send_multipart((b"", b"x" * (64 << 20)))     # 64 MiB: never buffered by the manager
+            assert mon.poll(WAIT_MS), "the oversized sender was not disconnected"
+            hostile.disable_monitor()
+            mon.close(linger=0)
+            good = ctx.socket(zmq.DEALER)
+            good.connect(pub.bound_replay_endpoint)
+            assert [a[0] for a in _replay(good, 1)] == [1, 2, -1]
+            assert pub.replays == 1
+    finally:
+        ctx.destroy(linger=0)
+        running.stop(0)
