@@ -9,8 +9,8 @@
   ``--kv-events-curve-clients`` (a directory of ``*.key`` certificates, as ``zmq.auth.create_certificates``
   writes them). Any other client fails the handshake and never reaches the socket.
 - Replay rate (:class:`ReplayLimiter`): a token bucket per peer (its CURVE key, else its IP address,
-  else its routing id); a request past the bucket is answered at once with the end marker and a
-  reason, never served.
+  else its routing id) and a shared one of ALL_PEERS_FACTOR times its size; a request past either is
+  answered at once with the end marker and a reason, never served.
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ DEFAULT_REPLAY_RATE = 2.0
 DEFAULT_REPLAY_BURST = 10
 #: Peers the limiter remembers (the least recently seen is forgotten first: its bucket starts full again).
 MAX_PEERS = 4096
+#: All peers together may use this many times one peer's rate and burst (many addresses, e.g. of one IPv6
+#: prefix, do not multiply the work).
+ALL_PEERS_FACTOR = 8
 
 
 def endpoint_is_local(endpoint: str) -> bool:
@@ -121,7 +124,8 @@ def peer_of(frame: zmq.Frame, identity: bytes) -> bytes:
 
 class ReplayLimiter:
     """A token bucket per peer: `burst` requests at once, refilled at `rate` per second (rate 0: only the
-    burst, ever). At most max_peers buckets are kept. Use from one thread."""
+    burst, ever), and one of ALL_PEERS_FACTOR times that for all peers together. At most max_peers buckets
+    are kept. Use from one thread."""
 
     def __init__(self, rate: float = DEFAULT_REPLAY_RATE, burst: int = DEFAULT_REPLAY_BURST,
                  max_peers: int = MAX_PEERS, clock: Callable[[], float] = time.monotonic) -> None:
@@ -130,16 +134,21 @@ class ReplayLimiter:
                                   f"{rate} and {burst}")
         self.rate, self.burst, self.max_peers, self.clock = rate, burst, max_peers, clock
         self._buckets: OrderedDict[bytes, tuple[float, float]] = OrderedDict()   # peer -> (tokens, when)
+        self._all = (float(burst * ALL_PEERS_FACTOR), clock())
         self.allowed = 0
         self.refused = 0
 
     def allow(self, peer: bytes) -> bool:
-        """Take one token of `peer`'s bucket; False (and nothing taken) when it is empty."""
+        """Take one token of `peer`'s bucket and of the shared one; False (and nothing taken) when either is
+        empty."""
         now = self.clock()
         tokens, when = self._buckets.pop(peer, (float(self.burst), now))
         tokens = min(float(self.burst), tokens + (now - when) * self.rate)
-        ok = tokens >= 1.0
+        shared = min(float(self.burst * ALL_PEERS_FACTOR), self._all[0] + (now - self._all[1]) * self.rate *
+                     ALL_PEERS_FACTOR)
+        ok = tokens >= 1.0 and shared >= 1.0
         self._buckets[peer] = (tokens - 1.0 if ok else tokens, now)
+        self._all = (shared - 1.0 if ok else shared, now)
         while len(self._buckets) > self.max_peers:
             self._buckets.popitem(last=False)
         if ok:
@@ -149,5 +158,5 @@ class ReplayLimiter:
         return ok
 
 
-__all__ = ["DEFAULT_REPLAY_BURST", "DEFAULT_REPLAY_RATE", "MAX_PEERS", "CurveKeys", "ReplayLimiter", "check_bind",
-           "endpoint_is_local", "peer_of"]
+__all__ = ["ALL_PEERS_FACTOR", "DEFAULT_REPLAY_BURST", "DEFAULT_REPLAY_RATE", "MAX_PEERS", "CurveKeys",
+           "ReplayLimiter", "check_bind", "endpoint_is_local", "peer_of"]

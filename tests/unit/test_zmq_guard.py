@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvservice.contract.errors import InvalidArgument
-from kvservice.events.zmq_guard import ReplayLimiter, endpoint_is_local
+from kvservice.events.zmq_guard import ALL_PEERS_FACTOR, ReplayLimiter, endpoint_is_local
 
 
 class Clock:
@@ -37,11 +37,22 @@ def test_a_refused_request_takes_nothing_and_rate_zero_is_the_burst_for_ever():
 
 
 def test_the_peers_remembered_are_bounded():
-    lim = ReplayLimiter(rate=0.0, burst=1, max_peers=8, clock=Clock())
+    clock = Clock()
+    lim = ReplayLimiter(rate=1000.0, burst=1, max_peers=8, clock=clock)
     for i in range(1000):
+        clock.now += 1.0                             # the shared bucket refills; each new peer's is full
         assert lim.allow(f"peer{i}".encode())
     assert len(lim._buckets) == 8
     assert not lim.allow(b"peer999")                 # the most recent ones are still remembered
+
+
+def test_many_peers_together_get_a_bounded_multiple_of_one():
+    clock = Clock()
+    lim = ReplayLimiter(rate=1.0, burst=2, clock=clock)
+    got = [lim.allow(f"10.0.0.{i}".encode()) for i in range(100)]      # 100 addresses, 2 each allowed alone
+    assert got.count(True) == 2 * ALL_PEERS_FACTOR
+    clock.now += 1.0                                                   # the shared bucket gets 8 back
+    assert [lim.allow(f"10.0.1.{i}".encode()) for i in range(20)].count(True) == ALL_PEERS_FACTOR
 
 
 def test_bad_settings_are_refused():
