@@ -63,7 +63,7 @@ from kvservice.events.zmq_guard import (
 log = logging.getLogger("kvservice.events")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 #: Payload of the end marker that answers a replay request past its peer's rate (nothing else is sent).
-REFUSED = b"refused: too many replay requests from this peer (--kv-events-replay-rate); ask again later"
+REFUSED = b"refused: too many replay requests (--kv-events-replay-rate per peer, 8 x that for all); ask again later"
 #: Replay requests handled per turn of the publisher's loop (refusals are cheap; served ones are rate-limited).
 REPLAYS_PER_TURN = 64
 #: The largest message a peer may send (ZMQ_MAXMSGSIZE; a larger one disconnects it before it is buffered): a
