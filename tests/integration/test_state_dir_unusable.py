@@ -3,8 +3,8 @@ do, exit status 2, no traceback, and the dir left as it was.
 
 Read-only is real: the manager runs as a process that file permissions bind (as root, without the capabilities
 that let root ignore them: setpriv). A full disk cannot be made here without root's mount; it is an ENOSPC from
-the fsync that makes the state durable (where a full volume shows on Linux), in process, and a real SQLITE_FULL
-for the classification.
+the fsync that makes the state durable (where a full volume shows on Linux), patched into a manager process of
+its own, and a real SQLITE_FULL for the classification.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 
-from kvservice.server import cli
 from kvservice.state.journal import Journal
 from kvservice.state.sqlite.unusable import unusable_state
 
@@ -101,30 +100,40 @@ def test_a_read_only_database_in_a_writable_dir_is_refused(tmp_path):
     assert Journal.open(d, readonly=True).seq == 0         # still a sound state dir
 
 
-def test_a_full_volume_at_start_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+#: A manager whose fsync reports a full volume (where a full disk shows on Linux): run as `python -c` so that its
+#: stderr and exit status are the process's own. If it ever got as far as serving, it exits 99 instead.
+FULL_VOLUME = """
+import errno, os, sys
+from kvservice.server import cli
+fsyncs = []
+def full(fd):
+    fsyncs.append(fd)
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+def never_serves(running, *args):
+    running.stop(grace=0)
+    sys.exit(99)
+os.fsync = full
+cli._serve_until_stopped = never_serves
+rc = cli.main(sys.argv[1:])
+print(f"fsyncs={len(fsyncs)}")
+sys.exit(rc)
+"""
+
+
+def test_a_full_volume_at_start_is_refused_in_one_line(tmp_path):
     d = tmp_path / "state"
     _existing_state(d)
-    fsyncs = []
-
-    def full(fd: int) -> None:
-        fsyncs.append(fd)
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    def never_serves(running, *args) -> None:
-        running.stop(grace=0)
-        raise AssertionError("the manager served on a volume it could not write")
-
-    monkeypatch.setattr(os, "fsync", full)
-    monkeypatch.setattr(cli, "_serve_until_stopped", never_serves)
-    rc = cli.main(["serve", "--state-dir", str(d), "--listen", "127.0.0.1:0", "--metrics-port", "-1",
-                   "--log-level", "ERROR"])
-    monkeypatch.undo()
-    err = capsys.readouterr().err
-    assert rc == 2 and fsyncs, err
-    lines = [ln for ln in err.splitlines() if ln.startswith("kvservice: ")]
-    assert len(lines) == 1 and "NOT USABLE (STATE_DISK_FULL)" in lines[0] and "free space" in lines[0], err
-    assert "Traceback" not in err
-    assert Journal.open(d, readonly=True).seq == 0
+    before = _tree(d)
+    r = subprocess.run([sys.executable, "-c", FULL_VOLUME, "serve", "--state-dir", str(d), "--listen", "127.0.0.1:0",
+                        "--metrics-port", "-1"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    _assert_refused(r, "STATE_DISK_FULL", "free space or grow the volume")
+    assert r.stdout.strip() != "fsyncs=0", r.stdout
+    after = _tree(d)             # what was there is unchanged (a half-written MANIFEST.tmp may be left beside it)
+    assert {k: after.get(k) for k in before if k != "lock"} == {k: v for k, v in before.items() if k != "lock"}
+    journal = Journal.open(d)    # and once there is space, the manager starts from it
+    assert journal.seq == 0
+    journal.close(snapshot=False)
 
 
 def test_sqlites_own_write_failures_are_named(tmp_path):
