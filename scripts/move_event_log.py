@@ -64,6 +64,7 @@ def rewrite(path: Path) -> bool:
     new = text.replace("from kvservice.events.hub import EventsConfig, configure_events",
                        "from kvservice.events.publish import configure_events\n"
                        "from kvservice.manager.event_log import EventsConfig")
+    new = new.replace("from kvservice.events import hub as", "from kvservice.manager import event_log as")
     new = new.replace("kvservice.events.hub", "kvservice.manager.event_log").replace(
         "kvservice/events/hub.py", "kvservice/manager/event_log.py").replace("events/hub.py", "manager/event_log.py")
     new = new.replace("events_proto.score_prefix(self.manager, request)", "score_prefix_reply(self.manager, request)")

@@ -676,6 +676,7 @@ class Gen:
                        "past_max_extend", "negative_extend", "dup_child", "child_is_admit"]
         if self.kind.prefix_caching:
             faults += ["token_ids_short", "salts_count"]
+        faults += ["salts_count_no_ids", "keys_count_no_ids"]     # counted on every pool, token ids or not
         f = r.choice(faults)
         i = r.choice(live) if live else 0
         st.ext = [e for e in st.ext if e[0] != i]
@@ -719,6 +720,12 @@ class Gen:
             st.adm = [(new, 5)]
             st.token_ids = [1, 2, 3, 4, 5]
             st.salts = ["a", "b"]
+        elif f == "salts_count_no_ids":
+            st.adm = [(new, 5), (self.new_id(), 3)]
+            st.salts = ["a"]
+        elif f == "keys_count_no_ids":
+            st.adm = [(new, 5)]
+            st.keys = ["lora-a", "lora-b", "lora-c"]
         return st
 
     def done(self, st: Step, out: Outcome | None) -> None:

@@ -292,7 +292,9 @@ class Pool:
     def _prompt(self, a_n: np.ndarray, token_ids: object, salts: object, keys: object) -> Prompt | None:
         """Prefix-cache inputs of the admissions, or None when caching is off or no token ids were given."""
         a = len(a_n)
-        if not a:
+        if a:      # counted on every pool, with or without prefix caching or token ids: never ignored silently
+            salt_list, key_list = parse_strs("admit_cache_salts", salts, a), parse_strs("admit_extra_keys", keys, a)
+        else:
             # One salt and extra key per admission and sum(admit_tokens) token ids: with none, nothing.
             for name, values in (("admit_token_ids", token_ids), ("admit_cache_salts", salts),
                                  ("admit_extra_keys", keys)):
@@ -311,8 +313,7 @@ class Pool:
                                   f"{tok.dtype}")
         if len(tok) != int(a_n.sum()):
             raise InvalidArgument(f"admit_token_ids has {len(tok)} ids; admit_num_tokens add up to {int(a_n.sum())}")
-        ns, new_ns = self.prefix.namespace_ids(parse_strs("admit_cache_salts", salts, a),
-                                               parse_strs("admit_extra_keys", keys, a))
+        ns, new_ns = self.prefix.namespace_ids(salt_list, key_list)
         ps = self.page_size
         full = a_n // ps
         n = int(full.sum())

@@ -20,7 +20,12 @@ tests decode our payloads with those very structs, taken from vLLM's wheels):
 - PUB frames: ``(topic, sequence as 8 bytes big-endian, payload)``;
 - a ROUTER replay socket: a request ``(identity, b"", start as 8 bytes big-endian)`` is
   answered with ``(identity, b"", seq, payload)`` for every retained batch ``>= start``, then
-  ``(identity, b"", -1 as 8 signed bytes, b"")``.
+  ``(identity, b"", -1 as 8 signed bytes, b"")``; a request past the peer's rate
+  (events/zmq_guard.py) is answered with the end marker alone, its payload saying why.
+
+Access (events/zmq_guard.py): bound sockets only on loopback unless asked; optional CURVE; replay
+rate per peer; ``token_ids=False`` publishes hashes without the pages' token ids (``token_ids`` is
+then ``[]`` in every BlockStored, replays and resets included).
 
 The sequence number is the pool's own batch number (core/cache_events.py), which survives a restart, so a
 subscriber that missed batches asks the replay socket for them as it would ask vLLM. Asked for
@@ -44,10 +49,26 @@ from kvservice.contract.errors import InvalidArgument, KVError
 from kvservice.core.cache_events import AllBlocksCleared as DomainCleared
 from kvservice.core.cache_events import BlockRemoved as DomainRemoved
 from kvservice.core.cache_events import BlockStored as DomainStored
+from kvservice.events.zmq_guard import (
+    DEFAULT_REPLAY_BURST,
+    DEFAULT_REPLAY_RATE,
+    CurveKeys,
+    ReplayLimiter,
+    check_bind,
+    endpoint_is_local,
+    peer_of,
+)
 from kvservice.manager.event_log import EventHub, LoggedBatch, Subscription
 
 log = logging.getLogger("kvservice.events")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+#: Payload of the end marker that answers a replay request past its peer's rate (nothing else is sent).
+REFUSED = b"refused: too many replay requests (--kv-events-replay-rate per peer, 8 x that for all); ask again later"
+#: Replay requests handled per turn of the publisher's loop (refusals are cheap; served ones are rate-limited).
+REPLAYS_PER_TURN = 64
+#: The largest message a peer may send (ZMQ_MAXMSGSIZE; a larger one disconnects it before it is buffered): a
+#: replay request is 8 bytes, a subscription a topic.
+MAX_INBOUND_BYTES = 4096
 MEDIUM_GPU = "GPU"
 
 
@@ -136,19 +157,21 @@ def _extra_keys(e: DomainStored) -> list[tuple[Any, ...] | None] | None:
 
 
 def to_vllm(lb: LoggedBatch, medium: str = MEDIUM_GPU, data_parallel_rank: int = 0,
-            fmt: str = DEFAULT_FORMAT) -> KVEventBatch | KVEventBatch011:
-    """A logged batch as vLLM's structs of wire format `fmt` (hashes as Python ints < 2^64)."""
+            fmt: str = DEFAULT_FORMAT, token_ids: bool = True) -> KVEventBatch | KVEventBatch011:
+    """A logged batch as vLLM's structs of wire format `fmt` (hashes as Python ints < 2^64); token_ids False:
+    every BlockStored's token_ids is empty (hashes only: no prompt tokens leave the manager)."""
     events: list[Any] = []
     old = fmt == "vllm-0.11"
     for e in lb.batch.events:
         if isinstance(e, DomainStored):
+            tokens = e.token_ids.tolist() if token_ids else []
             if old:
                 events.append(BlockStored011(e.block_hashes.tolist(), e.parent_block_hash or None,
-                                             e.token_ids.tolist(), e.block_size, None, medium))
+                                             tokens, e.block_size, None, medium))
             else:
                 events.append(BlockStored(
                     block_hashes=e.block_hashes.tolist(), parent_block_hash=e.parent_block_hash or None,
-                    token_ids=e.token_ids.tolist(), block_size=e.block_size, lora_id=None, medium=medium,
+                    token_ids=tokens, block_size=e.block_size, lora_id=None, medium=medium,
                     lora_name=None, extra_keys=_extra_keys(e), group_idx=e.group, kv_cache_spec_kind=e.kind,
                     kv_cache_spec_sliding_window=e.sliding_window or None))
         elif isinstance(e, DomainRemoved):
@@ -171,6 +194,9 @@ class ZmqConfig:
     replay_endpoint: ROUTER address for replay requests (always bound); "" = none.
     topic: first frame of every message ("{pool}" is replaced by the pool's name).
     fmt: wire format (FORMATS).
+    allow_remote: bound sockets may be on non-loopback addresses (else InvalidArgument at start).
+    curve: CURVE keys of the bound sockets (None = plaintext). token_ids: False = hashes only.
+    replay_rate, replay_burst: each peer's token bucket of replay requests (zmq_guard.ReplayLimiter).
     """
 
     pool: str
@@ -182,6 +208,11 @@ class ZmqConfig:
     hwm: int = 100_000
     mode: str = "auto"
     fmt: str = DEFAULT_FORMAT
+    allow_remote: bool = False
+    curve: CurveKeys | None = None
+    token_ids: bool = True
+    replay_rate: float = DEFAULT_REPLAY_RATE
+    replay_burst: int = DEFAULT_REPLAY_BURST
 
     @property
     def binds(self) -> bool:
@@ -189,10 +220,11 @@ class ZmqConfig:
 
 
 def zmq_configs(endpoints: list[str], replays: list[str], default_pool: str, topic: str = "",
-                medium: str = MEDIUM_GPU, fmt: str = DEFAULT_FORMAT) -> tuple[ZmqConfig, ...]:
+                medium: str = MEDIUM_GPU, fmt: str = DEFAULT_FORMAT, **access: Any) -> tuple[ZmqConfig, ...]:
     """Publishers from ``[POOL=][bind:|connect:]ENDPOINT`` flags (no POOL = default_pool; no mode = vLLM's
-    rule); each replay endpoint goes to the publisher of its pool. InvalidArgument for a replay endpoint
-    without a publisher, a pool named twice or an unknown format."""
+    rule); each replay endpoint goes to the publisher of its pool; access: ZmqConfig's allow_remote, curve,
+    token_ids, replay_rate, replay_burst for all. InvalidArgument for a replay endpoint without a publisher,
+    a pool named twice, an unknown format, or a bind that access does not allow."""
     if fmt not in FORMATS:
         raise InvalidArgument(f"--kv-events-format {fmt!r} is not a format; use one of {', '.join(FORMATS)}")
 
@@ -216,8 +248,24 @@ def zmq_configs(endpoints: list[str], replays: list[str], default_pool: str, top
         if pool not in pubs:
             raise InvalidArgument(f"--kv-events-replay {flag}: pool {pool!r} has no --kv-events-zmq publisher")
         rep[pool] = endpoint
-    return tuple(ZmqConfig(pool, endpoint, rep.get(pool, ""), topic, medium, mode=modes[pool], fmt=fmt)
-                 for pool, endpoint in pubs.items())
+    out = tuple(ZmqConfig(pool, endpoint, rep.get(pool, ""), topic, medium, mode=modes[pool], fmt=fmt, **access)
+                for pool, endpoint in pubs.items())
+    for c in out:
+        check_access(c)
+    return out
+
+
+def check_access(c: ZmqConfig) -> None:
+    """InvalidArgument for sockets `c` may not open: a bind off loopback without allow_remote, CURVE on a
+    PUB that connects (CURVE here secures the sockets this manager binds)."""
+    if c.binds:
+        check_bind(c.endpoint, "--kv-events-zmq", c.allow_remote)
+    elif c.curve is not None:
+        raise InvalidArgument(f"--kv-events-zmq {c.endpoint} connects to a collector; --kv-events-curve-* secures "
+                              "the sockets this manager binds: bind the PUB (bind:ENDPOINT) for subscribers to "
+                              "connect with CURVE, or drop the CURVE flags")
+    if c.replay_endpoint:
+        check_bind(c.replay_endpoint, "--kv-events-replay", c.allow_remote)
 
 
 def _binds(endpoint: str) -> bool:
@@ -233,15 +281,22 @@ class ZmqPublisher:
     """
 
     def __init__(self, hub: EventHub, config: ZmqConfig, context: zmq.Context | None = None) -> None:
+        check_access(config)
         self.hub = hub
         self.config = config
         self.topic = config.topic.replace("{pool}", config.pool).encode()
-        ctx = context or zmq.Context.instance()
+        # CURVE: a context of its own, whose ZAP handler admits only this publisher's client keys
+        self._ctx = zmq.Context() if config.curve is not None else None
+        ctx = self._ctx or context or zmq.Context.instance()
+        self._auth = config.curve.authenticator(ctx) if config.curve is not None else None
         self._pub = ctx.socket(zmq.PUB)
         self._pub.set_hwm(config.hwm)
+        self._pub.setsockopt(zmq.MAXMSGSIZE, MAX_INBOUND_BYTES)
         self._replay: zmq.Socket | None = None
         try:
             if config.binds:
+                if config.curve is not None:
+                    config.curve.serve(self._pub)
                 self._pub.bind(config.endpoint)
             else:
                 self._pub.connect(config.endpoint)
@@ -249,21 +304,39 @@ class ZmqPublisher:
             self.bound_replay_endpoint = ""
             if config.replay_endpoint:
                 self._replay = ctx.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.MAXMSGSIZE, MAX_INBOUND_BYTES)
+                if config.curve is not None:
+                    config.curve.serve(self._replay)
                 self._replay.bind(config.replay_endpoint)
                 self.bound_replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError as err:
             self._close_sockets()
             raise OSError(f"kv events for pool {config.pool!r}: cannot open {config.endpoint} / "
                           f"{config.replay_endpoint or '-'}: {err}") from None
-        log.info("kv events of pool %r (%s): PUB %s %s, topic %r", config.pool, config.fmt,
-                 "bound to" if config.binds else "connecting to", self.bound_endpoint, self.topic.decode())
-        if self._replay is not None:
-            log.info("kv events of pool %r: replay ROUTER bound to %s", config.pool, self.bound_replay_endpoint)
+        self._log_sockets()
+        self.limiter = ReplayLimiter(config.replay_rate, config.replay_burst)
         self._sub: Subscription | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kv-events-zmq-{config.pool}", daemon=True)
         self.published = 0
         self.replays = 0
+
+    def _log_sockets(self) -> None:
+        c = self.config
+        access = (f"CURVE, {c.curve.clients_dir} admitted" if c.curve is not None else "plaintext") + \
+            ("" if c.token_ids else ", hashes only (no token ids)")
+        log.info("kv events of pool %r (%s): PUB %s %s, topic %r, %s", c.pool, c.fmt,
+                 "bound to" if c.binds else "connecting to", self.bound_endpoint, self.topic.decode(), access)
+        if self._replay is not None:
+            log.info("kv events of pool %r: replay ROUTER bound to %s (%s; %g requests/s per peer, bursts of %d)",
+                     c.pool, self.bound_replay_endpoint, access, c.replay_rate, c.replay_burst)
+        if c.allow_remote:
+            remote = [e for e in (self.bound_endpoint if c.binds else "", self.bound_replay_endpoint)
+                      if e and not endpoint_is_local(e)]
+            if remote:
+                log.warning("kv events of pool %r: %s reachable from other machines (--kv-events-allow-remote)%s",
+                            c.pool, " and ".join(remote), "" if c.curve is not None else
+                            "; anyone who reaches them reads the pool's cache; use --kv-events-curve-*")
 
     def start(self) -> ZmqPublisher:
         self._thread.start()
@@ -280,13 +353,18 @@ class ZmqPublisher:
         for s in (self._pub, self._replay):
             if s is not None:
                 s.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
+        if self._ctx is not None:
+            self._ctx.term()
 
     def _payload(self, lb: LoggedBatch) -> bytes:
         c = self.config
-        key = f"vllm/{c.fmt}/{c.medium}/{c.data_parallel_rank}"
+        key = f"vllm/{c.fmt}/{c.medium}/{c.data_parallel_rank}/{int(c.token_ids)}"
         data = lb.encoded.get(key)
         if data is None:
-            data = lb.encoded[key] = _ENCODER.encode(to_vllm(lb, c.medium, c.data_parallel_rank, c.fmt))
+            data = lb.encoded[key] = _ENCODER.encode(to_vllm(lb, c.medium, c.data_parallel_rank, c.fmt,
+                                                             c.token_ids))
         return data  # type: ignore[return-value]
 
     def _run(self) -> None:
@@ -298,7 +376,9 @@ class ZmqPublisher:
                 self._stop.wait(0.5)
 
     def _step(self) -> None:
-        if self._replay is not None and self._replay.poll(0):
+        for _ in range(REPLAYS_PER_TURN):
+            if self._replay is None or not self._replay.poll(0):
+                break
             self._serve_replay()
         if self._sub is None:
             try:
@@ -316,11 +396,17 @@ class ZmqPublisher:
 
     def _serve_replay(self) -> None:
         assert self._replay is not None
-        frames = self._replay.recv_multipart()
-        if len(frames) != 3 or len(frames[2]) != 8:
+        frames = self._replay.recv_multipart(copy=False)
+        if len(frames) != 3 or len(frames[2].bytes) != 8:
             log.warning("ignored a replay request of %d frames (want identity, empty, 8-byte start)", len(frames))
             return
-        ident, _, start = frames
+        ident, start = frames[0].bytes, frames[2].bytes
+        if not self.limiter.allow(peer_of(frames[2], ident)):
+            if self.limiter.refused % 100 == 1:
+                log.warning("kv events of pool %r: replay request refused (over --kv-events-replay-rate; %d "
+                            "refused so far)", self.config.pool, self.limiter.refused)
+            self._replay.send_multipart((ident, b"", END_SEQ, REFUSED))
+            return
         self.replays += 1
         try:
             # vLLM's sequences start at 0, ours at 1: a request from 0 means "everything retained".
@@ -329,6 +415,7 @@ class ZmqPublisher:
         except KVError:
             self._replay.send_multipart((ident, b"", END_SEQ, b""))
             return
+        sub.token_ids = self.config.token_ids
         try:
             head = self.hub.pool_seq(self.config.pool)
             while sub.next_seq <= head:
@@ -342,5 +429,5 @@ class ZmqPublisher:
         self._replay.send_multipart((ident, b"", END_SEQ, b""))
 
 
-__all__ = ["DEFAULT_FORMAT", "FORMATS", "AllBlocksCleared", "BlockRemoved", "BlockStored", "KVEventBatch",
-           "KVEventBatch011", "ZmqConfig", "ZmqPublisher", "to_vllm", "zmq_configs"]
+__all__ = ["DEFAULT_FORMAT", "FORMATS", "REFUSED", "AllBlocksCleared", "BlockRemoved", "BlockStored", "KVEventBatch",
+           "KVEventBatch011", "ZmqConfig", "ZmqPublisher", "check_access", "to_vllm", "zmq_configs"]

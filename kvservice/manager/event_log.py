@@ -31,7 +31,15 @@ from typing import Any, Protocol
 import numpy as np
 
 from kvservice.contract.errors import NotFound, ResourceExhausted
-from kvservice.core.cache_events import AllBlocksCleared, Batch, BlockRemoved, BlockStored, pool_caches, state_events
+from kvservice.core.cache_events import (
+    AllBlocksCleared,
+    Batch,
+    BlockRemoved,
+    BlockStored,
+    copy_cached_pages,
+    pool_caches,
+    stored_events,
+)
 
 
 class PoolLocks(Protocol):
@@ -290,6 +298,7 @@ class Subscription:
         self.transport = transport
         self.limited = limited
         self.closed = False
+        self.token_ids = True       # False: a reset copies no token ids (a consumer that is never sent them)
 
     @property
     def lag(self) -> int:
@@ -345,9 +354,9 @@ class Subscription:
         try:
             if log.closed:
                 raise NotFound(f"pool {log.pool!r} was deleted")
-            with self.hub.manager.locked(log.pool) as pool:
+            with self.hub.manager.locked(log.pool) as pool:      # a copy under the lock (a few array copies) ...
                 seq = pool.events.seq
-                events = (AllBlocksCleared(), *state_events(pool_caches(pool)))
+                copies = copy_cached_pages(pool_caches(pool), self.token_ids)
         except NotFound:
             with self.hub.cond:
                 if self.next_seq > log.head:
@@ -356,7 +365,7 @@ class Subscription:
                 self.next_seq = log.head + 1
             return [LoggedBatch(Batch(log.head, (AllBlocksCleared(),), reset=True), time.time(), 0,
                                 {"reset_reason": "the pool was deleted"})]
-        batch = Batch(seq, events, reset=True)
+        batch = Batch(seq, (AllBlocksCleared(), *stored_events(copies)), reset=True)   # ... events built after it
         with self.hub.cond:
             self.next_seq = seq + 1
             c = log.counter(self.transport)

@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import os
 import signal
+import sqlite3
 import sys
 import threading
 from pathlib import Path
@@ -15,16 +17,18 @@ from pathlib import Path
 from kvservice.contract import logs
 from kvservice.contract.auth import ServerTLS, TokenTable
 from kvservice.contract.cli import add_log_args, existing_file, exit_epilog, parser, subparsers
-from kvservice.contract.errors import InvalidArgument, KVError
+from kvservice.contract.errors import InvalidArgument, KVError, StateError
 from kvservice.contract.transport import MAX_MESSAGE_BYTES
 from kvservice.core.hashing import HASH_MODES
 from kvservice.events.zmq import DEFAULT_FORMAT, FORMATS, zmq_configs
+from kvservice.events.zmq_guard import DEFAULT_REPLAY_BURST, DEFAULT_REPLAY_RATE, CurveKeys, ReplayLimiter
 from kvservice.manager.event_log import DEFAULT_RING_BATCHES, DEFAULT_RING_BYTES, EventsConfig
 from kvservice.server.app import serve
 from kvservice.server.config import DEFAULT_POOLS_YAML, load_pools, load_pools_file
 from kvservice.server.servicer import Limits
 from kvservice.state.journal import Journal, JournalConfig
 from kvservice.state.nats.leader import LeaseConfig
+from kvservice.state.sqlite.unusable import NO_SPACE, unusable_state
 
 log = logging.getLogger("kvservice")
 _LIMITS = Limits()
@@ -90,10 +94,11 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     lim.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES, help="gRPC message limit")
     ev = s.add_argument_group("KV events (docs/operations.md#kv-events)")
     ev.add_argument("--kv-events-zmq", action="append", default=[], metavar="[POOL=][bind:|connect:]ENDPOINT",
-                    help="publish a pool's KV events in vLLM's ZeroMQ format on this PUB endpoint, e.g. tcp://*:5557; "
-                         "bound if it holds '*' or '::' or is ipc://, else connected to a collector that binds "
-                         "(vLLM's rule; bind: or connect: forces one); no POOL = --kv-events-pool; repeatable, one "
-                         "per pool")
+                    help="publish a pool's KV events in vLLM's ZeroMQ format on this PUB endpoint, e.g. "
+                         "tcp://127.0.0.1:5557; bound if it holds '*' or '::' or is ipc://, else connected to a "
+                         "collector that binds (vLLM's rule; bind: or connect: forces one); a bind must be on "
+                         "loopback unless --kv-events-allow-remote; no POOL = --kv-events-pool; repeatable, one per "
+                         "pool")
     ev.add_argument("--kv-events-format", default=DEFAULT_FORMAT, choices=FORMATS,
                     help="vLLM wire version of the ZeroMQ events: vllm-0.33 (events as tagged maps, with layer "
                          "groups and extra keys) or vllm-0.11 (events as tagged arrays)")
@@ -101,7 +106,23 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                     help="page hash of configured pools with prefix caching that name none: kvservice (default) or "
                          "vllm-sha256-cbor (vLLM's block hashes, for routers that compute them from token ids)")
     ev.add_argument("--kv-events-replay", action="append", default=[], metavar="[POOL=]ENDPOINT",
-                    help="ROUTER endpoint answering replay requests for missed batches, e.g. tcp://*:5558")
+                    help="ROUTER endpoint answering replay requests for missed batches, e.g. tcp://127.0.0.1:5558 "
+                         "(loopback unless --kv-events-allow-remote)")
+    ev.add_argument("--kv-events-allow-remote", action="store_true",
+                    help="let ZeroMQ sockets bind non-loopback addresses (tcp://*:5557, an interface's address): "
+                         "whoever reaches them reads the pools' cache contents; pair with --kv-events-curve-*")
+    ev.add_argument("--kv-events-curve-secret", type=existing_file, metavar="FILE",
+                    help="CURVE secret certificate (NAME.key_secret of zmq.auth.create_certificates) of the bound "
+                         "PUB and replay sockets; with --kv-events-curve-clients")
+    ev.add_argument("--kv-events-curve-clients", metavar="DIR",
+                    help="directory of the client public keys (*.key) admitted by CURVE; any other client is refused")
+    ev.add_argument("--kv-events-no-token-ids", action="store_true",
+                    help="publish hashes without token ids on ZeroMQ (BlockStored.token_ids empty): no prompt tokens "
+                         "leave the manager")
+    ev.add_argument("--kv-events-replay-rate", type=float, default=DEFAULT_REPLAY_RATE,
+                    help="replay requests per second one peer may send on average (more are refused, not served)")
+    ev.add_argument("--kv-events-replay-burst", type=int, default=DEFAULT_REPLAY_BURST,
+                    help="... and at once")
     ev.add_argument("--kv-events-pool", default="default", help="pool of an --kv-events-zmq without POOL=")
     ev.add_argument("--kv-events-topic", default="", help="first frame of each ZeroMQ message ('{pool}' = its name)")
     ev.add_argument("--kv-events-medium", default="GPU", help="'medium' of the vLLM events")
@@ -129,10 +150,18 @@ def events_config(args: argparse.Namespace) -> EventsConfig:
     if args.kv_events_max_watchers >= args.threads:
         raise InvalidArgument(f"--kv-events-max-watchers {args.kv_events_max_watchers} would let event streams take "
                               f"every one of the {args.threads} gRPC threads; lower it or raise --threads")
+    curve = None
+    if args.kv_events_curve_secret or args.kv_events_curve_clients:
+        curve = CurveKeys.load(args.kv_events_curve_secret or "", args.kv_events_curve_clients or "")
+    ReplayLimiter(args.kv_events_replay_rate, args.kv_events_replay_burst)       # InvalidArgument if out of range
     return EventsConfig(ring_batches=args.kv_events_buffer, ring_bytes=args.kv_events_buffer_bytes,
                         max_watchers=args.kv_events_max_watchers,
                         zmq=zmq_configs(args.kv_events_zmq, args.kv_events_replay, args.kv_events_pool,
-                                        args.kv_events_topic, args.kv_events_medium, args.kv_events_format))
+                                        args.kv_events_topic, args.kv_events_medium, args.kv_events_format,
+                                        allow_remote=args.kv_events_allow_remote, curve=curve,
+                                        token_ids=not args.kv_events_no_token_ids,
+                                        replay_rate=args.kv_events_replay_rate,
+                                        replay_burst=args.kv_events_replay_burst))
 def _state_arg(value: str) -> str:
     if value == "memory" or value.startswith("nats://"):
         return value
@@ -194,7 +223,7 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         if args.state and args.state != "memory":
             return _serve_replicated(args, pools, tls, tokens, limits, events)
         if args.state_dir:
-            journal = Journal.open(args.state_dir, args.lease_seconds, _journal_config(args))
+            journal = _open_state_dir(args)
         elif args.state != "memory":
             log.warning("state is in memory only and is lost when this process ends; pass --state-dir DIR for "
                         "durable state (or --state memory to silence this)")
@@ -202,11 +231,17 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                         max_workers=args.threads, metrics_addr=args.metrics_addr, lease_seconds=args.lease_seconds,
                         journal=journal, tls=tls, tokens=tokens, limits=limits,
                         max_message_bytes=args.max_message_bytes, events=events, max_streams=args.max_streams)
-    except (KVError, OSError) as err:
+    except (KVError, OSError, sqlite3.Error) as err:
         if journal is not None:
-            journal.close(snapshot=False)
-        print(f"kvservice: {getattr(err, 'message', err)}", file=sys.stderr)
-        return 2
+            with contextlib.suppress(KVError, OSError, sqlite3.Error):   # a full or read-only volume: exit anyway
+                journal.close(snapshot=False)
+        if args.state_dir and (isinstance(err, sqlite3.Error) or getattr(err, "errno", 0) in NO_SPACE):
+            err = unusable_state(err, args.state_dir) or err        # startup pools written to a full volume
+        if isinstance(err, StateError):
+            print(f"kvservice: NOT USABLE ({err.reason}): {err.message}", file=sys.stderr)
+        else:
+            print(f"kvservice: {getattr(err, 'message', err)}", file=sys.stderr)
+        return EXIT_USAGE
     print(f"kvservice: listening on {args.listen.rsplit(':', 1)[0]}:{running.port}, metrics on port "
           f"{running.metrics_port}, pools: {', '.join(running.manager.pool_names()) or 'none'}, state: "
           f"{args.state_dir or 'memory'}", flush=True)
@@ -217,6 +252,15 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
               file=sys.stderr)
         return EXIT_FAILED
     return 0
+
+
+def _open_state_dir(args: argparse.Namespace) -> Journal:
+    """The state dir's journal, recovered; a dir, database or volume that cannot be written is a StateError that
+    says why and what to do (kvservice/state/sqlite/unusable.py), never a traceback."""
+    try:
+        return Journal.open(args.state_dir, args.lease_seconds, _journal_config(args))
+    except (OSError, sqlite3.Error) as err:
+        raise unusable_state(err, args.state_dir) or err from None
 
 
 def _startup_pools(args: argparse.Namespace) -> list:

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from kvservice.worker import guards
+from kvservice.worker import cancel, guards
 from kvservice.worker import kernel_api as api
 from kvservice.worker.guards import GuardReport
 from kvservice.worker.kernel_api import PageLayout, Policy, ValidationResult
@@ -99,7 +99,8 @@ def sanitizer_env(base: dict[str, str] | None = None) -> dict[str, str]:
 
 #: kv_emu_launch_mode's fault codes
 FAULTS = {-1: "unknown kernel", -2: "bad launch shape", -3: "short OpenMP team",
-          -4: "misaligned cp.async", -5: "shared-memory race"}
+          -4: "misaligned cp.async", -5: "shared-memory race", -6: "stopped: deadline passed or cancelled"}
+STOPPED = -6
 
 
 class EmulationFault(RuntimeError):
@@ -138,6 +139,9 @@ class CpuBackend:
         self.lib.kv_emu_launch_mode.argtypes = [ctypes.c_char_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
                                                 ctypes.c_uint, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int,
                                                 ctypes.c_int]
+        self.lib.kv_emu_launch_until.restype = ctypes.c_int
+        self.lib.kv_emu_launch_until.argtypes = [*self.lib.kv_emu_launch_mode.argtypes, ctypes.c_longlong,
+                                                 ctypes.POINTER(ctypes.c_int)]
         self.lib.kv_emu_signature.restype = ctypes.c_char_p
         self.lib.kv_emu_signature.argtypes = [ctypes.c_char_p]
         self.lib.kv_emu_last_fault.restype = ctypes.c_char_p
@@ -169,7 +173,15 @@ class CpuBackend:
             raise TypeError(f"{name}: C signature has {len(sig)} args, got {len(args)}")
         cvals = [self._arg(k, v, i, name) for i, (k, v) in enumerate(zip(sig, args, strict=True))]
         argv = (ctypes.c_void_p * len(cvals))(*[ctypes.cast(ctypes.pointer(c), ctypes.c_void_p) for c in cvals])
-        rc = self.lib.kv_emu_launch_mode(name.encode(), *grid, block, argv, int(self.strict), self.blocks_at_once)
+        bound = cancel.current()         # the RPC's deadline and cancellation (kvservice/worker/cancel.py)
+        if bound is None:
+            rc = self.lib.kv_emu_launch_mode(name.encode(), *grid, block, argv, int(self.strict), self.blocks_at_once)
+        else:
+            rc = self.lib.kv_emu_launch_until(name.encode(), *grid, block, argv, int(self.strict),
+                                              self.blocks_at_once, bound.deadline_ns, ctypes.byref(bound.flag))
+        if rc == STOPPED:
+            raise cancel.KernelCancelled(f"{name}: stopped between blocks, the call's deadline passed or its caller "
+                                         "went away")
         if rc != 0:
             detail = (self.lib.kv_emu_last_fault() or b"").decode(errors="replace") if rc in (-4, -5) else ""
             raise EmulationFault(name, rc, detail)

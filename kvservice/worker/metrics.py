@@ -26,6 +26,9 @@ class WorkerMetrics:
                                        "Manager replies (registration, heartbeats, pool reads) this worker refused "
                                        "because the manager's state was behind what it had already seen in the same "
                                        "lineage (STATE_ROLLED_BACK, docs/DURABILITY.md).", registry=self.registry)
+        self.kernels_stopped = Counter("kvworker_kernels_stopped_total",
+                                       "Kernel calls stopped part-way because their deadline passed or their caller "
+                                       "went away (CPU kernels; kvservice/worker/cancel.py).", registry=self.registry)
         self.cache_bytes = Gauge("kvworker_cache_bytes", "Bytes of KV cache this worker holds.", ["pool"],
                                  registry=self.registry)
         self.pool = pool

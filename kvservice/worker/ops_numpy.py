@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvservice.contract.pagetable import BAD_INDPTR, STALE_PAGE, TableViolations, table_violations
-from kvservice.worker import guards
+from kvservice.worker import cancel, guards
 from kvservice.worker import kernel_api as api
 from kvservice.worker.guards import GuardReport
 from kvservice.worker.kernel_api import (
@@ -137,6 +137,8 @@ def decode_attention(q: np.ndarray, cache: np.ndarray, layout: PageLayout, indpt
     ps, kh, d = layout.page_size, layout.kv_heads, layout.head_dim
     qf = _to_f32(q, layout.dtype).reshape(batch, kh, hq // kh, d)
     for r in range(batch):
+        if r % 16 == 0:
+            cancel.check("decode_attention")     # the call's deadline reaches the loop (kvservice/worker/cancel.py)
         if status[r]:
             out[r] = 0.0 if policy == Policy.ZEROS else np.nan
             lse[r] = -np.inf if policy == Policy.ZEROS else np.nan

@@ -20,7 +20,7 @@ from kvservice.contract.wire import from_tensor, to_tensor
 from kvservice.v1 import common_pb2 as cpb
 from kvservice.v1 import worker_pb2 as wpb
 from kvservice.v1 import worker_pb2_grpc as wpb_grpc
-from kvservice.worker import ops_numpy
+from kvservice.worker import cancel, ops_numpy
 from kvservice.worker.caches import CacheSet
 from kvservice.worker.fencing import LeaderEpochFence, MemoryGate, check_incarnation
 from kvservice.worker.kernel_api import (
@@ -53,12 +53,20 @@ def _rpc(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def wrapper(self: WorkerServicer, request: Any, context: grpc.ServicerContext) -> Any:
+        remaining = context.time_remaining()
         try:
-            with self.memory.shared():             # a re-plan swaps the caches only between calls
+            # the call's deadline, and its end for any reason, reach the kernel loop: abandoned work stops
+            with self.memory.shared(), cancel.bounded(None if remaining is None else time.monotonic() + remaining) \
+                    as bound:                  # a re-plan swaps the caches only between calls
+                context.add_callback(bound.cancel)
                 check_incarnation(self.identity, request)
                 if fenced:
                     self.leader_fence.check(context.invocation_metadata(), self.identity, fn.__name__)
                 return fn(self, request, context)
+        except cancel.KernelCancelled as err:
+            self.metrics.kernels_stopped.inc()
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"{err}; blocks run before the stop may have written "
+                          "their slots: retry the call")
         except OutOfRange as err:
             context.abort(grpc.StatusCode.OUT_OF_RANGE, err.message)
         except KVError as err:

@@ -57,6 +57,7 @@ WORKER_METRICS = {
     "kvworker_cache_bytes": "gauge",
     "kvworker_leader_epoch_refusals_total": "counter",
     "kvworker_state_rollbacks_total": "counter",
+    "kvworker_kernels_stopped_total": "counter",
 }
 #: Exported by a scheduler's client when it is given a prometheus_client registry (kvservice/client/position.py),
 #: under the scheduler's own job: nothing here scrapes one.

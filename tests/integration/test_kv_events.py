@@ -416,6 +416,14 @@ def test_kvctl_score_and_events(capsys, tmp_path):
     (["--kv-events-replay", "tcp://127.0.0.1:*"], "pool 'default' has no --kv-events-zmq publisher"),
     (["--kv-events-buffer", "0"], "--kv-events-buffer must be >= 1"),
     (["--kv-events-max-watchers", "8", "--threads", "8"], "would let event streams take every one of the 8"),
+    (["--kv-events-zmq", "tcp://*:5557"], "--kv-events-zmq tcp://*:5557 would bind a ZeroMQ socket reachable from "
+                                          "other machines"),
+    (["--kv-events-zmq", "bind:tcp://10.11.12.13:5557"], "pass --kv-events-allow-remote"),
+    (["--kv-events-zmq", "tcp://127.0.0.1:*", "--kv-events-replay", "tcp://0.0.0.0:5558"],
+     "--kv-events-replay tcp://0.0.0.0:5558 would bind"),
+    (["--kv-events-zmq", "tcp://127.0.0.1:*", "--kv-events-curve-clients", "."],
+     "--kv-events-curve-secret and --kv-events-curve-clients go together"),
+    (["--kv-events-zmq", "tcp://127.0.0.1:*", "--kv-events-replay-burst", "0"], "--kv-events-replay-burst >= 1"),
 ])
 def test_serve_refuses_bad_event_flags(capsys, flags, message):
     from kvservice.server import cli

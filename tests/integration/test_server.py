@@ -80,9 +80,24 @@ def test_seed000_resource_exhausted_over_grpc(client):
     ({"extend": [1], "extend_tokens": 0}, grpc.StatusCode.INVALID_ARGUMENT, "must be > 0"),
     ({"admit": [5, 5], "admit_tokens": 1}, grpc.StatusCode.INVALID_ARGUMENT, "more than once"),
     ({"admit": [6], "admit_tokens": 5000}, grpc.StatusCode.INVALID_ARGUMENT, "max_seq_len=2048"),
+    # salts and extra keys are counted on every pool, whether it caches prefixes or not, token ids or not
+    ({"admit": [7, 8], "admit_tokens": 3, "salts": ["tenant-a"]}, grpc.StatusCode.INVALID_ARGUMENT,
+     "admit_cache_salts has 1 entries for 2 admissions"),
+    ({"admit": [7], "admit_tokens": 3, "extra_keys": ["lora-a", "lora-b"]}, grpc.StatusCode.INVALID_ARGUMENT,
+     "admit_extra_keys has 2 entries for 1 admissions"),
+    ({"admit": [7, 8], "admit_tokens": 3, "salts": ["a", "b", "c"], "prefix_caching": True},
+     grpc.StatusCode.INVALID_ARGUMENT, "admit_cache_salts has 3 entries for 2 admissions"),
+    ({"admit": [7, 8], "admit_tokens": 3, "extra_keys": ["k"], "prefix_caching": True},
+     grpc.StatusCode.INVALID_ARGUMENT, "admit_extra_keys has 1 entries for 2 admissions"),
 ])
 def test_bad_steps_over_grpc_change_nothing(client, kwargs, code, words):
-    name = new_pool(client)
+    kwargs = dict(kwargs)
+    if kwargs.pop("prefix_caching", False):
+        name = f"p{next(_names)}"
+        client.create_pool(name, CacheSpec.uniform(4, 2, 64, "float16", 16), Sizing(num_slots=128, max_seq_len=2048),
+                           prefix_caching=True)
+    else:
+        name = new_pool(client)
     client.step(name, admit=[1], admit_tokens=20)
     before = pool_state(client, name)
     with pytest.raises(ClientError) as exc:

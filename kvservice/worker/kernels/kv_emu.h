@@ -43,6 +43,7 @@
 #include <cstdlib>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <map>
 #include <mutex>
 #include <string>
@@ -78,6 +79,7 @@ struct KvEmuBlock {
   KvEmuShadow* shadow = nullptr;
   int* fault = nullptr;           // the launch's first fault code (0 none)
   char* fault_msg = nullptr;      // and its description
+  int stop = 0;                   // the launch stops before this block (kv_emu_launch_until)
 };
 inline thread_local KvEmuBlock* kv_emu_cur = nullptr;
 inline thread_local dim3 threadIdx;
@@ -427,13 +429,25 @@ inline void kv_group_allreduce(float (&v)[N]) {
 // kernel, -2 bad launch shape, -3 short team, -4 misaligned cp.async, -5 shared-memory race
 // (strict); kv_emu_last_fault() describes the last -4/-5. blocks_at_once > 1 runs that many blocks
 // concurrently, in reverse order.
+// kv_emu_launch_until(..., deadline_ns, cancel): the same, but no block starts once CLOCK_MONOTONIC
+// reaches deadline_ns (0 = no deadline) or *cancel is nonzero (null = never): -6, the blocks run
+// before that done (kvservice/worker/cancel.py). A launch that waits for the library's lock past
+// its deadline runs no block.
 inline char kv_emu_fault_text[512];
 
 extern "C" __attribute__((weak, visibility("default"))) const char* kv_emu_last_fault() { return kv_emu_fault_text; }
 
-extern "C" __attribute__((weak, visibility("default"))) int kv_emu_launch_mode(
+inline bool kv_emu_expired(long long deadline_ns, const volatile int* cancel) {
+  if (cancel != nullptr && *cancel != 0) return true;
+  if (deadline_ns <= 0) return false;
+  timespec now;
+  clock_gettime(CLOCK_MONOTONIC, &now);
+  return (long long)now.tv_sec * 1000000000LL + now.tv_nsec >= deadline_ns;
+}
+
+extern "C" __attribute__((weak, visibility("default"))) int kv_emu_launch_until(
     const char* name, unsigned gx, unsigned gy, unsigned gz, unsigned bx, void** args, int strict,
-    int blocks_at_once) {
+    int blocks_at_once, long long deadline_ns, const volatile int* cancel) {
   auto it = kv_emu_registry().find(name);
   if (it == kv_emu_registry().end()) return -1;
   if (bx == 0 || bx > 1024 || bx % 32 != 0 || gx == 0 || gy == 0 || gz == 0) return -2;
@@ -448,7 +462,7 @@ extern "C" __attribute__((weak, visibility("default"))) int kv_emu_launch_mode(
     b->arena = static_cast<unsigned char*>(std::calloc(KV_EMU_ARENA, 1));
     pool.push_back(b);
   }
-  int fault = 0, short_team = 0;
+  int fault = 0, short_team = 0, stopped = 0;
   kv_emu_fault_text[0] = '\0';
   const long long total = (long long)gx * gy * gz;
   std::vector<KvEmuShadow> shadows(slots);
@@ -483,8 +497,14 @@ extern "C" __attribute__((weak, visibility("default"))) int kv_emu_launch_mode(
         if (threadIdx.x == 0) {
           b->idx = dim3{(unsigned)(n % gx), (unsigned)(n / gx % gy), (unsigned)(n / gx / gy)};
           b->shadow->pieces.clear();
+          b->stop = kv_emu_expired(deadline_ns, cancel) ? 1 : 0;
         }
         kv_emu_sync();
+        if (b->stop) {  // every thread of the block read it after the barrier: they all leave together
+#pragma omp atomic write
+          stopped = 1;
+          break;
+        }
         kv_emu_epoch = 0;
         k.thunk(k.fn, args);
         kv_emu_cp_async = KvEmuCpAsync{};  // a kernel that left copies pending: drop them
@@ -495,7 +515,14 @@ extern "C" __attribute__((weak, visibility("default"))) int kv_emu_launch_mode(
   }
   for (int k = 0; k < slots; ++k) pool[k]->shadow = nullptr;
   if (short_team) return -3;
+  if (fault == 0 && stopped) return -6;
   return fault;
+}
+
+extern "C" __attribute__((weak, visibility("default"))) int kv_emu_launch_mode(
+    const char* name, unsigned gx, unsigned gy, unsigned gz, unsigned bx, void** args, int strict,
+    int blocks_at_once) {
+  return kv_emu_launch_until(name, gx, gy, gz, bx, args, strict, blocks_at_once, 0, nullptr);
 }
 
 extern "C" __attribute__((weak, visibility("default"))) int kv_emu_launch(const char* name, unsigned gx, unsigned gy,
