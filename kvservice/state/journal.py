@@ -111,6 +111,7 @@ class Journal:
         self._digests = PrefixDigests()             # request fingerprints of steady decode loops
         self._gate = PoolGate()
         self._writer_done = threading.Event()        # clear while a captured snapshot is being written
+        self.snapshot_waits = 0                      # calls that waited for a snapshot (the tail at compact_every)
         self._writer_done.set()
         # Pools unchanged since the last snapshot reuse its arrays: an idle pool costs no pause.
         self._states: dict[str, Any] = {}           # name -> PoolState of the newest snapshot
@@ -318,35 +319,13 @@ class Journal:
         decoded: the caller has decoded every array of this request already (a stream's repeated request
         bytes), so they are not decoded again before apply.
         """
-        cap = None
-        with self._lock:
-            self._check_usable()
-            rid = getattr(request, "request_id", "")
-            data = request.SerializeToString(deterministic=True)
-            fingerprint = (self._digests(request.pool, data) if method == "Step" else digest(data)) if rid else b""
-            if rid:
-                stored = self.window.lookup(rid, method, fingerprint)
-                if stored is not None:
-                    return self._stamped_copy(stored)
-            if method == "Step" and not decoded:
-                _decode_step(request)
-            with self._gate.writing(getattr(request, _TARGET[method]) if method in _TARGET else None):
-                try:
-                    reply = apply(request)
-                except KVError:
-                    raise                       # refused: nothing changed, nothing to journal
-                except Exception as err:
-                    self._resync(f"{method} failed unexpectedly ({type(err).__name__}: {err})")
-                    raise
-                now = time.time()
-                self._commit(method, data, now)
-                if method in _TARGET:
-                    self._dirty.add(getattr(request, _TARGET[method]))
-                self._stamp(reply)
-            if rid:
-                self.window.remember(rid, method, fingerprint, self.seq, now, reply)
-            if not self.store.readonly and self._due():
-                cap = self._capture_locked()
+        while True:
+            with self._lock:
+                if not self._tail_full():
+                    reply, cap = self._execute_locked(method, request, apply, decoded)
+                    break
+            self.snapshot_waits += 1        # the tail is at compact_every: wait (unlocked) for the snapshot
+            self._writer_done.wait()
         if cap is not None:
             if self.config.background_snapshots:
                 threading.Thread(target=self._write_capture, args=(cap,), name="kvservice-snapshot",
@@ -354,6 +333,43 @@ class Journal:
             else:
                 self._write_capture(cap)
         return reply
+
+    def _tail_full(self) -> bool:
+        """compact_every is the most entries a recovery replays, a bound: with that many past the newest stored
+        snapshot and one being written, nothing more is appended until it is stored (a store slower than the
+        tail's last quarter; a leader killed meanwhile leaves no longer a tail to its successor)."""
+        return not self._writer_done.is_set() and self.seq - self.snapshot_seq >= self.config.compact_every
+
+    def _execute_locked(self, method: str, request: Message, apply: Callable[[Message], Message],
+                        decoded: bool) -> tuple[Message, _Capture | None]:
+        """execute under the journal lock: (reply, a snapshot capture to write outside the lock or None)."""
+        self._check_usable()
+        rid = getattr(request, "request_id", "")
+        data = request.SerializeToString(deterministic=True)
+        fingerprint = (self._digests(request.pool, data) if method == "Step" else digest(data)) if rid else b""
+        if rid:
+            stored = self.window.lookup(rid, method, fingerprint)
+            if stored is not None:
+                return self._stamped_copy(stored), None
+        if method == "Step" and not decoded:
+            _decode_step(request)
+        with self._gate.writing(getattr(request, _TARGET[method]) if method in _TARGET else None):
+            try:
+                reply = apply(request)
+            except KVError:
+                raise                       # refused: nothing changed, nothing to journal
+            except Exception as err:
+                self._resync(f"{method} failed unexpectedly ({type(err).__name__}: {err})")
+                raise
+            now = time.time()
+            self._commit(method, data, now)
+            if method in _TARGET:
+                self._dirty.add(getattr(request, _TARGET[method]))
+            self._stamp(reply)
+        if rid:
+            self.window.remember(rid, method, fingerprint, self.seq, now, reply)
+        cap = self._capture_locked() if not self.store.readonly and self._due() else None
+        return reply, cap
 
     def read(self, request: Message, apply: Callable[[Message], Message]) -> Message:
         """A read of pool state: only committed state is visible, and nothing once the journal failed.
