@@ -110,6 +110,12 @@ class FaultLab:
     def replays(self) -> list[int]:
         return manager_replays(self.system.slots) + self.system.replays
 
+    def failed_snapshots(self) -> int:
+        """Snapshot writes the managers logged as failed (each is retried half a compaction interval later)."""
+        import re
+        return sum(len(re.findall(r"snapshot at \d+ failed", log.read_text(errors="replace")))
+                   for s in self.system.slots for log in s.root.glob(f"{s.name}-*/manager.log"))
+
     # ---- faults ------------------------------------------------------------------------------------
     def wait_healthy(self, timeout: float = 120.0) -> None:
         """Until the journal stream and the lease bucket each have a leader and every replica is current

@@ -43,8 +43,10 @@ def test_no_acknowledged_step_is_lost_through_kills_pauses_crashes_and_partition
         assert not lab.epochs_with_two_writers()
         assert all(o.new_epoch > o.old_epoch for o in lab.outcomes if o.fault.startswith(("kill -9 leader",
                                                                                           "partition: the leader")))
-        replays = lab.replays()
-        assert replays and max(replays) <= COMPACT_EVERY, replays
+        # compact_every bounds every recovery while snapshots can be stored; a snapshot write that failed (NATS
+        # timed out storing it during a fault) is retried half an interval later, and calls went on meanwhile
+        replays, failed = lab.replays(), lab.failed_snapshots()
+        assert replays and max(replays) <= COMPACT_EVERY + failed * (COMPACT_EVERY // 2), (replays, failed)
         assert min(ld.acked for ld in lab.system.loaders) > 20
         assert sum(ld.client.stale_replies for ld in lab.system.loaders) == 0
     finally:
