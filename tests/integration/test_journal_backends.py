@@ -21,7 +21,7 @@ from kvservice.contract.wire import to_tensor
 from kvservice.core.invariants import assert_invariants
 from kvservice.server.ha import open_journal, open_sole_writer
 from kvservice.state.journal import Journal, JournalConfig, StateError
-from kvservice.state.nats.journal import Fenced, NatsConfig, NatsLink, NatsStore, StoreError
+from kvservice.state.nats.journal import Fenced, NatsConfig, NatsLink, NatsStore, StoreError, Unrecoverable
 from kvservice.state.tree import state_tree
 from kvservice.v1 import block_manager_pb2 as pb
 
@@ -342,14 +342,16 @@ def test_a_corrupt_entry_or_snapshot_is_refused(nats_backend):
                                                                            description=json.dumps(meta))), 10)
     finally:
         link.close()
-    with pytest.raises(StoreError, match="does not match its header"):
+    with pytest.raises(Unrecoverable, match="does not match its header"):   # damage: refused at once, not retried
         nats_backend.open_readonly()
 
 
-def test_a_missing_deployment_is_reported(nats1):
+def test_a_missing_deployment_is_reported(nats1, caplog):
+    """At once: a stream that is not there will not appear by waiting (check-state against a wrong name)."""
     config = NatsConfig(tuple(nats1.urls), name="absent" + uuid.uuid4().hex[:6])
     with pytest.raises(StoreError, match="no kvservice journal there"):
         open_journal(config, readonly=True)
+    assert "retrying" not in caplog.text
 
 
 def test_recovery_refuses_an_entry_the_code_cannot_replay(nats_backend):

@@ -23,6 +23,11 @@ class StoreError(KVError):
     reason = "STORE_ERROR"
 
 
+class Unrecoverable(StoreError):
+    """The replicated state is missing or damaged (no stream there, a corrupt snapshot or message): waiting
+    changes nothing, so retry_startup does not retry it (unlike a stream being created or elected)."""
+
+
 class Fenced(StoreError):
     """Another writer appended to the stream: this store's view is stale and it may not write."""
 
@@ -30,7 +35,7 @@ class Fenced(StoreError):
 
 
 def retry_startup(what: str, attempt: Callable[[], T], seconds: float = 60.0) -> T:
-    """attempt() until it does not raise StoreError (JournalGap and Fenced excepted), for up to `seconds`.
+    """attempt() until it does not raise StoreError (JournalGap, Fenced, Unrecoverable excepted), for up to `seconds`.
 
     Managers started together on a fresh deployment create the stream and the buckets at the same
     time, and JetStream answers requests about an asset being created (or a stream being elected)
@@ -41,7 +46,7 @@ def retry_startup(what: str, attempt: Callable[[], T], seconds: float = 60.0) ->
     while True:
         try:
             return attempt()
-        except (JournalGap, Fenced):
+        except (JournalGap, Fenced, Unrecoverable):
             raise
         except StoreError as err:
             if time.monotonic() + delay > deadline:

@@ -58,7 +58,15 @@ from nats.js import api
 
 from kvservice.contract.errors import StateError
 from kvservice.state import snapshot as snap
-from kvservice.state.nats.config import Fenced, JournalGap, NatsConfig, StoreError, parse_state_url, retry_startup
+from kvservice.state.nats.config import (
+    Fenced,
+    JournalGap,
+    NatsConfig,
+    StoreError,
+    Unrecoverable,
+    parse_state_url,
+    retry_startup,
+)
 from kvservice.state.nats.direct import DirectError
 from kvservice.state.nats.link import NatsLink
 from kvservice.state.stores import Entry, JournalStore, continued_lineage, lineage_hex, new_lineage
@@ -184,7 +192,7 @@ class NatsStore(JournalStore):
             await js.stream_info(c.stream)
         except nats.js.errors.NotFoundError:
             if not create:
-                raise StoreError(f"{self.path}: no kvservice journal there (stream {c.stream} is missing)") from None
+                raise Unrecoverable(f"{self.path}: no kvservice journal there (stream {c.stream} is missing)") from None
             try:
                 await js.add_stream(api.StreamConfig(
                     name=c.stream, subjects=[c.subject], storage=api.StorageType.FILE, num_replicas=c.replicas,
@@ -279,15 +287,15 @@ class NatsStore(JournalStore):
                 raise ValueError(f"snapshot format {meta['format']} is not {SNAPSHOT_FORMAT} (written by an older "
                                  "kvservice: export it with that version, import the state dir with this one)")
         except (ValueError, KeyError, TypeError) as err:
-            raise StoreError(f"{self.path}: snapshot {info.name} has an unreadable header ({err})") from None
+            raise Unrecoverable(f"{self.path}: snapshot {info.name} has an unreadable header ({err})") from None
         out = io.BytesIO()
         try:
             await self._obs.get(info.name, writeinto=out)
         except nats.js.errors.DigestMismatchError:
-            raise StoreError(f"{self.path}: snapshot {info.name} is corrupt (SHA-256 mismatch)") from None
+            raise Unrecoverable(f"{self.path}: snapshot {info.name} is corrupt (SHA-256 mismatch)") from None
         blob = out.getvalue()
         if len(blob) != int(meta["bytes"]) or _digest(blob) != meta["digest"]:
-            raise StoreError(f"{self.path}: snapshot {info.name} does not match its header "
+            raise Unrecoverable(f"{self.path}: snapshot {info.name} does not match its header "
                              f"({len(blob)} bytes, header says {meta['bytes']})")
         return meta, blob
 
@@ -430,7 +438,7 @@ class NatsStore(JournalStore):
             self.lineage = continued_lineage(self.lineage, h.get("Kvs-Lineage"), f"{self.path}: fence {stream_seq}")
             return None
         if kind != "entry":
-            raise StoreError(f"{self.path}: stream message {stream_seq} is not a kvservice journal entry")
+            raise Unrecoverable(f"{self.path}: stream message {stream_seq} is not a kvservice journal entry")
         seq = int(h["Kvs-Seq"])
         index, count = (int(x) for x in h["Kvs-Part"].split("/"))
         if index == 0:
@@ -585,5 +593,5 @@ class NatsStore(JournalStore):
             self.link.close()
 
 
-__all__ = ["Fenced", "JournalGap", "NatsConfig", "NatsLink", "NatsStore", "StoreError", "check_ack", "fence_id",
-           "message_id", "parse_state_url", "retry_startup"]
+__all__ = ["Fenced", "JournalGap", "NatsConfig", "NatsLink", "NatsStore", "StoreError", "Unrecoverable", "check_ack",
+           "fence_id", "message_id", "parse_state_url", "retry_startup"]
