@@ -20,8 +20,9 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 from kvservice.state.nats import NATS_SERVER_VERSION
 
@@ -197,17 +198,19 @@ class NatsCluster:
             n.stop()
 
 
-async def _jetstream_ready(url: str) -> bool:
+async def _probe(url: str, check: Callable[[Any], Awaitable[None]]) -> bool:
+    """True if a quiet, non-reconnecting connection to url runs check(nc) without an error."""
     import nats
+
+    async def quiet(_err: Exception) -> None:
+        return None
     try:
-        async def quiet(_err: Exception) -> None:
-            return None
         nc = await nats.connect(url, connect_timeout=1, max_reconnect_attempts=0, allow_reconnect=False,
                                 error_cb=quiet)
     except Exception:
         return False
     try:
-        await nc.jetstream(timeout=1.0).account_info()
+        await check(nc)
         return True
     except Exception:
         return False
@@ -215,24 +218,19 @@ async def _jetstream_ready(url: str) -> bool:
         await nc.close()
 
 
+async def _jetstream_ready(url: str) -> bool:
+    async def check(nc: Any) -> None:
+        await nc.jetstream(timeout=1.0).account_info()
+    return await _probe(url, check)
+
+
 async def _replicas_placeable(url: str, replicas: int) -> bool:
-    import nats
     from nats.js import api
-    try:
-        async def quiet(_err: Exception) -> None:
-            return None
-        nc = await nats.connect(url, connect_timeout=1, max_reconnect_attempts=0, allow_reconnect=False,
-                                error_cb=quiet)
-    except Exception:
-        return False
     name = f"READY_PROBE_{uuid.uuid4().hex[:8]}"
-    try:
+
+    async def check(nc: Any) -> None:
         js = nc.jetstream(timeout=2.0)
         await js.add_stream(api.StreamConfig(name=name, subjects=[f"ready.probe.{name}"], num_replicas=replicas,
                                              storage=api.StorageType.MEMORY))
         await js.delete_stream(name)
-        return True
-    except Exception:
-        return False
-    finally:
-        await nc.close()
+    return await _probe(url, check)
