@@ -142,6 +142,19 @@ class TokenTable:
         return self._by_digest.get(hashlib.sha256(token.encode()).digest())
 
 
+#: The tenant of calls without a known token (refused by TokenAuthInterceptor; charged apart from every token).
+UNAUTHENTICATED = "\x00unauthenticated"
+
+
+def principal_of(table: TokenTable | None, metadata: Any) -> str:
+    """The name of the token a call's metadata carries ("" without a table, UNAUTHENTICATED if unknown)."""
+    if table is None:
+        return ""
+    token = _bearer(metadata)
+    grant = table.lookup(token) if token else None
+    return grant.name if grant is not None else UNAUTHENTICATED
+
+
 def current_principal() -> str:
     """Name of the token the running call was authorized with; "" when the server takes no tokens."""
     return _PRINCIPAL.get()

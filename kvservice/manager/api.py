@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 
@@ -94,6 +96,14 @@ def add_copies(reply: pb.StepReply, pool: Pool, res: StepResult) -> None:
             fill_tensor(c.generations, pool.allocators[g].generation.take(pairs))
 
 
+class StepCost(NamedTuple):
+    """What ManagerAPI.check_step_cost found: settled (the request alone settled the check: the same request
+    on the same pool passes again) and reply_bytes (the bound on its reply that passed; 0 = none computed)."""
+
+    settled: bool
+    reply_bytes: int
+
+
 class ManagerAPI:
     """Every BlockManager RPC as a plain method: request message in, reply message out.
 
@@ -111,6 +121,9 @@ class ManagerAPI:
         self.manager = manager
         self.max_reply_bytes = max_reply_bytes
         self.fence = fence
+        #: Called with a Step's reply bound (bytes) before the step is applied; raises to refuse it (the
+        #: server's memory budget: kvservice/server/admission.py). None: nothing reserved.
+        self.reserve_reply: Callable[[int], None] | None = None
 
     def Plan(self, request: pb.PlanRequest) -> pb.PlanReply:
         spec = convert.cache_spec_from_proto(request.cache)
@@ -164,32 +177,42 @@ class ManagerAPI:
         self.manager.events.after_step(pool, admit_tokens, kwargs["admit_token_ids"] is not None)
         return res
 
-    def check_step_cost(self, pool: Pool, request: pb.StepRequest, kwargs: dict[str, object]) -> bool:
+    def check_step_cost(self, pool: Pool, request: pb.StepRequest, kwargs: dict[str, object]) -> StepCost:
         """Refuse, before the pool changes, a step whose counts could overflow or whose reply could not be sent.
 
         Runs under the pool's lock; kwargs: the step's Pool.step arguments (step_kwargs). The bound from
         the request alone (extended rows at their longest) settles almost every step; one over the
         limit is bounded again with the pool's token total, then with its rows' own tokens, and refused
-        only if that is over too. Returns True if the request alone settled it (the pool's plan and the
-        request's arrays: the same request on the same pool passes again), False if the pool's state did.
+        only if that is over too. Returns whether the request alone settled it (the pool's plan and the
+        request's arrays: the same request on the same pool passes again) and the reply bound that did;
+        that bound is passed to `reserve_reply` (the server's memory budget, which may refuse the step).
         """
         args = _step_args(kwargs)
         sums = check_step_counts(pool.name, pool.max_seq_len, pool.plan.num_slots, pool.page_size,
                                  (("extend_num_tokens", args["extend_num_tokens"]),
                                   ("admit_num_tokens", args["admit_num_tokens"])))
         if not self.max_reply_bytes:
-            return True
+            return StepCost(True, 0)
         model = self._model(pool)
         shape = _quick_shape(model, args, sums)
-        if shape is None or step_reply_bound(model, shape, not request.omit_tables,
-                                             request.include_block_table).total <= self.max_reply_bytes:
-            return shape is not None
+        if shape is None:
+            return StepCost(False, 0)
+        total = step_reply_bound(model, shape, not request.omit_tables, request.include_block_table).total
+        if total <= self.max_reply_bytes:
+            return self._reserved(StepCost(True, total))
         for level in (1, 2):
             found = _step_reply_bound(pool, model, request, args, level)
-            if found is None or found[0].total <= self.max_reply_bytes:
-                return False
+            if found is None:
+                return StepCost(False, 0)
+            if found[0].total <= self.max_reply_bytes:
+                return self._reserved(StepCost(False, found[0].total))
         bound, new_tokens = found
         raise _reply_too_large(pool.name, bound, self.max_reply_bytes, new_tokens, model.num_spaces, request)
+
+    def _reserved(self, cost: StepCost) -> StepCost:
+        if self.reserve_reply is not None:
+            self.reserve_reply(cost.reply_bytes)
+        return cost
 
     @staticmethod
     def _model(pool: Pool) -> ReplyModel:

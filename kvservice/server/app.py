@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -12,7 +13,7 @@ from grpc_health.v1 import health, health_pb2
 from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from kvservice.contract.auth import BM, ServerTLS, TokenAuthInterceptor, TokenTable, manager_rules
+from kvservice.contract.auth import BM, ServerTLS, TokenAuthInterceptor, TokenTable, manager_rules, principal_of
 from kvservice.contract.serving import grpc_server
 from kvservice.contract.transport import MAX_MESSAGE_BYTES
 from kvservice.events.metrics import EventCollector
@@ -20,6 +21,14 @@ from kvservice.events.publish import configure_events
 from kvservice.manager.api import ManagerAPI
 from kvservice.manager.event_log import EventsConfig
 from kvservice.manager.pools import BlockManager
+from kvservice.server.admission import AdmissionInterceptor, reserve_reply
+from kvservice.server.budget import (
+    DEFAULT_MEMORY_LIMIT,
+    BudgetLimits,
+    MemoryBudget,
+    cgroup_memory_limit,
+    derive_budget,
+)
 from kvservice.server.config import PoolConfig
 from kvservice.server.http import MetricsServer, health_probe
 from kvservice.server.metrics import ManagerMetrics
@@ -47,6 +56,7 @@ class RunningServer:
     failed: threading.Event = field(default_factory=threading.Event)
     health: health.HealthServicer | None = None
     publishers: list = field(default_factory=list)     # ZeroMQ KV event publishers (events/zmq.py)
+    budget: MemoryBudget | None = None                 # memory budget of requests and sessions (server/budget.py)
 
     def stop(self, grace: float = 1.0) -> None:
         """Stop serving (in-flight calls get `grace` seconds), then snapshot and close the journal."""
@@ -86,7 +96,8 @@ def serve(listen: str = "127.0.0.1:0", metrics_port: int | None = None, pools: S
           journal: Journal | None = None, *, tls: ServerTLS | None = None, tokens: TokenTable | None = None,
           limits: Limits | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES,
           events: EventsConfig | None = None, max_streams: int = 64,
-          interceptors: Sequence[grpc.ServerInterceptor] = (), serving: bool = True) -> RunningServer:
+          interceptors: Sequence[grpc.ServerInterceptor] = (), serving: bool = True,
+          budget: BudgetLimits | None = None) -> RunningServer:
     """Start the manager on `listen` (port 0 picks one); metrics on metrics_port (0 picks, None = off).
 
     journal: a durable kvservice.state.journal.Journal (its manager is served); None = an in-memory one
@@ -97,6 +108,8 @@ def serve(listen: str = "127.0.0.1:0", metrics_port: int | None = None, pools: S
     max_streams: StepStream/EchoStream calls open at once; each holds a thread, added to max_workers.
     interceptors: more server interceptors (after the token check); serving=False starts with the
         BlockManager service NOT_SERVING in health (a standby: kvservice/server/ha.py), the server itself SERVING.
+    budget: the memory budget of requests, replies and stream sessions (kvservice/server/budget.py); None =
+        derived from the cgroup memory limit (default_budget_limits).
     """
     if journal is None:
         journal = Journal(manager or BlockManager(lease_seconds))
@@ -113,12 +126,15 @@ def serve(listen: str = "127.0.0.1:0", metrics_port: int | None = None, pools: S
         commit = Histogram("kvservice_journal_commit_seconds", "Time to make one mutating RPC durable.",
                            registry=metrics.registry, buckets=COMMIT_BUCKETS)
         journal.observe_commit = commit.observe
-    chain: list[grpc.ServerInterceptor] = []
+    memory = MemoryBudget(budget or default_budget_limits(limits or Limits(), tokens is not None))
+    chain: list[grpc.ServerInterceptor] = [AdmissionInterceptor(memory, SERVICE_NAME,
+                                                                functools.partial(principal_of, tokens))]
     if tokens is not None:
         chain.append(TokenAuthInterceptor(tokens, BM, manager_rules(_worker_pool(manager))))
     chain.extend(interceptors)
     api = ManagerAPI(manager, max_reply_bytes=max_message_bytes, fence=True)
-    servicer = BlockManagerServicer(api, metrics, journal, limits or Limits(), max_streams)
+    api.reserve_reply = reserve_reply
+    servicer = BlockManagerServicer(api, metrics, journal, limits or Limits(), max_streams, memory)
     try:
         server, port, health_servicer = grpc_server(SERVICE_NAME, servicer, listen, tls, chain,
                                                     max_workers + max_streams, max_message_bytes)
@@ -127,7 +143,7 @@ def serve(listen: str = "127.0.0.1:0", metrics_port: int | None = None, pools: S
             pub.stop()
         raise
     running = RunningServer(server, port, None, manager, metrics, None, journal, health=health_servicer,
-                            publishers=publishers)
+                            publishers=publishers, budget=memory)
     journal.on_fail = lambda why: _fail_stop(running)
     server.start()
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -142,6 +158,15 @@ def serve(listen: str = "127.0.0.1:0", metrics_port: int | None = None, pools: S
              f", {len(tokens)} tokens" if tokens is not None else "", running.metrics_port,
              journal.state_dir or (journal.store.location if journal.store.durable else "memory only"))
     return running
+
+
+def default_budget_limits(limits: Limits, tenants: bool, memory_limit: int | None = None) -> BudgetLimits:
+    """The budget of a manager in `memory_limit` bytes (default: its cgroup's limit, else DEFAULT_MEMORY_LIMIT):
+    derive_budget of it; each tenant may hold half of it when the server takes tokens, all of it otherwise."""
+    if memory_limit is None:
+        memory_limit = cgroup_memory_limit() or DEFAULT_MEMORY_LIMIT
+    total = derive_budget(memory_limit, limits.max_total_slots)
+    return BudgetLimits(total, total // 2 if tenants else total)
 
 
 def warn_unknown_event_pools(manager: BlockManager, events: EventsConfig | None) -> list[str]:

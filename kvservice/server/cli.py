@@ -23,7 +23,8 @@ from kvservice.core.hashing import HASH_MODES
 from kvservice.events.zmq import DEFAULT_FORMAT, FORMATS, zmq_configs
 from kvservice.events.zmq_guard import DEFAULT_REPLAY_BURST, DEFAULT_REPLAY_RATE, CurveKeys, ReplayLimiter
 from kvservice.manager.event_log import DEFAULT_RING_BATCHES, DEFAULT_RING_BYTES, EventsConfig
-from kvservice.server.app import serve
+from kvservice.server.app import default_budget_limits, serve
+from kvservice.server.budget import BudgetLimits
 from kvservice.server.config import DEFAULT_POOLS_YAML, load_pools, load_pools_file
 from kvservice.server.servicer import Limits
 from kvservice.state.journal import Journal, JournalConfig
@@ -92,6 +93,11 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                      help="slots x layer groups of one pool (0 = no cap)")
     lim.add_argument("--max-pools", type=int, default=_LIMITS.max_pools, help="pools (0 = no cap)")
     lim.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES, help="gRPC message limit")
+    lim.add_argument("--memory-budget", type=int, default=0, metavar="BYTES",
+                     help="bytes that requests in flight, Step replies and open stream sessions may hold together "
+                          "(0 = derived from the cgroup memory limit; docs/SECURITY.md#memory-budget)")
+    lim.add_argument("--tenant-memory-budget", type=int, default=0, metavar="BYTES",
+                     help="... and those of one token (0 = half of --memory-budget with --tokens-file, else all)")
     ev = s.add_argument_group("KV events (docs/operations.md#kv-events)")
     ev.add_argument("--kv-events-zmq", action="append", default=[], metavar="[POOL=][bind:|connect:]ENDPOINT",
                     help="publish a pool's KV events in vLLM's ZeroMQ format on this PUB endpoint, e.g. "
@@ -206,6 +212,15 @@ def main(argv: list[str] | None = None) -> int:
     return run_serve(parser_, args)
 
 
+def _budget(args: argparse.Namespace, limits: Limits, tenants: bool) -> BudgetLimits:
+    """--memory-budget and --tenant-memory-budget, each derived where 0 (kvservice.server.app.default_budget_limits)."""
+    total = args.memory_budget or default_budget_limits(limits, tenants).total_bytes
+    tenant = args.tenant_memory_budget or (total // 2 if tenants else total)
+    budget = BudgetLimits(total, min(tenant, total))
+    log.info("memory budget: %d MiB, %d MiB per tenant", budget.total_bytes >> 20, budget.tenant_bytes >> 20)
+    return budget
+
+
 def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.state and args.state_dir:
         parser.error(f"--state {args.state.split(',')[0]} and --state-dir exclude each other")
@@ -230,7 +245,8 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         running = serve(args.listen, None if args.metrics_port < 0 else args.metrics_port, pools,
                         max_workers=args.threads, metrics_addr=args.metrics_addr, lease_seconds=args.lease_seconds,
                         journal=journal, tls=tls, tokens=tokens, limits=limits,
-                        max_message_bytes=args.max_message_bytes, events=events, max_streams=args.max_streams)
+                        max_message_bytes=args.max_message_bytes, events=events, max_streams=args.max_streams,
+                        budget=_budget(args, limits, tokens is not None))
     except (KVError, OSError, sqlite3.Error) as err:
         if journal is not None:
             with contextlib.suppress(KVError, OSError, sqlite3.Error):   # a full or read-only volume: exit anyway
@@ -314,7 +330,7 @@ def _serve_replicated(args: argparse.Namespace, pools: list, tls: ServerTLS | No
                            metrics_port=None if args.metrics_port < 0 else args.metrics_port,
                            max_workers=args.threads, metrics_addr=args.metrics_addr, tls=tls, tokens=tokens,
                            limits=limits, max_message_bytes=args.max_message_bytes, events=events,
-                           max_streams=args.max_streams)
+                           max_streams=args.max_streams, budget=_budget(args, limits, tokens is not None))
     logs.set_process_fields(node=ha.lease.node, epoch=lambda: ha.store.epoch)   # epoch: while it leads
     print(f"kvservice: listening on {args.listen.rsplit(':', 1)[0]}:{running.port}, metrics on port "
           f"{running.metrics_port}, state: {config.url} (stream {config.stream}), standby until it holds the "

@@ -30,6 +30,7 @@ from kvservice.contract.wire import field_array
 from kvservice.core.planner import plan
 from kvservice.manager.api import ManagerAPI, derived_incarnation
 from kvservice.manager.pools import BlockManager, new_incarnation
+from kvservice.server.budget import MemoryBudget
 from kvservice.server.metrics import ManagerMetrics
 from kvservice.server.stream import StreamRegistry, echo_stream, scoped_request_id, step_stream
 from kvservice.server.watch import watch_events
@@ -169,11 +170,12 @@ class Journal(Protocol):
 
 class BlockManagerServicer(pb_grpc.BlockManagerServicer):
     def __init__(self, api: ManagerAPI, metrics: ManagerMetrics, journal: Journal | None = None,
-                 limits: Limits | None = None, max_streams: int = 64) -> None:
+                 limits: Limits | None = None, max_streams: int = 64, budget: MemoryBudget | None = None) -> None:
         self.api = api
         self.metrics = metrics
         self.journal = journal
         self.limits = limits
+        self.budget = budget        # memory budget of stream sessions (requests: kvservice/server/admission.py)
         self.streams = StreamRegistry(max_active=max_streams)     # open StepStream / EchoStream calls
 
     def StepStream(self, request_iterator: Any, context: grpc.ServicerContext) -> Any:

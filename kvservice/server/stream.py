@@ -25,7 +25,12 @@ continues it:
 
 Sessions are bounded (least recently used one dropped past ``max_streams``; idle ones expire), so
 stream ids cannot grow the server's memory without bound; a dropped session only costs its client
-one full reply. Each open stream holds a server thread; ``kvservice serve --max-streams`` caps them
+one full reply. What an open session keeps between requests (decoded arrays, the key of their bytes,
+the tables its client holds) is charged to its tenant's memory budget (kvservice/server/budget.py;
+dropped rather than kept when the budget has no room); when its last call closes, the session keeps
+only ``last_seq`` (what a resend after a reconnect needs: its reply comes from the journal's
+idempotency window) and the charge is released at once.
+Each open stream holds a server thread; ``kvservice serve --max-streams`` caps them
 (and adds that many threads), so unary calls are never starved.
 
 Metrics: each stream request is observed in ``kvservice_rpc_duration_seconds`` as ``method="Step"``
@@ -45,6 +50,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
+import numpy as np
 from google.rpc import code_pb2
 
 from kvservice.contract.auth import current_principal
@@ -60,6 +66,7 @@ from kvservice.contract.errors import (
 from kvservice.contract.transport import STREAM_ID_KEY
 from kvservice.manager.api import ManagerAPI, step_kwargs, step_reply
 from kvservice.manager.delta import HeldTables, encode_delta, held_from_full
+from kvservice.server.budget import BudgetExceeded, Charge
 from kvservice.v1 import block_manager_pb2 as pb
 
 log = logging.getLogger("kvservice")
@@ -83,6 +90,8 @@ class StreamSession:
     settled: (key, weak reference to the pool) of the last request whose cost check (ManagerAPI.check_step_cost)
         was settled by the request alone: the same bytes on the same pool pass it again.
     last_used: registry clock at the last request (idle sessions expire).
+    calls: StepStream calls open on this session (a reconnect may overlap the call it replaces).
+    charge: the memory budget's charge for held, kwargs and the request keys (None: no budget).
     """
 
     def __init__(self, stream_id: str, tenant: str = "") -> None:
@@ -93,8 +102,45 @@ class StreamSession:
         self.held: HeldTables | None = None
         self.checked: tuple | None = None
         self.kwargs: tuple[tuple, dict] | None = None
-        self.settled: tuple[tuple, weakref.ref] | None = None
+        self.settled: tuple[tuple, weakref.ref, int] | None = None
         self.last_used = 0.0
+        self.calls = 0
+        self.charge: Charge | None = None
+
+    def kept_bytes(self) -> int:
+        """Bytes this session keeps between requests: decoded arrays, request keys and held tables."""
+        keys = {id(k): k for k in (self.checked, self.kwargs and self.kwargs[0], self.settled and self.settled[0],
+                                   self.held and self.held.key) if k}
+        n = sum(len(v) for k in keys.values() for v in k if isinstance(v, bytes))
+        if self.kwargs is not None:
+            n += sum(a.nbytes for a in self.kwargs[1].values() if isinstance(a, np.ndarray))
+        h = self.held
+        if h is not None:
+            n += h.seq_ids.nbytes + h.num_tokens.nbytes + sum(a.nbytes for a in (*h.first, *h.last))
+        return n
+
+    def forget(self) -> None:
+        """Drop what the session keeps for speed (the next request is decoded and answered in full)."""
+        self.checked = self.kwargs = self.settled = self.held = None
+
+    def account(self) -> None:
+        """Charge what the session keeps now; past the budget, keep nothing instead. Under `lock`."""
+        if self.charge is None:
+            return
+        try:
+            self.charge.resize(self.kept_bytes())
+        except BudgetExceeded:
+            self.forget()
+            self.charge.resize(0)
+
+    def close_call(self) -> None:
+        """A call on this session ended; the last one frees what the session keeps (last_seq stays)."""
+        with self.lock:
+            self.calls -= 1
+            if self.calls <= 0:
+                self.forget()
+                if self.charge is not None:
+                    self.charge.release()
 
     def check_order(self, seq: int) -> None:
         """InvalidArgument for a stream_seq that is 0 or skips ahead of the stream."""
@@ -133,7 +179,10 @@ class StreamSession:
             # The cost check of api.run_step, once per request bytes and pool when the request alone settled it.
             settled = self.settled
             if key is None or settled is None or settled[0] != key or settled[1]() is not pool:
-                self.settled = (key, weakref.ref(pool)) if api.check_step_cost(pool, request, kwargs) and key else None
+                cost = api.check_step_cost(pool, request, kwargs)
+                self.settled = (key, weakref.ref(pool), cost.reply_bytes) if cost.settled and key else None
+            elif api.reserve_reply is not None:
+                api.reserve_reply(settled[2])        # the same reply bound as last time: the memory budget's
             held = self.held
             if delta and held is not None and held.usable(pool, request.delta_base):
                 kwargs["tables"] = any(pool.windows)       # slot mappings suffice without sliding windows
@@ -276,6 +325,7 @@ def step_one(servicer: Any, session: StreamSession, request: Any, broken: type[E
                         if journal is not None else apply(request)
             finally:
                 session.last_seq = max(session.last_seq, seq)
+                session.account()
             if reply.stream_seq != seq:           # a reply rebuilt by journal recovery (a unary Step's)
                 reply.stream_seq = seq
             reply.stream_id = session.stream_id   # workers bind persistent tables to it (UpdateTables)
@@ -304,8 +354,14 @@ def step_stream(servicer: Any, requests: Iterator[Any], context: grpc.ServicerCo
                       "[A-Za-z0-9_.:-]")
     registry = servicer.streams
     _enter(registry, context)
+    session = None
     try:
         session = registry.session(stream_id, current_principal())
+        with session.lock:
+            session.calls += 1
+            budget = getattr(servicer, "budget", None)
+            if session.charge is None and budget is not None:
+                session.charge = budget.charge(session.tenant, 0, "StepStream session")
         metrics = servicer.metrics
 
         def observe(seconds: float, reply: pb.StepReply | None) -> None:      # a stream request is a Step: same alerts
@@ -321,6 +377,8 @@ def step_stream(servicer: Any, requests: Iterator[Any], context: grpc.ServicerCo
             session.last_used = registry.clock()
             yield reply
     finally:
+        if session is not None:
+            session.close_call()
         registry.leave()
 
 
