@@ -10,18 +10,34 @@ the process's peak resident set (VmHWM from /proc) before and after. Cases:
   - one 131,072-token sequence beside 65,535 one-token sequences (the ragged slot-table case);
   - a 16-index-space interleaved pool with the biggest admission its reply limit lets through.
 
-Writes the figures into bench/results/durability.md (a marked section, replaced on each run)
-and prints them. Usage: python bench/bench_limits.py [--results FILE]
+With --mix (issue 27), two more, at the base settings (128 MiB messages, 8 threads, 64 streams, the
+memory budget derived for the base pod's 4 GiB: kvservice/server/budget.py):
+
+  - the worst legal mix, all at once: 12 StepStreams and 4 unary Steps, each the largest admission
+    the limits allow (65,536 prompts x 128 tokens with their token ids: a 64 MiB request, a ~100 MiB
+    reply) into one 2^24-slot prefix-cached pool, 4 WatchEvents from sequence 0 and 4 ScorePrefix
+    calls of 1,048,576 tokens; peak RSS (VmHWM) against the pod's 4 GiB, and how each call ended;
+  - 30 streams whose sessions keep the most a refused request leaves (a 32 MiB extend_num_tokens),
+    closed together: seconds until the budget's charged bytes (kvservice_memory_budget_charged_bytes)
+    are back where they were, and RSS one second after the close.
+
+--tree DIR runs the manager of another checkout (e.g. /work/main, to compare). Writes the figures into
+bench/results/durability.md (marked sections, replaced on each run) and prints them.
+Usage: python bench/bench_limits.py [--results FILE] [--mix] [--tree DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import platform
 import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +53,7 @@ from kvservice.tools.launch import wait_for_ports  # noqa: E402
 MESSAGE_BYTES = 128 << 20          # deploy/base: --max-message-bytes
 DEPLOY_MEMORY = 4 << 30            # deploy/base manager-statefulset.yaml: limits.memory
 BEGIN, END = "<!-- bench_limits: begin -->", "<!-- bench_limits: end -->"
+MIX_BEGIN, MIX_END = "<!-- bench_limits mix: begin -->", "<!-- bench_limits mix: end -->"
 
 
 def peak_rss(pid: int) -> int:
@@ -84,10 +101,253 @@ def run_case(name: str, spec: CacheSpec, sizing: Sizing, prefix: bool, admit_tok
         log.close()
 
 
+def start_manager(tree: Path, tmp: Path, name: str, *extra: str) -> tuple[subprocess.Popen, int, int, object]:
+    """A `kvservice serve` of `tree` at the base settings; returns (process, gRPC port, metrics port, log)."""
+    ports = tmp / f"{name}.ports"
+    log = open(tmp / f"{name}.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "kvservice.server.cli", "serve", "--listen", "127.0.0.1:0",
+                             "--metrics-port", "0", "--port-file", str(ports), "--max-message-bytes",
+                             str(MESSAGE_BYTES), "--no-pools", "--state", "memory", *extra],
+                            cwd=tree, stdout=log, stderr=subprocess.STDOUT, env={"PYTHONPATH": str(tree),
+                                                                                 "PATH": "/usr/bin:/bin"})
+    found = wait_for_ports(proc, ports, 60, tmp / f"{name}.log", "manager")
+    return proc, found[0], found[1], log
+
+
+def charged(metrics_port: int) -> int | None:
+    """kvservice_memory_budget_charged_bytes now (None: a manager without a budget)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30).read().decode()
+    m = re.search(r"^kvservice_memory_budget_charged_bytes (\S+)$", text, re.M)
+    return int(float(m.group(1))) if m else None
+
+
+def _outcome(err: BaseException | None) -> str:
+    if err is None:
+        return "ok"
+    code = getattr(err, "code", None)
+    code = code() if callable(code) else code
+    text = (err.details() if hasattr(err, "details") else str(err)) or ""
+    return f"{getattr(code, 'name', type(err).__name__)}{' MEMORY_BUDGET' if 'memory budget' in text else ''}"
+
+
+def worst_mix(tree: Path, tmp: Path) -> dict:
+    import grpc
+
+    from kvservice.client.codec import step_request
+    from kvservice.contract.transport import STREAM_ID_KEY
+    from kvservice.contract.wire import to_tensor
+    from kvservice.v1 import block_manager_pb2 as pb
+    from kvservice.v1 import block_manager_pb2_grpc as pb_grpc
+    proc, port, mport, log = start_manager(tree, tmp, "mix")
+    outcomes: dict[str, list[str]] = {}
+    try:
+        target = f"127.0.0.1:{port}"
+        opts = [("grpc.max_send_message_length", MESSAGE_BYTES), ("grpc.max_receive_message_length", MESSAGE_BYTES)]
+        with BlockManagerClient(target, timeout=600) as c:
+            c.wait_ready()
+            c.create_pool("p", CacheSpec.uniform(32, 8, 128, "float16", 16), Sizing(num_slots=1 << 24),
+                          prefix_caching=True)
+        rss_before = rss(proc.pid)
+        rng = np.random.default_rng(1)
+        n = np.full(65_536, 128, dtype=np.int64)
+
+        def admission(k: int) -> pb.StepRequest:
+            ids = np.arange(k * 65_536 + 1, (k + 1) * 65_536 + 1, dtype=np.uint64)
+            return step_request("p", admit=ids, admit_tokens=n,
+                                admit_token_ids=rng.integers(1, 50_000, int(n.sum())).astype(np.int64))
+        requests = [admission(k) for k in range(16)]
+        channel = grpc.insecure_channel(target, options=opts)
+        stub = pb_grpc.BlockManagerStub(channel)
+        lock = threading.Lock()
+        stop = threading.Event()
+
+        def record(kind: str, err: BaseException | None) -> None:
+            with lock:
+                outcomes.setdefault(kind, []).append(_outcome(err))
+
+        def stream(k: int) -> None:
+            r = requests[k]
+            r.stream_seq = 1
+            try:
+                for reply in stub.StepStream(iter([r]), metadata=((STREAM_ID_KEY, f"mix-{k}"),), timeout=600):
+                    record("StepStream", None if not reply.HasField("error") else RuntimeError(
+                        f"{pb.RequestStatus.DESCRIPTOR.name} {reply.error.code} {reply.error.message}"))
+            except grpc.RpcError as err:
+                record("StepStream", err)
+
+        def unary(k: int) -> None:
+            try:
+                stub.Step(requests[k], timeout=600)
+                record("Step", None)
+            except grpc.RpcError as err:
+                record("Step", err)
+
+        def watch(k: int) -> None:
+            call = stub.WatchEvents(pb.WatchEventsRequest(pool="p", from_sequence=0), timeout=600)
+            try:
+                for _ in call:
+                    if stop.is_set():
+                        break
+                record("WatchEvents", None)
+            except grpc.RpcError as err:
+                record("WatchEvents", None if err.code() == grpc.StatusCode.CANCELLED else err)
+            finally:
+                call.cancel()
+
+        def score(k: int) -> None:
+            ids = rng.integers(1, 50_000, 1_048_576).astype(np.int64)
+            try:
+                stub.ScorePrefix(pb.ScorePrefixRequest(token_ids=to_tensor(ids)), timeout=600)
+                record("ScorePrefix", None)
+            except grpc.RpcError as err:
+                record("ScorePrefix", err)
+        workers = [threading.Thread(target=f, args=(k,)) for f, ks in
+                   ((watch, range(4)), (stream, range(12)), (unary, range(12, 16)), (score, range(4))) for k in ks]
+        t0 = time.perf_counter()
+        for t in workers:
+            t.start()
+        for t in workers[4:]:
+            t.join()
+        stop.set()
+        with BlockManagerClient(target, timeout=60) as c:      # an event ends the watchers' waits
+            c.step("p", free=np.arange(1, 65_537, dtype=np.uint64)) if "ok" in outcomes.get("StepStream", []) + \
+                outcomes.get("Step", []) else None
+        for t in workers[:4]:
+            t.join(30)
+        seconds = time.perf_counter() - t0
+        channel.close()
+        return {"outcomes": outcomes, "seconds": seconds, "rss_before": rss_before, "peak": peak_rss(proc.pid),
+                "rss_after": rss(proc.pid), "charged_after": charged(mport)}
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
+
+
+def closed_streams(tree: Path, tmp: Path, count: int = 30) -> dict:
+    import grpc
+
+    from kvservice.client.codec import step_request
+    from kvservice.contract.transport import STREAM_ID_KEY
+    from kvservice.contract.wire import to_tensor
+    from kvservice.v1 import block_manager_pb2_grpc as pb_grpc
+    proc, port, mport, log = start_manager(tree, tmp, "closed")
+    try:
+        target = f"127.0.0.1:{port}"
+        with BlockManagerClient(target, timeout=600) as c:
+            c.wait_ready()
+            c.create_pool("p", CacheSpec.uniform(2, 1, 64, "float16", 16), Sizing(num_slots=4096))
+            c.step("p", admit=[1], admit_tokens=[1])
+        base_charged = charged(mport)
+        rss_before = rss(proc.pid)
+        # the most a session keeps: an extend-only request that passes Limits (32 MiB of token counts) and is
+        # refused by the pool (lengths differ), leaving its decoded arrays and its key's bytes behind
+        counts = np.zeros(4 << 20, dtype=np.int64)
+        big = step_request("p", extend=[1])
+        big.extend_num_tokens.CopyFrom(to_tensor(counts))
+        big.delta_tables = True
+        opts = [("grpc.max_send_message_length", MESSAGE_BYTES), ("grpc.max_receive_message_length", MESSAGE_BYTES)]
+        channel = grpc.insecure_channel(target, options=opts)
+        stub = pb_grpc.BlockManagerStub(channel)
+        gates, calls = [], []
+        for k in range(count):                   # one at a time: each session's keep, not requests in flight
+            gate = threading.Event()
+
+            def requests(gate: threading.Event = gate) -> object:
+                big.stream_seq = 1
+                yield big
+                gate.wait()
+            call = stub.StepStream(requests(), metadata=((STREAM_ID_KEY, f"closed-{k}"),), timeout=600)
+            next(call)
+            gates.append(gate)
+            calls.append(call)
+        held_rss, held = rss(proc.pid), charged(mport)
+        t0 = time.perf_counter()
+        for gate in gates:
+            gate.set()                           # each client ends its stream
+        for call in calls:
+            for _ in call:
+                pass
+        freed_s = None
+        while time.perf_counter() - t0 < 30:
+            now = charged(mport)
+            if now is not None and now <= base_charged:
+                freed_s = time.perf_counter() - t0
+                break
+            if now is None and time.perf_counter() - t0 > 1:
+                break
+            time.sleep(0.01)
+        time.sleep(max(0.0, 1 - (time.perf_counter() - t0)))
+        channel.close()
+        return {"count": count, "rss_before": rss_before, "rss_open": held_rss, "charged_open": held,
+                "freed_s": freed_s, "rss_1s": rss(proc.pid), "peak": peak_rss(proc.pid)}
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
+
+
+def mix_section(tree: Path, mix: dict, closed: dict) -> str:
+    mib = 2**20
+    outcomes = "; ".join(f"{kind}: " + ", ".join(f"{n} {o}" for o, n in sorted(
+        {o: v.count(o) for o in set(v)}.items())) for kind, v in mix["outcomes"].items())
+    ok = mix["peak"] < DEPLOY_MEMORY
+    lines = [MIX_BEGIN, "## The worst legal mix at the base settings, and closed streams (issue 27)", "",
+             f"`python bench/bench_limits.py --mix{'' if tree == ROOT else ' --tree ' + str(tree)}` "
+             f"({time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, {platform.node() or 'this machine'}): a real "
+             f"`kvservice serve` with the base settings ({MESSAGE_BYTES >> 20} MiB messages, 8 threads, 64 streams, "
+             "the memory budget derived for the base pod's 4 GiB), one 2^24-slot prefix-cached pool.", "",
+             "| case | figure |", "|---|---|",
+             f"| worst legal mix: 12 StepStreams + 4 unary Steps of the largest admission (64 MiB request), "
+             f"4 WatchEvents from 0, 4 ScorePrefix of 1,048,576 tokens, all at once | peak RSS "
+             f"{mix['peak'] / mib:,.0f} MiB of the pod's {DEPLOY_MEMORY >> 30} GiB ({'within' if ok else 'OVER'}); "
+             f"RSS before {mix['rss_before'] / mib:,.0f} MiB, after {mix['rss_after'] / mib:,.0f} MiB; "
+             f"{mix['seconds']:.0f} s; budget charged after: {mix['charged_after']} |",
+             f"| how each call ended | {outcomes} |",
+             f"| {closed['count']} streams, each session keeping what a refused 32 MiB request leaves, closed "
+             f"together | charged {_mib(closed['charged_open'])} while open, back to the baseline "
+             f"{_freed(closed['freed_s'])}; "
+             f"RSS {closed['rss_before'] / mib:,.0f} MiB before, {closed['rss_open'] / mib:,.0f} MiB open, "
+             f"{closed['rss_1s'] / mib:,.0f} MiB 1 s after the close (peak {closed['peak'] / mib:,.0f} MiB) |",
+             MIX_END]
+    return "\n".join(lines) + "\n"
+
+
+def _freed(seconds: float | None) -> str:
+    return "(no budget: not measured)" if seconds is None else f"in {seconds:.3f} s"
+
+
+def _mib(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / 2**20:,.0f} MiB"
+
+
+def write_section(path: Path, section: str, begin: str, end: str) -> None:
+    text = path.read_text() if path.exists() else ""
+    if begin in text and end in text:
+        text = text[:text.index(begin)] + section + text[text.index(end) + len(end) + 1:]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    path.write_text(text)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", default=str(ROOT / "bench" / "results" / "durability.md"))
+    ap.add_argument("--mix", action="store_true", help="only the worst legal mix and the closed streams")
+    ap.add_argument("--tree", default=str(ROOT), help="checkout whose manager to run (--mix)")
     a = ap.parse_args()
+    if a.mix:
+        tree = Path(a.tree).resolve()
+        with tempfile.TemporaryDirectory() as tmp_s:
+            closed = closed_streams(tree, Path(tmp_s))
+            print(closed, flush=True)
+            mix = worst_mix(tree, Path(tmp_s))
+            print(mix, flush=True)
+        section = mix_section(tree, mix, closed)
+        print(section)
+        if tree == ROOT:
+            write_section(Path(a.results), section, MIX_BEGIN, MIX_END)
+        return 0 if mix["peak"] < DEPLOY_MEMORY else 1
     rng = np.random.default_rng(0)
     rows = []
     with tempfile.TemporaryDirectory() as tmp_s:

@@ -57,6 +57,7 @@ class RunningServer:
     health: health.HealthServicer | None = None
     publishers: list = field(default_factory=list)     # ZeroMQ KV event publishers (events/zmq.py)
     budget: MemoryBudget | None = None                 # memory budget of requests and sessions (server/budget.py)
+    servicer: BlockManagerServicer | None = None
 
     def stop(self, grace: float = 1.0) -> None:
         """Stop serving (in-flight calls get `grace` seconds), then snapshot and close the journal."""
@@ -88,6 +89,26 @@ class JournalCollector:
         yield GaugeMetricFamily("kvservice_journal_snapshot_pause_seconds", "Longest time mutating calls waited "
                                 "while a snapshot was captured (the journal lock held).",
                                 value=j.snapshot_pause_max_seconds)
+
+
+class BudgetCollector:
+    """kvservice_memory_budget_* levels and counters (kvservice/server/budget.py), read at scrape time."""
+
+    def __init__(self, budget: MemoryBudget) -> None:
+        self.budget = budget
+
+    def collect(self) -> Iterator[Metric]:
+        b = self.budget
+        yield GaugeMetricFamily("kvservice_memory_budget_bytes", "Bytes requests in flight, Step replies and open "
+                                "stream sessions may hold together (--memory-budget).", value=b.limits.total_bytes)
+        yield GaugeMetricFamily("kvservice_memory_budget_charged_bytes", "Bytes charged to the memory budget now.",
+                                value=b.charged_bytes)
+        refused = CounterMetricFamily("kvservice_memory_budget_refusals_total", "Requests refused "
+                                      "RESOURCE_EXHAUSTED because their charge did not fit the memory budget.",
+                                      labels=["what"])
+        for what, n in sorted(b.refused.items()):
+            refused.add_metric([what], n)
+        yield refused
 
 
 def serve(listen: str = "127.0.0.1:0", metrics_port: int | None = None, pools: Sequence[PoolConfig] = (),
@@ -127,6 +148,7 @@ def serve(listen: str = "127.0.0.1:0", metrics_port: int | None = None, pools: S
                            registry=metrics.registry, buckets=COMMIT_BUCKETS)
         journal.observe_commit = commit.observe
     memory = MemoryBudget(budget or default_budget_limits(limits or Limits(), tokens is not None))
+    metrics.registry.register(BudgetCollector(memory))
     chain: list[grpc.ServerInterceptor] = [AdmissionInterceptor(memory, SERVICE_NAME,
                                                                 functools.partial(principal_of, tokens))]
     if tokens is not None:
@@ -143,7 +165,7 @@ def serve(listen: str = "127.0.0.1:0", metrics_port: int | None = None, pools: S
             pub.stop()
         raise
     running = RunningServer(server, port, None, manager, metrics, None, journal, health=health_servicer,
-                            publishers=publishers, budget=memory)
+                            publishers=publishers, budget=memory, servicer=servicer)
     journal.on_fail = lambda why: _fail_stop(running)
     server.start()
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)

@@ -158,14 +158,20 @@ class MemoryBudget:
         lim = self.limits
         mib = 1 << 20
         whose = f"tenant {c.tenant!r}" if c.tenant else "this server's callers"
-        if held + grow > lim.tenant_bytes:
-            where = (f"{whose} already hold {held / mib:.1f} MiB of their {lim.tenant_bytes / mib:.0f} MiB "
-                     "(--tenant-memory-budget)")
+        if held + grow > lim.tenant_bytes and lim.tenant_bytes < lim.total_bytes:
+            limit, flag, where = lim.tenant_bytes, "--tenant-memory-budget", \
+                f"{whose} already hold {held / mib:.1f} MiB of their {lim.tenant_bytes / mib:.0f} MiB"
         else:
-            where = (f"requests and sessions of all tenants hold {self.charged_bytes / mib:.1f} MiB of the "
-                     f"manager's {lim.total_bytes / mib:.0f} MiB (--memory-budget)")
-        return BudgetExceeded(f"{c.what} needs {grow / mib:.1f} MiB of the manager's memory budget; {where}. "
-                              "Retry when fewer large requests are in flight, send smaller ones (split the "
-                              "step, omit_tables), or close idle streams", reason="MEMORY_BUDGET", needed=grow,
+            limit, flag, where = lim.total_bytes, "--memory-budget", \
+                f"requests and sessions of all tenants hold {self.charged_bytes / mib:.1f} MiB of the manager's " \
+                f"{lim.total_bytes / mib:.0f} MiB"
+        if grow > limit:
+            where = f"that is more than the {limit / mib:.0f} MiB ({flag}) there is: send smaller requests " \
+                    "(split the step, omit_tables) or raise " + flag
+        else:
+            where = f"{where} ({flag}): retry when fewer large requests are in flight, send smaller ones (split " \
+                    "the step, omit_tables), or close idle streams"
+        return BudgetExceeded(f"{c.what} needs {grow / mib:.1f} MiB of the manager's memory budget; {where}",
+                              reason="MEMORY_BUDGET", needed=grow,
                               held=held, tenant_limit=lim.tenant_bytes, charged=self.charged_bytes,
                               limit=lim.total_bytes)
