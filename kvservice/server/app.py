@@ -100,7 +100,7 @@ class BudgetCollector:
     def collect(self) -> Iterator[Metric]:
         b = self.budget
         yield GaugeMetricFamily("kvservice_memory_budget_bytes", "Bytes requests in flight, Step replies and open "
-                                "stream sessions may hold together (--memory-budget).", value=b.limits.total_bytes)
+                                "stream sessions may hold together (--rpc-memory-budget).", value=b.limits.total_bytes)
         yield GaugeMetricFamily("kvservice_memory_budget_charged_bytes", "Bytes charged to the memory budget now.",
                                 value=b.charged_bytes)
         refused = CounterMetricFamily("kvservice_memory_budget_refusals_total", "Requests refused "

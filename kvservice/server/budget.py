@@ -159,10 +159,10 @@ class MemoryBudget:
         mib = 1 << 20
         whose = f"tenant {c.tenant!r}" if c.tenant else "this server's callers"
         if held + grow > lim.tenant_bytes and lim.tenant_bytes < lim.total_bytes:
-            limit, flag, where = lim.tenant_bytes, "--tenant-memory-budget", \
+            limit, flag, where = lim.tenant_bytes, "--tenant-rpc-memory-budget", \
                 f"{whose} already hold {held / mib:.1f} MiB of their {lim.tenant_bytes / mib:.0f} MiB"
         else:
-            limit, flag, where = lim.total_bytes, "--memory-budget", \
+            limit, flag, where = lim.total_bytes, "--rpc-memory-budget", \
                 f"requests and sessions of all tenants hold {self.charged_bytes / mib:.1f} MiB of the manager's " \
                 f"{lim.total_bytes / mib:.0f} MiB"
         if grow > limit:

@@ -20,6 +20,7 @@ from kvservice.contract.cli import add_log_args, existing_file, exit_epilog, par
 from kvservice.contract.errors import InvalidArgument, KVError, StateError
 from kvservice.contract.transport import MAX_MESSAGE_BYTES
 from kvservice.core.hashing import HASH_MODES
+from kvservice.core.units import parse_bytes
 from kvservice.events.zmq import DEFAULT_FORMAT, FORMATS, zmq_configs
 from kvservice.events.zmq_guard import DEFAULT_REPLAY_BURST, DEFAULT_REPLAY_RATE, CurveKeys, ReplayLimiter
 from kvservice.manager.event_log import DEFAULT_RING_BATCHES, DEFAULT_RING_BYTES, EventsConfig
@@ -93,11 +94,11 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                      help="slots x layer groups of one pool (0 = no cap)")
     lim.add_argument("--max-pools", type=int, default=_LIMITS.max_pools, help="pools (0 = no cap)")
     lim.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES, help="gRPC message limit")
-    lim.add_argument("--memory-budget", type=int, default=0, metavar="BYTES",
-                     help="bytes that requests in flight, Step replies and open stream sessions may hold together "
-                          "(0 = derived from the cgroup memory limit; docs/SECURITY.md#memory-budget)")
-    lim.add_argument("--tenant-memory-budget", type=int, default=0, metavar="BYTES",
-                     help="... and those of one token (0 = half of --memory-budget with --tokens-file, else all)")
+    lim.add_argument("--rpc-memory-budget", type=_size, default=0, metavar="SIZE",
+                     help="memory that requests in flight, Step replies and open stream sessions may hold together, "
+                          "e.g. 2304MiB (0 = derived from the cgroup memory limit; docs/SECURITY.md#memory-budget)")
+    lim.add_argument("--tenant-rpc-memory-budget", type=_size, default=0, metavar="SIZE",
+                     help="... and those of one token (0 = half of --rpc-memory-budget with --tokens-file, else all)")
     ev = s.add_argument_group("KV events (docs/operations.md#kv-events)")
     ev.add_argument("--kv-events-zmq", action="append", default=[], metavar="[POOL=][bind:|connect:]ENDPOINT",
                     help="publish a pool's KV events in vLLM's ZeroMQ format on this PUB endpoint, e.g. "
@@ -212,10 +213,17 @@ def main(argv: list[str] | None = None) -> int:
     return run_serve(parser_, args)
 
 
+def _size(text: str) -> int:
+    try:
+        return parse_bytes(text, "a memory budget")
+    except InvalidArgument as err:
+        raise argparse.ArgumentTypeError(err.message) from None
+
+
 def _budget(args: argparse.Namespace, limits: Limits, tenants: bool) -> BudgetLimits:
-    """--memory-budget and --tenant-memory-budget, each derived where 0 (kvservice.server.app.default_budget_limits)."""
-    total = args.memory_budget or default_budget_limits(limits, tenants).total_bytes
-    tenant = args.tenant_memory_budget or (total // 2 if tenants else total)
+    """--rpc-memory-budget and --tenant-rpc-memory-budget, each derived where 0 (server.app.default_budget_limits)."""
+    total = args.rpc_memory_budget or default_budget_limits(limits, tenants).total_bytes
+    tenant = args.tenant_rpc_memory_budget or (total // 2 if tenants else total)
     budget = BudgetLimits(total, min(tenant, total))
     log.info("memory budget: %d MiB, %d MiB per tenant", budget.total_bytes >> 20, budget.tenant_bytes >> 20)
     return budget

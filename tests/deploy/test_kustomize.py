@@ -461,15 +461,16 @@ def test_manager_memory_budget_fits_its_memory_limit_and_its_largest_step(render
     """docs/SECURITY.md#memory-budget: the process, the pools at max_total_slots (25 bytes a slot), the journal's
     reply cache and the budget fit the pod's limit; the largest request and its reply fit the budget."""
     from kvservice.contract.transport import MAX_MESSAGE_BYTES
+    from kvservice.core.units import parse_bytes
     from kvservice.server.budget import PROCESS_BYTES, REPLY_FACTOR, WIRE_FACTOR
     from kvservice.server.servicer import Limits
     from kvservice.state.journal_config import JournalConfig
 
     c = one(rendered(variant), "StatefulSet", "kvservice-manager")["spec"]["template"]["spec"]["containers"][0]
     limit = _bytes(c["resources"]["limits"]["memory"])
-    budget = int(_flag(c["args"], "--memory-budget") or 0)
+    budget = parse_bytes(_flag(c["args"], "--rpc-memory-budget") or 0)
     msg = int(_flag(c["args"], "--max-message-bytes") or MAX_MESSAGE_BYTES)
-    assert budget, f"{variant}: the manager's --memory-budget is set with its memory limit"
+    assert budget, f"{variant}: the manager's --rpc-memory-budget is set with its memory limit"
     fixed = PROCESS_BYTES + 25 * Limits().max_total_slots + JournalConfig().reply_cache_bytes
     assert fixed + budget <= limit, f"{variant}: {fixed} + budget {budget} > {limit}"
     assert (WIRE_FACTOR + REPLY_FACTOR) * msg <= budget, f"{variant}: the largest Step does not fit the budget"

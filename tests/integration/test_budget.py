@@ -46,7 +46,7 @@ def test_requests_over_the_budget_are_refused_and_change_nothing(running):
         with pytest.raises(ClientError) as exc:
             c.step("p", admit=np.arange(10, 100_010, dtype=np.uint64), admit_tokens=1)
         assert exc.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "Step request needs" in exc.value.message and "--memory-budget" in exc.value.message
+        assert "Step request needs" in exc.value.message and "--rpc-memory-budget" in exc.value.message
         # a small request whose reply is not: 2 x 65,536 new tokens, 12 bytes each, bound before the step
         with pytest.raises(ClientError) as exc:
             c.step("p", admit=[2, 3], admit_tokens=65_536)

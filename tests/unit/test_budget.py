@@ -52,17 +52,17 @@ def test_a_tenant_is_refused_at_its_own_limit_while_others_still_fit() -> None:
     with pytest.raises(BudgetExceeded) as err:
         b.charge("a", 11 * MIB, "Step reply")
     assert isinstance(err.value, ResourceExhausted) and err.value.reason == "MEMORY_BUDGET"
-    assert "tenant 'a' already hold 50.0 MiB of their 60 MiB (--tenant-memory-budget): retry" in err.value.message
+    assert "tenant 'a' already hold 50.0 MiB of their 60 MiB (--tenant-rpc-memory-budget): retry" in err.value.message
     assert "Step reply needs 11.0 MiB" in err.value.message
     assert b.tenant_bytes("a") == 50 * MIB and b.refused == {"Step reply": 1}     # nothing charged
     other = b.charge("b", 45 * MIB, "Step request")       # another tenant still fits under the global limit
     assert b.charged_bytes == 95 * MIB
     with pytest.raises(BudgetExceeded) as err:            # ... until the global limit: anyone is refused
         b.charge("c", 6 * MIB, "Step request")
-    assert "all tenants hold 95.0 MiB of the manager's 100 MiB (--memory-budget)" in err.value.message
+    assert "all tenants hold 95.0 MiB of the manager's 100 MiB (--rpc-memory-budget)" in err.value.message
     with pytest.raises(BudgetExceeded) as err:            # more than there is at all: say so
         b.charge("c", 101 * MIB, "Step request")
-    assert "more than the 100 MiB (--memory-budget) there is" in err.value.message
+    assert "more than the 100 MiB (--rpc-memory-budget) there is" in err.value.message
     held.release()
     other.release()
     assert b.charged_bytes == 0
