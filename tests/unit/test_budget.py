@@ -62,7 +62,7 @@ def test_a_tenant_is_refused_at_its_own_limit_while_others_still_fit() -> None:
     assert "all tenants hold 95.0 MiB of the manager's 100 MiB (--rpc-memory-budget)" in err.value.message
     with pytest.raises(BudgetExceeded) as err:            # more than there is at all: say so
         b.charge("c", 101 * MIB, "Step request")
-    assert "more than the 100 MiB (--rpc-memory-budget) there is" in err.value.message
+    assert "more than the 60 MiB (--tenant-rpc-memory-budget) there is" in err.value.message
     held.release()
     other.release()
     assert b.charged_bytes == 0
