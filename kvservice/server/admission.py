@@ -53,11 +53,21 @@ class CallCharges:
         self._lock = threading.Lock()
 
     def admit(self, wire_bytes: int) -> None:
-        """Charge a request of `wire_bytes` (the previous one of a stream is done: released first)."""
+        """Charge a request of `wire_bytes` (the previous one of a stream is done: its charges are replaced)."""
         with self._lock:
-            self._release()
-            if not self.closed:
-                self.request = self.budget.charge(self.tenant, WIRE_FACTOR * wire_bytes, f"{self.method} request")
+            if self.reply is not None:
+                self.reply.release()
+                self.reply = None
+            if self.closed:
+                return
+            nbytes = WIRE_FACTOR * wire_bytes
+            if self.request is not None and nbytes <= self.request.nbytes:
+                self.request.resize(nbytes)      # a stream's steady loop: one update, never refused
+                return
+            if self.request is not None:
+                self.request.release()
+                self.request = None
+            self.request = self.budget.charge(self.tenant, nbytes, f"{self.method} request")
 
     def reserve_reply(self, reply_bytes: int) -> None:
         """Charge the reply of the current request, at most `reply_bytes` on the wire."""

@@ -109,9 +109,12 @@ class StreamSession:
 
     def kept_bytes(self) -> int:
         """Bytes this session keeps between requests: decoded arrays, request keys and held tables."""
-        keys = {id(k): k for k in (self.checked, self.kwargs and self.kwargs[0], self.settled and self.settled[0],
-                                   self.held and self.held.key) if k}
-        n = sum(len(v) for k in keys.values() for v in k if isinstance(v, bytes))
+        n, seen = 0, []
+        for k in (self.checked, self.kwargs and self.kwargs[0], self.settled and self.settled[0],
+                  self.held and self.held.key):
+            if k and not any(k is o for o in seen):     # usually one key object, kept in several places
+                seen.append(k)
+                n += len(k[2]) + len(k[4])               # _request_key: the extend arrays' bytes
         if self.kwargs is not None:
             n += sum(a.nbytes for a in self.kwargs[1].values() if isinstance(a, np.ndarray))
         h = self.held
