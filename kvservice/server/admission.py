@@ -23,9 +23,12 @@ from typing import Any
 
 import grpc
 
+from kvservice.contract.serving import Malformed
 from kvservice.contract.status import to_status
 from kvservice.server.budget import REPLY_FACTOR, WIRE_FACTOR, BudgetExceeded, Charge, MemoryBudget
 
+#: What the parser of a call without a known token returns (its handler refuses the call UNAUTHENTICATED).
+_NOT_READ = Malformed("request (not read: the call has no known token)", PermissionError("no known token"))
 _CALL: contextvars.ContextVar[CallCharges | None] = contextvars.ContextVar("kvservice_call_charges", default=None)
 
 
@@ -99,19 +102,27 @@ def reserve_reply(reply_bytes: int) -> None:
 
 
 class AdmissionInterceptor(grpc.ServerInterceptor):
-    """Charges the calls of `service` (full name) to `budget`; tenant_of(metadata) names the caller's tenant."""
+    """Charges the calls of `service` (full name) to `budget`; tenant_of(metadata) names the caller's tenant.
 
-    def __init__(self, budget: MemoryBudget, service: str, tenant_of: Callable[[Any], str]) -> None:
+    Calls of the tenant `unparsed` (those without a known token, which the token check refuses) have their
+    requests neither charged nor parsed: they cost the budget nothing.
+    """
+
+    def __init__(self, budget: MemoryBudget, service: str, tenant_of: Callable[[Any], str],
+                 unparsed: str | None = None) -> None:
         self.budget = budget
         self.prefix = f"/{service}/"
         self.tenant_of = tenant_of
+        self.unparsed = unparsed
 
     def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
         handler = continuation(details)
         if handler is None or not details.method.startswith(self.prefix):
             return handler
-        call = CallCharges(self.budget, self.tenant_of(details.invocation_metadata),
-                           details.method[len(self.prefix):])
+        tenant = self.tenant_of(details.invocation_metadata)
+        if tenant == self.unparsed:
+            return _unparsed(handler)
+        call = CallCharges(self.budget, tenant, details.method[len(self.prefix):])
         _CALL.set(call)          # this runs in the call's own context, where its handler runs too
         kw = {"request_deserializer": _charging(handler.request_deserializer, call),
               "response_serializer": handler.response_serializer}
@@ -122,6 +133,15 @@ class AdmissionInterceptor(grpc.ServerInterceptor):
         if handler.stream_stream is not None:
             return grpc.stream_stream_rpc_method_handler(_stream_stream(handler.stream_stream, call), **kw)
         return grpc.stream_unary_rpc_method_handler(_stream_unary(handler.stream_unary, call), **kw)
+
+
+def _unparsed(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """`handler` (a refusal) with a parser that reads nothing."""
+    return handler._replace(request_deserializer=_skip) if hasattr(handler, "_replace") else handler
+
+
+def _skip(data: bytes) -> Malformed:
+    return _NOT_READ
 
 
 def _charging(parse: Callable[[bytes], Any], call: CallCharges) -> Callable[[bytes], Any]:

@@ -13,7 +13,15 @@ from grpc_health.v1 import health, health_pb2
 from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from kvservice.contract.auth import BM, ServerTLS, TokenAuthInterceptor, TokenTable, manager_rules, principal_of
+from kvservice.contract.auth import (
+    BM,
+    UNAUTHENTICATED,
+    ServerTLS,
+    TokenAuthInterceptor,
+    TokenTable,
+    manager_rules,
+    principal_of,
+)
 from kvservice.contract.serving import grpc_server
 from kvservice.contract.transport import MAX_MESSAGE_BYTES
 from kvservice.events.metrics import EventCollector
@@ -149,8 +157,8 @@ def serve(listen: str = "127.0.0.1:0", metrics_port: int | None = None, pools: S
         journal.observe_commit = commit.observe
     memory = MemoryBudget(budget or default_budget_limits(limits or Limits(), tokens is not None))
     metrics.registry.register(BudgetCollector(memory))
-    chain: list[grpc.ServerInterceptor] = [AdmissionInterceptor(memory, SERVICE_NAME,
-                                                                functools.partial(principal_of, tokens))]
+    admission = AdmissionInterceptor(memory, SERVICE_NAME, functools.partial(principal_of, tokens), UNAUTHENTICATED)
+    chain: list[grpc.ServerInterceptor] = [admission]
     if tokens is not None:
         chain.append(TokenAuthInterceptor(tokens, BM, manager_rules(_worker_pool(manager))))
     chain.extend(interceptors)

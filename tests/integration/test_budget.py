@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from kvservice.client import BlockManagerClient, ClientError
+from kvservice.contract.auth import TokenTable
 from kvservice.contract.geometry import CacheSpec
 from kvservice.contract.sizing import Sizing
 from kvservice.server.app import serve
@@ -89,3 +90,26 @@ def test_closed_streams_give_their_sessions_charge_back_at_once(running):
                    for v in sessions)                 # last_seq stays: a resend after a reconnect is answered
         c.step("p", free=np.concatenate([np.arange(100 + 1000 * k, 600 + 1000 * k) for k in range(5)])
                .astype(np.uint64))
+
+
+def test_calls_without_a_known_token_are_not_read_and_cost_the_budget_nothing():
+    tokens = TokenTable.from_yaml("tokens:\n  - {name: a, token: a-0123456789abcdef, pools: ['*'], role: admin}\n")
+    r = serve("127.0.0.1:0", tokens=tokens, budget=BudgetLimits(4 * MIB, 2 * MIB))
+    try:
+        big = np.arange(1, 100_001, dtype=np.uint64)            # 6 x 1.2 MB: over the budget if it were read
+        for token in (None, "not-a-token"):
+            with BlockManagerClient(f"127.0.0.1:{r.port}", token=token, timeout=20, retries=0) as c:
+                with pytest.raises(ClientError) as exc:
+                    c.step("p", admit=big, admit_tokens=1)
+                assert exc.value.code == grpc.StatusCode.UNAUTHENTICATED
+                with pytest.raises(ClientError) as exc, c.step_stream("p") as s:
+                    s.step(admit=big, admit_tokens=1)
+                assert exc.value.code == grpc.StatusCode.UNAUTHENTICATED
+        assert r.budget.refused == {} and r.budget.peak_bytes == 0
+        with BlockManagerClient(f"127.0.0.1:{r.port}", token="a-0123456789abcdef", timeout=20, retries=0) as c:
+            with pytest.raises(ClientError) as exc:             # a known token's request is read, and charged
+                c.step("p", admit=big, admit_tokens=1)
+            assert exc.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "more than the 2 MiB (--tenant-rpc-memory-budget)" in exc.value.message     # its tenant's limit
+    finally:
+        r.stop()
