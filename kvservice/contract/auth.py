@@ -309,6 +309,7 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
                         context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                       f"token {grant.name!r} may not use pool {pool!r} (it may use: {allowed})")
                     yield request
+                    request = None      # not kept while the stream waits for the next (the memory budget)
             # The handler runs (and is resumed, reply by reply) in a context of its own where
             # current_principal() is this token's name: streams are namespaced by tenant too.
             ctx = contextvars.copy_context()

@@ -7,8 +7,9 @@ charged; a request that does not fit is not parsed at all and the call ends RESO
 (reason MEMORY_BUDGET) before the handler, so nothing changes in state. A Step then charges
 REPLY_FACTOR x its reply bound (kvservice/core/limits.py) before it is applied (:func:`reserve_reply`,
 called by ManagerAPI.check_step_cost; refused the same way). A unary call's charges are released when
-its handler returns; a stream's request and reply charges when the next request arrives or the call
-ends, for whatever reason (an error, a cancellation, the client going away).
+its handler returns; a stream's request and reply charges when its handler asks for the next request
+(the reply was sent) or the call ends, for whatever reason (an error, a cancellation, the client going
+away).
 
 gRPC parses requests on its own polling thread, outside the call's context: the parser reaches the
 call's charges through the closure made for that call, the handler through a context variable.
@@ -81,6 +82,11 @@ class CallCharges:
                 self.reply = self.budget.charge(self.tenant, REPLY_FACTOR * reply_bytes, f"{self.method} reply")
             else:
                 self.reply.resize(REPLY_FACTOR * reply_bytes)
+
+    def done(self) -> None:
+        """The current request and its reply are done (a stream waits for its next request)."""
+        with self._lock:
+            self._release()
 
     def close(self) -> None:
         with self._lock:
@@ -165,10 +171,14 @@ def _refuse(request: Any, context: grpc.ServicerContext) -> None:
         context.abort_with_status(to_status(request.error))
 
 
-def _checked(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+def _checked(requests: Iterator[Any], context: grpc.ServicerContext, call: CallCharges) -> Iterator[Any]:
     for request in requests:
         _refuse(request, context)
         yield request
+        # The handler asks for the next request: this one is answered (its reply sent). Nothing here keeps it
+        # while the stream waits, so neither does the budget (what its session keeps is charged there).
+        request = None
+        call.done()
 
 
 def _unary(inner: Callable[..., Any], call: CallCharges) -> Callable[..., Any]:
@@ -200,7 +210,7 @@ def _closing(replies: Iterator[Any], call: CallCharges) -> Iterator[Any]:
 def _stream_stream(inner: Callable[..., Any], call: CallCharges) -> Callable[..., Any]:
     def behavior(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
         _on_end(call, context)
-        return _closing(inner(_checked(requests, context), context), call)
+        return _closing(inner(_checked(requests, context, call), context), call)
     return behavior
 
 
@@ -208,7 +218,7 @@ def _stream_unary(inner: Callable[..., Any], call: CallCharges) -> Callable[...,
     def behavior(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
         _on_end(call, context)
         try:
-            return inner(_checked(requests, context), context)
+            return inner(_checked(requests, context, call), context)
         finally:
             call.close()
     return behavior

@@ -379,6 +379,7 @@ def step_stream(servicer: Any, requests: Iterator[Any], context: grpc.ServicerCo
                 context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
             session.last_used = registry.clock()
             yield reply
+            request = reply = None      # an answered request is not kept while the stream waits for the next
     finally:
         if session is not None:
             session.close_call()

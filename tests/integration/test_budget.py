@@ -83,6 +83,7 @@ def test_closed_streams_give_their_sessions_charge_back_at_once(running):
         kept = sum(v.charge.nbytes for v in sessions)
         assert kept >= 5 * 500 * (8 + 8 + 8)          # each keeps at least its ids, counts and held rows
         assert open_bytes >= kept
+        assert settled(running.budget, kept) == kept  # idle open streams: their answered requests are not charged
         for s in streams:
             s.close()
         assert settled(running.budget) == 0           # every session's and request's charge is back

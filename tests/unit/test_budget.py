@@ -111,6 +111,10 @@ def test_call_charges_cover_a_stream_request_by_request_and_release_on_close() -
     assert b.charged_bytes == (WIRE_FACTOR + REPLY_FACTOR) * MIB
     call.admit(2 * MIB)                                   # the next request: the last one and its reply are done
     assert b.charged_bytes == 2 * WIRE_FACTOR * MIB
+    call.reserve_reply(1 * MIB)
+    call.done()                                           # answered; the stream waits for its next request
+    assert b.charged_bytes == 0
+    call.admit(1 * MIB)
     call.close()
     assert b.charged_bytes == 0
     call.admit(3 * MIB)                                   # parsed after the call ended: never charged forever
