@@ -122,6 +122,17 @@ class StreamSession:
             n += h.seq_ids.nbytes + h.num_tokens.nbytes + sum(a.nbytes for a in (*h.first, *h.last))
         return n
 
+    def drop(self, key: tuple | None) -> None:
+        """Keep nothing of a refused request `key` (a steady loop's next request decodes and checks again)."""
+        if key is None:
+            return
+        if self.checked is key:
+            self.checked = None
+        if self.kwargs is not None and self.kwargs[0] is key:
+            self.kwargs = None
+        if self.settled is not None and self.settled[0] is key:
+            self.settled = None
+
     def forget(self) -> None:
         """Drop what the session keeps for speed (the next request is decoded and answered in full)."""
         self.checked = self.kwargs = self.settled = self.held = None
@@ -312,6 +323,7 @@ def step_one(servicer: Any, session: StreamSession, request: Any, broken: type[E
             if getattr(journal, "failed", None):
                 raise broken(f"the manager stopped serving: {journal.failed}")
             session.check_order(seq)
+            key = None
             try:
                 key = _request_key(request, session.stream_id)
                 if servicer.limits is not None and (key is None or key != session.checked):
@@ -326,6 +338,9 @@ def step_one(servicer: Any, session: StreamSession, request: Any, broken: type[E
                 with servicer.api.manager.events.transaction():    # its KV events show once it is journaled
                     reply = journal.execute("Step", request, apply, decoded=session.decoded(key)) \
                         if journal is not None else apply(request)
+            except KVError:
+                session.drop(key)
+                raise
             finally:
                 session.last_seq = max(session.last_seq, seq)
                 session.account()

@@ -1,6 +1,7 @@
 """The memory budget on a real gRPC server: a request over it is refused RESOURCE_EXHAUSTED before anything
 changes, and a closed stream's session gives its charge back at once (bytes charged are counted, not RSS)."""
 
+import queue
 import time
 
 import grpc
@@ -11,8 +12,12 @@ from kvservice.client import BlockManagerClient, ClientError
 from kvservice.contract.auth import TokenTable
 from kvservice.contract.geometry import CacheSpec
 from kvservice.contract.sizing import Sizing
+from kvservice.contract.transport import STREAM_ID_KEY
+from kvservice.contract.wire import to_tensor
 from kvservice.server.app import serve
 from kvservice.server.budget import BudgetLimits
+from kvservice.v1 import block_manager_pb2 as pb
+from kvservice.v1 import block_manager_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.integration
 MIB = 1 << 20
@@ -114,3 +119,27 @@ def test_calls_without_a_known_token_are_not_read_and_cost_the_budget_nothing():
             assert "more than the 2 MiB (--tenant-rpc-memory-budget)" in exc.value.message     # its tenant's limit
     finally:
         r.stop()
+
+
+def test_a_refused_stream_request_leaves_nothing_in_its_session(running):
+    with BlockManagerClient(f"127.0.0.1:{running.port}", timeout=20, retries=0) as c:
+        c.step("p", admit=[7], admit_tokens=1)
+    channel = grpc.insecure_channel(f"127.0.0.1:{running.port}")
+    q = queue.SimpleQueue()
+    call = pb_grpc.BlockManagerStub(channel).StepStream(iter(q.get, None), metadata=((STREAM_ID_KEY, "refused"),))
+    try:
+        # 1 id and 50,000 counts: it passes Limits and is refused by the pool (the lengths differ)
+        q.put(pb.StepRequest(pool="p", stream_seq=1, extend_seq_ids=to_tensor(np.array([7], dtype=np.uint64)),
+                             extend_num_tokens=to_tensor(np.ones(50_000, dtype=np.int64))))
+        assert next(call).error.reason == "INVALID_ARGUMENT"
+        session = running.servicer.streams._sessions[("", "refused")]
+        assert session.kwargs is None and session.checked is None and session.charge.nbytes == 0
+        q.put(pb.StepRequest(pool="p", stream_seq=2, extend_seq_ids=to_tensor(np.array([7], dtype=np.uint64)),
+                             extend_num_tokens=to_tensor(np.ones(1, dtype=np.int64))))
+        assert not next(call).HasField("error")       # the stream goes on
+    finally:
+        q.put(None)
+        channel.close()
+    with BlockManagerClient(f"127.0.0.1:{running.port}", timeout=20, retries=0) as c:
+        assert c.step("p", free=[7]).num_free_slots > 0
+    assert settled(running.budget) == 0
