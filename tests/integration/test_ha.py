@@ -608,3 +608,68 @@ def test_watch_events_refuses_a_lower_epoch_and_resumes_where_it_stopped():
             d.close()
         for s in servers:
             s.stop(0)
+
+
+# ---- StepStream across a failover ----------------------------------------------------------------------------
+
+def test_a_step_stream_follows_the_leader_across_kill9_applying_each_step_once(nats3, tmp_path):
+    """Issue 27, item 2: a StepStream of a LeaderClient (default settings) under three kill -9 of the leader: it
+    reconnects to the new leader under the same stream id, resends its unanswered request with the same seq, and
+    every acknowledged Step was applied exactly once (tokens and the pool's step count)."""
+    from .ha_harness import ManagerSlot
+    name = fresh_name()
+    slots = [ManagerSlot(tmp_path, s, nats3.url, name, ("--nats-replicas", "3", *TEST_LEASE)) for s in ("a", "b")]
+    stop, acked, errors = threading.Event(), [0], []
+    try:
+        for s in slots:
+            s.start()
+        with LeaderClient([s.target for s in slots]) as c:
+            c.create_pool("st", CacheSpec.uniform(2, 1, 64, page_size=16), Sizing(num_slots=1024, max_seq_len=4096))
+            stream = c.step_stream("st")
+            stream.step(admit=[1, 2], admit_tokens=[1, 1])
+
+            def loop() -> None:
+                while not stop.is_set():
+                    try:
+                        r = stream.step(extend=[1, 2], extend_tokens=1)
+                    except ClientError as err:
+                        if err.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                            continue                  # outcome unknown: the caller retries the same step
+                        errors.append(str(err))
+                        return
+                    if r.num_tokens.tolist() != [acked[0] + 2] * 2:
+                        errors.append(f"after {acked[0]} acknowledged steps: {r.num_tokens.tolist()}")
+                        return
+                    acked[0] += 1
+
+            worker = threading.Thread(target=loop, daemon=True)
+            worker.start()
+            epochs = []
+            for _ in range(3):
+                want = acked[0] + 10
+                deadline = time.monotonic() + 120
+                while acked[0] < want and not errors and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                assert acked[0] >= want and not errors, (acked[0], want, errors)
+                leader = next(s for s in slots if s.alive() and epoch_of(s.target) is not None)
+                epochs.append(c.epoch)
+                leader.kill9()
+                leader.start()                        # back as the standby
+            want = acked[0] + 10
+            deadline = time.monotonic() + 120
+            while acked[0] < want and not errors and time.monotonic() < deadline:
+                time.sleep(0.01)
+            stop.set()
+            worker.join(60)
+            assert not errors and acked[0] >= want, (errors, acked[0], want)
+            (q1, q2) = c.sequences("st").sequences
+            steps = c.stats("st")["st"].steps
+            assert (q1.num_tokens, q2.num_tokens) == (1 + acked[0], 1 + acked[0])
+            assert steps == 1 + acked[0]                  # one applied Step per acknowledged one
+            assert stream.reconnects >= 3 and c.epoch > epochs[-1] > epochs[0]
+            assert c.stale_replies == 0
+            stream.close()
+    finally:
+        stop.set()
+        for s in slots:
+            s.stop()
