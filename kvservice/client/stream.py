@@ -176,7 +176,7 @@ class StepStream(StreamCore):
                 if self._checked_call is not self._call:      # a new call: is it the leader's (a LeaderClient)?
                     self.client.stream_answered(self._route, self._call.initial_metadata())
                     self._checked_call = self._call
-                return reply
+                return self.expect(reply, seq)
             except (grpc.RpcError, ClientError) as exc:
                 err = client_error(exc)
                 if self._expired:
@@ -217,6 +217,10 @@ class AsyncStepStream(StreamCore):
         await self.close()
 
     async def close(self) -> None:
+        """End the stream's call (a later step opens a new one under the same id)."""
+        self._drop_call()
+
+    def _drop_call(self) -> None:
         if self._call is not None:
             self._call.cancel()
             self._call = None
@@ -253,15 +257,16 @@ class AsyncStepStream(StreamCore):
                 reply = await asyncio.wait_for(self._exchange(data), budget.attempt_timeout())
                 if reply is grpc.aio.EOF:
                     raise ClientError(grpc.StatusCode.UNAVAILABLE, "the manager ended the stream")
-                return reply
+                return self.expect(reply, seq)
+            except asyncio.CancelledError:        # the caller cancelled the step: its reply may still come on this
+                self._drop_call()                 # call, so the next step opens a new one (the request stays pending)
+                raise
             except (grpc.aio.AioRpcError, ClientError, TimeoutError) as exc:
                 if isinstance(exc, TimeoutError):
                     err = ClientError(grpc.StatusCode.DEADLINE_EXCEEDED, "no reply in time (the call was cancelled)")
                 else:
                     err = client_error(exc)
-                if self._call is not None:
-                    self._call.cancel()
-                    self._call = None
+                self._drop_call()
                 if code_of(err) not in RETRY_CODES:
                     raise self.unanswered(err, seq) from None
                 if self.single_attempt(self.client):

@@ -24,6 +24,10 @@ from kvservice.contract.wire import field_array
 from kvservice.v1 import block_manager_pb2 as pb
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
+#: Statuses that end a stream call before any of its requests is applied (a token outside its pools, a malformed
+#: stream id, an unknown method): the unanswered request is known not to have been applied.
+REFUSED_CALL = (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT,
+                grpc.StatusCode.UNIMPLEMENTED)
 
 
 class MirrorTables(Mapping):
@@ -162,12 +166,26 @@ class StreamCore:
             self.settled = (p.seq, err)
 
     def unanswered(self, err: ClientError, seq: int) -> ClientError:
-        """`err` of a request that got no reply, saying what happens to it."""
+        """`err` of request `seq` that got no reply, saying what happens to it: dropped if the status says the call
+        was refused before any request was applied (REFUSED_CALL), else it stays pending."""
+        meta = {**err.metadata, "stream_id": self.stream_id, "stream_seq": str(seq)}
+        if err.code in REFUSED_CALL:
+            if self.pending is not None and self.pending.seq == seq:
+                self.pending = None
+            return ClientError(err.code, f"{err.message} (request {seq} of stream {self.stream_id} was not applied)",
+                               err.reason, meta)
         note = (f"; request {seq} of stream {self.stream_id} may or may not have been applied: it stays pending, "
                 "and the next step() on this stream resends it first under the same stream_seq (a step() with the "
                 "same arguments returns its original reply; stream.resolve() returns it)")
-        return ClientError(err.code, err.message + note, err.reason,
-                           {**err.metadata, "stream_id": self.stream_id, "stream_seq": str(seq)})
+        return ClientError(err.code, err.message + note, err.reason, meta)
+
+    def expect(self, reply: pb.StepReply, seq: int) -> pb.StepReply:
+        """`reply` if it answers request `seq`; UNAVAILABLE otherwise (a reply left on a call by a step that was
+        cancelled: the call is out of step and is reopened)."""
+        if reply.stream_seq != seq:
+            raise ClientError(grpc.StatusCode.UNAVAILABLE, f"stream {self.stream_id}: got the reply to request "
+                              f"{reply.stream_seq} while waiting for request {seq}; reopening the stream")
+        return reply
 
     def checked(self, reply: pb.StepReply, seen: Any) -> pb.StepReply:
         """The reply, once its journal position passed the client's check (StateRolledBack otherwise).

@@ -269,3 +269,53 @@ def test_async_stream_retry_gets_the_original_reply_and_a_different_step_settles
             assert (await s.resolve()).num_tokens.tolist() == [12, 5] and await s.resolve() is None
             await s.close()
     asyncio.run(run())
+
+
+def test_a_cancelled_async_step_is_resolved_on_a_new_call_and_applied_once(server):
+    """A caller that cancels a step (asyncio.wait_for) leaves its reply on the call: the stream drops the call, the
+    request stays pending, and the retry gets its original reply; the next step is not answered by a stale one."""
+    async def run() -> None:
+        async with AsyncBlockManagerClient(server) as c:
+            a = f"pa{next(_names)}"
+            await c.create_pool(a, SPEC, SIZING)
+            s = await c.step_stream(a)
+            await s.step(admit=[1], admit_tokens=[5])
+            exchange = s._exchange
+
+            async def slow(data: bytes):              # the request goes out; its reply is read too late
+                await s._call.write(data)
+                await asyncio.sleep(30)
+            s._exchange = slow
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(s.step(extend=[1], extend_tokens=2), 0.5)
+            s._exchange = exchange
+            assert s.pending.seq == 2 and s._call is None
+            for _ in range(100):                      # the server applied it (it never waits for the client)
+                if (await c.stats(a))[a].steps == 2:
+                    break
+                await asyncio.sleep(0.05)
+            r = await s.step(extend=[1], extend_tokens=2)         # the caller's retry: the original reply
+            assert r.num_tokens.tolist() == [7] and s.pending is None
+            r = await s.step(extend=[1], extend_tokens=2)         # a new step, answered by its own reply
+            assert r.num_tokens.tolist() == [9] and (await c.stats(a))[a].steps == 3 and s.seq == 3
+            await s.close()
+    asyncio.run(run())
+
+
+def test_a_reply_to_another_request_is_never_taken_for_this_one(server):
+    """A reply left on a sync call by an interrupted step (here: read and put back, as if unread) has another
+    stream_seq: the stream reopens and resends instead of returning it."""
+    with BlockManagerClient(server) as c:
+        a = f"pa{next(_names)}"
+        c.create_pool(a, SPEC, SIZING)
+        s = c.step_stream(a)
+        s.step(admit=[1], admit_tokens=[5])
+        stale = s.last_reply
+        call = s._call
+        replies = iter([stale])
+        s._call = type("Call", (), {"__next__": lambda self: next(replies, None) or next(call),
+                                    "cancel": lambda self: call.cancel(),
+                                    "initial_metadata": lambda self: call.initial_metadata()})()
+        r = s.step(extend=[1], extend_tokens=1)
+        assert r.num_tokens.tolist() == [6] and s.reconnects == 1 and c.stats(a)[a].steps == 2
+        s.close()
