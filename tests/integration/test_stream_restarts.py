@@ -5,7 +5,9 @@ loops against one manager (`kvservice serve --state-dir`) that is killed with SI
 on the same address, over and over, as soon as both have acknowledged a few Steps since the last
 restart (progress counted, never timed). Each loop keeps its own model of what it acknowledged;
 a step that raised UNAVAILABLE or DEADLINE_EXCEEDED (a restart that outlasted its deadline) is
-retried by the caller with the same arguments, as a scheduler would. At the end the manager's
+retried by the caller with the same arguments, as a scheduler would. A third loop (sync, with
+RetryPolicy(attempts=1)) never reconnects by itself, so every kill reaches its caller and the
+caller's retry goes through the pending request. At the end the manager's
 sequences hold exactly the acknowledged tokens and the pool counted one step per acknowledged Step.
 """
 
@@ -20,11 +22,12 @@ import pytest
 
 from kvservice.client import BlockManagerClient, ClientError
 from kvservice.client.aio import AsyncBlockManagerClient
+from kvservice.client.client import RetryPolicy
 from kvservice.client.deadline import RETRY_CODES
 from kvservice.contract.geometry import CacheSpec
 from kvservice.contract.sizing import Sizing
 
-from .test_durability import kill9, start
+from .test_durability import kill9, start, wait_for_progress
 
 pytestmark = pytest.mark.integration
 POOL = "streams"
@@ -82,8 +85,8 @@ class Model:
         return False
 
 
-def sync_loop(target: str, m: Model, out: dict) -> None:
-    with BlockManagerClient(target) as c, c.step_stream(POOL) as s:
+def sync_loop(target: str, m: Model, out: dict, retry: RetryPolicy | None = None) -> None:
+    with BlockManagerClient(target, retry=retry) as c, c.step_stream(POOL) as s:
         while not m.stop.is_set():
             kw, free, k, admit = m.plan()
             while True:
@@ -93,6 +96,7 @@ def sync_loop(target: str, m: Model, out: dict) -> None:
                 except ClientError as err:
                     if not m.failed(err):
                         return
+                    time.sleep(0.05)              # the caller backs off, then retries the same step
             m.acknowledge(r, free, k, admit)
         out["reconnects"], out["resolved"] = s.reconnects, s.resolved
 
@@ -116,15 +120,12 @@ def async_loop(target: str, m: Model, out: dict) -> None:
     asyncio.run(run())
 
 
-def wait_for(models: list[Model], steps: int, bound: float = 120.0) -> None:
+def wait_for(models: list[Model], steps: int) -> None:
+    """Until each loop acknowledged `steps` more Steps (progress counted, the wait bounded generously)."""
     want = [m.acked + steps for m in models]
-    deadline = time.monotonic() + bound
-    while time.monotonic() < deadline and not any(m.errors for m in models):
-        if all(m.acked >= w for m, w in zip(models, want, strict=True)):
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"no progress: acknowledged {[m.acked for m in models]}, wanted {want}; "
-                         f"errors {[m.errors for m in models]}")
+    wait_for_progress(models, steps, bound=120.0)
+    assert all(m.acked >= w for m, w in zip(models, want, strict=True)), \
+        f"acknowledged {[m.acked for m in models]}, wanted {want}; errors {[m.errors for m in models]}"
 
 
 def test_stream_clients_apply_every_step_once_across_kill9_restarts(tmp_path):
@@ -134,10 +135,13 @@ def test_stream_clients_apply_every_step_once_across_kill9_restarts(tmp_path):
     with BlockManagerClient(mgr.target) as c:
         c.wait_ready()
         c.create_pool(POOL, SPEC, Sizing(num_slots=2048, max_seq_len=4096))
-    models = [Model("sync", 1, 1), Model("asyncio", 1_000_000, 2)]
-    outs: list[dict] = [{}, {}]
+    # sync and asyncio with the default settings; a third (sync) that never reconnects by itself
+    # (attempts=1): each kill reaches its caller, whose retry goes through the pending request.
+    models = [Model("sync", 1, 1), Model("asyncio", 1_000_000, 2), Model("sync, attempts=1", 2_000_000, 3)]
+    outs: list[dict] = [{}, {}, {}]
+    loops = (sync_loop, async_loop, lambda t, m, o: sync_loop(t, m, o, RetryPolicy(attempts=1)))
     threads = [threading.Thread(target=loop, args=(mgr.target, m, o), daemon=True)
-               for loop, m, o in zip((sync_loop, async_loop), models, outs, strict=True)]
+               for loop, m, o in zip(loops, models, outs, strict=True)]
     for t in threads:
         t.start()
     try:
@@ -157,11 +161,13 @@ def test_stream_clients_apply_every_step_once_across_kill9_restarts(tmp_path):
         with BlockManagerClient(mgr.target) as c:
             live = {s.seq_id: s.num_tokens for s in c.sequences(POOL).sequences}
             steps = c.stats(POOL)[POOL].steps
-        assert live == {**models[0].tokens, **models[1].tokens}           # every acknowledged token, no other
+        assert live == {k: v for m in models for k, v in m.tokens.items()}   # every acknowledged token, no other
         assert steps == sum(m.acked for m in models)                      # one applied Step per acknowledged one
-        for m, out in zip(models, outs, strict=True):                     # each stream reopened after each kill
+        for m, out in zip(models[:2], outs[:2], strict=True):               # each stream reopened after each kill
             assert out["reconnects"] >= CYCLES, (m.name, out)
-        print(f"\n{CYCLES} kill -9 cycles: acknowledged {[m.acked for m in models]} Steps (sync, asyncio), "
+        assert models[2].retried >= CYCLES and outs[2]["resolved"] >= CYCLES, outs[2]   # each kill reached its caller
+        print(f"\n{CYCLES} kill -9 cycles: acknowledged {[m.acked for m in models]} Steps (sync, asyncio, sync "
+              "attempts=1), "
               f"pool steps {steps}, reconnects {[o['reconnects'] for o in outs]}, caller retries "
               f"{[m.retried for m in models]}, pending resolved {[o['resolved'] for o in outs]}")
     finally:
