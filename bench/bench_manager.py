@@ -325,7 +325,8 @@ def bench_stream_breakdown(steps: int, batches: tuple[int, ...] = BATCHES,
             api.CreatePool(codec.create_pool_request(name, SPEC, Sizing(num_slots=slots, max_seq_len=1024 + 2 * steps)))
             api.Step(codec.step_request(name, admit=ids, admit_tokens=ctx, tables=False))
         session, core = StreamSession("bench"), StreamCore("s", 16, True, "bench")
-        observe = sv.metrics.rpc_duration.labels("Step").observe
+        def observe(seconds: float, reply: pb.StepReply | None, metrics=sv.metrics) -> None:   # as step_stream's
+            metrics.observe_reply("Step", seconds, reply)
         pool = manager.pool_and_lock("p")[0]
         ones = np.ones(b, dtype=np.int64)
         lat: dict[str, list[float]] = {"pool": [], "server": [], "client": []}
