@@ -673,3 +673,66 @@ def test_a_step_stream_follows_the_leader_across_kill9_applying_each_step_once(n
         stop.set()
         for s in slots:
             s.stop()
+
+
+class FailStop(grpc.ServerInterceptor):
+    """While `failed`, every open StepStream call ends UNAVAILABLE at its next request, as on a leader whose journal
+    fail-stopped when it was deposed (server/stream.py: a failed journal ends the call)."""
+
+    def __init__(self) -> None:
+        self.failed = False
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None or handler.stream_stream is None:
+            return handler
+        inner = handler.stream_stream
+
+        def stream(request_iterator, context):
+            def requests():
+                for r in request_iterator:
+                    if self.failed:
+                        context.abort(grpc.StatusCode.UNAVAILABLE, "the manager stopped serving (test: deposed)")
+                    yield r
+            yield from inner(requests(), context)
+        return grpc.stream_stream_rpc_method_handler(stream, request_deserializer=handler.request_deserializer,
+                                                     response_serializer=handler.response_serializer)
+
+
+def test_a_step_stream_refuses_a_lower_epoch_and_resends_to_the_leader():
+    """Two in-process managers behind LeaderGates: the stream's leader is deposed (its open stream ends), the other
+    answers with a lower epoch (refused: its reply never reaches the mirror), then the first comes back as a newer
+    leader: the unanswered request is resent there under its seq and applied once."""
+    gates, stop = [LeaderGate(), LeaderGate()], FailStop()
+    servers = [serve(interceptors=[gates[0], stop]), serve(interceptors=[gates[1]])]
+    targets = [f"127.0.0.1:{s.port}" for s in servers]
+    gates[0].promote(5)
+    spec, sizing = CacheSpec.uniform(2, 1, 64, page_size=16), Sizing(num_slots=64, max_seq_len=512)
+    try:
+        with LeaderClient(targets, timeout=20) as c:
+            c.create_pool("st", spec, sizing)
+            s = c.step_stream("st")
+            s.step(admit=[1], admit_tokens=[5])
+            s.step(extend=[1], extend_tokens=1)
+            assert c.epoch == 5
+            gates[0].depose("test: deposed")
+            stop.failed = True
+            gates[1].promote(3)                       # a deposed manager that still answers
+
+            def comeback() -> None:                   # once the stale epoch was refused: a newer leader
+                deadline = time.monotonic() + 15
+                while c.stale_replies == 0 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                stop.failed = False
+                gates[0].promote(7)
+            helper = threading.Thread(target=comeback, daemon=True)
+            helper.start()
+            r = s.step(extend=[1], extend_tokens=1)
+            helper.join(20)
+            assert c.stale_replies >= 1 and c.epoch == 7 and s.reconnects >= 2
+            assert r.num_tokens.tolist() == [7] and s.seq == 3
+            assert c.stats("st")["st"].steps == 3      # applied once, on the leader
+            s.close()
+    finally:
+        for srv in servers:
+            srv.stop(0)
