@@ -14,6 +14,7 @@ def configure_events(manager: BlockManager, config: EventsConfig) -> list:
     with hub.cond:
         hub.ring_batches, hub.ring_bytes, hub.max_subscribers = config.ring_batches, config.ring_bytes, \
             config.max_watchers
+        hub.max_subscribers_per_tenant = config.watchers_per_tenant()
         for lg in hub.logs.values():
             lg.max_batches, lg.max_bytes = config.ring_batches, config.ring_bytes
         hub.deferred = True

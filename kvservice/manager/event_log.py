@@ -96,13 +96,20 @@ class EventsConfig:
 
     ring_batches, ring_bytes: what each pool's ring retains for late or resuming subscribers.
     max_watchers: concurrent WatchEvents streams (each holds a gRPC server thread).
+    max_watchers_per_tenant: ... of one tenant (token name); 0 = half of max_watchers, at least 1. Below
+        max_watchers, one tenant's streams never take every slot (docs/SECURITY.md#fairness).
     zmq: ZeroMQ publishers (zmq_events.ZmqConfig), one per pool.
     """
 
     ring_batches: int = DEFAULT_RING_BATCHES
     ring_bytes: int = DEFAULT_RING_BYTES
     max_watchers: int = 4
+    max_watchers_per_tenant: int = 0
     zmq: tuple = ()
+
+    def watchers_per_tenant(self) -> int:
+        """The per-tenant cap in force (the default derived from max_watchers)."""
+        return self.max_watchers_per_tenant or max(1, self.max_watchers // 2)
 
 
 class EventLog:
@@ -167,15 +174,17 @@ class EventHub:
 
     deferred: stage batches until :meth:`transaction` ends (set by ``kvservice serve``); False =
     visible at once (recovery replay, in-process use). max_subscribers: concurrent WatchEvents
-    streams (each holds a server thread).
+    streams (each holds a server thread); max_subscribers_per_tenant: ... of one named tenant.
     """
 
     def __init__(self, manager: PoolLocks, ring_batches: int = DEFAULT_RING_BATCHES,
-                 ring_bytes: int = DEFAULT_RING_BYTES, max_subscribers: int = 4) -> None:
+                 ring_bytes: int = DEFAULT_RING_BYTES, max_subscribers: int = 4,
+                 max_subscribers_per_tenant: int = 2) -> None:
         self.manager = manager
         self.ring_batches = ring_batches
         self.ring_bytes = ring_bytes
         self.max_subscribers = max_subscribers
+        self.max_subscribers_per_tenant = max_subscribers_per_tenant
         self.deferred = False
         self.cond = threading.Condition(threading.Lock())
         self.logs: dict[str, EventLog] = {}
@@ -259,24 +268,46 @@ class EventHub:
         return log
 
     # ---- reading ----------------------------------------------------------------------------
-    def subscribe(self, pool: str, from_seq: int | None, transport: str, limit: bool = True) -> Subscription:
+    def subscribe(self, pool: str, from_seq: int | None, transport: str, limit: bool = True,
+                  tenant: str = "") -> Subscription:
         """A reader of `pool`'s batches from from_seq on (None = from the next batch; 0 = reset first).
 
-        NotFound for an unknown pool; ResourceExhausted past max_subscribers (when limit).
+        NotFound for an unknown pool; ResourceExhausted past max_subscribers, or past
+        max_subscribers_per_tenant for a named tenant (when limit). tenant: the caller's token name
+        ("" without tokens: every caller is one tenant, held only to the global cap).
         """
         with self.manager.locked(pool) as p:          # pool lock, then the hub's
             seq = p.events.seq
             with self.cond:
                 log = self._log_locked(pool, seq)
-                if limit and sum(s.limited for lg in self.logs.values() for s in lg.subscribers) >= \
-                        self.max_subscribers:
-                    raise ResourceExhausted(f"{self.max_subscribers} event subscribers are connected, this "
-                                            "manager's limit (--kv-events-max-watchers); close one or raise it",
-                                            reason="LIMIT_EXCEEDED", limit=self.max_subscribers)
-                sub = Subscription(self, log, log.head + 1 if from_seq is None else from_seq, transport, limit)
+                if limit:
+                    self._check_slots(tenant)
+                sub = Subscription(self, log, log.head + 1 if from_seq is None else from_seq, transport, limit,
+                                   tenant)
                 log.subscribers.add(sub)
                 log.counter(transport)
         return sub
+
+    def watchers(self, tenant: str | None = None) -> int:
+        """Counted (limited) subscribers, of one tenant or (None) of all. Call under self.cond."""
+        return sum(s.limited and (tenant is None or s.tenant == tenant)
+                   for lg in self.logs.values() for s in lg.subscribers)
+
+    def _check_slots(self, tenant: str) -> None:
+        """ResourceExhausted, with what to do, when no watcher slot is left for `tenant` (under self.cond)."""
+        mine = self.watchers(tenant)
+        cap = self.max_subscribers_per_tenant
+        if tenant and cap and mine >= cap:
+            raise ResourceExhausted(
+                f"token {tenant!r} has {mine} WatchEvents streams open, its limit per tenant "
+                f"(--kv-events-max-watchers-per-tenant {cap}); cancel one you no longer read (one stream per pool "
+                "is enough: resume with the last sequence received + 1) before opening another",
+                reason="LIMIT_EXCEEDED", limit=cap, held=mine)
+        if self.watchers() >= self.max_subscribers:
+            raise ResourceExhausted(
+                f"{self.max_subscribers} WatchEvents streams are open on this manager, its limit "
+                f"(--kv-events-max-watchers; {mine} of them yours); retry in a few seconds, or ask the operator to "
+                "raise it (with --threads above it)", reason="LIMIT_EXCEEDED", limit=self.max_subscribers, held=mine)
 
     def pool_seq(self, pool: str) -> int:
         """The pool's last committed batch sequence (0 if none)."""
@@ -291,12 +322,14 @@ class EventHub:
 class Subscription:
     """One reader of one pool's log. `next_seq`: the next batch it wants. Use from one thread."""
 
-    def __init__(self, hub: EventHub, log: EventLog, next_seq: int, transport: str, limited: bool) -> None:
+    def __init__(self, hub: EventHub, log: EventLog, next_seq: int, transport: str, limited: bool,
+                 tenant: str = "") -> None:
         self.hub = hub
         self.log = log
         self.next_seq = next_seq
         self.transport = transport
         self.limited = limited
+        self.tenant = tenant
         self.closed = False
         self.token_ids = True       # False: a reset copies no token ids (a consumer that is never sent them)
 

@@ -132,6 +132,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                     help="... and at most this many bytes of hashes and token ids per pool")
     ev.add_argument("--kv-events-max-watchers", type=int, default=4,
                     help="concurrent WatchEvents streams (each holds a gRPC thread: keep below --threads)")
+    ev.add_argument("--kv-events-max-watchers-per-tenant", type=int, default=0, metavar="N",
+                    help="... of one tenant (token name), so that one tenant never takes them all; 0 (default) = "
+                         "half of --kv-events-max-watchers, at least 1")
     sec = s.add_argument_group("security (docs/SECURITY.md)")
     sec.add_argument("--tls-cert", type=existing_file, help="PEM server certificate (chain); with --tls-key serves "
                      "TLS")
@@ -147,6 +150,10 @@ def events_config(args: argparse.Namespace) -> EventsConfig:
     if args.kv_events_buffer < 1 or args.kv_events_buffer_bytes < 0 or args.kv_events_max_watchers < 0:
         raise InvalidArgument("--kv-events-buffer must be >= 1, --kv-events-buffer-bytes and "
                               "--kv-events-max-watchers >= 0")
+    if not 0 <= args.kv_events_max_watchers_per_tenant <= max(1, args.kv_events_max_watchers):
+        raise InvalidArgument(f"--kv-events-max-watchers-per-tenant {args.kv_events_max_watchers_per_tenant} must be "
+                              f"between 0 (half of --kv-events-max-watchers) and --kv-events-max-watchers "
+                              f"({args.kv_events_max_watchers}); below it, one tenant never takes every stream")
     if args.kv_events_max_watchers >= args.threads:
         raise InvalidArgument(f"--kv-events-max-watchers {args.kv_events_max_watchers} would let event streams take "
                               f"every one of the {args.threads} gRPC threads; lower it or raise --threads")
@@ -156,6 +163,7 @@ def events_config(args: argparse.Namespace) -> EventsConfig:
     ReplayLimiter(args.kv_events_replay_rate, args.kv_events_replay_burst)       # InvalidArgument if out of range
     return EventsConfig(ring_batches=args.kv_events_buffer, ring_bytes=args.kv_events_buffer_bytes,
                         max_watchers=args.kv_events_max_watchers,
+                        max_watchers_per_tenant=args.kv_events_max_watchers_per_tenant,
                         zmq=zmq_configs(args.kv_events_zmq, args.kv_events_replay, args.kv_events_pool,
                                         args.kv_events_topic, args.kv_events_medium, args.kv_events_format,
                                         allow_remote=args.kv_events_allow_remote, curve=curve,

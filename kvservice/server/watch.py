@@ -1,6 +1,7 @@
 """gRPC adapter of WatchEvents: one server-streaming call reads one pool's event log.
 
-The stream holds one server thread while it lasts (the hub caps concurrent streams). It ends
+The stream holds one server thread while it lasts (the hub caps concurrent streams, and those of one
+tenant: docs/SECURITY.md#fairness). It ends
 when the client cancels, the server stops, or the pool is deleted (after a last batch holding
 AllBlocksCleared).
 """
@@ -13,6 +14,7 @@ from typing import Any
 
 import grpc
 
+from kvservice.contract.auth import current_principal
 from kvservice.contract.errors import KVError
 from kvservice.contract.status import to_status
 from kvservice.events.messages import batch_to_protos
@@ -28,7 +30,7 @@ def watch_events(hub: EventHub, request: pb.WatchEventsRequest, context: grpc.Se
                  metrics: Any = None) -> Iterator[pb.KVEventBatch]:
     """Stream request.pool's batches from request.from_sequence on (0 = a reset first, then live)."""
     try:
-        sub = hub.subscribe(request.pool, request.from_sequence, "grpc")
+        sub = hub.subscribe(request.pool, request.from_sequence, "grpc", tenant=current_principal())
     except KVError as err:
         context.abort_with_status(to_status(err))
         return

@@ -218,6 +218,24 @@ def test_subscriber_limit():
     m.events.subscribe("p", None, "grpc")
 
 
+def test_one_tenant_never_takes_another_tenants_watcher_slot():
+    m = make_manager()
+    m.events.max_subscribers, m.events.max_subscribers_per_tenant = 4, 2
+    mine = [m.events.subscribe("p", None, "grpc", tenant="a-read") for _ in range(2)]
+    with pytest.raises(ResourceExhausted, match="token 'a-read' has 2 WatchEvents streams open.*per-tenant") as exc:
+        m.events.subscribe("p", None, "grpc", tenant="a-read")
+    assert exc.value.metadata == {"limit": "2", "held": "2"}
+    b = [m.events.subscribe("p", None, "grpc", tenant="b") for _ in range(2)]     # b's slots are still free
+    with pytest.raises(ResourceExhausted, match="4 WatchEvents streams are open.*0 of them yours"):
+        m.events.subscribe("p", None, "grpc", tenant="c")
+    mine[0].close()
+    again = m.events.subscribe("p", None, "grpc", tenant="a-read")       # a closed stream gives its slot back
+    for s in (again, mine[1], *b):
+        s.close()
+    unnamed = [m.events.subscribe("p", None, "grpc") for _ in range(4)]    # no tokens: only the global cap
+    assert len(unnamed) == 4
+
+
 def test_pickled_pool_keeps_the_sequence_and_the_sink():
     m = make_manager()
     run_workload(m, "p", 40, seed=6)
