@@ -37,6 +37,8 @@ ROLES = ("read", "write", "admin")
 HEALTH_SERVICE = "grpc.health.v1.Health"
 #: Name of the token the current call was authorized with ("" without tokens); set around the handler.
 _PRINCIPAL: contextvars.ContextVar[str] = contextvars.ContextVar("kvservice_principal", default="")
+#: Pools that token may use (None = every pool, or no tokens); set with _PRINCIPAL.
+_POOLS: contextvars.ContextVar[frozenset[str] | None] = contextvars.ContextVar("kvservice_pools", default=None)
 BM = "kvservice.v1.BlockManager"
 WORKER = "kvservice.v1.Worker"
 
@@ -145,6 +147,11 @@ class TokenTable:
 def current_principal() -> str:
     """Name of the token the running call was authorized with; "" when the server takes no tokens."""
     return _PRINCIPAL.get()
+
+
+def current_pools() -> frozenset[str] | None:
+    """Pools the running call's token may use; None = every pool (a ["*"] token, or no tokens)."""
+    return _POOLS.get()
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,6 +307,7 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
             # current_principal() is this token's name: streams are namespaced by tenant too.
             ctx = contextvars.copy_context()
             ctx.run(_PRINCIPAL.set, grant.name)
+            ctx.run(_POOLS.set, grant.pools)
             replies = ctx.run(inner, checked(), context)
             try:
                 while True:
@@ -329,10 +337,11 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
                         "the pool this request touches"
                     context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                   f"token {grant.name!r} may not use {what} (it may use: {allowed})")
-            bound = _PRINCIPAL.set(grant.name)
+            bound, pools = _PRINCIPAL.set(grant.name), _POOLS.set(grant.pools)
             try:
                 reply = inner(request, context)
             finally:
+                _POOLS.reset(pools)
                 _PRINCIPAL.reset(bound)
             return rule.filter(reply, grant) if rule.filter is not None and grant.pools is not None else reply
         return behavior

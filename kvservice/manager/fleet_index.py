@@ -194,32 +194,37 @@ class FleetIndex:
             member.cache.fleet = None
 
     def served_pages(self, page_size: int, seed: int, terms: list[int], pages: np.ndarray,
-                     namespace: tuple[str, str], bits: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """Pages of a prompt each member serves, from the index alone (call under self.lock).
+                     namespace: tuple[str, str], members: list[FleetMember]) -> tuple[np.ndarray, np.ndarray]:
+        """Pages of a prompt each of `members` serves, from the index alone (call under self.lock).
 
         The prompt's chained hashes are not computed: entries are keyed by the value the chain mixes
         (the previous page's hash ^ terms[j], see unmix), so the prompt is walked from entry to entry,
-        each giving the next page's hash, as far as entries exist. seed: the chain's value before page
-        0 in the members' namespace id; terms: one per page the prompt may take from a cache (P);
-        pages: int64 [>= P, page_size], its token ids; bits: the members' bits (all with that namespace id).
-        Returns (served int64 [len(bits)], check bool [len(bits)]): check = the member's run ends on
-        a mixed or stale entry (or on the one chain value the Step stores as another), so the member
-        must be asked itself (the per-pool path).
+        each giving the next page's hash, as far as one of `members` serves them: what other pools hold
+        is never read, so the answer's time does not depend on other tenants' caches. seed: the chain's
+        value before page 0 in the members' namespace id; terms: one per page the prompt may take from a
+        cache (P); pages: int64 [>= P, page_size], its token ids; members: all with that namespace id.
+        Returns (served int64 [len(members)], check bool [len(members)]): check = the member's run ends on
+        an entry it holds stale or that is mixed (or on the one chain value the Step stores as another),
+        so the member must be asked itself (the per-pool path); a member that left the index: 0, check.
         """
-        n = len(bits)
+        n = len(members)
         t = self.tables.get((page_size, self._ns.get(namespace, -1)))
+        bits = [-1 if m.bit is None or self._bits[m.bit] is not m else m.bit for m in members]
         if t is None or not terms or not n:
-            return np.zeros(n, dtype=np.int64), np.zeros(n, dtype=bool)
-        get, stored = t.rows.get, t.hash
+            return np.zeros(n, dtype=np.int64), np.array([b < 0 for b in bits], dtype=bool)
+        want = [(w, np.uint64(sum(1 << (b & 63) for b in bits if b >= 0 and b >> 6 == w)))
+                for w in sorted({b >> 6 for b in bits if b >= 0})]
+        get, stored, mask = t.rows.get, t.hash, t.mask
         found: list[int] = []
-        h, odd = seed, False
+        h, odd, end = seed, False, -1
         for c in terms:                          # the chain's values, read from the entries (mix not computed)
             x = h ^ c
             if x == _X0:                         # the chain's value is 0, which the Step stores as 1: ask the pools
                 odd = True
                 break
             r = get(x, -1)
-            if r < 0:
+            if r < 0 or not any(mask[r, w] & m for w, m in want):     # none of ours serves it: the walk ends
+                end = r
                 break
             found.append(r)
             h = stored.item(r)
@@ -230,13 +235,18 @@ class FleetIndex:
         prev[1:] = hashes[:-1]
         ok = (t.parent_hash[rows] == prev) & (t.tokens[rows] == pages[:k]).all(axis=1)
         stop = int(np.argmin(ok)) if not ok.all() else k          # no member serves past a page nobody serves
-        served = _runs(t.mask[rows[:stop]], bits)
-        at = np.minimum(served, max(k - 1, 0))
-        check = served < k
-        if k:
-            check &= t.mixed[rows[at]] | (t.stale[rows[at]] > 0)
-        if odd:
-            check |= served == k
+        served = _runs(mask[rows[:stop]], [max(b, 0) for b in bits])
+        check = np.zeros(n, dtype=bool)
+        ns = self._ns[namespace]
+        for i, (m, b, e) in enumerate(zip(members, bits, served.tolist(), strict=True)):
+            if b < 0:
+                served[i], check[i] = 0, True
+                continue
+            r = found[e] if e < k else end if e == k and not odd else -1
+            if r >= 0:                            # the entry the member's run ended on: does it hold it, and how
+                code = m.held.get(stored.item(r))
+                check[i] = code is not None and code >> _NS_SHIFT == ns and bool(code & 1 or t.mixed[r])
+            check[i] |= odd and e == k
         return served, check
 
     def snapshot(self) -> dict[tuple[int, tuple[str, str]], dict[int, tuple[int, frozenset[int], int, bool]]]:

@@ -15,13 +15,14 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 import grpc
 import numpy as np
 from google.protobuf.message import Message
 
-from kvservice.contract.auth import current_principal
+from kvservice.contract.auth import current_pools, current_principal
 from kvservice.contract.convert import cache_spec_from_proto, plan_to_proto, sizing_from_proto
 from kvservice.contract.errors import InvalidArgument, JournalUnavailable, KVError, ResourceExhausted
 from kvservice.contract.sizing import Plan
@@ -192,6 +193,8 @@ def _adapter(name: str) -> Callable[..., Any]:
         code, reason = "OK", ""
         try:
             apply = getattr(self.api, name)
+            if name == "ScorePrefix":                    # only the pools the caller's token may read are scored
+                apply = partial(apply, readable=current_pools())
             if getattr(self.journal, "failed", None):
                 raise JournalUnavailable(f"the manager stopped serving: {self.journal.failed}")  # type: ignore[union-attr]
             if self.limits is not None:
