@@ -222,11 +222,11 @@ def test_one_tenant_never_takes_another_tenants_watcher_slot():
     m = make_manager()
     m.events.max_subscribers, m.events.max_subscribers_per_tenant = 4, 2
     mine = [m.events.subscribe("p", None, "grpc", tenant="a-read") for _ in range(2)]
-    with pytest.raises(ResourceExhausted, match="token 'a-read' has 2 WatchEvents streams open.*per-tenant") as exc:
+    with pytest.raises(ResourceExhausted, match=r"token 'a-read' has 2 WatchEvents streams open.*per-tenant") as exc:
         m.events.subscribe("p", None, "grpc", tenant="a-read")
     assert exc.value.metadata == {"limit": "2", "held": "2"}
     b = [m.events.subscribe("p", None, "grpc", tenant="b") for _ in range(2)]     # b's slots are still free
-    with pytest.raises(ResourceExhausted, match="4 WatchEvents streams are open.*0 of them yours"):
+    with pytest.raises(ResourceExhausted, match=r"4 WatchEvents streams are open.*0 of them yours"):
         m.events.subscribe("p", None, "grpc", tenant="c")
     mine[0].close()
     again = m.events.subscribe("p", None, "grpc", tenant="a-read")       # a closed stream gives its slot back
