@@ -242,6 +242,30 @@ def _deny(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -
     return grpc.unary_unary_rpc_method_handler(refuse, **kw)
 
 
+def _run_in(ctx: contextvars.Context, replies: Any) -> Any:
+    """Yield the replies of a handler's generator, resuming it each time in `ctx` (its token's context)."""
+    try:
+        while True:
+            try:
+                reply = ctx.run(next, replies)
+            except StopIteration:
+                return
+            yield reply
+    finally:
+        close = getattr(replies, "close", None)
+        if close is not None:
+            ctx.run(close)
+
+
+def _in_callers_context(inner: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    """A server-streaming handler whose replies are produced in the context it was called in, where
+    current_principal() and current_pools() are the caller's token's (not only while the call starts)."""
+    def behavior(request: Any, context: grpc.ServicerContext) -> Any:
+        ctx = contextvars.copy_context()
+        return _run_in(ctx, ctx.run(inner, request, context))
+    return behavior
+
+
 class TokenAuthInterceptor(grpc.ServerInterceptor):
     """Refuses calls without a known bearer token (UNAUTHENTICATED) or outside its grant (PERMISSION_DENIED).
 
@@ -274,7 +298,7 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
                          f"token {grant.name!r} has role {grant.role}; {name} needs {rule.role}")
         if handler.unary_stream is not None:           # WatchEvents: the pool is checked before streaming
             return grpc.unary_stream_rpc_method_handler(
-                self._scoped(handler.unary_stream, rule, grant, name),
+                self._scoped(_in_callers_context(handler.unary_stream), rule, grant, name),
                 request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
         if handler.stream_stream is not None:
             return grpc.stream_stream_rpc_method_handler(
@@ -308,18 +332,7 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
             ctx = contextvars.copy_context()
             ctx.run(_PRINCIPAL.set, grant.name)
             ctx.run(_POOLS.set, grant.pools)
-            replies = ctx.run(inner, checked(), context)
-            try:
-                while True:
-                    try:
-                        reply = ctx.run(next, replies)
-                    except StopIteration:
-                        return
-                    yield reply
-            finally:
-                close = getattr(replies, "close", None)
-                if close is not None:
-                    ctx.run(close)
+            yield from _run_in(ctx, ctx.run(inner, checked(), context))
         return behavior
 
     @staticmethod

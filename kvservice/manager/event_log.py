@@ -40,6 +40,7 @@ from kvservice.core.cache_events import (
     pool_caches,
     stored_events,
 )
+from kvservice.manager.read_budget import DEFAULT_READ_BURST, DEFAULT_READ_SHARE, ReadBudget
 
 
 class PoolLocks(Protocol):
@@ -99,6 +100,7 @@ class EventsConfig:
     max_watchers_per_tenant: ... of one tenant (token name); 0 = half of max_watchers, at least 1. Below
         max_watchers, one tenant's streams never take every slot (docs/SECURITY.md#fairness).
     zmq: ZeroMQ publishers (zmq_events.ZmqConfig), one per pool.
+    read_share, read_burst: each tenant's CPU for heavy reads (resets, catch-up, ScorePrefix): read_budget.py.
     """
 
     ring_batches: int = DEFAULT_RING_BATCHES
@@ -106,6 +108,8 @@ class EventsConfig:
     max_watchers: int = 4
     max_watchers_per_tenant: int = 0
     zmq: tuple = ()
+    read_share: float = DEFAULT_READ_SHARE
+    read_burst: float = DEFAULT_READ_BURST
 
     def watchers_per_tenant(self) -> int:
         """The per-tenant cap in force (the default derived from max_watchers)."""
@@ -185,6 +189,7 @@ class EventHub:
         self.ring_bytes = ring_bytes
         self.max_subscribers = max_subscribers
         self.max_subscribers_per_tenant = max_subscribers_per_tenant
+        self.read_budget = ReadBudget()          # each tenant's CPU for resets, catch-up and ScorePrefix
         self.deferred = False
         self.cond = threading.Condition(threading.Lock())
         self.logs: dict[str, EventLog] = {}
@@ -276,6 +281,9 @@ class EventHub:
         max_subscribers_per_tenant for a named tenant (when limit). tenant: the caller's token name
         ("" without tokens: every caller is one tenant, held only to the global cap).
         """
+        if limit:
+            with self.cond:                           # refused before the pool's lock is asked for (a refusal
+                self._check_slots(tenant)             # flood must not contend with the owner's Steps)
         with self.manager.locked(pool) as p:          # pool lock, then the hub's
             seq = p.events.seq
             with self.cond:
@@ -343,10 +351,11 @@ class Subscription:
             self.log.subscribers.discard(self)
             self.closed = True
 
-    def poll(self, timeout: float) -> list[LoggedBatch] | None:
+    def poll(self, timeout: float, max_batches: int | None = None) -> list[LoggedBatch] | None:
         """The next visible batches (waiting up to timeout seconds for one), [] if none came, None once the
         pool is gone and everything was read. A reset (a LoggedBatch whose batch.reset is set) comes when
-        next_seq is 0, older than the ring's oldest, or ahead of the log (a log that started anew)."""
+        next_seq is 0, older than the ring's oldest, or ahead of the log (a log that started anew).
+        max_batches: at most this many batches (None = every one available)."""
         hub, log = self.hub, self.log
         with hub.cond:
             why = self._reset_reason()
@@ -361,13 +370,19 @@ class Subscription:
                         return None
                     return []
                 start = self.next_seq - log.batches[0].seq
-                out = [lb for lb in itertools.islice(log.batches, start, None) if lb.seq <= log.committed]
+                stop = None if max_batches is None else start + max(1, max_batches)
+                out = [lb for lb in itertools.islice(log.batches, start, stop) if lb.seq <= log.committed]
                 self.next_seq = out[-1].seq + 1
                 log.counter(self.transport).sent += len(out)
                 return out
             if why == "behind":
                 log.counter(self.transport).dropped += log.oldest - self.next_seq
         return self._reset(why)
+
+    def heavy(self, live_from: int) -> bool:
+        """Whether the next poll is a reset or reads batches up to live_from (catch-up), not live batches."""
+        log = self.log
+        return self.next_seq <= live_from or self.next_seq < log.oldest or self.next_seq > log.head + 1
 
     def _reset_reason(self) -> str | None:
         log = self.log

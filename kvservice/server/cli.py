@@ -23,6 +23,7 @@ from kvservice.core.hashing import HASH_MODES
 from kvservice.events.zmq import DEFAULT_FORMAT, FORMATS, zmq_configs
 from kvservice.events.zmq_guard import DEFAULT_REPLAY_BURST, DEFAULT_REPLAY_RATE, CurveKeys, ReplayLimiter
 from kvservice.manager.event_log import DEFAULT_RING_BATCHES, DEFAULT_RING_BYTES, EventsConfig
+from kvservice.manager.read_budget import DEFAULT_READ_BURST, DEFAULT_READ_SHARE, ReadBudget
 from kvservice.server.app import serve
 from kvservice.server.config import DEFAULT_POOLS_YAML, load_pools, load_pools_file
 from kvservice.server.servicer import Limits
@@ -42,6 +43,9 @@ EXIT_CODES = {
     EXIT_FAILED: "serve: the journal failed and the manager stopped on purpose (fail-stop): restart it",
 }
 
+#: sys.setswitchinterval of `kvservice serve`, ms (docs/SECURITY.md#fairness).
+DEFAULT_GIL_SWITCH_MS = 1.0
+
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("serve", help="run the manager", epilog=exit_epilog(EXIT_CODES))
@@ -54,6 +58,10 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--no-pools", action="store_true", help="start empty; create pools over the API")
     s.add_argument("--port-file", help="write the bound gRPC and metrics ports here (tests)")
     s.add_argument("--threads", type=int, default=8, help="gRPC worker threads")
+    s.add_argument("--gil-switch-ms", type=float, default=DEFAULT_GIL_SWITCH_MS, metavar="MS",
+                   help="longest a Python thread keeps the interpreter while another waits (sys.setswitchinterval; "
+                        "Python's own 5 ms lets one tenant's CPU-heavy read delay another's Step by 5 ms per "
+                        "hand-over: docs/SECURITY.md#fairness)")
     s.add_argument("--max-streams", type=int, default=64,
                    help="StepStream/EchoStream calls open at once (each holds a thread of its own)")
     s.add_argument("--lease-seconds", type=float, default=10.0, help="a worker silent this long is marked dead")
@@ -143,6 +151,12 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                      help="PEM CA bundle: require client certificates it signed (mutual TLS)")
     sec.add_argument("--tokens-file", type=existing_file,
                      help="YAML of bearer tokens scoped to pools; every call then needs one")
+    sec.add_argument("--tenant-read-share", type=float, default=DEFAULT_READ_SHARE, metavar="CORES",
+                     help="CPU one tenant's heavy reads (KV event resets and catch-up, ScorePrefix) may use on "
+                          "average, as a fraction of one core (0 = no limit); past it streams wait and ScorePrefix "
+                          "is refused RATE_LIMITED")
+    sec.add_argument("--tenant-read-burst", type=float, default=DEFAULT_READ_BURST, metavar="SECONDS",
+                     help="... and CPU seconds of such reads at once")
 
 
 def events_config(args: argparse.Namespace) -> EventsConfig:
@@ -161,6 +175,7 @@ def events_config(args: argparse.Namespace) -> EventsConfig:
     if args.kv_events_curve_secret or args.kv_events_curve_clients:
         curve = CurveKeys.load(args.kv_events_curve_secret or "", args.kv_events_curve_clients or "")
     ReplayLimiter(args.kv_events_replay_rate, args.kv_events_replay_burst)       # InvalidArgument if out of range
+    ReadBudget(args.tenant_read_share, args.tenant_read_burst)
     return EventsConfig(ring_batches=args.kv_events_buffer, ring_bytes=args.kv_events_buffer_bytes,
                         max_watchers=args.kv_events_max_watchers,
                         max_watchers_per_tenant=args.kv_events_max_watchers_per_tenant,
@@ -169,7 +184,8 @@ def events_config(args: argparse.Namespace) -> EventsConfig:
                                         allow_remote=args.kv_events_allow_remote, curve=curve,
                                         token_ids=not args.kv_events_no_token_ids,
                                         replay_rate=args.kv_events_replay_rate,
-                                        replay_burst=args.kv_events_replay_burst))
+                                        replay_burst=args.kv_events_replay_burst),
+                        read_share=args.tenant_read_share, read_burst=args.tenant_read_burst)
 def _state_arg(value: str) -> str:
     if value == "memory" or value.startswith("nats://"):
         return value
@@ -221,6 +237,9 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error("--tls-cert and --tls-key go together")
     if args.tls_client_ca and not args.tls_cert:
         parser.error("--tls-client-ca needs --tls-cert and --tls-key")
+    if not 0 < args.gil_switch_ms <= 100:
+        parser.error(f"--gil-switch-ms must be in (0, 100], got {args.gil_switch_ms}")
+    sys.setswitchinterval(args.gil_switch_ms / 1000)
     journal = None
     try:
         pools = _startup_pools(args)
