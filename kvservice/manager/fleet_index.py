@@ -214,20 +214,8 @@ class FleetIndex:
             return np.zeros(n, dtype=np.int64), np.array([b < 0 for b in bits], dtype=bool)
         want = [(w, np.uint64(sum(1 << (b & 63) for b in bits if b >= 0 and b >> 6 == w)))
                 for w in sorted({b >> 6 for b in bits if b >= 0})]
-        get, stored, mask = t.rows.get, t.hash, t.mask
-        found: list[int] = []
-        h, odd, end = seed, False, -1
-        for c in terms:                          # the chain's values, read from the entries (mix not computed)
-            x = h ^ c
-            if x == _X0:                         # the chain's value is 0, which the Step stores as 1: ask the pools
-                odd = True
-                break
-            r = get(x, -1)
-            if r < 0 or not any(mask[r, w] & m for w, m in want):     # none of ours serves it: the walk ends
-                end = r
-                break
-            found.append(r)
-            h = stored.item(r)
+        stored, mask = t.hash, t.mask
+        found, end, odd = _walk(t, seed, terms, want)
         k = len(found)
         rows = np.array(found, dtype=np.int64)
         hashes = stored[rows]
@@ -236,17 +224,11 @@ class FleetIndex:
         ok = (t.parent_hash[rows] == prev) & (t.tokens[rows] == pages[:k]).all(axis=1)
         stop = int(np.argmin(ok)) if not ok.all() else k          # no member serves past a page nobody serves
         served = _runs(mask[rows[:stop]], [max(b, 0) for b in bits])
-        check = np.zeros(n, dtype=bool)
-        ns = self._ns[namespace]
-        for i, (m, b, e) in enumerate(zip(members, bits, served.tolist(), strict=True)):
-            if b < 0:
-                served[i], check[i] = 0, True
-                continue
-            r = found[e] if e < k else end if e == k and not odd else -1
-            if r >= 0:                            # the entry the member's run ended on: does it hold it, and how
-                code = m.held.get(stored.item(r))
-                check[i] = code is not None and code >> _NS_SHIFT == ns and bool(code & 1 or t.mixed[r])
-            check[i] |= odd and e == k
+        ends = [found[e] if e < k else end if e == k and not odd else -1 for e in served.tolist()]
+        check = _own_checks(t, self._ns[namespace], members, ends)
+        check |= odd & (served == k)
+        gone = np.array([b < 0 for b in bits], dtype=bool)
+        served[gone], check[gone] = 0, True
         return served, check
 
     def snapshot(self) -> dict[tuple[int, tuple[str, str]], dict[int, tuple[int, frozenset[int], int, bool]]]:
@@ -436,6 +418,35 @@ _X0 = int(unmix(np.zeros(1, dtype=np.uint64))[0])
 def _detached() -> None:
     """What a pickled member becomes: nothing (the cache's fleet attribute is None until a manager attaches it)."""
     return None
+
+
+def _walk(t: _Table, seed: int, terms: list[int], want: list[tuple[int, np.uint64]]) -> tuple[list[int], int, bool]:
+    """The prompt's entries from page 0 while one of the asked members serves them (want: (word, bits) of their
+    mask): (rows, the row where the walk ended (-1 = none), whether it ended on the chain value 0)."""
+    get, stored, mask = t.rows.get, t.hash, t.mask
+    found: list[int] = []
+    h = seed
+    for c in terms:                          # the chain's values, read from the entries (mix not computed)
+        x = h ^ c
+        if x == _X0:                         # the chain's value is 0, which the Step stores as 1: ask the pools
+            return found, -1, True
+        r = get(x, -1)
+        if r < 0 or not any(mask[r, w] & m for w, m in want):     # none of ours serves it: the walk ends
+            return found, r, False
+        found.append(r)
+        h = stored.item(r)
+    return found, -1, False
+
+
+def _own_checks(t: _Table, ns: int, members: list[FleetMember], ends: list[int]) -> np.ndarray:
+    """bool [len(members)]: whether each member must be asked itself: it holds the entry its run ended on (row
+    ends[i]; -1 = none) stale, or that entry is mixed. Only the member's own notes are read."""
+    check = np.zeros(len(members), dtype=bool)
+    for i, (m, r) in enumerate(zip(members, ends, strict=True)):
+        if r >= 0:
+            code = m.held.get(t.hash.item(r))
+            check[i] = code is not None and code >> _NS_SHIFT == ns and bool(code & 1 or t.mixed[r])
+    return check
 
 
 def _runs(mask: np.ndarray, bits: list[int]) -> np.ndarray:

@@ -237,9 +237,7 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error("--tls-cert and --tls-key go together")
     if args.tls_client_ca and not args.tls_cert:
         parser.error("--tls-client-ca needs --tls-cert and --tls-key")
-    if not 0 < args.gil_switch_ms <= 100:
-        parser.error(f"--gil-switch-ms must be in (0, 100], got {args.gil_switch_ms}")
-    sys.setswitchinterval(args.gil_switch_ms / 1000)
+    _set_gil_switch(parser, args.gil_switch_ms)
     journal = None
     try:
         pools = _startup_pools(args)
@@ -279,6 +277,13 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
               file=sys.stderr)
         return EXIT_FAILED
     return 0
+
+
+def _set_gil_switch(parser: argparse.ArgumentParser, ms: float) -> None:
+    """--gil-switch-ms: how long a thread may keep the interpreter while another waits (a Step behind a heavy read)."""
+    if not 0 < ms <= 100:
+        parser.error(f"--gil-switch-ms must be in (0, 100], got {ms}")
+    sys.setswitchinterval(ms / 1000)
 
 
 def _open_state_dir(args: argparse.Namespace) -> Journal:
