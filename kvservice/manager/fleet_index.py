@@ -194,13 +194,16 @@ class FleetIndex:
             member.cache.fleet = None
 
     def served_pages(self, page_size: int, seed: int, terms: list[int], pages: np.ndarray,
-                     namespace: tuple[str, str], members: list[FleetMember]) -> tuple[np.ndarray, np.ndarray]:
+                     namespace: tuple[str, str], members: list[FleetMember],
+                     only_members: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """Pages of a prompt each of `members` serves, from the index alone (call under self.lock).
 
         The prompt's chained hashes are not computed: entries are keyed by the value the chain mixes
         (the previous page's hash ^ terms[j], see unmix), so the prompt is walked from entry to entry,
         each giving the next page's hash, as far as one of `members` serves them: what other pools hold
-        is never read, so the answer's time does not depend on other tenants' caches. seed: the chain's
+        is never read, so the answer's time does not depend on other tenants' caches (only_members
+        False, for a caller that may read every pool: as far as any pool holds them, a little faster,
+        the same answers). seed: the chain's
         value before page 0 in the members' namespace id; terms: one per page the prompt may take from a
         cache (P); pages: int64 [>= P, page_size], its token ids; members: all with that namespace id.
         Returns (served int64 [len(members)], check bool [len(members)]): check = the member's run ends on
@@ -212,10 +215,10 @@ class FleetIndex:
         bits = [-1 if m.bit is None or self._bits[m.bit] is not m else m.bit for m in members]
         if t is None or not terms or not n:
             return np.zeros(n, dtype=np.int64), np.array([b < 0 for b in bits], dtype=bool)
-        want = [(w, np.uint64(sum(1 << (b & 63) for b in bits if b >= 0 and b >> 6 == w)))
+        want = [(w, sum(1 << (b & 63) for b in bits if b >= 0 and b >> 6 == w))
                 for w in sorted({b >> 6 for b in bits if b >= 0})]
         stored, mask = t.hash, t.mask
-        found, end, odd = _walk(t, seed, terms, want)
+        found, end, odd = _walk(t, seed, terms, want if only_members else None)
         k = len(found)
         rows = np.array(found, dtype=np.int64)
         hashes = stored[rows]
@@ -420,19 +423,33 @@ def _detached() -> None:
     return None
 
 
-def _walk(t: _Table, seed: int, terms: list[int], want: list[tuple[int, np.uint64]]) -> tuple[list[int], int, bool]:
+def _walk(t: _Table, seed: int, terms: list[int],
+          want: list[tuple[int, int]] | None) -> tuple[list[int], int, bool]:
     """The prompt's entries from page 0 while one of the asked members serves them (want: (word, bits) of their
-    mask): (rows, the row where the walk ended (-1 = none), whether it ended on the chain value 0)."""
+    mask; None = while any pool holds them): (rows, the row where a restricted walk ended on an entry others
+    hold (-1 = none), whether it ended on the chain value 0)."""
     get, stored, mask = t.rows.get, t.hash, t.mask
     found: list[int] = []
     h = seed
-    for c in terms:                          # the chain's values, read from the entries (mix not computed)
+    if want is None:                         # every pool may be read: as far as any serves the prompt
+        for c in terms:                      # the chain's values, read from the entries (mix not computed)
+            x = h ^ c
+            if x == _X0:                     # the chain's value is 0, which the Step stores as 1: ask the pools
+                return found, -1, True
+            r = get(x, -1)
+            if r < 0:
+                return found, -1, False
+            found.append(r)
+            h = stored.item(r)
+        return found, -1, False
+    w0, m0 = want[0] if len(want) == 1 else (0, 0)         # one word of members (up to 64 pools): no inner loop
+    for c in terms:
         x = h ^ c
-        if x == _X0:                         # the chain's value is 0, which the Step stores as 1: ask the pools
+        if x == _X0:
             return found, -1, True
         r = get(x, -1)
-        if r < 0 or not any(mask[r, w] & m for w, m in want):     # none of ours serves it: the walk ends
-            return found, r, False
+        if r < 0 or not (mask.item(r, w0) & m0 if m0 else any(mask.item(r, w) & m for w, m in want)):
+            return found, r, False           # none of ours serves it: the walk ends
         found.append(r)
         h = stored.item(r)
     return found, -1, False

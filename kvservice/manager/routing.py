@@ -235,7 +235,7 @@ def score_prefix(manager: BlockManager, token_ids: np.ndarray, salt: str = "", e
     tok = _check_prompt(token_ids)
     chains: dict[tuple[int, int], _Chain] = {}     # (page_size, ns) -> chain
     rows, jobs = _collect(manager, tok, salt, extra_key, pools, model, chains, readable)
-    ask = _answer_from_index(manager.fleet, tok, salt, extra_key, rows, jobs, chains)
+    ask = _answer_from_index(manager.fleet, tok, salt, extra_key, rows, jobs, chains, readable is not None)
     for r in ask:                                  # rows the index cannot settle: asked one by one
         try:
             with manager.locked(rows[r][0]) as pool:
@@ -293,9 +293,11 @@ def _collect(manager: BlockManager, tok: np.ndarray, salt: str, extra_key: str, 
 
 
 def _answer_from_index(fleet: object, tok: np.ndarray, salt: str, extra_key: str, rows: list[list],
-                       jobs: dict[tuple[int, int], list[tuple[int, object]]], chains: dict) -> list[int]:
+                       jobs: dict[tuple[int, int], list[tuple[int, object]]], chains: dict,
+                       only_members: bool = True) -> list[int]:
     """Fill the hits of the rows the fleet index settles (one walk per page size and namespace); returns
-    the rows it cannot (a mixed or stale entry, or a pool that left the index)."""
+    the rows it cannot (a mixed or stale entry, or a pool that left the index). only_members: walk only as
+    far as the rows' pools serve the prompt (a caller that may not read every pool)."""
     ask: list[int] = []
     for (ps, ns), members in jobs.items():
         limit = (len(tok) - 1) // ps
@@ -303,7 +305,7 @@ def _answer_from_index(fleet: object, tok: np.ndarray, salt: str, extra_key: str
         terms = chain.terms()[:limit]
         with fleet.lock:
             served, check = fleet.served_pages(ps, chain.seed, terms, chain.pages, (salt, extra_key),
-                                               [m for _, m in members])
+                                               [m for _, m in members], only_members)
             for (r, _), hits, chk in zip(members, served.tolist(), check.tolist(), strict=True):
                 if chk:                          # a stale or mixed entry of its own, or the pool left the index
                     ask.append(r)
