@@ -431,24 +431,15 @@ def _walk(t: _Table, seed: int, terms: list[int],
     get, stored, mask = t.rows.get, t.hash, t.mask
     found: list[int] = []
     h = seed
-    if want is None:                         # every pool may be read: as far as any serves the prompt
-        for c in terms:                      # the chain's values, read from the entries (mix not computed)
-            x = h ^ c
-            if x == _X0:                     # the chain's value is 0, which the Step stores as 1: ask the pools
-                return found, -1, True
-            r = get(x, -1)
-            if r < 0:
-                return found, -1, False
-            found.append(r)
-            h = stored.item(r)
-        return found, -1, False
-    w0, m0 = want[0] if len(want) == 1 else (0, 0)         # one word of members (up to 64 pools): no inner loop
-    for c in terms:
+    w0, m0 = want[0] if want and len(want) == 1 else (0, 0)      # one word of members (<= 64 pools): no inner loop
+    for c in terms:                          # the chain's values, read from the entries (mix not computed)
         x = h ^ c
-        if x == _X0:
+        if x == _X0:                         # the chain's value is 0, which the Step stores as 1: ask the pools
             return found, -1, True
         r = get(x, -1)
-        if r < 0 or not (mask.item(r, w0) & m0 if m0 else any(mask.item(r, w) & m for w, m in want)):
+        if r < 0:
+            return found, -1, False
+        if want is not None and not (mask.item(r, w0) & m0 if m0 else any(mask.item(r, w) & m for w, m in want)):
             return found, r, False           # none of ours serves it: the walk ends
         found.append(r)
         h = stored.item(r)
