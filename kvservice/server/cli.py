@@ -231,13 +231,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    if args.state and args.state_dir:
-        parser.error(f"--state {args.state.split(',')[0]} and --state-dir exclude each other")
-    if bool(args.tls_cert) != bool(args.tls_key):
-        parser.error("--tls-cert and --tls-key go together")
-    if args.tls_client_ca and not args.tls_cert:
-        parser.error("--tls-client-ca needs --tls-cert and --tls-key")
-    _set_gil_switch(parser, args.gil_switch_ms)
+    _check_serve_flags(parser, args)
     journal = None
     try:
         pools = _startup_pools(args)
@@ -245,6 +239,7 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         tokens = TokenTable.from_file(args.tokens_file) if args.tokens_file else None
         limits = Limits(args.max_step_sequences, args.max_step_tokens, args.max_pool_slots, args.max_pools)
         events = events_config(args)
+        sys.setswitchinterval(args.gil_switch_ms / 1000)      # a heavy read hands the interpreter over sooner
         if args.state and args.state != "memory":
             return _serve_replicated(args, pools, tls, tokens, limits, events)
         if args.state_dir:
@@ -279,11 +274,16 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return 0
 
 
-def _set_gil_switch(parser: argparse.ArgumentParser, ms: float) -> None:
-    """--gil-switch-ms: how long a thread may keep the interpreter while another waits (a Step behind a heavy read)."""
-    if not 0 < ms <= 100:
-        parser.error(f"--gil-switch-ms must be in (0, 100], got {ms}")
-    sys.setswitchinterval(ms / 1000)
+def _check_serve_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Flags that exclude or need each other, and ranges argparse does not check (exits 2 naming the flag)."""
+    if args.state and args.state_dir:
+        parser.error(f"--state {args.state.split(',')[0]} and --state-dir exclude each other")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        parser.error("--tls-cert and --tls-key go together")
+    if args.tls_client_ca and not args.tls_cert:
+        parser.error("--tls-client-ca needs --tls-cert and --tls-key")
+    if not 0 < args.gil_switch_ms <= 100:
+        parser.error(f"--gil-switch-ms must be in (0, 100], got {args.gil_switch_ms}")
 
 
 def _open_state_dir(args: argparse.Namespace) -> Journal:
