@@ -298,7 +298,7 @@ def bench_stream_breakdown(steps: int, batches: tuple[int, ...] = BATCHES,
     Returns [(B, pool step, server, client, reply bytes)].
     """
     from kvservice.client import codec
-    from kvservice.client.stream import _Core
+    from kvservice.client.stream_core import StreamCore
     from kvservice.contract.errors import JournalUnavailable
     from kvservice.contract.transport import MAX_MESSAGE_BYTES
     from kvservice.events.publish import configure_events
@@ -324,8 +324,9 @@ def bench_stream_breakdown(steps: int, batches: tuple[int, ...] = BATCHES,
         for name in ("s", "p"):
             api.CreatePool(codec.create_pool_request(name, SPEC, Sizing(num_slots=slots, max_seq_len=1024 + 2 * steps)))
             api.Step(codec.step_request(name, admit=ids, admit_tokens=ctx, tables=False))
-        session, core = StreamSession("bench"), _Core("s", 16, True, "bench")
-        observe = sv.metrics.rpc_duration.labels("Step").observe
+        session, core = StreamSession("bench"), StreamCore("s", 16, True, "bench")
+        def observe(seconds: float, reply: pb.StepReply | None, metrics=sv.metrics) -> None:   # as step_stream's
+            metrics.observe_reply("Step", seconds, reply)
         pool = manager.pool_and_lock("p")[0]
         ones = np.ones(b, dtype=np.int64)
         lat: dict[str, list[float]] = {"pool": [], "server": [], "client": []}

@@ -281,6 +281,18 @@ class BlockManagerClient:
         """
         return StepStream(self, pool, deltas, timeout, stream_id)
 
+    # ---- where a StepStream goes (a LeaderClient overrides these to follow the leader) ------------------------
+    def stream_channel(self) -> tuple[int, grpc.Channel]:
+        """(address index, channel) a stream opens its next call on."""
+        return 0, self._channel
+
+    def stream_answered(self, index: int, metadata: Any) -> None:
+        """A new stream call on address `index` got its first reply, with this initial metadata (raise a
+        grpc.RpcError of code UNAVAILABLE to refuse it: the stream then reconnects)."""
+
+    def stream_failed(self, index: int) -> None:
+        """A stream call on address `index` broke (UNAVAILABLE or DEADLINE_EXCEEDED)."""
+
     def echo_stream(self) -> EchoStream:
         """An EchoStream: round trips with nothing to do, the transport floor of step_stream."""
         return EchoStream(self)

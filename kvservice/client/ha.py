@@ -152,6 +152,21 @@ class LeaderClient(BlockManagerClient):
         self.leader_node = leader_node(call.initial_metadata())
         return response
 
+    def stream_channel(self) -> tuple[int, grpc.Channel]:
+        """A StepStream opens its next call at the current address."""
+        index = self._current
+        return index, self._channels[index]
+
+    def stream_answered(self, index: int, metadata: Any) -> None:
+        """The first reply of a stream call: StaleLeader (the stream reconnects elsewhere) if its epoch is below
+        one already seen."""
+        self._check_epoch(leader_epoch(metadata), index)
+        self.leader_node = leader_node(metadata) or self.leader_node
+
+    def stream_failed(self, index: int) -> None:
+        """A broken stream call (a dead, standby or silent manager): the next one goes to the next address."""
+        self._rotate(index)
+
     def _check_epoch(self, epoch: int | None, index: int) -> None:
         """Record a reply's epoch; StaleLeader (and move to the next address) if it is below one already seen."""
         if epoch is None:

@@ -10,11 +10,23 @@
   tables are gathered from the mirror on first access and are exactly what a full reply carries
   (read them before the next step on the stream: the mirror then moves on).
 - Deadlines: a step's ``timeout`` bounds the whole step, reconnections included; a reply not in by
-  then cancels the call (DEADLINE_EXCEEDED, naming the stream and the manager). If the client's
-  RetryPolicy allows more than one attempt (``attempts``), a broken stream (UNAVAILABLE) makes the
-  client reopen it under the same id, within what remains of that deadline (or of the policy's
-  failover bound), and resend the unanswered request with the same seq and bytes; the manager
-  answers it with its original reply if it was applied (exactly once).
+  then cancels the call (DEADLINE_EXCEEDED, naming the stream and the manager).
+- Reconnects (exactly once): a broken stream (UNAVAILABLE: a restart, a failover; or no reply within
+  ``RetryPolicy.attempt_timeout``) is reopened under the same stream id, within what remains of the
+  step's deadline (or of the policy's ``failover`` bound, if longer), and the unanswered request is
+  resent with its original seq and bytes; the manager's journal answers a request it applied with
+  its original reply. The default policy (``attempts=0``) reopens as often as the deadline allows;
+  ``RetryPolicy(attempts=1)`` (``retries=0``) never does. Over a LeaderClient with several addresses
+  the stream moves to the next address when a call breaks, and a reply from a deposed leader (a lower
+  epoch than one seen) is refused and the request resent to the next.
+- A step that still got no reply raises (UNAVAILABLE or DEADLINE_EXCEEDED: outcome unknown), and its
+  request stays *pending* (``stream.pending``): the next ``step()`` resends it first, under its own
+  seq, and learns its outcome. A caller's retry (a step with the same arguments) then returns the
+  original reply (or raises its refusal): applied once, never twice. A different step first settles
+  the pending one (its tables reach the mirror; its StepResult or refusal is in ``stream.settled``)
+  and is then sent under the next seq, so the mirror follows the manager's order. ``resolve()``
+  settles it explicitly. The manager remembers a request's reply for its idempotency window
+  (``JournalConfig.id_window_seconds``, 600 s by default): resolve within it.
 - A refused request raises ClientError (code, message, ErrorInfo reason and metadata, as from a unary
   Step); the stream goes on.
 - Every reply's journal position goes through the client's position check (kvservice/client/position.py):
@@ -27,151 +39,29 @@ import asyncio
 import queue
 import threading
 import time
-import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
-import numpy as np
 
-from kvservice.client import codec
-from kvservice.client.codec import ClientError, SpaceTables, StepResult, lineage_of, position_of
-from kvservice.client.deadline import RETRY_CODES, CallBudget, RetryPolicy, client_error, code_of
-from kvservice.contract.mirror import MirrorError, PageTableMirror
+from kvservice.client.codec import ClientError, StepResult
+from kvservice.client.deadline import RETRY_CODES, client_error, code_of
+from kvservice.client.stream_core import MirrorTables, Pending, StreamCore, reply_error
 from kvservice.contract.transport import STREAM_ID_KEY
-from kvservice.contract.wire import field_array
 from kvservice.v1 import block_manager_pb2 as pb
 
 METHOD = "/kvservice.v1.BlockManager/StepStream"
 ECHO_METHOD = "/kvservice.v1.BlockManager/EchoStream"
-_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+__all__ = ["AsyncStepStream", "EchoStream", "MirrorTables", "Pending", "StepStream", "reply_error"]
 
 
-class MirrorTables(Mapping):
-    """index space id -> SpaceTables of one result, gathered from the stream's mirror on first access."""
-
-    def __init__(self, mirror: PageTableMirror, block_table: bool) -> None:
-        self._mirror, self._seq, self._block_table = mirror, mirror.seq, block_table
-        self._keys = sorted(mirror.spaces)
-        self._done: dict[int, SpaceTables] = {}
-
-    def __getitem__(self, space_id: int) -> SpaceTables:
-        got = self._done.get(space_id)
-        if got is not None:
-            return got
-        m = self._mirror
-        if m.seq != self._seq:
-            raise MirrorError(f"the tables of request {self._seq} were replaced by request {m.seq} on the stream; "
-                              "read a result's tables before the next step")
-        if space_id not in m.spaces:
-            raise KeyError(space_id)
-        got = SpaceTables(m.spaces[space_id].info, m.slot_mapping(space_id), m.page_table(space_id),
-                          m.block_table(space_id) if self._block_table else None, m.slot_generations(space_id),
-                          m.generations(space_id))
-        self._done[space_id] = got
-        return got
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._keys)
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-
-def reply_error(reply: pb.StepReply) -> ClientError:
-    e = reply.error
-    return ClientError(_CODES.get(e.code, grpc.StatusCode.UNKNOWN), e.message, e.reason, dict(e.metadata))
-
-
-class _Core:
-    """Request bytes and reply handling shared by the sync and asyncio streams."""
-
-    def __init__(self, pool: str, page_size: int, deltas: bool, stream_id: str | None) -> None:
-        self.pool = pool
-        self.deltas = deltas
-        self.stream_id = stream_id or f"s-{uuid.uuid4().hex}"
-        self.seq = 0                      # stream_seq of the last request sent
-        self.mirror = PageTableMirror(page_size)
-        self._cached: tuple[tuple, bytes] | None = None
-        self.reused = 0                   # requests whose body bytes were reused (steady decode)
-        self.last_reply: pb.StepReply | None = None     # the last reply received (its size is reported by benches)
-
-    def budget(self, client: Any, timeout: float) -> CallBudget:
-        """The deadline of one step: `timeout`, reconnections included; reconnects only if the client's policy
-        names more than one attempt (a stream is resent by no one else)."""
-        policy: RetryPolicy = client.retry
-        return CallBudget(policy, timeout, f"StepStream {self.stream_id} (request {self.seq})", None, RETRY_CODES,
-                          client.target)
-
-    def single_attempt(self, client: Any) -> bool:
-        return client.retry.attempts <= 1
-
-    def request_bytes(self, free: object, extend: object, extend_tokens: object, admit: object, admit_tokens: object,
-                      tables: bool, block_table: bool, extra: dict[str, Any]) -> bytes:
-        """The next request, serialized: the (cached) body, then stream_seq and the delta fields."""
-        delta = self.deltas and tables
-        key = None
-        if free is None and admit is None and not extra and extend is not None:
-            k = 1 if extend_tokens is None else extend_tokens
-            key = (np.asarray(extend).tobytes(), np.asarray(k).tobytes(), tables, block_table)
-        if key is not None and self._cached is not None and self._cached[0] == key:
-            body = self._cached[1]
-            self.reused += 1
-        else:
-            req = codec.step_request(self.pool, free, extend, extend_tokens, admit, admit_tokens, tables,
-                                     block_table and not delta, **extra)
-            body = req.SerializeToString()
-            self._cached = (key, body) if key is not None else None
-        self.seq += 1
-        tail = pb.StepRequest(stream_seq=self.seq, delta_tables=delta, delta_base=self.mirror.seq if delta else 0,
-                              accept_tokens_added=delta)
-        return body + tail.SerializeToString()
-
-    def checked(self, reply: pb.StepReply, seen: Any) -> pb.StepReply:
-        """The reply, once its journal position passed the client's check (StateRolledBack otherwise).
-
-        seen: the client's positions taken before the request was sent (PositionTracker.seen()).
-        """
-        tracker = getattr(self.client, "position", None)          # type: ignore[attr-defined]
-        if tracker is not None:
-            try:
-                tracker.check("StepStream", reply, seen, f"{self.stream_id}#{self.seq}")
-            except ClientError:
-                self.mirror.invalidate()          # the refused reply's tables are never applied
-                raise
-        return reply
-
-    def result(self, reply: pb.StepReply, tables: bool, block_table: bool) -> StepResult:
-        """The StepResult of a reply (ClientError if it was refused or its delta does not apply)."""
-        self.last_reply = reply
-        if reply.HasField("error"):
-            if reply.error.reason == "REQUEST_ALREADY_APPLIED":
-                self.mirror.invalidate()          # a reply we never saw moved the server's tables on
-            raise reply_error(reply)
-        if not (self.deltas and tables):
-            if self.deltas:
-                self.mirror.invalidate()
-            return codec.parse_step(reply)
-        try:
-            self.mirror.apply(reply)
-        except MirrorError as err:
-            self.mirror.invalidate()              # the next request asks for full tables
-            raise ClientError(grpc.StatusCode.DATA_LOSS, f"stream {self.stream_id}: {err}", "MIRROR_OUT_OF_SYNC") \
-                from None
-        m = self.mirror
-        copies, copy_gens = codec.parse_copies(reply)
-        return StepResult(m.seq_ids, m.num_tokens, m.new_token_indptr, MirrorTables(m, block_table),  # type: ignore[arg-type]
-                          tuple(reply.layer_index_space), reply.num_free_slots,
-                          field_array(reply, "admit_cached_tokens"), copies, position_of(reply), lineage_of(reply),
-                          copy_gens, reply.pool_incarnation)
-
-
-class StepStream(_Core):
+class StepStream(StreamCore):
     """A StepStream of a BlockManagerClient (use client.step_stream(pool)). Not thread-safe: one caller.
 
     deltas: incremental tables through a PageTableMirror. timeout: the deadline of each step, seconds,
     reconnections included (default: the client's). stream_id: name of the stream (default a fresh one;
-    reuse one only to resume it).
+    reuse one only to resume it). reconnects: how many times the stream was reopened.
     """
 
     def __init__(self, client: Any, pool: str, deltas: bool = True, timeout: float | None = None,
@@ -179,10 +69,11 @@ class StepStream(_Core):
         super().__init__(pool, page_size or client.get_pool(pool).plan.page_size, deltas, stream_id)
         self.client = client
         self.timeout = timeout or client.timeout
-        self._method = client._channel.stream_stream(METHOD, request_serializer=None,
-                                                     response_deserializer=pb.StepReply.FromString)
+        self._methods: dict[int, Any] = {}
         self._metadata = (*(client._metadata or ()), (STREAM_ID_KEY, self.stream_id))
         self._call: Any = None
+        self._route = 0                   # the client's address index the open call goes to
+        self._checked_call: Any = None    # the call whose leader epoch was checked
         self._queue: queue.SimpleQueue | None = None
         self._deadline = 0.0              # time.monotonic() by which the reply is due; 0 = none pending
         self._expired = False
@@ -205,10 +96,31 @@ class StepStream(_Core):
              admit_tokens: object = None, tables: bool = True, block_table: bool = False,
              **extra: Any) -> StepResult:
         """One scheduler iteration (arguments as BlockManagerClient.step; ids uint64 [n], counts int64 [n] or a
-        scalar). Returns the batch with slot mappings and page tables per index space."""
-        data = self.request_bytes(free, extend, extend_tokens, admit, admit_tokens, tables, block_table, extra)
-        seen = self.client.position.seen()
-        return self.result(self.checked(self._roundtrip(data), seen), tables, block_table)
+        scalar). Returns the batch with slot mappings and page tables per index space.
+
+        If an earlier step got no reply (it raised UNAVAILABLE or DEADLINE_EXCEEDED), that request is resent
+        first under its own stream_seq: a step with the same arguments returns its original reply (applied
+        once); a different one is sent after it, once its outcome is in `settled`.
+        """
+        body = self.body(free, extend, extend_tokens, admit, admit_tokens, tables, block_table, extra)
+        p = self.pending
+        if p is not None:
+            self.resolved += 1
+            reply = self._roundtrip(p.data, p.seq)
+            if p.same(body, tables, block_table):
+                return self.answered(p, reply)
+            self.settle(p, reply)
+        p = self.start(body, tables, block_table, self.client.position.seen())
+        return self.answered(p, self._roundtrip(p.data, p.seq))
+
+    def resolve(self) -> StepResult | None:
+        """Resend the pending request (if any) and return its outcome: its StepResult, or its refusal raised as
+        ClientError; None if no request is pending. Raises UNAVAILABLE / DEADLINE_EXCEEDED if still no reply."""
+        p = self.pending
+        if p is None:
+            return None
+        self.resolved += 1
+        return self.answered(p, self._roundtrip(p.data, p.seq))
 
     # ---- transport ---------------------------------------------------------------------------
     def _open(self) -> None:
@@ -218,8 +130,13 @@ class StepStream(_Core):
             while (item := q.get()) is not None:
                 yield item
 
+        self._route, channel = self.client.stream_channel()
+        method = self._methods.get(self._route)
+        if method is None:
+            method = self._methods[self._route] = channel.stream_stream(
+                METHOD, request_serializer=None, response_deserializer=pb.StepReply.FromString)
         self._queue = q
-        self._call = self._method(requests(), metadata=self._metadata)
+        self._call = method(requests(), metadata=self._metadata)
         if self._watchdog is None:
             self._watchdog = threading.Thread(target=self._watch, name=f"deadline-{self.stream_id}", daemon=True)
             self._watchdog.start()
@@ -241,8 +158,8 @@ class StepStream(_Core):
                 call.cancel()
             time.sleep(tick)
 
-    def _roundtrip(self, data: bytes) -> pb.StepReply:
-        budget = self.budget(self.client, self.timeout)
+    def _roundtrip(self, data: bytes, seq: int) -> pb.StepReply:
+        budget = self.budget(self.client, self.timeout, seq)
         while True:
             try:
                 if self._call is None:
@@ -251,26 +168,35 @@ class StepStream(_Core):
                 self._deadline = time.monotonic() + budget.attempt_timeout()
                 self._queue.put(data)             # type: ignore[union-attr]
                 try:
-                    return next(self._call)
+                    reply = next(self._call)
                 except StopIteration:
                     raise ClientError(grpc.StatusCode.UNAVAILABLE, "the manager ended the stream") from None
                 finally:
                     self._deadline = 0.0
+                if self._checked_call is not self._call:      # a new call: is it the leader's (a LeaderClient)?
+                    self.client.stream_answered(self._route, self._call.initial_metadata())
+                    self._checked_call = self._call
+                return self.expect(reply, seq)
             except (grpc.RpcError, ClientError) as exc:
                 err = client_error(exc)
                 if self._expired:
                     err = ClientError(grpc.StatusCode.DEADLINE_EXCEEDED, "no reply in time (the call was cancelled)")
                 self._drop_call()
+                if code_of(err) in RETRY_CODES:
+                    self.client.stream_failed(self._route)
                 if self._closed or code_of(err) not in RETRY_CODES:
-                    raise err from None
+                    raise self.unanswered(err, seq) from None
                 if self.single_attempt(self.client):
-                    raise budget.gave_up(err) from None
-                pause = budget.pause_or_raise(err)
+                    raise self.unanswered(budget.gave_up(err), seq) from None
+                try:
+                    pause = budget.pause_or_raise(err)
+                except ClientError as gave_up:
+                    raise self.unanswered(gave_up, seq) from None
                 self.reconnects += 1
                 time.sleep(pause)
 
 
-class AsyncStepStream(_Core):
+class AsyncStepStream(StreamCore):
     """asyncio twin of StepStream: `stream = await client.step_stream(pool)`; same arguments and behaviour."""
 
     def __init__(self, client: Any, pool: str, page_size: int, deltas: bool = True, timeout: float | None = None,
@@ -291,6 +217,10 @@ class AsyncStepStream(_Core):
         await self.close()
 
     async def close(self) -> None:
+        """End the stream's call (a later step opens a new one under the same id)."""
+        self._drop_call()
+
+    def _drop_call(self) -> None:
         if self._call is not None:
             self._call.cancel()
             self._call = None
@@ -298,12 +228,28 @@ class AsyncStepStream(_Core):
     async def step(self, free: object = None, extend: object = None, extend_tokens: object = None,
                    admit: object = None, admit_tokens: object = None, tables: bool = True, block_table: bool = False,
                    **extra: Any) -> StepResult:
-        data = self.request_bytes(free, extend, extend_tokens, admit, admit_tokens, tables, block_table, extra)
-        seen = self.client.position.seen()
-        return self.result(self.checked(await self._roundtrip(data), seen), tables, block_table)
+        """As StepStream.step (a pending request is resent first)."""
+        body = self.body(free, extend, extend_tokens, admit, admit_tokens, tables, block_table, extra)
+        p = self.pending
+        if p is not None:
+            self.resolved += 1
+            reply = await self._roundtrip(p.data, p.seq)
+            if p.same(body, tables, block_table):
+                return self.answered(p, reply)
+            self.settle(p, reply)
+        p = self.start(body, tables, block_table, self.client.position.seen())
+        return self.answered(p, await self._roundtrip(p.data, p.seq))
 
-    async def _roundtrip(self, data: bytes) -> pb.StepReply:
-        budget = self.budget(self.client, self.timeout)
+    async def resolve(self) -> StepResult | None:
+        """As StepStream.resolve."""
+        p = self.pending
+        if p is None:
+            return None
+        self.resolved += 1
+        return self.answered(p, await self._roundtrip(p.data, p.seq))
+
+    async def _roundtrip(self, data: bytes, seq: int) -> pb.StepReply:
+        budget = self.budget(self.client, self.timeout, seq)
         while True:
             try:
                 if self._call is None:
@@ -311,20 +257,24 @@ class AsyncStepStream(_Core):
                 reply = await asyncio.wait_for(self._exchange(data), budget.attempt_timeout())
                 if reply is grpc.aio.EOF:
                     raise ClientError(grpc.StatusCode.UNAVAILABLE, "the manager ended the stream")
-                return reply
+                return self.expect(reply, seq)
+            except asyncio.CancelledError:        # the caller cancelled the step: its reply may still come on this
+                self._drop_call()                 # call, so the next step opens a new one (the request stays pending)
+                raise
             except (grpc.aio.AioRpcError, ClientError, TimeoutError) as exc:
                 if isinstance(exc, TimeoutError):
                     err = ClientError(grpc.StatusCode.DEADLINE_EXCEEDED, "no reply in time (the call was cancelled)")
                 else:
                     err = client_error(exc)
-                if self._call is not None:
-                    self._call.cancel()
-                    self._call = None
+                self._drop_call()
                 if code_of(err) not in RETRY_CODES:
-                    raise err from None
+                    raise self.unanswered(err, seq) from None
                 if self.single_attempt(self.client):
-                    raise budget.gave_up(err) from None
-                pause = budget.pause_or_raise(err)
+                    raise self.unanswered(budget.gave_up(err), seq) from None
+                try:
+                    pause = budget.pause_or_raise(err)
+                except ClientError as gave_up:
+                    raise self.unanswered(gave_up, seq) from None
                 self.reconnects += 1
                 await asyncio.sleep(pause)
 

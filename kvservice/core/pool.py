@@ -815,7 +815,7 @@ class Pool:
     def from_state(state: PoolState, plan: Plan) -> Pool:
         """A pool rebuilt from PoolState; plan: the pool's plan (kvservice.state.snapshot rebuilds it from meta).
 
-        The state must have passed kvservice.state.snapshot.check_pool_state (this only rebuilds it).
+        The state must have passed kvservice.core.invariants.check_pool_state (this only rebuilds it).
         """
         m, a = state.meta, state.arrays
         pool = Pool(m["name"], plan, bool(m["prefix_caching"]), str(m.get("model", "")),

@@ -2,7 +2,8 @@
 
 Pool.capture_state / Pool.from_state build and read it (each component exports and restores its own part:
 SlotAllocator.export_state, PrefixCache.export_state, RowSlots.gather); kvservice.state.snapshot encodes
-it and checks it against docs/DESIGN.md's invariants (check_pool_state) before a pool is rebuilt from it.
+it; kvservice.core.invariants.check_pool_state checks it against docs/DESIGN.md's invariants before a pool is
+rebuilt from it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 
 POOL_STATE_VERSION = 3
+#: Pool state versions read: 2 (before page generations: every slot starts at generation 0) and this release's.
+POOL_STATE_VERSIONS = (2, POOL_STATE_VERSION)
 
 
 @dataclass(frozen=True, slots=True)

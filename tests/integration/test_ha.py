@@ -608,3 +608,131 @@ def test_watch_events_refuses_a_lower_epoch_and_resumes_where_it_stopped():
             d.close()
         for s in servers:
             s.stop(0)
+
+
+# ---- StepStream across a failover ----------------------------------------------------------------------------
+
+def test_a_step_stream_follows_the_leader_across_kill9_applying_each_step_once(nats3, tmp_path):
+    """Issue 27, item 2: a StepStream of a LeaderClient (default settings) under three kill -9 of the leader: it
+    reconnects to the new leader under the same stream id, resends its unanswered request with the same seq, and
+    every acknowledged Step was applied exactly once (tokens and the pool's step count)."""
+    from .ha_harness import ManagerSlot
+    name = fresh_name()
+    slots = [ManagerSlot(tmp_path, s, nats3.url, name, ("--nats-replicas", "3", *TEST_LEASE)) for s in ("a", "b")]
+    stop, acked, errors = threading.Event(), [0], []
+    try:
+        for s in slots:
+            s.start()
+        with LeaderClient([s.target for s in slots]) as c:
+            c.create_pool("st", CacheSpec.uniform(2, 1, 64, page_size=16), Sizing(num_slots=1024, max_seq_len=4096))
+            stream = c.step_stream("st")
+            stream.step(admit=[1, 2], admit_tokens=[1, 1])
+
+            def loop() -> None:
+                while not stop.is_set():
+                    try:
+                        r = stream.step(extend=[1, 2], extend_tokens=1)
+                    except ClientError as err:
+                        if err.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                            continue                  # outcome unknown: the caller retries the same step
+                        errors.append(str(err))
+                        return
+                    if r.num_tokens.tolist() != [acked[0] + 2] * 2:
+                        errors.append(f"after {acked[0]} acknowledged steps: {r.num_tokens.tolist()}")
+                        return
+                    acked[0] += 1
+
+            worker = threading.Thread(target=loop, daemon=True)
+            worker.start()
+            epochs = []
+            for _ in range(3):
+                want = acked[0] + 10
+                deadline = time.monotonic() + 120
+                while acked[0] < want and not errors and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                assert acked[0] >= want and not errors, (acked[0], want, errors)
+                leader = next(s for s in slots if s.alive() and epoch_of(s.target) is not None)
+                epochs.append(c.epoch)
+                leader.kill9()
+                leader.start()                        # back as the standby
+            want = acked[0] + 10
+            deadline = time.monotonic() + 120
+            while acked[0] < want and not errors and time.monotonic() < deadline:
+                time.sleep(0.01)
+            stop.set()
+            worker.join(60)
+            assert not errors and acked[0] >= want, (errors, acked[0], want)
+            (q1, q2) = c.sequences("st").sequences
+            steps = c.stats("st")["st"].steps
+            assert (q1.num_tokens, q2.num_tokens) == (1 + acked[0], 1 + acked[0])
+            assert steps == 1 + acked[0]                  # one applied Step per acknowledged one
+            assert stream.reconnects >= 3 and c.epoch > epochs[-1] > epochs[0]
+            assert c.stale_replies == 0
+            stream.close()
+    finally:
+        stop.set()
+        for s in slots:
+            s.stop()
+
+
+class FailStop(grpc.ServerInterceptor):
+    """While `failed`, every open StepStream call ends UNAVAILABLE at its next request, as on a leader whose journal
+    fail-stopped when it was deposed (server/stream.py: a failed journal ends the call)."""
+
+    def __init__(self) -> None:
+        self.failed = False
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None or handler.stream_stream is None:
+            return handler
+        inner = handler.stream_stream
+
+        def stream(request_iterator, context):
+            def requests():
+                for r in request_iterator:
+                    if self.failed:
+                        context.abort(grpc.StatusCode.UNAVAILABLE, "the manager stopped serving (test: deposed)")
+                    yield r
+            yield from inner(requests(), context)
+        return grpc.stream_stream_rpc_method_handler(stream, request_deserializer=handler.request_deserializer,
+                                                     response_serializer=handler.response_serializer)
+
+
+def test_a_step_stream_refuses_a_lower_epoch_and_resends_to_the_leader():
+    """Two in-process managers behind LeaderGates: the stream's leader is deposed (its open stream ends), the other
+    answers with a lower epoch (refused: its reply never reaches the mirror), then the first comes back as a newer
+    leader: the unanswered request is resent there under its seq and applied once."""
+    gates, stop = [LeaderGate(), LeaderGate()], FailStop()
+    servers = [serve(interceptors=[gates[0], stop]), serve(interceptors=[gates[1]])]
+    targets = [f"127.0.0.1:{s.port}" for s in servers]
+    gates[0].promote(5)
+    spec, sizing = CacheSpec.uniform(2, 1, 64, page_size=16), Sizing(num_slots=64, max_seq_len=512)
+    try:
+        with LeaderClient(targets, timeout=20) as c:
+            c.create_pool("st", spec, sizing)
+            s = c.step_stream("st")
+            s.step(admit=[1], admit_tokens=[5])
+            s.step(extend=[1], extend_tokens=1)
+            assert c.epoch == 5
+            gates[0].depose("test: deposed")
+            stop.failed = True
+            gates[1].promote(3)                       # a deposed manager that still answers
+
+            def comeback() -> None:                   # once the stale epoch was refused: a newer leader
+                deadline = time.monotonic() + 15
+                while c.stale_replies == 0 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                stop.failed = False
+                gates[0].promote(7)
+            helper = threading.Thread(target=comeback, daemon=True)
+            helper.start()
+            r = s.step(extend=[1], extend_tokens=1)
+            helper.join(20)
+            assert c.stale_replies >= 1 and c.epoch == 7 and s.reconnects >= 2
+            assert r.num_tokens.tolist() == [7] and s.seq == 3
+            assert c.stats("st")["st"].steps == 3      # applied once, on the leader
+            s.close()
+    finally:
+        for srv in servers:
+            srv.stop(0)

@@ -269,6 +269,7 @@ def test_stream_token_scoped_to_its_pools():
                     s.step(admit=[1], admit_tokens=3)
                 assert exc.value.code == grpc.StatusCode.PERMISSION_DENIED and "may not use pool 'theirs'" in \
                     exc.value.message
+                assert s.pending is None and "was not applied" in exc.value.message   # refused: nothing to resend
         with BlockManagerClient(target, token="admin-0123456789abcdef") as admin:
             assert admin.stats("theirs")["theirs"].num_sequences == 0
     finally:

@@ -332,7 +332,7 @@ def test_an_unknown_fork_parent_and_extra_salts_are_named_with_the_field():
 
 def test_state_without_an_incarnation_restores_as_none_yet():
     """A version-2 state that lacks the incarnation field passes the state check and restores with 0."""
-    from kvservice.state.snapshot import check_pool_state
+    from kvservice.core.invariants import check_pool_state
     pool = make_pool()
     pool.incarnation = 5
     rng = np.random.default_rng(8)
@@ -347,7 +347,7 @@ def test_state_without_an_incarnation_restores_as_none_yet():
 
 def test_state_keeps_the_model_and_one_without_it_restores_unnamed():
     """The model name round-trips through a state; a state that lacks the field restores as "" (unnamed)."""
-    from kvservice.state.snapshot import check_pool_state
+    from kvservice.core.invariants import check_pool_state
     pool = Pool("p", make_pool().plan, False, "m-7b")
     pool.step(admit_ids=[4, 9], admit_tokens=np.random.default_rng(9).integers(1, 30, 2))
     state = pool.export_state()

@@ -9,7 +9,7 @@ from kvservice.contract.errors import KVError, StateError
 from kvservice.contract.geometry import CacheSpec, LayerSpec
 from kvservice.contract.sizing import Sizing
 from kvservice.core.allocator import SlotAllocator
-from kvservice.core.invariants import assert_invariants
+from kvservice.core.invariants import assert_invariants, check_pool_state
 from kvservice.core.planner import plan
 from kvservice.core.pool import Pool
 from kvservice.core.pool_state import PoolState
@@ -174,7 +174,7 @@ def broken(state, edit):
 def test_check_pool_state_finds_each_broken_invariant(busy):
     with busy.manager.locked("a") as pool:
         state, p = pool.export_state(), pool.plan
-    assert snap.check_pool_state(state, p) == []
+    assert check_pool_state(state, p) == []
     owned = state.arrays["slots/0"]
     free = state.arrays["free_stack/0"]
     assert len(owned) > 2 and len(free) > 1
@@ -204,7 +204,7 @@ def test_check_pool_state_finds_each_broken_invariant(busy):
              too_long: "max_seq_len", duplicate_id: "live twice", out_of_range: "outside",
              wrong_count: "held pages"}
     for edit, words in cases.items():
-        problems = snap.check_pool_state(broken(state, edit), p)
+        problems = check_pool_state(broken(state, edit), p)
         assert problems and any(words in x for x in problems), (edit.__name__, problems)
         with pytest.raises(StateError, match="pool 'a'"):
             snap.build_pools({"a": broken(state, edit)}, "snapshot")
@@ -218,7 +218,7 @@ def test_check_pool_state_covers_prefix_caches_and_sliding_windows(busy):
     pool.step(admit_ids=[1, 2], admit_tokens=[100, 7])
     pool.step(extend_ids=[1, 2], extend_tokens=[30, 90])
     b, pb_ = pool.export_state(), pool.plan
-    assert snap.check_pool_state(c, pc) == [] and snap.check_pool_state(b, pb_) == []
+    assert check_pool_state(c, pc) == [] and check_pool_state(b, pb_) == []
     assert len(c.arrays["prefix/0/slot"]) > 0
     sliding = next(g for g, grp in enumerate(pb_.geometry.groups) if grp.sliding_window)
     assert (b.arrays[f"first/{sliding}"] > 0).any()             # the window released early pages
@@ -234,9 +234,9 @@ def test_check_pool_state_covers_prefix_caches_and_sliding_windows(busy):
         a[f"first/{sliding}"][i] = 0
 
     assert any("plain free stack" in x or "free twice" in x or "owned" in x
-               for x in snap.check_pool_state(broken(c, stack_registered), pc))
-    assert any("namespace" in x for x in snap.check_pool_state(broken(c, bad_namespace), pc))
-    assert any("slots for" in x for x in snap.check_pool_state(broken(b, window_kept), pb_))
+               for x in check_pool_state(broken(c, stack_registered), pc))
+    assert any("namespace" in x for x in check_pool_state(broken(c, bad_namespace), pc))
+    assert any("slots for" in x for x in check_pool_state(broken(b, window_kept), pb_))
 
 
 @pytest.mark.parametrize("group_slots", [(), (48, 20, 26)])
@@ -278,7 +278,7 @@ def test_hybrid_prefix_cached_pool_round_trips_and_then_behaves_the_same(layout,
     exported = pool.export_state()
     rebuilt_plan = snap.pool_plan(exported.meta)
     assert rebuilt_plan.group_slots == pool.plan.group_slots == (group_slots or (48, 48, 48))
-    assert snap.check_pool_state(exported, rebuilt_plan) == []
+    assert check_pool_state(exported, rebuilt_plan) == []
     back = Pool.from_state(exported, rebuilt_plan)
     assert state_of(back) == state_of(pool) and back.incarnation == 77 and back.events.seq == pool.events.seq
     assert steps(back, np.random.default_rng(9), 80) == steps(pool, np.random.default_rng(9), 80)
