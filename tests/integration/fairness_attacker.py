@@ -47,6 +47,8 @@ def main(target: str, token: str, pool: str, prompt_file: str, control: str) -> 
             time.sleep(0.01)
         return not (ctl / "stop").exists()
 
+    open_streams: dict[int, object] = {}
+
     def storm(first: int) -> None:
         k = first
         while idle():
@@ -54,7 +56,7 @@ def main(target: str, token: str, pool: str, prompt_file: str, control: str) -> 
             key = ("resets", "replays")[k % 2]
             k += 1
             try:
-                s = client.watch_events(pool, frm, timeout=30)
+                s = open_streams[first] = client.watch_events(pool, frm, timeout=30)
                 for _ in s:
                     break
                 s.cancel()
@@ -75,6 +77,10 @@ def main(target: str, token: str, pool: str, prompt_file: str, control: str) -> 
         [threading.Thread(target=scores) for _ in range(2) if "scores" in parts]
     for t in threads:
         t.start()
+    while not (ctl / "stop").exists():
+        time.sleep(0.05)
+    for s in list(open_streams.values()):            # a stream waiting for its tenant's share ends now
+        s.cancel()
     for t in threads:
         t.join()
     (ctl / "counts.json").write_text(json.dumps(counts))
