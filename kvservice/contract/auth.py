@@ -37,6 +37,8 @@ ROLES = ("read", "write", "admin")
 HEALTH_SERVICE = "grpc.health.v1.Health"
 #: Name of the token the current call was authorized with ("" without tokens); set around the handler.
 _PRINCIPAL: contextvars.ContextVar[str] = contextvars.ContextVar("kvservice_principal", default="")
+#: Pools that token may use (None = every pool, or no tokens); set with _PRINCIPAL.
+_POOLS: contextvars.ContextVar[frozenset[str] | None] = contextvars.ContextVar("kvservice_pools", default=None)
 BM = "kvservice.v1.BlockManager"
 WORKER = "kvservice.v1.Worker"
 
@@ -160,6 +162,11 @@ def current_principal() -> str:
     return _PRINCIPAL.get()
 
 
+def current_pools() -> frozenset[str] | None:
+    """Pools the running call's token may use; None = every pool (a ["*"] token, or no tokens)."""
+    return _POOLS.get()
+
+
 @dataclass(frozen=True, slots=True)
 class Rule:
     """Role an RPC needs, the pool its request touches (None = no pool), and a filter for listings.
@@ -248,6 +255,30 @@ def _deny(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -
     return grpc.unary_unary_rpc_method_handler(refuse, **kw)
 
 
+def _run_in(ctx: contextvars.Context, replies: Any) -> Any:
+    """Yield the replies of a handler's generator, resuming it each time in `ctx` (its token's context)."""
+    try:
+        while True:
+            try:
+                reply = ctx.run(next, replies)
+            except StopIteration:
+                return
+            yield reply
+    finally:
+        close = getattr(replies, "close", None)
+        if close is not None:
+            ctx.run(close)
+
+
+def _in_callers_context(inner: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    """A server-streaming handler whose replies are produced in the context it was called in, where
+    current_principal() and current_pools() are the caller's token's (not only while the call starts)."""
+    def behavior(request: Any, context: grpc.ServicerContext) -> Any:
+        ctx = contextvars.copy_context()
+        return _run_in(ctx, ctx.run(inner, request, context))
+    return behavior
+
+
 class TokenAuthInterceptor(grpc.ServerInterceptor):
     """Refuses calls without a known bearer token (UNAUTHENTICATED) or outside its grant (PERMISSION_DENIED).
 
@@ -280,7 +311,7 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
                          f"token {grant.name!r} has role {grant.role}; {name} needs {rule.role}")
         if handler.unary_stream is not None:           # WatchEvents: the pool is checked before streaming
             return grpc.unary_stream_rpc_method_handler(
-                self._scoped(handler.unary_stream, rule, grant, name),
+                self._scoped(_in_callers_context(handler.unary_stream), rule, grant, name),
                 request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
         if handler.stream_stream is not None:
             return grpc.stream_stream_rpc_method_handler(
@@ -314,18 +345,8 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
             # current_principal() is this token's name: streams are namespaced by tenant too.
             ctx = contextvars.copy_context()
             ctx.run(_PRINCIPAL.set, grant.name)
-            replies = ctx.run(inner, checked(), context)
-            try:
-                while True:
-                    try:
-                        reply = ctx.run(next, replies)
-                    except StopIteration:
-                        return
-                    yield reply
-            finally:
-                close = getattr(replies, "close", None)
-                if close is not None:
-                    ctx.run(close)
+            ctx.run(_POOLS.set, grant.pools)
+            yield from _run_in(ctx, ctx.run(inner, checked(), context))
         return behavior
 
     @staticmethod
@@ -343,10 +364,11 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
                         "the pool this request touches"
                     context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                   f"token {grant.name!r} may not use {what} (it may use: {allowed})")
-            bound = _PRINCIPAL.set(grant.name)
+            bound, pools = _PRINCIPAL.set(grant.name), _POOLS.set(grant.pools)
             try:
                 reply = inner(request, context)
             finally:
+                _POOLS.reset(pools)
                 _PRINCIPAL.reset(bound)
             return rule.filter(reply, grant) if rule.filter is not None and grant.pools is not None else reply
         return behavior

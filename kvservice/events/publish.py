@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kvservice.manager.event_log import EventsConfig
 from kvservice.manager.pools import BlockManager
+from kvservice.manager.read_budget import ReadBudget
 
 
 def configure_events(manager: BlockManager, config: EventsConfig) -> list:
@@ -14,6 +15,8 @@ def configure_events(manager: BlockManager, config: EventsConfig) -> list:
     with hub.cond:
         hub.ring_batches, hub.ring_bytes, hub.max_subscribers = config.ring_batches, config.ring_bytes, \
             config.max_watchers
+        hub.max_subscribers_per_tenant = config.watchers_per_tenant()
+        hub.read_budget = ReadBudget(config.read_share, config.read_burst)
         for lg in hub.logs.values():
             lg.max_batches, lg.max_bytes = config.ring_batches, config.ring_bytes
         hub.deferred = True

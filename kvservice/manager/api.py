@@ -300,8 +300,10 @@ class ManagerAPI:
         self.manager.heartbeat(request.worker_id, request.epoch, request.pool, request.incarnation)
         return pb.HeartbeatReply(lease_seconds=self.manager.workers.lease_seconds)
 
-    def ScorePrefix(self, request: pb.ScorePrefixRequest) -> pb.ScorePrefixReply:
-        return score_prefix_reply(self.manager, request)
+    def ScorePrefix(self, request: pb.ScorePrefixRequest,
+                    readable: frozenset[str] | None = None) -> pb.ScorePrefixReply:
+        """readable: the pools the caller's token may read (None = every pool): no other pool is scored."""
+        return score_prefix_reply(self.manager, request, readable)
 
     def ListWorkers(self, request: pb.ListWorkersRequest) -> pb.ListWorkersReply:
         reg = self.manager.workers

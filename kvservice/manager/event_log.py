@@ -40,6 +40,7 @@ from kvservice.core.cache_events import (
     pool_caches,
     stored_events,
 )
+from kvservice.manager.read_budget import DEFAULT_READ_BURST, DEFAULT_READ_SHARE, ReadBudget
 
 
 class PoolLocks(Protocol):
@@ -96,13 +97,23 @@ class EventsConfig:
 
     ring_batches, ring_bytes: what each pool's ring retains for late or resuming subscribers.
     max_watchers: concurrent WatchEvents streams (each holds a gRPC server thread).
+    max_watchers_per_tenant: ... of one tenant (token name); 0 = half of max_watchers, at least 1. Below
+        max_watchers, one tenant's streams never take every slot (docs/SECURITY.md#fairness).
     zmq: ZeroMQ publishers (zmq_events.ZmqConfig), one per pool.
+    read_share, read_burst: each tenant's CPU for heavy reads (resets, catch-up, ScorePrefix): read_budget.py.
     """
 
     ring_batches: int = DEFAULT_RING_BATCHES
     ring_bytes: int = DEFAULT_RING_BYTES
     max_watchers: int = 4
+    max_watchers_per_tenant: int = 0
     zmq: tuple = ()
+    read_share: float = DEFAULT_READ_SHARE
+    read_burst: float = DEFAULT_READ_BURST
+
+    def watchers_per_tenant(self) -> int:
+        """The per-tenant cap in force (the default derived from max_watchers)."""
+        return self.max_watchers_per_tenant or max(1, self.max_watchers // 2)
 
 
 class EventLog:
@@ -167,15 +178,18 @@ class EventHub:
 
     deferred: stage batches until :meth:`transaction` ends (set by ``kvservice serve``); False =
     visible at once (recovery replay, in-process use). max_subscribers: concurrent WatchEvents
-    streams (each holds a server thread).
+    streams (each holds a server thread); max_subscribers_per_tenant: ... of one named tenant.
     """
 
     def __init__(self, manager: PoolLocks, ring_batches: int = DEFAULT_RING_BATCHES,
-                 ring_bytes: int = DEFAULT_RING_BYTES, max_subscribers: int = 4) -> None:
+                 ring_bytes: int = DEFAULT_RING_BYTES, max_subscribers: int = 4,
+                 max_subscribers_per_tenant: int = 2) -> None:
         self.manager = manager
         self.ring_batches = ring_batches
         self.ring_bytes = ring_bytes
         self.max_subscribers = max_subscribers
+        self.max_subscribers_per_tenant = max_subscribers_per_tenant
+        self.read_budget = ReadBudget()          # each tenant's CPU for resets, catch-up and ScorePrefix
         self.deferred = False
         self.cond = threading.Condition(threading.Lock())
         self.logs: dict[str, EventLog] = {}
@@ -259,24 +273,49 @@ class EventHub:
         return log
 
     # ---- reading ----------------------------------------------------------------------------
-    def subscribe(self, pool: str, from_seq: int | None, transport: str, limit: bool = True) -> Subscription:
+    def subscribe(self, pool: str, from_seq: int | None, transport: str, limit: bool = True,
+                  tenant: str = "") -> Subscription:
         """A reader of `pool`'s batches from from_seq on (None = from the next batch; 0 = reset first).
 
-        NotFound for an unknown pool; ResourceExhausted past max_subscribers (when limit).
+        NotFound for an unknown pool; ResourceExhausted past max_subscribers, or past
+        max_subscribers_per_tenant for a named tenant (when limit). tenant: the caller's token name
+        ("" without tokens: every caller is one tenant, held only to the global cap).
         """
+        if limit:
+            with self.cond:                           # refused before the pool's lock is asked for (a refusal
+                self._check_slots(tenant)             # flood must not contend with the owner's Steps)
         with self.manager.locked(pool) as p:          # pool lock, then the hub's
             seq = p.events.seq
             with self.cond:
                 log = self._log_locked(pool, seq)
-                if limit and sum(s.limited for lg in self.logs.values() for s in lg.subscribers) >= \
-                        self.max_subscribers:
-                    raise ResourceExhausted(f"{self.max_subscribers} event subscribers are connected, this "
-                                            "manager's limit (--kv-events-max-watchers); close one or raise it",
-                                            reason="LIMIT_EXCEEDED", limit=self.max_subscribers)
-                sub = Subscription(self, log, log.head + 1 if from_seq is None else from_seq, transport, limit)
+                if limit:
+                    self._check_slots(tenant)
+                sub = Subscription(self, log, log.head + 1 if from_seq is None else from_seq, transport, limit,
+                                   tenant)
                 log.subscribers.add(sub)
                 log.counter(transport)
         return sub
+
+    def watchers(self, tenant: str | None = None) -> int:
+        """Counted (limited) subscribers, of one tenant or (None) of all. Call under self.cond."""
+        return sum(s.limited and (tenant is None or s.tenant == tenant)
+                   for lg in self.logs.values() for s in lg.subscribers)
+
+    def _check_slots(self, tenant: str) -> None:
+        """ResourceExhausted, with what to do, when no watcher slot is left for `tenant` (under self.cond)."""
+        mine = self.watchers(tenant)
+        cap = self.max_subscribers_per_tenant
+        if tenant and cap and mine >= cap:
+            raise ResourceExhausted(
+                f"token {tenant!r} has {mine} WatchEvents streams open, its limit per tenant "
+                f"(--kv-events-max-watchers-per-tenant {cap}); cancel one you no longer read (one stream per pool "
+                "is enough: resume with the last sequence received + 1) before opening another",
+                reason="LIMIT_EXCEEDED", limit=cap, held=mine)
+        if self.watchers() >= self.max_subscribers:
+            raise ResourceExhausted(
+                f"{self.max_subscribers} WatchEvents streams are open on this manager, its limit "
+                f"(--kv-events-max-watchers; {mine} of them yours); retry in a few seconds, or ask the operator to "
+                "raise it (with --threads above it)", reason="LIMIT_EXCEEDED", limit=self.max_subscribers, held=mine)
 
     def pool_seq(self, pool: str) -> int:
         """The pool's last committed batch sequence (0 if none)."""
@@ -291,12 +330,14 @@ class EventHub:
 class Subscription:
     """One reader of one pool's log. `next_seq`: the next batch it wants. Use from one thread."""
 
-    def __init__(self, hub: EventHub, log: EventLog, next_seq: int, transport: str, limited: bool) -> None:
+    def __init__(self, hub: EventHub, log: EventLog, next_seq: int, transport: str, limited: bool,
+                 tenant: str = "") -> None:
         self.hub = hub
         self.log = log
         self.next_seq = next_seq
         self.transport = transport
         self.limited = limited
+        self.tenant = tenant
         self.closed = False
         self.token_ids = True       # False: a reset copies no token ids (a consumer that is never sent them)
 
@@ -310,10 +351,11 @@ class Subscription:
             self.log.subscribers.discard(self)
             self.closed = True
 
-    def poll(self, timeout: float) -> list[LoggedBatch] | None:
+    def poll(self, timeout: float, max_batches: int | None = None) -> list[LoggedBatch] | None:
         """The next visible batches (waiting up to timeout seconds for one), [] if none came, None once the
         pool is gone and everything was read. A reset (a LoggedBatch whose batch.reset is set) comes when
-        next_seq is 0, older than the ring's oldest, or ahead of the log (a log that started anew)."""
+        next_seq is 0, older than the ring's oldest, or ahead of the log (a log that started anew).
+        max_batches: at most this many batches (None = every one available)."""
         hub, log = self.hub, self.log
         with hub.cond:
             why = self._reset_reason()
@@ -328,13 +370,19 @@ class Subscription:
                         return None
                     return []
                 start = self.next_seq - log.batches[0].seq
-                out = [lb for lb in itertools.islice(log.batches, start, None) if lb.seq <= log.committed]
+                stop = None if max_batches is None else start + max(1, max_batches)
+                out = [lb for lb in itertools.islice(log.batches, start, stop) if lb.seq <= log.committed]
                 self.next_seq = out[-1].seq + 1
                 log.counter(self.transport).sent += len(out)
                 return out
             if why == "behind":
                 log.counter(self.transport).dropped += log.oldest - self.next_seq
         return self._reset(why)
+
+    def heavy(self, live_from: int) -> bool:
+        """Whether the next poll is a reset or reads batches up to live_from (catch-up), not live batches."""
+        log = self.log
+        return self.next_seq <= live_from or self.next_seq < log.oldest or self.next_seq > log.head + 1
 
     def _reset_reason(self) -> str | None:
         log = self.log

@@ -194,35 +194,31 @@ class FleetIndex:
             member.cache.fleet = None
 
     def served_pages(self, page_size: int, seed: int, terms: list[int], pages: np.ndarray,
-                     namespace: tuple[str, str], bits: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """Pages of a prompt each member serves, from the index alone (call under self.lock).
+                     namespace: tuple[str, str], members: list[FleetMember],
+                     only_members: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """Pages of a prompt each of `members` serves, from the index alone (call under self.lock).
 
         The prompt's chained hashes are not computed: entries are keyed by the value the chain mixes
         (the previous page's hash ^ terms[j], see unmix), so the prompt is walked from entry to entry,
-        each giving the next page's hash, as far as entries exist. seed: the chain's value before page
-        0 in the members' namespace id; terms: one per page the prompt may take from a cache (P);
-        pages: int64 [>= P, page_size], its token ids; bits: the members' bits (all with that namespace id).
-        Returns (served int64 [len(bits)], check bool [len(bits)]): check = the member's run ends on
-        a mixed or stale entry (or on the one chain value the Step stores as another), so the member
-        must be asked itself (the per-pool path).
+        each giving the next page's hash, as far as one of `members` serves them: what other pools hold
+        is never read, so the answer's time does not depend on other tenants' caches (only_members
+        False, for a caller that may read every pool: as far as any pool holds them, a little faster,
+        the same answers). seed: the chain's
+        value before page 0 in the members' namespace id; terms: one per page the prompt may take from a
+        cache (P); pages: int64 [>= P, page_size], its token ids; members: all with that namespace id.
+        Returns (served int64 [len(members)], check bool [len(members)]): check = the member's run ends on
+        an entry it holds stale or that is mixed (or on the one chain value the Step stores as another),
+        so the member must be asked itself (the per-pool path); a member that left the index: 0, check.
         """
-        n = len(bits)
+        n = len(members)
         t = self.tables.get((page_size, self._ns.get(namespace, -1)))
+        bits = [-1 if m.bit is None or self._bits[m.bit] is not m else m.bit for m in members]
         if t is None or not terms or not n:
-            return np.zeros(n, dtype=np.int64), np.zeros(n, dtype=bool)
-        get, stored = t.rows.get, t.hash
-        found: list[int] = []
-        h, odd = seed, False
-        for c in terms:                          # the chain's values, read from the entries (mix not computed)
-            x = h ^ c
-            if x == _X0:                         # the chain's value is 0, which the Step stores as 1: ask the pools
-                odd = True
-                break
-            r = get(x, -1)
-            if r < 0:
-                break
-            found.append(r)
-            h = stored.item(r)
+            return np.zeros(n, dtype=np.int64), np.array([b < 0 for b in bits], dtype=bool)
+        want = [(w, sum(1 << (b & 63) for b in bits if b >= 0 and b >> 6 == w))
+                for w in sorted({b >> 6 for b in bits if b >= 0})]
+        stored, mask = t.hash, t.mask
+        found, end, odd = _walk(t, seed, terms, want if only_members else None)
         k = len(found)
         rows = np.array(found, dtype=np.int64)
         hashes = stored[rows]
@@ -230,13 +226,12 @@ class FleetIndex:
         prev[1:] = hashes[:-1]
         ok = (t.parent_hash[rows] == prev) & (t.tokens[rows] == pages[:k]).all(axis=1)
         stop = int(np.argmin(ok)) if not ok.all() else k          # no member serves past a page nobody serves
-        served = _runs(t.mask[rows[:stop]], bits)
-        at = np.minimum(served, max(k - 1, 0))
-        check = served < k
-        if k:
-            check &= t.mixed[rows[at]] | (t.stale[rows[at]] > 0)
-        if odd:
-            check |= served == k
+        served = _runs(mask[rows[:stop]], [max(b, 0) for b in bits])
+        ends = [found[e] if e < k else end if e == k and not odd else -1 for e in served.tolist()]
+        check = _own_checks(t, self._ns[namespace], members, ends)
+        check |= odd & (served == k)
+        gone = np.array([b < 0 for b in bits], dtype=bool)
+        served[gone], check[gone] = 0, True
         return served, check
 
     def snapshot(self) -> dict[tuple[int, tuple[str, str]], dict[int, tuple[int, frozenset[int], int, bool]]]:
@@ -426,6 +421,40 @@ _X0 = int(unmix(np.zeros(1, dtype=np.uint64))[0])
 def _detached() -> None:
     """What a pickled member becomes: nothing (the cache's fleet attribute is None until a manager attaches it)."""
     return None
+
+
+def _walk(t: _Table, seed: int, terms: list[int],
+          want: list[tuple[int, int]] | None) -> tuple[list[int], int, bool]:
+    """The prompt's entries from page 0 while one of the asked members serves them (want: (word, bits) of their
+    mask; None = while any pool holds them): (rows, the row where a restricted walk ended on an entry others
+    hold (-1 = none), whether it ended on the chain value 0)."""
+    get, stored, mask = t.rows.get, t.hash, t.mask
+    found: list[int] = []
+    h = seed
+    w0, m0 = want[0] if want and len(want) == 1 else (0, 0)      # one word of members (<= 64 pools): no inner loop
+    for c in terms:                          # the chain's values, read from the entries (mix not computed)
+        x = h ^ c
+        if x == _X0:                         # the chain's value is 0, which the Step stores as 1: ask the pools
+            return found, -1, True
+        r = get(x, -1)
+        if r < 0:
+            return found, -1, False
+        if want is not None and not (mask.item(r, w0) & m0 if m0 else any(mask.item(r, w) & m for w, m in want)):
+            return found, r, False           # none of ours serves it: the walk ends
+        found.append(r)
+        h = stored.item(r)
+    return found, -1, False
+
+
+def _own_checks(t: _Table, ns: int, members: list[FleetMember], ends: list[int]) -> np.ndarray:
+    """bool [len(members)]: whether each member must be asked itself: it holds the entry its run ended on (row
+    ends[i]; -1 = none) stale, or that entry is mixed. Only the member's own notes are read."""
+    check = np.zeros(len(members), dtype=bool)
+    for i, (m, r) in enumerate(zip(members, ends, strict=True)):
+        if r >= 0:
+            code = m.held.get(t.hash.item(r))
+            check[i] = code is not None and code >> _NS_SHIFT == ns and bool(code & 1 or t.mixed[r])
+    return check
 
 
 def _runs(mask: np.ndarray, bits: list[int]) -> np.ndarray:

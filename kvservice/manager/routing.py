@@ -157,13 +157,18 @@ def _check_prompt(token_ids: np.ndarray) -> np.ndarray:
     return tok.astype(np.int64, copy=False)
 
 
-def _pool_names(manager: BlockManager, pools: list[str] | None) -> list[str]:
+def _pool_names(manager: BlockManager, pools: list[str] | None, readable: frozenset[str] | None = None) -> list[str]:
+    """The pools to score: those named (NotFound for an unknown one, or one outside `readable`, in the words of
+    an unknown one), else every pool the caller may read (readable None = every pool)."""
     if pools:
         names = list(dict.fromkeys(pools))
         for name in names:
+            if readable is not None and name not in readable:
+                raise NotFound(f"pool {name!r} does not exist", pool=name)      # as for a pool nobody has
             manager.pool_and_lock(name)        # NotFound now, before any work (without waiting for the pool)
         return names
-    return manager.pool_names()
+    names = manager.pool_names()
+    return names if readable is None else [n for n in names if n in readable]
 
 
 def _live_workers(manager: BlockManager) -> dict[str, list[tuple[str, str]]]:
@@ -209,12 +214,16 @@ def _pool_hits(pool: object, tok: np.ndarray, salt: str, extra_key: str, chains:
 
 
 def score_prefix(manager: BlockManager, token_ids: np.ndarray, salt: str = "", extra_key: str = "",
-                 pools: list[str] | None = None, model: str = "") -> list[PrefixScore]:
+                 pools: list[str] | None = None, model: str = "",
+                 readable: frozenset[str] | None = None) -> list[PrefixScore]:
     """Score one prompt against pools.
 
     token_ids: int32/int64 [n], the prompt (n <= MAX_SCORE_TOKENS).
     pools: names to score (NotFound for an unknown one), in this order; None/empty = every pool, by
     name, only those created for `model` when it is given (a pool deleted meanwhile is left out).
+    readable: the pools the caller may read (its token's; None = all): no other pool is read, named or
+    not, and the fleet index is walked only as far as one of them serves the prompt, so neither the
+    answer nor its time depends on other tenants' caches (docs/SECURITY.md#fairness).
 
     Pools whose cache is a member of the manager's fleet index (fleet_index.py) are answered by
     one walk of that index per (page size, namespace id); the others (hybrid and sliding-only pools,
@@ -225,8 +234,8 @@ def score_prefix(manager: BlockManager, token_ids: np.ndarray, salt: str = "", e
     """
     tok = _check_prompt(token_ids)
     chains: dict[tuple[int, int], _Chain] = {}     # (page_size, ns) -> chain
-    rows, jobs = _collect(manager, tok, salt, extra_key, pools, model, chains)
-    ask = _answer_from_index(manager.fleet, tok, salt, extra_key, rows, jobs, chains)
+    rows, jobs = _collect(manager, tok, salt, extra_key, pools, model, chains, readable)
+    ask = _answer_from_index(manager.fleet, tok, salt, extra_key, rows, jobs, chains, readable is not None)
     for r in ask:                                  # rows the index cannot settle: asked one by one
         try:
             with manager.locked(rows[r][0]) as pool:
@@ -241,14 +250,15 @@ def score_prefix(manager: BlockManager, token_ids: np.ndarray, salt: str = "", e
 
 
 def _collect(manager: BlockManager, tok: np.ndarray, salt: str, extra_key: str, pools: list[str] | None,
-             model: str, chains: dict) -> tuple[list[list], dict[tuple[int, int], list[tuple[int, object]]]]:
+             model: str, chains: dict, readable: frozenset[str] | None = None,
+             ) -> tuple[list[list], dict[tuple[int, int], list[tuple[int, object]]]]:
     """The pools to score, in answer order, as rows [name, hits (None = from the index), page_size, caching],
     and the rows the fleet index answers, by (page_size, namespace id): [(row, member)]. Pools outside the
     index are scored here, under their lock."""
     fleet = manager.fleet
     rows: list[list] = []
     jobs: dict[tuple[int, int], list[tuple[int, object]]] = {}
-    for name in _pool_names(manager, pools):
+    for name in _pool_names(manager, pools, readable):
         try:
             pool, lock = manager.pool_and_lock(name)
         except NotFound:
@@ -283,20 +293,21 @@ def _collect(manager: BlockManager, tok: np.ndarray, salt: str, extra_key: str, 
 
 
 def _answer_from_index(fleet: object, tok: np.ndarray, salt: str, extra_key: str, rows: list[list],
-                       jobs: dict[tuple[int, int], list[tuple[int, object]]], chains: dict) -> list[int]:
+                       jobs: dict[tuple[int, int], list[tuple[int, object]]], chains: dict,
+                       only_members: bool = True) -> list[int]:
     """Fill the hits of the rows the fleet index settles (one walk per page size and namespace); returns
-    the rows it cannot (a mixed or stale entry, or a pool that left the index)."""
+    the rows it cannot (a mixed or stale entry, or a pool that left the index). only_members: walk only as
+    far as the rows' pools serve the prompt (a caller that may not read every pool)."""
     ask: list[int] = []
     for (ps, ns), members in jobs.items():
         limit = (len(tok) - 1) // ps
         chain = _chain(chains, tok, ps, ns)
         terms = chain.terms()[:limit]
         with fleet.lock:
-            bits = [m.bit for _, m in members]
             served, check = fleet.served_pages(ps, chain.seed, terms, chain.pages, (salt, extra_key),
-                                               [b if b is not None else 0 for b in bits])
-            for (r, m), b, hits, chk in zip(members, bits, served.tolist(), check.tolist(), strict=True):
-                if chk or b is None or fleet._bits[b] is not m:       # mixed or stale entry, or the pool left
+                                               [m for _, m in members], only_members)
+            for (r, _), hits, chk in zip(members, served.tolist(), check.tolist(), strict=True):
+                if chk:                          # a stale or mixed entry of its own, or the pool left the index
                     ask.append(r)
                 else:
                     rows[r][1] = hits
@@ -304,10 +315,11 @@ def _answer_from_index(fleet: object, tok: np.ndarray, salt: str, extra_key: str
 
 
 def score_prefix_per_pool(manager: BlockManager, token_ids: np.ndarray, salt: str = "", extra_key: str = "",
-                          pools: list[str] | None = None, model: str = "") -> list[PrefixScore]:
+                          pools: list[str] | None = None, model: str = "",
+                          readable: frozenset[str] | None = None) -> list[PrefixScore]:
     """score_prefix asking every pool itself, without the fleet index (the reference and the bench's baseline)."""
     tok = _check_prompt(token_ids)
-    names = _pool_names(manager, pools)
+    names = _pool_names(manager, pools, readable)
     alive = _live_workers(manager)
     chains: dict[tuple[int, int], _Chain] = {}
     out = []
@@ -324,8 +336,9 @@ def score_prefix_per_pool(manager: BlockManager, token_ids: np.ndarray, salt: st
 _ITEMSIZE = {10: 4, 11: 8}          # token_ids dtypes: INT32, INT64
 
 
-def score_prefix_reply(manager: BlockManager, request: pb.ScorePrefixRequest) -> pb.ScorePrefixReply:
-    """ScorePrefix: decode (size checked before decoding), score, encode."""
+def score_prefix_reply(manager: BlockManager, request: pb.ScorePrefixRequest,
+                       readable: frozenset[str] | None = None) -> pb.ScorePrefixReply:
+    """ScorePrefix: decode (size checked before decoding), score the pools of `readable` (None = all), encode."""
     if not request.HasField("token_ids"):
         raise InvalidArgument("token_ids is required: the prompt's token ids, INT32 or INT64")
     t = request.token_ids
@@ -338,7 +351,7 @@ def score_prefix_reply(manager: BlockManager, request: pb.ScorePrefixRequest) ->
     if tok.ndim != 1:
         raise InvalidArgument(f"token_ids must be 1-D, got shape {list(tok.shape)}")
     scores = score_prefix(manager, np.asarray(tok), request.cache_salt, request.extra_key, list(request.pools),
-                    request.model)
+                          request.model, readable)
     return pb.ScorePrefixReply(num_tokens=len(tok), scores=[
         pb.PrefixScore(pool=s.pool, cached_tokens=s.cached_tokens, cached_pages=s.cached_pages, page_size=s.page_size,
                        prefix_caching=s.prefix_caching, worker_ids=[w for w, _ in s.workers],

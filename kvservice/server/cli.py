@@ -24,6 +24,7 @@ from kvservice.core.units import parse_bytes
 from kvservice.events.zmq import DEFAULT_FORMAT, FORMATS, zmq_configs
 from kvservice.events.zmq_guard import DEFAULT_REPLAY_BURST, DEFAULT_REPLAY_RATE, CurveKeys, ReplayLimiter
 from kvservice.manager.event_log import DEFAULT_RING_BATCHES, DEFAULT_RING_BYTES, EventsConfig
+from kvservice.manager.read_budget import DEFAULT_READ_BURST, DEFAULT_READ_SHARE, ReadBudget
 from kvservice.server.app import default_budget_limits, serve
 from kvservice.server.budget import BudgetLimits
 from kvservice.server.config import DEFAULT_POOLS_YAML, load_pools, load_pools_file
@@ -44,6 +45,9 @@ EXIT_CODES = {
     EXIT_FAILED: "serve: the journal failed and the manager stopped on purpose (fail-stop): restart it",
 }
 
+#: sys.setswitchinterval of `kvservice serve`, ms (docs/SECURITY.md#fairness).
+DEFAULT_GIL_SWITCH_MS = 1.0
+
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("serve", help="run the manager", epilog=exit_epilog(EXIT_CODES))
@@ -56,6 +60,10 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--no-pools", action="store_true", help="start empty; create pools over the API")
     s.add_argument("--port-file", help="write the bound gRPC and metrics ports here (tests)")
     s.add_argument("--threads", type=int, default=8, help="gRPC worker threads")
+    s.add_argument("--gil-switch-ms", type=float, default=DEFAULT_GIL_SWITCH_MS, metavar="MS",
+                   help="longest a Python thread keeps the interpreter while another waits (sys.setswitchinterval; "
+                        "Python's own 5 ms lets one tenant's CPU-heavy read delay another's Step by 5 ms per "
+                        "hand-over: docs/SECURITY.md#fairness)")
     s.add_argument("--max-streams", type=int, default=64,
                    help="StepStream/EchoStream calls open at once (each holds a thread of its own)")
     s.add_argument("--lease-seconds", type=float, default=10.0, help="a worker silent this long is marked dead")
@@ -139,6 +147,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                     help="... and at most this many bytes of hashes and token ids per pool")
     ev.add_argument("--kv-events-max-watchers", type=int, default=4,
                     help="concurrent WatchEvents streams (each holds a gRPC thread: keep below --threads)")
+    ev.add_argument("--kv-events-max-watchers-per-tenant", type=int, default=0, metavar="N",
+                    help="... of one tenant (token name), so that one tenant never takes them all; 0 (default) = "
+                         "half of --kv-events-max-watchers, at least 1")
     sec = s.add_argument_group("security (docs/SECURITY.md)")
     sec.add_argument("--tls-cert", type=existing_file, help="PEM server certificate (chain); with --tls-key serves "
                      "TLS")
@@ -147,6 +158,12 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                      help="PEM CA bundle: require client certificates it signed (mutual TLS)")
     sec.add_argument("--tokens-file", type=existing_file,
                      help="YAML of bearer tokens scoped to pools; every call then needs one")
+    sec.add_argument("--tenant-read-share", type=float, default=DEFAULT_READ_SHARE, metavar="CORES",
+                     help="CPU one tenant's heavy reads (KV event resets and catch-up, ScorePrefix) may use on "
+                          "average, as a fraction of one core (0 = no limit); past it streams wait and ScorePrefix "
+                          "is refused RATE_LIMITED")
+    sec.add_argument("--tenant-read-burst", type=float, default=DEFAULT_READ_BURST, metavar="SECONDS",
+                     help="... and CPU seconds of such reads at once")
 
 
 def events_config(args: argparse.Namespace) -> EventsConfig:
@@ -154,6 +171,10 @@ def events_config(args: argparse.Namespace) -> EventsConfig:
     if args.kv_events_buffer < 1 or args.kv_events_buffer_bytes < 0 or args.kv_events_max_watchers < 0:
         raise InvalidArgument("--kv-events-buffer must be >= 1, --kv-events-buffer-bytes and "
                               "--kv-events-max-watchers >= 0")
+    if not 0 <= args.kv_events_max_watchers_per_tenant <= max(1, args.kv_events_max_watchers):
+        raise InvalidArgument(f"--kv-events-max-watchers-per-tenant {args.kv_events_max_watchers_per_tenant} must be "
+                              f"between 0 (half of --kv-events-max-watchers) and --kv-events-max-watchers "
+                              f"({args.kv_events_max_watchers}); below it, one tenant never takes every stream")
     if args.kv_events_max_watchers >= args.threads:
         raise InvalidArgument(f"--kv-events-max-watchers {args.kv_events_max_watchers} would let event streams take "
                               f"every one of the {args.threads} gRPC threads; lower it or raise --threads")
@@ -161,14 +182,17 @@ def events_config(args: argparse.Namespace) -> EventsConfig:
     if args.kv_events_curve_secret or args.kv_events_curve_clients:
         curve = CurveKeys.load(args.kv_events_curve_secret or "", args.kv_events_curve_clients or "")
     ReplayLimiter(args.kv_events_replay_rate, args.kv_events_replay_burst)       # InvalidArgument if out of range
+    ReadBudget(args.tenant_read_share, args.tenant_read_burst)
     return EventsConfig(ring_batches=args.kv_events_buffer, ring_bytes=args.kv_events_buffer_bytes,
                         max_watchers=args.kv_events_max_watchers,
+                        max_watchers_per_tenant=args.kv_events_max_watchers_per_tenant,
                         zmq=zmq_configs(args.kv_events_zmq, args.kv_events_replay, args.kv_events_pool,
                                         args.kv_events_topic, args.kv_events_medium, args.kv_events_format,
                                         allow_remote=args.kv_events_allow_remote, curve=curve,
                                         token_ids=not args.kv_events_no_token_ids,
                                         replay_rate=args.kv_events_replay_rate,
-                                        replay_burst=args.kv_events_replay_burst))
+                                        replay_burst=args.kv_events_replay_burst),
+                        read_share=args.tenant_read_share, read_burst=args.tenant_read_burst)
 def _state_arg(value: str) -> str:
     if value == "memory" or value.startswith("nats://"):
         return value
@@ -230,12 +254,7 @@ def _budget(args: argparse.Namespace, limits: Limits, tenants: bool) -> BudgetLi
 
 
 def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    if args.state and args.state_dir:
-        parser.error(f"--state {args.state.split(',')[0]} and --state-dir exclude each other")
-    if bool(args.tls_cert) != bool(args.tls_key):
-        parser.error("--tls-cert and --tls-key go together")
-    if args.tls_client_ca and not args.tls_cert:
-        parser.error("--tls-client-ca needs --tls-cert and --tls-key")
+    _check_serve_flags(parser, args)
     journal = None
     try:
         pools = _startup_pools(args)
@@ -243,6 +262,7 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         tokens = TokenTable.from_file(args.tokens_file) if args.tokens_file else None
         limits = Limits(args.max_step_sequences, args.max_step_tokens, args.max_pool_slots, args.max_pools)
         events = events_config(args)
+        sys.setswitchinterval(args.gil_switch_ms / 1000)      # a heavy read hands the interpreter over sooner
         if args.state and args.state != "memory":
             return _serve_replicated(args, pools, tls, tokens, limits, events)
         if args.state_dir:
@@ -276,6 +296,18 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
               file=sys.stderr)
         return EXIT_FAILED
     return 0
+
+
+def _check_serve_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Flags that exclude or need each other, and ranges argparse does not check (exits 2 naming the flag)."""
+    if args.state and args.state_dir:
+        parser.error(f"--state {args.state.split(',')[0]} and --state-dir exclude each other")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        parser.error("--tls-cert and --tls-key go together")
+    if args.tls_client_ca and not args.tls_cert:
+        parser.error("--tls-client-ca needs --tls-cert and --tls-key")
+    if not 0 < args.gil_switch_ms <= 100:
+        parser.error(f"--gil-switch-ms must be in (0, 100], got {args.gil_switch_ms}")
 
 
 def _open_state_dir(args: argparse.Namespace) -> Journal:

@@ -21,7 +21,7 @@ import grpc
 import numpy as np
 from google.protobuf.message import Message
 
-from kvservice.contract.auth import current_principal
+from kvservice.contract.auth import current_pools, current_principal
 from kvservice.contract.convert import cache_spec_from_proto, plan_to_proto, sizing_from_proto
 from kvservice.contract.errors import InvalidArgument, JournalUnavailable, KVError, ResourceExhausted
 from kvservice.contract.sizing import Plan
@@ -187,13 +187,18 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
     def WatchEvents(self, request: pb.WatchEventsRequest, context: grpc.ServicerContext) -> Iterator[Any]:
         yield from watch_events(self.api.manager.events, request, context, self.metrics)
 
+    def _score_prefix(self, request: pb.ScorePrefixRequest) -> pb.ScorePrefixReply:
+        """Only the pools the caller's token may read, on its tenant's read budget (refused while it is in debt)."""
+        with self.api.manager.events.read_budget.piece(current_principal(), "ScorePrefix"):
+            return self.api.ScorePrefix(request, readable=current_pools())
+
 
 def _adapter(name: str) -> Callable[..., Any]:
     def method(self: BlockManagerServicer, request: Any, context: grpc.ServicerContext) -> Any:
         start = time.perf_counter()
         code, reason = "OK", ""
         try:
-            apply = getattr(self.api, name)
+            apply = self._score_prefix if name == "ScorePrefix" else getattr(self.api, name)
             if getattr(self.journal, "failed", None):
                 raise JournalUnavailable(f"the manager stopped serving: {self.journal.failed}")  # type: ignore[union-attr]
             if self.limits is not None:

@@ -424,8 +424,12 @@ def test_kvctl_score_and_events(capsys, tmp_path):
     (["--kv-events-zmq", "tcp://127.0.0.1:*", "--kv-events-curve-clients", "."],
      "--kv-events-curve-secret and --kv-events-curve-clients go together"),
     (["--kv-events-zmq", "tcp://127.0.0.1:*", "--kv-events-replay-burst", "0"], "--kv-events-replay-burst >= 1"),
+    (["--kv-events-max-watchers", "4", "--kv-events-max-watchers-per-tenant", "5"],
+     "--kv-events-max-watchers-per-tenant 5 must be between 0 (half of --kv-events-max-watchers) and"),
+    (["--tenant-read-share", "-1"], "--tenant-read-share must be >= 0"),
+    (["--tenant-read-burst", "0"], "--tenant-read-burst > 0"),
 ])
-def test_serve_refuses_bad_event_flags(capsys, flags, message):
+def test_serve_refuses_bad_event_flags(capsys, flags, message):       # (and the tenant fairness flags)
     from kvservice.server import cli
 
     assert cli.main(["serve", "--listen", "127.0.0.1:0", "--metrics-port", "-1", "--no-pools", "--state", "memory",

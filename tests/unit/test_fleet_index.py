@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 
-from kvservice.contract.errors import ResourceExhausted
+from kvservice.contract.errors import NotFound, ResourceExhausted
 from kvservice.contract.geometry import CacheSpec, LayerSpec
 from kvservice.contract.sizing import Sizing
 from kvservice.core.pool import Pool
@@ -85,6 +85,9 @@ def assert_scores_exact(m, w, prompts=12):
         salt, key = str(w.rng.choice(["", "tenant-b"])), KEYS[int(w.rng.integers(2))]
         fast = score_prefix(m, prompt, salt, key)
         assert fast == score_prefix_per_pool(m, prompt, salt, key)
+        names = m.pool_names()        # a tenant's token reads some pools: the walk follows only theirs, same answers
+        mine = frozenset(n for n in names if w.rng.random() < 0.5)
+        assert score_prefix(m, prompt, salt, key, readable=mine) == [s for s in fast if s.pool in mine]
         for s in fast:
             if not s.prefix_caching:
                 assert s.cached_tokens == 0
@@ -364,8 +367,8 @@ def test_the_chain_value_stored_as_another_sends_the_pools_to_their_own_path(mon
     monkeypatch.setattr(fi, "_X0", int(unmix(hashes[3:4])[0]))
     chain = _Chain(prompt[:40].reshape(10, PS), 0)
     with m.fleet.lock:
-        bits = [m.pool_and_lock(n)[0].prefix.fleet.bit for n in ("short", "long")]
-        served, check = m.fleet.served_pages(PS, chain.seed, chain.terms(), chain.pages, ("", ""), bits)
+        members = [m.pool_and_lock(n)[0].prefix.fleet for n in ("short", "long")]
+        served, check = m.fleet.served_pages(PS, chain.seed, chain.terms(), chain.pages, ("", ""), members)
     assert served.tolist() == [2, 3] and check.tolist() == [False, True]
     assert [(s.pool, s.cached_tokens) for s in score_prefix(m, prompt)] == [("long", 40), ("short", 8)]
 
@@ -384,3 +387,37 @@ def test_prompts_of_at_most_one_page_score_what_an_admission_gets_in_every_pool_
                     continue
                 with m.locked(s.pool) as pool:
                     assert s.cached_tokens == admit_now(pool, prompt, "", KEYS[0]), (s, n)
+
+
+class _CountingRows(dict):
+    """A table's key -> row dict that counts lookups (what a walk reads)."""
+
+    lookups = 0
+
+    def get(self, key, default=None):
+        _CountingRows.lookups += 1
+        return super().get(key, default)
+
+
+def test_a_tenants_score_reads_only_its_own_pools_entries():
+    """Issue 27: with readable pools, the walk stops where none of them serves the prompt, whatever other pools
+    (another tenant's) hold: same entries read, same answer, whether the other pool caches 1 or 40 of its pages."""
+    rng = np.random.default_rng(27)
+    prompt = rng.integers(1, 1000, 40 * PS + 1)
+    spec = CacheSpec.uniform(1, 1, 64, page_size=PS)
+    reads = {}
+    for theirs in (1, 40):
+        m = BlockManager()
+        for name, n in (("mine", 2 * PS), ("theirs", theirs * PS)):
+            m.create_pool(name, spec, Sizing(num_slots=64, max_seq_len=64 * PS), prefix_caching=True)
+            m.pool_and_lock(name)[0].step(admit_ids=[1], admit_tokens=[n], admit_token_ids=prompt[:n])
+        for t in m.fleet.tables.values():
+            t.rows = _CountingRows(t.rows)
+        _CountingRows.lookups = 0
+        (s,) = score_prefix(m, prompt, readable=frozenset({"mine"}))
+        assert (s.pool, s.cached_tokens) == ("mine", 2 * PS)
+        reads[theirs] = _CountingRows.lookups
+        assert [x.pool for x in score_prefix(m, prompt)] == ["mine", "theirs"]
+        with pytest.raises(NotFound, match="'theirs' does not exist"):       # named but not readable: as unknown
+            score_prefix(m, prompt, pools=["theirs"], readable=frozenset({"mine"}))
+    assert reads[1] == reads[40] == 3, reads       # pages 0 and 1 (ours), then page 2 (nobody of ours): stop

@@ -218,6 +218,24 @@ def test_subscriber_limit():
     m.events.subscribe("p", None, "grpc")
 
 
+def test_one_tenant_never_takes_another_tenants_watcher_slot():
+    m = make_manager()
+    m.events.max_subscribers, m.events.max_subscribers_per_tenant = 4, 2
+    mine = [m.events.subscribe("p", None, "grpc", tenant="a-read") for _ in range(2)]
+    with pytest.raises(ResourceExhausted, match=r"token 'a-read' has 2 WatchEvents streams open.*per-tenant") as exc:
+        m.events.subscribe("p", None, "grpc", tenant="a-read")
+    assert exc.value.metadata == {"limit": "2", "held": "2"}
+    b = [m.events.subscribe("p", None, "grpc", tenant="b") for _ in range(2)]     # b's slots are still free
+    with pytest.raises(ResourceExhausted, match=r"4 WatchEvents streams are open.*0 of them yours"):
+        m.events.subscribe("p", None, "grpc", tenant="c")
+    mine[0].close()
+    again = m.events.subscribe("p", None, "grpc", tenant="a-read")       # a closed stream gives its slot back
+    for s in (again, mine[1], *b):
+        s.close()
+    unnamed = [m.events.subscribe("p", None, "grpc") for _ in range(4)]    # no tokens: only the global cap
+    assert len(unnamed) == 4
+
+
 def test_pickled_pool_keeps_the_sequence_and_the_sink():
     m = make_manager()
     run_workload(m, "p", 40, seed=6)
@@ -274,3 +292,25 @@ def test_big_resets_split_into_messages_of_one_sequence_and_round_trip(monkeypat
             assert a.block_hashes.tolist() == b.block_hashes.tolist() and a.token_ids.tolist() == b.token_ids.tolist()
             assert (a.parent_block_hash, a.group, a.kind, a.sliding_window, a.block_size) == \
                 (b.parent_block_hash, b.group, b.kind, b.sliding_window, b.block_size)
+
+
+def test_read_budget_lets_a_piece_start_while_in_credit_then_makes_the_tenant_repay_its_debt():
+    from kvservice.manager.read_budget import BUSY_WAIT, ReadBudget
+
+    now = [0.0]
+    b = ReadBudget(share=0.1, burst=0.5, clock=lambda: now[0], max_in_flight=2)
+    assert b.try_start("a") == 0
+    b.finish("a", 2.0)                          # one large piece goes through at once: 0.5 - 2.0 = -1.5 s of debt
+    assert b.try_start("a") == pytest.approx((1e-3 + 1.5) / 0.1)
+    assert b.try_start("b") == 0                # another tenant: a bucket of its own
+    now[0] = 16.0                               # repaid at 0.1 s per s
+    assert b.try_start("a") == 0 and b.try_start("a") == 0
+    assert b.try_start("a") == BUSY_WAIT        # two pieces running: the third waits
+    b.finish("a", 0.0)
+    with pytest.raises(ResourceExhausted, match=r"token 'a' used its share.*--tenant-read-share 0.1.*retry in") \
+            as exc:
+        b.try_start("a")                        # (holds a slot again)
+        with b.piece("a", "ScorePrefix"):
+            pass
+    assert exc.value.reason == "RATE_LIMITED" and float(exc.value.metadata["retry_after_seconds"]) > 0
+    assert ReadBudget(share=0).try_start("a") == 0          # share 0: no limit
