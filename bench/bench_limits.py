@@ -49,6 +49,8 @@ sys.path.insert(0, str(ROOT))
 from kvservice.client import BlockManagerClient  # noqa: E402
 from kvservice.contract.geometry import CacheSpec, LayerSpec  # noqa: E402
 from kvservice.contract.sizing import Sizing  # noqa: E402
+from kvservice.manager.pools import slot_units  # noqa: E402
+from kvservice.server.servicer import Limits  # noqa: E402
 from kvservice.tools.launch import wait_for_ports  # noqa: E402
 
 MESSAGE_BYTES = 128 << 20          # deploy/base: --max-message-bytes
@@ -167,13 +169,22 @@ def worst_mix(tree: Path, tmp: Path, prefix: bool) -> dict:
     try:
         target = f"127.0.0.1:{port}"
         opts = [("grpc.max_send_message_length", MESSAGE_BYTES), ("grpc.max_receive_message_length", MESSAGE_BYTES)]
+        # The largest pool the default limits allow: 2^24 slots, or 2^24 slot units of a prefix-cached pool's
+        # (slot_units(16) = 33 each: 508,400 slots), its cache filled first (two rounds of prompts admitted and
+        # freed: every slot then holds a cached page); admissions the largest that fit in the pool.
+        slots = Limits().max_total_slots // slot_units(16, prefix)
+        tokens = min(128, slots // 65_536 * 16)
+        rng = np.random.default_rng(1)
+        n = np.full(65_536, tokens, dtype=np.int64)
         with BlockManagerClient(target, timeout=600) as c:
             c.wait_ready()
-            c.create_pool("p", CacheSpec.uniform(32, 8, 128, "float16", 16), Sizing(num_slots=1 << 24),
+            c.create_pool("p", CacheSpec.uniform(32, 8, 128, "float16", 16), Sizing(num_slots=slots),
                           prefix_caching=prefix)
+            for k in range(2 if prefix else 0):
+                ids = np.arange(1, 65_537, dtype=np.uint64) + (k + 100) * 65_536
+                c.step("p", admit=ids, admit_tokens=n, admit_token_ids=rng.integers(1, 50_000, int(n.sum())))
+                c.step("p", free=ids)
         rss_before = rss(proc.pid)
-        rng = np.random.default_rng(1)
-        n = np.full(65_536, 128, dtype=np.int64)
 
         def admission(k: int) -> pb.StepRequest:
             ids = np.arange(k * 65_536 + 1, (k + 1) * 65_536 + 1, dtype=np.uint64)
@@ -238,6 +249,7 @@ def worst_mix(tree: Path, tmp: Path, prefix: bool) -> dict:
         for t in workers[:4]:
             t.join(60)
         return {"outcomes": outcomes, "seconds": seconds, "rss_before": rss_before, "peak": peak_rss(proc.pid),
+                "slots": slots, "tokens": tokens,
                 "rss_after": rss(proc.pid), "charged_after": charged(mport)}
     finally:
         stop_manager(proc)
@@ -328,16 +340,18 @@ def mix_section(tree: Path, mixes: dict[bool, dict], closeds: list[dict]) -> str
              f"`python bench/bench_limits.py --mix{'' if tree == ROOT else ' --tree ' + str(tree)}` "
              f"({time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, {platform.node() or 'this machine'}): a real "
              f"`kvservice serve` with the base settings ({MESSAGE_BYTES >> 20} MiB messages, 8 threads, 64 streams, "
-             "the memory budget derived for the base pod's 4 GiB: 2,304 MiB), one 2^24-slot pool. RSS after: when "
+             "the memory budget derived for the base pod's 4 GiB: 2,304 MiB), one pool, the largest the default "
+             "limits allow (2^24 slot units: 2^24 slots, or 508,400 prefix-cached slots of page size 16, whose "
+             "cache is filled first). RSS before: after the pool was created (and its cache filled); after: when "
              "every call has ended (what the pool's state holds then).", "",
              "| case | figure |", "|---|---|"]
     for prefix, mix in mixes.items():
         outcomes = "; ".join(f"{kind}: " + ", ".join(f"{n} {o}" for o, n in sorted(
             {o: v.count(o) for o in set(v)}.items())) for kind, v in mix["outcomes"].items())
         ok = mix["peak"] < DEPLOY_MEMORY
-        lines += [f"| worst legal mix, {'prefix-cached' if prefix else 'no prefix caching'}: 12 StepStreams + 4 "
-                  "unary Steps of the largest admission (65,536 x 128 tokens: a ~100 MiB reply; prefix-cached with "
-                  "their token ids: a 64 MiB request), 4 WatchEvents "
+        lines += [f"| worst legal mix, {'prefix-cached' if prefix else 'no prefix caching'} ({mix['slots']:,} "
+                  f"slots): 12 StepStreams + 4 unary Steps of the largest admission (65,536 x {mix['tokens']} "
+                  "tokens; prefix-cached with their token ids), 4 WatchEvents "
                   f"from 0, 4 ScorePrefix of 1,048,576 tokens, all at once | peak RSS {mix['peak'] / mib:,.0f} MiB "
                   f"of the pod's {DEPLOY_MEMORY >> 30} GiB ({'within' if ok else 'OVER'}); RSS before "
                   f"{mix['rss_before'] / mib:,.0f} MiB, after {mix['rss_after'] / mib:,.0f} MiB; "

@@ -28,6 +28,24 @@ from kvservice.manager.workers import WorkerRecord, WorkerRegistry
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")      # fullmatch: `$` would also accept a trailing newline
 
+#: Resident bytes of one slot unit of Limits.max_total_slots: a slot of a pool without prefix caching (its
+#: allocator, rows and generations; 54 bytes measured with an empty prefix cache, bench/results/durability.md).
+SLOT_UNIT_BYTES = 56
+#: Resident bytes a cached page costs beside its slot, whatever its page size: the prefix cache's hash entry,
+#: the fleet index's entries and the KV event that stored it (1.5-1.7 KB measured at page size 16, 3.2-3.9 KB
+#: at 64, in-process after 65,536-262,144 cached pages; bench/results/durability.md) ...
+CACHED_PAGE_BYTES = 1_100
+#: ... and per token of its page (the token ids the cache, the fleet index and the event keep).
+CACHED_TOKEN_BYTES = 40
+
+
+def slot_units(page_size: int, prefix_caching: bool) -> int:
+    """Units of Limits.max_total_slots one slot (of one layer group) takes: 1 without prefix caching; with it,
+    what the slot and a cached page in it cost, in SLOT_UNIT_BYTES (33 at page size 16, 77 at 64)."""
+    if not prefix_caching:
+        return 1
+    return -(-(SLOT_UNIT_BYTES + CACHED_PAGE_BYTES + CACHED_TOKEN_BYTES * page_size) // SLOT_UNIT_BYTES)
+
 
 class BlockManager:
     """Creates, finds and deletes pools; every call on a pool runs under that pool's lock."""
@@ -155,9 +173,10 @@ class BlockManager:
         self.workers.heartbeat(worker_id, epoch, pool, current)
 
     def total_slots(self) -> int:
-        """Slots x layer groups summed over every pool (what their allocators hold memory for)."""
+        """Slot units summed over every pool: slots x layer groups x slot_units (what bounds their memory)."""
         with self._lock:
-            return sum(sum(p.plan.group_slots) for p in self._pools.values())
+            return sum(sum(p.plan.group_slots) * slot_units(p.page_size, p.prefixes is not None)
+                       for p in self._pools.values())
 
     def restore(self, pools: dict[str, Pool], workers: list[WorkerRecord] | None = None) -> None:
         """Replace every pool (and, if given, every worker record) with recovered ones: the journal's hook.

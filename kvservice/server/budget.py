@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvservice.contract.errors import ResourceExhausted
+from kvservice.manager.pools import SLOT_UNIT_BYTES
 
 #: Resident bytes per byte of a request on the wire while it is handled: gRPC's buffer, the parsed
 #: message, decoded arrays and the work they feed (a prefix-cached admission pads and hashes its
@@ -33,9 +34,9 @@ WIRE_FACTOR = 6
 REPLY_FACTOR = 4
 #: What the process needs before any pool or request: interpreter, gRPC, NumPy, threads' stacks.
 PROCESS_BYTES = 256 << 20
-#: Resident bytes per slot of Limits.max_total_slots (allocator arrays and, with prefix caching,
-#: the hash index): measured 54 bytes with prefix caching (bench/results/durability.md).
-SLOT_BYTES = 56
+#: Resident bytes per slot unit of Limits.max_total_slots (a prefix-cached pool's slot counts several units,
+#: its cached page included: kvservice/manager/pools.py slot_units).
+SLOT_BYTES = SLOT_UNIT_BYTES
 #: Share of what is left that the budget may charge (the rest absorbs allocator fragmentation and
 #: the error of the model).
 HEADROOM = 0.8

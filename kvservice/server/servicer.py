@@ -29,7 +29,7 @@ from kvservice.contract.status import to_status
 from kvservice.contract.wire import field_array
 from kvservice.core.planner import plan
 from kvservice.manager.api import ManagerAPI, derived_incarnation
-from kvservice.manager.pools import BlockManager, new_incarnation
+from kvservice.manager.pools import SLOT_UNIT_BYTES, BlockManager, new_incarnation, slot_units
 from kvservice.server.budget import MemoryBudget
 from kvservice.server.metrics import ManagerMetrics
 from kvservice.server.stream import StreamRegistry, echo_stream, scoped_request_id, step_stream
@@ -65,8 +65,9 @@ class Limits:
     max_pool_slots: slots of one pool summed over its layer groups (allocator memory, ~24 bytes each).
     max_pools: pools one manager holds.
     max_request_id: characters of a request_id.
-    max_total_slots: slots of all pools together, summed like max_pool_slots: what bounds the
-        pools' memory (about 25 bytes per slot), whatever max_pools says. docs/SECURITY.md#limits.
+    max_total_slots: slot units of all pools together (slots x layer groups, a prefix-cached pool's each
+        counting manager.pools.slot_units: 33 at page size 16): what bounds the pools' memory (56 bytes a
+        unit), whatever max_pools says. docs/SECURITY.md#limits.
     """
 
     max_step_sequences: int = 65_536
@@ -122,11 +123,16 @@ class Limits:
                         "--max-pool-slots")
         if self.max_total_slots:
             held = manager.total_slots()
-            if held + slots > self.max_total_slots:
+            per = slot_units(p.page_size, r.enable_prefix_caching)
+            units = slots * per
+            if held + units > self.max_total_slots:
+                cached = (f", each counting {per} because a cached page costs that many slots' memory"
+                          if per > 1 else "")
                 raise ResourceExhausted(
-                    f"pool {r.name!r} needs {slots} slots x layer groups; the manager's pools hold {held} of its "
-                    f"{self.max_total_slots} (max_total_slots, which bounds their memory at about 25 bytes a slot); "
-                    "delete a pool or plan a smaller one", reason="LIMIT_EXCEEDED", needed=slots, held=held,
+                    f"pool {r.name!r} needs {units} slot units ({slots} slots x layer groups{cached}); the "
+                    f"manager's pools hold {held} of its {self.max_total_slots} (max_total_slots, which bounds "
+                    f"their memory at {SLOT_UNIT_BYTES} bytes a unit); delete a pool or plan a smaller one "
+                    "(docs/SECURITY.md#limits)", reason="LIMIT_EXCEEDED", needed=units, held=held,
                     limit=self.max_total_slots)
 
 

@@ -206,6 +206,35 @@ def test_total_slots_bound_the_memory_of_all_pools():
     lim.check("CreatePool", create_request("c", two_groups, Sizing(num_slots=300), ()), m)
 
 
+def test_a_prefix_cached_slot_counts_what_its_cached_page_costs():
+    """Issue 27: a prefix-cached pool's cached pages cost ~1.1 KB + 40 B a token beside the slot (measured), so each
+    of its slots counts slot_units of max_total_slots: 33 at page size 16, by the documented cost model."""
+    from kvservice.manager.pools import CACHED_PAGE_BYTES, CACHED_TOKEN_BYTES, SLOT_UNIT_BYTES, slot_units
+    from kvservice.server.servicer import Limits
+    from kvservice.state.startup import create_request
+
+    assert slot_units(16, False) == slot_units(64, False) == 1
+    for ps in (1, 16, 64, 256):                   # units x unit bytes cover the slot and its cached page, tightly
+        need = SLOT_UNIT_BYTES + CACHED_PAGE_BYTES + CACHED_TOKEN_BYTES * ps
+        assert (slot_units(ps, True) - 1) * SLOT_UNIT_BYTES < need <= slot_units(ps, True) * SLOT_UNIT_BYTES
+    assert slot_units(16, True) == 33
+    m = BlockManager()
+    lim = Limits(max_pool_slots=10_000, max_total_slots=33 * 1000 + 20)
+    spec = CacheSpec.uniform(2, 1, 64, page_size=16)
+    with pytest.raises(ResourceExhausted) as exc:
+        lim.check("CreatePool", create_request("c", spec, Sizing(num_slots=1001), (), prefix_caching=True), m)
+    assert exc.value.reason == "LIMIT_EXCEEDED" and exc.value.message.startswith(
+        "pool 'c' needs 33033 slot units (1001 slots x layer groups, each counting 33 because a cached page")
+    assert m.pool_names() == []
+    lim.check("CreatePool", create_request("c", spec, Sizing(num_slots=1001), ()), m)   # plain: 1,001 units
+    lim.check("CreatePool", create_request("c", spec, Sizing(num_slots=1000), (), prefix_caching=True), m)
+    m.create_pool("c", spec, Sizing(num_slots=1000), prefix_caching=True)
+    assert m.total_slots() == 33_000
+    with pytest.raises(ResourceExhausted, match="hold 33000 of its 33020"):
+        lim.check("CreatePool", create_request("d", spec, Sizing(num_slots=21), ()), m)
+    lim.check("CreatePool", create_request("d", spec, Sizing(num_slots=20), ()), m)
+
+
 def test_listings_that_could_pass_the_limit_are_refused_or_lowered():
     """ListSequences without a limit over the message limit: refused, naming a limit that fits (which does).
     ValidatePageTable lists at most 1,000 violations whatever max_reports says."""
