@@ -75,13 +75,18 @@ def token_hashes(pages: np.ndarray) -> np.ndarray:
         with np.errstate(over="ignore"):
             pos = _POS[ps] = np.arange(1, ps + 1, dtype=np.uint64) * _GOLD
     with np.errstate(over="ignore"):
-        x = pages.astype(np.uint64)                  # int64 -> uint64: two's complement, a copy we own
-        x += pos
-        x ^= x >> np.uint64(30)
+        # int64 -> uint64 is the same bits: a view, added into a fresh array we own (no separate copy).
+        src = pages.view(np.uint64) if pages.dtype == np.int64 else pages.astype(np.uint64)
+        x = np.add(src, pos)
+        t = np.empty_like(x)                         # one scratch array for the three shifts
+        np.right_shift(x, np.uint64(30), out=t)
+        x ^= t
         x *= _M1
-        x ^= x >> np.uint64(27)
+        np.right_shift(x, np.uint64(27), out=t)
+        x ^= t
         x *= _M2
-        x ^= x >> np.uint64(31)
+        np.right_shift(x, np.uint64(31), out=t)
+        x ^= t
         return _mix(x.sum(axis=1, dtype=np.uint64))
 
 
@@ -102,8 +107,13 @@ def page_hashes(pages: np.ndarray, col: np.ndarray, starts: np.ndarray, full: np
         if len(full) == 1:                               # one prompt: the chain on plain integers
             h = _mix_int((int(namespaces[0]) + _GOLD_I) & _MASK)
             out_l = []
-            for c in terms.tolist():
-                h = _mix_int(h ^ c)
+            for c in terms.tolist():                     # _mix_int(h ^ c), inlined
+                x = h ^ c
+                x ^= x >> 30
+                x = (x * _M1_I) & _MASK
+                x ^= x >> 27
+                x = (x * _M2_I) & _MASK
+                h = x ^ (x >> 31)
                 out_l.append(h or 1)
             return np.array(out_l, dtype=np.uint64)
         out = np.empty(n, dtype=np.uint64)

@@ -47,6 +47,8 @@ from kvservice.core.stepplan import (
     check_distinct,
     count_in,
     cow_rows,
+    distinct_counts,
+    distinct_sorted,
     parse_counts,
     parse_ids,
     parse_strs,
@@ -118,6 +120,7 @@ class Pool:
             full = [g for g, w in enumerate(self.windows) if not w]
             self._anchor_group = full[0] if full else None
             self.prefix = self.prefixes[full[0] if full else 0]
+        self._register_order = sorted(range(len(self.allocators)), key=lambda g: bool(self.windows[g]))
         self.events = PoolEvents()                # KV events of the prefix caches (cache_events.py)
         for g, cache in enumerate(self.prefixes or ()):
             cache.sink = self.events.source(g, self.windows[g], geo.groups[g].num_slots)
@@ -428,7 +431,7 @@ class Pool:
         def owners_after(slots: np.ndarray) -> np.ndarray:
             return rc[slots].astype(np.int64) - count_in(lost, slots) + count_in(gained, slots)
 
-        freed = np.unique(lost)
+        freed = distinct_sorted(lost)
         freed = freed[owners_after(freed) == 0] if len(freed) else freed
         avail = alloc.num_free + len(freed)
         hits = cand = a_first = None
@@ -436,7 +439,7 @@ class Pool:
             pr = inp.prompt
             hits, cand = hits_all, cands[g]
             a_first = self._first_kept(g, hits)
-            taken = np.unique(cand[(pr.col < hits[pr.row]) & (pr.col >= a_first[pr.row])])
+            taken = distinct_sorted(np.sort(cand[(pr.col < hits[pr.row]) & (pr.col >= a_first[pr.row])]))
             avail -= int((owners_after(taken) == 0).sum())      # cached pages revived from the free LRU
             need -= int(hits.sum())
         cow = None
@@ -625,7 +628,7 @@ class Pool:
         rs = self._slots[g]
         mask = (prompt.col < hits[prompt.row]) & (prompt.col >= a_first[prompt.row])
         slots = cand[mask]
-        uniq, counts = np.unique(slots, return_counts=True)
+        uniq, counts = distinct_counts(slots)
         self.allocators[g].share(uniq, counts)
         rs.arena[rs.flat(a_rows[prompt.row[mask]], prompt.col[mask])] = slots
         self.prefixes[g].hits += len(slots)
@@ -639,20 +642,29 @@ class Pool:
         inner = np.flatnonzero(col > 0)
         parent_hashes = np.zeros(len(col), dtype=np.uint64)
         parent_hashes[inner] = prompt.hashes[inner - 1]
+        seq_rows = a_rows[row]
         anchors = None
-        order = sorted(range(len(self.prefixes)), key=lambda g: bool(self.windows[g]))   # full groups first
-        for g in order:
-            kept = col >= self._first[g][a_rows[row]]       # a sliding group holds no page before its window
-            slots = np.full(len(col), -1, dtype=np.int64)
-            at = np.flatnonzero(kept)
-            slots[at] = self._slots[g].arena.take(self._slots[g].flat(a_rows[row[at]], col[at]))
+        for g in self._register_order:                  # full groups first: their slots anchor sliding hits
+            rs = self._slots[g]
+            if self.windows[g]:
+                kept = col >= self._first[g][seq_rows]  # a sliding group holds no page before its window
+                slots = np.full(len(col), -1, dtype=np.int64)
+                at = np.flatnonzero(kept)
+                slots[at] = rs.arena.take(rs.flat(seq_rows[at], col[at]))
+            else:                                       # a full group holds every page
+                slots = rs.arena.take(rs.flat(seq_rows, col)).astype(np.int64)
+                at = None
             parents = np.full(len(slots), -1, dtype=np.int64)
             parents[inner] = slots[inner - 1]            # page j-1 of the same prompt precedes page j
             if g == self._anchor_group:
                 anchors = slots
-            self.prefixes[g].register(slots[at], parents[at], prompt.ns[row[at]], prompt.pages[at],
-                                      prompt.hashes[at], parent_hashes[at],
-                                      anchors[at] if anchors is not None and self.windows[g] else None)
+            if at is None:
+                self.prefixes[g].register(slots, parents, prompt.ns[row], prompt.pages, prompt.hashes,
+                                          parent_hashes, None)
+            else:
+                self.prefixes[g].register(slots[at], parents[at], prompt.ns[row[at]], prompt.pages[at],
+                                          prompt.hashes[at], parent_hashes[at],
+                                          anchors[at] if anchors is not None else None)
 
     # ---- rows and lookups -------------------------------------------------------------------
     def _index(self) -> tuple[np.ndarray, np.ndarray]:
@@ -743,7 +755,7 @@ class Pool:
     #   PrefixCache (per group): by_hash (insertion order), hash, parent, parent_hash, anchor, namespace,
     #                  tokens (registered slots only), hits; the namespaces shared by the groups
     # Rebuilt, not stored (caches, scratch, constants): Pool._sorted, _last_batch, _fast, page_size,
-    # max_seq_len, windows, layer_space, _sliding, _is_sliding, _anchor_group (from the plan);
+    # max_seq_len, windows, layer_space, _sliding, _is_sliding, _anchor_group, _register_order (from the plan);
     # SlotAllocator._mark, _ones, num_slots, caching, on_evict; PrefixCache.fleet (the manager attaches a
     # restored pool to its fleet index, which reads the cache again: fleet_index.py).
     def capture_state(self) -> Callable[[], PoolState]:

@@ -23,6 +23,7 @@ place a hash collision could alias, documented in docs/ARCHITECTURE.md).
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import repeat
 
 import numpy as np
 
@@ -143,17 +144,15 @@ class PrefixCache:
         pages: int64 [N, page_size]; row: int64 [N] prompt of each page; ns: int64 [A]; hashes: uint64 [N].
         Returns (cand int64 [N], ok bool [N]).
         """
-        get = self.by_hash.get
-        if len(ns) == 1:                                          # one prompt: its page hashes are distinct
-            cand = np.fromiter((get(h, -1) for h in hashes.tolist()), dtype=np.int64, count=len(hashes))
-        else:
-            uniq, inv = np.unique(hashes, return_inverse=True)   # shared prefixes: one lookup each
-            found = np.fromiter((get(h, -1) for h in uniq.tolist()), dtype=np.int64, count=len(uniq))
-            cand = found[inv.reshape(-1)]
-        safe = np.maximum(cand, 0)
+        n = len(hashes)
+        cand = np.fromiter(map(self.by_hash.get, hashes.tolist(), repeat(-1, n)), dtype=np.int64, count=n)
         ok = cand >= 0
-        ok &= self.namespace[safe] == ns[row]
-        ok &= (self.tokens[safe] == pages).all(axis=1)
+        at = np.flatnonzero(ok)                        # only pages the index knows are compared
+        if len(at):
+            slots = cand[at]
+            good = self.namespace[slots] == ns[row[at]]
+            good &= (self.tokens.take(slots, axis=0) == pages.take(at, axis=0)).all(axis=1)
+            ok[at] = good
         return cand, ok
 
     def match(self, pages: np.ndarray, row: np.ndarray, col: np.ndarray, limit: np.ndarray, ns: np.ndarray,
@@ -181,10 +180,10 @@ class PrefixCache:
 
         A hash already registered (the same content in another slot) keeps its first slot.
         """
-        uniq_h, first = np.unique(hashes, return_index=True)        # one slot per new hash
+        uniq_h, first = first_of_each(hashes)                      # one slot per new hash
         cand = slots[first]
         by_hash = self.by_hash
-        new = np.fromiter((h not in by_hash for h in uniq_h.tolist()), dtype=bool, count=len(uniq_h))
+        new = ~np.fromiter(map(by_hash.__contains__, uniq_h.tolist()), dtype=bool, count=len(uniq_h))
         new &= self.hash[cand] == 0
         s, h = cand[new], uniq_h[new]
         by_hash.update(zip(h.tolist(), s.tolist(), strict=True))
@@ -207,12 +206,12 @@ class PrefixCache:
 
     def _names(self, ns: np.ndarray) -> list[tuple[str, str]] | None:
         """(salt, extra key) per page of namespaces ns (int64 [n]); None when all are ("", "") (the common case)."""
-        uniq = np.unique(ns).tolist()
+        ids = ns.tolist()
         names = self.namespaces.names()
-        pairs = {i: names.get(i, ("", "")) for i in uniq}
+        pairs = {i: names.get(i, ("", "")) for i in set(ids)}
         if all(p == ("", "") for p in pairs.values()):
             return None
-        return [pairs[i] for i in ns.tolist()]
+        return [pairs[i] for i in ids]
 
     def forget(self, slot: int) -> None:
         """Drop a slot's page from the cache (it is being reused for something else)."""
@@ -257,3 +256,18 @@ def run_ending_at(ok: np.ndarray, col: np.ndarray) -> np.ndarray:
     starts = np.where(col == 0, idx - 1, -1)
     last_break = np.maximum.accumulate(np.maximum(breaks, starts)) if n else breaks
     return np.where(ok, idx - last_break, 0)
+
+
+def first_of_each(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct values sorted, index of each one's first occurrence): np.unique(values, return_index=True)
+    for a 1-D array, with one stable sort."""
+    order = np.argsort(values, kind="stable")
+    srt = values[order]
+    if len(srt) < 2:
+        return srt, order
+    head = np.empty(len(srt), dtype=bool)
+    head[0] = True
+    np.not_equal(srt[1:], srt[:-1], out=head[1:])
+    if head.all():                                     # distinct (the usual case): nothing to drop
+        return srt, order
+    return srt[head], order[head]

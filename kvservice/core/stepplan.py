@@ -168,6 +168,31 @@ def count_in(sorted_vals: np.ndarray, q: np.ndarray) -> np.ndarray:
     return np.searchsorted(sorted_vals, q, side="right") - np.searchsorted(sorted_vals, q, side="left")
 
 
+def distinct_sorted(sorted_vals: np.ndarray) -> np.ndarray:
+    """The distinct values of an ascending 1-D array (np.unique of it, without sorting again)."""
+    if len(sorted_vals) < 2:
+        return sorted_vals
+    head = np.empty(len(sorted_vals), dtype=bool)
+    head[0] = True
+    np.not_equal(sorted_vals[1:], sorted_vals[:-1], out=head[1:])
+    return sorted_vals if head.all() else sorted_vals[head]
+
+
+def distinct_counts(vals: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """(distinct values ascending, how often each occurs, or None when every value occurs once): np.unique(vals,
+    return_counts=True) of a 1-D array with one sort, and no counts array in the usual all-distinct case."""
+    srt = np.sort(vals)
+    if len(srt) < 2:
+        return srt, None
+    head = np.empty(len(srt), dtype=bool)
+    head[0] = True
+    np.not_equal(srt[1:], srt[:-1], out=head[1:])
+    if head.all():
+        return srt, None
+    starts = np.flatnonzero(head)
+    return srt[starts], np.diff(np.append(starts, len(srt)))
+
+
 def cow_rows(last: np.ndarray, owners: np.ndarray) -> np.ndarray:
     """Which of c extending owners of a partly filled page copy it (bool, shape of last).
 
