@@ -99,13 +99,7 @@ class SlotAllocator:
         slots = self._stack[top:self._top].copy()
         self._top = top
         if take < n:
-            evicted = []
-            victim, unlink, cached = self.policy.victim, self.policy.unlink, self._cached
-            for _ in range(n - take):
-                s = victim()
-                del cached[s]
-                unlink(s)                        # its parent may become a leaf for the next victim
-                evicted.append(s)
+            evicted = self.policy.evict(n - take)    # out of _cached, unlinked, in eviction order
             ev = np.array(evicted, dtype=np.intp)
             self.cacheable[ev] = False
             if self.on_evict is not None:
