@@ -36,7 +36,7 @@ from kvservice.core.cache_events import PoolEvents
 from kvservice.core.emit import SpaceTables, emit_tables
 from kvservice.core.hashing import DEFAULT_MODE, VLLM_DEFAULT_SEED, make_hash_fn
 from kvservice.core.pool_state import POOL_STATE_VERSION, IdRuns, PoolState, as_array, spec_runs
-from kvservice.core.prefix import Namespaces, PrefixCache, run_ending_at
+from kvservice.core.prefix import Namespaces, PrefixCache, register_prompt, run_ending_at
 from kvservice.core.rowslots import RowSlots, slot_table_dtype
 from kvservice.core.stepplan import (
     EMPTY_I64,
@@ -638,33 +638,8 @@ class Pool:
         self.prefix.add_namespaces(prompt.new_ns)
         if not len(prompt.pages):
             return
-        row, col = prompt.row, prompt.col
-        inner = np.flatnonzero(col > 0)
-        parent_hashes = np.zeros(len(col), dtype=np.uint64)
-        parent_hashes[inner] = prompt.hashes[inner - 1]
-        seq_rows = a_rows[row]
-        anchors = None
-        for g in self._register_order:                  # full groups first: their slots anchor sliding hits
-            rs = self._slots[g]
-            if self.windows[g]:
-                kept = col >= self._first[g][seq_rows]  # a sliding group holds no page before its window
-                slots = np.full(len(col), -1, dtype=np.int64)
-                at = np.flatnonzero(kept)
-                slots[at] = rs.arena.take(rs.flat(seq_rows[at], col[at]))
-            else:                                       # a full group holds every page
-                slots = rs.arena.take(rs.flat(seq_rows, col)).astype(np.int64)
-                at = None
-            parents = np.full(len(slots), -1, dtype=np.int64)
-            parents[inner] = slots[inner - 1]            # page j-1 of the same prompt precedes page j
-            if g == self._anchor_group:
-                anchors = slots
-            if at is None:
-                self.prefixes[g].register(slots, parents, prompt.ns[row], prompt.pages, prompt.hashes,
-                                          parent_hashes, None)
-            else:
-                self.prefixes[g].register(slots[at], parents[at], prompt.ns[row[at]], prompt.pages[at],
-                                          prompt.hashes[at], parent_hashes[at],
-                                          anchors[at] if anchors is not None else None)
+        register_prompt(self.prefixes, self._register_order, self._is_sliding, self._anchor_group, self._slots,
+                        self._first, a_rows, prompt)
 
     # ---- rows and lookups -------------------------------------------------------------------
     def _index(self) -> tuple[np.ndarray, np.ndarray]:

@@ -22,13 +22,18 @@ place a hash collision could alias, documented in docs/ARCHITECTURE.md).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from itertools import repeat
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvservice.core.allocator import SlotAllocator
 from kvservice.core.hashing import _GOLD, _M1, _M2, _mix, page_hashes, prompt_hashes  # noqa: F401  (re-exported)
+
+if TYPE_CHECKING:
+    from kvservice.core.rowslots import RowSlots
+    from kvservice.core.stepplan import Prompt
 
 
 class Namespaces:
@@ -237,6 +242,40 @@ class PrefixCache:
         self.anchor[slots] = -1
         self.namespace[slots] = -1
         self.allocator.cacheable[slots] = False
+
+
+def register_prompt(caches: Sequence[PrefixCache], order: Sequence[int], sliding: Sequence[bool],
+                    anchor_group: int | None, slot_tables: Sequence[RowSlots], firsts: Sequence[np.ndarray],
+                    a_rows: np.ndarray, prompt: Prompt) -> None:
+    """Register a step's admitted prompt pages in every layer group's cache (Pool._register, after the commit).
+
+    caches, slot_tables, firsts: per layer group, its PrefixCache, RowSlots and first kept page per row (int64
+    [rows]); order: the groups, full ones first (their slots anchor the sliding groups' pages); anchor_group:
+    that full group (None: none); a_rows: int64 [A] the admissions' rows; prompt: their pages (stepplan.Prompt).
+    """
+    row, col = prompt.row, prompt.col
+    inner = np.flatnonzero(col > 0)
+    parent_hashes = np.zeros(len(col), dtype=np.uint64)
+    parent_hashes[inner] = prompt.hashes[inner - 1]
+    seq_rows = a_rows[row]
+    anchors = None
+    for g in order:
+        rs = slot_tables[g]
+        if sliding[g]:
+            at = np.flatnonzero(col >= firsts[g][seq_rows])     # a sliding group holds no page before its window
+            slots = np.full(len(col), -1, dtype=np.int64)
+            slots[at] = rs.arena.take(rs.flat(seq_rows[at], col[at]))
+        else:                                                    # a full group holds every page
+            slots = rs.arena.take(rs.flat(seq_rows, col)).astype(np.int64)
+            at = None
+        parents = np.full(len(slots), -1, dtype=np.int64)
+        parents[inner] = slots[inner - 1]                        # page j-1 of the same prompt precedes page j
+        if g == anchor_group:
+            anchors = slots
+        args = (slots, parents, prompt.ns[row], prompt.pages, prompt.hashes, parent_hashes, None)
+        if at is not None:                                       # a sliding group: its kept pages, anchored
+            args = (*(a[at] for a in args[:-1]), anchors[at] if anchors is not None else None)
+        caches[g].register(*args)
 
 
 def leading_run(ok: np.ndarray, row: np.ndarray, col: np.ndarray, num_rows: int) -> np.ndarray:
