@@ -72,7 +72,7 @@ def emit_tables(spaces: tuple[IndexSpace, ...], page_size: int, slot_tables: lis
     if tables:
         last = (new - (held - 1) * ps).astype(np.int32)
     if block_table:
-        bt_width = int(held.max()) if b else 0
+        bt_width = int(np.maximum.reduce(held)) if b else 0
         cols = np.arange(bt_width, dtype=np.int64)
     out = []
     gathered: dict[int, tuple] = {}
@@ -87,7 +87,7 @@ def emit_tables(spaces: tuple[IndexSpace, ...], page_size: int, slot_tables: lis
                 lo = first if first is not None else np.zeros(b, dtype=np.int64)
                 flat, cnt = rs.span(rows, lo, held)
                 indptr = np.zeros(b + 1, dtype=np.int64)
-                np.cumsum(cnt, out=indptr[1:])
+                cnt.cumsum(out=indptr[1:])
                 idx = rs.arena.take(flat)
             if block_table:
                 lo = first if first is not None else np.zeros(b, dtype=np.int64)
@@ -152,16 +152,16 @@ class _NewPages:
     def of(ps: int, rows: np.ndarray, old: np.ndarray, new: np.ndarray, held: np.ndarray,
            tok_indptr: np.ndarray, t: int) -> _NewPages:
         b = len(rows)
-        if t == b and (b == 0 or int((new - old).min()) == 1):     # decode: exactly one new token per row
+        if t == b and (b == 0 or int(np.minimum.reduce(new - old)) == 1):     # decode: exactly one new token per row
             col, off = np.divmod(old, ps)
             return _NewPages(rows, col, off, None, t)
         k = new - old
         p0 = old // ps
         c = np.where(k > 0, held - p0, 0)                   # pages holding new tokens, per row
-        n = int(c.sum())
-        at = np.repeat(np.arange(b, dtype=np.int64), c)
-        starts = np.cumsum(c) - c
-        col = np.repeat(p0 - starts, c) + _iota(n)
+        n = int(np.add.reduce(c))
+        at = np.arange(b, dtype=np.int64).repeat(c)
+        starts = c.cumsum() - c
+        col = (p0 - starts).repeat(c) + _iota(n)
         lo = col * ps
         first_off = np.maximum(old[at] - lo, 0)
         count = np.minimum(new[at] - lo, ps) - first_off
@@ -174,13 +174,13 @@ class _NewPages:
             return rs.arena.take(rs.flat(self.rows, self.col)).astype(np.int64), None
         skip = self.col < first[self.rows]
         out = np.full(len(self.col), SKIP_SLOT, dtype=np.int64)
-        at = np.flatnonzero(~skip)
+        at = (~skip).nonzero()[0]
         out[at] = rs.arena.take(rs.flat(self.rows[at], self.col[at]))
         return out, skip
 
     def expand(self, per_page: np.ndarray) -> np.ndarray:
         """One value per page -> one per new token ([t])."""
-        return per_page if self.count is None else np.repeat(per_page, self.count)
+        return per_page if self.count is None else per_page.repeat(self.count)
 
     def runs(self, base: np.ndarray) -> np.ndarray:
         """int64 [t]: each page's new tokens numbered base + first_off, base + first_off + 1, ...
@@ -188,7 +188,7 @@ class _NewPages:
         v = base + self.first_off
         if self.count is None:
             return v
-        v -= np.cumsum(self.count) - self.count             # minus the tokens before the page ...
-        out = np.repeat(v, self.count)
+        v -= self.count.cumsum() - self.count             # minus the tokens before the page ...
+        out = v.repeat(self.count)
         out += _iota(self.t)                                 # ... plus the token's index: consecutive runs
         return out

@@ -6,7 +6,10 @@ and per layer group g the slots of the row's pages in ``_slots[g]`` (a ragged
 `RowSlots`: memory proportional to the pages held) with ``_first[g][row]`` the
 first page still held (pages before it fell out of a sliding window and were
 released; always 0 in full-attention groups). A step over B sequences is a
-fixed number of NumPy calls, not B Python calls.
+fixed number of NumPy calls, not B Python calls; in the step's path they are the
+C entry points (``x.nonzero()[0]``, ``x.repeat``, ``np.add.reduce(x)``: the results
+of ``np.flatnonzero``, ``np.repeat``, ``x.sum()`` without their Python wrappers,
+which cost a prefix-cached admission several percent of its instructions).
 
 ``step`` runs four phases, each a function you can read alone: validate the
 request (`_validate`), plan every group's slot demand without changing
@@ -270,13 +273,13 @@ class Pool:
         new_ids = np.concatenate((a_ids, c_ids)) if len(c_ids) else a_ids
         if len(new_ids):
             known = self._find(new_ids)[1]
-            if known.any():
+            if np.logical_or.reduce(known):
                 taken = new_ids[known][0]
                 raise AlreadyExists(f"sequence {taken} is already in pool {self.name!r}", seq_id=taken)
         if len(p_ids) and len(f_ids) and np.isin(p_ids, f_ids).any():
             raise InvalidArgument(f"fork parent {p_ids[np.isin(p_ids, f_ids)][0]} is freed in the same step")
         for name, n, ids in (("extend", self._num_tokens[e_rows] + e_k, e_ids), ("admit", a_n, a_ids)):
-            if len(n) and int(n.max()) > self.max_seq_len:
+            if len(n) and int(np.maximum.reduce(n)) > self.max_seq_len:
                 j = int(np.argmax(n))
                 raise InvalidArgument(
                     f"{name}: sequence {ids[j]} would hold {n[j]} tokens; pool {self.name!r} takes at most "
@@ -314,20 +317,20 @@ class Pool:
         if tok.ndim != 1 or tok.dtype.kind not in "iu":
             raise InvalidArgument(f"admit_token_ids must be a 1-D integer array, got shape {tok.shape} dtype "
                                   f"{tok.dtype}")
-        if len(tok) != int(a_n.sum()):
+        if len(tok) != int(np.add.reduce(a_n)):
             raise InvalidArgument(f"admit_token_ids has {len(tok)} ids; admit_num_tokens add up to {int(a_n.sum())}")
         ns, new_ns = self.prefix.namespace_ids(salt_list, key_list)
         ps = self.page_size
         full = a_n // ps
-        n = int(full.sum())
-        page_start = np.cumsum(full) - full                  # first page of each prompt
-        row = np.repeat(np.arange(a, dtype=np.int64), full)
+        n = int(np.add.reduce(full))
+        page_start = full.cumsum() - full                  # first page of each prompt
+        row = np.arange(a, dtype=np.int64).repeat(full)
         col = np.arange(n, dtype=np.int64) - page_start[row]
         tok = tok.astype(np.int64, copy=False)
         if a == 1:                                          # one prompt: its full pages are a view
             pages = tok[:n * ps].reshape(n, ps)
         else:                                               # [N, ps]: O(prompt tokens), never A x longest
-            tok_start = np.cumsum(a_n) - a_n
+            tok_start = a_n.cumsum() - a_n
             pages = np.concatenate([tok[s:s + f * ps].reshape(f, ps)
                                     for s, f in zip(tok_start.tolist(), full.tolist(), strict=True)])
         limit = (a_n - 1) // ps                      # at least one token of each prompt is computed
@@ -387,14 +390,14 @@ class Pool:
                 ok &= caches[g].anchor[safe] == cands[anchor]
             else:                                           # sliding groups only: the parent page's hash
                 prev_h = np.zeros(len(cand), dtype=np.uint64)
-                inner = np.flatnonzero(pr.col > 0)
+                inner = (pr.col > 0).nonzero()[0]
                 prev_h[inner] = pr.hashes[inner - 1]
                 ok &= caches[g].parent_hash[safe] == prev_h
             needed = (pr.col + 1) - self._first_kept(g, pr.col + 1)
             ok_len &= run_ending_at(ok, pr.col) >= needed
             cands[g] = cand
         out = np.zeros(num_admits, dtype=np.int64)
-        at = np.flatnonzero(ok_len)
+        at = ok_len.nonzero()[0]
         np.maximum.at(out, pr.row[at], pr.col[at] + 1)
         return out, cands
 
@@ -415,7 +418,7 @@ class Pool:
         alloc = self.allocators[g]
         first = self._first[g]
         rs = self._slots[g]
-        need = int((e_held_new - e_held).sum()) + int(a_held.sum())
+        need = int(np.add.reduce(e_held_new - e_held)) + int(np.add.reduce(a_held))
         # Owners lost (frees, window releases) and gained (fork children) before any allocation.
         dropped = [rs.gather(inp.f_rows, first[inp.f_rows], self._held[inp.f_rows])] if len(inp.f_rows) else []
         new_first = None
@@ -441,18 +444,18 @@ class Pool:
             a_first = self._first_kept(g, hits)
             taken = distinct_sorted(np.sort(cand[(pr.col < hits[pr.row]) & (pr.col >= a_first[pr.row])]))
             avail -= int((owners_after(taken) == 0).sum())      # cached pages revived from the free LRU
-            need -= int(hits.sum())
+            need -= int(np.add.reduce(hits))
         cow = None
         if (self._sharing or len(inp.p_rows)) and len(inp.e_rows):
-            partial = np.flatnonzero(e_old % self.page_size != 0)
+            partial = (e_old % self.page_size != 0).nonzero()[0]
             if len(partial):
                 rows = inp.e_rows[partial]
                 last = rs.arena.take(rs.flat(rows, e_held[partial] - 1)).astype(np.int64)
                 owners = owners_after(last)
-                if (owners > 1).any():
+                if np.logical_or.reduce(owners > 1):
                     cow = np.zeros(len(inp.e_rows), dtype=bool)
                     cow[partial] = cow_rows(last, owners)
-                    need += int(cow.sum())
+                    need += int(np.add.reduce(cow))
         return GroupPlan(need, avail, new_first, cow, hits, cand, a_first)
 
     # ---- phase 3: commit ---------------------------------------------------------------
@@ -475,7 +478,7 @@ class Pool:
             if gp.a_first is not None:                    # a sliding group never holds pages before the window
                 self._first[g][a_rows] = gp.a_first
             rs.reserve(a_rows, self._first[g][a_rows], plan.a_held)
-            if hits is not None and hits.any():
+            if hits is not None and np.logical_or.reduce(hits):
                 self._share_hits(g, a_rows, hits, gp.cand, gp.a_first, inp.prompt)
         a_lo = hits if hits is not None else np.zeros(len(a_rows), dtype=np.int64)
         copies = tuple(self._grow(g, e_rows, plan, a_rows, a_lo) for g in range(len(self.allocators)))
@@ -492,7 +495,7 @@ class Pool:
         self.admitted += len(inp.a_ids)
         self._last_batch = (inp.e_ids.copy(), e_rows) if inp.extend_only else None
         tok_indptr = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum(new - old, out=tok_indptr[1:])
+        (new - old).cumsum(out=tok_indptr[1:])
         cached = hits * ps if hits is not None else (np.zeros(len(a_rows), dtype=np.int64) if len(a_rows) else None)
         return StepResult(self._seq_ids[rows], new, tok_indptr,
                           self._emit(rows, old, new, held_new, tok_indptr, tables, block_table),
@@ -511,13 +514,13 @@ class Pool:
         held_old = self._held[rows]
         held_new = (new + (ps - 1)) // ps
         need = held_new - held_old
-        total = int(need.sum())
+        total = int(np.add.reduce(need))
         if total > self.num_free_slots:
             return None
         nz = _NO_ROWS
         slots: tuple[np.ndarray, ...] = tuple(_NO_ROWS for _ in self.allocators)
         if total:
-            nz = np.flatnonzero(need)
+            nz = need.nonzero()[0]
             g_rows, g_lo, g_hi = rows[nz], held_old[nz], held_new[nz]
             slots = tuple(self._alloc_pages(g, alloc, g_rows, g_lo, g_hi, total)
                           for g, alloc in enumerate(self.allocators))
@@ -526,7 +529,7 @@ class Pool:
         self.steps += 1
         b = len(rows)
         tok_indptr = np.zeros(b + 1, dtype=np.int64)
-        np.cumsum(k, out=tok_indptr[1:])
+        k.cumsum(out=tok_indptr[1:])
         if not (tables or mappings) and len(self.allocators) == 1 and total == len(nz) and int(tok_indptr[-1]) == b:
             # One token per row (so at most one page each): the pages opened are all a delta needs.
             return StepResult(self._seq_ids[rows], new, tok_indptr, (), self.num_free_slots, None,
@@ -544,7 +547,7 @@ class Pool:
         rs = self._slots[g]
         gp = plan.groups[g]
         copies = _NO_COPIES
-        if gp.cow is not None and gp.cow.any():
+        if gp.cow is not None and np.logical_or.reduce(gp.cow):
             rows = e_rows[gp.cow]
             flat = rs.flat(rows, plan.e_held[gp.cow] - 1)
             src = rs.arena.take(flat).astype(np.int64)
@@ -558,10 +561,10 @@ class Pool:
             g_hi = np.concatenate((plan.e_held_new, plan.a_held))
         else:
             g_rows, g_lo, g_hi = e_rows, plan.e_held, plan.e_held_new
-        nz = np.flatnonzero(g_hi > g_lo)
+        nz = (g_hi > g_lo).nonzero()[0]
         if len(nz):
             g_rows, g_lo, g_hi = g_rows[nz], g_lo[nz], g_hi[nz]
-            self._alloc_pages(g, alloc, g_rows, g_lo, g_hi, int((g_hi - g_lo).sum()))
+            self._alloc_pages(g, alloc, g_rows, g_lo, g_hi, int(np.add.reduce(g_hi - g_lo)))
         return copies
 
     def _alloc_pages(self, g: int, alloc: SlotAllocator, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray,
@@ -664,7 +667,7 @@ class Pool:
         if not len(ids):
             return EMPTY_I64
         rows, found = self._find(ids)
-        if not found.all():
+        if not np.logical_and.reduce(found):
             missing = ids[~found][0]
             raise NotFound(f"{field}: sequence {missing} is not in pool {self.name!r}", seq_id=missing)
         return rows
@@ -786,8 +789,8 @@ class Pool:
                 for a in range(0, len(rows), 1024):        # in pieces: other threads run in between (GIL)
                     s, f, lw, c = start[a:a + 1024], first[a:a + 1024], lo[a:a + 1024], cnt[a:a + 1024]
                     k = int(c.sum())
-                    starts = np.cumsum(c) - c
-                    flat = np.repeat(s + (f - lw) - starts, c) + np.arange(k, dtype=np.int64)
+                    starts = c.cumsum() - c
+                    flat = (s + (f - lw) - starts).repeat(c) + np.arange(k, dtype=np.int64)
                     out[at:at + k] = arena.take(flat)
                     at += k
                 arrays[f"slots/{g}"] = out

@@ -152,7 +152,7 @@ class PrefixCache:
         n = len(hashes)
         cand = np.fromiter(map(self.by_hash.get, hashes.tolist(), repeat(-1, n)), dtype=np.int64, count=n)
         ok = cand >= 0
-        at = np.flatnonzero(ok)                        # only pages the index knows are compared
+        at = ok.nonzero()[0]                        # only pages the index knows are compared
         if len(at):
             slots = cand[at]
             good = self.namespace[slots] == ns[row[at]]
@@ -172,7 +172,7 @@ class PrefixCache:
         cand, ok = self.candidates(pages, row, ns, hashes)
         ok &= col < limit[row]
         prev = np.full(len(cand), -1, dtype=np.int64)
-        inner = np.flatnonzero(col > 0)
+        inner = (col > 0).nonzero()[0]
         prev[inner] = cand[inner - 1]
         ok &= self.parent[np.maximum(cand, 0)] == prev
         return leading_run(ok, row, col, len(limit)), cand
@@ -254,7 +254,7 @@ def register_prompt(caches: Sequence[PrefixCache], order: Sequence[int], sliding
     that full group (None: none); a_rows: int64 [A] the admissions' rows; prompt: their pages (stepplan.Prompt).
     """
     row, col = prompt.row, prompt.col
-    inner = np.flatnonzero(col > 0)
+    inner = (col > 0).nonzero()[0]
     parent_hashes = np.zeros(len(col), dtype=np.uint64)
     parent_hashes[inner] = prompt.hashes[inner - 1]
     seq_rows = a_rows[row]
@@ -262,7 +262,7 @@ def register_prompt(caches: Sequence[PrefixCache], order: Sequence[int], sliding
     for g in order:
         rs = slot_tables[g]
         if sliding[g]:
-            at = np.flatnonzero(col >= firsts[g][seq_rows])     # a sliding group holds no page before its window
+            at = (col >= firsts[g][seq_rows]).nonzero()[0]     # a sliding group holds no page before its window
             slots = np.full(len(col), -1, dtype=np.int64)
             slots[at] = rs.arena.take(rs.flat(seq_rows[at], col[at]))
         else:                                                    # a full group holds every page
@@ -281,7 +281,7 @@ def register_prompt(caches: Sequence[PrefixCache], order: Sequence[int], sliding
 def leading_run(ok: np.ndarray, row: np.ndarray, col: np.ndarray, num_rows: int) -> np.ndarray:
     """Per prompt, how many of its first pages are all ok (pages stored ragged, col 0.. per row)."""
     hits = np.bincount(row, minlength=num_rows).astype(np.int64)   # every page ok ...
-    bad = np.flatnonzero(~ok)
+    bad = (~ok).nonzero()[0]
     np.minimum.at(hits, row[bad], col[bad])                          # ... up to the first that is not
     return hits
 
@@ -307,6 +307,6 @@ def first_of_each(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     head = np.empty(len(srt), dtype=bool)
     head[0] = True
     np.not_equal(srt[1:], srt[:-1], out=head[1:])
-    if head.all():                                     # distinct (the usual case): nothing to drop
+    if np.logical_and.reduce(head):                                     # distinct (the usual case): nothing to drop
         return srt, order
     return srt[head], order[head]
