@@ -66,6 +66,22 @@ def _mix_int(x: int) -> int:
     return x ^ (x >> 31)
 
 
+def chain_ints(h: int, terms: list[int], out: list[int]) -> int:
+    """The chain on plain integers: for each term c (a page's token hash ^ its column * M2), h = mix(h ^ c),
+    appended to out (0 kept as 1). h: the chain's value before the first term. Returns the last h.
+    (_mix_int inlined: for a long prompt this loop is the chain's whole cost.)"""
+    m1, m2, mask = _M1_I, _M2_I, _MASK
+    for c in terms:
+        x = h ^ c
+        x ^= x >> 30
+        x = (x * m1) & mask
+        x ^= x >> 27
+        x = (x * m2) & mask
+        h = x ^ (x >> 31)
+        out.append(h or 1)
+    return h
+
+
 def token_hashes(pages: np.ndarray) -> np.ndarray:
     """Each page's own token hash T (before chaining): pages int64 [N, page_size] -> uint64 [N].
 
@@ -107,16 +123,8 @@ def page_hashes(pages: np.ndarray, col: np.ndarray, starts: np.ndarray, full: np
     with np.errstate(over="ignore"):
         terms = token_hashes(pages) ^ (col.astype(np.uint64) * _M2)
         if len(full) == 1:                               # one prompt: the chain on plain integers
-            h = _mix_int((int(namespaces[0]) + _GOLD_I) & _MASK)
-            out_l = []
-            for c in terms.tolist():                     # _mix_int(h ^ c), inlined
-                x = h ^ c
-                x ^= x >> 30
-                x = (x * _M1_I) & _MASK
-                x ^= x >> 27
-                x = (x * _M2_I) & _MASK
-                h = x ^ (x >> 31)
-                out_l.append(h or 1)
+            out_l: list[int] = []
+            chain_ints(_mix_int((int(namespaces[0]) + _GOLD_I) & _MASK), terms.tolist(), out_l)
             return np.array(out_l, dtype=np.uint64)
         out = np.empty(n, dtype=np.uint64)
         order = np.argsort(-full, kind="stable")             # longest prompts first: column j's prompts are a prefix
@@ -277,5 +285,6 @@ def make_hash_fn(mode: str, namespaces: object, seed: str = VLLM_DEFAULT_SEED) -
     raise ValueError(f"unknown prefix hash mode {mode!r}; known: {', '.join(HASH_MODES)}")
 
 
-__all__ = ["DEFAULT_MODE", "HASH_MODES", "VLLM_DEFAULT_SEED", "VLLM_SHA256_CBOR", "VllmHash", "cbor", "low64",
-           "make_hash_fn", "page_hashes", "prompt_hashes", "token_hashes", "vllm_block_hashes", "vllm_extra_keys"]
+__all__ = ["DEFAULT_MODE", "HASH_MODES", "VLLM_DEFAULT_SEED", "VLLM_SHA256_CBOR", "VllmHash", "cbor", "chain_ints",
+           "low64", "make_hash_fn", "page_hashes", "prompt_hashes", "token_hashes", "vllm_block_hashes",
+           "vllm_extra_keys"]
