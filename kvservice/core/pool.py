@@ -420,7 +420,8 @@ class Pool:
         rs = self._slots[g]
         need = int(np.add.reduce(e_held_new - e_held)) + int(np.add.reduce(a_held))
         # Owners lost (frees, window releases) and gained (fork children) before any allocation.
-        dropped = [rs.gather(inp.f_rows, first[inp.f_rows], self._held[inp.f_rows])] if len(inp.f_rows) else []
+        f_slots = rs.gather(inp.f_rows, first[inp.f_rows], self._held[inp.f_rows]) if len(inp.f_rows) else None
+        dropped = [f_slots] if f_slots is not None else []
         new_first = None
         if self.windows[g] and len(inp.e_rows):
             lo = first[inp.e_rows]
@@ -456,7 +457,7 @@ class Pool:
                     cow = np.zeros(len(inp.e_rows), dtype=bool)
                     cow[partial] = cow_rows(last, owners)
                     need += int(np.add.reduce(cow))
-        return GroupPlan(need, avail, new_first, cow, hits, cand, a_first)
+        return GroupPlan(need, avail, new_first, cow, hits, cand, a_first, f_slots)
 
     # ---- phase 3: commit ---------------------------------------------------------------
     def _commit(self, inp: StepInput, plan: StepPlan, tables: bool, block_table: bool) -> StepResult:
@@ -464,7 +465,7 @@ class Pool:
         ps = self.page_size
         for alloc in self.allocators:
             alloc.clock = self.steps + 1          # pages released by this step are stamped with it (eviction order)
-        self._release(inp.f_rows)
+        self._release(inp.f_rows, [gp.f_slots for gp in plan.groups])
         c_rows = self._take_rows(inp.c_ids)
         if len(c_rows):
             self._fork(inp.p_rows, c_rows)
@@ -581,14 +582,13 @@ class Pool:
         rs.arena[flat] = got
         return got
 
-    def _release(self, rows: np.ndarray) -> None:
-        """Frees: every page of the rows loses an owner; the rows leave the pool."""
+    def _release(self, rows: np.ndarray, slots: list[np.ndarray | None]) -> None:
+        """Frees: every page of the rows loses an owner; the rows leave the pool. slots[g]: the rows' slots in
+        group g as the plan gathered them (GroupPlan.f_slots)."""
         if not len(rows):
             return
-        held = self._held[rows]
         for g, alloc in enumerate(self.allocators):
-            alloc.free(self._slots[g].gather(rows, self._first[g][rows], held).astype(np.intp),
-                       unique=not self._sharing)
+            alloc.free(slots[g].astype(np.intp, copy=False), unique=not self._sharing)
             self._slots[g].drop(rows)
             self._first[g][rows] = 0
         for seq_id in self._seq_ids[rows].tolist():

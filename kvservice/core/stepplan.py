@@ -138,6 +138,8 @@ class GroupPlan:
     cand: int64 [N] this group's cached slot of each prompt page (valid where a_first <= col < hits).
     a_first: int64 [A] first page each admission holds in this group (sliding groups skip pages
         wholly before the window of the first computed token; 0 elsewhere; None without prefix caching).
+    f_slots: int64 [n] the slots the freed rows hold in this group, row after row (None: no frees); the
+        commit releases exactly these.
     """
 
     need: int
@@ -147,6 +149,7 @@ class GroupPlan:
     hits: np.ndarray | None = None
     cand: np.ndarray | None = None
     a_first: np.ndarray | None = None
+    f_slots: np.ndarray | None = None
 
 
 @dataclass(frozen=True, slots=True)
