@@ -427,7 +427,10 @@ class Pool:
             lo = first[inp.e_rows]
             new_first = np.minimum(np.maximum(lo, (e_old + 1 - self.windows[g]) // self.page_size), e_held)
             dropped.append(rs.gather(inp.e_rows, lo, new_first))
-        lost = np.sort(np.concatenate(dropped)) if dropped else EMPTY_I64
+        lost = EMPTY_I64
+        if dropped:
+            lost = np.concatenate(dropped)
+            lost.sort()                               # a fresh array: sorted in place
         gained = np.sort(rs.gather(inp.p_rows, first[inp.p_rows], self._held[inp.p_rows])) \
             if len(inp.p_rows) else EMPTY_I64
         rc = alloc._refcnt
@@ -443,7 +446,9 @@ class Pool:
             pr = inp.prompt
             hits, cand = hits_all, cands[g]
             a_first = self._first_kept(g, hits)
-            taken = distinct_sorted(np.sort(cand[(pr.col < hits[pr.row]) & (pr.col >= a_first[pr.row])]))
+            taken = cand[(pr.col < hits[pr.row]) & (pr.col >= a_first[pr.row])]     # a fresh array
+            taken.sort()
+            taken = distinct_sorted(taken)
             avail -= int((owners_after(taken) == 0).sum())      # cached pages revived from the free LRU
             need -= int(np.add.reduce(hits))
         cow = None
@@ -659,7 +664,7 @@ class Pool:
         keys, rows = self._index()
         if not len(keys):
             return np.zeros(len(ids), dtype=np.int64), np.zeros(len(ids), dtype=bool)
-        pos = np.searchsorted(keys, ids)
+        pos = keys.searchsorted(ids)
         np.minimum(pos, len(keys) - 1, out=pos)
         return rows[pos], keys[pos] == ids
 

@@ -168,7 +168,7 @@ def count_in(sorted_vals: np.ndarray, q: np.ndarray) -> np.ndarray:
     """How often each q occurs in sorted_vals (int64, shape of q)."""
     if not len(sorted_vals) or not len(q):
         return np.zeros(len(q), dtype=np.int64)
-    return np.searchsorted(sorted_vals, q, side="right") - np.searchsorted(sorted_vals, q, side="left")
+    return sorted_vals.searchsorted(q, side="right") - sorted_vals.searchsorted(q, side="left")
 
 
 def distinct_sorted(sorted_vals: np.ndarray) -> np.ndarray:
