@@ -36,7 +36,8 @@ Usage: python bench/bench_cache.py [--out bench/results/cache.md] [--requests N]
        [--systems ours,ours-lru,radix,vllm,vllm-hash] [--dry]
 --dry does everything but the calls into the systems (the trace, token arrays, the schedule, vLLM's precomputed
 hashes): under ``valgrind --tool=callgrind`` the difference of a run and its --dry twin is the systems' own
-instruction count, repeatable on a loaded machine (bench/results/cache.md).
+instruction count, repeatable on a loaded machine (bench/results/cache.md; run both with OPENBLAS_NUM_THREADS=1,
+whose idle threads otherwise spin for a time-dependent number of instructions, and a fixed PYTHONHASHSEED).
 """
 
 from __future__ import annotations
@@ -53,7 +54,10 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# NumPy imports numpy.ma on the first np.unique call (~47 M instructions, once per process, not per request):
+# imported here so that a run and its --dry twin both pay it.
 import numpy as np
+import numpy.ma
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))

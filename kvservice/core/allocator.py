@@ -99,13 +99,7 @@ class SlotAllocator:
         slots = self._stack[top:self._top].copy()
         self._top = top
         if take < n:
-            evicted = []
-            victim, unlink, cached = self.policy.victim, self.policy.unlink, self._cached
-            for _ in range(n - take):
-                s = victim()
-                del cached[s]
-                unlink(s)                        # its parent may become a leaf for the next victim
-                evicted.append(s)
+            evicted = self.policy.evict(n - take)    # out of _cached, unlinked, in eviction order
             ev = np.array(evicted, dtype=np.intp)
             self.cacheable[ev] = False
             if self.on_evict is not None:
@@ -122,7 +116,7 @@ class SlotAllocator:
     def _bump(self, slots: np.ndarray) -> None:
         """The slots pass to a new owner: next generation (never 0)."""
         gen = self.generation[slots] + np.uint32(1)          # uint32 arithmetic: wraps to 0 ...
-        if not gen.all():
+        if not np.logical_and.reduce(gen):
             gen[gen == 0] = 1                                # ... which is never handed out
         self.generation[slots] = gen
 
@@ -159,11 +153,11 @@ class SlotAllocator:
                 raise InvalidArgument(f"slot {bad} does not exist (num_slots={self.num_slots})", slot=bad)
             order = np.arange(n)
             self._mark[slots] = order
-            if (self._mark[slots] != order).any():
+            if np.logical_or.reduce(self._mark[slots] != order):
                 self._free_repeated(slots)
                 return
         rc = self._refcnt.take(slots)
-        lo, hi = rc.min(), rc.max()
+        lo, hi = np.minimum.reduce(rc), np.maximum.reduce(rc)
         if lo <= 0:
             raise InvalidArgument(f"double free of slot {slots[rc <= 0][0]}: it is already free",
                                   reason="DOUBLE_FREE", slot=slots[rc <= 0][0])
@@ -179,7 +173,7 @@ class SlotAllocator:
         uniq, counts = np.unique(slots, return_counts=True)
         rc = self._refcnt[uniq]
         over = counts > rc
-        if over.any():
+        if np.logical_or.reduce(over):
             raise InvalidArgument(f"double free of slot {uniq[over][0]}: freed more often than it is owned",
                                   reason="DOUBLE_FREE", slot=uniq[over][0])
         rc -= counts.astype(np.int32)
@@ -188,7 +182,7 @@ class SlotAllocator:
 
     def _release(self, released: np.ndarray) -> None:
         keep = self.cacheable[released] if self.caching else None
-        if keep is not None and keep.any():
+        if keep is not None and np.logical_or.reduce(keep):
             cached = released[keep].tolist()
             clock = self.clock
             for s in cached:

@@ -21,6 +21,7 @@ Layer groups: every source names its group, the group's kind ("full_attention" o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 
 import numpy as np
 
@@ -135,32 +136,32 @@ class GroupEventSource:
         if not len(keep):
             return
         keep = np.sort(keep)
-        par = parents[keep]
-        prev = np.maximum(keep - 1, 0)
-        same_prompt = (keep > 0) & (slots[prev] == par)
         if parent_hashes is not None:
-            parent_h = parent_hashes[keep].astype(np.uint64)
+            parent_h = parent_hashes[keep].astype(np.uint64, copy=False)
         else:
+            par = parents[keep]
+            prev = np.maximum(keep - 1, 0)
+            same_prompt = (keep > 0) & (slots[prev] == par)
             parent_h = np.where(same_prompt, hashes[prev], np.where(par >= 0, slot_hash[np.maximum(par, 0)], 0))
             parent_h = parent_h.astype(np.uint64)
         h = hashes[keep]
         self.parent_hash[slots[keep]] = parent_h
         if self.index.full_after(len(keep)):
-            live = np.flatnonzero(slot_hash)
+            live = slot_hash.nonzero()[0]
             self.index.rebuild(slot_hash[live], live)
         else:
             self.index.insert(h, slots[keep].astype(np.int64))
         if not self.pending.add(len(keep)):
             return
-        cuts = np.flatnonzero(parent_h[1:] != h[:-1]) + 1        # a new chain where the parent is not the last page
+        cuts = (parent_h[1:] != h[:-1]).nonzero()[0] + 1        # a new chain where the parent is not the last page
         ps = pages.shape[1]
         tok = pages[keep]                            # a fresh array: the events keep views of it
         extra = None
         if names is not None:
             first = (parent_h == 0).tolist()
             extra = tuple(page_keys(*names[k], f) for k, f in zip(keep.tolist(), first, strict=True))
-        for lo, hi in zip(np.concatenate(([0], cuts)).tolist(), np.concatenate((cuts, [len(keep)])).tolist(),
-                          strict=True):
+        bounds = [0, *cuts.tolist(), len(keep)]
+        for lo, hi in pairwise(bounds):
             self.pending.events.append(BlockStored(self.group, h[lo:hi], int(parent_h[lo]),
                                                    tok[lo:hi].reshape(-1), ps, self.kind,
                                                    self.sliding_window, extra[lo:hi] if extra else None))
@@ -304,7 +305,7 @@ def copy_cached_pages(caches: list, token_ids: bool = True) -> list[CachedPages]
     out = []
     for cache in caches:
         src: GroupEventSource = cache.sink
-        slots = np.flatnonzero(cache.hash)
+        slots = cache.hash.nonzero()[0]
         tokens = cache.tokens[slots] if token_ids else np.zeros((len(slots), 0), dtype=np.int64)
         out.append(CachedPages(src.group, cache.hash[slots], src.parent_hash[slots], tokens,
                                cache.namespace[slots].astype(np.int64), cache.namespaces.names(),

@@ -59,21 +59,20 @@ def emit_tables(spaces: tuple[IndexSpace, ...], page_size: int, slot_tables: lis
     held: int64 [B] pages after the step (ceil(new / page_size)); tok_indptr: int64 [B + 1] prefix sum
     of new - old. firsts[g]: int64 [rows] first kept page per row of group g. allocators[g]: group g's
     SlotAllocator (its slot generations are sent beside the pages).
+
+    The new tokens of a page are consecutive positions of it, so their slot mapping is one run
+    ``page * page_size + offset, offset + 1, ...``: everything is gathered and converted per page (of
+    the new tokens) and only expanded to tokens at the end (a repeat and an add per array), whatever
+    the number of tokens. A decode step (one token per row) has one page per row and skips the expansion.
     """
     ps = page_size
     b = len(rows)
     t = int(tok_indptr[-1])
-    if t == b and (b == 0 or int((new - old).min()) == 1):     # decode: exactly one new token per row
-        tok_rows, pos = rows, old
-    else:
-        k = new - old
-        tok_rows = np.repeat(rows, k)
-        pos = np.repeat(old - tok_indptr[:-1], k) + np.arange(t, dtype=np.int64)
-    page_of_tok, off_in_page = np.divmod(pos, ps)
+    pg = _NewPages.of(ps, rows, old, new, held, tok_indptr, t)
     if tables:
         last = (new - (held - 1) * ps).astype(np.int32)
     if block_table:
-        bt_width = int(held.max()) if b else 0
+        bt_width = int(np.maximum.reduce(held)) if b else 0
         cols = np.arange(bt_width, dtype=np.int64)
     out = []
     gathered: dict[int, tuple] = {}
@@ -82,22 +81,13 @@ def emit_tables(spaces: tuple[IndexSpace, ...], page_size: int, slot_tables: lis
         if g not in gathered:
             rs = slot_tables[g]
             first = firsts[g][rows] if sliding[g] else None
-            if not t:
-                tok_slots = np.zeros(0, dtype=np.int64)
-            elif first is not None:
-                # A prefix hit's tokens before the window sit in pages this group never held.
-                held_tok = page_of_tok >= firsts[g][tok_rows]
-                tok_slots = np.full(t, SKIP_SLOT, dtype=np.int64)
-                at = np.flatnonzero(held_tok)
-                tok_slots[at] = rs.arena.take(rs.flat(tok_rows[at], page_of_tok[at]))
-            else:
-                tok_slots = rs.arena.take(rs.flat(tok_rows, page_of_tok)).astype(np.int64)
+            pg_slots, skip = pg.slots(rs, firsts[g] if first is not None else None)
             indptr = idx = sub = None
             if tables:
                 lo = first if first is not None else np.zeros(b, dtype=np.int64)
                 flat, cnt = rs.span(rows, lo, held)
                 indptr = np.zeros(b + 1, dtype=np.int64)
-                np.cumsum(cnt, out=indptr[1:])
+                cnt.cumsum(out=indptr[1:])
                 idx = rs.arena.take(flat)
             if block_table:
                 lo = first if first is not None else np.zeros(b, dtype=np.int64)
@@ -106,17 +96,19 @@ def emit_tables(spaces: tuple[IndexSpace, ...], page_size: int, slot_tables: lis
                 r_idx, c_idx = np.nonzero(valid)
                 sub[r_idx, c_idx] = rs.arena.take(rs.flat(rows[r_idx], c_idx))
             gen = allocators[g].generation
-            tok_gen = gen.take(np.maximum(tok_slots, 0))
-            if first is not None and t:
-                tok_gen[tok_slots == SKIP_SLOT] = 0
-            gathered[g] = (tok_slots, indptr, idx, sub, tok_gen, gen.take(idx) if tables else None)
-        tok_slots, indptr, idx, sub, tok_gen, idx_gen = gathered[g]
+            pg_gen = gen.take(np.maximum(pg_slots, 0) if skip is not None else pg_slots)
+            if skip is not None:
+                pg_gen[skip] = 0
+            gathered[g] = (pg_slots, skip, indptr, idx, sub, pg.expand(pg_gen),
+                           gen.take(idx) if tables else None)
+        pg_slots, skip, indptr, idx, sub, tok_gen, idx_gen = gathered[g]
         if (space.scale, space.offset, space.base) == (1, 0, 0):
-            mapping = tok_slots * ps + off_in_page
+            pg_base = pg_slots * ps
         else:
-            mapping = (tok_slots * space.scale + (space.base + space.offset)) * ps + off_in_page
-        if sliding[g] and t:
-            mapping[tok_slots == SKIP_SLOT] = SKIP_SLOT
+            pg_base = (pg_slots * space.scale + (space.base + space.offset)) * ps
+        mapping = pg.runs(pg_base)
+        if skip is not None:
+            mapping[pg.expand(skip)] = SKIP_SLOT
         table = PageTable(indptr.astype(space.index_dtype), space.page_indices(idx), last) if tables else None
         bt = None
         if block_table:
@@ -124,3 +116,79 @@ def emit_tables(spaces: tuple[IndexSpace, ...], page_size: int, slot_tables: lis
             bt[sub < 0] = -1
         out.append(SpaceTables(space, mapping, table, bt, tok_gen, idx_gen))
     return tuple(out)
+
+
+_IOTA = np.arange(4096, dtype=np.int64)
+
+
+def _iota(n: int) -> np.ndarray:
+    """int64 [n] = 0, 1, ..., n - 1 (a read-only view of a shared array grown as needed)."""
+    global _IOTA
+    if len(_IOTA) < n:
+        _IOTA = np.arange(max(n, 2 * len(_IOTA)), dtype=np.int64)
+        _IOTA.flags.writeable = False
+    return _IOTA[:n]
+
+
+_IOTA.flags.writeable = False
+
+
+@dataclass(frozen=True, slots=True)
+class _NewPages:
+    """The pages the new tokens of a step land in, P of them, in batch order (a row's pages ascending).
+
+    row: int64 [P] batch index of each page's row; col: int64 [P] the page (column) in its row;
+    first_off: int64 [P] offset in the page of its first new token; count: int64 [P] new tokens in it
+    (None for a decode step: one page per row, one token each); t: new tokens in all.
+    """
+
+    rows: np.ndarray
+    col: np.ndarray
+    first_off: np.ndarray
+    count: np.ndarray | None
+    t: int
+
+    @staticmethod
+    def of(ps: int, rows: np.ndarray, old: np.ndarray, new: np.ndarray, held: np.ndarray,
+           tok_indptr: np.ndarray, t: int) -> _NewPages:
+        b = len(rows)
+        if t == b and (b == 0 or int(np.minimum.reduce(new - old)) == 1):     # decode: exactly one new token per row
+            col, off = np.divmod(old, ps)
+            return _NewPages(rows, col, off, None, t)
+        k = new - old
+        p0 = old // ps
+        c = np.where(k > 0, held - p0, 0)                   # pages holding new tokens, per row
+        n = int(np.add.reduce(c))
+        at = np.arange(b, dtype=np.int64).repeat(c)
+        starts = c.cumsum() - c
+        col = (p0 - starts).repeat(c) + _iota(n)
+        lo = col * ps
+        first_off = np.maximum(old[at] - lo, 0)
+        count = np.minimum(new[at] - lo, ps) - first_off
+        return _NewPages(rows[at], col, first_off, count, t)
+
+    def slots(self, rs: RowSlots, first: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+        """(int64 [P] the slot of each page, bool [P] pages wholly before a sliding group's first kept page
+        (their slot -1), or None when the group holds every page: first is None)."""
+        if first is None:
+            return rs.arena.take(rs.flat(self.rows, self.col)).astype(np.int64), None
+        skip = self.col < first[self.rows]
+        out = np.full(len(self.col), SKIP_SLOT, dtype=np.int64)
+        at = (~skip).nonzero()[0]
+        out[at] = rs.arena.take(rs.flat(self.rows[at], self.col[at]))
+        return out, skip
+
+    def expand(self, per_page: np.ndarray) -> np.ndarray:
+        """One value per page -> one per new token ([t])."""
+        return per_page if self.count is None else per_page.repeat(self.count)
+
+    def runs(self, base: np.ndarray) -> np.ndarray:
+        """int64 [t]: each page's new tokens numbered base + first_off, base + first_off + 1, ...
+        (base: int64 [P], the page's first slot-mapping value)."""
+        v = base + self.first_off
+        if self.count is None:
+            return v
+        v -= self.count.cumsum() - self.count             # minus the tokens before the page ...
+        out = v.repeat(self.count)
+        out += _iota(self.t)                                 # ... plus the token's index: consecutive runs
+        return out

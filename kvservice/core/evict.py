@@ -25,6 +25,7 @@ are unlinked: they are now leaves of their own).
 from __future__ import annotations
 
 import heapq
+from array import array
 from collections import OrderedDict
 
 import numpy as np
@@ -43,9 +44,24 @@ class EvictionPolicy:
     name = "base"
 
     def __init__(self, num_slots: int, cached_at: dict[int, int]) -> None:
-        self.children = np.zeros(num_slots, dtype=np.int32)
-        self.parent_of = np.full(num_slots, -1, dtype=np.int64)
+        # One buffer each, seen two ways: NumPy arrays for the vectorised links, array.array for the
+        # per-page steps of an eviction (indexing one yields a plain int, with no NumPy scalar made).
+        self._children = array("i", bytes(4 * num_slots))
+        self._parent_of = array("q", [-1]) * num_slots
+        self.children = np.frombuffer(self._children, dtype=np.int32)
+        self.parent_of = np.frombuffer(self._parent_of, dtype=np.int64)
         self.cached_at = cached_at
+
+    def __getstate__(self) -> dict:
+        """Pickled and copied without the NumPy views: __setstate__ makes them again over the copied buffers."""
+        state = self.__dict__.copy()
+        del state["children"], state["parent_of"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.children = np.frombuffer(self._children, dtype=np.int32)
+        self.parent_of = np.frombuffer(self._parent_of, dtype=np.int64)
 
     # ---- dependencies (told by the prefix cache) ---------------------------------------------
     def link(self, slots: np.ndarray, parents: np.ndarray) -> None:
@@ -56,19 +72,36 @@ class EvictionPolicy:
 
     def unlink(self, slot: int) -> None:
         """The page in `slot` is forgotten: its parent loses a dependant, its own dependants are orphaned."""
-        p = int(self.parent_of[slot])
+        children, parent_of = self._children, self._parent_of
+        p = parent_of[slot]
         if p >= 0:
-            self.parent_of[slot] = -1
-            self.children[p] -= 1
-            if self.children[p] == 0 and p in self.cached_at:
+            parent_of[slot] = -1
+            children[p] -= 1
+            if not children[p] and p in self.cached_at:
                 self._became_leaf(p, self.cached_at[p])
-        if self.children[slot]:                     # an inner page evicted (sliding groups only)
-            orphans = np.flatnonzero(self.parent_of == slot)
-            self.parent_of[orphans] = -1
-            self.children[slot] = 0
-            for c in orphans.tolist():
-                if c in self.cached_at and not self.children[c]:
-                    self._became_leaf(c, self.cached_at[c])
+        if children[slot]:                          # an inner page evicted (sliding groups only)
+            self._orphan(slot)
+
+    def _orphan(self, slot: int) -> None:
+        """The pages linked under `slot` (being forgotten) lose their parent: leaves now if nothing depends on them."""
+        orphans = np.flatnonzero(self.parent_of == slot)
+        self.parent_of[orphans] = -1
+        self._children[slot] = 0
+        for c in orphans.tolist():
+            if c in self.cached_at and not self._children[c]:
+                self._became_leaf(c, self.cached_at[c])
+
+    def evict(self, n: int) -> list[int]:
+        """Take n victims, one after the other (each may make its parent the next leaf): removed from cached_at
+        and unlinked, in eviction order. cached_at holds at least n slots."""
+        cached, victim, unlink = self.cached_at, self.victim, self.unlink
+        out = []
+        for _ in range(n):
+            s = victim()
+            del cached[s]
+            unlink(s)                                # its parent may become a leaf for the next victim
+            out.append(s)
+        return out
 
     def is_leaf(self, slot: int) -> bool:
         return self.children[slot] == 0
@@ -108,7 +141,7 @@ class LruLeaf(EvictionPolicy):
         self._heap: list[tuple[int, int]] = []
 
     def cached(self, slots: list[int], stamp: int) -> None:
-        heap, children = self._heap, self.children
+        heap, children = self._heap, self._children
         for s in slots:
             if not children[s]:
                 heapq.heappush(heap, (stamp, s))
@@ -118,8 +151,32 @@ class LruLeaf(EvictionPolicy):
     def _became_leaf(self, slot: int, stamp: int) -> None:
         heapq.heappush(self._heap, (stamp, slot))
 
+    def evict(self, n: int) -> list[int]:
+        """EvictionPolicy.evict with victim and unlink inlined for the usual case (a leaf, no dependants)."""
+        heap, cached, children, parent_of = self._heap, self.cached_at, self._children, self._parent_of
+        pop, push = heapq.heappop, heapq.heappush
+        out = []
+        while len(out) < n:
+            while heap:
+                stamp, s = pop(heap)
+                if cached.get(s) == stamp and not children[s]:
+                    break
+            else:                                      # no cached leaf (sliding groups): the general rule
+                s = self.victim()
+            del cached[s]
+            p = parent_of[s]
+            if p >= 0:
+                parent_of[s] = -1
+                children[p] -= 1
+                if not children[p] and p in cached:
+                    push(heap, (cached[p], p))         # _became_leaf
+            if children[s]:                            # an inner page (sliding groups only)
+                self._orphan(s)
+            out.append(s)
+        return out
+
     def victim(self) -> int:
-        heap, cached, children = self._heap, self.cached_at, self.children
+        heap, cached, children = self._heap, self.cached_at, self._children
         while heap:
             stamp, s = heapq.heappop(heap)
             if cached.get(s) == stamp and not children[s]:

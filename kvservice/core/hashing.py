@@ -36,6 +36,8 @@ _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 _GOLD = np.uint64(0x9E3779B97F4A7C15)
 _MASK = (1 << 64) - 1
+# Shift counts as NumPy scalars made once: a ufunc given a fresh np.uint64 each call costs ~16 k instructions more.
+_S27, _S30, _S31 = np.uint64(27), np.uint64(30), np.uint64(31)
 _M1_I, _M2_I, _GOLD_I = int(_M1), int(_M2), int(_GOLD)
 _POS: dict[int, np.ndarray] = {}
 
@@ -48,11 +50,11 @@ VLLM_DEFAULT_SEED = "vllm-none-hash"
 
 def _mix(x: np.ndarray) -> np.ndarray:
     """splitmix64 finaliser, elementwise on uint64."""
-    x = x ^ (x >> np.uint64(30))
+    x = x ^ (x >> _S30)
     x = x * _M1
-    x = x ^ (x >> np.uint64(27))
+    x = x ^ (x >> _S27)
     x = x * _M2
-    return x ^ (x >> np.uint64(31))
+    return x ^ (x >> _S31)
 
 
 def _mix_int(x: int) -> int:
@@ -62,6 +64,22 @@ def _mix_int(x: int) -> int:
     x ^= x >> 27
     x = (x * _M2_I) & _MASK
     return x ^ (x >> 31)
+
+
+def chain_ints(h: int, terms: list[int], out: list[int]) -> int:
+    """The chain on plain integers: for each term c (a page's token hash ^ its column * M2), h = mix(h ^ c),
+    appended to out (0 kept as 1). h: the chain's value before the first term. Returns the last h.
+    (_mix_int inlined: for a long prompt this loop is the chain's whole cost.)"""
+    m1, m2, mask = _M1_I, _M2_I, _MASK
+    for c in terms:
+        x = h ^ c
+        x ^= x >> 30
+        x = (x * m1) & mask
+        x ^= x >> 27
+        x = (x * m2) & mask
+        h = x ^ (x >> 31)
+        out.append(h or 1)
+    return h
 
 
 def token_hashes(pages: np.ndarray) -> np.ndarray:
@@ -75,13 +93,18 @@ def token_hashes(pages: np.ndarray) -> np.ndarray:
         with np.errstate(over="ignore"):
             pos = _POS[ps] = np.arange(1, ps + 1, dtype=np.uint64) * _GOLD
     with np.errstate(over="ignore"):
-        x = pages.astype(np.uint64)                  # int64 -> uint64: two's complement, a copy we own
-        x += pos
-        x ^= x >> np.uint64(30)
+        # int64 -> uint64 is the same bits: a view, added into a fresh array we own (no separate copy).
+        src = pages.view(np.uint64) if pages.dtype == np.int64 else pages.astype(np.uint64)
+        x = np.add(src, pos)
+        t = np.empty_like(x)                         # one scratch array for the three shifts
+        np.right_shift(x, _S30, out=t)
+        x ^= t
         x *= _M1
-        x ^= x >> np.uint64(27)
+        np.right_shift(x, _S27, out=t)
+        x ^= t
         x *= _M2
-        x ^= x >> np.uint64(31)
+        np.right_shift(x, _S31, out=t)
+        x ^= t
         return _mix(x.sum(axis=1, dtype=np.uint64))
 
 
@@ -100,11 +123,8 @@ def page_hashes(pages: np.ndarray, col: np.ndarray, starts: np.ndarray, full: np
     with np.errstate(over="ignore"):
         terms = token_hashes(pages) ^ (col.astype(np.uint64) * _M2)
         if len(full) == 1:                               # one prompt: the chain on plain integers
-            h = _mix_int((int(namespaces[0]) + _GOLD_I) & _MASK)
-            out_l = []
-            for c in terms.tolist():
-                h = _mix_int(h ^ c)
-                out_l.append(h or 1)
+            out_l: list[int] = []
+            chain_ints(_mix_int((int(namespaces[0]) + _GOLD_I) & _MASK), terms.tolist(), out_l)
             return np.array(out_l, dtype=np.uint64)
         out = np.empty(n, dtype=np.uint64)
         order = np.argsort(-full, kind="stable")             # longest prompts first: column j's prompts are a prefix
@@ -265,5 +285,6 @@ def make_hash_fn(mode: str, namespaces: object, seed: str = VLLM_DEFAULT_SEED) -
     raise ValueError(f"unknown prefix hash mode {mode!r}; known: {', '.join(HASH_MODES)}")
 
 
-__all__ = ["DEFAULT_MODE", "HASH_MODES", "VLLM_DEFAULT_SEED", "VLLM_SHA256_CBOR", "VllmHash", "cbor", "low64",
-           "make_hash_fn", "page_hashes", "prompt_hashes", "token_hashes", "vllm_block_hashes", "vllm_extra_keys"]
+__all__ = ["DEFAULT_MODE", "HASH_MODES", "VLLM_DEFAULT_SEED", "VLLM_SHA256_CBOR", "VllmHash", "cbor", "chain_ints",
+           "low64", "make_hash_fn", "page_hashes", "prompt_hashes", "token_hashes", "vllm_block_hashes",
+           "vllm_extra_keys"]

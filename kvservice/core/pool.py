@@ -6,7 +6,10 @@ and per layer group g the slots of the row's pages in ``_slots[g]`` (a ragged
 `RowSlots`: memory proportional to the pages held) with ``_first[g][row]`` the
 first page still held (pages before it fell out of a sliding window and were
 released; always 0 in full-attention groups). A step over B sequences is a
-fixed number of NumPy calls, not B Python calls.
+fixed number of NumPy calls, not B Python calls; in the step's path they are the
+C entry points (``x.nonzero()[0]``, ``x.repeat``, ``np.add.reduce(x)``: the results
+of ``np.flatnonzero``, ``np.repeat``, ``x.sum()`` without their Python wrappers,
+which cost a prefix-cached admission several percent of its instructions).
 
 ``step`` runs four phases, each a function you can read alone: validate the
 request (`_validate`), plan every group's slot demand without changing
@@ -36,7 +39,7 @@ from kvservice.core.cache_events import PoolEvents
 from kvservice.core.emit import SpaceTables, emit_tables
 from kvservice.core.hashing import DEFAULT_MODE, VLLM_DEFAULT_SEED, make_hash_fn
 from kvservice.core.pool_state import POOL_STATE_VERSION, IdRuns, PoolState, as_array, spec_runs
-from kvservice.core.prefix import Namespaces, PrefixCache, run_ending_at
+from kvservice.core.prefix import Namespaces, PrefixCache, register_prompt, run_ending_at
 from kvservice.core.rowslots import RowSlots, slot_table_dtype
 from kvservice.core.stepplan import (
     EMPTY_I64,
@@ -47,6 +50,8 @@ from kvservice.core.stepplan import (
     check_distinct,
     count_in,
     cow_rows,
+    distinct_counts,
+    distinct_sorted,
     parse_counts,
     parse_ids,
     parse_strs,
@@ -118,6 +123,7 @@ class Pool:
             full = [g for g, w in enumerate(self.windows) if not w]
             self._anchor_group = full[0] if full else None
             self.prefix = self.prefixes[full[0] if full else 0]
+        self._register_order = sorted(range(len(self.allocators)), key=lambda g: bool(self.windows[g]))
         self.events = PoolEvents()                # KV events of the prefix caches (cache_events.py)
         for g, cache in enumerate(self.prefixes or ()):
             cache.sink = self.events.source(g, self.windows[g], geo.groups[g].num_slots)
@@ -267,13 +273,13 @@ class Pool:
         new_ids = np.concatenate((a_ids, c_ids)) if len(c_ids) else a_ids
         if len(new_ids):
             known = self._find(new_ids)[1]
-            if known.any():
+            if np.logical_or.reduce(known):
                 taken = new_ids[known][0]
                 raise AlreadyExists(f"sequence {taken} is already in pool {self.name!r}", seq_id=taken)
         if len(p_ids) and len(f_ids) and np.isin(p_ids, f_ids).any():
             raise InvalidArgument(f"fork parent {p_ids[np.isin(p_ids, f_ids)][0]} is freed in the same step")
         for name, n, ids in (("extend", self._num_tokens[e_rows] + e_k, e_ids), ("admit", a_n, a_ids)):
-            if len(n) and int(n.max()) > self.max_seq_len:
+            if len(n) and int(np.maximum.reduce(n)) > self.max_seq_len:
                 j = int(np.argmax(n))
                 raise InvalidArgument(
                     f"{name}: sequence {ids[j]} would hold {n[j]} tokens; pool {self.name!r} takes at most "
@@ -311,20 +317,20 @@ class Pool:
         if tok.ndim != 1 or tok.dtype.kind not in "iu":
             raise InvalidArgument(f"admit_token_ids must be a 1-D integer array, got shape {tok.shape} dtype "
                                   f"{tok.dtype}")
-        if len(tok) != int(a_n.sum()):
+        if len(tok) != int(np.add.reduce(a_n)):
             raise InvalidArgument(f"admit_token_ids has {len(tok)} ids; admit_num_tokens add up to {int(a_n.sum())}")
         ns, new_ns = self.prefix.namespace_ids(salt_list, key_list)
         ps = self.page_size
         full = a_n // ps
-        n = int(full.sum())
-        page_start = np.cumsum(full) - full                  # first page of each prompt
-        row = np.repeat(np.arange(a, dtype=np.int64), full)
+        n = int(np.add.reduce(full))
+        page_start = full.cumsum() - full                  # first page of each prompt
+        row = np.arange(a, dtype=np.int64).repeat(full)
         col = np.arange(n, dtype=np.int64) - page_start[row]
         tok = tok.astype(np.int64, copy=False)
         if a == 1:                                          # one prompt: its full pages are a view
             pages = tok[:n * ps].reshape(n, ps)
         else:                                               # [N, ps]: O(prompt tokens), never A x longest
-            tok_start = np.cumsum(a_n) - a_n
+            tok_start = a_n.cumsum() - a_n
             pages = np.concatenate([tok[s:s + f * ps].reshape(f, ps)
                                     for s, f in zip(tok_start.tolist(), full.tolist(), strict=True)])
         limit = (a_n - 1) // ps                      # at least one token of each prompt is computed
@@ -384,14 +390,14 @@ class Pool:
                 ok &= caches[g].anchor[safe] == cands[anchor]
             else:                                           # sliding groups only: the parent page's hash
                 prev_h = np.zeros(len(cand), dtype=np.uint64)
-                inner = np.flatnonzero(pr.col > 0)
+                inner = (pr.col > 0).nonzero()[0]
                 prev_h[inner] = pr.hashes[inner - 1]
                 ok &= caches[g].parent_hash[safe] == prev_h
             needed = (pr.col + 1) - self._first_kept(g, pr.col + 1)
             ok_len &= run_ending_at(ok, pr.col) >= needed
             cands[g] = cand
         out = np.zeros(num_admits, dtype=np.int64)
-        at = np.flatnonzero(ok_len)
+        at = ok_len.nonzero()[0]
         np.maximum.at(out, pr.row[at], pr.col[at] + 1)
         return out, cands
 
@@ -412,15 +418,19 @@ class Pool:
         alloc = self.allocators[g]
         first = self._first[g]
         rs = self._slots[g]
-        need = int((e_held_new - e_held).sum()) + int(a_held.sum())
+        need = int(np.add.reduce(e_held_new - e_held)) + int(np.add.reduce(a_held))
         # Owners lost (frees, window releases) and gained (fork children) before any allocation.
-        dropped = [rs.gather(inp.f_rows, first[inp.f_rows], self._held[inp.f_rows])] if len(inp.f_rows) else []
+        f_slots = rs.gather(inp.f_rows, first[inp.f_rows], self._held[inp.f_rows]) if len(inp.f_rows) else None
+        dropped = [f_slots] if f_slots is not None else []
         new_first = None
         if self.windows[g] and len(inp.e_rows):
             lo = first[inp.e_rows]
             new_first = np.minimum(np.maximum(lo, (e_old + 1 - self.windows[g]) // self.page_size), e_held)
             dropped.append(rs.gather(inp.e_rows, lo, new_first))
-        lost = np.sort(np.concatenate(dropped)) if dropped else EMPTY_I64
+        lost = EMPTY_I64
+        if dropped:
+            lost = np.concatenate(dropped)
+            lost.sort()                               # a fresh array: sorted in place
         gained = np.sort(rs.gather(inp.p_rows, first[inp.p_rows], self._held[inp.p_rows])) \
             if len(inp.p_rows) else EMPTY_I64
         rc = alloc._refcnt
@@ -428,7 +438,7 @@ class Pool:
         def owners_after(slots: np.ndarray) -> np.ndarray:
             return rc[slots].astype(np.int64) - count_in(lost, slots) + count_in(gained, slots)
 
-        freed = np.unique(lost)
+        freed = distinct_sorted(lost)
         freed = freed[owners_after(freed) == 0] if len(freed) else freed
         avail = alloc.num_free + len(freed)
         hits = cand = a_first = None
@@ -436,21 +446,23 @@ class Pool:
             pr = inp.prompt
             hits, cand = hits_all, cands[g]
             a_first = self._first_kept(g, hits)
-            taken = np.unique(cand[(pr.col < hits[pr.row]) & (pr.col >= a_first[pr.row])])
+            taken = cand[(pr.col < hits[pr.row]) & (pr.col >= a_first[pr.row])]     # a fresh array
+            taken.sort()
+            taken = distinct_sorted(taken)
             avail -= int((owners_after(taken) == 0).sum())      # cached pages revived from the free LRU
-            need -= int(hits.sum())
+            need -= int(np.add.reduce(hits))
         cow = None
         if (self._sharing or len(inp.p_rows)) and len(inp.e_rows):
-            partial = np.flatnonzero(e_old % self.page_size != 0)
+            partial = (e_old % self.page_size != 0).nonzero()[0]
             if len(partial):
                 rows = inp.e_rows[partial]
                 last = rs.arena.take(rs.flat(rows, e_held[partial] - 1)).astype(np.int64)
                 owners = owners_after(last)
-                if (owners > 1).any():
+                if np.logical_or.reduce(owners > 1):
                     cow = np.zeros(len(inp.e_rows), dtype=bool)
                     cow[partial] = cow_rows(last, owners)
-                    need += int(cow.sum())
-        return GroupPlan(need, avail, new_first, cow, hits, cand, a_first)
+                    need += int(np.add.reduce(cow))
+        return GroupPlan(need, avail, new_first, cow, hits, cand, a_first, f_slots)
 
     # ---- phase 3: commit ---------------------------------------------------------------
     def _commit(self, inp: StepInput, plan: StepPlan, tables: bool, block_table: bool) -> StepResult:
@@ -458,7 +470,7 @@ class Pool:
         ps = self.page_size
         for alloc in self.allocators:
             alloc.clock = self.steps + 1          # pages released by this step are stamped with it (eviction order)
-        self._release(inp.f_rows)
+        self._release(inp.f_rows, [gp.f_slots for gp in plan.groups])
         c_rows = self._take_rows(inp.c_ids)
         if len(c_rows):
             self._fork(inp.p_rows, c_rows)
@@ -472,7 +484,7 @@ class Pool:
             if gp.a_first is not None:                    # a sliding group never holds pages before the window
                 self._first[g][a_rows] = gp.a_first
             rs.reserve(a_rows, self._first[g][a_rows], plan.a_held)
-            if hits is not None and hits.any():
+            if hits is not None and np.logical_or.reduce(hits):
                 self._share_hits(g, a_rows, hits, gp.cand, gp.a_first, inp.prompt)
         a_lo = hits if hits is not None else np.zeros(len(a_rows), dtype=np.int64)
         copies = tuple(self._grow(g, e_rows, plan, a_rows, a_lo) for g in range(len(self.allocators)))
@@ -489,7 +501,7 @@ class Pool:
         self.admitted += len(inp.a_ids)
         self._last_batch = (inp.e_ids.copy(), e_rows) if inp.extend_only else None
         tok_indptr = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum(new - old, out=tok_indptr[1:])
+        (new - old).cumsum(out=tok_indptr[1:])
         cached = hits * ps if hits is not None else (np.zeros(len(a_rows), dtype=np.int64) if len(a_rows) else None)
         return StepResult(self._seq_ids[rows], new, tok_indptr,
                           self._emit(rows, old, new, held_new, tok_indptr, tables, block_table),
@@ -508,13 +520,13 @@ class Pool:
         held_old = self._held[rows]
         held_new = (new + (ps - 1)) // ps
         need = held_new - held_old
-        total = int(need.sum())
+        total = int(np.add.reduce(need))
         if total > self.num_free_slots:
             return None
         nz = _NO_ROWS
         slots: tuple[np.ndarray, ...] = tuple(_NO_ROWS for _ in self.allocators)
         if total:
-            nz = np.flatnonzero(need)
+            nz = need.nonzero()[0]
             g_rows, g_lo, g_hi = rows[nz], held_old[nz], held_new[nz]
             slots = tuple(self._alloc_pages(g, alloc, g_rows, g_lo, g_hi, total)
                           for g, alloc in enumerate(self.allocators))
@@ -523,7 +535,7 @@ class Pool:
         self.steps += 1
         b = len(rows)
         tok_indptr = np.zeros(b + 1, dtype=np.int64)
-        np.cumsum(k, out=tok_indptr[1:])
+        k.cumsum(out=tok_indptr[1:])
         if not (tables or mappings) and len(self.allocators) == 1 and total == len(nz) and int(tok_indptr[-1]) == b:
             # One token per row (so at most one page each): the pages opened are all a delta needs.
             return StepResult(self._seq_ids[rows], new, tok_indptr, (), self.num_free_slots, None,
@@ -541,7 +553,7 @@ class Pool:
         rs = self._slots[g]
         gp = plan.groups[g]
         copies = _NO_COPIES
-        if gp.cow is not None and gp.cow.any():
+        if gp.cow is not None and np.logical_or.reduce(gp.cow):
             rows = e_rows[gp.cow]
             flat = rs.flat(rows, plan.e_held[gp.cow] - 1)
             src = rs.arena.take(flat).astype(np.int64)
@@ -555,10 +567,10 @@ class Pool:
             g_hi = np.concatenate((plan.e_held_new, plan.a_held))
         else:
             g_rows, g_lo, g_hi = e_rows, plan.e_held, plan.e_held_new
-        nz = np.flatnonzero(g_hi > g_lo)
+        nz = (g_hi > g_lo).nonzero()[0]
         if len(nz):
             g_rows, g_lo, g_hi = g_rows[nz], g_lo[nz], g_hi[nz]
-            self._alloc_pages(g, alloc, g_rows, g_lo, g_hi, int((g_hi - g_lo).sum()))
+            self._alloc_pages(g, alloc, g_rows, g_lo, g_hi, int(np.add.reduce(g_hi - g_lo)))
         return copies
 
     def _alloc_pages(self, g: int, alloc: SlotAllocator, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray,
@@ -575,14 +587,13 @@ class Pool:
         rs.arena[flat] = got
         return got
 
-    def _release(self, rows: np.ndarray) -> None:
-        """Frees: every page of the rows loses an owner; the rows leave the pool."""
+    def _release(self, rows: np.ndarray, slots: list[np.ndarray | None]) -> None:
+        """Frees: every page of the rows loses an owner; the rows leave the pool. slots[g]: the rows' slots in
+        group g as the plan gathered them (GroupPlan.f_slots)."""
         if not len(rows):
             return
-        held = self._held[rows]
         for g, alloc in enumerate(self.allocators):
-            alloc.free(self._slots[g].gather(rows, self._first[g][rows], held).astype(np.intp),
-                       unique=not self._sharing)
+            alloc.free(slots[g].astype(np.intp, copy=False), unique=not self._sharing)
             self._slots[g].drop(rows)
             self._first[g][rows] = 0
         for seq_id in self._seq_ids[rows].tolist():
@@ -625,7 +636,7 @@ class Pool:
         rs = self._slots[g]
         mask = (prompt.col < hits[prompt.row]) & (prompt.col >= a_first[prompt.row])
         slots = cand[mask]
-        uniq, counts = np.unique(slots, return_counts=True)
+        uniq, counts = distinct_counts(slots)
         self.allocators[g].share(uniq, counts)
         rs.arena[rs.flat(a_rows[prompt.row[mask]], prompt.col[mask])] = slots
         self.prefixes[g].hits += len(slots)
@@ -635,24 +646,8 @@ class Pool:
         self.prefix.add_namespaces(prompt.new_ns)
         if not len(prompt.pages):
             return
-        row, col = prompt.row, prompt.col
-        inner = np.flatnonzero(col > 0)
-        parent_hashes = np.zeros(len(col), dtype=np.uint64)
-        parent_hashes[inner] = prompt.hashes[inner - 1]
-        anchors = None
-        order = sorted(range(len(self.prefixes)), key=lambda g: bool(self.windows[g]))   # full groups first
-        for g in order:
-            kept = col >= self._first[g][a_rows[row]]       # a sliding group holds no page before its window
-            slots = np.full(len(col), -1, dtype=np.int64)
-            at = np.flatnonzero(kept)
-            slots[at] = self._slots[g].arena.take(self._slots[g].flat(a_rows[row[at]], col[at]))
-            parents = np.full(len(slots), -1, dtype=np.int64)
-            parents[inner] = slots[inner - 1]            # page j-1 of the same prompt precedes page j
-            if g == self._anchor_group:
-                anchors = slots
-            self.prefixes[g].register(slots[at], parents[at], prompt.ns[row[at]], prompt.pages[at],
-                                      prompt.hashes[at], parent_hashes[at],
-                                      anchors[at] if anchors is not None and self.windows[g] else None)
+        register_prompt(self.prefixes, self._register_order, self._is_sliding, self._anchor_group, self._slots,
+                        self._first, a_rows, prompt)
 
     # ---- rows and lookups -------------------------------------------------------------------
     def _index(self) -> tuple[np.ndarray, np.ndarray]:
@@ -669,7 +664,7 @@ class Pool:
         keys, rows = self._index()
         if not len(keys):
             return np.zeros(len(ids), dtype=np.int64), np.zeros(len(ids), dtype=bool)
-        pos = np.searchsorted(keys, ids)
+        pos = keys.searchsorted(ids)
         np.minimum(pos, len(keys) - 1, out=pos)
         return rows[pos], keys[pos] == ids
 
@@ -677,7 +672,7 @@ class Pool:
         if not len(ids):
             return EMPTY_I64
         rows, found = self._find(ids)
-        if not found.all():
+        if not np.logical_and.reduce(found):
             missing = ids[~found][0]
             raise NotFound(f"{field}: sequence {missing} is not in pool {self.name!r}", seq_id=missing)
         return rows
@@ -743,7 +738,7 @@ class Pool:
     #   PrefixCache (per group): by_hash (insertion order), hash, parent, parent_hash, anchor, namespace,
     #                  tokens (registered slots only), hits; the namespaces shared by the groups
     # Rebuilt, not stored (caches, scratch, constants): Pool._sorted, _last_batch, _fast, page_size,
-    # max_seq_len, windows, layer_space, _sliding, _is_sliding, _anchor_group (from the plan);
+    # max_seq_len, windows, layer_space, _sliding, _is_sliding, _anchor_group, _register_order (from the plan);
     # SlotAllocator._mark, _ones, num_slots, caching, on_evict; PrefixCache.fleet (the manager attaches a
     # restored pool to its fleet index, which reads the cache again: fleet_index.py).
     def capture_state(self) -> Callable[[], PoolState]:
@@ -799,8 +794,8 @@ class Pool:
                 for a in range(0, len(rows), 1024):        # in pieces: other threads run in between (GIL)
                     s, f, lw, c = start[a:a + 1024], first[a:a + 1024], lo[a:a + 1024], cnt[a:a + 1024]
                     k = int(c.sum())
-                    starts = np.cumsum(c) - c
-                    flat = np.repeat(s + (f - lw) - starts, c) + np.arange(k, dtype=np.int64)
+                    starts = c.cumsum() - c
+                    flat = (s + (f - lw) - starts).repeat(c) + np.arange(k, dtype=np.int64)
                     out[at:at + k] = arena.take(flat)
                     at += k
                 arrays[f"slots/{g}"] = out

@@ -22,12 +22,18 @@ place a hash collision could alias, documented in docs/ARCHITECTURE.md).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from itertools import repeat
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvservice.core.allocator import SlotAllocator
 from kvservice.core.hashing import _GOLD, _M1, _M2, _mix, page_hashes, prompt_hashes  # noqa: F401  (re-exported)
+
+if TYPE_CHECKING:
+    from kvservice.core.rowslots import RowSlots
+    from kvservice.core.stepplan import Prompt
 
 
 class Namespaces:
@@ -143,17 +149,15 @@ class PrefixCache:
         pages: int64 [N, page_size]; row: int64 [N] prompt of each page; ns: int64 [A]; hashes: uint64 [N].
         Returns (cand int64 [N], ok bool [N]).
         """
-        get = self.by_hash.get
-        if len(ns) == 1:                                          # one prompt: its page hashes are distinct
-            cand = np.fromiter((get(h, -1) for h in hashes.tolist()), dtype=np.int64, count=len(hashes))
-        else:
-            uniq, inv = np.unique(hashes, return_inverse=True)   # shared prefixes: one lookup each
-            found = np.fromiter((get(h, -1) for h in uniq.tolist()), dtype=np.int64, count=len(uniq))
-            cand = found[inv.reshape(-1)]
-        safe = np.maximum(cand, 0)
+        n = len(hashes)
+        cand = np.fromiter(map(self.by_hash.get, hashes.tolist(), repeat(-1, n)), dtype=np.int64, count=n)
         ok = cand >= 0
-        ok &= self.namespace[safe] == ns[row]
-        ok &= (self.tokens[safe] == pages).all(axis=1)
+        at = ok.nonzero()[0]                        # only pages the index knows are compared
+        if len(at):
+            slots = cand[at]
+            good = self.namespace[slots] == ns[row[at]]
+            good &= (self.tokens.take(slots, axis=0) == pages.take(at, axis=0)).all(axis=1)
+            ok[at] = good
         return cand, ok
 
     def match(self, pages: np.ndarray, row: np.ndarray, col: np.ndarray, limit: np.ndarray, ns: np.ndarray,
@@ -168,7 +172,7 @@ class PrefixCache:
         cand, ok = self.candidates(pages, row, ns, hashes)
         ok &= col < limit[row]
         prev = np.full(len(cand), -1, dtype=np.int64)
-        inner = np.flatnonzero(col > 0)
+        inner = (col > 0).nonzero()[0]
         prev[inner] = cand[inner - 1]
         ok &= self.parent[np.maximum(cand, 0)] == prev
         return leading_run(ok, row, col, len(limit)), cand
@@ -181,10 +185,10 @@ class PrefixCache:
 
         A hash already registered (the same content in another slot) keeps its first slot.
         """
-        uniq_h, first = np.unique(hashes, return_index=True)        # one slot per new hash
+        uniq_h, first = first_of_each(hashes)                      # one slot per new hash
         cand = slots[first]
         by_hash = self.by_hash
-        new = np.fromiter((h not in by_hash for h in uniq_h.tolist()), dtype=bool, count=len(uniq_h))
+        new = ~np.fromiter(map(by_hash.__contains__, uniq_h.tolist()), dtype=bool, count=len(uniq_h))
         new &= self.hash[cand] == 0
         s, h = cand[new], uniq_h[new]
         by_hash.update(zip(h.tolist(), s.tolist(), strict=True))
@@ -207,12 +211,12 @@ class PrefixCache:
 
     def _names(self, ns: np.ndarray) -> list[tuple[str, str]] | None:
         """(salt, extra key) per page of namespaces ns (int64 [n]); None when all are ("", "") (the common case)."""
-        uniq = np.unique(ns).tolist()
+        ids = ns.tolist()
         names = self.namespaces.names()
-        pairs = {i: names.get(i, ("", "")) for i in uniq}
+        pairs = {i: names.get(i, ("", "")) for i in set(ids)}
         if all(p == ("", "") for p in pairs.values()):
             return None
-        return [pairs[i] for i in ns.tolist()]
+        return [pairs[i] for i in ids]
 
     def forget(self, slot: int) -> None:
         """Drop a slot's page from the cache (it is being reused for something else)."""
@@ -240,10 +244,44 @@ class PrefixCache:
         self.allocator.cacheable[slots] = False
 
 
+def register_prompt(caches: Sequence[PrefixCache], order: Sequence[int], sliding: Sequence[bool],
+                    anchor_group: int | None, slot_tables: Sequence[RowSlots], firsts: Sequence[np.ndarray],
+                    a_rows: np.ndarray, prompt: Prompt) -> None:
+    """Register a step's admitted prompt pages in every layer group's cache (Pool._register, after the commit).
+
+    caches, slot_tables, firsts: per layer group, its PrefixCache, RowSlots and first kept page per row (int64
+    [rows]); order: the groups, full ones first (their slots anchor the sliding groups' pages); anchor_group:
+    that full group (None: none); a_rows: int64 [A] the admissions' rows; prompt: their pages (stepplan.Prompt).
+    """
+    row, col = prompt.row, prompt.col
+    inner = (col > 0).nonzero()[0]
+    parent_hashes = np.zeros(len(col), dtype=np.uint64)
+    parent_hashes[inner] = prompt.hashes[inner - 1]
+    seq_rows = a_rows[row]
+    anchors = None
+    for g in order:
+        rs = slot_tables[g]
+        if sliding[g]:
+            at = (col >= firsts[g][seq_rows]).nonzero()[0]     # a sliding group holds no page before its window
+            slots = np.full(len(col), -1, dtype=np.int64)
+            slots[at] = rs.arena.take(rs.flat(seq_rows[at], col[at]))
+        else:                                                    # a full group holds every page
+            slots = rs.arena.take(rs.flat(seq_rows, col)).astype(np.int64)
+            at = None
+        parents = np.full(len(slots), -1, dtype=np.int64)
+        parents[inner] = slots[inner - 1]                        # page j-1 of the same prompt precedes page j
+        if g == anchor_group:
+            anchors = slots
+        args = (slots, parents, prompt.ns[row], prompt.pages, prompt.hashes, parent_hashes, None)
+        if at is not None:                                       # a sliding group: its kept pages, anchored
+            args = (*(a[at] for a in args[:-1]), anchors[at] if anchors is not None else None)
+        caches[g].register(*args)
+
+
 def leading_run(ok: np.ndarray, row: np.ndarray, col: np.ndarray, num_rows: int) -> np.ndarray:
     """Per prompt, how many of its first pages are all ok (pages stored ragged, col 0.. per row)."""
     hits = np.bincount(row, minlength=num_rows).astype(np.int64)   # every page ok ...
-    bad = np.flatnonzero(~ok)
+    bad = (~ok).nonzero()[0]
     np.minimum.at(hits, row[bad], col[bad])                          # ... up to the first that is not
     return hits
 
@@ -257,3 +295,18 @@ def run_ending_at(ok: np.ndarray, col: np.ndarray) -> np.ndarray:
     starts = np.where(col == 0, idx - 1, -1)
     last_break = np.maximum.accumulate(np.maximum(breaks, starts)) if n else breaks
     return np.where(ok, idx - last_break, 0)
+
+
+def first_of_each(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct values sorted, index of each one's first occurrence): np.unique(values, return_index=True)
+    for a 1-D array, with one stable sort."""
+    order = np.argsort(values, kind="stable")
+    srt = values[order]
+    if len(srt) < 2:
+        return srt, order
+    head = np.empty(len(srt), dtype=bool)
+    head[0] = True
+    np.not_equal(srt[1:], srt[:-1], out=head[1:])
+    if np.logical_and.reduce(head):                                     # distinct (the usual case): nothing to drop
+        return srt, order
+    return srt[head], order[head]

@@ -74,11 +74,11 @@ class RowSlots:
     def span(self, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Arena positions of columns [lo, hi) of each row, concatenated, and the counts per row."""
         cnt = np.maximum(hi - lo, 0)
-        total = int(cnt.sum())
+        total = int(np.add.reduce(cnt))
         if not total:
             return np.zeros(0, dtype=np.int64), cnt
-        starts = np.cumsum(cnt) - cnt
-        flat = np.repeat(self.start[rows] + (lo - self.lo[rows]) - starts, cnt) + self.iota(total)
+        starts = cnt.cumsum() - cnt
+        flat = (self.start[rows] + (lo - self.lo[rows]) - starts).repeat(cnt) + self.iota(total)
         return flat, cnt
 
     def gather(self, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
@@ -97,25 +97,25 @@ class RowSlots:
             return
         lo, cap = self.lo[rows], self.cap[rows]
         move = (hi > lo + cap) | (first < lo)
-        if not move.any():
+        if not np.logical_or.reduce(move):
             return
-        if not move.all():
+        if not np.logical_and.reduce(move):
             rows, first, hi, lo, cap = rows[move], first[move], hi[move], lo[move], cap[move]
         new_cap = np.maximum(2 * (hi - first), _MIN_CAP)
-        need = int(new_cap.sum())
+        need = int(np.add.reduce(new_cap))
         self._make_room(need)
-        new_start = self.used + np.cumsum(new_cap) - new_cap
+        new_start = self.used + new_cap.cumsum() - new_cap
         self.arena[self.used:self.used + need] = -1
         # Carry columns [max(first, lo), lo + cap) of the old segments.
         keep_lo = np.maximum(first, lo)
         keep_hi = lo + cap
         src, cnt = self.span(rows, keep_lo, keep_hi)
         if len(src):
-            starts = np.cumsum(cnt) - cnt
-            dst = np.repeat(new_start + (keep_lo - first) - starts, cnt) + self.iota(len(src))
+            starts = cnt.cumsum() - cnt
+            dst = (new_start + (keep_lo - first) - starts).repeat(cnt) + self.iota(len(src))
             self.arena[dst] = self.arena[src]
-        self.dead += int(cap.sum())
-        self.live += need - int(cap.sum())
+        self.dead += int(np.add.reduce(cap))
+        self.live += need - int(np.add.reduce(cap))
         self.used += need
         self.start[rows] = new_start
         self.lo[rows] = first
@@ -125,7 +125,7 @@ class RowSlots:
         """Forget the rows' segments (the rows leave the pool)."""
         if not len(rows):
             return
-        freed = int(self.cap[rows].sum())
+        freed = int(np.add.reduce(self.cap[rows]))
         self.dead += freed
         self.live -= freed
         self.cap[rows] = 0
@@ -157,10 +157,10 @@ class RowSlots:
 
     def _compact(self) -> None:
         """Pack the live segments at the arena's start (same order, same capacities)."""
-        rows = np.flatnonzero(self.cap)
+        rows = self.cap.nonzero()[0]
         cap = self.cap[rows]
-        total = int(cap.sum())
-        new_start = np.cumsum(cap) - cap
+        total = int(np.add.reduce(cap))
+        new_start = cap.cumsum() - cap
         src, _ = self.span(rows, self.lo[rows], self.lo[rows] + cap)
         arena = np.full(max(2 * total, 64), -1, dtype=self.dtype)
         arena[:total] = self.arena[src]

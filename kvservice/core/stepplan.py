@@ -35,7 +35,7 @@ def parse_ids(name: str, a: object) -> np.ndarray:
     arr = np.asarray(a)
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
         raise InvalidArgument(f"{name} must be a 1-D integer array, got shape {arr.shape} dtype {arr.dtype}")
-    if arr.dtype.kind == "i" and len(arr) and arr.min() < 0:
+    if arr.dtype.kind == "i" and len(arr) and np.minimum.reduce(arr) < 0:
         raise InvalidArgument(f"{name} holds a negative sequence id ({arr.min()})")
     return arr.astype(np.uint64, copy=False)
 
@@ -52,10 +52,10 @@ def parse_counts(name: str, a: object, n: int, max_value: int = MAX_COUNT) -> np
     if len(arr) != n:
         raise InvalidArgument(f"{name} has {len(arr)} entries for {n} sequence ids")
     if n:
-        if arr.dtype.kind == "u" and int(arr.max()) > max_value:
+        if arr.dtype.kind == "u" and int(np.maximum.reduce(arr)) > max_value:
             raise InvalidArgument(f"{name} must be at most {max_value} tokens per sequence, got {int(arr.max())}")
         arr = arr.astype(np.int64, copy=False)
-        lo, hi = int(arr.min()), int(arr.max())
+        lo, hi = int(np.minimum.reduce(arr)), int(np.maximum.reduce(arr))
         if lo <= 0:
             raise InvalidArgument(f"{name} must be > 0 tokens per sequence, got {lo}")
         if hi > max_value:
@@ -79,7 +79,7 @@ def check_distinct(ids: np.ndarray) -> None:
         return
     srt = np.sort(ids)
     dup = srt[1:] == srt[:-1]
-    if dup.any():
+    if np.logical_or.reduce(dup):
         seq = srt[1:][dup][0]
         raise InvalidArgument(
             f"sequence {seq} appears more than once in one step; each sequence may be freed, extended, "
@@ -138,6 +138,8 @@ class GroupPlan:
     cand: int64 [N] this group's cached slot of each prompt page (valid where a_first <= col < hits).
     a_first: int64 [A] first page each admission holds in this group (sliding groups skip pages
         wholly before the window of the first computed token; 0 elsewhere; None without prefix caching).
+    f_slots: int64 [n] the slots the freed rows hold in this group, row after row (None: no frees); the
+        commit releases exactly these.
     """
 
     need: int
@@ -147,6 +149,7 @@ class GroupPlan:
     hits: np.ndarray | None = None
     cand: np.ndarray | None = None
     a_first: np.ndarray | None = None
+    f_slots: np.ndarray | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,7 +168,32 @@ def count_in(sorted_vals: np.ndarray, q: np.ndarray) -> np.ndarray:
     """How often each q occurs in sorted_vals (int64, shape of q)."""
     if not len(sorted_vals) or not len(q):
         return np.zeros(len(q), dtype=np.int64)
-    return np.searchsorted(sorted_vals, q, side="right") - np.searchsorted(sorted_vals, q, side="left")
+    return sorted_vals.searchsorted(q, side="right") - sorted_vals.searchsorted(q, side="left")
+
+
+def distinct_sorted(sorted_vals: np.ndarray) -> np.ndarray:
+    """The distinct values of an ascending 1-D array (np.unique of it, without sorting again)."""
+    if len(sorted_vals) < 2:
+        return sorted_vals
+    head = np.empty(len(sorted_vals), dtype=bool)
+    head[0] = True
+    np.not_equal(sorted_vals[1:], sorted_vals[:-1], out=head[1:])
+    return sorted_vals if np.logical_and.reduce(head) else sorted_vals[head]
+
+
+def distinct_counts(vals: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """(distinct values ascending, how often each occurs, or None when every value occurs once): np.unique(vals,
+    return_counts=True) of a 1-D array with one sort, and no counts array in the usual all-distinct case."""
+    srt = np.sort(vals)
+    if len(srt) < 2:
+        return srt, None
+    head = np.empty(len(srt), dtype=bool)
+    head[0] = True
+    np.not_equal(srt[1:], srt[:-1], out=head[1:])
+    if np.logical_and.reduce(head):
+        return srt, None
+    starts = head.nonzero()[0]
+    return srt[starts], np.diff(np.append(starts, len(srt)))
 
 
 def cow_rows(last: np.ndarray, owners: np.ndarray) -> np.ndarray:
@@ -181,7 +209,7 @@ def cow_rows(last: np.ndarray, owners: np.ndarray) -> np.ndarray:
     s = last[order]
     new_run = np.ones(n, dtype=bool)
     new_run[1:] = s[1:] != s[:-1]
-    run_id = np.cumsum(new_run) - 1
+    run_id = new_run.cumsum() - 1
     run_len = np.bincount(run_id)
     is_last_sorted = np.ones(n, dtype=bool)
     is_last_sorted[:-1] = s[1:] != s[:-1]

@@ -29,7 +29,7 @@ import numpy as np
 
 from kvservice.contract.errors import InvalidArgument, NotFound
 from kvservice.contract.wire import from_tensor
-from kvservice.core.hashing import _GOLD, _M1, _M2, _mix_int, page_hashes, prompt_hashes, token_hashes
+from kvservice.core.hashing import _GOLD, _M2, _mix_int, chain_ints, page_hashes, prompt_hashes, token_hashes
 from kvservice.manager.pools import BlockManager
 from kvservice.v1 import block_manager_pb2 as pb
 
@@ -38,7 +38,7 @@ MAX_SCORE_TOKENS = 1 << 20
 #: Pages checked in the first round; the rest only if all of them were hits.
 FIRST_PAGES = 64
 _MASK = (1 << 64) - 1
-_GOLD_I, _M1_I, _M2_I = int(_GOLD), int(_M1), int(_M2)
+_GOLD_I = int(_GOLD)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,17 +83,8 @@ class _Chain:
         """uint64 [>= n]: the hashes of at least the first n pages (n <= P). Read-only."""
         if len(self._array) >= n:
             return self._array
-        h, out, m1, m2, mask = self.h, self.out, _M1_I, _M2_I, _MASK
-        for c in self.terms()[len(out):n]:        # prefix._mix, inlined: this loop is the cost of a long prompt
-            x = h ^ c
-            x ^= x >> 30
-            x = (x * m1) & mask
-            x ^= x >> 27
-            x = (x * m2) & mask
-            h = x ^ (x >> 31)
-            out.append(h or 1)
-        self.h = h
-        self._array = np.array(out, dtype=np.uint64)
+        self.h = chain_ints(self.h, self.terms()[len(self.out):n], self.out)
+        self._array = np.array(self.out, dtype=np.uint64)
         return self._array
 
 

@@ -115,3 +115,27 @@ def test_inner_page_is_evicted_only_when_no_leaf_is_left():
     assert evicted == [3, 0]
     assert a.policy.children[0] == 0 and a.free_slots().tolist() == [1]
     a.check()
+
+
+@pytest.mark.parametrize("copy_pool", ["pickle", "deepcopy"])
+def test_a_copied_pool_keeps_one_buffer_per_dependency_count(copy_pool):
+    """The policy's dependency counts are one buffer seen as a NumPy array (links) and as array.array (the
+    eviction loop): a pickled or copied pool must keep them one buffer, and evict as the original does."""
+    import copy
+    import pickle
+
+    pool = _pool(CacheSpec.uniform(1, 1, 64, page_size=PS), num_slots=8)
+    _admit(pool, 1, PROMPT)
+    pool.step(free_ids=[1])
+    _admit(pool, 2, np.arange(800, 813))                      # 3 pages cached, 1 free slot left
+    clone = pickle.loads(pickle.dumps(pool)) if copy_pool == "pickle" else copy.deepcopy(pool)
+    for p in (pool, clone):
+        pol = p.allocators[0].policy
+        assert pol.children.base is not None and np.shares_memory(pol.children, np.frombuffer(pol._children, np.int32))
+        pol.children[1] += 5                                  # a write through the view is seen by the loop ...
+        assert pol._children[1] == pol.children[1]
+        pol.children[1] -= 5
+    want = _admit(pool, 3, np.arange(900, 913)).tables[0].slot_mapping    # ... and both evict the same pages
+    got = _admit(clone, 3, np.arange(900, 913)).tables[0].slot_mapping
+    assert np.array_equal(want, got) and pool.allocators[0].evictions == clone.allocators[0].evictions > 0
+    assert_invariants(clone)
