@@ -150,7 +150,7 @@ class LeaderRoute:
         """The first reply of a call on address `index` (a unary reply, or a stream call's first): StaleLeader (the
         call is retried elsewhere, the stream reconnects elsewhere) if its epoch is below one already seen."""
         self._check_epoch(leader_epoch(metadata), index)
-        self.leader_node = leader_node(metadata) or self.leader_node
+        self.leader_node = leader_node(metadata)
 
     def stream_failed(self, index: int) -> None:
         """A broken stream call (a dead, standby or silent manager): the next one goes to the next address."""
