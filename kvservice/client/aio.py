@@ -16,6 +16,7 @@ import grpc
 from kvservice.client import codec
 from kvservice.client.client import (
     SERVICE,
+    OneAddress,
     TLSOptions,
     auth_metadata,
     channel_options,
@@ -32,24 +33,30 @@ from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1 import block_manager_pb2_grpc as pb_grpc
 
 
-class AsyncBlockManagerClient:
+def make_aio_channel(target: str, tls: TLSOptions | None = None, service_config: str | None = None,
+                     interceptors: Sequence[Any] = ()) -> grpc.aio.Channel:
+    """A grpc.aio channel with the options of make_channel (plaintext, or TLS / mutual TLS)."""
+    options = channel_options(tls, service_config)
+    if tls is None:
+        return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
+    return grpc.aio.secure_channel(target, tls.credentials(), options=options, interceptors=interceptors)
+
+
+class AsyncBlockManagerClient(OneAddress):
     """asyncio twin of BlockManagerClient (use inside a running event loop); same arguments, and interceptors:
-    grpc.aio client interceptors of the channel (tracing; tests read each attempt's deadline with one)."""
+    grpc.aio client interceptors of the channel (tracing; tests read each attempt's deadline with one).
+    channel: use this grpc.aio channel (AsyncLeaderClient passes its first address's)."""
 
     def __init__(self, target: str, timeout: float = 10.0, retries: int | None = None, *,
                  tls: TLSOptions | None = None, token: str | None = None, retry: RetryPolicy | None = None,
-                 registry: Any = None, failover: float | None = None, interceptors: Sequence[Any] = ()) -> None:
+                 registry: Any = None, failover: float | None = None, interceptors: Sequence[Any] = (),
+                 channel: grpc.aio.Channel | None = None) -> None:
         self.target = target
         self.timeout = timeout
         self.retry = client_policy(retry, retries, failover)
         self.position = position_tracker(registry)
         self._metadata = auth_metadata(token)
-        options = channel_options(tls, self.retry.service_config(SERVICE))
-        if tls is None:
-            self._channel = grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
-        else:
-            self._channel = grpc.aio.secure_channel(target, tls.credentials(), options=options,
-                                                    interceptors=interceptors)
+        self._channel = channel or make_aio_channel(target, tls, self.retry.service_config(SERVICE), interceptors)
         self._stub = pb_grpc.BlockManagerStub(self._channel)
 
     def __repr__(self) -> str:
@@ -78,7 +85,7 @@ class AsyncBlockManagerClient:
         while True:
             try:
                 reply = await method(request, timeout=budget.attempt_timeout(), metadata=self._metadata)
-            except grpc.aio.AioRpcError as exc:
+            except grpc.RpcError as exc:            # AioRpcError, or StaleLeader (an AsyncLeaderClient)
                 await asyncio.sleep(budget.pause_or_raise(exc))
                 continue
             self.position.check(name, reply, seen, rid)

@@ -134,7 +134,28 @@ class EventStream:
         self._call.cancel()
 
 
-class BlockManagerClient:
+class OneAddress:
+    """Where a StepStream (sync or asyncio) opens its calls, for a client of one address: its one channel.
+
+    A LeaderClient or AsyncLeaderClient (kvservice/client/ha.py, aio_ha.py) overrides these three hooks to follow
+    the leader over several addresses.
+    """
+
+    _channel: Any
+
+    def stream_channel(self) -> tuple[int, Any]:
+        """(address index, channel: grpc.Channel or grpc.aio.Channel) a stream opens its next call on."""
+        return 0, self._channel
+
+    def stream_answered(self, index: int, metadata: Any) -> None:
+        """A new stream call on address `index` got its first reply, with this initial metadata (raise a
+        grpc.RpcError of code UNAVAILABLE to refuse it: the stream then reconnects)."""
+
+    def stream_failed(self, index: int) -> None:
+        """A stream call on address `index` broke (UNAVAILABLE or DEADLINE_EXCEEDED)."""
+
+
+class BlockManagerClient(OneAddress):
     """Talks to one manager.
 
     timeout: the deadline of each call, seconds, every retry included (a call may pass its own).
@@ -280,18 +301,6 @@ class BlockManagerClient:
         timeout: seconds each reply may take (default: this client's timeout); stream_id: only to resume one.
         """
         return StepStream(self, pool, deltas, timeout, stream_id)
-
-    # ---- where a StepStream goes (a LeaderClient overrides these to follow the leader) ------------------------
-    def stream_channel(self) -> tuple[int, grpc.Channel]:
-        """(address index, channel) a stream opens its next call on."""
-        return 0, self._channel
-
-    def stream_answered(self, index: int, metadata: Any) -> None:
-        """A new stream call on address `index` got its first reply, with this initial metadata (raise a
-        grpc.RpcError of code UNAVAILABLE to refuse it: the stream then reconnects)."""
-
-    def stream_failed(self, index: int) -> None:
-        """A stream call on address `index` broke (UNAVAILABLE or DEADLINE_EXCEEDED)."""
 
     def echo_stream(self) -> EchoStream:
         """An EchoStream: round trips with nothing to do, the transport floor of step_stream."""

@@ -1,5 +1,8 @@
 """Clients of a replicated manager (kvservice serve --state nats://...): find the leader, refuse stale epochs.
 
+LeaderClient (sync, here) and AsyncLeaderClient (asyncio, kvservice/client/aio_ha.py) share LeaderRoute:
+the addresses, the current one, the highest epoch seen, and the hooks their StepStreams ask.
+
 Two ways to reach the leader, and both work together:
 
 - One address that only the leader answers behind (the Kubernetes Service: only the leader's
@@ -34,7 +37,7 @@ from typing import Any
 
 import grpc
 
-from kvservice.client.client import SERVICE, BlockManagerClient, TLSOptions, auth_metadata, make_channel
+from kvservice.client.client import SERVICE, BlockManagerClient, TLSOptions, make_channel
 from kvservice.client.deadline import RetryPolicy, client_policy
 from kvservice.contract.transport import EPOCH_METADATA, NODE_METADATA
 
@@ -81,40 +84,102 @@ class StaleLeader(grpc.RpcError):
         return ()
 
 
-class LeaderClient(BlockManagerClient):
+def manager_addresses(targets: str | Sequence[str]) -> list[str]:
+    """The addresses of "host:port,host:port" or a sequence of them; ValueError if there is none."""
+    out = [t.strip() for t in (targets.split(",") if isinstance(targets, str) else targets) if t.strip()]
+    if not out:
+        raise ValueError("a leader-following client needs at least one manager address")
+    return out
+
+
+class LeaderRoute:
+    """Which address is the leader's, and the highest epoch seen: shared by LeaderClient and AsyncLeaderClient.
+
+    A call (unary or a stream's) goes to ``targets[_current]``; one that breaks (UNAVAILABLE, DEADLINE_EXCEEDED)
+    or whose reply carries a lower epoch than one seen moves ``_current`` to the next address. Also the three
+    hooks a StepStream asks (stream_channel, stream_answered, stream_failed), so the sync and asyncio streams
+    follow the leader the same way. epoch: the highest leader epoch seen (0 = none yet); leader_node: node id of
+    the manager that sent the last accepted reply; stale_replies: replies refused for a lower epoch.
+    """
+
+    targets: list[str]
+    _channels: list[Any]          # one grpc.Channel or grpc.aio.Channel per address
+
+    def _follow(self, channels: list[Any]) -> None:
+        self._channels = channels
+        self._current = 0
+        self._lock = threading.Lock()
+        self.epoch = 0
+        self.leader_node = ""
+        self.stale_replies = 0
+
+    @property
+    def current_target(self) -> str:
+        return self.targets[self._current]
+
+    def _rotate(self, index: int) -> None:
+        with self._lock:
+            if self._current == index:
+                self._current = (index + 1) % len(self.targets)
+
+    def _failed(self, index: int, err: grpc.RpcError) -> None:
+        """A call to address `index` failed with `err`: move on if no manager answered it (a refusal stays)."""
+        if err.code() in _ROTATE:
+            self._rotate(index)
+
+    def _check_epoch(self, epoch: int | None, index: int) -> None:
+        """Record a reply's epoch; StaleLeader (and move to the next address) if it is below one already seen."""
+        if epoch is None:
+            return
+        with self._lock:
+            if epoch < self.epoch:
+                self.stale_replies += 1
+                seen = self.epoch
+            else:
+                self.epoch, seen = epoch, -1
+        if seen >= 0:
+            self._rotate(index)
+            raise StaleLeader(epoch, seen, self.targets[index])
+
+    def stream_channel(self) -> tuple[int, Any]:
+        """A StepStream (or a unary call) opens its next call at the current address."""
+        index = self._current
+        return index, self._channels[index]
+
+    def stream_answered(self, index: int, metadata: Any) -> None:
+        """The first reply of a call on address `index` (a unary reply, or a stream call's first): StaleLeader (the
+        call is retried elsewhere, the stream reconnects elsewhere) if its epoch is below one already seen."""
+        self._check_epoch(leader_epoch(metadata), index)
+        self.leader_node = leader_node(metadata)
+
+    def stream_failed(self, index: int) -> None:
+        """A broken stream call (a dead, standby or silent manager): the next one goes to the next address."""
+        self._rotate(index)
+
+
+class LeaderClient(LeaderRoute, BlockManagerClient):
     """A BlockManagerClient over one or more manager addresses that follows the leader (see the module doc).
 
     targets: "host:port" or "host:port,host:port" or a sequence. timeout: the deadline of each call,
     failover included. retry: default FAILOVER_RETRY. failover: see BlockManagerClient. interceptors:
     client interceptors of every address's unary calls (tracing; tests read each attempt's deadline).
-    epoch: the highest leader epoch seen (0 = none yet); stale_replies: replies refused for a lower epoch.
+    epoch, leader_node, stale_replies: see LeaderRoute. The asyncio twin: kvservice/client/aio_ha.py.
     """
 
     def __init__(self, targets: str | Sequence[str], timeout: float = 10.0, retries: int | None = None, *,
                  tls: TLSOptions | None = None, token: str | None = None, retry: RetryPolicy | None = None,
                  registry: Any = None, failover: float | None = None,
                  interceptors: Sequence[grpc.UnaryUnaryClientInterceptor] = ()) -> None:
-        self.targets = [t.strip() for t in (targets.split(",") if isinstance(targets, str) else targets) if t.strip()]
-        if not self.targets:
-            raise ValueError("LeaderClient needs at least one manager address")
+        self.targets = manager_addresses(targets)
         retry = client_policy(retry, retries, failover, FAILOVER_RETRY)
-        self._channels = [make_channel(t, tls, retry.service_config(SERVICE)) for t in self.targets]
-        super().__init__(",".join(self.targets), timeout, channel=self._channels[0], tls=tls, token=token,
+        channels = [make_channel(t, tls, retry.service_config(SERVICE)) for t in self.targets]
+        super().__init__(",".join(self.targets), timeout, channel=channels[0], tls=tls, token=token,
                          retry=retry, registry=registry)
         from kvservice.v1 import block_manager_pb2_grpc as pb_grpc
         self._stubs = [pb_grpc.BlockManagerStub(grpc.intercept_channel(ch, *interceptors) if interceptors else ch)
-                       for ch in self._channels]
-        self._stub = _LeaderStub(self)            # what BlockManagerClient's calls go through
-        self._metadata = auth_metadata(token)
-        self._current = 0
-        self._lock = threading.Lock()
-        self.epoch = 0
-        self.leader_node = ""          # node id of the manager that sent the last accepted reply
-        self.stale_replies = 0
-
-    @property
-    def current_target(self) -> str:
-        return self.targets[self._current]
+                       for ch in channels]
+        self._stub = LeaderStub(self)             # what BlockManagerClient's calls go through
+        self._follow(channels)
 
     def close(self) -> None:
         for ch in self._channels:
@@ -134,52 +199,15 @@ class LeaderClient(BlockManagerClient):
             raise ClientError(grpc.StatusCode.UNAVAILABLE, f"no manager answered at {self.target} within "
                               f"{timeout:.0f} s")
 
-    def _rotate(self, index: int) -> None:
-        with self._lock:
-            if self._current == index:
-                self._current = (index + 1) % len(self.targets)
-
     def _invoke(self, name: str, request: Any, timeout: float | None, metadata: Any) -> Any:
         index = self._current
-        method = getattr(self._stubs[index], name)
         try:
-            response, call = method.with_call(request, timeout=timeout, metadata=metadata)
+            response, call = getattr(self._stubs[index], name).with_call(request, timeout=timeout, metadata=metadata)
         except grpc.RpcError as err:
-            if err.code() in _ROTATE:
-                self._rotate(index)
+            self._failed(index, err)
             raise
-        self._check_epoch(leader_epoch(call.initial_metadata()), index)
-        self.leader_node = leader_node(call.initial_metadata())
+        self.stream_answered(index, call.initial_metadata())
         return response
-
-    def stream_channel(self) -> tuple[int, grpc.Channel]:
-        """A StepStream opens its next call at the current address."""
-        index = self._current
-        return index, self._channels[index]
-
-    def stream_answered(self, index: int, metadata: Any) -> None:
-        """The first reply of a stream call: StaleLeader (the stream reconnects elsewhere) if its epoch is below
-        one already seen."""
-        self._check_epoch(leader_epoch(metadata), index)
-        self.leader_node = leader_node(metadata) or self.leader_node
-
-    def stream_failed(self, index: int) -> None:
-        """A broken stream call (a dead, standby or silent manager): the next one goes to the next address."""
-        self._rotate(index)
-
-    def _check_epoch(self, epoch: int | None, index: int) -> None:
-        """Record a reply's epoch; StaleLeader (and move to the next address) if it is below one already seen."""
-        if epoch is None:
-            return
-        with self._lock:
-            if epoch < self.epoch:
-                self.stale_replies += 1
-                seen = self.epoch
-            else:
-                self.epoch, seen = epoch, -1
-        if seen >= 0:
-            self._rotate(index)
-            raise StaleLeader(epoch, seen, self.targets[index])
 
     def watch_events(self, pool: str, from_sequence: int = 0,  # type: ignore[override]
                      timeout: float | None = None) -> LeaderEventStream:
@@ -260,8 +288,9 @@ class LeaderEventStream:
                 self.reconnects += 1
 
 
-class _LeaderStub:
-    """Looks like a BlockManagerStub; every method goes to the LeaderClient's current address."""
+class LeaderStub:
+    """Looks like a BlockManagerStub; every method goes to the client's current address (its ``_invoke``: a
+    function for LeaderClient, a coroutine function for AsyncLeaderClient)."""
 
     def __init__(self, client: LeaderClient) -> None:
         self._client = client
@@ -273,5 +302,5 @@ class _LeaderStub:
         return call
 
 
-__all__ = ["EPOCH_METADATA", "FAILOVER_RETRY", "NODE_METADATA", "LeaderClient", "LeaderEventStream", "StaleLeader",
-           "leader_epoch", "leader_node"]
+__all__ = ["EPOCH_METADATA", "FAILOVER_RETRY", "NODE_METADATA", "LeaderClient", "LeaderEventStream", "LeaderRoute",
+           "LeaderStub", "StaleLeader", "leader_epoch", "leader_node", "manager_addresses"]

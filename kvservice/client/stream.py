@@ -16,9 +16,11 @@
   step's deadline (or of the policy's ``failover`` bound, if longer), and the unanswered request is
   resent with its original seq and bytes; the manager's journal answers a request it applied with
   its original reply. The default policy (``attempts=0``) reopens as often as the deadline allows;
-  ``RetryPolicy(attempts=1)`` (``retries=0``) never does. Over a LeaderClient with several addresses
-  the stream moves to the next address when a call breaks, and a reply from a deposed leader (a lower
-  epoch than one seen) is refused and the request resent to the next.
+  ``RetryPolicy(attempts=1)`` (``retries=0``) never does. Where each call goes is the client's say
+  (``stream_channel`` / ``stream_answered`` / ``stream_failed``): over a LeaderClient (sync) or an
+  AsyncLeaderClient (asyncio) with several addresses the stream moves to the next address when a
+  call breaks, and a reply from a deposed leader (a lower epoch than one seen) is refused and the
+  request resent to the next, under its seq.
 - A step that still got no reply raises (UNAVAILABLE or DEADLINE_EXCEEDED: outcome unknown), and its
   request stays *pending* (``stream.pending``): the next ``step()`` resends it first, under its own
   seq, and learns its outcome. A caller's retry (a step with the same arguments) then returns the
@@ -45,15 +47,14 @@ from typing import Any
 import grpc
 
 from kvservice.client.codec import ClientError, StepResult
-from kvservice.client.deadline import RETRY_CODES, client_error, code_of
-from kvservice.client.stream_core import MirrorTables, Pending, StreamCore, reply_error
+from kvservice.client.deadline import client_error
+from kvservice.client.stream_core import METHOD, MirrorTables, Pending, StreamCore, reply_error
 from kvservice.contract.transport import STREAM_ID_KEY
 from kvservice.v1 import block_manager_pb2 as pb
 
-METHOD = "/kvservice.v1.BlockManager/StepStream"
 ECHO_METHOD = "/kvservice.v1.BlockManager/EchoStream"
 
-__all__ = ["AsyncStepStream", "EchoStream", "MirrorTables", "Pending", "StepStream", "reply_error"]
+__all__ = ["METHOD", "AsyncStepStream", "EchoStream", "MirrorTables", "Pending", "StepStream", "reply_error"]
 
 
 class StepStream(StreamCore):
@@ -69,17 +70,14 @@ class StepStream(StreamCore):
         super().__init__(pool, page_size or client.get_pool(pool).plan.page_size, deltas, stream_id)
         self.client = client
         self.timeout = timeout or client.timeout
-        self._methods: dict[int, Any] = {}
         self._metadata = (*(client._metadata or ()), (STREAM_ID_KEY, self.stream_id))
         self._call: Any = None
-        self._route = 0                   # the client's address index the open call goes to
         self._checked_call: Any = None    # the call whose leader epoch was checked
         self._queue: queue.SimpleQueue | None = None
         self._deadline = 0.0              # time.monotonic() by which the reply is due; 0 = none pending
         self._expired = False
         self._closed = False
         self._watchdog: threading.Thread | None = None
-        self.reconnects = 0
 
     def __enter__(self) -> StepStream:
         return self
@@ -130,11 +128,7 @@ class StepStream(StreamCore):
             while (item := q.get()) is not None:
                 yield item
 
-        self._route, channel = self.client.stream_channel()
-        method = self._methods.get(self._route)
-        if method is None:
-            method = self._methods[self._route] = channel.stream_stream(
-                METHOD, request_serializer=None, response_deserializer=pb.StepReply.FromString)
+        method = self.route_method(self.client)
         self._queue = q
         self._call = method(requests(), metadata=self._metadata)
         if self._watchdog is None:
@@ -174,7 +168,7 @@ class StepStream(StreamCore):
                 finally:
                     self._deadline = 0.0
                 if self._checked_call is not self._call:      # a new call: is it the leader's (a LeaderClient)?
-                    self.client.stream_answered(self._route, self._call.initial_metadata())
+                    self.client.stream_answered(self.route, self._call.initial_metadata())
                     self._checked_call = self._call
                 return self.expect(reply, seq)
             except (grpc.RpcError, ClientError) as exc:
@@ -182,18 +176,7 @@ class StepStream(StreamCore):
                 if self._expired:
                     err = ClientError(grpc.StatusCode.DEADLINE_EXCEEDED, "no reply in time (the call was cancelled)")
                 self._drop_call()
-                if code_of(err) in RETRY_CODES:
-                    self.client.stream_failed(self._route)
-                if self._closed or code_of(err) not in RETRY_CODES:
-                    raise self.unanswered(err, seq) from None
-                if self.single_attempt(self.client):
-                    raise self.unanswered(budget.gave_up(err), seq) from None
-                try:
-                    pause = budget.pause_or_raise(err)
-                except ClientError as gave_up:
-                    raise self.unanswered(gave_up, seq) from None
-                self.reconnects += 1
-                time.sleep(pause)
+                time.sleep(self.broken(self.client, err, seq, budget, self._closed))
 
 
 class AsyncStepStream(StreamCore):
@@ -204,11 +187,9 @@ class AsyncStepStream(StreamCore):
         super().__init__(pool, page_size, deltas, stream_id)
         self.client = client
         self.timeout = timeout or client.timeout
-        self._method = client._channel.stream_stream(METHOD, request_serializer=None,
-                                                     response_deserializer=pb.StepReply.FromString)
         self._metadata = (*(client._metadata or ()), (STREAM_ID_KEY, self.stream_id))
         self._call: Any = None
-        self.reconnects = 0
+        self._checked_call: Any = None    # the call whose leader epoch was checked
 
     async def __aenter__(self) -> AsyncStepStream:
         return self
@@ -253,34 +234,40 @@ class AsyncStepStream(StreamCore):
         while True:
             try:
                 if self._call is None:
-                    self._call = self._method(metadata=self._metadata)
+                    self._call = self.route_method(self.client)(metadata=self._metadata)
                 reply = await asyncio.wait_for(self._exchange(data), budget.attempt_timeout())
                 if reply is grpc.aio.EOF:
                     raise ClientError(grpc.StatusCode.UNAVAILABLE, "the manager ended the stream")
+                if self._checked_call is not self._call:      # a new call: is it the leader's (AsyncLeaderClient)?
+                    self.client.stream_answered(self.route, await self._call.initial_metadata())
+                    self._checked_call = self._call
                 return self.expect(reply, seq)
             except asyncio.CancelledError:        # the caller cancelled the step: its reply may still come on this
                 self._drop_call()                 # call, so the next step opens a new one (the request stays pending)
                 raise
-            except (grpc.aio.AioRpcError, ClientError, TimeoutError) as exc:
+            except (grpc.RpcError, ClientError, TimeoutError) as exc:   # grpc.RpcError: AioRpcError, StaleLeader
                 if isinstance(exc, TimeoutError):
                     err = ClientError(grpc.StatusCode.DEADLINE_EXCEEDED, "no reply in time (the call was cancelled)")
                 else:
                     err = client_error(exc)
                 self._drop_call()
-                if code_of(err) not in RETRY_CODES:
-                    raise self.unanswered(err, seq) from None
-                if self.single_attempt(self.client):
-                    raise self.unanswered(budget.gave_up(err), seq) from None
-                try:
-                    pause = budget.pause_or_raise(err)
-                except ClientError as gave_up:
-                    raise self.unanswered(gave_up, seq) from None
-                self.reconnects += 1
-                await asyncio.sleep(pause)
+                await asyncio.sleep(self.broken(self.client, err, seq, budget))
 
     async def _exchange(self, data: bytes) -> Any:
-        await self._call.write(data)
-        return await self._call.read()
+        """Write one request and read its reply. A call that already ended (the manager closed it, or died) reports
+        its own status on the read (a refusal stays a refusal); a write that core could not send (the connection
+        broke under it: grpc.aio says INTERNAL) is UNAVAILABLE, so the request is resent on a new call."""
+        call = self._call
+        try:
+            await call.write(data)
+        except asyncio.InvalidStateError:         # "RPC already finished": read() raises its status (or EOF)
+            pass
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.INTERNAL:
+                raise
+            raise ClientError(grpc.StatusCode.UNAVAILABLE, f"the stream's connection broke before the request was "
+                              f"sent ({exc.details()})") from None
+        return await call.read()
 
 
 class EchoStream:

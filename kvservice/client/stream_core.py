@@ -17,13 +17,14 @@ import numpy as np
 
 from kvservice.client import codec
 from kvservice.client.codec import ClientError, SpaceTables, StepResult, lineage_of, position_of
-from kvservice.client.deadline import RETRY_CODES, CallBudget, RetryPolicy
+from kvservice.client.deadline import RETRY_CODES, CallBudget, RetryPolicy, code_of
 from kvservice.client.position import StateRolledBack
 from kvservice.contract.mirror import MirrorError, PageTableMirror
 from kvservice.contract.wire import field_array
 from kvservice.v1 import block_manager_pb2 as pb
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
+METHOD = "/kvservice.v1.BlockManager/StepStream"
 #: Statuses that end a stream call before any of its requests is applied (a token outside its pools, a malformed
 #: stream id, an unknown method): the unanswered request is known not to have been applied.
 REFUSED_CALL = (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT,
@@ -103,6 +104,41 @@ class StreamCore:
         #: request settled first (None if none was).
         self.settled: tuple[int, StepResult | ClientError] | None = None
         self.resolved = 0                 # pending requests resent by a later step() or resolve()
+        self.reconnects = 0               # times the stream was reopened
+        self.route = 0                    # the client's address index the open (or last) call goes to
+        self._methods: dict[int, Any] = {}
+
+    def route_method(self, client: Any) -> Any:
+        """The StepStream method for the next call, on the channel the client names (client.stream_channel(): its
+        one channel, or a LeaderClient's current address); remembered per address. Sets `route`."""
+        self.route, channel = client.stream_channel()
+        method = self._methods.get(self.route)
+        if method is None:
+            method = self._methods[self.route] = channel.stream_stream(
+                METHOD, request_serializer=None, response_deserializer=pb.StepReply.FromString)
+        return method
+
+    def broken(self, client: Any, err: ClientError, seq: int, budget: CallBudget, closed: bool = False) -> float:
+        """The stream's call broke with `err` (already dropped) while request `seq` waited for its reply.
+
+        Tells the client (client.stream_failed: a LeaderClient moves to its next address) if no manager answered,
+        and returns the pause before the stream is reopened under the same id and `seq` is resent; raises the
+        ClientError the step raises instead (unanswered: the request stays pending unless the call was refused)
+        when the error is final, the stream was closed, the policy allows one attempt, or the deadline is spent.
+        """
+        again = code_of(err) in RETRY_CODES
+        if again:
+            client.stream_failed(self.route)
+        if closed or not again:
+            raise self.unanswered(err, seq) from None
+        if self.single_attempt(client):
+            raise self.unanswered(budget.gave_up(err), seq) from None
+        try:
+            pause = budget.pause_or_raise(err)
+        except ClientError as gave_up:
+            raise self.unanswered(gave_up, seq) from None
+        self.reconnects += 1
+        return pause
 
     def budget(self, client: Any, timeout: float, seq: int) -> CallBudget:
         """The deadline of one exchange: `timeout`, reconnections included."""

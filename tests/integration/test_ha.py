@@ -8,6 +8,7 @@ asserted: who may write, what was acknowledged, what was recovered.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 import uuid
@@ -18,7 +19,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvservice.client import ClientError
+from kvservice.client.aio_ha import AsyncLeaderClient
 from kvservice.client.client import BlockManagerClient, RetryPolicy
+from kvservice.client.deadline import RETRY_CODES
 from kvservice.client.ha import LeaderClient
 from kvservice.contract.geometry import CacheSpec
 from kvservice.contract.sizing import Sizing
@@ -612,65 +615,98 @@ def test_watch_events_refuses_a_lower_epoch_and_resumes_where_it_stopped():
 
 # ---- StepStream across a failover ----------------------------------------------------------------------------
 
+class AckedSteps:
+    """What a stream loop over two decoding sequences (1 and 2, admitted with one token each) acknowledged, for the
+    StepStream-across-kill -9 tests (sync and asyncio): each reply must match the acknowledged count."""
+
+    def __init__(self) -> None:
+        self.acked = 0
+        self.errors: list[str] = []
+        self.stop = threading.Event()
+
+    def took(self, outcome) -> bool:
+        """Record one step's outcome (its StepResult or ClientError); False ends the loop."""
+        if isinstance(outcome, ClientError):
+            if outcome.code in RETRY_CODES:
+                return True                       # outcome unknown: the caller retries the same step
+            self.errors.append(str(outcome))
+            return False
+        if outcome.num_tokens.tolist() != [self.acked + 2] * 2:
+            self.errors.append(f"after {self.acked} acknowledged steps: {outcome.num_tokens.tolist()}")
+            return False
+        self.acked += 1
+        return True
+
+    def wait_for(self, n: int) -> None:
+        """Wait until the loop acknowledged n more Steps (progress counted; bounded generously)."""
+        want, deadline = self.acked + n, time.monotonic() + 120
+        while self.acked < want and not self.errors and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert self.acked >= want and not self.errors, (self.acked, want, self.errors)
+
+    def kill_leaders(self, slots, kills: int, client) -> list[int]:
+        """kill -9 the leader `kills` times, each once 10 more Steps were acknowledged (restarted as the standby), then
+        wait for 10 more and stop the loop; returns the client's epoch before each kill."""
+        epochs = []
+        for _ in range(kills):
+            self.wait_for(10)
+            leader = next(s for s in slots if s.alive() and epoch_of(s.target) is not None)
+            epochs.append(client.epoch)
+            leader.kill9()
+            leader.start()                        # back as the standby
+        self.wait_for(10)
+        self.stop.set()
+        return epochs
+
+    def check(self, sequences, steps: int) -> None:
+        """The manager's state after the loop: each acknowledged Step applied exactly once."""
+        assert not self.errors, self.errors
+        (q1, q2) = sequences
+        assert (q1.num_tokens, q2.num_tokens) == (1 + self.acked, 1 + self.acked)
+        assert steps == 1 + self.acked                # one applied Step per acknowledged one
+
+
+def _manager_slots(nats3, tmp_path) -> list:
+    from .ha_harness import ManagerSlot
+    name = fresh_name()
+    return [ManagerSlot(tmp_path, s, nats3.url, name, ("--nats-replicas", "3", *TEST_LEASE)) for s in ("a", "b")]
+
+
+STREAM_POOL = ("st", CacheSpec.uniform(2, 1, 64, page_size=16), Sizing(num_slots=1024, max_seq_len=4096))
+
+
 def test_a_step_stream_follows_the_leader_across_kill9_applying_each_step_once(nats3, tmp_path):
     """Issue 27, item 2: a StepStream of a LeaderClient (default settings) under three kill -9 of the leader: it
     reconnects to the new leader under the same stream id, resends its unanswered request with the same seq, and
     every acknowledged Step was applied exactly once (tokens and the pool's step count)."""
-    from .ha_harness import ManagerSlot
-    name = fresh_name()
-    slots = [ManagerSlot(tmp_path, s, nats3.url, name, ("--nats-replicas", "3", *TEST_LEASE)) for s in ("a", "b")]
-    stop, acked, errors = threading.Event(), [0], []
+    slots, model = _manager_slots(nats3, tmp_path), AckedSteps()
     try:
         for s in slots:
             s.start()
         with LeaderClient([s.target for s in slots]) as c:
-            c.create_pool("st", CacheSpec.uniform(2, 1, 64, page_size=16), Sizing(num_slots=1024, max_seq_len=4096))
+            c.create_pool(*STREAM_POOL)
             stream = c.step_stream("st")
             stream.step(admit=[1, 2], admit_tokens=[1, 1])
 
             def loop() -> None:
-                while not stop.is_set():
+                while not model.stop.is_set():
                     try:
-                        r = stream.step(extend=[1, 2], extend_tokens=1)
+                        outcome = stream.step(extend=[1, 2], extend_tokens=1)
                     except ClientError as err:
-                        if err.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                            continue                  # outcome unknown: the caller retries the same step
-                        errors.append(str(err))
+                        outcome = err
+                    if not model.took(outcome):
                         return
-                    if r.num_tokens.tolist() != [acked[0] + 2] * 2:
-                        errors.append(f"after {acked[0]} acknowledged steps: {r.num_tokens.tolist()}")
-                        return
-                    acked[0] += 1
 
             worker = threading.Thread(target=loop, daemon=True)
             worker.start()
-            epochs = []
-            for _ in range(3):
-                want = acked[0] + 10
-                deadline = time.monotonic() + 120
-                while acked[0] < want and not errors and time.monotonic() < deadline:
-                    time.sleep(0.01)
-                assert acked[0] >= want and not errors, (acked[0], want, errors)
-                leader = next(s for s in slots if s.alive() and epoch_of(s.target) is not None)
-                epochs.append(c.epoch)
-                leader.kill9()
-                leader.start()                        # back as the standby
-            want = acked[0] + 10
-            deadline = time.monotonic() + 120
-            while acked[0] < want and not errors and time.monotonic() < deadline:
-                time.sleep(0.01)
-            stop.set()
+            epochs = model.kill_leaders(slots, 3, c)
             worker.join(60)
-            assert not errors and acked[0] >= want, (errors, acked[0], want)
-            (q1, q2) = c.sequences("st").sequences
-            steps = c.stats("st")["st"].steps
-            assert (q1.num_tokens, q2.num_tokens) == (1 + acked[0], 1 + acked[0])
-            assert steps == 1 + acked[0]                  # one applied Step per acknowledged one
+            model.check(c.sequences("st").sequences, c.stats("st")["st"].steps)
             assert stream.reconnects >= 3 and c.epoch > epochs[-1] > epochs[0]
             assert c.stale_replies == 0
             stream.close()
     finally:
-        stop.set()
+        model.stop.set()
         for s in slots:
             s.stop()
 
@@ -699,40 +735,193 @@ class FailStop(grpc.ServerInterceptor):
                                                      response_serializer=handler.response_serializer)
 
 
+class DeposedLeaderPair:
+    """Two in-process managers behind LeaderGates (the lower-epoch stream tests): address 0 leads at epoch 5.
+    depose(client): its open streams end, address 1 answers at the lower epoch 3, and once `client` refused that
+    epoch (a helper thread watches stale_replies) address 0 comes back as the leader of epoch 7."""
+
+    SPEC, SIZING = CacheSpec.uniform(2, 1, 64, page_size=16), Sizing(num_slots=64, max_seq_len=512)
+
+    def __init__(self) -> None:
+        self.gates, self.stop = [LeaderGate(), LeaderGate()], FailStop()
+        self.servers = [serve(interceptors=[self.gates[0], self.stop]), serve(interceptors=[self.gates[1]])]
+        self.targets = [f"127.0.0.1:{s.port}" for s in self.servers]
+        self.gates[0].promote(5)
+        self.helper: threading.Thread | None = None
+
+    def depose(self, client) -> None:
+        self.gates[0].depose("test: deposed")
+        self.stop.failed = True
+        self.gates[1].promote(3)                      # a deposed manager that still answers
+
+        def comeback() -> None:                       # once the stale epoch was refused: a newer leader
+            deadline = time.monotonic() + 15
+            while client.stale_replies == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            self.stop.failed = False
+            self.gates[0].promote(7)
+        self.helper = threading.Thread(target=comeback, daemon=True)
+        self.helper.start()
+
+    def close(self) -> None:
+        for srv in self.servers:
+            srv.stop(0)
+
+
 def test_a_step_stream_refuses_a_lower_epoch_and_resends_to_the_leader():
     """Two in-process managers behind LeaderGates: the stream's leader is deposed (its open stream ends), the other
     answers with a lower epoch (refused: its reply never reaches the mirror), then the first comes back as a newer
     leader: the unanswered request is resent there under its seq and applied once."""
-    gates, stop = [LeaderGate(), LeaderGate()], FailStop()
-    servers = [serve(interceptors=[gates[0], stop]), serve(interceptors=[gates[1]])]
-    targets = [f"127.0.0.1:{s.port}" for s in servers]
-    gates[0].promote(5)
-    spec, sizing = CacheSpec.uniform(2, 1, 64, page_size=16), Sizing(num_slots=64, max_seq_len=512)
+    pair = DeposedLeaderPair()
     try:
-        with LeaderClient(targets, timeout=20) as c:
-            c.create_pool("st", spec, sizing)
+        with LeaderClient(pair.targets, timeout=20) as c:
+            c.create_pool("st", pair.SPEC, pair.SIZING)
             s = c.step_stream("st")
             s.step(admit=[1], admit_tokens=[5])
             s.step(extend=[1], extend_tokens=1)
             assert c.epoch == 5
-            gates[0].depose("test: deposed")
-            stop.failed = True
-            gates[1].promote(3)                       # a deposed manager that still answers
-
-            def comeback() -> None:                   # once the stale epoch was refused: a newer leader
-                deadline = time.monotonic() + 15
-                while c.stale_replies == 0 and time.monotonic() < deadline:
-                    time.sleep(0.01)
-                stop.failed = False
-                gates[0].promote(7)
-            helper = threading.Thread(target=comeback, daemon=True)
-            helper.start()
+            pair.depose(c)
             r = s.step(extend=[1], extend_tokens=1)
-            helper.join(20)
+            pair.helper.join(20)
             assert c.stale_replies >= 1 and c.epoch == 7 and s.reconnects >= 2
             assert r.num_tokens.tolist() == [7] and s.seq == 3
             assert c.stats("st")["st"].steps == 3      # applied once, on the leader
             s.close()
+    finally:
+        pair.close()
+
+
+# ---- the asyncio client across a failover (AsyncLeaderClient) ---------------------------------------------------
+
+def test_an_async_step_stream_follows_the_leader_across_kill9_applying_each_step_once(nats3, tmp_path):
+    """Issue 27, item 2, asyncio: the twin of the sync test above with an AsyncLeaderClient (default settings) whose
+    stream loop runs on its own event loop, under two kill -9 of the leader: the stream reconnects to the new leader
+    under the same id, resends its unanswered request with its seq, and every acknowledged Step was applied exactly
+    once (tokens and the pool's step count, read by the asyncio client after the loop)."""
+    slots, model = _manager_slots(nats3, tmp_path), AckedSteps()
+    opened, got = threading.Event(), {}
+
+    async def run() -> None:
+        async with AsyncLeaderClient([s.target for s in slots]) as c:
+            got["client"] = c
+            await c.create_pool(*STREAM_POOL)
+            stream = await c.step_stream("st")
+            await stream.step(admit=[1, 2], admit_tokens=[1, 1])
+            opened.set()
+            while not model.stop.is_set():
+                try:
+                    outcome = await stream.step(extend=[1, 2], extend_tokens=1)
+                except ClientError as err:
+                    outcome = err
+                if not model.took(outcome):
+                    break
+            got["sequences"] = (await c.sequences("st")).sequences
+            got["steps"] = (await c.stats("st"))["st"].steps
+            got["reconnects"] = stream.reconnects
+            await stream.close()
+
+    worker = threading.Thread(target=lambda: got.setdefault("error", _run_or_error(run)), daemon=True)
+    try:
+        for s in slots:
+            s.start()
+        worker.start()
+        assert opened.wait(60), got
+        c = got["client"]
+        epochs = model.kill_leaders(slots, 2, c)
+        worker.join(60)
+        assert got["error"] is None, got["error"]
+        model.check(got["sequences"], got["steps"])
+        assert got["reconnects"] >= 2 and c.epoch > epochs[-1] > epochs[0]
+        assert c.stale_replies == 0
+    finally:
+        model.stop.set()
+        for s in slots:
+            s.stop()
+
+
+def _run_or_error(main) -> BaseException | None:
+    """asyncio.run(main()) on this thread; the exception it raised, or None."""
+    try:
+        asyncio.run(main())
+    except BaseException as exc:                      # reported by the test's thread
+        return exc
+    return None
+
+
+def test_an_async_step_stream_refuses_a_lower_epoch_and_resends_to_the_leader():
+    """The asyncio twin of test_a_step_stream_refuses_a_lower_epoch_and_resends_to_the_leader: the stream's leader is
+    deposed (its open stream ends), the other manager answers with a lower epoch (refused: its reply never reaches
+    the mirror), then the first comes back as a newer leader: the unanswered request is resent there under its seq
+    and applied once."""
+    pair = DeposedLeaderPair()
+
+    async def run() -> None:
+        async with AsyncLeaderClient(pair.targets, timeout=20) as c:
+            await c.create_pool("st", pair.SPEC, pair.SIZING)
+            s = await c.step_stream("st")
+            await s.step(admit=[1], admit_tokens=[5])
+            await s.step(extend=[1], extend_tokens=1)
+            assert c.epoch == 5 and s.reconnects == 0
+            pair.depose(c)
+            r = await s.step(extend=[1], extend_tokens=1)
+            await asyncio.to_thread(pair.helper.join, 20)
+            assert c.stale_replies >= 1 and c.epoch == 7 and s.reconnects >= 2
+            assert r.num_tokens.tolist() == [7] and s.seq == 3 and s.pending is None
+            assert (await c.stats("st"))["st"].steps == 3      # applied once, on the leader
+            await s.close()
+    try:
+        asyncio.run(run())
+    finally:
+        pair.close()
+
+
+def test_async_leader_client_refusals_stay_put_and_all_addresses_down_names_them():
+    """A standby's refusal moves a call on; a refused request (INVALID_ARGUMENT) does not, and leaves nothing pending;
+    a lower epoch is refused until the deadline; with every address down a call and a stream step end UNAVAILABLE at
+    their deadline naming both addresses (the step's request stays pending: its outcome is unknown)."""
+    gates = [LeaderGate(), LeaderGate()]
+    servers = [serve(interceptors=[g]) for g in gates]
+    targets = [f"127.0.0.1:{s.port}" for s in servers]
+    gates[1].promote(5)                               # address 0 is a standby: it refuses UNAVAILABLE
+    spec, sizing = CacheSpec.uniform(2, 1, 64, page_size=16), Sizing(num_slots=64, max_seq_len=512)
+
+    async def run() -> None:
+        async with AsyncLeaderClient(targets, timeout=1.0) as c:
+            await c.create_pool("st", spec, sizing)
+            assert c.current_target == targets[1] and c.epoch == 5
+            s = await c.step_stream("st")
+            await s.step(admit=[1], admit_tokens=[5])
+            with pytest.raises(ClientError) as exc:   # a unary refusal: raised, the client stays
+                await c.step("st", admit=[2], admit_tokens=10_000)
+            assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT and c.current_target == targets[1]
+            with pytest.raises(ClientError) as exc:   # a stream refusal: raised, nothing pending, no reconnect
+                await s.step(admit=[2], admit_tokens=10_000)
+            assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT and "max_seq_len" in exc.value.message
+            assert s.pending is None and s.reconnects == 0 and c.current_target == targets[1]
+            r = await s.step(extend=[1], extend_tokens=1)
+            assert r.num_tokens.tolist() == [6] and (await c.stats("st"))["st"].steps == 2
+
+            gates[1].depose("test: deposed")          # the only one answering now says a lower epoch
+            gates[0].promote(3)
+            with pytest.raises(ClientError) as exc:
+                await c.echo(b"x")
+            assert exc.value.code == grpc.StatusCode.UNAVAILABLE and c.stale_replies >= 1 and c.epoch == 5
+
+            for srv in servers:                       # every address down
+                srv.stop(0)
+            with pytest.raises(ClientError) as exc:
+                await c.get_pool("st")
+            err = exc.value
+            assert err.code == grpc.StatusCode.UNAVAILABLE and err.reason == "RETRIES_EXHAUSTED"
+            assert all(t in err.message for t in targets) and int(err.metadata["attempts"]) >= 2, err.message
+            with pytest.raises(ClientError) as exc:
+                await s.step(extend=[1], extend_tokens=1)
+            err = exc.value
+            assert err.code == grpc.StatusCode.UNAVAILABLE and all(t in err.message for t in targets), err.message
+            assert s.pending is not None and s.pending.seq == 4 and "stays pending" in err.message
+            await s.close()
+    try:
+        asyncio.run(run())
     finally:
         for srv in servers:
             srv.stop(0)

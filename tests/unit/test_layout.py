@@ -162,6 +162,7 @@ def test_no_import_loops():
 
 
 @pytest.mark.parametrize("entry", ["kvservice.client", "kvservice.client.aio", "kvservice.client.ha",
+                                   "kvservice.client.aio_ha",
                                    "kvservice.client.worker_client", "kvservice.worker.server",
                                    "kvservice.worker.cli", "kvservice.worker.service"])
 def test_client_and_worker_load_nothing_of_the_manager(entry):
