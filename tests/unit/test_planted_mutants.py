@@ -31,8 +31,8 @@ PLANTED = [
      "np.maximum(e_new + 1 - w, 0) // ps, -(-e_new // ps))",
      "tests/unit/test_limits.py::test_pages_after_bounds_every_groups_entries_and_is_exact_for_extensions",
      "the reply bound counts a sliding group's kept pages after the step instead of before"),
-    ("kvservice/core/prefix.py", "ok &= (self.tokens[safe] == pages).all(axis=1)",
-     "ok &= (self.tokens[safe][:, :-1] == pages[:, :-1]).all(axis=1)",
+    ("kvservice/core/prefix.py", "good &= (self.tokens.take(slots, axis=0) == pages.take(at, axis=0)).all(axis=1)",
+     "good &= (self.tokens.take(slots, axis=0)[:, :-1] == pages.take(at, axis=0)[:, :-1]).all(axis=1)",
      "tests/unit/test_prefix_fork_window.py::test_a_forced_collision_differing_in_one_token_misses_at_every_position",
      "the prefix cache compares every token of a page but the last"),
 ]
