@@ -33,6 +33,9 @@ bench: $(STAMP)
 	$(BIN)/python bench/bench_sharing.py --out bench/results/sharing.md
 	$(BIN)/python bench/bench_durability.py --out bench/results/durability.md
 	$(BIN)/python bench/bench_limits.py --results bench/results/durability.md
+	$(BIN)/python bench/bench_limits.py --mix --results bench/results/durability.md
+	$(BIN)/python bench/bench_cached_pages.py --results bench/results/durability.md
+	$(BIN)/python bench/bench_fairness.py
 	$(BIN)/python bench/bench_routing.py --out bench/results/routing.md
 	$(BIN)/python bench/bench_ha.py --out bench/results/ha.md
 	$(BIN)/python bench/bench_cache.py --out bench/results/cache.md

@@ -32,8 +32,9 @@ _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")      # fullmatch: `$` would also acc
 #: allocator, rows and generations; 54 bytes measured with an empty prefix cache, bench/results/durability.md).
 SLOT_UNIT_BYTES = 56
 #: Resident bytes a cached page costs beside its slot, whatever its page size: the prefix cache's hash entry,
-#: the fleet index's entries and the KV event that stored it (1.5-1.7 KB measured at page size 16, 3.2-3.9 KB
-#: at 64, in-process after 65,536-262,144 cached pages; bench/results/durability.md) ...
+#: the fleet index's entries and the KV event that stored it (bench/bench_cached_pages.py, results in
+#: bench/results/durability.md: 1.5-1.6 KB at page size 16 with 250-520 K pages cached, 2.9-3.6 KB at 64 with
+#: 65-130 K; more per page in small caches, whose growing arrays still carry slack) ...
 CACHED_PAGE_BYTES = 1_100
 #: ... and per token of its page (the token ids the cache, the fleet index and the event keep).
 CACHED_TOKEN_BYTES = 40
