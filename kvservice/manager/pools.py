@@ -42,7 +42,7 @@ CACHED_TOKEN_BYTES = 40
 
 def slot_units(page_size: int, prefix_caching: bool) -> int:
     """Units of Limits.max_total_slots one slot (of one layer group) takes: 1 without prefix caching; with it,
-    what the slot and a cached page in it cost, in SLOT_UNIT_BYTES (33 at page size 16, 77 at 64)."""
+    what the slot and a cached page in it cost, in SLOT_UNIT_BYTES (33 at page size 16, 67 at 64)."""
     if not prefix_caching:
         return 1
     return -(-(SLOT_UNIT_BYTES + CACHED_PAGE_BYTES + CACHED_TOKEN_BYTES * page_size) // SLOT_UNIT_BYTES)

@@ -217,7 +217,7 @@ def test_a_prefix_cached_slot_counts_what_its_cached_page_costs():
     for ps in (1, 16, 64, 256):                   # units x unit bytes cover the slot and its cached page, tightly
         need = SLOT_UNIT_BYTES + CACHED_PAGE_BYTES + CACHED_TOKEN_BYTES * ps
         assert (slot_units(ps, True) - 1) * SLOT_UNIT_BYTES < need <= slot_units(ps, True) * SLOT_UNIT_BYTES
-    assert slot_units(16, True) == 33
+    assert slot_units(16, True) == 33 and slot_units(64, True) == 67      # the figures docs/SECURITY.md gives
     m = BlockManager()
     lim = Limits(max_pool_slots=10_000, max_total_slots=33 * 1000 + 20)
     spec = CacheSpec.uniform(2, 1, 64, page_size=16)
