@@ -231,6 +231,6 @@ async def _replicas_placeable(url: str, replicas: int) -> bool:
     async def check(nc: Any) -> None:
         js = nc.jetstream(timeout=2.0)
         await js.add_stream(api.StreamConfig(name=name, subjects=[f"ready.probe.{name}"], num_replicas=replicas,
-                                             storage=api.StorageType.MEMORY))
+                                             storage=api.StorageType.FILE))     # as the managers' streams
         await js.delete_stream(name)
     return await _probe(url, check)

@@ -925,3 +925,22 @@ def test_async_leader_client_refusals_stay_put_and_all_addresses_down_names_them
     finally:
         for srv in servers:
             srv.stop(0)
+
+
+def test_a_journal_stream_that_cannot_be_placed_is_refused_with_the_servers_reason(nats3):
+    """Five replicas asked of a three-node cluster (as a cluster missing peers answers): the error names the
+    journal stream and gives the server's reason, not the "stream not found" of the look-up after the
+    refusal; nothing is created."""
+    from kvservice.state.nats.config import StoreError
+    config = NatsConfig(tuple(nats3.urls), name=fresh_name(), replicas=5)
+    link = NatsLink(config)
+    try:
+        with pytest.raises(StoreError, match=r"creating the journal stream \(5 replicas\) was refused: "
+                                             r"no suitable peers for placement \(err_code 10005\)"):
+            NatsStore(link)
+
+        async def names() -> list[str]:
+            return [s.config.name for s in await link.js.streams_info()]
+        assert config.stream not in link.call(names(), 10.0, "listing streams")
+    finally:
+        link.close()

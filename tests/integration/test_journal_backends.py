@@ -632,3 +632,4 @@ def test_a_lease_bucket_that_cannot_be_placed_is_refused_with_the_servers_reason
             Lease(link, LeaseConfig(), "a", "addr-a")
     finally:
         link.close()
+

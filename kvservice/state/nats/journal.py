@@ -113,6 +113,13 @@ def check_ack(seq: int, duplicate: bool, sent_before: bool, expected_last: int) 
     return seq
 
 
+def _reason(err: nats.js.errors.Error) -> str:
+    """The server's words for a refused JetStream request (description and error code)."""
+    desc = getattr(err, "description", None)
+    code = getattr(err, "err_code", None)
+    return f"{desc} (err_code {code})" if desc else f"{type(err).__name__}: {err}"
+
+
 def _digest(data: bytes) -> str:
     return hashlib.blake2b(data, digest_size=16).hexdigest()
 
@@ -198,8 +205,14 @@ class NatsStore(JournalStore):
                     name=c.stream, subjects=[c.subject], storage=api.StorageType.FILE, num_replicas=c.replicas,
                     retention=api.RetentionPolicy.LIMITS, discard=api.DiscardPolicy.NEW, duplicate_window=120.0,
                     max_msg_size=-1, description="kvservice manager journal (docs/DURABILITY.md)"))
-            except nats.js.errors.BadRequestError:
-                await js.stream_info(c.stream)      # created meanwhile by the other manager
+            except nats.js.errors.BadRequestError as refused:
+                try:
+                    await js.stream_info(c.stream)      # created meanwhile by another manager
+                except nats.js.errors.NotFoundError:
+                    # nobody created it: the refusal was real (a cluster still electing, or missing
+                    # peers, cannot place a replicated stream yet); say why, and the caller retries
+                    raise StoreError(f"{self.path}: creating the journal stream ({c.replicas} replicas) was "
+                                     f"refused: {_reason(refused)}") from None
         try:
             self._obs = await js.object_store(c.snapshot_bucket)
         except nats.js.errors.BucketNotFoundError:
@@ -209,8 +222,12 @@ class NatsStore(JournalStore):
             try:
                 self._obs = await js.create_object_store(c.snapshot_bucket, config=api.ObjectStoreConfig(
                     replicas=c.replicas, storage=api.StorageType.FILE, description="kvservice manager snapshots"))
-            except nats.js.errors.BadRequestError:
-                self._obs = await js.object_store(c.snapshot_bucket)
+            except nats.js.errors.BadRequestError as refused:
+                try:
+                    self._obs = await js.object_store(c.snapshot_bucket)
+                except nats.js.errors.BucketNotFoundError:
+                    raise StoreError(f"{self.path}: creating the snapshot bucket {c.snapshot_bucket} "
+                                     f"({c.replicas} replicas) was refused: {_reason(refused)}") from None
 
     # ---- snapshots ------------------------------------------------------------------------------
     def load_snapshot(self) -> tuple[int, bytes] | None:
