@@ -132,11 +132,14 @@ def exact_sum(a: np.ndarray) -> int:
 
 
 def check_step_counts(pool: str, max_seq_len: int, num_slots: int, page_size: int,
-                      counts: Sequence[tuple[str, np.ndarray | None]]) -> list[tuple[int, int, int] | None]:
+                      counts: Sequence[tuple[str, np.ndarray | None]],
+                      summaries: Sequence[tuple[int, int, int] | None] | None = None,
+                      ) -> list[tuple[int, int, int] | None]:
     """Refuse token counts that could overflow the pool's int64 arithmetic; returns (min, max, exact sum)
-    of each array (None for an absent, empty or malformed one).
+    of each array (None for an absent, empty or malformed one; the sum is 0 when an entry is < 0).
 
     counts: (field name, 1-D integer array or None) for extend_num_tokens and admit_num_tokens.
+    summaries: their (min, max, exact sum) already computed (kvservice.manager.step_input), or None.
     Counts <= 0 and wrong lengths are left to the pool (its messages name the sequence).
     Raises InvalidArgument for a count over max_seq_len (no sequence can take it). With counts
     bounded so, only a batch so long that count x pages per count reaches 2^62 could wrap the
@@ -144,21 +147,17 @@ def check_step_counts(pool: str, max_seq_len: int, num_slots: int, page_size: in
     even the pages it needs at the least exceed the pool's slots; otherwise its sums cannot wrap.
     """
     least_pages, risky, out = 0, False, []
-    for name, a in counts:
-        if a is None or not len(a) or a.ndim != 1 or a.dtype.kind not in "iu":
-            out.append(None)                          # the pool names the shape or dtype
-            continue
-        top = int(a.max())
+    for i, (name, a) in enumerate(counts):
+        summary = summaries[i] if summaries is not None else count_summary(a)
+        out.append(summary)
+        if summary is None:
+            continue                                  # the pool names the shape or dtype
+        top = summary[1]
         if top > max_seq_len:
             j = int(np.argmax(a))
             raise InvalidArgument(f"{name}[{j}] = {top} tokens: pool {pool!r} takes at most max_seq_len="
                                   f"{max_seq_len} tokens per sequence", reason="OVER_MAX_SEQ_LEN", value=top,
                                   max_seq_len=max_seq_len)
-        low = int(a.min())
-        total = 0
-        if low >= 0:
-            total = int(a.sum(dtype=np.int64)) if top * len(a) < _SAFE_SUM else sum(a.tolist())
-        out.append((low, top, total))
         if (top // page_size + 2) * len(a) >= _SAFE_SUM:
             risky = True
             least_pages += exact_sum(np.maximum(a, 0) // page_size)   # k tokens take >= floor(k / ps) pages
@@ -166,6 +165,18 @@ def check_step_counts(pool: str, max_seq_len: int, num_slots: int, page_size: in
         raise ResourceExhausted(f"pool {pool!r}: this step needs at least {least_pages} slots, the pool has "
                                 f"{num_slots}; split the step", needed=least_pages, num_slots=num_slots)
     return out
+
+
+def count_summary(a: np.ndarray | None) -> tuple[int, int, int] | None:
+    """(min, max, exact sum) of a 1-D integer count array, the sum 0 when an entry is < 0; None if absent,
+    empty or not 1-D integers."""
+    if a is None or not a.size or a.ndim != 1 or a.dtype.kind not in "iu":
+        return None
+    low, top = int(np.minimum.reduce(a)), int(np.maximum.reduce(a))
+    total = 0
+    if low >= 0:
+        total = int(np.add.reduce(a, dtype=np.int64)) if top * len(a) < _SAFE_SUM else sum(a.tolist())
+    return low, top, total
 
 
 def pages_after(page_size: int, max_pages: int, windows: Sequence[int], e_old: np.ndarray | None,

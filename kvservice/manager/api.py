@@ -28,34 +28,14 @@ from kvservice.core.pool import Pool, StepResult
 from kvservice.manager import replies
 from kvservice.manager.pools import BlockManager
 from kvservice.manager.routing import score_prefix_reply
+from kvservice.manager.step_input import DecodedStep, decode_step
 from kvservice.v1 import block_manager_pb2 as pb
 
 log = logging.getLogger("kvservice")
-STEP_ARRAYS = ("free_seq_ids", "extend_seq_ids", "extend_num_tokens", "admit_seq_ids", "admit_num_tokens",
-               "fork_parent_ids", "fork_child_ids", "admit_token_ids")
 #: Violations a ValidatePageTable reply lists at most (max_reports above it is lowered to this).
 MAX_REPORTS = 1000
 #: Bytes of one SequenceInfo in a ListSequencesReply, at most (three varints and framing).
 SEQUENCE_INFO_BYTES = 36
-
-
-def step_kwargs(request: pb.StepRequest) -> dict[str, object]:
-    """Pool.step keyword arguments of a StepRequest (arrays decoded; the pool checks them)."""
-    a = {f: field_array(request, f) if request.HasField(f) else None for f in STEP_ARRAYS}
-    return {"free_ids": a["free_seq_ids"], "extend_ids": a["extend_seq_ids"], "extend_tokens": a["extend_num_tokens"],
-            "admit_ids": a["admit_seq_ids"], "admit_tokens": a["admit_num_tokens"], "tables": not request.omit_tables,
-            "block_table": request.include_block_table, "fork_parents": a["fork_parent_ids"],
-            "fork_children": a["fork_child_ids"], "admit_token_ids": a["admit_token_ids"],
-            "admit_salts": list(request.admit_cache_salts) or None,
-            "admit_extra_keys": list(request.admit_extra_keys) or None}
-
-
-def _step_args(kwargs: dict[str, object]) -> dict[str, object]:
-    """The decoded request arrays of step_kwargs, by their StepRequest field names."""
-    return {"free_seq_ids": kwargs["free_ids"], "extend_seq_ids": kwargs["extend_ids"],
-            "extend_num_tokens": kwargs["extend_tokens"], "admit_seq_ids": kwargs["admit_ids"],
-            "admit_num_tokens": kwargs["admit_tokens"], "fork_parent_ids": kwargs["fork_parents"],
-            "fork_child_ids": kwargs["fork_children"], "admit_token_ids": kwargs["admit_token_ids"]}
 
 
 def step_reply(pool: Pool, res: StepResult, tables: bool = True) -> pb.StepReply:
@@ -155,59 +135,62 @@ class ManagerAPI:
         self.manager.delete_pool(request.pool, request.force)
         return pb.DeletePoolReply()
 
-    def Step(self, request: pb.StepRequest) -> pb.StepReply:
-        kwargs = step_kwargs(request)
-        pool, lock = self.manager.pool_and_lock(request.pool)
-        incarnation = self.manager.incarnation(request.pool)
+    def Step(self, request: pb.StepRequest, step: DecodedStep | None = None) -> pb.StepReply:
+        """step: the request decoded (decode_step) by the caller, which then owns its bytes; None: decoded here."""
+        if step is None:
+            step = decode_step(request)
+        pool, lock = self.manager.pool_and_lock(step.pool)
+        incarnation = self.manager.incarnation(step.pool)
         with lock:
-            res = self.run_step(pool, request, kwargs)
+            res = self.run_step(pool, step)
         reply = step_reply(pool, res)
         reply.pool_incarnation = incarnation
         return reply
 
-    def run_step(self, pool: Pool, request: pb.StepRequest, kwargs: dict[str, object],
-                 cost_checked: bool = False) -> StepResult:
+    def run_step(self, pool: Pool, step: DecodedStep, cost_checked: bool = False, **overrides: object) -> StepResult:
         """Under the pool's lock: refuse a step whose cost is over the limits before it changes anything
         (check_step_cost, unless the caller did: cost_checked), run it, and record its KV events. Step and
-        StepStream both come through here."""
+        StepStream both come through here. overrides: Pool.step arguments that replace the request's
+        (the stream's incremental tables ask for tables=False, mappings=False)."""
         if not cost_checked:
-            self.check_step_cost(pool, request, kwargs)
+            self.check_step_cost(pool, step)
+        kwargs = step.pool_kwargs()
+        if overrides:
+            kwargs.update(overrides)
         res = pool.step(**kwargs)
-        admit_tokens = kwargs["admit_tokens"]
-        self.manager.events.after_step(pool, admit_tokens, kwargs["admit_token_ids"] is not None)
+        self.manager.events.after_step(pool, step.admit_num_tokens, step.admit_token_ids is not None)
         return res
 
-    def check_step_cost(self, pool: Pool, request: pb.StepRequest, kwargs: dict[str, object]) -> StepCost:
+    def check_step_cost(self, pool: Pool, step: DecodedStep) -> StepCost:
         """Refuse, before the pool changes, a step whose counts could overflow or whose reply could not be sent.
 
-        Runs under the pool's lock; kwargs: the step's Pool.step arguments (step_kwargs). The bound from
-        the request alone (extended rows at their longest) settles almost every step; one over the
-        limit is bounded again with the pool's token total, then with its rows' own tokens, and refused
-        only if that is over too. Returns whether the request alone settled it (the pool's plan and the
-        request's arrays: the same request on the same pool passes again) and the reply bound that did;
+        Runs under the pool's lock. The bound from the request alone (extended rows at their longest)
+        settles almost every step, from the request's count summary (a few scalars); one over the limit
+        is bounded again with the pool's token total, then with its rows' own tokens, and refused only
+        if that is over too. Returns whether the request alone settled it and the reply bound that did;
         that bound is passed to `reserve_reply` (the server's memory budget, which may refuse the step).
         """
-        args = _step_args(kwargs)
         sums = check_step_counts(pool.name, pool.max_seq_len, pool.plan.num_slots, pool.page_size,
-                                 (("extend_num_tokens", args["extend_num_tokens"]),
-                                  ("admit_num_tokens", args["admit_num_tokens"])))
+                                 (("extend_num_tokens", step.extend_num_tokens),
+                                  ("admit_num_tokens", step.admit_num_tokens)),
+                                 (step.extend_counts, step.admit_counts))
         if not self.max_reply_bytes:
             return StepCost(True, 0)
         model = self._model(pool)
-        shape = _quick_shape(model, args, sums)
+        shape = _quick_shape(model, step, sums)
         if shape is None:
             return StepCost(False, 0)
-        total = step_reply_bound(model, shape, not request.omit_tables, request.include_block_table).total
+        total = step_reply_bound(model, shape, step.tables, step.block_table).total
         if total <= self.max_reply_bytes:
             return self._reserved(StepCost(True, total))
         for level in (1, 2):
-            found = _step_reply_bound(pool, model, request, args, level)
+            found = _step_reply_bound(pool, model, step, level)
             if found is None:
                 return StepCost(False, 0)
             if found[0].total <= self.max_reply_bytes:
                 return self._reserved(StepCost(False, found[0].total))
         bound, new_tokens = found
-        raise _reply_too_large(pool.name, bound, self.max_reply_bytes, new_tokens, model.num_spaces, request)
+        raise _reply_too_large(pool.name, bound, self.max_reply_bytes, new_tokens, model.num_spaces, step)
 
     def _reserved(self, cost: StepCost) -> StepCost:
         if self.reserve_reply is not None:
@@ -225,17 +208,17 @@ class ManagerAPI:
         rows bounded by the pool's token total; 2: by their own tokens. Each is >= the next. None for a
         request the pool would refuse (malformed arrays, unknown ids).
         """
-        args = {f: field_array(request, f) if request.HasField(f) else None for f in STEP_ARRAYS}
-        with self.manager.locked(request.pool) as pool:
+        step = decode_step(request)
+        with self.manager.locked(step.pool) as pool:
             model = self._model(pool)
             if level == 0:
                 sums = check_step_counts(pool.name, pool.max_seq_len, pool.plan.num_slots, pool.page_size,
-                                         (("extend_num_tokens", args["extend_num_tokens"]),
-                                          ("admit_num_tokens", args["admit_num_tokens"])))
-                shape = _quick_shape(model, args, sums)
-                return None if shape is None else step_reply_bound(model, shape, not request.omit_tables,
-                                                                   request.include_block_table)
-            found = _step_reply_bound(pool, model, request, args, level)
+                                         (("extend_num_tokens", step.extend_num_tokens),
+                                          ("admit_num_tokens", step.admit_num_tokens)),
+                                         (step.extend_counts, step.admit_counts))
+                shape = _quick_shape(model, step, sums)
+                return None if shape is None else step_reply_bound(model, shape, step.tables, step.block_table)
+            found = _step_reply_bound(pool, model, step, level)
         return None if found is None else found[0]
 
     def ListSequences(self, request: pb.ListSequencesRequest) -> pb.ListSequencesReply:
@@ -311,15 +294,15 @@ class ManagerAPI:
                                             for w in reg.workers(request.pool)])
 
 
-def _quick_shape(model: ReplyModel, args: dict[str, np.ndarray | None],
+def _quick_shape(model: ReplyModel, step: DecodedStep,
                  sums: list[tuple[int, int, int] | None]) -> StepShape | None:
     """The shape of a step from its request alone (every extended row and fork child at max_pages):
     a few scalars, for the hot path. None if the arrays are malformed (the pool refuses them)."""
-    ids = [args[f] for f in ("extend_seq_ids", "admit_seq_ids", "fork_parent_ids", "fork_child_ids")]
+    ids = (step.extend_seq_ids, step.admit_seq_ids, step.fork_parent_ids, step.fork_child_ids)
     if any(a is not None and (a.ndim != 1 or a.dtype.kind not in "iu") for a in ids):
         return None
     e, a, p, c = (0 if x is None else len(x) for x in ids)
-    counts = [args["extend_num_tokens"], args["admit_num_tokens"]]
+    counts = (step.extend_num_tokens, step.admit_num_tokens)
     if [0 if x is None else len(x) for x in counts] != [e, a] or p != c:
         return None
     if any(summary is not None and summary[0] <= 0 for summary in sums):
@@ -334,19 +317,19 @@ def _quick_shape(model: ReplyModel, args: dict[str, np.ndarray | None],
     return StepShape(e + a + c, e, a, e_sum + a_sum, (pages,) * len(model.index_bytes), widest)
 
 
-def _step_reply_bound(pool: Pool, model: ReplyModel, request: pb.StepRequest, args: dict[str, np.ndarray | None],
+def _step_reply_bound(pool: Pool, model: ReplyModel, step: DecodedStep,
                       level: int) -> tuple[ReplyBound, int] | None:
     """(reply bound, new tokens) of a step; None if its arrays are malformed or (level 2) name unknown rows.
 
     level 1: extended rows bounded by the pool's token total; 2: by their own tokens (O(N log N)).
     The pool refuses such a step anyway, with a message naming the field or sequence.
     """
-    ids = [args[f] for f in ("extend_seq_ids", "admit_seq_ids", "fork_parent_ids", "fork_child_ids")]
+    ids = (step.extend_seq_ids, step.admit_seq_ids, step.fork_parent_ids, step.fork_child_ids)
     if any(a is not None and (a.ndim != 1 or a.dtype.kind not in "iu")
-           for a in (*ids, args["extend_num_tokens"], args["admit_num_tokens"])):
+           for a in (*ids, step.extend_num_tokens, step.admit_num_tokens)):
         return None
     e_ids, a_ids, parents, children = (_or_empty(a) for a in ids)
-    e_k, a_n = (_or_empty(args[f]).astype(np.int64) for f in ("extend_num_tokens", "admit_num_tokens"))
+    e_k, a_n = (_or_empty(a).astype(np.int64) for a in (step.extend_num_tokens, step.admit_num_tokens))
     if len(e_k) != len(e_ids) or len(a_n) != len(a_ids) or len(parents) != len(children):
         return None
     if (len(e_k) and int(e_k.min()) <= 0) or (len(a_n) and int(a_n.min()) <= 0):
@@ -362,7 +345,7 @@ def _step_reply_bound(pool: Pool, model: ReplyModel, request: pb.StepRequest, ar
     pages, widest = pages_after(model.page_size, model.max_pages, model.windows, e_old, e_k, a_n, c_tokens,
                                 len(children), pool.num_tokens_total)
     shape = StepShape(len(e_ids) + len(a_ids) + len(children), len(e_ids), len(a_ids), new_tokens, pages, widest)
-    return step_reply_bound(model, shape, not request.omit_tables, request.include_block_table), new_tokens
+    return step_reply_bound(model, shape, step.tables, step.block_table), new_tokens
 
 
 def derived_incarnation(request: pb.CreatePoolRequest) -> int:
@@ -388,7 +371,7 @@ def _tokens_of(live_ids: np.ndarray, live_tokens: np.ndarray, ids: np.ndarray) -
 
 
 def _reply_too_large(pool: str, bound: ReplyBound, limit: int, new_tokens: int, spaces: int,
-                     request: pb.StepRequest) -> ResourceExhausted:
+                     step: DecodedStep) -> ResourceExhausted:
     """RESOURCE_EXHAUSTED naming the limit, what the reply holds, and what would make it fit."""
     parts = (f"slot mappings {bound.slot_mappings} ({new_tokens} new tokens x {spaces} index spaces x 12 bytes: "
              "slot and generation)")
@@ -408,4 +391,4 @@ def _reply_too_large(pool: str, bound: ReplyBound, limit: int, new_tokens: int, 
         f"pool {pool!r}: the reply to this Step could take {bound.total} bytes ({parts}), more than this server's "
         f"message limit of {limit} bytes; nothing was changed: {advice}", reason="REPLY_TOO_LARGE",
         reply_bytes=bound.total, limit=limit, new_tokens=new_tokens,
-        omit_tables=request.omit_tables, include_block_table=request.include_block_table)
+        omit_tables=not step.tables, include_block_table=step.block_table)

@@ -58,8 +58,6 @@ class HeldTables:
     seq_ids: uint64 [B], the reply's batch. num_tokens: int64 [B], tokens each row holds.
     first: per layer group, int64 [B]: position (0-based, within the sequence) of each row's first held page.
     last: per layer group, int64 [B]: each row's last held page in the group's first index space (-1: none).
-    key: the request that made this reply, if it only extended (kvservice.server.stream's key of its bytes): a
-        next request with the same key and no step between extends the same batch in the same order.
     """
 
     seq: int
@@ -69,7 +67,6 @@ class HeldTables:
     num_tokens: np.ndarray
     first: list[np.ndarray]
     last: list[np.ndarray]
-    key: tuple | None = None
 
     def usable(self, pool: Pool, base: int) -> bool:
         """True if a step of `pool` about to run now can be answered relative to this reply.

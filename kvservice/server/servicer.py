@@ -11,6 +11,7 @@ committed state and nothing once the journal failed.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -18,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import grpc
-import numpy as np
 from google.protobuf.message import Message
 
 from kvservice.contract.auth import current_pools, current_principal
@@ -26,10 +26,10 @@ from kvservice.contract.convert import cache_spec_from_proto, plan_to_proto, siz
 from kvservice.contract.errors import InvalidArgument, JournalUnavailable, KVError, ResourceExhausted
 from kvservice.contract.sizing import Plan
 from kvservice.contract.status import to_status
-from kvservice.contract.wire import field_array
 from kvservice.core.planner import plan
 from kvservice.manager.api import ManagerAPI, derived_incarnation
 from kvservice.manager.pools import SLOT_UNIT_BYTES, BlockManager, new_incarnation, slot_units
+from kvservice.manager.step_input import DecodedStep, decode_step
 from kvservice.server.budget import MemoryBudget
 from kvservice.server.metrics import ManagerMetrics
 from kvservice.server.stream import StreamRegistry, echo_stream, scoped_request_id, step_stream
@@ -50,10 +50,6 @@ METHODS = tuple(pb.DESCRIPTOR.services_by_name["BlockManager"].methods_by_name)
 #: Streaming RPCs: handlers of their own (kvservice/server/stream.py), not the unary adapter below.
 STREAMING = frozenset(m.name for m in pb.DESCRIPTOR.services_by_name["BlockManager"].methods
                       if m.client_streaming or m.server_streaming)
-_STEP_ARRAYS = ("free_seq_ids", "extend_seq_ids", "extend_num_tokens", "admit_seq_ids", "admit_num_tokens",
-                "fork_parent_ids", "fork_child_ids", "admit_token_ids")
-_SEQ_FIELDS = ("free_seq_ids", "extend_seq_ids", "admit_seq_ids", "fork_child_ids")   # one sequence each
-_ITEMSIZE = {10: 4, 11: 8, 12: 8, 13: 4}      # INT32, INT64, UINT64, UINT32 (others are refused by the API)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,39 +73,33 @@ class Limits:
     max_request_id: int = 128
     max_total_slots: int = 1 << 24
 
-    def check(self, method: str, request: Any, manager: BlockManager) -> None:
-        """InvalidArgument (reason LIMIT_EXCEEDED) for a request over a cap; ResourceExhausted at max_pools."""
+    def check(self, method: str, request: Any, manager: BlockManager, step: DecodedStep | None = None) -> None:
+        """InvalidArgument (reason LIMIT_EXCEEDED) for a request over a cap; ResourceExhausted at max_pools.
+
+        step: a Step's request decoded (decode_step; the caller decodes it once and passes it on).
+        """
         rid = getattr(request, "request_id", "")
         if self.max_request_id and len(rid) > self.max_request_id:
             raise _over("request_id", len(rid), self.max_request_id, "characters", "")
         if method == "Step":
-            self._check_step(request)
+            self._check_step(step if step is not None else decode_step(request))
         elif method == "CreatePool":
             self._check_create(request, manager)
         elif method == "Plan":
             _check_representable(plan(cache_spec_from_proto(request.cache), sizing_from_proto(request.sizing),
                                       tuple(request.backends)))
 
-    def _check_step(self, r: pb.StepRequest) -> None:
-        n = sum(_items(r, f) for f in _SEQ_FIELDS if r.HasField(f))
-        tokens = 0
-        for f in ("extend_num_tokens", "admit_num_tokens"):
-            a = field_array(r, f)
-            if a is None or not a.size or not self.max_step_tokens:
-                continue                    # no cap: the API bounds each count by the pool's max_seq_len
-            top = int(a.max())
-            if top > self.max_step_tokens:
-                _decode_all(r)
-                raise _over(f"{f} entry", top, self.max_step_tokens, "tokens", "--max-step-tokens")
-            tokens += int(a.sum(dtype=np.int64))   # entries <= cap; a negative one is refused by the API anyway
-        if r.HasField("admit_token_ids"):
-            tokens = max(tokens, _items(r, "admit_token_ids"))
-        if self.max_step_sequences and n > self.max_step_sequences:
-            _decode_all(r)       # a malformed array gets the API's own message, not a cap's
-            raise _over("sequences in one Step", n, self.max_step_sequences, "ids", "--max-step-sequences")
-        if self.max_step_tokens and tokens > self.max_step_tokens:
-            _decode_all(r)
-            raise _over("new tokens in one Step", tokens, self.max_step_tokens, "tokens", "--max-step-tokens")
+    def _check_step(self, step: DecodedStep) -> None:
+        """The caps of a decoded Step, from its arrays as decoded (a malformed one already got its own message)."""
+        if self.max_step_tokens:
+            for f, a in (("extend_num_tokens", step.extend_num_tokens), ("admit_num_tokens", step.admit_num_tokens)):
+                if a is not None and a.size and int(a.max()) > self.max_step_tokens:
+                    raise _over(f"{f} entry", int(a.max()), self.max_step_tokens, "tokens", "--max-step-tokens")
+        if self.max_step_sequences and step.sequences > self.max_step_sequences:
+            raise _over("sequences in one Step", step.sequences, self.max_step_sequences, "ids",
+                        "--max-step-sequences")
+        if self.max_step_tokens and step.new_tokens > self.max_step_tokens:
+            raise _over("new tokens in one Step", step.new_tokens, self.max_step_tokens, "tokens", "--max-step-tokens")
 
     def _check_create(self, r: pb.CreatePoolRequest, manager: BlockManager) -> None:
         if self.max_pools and len(manager.pool_names()) >= self.max_pools:
@@ -136,17 +126,6 @@ class Limits:
                     limit=self.max_total_slots)
 
 
-def _items(r: Any, field: str) -> int:
-    """Elements of a Tensor field, from its byte length (no decoding)."""
-    t = getattr(r, field)
-    return len(t.data) // _ITEMSIZE.get(t.dtype, 1)
-
-
-def _decode_all(r: pb.StepRequest) -> None:
-    for f in _STEP_ARRAYS:
-        field_array(r, f)
-
-
 def _check_representable(p: Plan) -> None:
     """InvalidArgument if a plan's byte figures do not fit the reply's uint64 fields (planner.py accepts them)."""
     try:
@@ -170,8 +149,7 @@ class Journal(Protocol):
     return a stored reply instead (a retried request_id) without calling apply.
     """
 
-    def execute(self, method: str, request: Message, apply: Callable[[Message], Message],
-                decoded: bool = False) -> Message: ...
+    def execute(self, method: str, request: Message, apply: Callable[[Message], Message]) -> Message: ...
 
 
 class BlockManagerServicer(pb_grpc.BlockManagerServicer):
@@ -207,8 +185,12 @@ def _adapter(name: str) -> Callable[..., Any]:
             apply = self._score_prefix if name == "ScorePrefix" else getattr(self.api, name)
             if getattr(self.journal, "failed", None):
                 raise JournalUnavailable(f"the manager stopped serving: {self.journal.failed}")  # type: ignore[union-attr]
+            step = None
+            if name == "Step":              # decoded here, once: Limits, the cost check and Pool.step read it
+                step = decode_step(request)
+                apply = functools.partial(self.api.Step, step=step)
             if self.limits is not None:
-                self.limits.check(name, request, self.api.manager)
+                self.limits.check(name, request, self.api.manager, step)
             _stamp(name, request)
             if name in MUTATING and getattr(request, "request_id", ""):     # one idempotency namespace per tenant
                 request.request_id = scoped_request_id(current_principal(), request.request_id)

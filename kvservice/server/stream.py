@@ -17,18 +17,15 @@ continues it:
 - With ``delta_tables`` the reply carries only what changed in the tables (kvservice/manager/delta.py),
   relative to what the session last sent, when the request's ``delta_base`` says the client holds
   exactly that; otherwise full tables.
-- Limits (servicer.Limits) are checked per request, except for a request whose arrays are the same
-  bytes as the last one checked on the stream (a steady decode loop): its caps cannot have changed.
-  Likewise its arrays are not decoded again (by the session or the journal), and the step's cost
-  check (ManagerAPI.check_step_cost) runs once per request bytes and pool when the request alone
-  settled it. Its KV events become visible once it is journaled (events.transaction).
+- Each request is decoded once (kvservice.manager.step_input.decode_step), checked against the Limits
+  (servicer.Limits) and the step's cost (ManagerAPI.check_step_cost) from that one decoding, and its
+  KV events become visible once it is journaled (events.transaction).
 
-Sessions are bounded (least recently used one dropped past ``max_streams``; idle ones expire), so
-stream ids cannot grow the server's memory without bound; a dropped session only costs its client
-one full reply. What an open session keeps between requests (decoded arrays, the key of their bytes,
-the tables its client holds) is charged to its tenant's memory budget (kvservice/server/budget.py;
-dropped rather than kept when the budget has no room); when its last call closes, the session keeps
-only ``last_seq`` (what a resend after a reconnect needs: its reply comes from the journal's
+Sessions are bounded (least recently used one dropped past ``max_streams``; idle ones expire), so stream ids
+cannot grow the server's memory without bound; a dropped session only costs its client one full reply. What an
+open session keeps between requests (the tables its client holds) is charged to its tenant's memory budget
+(kvservice/server/budget.py; dropped rather than kept when the budget has no room); when its last call closes,
+the session keeps only ``last_seq`` (what a resend after a reconnect needs: its reply comes from the journal's
 idempotency window) and the charge is released at once.
 Each open stream holds a server thread; ``kvservice serve --max-streams`` caps them
 (and adds that many threads), so unary calls are never starved.
@@ -44,13 +41,11 @@ import re
 import threading
 import time
 import uuid
-import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
-import numpy as np
 from google.rpc import code_pb2
 
 from kvservice.contract.auth import current_principal
@@ -64,8 +59,9 @@ from kvservice.contract.errors import (
     ResourceExhausted,
 )
 from kvservice.contract.transport import STREAM_ID_KEY
-from kvservice.manager.api import ManagerAPI, step_kwargs, step_reply
+from kvservice.manager.api import ManagerAPI, step_reply
 from kvservice.manager.delta import HeldTables, encode_delta, held_from_full
+from kvservice.manager.step_input import DecodedStep, decode_step
 from kvservice.server.budget import BudgetExceeded, Charge
 from kvservice.v1 import block_manager_pb2 as pb
 
@@ -74,9 +70,6 @@ _STREAM_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 _CODES = ((InvalidArgument, code_pb2.INVALID_ARGUMENT), (FailedPrecondition, code_pb2.FAILED_PRECONDITION),
           (ResourceExhausted, code_pb2.RESOURCE_EXHAUSTED), (NotFound, code_pb2.NOT_FOUND),
           (AlreadyExists, code_pb2.ALREADY_EXISTS))
-_UNSET: Any = object()
-_OTHER_ARRAYS = ("free_seq_ids", "admit_seq_ids", "admit_num_tokens", "fork_parent_ids", "fork_child_ids",
-                 "admit_token_ids")
 
 
 class StreamSession:
@@ -84,14 +77,9 @@ class StreamSession:
 
     last_seq: highest stream_seq answered (0 = none yet, or the session is new after a restart).
     held: what the client's mirror holds after the last table-carrying reply (None = nothing known).
-    checked: key of the last request that passed the Limits check (a steady decode loop's arrays).
-    kwargs: (key, Pool.step arguments) of the last request with a key (_request_key): the same bytes decode
-        the same.
-    settled: (key, weak reference to the pool) of the last request whose cost check (ManagerAPI.check_step_cost)
-        was settled by the request alone: the same bytes on the same pool pass it again.
     last_used: registry clock at the last request (idle sessions expire).
     calls: StepStream calls open on this session (a reconnect may overlap the call it replaces).
-    charge: the memory budget's charge for held, kwargs and the request keys (None: no budget).
+    charge: the memory budget's charge for held (None: no budget).
     """
 
     def __init__(self, stream_id: str, tenant: str = "") -> None:
@@ -100,42 +88,20 @@ class StreamSession:
         self.lock = threading.Lock()
         self.last_seq = 0
         self.held: HeldTables | None = None
-        self.checked: tuple | None = None
-        self.kwargs: tuple[tuple, dict] | None = None
-        self.settled: tuple[tuple, weakref.ref, int] | None = None
         self.last_used = 0.0
         self.calls = 0
         self.charge: Charge | None = None
 
     def kept_bytes(self) -> int:
-        """Bytes this session keeps between requests: decoded arrays, request keys and held tables."""
-        n, seen = 0, []
-        for k in (self.checked, self.kwargs and self.kwargs[0], self.settled and self.settled[0],
-                  self.held and self.held.key):
-            if k and not any(k is o for o in seen):     # usually one key object, kept in several places
-                seen.append(k)
-                n += len(k[2]) + len(k[4])               # _request_key: the extend arrays' bytes
-        if self.kwargs is not None:
-            n += sum(a.nbytes for a in self.kwargs[1].values() if isinstance(a, np.ndarray))
+        """Bytes this session keeps between requests: the held tables."""
         h = self.held
-        if h is not None:
-            n += h.seq_ids.nbytes + h.num_tokens.nbytes + sum(a.nbytes for a in (*h.first, *h.last))
-        return n
-
-    def drop(self, key: tuple | None) -> None:
-        """Keep nothing of a refused request `key` (a steady loop's next request decodes and checks again)."""
-        if key is None:
-            return
-        if self.checked is key:
-            self.checked = None
-        if self.kwargs is not None and self.kwargs[0] is key:
-            self.kwargs = None
-        if self.settled is not None and self.settled[0] is key:
-            self.settled = None
+        if h is None:
+            return 0
+        return h.seq_ids.nbytes + h.num_tokens.nbytes + sum(a.nbytes for a in (*h.first, *h.last))
 
     def forget(self) -> None:
-        """Drop what the session keeps for speed (the next request is decoded and answered in full)."""
-        self.checked = self.kwargs = self.settled = self.held = None
+        """Drop what the session keeps for speed (the next reply carries full tables)."""
+        self.held = None
 
     def account(self) -> None:
         """Charge what the session keeps now; past the budget, keep nothing instead. Under `lock`."""
@@ -166,51 +132,30 @@ class StreamSession:
                                   f"{self.last_seq}; send {self.last_seq + 1} next (or resend an earlier one)",
                                   reason="STREAM_SEQ", expected=self.last_seq + 1)
 
-    def decoded(self, key: tuple | None) -> bool:
-        """True if `key` (_request_key) is the key of the last request whose arrays were decoded on this stream."""
-        return key is not None and self.kwargs is not None and self.kwargs[0] == key
-
-    def apply(self, api: ManagerAPI, request: pb.StepRequest, key: Any = _UNSET) -> pb.StepReply:
+    def apply(self, api: ManagerAPI, request: pb.StepRequest, step: DecodedStep | None = None) -> pb.StepReply:
         """Run the step (under the pool lock) and encode its reply: incremental if the client's base allows.
 
-        key: the request's _request_key if the caller has it (computed otherwise).
+        step: the request decoded (decode_step) by the caller; None: decoded here.
         """
         delta = request.delta_tables
         if delta and (request.omit_tables or request.include_block_table):
             raise InvalidArgument("delta_tables asks for incremental tables; omit_tables and include_block_table "
                                   "do not go with it (the client's mirror builds block tables): set one or the other")
-        if key is _UNSET:
-            key = _request_key(request, self.stream_id)
-        if self.decoded(key):
-            kwargs = dict(self.kwargs[1])     # type: ignore[index]  # a steady decode loop: the same bytes as last time
-        else:
-            kwargs = step_kwargs(request)
-            self.kwargs = (key, dict(kwargs)) if key is not None else None
+        if step is None:
+            step = decode_step(request)
         seq = request.stream_seq
-        pool, lock = api.manager.pool_and_lock(request.pool)
-        incarnation = api.manager.incarnation(request.pool)
+        pool, lock = api.manager.pool_and_lock(step.pool)
+        incarnation = api.manager.incarnation(step.pool)
         with lock:
-            # The cost check of api.run_step, once per request bytes and pool when the request alone settled it.
-            settled = self.settled
-            if key is None or settled is None or settled[0] != key or settled[1]() is not pool:
-                cost = api.check_step_cost(pool, request, kwargs)
-                self.settled = (key, weakref.ref(pool), cost.reply_bytes) if cost.settled and key else None
-            elif api.reserve_reply is not None:
-                api.reserve_reply(settled[2])        # the same reply bound as last time: the memory budget's
             held = self.held
             if delta and held is not None and held.usable(pool, request.delta_base):
-                kwargs["tables"] = any(pool.windows)       # slot mappings suffice without sliding windows
-                kwargs["mappings"] = kwargs["tables"]      # and a steady decode step needs only the pages it opened
-                res = api.run_step(pool, request, kwargs, cost_checked=True)
-                reply, self.held = encode_delta(pool, res, held, seq, key is not None and held.key == key,
-                                                request.accept_tokens_added)
-                self.held.key = key
+                tables = any(pool.windows)       # slot mappings suffice without sliding windows, and a steady
+                res = api.run_step(pool, step, tables=tables, mappings=tables)   # decode step needs only its new pages
+                reply, self.held = encode_delta(pool, res, held, seq, derive=request.accept_tokens_added)
                 reply.pool_incarnation = incarnation
                 return reply
-            res = api.run_step(pool, request, kwargs, cost_checked=True)
+            res = api.run_step(pool, step)
             self.held = held_from_full(seq, pool, res) if delta else None
-            if self.held is not None:
-                self.held.key = key
         reply = step_reply(pool, res)
         reply.stream_seq = seq
         reply.pool_incarnation = incarnation
@@ -293,16 +238,6 @@ def error_reply(seq: int, err: KVError) -> pb.StepReply:
                                                                 metadata=err.metadata))
 
 
-def _request_key(r: pb.StepRequest, stream_id: str) -> tuple | None:
-    """What Limits and Pool.step read of a request that only extends (its arrays' bytes, pool, flags), None
-    for any other request or one with its own request_id: equal keys decode and check the same."""
-    if (r.request_id and r.request_id != f"{stream_id}#{r.stream_seq}") or any(r.HasField(f) for f in _OTHER_ARRAYS) \
-            or r.admit_cache_salts or r.admit_extra_keys:
-        return None
-    return (r.pool, r.extend_seq_ids.dtype, r.extend_seq_ids.data, r.extend_num_tokens.dtype,
-            r.extend_num_tokens.data, r.omit_tables, r.include_block_table)
-
-
 def step_one(servicer: Any, session: StreamSession, request: Any, broken: type[Exception],
              observe: Callable[[float, pb.StepReply | None], None]) -> pb.StepReply:
     """Answer one request of a StepStream; raises `broken` (the journal's JournalUnavailable) only.
@@ -323,24 +258,18 @@ def step_one(servicer: Any, session: StreamSession, request: Any, broken: type[E
             if getattr(journal, "failed", None):
                 raise broken(f"the manager stopped serving: {journal.failed}")
             session.check_order(seq)
-            key = None
             try:
-                key = _request_key(request, session.stream_id)
-                if servicer.limits is not None and (key is None or key != session.checked):
-                    servicer.limits.check("Step", request, servicer.api.manager)
-                    session.checked = key
+                step = decode_step(request)             # the one decoding of this request
+                if servicer.limits is not None:
+                    servicer.limits.check("Step", request, servicer.api.manager, step)
                 request.request_id = scoped_request_id(session.tenant,
                                                        request.request_id or f"{session.stream_id}#{seq}")
 
                 def apply(r: pb.StepRequest) -> pb.StepReply:
-                    return session.apply(servicer.api, r, key)
+                    return session.apply(servicer.api, r, step)
 
                 with servicer.api.manager.events.transaction():    # its KV events show once it is journaled
-                    reply = journal.execute("Step", request, apply, decoded=session.decoded(key)) \
-                        if journal is not None else apply(request)
-            except KVError:
-                session.drop(key)
-                raise
+                    reply = journal.execute("Step", request, apply) if journal is not None else apply(request)
             finally:
                 session.last_seq = max(session.last_seq, seq)
                 session.account()

@@ -35,10 +35,9 @@ from typing import Any
 
 from google.protobuf.message import Message
 
-from kvservice.contract.errors import InvalidArgument, JournalUnavailable, KVError, StateError
-from kvservice.contract.wire import field_array
+from kvservice.contract.errors import JournalUnavailable, KVError, StateError
 from kvservice.core.pool_state import PoolState
-from kvservice.manager.api import STEP_ARRAYS, ManagerAPI
+from kvservice.manager.api import ManagerAPI
 from kvservice.manager.pools import BlockManager
 from kvservice.state import ackmark
 from kvservice.state import snapshot as snap
@@ -312,17 +311,16 @@ class Journal:
         return n
 
     # ---- the hooks the servicer calls -----------------------------------------------------
-    def execute(self, method: str, request: Message, apply: Callable[[Message], Message],
-                decoded: bool = False) -> Message:
+    def execute(self, method: str, request: Message, apply: Callable[[Message], Message]) -> Message:
         """Apply a mutating request once: durable before it returns, the stored reply for a retried request_id.
 
-        decoded: the caller has decoded every array of this request already (a stream's repeated request
-        bytes), so they are not decoded again before apply.
+        apply(request) -> reply makes the change; a Step's arrays were decoded once by its caller (a request
+        that cannot be decoded was refused before it came here), so nothing here decodes them again.
         """
         while True:
             with self._lock:
                 if not self._tail_full():
-                    reply, cap = self._execute_locked(method, request, apply, decoded)
+                    reply, cap = self._execute_locked(method, request, apply)
                     break
             self.snapshot_waits += 1        # the tail is at compact_every: wait (unlocked) for the snapshot
             self._writer_done.wait()
@@ -340,8 +338,8 @@ class Journal:
         tail's last quarter; a leader killed meanwhile leaves no longer a tail to its successor)."""
         return not self._writer_done.is_set() and self.seq - self.snapshot_seq >= self.config.compact_every
 
-    def _execute_locked(self, method: str, request: Message, apply: Callable[[Message], Message],
-                        decoded: bool) -> tuple[Message, _Capture | None]:
+    def _execute_locked(self, method: str, request: Message,
+                        apply: Callable[[Message], Message]) -> tuple[Message, _Capture | None]:
         """execute under the journal lock: (reply, a snapshot capture to write outside the lock or None)."""
         self._check_usable()
         rid = getattr(request, "request_id", "")
@@ -351,8 +349,6 @@ class Journal:
             stored = self.window.lookup(rid, method, fingerprint)
             if stored is not None:
                 return self._stamped_copy(stored), None
-        if method == "Step" and not decoded:
-            _decode_step(request)
         with self._gate.writing(getattr(request, _TARGET[method]) if method in _TARGET else None):
             try:
                 reply = apply(request)
@@ -559,18 +555,6 @@ class Journal:
         self._writer_done.wait()
         with self._lock:
             self.store.close(clean=self.failed is None, seq=self.seq)
-
-
-def _decode_step(request: Message) -> None:
-    """Decode every array of a Step before anything is applied: a malformed one is a refusal, never a failure."""
-    for f in STEP_ARRAYS:
-        if request.HasField(f):
-            try:
-                field_array(request, f)
-            except KVError:
-                raise
-            except Exception as err:
-                raise InvalidArgument(f"{f}: cannot be decoded ({type(err).__name__}: {err})", field=f) from None
 
 
 __all__ = ["Entry", "IdempotencyWindow", "Journal", "JournalConfig", "JournalStore", "MemoryStore", "StateError"]

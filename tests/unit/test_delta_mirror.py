@@ -292,10 +292,10 @@ def test_the_opened_pages_path_answers_byte_for_byte_as_the_slot_mapping_path(sp
     real_run = ManagerAPI.run_step
     opened = []
 
-    def run_step(self, pool, request, kwargs, cost_checked=False):
-        if pool.name == "c":
-            kwargs["mappings"] = True                 # the reference: slot mappings, as before the shortcut
-        res = real_run(self, pool, request, kwargs, cost_checked)
+    def run_step(self, pool, step, cost_checked=False, **overrides):
+        if pool.name == "c" and "mappings" in overrides:
+            overrides["mappings"] = True              # the reference: slot mappings, as before the shortcut
+        res = real_run(self, pool, step, cost_checked, **overrides)
         if pool.name == "a":
             opened.append(res.opened is not None)
         return res

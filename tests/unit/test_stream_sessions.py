@@ -123,9 +123,10 @@ def test_stream_steps_publish_their_kv_events_once_journaled():
     assert sub.poll(0) == []
 
 
-def test_cost_check_runs_once_per_request_bytes_and_pool():
-    """A steady decode loop's cost check (counts vs max_seq_len, reply bound) runs once; new bytes or a new pool
-    of the same name are checked again (a recreated pool with a smaller max_seq_len refuses the same bytes)."""
+def test_cost_check_runs_on_every_request_and_on_a_recreated_pool():
+    """Every StepStream request's cost (counts vs max_seq_len, reply bound) is checked, from its one decoding: a
+    steady decode loop keeps no cache of it, so a pool recreated under the same name with a smaller
+    max_seq_len refuses the same bytes, and nothing changed."""
     m, sv, send, create, _ = _served(max_reply_bytes=1 << 20)
     calls = []
     check = sv.api.check_step_cost
@@ -134,14 +135,11 @@ def test_cost_check_runs_once_per_request_bytes_and_pool():
     for seq in range(2, 7):
         r = send(seq, extend=[1, 2], extend_tokens=[3, 1])
         assert not r.HasField("error") and r.stream_seq == seq
-    assert len(calls) == 2                                    # the admission, then the first extend only
-    r = send(7, extend=[2, 1], extend_tokens=[1, 3])          # other bytes: checked
-    assert not r.HasField("error") and len(calls) == 3
-    assert m.pool_and_lock("p")[0].sequences()[1].tolist() == [30 + 5 * 3 + 3, 9 + 5 + 1]
-    send(8, extend=[2, 1], extend_tokens=[1, 3])              # same bytes again: not checked
-    assert len(calls) == 3
+    assert len(calls) == 6
+    assert m.pool_and_lock("p")[0].sequences()[1].tolist() == [30 + 5 * 3, 9 + 5]
     sv.api.DeletePool(__import__("kvservice.v1.block_manager_pb2", fromlist=["x"]).DeletePoolRequest(pool="p",
                                                                                                        force=True))
     create(2)                                                 # max_seq_len 2 < the 3 tokens of the same bytes
-    r = send(9, extend=[2, 1], extend_tokens=[1, 3])
-    assert r.error.reason == "OVER_MAX_SEQ_LEN" and len(calls) == 4
+    r = send(7, extend=[1, 2], extend_tokens=[3, 1])
+    assert r.error.reason == "OVER_MAX_SEQ_LEN" and len(calls) == 7
+    assert m.pool_and_lock("p")[0].num_sequences == 0

@@ -1,0 +1,108 @@
+"""A Step request decoded once: its typed arrays and what it costs, passed from the servicer to Pool.step.
+
+A StepRequest's arrays are decoded (kvservice.v1.Tensor -> NumPy, without copying) exactly once per request,
+by `decode_step`, where it arrives: the unary adapter, the stream's `step_one`, or the journal's replay of an
+entry. The `DecodedStep` it returns then goes through the server's Limits, the journal (which journals the
+request's bytes, not the arrays), `ManagerAPI.run_step`'s cost check and `Pool.step`; none of them decodes
+again. (The pool's own validated form of a step, with the rows it names, is `core.stepplan.StepInput`.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvservice.contract.errors import InvalidArgument, KVError
+from kvservice.contract.wire import from_tensor
+from kvservice.core.limits import count_summary
+from kvservice.v1 import block_manager_pb2 as pb
+
+#: The StepRequest fields that carry arrays, in the order Pool.step reads them.
+STEP_ARRAYS = ("free_seq_ids", "extend_seq_ids", "extend_num_tokens", "admit_seq_ids", "admit_num_tokens",
+               "fork_parent_ids", "fork_child_ids", "admit_token_ids")
+#: Fields naming one sequence per entry (Limits counts them).
+SEQUENCE_FIELDS = ("free_seq_ids", "extend_seq_ids", "admit_seq_ids", "fork_child_ids")
+#: (min, max, exact sum) of a token-count array; None for an absent, empty or malformed one (the pool names it).
+CountSummary = tuple[int, int, int] | None
+_SAFE_SUM = 2**62
+
+
+@dataclass(frozen=True, slots=True)
+class DecodedStep:
+    """One StepRequest with its arrays decoded, and the summary its cost checks read.
+
+    free_seq_ids [F], extend_seq_ids [E], admit_seq_ids [A], fork_parent_ids [K], fork_child_ids [K]: sequence
+        ids as sent (any integer dtype; the pool checks sign and dtype). None: the field was not set.
+    extend_num_tokens [E], admit_num_tokens [A]: tokens each extended row gains / each admission starts with.
+    admit_token_ids [sum(admit_num_tokens)]: the admissions' token ids (prefix caching).
+    tables: full tables asked for (not omit_tables); block_table: include_block_table.
+    admit_salts, admit_extra_keys: one string per admission, or None.
+    extend_counts, admit_counts: CountSummary of extend_num_tokens and admit_num_tokens.
+    sequences: ids in the step (free + extend + admit + fork children); new_tokens: sum of the counts
+        (at least the length of admit_token_ids), what Limits caps.
+    """
+
+    pool: str
+    free_seq_ids: np.ndarray | None
+    extend_seq_ids: np.ndarray | None
+    extend_num_tokens: np.ndarray | None
+    admit_seq_ids: np.ndarray | None
+    admit_num_tokens: np.ndarray | None
+    fork_parent_ids: np.ndarray | None
+    fork_child_ids: np.ndarray | None
+    admit_token_ids: np.ndarray | None
+    tables: bool
+    block_table: bool
+    admit_salts: list[str] | None
+    admit_extra_keys: list[str] | None
+    extend_counts: CountSummary
+    admit_counts: CountSummary
+    sequences: int
+    new_tokens: int
+
+    def pool_kwargs(self) -> dict[str, object]:
+        """Pool.step's keyword arguments for this step."""
+        return {"free_ids": self.free_seq_ids, "extend_ids": self.extend_seq_ids,
+                "extend_tokens": self.extend_num_tokens, "admit_ids": self.admit_seq_ids,
+                "admit_tokens": self.admit_num_tokens, "tables": self.tables, "block_table": self.block_table,
+                "fork_parents": self.fork_parent_ids, "fork_children": self.fork_child_ids,
+                "admit_token_ids": self.admit_token_ids, "admit_salts": self.admit_salts,
+                "admit_extra_keys": self.admit_extra_keys}
+
+
+def decode_step(request: pb.StepRequest) -> DecodedStep:
+    """Decode a StepRequest's arrays (no copies) and summarise its counts; InvalidArgument naming the field
+    for an array that cannot be decoded (nothing has changed then)."""
+    a = {}
+    for f in STEP_ARRAYS:
+        if not request.HasField(f):
+            a[f] = None
+            continue
+        try:
+            a[f] = from_tensor(getattr(request, f), f)
+        except KVError:
+            raise
+        except Exception as err:
+            raise InvalidArgument(f"{f}: cannot be decoded ({type(err).__name__}: {err})", field=f) from None
+    ext, adm = count_summary(a["extend_num_tokens"]), count_summary(a["admit_num_tokens"])
+    sequences = sum(x.size for x in (a[f] for f in SEQUENCE_FIELDS) if x is not None)
+    tokens = sum(_raw_sum(x) for x in (a["extend_num_tokens"], a["admit_num_tokens"]) if x is not None)
+    if a["admit_token_ids"] is not None:
+        tokens = max(tokens, a["admit_token_ids"].size)
+    return DecodedStep(request.pool, *(a[f] for f in STEP_ARRAYS), not request.omit_tables,
+                       request.include_block_table, list(request.admit_cache_salts) or None,
+                       list(request.admit_extra_keys) or None, ext, adm, sequences, tokens)
+
+
+def _raw_sum(a: np.ndarray) -> int:
+    """Sum of an integer array's entries, negative ones included (0 for anything else): Limits' token count."""
+    if not a.size or a.dtype.kind not in "iu":
+        return 0
+    flat = a.reshape(-1)
+    if max(abs(int(flat.min())), abs(int(flat.max()))) * len(flat) < _SAFE_SUM:
+        return int(np.add.reduce(flat, dtype=np.int64))
+    return sum(flat.tolist())
+
+
+__all__ = ["STEP_ARRAYS", "DecodedStep", "decode_step"]
