@@ -175,7 +175,12 @@ def count_summary(a: np.ndarray | None) -> tuple[int, int, int] | None:
     low, top = int(np.minimum.reduce(a)), int(np.maximum.reduce(a))
     total = 0
     if low >= 0:
-        total = int(np.add.reduce(a, dtype=np.int64)) if top * len(a) < _SAFE_SUM else sum(a.tolist())
+        if top * len(a) < 1 << (8 * a.dtype.itemsize - 1):
+            total = int(np.add.reduce(a))             # exact in the array's own dtype: no cast
+        elif top * len(a) < _SAFE_SUM:
+            total = int(np.add.reduce(a, dtype=np.int64))
+        else:
+            total = sum(a.tolist())
     return low, top, total
 
 

@@ -25,12 +25,12 @@ STEP_ARRAYS = ("free_seq_ids", "extend_seq_ids", "extend_num_tokens", "admit_seq
 SEQUENCE_FIELDS = ("free_seq_ids", "extend_seq_ids", "admit_seq_ids", "fork_child_ids")
 #: (min, max, exact sum) of a token-count array; None for an absent, empty or malformed one (the pool names it).
 CountSummary = tuple[int, int, int] | None
-_SAFE_SUM = 2**62
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class DecodedStep:
-    """One StepRequest with its arrays decoded, and the summary its cost checks read.
+    """One StepRequest with its arrays decoded, and the summary its cost checks read. Read-only by convention
+    (not frozen: a frozen dataclass's constructor costs microseconds on the hot path).
 
     free_seq_ids [F], extend_seq_ids [E], admit_seq_ids [A], fork_parent_ids [K], fork_child_ids [K]: sequence
         ids as sent (any integer dtype; the pool checks sign and dtype). None: the field was not set.
@@ -40,7 +40,8 @@ class DecodedStep:
     admit_salts, admit_extra_keys: one string per admission, or None.
     extend_counts, admit_counts: CountSummary of extend_num_tokens and admit_num_tokens.
     sequences: ids in the step (free + extend + admit + fork children); new_tokens: sum of the counts
-        (at least the length of admit_token_ids), what Limits caps.
+        (an array with an entry <= 0 counts 0: the pool refuses it) or the length of admit_token_ids if
+        that is more: what Limits caps.
     """
 
     pool: str
@@ -87,22 +88,12 @@ def decode_step(request: pb.StepRequest) -> DecodedStep:
             raise InvalidArgument(f"{f}: cannot be decoded ({type(err).__name__}: {err})", field=f) from None
     ext, adm = count_summary(a["extend_num_tokens"]), count_summary(a["admit_num_tokens"])
     sequences = sum(x.size for x in (a[f] for f in SEQUENCE_FIELDS) if x is not None)
-    tokens = sum(_raw_sum(x) for x in (a["extend_num_tokens"], a["admit_num_tokens"]) if x is not None)
+    tokens = sum(c[2] for c in (ext, adm) if c is not None)
     if a["admit_token_ids"] is not None:
         tokens = max(tokens, a["admit_token_ids"].size)
     return DecodedStep(request.pool, *(a[f] for f in STEP_ARRAYS), not request.omit_tables,
                        request.include_block_table, list(request.admit_cache_salts) or None,
                        list(request.admit_extra_keys) or None, ext, adm, sequences, tokens)
-
-
-def _raw_sum(a: np.ndarray) -> int:
-    """Sum of an integer array's entries, negative ones included (0 for anything else): Limits' token count."""
-    if not a.size or a.dtype.kind not in "iu":
-        return 0
-    flat = a.reshape(-1)
-    if max(abs(int(flat.min())), abs(int(flat.max()))) * len(flat) < _SAFE_SUM:
-        return int(np.add.reduce(flat, dtype=np.int64))
-    return sum(flat.tolist())
 
 
 __all__ = ["STEP_ARRAYS", "DecodedStep", "decode_step"]

@@ -92,9 +92,11 @@ class Limits:
     def _check_step(self, step: DecodedStep) -> None:
         """The caps of a decoded Step, from its arrays as decoded (a malformed one already got its own message)."""
         if self.max_step_tokens:
-            for f, a in (("extend_num_tokens", step.extend_num_tokens), ("admit_num_tokens", step.admit_num_tokens)):
-                if a is not None and a.size and int(a.max()) > self.max_step_tokens:
-                    raise _over(f"{f} entry", int(a.max()), self.max_step_tokens, "tokens", "--max-step-tokens")
+            for f, a, summary in (("extend_num_tokens", step.extend_num_tokens, step.extend_counts),
+                                  ("admit_num_tokens", step.admit_num_tokens, step.admit_counts)):
+                top = summary[1] if summary is not None else int(a.max()) if a is not None and a.size else 0
+                if top > self.max_step_tokens:
+                    raise _over(f"{f} entry", top, self.max_step_tokens, "tokens", "--max-step-tokens")
         if self.max_step_sequences and step.sequences > self.max_step_sequences:
             raise _over("sequences in one Step", step.sequences, self.max_step_sequences, "ids",
                         "--max-step-sequences")
