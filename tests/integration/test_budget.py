@@ -81,18 +81,18 @@ def test_closed_streams_give_their_sessions_charge_back_at_once(running):
         for k, s in enumerate(streams):
             ids = np.arange(100 + 1000 * k, 100 + 1000 * k + 500, dtype=np.uint64)
             s.step(admit=ids, admit_tokens=2)
-            s.step(extend=ids, extend_tokens=1)       # extend-only: the session keeps its arrays and tables
+            s.step(extend=ids, extend_tokens=1)       # the session keeps the tables its client holds
             s.step(extend=ids, extend_tokens=1)
         open_bytes = running.budget.charged_bytes
         sessions = [running.servicer.streams._sessions[("", s.stream_id)] for s in streams]
         kept = sum(v.charge.nbytes for v in sessions)
-        assert kept >= 5 * 500 * (8 + 8 + 8)          # each keeps at least its ids, counts and held rows
+        assert kept >= 5 * 500 * (8 + 8 + 8 + 8)      # each keeps its held rows: ids, tokens, first and last page
         assert open_bytes >= kept
         assert settled(running.budget, kept) == kept  # idle open streams: their answered requests are not charged
         for s in streams:
             s.close()
         assert settled(running.budget) == 0           # every session's and request's charge is back
-        assert all(v.charge.nbytes == 0 and v.held is None and v.kwargs is None and v.last_seq == 3
+        assert all(v.charge.nbytes == 0 and v.held is None and v.kept_bytes() == 0 and v.last_seq == 3
                    for v in sessions)                 # last_seq stays: a resend after a reconnect is answered
         c.step("p", free=np.concatenate([np.arange(100 + 1000 * k, 600 + 1000 * k) for k in range(5)])
                .astype(np.uint64))
@@ -133,7 +133,7 @@ def test_a_refused_stream_request_leaves_nothing_in_its_session(running):
                              extend_num_tokens=to_tensor(np.ones(50_000, dtype=np.int64))))
         assert next(call).error.reason == "INVALID_ARGUMENT"
         session = running.servicer.streams._sessions[("", "refused")]
-        assert session.kwargs is None and session.checked is None and session.charge.nbytes == 0
+        assert session.held is None and session.kept_bytes() == 0 and session.charge.nbytes == 0
         q.put(pb.StepRequest(pool="p", stream_seq=2, extend_seq_ids=to_tensor(np.array([7], dtype=np.uint64)),
                              extend_num_tokens=to_tensor(np.ones(1, dtype=np.int64))))
         assert not next(call).HasField("error")       # the stream goes on
