@@ -215,7 +215,7 @@ class Pool:
              admit_ids: object = None, admit_tokens: object = None, tables: bool = True,
              block_table: bool = False, fork_parents: object = None, fork_children: object = None,
              admit_token_ids: object = None, admit_salts: object = None,
-             admit_extra_keys: object = None, mappings: bool = True) -> StepResult:
+             admit_extra_keys: object = None, mappings: bool = True, count_ranges: tuple = (None, None)) -> StepResult:
         """One scheduler iteration, all or nothing: free, fork, extend, admit.
 
         free_ids: shape [F], uint64 (or non-negative int); live sequences to drop.
@@ -228,12 +228,13 @@ class Pool:
         mappings: False (with tables=False) lets a steady decode step (the last step's batch, one token each,
             one layer group, nothing shared) skip slot mappings and tables and report StepResult.opened
             instead (the stream's incremental tables need nothing else); any other step ignores it.
+        count_ranges: (min, max) of extend_tokens and of admit_tokens if the caller has them (None each: computed).
         Returns the batch (E extended, A admitted, K children) with slot mappings, tables,
         cached token counts and copy-on-write pairs.
         Raises InvalidArgument, NotFound, AlreadyExists or ResourceExhausted; then nothing changed.
         """
         inp = self._validate(free_ids, extend_ids, extend_tokens, admit_ids, admit_tokens, fork_parents,
-                             fork_children, admit_token_ids, admit_salts, admit_extra_keys)
+                             fork_children, admit_token_ids, admit_salts, admit_extra_keys, count_ranges)
         if inp.repeat and self._fast and not (self._sharing or self._sliding):
             res = self._decode_step(inp.e_ids, inp.e_rows, inp.e_k, tables, block_table, mappings)
             if res is not None:
@@ -248,14 +249,14 @@ class Pool:
     # ---- phase 1: validate ---------------------------------------------------------------
     def _validate(self, free_ids: object, extend_ids: object, extend_tokens: object, admit_ids: object,
                   admit_tokens: object, fork_parents: object, fork_children: object, admit_token_ids: object,
-                  admit_salts: object, admit_extra_keys: object) -> StepInput:
+                  admit_salts: object, admit_extra_keys: object, count_ranges: tuple) -> StepInput:
         f_ids = parse_ids("free_seq_ids", free_ids)
         e_ids = parse_ids("extend_seq_ids", extend_ids)
         a_ids = parse_ids("admit_seq_ids", admit_ids)
         p_ids = parse_ids("fork_parent_ids", fork_parents)
         c_ids = parse_ids("fork_child_ids", fork_children)
-        e_k = parse_counts("extend_num_tokens", extend_tokens, len(e_ids))
-        a_n = parse_counts("admit_num_tokens", admit_tokens, len(a_ids))
+        e_k = parse_counts("extend_num_tokens", extend_tokens, len(e_ids), known=count_ranges[0])
+        a_n = parse_counts("admit_num_tokens", admit_tokens, len(a_ids), known=count_ranges[1])
         if len(p_ids) != len(c_ids):
             raise InvalidArgument(f"fork_parent_ids has {len(p_ids)} entries, fork_child_ids {len(c_ids)}")
         extend_only = not (len(f_ids) or len(a_ids) or len(c_ids)) and len(e_ids) > 0

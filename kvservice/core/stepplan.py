@@ -42,8 +42,13 @@ def parse_ids(name: str, a: object) -> np.ndarray:
 
 
 
-def parse_counts(name: str, a: object, n: int, max_value: int = MAX_COUNT) -> np.ndarray:
-    """Token counts, one per id, each in [1, max_value], as int64."""
+def parse_counts(name: str, a: object, n: int, max_value: int = MAX_COUNT,
+                 known: tuple[int, int] | None = None) -> np.ndarray:
+    """Token counts, one per id, each in [1, max_value], as int64.
+
+    known: (min, max) of `a` as the caller computed them from this same array (a Step's request decoded
+    once: kvservice.manager.step_input), so they are not reduced again; None: computed here.
+    """
     if a is None:
         a = EMPTY_I64
     arr = np.asarray(a)
@@ -52,15 +57,17 @@ def parse_counts(name: str, a: object, n: int, max_value: int = MAX_COUNT) -> np
     if len(arr) != n:
         raise InvalidArgument(f"{name} has {len(arr)} entries for {n} sequence ids")
     if n:
-        if arr.dtype.kind == "u" and int(np.maximum.reduce(arr)) > max_value:
+        if known is None and arr.dtype.kind == "u" and int(np.maximum.reduce(arr)) > max_value:
             raise InvalidArgument(f"{name} must be at most {max_value} tokens per sequence, got {int(arr.max())}")
-        arr = arr.astype(np.int64, copy=False)
-        lo, hi = int(np.minimum.reduce(arr)), int(np.maximum.reduce(arr))
+        if known is not None:
+            lo, hi = known
+        else:
+            lo, hi = int(np.minimum.reduce(arr)), int(np.maximum.reduce(arr))
         if lo <= 0:
             raise InvalidArgument(f"{name} must be > 0 tokens per sequence, got {lo}")
         if hi > max_value:
             raise InvalidArgument(f"{name} must be at most {max_value} tokens per sequence, got {hi}")
-        return arr
+        return arr.astype(np.int64, copy=False)
     return EMPTY_I64
 
 

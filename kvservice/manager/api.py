@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import weakref
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -104,6 +105,7 @@ class ManagerAPI:
         #: Called with a Step's reply bound (bytes) before the step is applied; raises to refuse it (the
         #: server's memory budget: kvservice/server/admission.py). None: nothing reserved.
         self.reserve_reply: Callable[[int], None] | None = None
+        self._models: weakref.WeakKeyDictionary[Pool, ReplyModel] = weakref.WeakKeyDictionary()
 
     def Plan(self, request: pb.PlanRequest) -> pb.PlanReply:
         spec = convert.cache_spec_from_proto(request.cache)
@@ -197,9 +199,12 @@ class ManagerAPI:
             self.reserve_reply(cost.reply_bytes)
         return cost
 
-    @staticmethod
-    def _model(pool: Pool) -> ReplyModel:
-        return ReplyModel.of(pool.plan)
+    def _model(self, pool: Pool) -> ReplyModel:
+        """The reply size model of a pool, kept per pool object (hashing its plan costs more than the check)."""
+        model = self._models.get(pool)
+        if model is None:
+            model = self._models[pool] = ReplyModel.of(pool.plan)
+        return model
 
     def step_reply_bound(self, request: pb.StepRequest, level: int = 2) -> ReplyBound | None:
         """Upper bound on the bytes of this Step's reply in the pool's current state, without running it.
@@ -299,15 +304,16 @@ def _quick_shape(model: ReplyModel, step: DecodedStep,
     """The shape of a step from its request alone (every extended row and fork child at max_pages):
     a few scalars, for the hot path. None if the arrays are malformed (the pool refuses them)."""
     ids = (step.extend_seq_ids, step.admit_seq_ids, step.fork_parent_ids, step.fork_child_ids)
-    if any(a is not None and (a.ndim != 1 or a.dtype.kind not in "iu") for a in ids):
-        return None
-    e, a, p, c = (0 if x is None else len(x) for x in ids)
-    counts = (step.extend_num_tokens, step.admit_num_tokens)
-    if [0 if x is None else len(x) for x in counts] != [e, a] or p != c:
-        return None
-    if any(summary is not None and summary[0] <= 0 for summary in sums):
+    for x in ids:
+        if x is not None and (x.ndim != 1 or x.dtype.kind not in "iu"):
+            return None
+    e, a, p, c = [0 if x is None else len(x) for x in ids]
+    e_k, a_n = step.extend_num_tokens, step.admit_num_tokens
+    if (0 if e_k is None else len(e_k)) != e or (0 if a_n is None else len(a_n)) != a or p != c:
         return None
     ext, adm = sums                                             # (min, max, sum) of each count array
+    if (ext is not None and ext[0] <= 0) or (adm is not None and adm[0] <= 0):
+        return None
     e_sum = ext[2] if ext else 0
     a_top, a_sum = (adm[1], adm[2]) if adm else (0, 0)
     ps, top_pages = model.page_size, model.max_pages

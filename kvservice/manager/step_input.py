@@ -21,8 +21,6 @@ from kvservice.v1 import block_manager_pb2 as pb
 #: The StepRequest fields that carry arrays, in the order Pool.step reads them.
 STEP_ARRAYS = ("free_seq_ids", "extend_seq_ids", "extend_num_tokens", "admit_seq_ids", "admit_num_tokens",
                "fork_parent_ids", "fork_child_ids", "admit_token_ids")
-#: Fields naming one sequence per entry (Limits counts them).
-SEQUENCE_FIELDS = ("free_seq_ids", "extend_seq_ids", "admit_seq_ids", "fork_child_ids")
 #: (min, max, exact sum) of a token-count array; None for an absent, empty or malformed one (the pool names it).
 CountSummary = tuple[int, int, int] | None
 
@@ -69,30 +67,40 @@ class DecodedStep:
                 "admit_tokens": self.admit_num_tokens, "tables": self.tables, "block_table": self.block_table,
                 "fork_parents": self.fork_parent_ids, "fork_children": self.fork_child_ids,
                 "admit_token_ids": self.admit_token_ids, "admit_salts": self.admit_salts,
-                "admit_extra_keys": self.admit_extra_keys}
+                "admit_extra_keys": self.admit_extra_keys,
+                "count_ranges": (_range(self.extend_counts), _range(self.admit_counts))}
+
+
+def _range(summary: CountSummary) -> tuple[int, int] | None:
+    """(min, max) of a CountSummary: what Pool.step's count checks read."""
+    return None if summary is None else (summary[0], summary[1])
 
 
 def decode_step(request: pb.StepRequest) -> DecodedStep:
     """Decode a StepRequest's arrays (no copies) and summarise its counts; InvalidArgument naming the field
     for an array that cannot be decoded (nothing has changed then)."""
-    a = {}
+    a = []
     for f in STEP_ARRAYS:
         if not request.HasField(f):
-            a[f] = None
+            a.append(None)
             continue
         try:
-            a[f] = from_tensor(getattr(request, f), f)
+            a.append(from_tensor(getattr(request, f), f))
         except KVError:
             raise
         except Exception as err:
             raise InvalidArgument(f"{f}: cannot be decoded ({type(err).__name__}: {err})", field=f) from None
-    ext, adm = count_summary(a["extend_num_tokens"]), count_summary(a["admit_num_tokens"])
-    sequences = sum(x.size for x in (a[f] for f in SEQUENCE_FIELDS) if x is not None)
-    tokens = sum(c[2] for c in (ext, adm) if c is not None)
-    if a["admit_token_ids"] is not None:
-        tokens = max(tokens, a["admit_token_ids"].size)
-    return DecodedStep(request.pool, *(a[f] for f in STEP_ARRAYS), not request.omit_tables,
-                       request.include_block_table, list(request.admit_cache_salts) or None,
+    free, e_ids, e_k, a_ids, a_n, parents, children, token_ids = a
+    ext, adm = count_summary(e_k), count_summary(a_n)
+    sequences = 0
+    for x in (free, e_ids, a_ids, children):
+        if x is not None:
+            sequences += x.size
+    tokens = (ext[2] if ext is not None else 0) + (adm[2] if adm is not None else 0)
+    if token_ids is not None and token_ids.size > tokens:
+        tokens = token_ids.size
+    return DecodedStep(request.pool, free, e_ids, e_k, a_ids, a_n, parents, children, token_ids,
+                       not request.omit_tables, request.include_block_table, list(request.admit_cache_salts) or None,
                        list(request.admit_extra_keys) or None, ext, adm, sequences, tokens)
 
 

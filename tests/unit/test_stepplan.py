@@ -5,6 +5,7 @@ import pytest
 
 from kvservice.contract.errors import InvalidArgument
 from kvservice.contract.geometry import MAX_COUNT
+from kvservice.core.limits import count_summary
 from kvservice.core.stepplan import cow_rows, parse_counts
 
 
@@ -23,6 +24,11 @@ def test_bad_counts_are_named_with_the_value(counts, message):
     with pytest.raises(InvalidArgument) as e:
         parse_counts("extend_num_tokens", counts, 2)
     assert e.value.message == message
+    if counts.ndim == 1 and counts.dtype.kind in "iu" and len(counts) == 2:    # the same from the decoded summary
+        known = count_summary(counts)
+        with pytest.raises(InvalidArgument) as e:
+            parse_counts("extend_num_tokens", counts, 2, known=known[:2])
+        assert e.value.message == message
 
 
 def test_counts_up_to_the_limit_pass_and_int64_input_is_not_copied():
@@ -34,6 +40,10 @@ def test_counts_up_to_the_limit_pass_and_int64_input_is_not_copied():
     assert got is counts                                  # the request's array, no per-step copy
     small = parse_counts("admit_num_tokens", np.array([9, 4], dtype=np.uint8), 2, max_value=9)
     assert small.tolist() == [9, 4] and small.dtype == np.int64
+    wide = rng.integers(1, 1 << 20, 300).astype(np.int32)                  # as a client sends them: INT32
+    assert count_summary(wide) == (int(wide.min()), int(wide.max()), sum(wide.tolist()))
+    known = parse_counts("admit_num_tokens", wide, 300, known=count_summary(wide)[:2])
+    assert known.tolist() == wide.tolist() and known.dtype == np.int64
 
 
 def cow_model(last, owners):
