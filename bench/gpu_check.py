@@ -90,6 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fault", default=None, help="test hook: the child of this group aborts after its first line")
     p.add_argument("--hang", default=None,
                    help="test hook: the child of this group starts a grandchild that sleeps, notes its pid, and hangs")
+    p.add_argument("--group-timeout-s", type=float, default=None,
+                   help="test hook: every group's time limit (default: each group's own, GROUP_TIMEOUTS)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--jsonl", type=Path, default=None, help=argparse.SUPPRESS)
     p.add_argument("--build", choices=["checked", "unchecked"], default="checked", help=argparse.SUPPRESS)
@@ -399,9 +401,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         t0 = time.perf_counter()
         if group == "sanitizer":
-            run.sanitizer(min(GROUP_TIMEOUTS[group], left))
+            run.sanitizer(min(args.group_timeout_s or GROUP_TIMEOUTS[group], left))
         else:
-            run.finish(group, run.start(group), min(GROUP_TIMEOUTS[group], left), t0)
+            run.finish(group, run.start(group), min(args.group_timeout_s or GROUP_TIMEOUTS[group], left), t0)
         run.report("running")
     lines = read_lines(run.jsonl)
     ok = all(ln.get("ok", True) for ln in lines if ln.get("kind") == "check")

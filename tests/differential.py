@@ -353,9 +353,9 @@ class Binder:
         The docs give it no page (a cached token is neither recomputed nor appended), so its slot
         mapping may name no page of the pool: any page it named would be one that another sequence
         or the cache holds, or one of another index space. Which value the pool sends instead is not
-        documented (vLLM pads with slot -1). The pool sends other rows' slots today, so the random runs
-        skip these entries until it is fixed (CHECK_UNHELD; the repro is the xfail test
-        tests/unit/test_differential.py::test_cached_tokens_a_window_does_not_hold_name_no_page).
+        documented beyond that (vLLM pads with slot -1; the pool sends SKIP_SLOT, -1). The pool once sent
+        other rows' slots; CHECK_UNHELD keeps this check on in every random run, and
+        tests/unit/test_differential.py::test_cached_tokens_a_window_does_not_hold_name_no_page is the repro.
         """
         if self.unheld_checked and 0 <= v // self.ps < self.geo.pool_pages:
             raise Mismatch(f"{what}: slot_mapping {v} names page {v // self.ps} of the pool, but the group holds "

@@ -132,7 +132,8 @@ def test_a_hung_child_is_killed_with_its_process_group(tmp_path: Path) -> None:
     """A child stuck with a grandchild under it (as NVRTC or g++ would be) is killed at its limit, the
     grandchild with it, and the run goes on."""
     proc = run_script("--backend", "emulated", "--quick", "--out", str(tmp_path), "--groups", "over-4gib",
-                      "--hang", "over-4gib", "--budget-s", "240")
+                      "--hang", "over-4gib", "--budget-s", "240",
+                      "--group-timeout-s", "30")        # the group's own limit is 90 s: 30 s is plenty to hang
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     lines = lines_of(tmp_path)
     (hung,) = [x for x in lines if x["kind"] == "note" and x["group"] == "over-4gib"]

@@ -58,6 +58,7 @@ from nats.js import api
 
 from kvservice.contract.errors import StateError
 from kvservice.state import snapshot as snap
+from kvservice.state.nats.assets import ensure_assets
 from kvservice.state.nats.config import (
     Fenced,
     JournalGap,
@@ -111,13 +112,6 @@ def check_ack(seq: int, duplicate: bool, sent_before: bool, expected_last: int) 
         raise Fenced(f"NATS stored the journal message at stream sequence {seq}, not right after {expected_last}: "
                      "another writer appended in between")
     return seq
-
-
-def _reason(err: nats.js.errors.Error) -> str:
-    """The server's words for a refused JetStream request (description and error code)."""
-    desc = getattr(err, "description", None)
-    code = getattr(err, "err_code", None)
-    return f"{desc} (err_code {code})" if desc else f"{type(err).__name__}: {err}"
 
 
 def _digest(data: bytes) -> str:
@@ -174,8 +168,9 @@ class NatsStore(JournalStore):
         self._stream_at: dict[int, int] = {}    # journal position -> stream sequence of its last message
         self._at_lock = threading.Lock()
         self.max_part_bytes = max(4096, link.nc.max_payload - _HEADER_ROOM)
-        self._call(self._ensure(create), max(10.0, 3 * self.config.request_seconds),
-                   "opening the journal stream and the snapshot bucket")
+        self._obs = self._call(ensure_assets(link.js, self.config, self.path, create),
+                               max(10.0, 3 * self.config.request_seconds),
+                               "opening the journal stream and the snapshot bucket")
 
     @property  # type: ignore[override]
     def incarnation(self) -> int:
@@ -192,42 +187,6 @@ class NatsStore(JournalStore):
     def stream_last_seq(self) -> int:
         """The stream's last sequence now (one request)."""
         return self._call(self._stream_last_seq(), what="reading the stream's last sequence")
-
-    async def _ensure(self, create: bool) -> None:
-        c, js = self.config, self.link.js
-        try:
-            await js.stream_info(c.stream)
-        except nats.js.errors.NotFoundError:
-            if not create:
-                raise Unrecoverable(f"{self.path}: no kvservice journal there (stream {c.stream} is missing)") from None
-            try:
-                await js.add_stream(api.StreamConfig(
-                    name=c.stream, subjects=[c.subject], storage=api.StorageType.FILE, num_replicas=c.replicas,
-                    retention=api.RetentionPolicy.LIMITS, discard=api.DiscardPolicy.NEW, duplicate_window=120.0,
-                    max_msg_size=-1, description="kvservice manager journal (docs/DURABILITY.md)"))
-            except nats.js.errors.BadRequestError as refused:
-                try:
-                    await js.stream_info(c.stream)      # created meanwhile by another manager
-                except nats.js.errors.NotFoundError:
-                    # nobody created it: the refusal was real (a cluster still electing, or missing
-                    # peers, cannot place a replicated stream yet); say why, and the caller retries
-                    raise StoreError(f"{self.path}: creating the journal stream ({c.replicas} replicas) was "
-                                     f"refused: {_reason(refused)}") from None
-        try:
-            self._obs = await js.object_store(c.snapshot_bucket)
-        except nats.js.errors.BucketNotFoundError:
-            if not create:
-                self._obs = None
-                return
-            try:
-                self._obs = await js.create_object_store(c.snapshot_bucket, config=api.ObjectStoreConfig(
-                    replicas=c.replicas, storage=api.StorageType.FILE, description="kvservice manager snapshots"))
-            except nats.js.errors.BadRequestError as refused:
-                try:
-                    self._obs = await js.object_store(c.snapshot_bucket)
-                except nats.js.errors.BucketNotFoundError:
-                    raise StoreError(f"{self.path}: creating the snapshot bucket {c.snapshot_bucket} "
-                                     f"({c.replicas} replicas) was refused: {_reason(refused)}") from None
 
     # ---- snapshots ------------------------------------------------------------------------------
     def load_snapshot(self) -> tuple[int, bytes] | None:
