@@ -176,7 +176,7 @@ class StepStream(StreamCore):
                 if self._expired:
                     err = ClientError(grpc.StatusCode.DEADLINE_EXCEEDED, "no reply in time (the call was cancelled)")
                 self._drop_call()
-                time.sleep(self.broken(self.client, err, seq, budget, self._closed))
+                self.client._pause(self.broken(self.client, err, seq, budget, self._closed))
 
 
 class AsyncStepStream(StreamCore):
