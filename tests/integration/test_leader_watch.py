@@ -122,3 +122,31 @@ def test_close_ends_the_watches_and_a_pause():
             assert not w.is_alive()
     finally:
         running.stop(0)
+
+
+def test_the_asyncio_client_is_answered_once_a_standby_reports_serving(managers):
+    """AsyncLeaderClient, the same: a call waits for the report, not for its 10-minute backoff."""
+    import asyncio
+
+    from kvservice.client.aio_ha import AsyncLeaderClient
+    (a, _), (b, gate_b) = managers
+    targets = [f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"]
+
+    async def main() -> tuple[bytes, int, int]:
+        c = AsyncLeaderClient(targets, timeout=1200, retry=SLOW)
+        try:
+            call = asyncio.ensure_future(c.echo(b"z"))
+            for _ in range(6000):                                 # a refused, both addresses watched
+                if len(c._health_calls) == 2 or call.done():
+                    break
+                await asyncio.sleep(0.01)
+            assert len(c._health_calls) == 2 and not call.done() and c.serving_reports == 0
+            await asyncio.sleep(0.2)
+            assert not call.done()                                 # nobody serves: the call pauses
+            take_over(b, gate_b, epoch=9)
+            reply = await asyncio.wait_for(call, 60)
+            return reply, c.epoch, c.serving_reports
+        finally:
+            await c.close()
+    reply, epoch, reports = asyncio.run(main())
+    assert reply == b"z" and epoch == 9 and reports == 1
