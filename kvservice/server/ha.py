@@ -106,6 +106,7 @@ class HAController:
         poll = self.lease.config.poll_seconds
         next_look = 0.0
         next_lag = 0.0
+        read_at_lag = -1                       # the stream message read when the lag was last measured
         while not self._stop.is_set():
             try:
                 batch = self.store.poll(min(poll, max(0.005, next_look - time.monotonic())))
@@ -116,7 +117,15 @@ class HAController:
                 now = time.monotonic()
                 if now >= next_lag:
                     next_lag = now + 1.0
-                    self._measure_lag()
+                    behind = self._measure_lag()
+                    if behind and self.store.last_stream_seq == read_at_lag:
+                        # Its consumer delivers nothing while the stream holds more: the NATS node that kept it
+                        # (R1, in memory) restarted, and nats-py notices only after missed heartbeats. Read on
+                        # with a new one now, so that a takeover does not find this standby behind.
+                        log.warning("standby: no journal message for 1 s while %d behind; reading on with a new "
+                                    "consumer", behind)
+                        self.store.stop_reading()
+                    read_at_lag = self.store.last_stream_seq
                 if now >= next_look:
                     if self.lease.try_acquire():
                         self._take_over()
@@ -133,11 +142,14 @@ class HAController:
                 self._fail(f"standby cannot follow the journal: {err.message}")
                 return
 
-    def _measure_lag(self) -> None:
+    def _measure_lag(self) -> int | None:
+        """Journal stream messages not applied yet (also the gauge); None if NATS did not answer."""
         try:
             self.lag_entries = max(0, self.store.stream_last_seq() - self.store.last_stream_seq)
         except StoreError as err:
             log.debug("standby lag not measured: %s", err.message)
+            return None
+        return self.lag_entries
 
     def _reload(self, gap: JournalGap) -> bool:
         """A compaction purged this standby's next entry: recover again from the newer snapshot. False: failed."""
