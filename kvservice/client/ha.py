@@ -14,6 +14,11 @@ Two ways to reach the leader, and both work together:
 Either way a retried mutating call keeps its request_id, so the new leader, which followed
 the journal, answers a request the old one applied with the original reply (exactly once).
 
+After a call breaks, the client watches every address's readiness (grpc.health.v1 Watch of the
+BlockManager service, SERVING on the leader only): a SERVING report ends the pause before the next
+attempt and sends it there, so a new leader is reached as soon as it serves, not a backoff later.
+A report is a hint; the reply's epoch is checked as always.
+
 Deadlines (kvservice/client/deadline.py): ``timeout`` bounds the whole call, failover included; an
 attempt that has no reply after ``RetryPolicy.attempt_timeout`` (3 s by default: a paused leader)
 moves to the next address. A failover takes about one lease (2 s) plus a takeover, so a call with
