@@ -112,17 +112,11 @@ class AsyncLeaderClient(LeaderRoute, AsyncBlockManagerClient):
         self._watchers = [loop.create_task(self._health_loop(i)) for i in range(len(self.targets))]
 
     async def _health_loop(self, index: int) -> None:
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-        stub = health_pb2_grpc.HealthStub(self._channels[index])
-        request = health_pb2.HealthCheckRequest(service=SERVICE.full_name)
         delay = HEALTH_RETRY[0]
         while not self._closed:
-            call = self._health_calls[index] = stub.Watch(request)
             try:
-                async for msg in call:
-                    delay = HEALTH_RETRY[0]
-                    if msg.status == health_pb2.HealthCheckResponse.SERVING:
-                        self._reported_serving(index)
+                async for msg in self._health_watch(index):
+                    delay = self._health_report(index, msg)
             except grpc.RpcError:             # the manager died or restarts: watch again
                 pass
             await asyncio.sleep(delay)

@@ -145,6 +145,20 @@ class LeaderRoute:
             self.serving_reports += 1
             self._serving.notify_all()
 
+    def _health_watch(self, index: int) -> Any:
+        """Open the readiness watch of address `index` (grpc.health.v1 Watch of the BlockManager service)."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+        request = health_pb2.HealthCheckRequest(service=SERVICE.full_name)
+        call = self._health_calls[index] = health_pb2_grpc.HealthStub(self._channels[index]).Watch(request)
+        return call
+
+    def _health_report(self, index: int, msg: Any) -> float:
+        """One message of address `index`'s watch; the delay before watching again if the watch breaks next."""
+        from grpc_health.v1 import health_pb2
+        if msg.status == health_pb2.HealthCheckResponse.SERVING:
+            self._reported_serving(index)
+        return HEALTH_RETRY[0]
+
     def _report_due(self) -> bool:
         return self.serving_reports != self._reports_at_failure or self._closed
 
@@ -237,17 +251,11 @@ class LeaderClient(LeaderRoute, BlockManagerClient):
             th.start()
 
     def _health_loop(self, index: int) -> None:
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-        stub = health_pb2_grpc.HealthStub(self._channels[index])
-        request = health_pb2.HealthCheckRequest(service=SERVICE.full_name)
         delay = HEALTH_RETRY[0]
         while not self._closed:
-            call = self._health_calls[index] = stub.Watch(request)
             try:
-                for msg in call:
-                    delay = HEALTH_RETRY[0]
-                    if msg.status == health_pb2.HealthCheckResponse.SERVING:
-                        self._reported_serving(index)
+                for msg in self._health_watch(index):
+                    delay = self._health_report(index, msg)
             except grpc.RpcError:      # the manager died or restarts: watch again (a standby says NOT_SERVING)
                 pass
             with self._serving:
