@@ -31,9 +31,10 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import nats.errors
 from grpc_health.v1 import health_pb2
@@ -61,7 +62,6 @@ from kvservice.state.startup import ensure_pools
 from kvservice.state.stores import Entry
 
 log = logging.getLogger("kvservice.server.ha")
-T = TypeVar("T")
 #: Initial-metadata key of every reply of a replicated manager: the epoch of the leader that answered.
 FENCE_ATTEMPTS = 20
 #: Recoveries tried while a leader's compaction keeps overtaking the reader (each one reads a newer snapshot).
@@ -200,12 +200,14 @@ class HAController:
             self.store.guard = lambda: self.lease.wait_valid(lapse)   # waits through a lapse, raises once lost
             self.store.readonly = False        # it may fence now; it appends only once fenced (epoch > 0)
             # the next snapshot is due after the store's newest, not ours: listed while the stream is read and fenced
-            listing = _in_background(self.store.newest_snapshot_seq)
+            pool = ThreadPoolExecutor(1, thread_name_prefix="ha-listing")
+            listing = pool.submit(self.store.newest_snapshot_seq)
+            pool.shutdown(wait=False)
             epoch = self._fence(lap)
             self.store.stop_reading()
             lap("unsubscribe")
             try:
-                self.journal.snapshot_stored(listing())
+                self.journal.snapshot_stored(listing.result())
             except StoreError as err:
                 log.warning("newest snapshot not listed at takeover (%s); the next one is due early", err.message)
             lap("snapshots listed")
@@ -276,29 +278,6 @@ class HAController:
 
     def release(self) -> None:
         self.lease.release()
-
-
-def _in_background(fn: Callable[[], T]) -> Callable[[], T]:
-    """Start fn() on a thread of its own now; the returned callable waits for its result (or raises its error)."""
-    done = threading.Event()
-    out: list[Any] = []
-
-    def run() -> None:
-        try:
-            out.append((True, fn()))
-        except BaseException as err:           # handed to the caller
-            out.append((False, err))
-        finally:
-            done.set()
-    threading.Thread(target=run, daemon=True, name="ha-background").start()
-
-    def result() -> T:
-        done.wait()
-        ok, value = out[0]
-        if not ok:
-            raise value
-        return value
-    return result
 
 
 def _refresh_worker_leases(manager: BlockManager) -> None:

@@ -366,17 +366,15 @@ class NatsStore(JournalStore):
         while self.last_stream_seq < last:
             before = self.last_stream_seq
             batch = self.poll(wait, strict=strict)
-            if self.last_stream_seq == before:     # nothing delivered (a fence or a part would have moved it)
+            if self.last_stream_seq == before:     # nothing delivered (not even a fence or a part)
                 first = self._call(self._stream_first_seq(), what="reading the stream's first sequence")
                 if first > self.last_stream_seq + 1 and (strict or self._snapshot_newer_than(self.seq)):
                     raise self._overtaken()         # what we were to read next was purged by a compaction
                 if time.monotonic() > deadline:
                     raise StoreError(f"{self.path}: stream stopped at {self.last_stream_seq} while reading to {last}")
-                # The messages are there but the consumer delivers none: NATS restarted or moved the stream
-                # under it, and the ordered consumer notices only after missed heartbeats (seconds). Read on
-                # with a new one from the next message (a takeover waits on this).
-                log.info("%s: nothing delivered for %.1f s at stream message %d of %d; reading on with a new "
-                         "consumer", self.path, wait, self.last_stream_seq, last)
+                # the consumer's node restarted under it (nats-py notices after missed heartbeats): a new one
+                log.info("%s: nothing delivered for %.1f s at message %d of %d; reading on with a new consumer",
+                         self.path, wait, self.last_stream_seq, last)
                 self.stop_reading()
                 wait = min(CATCH_UP_WAIT[1], 2 * wait)
             yield from batch
