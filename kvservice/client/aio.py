@@ -75,6 +75,11 @@ class AsyncBlockManagerClient(OneAddress):
         """Forget the journal positions seen and refused (after resynchronising with a manager that was rolled back)."""
         self.position.reset()
 
+    async def _pause(self, seconds: float) -> None:
+        """The pause before a call is issued again (an AsyncLeaderClient ends it early when a manager starts
+        serving)."""
+        await asyncio.sleep(seconds)
+
     async def _call(self, method: Any, request: Any, timeout: float | None) -> Any:
         """One logical call: attempts under one request_id until it succeeds, fails for good, or its deadline
         passes; each attempt's gRPC deadline is what remains of it."""
@@ -86,7 +91,7 @@ class AsyncBlockManagerClient(OneAddress):
             try:
                 reply = await method(request, timeout=budget.attempt_timeout(), metadata=self._metadata)
             except grpc.RpcError as exc:            # AioRpcError, or StaleLeader (an AsyncLeaderClient)
-                await asyncio.sleep(budget.pause_or_raise(exc))
+                await self._pause(budget.pause_or_raise(exc))
                 continue
             self.position.check(name, reply, seen, rid)
             return reply

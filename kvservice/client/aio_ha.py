@@ -22,6 +22,7 @@ naming every address it tried.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,7 +31,14 @@ import grpc
 from kvservice.client.aio import AsyncBlockManagerClient, make_aio_channel
 from kvservice.client.client import SERVICE, TLSOptions
 from kvservice.client.deadline import RetryPolicy, client_policy
-from kvservice.client.ha import FAILOVER_RETRY, LeaderRoute, LeaderStub, StaleLeader, manager_addresses
+from kvservice.client.ha import (
+    FAILOVER_RETRY,
+    HEALTH_RETRY,
+    LeaderRoute,
+    LeaderStub,
+    StaleLeader,
+    manager_addresses,
+)
 from kvservice.v1 import block_manager_pb2_grpc as pb_grpc
 
 __all__ = ["AsyncLeaderClient", "StaleLeader"]
@@ -56,13 +64,63 @@ class AsyncLeaderClient(LeaderRoute, AsyncBlockManagerClient):
         self._stubs = [pb_grpc.BlockManagerStub(ch) for ch in channels]
         self._stub = LeaderStub(self)             # what AsyncBlockManagerClient's calls go through
         self._follow(channels)
+        self._watchers: list[asyncio.Task[None]] = []
+        self._health_calls: dict[int, Any] = {}
+        self._waiters: set[asyncio.Event] = set()
 
     def __repr__(self) -> str:
         return f"AsyncLeaderClient({self.target!r}, token={'set' if self._metadata else 'none'})"
 
     async def close(self) -> None:
+        with self._serving:
+            self._closed = True
+        for ev in list(self._waiters):
+            ev.set()
+        for task in self._watchers:
+            task.cancel()
         for ch in self._channels:
             await ch.close()
+
+    async def _pause(self, seconds: float) -> None:
+        """Wait before the next attempt: the backoff, or less once an address reports SERVING after the last break
+        (as LeaderClient._pause)."""
+        if self._report_due():
+            return
+        ev = asyncio.Event()
+        self._waiters.add(ev)
+        try:
+            await asyncio.wait_for(ev.wait(), seconds)
+        except TimeoutError:
+            pass
+        finally:
+            self._waiters.discard(ev)
+
+    def _reported_serving(self, index: int) -> None:
+        super()._reported_serving(index)
+        for ev in list(self._waiters):
+            ev.set()
+
+    def _watch_health(self) -> None:
+        """One task per address follows its readiness (as LeaderClient._watch_health), on the loop of the call that
+        broke first, until close()."""
+        if self._watchers or self._closed:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:                  # not on a loop: nothing to wake, the backoff alone paces the retries
+            return
+        self._watchers = [loop.create_task(self._health_loop(i)) for i in range(len(self.targets))]
+
+    async def _health_loop(self, index: int) -> None:
+        delay = HEALTH_RETRY[0]
+        while not self._closed:
+            try:
+                async for msg in self._health_watch(index):
+                    delay = self._health_report(index, msg)
+            except grpc.RpcError:             # the manager died or restarts: watch again
+                pass
+            await asyncio.sleep(delay)
+            delay = min(HEALTH_RETRY[1], 2 * delay)
 
     async def _invoke(self, name: str, request: Any, timeout: float | None, metadata: Any) -> Any:
         """One attempt at the current address; the reply once its epoch passed (StaleLeader otherwise)."""

@@ -204,6 +204,10 @@ class BlockManagerClient(OneAddress):
         """Forget the journal positions seen and refused (after resynchronising with a manager that was rolled back)."""
         self.position.reset()
 
+    def _pause(self, seconds: float) -> None:
+        """The pause before a call is issued again (a LeaderClient ends it early when a manager starts serving)."""
+        time.sleep(seconds)
+
     def _call(self, method: Callable[..., T], request: Any, timeout: float | None,
               codes: tuple[grpc.StatusCode, ...] = RETRY_CODES) -> T:
         """One logical call: attempts under one request_id until it succeeds, fails for good, or its deadline
@@ -216,7 +220,7 @@ class BlockManagerClient(OneAddress):
             try:
                 reply = method(request, timeout=budget.attempt_timeout(), metadata=self._metadata)
             except grpc.RpcError as exc:
-                time.sleep(budget.pause_or_raise(exc))
+                self._pause(budget.pause_or_raise(exc))
                 continue
             self.position.check(name, reply, seen, rid)
             return reply

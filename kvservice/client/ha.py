@@ -14,6 +14,11 @@ Two ways to reach the leader, and both work together:
 Either way a retried mutating call keeps its request_id, so the new leader, which followed
 the journal, answers a request the old one applied with the original reply (exactly once).
 
+After a call breaks, the client watches every address's readiness (grpc.health.v1 Watch of the
+BlockManager service, SERVING on the leader only): a SERVING report ends the pause before the next
+attempt and sends it there, so a new leader is reached as soon as it serves, not a backoff later.
+A report is a hint; the reply's epoch is checked as always.
+
 Deadlines (kvservice/client/deadline.py): ``timeout`` bounds the whole call, failover included; an
 attempt that has no reply after ``RetryPolicy.attempt_timeout`` (3 s by default: a paused leader)
 moves to the next address. A failover takes about one lease (2 s) plus a takeover, so a call with
@@ -31,7 +36,6 @@ lineage, so a leader whose journal lost acknowledged entries is refused STATE_RO
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -45,6 +49,8 @@ from kvservice.contract.transport import EPOCH_METADATA, NODE_METADATA
 #: gRPC-level resend (the client moves to the next address instead of asking a standby again).
 FAILOVER_RETRY = RetryPolicy(initial_backoff=0.05, max_backoff=0.25, attempt_timeout=3.0, grpc_attempts=1)
 _ROTATE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+#: Seconds before a broken health watch is opened again: first, and at most (doubling in between).
+HEALTH_RETRY = (0.05, 1.0)
 
 
 def leader_epoch(metadata: Any) -> int | None:
@@ -109,6 +115,10 @@ class LeaderRoute:
         self._channels = channels
         self._current = 0
         self._lock = threading.Lock()
+        self._serving = threading.Condition(self._lock)    # notified when an address reports SERVING
+        self.serving_reports = 0         # SERVING reports from the addresses' health watches (see _watch_health)
+        self._reports_at_failure = 0     # serving_reports when the last call broke: a later one ends its pause
+        self._closed = False
         self.epoch = 0
         self.leader_node = ""
         self.stale_replies = 0
@@ -119,8 +129,38 @@ class LeaderRoute:
 
     def _rotate(self, index: int) -> None:
         with self._lock:
+            self._reports_at_failure = self.serving_reports
             if self._current == index:
                 self._current = (index + 1) % len(self.targets)
+        self._watch_health()
+
+    def _watch_health(self) -> None:
+        """Start watching the addresses' readiness after the first broken call (LeaderClient: threads)."""
+
+    def _reported_serving(self, index: int) -> None:
+        """Address `index` reports its BlockManager SERVING (a standby that took over, or a watch (re)started on the
+        leader): send the next attempt there, and end a pause that waits for it."""
+        with self._serving:
+            self._current = index
+            self.serving_reports += 1
+            self._serving.notify_all()
+
+    def _health_watch(self, index: int) -> Any:
+        """Open the readiness watch of address `index` (grpc.health.v1 Watch of the BlockManager service)."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+        request = health_pb2.HealthCheckRequest(service=SERVICE.full_name)
+        call = self._health_calls[index] = health_pb2_grpc.HealthStub(self._channels[index]).Watch(request)
+        return call
+
+    def _health_report(self, index: int, msg: Any) -> float:
+        """One message of address `index`'s watch; the delay before watching again if the watch breaks next."""
+        from grpc_health.v1 import health_pb2
+        if msg.status == health_pb2.HealthCheckResponse.SERVING:
+            self._reported_serving(index)
+        return HEALTH_RETRY[0]
+
+    def _report_due(self) -> bool:
+        return self.serving_reports != self._reports_at_failure or self._closed
 
     def _failed(self, index: int, err: grpc.RpcError) -> None:
         """A call to address `index` failed with `err`: move on if no manager answered it (a refusal stays)."""
@@ -180,10 +220,47 @@ class LeaderClient(LeaderRoute, BlockManagerClient):
                        for ch in channels]
         self._stub = LeaderStub(self)             # what BlockManagerClient's calls go through
         self._follow(channels)
+        self._watchers: list[threading.Thread] = []
+        self._health_calls: dict[int, Any] = {}
 
     def close(self) -> None:
+        with self._serving:
+            self._closed = True
+            self._serving.notify_all()
+        for call in list(self._health_calls.values()):
+            call.cancel()
         for ch in self._channels:
             ch.close()
+
+    def _pause(self, seconds: float) -> None:
+        """Wait before the next attempt: the backoff, or less once an address reports SERVING after the last
+        break (the new leader is served at once instead of after the rest of a backoff)."""
+        with self._serving:
+            self._serving.wait_for(self._report_due, seconds)
+
+    def _watch_health(self) -> None:
+        """One thread per address follows its readiness (grpc.health.v1 Watch of the BlockManager service: SERVING
+        on the leader only; a server pushes each change, holding no thread of its own): from the first broken call
+        until close()."""
+        with self._lock:
+            if self._watchers or self._closed:
+                return
+            self._watchers = [threading.Thread(target=self._health_loop, args=(i,), daemon=True,
+                                               name=f"leader-watch-{i}") for i in range(len(self.targets))]
+        for th in self._watchers:
+            th.start()
+
+    def _health_loop(self, index: int) -> None:
+        delay = HEALTH_RETRY[0]
+        while not self._closed:
+            try:
+                for msg in self._health_watch(index):
+                    delay = self._health_report(index, msg)
+            except grpc.RpcError:      # the manager died or restarts: watch again (a standby says NOT_SERVING)
+                pass
+            with self._serving:
+                self._serving.wait_for(lambda: self._closed, delay)
+            delay = min(HEALTH_RETRY[1], 2 * delay)
 
     def wait_ready(self, timeout: float = 10.0) -> None:
         """Block until one of the addresses accepts a connection (not necessarily the leader)."""
@@ -284,7 +361,7 @@ class LeaderEventStream:
                 call.cancel()                        # a refused epoch leaves its stream open otherwise
                 if budget is None:
                     budget = CallBudget(c.retry, self.timeout or c.timeout, "WatchEvents", None, _ROTATE, c.target)
-                time.sleep(budget.retry_after(err))
+                c._pause(budget.retry_after(err))
                 self.reconnects += 1
 
 

@@ -176,7 +176,7 @@ class StepStream(StreamCore):
                 if self._expired:
                     err = ClientError(grpc.StatusCode.DEADLINE_EXCEEDED, "no reply in time (the call was cancelled)")
                 self._drop_call()
-                time.sleep(self.broken(self.client, err, seq, budget, self._closed))
+                self.client._pause(self.broken(self.client, err, seq, budget, self._closed))
 
 
 class AsyncStepStream(StreamCore):
@@ -251,7 +251,7 @@ class AsyncStepStream(StreamCore):
                 else:
                     err = client_error(exc)
                 self._drop_call()
-                await asyncio.sleep(self.broken(self.client, err, seq, budget))
+                await self.client._pause(self.broken(self.client, err, seq, budget))
 
     async def _exchange(self, data: bytes) -> Any:
         """Write one request and read its reply. A call that already ended (the manager closed it, or died) reports

@@ -31,6 +31,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -105,9 +106,10 @@ class HAController:
         poll = self.lease.config.poll_seconds
         next_look = 0.0
         next_lag = 0.0
+        read_at_lag = -1                       # the stream message read when the lag was last measured
         while not self._stop.is_set():
             try:
-                batch = self.store.poll(poll)
+                batch = self.store.poll(min(poll, max(0.005, next_look - time.monotonic())))
                 if batch:
                     self._apply(batch)
                 if self.store.pending is not None:
@@ -115,12 +117,21 @@ class HAController:
                 now = time.monotonic()
                 if now >= next_lag:
                     next_lag = now + 1.0
-                    self._measure_lag()
+                    behind = self._measure_lag()
+                    if behind and self.store.last_stream_seq == read_at_lag:
+                        # Its consumer delivers nothing while the stream holds more: the NATS node that kept it
+                        # (R1, in memory) restarted, and nats-py notices only after missed heartbeats. Read on
+                        # with a new one now, so that a takeover does not find this standby behind.
+                        log.warning("standby: no journal message for 1 s while %d behind; reading on with a new "
+                                    "consumer", behind)
+                        self.store.stop_reading()
+                    read_at_lag = self.store.last_stream_seq
                 if now >= next_look:
-                    next_look = now + poll
                     if self.lease.try_acquire():
                         self._take_over()
                         return
+                    due = self.lease.take_due()        # the holder's TTL ends before the next poll: look then
+                    next_look = now + poll if due is None else now + min(poll, due - self.lease.clock())
             except JournalGap as err:
                 if not self._reload(err):
                     return
@@ -131,11 +142,14 @@ class HAController:
                 self._fail(f"standby cannot follow the journal: {err.message}")
                 return
 
-    def _measure_lag(self) -> None:
+    def _measure_lag(self) -> int | None:
+        """Journal stream messages not applied yet (also the gauge); None if NATS did not answer."""
         try:
             self.lag_entries = max(0, self.store.stream_last_seq() - self.store.last_stream_seq)
         except StoreError as err:
             log.debug("standby lag not measured: %s", err.message)
+            return None
+        return self.lag_entries
 
     def _reload(self, gap: JournalGap) -> bool:
         """A compaction purged this standby's next entry: recover again from the newer snapshot. False: failed."""
@@ -175,21 +189,32 @@ class HAController:
     # ---- takeover -------------------------------------------------------------------------------------
     def _take_over(self) -> None:
         t0 = time.monotonic()
+        phases: list[tuple[str, float]] = []           # where the takeover's time went, for its log line
+
+        def lap(name: str) -> None:
+            phases.append((name, time.monotonic() - t0 - sum(s for _, s in phases)))
         self.role = "taking over"
         self.lease.start_renewing(0, self._lost)
         lapse = self.lease.config.lapse_seconds
         try:
             self.store.guard = lambda: self.lease.wait_valid(lapse)   # waits through a lapse, raises once lost
             self.store.readonly = False        # it may fence now; it appends only once fenced (epoch > 0)
-            epoch = self._fence()
+            # the next snapshot is due after the store's newest, not ours: listed while the stream is read and fenced
+            pool = ThreadPoolExecutor(1, thread_name_prefix="ha-listing")
+            listing = pool.submit(self.store.newest_snapshot_seq)
+            pool.shutdown(wait=False)
+            epoch = self._fence(lap)
             self.store.stop_reading()
-            try:                               # the next snapshot is due after the store's newest, not ours
-                self.journal.snapshot_stored(self.store.newest_snapshot_seq())
+            lap("unsubscribe")
+            try:
+                self.journal.snapshot_stored(listing.result())
             except StoreError as err:
                 log.warning("newest snapshot not listed at takeover (%s); the next one is due early", err.message)
+            lap("snapshots listed")
             self.lease.epoch = epoch
             self.journal.incarnation = epoch        # replies carry (epoch, seq) as their journal position
             self.lease.wait_valid(lapse)
+            lap("lease valid")
         except (KVError, OSError) as err:
             self.lease.lose(f"takeover failed: {getattr(err, 'message', err)}")
             self._fail(f"takeover failed: {getattr(err, 'message', err)}")
@@ -202,15 +227,17 @@ class HAController:
         except KVError as err:
             log.error("configured pools not created after takeover: %s", err.message)
         self.set_serving(True)
+        lap("serving")
         self.takeover_seconds = time.monotonic() - t0
-        log.info("leader now: epoch %d at journal position %d (takeover %.3f s)", epoch, self.journal.seq,
-                 self.takeover_seconds)
+        log.info("leader now: epoch %d at journal position %d (takeover %.3f s: %s)", epoch, self.journal.seq,
+                 self.takeover_seconds, ", ".join(f"{name} {s:.3f}" for name, s in phases))
 
-    def _fence(self) -> int:
+    def _fence(self, lap: Callable[[str], None] = lambda _name: None) -> int:
         """Read to the end of the stream and fence it with the next epoch; again if the old leader wrote meanwhile."""
         for _ in range(FENCE_ATTEMPTS):
             try:
                 self._apply(self.store.catch_up())
+                lap("caught up")
             except JournalGap as err:         # overtaken by the old leader's last compaction: reload, read on
                 if not self._reload(err):
                     raise StoreError(f"takeover: {self.failed}") from None
@@ -219,6 +246,7 @@ class HAController:
             epoch = max(self.store.max_epoch, seen) + 1
             try:
                 self.store.fence(epoch)
+                lap("fenced")
                 return epoch
             except Fenced:
                 log.warning("the journal moved while fencing epoch %d; reading on", epoch)

@@ -42,6 +42,7 @@ class Outcome:
     problems: list[str] = field(default_factory=list)
     longest_pause: float = 0.0          # the longest time without an acknowledged Step, from the fault until 1 s of
                                         # acknowledgements after it (what the clients saw)
+    wall: float = 0.0                   # time.time() of the fault (to place it among the managers' log lines)
 
 
 class FaultLab:
@@ -147,10 +148,12 @@ class FaultLab:
         self.wait_healthy()
         slot, epoch = self.leader()
         time.sleep(float(rng.uniform(*load)))
-        t = time.monotonic()
+        t, wall = time.monotonic(), time.time()
         slot.kill9()
         slot.start()                                   # the pod comes back, as a standby
-        return self.settle(t, epoch, "kill -9 leader", slot.name, failover=True)
+        out = self.settle(t, epoch, "kill -9 leader", slot.name, failover=True)
+        out.wall = wall
+        return out
 
     def pause_leader(self, beyond: float = 0.5) -> Outcome:
         from .ha_harness import pause_leader

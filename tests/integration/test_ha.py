@@ -9,6 +9,7 @@ asserted: who may write, what was acknowledged, what was recovered.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 import uuid
@@ -72,9 +73,11 @@ def test_lease_is_taken_by_compare_and_set_only_after_a_silent_ttl(nats3):
                                  Lease(link, lc, n, f"addr-{n}", clock=clk), seconds=30)
                    for link, clk, n in zip(links, clocks, "abc", strict=True))
         assert a.try_acquire()                           # absent: created
-        assert not b.try_acquire()                       # first sight of a's revision starts b's timer
+        assert a.take_due() is None                      # it holds the key: nothing to wait for
+        assert not b.try_acquire()                       # first sight of a's revision starts b's timer...
+        assert b.take_due() == 1000.0 + 6.0              # ...and b looks again exactly when it ends
         clocks[1].now += 5.9
-        assert not b.try_acquire() and b.holder.node == "a"
+        assert not b.try_acquire() and b.holder.node == "a" and b.take_due() == 1006.0
         a.check()                                         # a's own bound is sent + ttl - margin
         clocks[1].now += 0.2                              # 6.1 s of the same revision: b takes it by CAS
         assert b.try_acquire() and b.held
@@ -108,7 +111,7 @@ def test_lease_config_refuses_a_renewal_too_close_to_the_ttl():
 
 # ---- a standby follows, refuses, takes over ------------------------------------------------------------
 
-def test_standby_follows_refuses_and_takes_over_when_the_leader_stops(nats3):
+def test_standby_follows_refuses_and_takes_over_when_the_leader_stops(nats3, caplog):
     config = NatsConfig(tuple(nats3.urls), name=fresh_name(), replicas=3)
     lc = LeaseConfig(ttl_seconds=1.0, renew_seconds=0.25, poll_seconds=0.05, margin_seconds=0.1)
     a, ha_a = serve_ha(config, lc, "127.0.0.1:0", node="a")
@@ -131,6 +134,19 @@ def test_standby_follows_refuses_and_takes_over_when_the_leader_stops(nats3):
             time.sleep(0.02)
         assert ha_b.journal.seq == ha_a.journal.seq                 # hot: it follows the stream
         assert state_tree(b.manager) == state_tree(a.manager)
+        # its consumer gone (the NATS node that kept it restarted): it reads on with a new one by itself
+        gone = ha_b.store._sub._consumer
+        link = ha_b.store.link
+        link.call(link.js.delete_consumer(config.stream, gone), 10)
+        with caplog.at_level(logging.WARNING, logger="kvservice.server.ha"), \
+                LeaderClient([f"127.0.0.1:{a.port}"], timeout=5, failover=60) as c:
+            for i in range(1, 31):
+                c.step("p", extend=[i], extend_tokens=1)
+            deadline = time.monotonic() + 60
+            while ha_b.journal.seq < ha_a.journal.seq and time.monotonic() < deadline:
+                time.sleep(0.02)
+        assert ha_b.journal.seq == ha_a.journal.seq and "reading on with a new consumer" in caplog.text
+        assert ha_b.store._sub._consumer != gone and state_tree(b.manager) == state_tree(a.manager)
         scraped = {name: _series(r) for name, r in (("a", a), ("b", b))}
         for r in scraped.values():                                    # what dashboards and alerts use
             assert sample_names(REPLICATED_METRICS) <= r["names"]
@@ -151,7 +167,7 @@ def test_standby_follows_refuses_and_takes_over_when_the_leader_stops(nats3):
         with LeaderClient([target_b], timeout=5, failover=60) as c:
             r = c.step("p", extend=[5], extend_tokens=1)
             assert c.epoch == epoch_a + 1
-        assert r.num_tokens.tolist() == [5 * 7 % 90 + 1 + 3 + 1]
+        assert r.num_tokens.tolist() == [5 * 7 % 90 + 1 + 3 + 1 + 1]
         assert ha_b.role == "leader"
         with b.manager.locked("p") as pool:
             assert pool.steps > 0

@@ -639,3 +639,33 @@ def test_a_lease_bucket_that_cannot_be_placed_is_refused_with_the_servers_reason
     finally:
         link.close()
 
+
+
+def test_catch_up_reads_on_with_a_new_consumer_when_its_consumer_is_gone(nats_backend, caplog):
+    """A standby's ordered consumer lives on one NATS node (R1, in memory): when that node restarts, the consumer is
+    gone and nats-py notices only after missed heartbeats (seconds). catch_up (what a takeover reads the stream to
+    its end with) reads on with a new consumer from the next message: every entry after the reader's position,
+    each once, in order."""
+    import logging
+    j = nats_backend.open(FAST)
+    rng = np.random.default_rng(23)
+    setup_pools(j)
+    workload(j, rng, 10, pools=("a",))
+    link = NatsLink(nats_backend.config)
+    try:
+        reader = NatsStore(link, readonly=True, create=False)
+        assert reader.load_snapshot() is None
+        before = [e.seq for e in reader.entries_after(0)]
+        assert before == list(range(1, j.seq + 1))
+        gone = reader._sub._consumer
+        link.call(link.js.delete_consumer(nats_backend.config.stream, gone), 10)
+        workload(j, rng, 10, pools=("b",))
+        with caplog.at_level(logging.INFO, logger="kvservice.nats"):
+            after = [e.seq for e in reader.catch_up()]
+        assert after == list(range(before[-1] + 1, j.seq + 1))
+        assert "reading on with a new consumer" in caplog.text
+        assert reader._sub._consumer != gone
+        reader.close(clean=False, seq=j.seq)
+    finally:
+        link.close()
+        crash(j)

@@ -79,6 +79,8 @@ SNAPSHOT_FORMAT = 2                            # 2: kvservice/state/snapshot.py 
 _WRONG_LAST_SEQUENCE = (10071, 10164)          # JSStreamWrongLastSequence(Constant)Err
 #: Room left in each message for the headers (the payload limit counts both).
 _HEADER_ROOM = 1024
+#: Seconds catch_up waits for a message before it reads on with a new consumer: first, and at most (doubling).
+CATCH_UP_WAIT = (0.2, 2.0)
 
 
 def message_id(epoch: int, writer: str, seq: int, part: int) -> str:
@@ -319,14 +321,21 @@ class NatsStore(JournalStore):
         """Read (from where this store is) to the last message the stream holds when called."""
         last = self.stream_last_seq()
         deadline = time.monotonic() + max(30.0, self.config.append_seconds)
+        wait = CATCH_UP_WAIT[0]
         while self.last_stream_seq < last:
-            batch = self.poll(0.5, strict=strict)
-            if not batch:
+            before = self.last_stream_seq
+            batch = self.poll(wait, strict=strict)
+            if self.last_stream_seq == before:     # nothing delivered (not even a fence or a part)
                 first = self._call(self._stream_first_seq(), what="reading the stream's first sequence")
                 if first > self.last_stream_seq + 1 and (strict or self._snapshot_newer_than(self.seq)):
                     raise self._overtaken()         # what we were to read next was purged by a compaction
                 if time.monotonic() > deadline:
                     raise StoreError(f"{self.path}: stream stopped at {self.last_stream_seq} while reading to {last}")
+                # the consumer's node restarted under it (nats-py notices after missed heartbeats): a new one
+                log.info("%s: nothing delivered for %.1f s at message %d of %d; reading on with a new consumer",
+                         self.path, wait, self.last_stream_seq, last)
+                self.stop_reading()
+                wait = min(CATCH_UP_WAIT[1], 2 * wait)
             yield from batch
 
     def _overtaken(self) -> JournalGap:

@@ -202,6 +202,12 @@ class Lease:
                     self.holder.epoch, entry.revision, now - self._seen[1])
         return await self._take(entry.revision)
 
+    def take_due(self) -> float | None:
+        """clock() from which the revision this standby reads unchanged may be taken (first read + TTL), or None
+        (none seen yet): the follower looks again exactly then, not up to a poll later."""
+        seen = self._seen
+        return None if seen is None or self.held else seen[1] + self.config.ttl_seconds
+
     async def _take(self, revision: int | None) -> bool:
         sent = self.clock()
         try:
