@@ -17,7 +17,7 @@ The model keeps what safety rests on and nothing the argument does not need:
   is answered as stored.
 
 The message ids and the acceptance of an acknowledgement are the real ones
-(``kvservice.state.nats.journal.message_id``, ``fence_id``, ``check_ack``), or the ones before
+(``kvservice.state.nats.fencing.message_id``, ``fence_id``, ``check_ack``), or the ones before
 issue 20 (ids ``epoch.seq.part`` / ``fence.epoch``, any "duplicate" taken as success).
 Checked in every reachable state: every acknowledged entry is in the stream at its position
 (nothing acknowledged lost), every entry in the stream was written on a state equal to the
@@ -31,7 +31,8 @@ from dataclasses import dataclass, replace
 
 import pytest
 
-from kvservice.state.nats.journal import Fenced, check_ack, fence_id, message_id
+from kvservice.state.nats.config import Fenced
+from kvservice.state.nats.fencing import check_ack, fence_id, message_id
 
 
 @dataclass(frozen=True)
