@@ -131,7 +131,8 @@ class Pool:
         self._rows: dict[int, int] = {}          # seq_id -> row (source of truth)
         self._sorted: tuple[np.ndarray, np.ndarray] | None = None  # (ids, rows) by id; None = stale
         self._last_batch: tuple[np.ndarray, np.ndarray] | None = None  # (ids, rows) of the last extend-only step
-        self._fast = True                         # take _decode_step when it applies (tests turn it off)
+        self._fast = True                         # take the fast paths when they apply (tests turn it off)
+        self._one_full_group = len(self.allocators) == 1 and not self.windows[0]
         self._free_rows: list[int] = []
         self._num_rows = 0                        # rows ever used (high-water mark)
         cap = 16
@@ -238,8 +239,12 @@ class Pool:
             res = self._decode_step(inp.e_ids, inp.e_rows, inp.e_k, tables, block_table, mappings)
             if res is not None:
                 return res
-        plan = self._plan(inp)
         try:
+            if self._fast and self._one_full_group and not len(inp.c_ids):
+                res = self._full_group_step(inp, tables, block_table)
+                if res is not None:
+                    return res
+            plan = self._plan(inp)
             return self._commit(inp, plan, tables, block_table)
         finally:
             if self.prefix is not None and self.prefix.fleet is not None:
@@ -351,15 +356,19 @@ class Pool:
                        for g in range(len(self.allocators)))
         for g, gp in enumerate(groups):
             if gp.need > gp.avail:
-                self.refused += 1
-                self.alloc_failures["out_of_slots"] = self.alloc_failures.get("out_of_slots", 0) + 1
-                free_now = self.allocators[g].num_free
-                raise ResourceExhausted(
-                    f"pool {self.name!r}: this step needs {gp.need} slots in layer group {g} but only {gp.avail} "
-                    f"are free ({free_now} free + {gp.avail - free_now} released by this step) of "
-                    f"{self.allocators[g].num_slots}; free or preempt sequences, or plan a bigger pool",
-                    needed=gp.need, free=gp.avail, num_slots=self.allocators[g].num_slots, group=g)
+                self._refuse(g, gp.need, gp.avail)
         return StepPlan(e_old, e_new, e_held, e_held_new, a_held, groups)
+
+    def _refuse(self, g: int, need: int, avail: int) -> None:
+        """Count and raise the refusal of a step that needs more slots of group g than it has."""
+        self.refused += 1
+        self.alloc_failures["out_of_slots"] = self.alloc_failures.get("out_of_slots", 0) + 1
+        free_now = self.allocators[g].num_free
+        raise ResourceExhausted(
+            f"pool {self.name!r}: this step needs {need} slots in layer group {g} but only {avail} "
+            f"are free ({free_now} free + {avail - free_now} released by this step) of "
+            f"{self.allocators[g].num_slots}; free or preempt sequences, or plan a bigger pool",
+            needed=need, free=avail, num_slots=self.allocators[g].num_slots, group=g)
 
     def _plan_hits(self, prompt: Prompt, num_admits: int) -> tuple[np.ndarray, list[np.ndarray]]:
         """Cached pages each admission takes (hits int64 [A], the same in every group) and each group's
@@ -543,6 +552,102 @@ class Pool:
         return StepResult(self._seq_ids[rows], new, tok_indptr,
                           self._emit(rows, old, new, held_new, tok_indptr, tables, block_table),
                           self.num_free_slots, None, tuple(_NO_COPIES for _ in self.allocators))
+
+    def _full_group_step(self, inp: StepInput, tables: bool, block_table: bool) -> StepResult | None:
+        """A step of a pool with one full-attention layer group and no fork in it: frees, extensions and
+        admissions (prefix hits included), planned and committed without the general path's per-group plan.
+
+        The same result, the same refusal and the same state as `_plan` + `_commit` (the reference-model
+        differential test drives both). Returns None, having changed nothing, when an extended row's partly
+        filled last page has other owners (copy-on-write: the general path plans it).
+        """
+        ps = self.page_size
+        alloc, rs, first = self.allocators[0], self._slots[0], self._first[0]
+        rc = alloc._refcnt
+        e_rows, f_rows, a_n, prompt = inp.e_rows, inp.f_rows, inp.a_n, inp.prompt
+        e_old = self._num_tokens[e_rows]
+        e_held = self._held[e_rows]
+        e_new = e_old + inp.e_k
+        e_held_new = (e_new + (ps - 1)) // ps
+        a_held = (a_n + (ps - 1)) // ps
+        if self._sharing and len(e_rows):
+            partial = (e_old % ps).nonzero()[0]
+            if len(partial):
+                last = rs.arena.take(rs.flat(e_rows[partial], e_held[partial] - 1))
+                if int(np.maximum.reduce(rc.take(last))) > 1:
+                    return None
+        # ---- plan (nothing changes before the refusal) ----
+        need = int(np.add.reduce(e_held_new - e_held)) + int(np.add.reduce(a_held))
+        avail = alloc.num_free
+        lost = None
+        f_slots = None
+        if len(f_rows):
+            f_slots = rs.gather(f_rows, first[f_rows], self._held[f_rows])
+            lost = np.sort(f_slots)
+            uniq, counts = distinct_counts(lost)
+            avail += int(np.add.reduce(rc.take(uniq) == (1 if counts is None else counts)))
+        hits = cand = None
+        if prompt is not None:
+            hits, cands = self._plan_hits(prompt, len(inp.a_ids))
+            cand = cands[0]
+            if len(cand):
+                taken = cand[prompt.col < hits[prompt.row]]          # a fresh array
+                if len(taken):
+                    taken.sort()
+                    taken = distinct_sorted(taken)
+                    owners = rc.take(taken)
+                    if lost is not None:
+                        owners = owners - count_in(lost, taken)
+                    avail -= int(np.add.reduce(owners == 0))        # cached pages revived from the free LRU
+                need -= int(np.add.reduce(hits))
+        if need > avail:
+            self._refuse(0, need, avail)
+        # ---- commit ----
+        alloc.clock = self.steps + 1
+        self._release(f_rows, [f_slots])
+        a_rows = self._take_rows(inp.a_ids)                 # may grow the row arrays
+        a_lo = EMPTY_I64
+        if len(a_rows):
+            rs.reserve(a_rows, self._first[0][a_rows], a_held)
+            a_lo = hits if hits is not None else np.zeros(len(a_rows), dtype=np.int64)
+            if hits is not None and len(cand):
+                mask = prompt.col < hits[prompt.row]
+                slots = cand[mask]
+                if len(slots):
+                    uniq, counts = distinct_counts(slots)
+                    alloc.share(uniq, counts)
+                    rs.arena[rs.flat(a_rows[prompt.row[mask]], prompt.col[mask])] = slots
+                    self.prefixes[0].hits += len(slots)
+            g_rows = np.concatenate((e_rows, a_rows))
+            g_lo = np.concatenate((e_held, a_lo))
+            g_hi = np.concatenate((e_held_new, a_held))
+            rows = g_rows
+            old = np.concatenate((e_old, np.zeros(len(a_rows), dtype=np.int64)))
+            new = np.concatenate((e_new, a_n))
+            held_new = g_hi
+        else:
+            g_rows, g_lo, g_hi = e_rows, e_held, e_held_new
+            rows, old, new, held_new = e_rows, e_old, e_new, e_held_new
+        grow = g_hi - g_lo
+        nz = grow.nonzero()[0]
+        if len(nz):
+            total = int(np.add.reduce(grow))
+            if len(nz) < len(grow):
+                g_rows, g_lo, g_hi = g_rows[nz], g_lo[nz], g_hi[nz]
+            self._alloc_pages(0, alloc, g_rows, g_lo, g_hi, total)
+        self._num_tokens[rows] = new
+        self._held[rows] = held_new
+        if prompt is not None and len(a_rows):
+            self._register(a_rows, prompt)
+        self.steps += 1
+        self.admitted += len(inp.a_ids)
+        self._last_batch = (inp.e_ids.copy(), e_rows) if inp.extend_only else None
+        tok_indptr = np.zeros(len(rows) + 1, dtype=np.int64)
+        (new - old).cumsum(out=tok_indptr[1:])
+        cached = hits * ps if hits is not None else (np.zeros(len(a_rows), dtype=np.int64) if len(a_rows) else None)
+        return StepResult(self._seq_ids[rows], new, tok_indptr,
+                          self._emit(rows, old, new, held_new, tok_indptr, tables, block_table),
+                          alloc.num_free, cached, (_NO_COPIES,))
 
     def _grow(self, g: int, e_rows: np.ndarray, plan: StepPlan, a_rows: np.ndarray, a_lo: np.ndarray) -> np.ndarray:
         """Group g: copy-on-write of the planned rows, then the new pages of extensions and admissions.
@@ -737,7 +842,7 @@ class Pool:
     #                  _refcnt is rebuilt from the owners (invariant 1), cacheable from the prefix caches
     #   PrefixCache (per group): by_hash (insertion order), hash, parent, parent_hash, anchor, namespace,
     #                  tokens (registered slots only), hits; the namespaces shared by the groups
-    # Rebuilt, not stored (caches, scratch, constants): Pool._sorted, _last_batch, _fast, page_size,
+    # Rebuilt, not stored (caches, scratch, constants): Pool._sorted, _last_batch, _fast, _one_full_group, page_size,
     # max_seq_len, windows, layer_space, _sliding, _is_sliding, _anchor_group, _register_order (from the plan);
     # SlotAllocator._mark, _ones, num_slots, caching, on_evict; PrefixCache.fleet (the manager attaches a
     # restored pool to its fleet index, which reads the cache again: fleet_index.py).
