@@ -43,6 +43,7 @@ from kvservice.core.prefix import Namespaces, PrefixCache, register_prompt, run_
 from kvservice.core.rowslots import RowSlots, slot_table_dtype
 from kvservice.core.stepplan import (
     EMPTY_I64,
+    FEW,
     GroupPlan,
     Prompt,
     StepInput,
@@ -765,7 +766,12 @@ class Pool:
         return self._sorted
 
     def _find(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(rows, found) for ids, vectorised over the sorted index."""
+        """(rows, found) for ids, vectorised over the sorted index (a few ids: looked up in the row map, without
+        rebuilding the index that every admission and free leaves stale)."""
+        if len(ids) <= FEW:
+            got = [self._rows.get(i, -1) for i in ids.tolist()]
+            rows_few = np.array(got, dtype=np.int64)
+            return np.maximum(rows_few, 0), rows_few >= 0
         keys, rows = self._index()
         if not len(keys):
             return np.zeros(len(ids), dtype=np.int64), np.zeros(len(ids), dtype=bool)
