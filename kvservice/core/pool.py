@@ -328,14 +328,18 @@ class Pool:
         ns, new_ns = self.prefix.namespace_ids(salt_list, key_list)
         ps = self.page_size
         full = a_n // ps
-        n = int(np.add.reduce(full))
-        page_start = full.cumsum() - full                  # first page of each prompt
-        row = np.arange(a, dtype=np.int64).repeat(full)
-        col = np.arange(n, dtype=np.int64) - page_start[row]
         tok = tok.astype(np.int64, copy=False)
         if a == 1:                                          # one prompt: its full pages are a view
+            n = int(full[0])
+            page_start = np.zeros(1, dtype=np.int64)
+            row = np.zeros(n, dtype=np.int64)
+            col = np.arange(n, dtype=np.int64)
             pages = tok[:n * ps].reshape(n, ps)
         else:                                               # [N, ps]: O(prompt tokens), never A x longest
+            n = int(np.add.reduce(full))
+            page_start = full.cumsum() - full               # first page of each prompt
+            row = np.arange(a, dtype=np.int64).repeat(full)
+            col = np.arange(n, dtype=np.int64) - page_start[row]
             tok_start = a_n.cumsum() - a_n
             pages = np.concatenate([tok[s:s + f * ps].reshape(f, ps)
                                     for s, f in zip(tok_start.tolist(), full.tolist(), strict=True)])

@@ -262,13 +262,33 @@ def register_prompt(caches: Sequence[PrefixCache], order: Sequence[int], sliding
     that full group (None: none); a_rows: int64 [A] the admissions' rows; prompt: their pages (stepplan.Prompt).
     """
     row, col = prompt.row, prompt.col
-    inner = (col > 0).nonzero()[0]
-    parent_hashes = np.zeros(len(col), dtype=np.uint64)
-    parent_hashes[inner] = prompt.hashes[inner - 1]
+    one = len(a_rows) == 1                       # one prompt: page j's parent is page j - 1, for every j > 0
+    if one:
+        inner = None
+        parent_hashes = np.empty(len(col), dtype=np.uint64)
+        parent_hashes[0] = 0
+        parent_hashes[1:] = prompt.hashes[:-1]
+    else:
+        inner = (col > 0).nonzero()[0]
+        parent_hashes = np.zeros(len(col), dtype=np.uint64)
+        parent_hashes[inner] = prompt.hashes[inner - 1]
     seq_rows = a_rows[row]
     anchors = None
     for g in order:
         rs = slot_tables[g]
+        if one and not sliding[g]:                               # the row's pages 0..n-1: one run of its segment
+            r = int(a_rows[0])
+            at0 = int(rs.start[r] - rs.lo[r])
+            slots = rs.arena[at0:at0 + len(col)].astype(np.int64)
+            parents = np.empty(len(slots), dtype=np.int64)
+            parents[0] = -1
+            parents[1:] = slots[:-1]
+            if g == anchor_group:
+                anchors = slots
+            caches[g].register(slots, parents, prompt.ns[row], prompt.pages, prompt.hashes, parent_hashes, None)
+            continue
+        if inner is None:
+            inner = (col > 0).nonzero()[0]
         if sliding[g]:
             at = (col >= firsts[g][seq_rows]).nonzero()[0]     # a sliding group holds no page before its window
             slots = np.full(len(col), -1, dtype=np.int64)
