@@ -14,10 +14,12 @@ which cost a prefix-cached admission several percent of its instructions).
 ``step`` runs four phases, each a function you can read alone: validate the
 request (`_validate`), plan every group's slot demand without changing
 anything (`_plan`), carry the plan out (`_commit`), and emit the batch's slot
-mappings and tables (`emit.emit_tables`). One fast path, `_decode_step`, serves
+mappings and tables (`emit.emit_tables`). Two fast paths: `_decode_step` serves
 the steady decode loop (the same batch extended again, nothing shared or
-released); the reference-model differential test drives it against the same
-model as the general path.
+released) and `_full_group_step` a step without forks of a pool with one
+full-attention layer group (validate, then plan and commit in one function);
+the reference-model differential test drives both against the same model as
+the general path.
 
 Sharing: a fork's child shares its parent's slots and a prefix-cache hit shares
 a cached page (refcounts). Appending into a shared, partly filled last page
