@@ -187,8 +187,7 @@ class SlotAllocator:
         if keep is not None and np.logical_or.reduce(keep):
             cached = released[keep].tolist()
             clock = self.clock
-            for s in cached:
-                self._cached[s] = clock
+            self._cached.update(dict.fromkeys(cached, clock))
             self.policy.cached(cached, clock)
             released = released[~keep]
         k = len(released)

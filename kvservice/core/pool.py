@@ -588,10 +588,12 @@ class Pool:
         avail = alloc.num_free
         lost = None
         f_slots = None
+        distinct = False
         if len(f_rows):
             f_slots = rs.gather(f_rows, first[f_rows], self._held[f_rows])
             lost = np.sort(f_slots)
             uniq, counts = distinct_counts(lost)
+            distinct = counts is None                       # then the free needs no check for repeats
             avail += int(np.add.reduce(rc.take(uniq) == (1 if counts is None else counts)))
         hits = cand = None
         if prompt is not None:
@@ -611,7 +613,7 @@ class Pool:
             self._refuse(0, need, avail)
         # ---- commit ----
         alloc.clock = self.steps + 1
-        self._release(f_rows, [f_slots])
+        self._release(f_rows, [f_slots], distinct)
         a_rows = self._take_rows(inp.a_ids)                 # may grow the row arrays
         a_lo = EMPTY_I64
         if len(a_rows):
@@ -699,13 +701,13 @@ class Pool:
         rs.arena[flat] = got
         return got
 
-    def _release(self, rows: np.ndarray, slots: list[np.ndarray | None]) -> None:
+    def _release(self, rows: np.ndarray, slots: list[np.ndarray | None], distinct: bool = False) -> None:
         """Frees: every page of the rows loses an owner; the rows leave the pool. slots[g]: the rows' slots in
-        group g as the plan gathered them (GroupPlan.f_slots)."""
+        group g as the plan gathered them (GroupPlan.f_slots); distinct: the plan found no slot among them twice."""
         if not len(rows):
             return
         for g, alloc in enumerate(self.allocators):
-            alloc.free(slots[g].astype(np.intp, copy=False), unique=not self._sharing)
+            alloc.free(slots[g].astype(np.intp, copy=False), unique=distinct or not self._sharing)
             self._slots[g].drop(rows)
             self._first[g][rows] = 0
         for seq_id in self._seq_ids[rows].tolist():
