@@ -14,7 +14,7 @@ which cost a prefix-cached admission several percent of its instructions).
 ``step`` runs four phases, each a function you can read alone: validate the
 request (`_validate`), plan every group's slot demand without changing
 anything (`_plan`), carry the plan out (`_commit`), and emit the batch's slot
-mappings and tables (`emit.emit_tables`). Two fast paths: `_decode_step` serves
+mappings and tables (`emit.emit_tables`). Two fast paths (fastpaths.py): `_decode_step` serves
 the steady decode loop (the same batch extended again, nothing shared or
 released) and `_full_group_step` a step without forks of a pool with one
 full-attention layer group (validate, then plan and commit in one function);
@@ -30,15 +30,15 @@ before the step's kernels run.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 
 from kvservice.contract.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
 from kvservice.contract.sizing import Plan
+from kvservice.core import fastpaths
 from kvservice.core.allocator import SlotAllocator
 from kvservice.core.cache_events import PoolEvents
-from kvservice.core.emit import SpaceTables, emit_tables
+from kvservice.core.emit import NO_COPIES, SpaceTables, StepResult, emit_tables
 from kvservice.core.hashing import DEFAULT_MODE, VLLM_DEFAULT_SEED, make_hash_fn
 from kvservice.core.pool_state import POOL_STATE_VERSION, IdRuns, PoolState, as_array, spec_runs
 from kvservice.core.prefix import Namespaces, PrefixCache, register_prompt, run_ending_at
@@ -62,35 +62,6 @@ from kvservice.core.stepplan import (
 
 __all__ = ["Pool", "SpaceTables", "StepResult"]
 
-_NO_COPIES = np.zeros((0, 2), dtype=np.int64)
-_NO_ROWS = np.zeros(0, dtype=np.int64)
-_NO_ROWS.flags.writeable = False
-
-
-@dataclass(frozen=True, slots=True)
-class StepResult:
-    """Outcome of one step for the scheduled batch (extended, then admitted, then forked sequences).
-
-    seq_ids: shape [B], uint64.
-    num_tokens: shape [B], int64; tokens each sequence holds after the step.
-    new_token_indptr: shape [B + 1], int64; row b's new tokens are [indptr[b], indptr[b+1]).
-    tables: one entry per index space of the pool, in index-space order.
-    num_free_slots: free slots after the step (fewest over the groups).
-    cached_tokens: shape [A], int64; tokens of each admission found in the prefix cache.
-    copies: per layer group, int64 [n, 2] (src_slot, dst_slot) pairs to copy before the kernels run.
-    opened: only from a steady decode step asked for no tables and no slot mappings (Pool.step with
-        tables=False, mappings=False; tables is then empty): (rows int64 [n], the batch rows whose new
-        token opened a page; per layer group, int64 [n], the slot of that page). None otherwise.
-    """
-
-    seq_ids: np.ndarray
-    num_tokens: np.ndarray
-    new_token_indptr: np.ndarray
-    tables: tuple[SpaceTables, ...]
-    num_free_slots: int
-    cached_tokens: np.ndarray | None = None
-    copies: tuple[np.ndarray, ...] = ()
-    opened: tuple[np.ndarray, tuple[np.ndarray, ...]] | None = None
 
 
 class Pool:
@@ -525,138 +496,12 @@ class Pool:
 
     def _decode_step(self, e_ids: np.ndarray, rows: np.ndarray, k: np.ndarray, tables: bool,
                      block_table: bool, mappings: bool = True) -> StepResult | None:
-        """The steady decode loop: the last step's batch grows again, nothing freed, admitted, shared or released.
-
-        Same result as the general path with fewer NumPy calls. Returns None (the general path then
-        runs, and raises) if the step would fail.
-        """
-        ps = self.page_size
-        old = self._num_tokens[rows]
-        new = old + k
-        held_old = self._held[rows]
-        held_new = (new + (ps - 1)) // ps
-        need = held_new - held_old
-        total = int(np.add.reduce(need))
-        if total > self.num_free_slots:
-            return None
-        nz = _NO_ROWS
-        slots: tuple[np.ndarray, ...] = tuple(_NO_ROWS for _ in self.allocators)
-        if total:
-            nz = need.nonzero()[0]
-            g_rows, g_lo, g_hi = rows[nz], held_old[nz], held_new[nz]
-            slots = tuple(self._alloc_pages(g, alloc, g_rows, g_lo, g_hi, total)
-                          for g, alloc in enumerate(self.allocators))
-        self._num_tokens[rows] = new
-        self._held[rows] = held_new
-        self.steps += 1
-        b = len(rows)
-        tok_indptr = np.zeros(b + 1, dtype=np.int64)
-        k.cumsum(out=tok_indptr[1:])
-        if not (tables or mappings) and len(self.allocators) == 1 and total == len(nz) and int(tok_indptr[-1]) == b:
-            # One token per row (so at most one page each): the pages opened are all a delta needs.
-            return StepResult(self._seq_ids[rows], new, tok_indptr, (), self.num_free_slots, None,
-                              (_NO_COPIES,), (nz, tuple(s.astype(np.int64, copy=False) for s in slots)))
-        return StepResult(self._seq_ids[rows], new, tok_indptr,
-                          self._emit(rows, old, new, held_new, tok_indptr, tables, block_table),
-                          self.num_free_slots, None, tuple(_NO_COPIES for _ in self.allocators))
+        """fastpaths.decode_step: the steady decode loop (None: the general path runs, and raises)."""
+        return fastpaths.decode_step(self, e_ids, rows, k, tables, block_table, mappings)
 
     def _full_group_step(self, inp: StepInput, tables: bool, block_table: bool) -> StepResult | None:
-        """A step of a pool with one full-attention layer group and no fork in it: frees, extensions and
-        admissions (prefix hits included), planned and committed without the general path's per-group plan.
-
-        The same result, the same refusal and the same state as `_plan` + `_commit` (the reference-model
-        differential test drives both). Returns None, having changed nothing, when an extended row's partly
-        filled last page has other owners (copy-on-write: the general path plans it).
-        """
-        ps = self.page_size
-        alloc, rs, first = self.allocators[0], self._slots[0], self._first[0]
-        rc = alloc._refcnt
-        e_rows, f_rows, a_n, prompt = inp.e_rows, inp.f_rows, inp.a_n, inp.prompt
-        e_old = self._num_tokens[e_rows]
-        e_held = self._held[e_rows]
-        e_new = e_old + inp.e_k
-        e_held_new = (e_new + (ps - 1)) // ps
-        a_held = (a_n + (ps - 1)) // ps
-        if self._sharing and len(e_rows):
-            partial = (e_old % ps).nonzero()[0]
-            if len(partial):
-                last = rs.arena.take(rs.flat(e_rows[partial], e_held[partial] - 1))
-                if int(np.maximum.reduce(rc.take(last))) > 1:
-                    return None
-        # ---- plan (nothing changes before the refusal) ----
-        need = int(np.add.reduce(e_held_new - e_held)) + int(np.add.reduce(a_held))
-        avail = alloc.num_free
-        lost = None
-        f_slots = None
-        distinct = False
-        if len(f_rows):
-            f_slots = rs.gather(f_rows, first[f_rows], self._held[f_rows])
-            lost = np.sort(f_slots)
-            uniq, counts = distinct_counts(lost)
-            distinct = counts is None                       # then the free needs no check for repeats
-            avail += int(np.add.reduce(rc.take(uniq) == (1 if counts is None else counts)))
-        hits = cand = None
-        if prompt is not None:
-            hits, cands = self._plan_hits(prompt, len(inp.a_ids))
-            cand = cands[0]
-            if len(cand):
-                taken = cand[prompt.col < hits[prompt.row]]          # a fresh array
-                if len(taken):
-                    taken.sort()
-                    taken = distinct_sorted(taken)
-                    owners = rc.take(taken)
-                    if lost is not None:
-                        owners = owners - count_in(lost, taken)
-                    avail -= int(np.add.reduce(owners == 0))        # cached pages revived from the free LRU
-                need -= int(np.add.reduce(hits))
-        if need > avail:
-            self._refuse(0, need, avail)
-        # ---- commit ----
-        alloc.clock = self.steps + 1
-        self._release(f_rows, [f_slots], distinct)
-        a_rows = self._take_rows(inp.a_ids)                 # may grow the row arrays
-        a_lo = EMPTY_I64
-        if len(a_rows):
-            rs.reserve(a_rows, self._first[0][a_rows], a_held)
-            a_lo = hits if hits is not None else np.zeros(len(a_rows), dtype=np.int64)
-            if hits is not None and len(cand):
-                mask = prompt.col < hits[prompt.row]
-                slots = cand[mask]
-                if len(slots):
-                    uniq, counts = distinct_counts(slots)
-                    alloc.share(uniq, counts)
-                    rs.arena[rs.flat(a_rows[prompt.row[mask]], prompt.col[mask])] = slots
-                    self.prefixes[0].hits += len(slots)
-            g_rows = np.concatenate((e_rows, a_rows))
-            g_lo = np.concatenate((e_held, a_lo))
-            g_hi = np.concatenate((e_held_new, a_held))
-            rows = g_rows
-            old = np.concatenate((e_old, np.zeros(len(a_rows), dtype=np.int64)))
-            new = np.concatenate((e_new, a_n))
-            held_new = g_hi
-        else:
-            g_rows, g_lo, g_hi = e_rows, e_held, e_held_new
-            rows, old, new, held_new = e_rows, e_old, e_new, e_held_new
-        grow = g_hi - g_lo
-        nz = grow.nonzero()[0]
-        if len(nz):
-            total = int(np.add.reduce(grow))
-            if len(nz) < len(grow):
-                g_rows, g_lo, g_hi = g_rows[nz], g_lo[nz], g_hi[nz]
-            self._alloc_pages(0, alloc, g_rows, g_lo, g_hi, total)
-        self._num_tokens[rows] = new
-        self._held[rows] = held_new
-        if prompt is not None and len(a_rows):
-            self._register(a_rows, prompt)
-        self.steps += 1
-        self.admitted += len(inp.a_ids)
-        self._last_batch = (inp.e_ids.copy(), e_rows) if inp.extend_only else None
-        tok_indptr = np.zeros(len(rows) + 1, dtype=np.int64)
-        (new - old).cumsum(out=tok_indptr[1:])
-        cached = hits * ps if hits is not None else (np.zeros(len(a_rows), dtype=np.int64) if len(a_rows) else None)
-        return StepResult(self._seq_ids[rows], new, tok_indptr,
-                          self._emit(rows, old, new, held_new, tok_indptr, tables, block_table),
-                          alloc.num_free, cached, (_NO_COPIES,))
+        """fastpaths.full_group_step: one full-attention group, no forks (None: the general path plans it)."""
+        return fastpaths.full_group_step(self, inp, tables, block_table)
 
     def _grow(self, g: int, e_rows: np.ndarray, plan: StepPlan, a_rows: np.ndarray, a_lo: np.ndarray) -> np.ndarray:
         """Group g: copy-on-write of the planned rows, then the new pages of extensions and admissions.
@@ -666,7 +511,7 @@ class Pool:
         alloc = self.allocators[g]
         rs = self._slots[g]
         gp = plan.groups[g]
-        copies = _NO_COPIES
+        copies = NO_COPIES
         if gp.cow is not None and np.logical_or.reduce(gp.cow):
             rows = e_rows[gp.cow]
             flat = rs.flat(rows, plan.e_held[gp.cow] - 1)
@@ -971,4 +816,3 @@ class Pool:
         pool.steps, pool.admitted, pool.refused = int(m["steps"]), int(m["admitted"]), int(m["refused"])
         pool.alloc_failures = {str(k): int(v) for k, v in m["alloc_failures"].items()}
         return pool
-
