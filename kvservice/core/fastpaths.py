@@ -112,17 +112,7 @@ def full_group_step(pool: Pool, inp: StepInput, tables: bool, block_table: bool)
         pool._alloc_pages(0, alloc, g_rows, g_lo, g_hi, total)
     pool._num_tokens[rows] = new
     pool._held[rows] = held_new
-    if prompt is not None and len(a_rows):
-        pool._register(a_rows, prompt)
-    pool.steps += 1
-    pool.admitted += len(inp.a_ids)
-    pool._last_batch = (inp.e_ids.copy(), e_rows) if inp.extend_only else None
-    tok_indptr = np.zeros(len(rows) + 1, dtype=np.int64)
-    (new - old).cumsum(out=tok_indptr[1:])
-    cached = hits * ps if hits is not None else (np.zeros(len(a_rows), dtype=np.int64) if len(a_rows) else None)
-    return StepResult(pool._seq_ids[rows], new, tok_indptr,
-                      pool._emit(rows, old, new, held_new, tok_indptr, tables, block_table),
-                      alloc.num_free, cached, (NO_COPIES,))
+    return pool._finish(inp, rows, old, new, held_new, a_rows, hits, (NO_COPIES,), tables, block_table)
 
 
 def decode_step(pool: Pool, e_ids: np.ndarray, rows: np.ndarray, k: np.ndarray, tables: bool,

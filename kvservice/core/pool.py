@@ -482,13 +482,22 @@ class Pool:
         held_new = (new + (ps - 1)) // ps
         self._num_tokens[rows] = new
         self._held[rows] = held_new
+        return self._finish(inp, rows, old, new, held_new, a_rows, hits, copies, tables, block_table)
+
+    def _finish(self, inp: StepInput, rows: np.ndarray, old: np.ndarray, new: np.ndarray, held_new: np.ndarray,
+                a_rows: np.ndarray, hits: np.ndarray | None, copies: tuple[np.ndarray, ...], tables: bool,
+                block_table: bool) -> StepResult:
+        """The end of a committed step (general path and fastpaths.full_group_step): register the admitted
+        prompts, count the step and emit its reply for rows (int64 [B], batch order; old/new/held_new int64 [B]
+        tokens before, after and pages after; hits int64 [A] or None; copies per layer group)."""
         if inp.prompt is not None and len(a_rows):
             self._register(a_rows, inp.prompt)
         self.steps += 1
         self.admitted += len(inp.a_ids)
-        self._last_batch = (inp.e_ids.copy(), e_rows) if inp.extend_only else None
+        self._last_batch = (inp.e_ids.copy(), inp.e_rows) if inp.extend_only else None
         tok_indptr = np.zeros(len(rows) + 1, dtype=np.int64)
         (new - old).cumsum(out=tok_indptr[1:])
+        ps = self.page_size
         cached = hits * ps if hits is not None else (np.zeros(len(a_rows), dtype=np.int64) if len(a_rows) else None)
         return StepResult(self._seq_ids[rows], new, tok_indptr,
                           self._emit(rows, old, new, held_new, tok_indptr, tables, block_table),
