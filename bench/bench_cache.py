@@ -37,7 +37,9 @@ Usage: python bench/bench_cache.py [--out bench/results/cache.md] [--requests N]
 --dry does everything but the calls into the systems (the trace, token arrays, the schedule, vLLM's precomputed
 hashes): under ``valgrind --tool=callgrind`` the difference of a run and its --dry twin is the systems' own
 instruction count, repeatable on a loaded machine (bench/results/cache.md; run both with OPENBLAS_NUM_THREADS=1,
-whose idle threads otherwise spin for a time-dependent number of instructions, and a fixed PYTHONHASHSEED).
+whose idle threads otherwise spin for a time-dependent number of instructions, and a fixed PYTHONHASHSEED, after
+``python -m compileall -q kvservice tests/vllm_ref.py bench/bench_cache.py``: a run that compiles a stale module
+counts the compilation).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     for label, t in sorted(TOTALS.items()):
         tr.write_line(f"  {label:<32} {t.steps:>6} steps {t.ops:>7} ops  errors {t.errors} (exhausted {t.exhausted})"
                       f"  copies {t.copies}  released {t.released}  hits {t.hits}  evictions {t.evictions}"
-                      f"  fast {t.fast_steps}  recreated {t.recreated}  stale {t.stale}")
+                      f"  fast {t.fast_steps}  lean {t.lean_steps}  recreated {t.recreated}  stale {t.stale}")
 
 
 # ---- per-test time limits scaled to the machine's load ------------------------------------------------

@@ -200,6 +200,7 @@ class InProcess:
     def __init__(self, kind: Kind, fast: bool = True) -> None:
         self.kind, self.fast = kind, fast
         self.fast_steps = 0
+        self.lean_steps = 0
         self.incarnation = 0
         self.recreate()
 
@@ -221,6 +222,15 @@ class InProcess:
                 return r
 
             self.pool._decode_step = counted
+        lean = getattr(self.pool, "_full_group_step", None)
+        if lean is not None:                     # count the one-full-group path's answers
+
+            def counted_lean(*a):
+                r = lean(*a)
+                self.lean_steps += r is not None
+                return r
+
+            self.pool._full_group_step = counted_lean
 
     def step(self, st: Step) -> Reply:
         p = self.pool
@@ -759,6 +769,7 @@ class RunStats:
     released: int = 0          # pages a sliding window released
     mixed: int = 0             # steps with forks and extensions or admissions together
     fast_steps: int = 0        # steps the pool answered on its decode fast path (in-process)
+    lean_steps: int = 0        # steps the pool answered on its one-full-group path (Pool._full_group_step)
     hits: int = 0              # pages admissions took from the prefix caches (all groups)
     evictions: int = 0         # cached pages evicted for new ones (all groups)
     limited: int = 0           # admissions whose hit the sliding groups cut below the full chain (or the limit)
@@ -872,6 +883,7 @@ def run_random(kind: Kind, new_driver: Callable[[], object], seed: int, steps: i
         except Mismatch as e:
             return stats, Failure(kind.name, seed, at, str(e), ops)
     stats.fast_steps = getattr(drv, "fast_steps", 0)
+    stats.lean_steps = getattr(drv, "lean_steps", 0)
     _count_cache(stats, model)
     stats.stale = binder.stale_seen
     return stats, None

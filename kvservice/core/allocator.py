@@ -30,6 +30,8 @@ import numpy as np
 from kvservice.contract.errors import InvalidArgument, ResourceExhausted
 from kvservice.core.evict import EvictionPolicy, make_policy
 
+_ONE_U32 = np.uint32(1)
+
 
 def generation_seed(incarnation: int) -> int:
     """The generation a pool's slots start at (the first allocation hands out seed + 1): the low 32 bits of the
@@ -115,7 +117,7 @@ class SlotAllocator:
 
     def _bump(self, slots: np.ndarray) -> None:
         """The slots pass to a new owner: next generation (never 0)."""
-        gen = self.generation[slots] + np.uint32(1)          # uint32 arithmetic: wraps to 0 ...
+        gen = self.generation[slots] + _ONE_U32              # uint32 arithmetic: wraps to 0 ...
         if not np.logical_and.reduce(gen):
             gen[gen == 0] = 1                                # ... which is never handed out
         self.generation[slots] = gen
@@ -185,8 +187,7 @@ class SlotAllocator:
         if keep is not None and np.logical_or.reduce(keep):
             cached = released[keep].tolist()
             clock = self.clock
-            for s in cached:
-                self._cached[s] = clock
+            self._cached.update(dict.fromkeys(cached, clock))
             self.policy.cached(cached, clock)
             released = released[~keep]
         k = len(released)

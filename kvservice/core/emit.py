@@ -49,6 +49,38 @@ class SpaceTables:
     generations: np.ndarray | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """Outcome of one step for the scheduled batch (extended, then admitted, then forked sequences).
+
+    seq_ids: shape [B], uint64.
+    num_tokens: shape [B], int64; tokens each sequence holds after the step.
+    new_token_indptr: shape [B + 1], int64; row b's new tokens are [indptr[b], indptr[b+1]).
+    tables: one entry per index space of the pool, in index-space order.
+    num_free_slots: free slots after the step (fewest over the groups).
+    cached_tokens: shape [A], int64; tokens of each admission found in the prefix cache.
+    copies: per layer group, int64 [n, 2] (src_slot, dst_slot) pairs to copy before the kernels run.
+    opened: only from a steady decode step asked for no tables and no slot mappings (Pool.step with
+        tables=False, mappings=False; tables is then empty): (rows int64 [n], the batch rows whose new
+        token opened a page; per layer group, int64 [n], the slot of that page). None otherwise.
+    """
+
+    seq_ids: np.ndarray
+    num_tokens: np.ndarray
+    new_token_indptr: np.ndarray
+    tables: tuple[SpaceTables, ...]
+    num_free_slots: int
+    cached_tokens: np.ndarray | None = None
+    copies: tuple[np.ndarray, ...] = ()
+    opened: tuple[np.ndarray, tuple[np.ndarray, ...]] | None = None
+
+
+
+NO_COPIES = np.zeros((0, 2), dtype=np.int64)    # StepResult.copies of a group that copies nothing
+NO_ROWS = np.zeros(0, dtype=np.int64)            # no rows (read-only)
+NO_ROWS.flags.writeable = False
+
+
 def emit_tables(spaces: tuple[IndexSpace, ...], page_size: int, slot_tables: list[RowSlots],
                 firsts: list[np.ndarray], sliding: list[bool], rows: np.ndarray, old: np.ndarray,
                 new: np.ndarray, held: np.ndarray, tok_indptr: np.ndarray, tables: bool,

@@ -68,7 +68,11 @@ class EvictionPolicy:
         """Pages just registered in `slots` (int64 [n]) depend on the registered pages in `parents` (int64 [n])."""
         if len(slots):
             self.parent_of[slots] = parents
-            np.add.at(self.children, parents, 1)
+            srt = np.sort(parents)
+            if len(srt) > 1 and not np.logical_and.reduce(srt[1:] != srt[:-1]):
+                np.add.at(self.children, parents, 1)         # a parent named twice (np.add.at counts repeats)
+            else:
+                self.children[srt] += 1
 
     def unlink(self, slot: int) -> None:
         """The page in `slot` is forgotten: its parent loses a dependant, its own dependants are orphaned."""

@@ -14,10 +14,12 @@ which cost a prefix-cached admission several percent of its instructions).
 ``step`` runs four phases, each a function you can read alone: validate the
 request (`_validate`), plan every group's slot demand without changing
 anything (`_plan`), carry the plan out (`_commit`), and emit the batch's slot
-mappings and tables (`emit.emit_tables`). One fast path, `_decode_step`, serves
+mappings and tables (`emit.emit_tables`). Two fast paths (fastpaths.py): `_decode_step` serves
 the steady decode loop (the same batch extended again, nothing shared or
-released); the reference-model differential test drives it against the same
-model as the general path.
+released) and `_full_group_step` a step without forks of a pool with one
+full-attention layer group (validate, then plan and commit in one function);
+the reference-model differential test drives both against the same model as
+the general path.
 
 Sharing: a fork's child shares its parent's slots and a prefix-cache hit shares
 a cached page (refcounts). Appending into a shared, partly filled last page
@@ -28,21 +30,22 @@ before the step's kernels run.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 
 from kvservice.contract.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
 from kvservice.contract.sizing import Plan
+from kvservice.core import fastpaths
 from kvservice.core.allocator import SlotAllocator
 from kvservice.core.cache_events import PoolEvents
-from kvservice.core.emit import SpaceTables, emit_tables
+from kvservice.core.emit import NO_COPIES, SpaceTables, StepResult, emit_tables
 from kvservice.core.hashing import DEFAULT_MODE, VLLM_DEFAULT_SEED, make_hash_fn
 from kvservice.core.pool_state import POOL_STATE_VERSION, IdRuns, PoolState, as_array, spec_runs
 from kvservice.core.prefix import Namespaces, PrefixCache, register_prompt, run_ending_at
 from kvservice.core.rowslots import RowSlots, slot_table_dtype
 from kvservice.core.stepplan import (
     EMPTY_I64,
+    FEW,
     GroupPlan,
     Prompt,
     StepInput,
@@ -59,35 +62,6 @@ from kvservice.core.stepplan import (
 
 __all__ = ["Pool", "SpaceTables", "StepResult"]
 
-_NO_COPIES = np.zeros((0, 2), dtype=np.int64)
-_NO_ROWS = np.zeros(0, dtype=np.int64)
-_NO_ROWS.flags.writeable = False
-
-
-@dataclass(frozen=True, slots=True)
-class StepResult:
-    """Outcome of one step for the scheduled batch (extended, then admitted, then forked sequences).
-
-    seq_ids: shape [B], uint64.
-    num_tokens: shape [B], int64; tokens each sequence holds after the step.
-    new_token_indptr: shape [B + 1], int64; row b's new tokens are [indptr[b], indptr[b+1]).
-    tables: one entry per index space of the pool, in index-space order.
-    num_free_slots: free slots after the step (fewest over the groups).
-    cached_tokens: shape [A], int64; tokens of each admission found in the prefix cache.
-    copies: per layer group, int64 [n, 2] (src_slot, dst_slot) pairs to copy before the kernels run.
-    opened: only from a steady decode step asked for no tables and no slot mappings (Pool.step with
-        tables=False, mappings=False; tables is then empty): (rows int64 [n], the batch rows whose new
-        token opened a page; per layer group, int64 [n], the slot of that page). None otherwise.
-    """
-
-    seq_ids: np.ndarray
-    num_tokens: np.ndarray
-    new_token_indptr: np.ndarray
-    tables: tuple[SpaceTables, ...]
-    num_free_slots: int
-    cached_tokens: np.ndarray | None = None
-    copies: tuple[np.ndarray, ...] = ()
-    opened: tuple[np.ndarray, tuple[np.ndarray, ...]] | None = None
 
 
 class Pool:
@@ -131,7 +105,8 @@ class Pool:
         self._rows: dict[int, int] = {}          # seq_id -> row (source of truth)
         self._sorted: tuple[np.ndarray, np.ndarray] | None = None  # (ids, rows) by id; None = stale
         self._last_batch: tuple[np.ndarray, np.ndarray] | None = None  # (ids, rows) of the last extend-only step
-        self._fast = True                         # take _decode_step when it applies (tests turn it off)
+        self._fast = True                         # take the fast paths when they apply (tests turn it off)
+        self._one_full_group = len(self.allocators) == 1 and not self.windows[0]
         self._free_rows: list[int] = []
         self._num_rows = 0                        # rows ever used (high-water mark)
         cap = 16
@@ -239,8 +214,12 @@ class Pool:
             res = self._decode_step(inp.e_ids, inp.e_rows, inp.e_k, tables, block_table, mappings)
             if res is not None:
                 return res
-        plan = self._plan(inp)
         try:
+            if self._fast and self._one_full_group and not len(inp.c_ids):
+                res = self._full_group_step(inp, tables, block_table)
+                if res is not None:
+                    return res
+            plan = self._plan(inp)
             return self._commit(inp, plan, tables, block_table)
         finally:
             if self.prefix is not None and self.prefix.fleet is not None:
@@ -323,14 +302,18 @@ class Pool:
         ns, new_ns = self.prefix.namespace_ids(salt_list, key_list)
         ps = self.page_size
         full = a_n // ps
-        n = int(np.add.reduce(full))
-        page_start = full.cumsum() - full                  # first page of each prompt
-        row = np.arange(a, dtype=np.int64).repeat(full)
-        col = np.arange(n, dtype=np.int64) - page_start[row]
         tok = tok.astype(np.int64, copy=False)
         if a == 1:                                          # one prompt: its full pages are a view
+            n = int(full[0])
+            page_start = np.zeros(1, dtype=np.int64)
+            row = np.zeros(n, dtype=np.int64)
+            col = np.arange(n, dtype=np.int64)
             pages = tok[:n * ps].reshape(n, ps)
         else:                                               # [N, ps]: O(prompt tokens), never A x longest
+            n = int(np.add.reduce(full))
+            page_start = full.cumsum() - full               # first page of each prompt
+            row = np.arange(a, dtype=np.int64).repeat(full)
+            col = np.arange(n, dtype=np.int64) - page_start[row]
             tok_start = a_n.cumsum() - a_n
             pages = np.concatenate([tok[s:s + f * ps].reshape(f, ps)
                                     for s, f in zip(tok_start.tolist(), full.tolist(), strict=True)])
@@ -352,15 +335,19 @@ class Pool:
                        for g in range(len(self.allocators)))
         for g, gp in enumerate(groups):
             if gp.need > gp.avail:
-                self.refused += 1
-                self.alloc_failures["out_of_slots"] = self.alloc_failures.get("out_of_slots", 0) + 1
-                free_now = self.allocators[g].num_free
-                raise ResourceExhausted(
-                    f"pool {self.name!r}: this step needs {gp.need} slots in layer group {g} but only {gp.avail} "
-                    f"are free ({free_now} free + {gp.avail - free_now} released by this step) of "
-                    f"{self.allocators[g].num_slots}; free or preempt sequences, or plan a bigger pool",
-                    needed=gp.need, free=gp.avail, num_slots=self.allocators[g].num_slots, group=g)
+                self._refuse(g, gp.need, gp.avail)
         return StepPlan(e_old, e_new, e_held, e_held_new, a_held, groups)
+
+    def _refuse(self, g: int, need: int, avail: int) -> None:
+        """Count and raise the refusal of a step that needs more slots of group g than it has."""
+        self.refused += 1
+        self.alloc_failures["out_of_slots"] = self.alloc_failures.get("out_of_slots", 0) + 1
+        free_now = self.allocators[g].num_free
+        raise ResourceExhausted(
+            f"pool {self.name!r}: this step needs {need} slots in layer group {g} but only {avail} "
+            f"are free ({free_now} free + {avail - free_now} released by this step) of "
+            f"{self.allocators[g].num_slots}; free or preempt sequences, or plan a bigger pool",
+            needed=need, free=avail, num_slots=self.allocators[g].num_slots, group=g)
 
     def _plan_hits(self, prompt: Prompt, num_admits: int) -> tuple[np.ndarray, list[np.ndarray]]:
         """Cached pages each admission takes (hits int64 [A], the same in every group) and each group's
@@ -496,13 +483,22 @@ class Pool:
         held_new = (new + (ps - 1)) // ps
         self._num_tokens[rows] = new
         self._held[rows] = held_new
+        return self._finish(inp, rows, old, new, held_new, a_rows, hits, copies, tables, block_table)
+
+    def _finish(self, inp: StepInput, rows: np.ndarray, old: np.ndarray, new: np.ndarray, held_new: np.ndarray,
+                a_rows: np.ndarray, hits: np.ndarray | None, copies: tuple[np.ndarray, ...], tables: bool,
+                block_table: bool) -> StepResult:
+        """The end of a committed step (general path and fastpaths.full_group_step): register the admitted
+        prompts, count the step and emit its reply for rows (int64 [B], batch order; old/new/held_new int64 [B]
+        tokens before, after and pages after; hits int64 [A] or None; copies per layer group)."""
         if inp.prompt is not None and len(a_rows):
             self._register(a_rows, inp.prompt)
         self.steps += 1
         self.admitted += len(inp.a_ids)
-        self._last_batch = (inp.e_ids.copy(), e_rows) if inp.extend_only else None
+        self._last_batch = (inp.e_ids.copy(), inp.e_rows) if inp.extend_only else None
         tok_indptr = np.zeros(len(rows) + 1, dtype=np.int64)
         (new - old).cumsum(out=tok_indptr[1:])
+        ps = self.page_size
         cached = hits * ps if hits is not None else (np.zeros(len(a_rows), dtype=np.int64) if len(a_rows) else None)
         return StepResult(self._seq_ids[rows], new, tok_indptr,
                           self._emit(rows, old, new, held_new, tok_indptr, tables, block_table),
@@ -510,40 +506,12 @@ class Pool:
 
     def _decode_step(self, e_ids: np.ndarray, rows: np.ndarray, k: np.ndarray, tables: bool,
                      block_table: bool, mappings: bool = True) -> StepResult | None:
-        """The steady decode loop: the last step's batch grows again, nothing freed, admitted, shared or released.
+        """fastpaths.decode_step: the steady decode loop (None: the general path runs, and raises)."""
+        return fastpaths.decode_step(self, e_ids, rows, k, tables, block_table, mappings)
 
-        Same result as the general path with fewer NumPy calls. Returns None (the general path then
-        runs, and raises) if the step would fail.
-        """
-        ps = self.page_size
-        old = self._num_tokens[rows]
-        new = old + k
-        held_old = self._held[rows]
-        held_new = (new + (ps - 1)) // ps
-        need = held_new - held_old
-        total = int(np.add.reduce(need))
-        if total > self.num_free_slots:
-            return None
-        nz = _NO_ROWS
-        slots: tuple[np.ndarray, ...] = tuple(_NO_ROWS for _ in self.allocators)
-        if total:
-            nz = need.nonzero()[0]
-            g_rows, g_lo, g_hi = rows[nz], held_old[nz], held_new[nz]
-            slots = tuple(self._alloc_pages(g, alloc, g_rows, g_lo, g_hi, total)
-                          for g, alloc in enumerate(self.allocators))
-        self._num_tokens[rows] = new
-        self._held[rows] = held_new
-        self.steps += 1
-        b = len(rows)
-        tok_indptr = np.zeros(b + 1, dtype=np.int64)
-        k.cumsum(out=tok_indptr[1:])
-        if not (tables or mappings) and len(self.allocators) == 1 and total == len(nz) and int(tok_indptr[-1]) == b:
-            # One token per row (so at most one page each): the pages opened are all a delta needs.
-            return StepResult(self._seq_ids[rows], new, tok_indptr, (), self.num_free_slots, None,
-                              (_NO_COPIES,), (nz, tuple(s.astype(np.int64, copy=False) for s in slots)))
-        return StepResult(self._seq_ids[rows], new, tok_indptr,
-                          self._emit(rows, old, new, held_new, tok_indptr, tables, block_table),
-                          self.num_free_slots, None, tuple(_NO_COPIES for _ in self.allocators))
+    def _full_group_step(self, inp: StepInput, tables: bool, block_table: bool) -> StepResult | None:
+        """fastpaths.full_group_step: one full-attention group, no forks (None: the general path plans it)."""
+        return fastpaths.full_group_step(self, inp, tables, block_table)
 
     def _grow(self, g: int, e_rows: np.ndarray, plan: StepPlan, a_rows: np.ndarray, a_lo: np.ndarray) -> np.ndarray:
         """Group g: copy-on-write of the planned rows, then the new pages of extensions and admissions.
@@ -553,7 +521,7 @@ class Pool:
         alloc = self.allocators[g]
         rs = self._slots[g]
         gp = plan.groups[g]
-        copies = _NO_COPIES
+        copies = NO_COPIES
         if gp.cow is not None and np.logical_or.reduce(gp.cow):
             rows = e_rows[gp.cow]
             flat = rs.flat(rows, plan.e_held[gp.cow] - 1)
@@ -588,13 +556,13 @@ class Pool:
         rs.arena[flat] = got
         return got
 
-    def _release(self, rows: np.ndarray, slots: list[np.ndarray | None]) -> None:
+    def _release(self, rows: np.ndarray, slots: list[np.ndarray | None], distinct: bool = False) -> None:
         """Frees: every page of the rows loses an owner; the rows leave the pool. slots[g]: the rows' slots in
-        group g as the plan gathered them (GroupPlan.f_slots)."""
+        group g as the plan gathered them (GroupPlan.f_slots); distinct: the plan found no slot among them twice."""
         if not len(rows):
             return
         for g, alloc in enumerate(self.allocators):
-            alloc.free(slots[g].astype(np.intp, copy=False), unique=not self._sharing)
+            alloc.free(slots[g].astype(np.intp, copy=False), unique=distinct or not self._sharing)
             self._slots[g].drop(rows)
             self._first[g][rows] = 0
         for seq_id in self._seq_ids[rows].tolist():
@@ -661,7 +629,12 @@ class Pool:
         return self._sorted
 
     def _find(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(rows, found) for ids, vectorised over the sorted index."""
+        """(rows, found) for ids, vectorised over the sorted index (a few ids: looked up in the row map, without
+        rebuilding the index that every admission and free leaves stale)."""
+        if len(ids) <= FEW:
+            got = [self._rows.get(i, -1) for i in ids.tolist()]
+            rows_few = np.array(got, dtype=np.int64)
+            return np.maximum(rows_few, 0), rows_few >= 0
         keys, rows = self._index()
         if not len(keys):
             return np.zeros(len(ids), dtype=np.int64), np.zeros(len(ids), dtype=bool)
@@ -738,7 +711,7 @@ class Pool:
     #                  _refcnt is rebuilt from the owners (invariant 1), cacheable from the prefix caches
     #   PrefixCache (per group): by_hash (insertion order), hash, parent, parent_hash, anchor, namespace,
     #                  tokens (registered slots only), hits; the namespaces shared by the groups
-    # Rebuilt, not stored (caches, scratch, constants): Pool._sorted, _last_batch, _fast, page_size,
+    # Rebuilt, not stored (caches, scratch, constants): Pool._sorted, _last_batch, _fast, _one_full_group, page_size,
     # max_seq_len, windows, layer_space, _sliding, _is_sliding, _anchor_group, _register_order (from the plan);
     # SlotAllocator._mark, _ones, num_slots, caching, on_evict; PrefixCache.fleet (the manager attaches a
     # restored pool to its fleet index, which reads the cache again: fleet_index.py).
@@ -853,4 +826,3 @@ class Pool:
         pool.steps, pool.admitted, pool.refused = int(m["steps"]), int(m["admitted"]), int(m["refused"])
         pool.alloc_failures = {str(k): int(v) for k, v in m["alloc_failures"].items()}
         return pool
-

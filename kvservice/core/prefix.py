@@ -42,6 +42,7 @@ class Namespaces:
     def __init__(self) -> None:
         self._ids: dict[tuple[str, str], int] = {}
         self._pending: dict[int, tuple[str, str]] = {}     # ids handed out by the last ids() call, not added yet
+        self._by_id: dict[int, tuple[str, str]] = {}       # id -> (salt, extra key) of the added ids
 
     def ids(self, salts: list[str], keys: list[str]) -> tuple[np.ndarray, dict[tuple[str, str], int]]:
         """(ids int64 [n], new): pairs seen for the first time get the next ids but are only
@@ -58,7 +59,13 @@ class Namespaces:
 
     def add(self, new: dict[tuple[str, str], int]) -> None:
         self._ids.update(new)
+        self._by_id.update((i, k) for k, i in new.items())
         self._pending = {}
+
+    def name_of(self, i: int) -> tuple[str, str]:
+        """(salt, extra key) of id i, the pending ids of the last ids() call included; ("", "") if unknown."""
+        got = self._by_id.get(i)
+        return got if got is not None else self._pending.get(i, ("", ""))
 
     def items(self) -> list[list]:
         """[[salt, extra_key, id], ...] (a pool state's namespaces)."""
@@ -67,6 +74,7 @@ class Namespaces:
     def restore(self, items: list[list]) -> None:
         """Replace every id by those of items() (a pool state being restored)."""
         self._ids = {(salt, key): int(i) for salt, key, i in items}
+        self._by_id = {i: k for k, i in self._ids.items()}
 
     def names(self) -> dict[int, tuple[str, str]]:
         """id -> (salt, extra key), the pending ids of the last ids() call included (a hash mode reads them)."""
@@ -194,26 +202,26 @@ class PrefixCache:
         by_hash.update(zip(h.tolist(), s.tolist(), strict=True))
         self.allocator.cacheable[s] = True
         keep = first[new]
+        par = parents[keep]
         self.hash[s] = h
-        self.parent[s] = parents[keep]
+        self.parent[s] = par
         self.parent_hash[s] = parent_hashes[keep] if parent_hashes is not None else 0
         self.anchor[s] = anchors[keep] if anchors is not None else -1
         self.namespace[s] = ns[keep]
         self.tokens[s] = pages[keep]
-        par = self.parent[s]
         dep = par >= 0
         dep[dep] = self.hash[par[dep]] != 0                 # under a registered page: it now has a dependant
         self.allocator.policy.link(s[dep], par[dep])
         if self.sink is not None:
             self.sink.stored(slots, parents, hashes, pages, keep, self.hash, parent_hashes, self._names(ns))
         if self.fleet is not None:
-            self.fleet.registered(s, parents[keep])
+            self.fleet.registered(s, par)
 
     def _names(self, ns: np.ndarray) -> list[tuple[str, str]] | None:
         """(salt, extra key) per page of namespaces ns (int64 [n]); None when all are ("", "") (the common case)."""
         ids = ns.tolist()
-        names = self.namespaces.names()
-        pairs = {i: names.get(i, ("", "")) for i in set(ids)}
+        name_of = self.namespaces.name_of
+        pairs = {i: name_of(i) for i in set(ids)}
         if all(p == ("", "") for p in pairs.values()):
             return None
         return [pairs[i] for i in ids]
@@ -254,13 +262,33 @@ def register_prompt(caches: Sequence[PrefixCache], order: Sequence[int], sliding
     that full group (None: none); a_rows: int64 [A] the admissions' rows; prompt: their pages (stepplan.Prompt).
     """
     row, col = prompt.row, prompt.col
-    inner = (col > 0).nonzero()[0]
-    parent_hashes = np.zeros(len(col), dtype=np.uint64)
-    parent_hashes[inner] = prompt.hashes[inner - 1]
+    one = len(a_rows) == 1                       # one prompt: page j's parent is page j - 1, for every j > 0
+    if one:
+        inner = None
+        parent_hashes = np.empty(len(col), dtype=np.uint64)
+        parent_hashes[0] = 0
+        parent_hashes[1:] = prompt.hashes[:-1]
+    else:
+        inner = (col > 0).nonzero()[0]
+        parent_hashes = np.zeros(len(col), dtype=np.uint64)
+        parent_hashes[inner] = prompt.hashes[inner - 1]
     seq_rows = a_rows[row]
     anchors = None
     for g in order:
         rs = slot_tables[g]
+        if one and not sliding[g]:                               # the row's pages 0..n-1: one run of its segment
+            r = int(a_rows[0])
+            at0 = int(rs.start[r] - rs.lo[r])
+            slots = rs.arena[at0:at0 + len(col)].astype(np.int64)
+            parents = np.empty(len(slots), dtype=np.int64)
+            parents[0] = -1
+            parents[1:] = slots[:-1]
+            if g == anchor_group:
+                anchors = slots
+            caches[g].register(slots, parents, prompt.ns[row], prompt.pages, prompt.hashes, parent_hashes, None)
+            continue
+        if inner is None:
+            inner = (col > 0).nonzero()[0]
         if sliding[g]:
             at = (col >= firsts[g][seq_rows]).nonzero()[0]     # a sliding group holds no page before its window
             slots = np.full(len(col), -1, dtype=np.int64)
@@ -279,10 +307,16 @@ def register_prompt(caches: Sequence[PrefixCache], order: Sequence[int], sliding
 
 
 def leading_run(ok: np.ndarray, row: np.ndarray, col: np.ndarray, num_rows: int) -> np.ndarray:
-    """Per prompt, how many of its first pages are all ok (pages stored ragged, col 0.. per row)."""
+    """Per prompt, how many of its first pages are all ok (pages stored ragged: prompt after prompt, row
+    non-decreasing, col 0.. ascending within each row)."""
     hits = np.bincount(row, minlength=num_rows).astype(np.int64)   # every page ok ...
     bad = (~ok).nonzero()[0]
-    np.minimum.at(hits, row[bad], col[bad])                          # ... up to the first that is not
+    if len(bad):                                                     # ... up to the first that is not
+        rb = row[bad]
+        first = np.empty(len(bad), dtype=bool)                        # a row's first bad page comes first
+        first[0] = True
+        np.not_equal(rb[1:], rb[:-1], out=first[1:])
+        hits[rb[first]] = col[bad[first]]
     return hits
 
 

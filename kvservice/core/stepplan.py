@@ -26,6 +26,8 @@ from kvservice.contract.geometry import MAX_COUNT
 
 EMPTY_IDS = np.zeros(0, dtype=np.uint64)
 EMPTY_I64 = np.zeros(0, dtype=np.int64)
+#: Up to this many ids or counts are checked as Python ints (fewer NumPy calls); more as arrays.
+FEW = 8
 
 
 def parse_ids(name: str, a: object) -> np.ndarray:
@@ -56,6 +58,14 @@ def parse_counts(name: str, a: object, n: int, max_value: int = MAX_COUNT,
         raise InvalidArgument(f"{name} must be a 1-D integer array, got shape {arr.shape} dtype {arr.dtype}")
     if len(arr) != n:
         raise InvalidArgument(f"{name} has {len(arr)} entries for {n} sequence ids")
+    if 0 < n <= FEW:                          # a few counts: their bounds as Python ints (the same checks)
+        vals = arr.tolist()
+        lo, hi = min(vals), max(vals)
+        if (arr.dtype.kind == "u" or lo > 0) and hi > max_value:
+            raise InvalidArgument(f"{name} must be at most {max_value} tokens per sequence, got {hi}")
+        if lo <= 0:
+            raise InvalidArgument(f"{name} must be > 0 tokens per sequence, got {lo}")
+        return arr.astype(np.int64, copy=False)
     if n:
         if known is None and arr.dtype.kind == "u" and int(np.maximum.reduce(arr)) > max_value:
             raise InvalidArgument(f"{name} must be at most {max_value} tokens per sequence, got {int(arr.max())}")
@@ -84,6 +94,10 @@ def check_distinct(ids: np.ndarray) -> None:
     """Each sequence may be freed, extended, admitted or created by a fork once per step."""
     if len(ids) < 2:
         return
+    if len(ids) <= FEW:
+        vals = ids.tolist()
+        if len(set(vals)) == len(vals):
+            return
     srt = np.sort(ids)
     dup = srt[1:] == srt[:-1]
     if np.logical_or.reduce(dup):

@@ -17,6 +17,7 @@ import os
 
 import pytest
 
+from kvservice.core.planner import plan as plan_pool
 from tests.differential import KINDS, TOTALS, InProcess, RunStats, repro, run_ops, run_random, shrink
 from tests.refmodel import Step
 
@@ -72,6 +73,8 @@ def test_pool_matches_reference_model(name):
     assert total.recreated >= (5 if SCALE >= 1 else 0)            # pools re-created (~1 in 350 ops: none in short runs)
     if any(la.sliding_window for la in kind.spec.layers):
         assert total.released > n(500)
+    if len(plan_pool(kind.spec, kind.sizing).geometry.groups) == 1 and not kind.spec.layers[0].sliding_window:
+        assert total.lean_steps > n(1000)                         # Pool._full_group_step answered these
     if kind.prefix_caching:
         assert total.hits > n(100) and total.evictions > n(100)
         if any(la.sliding_window for la in kind.spec.layers):

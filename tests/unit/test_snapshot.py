@@ -89,7 +89,7 @@ def test_every_pool_field_is_exported_or_rebuilt():
         # rebuilt from the plan, or caches and scratch
         "page_size", "max_seq_len", "windows", "layer_space", "_sliding", "_is_sliding", "_anchor_group",
         "_register_order",
-        "_sorted", "_last_batch", "_fast"}
+        "_sorted", "_last_batch", "_fast", "_one_full_group"}
     assert set(SlotAllocator.__slots__) == {"_stack", "_top", "_cached", "peak_used", "evictions", "_refcnt",
                                             "cacheable", "_mark", "_ones", "num_slots", "caching", "on_evict",
                                             "clock", "policy", "generation"}

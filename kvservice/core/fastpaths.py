@@ -1,0 +1,153 @@
+"""The fast paths of a Step, each returning exactly what the general path (pool.py: validate -> plan -> commit
+-> emit) would, with fewer NumPy calls:
+
+- `decode_step` (Pool._decode_step): the steady decode loop, the last step's batch extended again with nothing
+  freed, admitted, shared or released;
+- `full_group_step` (Pool._full_group_step): a step without forks of a pool with one full-attention layer
+  group. The general path plans every layer group's demand, window releases, copy-on-write and fork sharing;
+  this shape needs none of that but the counts, which this function computes, refusing exactly as
+  `Pool._plan` does, and commits with the pool's own helpers (release, rows, segments, pages, registration,
+  emission).
+
+The reference-model differential test (tests/unit/test_differential.py) drives both and the general path with
+the same random op mixes and counts each fast path's answers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kvservice.core.emit import NO_COPIES, NO_ROWS, StepResult
+from kvservice.core.stepplan import EMPTY_I64, StepInput, count_in, distinct_counts, distinct_sorted
+
+#: The kvservice.core.pool.Pool a fast path serves (not imported here: pool.py imports this module).
+Pool = Any
+
+
+def full_group_step(pool: Pool, inp: StepInput, tables: bool, block_table: bool) -> StepResult | None:
+    """A step of a pool with one full-attention layer group and no fork in it: frees, extensions and
+    admissions (prefix hits included), planned and committed without the general path's per-group plan.
+
+    The same result, the same refusal and the same state as `Pool._plan` + `Pool._commit` (the reference-model
+    differential test drives both). Returns None, having changed nothing, when an extended row's partly
+    filled last page has other owners (copy-on-write: the general path plans it).
+    """
+    ps = pool.page_size
+    alloc, rs, first = pool.allocators[0], pool._slots[0], pool._first[0]
+    rc = alloc._refcnt
+    e_rows, f_rows, a_n, prompt = inp.e_rows, inp.f_rows, inp.a_n, inp.prompt
+    e_old = pool._num_tokens[e_rows]
+    e_held = pool._held[e_rows]
+    e_new = e_old + inp.e_k
+    e_held_new = (e_new + (ps - 1)) // ps
+    a_held = (a_n + (ps - 1)) // ps
+    if pool._sharing and len(e_rows):
+        partial = (e_old % ps).nonzero()[0]
+        if len(partial):
+            last = rs.arena.take(rs.flat(e_rows[partial], e_held[partial] - 1))
+            if int(np.maximum.reduce(rc.take(last))) > 1:
+                return None
+    # ---- plan (nothing changes before the refusal) ----
+    need = int(np.add.reduce(e_held_new - e_held)) + int(np.add.reduce(a_held))
+    avail = alloc.num_free
+    lost = None
+    f_slots = None
+    distinct = False
+    if len(f_rows):
+        f_slots = rs.gather(f_rows, first[f_rows], pool._held[f_rows])
+        lost = np.sort(f_slots)
+        uniq, counts = distinct_counts(lost)
+        distinct = counts is None                       # then the free needs no check for repeats
+        avail += int(np.add.reduce(rc.take(uniq) == (1 if counts is None else counts)))
+    hits = cand = None
+    if prompt is not None:
+        hits, cands = pool._plan_hits(prompt, len(inp.a_ids))
+        cand = cands[0]
+        if len(cand):
+            taken = cand[prompt.col < hits[prompt.row]]          # a fresh array
+            if len(taken):
+                taken.sort()
+                taken = distinct_sorted(taken)
+                owners = rc.take(taken)
+                if lost is not None:
+                    owners = owners - count_in(lost, taken)
+                avail -= int(np.add.reduce(owners == 0))        # cached pages revived from the free LRU
+            need -= int(np.add.reduce(hits))
+    if need > avail:
+        pool._refuse(0, need, avail)
+    # ---- commit ----
+    alloc.clock = pool.steps + 1
+    pool._release(f_rows, [f_slots], distinct)
+    a_rows = pool._take_rows(inp.a_ids)                 # may grow the row arrays
+    a_lo = EMPTY_I64
+    if len(a_rows):
+        rs.reserve(a_rows, pool._first[0][a_rows], a_held)
+        a_lo = hits if hits is not None else np.zeros(len(a_rows), dtype=np.int64)
+        if hits is not None and len(cand):
+            mask = prompt.col < hits[prompt.row]
+            slots = cand[mask]
+            if len(slots):
+                uniq, counts = distinct_counts(slots)
+                alloc.share(uniq, counts)
+                rs.arena[rs.flat(a_rows[prompt.row[mask]], prompt.col[mask])] = slots
+                pool.prefixes[0].hits += len(slots)
+        g_rows = np.concatenate((e_rows, a_rows))
+        g_lo = np.concatenate((e_held, a_lo))
+        g_hi = np.concatenate((e_held_new, a_held))
+        rows = g_rows
+        old = np.concatenate((e_old, np.zeros(len(a_rows), dtype=np.int64)))
+        new = np.concatenate((e_new, a_n))
+        held_new = g_hi
+    else:
+        g_rows, g_lo, g_hi = e_rows, e_held, e_held_new
+        rows, old, new, held_new = e_rows, e_old, e_new, e_held_new
+    grow = g_hi - g_lo
+    nz = grow.nonzero()[0]
+    if len(nz):
+        total = int(np.add.reduce(grow))
+        if len(nz) < len(grow):
+            g_rows, g_lo, g_hi = g_rows[nz], g_lo[nz], g_hi[nz]
+        pool._alloc_pages(0, alloc, g_rows, g_lo, g_hi, total)
+    pool._num_tokens[rows] = new
+    pool._held[rows] = held_new
+    return pool._finish(inp, rows, old, new, held_new, a_rows, hits, (NO_COPIES,), tables, block_table)
+
+
+def decode_step(pool: Pool, e_ids: np.ndarray, rows: np.ndarray, k: np.ndarray, tables: bool,
+                block_table: bool, mappings: bool = True) -> StepResult | None:
+    """The steady decode loop: the last step's batch grows again, nothing freed, admitted, shared or released.
+
+    Same result as the general path with fewer NumPy calls. Returns None (the general path then
+    runs, and raises) if the step would fail.
+    """
+    ps = pool.page_size
+    old = pool._num_tokens[rows]
+    new = old + k
+    held_old = pool._held[rows]
+    held_new = (new + (ps - 1)) // ps
+    need = held_new - held_old
+    total = int(np.add.reduce(need))
+    if total > pool.num_free_slots:
+        return None
+    nz = NO_ROWS
+    slots: tuple[np.ndarray, ...] = tuple(NO_ROWS for _ in pool.allocators)
+    if total:
+        nz = need.nonzero()[0]
+        g_rows, g_lo, g_hi = rows[nz], held_old[nz], held_new[nz]
+        slots = tuple(pool._alloc_pages(g, alloc, g_rows, g_lo, g_hi, total)
+                      for g, alloc in enumerate(pool.allocators))
+    pool._num_tokens[rows] = new
+    pool._held[rows] = held_new
+    pool.steps += 1
+    b = len(rows)
+    tok_indptr = np.zeros(b + 1, dtype=np.int64)
+    k.cumsum(out=tok_indptr[1:])
+    if not (tables or mappings) and len(pool.allocators) == 1 and total == len(nz) and int(tok_indptr[-1]) == b:
+        # One token per row (so at most one page each): the pages opened are all a delta needs.
+        return StepResult(pool._seq_ids[rows], new, tok_indptr, (), pool.num_free_slots, None,
+                          (NO_COPIES,), (nz, tuple(s.astype(np.int64, copy=False) for s in slots)))
+    return StepResult(pool._seq_ids[rows], new, tok_indptr,
+                      pool._emit(rows, old, new, held_new, tok_indptr, tables, block_table),
+                      pool.num_free_slots, None, tuple(NO_COPIES for _ in pool.allocators))
