@@ -214,16 +214,12 @@ class Pool:
             res = self._decode_step(inp.e_ids, inp.e_rows, inp.e_k, tables, block_table, mappings)
             if res is not None:
                 return res
-        try:
-            if self._fast and self._one_full_group and not len(inp.c_ids):
-                res = self._full_group_step(inp, tables, block_table)
-                if res is not None:
-                    return res
-            plan = self._plan(inp)
-            return self._commit(inp, plan, tables, block_table)
-        finally:
-            if self.prefix is not None and self.prefix.fleet is not None:
-                self.prefix.fleet.flush()             # the manager's ScorePrefix index (fleet_index.py)
+        if self._fast and self._one_full_group and not len(inp.c_ids):
+            res = self._full_group_step(inp, tables, block_table)
+            if res is not None:
+                return res
+        plan = self._plan(inp)
+        return self._commit(inp, plan, tables, block_table)
 
     # ---- phase 1: validate ---------------------------------------------------------------
     def _validate(self, free_ids: object, extend_ids: object, extend_tokens: object, admit_ids: object,

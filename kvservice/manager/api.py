@@ -27,6 +27,7 @@ from kvservice.core.limits import (
 from kvservice.core.planner import plan
 from kvservice.core.pool import Pool, StepResult
 from kvservice.manager import replies
+from kvservice.manager.fleet_index import flush_fleet
 from kvservice.manager.pools import BlockManager
 from kvservice.manager.routing import score_prefix_reply
 from kvservice.manager.step_input import DecodedStep, decode_step
@@ -159,7 +160,10 @@ class ManagerAPI:
         kwargs = step.pool_kwargs()
         if overrides:
             kwargs.update(overrides)
-        res = pool.step(**kwargs)
+        try:
+            res = pool.step(**kwargs)
+        finally:
+            flush_fleet(pool)
         self.manager.events.after_step(pool, step.admit_num_tokens, step.admit_token_ids is not None)
         return res
 

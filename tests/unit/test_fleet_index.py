@@ -12,7 +12,7 @@ from kvservice.contract.geometry import CacheSpec, LayerSpec
 from kvservice.contract.sizing import Sizing
 from kvservice.core.pool import Pool
 from kvservice.core.prefix import _mix, page_hashes
-from kvservice.manager.fleet_index import _X0, rebuilt, unmix
+from kvservice.manager.fleet_index import _X0, flush_fleet, rebuilt, unmix
 from kvservice.manager.pools import BlockManager
 from kvservice.manager.routing import chained_hashes, score_prefix, score_prefix_per_pool
 from tests.kv_workload import PS, Workload, pool_step_args
@@ -41,6 +41,15 @@ def fleet_manager(seed):
     return m, w, loads
 
 
+def step(pool, **kw):
+    """A Step as the step service runs it (ManagerAPI.run_step): the pool's step, then the fleet index brought
+    up to date with the pool's cache, applied or refused."""
+    try:
+        return pool.step(**kw)
+    finally:
+        flush_fleet(pool)
+
+
 def run_steps(m, loads, steps):
     for _ in range(steps):
         for name, wl in loads.items():
@@ -52,10 +61,10 @@ def run_steps(m, loads, steps):
                 if kw["admit"]:
                     args["admit_extra_keys"] = [KEYS[int(wl.rng.integers(2))] for _ in kw["admit"]]
                 try:
-                    pool.step(**args)
+                    step(pool, **args)
                 except ResourceExhausted:
                     kw = wl.step(pressure=True)
-                    pool.step(**pool_step_args(kw))
+                    step(pool, **pool_step_args(kw))
                 wl.applied(kw)
 
 
@@ -159,7 +168,7 @@ def test_more_pools_than_one_mask_word():
         n = int(rng.integers(0, 64))
         if n:
             with m.locked(f"p{i:02d}") as pool:
-                pool.step(admit_ids=[1], admit_tokens=[n], admit_token_ids=prompt[:n])
+                step(pool, admit_ids=[1], admit_tokens=[n], admit_token_ids=prompt[:n])
     assert m.fleet.words == 2
     scores = score_prefix(m, prompt)
     assert scores == score_prefix_per_pool(m, prompt)
@@ -179,8 +188,8 @@ def test_a_colliding_page_sends_the_pool_to_the_per_pool_path():
     x = m.pool_and_lock("x")[0]
     p_pages = p[:40].reshape(10, PS)
     x.prefix.hash_fn = lambda pages, col, starts, full, ns: page_hashes(p_pages[col], col, starts, full, ns)
-    x.step(admit_ids=[1], admit_tokens=[41], admit_token_ids=q)
-    m.pool_and_lock("y")[0].step(admit_ids=[1], admit_tokens=[41], admit_token_ids=p)
+    step(x, admit_ids=[1], admit_tokens=[41], admit_token_ids=q)
+    step(m.pool_and_lock("y")[0], admit_ids=[1], admit_tokens=[41], admit_token_ids=p)
     t = m.fleet.tables[(PS, m.fleet.known_namespace(("", "")))]
     assert t.mixed[[t.row_of(h) for h in x.prefix.by_hash]].all()
     sx, sy = score_prefix(m, p)
@@ -265,8 +274,8 @@ def test_long_prompts_and_prefixes_of_every_length():
         m.create_pool(f"p{i}", spec, Sizing(num_slots=520, max_seq_len=2004), prefix_caching=True)
         if n:
             with m.locked(f"p{i}") as pool:
-                pool.step(admit_ids=[1], admit_tokens=[n], admit_token_ids=prompt[:n])
-                pool.step(free_ids=[1])
+                step(pool, admit_ids=[1], admit_tokens=[n], admit_token_ids=prompt[:n])
+                step(pool, free_ids=[1])
     for length in (2001, 64 * PS + 1, 64 * PS, 300):
         got = [s.cached_tokens for s in score_prefix(m, prompt[:length])]
         assert got == [min(n // PS, (length - 1) // PS) * PS for n in held], length
@@ -311,7 +320,7 @@ def test_pools_created_and_deleted_while_scoring():
                 else:
                     m.create_pool(f"tmp{i}", spec, Sizing(num_slots=64, max_seq_len=256), prefix_caching=True)
                     with m.locked(f"tmp{i}") as pool:
-                        pool.step(admit_ids=[1], admit_tokens=[60], admit_token_ids=own[i])
+                        step(pool, admit_ids=[1], admit_tokens=[60], admit_token_ids=own[i])
                 k += 1
                 cycles[0] = k
         except Exception as e:                                    # reported below
@@ -362,7 +371,7 @@ def test_the_chain_value_stored_as_another_sends_the_pools_to_their_own_path(mon
     prompt = rng.integers(1, 1000, 41)
     for name, n in (("short", 8), ("long", 40)):
         m.create_pool(name, spec, Sizing(num_slots=32, max_seq_len=64), prefix_caching=True)
-        m.pool_and_lock(name)[0].step(admit_ids=[1], admit_tokens=[n], admit_token_ids=prompt[:n])
+        step(m.pool_and_lock(name)[0], admit_ids=[1], admit_tokens=[n], admit_token_ids=prompt[:n])
     hashes = chained_hashes(prompt[:40].reshape(10, PS), 0)
     monkeypatch.setattr(fi, "_X0", int(unmix(hashes[3:4])[0]))
     chain = _Chain(prompt[:40].reshape(10, PS), 0)
@@ -410,7 +419,7 @@ def test_a_tenants_score_reads_only_its_own_pools_entries():
         m = BlockManager()
         for name, n in (("mine", 2 * PS), ("theirs", theirs * PS)):
             m.create_pool(name, spec, Sizing(num_slots=64, max_seq_len=64 * PS), prefix_caching=True)
-            m.pool_and_lock(name)[0].step(admit_ids=[1], admit_tokens=[n], admit_token_ids=prompt[:n])
+            step(m.pool_and_lock(name)[0], admit_ids=[1], admit_tokens=[n], admit_token_ids=prompt[:n])
         for t in m.fleet.tables.values():
             t.rows = _CountingRows(t.rows)
         _CountingRows.lookups = 0
