@@ -27,7 +27,6 @@ from kvservice.core.limits import (
 from kvservice.core.planner import plan
 from kvservice.core.pool import Pool, StepResult
 from kvservice.manager import replies
-from kvservice.manager.fleet_index import flush_fleet
 from kvservice.manager.pools import BlockManager
 from kvservice.manager.routing import score_prefix_reply
 from kvservice.manager.step_input import DecodedStep, decode_step
@@ -402,3 +401,12 @@ def _reply_too_large(pool: str, bound: ReplyBound, limit: int, new_tokens: int, 
         f"message limit of {limit} bytes; nothing was changed: {advice}", reason="REPLY_TOO_LARGE",
         reply_bytes=bound.total, limit=limit, new_tokens=new_tokens,
         omit_tables=not step.tables, include_block_table=step.block_table)
+
+
+def flush_fleet(pool: object) -> None:
+    """After a step of `pool` (under its lock): bring the fleet index up to date with its prefix cache, if
+    that cache is a member. The step service runs it after every Step, applied or refused."""
+    prefix = getattr(pool, "prefix", None)
+    member = getattr(prefix, "fleet", None) if prefix is not None else None
+    if member is not None:
+        member.flush()

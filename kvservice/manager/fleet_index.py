@@ -35,7 +35,7 @@ compare them with an index built from scratch).
 Upkeep: a cache's member (:class:`FleetMember`, ``PrefixCache.fleet``) notes the hashes whose
 state may have changed (a page registered or forgotten, and the registered pages whose parent
 slot that was) and :meth:`FleetMember.flush` re-evaluates them, vectorised, at the end of every
-Step (``flush_fleet``, run by the step service, ``ManagerAPI.run_step``: the pool knows nothing of
+Step (``api.flush_fleet``, run by the step service, ``ManagerAPI.run_step``: the pool knows nothing of
 the index), and before a query when the pool changed outside a Step and its lock is free. A query
 reads a member pool as of its last Step, without waiting for one in flight. Only pools with one
 prefix cache, of full attention, are members; queries use the index only for members with the
@@ -498,11 +498,3 @@ def rebuilt(members: list[FleetMember]) -> FleetIndex:
 
 __all__ = ["FleetIndex", "FleetMember", "rebuilt", "unmix"]
 
-
-def flush_fleet(pool: object) -> None:
-    """After a step of `pool` (under its lock): bring the fleet index up to date with its prefix cache, if
-    that cache is a member. The step service runs it after every Step, applied or refused."""
-    prefix = getattr(pool, "prefix", None)
-    member = getattr(prefix, "fleet", None) if prefix is not None else None
-    if member is not None:
-        member.flush()

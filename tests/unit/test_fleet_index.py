@@ -12,7 +12,8 @@ from kvservice.contract.geometry import CacheSpec, LayerSpec
 from kvservice.contract.sizing import Sizing
 from kvservice.core.pool import Pool
 from kvservice.core.prefix import _mix, page_hashes
-from kvservice.manager.fleet_index import _X0, flush_fleet, rebuilt, unmix
+from kvservice.manager.api import flush_fleet
+from kvservice.manager.fleet_index import _X0, rebuilt, unmix
 from kvservice.manager.pools import BlockManager
 from kvservice.manager.routing import chained_hashes, score_prefix, score_prefix_per_pool
 from tests.kv_workload import PS, Workload, pool_step_args
