@@ -19,7 +19,8 @@ in-process, lost with the process) and ``store_sqlite.SqliteStore`` (``--state-d
 both: decode and check the newest snapshot (kvservice/state/snapshot.py), replay every later entry after
 verifying its checksum and that none is missing, then check every pool's invariants, the acknowledged
 high-water mark (kvservice/state/ackmark.py) and the store's witness of the last acknowledged position.
-Snapshots are captured under the lock (copies of the arrays: the pause) and encoded and written outside it.
+Snapshots are captured under the lock (copies of the arrays: the pause) and encoded and written outside it
+(kvservice/state/journal_snapshots.py, a base class of Journal).
 See docs/DURABILITY.md.
 """
 
@@ -29,14 +30,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from google.protobuf.message import Message
 
 from kvservice.contract.errors import JournalUnavailable, KVError, StateError
-from kvservice.core.pool_state import PoolState
 from kvservice.manager.api import ManagerAPI
 from kvservice.manager.pools import BlockManager
 from kvservice.state import ackmark
@@ -45,25 +44,13 @@ from kvservice.state.fingerprints import PrefixDigests, digest
 from kvservice.state.gate import PoolGate
 from kvservice.state.idempotency import IdempotencyWindow
 from kvservice.state.journal_config import METHODS, REQUESTS, JournalConfig
+from kvservice.state.journal_snapshots import Capture, JournalSnapshots
 from kvservice.state.stores import Entry, JournalStore, MemoryStore, continued_lineage, entry_digest, lineage_hex
 
 log = logging.getLogger("kvservice.state.journal")
 
 _TARGET = {"Step": "pool", "DeletePool": "pool", "CreatePool": "name"}     # the pool a mutation changes
 
-
-@dataclass(slots=True)
-class _Capture:
-    """What a snapshot holds, copied under the journal lock (encoded and written outside it)."""
-
-    seq: int
-    appended: int
-    pools: dict[str, Any]          # name -> PoolState (a pool unchanged since the last snapshot) or its finisher
-    dirty: set[str]                # pools exported anew (the rest reuse the last snapshot's arrays)
-    workers: list
-    window_ids: list
-    window_replies: list
-    pause: float
 
 
 class _Quiet(logging.Filter):
@@ -72,7 +59,7 @@ class _Quiet(logging.Filter):
 
 
 # ---- the journal ----------------------------------------------------------------------------------------
-class Journal:
+class Journal(JournalSnapshots):
     """Serialises mutating RPCs, makes them durable through a store and idempotent by request_id.
 
     store None = a fresh MemoryStore (``kvservice serve --state memory``).
@@ -332,14 +319,8 @@ class Journal:
                 self._write_capture(cap)
         return reply
 
-    def _tail_full(self) -> bool:
-        """compact_every is the most entries a recovery replays, a bound: with that many past the newest stored
-        snapshot and one being written, nothing more is appended until it is stored (a store slower than the
-        tail's last quarter; a leader killed meanwhile leaves no longer a tail to its successor)."""
-        return not self._writer_done.is_set() and self.seq - self.snapshot_seq >= self.config.compact_every
-
     def _execute_locked(self, method: str, request: Message,
-                        apply: Callable[[Message], Message]) -> tuple[Message, _Capture | None]:
+                        apply: Callable[[Message], Message]) -> tuple[Message, Capture | None]:
         """execute under the journal lock: (reply, a snapshot capture to write outside the lock or None)."""
         self._check_usable()
         rid = getattr(request, "request_id", "")
@@ -439,114 +420,6 @@ class Journal:
         if self.on_fail is not None:
             self.on_fail(why)
 
-    # ---- snapshots ---------------------------------------------------------------------------
-    @property
-    def tail_bytes(self) -> int:
-        """Request bytes journaled since the newest snapshot was captured."""
-        return self._appended - self._snap_appended
-
-    def _due(self) -> bool:
-        return self._writer_done.is_set() and (self.seq >= self._compact_at
-                                               or self.tail_bytes >= self.config.compact_bytes)
-
-    def snapshot(self, force: bool = False) -> None:
-        """Write a snapshot now (also done every compact_every entries and on a clean close); force: even if one
-        exists at this position (a new lineage starts with one of its own)."""
-        cap = self._capture_when_idle(check=True, force=force)
-        if cap is not None:
-            self._write_capture(cap)
-
-    def _capture_when_idle(self, check: bool, force: bool = False) -> _Capture | None:
-        while True:
-            self._writer_done.wait()
-            with self._lock:
-                if check:
-                    self._check_usable()
-                elif self.failed is not None:
-                    return None
-                if self._writer_done.is_set():
-                    return self._capture_locked(force)
-
-    def _capture_locked(self, force: bool = False) -> _Capture | None:
-        """Copy what a snapshot holds (journal lock held: this is the pause every call waits for).
-
-        None if there is nothing new to snapshot (or a snapshot is being written). Otherwise the
-        caller must pass the capture to _write_capture, outside the lock.
-        """
-        if not self._writer_done.is_set() or (not force and (self.store.readonly or self.seq == self.snapshot_seq)):
-            return None
-        t0 = time.perf_counter()
-        pools: dict[str, Any] = {}
-        dirty = set()
-        for name in self.manager.pool_names():
-            with self.manager.locked(name) as pool:
-                old = self._states.get(name)
-                if old is not None and name not in self._dirty:     # refusals still move two counters
-                    pools[name] = PoolState(dict(old.meta, refused=int(pool.refused),
-                                                 alloc_failures=dict(pool.alloc_failures)), old.arrays)
-                else:
-                    pools[name] = pool.capture_state()
-                    dirty.add(name)
-        self._dirty = set()
-        ids, replies = self.window.capture()
-        pause = time.perf_counter() - t0
-        self.snapshot_pause_seconds = pause
-        self.snapshot_pause_max_seconds = max(self.snapshot_pause_max_seconds, pause)
-        self._compact_at = self.seq + self.config.snapshot_due_tail
-        self._writer_done.clear()
-        return _Capture(self.seq, self._appended, pools, dirty, self.manager.workers.workers(), ids, replies, pause)
-
-    def _write_capture(self, cap: _Capture) -> None:
-        """Encode and store a captured snapshot (no journal lock: calls go on meanwhile)."""
-        t0 = time.perf_counter()
-        try:
-            states = {name: st if isinstance(st, PoolState) else st(runs=True) for name, st in cap.pools.items()}
-            window = snap.WindowState(cap.window_ids, [(rid, m, msg.SerializeToString())
-                                                       for rid, m, msg in cap.window_replies])
-            enc = snap.encode(cap.seq, self.incarnation, time.time(), states, cap.workers, window, METHODS,
-                              self.store.lineage)
-            self.store.write_snapshot(cap.seq, enc)
-        except Exception as err:          # the entries are still there: keep serving, try again later
-            log.error("snapshot at %d failed (%s: %s); recovery replays the longer tail", cap.seq,
-                      type(err).__name__, err)
-            with self._lock:
-                self._compact_at = self.seq + max(1, self.config.compact_every // 2)
-                self._dirty |= cap.dirty
-        else:
-            with self._lock:
-                self._states = states
-                self.snapshot_seq = max(self.snapshot_seq, cap.seq)
-                self._snap_appended = cap.appended
-                self.snapshots += 1
-                self.snapshot_seconds, self.snapshot_bytes = time.perf_counter() - t0, enc.nbytes
-            log.info("snapshot at journal position %d: %d bytes; pause %.1f ms, encode + write %.1f ms", cap.seq,
-                     enc.nbytes, 1e3 * cap.pause, 1e3 * self.snapshot_seconds)
-        finally:
-            self._writer_done.set()
-
-    def snapshot_to(self, store: JournalStore) -> None:
-        """Write this journal's state as a snapshot at its position into another store (any backend).
-
-        Backups and moves between backends (kvservice export-state / import-state, docs/HA.md). The
-        target must accept writes (begun); this journal's own store is not written.
-        """
-        self._writer_done.wait()
-        with self._lock:
-            ids, replies = self.window.capture()
-            states: dict[str, Any] = {}
-            for name in self.manager.pool_names():
-                with self.manager.locked(name) as pool:
-                    states[name] = pool.capture_state()
-            workers, seq = self.manager.workers.workers(), self.seq
-        states = {name: st if isinstance(st, PoolState) else st(runs=True) for name, st in states.items()}
-        window = snap.WindowState(ids, [(rid, m, msg.SerializeToString()) for rid, m, msg in replies])
-        store.write_snapshot(seq, snap.encode(seq, store.incarnation, time.time(), states, workers, window, METHODS,
-                                              self.store.lineage))
-
-    def wait_for_snapshot(self, timeout: float | None = None) -> bool:
-        """Wait for a snapshot being written on the snapshot thread; False if still running after timeout."""
-        return self._writer_done.wait(timeout)
-
     def close(self, snapshot: bool = True) -> None:
         """Snapshot (if asked and healthy), then release the store, telling it the final position."""
         cap = self._capture_when_idle(check=False) if snapshot and not self.store.readonly else None
@@ -557,4 +430,5 @@ class Journal:
             self.store.close(clean=self.failed is None, seq=self.seq)
 
 
-__all__ = ["Entry", "IdempotencyWindow", "Journal", "JournalConfig", "JournalStore", "MemoryStore", "StateError"]
+__all__ = ["METHODS", "Entry", "IdempotencyWindow", "Journal", "JournalConfig", "JournalStore", "MemoryStore",
+           "StateError"]
