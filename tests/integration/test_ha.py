@@ -281,6 +281,62 @@ def _wait_until(cond, timeout: float = 60.0) -> None:
         time.sleep(0.02)
 
 
+def test_appends_go_through_the_stream_leader_and_a_failed_one_moves_on_to_the_next_server(nats3):
+    """The direct connection publishes through the stream's Raft leader (no forwarding hop); after a failure the
+    retry goes to the next server in turn, as without the preference; an unknown name falls back to any server."""
+    from dataclasses import replace
+
+    from kvservice.server.ha import open_sole_writer
+    from kvservice.state.startup import create_request
+    from kvservice.v1 import block_manager_pb2 as pb
+    config = NatsConfig(tuple(nats3.urls), name=fresh_name(), replicas=3)
+    link = NatsLink(config)
+    try:
+        NatsStore(link)                            # creates the R3 stream: one of the three servers leads it
+        deadline = time.monotonic() + 30
+        while (leader := link.call(link.js.stream_info(config.stream), 10).cluster.leader) is None:
+            assert time.monotonic() < deadline, "the new stream has no leader"
+            time.sleep(0.05)
+    finally:
+        link.close()
+    name_of = {n.url: n.name for n in nats3.nodes}
+    assert leader in name_of.values()
+    urls = sorted(nats3.urls, key=lambda u: name_of[u] == leader)      # the leader last: not the first in turn
+    journal = open_sole_writer(replace(config, servers=tuple(urls)), lease_seconds=3600)
+    direct = journal.store.link.direct
+    rng = np.random.default_rng(20)
+    workers = [f"w{i}" for i in rng.permutation(8)]
+
+    def register(worker: str) -> None:
+        journal.execute("RegisterWorker", pb.RegisterWorkerRequest(worker_id=worker, pool="p", backend="cpu",
+                                                                   address="127.0.0.1:1"),
+                        journal.api.RegisterWorker)
+    try:
+        journal.execute("CreatePool", create_request("p", CacheSpec.uniform(2, 1, 64, page_size=16),
+                                                     Sizing(num_slots=32, max_seq_len=256), ()),
+                        journal.api.CreatePool)
+        for w in workers[:3]:
+            register(w)
+        assert direct.server_name == leader and direct.connects == 2        # the fence went through urls[0]
+        direct.close()                             # what the journal does after a publish that timed out
+        register(workers[3])
+        assert direct.server_name == name_of[urls[0]] != leader       # the next server in turn, not the preferred
+        journal.store.prefer_stream_leader()
+        register(workers[4])
+        assert direct.server_name == leader
+        direct.prefer("no-such-server")
+        register(workers[5])
+        assert direct.server_name in name_of.values() and direct._preferred is None
+        assert journal.seq == 7 and journal.failed is None
+    finally:
+        journal.close(snapshot=False)
+    check = open_journal(config, lease_seconds=3600)   # every entry, whichever server took it, in the stream
+    try:
+        assert sorted(w.worker_id for w in check.manager.workers.workers()) == sorted(workers[:6])
+    finally:
+        check.close(snapshot=False)
+
+
 def test_workers_keep_their_epoch_across_a_takeover(nats3):
     from prometheus_client import generate_latest
 

@@ -77,6 +77,9 @@ class DirectPublisher:
         self._lock = threading.Lock()
         self._tokens = itertools.count(1)
         self._inbox = f"_INBOX.kvs{secrets.token_hex(10)}"
+        self.server_name = ""                   # the server this connection is on (its INFO); "" if none
+        self._preferred: str | None = None      # the server to publish through, if reachable (prefer)
+        self._names: dict[str, str] = {}        # url -> the server name it gave when last connected
 
     # ---- the one operation ---------------------------------------------------------------------
     def request(self, subject: str, payload: bytes, headers: dict[str, str], timeout: float) -> Reply:
@@ -110,55 +113,89 @@ class DirectPublisher:
             except TimeoutError:                   # no reply in time; a partial message stays buffered whole
                 raise nats.errors.TimeoutError from None
             except (OSError, DirectError):
-                self._drop()
+                self._drop(forget_preference=True)
                 raise
             except (ValueError, IndexError) as err:   # a malformed protocol line: this connection is out of step
-                self._drop()
+                self._drop(forget_preference=True)
                 raise DirectError(f"the NATS server sent a malformed protocol line ({err})") from None
 
     def close(self) -> None:
+        """Drop the connection (and any preference: the next request connects to the next server in turn)."""
         with self._lock:
-            self._drop()
+            self._drop(forget_preference=True)
+
+    def prefer(self, server_name: str | None) -> None:
+        """Publish through the server named server_name from the next request on, if it is one of the servers
+        and reachable; None: any server.
+
+        The journal names its stream's Raft leader (NatsStore.prefer_stream_leader): a publish sent to another
+        server is forwarded to the leader and its acknowledgement back, two more hops on every append. Only
+        the route changes: whichever server receives a publish, the stream leader checks it. A failed request
+        or close() forgets the preference, so that a retry goes to the next server as without one.
+        """
+        with self._lock:
+            self._preferred = server_name or None
+            if self._sock is not None and self._preferred not in (None, self.server_name):
+                self._drop()                       # the next request connects to it (or to any if it cannot)
 
     # ---- connection ----------------------------------------------------------------------------
     def _connect(self, timeout: float) -> None:
-        errors = []
-        for i in range(len(self.servers)):
-            url = self.servers[(self._next + i) % len(self.servers)]
-            parts = urlsplit(url if "://" in url else "nats://" + url)
-            deadline = time.monotonic() + timeout
-            try:
-                sock = socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 4222), timeout)
-            except OSError as err:
-                errors.append(f"{url}: {err}")
-                continue
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._sock, self._buf = sock, bytearray()
-            try:
-                line = self._read_line(deadline)
-                if not line.startswith(b"INFO "):
-                    raise DirectError(f"{url} does not speak the NATS protocol (first line {line[:40]!r})")
-                info = json.loads(line[5:])
-                if info.get("tls_required") or info.get("auth_required"):
-                    raise DirectError(f"{url} requires TLS or credentials, which --state nats:// does not carry")
-                if not info.get("headers"):
-                    raise DirectError(f"{url} does not support message headers (nats-server >= 2.2 needed)")
-                self.max_payload = int(info.get("max_payload", 1 << 20))
-                connect = {"verbose": False, "pedantic": False, "headers": True, "no_responders": True,
-                           "protocol": 1, "name": self.name, "lang": "python-kvservice-direct", "version": "1"}
-                self._send(b"CONNECT %s\r\nSUB %s.* 1\r\nPING\r\n" % (json.dumps(connect).encode(),
-                                                                       self._inbox.encode()))
-                while self._read_message(deadline, until_pong=True) != "pong":
-                    pass
-            except (OSError, DirectError, ValueError) as err:
-                self._drop()
-                errors.append(f"{url}: {err}")
-                continue
-            self._next = (self._next + i + 1) % len(self.servers)   # the next reconnection tries another
-            self.connects += 1
-            self._last_io = time.monotonic()
-            return
+        errors: list[str] = []
+        n = len(self.servers)
+        order = [(self._next + i) % n for i in range(n)]
+        want = self._preferred if n > 1 else None
+        if want is not None:                       # the preferred server first: any not known to be another
+            for k in order:
+                if self._names.get(self.servers[k], want) == want and self._open(k, timeout, errors, want):
+                    return
+            self._preferred = None                 # not reachable now: any server, in turn, as without one
+        for k in order:
+            if self._open(k, timeout, errors, None):
+                return
         raise DirectError(f"cannot open the journal's NATS connection: {'; '.join(errors)}")
+
+    def _open(self, k: int, timeout: float, errors: list[str], want: str | None) -> bool:
+        """Connect to servers[k] (want: only if it is the server of that name); False with the reason in errors."""
+        url = self.servers[k]
+        parts = urlsplit(url if "://" in url else "nats://" + url)
+        deadline = time.monotonic() + timeout
+        try:
+            sock = socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 4222), timeout)
+        except OSError as err:
+            errors.append(f"{url}: {err}")
+            return False
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock, self._buf = sock, bytearray()
+        try:
+            line = self._read_line(deadline)
+            if not line.startswith(b"INFO "):
+                raise DirectError(f"{url} does not speak the NATS protocol (first line {line[:40]!r})")
+            info = json.loads(line[5:])
+            name = str(info.get("server_name", ""))
+            self._names[url] = name
+            if want is not None and name != want:
+                self._drop()
+                return False
+            if info.get("tls_required") or info.get("auth_required"):
+                raise DirectError(f"{url} requires TLS or credentials, which --state nats:// does not carry")
+            if not info.get("headers"):
+                raise DirectError(f"{url} does not support message headers (nats-server >= 2.2 needed)")
+            self.max_payload = int(info.get("max_payload", 1 << 20))
+            connect = {"verbose": False, "pedantic": False, "headers": True, "no_responders": True,
+                       "protocol": 1, "name": self.name, "lang": "python-kvservice-direct", "version": "1"}
+            self._send(b"CONNECT %s\r\nSUB %s.* 1\r\nPING\r\n" % (json.dumps(connect).encode(),
+                                                                   self._inbox.encode()))
+            while self._read_message(deadline, until_pong=True) != "pong":
+                pass
+        except (OSError, DirectError, ValueError) as err:
+            self._drop()
+            errors.append(f"{url}: {err}")
+            return False
+        self._next = (k + 1) % len(self.servers)   # the next reconnection tries another
+        self.server_name = name
+        self.connects += 1
+        self._last_io = time.monotonic()
+        return True
 
     def _check_open(self) -> None:
         """After a quiet spell: read what arrived without waiting; drop the connection if the server closed it.
@@ -179,13 +216,15 @@ class DirectPublisher:
         except OSError:
             self._drop()
 
-    def _drop(self) -> None:
+    def _drop(self, forget_preference: bool = False) -> None:
         if self._sock is not None:
             try:
                 self._sock.close()
             except OSError:
                 pass
-        self._sock, self._buf = None, bytearray()
+        self._sock, self._buf, self.server_name = None, bytearray(), ""
+        if forget_preference:
+            self._preferred = None
 
     # ---- wire ----------------------------------------------------------------------------------
     def _send(self, data: bytes) -> None:
