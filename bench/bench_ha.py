@@ -5,7 +5,8 @@ Writes a markdown report (default bench/results/ha.md), everything measured in o
      a request_id each) with the SQLite journal (sync=full, the default, and sync=normal) and
      the NATS JetStream journal (1 node R1; 3-node cluster R3; both with sync_interval: always as
      shipped, and R3 with JetStream's default sync to show what fsync before ack costs),
-     configurations interleaved;
+     configurations interleaved; for each timed Step, the manager's own time in its journal write
+     (Journal._commit), so that the table says how much of a Step is the write and how much the rest;
   2. the fault run (tests/integration/fault_harness.py): three managers on a 3-node NATS cluster
      (R3, the default lease), three scheduler-like clients on the public LeaderClient, every
      connection through a loopback link the bench can cut; N kill -9 of the leader at random
@@ -14,7 +15,9 @@ Writes a markdown report (default bench/results/ha.md), everything measured in o
      each fault the replicated state is recovered read-only and compared exactly with what the
      clients were acknowledged; failover = kill to the first Step acknowledged by the new leader.
 Timings are measured, never asserted.
-Usage: python bench/bench_ha.py [--out FILE] [--quick] [--kills N] [--latency-only] [--with-loop-path]
+Usage: python bench/bench_ha.py [--out FILE] [--quick] [--kills N] [--latency-only | --latency-report |
+       --faults-only] [--with-loop-path]
+       [--with-first-server]
 """
 
 from __future__ import annotations
@@ -53,7 +56,8 @@ NAMES = {"sqlite-full": "SQLite, sync=full (default `--state-dir`)", "sqlite-nor
          "nats-r1": "NATS JetStream, 1 node, R1, sync_interval: always",
          "nats-r3": "NATS JetStream, 3 nodes, R3, sync_interval: always (production)",
          "nats-r3-nosync": "NATS JetStream, 3 nodes, R3, JetStream's default sync (not shipped)",
-         "nats-r3-loop": "NATS JetStream, 3 nodes, R3, appends through the nats-py loop (the path replaced)"}
+         "nats-r3-loop": "NATS JetStream, 3 nodes, R3, appends through the nats-py loop (the path replaced)",
+         "nats-r3-first": "NATS JetStream, 3 nodes, R3, appends through the first server listed (the route replaced)"}
 #: The long run's compaction: small enough that snapshots are written many times over the kills.
 BENCH_COMPACT_EVERY = 2000
 
@@ -66,16 +70,46 @@ def _loop_publish(store: NatsStore, payload: bytes, headers: dict[str, str]) -> 
     return int(ack.seq), bool(ack.duplicate)
 
 
-def step_latency(kind: str, b: int, n: int, tmp: Path, clusters: dict[str, NatsCluster]) -> np.ndarray:
+def _timed_writes(journal: Journal) -> list[float]:
+    """Seconds of each journal write (Journal._commit: the store's append, and the SQLite store's mark) from now on,
+    measured inside the manager around the same call for every journal."""
+    out: list[float] = []
+    commit = journal._commit
+
+    def timed(method: str, data: bytes, now: float) -> None:
+        t0 = time.perf_counter()
+        try:
+            commit(method, data, now)
+        finally:
+            out.append(time.perf_counter() - t0)
+    journal._commit = timed                                     # type: ignore[method-assign]
+    return out
+
+
+def _cpu_seconds(cluster: NatsCluster) -> float:
+    """CPU time (user + system) the cluster's nats-server processes have used so far."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for node in cluster.nodes:
+        fields = Path(f"/proc/{node.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()   # type: ignore[union-attr]
+        total += int(fields[11]) + int(fields[12])
+    return total / tick
+
+
+def step_latency(kind: str, b: int, n: int, tmp: Path,
+                 clusters: dict[str, NatsCluster]) -> tuple[np.ndarray, np.ndarray, float]:
+    """Seconds per Step over gRPC (n timed); for each of those Steps, the seconds its journal write took; and the
+    NATS servers' CPU seconds per Step over the whole call (its setup Steps and warm-up included; NaN for SQLite)."""
     if kind.startswith("sqlite"):
         d = tmp / uuid.uuid4().hex
         running = serve(journal=Journal.open(d, config=JournalConfig(sync=kind.split("-")[1])))
+        writes = _timed_writes(running.journal)
         try:
-            return grpc_step_times(running.port, b, n)
+            return grpc_step_times(running.port, b, n), np.array(writes[-n:]), float("nan")
         finally:
             running.stop(0)
             shutil.rmtree(d, ignore_errors=True)
-    cluster = clusters[kind.removesuffix("-loop")]
+    cluster = clusters[kind.removesuffix("-loop").removesuffix("-first")]
     config = NatsConfig(tuple(cluster.urls), name="lat" + uuid.uuid4().hex[:8], replicas=len(cluster.nodes))
     running, ha = serve_ha(config, LeaseConfig(), "127.0.0.1:0")
     if kind.endswith("-loop"):
@@ -86,7 +120,13 @@ def step_latency(kind: str, b: int, n: int, tmp: Path, clusters: dict[str, NatsC
             if time.monotonic() > deadline:
                 raise RuntimeError(f"no takeover: {ha.failed}")
             time.sleep(0.01)
-        return grpc_step_times(running.port, b, n)
+        if kind.endswith("-first"):     # as before prefer_stream_leader: the fence's server, the first listed
+            ha.store.link.direct.close()
+            ha.store.link.direct._next = 0
+        writes = _timed_writes(ha.journal)
+        cpu0 = _cpu_seconds(cluster)
+        times = grpc_step_times(running.port, b, n)
+        return times, np.array(writes[-n:]), (_cpu_seconds(cluster) - cpu0) / len(writes)
     finally:
         stop_ha(running, ha, grace=0)
 
@@ -153,10 +193,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kills", type=int, default=0, help="leader kills (default 32; 8 with --quick)")
     ap.add_argument("--with-loop-path", action="store_true",
                     help="one more latency row: R3 with appends through the nats-py loop, the path replaced")
+    ap.add_argument("--with-first-server", action="store_true",
+                    help="one more latency row: R3 with appends through the first server listed rather than the "
+                         "stream's leader, the route replaced")
     ap.add_argument("--latency-only", action="store_true",
                     help="only the Step latency rows and the publish breakdown, printed (no report written)")
     ap.add_argument("--other-faults", type=int, default=8,
                     help="faults other than leader kills, spread among the kills (default 8; 0: kills only)")
+    ap.add_argument("--latency-report", action="store_true",
+                    help="only the Step latency rows and the publish breakdown, written into the report; it keeps the "
+                         "fault sections of the file it replaces")
     ap.add_argument("--faults-only", action="store_true",
                     help="only the fault run; the report keeps the Step latency sections of the file it replaces")
     args = ap.parse_args(argv)
@@ -173,26 +219,35 @@ def main(argv: list[str] | None = None) -> int:
                         "nats-r3-nosync": NatsCluster(tmp / "r3n", 3, sync_always=False).start()}
             try:
                 for b in BATCHES:
-                    kinds = (*KINDS, "nats-r3-loop") if args.with_loop_path else KINDS
-                    samples: dict[str, list[np.ndarray]] = {k: [] for k in kinds}
+                    kinds = (*KINDS, *(["nats-r3-loop"] if args.with_loop_path else []),
+                             *(["nats-r3-first"] if args.with_first_server else []))
+                    samples: dict[str, list[tuple[np.ndarray, np.ndarray, float]]] = {k: [] for k in kinds}
                     for _ in range(rounds):              # interleaved: machine drift hits every configuration alike
                         for kind in kinds:
-                            samples[kind].append(step_latency(kind, b, n // rounds, tmp, clusters) * 1e3)
+                            samples[kind].append(step_latency(kind, b, n // rounds, tmp, clusters))
                     for kind in kinds:
-                        t = np.concatenate(samples[kind])
-                        rows.append((b, kind, np.percentile(t, 50), np.percentile(t, 99)))
-                        print(f"B={b:<4} {kind:<15} p50 {rows[-1][2]:.3f} ms  p99 {rows[-1][3]:.3f} ms", flush=True)
+                        t = np.concatenate([s for s, _, _ in samples[kind]]) * 1e3
+                        w = np.concatenate([w for _, w, _ in samples[kind]]) * 1e3
+                        cpu = float(np.mean([c for _, _, c in samples[kind]])) * 1e3
+                        rows.append((b, kind, np.percentile(t, 50), np.percentile(t, 99), np.percentile(w, 50),
+                                     np.percentile(t - w, 50), cpu))
+                        print(f"B={b:<4} {kind:<15} p50 {rows[-1][2]:.3f} ms  p99 {rows[-1][3]:.3f} ms  journal write "
+                              f"p50 {rows[-1][4]:.3f} ms  the rest p50 {rows[-1][5]:.3f} ms  NATS CPU {cpu:.3f} ms",
+                              flush=True)
                 rtt = {k: publish_rtt(clusters[k], n) for k in ("nats-r1", "nats-r3", "nats-r3-nosync")}
             finally:
                 for c in clusters.values():
                     c.stop()
-            base = {b: p50 for b, k, p50, _ in rows if k == "sqlite-full"}
-            for b, k, p50, _ in rows:
+            base = {b: p50 for b, k, p50, *_ in rows if k == "sqlite-full"}
+            for b, k, p50, *_ in rows:
                 print(f"B={b:<4} {k:<15} {p50 / base[b]:.2f}x of sqlite-full")
             for k, v in rtt.items():
                 print(f"{k}: publish on the loop {v[0]:.3f} ms, through the link {v[1]:.3f} ms, "
                       f"direct {v[2]:.3f} ms, empty hop {v[3]:.3f} ms")
             if args.latency_only:
+                return 0
+            if args.latency_report:
+                write_latency_report(args, rows, rtt, n, rounds)
                 return 0
         lab = FaultLab(tmp / "lab", managers=3, loaders=3, extra=("--compact-every", str(BENCH_COMPACT_EVERY)),
                        nats_name="bench" + uuid.uuid4().hex[:6])
@@ -289,18 +344,13 @@ def _snapshots_written(lab: FaultLab) -> int:
                for s in lab.system.slots for p in s.root.glob(f"{s.name}-*/manager.log"))
 
 
-def write_report(args: argparse.Namespace, rows: list, rtt: dict[str, tuple[float, float, float, float]],
-                 outcomes: list[Outcome], acked: int, stale: int, errors: list[str], split: dict, replays: list[int],
-                 snapshots: int, minutes: float, lease: LeaseConfig, n: int, rounds: int,
-                 split_rows: list[dict[str, float]]) -> None:
-    kills = [o for o in outcomes if o.fault == "kill -9 leader"]
-    f = np.array([o.seconds for o in kills])
-    base = {b: p50 for b, k, p50, _ in rows if k == "sqlite-full"}
+def _title(args: argparse.Namespace) -> list[str]:
+    """The report's title and its run line: date, machine, NATS version, command, load."""
     load = os.getloadavg()[0]
     busy = max(load, args.load_at_start) > (os.cpu_count() or 1)
     shared = (" (above the CPU count: besides the bench's own NATS servers, managers and clients, other jobs "
               "may have run: compare rows of this run)") if busy else ""
-    lines = [
+    return [
         "# Replicated manager: faults, failover and journal cost", "",
         f"{datetime.date.today()}, {platform.node()}, {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} CPUs, Python {platform.python_version()}, "
@@ -308,8 +358,74 @@ def write_report(args: argparse.Namespace, rows: list, rtt: dict[str, tuple[floa
         f"server on loopback. Command: `python bench/bench_ha.py"
         f"{' --quick' if args.quick else ''}{f' --kills {args.kills}' if args.kills else ''}"
         f"{f' --other-faults {args.other_faults}' if args.other_faults != 8 else ''}"
-        f"{' --faults-only' if args.faults_only else ''}`. 1-minute load "
-        f"average at the start {args.load_at_start:.1f}, at the end {load:.1f}{shared}.", "",
+        f"{' --faults-only' if args.faults_only else ''}{' --latency-report' if args.latency_report else ''}"
+        f"{' --with-loop-path' if args.with_loop_path else ''}"
+        f"{' --with-first-server' if args.with_first_server else ''}`. 1-minute load "
+        f"average at the start {args.load_at_start:.1f}, at the end {load:.1f}{shared}.", ""]
+
+
+def _latency_lines(rows: list, rtt: dict[str, tuple[float, float, float, float]], n: int, rounds: int) -> list[str]:
+    """The Step latency sections: the table of Steps (and where each Step's time went) and the publish table."""
+    base = {b: p50 for b, k, p50, *_ in rows if k == "sqlite-full"}
+    lines = [
+        "## Step latency: replicated journal against SQLite, both fsyncing", "",
+        f"Decode Step over gRPC (each of B sequences of 512+ tokens gains one token; page tables returned; 32 "
+        f"layers, page 16; a request_id each), {n} steps per row ({rounds} rounds of {n // rounds}, "
+        "configurations interleaved, 50 warm-up steps each, a fresh manager and state each round). NATS rows: "
+        "one replicated manager holding the lease (its standbys would run on other nodes); no fault links. "
+        "Journal write: the manager's own time in `Journal._commit` for each timed Step (the store's append: "
+        "for NATS the publish and its acknowledgement, for SQLite the commit and its fsync, and the high-water "
+        "mark); the rest: each Step's time less its write (gRPC both ways, decoding, the step itself, the "
+        "journal's other work). NATS CPU: the CPU time (user + system) the NATS servers used per Step, all "
+        "of them together, averaged over each round's journaled requests (warm-up included); every process of a "
+        "row shares the same 2 CPUs.", "",
+        "| B | journal | p50 ms | p99 ms | p50 vs SQLite sync=full | journal write p50 ms | the rest p50 ms | "
+        "NATS CPU ms per Step |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for b, k, p50, p99, write, rest, cpu in rows:
+        lines.append(f"| {b} | {NAMES[k]} | {p50:.3f} | {p99:.3f} | {p50 / base[b]:.2f}x | {write:.3f} | {rest:.3f} | "
+                     f"{'' if np.isnan(cpu) else f'{cpu:.3f}'} |")
+    lines += ["", f"Where the NATS journal's share goes ({n} publishes of 300 bytes, each awaited; p50 ms; measured "
+              "after the Step rows). A journal append uses the direct connection (kvservice/state/nats/direct.py: the "
+              "appending thread sends and waits for the acknowledgement itself); the nats-py columns are the path it "
+              "replaced:",
+              "", "| cluster | nats-py, awaited on its loop | nats-py through NatsLink.call (sync caller) | "
+              "direct connection (sync caller) | an empty NatsLink.call (thread hop) |",
+              "|---|---:|---:|---:|---:|"]
+    for k, (in_loop, hop, direct, empty) in rtt.items():
+        lines.append(f"| {NAMES[k].removeprefix('NATS JetStream, ')} | {in_loop:.3f} | {hop:.3f} | "
+                     f"{direct:.3f} | {empty:.3f} |")
+    return lines
+
+
+def write_latency_report(args: argparse.Namespace, rows: list, rtt: dict[str, tuple[float, float, float, float]],
+                         n: int, rounds: int) -> None:
+    """The report with this run's Step latency sections; the fault sections are kept from the file it replaces."""
+    lines = _title(args)
+    if Path(args.out).exists() and "## Faults" in (old := Path(args.out).read_text()):
+        note = "(The fault sections are kept from an earlier run, this one was `--latency-report`: "
+        end = old.index("## Step latency") if "## Step latency" in old else len(old)
+        kept = old[old.index("## Faults"):end].rstrip("\n").split("\n")
+        carried = [ln for ln in kept if ln.startswith(note)]
+        kept = [ln for ln in kept if not ln.startswith(note)]
+        while kept and not kept[-1]:
+            kept.pop()
+        first = old.split("\n\n", 2)[1]                 # the replaced file's run: date, machine, load
+        lines += [*kept, "", carried[0] if carried else f"{note}{first})", ""]
+    lines += _latency_lines(rows, rtt, n, rounds)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print(f"wrote {args.out}")
+
+
+def write_report(args: argparse.Namespace, rows: list, rtt: dict[str, tuple[float, float, float, float]],
+                 outcomes: list[Outcome], acked: int, stale: int, errors: list[str], split: dict, replays: list[int],
+                 snapshots: int, minutes: float, lease: LeaseConfig, n: int, rounds: int,
+                 split_rows: list[dict[str, float]]) -> None:
+    kills = [o for o in outcomes if o.fault == "kill -9 leader"]
+    f = np.array([o.seconds for o in kills])
+    lines = [
+        *_title(args),
         "## Faults", "",
         f"Three managers (`kvservice serve --state nats://... --nats-replicas 3 --compact-every "
         f"{BENCH_COMPACT_EVERY}`, default lease: TTL {lease.ttl_seconds:g} s, renewed every "
@@ -348,24 +464,7 @@ def write_report(args: argparse.Namespace, rows: list, rtt: dict[str, tuple[floa
               f"{int(np.median(replays)) if replays else 0}); snapshots written: {snapshots}. The journal was "
               "replayed from NATS after every fault, the last one included.", ""]
     if rows:
-        lines += [
-            "## Step latency: replicated journal against SQLite, both fsyncing", "",
-            f"Decode Step over gRPC (each of B sequences of 512+ tokens gains one token; page tables returned; 32 "
-            f"layers, page 16; a request_id each), {n} steps per row ({rounds} rounds of {n // rounds}, "
-            "configurations interleaved, 50 warm-up steps each, a fresh manager and state each round). NATS rows: "
-            "one replicated manager holding the lease (its standbys would run on other nodes); no fault links.", "",
-            "| B | journal | p50 ms | p99 ms | p50 vs SQLite sync=full |", "|---:|---|---:|---:|---:|"]
-        for b, k, p50, p99 in rows:
-            lines.append(f"| {b} | {NAMES[k]} | {p50:.3f} | {p99:.3f} | {p50 / base[b]:.2f}x |")
-        lines += ["", f"Where the NATS journal's share goes ({n} publishes of 300 bytes, each awaited; p50 ms). A "
-                  "journal append uses the direct connection (kvservice/state/nats/direct.py: the appending thread "
-                  "sends and waits for the acknowledgement itself); the nats-py columns are the path it replaced:",
-                  "", "| cluster | nats-py, awaited on its loop | nats-py through NatsLink.call (sync caller) | "
-                  "direct connection (sync caller) | an empty NatsLink.call (thread hop) |",
-                  "|---|---:|---:|---:|---:|"]
-        for k, (in_loop, hop, direct, empty) in rtt.items():
-            lines.append(f"| {NAMES[k].removeprefix('NATS JetStream, ')} | {in_loop:.3f} | {hop:.3f} | "
-                         f"{direct:.3f} | {empty:.3f} |")
+        lines += _latency_lines(rows, rtt, n, rounds)
     elif Path(args.out).exists() and "## Step latency" in (old := Path(args.out).read_text()):
         note = "(The Step latency sections are kept from an earlier run, this one was `--faults-only`: "
         kept = old[old.index("## Step latency"):].rstrip("\n").split("\n")
