@@ -283,7 +283,9 @@ def _wait_until(cond, timeout: float = 60.0) -> None:
 
 def test_appends_go_through_the_stream_leader_and_a_failed_one_moves_on_to_the_next_server(nats3):
     """The direct connection publishes through the stream's Raft leader (no forwarding hop); after a failure the
-    retry goes to the next server in turn, as without the preference; an unknown name falls back to any server."""
+    retry goes to the next server in turn, as without the preference, and the leader is read again once it got
+    through; an unknown name falls back to any server."""
+    import socket
     from dataclasses import replace
 
     from kvservice.server.ha import open_sole_writer
@@ -305,7 +307,7 @@ def test_appends_go_through_the_stream_leader_and_a_failed_one_moves_on_to_the_n
     journal = open_sole_writer(replace(config, servers=tuple(urls)), lease_seconds=3600)
     direct = journal.store.link.direct
     rng = np.random.default_rng(20)
-    workers = [f"w{i}" for i in rng.permutation(8)]
+    workers = [f"w{i}" for i in rng.permutation(9)]
 
     def register(worker: str) -> None:
         journal.execute("RegisterWorker", pb.RegisterWorkerRequest(worker_id=worker, pool="p", backend="cpu",
@@ -327,12 +329,24 @@ def test_appends_go_through_the_stream_leader_and_a_failed_one_moves_on_to_the_n
         direct.prefer("no-such-server")
         register(workers[5])
         assert direct.server_name in name_of.values() and direct._preferred is None
-        assert journal.seq == 7 and journal.failed is None
+        journal.store.prefer_stream_leader()
+        register(workers[6])
+        assert direct.server_name == leader
+        direct._sock.shutdown(socket.SHUT_RDWR)    # the connection breaks under the next publish: it is retried,
+        register(workers[7])                       # on the next server, and the stream's leader is read again
+        assert journal.store.append_retries == 1 and direct.server_name != leader
+        deadline = time.monotonic() + 30
+        while direct._preferred != leader:
+            assert time.monotonic() < deadline, "the stream's leader was not read again after the retry"
+            time.sleep(0.01)
+        register(workers[8])
+        assert direct.server_name == leader
+        assert journal.seq == 10 and journal.failed is None
     finally:
         journal.close(snapshot=False)
     check = open_journal(config, lease_seconds=3600)   # every entry, whichever server took it, in the stream
     try:
-        assert sorted(w.worker_id for w in check.manager.workers.workers()) == sorted(workers[:6])
+        assert sorted(w.worker_id for w in check.manager.workers.workers()) == sorted(workers)
     finally:
         check.close(snapshot=False)
 

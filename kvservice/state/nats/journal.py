@@ -126,6 +126,7 @@ class NatsStore(StreamReader, JournalStore):
         self._obs: Any = None
         self._stream_at: dict[int, int] = {}    # journal position -> stream sequence of its last message
         self._at_lock = threading.Lock()
+        self._relearning = threading.Lock()     # held while the stream's leader is read again (a thread)
         self.max_part_bytes = max(4096, link.nc.max_payload - _HEADER_ROOM)
         self._obs = self._call(ensure_assets(link.js, self.config, self.path, create),
                                max(10.0, 3 * self.config.request_seconds),
@@ -324,13 +325,27 @@ class NatsStore(StreamReader, JournalStore):
             self._stream_at[self.seq] = self.last_stream_seq     # a snapshot at this position reads on after it
         self.prefer_stream_leader()
 
+    def _relearn_stream_leader(self) -> None:
+        """prefer_stream_leader on a thread of its own (one at a time): the Step whose publish was retried does
+        not wait for the stream's info."""
+        if self._relearning.acquire(blocking=False):
+            def run() -> None:
+                try:
+                    self.prefer_stream_leader()
+                except Exception as err:         # the store closed meanwhile (its loop gone): nothing to route
+                    log.debug("%s: stream leader not read again: %s", self.path, err)
+                finally:
+                    self._relearning.release()
+            threading.Thread(target=run, name="kvs-stream-leader", daemon=True).start()
+
     def prefer_stream_leader(self) -> None:
         """Send appends to the server that leads the stream's Raft group (DirectPublisher.prefer), as it is now.
 
-        Best effort, once per fence: the route changes, not what a publish must pass. A publish to another
+        Best effort, at each fence and after each publish that got through on a retry (on a thread of its own:
+        the leader may have moved): the route changes, not what a publish must pass. A publish to another
         server is forwarded to the leader, and its acknowledgement back: about 0.1 ms of a 1 ms append on the
-        3-node loopback cluster (bench/results/ha.md). After a failed publish the connection goes to the next
-        server in turn, as before, until the next fence.
+        3-node loopback cluster (bench/results/ha.md). A failed publish forgets the preference, so its retry
+        goes to the next server in turn, as before.
         """
         try:
             info = self._call(self.link.js.stream_info(self.config.stream), what="reading the stream's leader")
@@ -373,6 +388,8 @@ class NatsStore(StreamReader, JournalStore):
                 why = err
             else:
                 self.last_stream_seq = check_ack(stream_seq, duplicate, sent_before, self.last_stream_seq)
+                if sent_before:
+                    self._relearn_stream_leader()    # a retry got through: the stream's leader may have moved
                 return
             if time.monotonic() + delay >= deadline:
                 raise StoreError(f"NATS did not store the journal entry within {c.append_seconds:g} s "
