@@ -97,7 +97,7 @@ class StreamSession:
         h = self.held
         if h is None:
             return 0
-        return h.seq_ids.nbytes + h.num_tokens.nbytes + sum(a.nbytes for a in (*h.first, *h.last))
+        return h.seq_ids.nbytes + h.num_tokens.nbytes
 
     def forget(self) -> None:
         """Drop what the session keeps for speed (the next reply carries full tables)."""
@@ -149,8 +149,7 @@ class StreamSession:
         with lock:
             held = self.held
             if delta and held is not None and held.usable(pool, request.delta_base):
-                tables = any(pool.windows)       # slot mappings suffice without sliding windows, and a steady
-                res = api.run_step(pool, step, tables=tables, mappings=tables)   # decode step needs only its new pages
+                res = api.run_step(pool, step, tables=False, mappings=False)    # its changes are all a delta needs
                 reply, self.held = encode_delta(pool, res, held, seq, derive=request.accept_tokens_added)
                 reply.pool_incarnation = incarnation
                 return reply
