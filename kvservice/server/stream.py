@@ -58,6 +58,7 @@ from kvservice.contract.errors import (
     NotFound,
     ResourceExhausted,
 )
+from kvservice.contract.received import unwrap
 from kvservice.contract.transport import STREAM_ID_KEY
 from kvservice.manager.api import ManagerAPI, step_reply
 from kvservice.manager.delta import HeldTables, encode_delta, held_from_full
@@ -246,6 +247,7 @@ def step_one(servicer: Any, session: StreamSession, request: Any, broken: type[E
     """
     start = time.perf_counter()
     reply = None
+    request, received = unwrap(request)             # the bytes it arrived as, which the journal appends
     ok = isinstance(request, pb.StepRequest)
     seq = request.stream_seq if ok else 0
     try:
@@ -268,7 +270,8 @@ def step_one(servicer: Any, session: StreamSession, request: Any, broken: type[E
                     return session.apply(servicer.api, r, step)
 
                 with servicer.api.manager.events.transaction():    # its KV events show once it is journaled
-                    reply = journal.execute("Step", request, apply) if journal is not None else apply(request)
+                    reply = journal.execute("Step", request, apply, received) if journal is not None \
+                        else apply(request)
             finally:
                 session.last_seq = max(session.last_seq, seq)
                 session.account()
