@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from kvservice.client import BlockManagerClient  # noqa: E402
 from kvservice.contract.geometry import CacheSpec  # noqa: E402
+from kvservice.contract.received import Received  # noqa: E402
 from kvservice.contract.sizing import Sizing  # noqa: E402
 from kvservice.core.allocator import SlotAllocator  # noqa: E402
 from kvservice.core.planner import plan  # noqa: E402
@@ -340,7 +341,7 @@ def bench_stream_breakdown(steps: int, batches: tuple[int, ...] = BATCHES,
             if gap:
                 time.sleep(gap)
             t2 = time.perf_counter()
-            reply = step_one(sv, session, pb.StepRequest.FromString(data), JournalUnavailable, observe)
+            reply = step_one(sv, session, Received(pb.StepRequest.FromString(data), data), JournalUnavailable, observe)
             wire = reply.SerializeToString()
             t3 = time.perf_counter()
             core.result(pb.StepReply.FromString(wire), True, False)

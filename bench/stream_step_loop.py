@@ -1,5 +1,6 @@
 """The steady decode loop of bench_manager.bench_stream_breakdown alone (StepStream's server request, stream.step_one,
-with its reply serialized, and the client's request bytes and reply parsing), for instruction counts:
+given the request as the server's parser hands it over (a Received: the message and its bytes), with its reply
+serialized, and the client's request bytes and reply parsing), for instruction counts:
 
     valgrind --tool=callgrind python bench/stream_step_loop.py 256 100    # and 500: (I(500) - I(100)) / 400 per step
 
@@ -17,6 +18,7 @@ from bench_manager import SPEC
 from kvservice.client import codec
 from kvservice.client.stream_core import StreamCore
 from kvservice.contract.errors import JournalUnavailable
+from kvservice.contract.received import Received
 from kvservice.contract.sizing import Sizing
 from kvservice.contract.transport import MAX_MESSAGE_BYTES
 from kvservice.events.publish import configure_events
@@ -48,7 +50,7 @@ lat = []
 for _ in range(total):
     data = core.request_bytes(None, ids, 1, None, None, True, False, {})
     t0 = time.perf_counter()
-    reply = step_one(sv, session, pb.StepRequest.FromString(data), JournalUnavailable, observe)
+    reply = step_one(sv, session, Received(pb.StepRequest.FromString(data), data), JournalUnavailable, observe)
     wire = reply.SerializeToString()
     t1 = time.perf_counter()
     core.result(pb.StepReply.FromString(wire), True, False)

@@ -30,6 +30,7 @@ import grpc
 import yaml
 
 from kvservice.contract.errors import InvalidArgument
+from kvservice.contract.received import unwrap
 from kvservice.v1 import block_manager_pb2 as pb
 
 log = logging.getLogger("kvservice.contract.auth")
@@ -331,7 +332,7 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
             def checked() -> Any:
                 for request in requests:
                     try:
-                        pool = rule.pool(request)
+                        pool = rule.pool(unwrap(request)[0])
                     except AttributeError:      # an unparsable request: the handler refuses it
                         pool = None
                     if pool is not None and not grant.allows_pool(pool):
@@ -353,7 +354,7 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
     def _scoped(inner: Callable[[Any, Any], Any], rule: Rule, grant: Grant, name: str) -> Callable[[Any, Any], Any]:
         def behavior(request: Any, context: grpc.ServicerContext) -> Any:
             try:
-                named = rule.pool(request)
+                named = rule.pool(unwrap(request)[0])
             except AttributeError:          # an unparsable request: the handler refuses it
                 return inner(request, context)
             for pool in named if isinstance(named, list) else (named,):     # ScorePrefix names several

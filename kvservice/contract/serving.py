@@ -16,9 +16,11 @@ from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvservice.contract.auth import ServerTLS
+from kvservice.contract.received import KEEP_BYTES, Received
 from kvservice.contract.transport import MAX_MESSAGE_BYTES
 
 _POOL = _default_pool()
+_MANAGER = "kvservice.v1.BlockManager"
 
 
 def grpc_server(service: str, servicer: object, listen: str, tls: ServerTLS | None = None,
@@ -58,7 +60,8 @@ def lenient_handlers(service: str, servicer: object) -> dict[str, grpc.RpcMethod
     handlers = {}
     for m in _POOL.FindServiceByName(service).methods:
         req_cls, rep_cls = GetMessageClass(m.input_type), GetMessageClass(m.output_type)
-        kw = {"request_deserializer": _parser(req_cls), "response_serializer": rep_cls.SerializeToString}
+        kw = {"request_deserializer": _parser(req_cls, service == _MANAGER and m.name in KEEP_BYTES),
+              "response_serializer": rep_cls.SerializeToString}
         if m.client_streaming:                  # the handler answers a Malformed item of the stream itself
             make = grpc.stream_stream_rpc_method_handler if m.server_streaming else grpc.stream_unary_rpc_method_handler
             handlers[m.name] = make(getattr(servicer, m.name), **kw)
@@ -75,10 +78,11 @@ def add_lenient_service(server: grpc.Server, service: str, servicer: object) -> 
     server.add_registered_method_handlers(service, handlers)
 
 
-def _parser(cls: type) -> Callable[[bytes], object]:
+def _parser(cls: type, keep: bool = False) -> Callable[[bytes], object]:
+    """The request parser of a method: the message, a Received (keep: with its bytes), or a Malformed."""
     def parse(data: bytes) -> object:
         try:
-            return cls.FromString(data)
+            return Received(cls.FromString(data), data) if keep else cls.FromString(data)
         except Exception as err:      # DecodeError, or anything else a hostile payload provokes
             return Malformed(cls.DESCRIPTOR.full_name, err)
     return parse

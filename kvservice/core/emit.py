@@ -50,6 +50,31 @@ class SpaceTables:
 
 
 @dataclass(frozen=True, slots=True)
+class GroupChanges:
+    """What one step changed in one layer group's pages of the rows it extended, from its plan.
+
+    An extension changes a row's pages in three ways only, and these are what incremental tables
+    (kvservice/manager/delta.py) send for a row the client already holds:
+
+    grown: int64 [R] batch positions of the extended rows that gained pages, ascending;
+        counts: int64 [R] the pages each gained; slots: int64 [sum(counts)] their slots, row after row,
+        positions ascending: row grown[i]'s pages [held before, held after) of the step.
+    cow: int64 [C] batch positions of the extended rows whose last page was copied (copy-on-write: it was
+        partly filled and shared), ascending; cow_slots: int64 [C] the slot that now holds that position.
+    moved: int64 [M] batch positions of the extended rows whose first kept page moved (a sliding window
+        released pages at their front), ascending; moved_first: int64 [M] that row's first kept page now.
+    """
+
+    grown: np.ndarray
+    counts: np.ndarray
+    slots: np.ndarray
+    cow: np.ndarray
+    cow_slots: np.ndarray
+    moved: np.ndarray
+    moved_first: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
 class StepResult:
     """Outcome of one step for the scheduled batch (extended, then admitted, then forked sequences).
 
@@ -60,9 +85,11 @@ class StepResult:
     num_free_slots: free slots after the step (fewest over the groups).
     cached_tokens: shape [A], int64; tokens of each admission found in the prefix cache.
     copies: per layer group, int64 [n, 2] (src_slot, dst_slot) pairs to copy before the kernels run.
-    opened: only from a steady decode step asked for no tables and no slot mappings (Pool.step with
-        tables=False, mappings=False; tables is then empty): (rows int64 [n], the batch rows whose new
-        token opened a page; per layer group, int64 [n], the slot of that page). None otherwise.
+    changes: per layer group, what the step changed in the rows it extended (GroupChanges); the rows
+        after them (admitted, forked) are new and described whole by the pool's tables.
+    num_extended: E, the extended rows at the front of the batch.
+    repeat: the batch is the pool's previous step's batch, in the same order, each row extended and nothing
+        shared, freed, admitted or released (the steady decode fast path).
     """
 
     seq_ids: np.ndarray
@@ -72,13 +99,28 @@ class StepResult:
     num_free_slots: int
     cached_tokens: np.ndarray | None = None
     copies: tuple[np.ndarray, ...] = ()
-    opened: tuple[np.ndarray, tuple[np.ndarray, ...]] | None = None
-
+    changes: tuple[GroupChanges, ...] = ()
+    num_extended: int = 0
+    repeat: bool = False
 
 
 NO_COPIES = np.zeros((0, 2), dtype=np.int64)    # StepResult.copies of a group that copies nothing
 NO_ROWS = np.zeros(0, dtype=np.int64)            # no rows (read-only)
 NO_ROWS.flags.writeable = False
+NO_CHANGES = GroupChanges(NO_ROWS, NO_ROWS, NO_ROWS, NO_ROWS, NO_ROWS, NO_ROWS, NO_ROWS)   # a group nothing changed in
+
+
+def grown_changes(nz: np.ndarray, counts: np.ndarray, slots: np.ndarray, num_extended: int,
+                  cow: np.ndarray = NO_ROWS, cow_slots: np.ndarray = NO_ROWS, moved: np.ndarray = NO_ROWS,
+                  moved_first: np.ndarray = NO_ROWS) -> GroupChanges:
+    """GroupChanges of a group whose rows [extended..., others...] at batch positions nz (int64 [R], ascending)
+    gained counts (int64 [R]) pages, whose slots (int64 [sum(counts)], row after row) the allocation returned:
+    the extended rows' part of it (the others are new rows, described whole)."""
+    k = int(nz.searchsorted(num_extended)) if len(nz) and int(nz[-1]) >= num_extended else len(nz)
+    if k < len(nz):
+        nz, counts = nz[:k], counts[:k]
+        slots = slots[:int(np.add.reduce(counts))]
+    return GroupChanges(nz, counts, slots.astype(np.int64, copy=False), cow, cow_slots, moved, moved_first)
 
 
 def emit_tables(spaces: tuple[IndexSpace, ...], page_size: int, slot_tables: list[RowSlots],

@@ -19,14 +19,15 @@ from typing import Any
 
 import numpy as np
 
-from kvservice.core.emit import NO_COPIES, NO_ROWS, StepResult
+from kvservice.core.emit import NO_CHANGES, NO_COPIES, NO_ROWS, GroupChanges, StepResult, grown_changes
 from kvservice.core.stepplan import EMPTY_I64, StepInput, count_in, distinct_counts, distinct_sorted
 
 #: The kvservice.core.pool.Pool a fast path serves (not imported here: pool.py imports this module).
 Pool = Any
 
 
-def full_group_step(pool: Pool, inp: StepInput, tables: bool, block_table: bool) -> StepResult | None:
+def full_group_step(pool: Pool, inp: StepInput, tables: bool, block_table: bool,
+                    mappings: bool = True) -> StepResult | None:
     """A step of a pool with one full-attention layer group and no fork in it: frees, extensions and
     admissions (prefix hits included), planned and committed without the general path's per-group plan.
 
@@ -105,14 +106,17 @@ def full_group_step(pool: Pool, inp: StepInput, tables: bool, block_table: bool)
         rows, old, new, held_new = e_rows, e_old, e_new, e_held_new
     grow = g_hi - g_lo
     nz = grow.nonzero()[0]
+    changes = NO_CHANGES
     if len(nz):
         total = int(np.add.reduce(grow))
         if len(nz) < len(grow):
-            g_rows, g_lo, g_hi = g_rows[nz], g_lo[nz], g_hi[nz]
-        pool._alloc_pages(0, alloc, g_rows, g_lo, g_hi, total)
+            g_rows, g_lo, g_hi, grow = g_rows[nz], g_lo[nz], g_hi[nz], grow[nz]
+        got = pool._alloc_pages(0, alloc, g_rows, g_lo, g_hi, total)
+        changes = grown_changes(nz, grow, got, len(e_rows))
     pool._num_tokens[rows] = new
     pool._held[rows] = held_new
-    return pool._finish(inp, rows, old, new, held_new, a_rows, hits, (NO_COPIES,), tables, block_table)
+    return pool._finish(inp, rows, old, new, held_new, a_rows, hits, (NO_COPIES,), tables, block_table, (changes,),
+                        mappings)
 
 
 def decode_step(pool: Pool, e_ids: np.ndarray, rows: np.ndarray, k: np.ndarray, tables: bool,
@@ -131,23 +135,19 @@ def decode_step(pool: Pool, e_ids: np.ndarray, rows: np.ndarray, k: np.ndarray, 
     total = int(np.add.reduce(need))
     if total > pool.num_free_slots:
         return None
-    nz = NO_ROWS
-    slots: tuple[np.ndarray, ...] = tuple(NO_ROWS for _ in pool.allocators)
+    changes: tuple[GroupChanges, ...] = tuple(NO_CHANGES for _ in pool.allocators)
     if total:
         nz = need.nonzero()[0]
         g_rows, g_lo, g_hi = rows[nz], held_old[nz], held_new[nz]
-        slots = tuple(pool._alloc_pages(g, alloc, g_rows, g_lo, g_hi, total)
-                      for g, alloc in enumerate(pool.allocators))
+        counts = g_hi - g_lo
+        changes = tuple(GroupChanges(nz, counts, pool._alloc_pages(g, alloc, g_rows, g_lo, g_hi, total),
+                                     NO_ROWS, NO_ROWS, NO_ROWS, NO_ROWS) for g, alloc in enumerate(pool.allocators))
     pool._num_tokens[rows] = new
     pool._held[rows] = held_new
     pool.steps += 1
     b = len(rows)
     tok_indptr = np.zeros(b + 1, dtype=np.int64)
     k.cumsum(out=tok_indptr[1:])
-    if not (tables or mappings) and len(pool.allocators) == 1 and total == len(nz) and int(tok_indptr[-1]) == b:
-        # One token per row (so at most one page each): the pages opened are all a delta needs.
-        return StepResult(pool._seq_ids[rows], new, tok_indptr, (), pool.num_free_slots, None,
-                          (NO_COPIES,), (nz, tuple(s.astype(np.int64, copy=False) for s in slots)))
-    return StepResult(pool._seq_ids[rows], new, tok_indptr,
-                      pool._emit(rows, old, new, held_new, tok_indptr, tables, block_table),
-                      pool.num_free_slots, None, tuple(NO_COPIES for _ in pool.allocators))
+    spaces = pool._emit(rows, old, new, held_new, tok_indptr, tables, block_table) if tables or mappings else ()
+    return StepResult(pool._seq_ids[rows], new, tok_indptr, spaces, pool.num_free_slots, None,
+                      tuple(NO_COPIES for _ in pool.allocators), changes, b, True)

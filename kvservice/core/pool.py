@@ -38,7 +38,7 @@ from kvservice.contract.sizing import Plan
 from kvservice.core import fastpaths
 from kvservice.core.allocator import SlotAllocator
 from kvservice.core.cache_events import PoolEvents
-from kvservice.core.emit import NO_COPIES, SpaceTables, StepResult, emit_tables
+from kvservice.core.emit import NO_COPIES, NO_ROWS, GroupChanges, SpaceTables, StepResult, emit_tables, grown_changes
 from kvservice.core.hashing import DEFAULT_MODE, VLLM_DEFAULT_SEED, make_hash_fn
 from kvservice.core.pool_state import POOL_STATE_VERSION, IdRuns, PoolState, as_array, spec_runs
 from kvservice.core.prefix import Namespaces, PrefixCache, register_prompt, run_ending_at
@@ -200,9 +200,8 @@ class Pool:
         admit_ids, admit_tokens: shape [A]; new sequences and the tokens (> 0) each starts with.
         admit_token_ids: shape [sum(admit_tokens)], the admissions' token ids, for prefix caching.
         admit_salts, admit_extra_keys: A strings or none; cache pages are shared only within one pair.
-        mappings: False (with tables=False) lets a steady decode step (the last step's batch, one token each,
-            one layer group, nothing shared) skip slot mappings and tables and report StepResult.opened
-            instead (the stream's incremental tables need nothing else); any other step ignores it.
+        mappings: False (with tables=False): no slot mappings either (StepResult.tables is empty); what the
+            step changed (StepResult.changes) is all the stream's incremental tables need.
         count_ranges: (min, max) of extend_tokens and of admit_tokens if the caller has them (None each: computed).
         Returns the batch (E extended, A admitted, K children) with slot mappings, tables,
         cached token counts and copy-on-write pairs.
@@ -215,11 +214,11 @@ class Pool:
             if res is not None:
                 return res
         if self._fast and self._one_full_group and not len(inp.c_ids):
-            res = self._full_group_step(inp, tables, block_table)
+            res = self._full_group_step(inp, tables, block_table, mappings)
             if res is not None:
                 return res
         plan = self._plan(inp)
-        return self._commit(inp, plan, tables, block_table)
+        return self._commit(inp, plan, tables, block_table, mappings)
 
     # ---- phase 1: validate ---------------------------------------------------------------
     def _validate(self, free_ids: object, extend_ids: object, extend_tokens: object, admit_ids: object,
@@ -449,7 +448,8 @@ class Pool:
         return GroupPlan(need, avail, new_first, cow, hits, cand, a_first, f_slots)
 
     # ---- phase 3: commit ---------------------------------------------------------------
-    def _commit(self, inp: StepInput, plan: StepPlan, tables: bool, block_table: bool) -> StepResult:
+    def _commit(self, inp: StepInput, plan: StepPlan, tables: bool, block_table: bool,
+                mappings: bool = True) -> StepResult:
         """Carry out a plan (nothing can fail here), then emit the batch's tables."""
         ps = self.page_size
         for alloc in self.allocators:
@@ -459,8 +459,7 @@ class Pool:
         if len(c_rows):
             self._fork(inp.p_rows, c_rows)
         e_rows = inp.e_rows
-        for g in self._sliding:
-            self._release_window(g, e_rows, plan.groups[g].new_first)
+        moves = {g: self._release_window(g, e_rows, plan.groups[g].new_first) for g in self._sliding}
         a_rows = self._take_rows(inp.a_ids)
         hits = plan.groups[0].hits
         for g, rs in enumerate(self._slots):
@@ -471,7 +470,8 @@ class Pool:
             if hits is not None and np.logical_or.reduce(hits):
                 self._share_hits(g, a_rows, hits, gp.cand, gp.a_first, inp.prompt)
         a_lo = hits if hits is not None else np.zeros(len(a_rows), dtype=np.int64)
-        copies = tuple(self._grow(g, e_rows, plan, a_rows, a_lo) for g in range(len(self.allocators)))
+        grown = [self._grow(g, e_rows, plan, a_rows, a_lo, moves.get(g)) for g in range(len(self.allocators))]
+        copies = tuple(c for c, _ in grown)
         rows = np.concatenate((e_rows, a_rows, c_rows)) if len(a_rows) or len(c_rows) else e_rows
         c_tokens = self._num_tokens[c_rows]
         old = np.concatenate((plan.e_old, np.zeros(len(a_rows), dtype=np.int64), c_tokens))
@@ -479,14 +479,16 @@ class Pool:
         held_new = (new + (ps - 1)) // ps
         self._num_tokens[rows] = new
         self._held[rows] = held_new
-        return self._finish(inp, rows, old, new, held_new, a_rows, hits, copies, tables, block_table)
+        return self._finish(inp, rows, old, new, held_new, a_rows, hits, copies, tables, block_table,
+                            tuple(ch for _, ch in grown), mappings)
 
     def _finish(self, inp: StepInput, rows: np.ndarray, old: np.ndarray, new: np.ndarray, held_new: np.ndarray,
                 a_rows: np.ndarray, hits: np.ndarray | None, copies: tuple[np.ndarray, ...], tables: bool,
-                block_table: bool) -> StepResult:
+                block_table: bool, changes: tuple[GroupChanges, ...], mappings: bool = True) -> StepResult:
         """The end of a committed step (general path and fastpaths.full_group_step): register the admitted
         prompts, count the step and emit its reply for rows (int64 [B], batch order; old/new/held_new int64 [B]
-        tokens before, after and pages after; hits int64 [A] or None; copies per layer group)."""
+        tokens before, after and pages after; hits int64 [A] or None; copies and changes per layer group;
+        no slot mappings or tables when neither tables nor mappings)."""
         if inp.prompt is not None and len(a_rows):
             self._register(a_rows, inp.prompt)
         self.steps += 1
@@ -496,36 +498,42 @@ class Pool:
         (new - old).cumsum(out=tok_indptr[1:])
         ps = self.page_size
         cached = hits * ps if hits is not None else (np.zeros(len(a_rows), dtype=np.int64) if len(a_rows) else None)
-        return StepResult(self._seq_ids[rows], new, tok_indptr,
-                          self._emit(rows, old, new, held_new, tok_indptr, tables, block_table),
-                          self.num_free_slots, cached, copies)
+        spaces = self._emit(rows, old, new, held_new, tok_indptr, tables, block_table) if tables or mappings else ()
+        return StepResult(self._seq_ids[rows], new, tok_indptr, spaces, self.num_free_slots, cached, copies, changes,
+                          len(inp.e_rows))
 
     def _decode_step(self, e_ids: np.ndarray, rows: np.ndarray, k: np.ndarray, tables: bool,
                      block_table: bool, mappings: bool = True) -> StepResult | None:
         """fastpaths.decode_step: the steady decode loop (None: the general path runs, and raises)."""
         return fastpaths.decode_step(self, e_ids, rows, k, tables, block_table, mappings)
 
-    def _full_group_step(self, inp: StepInput, tables: bool, block_table: bool) -> StepResult | None:
+    def _full_group_step(self, inp: StepInput, tables: bool, block_table: bool,
+                         mappings: bool = True) -> StepResult | None:
         """fastpaths.full_group_step: one full-attention group, no forks (None: the general path plans it)."""
-        return fastpaths.full_group_step(self, inp, tables, block_table)
+        return fastpaths.full_group_step(self, inp, tables, block_table, mappings)
 
-    def _grow(self, g: int, e_rows: np.ndarray, plan: StepPlan, a_rows: np.ndarray, a_lo: np.ndarray) -> np.ndarray:
+    def _grow(self, g: int, e_rows: np.ndarray, plan: StepPlan, a_rows: np.ndarray, a_lo: np.ndarray,
+              moved: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, GroupChanges]:
         """Group g: copy-on-write of the planned rows, then the new pages of extensions and admissions.
 
-        Returns int64 [n, 2] (src, dst) slot pairs, in batch order.
+        moved: the extended rows whose first kept page the step moved, and where to (_release_window).
+        Returns int64 [n, 2] (src, dst) slot pairs, in batch order, and the group's GroupChanges.
         """
         alloc = self.allocators[g]
         rs = self._slots[g]
         gp = plan.groups[g]
         copies = NO_COPIES
+        cow = cow_slots = NO_ROWS
         if gp.cow is not None and np.logical_or.reduce(gp.cow):
-            rows = e_rows[gp.cow]
-            flat = rs.flat(rows, plan.e_held[gp.cow] - 1)
+            cow = gp.cow.nonzero()[0]
+            rows = e_rows[cow]
+            flat = rs.flat(rows, plan.e_held[cow] - 1)
             src = rs.arena.take(flat).astype(np.int64)
             dst = alloc.allocate(len(rows))
             rs.arena[flat] = dst
             alloc.free(src.astype(np.intp))              # other owners keep src (repeats counted)
-            copies = np.stack((src, dst.astype(np.int64)), axis=1)
+            cow_slots = dst.astype(np.int64)
+            copies = np.stack((src, cow_slots), axis=1)
         if len(a_rows):
             g_rows = np.concatenate((e_rows, a_rows))
             g_lo = np.concatenate((plan.e_held, a_lo))
@@ -533,10 +541,13 @@ class Pool:
         else:
             g_rows, g_lo, g_hi = e_rows, plan.e_held, plan.e_held_new
         nz = (g_hi > g_lo).nonzero()[0]
+        counts = got = NO_ROWS
         if len(nz):
             g_rows, g_lo, g_hi = g_rows[nz], g_lo[nz], g_hi[nz]
-            self._alloc_pages(g, alloc, g_rows, g_lo, g_hi, int(np.add.reduce(g_hi - g_lo)))
-        return copies
+            counts = g_hi - g_lo
+            got = self._alloc_pages(g, alloc, g_rows, g_lo, g_hi, int(np.add.reduce(counts)))
+        moved_rows, moved_first = moved if moved is not None else (NO_ROWS, NO_ROWS)
+        return copies, grown_changes(nz, counts, got, len(e_rows), cow, cow_slots, moved_rows, moved_first)
 
     def _alloc_pages(self, g: int, alloc: SlotAllocator, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray,
                      total: int) -> np.ndarray:
@@ -583,17 +594,21 @@ class Pool:
             uniq, counts = np.unique(shared, return_counts=True)
             alloc.share(uniq, counts)
 
-    def _release_window(self, g: int, e_rows: np.ndarray, new_first: np.ndarray | None) -> None:
-        """Sliding group g: the extended rows drop the pages wholly before their window."""
+    def _release_window(self, g: int, e_rows: np.ndarray,
+                        new_first: np.ndarray | None) -> tuple[np.ndarray, np.ndarray] | None:
+        """Sliding group g: the extended rows drop the pages wholly before their window. Returns the batch
+        positions of the rows whose first kept page moved (int64 [M]) and where to (int64 [M]), or None."""
         if new_first is None:
-            return
+            return None
         rs = self._slots[g]
         lo = self._first[g][e_rows]
+        moved = (new_first != lo).nonzero()[0]
         flat, _ = rs.span(e_rows, lo, new_first)
         if len(flat):
             self.allocators[g].free(rs.arena.take(flat).astype(np.intp), unique=not self._sharing)
             rs.arena[flat] = -1
         self._first[g][e_rows] = new_first
+        return moved, new_first[moved]
 
     def _share_hits(self, g: int, a_rows: np.ndarray, hits: np.ndarray, cand: np.ndarray, a_first: np.ndarray,
                     prompt: Prompt) -> None:

@@ -24,6 +24,7 @@ from google.protobuf.message import Message
 from kvservice.contract.auth import current_pools, current_principal
 from kvservice.contract.convert import cache_spec_from_proto, plan_to_proto, sizing_from_proto
 from kvservice.contract.errors import InvalidArgument, JournalUnavailable, KVError, ResourceExhausted
+from kvservice.contract.received import unwrap
 from kvservice.contract.sizing import Plan
 from kvservice.contract.status import to_status
 from kvservice.core.planner import plan
@@ -151,7 +152,8 @@ class Journal(Protocol):
     return a stored reply instead (a retried request_id) without calling apply.
     """
 
-    def execute(self, method: str, request: Message, apply: Callable[[Message], Message]) -> Message: ...
+    def execute(self, method: str, request: Message, apply: Callable[[Message], Message],
+                received: bytes | None = None) -> Message: ...
 
 
 class BlockManagerServicer(pb_grpc.BlockManagerServicer):
@@ -183,6 +185,7 @@ def _adapter(name: str) -> Callable[..., Any]:
     def method(self: BlockManagerServicer, request: Any, context: grpc.ServicerContext) -> Any:
         start = time.perf_counter()
         code, reason = "OK", ""
+        request, received = unwrap(request)         # Step: the bytes it arrived as, which the journal appends
         try:
             apply = self._score_prefix if name == "ScorePrefix" else getattr(self.api, name)
             if getattr(self.journal, "failed", None):
@@ -198,7 +201,7 @@ def _adapter(name: str) -> Callable[..., Any]:
                 request.request_id = scoped_request_id(current_principal(), request.request_id)
             if self.journal is not None and name in MUTATING:
                 with self.api.manager.events.transaction():    # its KV events show once it is durable
-                    return self.journal.execute(name, request, apply)
+                    return self.journal.execute(name, request, apply, received)
             if name in STATE_READS and hasattr(self.journal, "read"):
                 return self.journal.read(request, apply)  # type: ignore[union-attr]
             reply = apply(request)

@@ -58,6 +58,7 @@ from kvservice.contract.errors import (
     NotFound,
     ResourceExhausted,
 )
+from kvservice.contract.received import unwrap
 from kvservice.contract.transport import STREAM_ID_KEY
 from kvservice.manager.api import ManagerAPI, step_reply
 from kvservice.manager.delta import HeldTables, encode_delta, held_from_full
@@ -97,7 +98,7 @@ class StreamSession:
         h = self.held
         if h is None:
             return 0
-        return h.seq_ids.nbytes + h.num_tokens.nbytes + sum(a.nbytes for a in (*h.first, *h.last))
+        return h.seq_ids.nbytes + h.num_tokens.nbytes
 
     def forget(self) -> None:
         """Drop what the session keeps for speed (the next reply carries full tables)."""
@@ -149,8 +150,7 @@ class StreamSession:
         with lock:
             held = self.held
             if delta and held is not None and held.usable(pool, request.delta_base):
-                tables = any(pool.windows)       # slot mappings suffice without sliding windows, and a steady
-                res = api.run_step(pool, step, tables=tables, mappings=tables)   # decode step needs only its new pages
+                res = api.run_step(pool, step, tables=False, mappings=False)    # its changes are all a delta needs
                 reply, self.held = encode_delta(pool, res, held, seq, derive=request.accept_tokens_added)
                 reply.pool_incarnation = incarnation
                 return reply
@@ -247,6 +247,7 @@ def step_one(servicer: Any, session: StreamSession, request: Any, broken: type[E
     """
     start = time.perf_counter()
     reply = None
+    request, received = unwrap(request)             # the bytes it arrived as, which the journal appends
     ok = isinstance(request, pb.StepRequest)
     seq = request.stream_seq if ok else 0
     try:
@@ -269,7 +270,8 @@ def step_one(servicer: Any, session: StreamSession, request: Any, broken: type[E
                     return session.apply(servicer.api, r, step)
 
                 with servicer.api.manager.events.transaction():    # its KV events show once it is journaled
-                    reply = journal.execute("Step", request, apply) if journal is not None else apply(request)
+                    reply = journal.execute("Step", request, apply, received) if journal is not None \
+                        else apply(request)
             finally:
                 session.last_seq = max(session.last_seq, seq)
                 session.account()

@@ -45,7 +45,15 @@ from kvservice.state.gate import PoolGate
 from kvservice.state.idempotency import IdempotencyWindow
 from kvservice.state.journal_config import METHODS, REQUESTS, JournalConfig
 from kvservice.state.journal_snapshots import Capture, JournalSnapshots
-from kvservice.state.stores import Entry, JournalStore, MemoryStore, continued_lineage, entry_digest, lineage_hex
+from kvservice.state.stores import (
+    Entry,
+    JournalStore,
+    MemoryStore,
+    continued_lineage,
+    entry_digest,
+    entry_request,
+    lineage_hex,
+)
 
 log = logging.getLogger("kvservice.state.journal")
 
@@ -298,16 +306,19 @@ class Journal(JournalSnapshots):
         return n
 
     # ---- the hooks the servicer calls -----------------------------------------------------
-    def execute(self, method: str, request: Message, apply: Callable[[Message], Message]) -> Message:
+    def execute(self, method: str, request: Message, apply: Callable[[Message], Message],
+                received: bytes | None = None) -> Message:
         """Apply a mutating request once: durable before it returns, the stored reply for a retried request_id.
 
         apply(request) -> reply makes the change; a Step's arrays were decoded once by its caller (a request
         that cannot be decoded was refused before it came here), so nothing here decodes them again.
+        received: the bytes the request arrived as, which are journaled and fingerprinted
+        (stores.entry_request); None: the request is serialized.
         """
         while True:
             with self._lock:
                 if not self._tail_full():
-                    reply, cap = self._execute_locked(method, request, apply)
+                    reply, cap = self._execute_locked(method, request, apply, received)
                     break
             self.snapshot_waits += 1        # the tail is at compact_every: wait (unlocked) for the snapshot
             self._writer_done.wait()
@@ -319,12 +330,12 @@ class Journal(JournalSnapshots):
                 self._write_capture(cap)
         return reply
 
-    def _execute_locked(self, method: str, request: Message,
-                        apply: Callable[[Message], Message]) -> tuple[Message, Capture | None]:
+    def _execute_locked(self, method: str, request: Message, apply: Callable[[Message], Message],
+                        received: bytes | None = None) -> tuple[Message, Capture | None]:
         """execute under the journal lock: (reply, a snapshot capture to write outside the lock or None)."""
         self._check_usable()
         rid = getattr(request, "request_id", "")
-        data = request.SerializeToString(deterministic=True)
+        data = entry_request(request, received)
         fingerprint = (self._digests(request.pool, data) if method == "Step" else digest(data)) if rid else b""
         if rid:
             stored = self.window.lookup(rid, method, fingerprint)

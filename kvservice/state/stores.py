@@ -22,6 +22,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from google.protobuf.message import Message
+
 from kvservice.contract.errors import StateError
 from kvservice.state import snapshot as snap
 from kvservice.state.ackmark import AckMark
@@ -54,6 +56,37 @@ class Entry:
     def make(seq: int, method: str, request: bytes, created: float) -> Entry:
         """A new entry; its checksum is computed when first read."""
         return Entry(seq, method, request, created)
+
+
+def entry_request(request: Message, received: bytes | None = None) -> bytes:
+    """The bytes a request is journaled as.
+
+    received: the bytes the request arrived as (kvservice.contract.serving.Received), or None. With them,
+    the entry is those bytes followed by the request_id field as the server set it (scoped to the tenant, or
+    derived from the stream; written even when empty): parsing the entry again gives the request as applied,
+    since the last occurrence of a singular field wins. The server changes no other field of the requests it
+    keeps the bytes of (Step). Without them, the message serialized (deterministic).
+    """
+    if received is None:
+        return request.SerializeToString(deterministic=True)
+    rid = request.request_id                                   # type: ignore[attr-defined]
+    number = _REQUEST_ID_FIELD.get(type(request))
+    if number is None:
+        number = _REQUEST_ID_FIELD[type(request)] = request.DESCRIPTOR.fields_by_name["request_id"].number
+    value = rid.encode()
+    return received + _varint(number << 3 | 2) + _varint(len(value)) + value
+
+
+_REQUEST_ID_FIELD: dict[type, int] = {}
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
 
 
 def entry_digest(seq: int, method: str, request: bytes, created: float) -> bytes:

@@ -1,22 +1,28 @@
-"""A Step's request is decoded once: per served unary Step, per StepStream request and per replayed journal entry,
-decode_step runs once and each array the request carries is decoded (Tensor -> NumPy) once, wherever it goes
-after (Limits, the journal, the cost check, Pool.step, the stream's incremental tables)."""
+"""A Step's request is decoded once, and journaled as the bytes it arrived as: per served unary Step, per StepStream
+request and per replayed journal entry, decode_step runs once and each array the request carries is decoded
+(Tensor -> NumPy) once, wherever it goes after (Limits, the journal, the cost check, Pool.step, the stream's
+incremental tables)."""
 
 from collections import Counter
 
+import grpc
 import numpy as np
 import pytest
 
-from kvservice.client import BlockManagerClient
+from kvservice.client import BlockManagerClient, codec
 from kvservice.contract import wire
+from kvservice.contract.auth import TokenTable
 from kvservice.contract.geometry import CacheSpec
 from kvservice.contract.sizing import Sizing
+from kvservice.contract.transport import STREAM_ID_KEY
 from kvservice.manager import api as api_module
 from kvservice.manager import step_input
 from kvservice.server import servicer as servicer_module
 from kvservice.server import stream as stream_module
 from kvservice.server.app import serve
+from kvservice.server.stream import scoped_request_id
 from kvservice.state.journal import Journal, MemoryStore
+from kvservice.v1 import block_manager_pb2 as pb
 
 pytestmark = pytest.mark.integration
 SPEC = CacheSpec.uniform(2, 2, 8, "float16", 4)
@@ -98,4 +104,63 @@ def test_a_step_is_decoded_once_served_streamed_and_replayed(monkeypatch):
     assert arrays == dict(want)
     with again.manager.locked("u") as pool:
         assert sorted(pool.sequences()[0].tolist()) == [1, 2, 7]
+    again.close(snapshot=False)
+
+
+def _reordered(request: pb.StepRequest) -> bytes:
+    """The request's bytes with its fields in descending field-number order: valid protobuf that a
+    re-serialization (ascending order) would not reproduce."""
+    out = b""
+    for field, value in sorted(request.ListFields(), key=lambda fv: -fv[0].number):
+        one = pb.StepRequest()
+        if field.message_type is not None:
+            getattr(one, field.name).CopyFrom(value)
+        else:
+            setattr(one, field.name, value)
+        out += one.SerializeToString()
+    return out
+
+
+def test_the_journal_appends_the_bytes_it_received_unary_and_streamed():
+    """The journal entry of a served Step (unary, and StepStream) is the request's bytes as they arrived, followed by
+    the request_id the server set (scoped to the caller's tenant, or derived from the stream): not a re-serialization
+    of the parsed message. The bytes sent here put the fields in an order a re-serialization changes."""
+    tokens = TokenTable.from_yaml("tokens:\n  - {name: admin, token: admin-0123456789abcdef, pools: ['*'], "
+                                  "role: admin}\n  - {name: team-a, token: teama-0123456789abcdef, pools: [p]}\n")
+    store = MemoryStore()
+    journal = Journal.recover(store)
+    running = serve("127.0.0.1:0", journal=journal, tokens=tokens)
+    target = f"127.0.0.1:{running.port}"
+    meta = (("authorization", "Bearer teama-0123456789abcdef"),)
+    try:
+        with BlockManagerClient(target, token="admin-0123456789abcdef") as admin:
+            admin.create_pool("p", SPEC, SIZING)
+        with grpc.insecure_channel(target) as ch:
+            step = ch.unary_unary("/kvservice.v1.BlockManager/Step", request_serializer=lambda b: b,
+                                  response_deserializer=pb.StepReply.FromString)
+            sent = _reordered(codec.step_request("p", admit=[1, 2], admit_tokens=[5, 9], request_id="r-1"))
+            assert sent != pb.StepRequest.FromString(sent).SerializeToString(deterministic=True)
+            step(sent, metadata=meta)
+            stream = ch.stream_stream("/kvservice.v1.BlockManager/StepStream", request_serializer=lambda b: b,
+                                      response_deserializer=pb.StepReply.FromString)
+            r = codec.step_request("p", extend=[1, 2], extend_tokens=1)
+            r.stream_seq = 1
+            streamed = _reordered(r)
+            replies = list(stream(iter([streamed]), metadata=(*meta, (STREAM_ID_KEY, "st-1"))))
+            assert not replies[0].HasField("error"), replies[0].error
+    finally:
+        running.server.stop(1).wait()
+    entries = [e for e in store.entries_after(0) if e.method == "Step"]
+    assert len(entries) == 2
+    unary, streamed_entry = entries
+    scoped = scoped_request_id("team-a", "r-1")
+    assert unary.request.startswith(sent) and unary.request != sent
+    assert pb.StepRequest.FromString(unary.request).request_id == scoped
+    assert streamed_entry.request.startswith(streamed)
+    assert pb.StepRequest.FromString(streamed_entry.request).request_id == scoped_request_id("team-a", "st-1#1")
+    journal.close(snapshot=False)
+    again = Journal.recover(store)                                 # the entries replay to the same pool
+    with again.manager.locked("p") as pool:
+        assert sorted(pool.sequences()[0].tolist()) == [1, 2]
+        assert sorted(pool.sequences()[1].tolist()) == [6, 10]
     again.close(snapshot=False)

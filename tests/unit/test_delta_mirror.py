@@ -17,8 +17,10 @@ from kvservice.contract.errors import KVError
 from kvservice.contract.mirror import MirrorError, PageTableMirror
 from kvservice.contract.sizing import Sizing
 from kvservice.contract.wire import to_tensor
+from kvservice.manager import delta
 from kvservice.manager.api import ManagerAPI
 from kvservice.manager.pools import BlockManager
+from kvservice.manager.step_input import decode_step
 from kvservice.server.stream import StreamSession
 from kvservice.v1 import block_manager_pb2 as pb
 from tests.support_stream import MAX_LEN, NUM_SLOTS, PAGE, SPECS, Driver, assert_same_tables
@@ -279,9 +281,9 @@ def test_a_recreated_pool_gets_full_tables_and_the_deleted_one_is_not_kept():
 @pytest.mark.parametrize("accept", [True, False])
 @pytest.mark.parametrize("spec_name", ["per_layer", "views"])
 @pytest.mark.parametrize("seed", range(3))
-def test_the_opened_pages_path_answers_byte_for_byte_as_the_slot_mapping_path(spec_name, seed, accept, monkeypatch):
-    """Pool.step(mappings=False) reports only the pages a steady decode step opened; the reply built from them
-    equals the one built from the step's slot mappings, on random batches with admissions and frees between."""
+def test_the_decode_shortcut_answers_byte_for_byte_as_the_general_encoder(spec_name, seed, accept, monkeypatch):
+    """encode_delta's steady decode shortcut (_decode_delta) gives the reply its general encoder gives, on random
+    batches with admissions and frees between; pool "c" always takes the general encoder."""
     twin = Twin(spec_name, num_slots=2048)
     sizing = Sizing(num_slots=2048, max_seq_len=MAX_LEN)
     twin.api.CreatePool(codec.create_pool_request("c", SPECS[spec_name][0], sizing))
@@ -289,18 +291,17 @@ def test_the_opened_pages_path_answers_byte_for_byte_as_the_slot_mapping_path(sp
         for ga, gc in zip(pa.allocators, pc.allocators, strict=True):
             gc.generation[:] = ga.generation          # the same generations (each incarnation seeds its own)
     ref = StreamSession("ref")
-    real_run = ManagerAPI.run_step
-    opened = []
+    real = delta._decode_delta
+    shortcut = []
 
-    def run_step(self, pool, step, cost_checked=False, **overrides):
-        if pool.name == "c" and "mappings" in overrides:
-            overrides["mappings"] = True              # the reference: slot mappings, as before the shortcut
-        res = real_run(self, pool, step, cost_checked, **overrides)
-        if pool.name == "a":
-            opened.append(res.opened is not None)
-        return res
+    def decode_delta(pool, res, base, seq, derive):
+        if pool.name == "c":
+            return None
+        out = real(pool, res, base, seq, derive)
+        shortcut.append(out is not None)
+        return out
 
-    monkeypatch.setattr(ManagerAPI, "run_step", run_step)
+    monkeypatch.setattr(delta, "_decode_delta", decode_delta)
     rng = np.random.default_rng(seed)
     toks: dict[int, int] = {}
     nxt = 1
@@ -311,9 +312,9 @@ def test_the_opened_pages_path_answers_byte_for_byte_as_the_slot_mapping_path(sp
             gone = [x for x, n in toks.items() if rng.random() < 0.3 or n > MAX_LEN - 16]
             lens = rng.integers(1, 3 * PAGE, len(new))
             kept = {x: n + 1 for x, n in toks.items() if x not in gone}
-            kw = {"admit": new, "admit_tokens": lens}     # a mixed step: the rows that stay go on through
-            if kept:                                       # encode_delta's general path, which reads the last
-                kw["extend"] = list(kept)                  # pages the shortcut left
+            kw = {"admit": new, "admit_tokens": lens}     # a mixed step: continued rows and rows sent whole
+            if kept:
+                kw["extend"] = list(kept)
                 kw["extend_tokens"] = 1
             if gone:
                 kw["free"] = gone
@@ -330,4 +331,92 @@ def test_the_opened_pages_path_answers_byte_for_byte_as_the_slot_mapping_path(sp
         a, c = replies
         a.pool_incarnation = c.pool_incarnation = 0
         assert a.SerializeToString(deterministic=True) == c.SerializeToString(deterministic=True), f"step {i} {kw}"
-    assert sum(opened) >= 90, opened                   # the shortcut ran on the steady steps
+    assert sum(shortcut) >= 90, shortcut               # the shortcut ran on the steady steps
+
+
+def _rows_by_position(st, held: np.ndarray) -> list[dict[int, int]]:
+    """{position: page} of each row of a SpaceTables with CSR tables (held: int64 [B] pages of each row)."""
+    ip, idx = st.table.indptr.astype(np.int64), st.table.indices.astype(np.int64)
+    out = []
+    for b in range(len(ip) - 1):
+        pages = idx[ip[b]:ip[b + 1]].tolist()
+        first = int(held[b]) - len(pages)
+        out.append({first + j: p for j, p in enumerate(pages)})
+    return out
+
+
+@pytest.mark.parametrize("fast", [True, False])
+@pytest.mark.parametrize("spec_name", sorted(SPECS))
+@pytest.mark.parametrize("seed", range(3))
+def test_step_changes_equal_a_diff_of_the_full_tables(spec_name, seed, fast):
+    """StepResult.changes, which the pool reports from the step's plan, equal what a diff of the extended rows'
+    full tables before and after the step finds, per layer group: the pages appended, the last page replaced by
+    copy-on-write, the first kept page moved by a sliding window. Random op mixes, with the pool's fast paths on
+    and off; the steps ask for no tables and no slot mappings, as the stream's deltas do."""
+    api = ManagerAPI(BlockManager())
+    spec, prefix = SPECS[spec_name]
+    api.CreatePool(codec.create_pool_request("p", spec, Sizing(num_slots=NUM_SLOTS, max_seq_len=MAX_LEN),
+                                             prefix_caching=prefix))
+    rng = np.random.default_rng(100 + seed)
+    driver = Driver(rng, prefix)
+    seen = {"grown": 0, "cow": 0, "moved": 0}
+    for _ in range(200):
+        kw = driver.draw()
+        step = decode_step(codec.step_request("p", **kw))
+        with api.manager.locked("p") as pool:
+            pool._fast = fast
+            spaces = pool.plan.geometry.index_spaces
+            ps = pool.page_size
+            e_ids = step.extend_seq_ids
+            try:
+                before = pool.tables_for(np.asarray(e_ids)) if e_ids is not None and len(e_ids) else None
+                e_held = [-(-pool._num_tokens[pool._rows[int(i)]] // ps) for i in e_ids] if before else []
+            except KVError:
+                before = None                              # a mistake naming an unknown id: refused below
+            try:
+                res = api.run_step(pool, step, tables=False, mappings=False)
+            except KVError:
+                continue
+            assert res.tables == ()
+            e = res.num_extended
+            assert e == (len(e_ids) if e_ids is not None else 0)
+            assert len(res.changes) == len(pool.allocators)
+            after = pool.tables_for(res.seq_ids[:e]) if e else None
+            held_a = (res.num_tokens[:e] + ps - 1) // ps
+            for g, ch in enumerate(res.changes):
+                head = next(i for i, sp in enumerate(spaces) if sp.group == g)
+                sp = spaces[head]
+                grown, cow, moved = {}, {}, {}
+                if e:
+                    rb = _rows_by_position(before[head], np.asarray(e_held, dtype=np.int64))
+                    ra = _rows_by_position(after[head], held_a)
+                    for b in range(e):
+                        hb, ha = int(e_held[b]), int(held_a[b])
+                        if ha > hb:
+                            grown[b] = [ra[b][j] for j in range(hb, ha)]
+                        if hb - 1 in rb[b] and hb - 1 in ra[b] and rb[b][hb - 1] != ra[b][hb - 1]:
+                            cow[b] = ra[b][hb - 1]
+                        fb = min(rb[b]) if rb[b] else hb
+                        fa = min(ra[b]) if ra[b] else ha
+                        if fa != fb:
+                            moved[b] = fa
+                got_grown = {}
+                at = 0
+                for b, n in zip(ch.grown.tolist(), ch.counts.tolist(), strict=True):
+                    got_grown[b] = sp.page_indices(ch.slots[at:at + n]).tolist()
+                    at += n
+                assert at == len(ch.slots)
+                assert got_grown == grown, (g, kw)
+                got_cow = dict(zip(ch.cow.tolist(), sp.page_indices(ch.cow_slots).tolist(), strict=True))
+                assert {b: p for b, p in got_cow.items() if b in cow or (e_held[b] - 1) in
+                        _rows_by_position(after[head], held_a)[b]} == cow, (g, kw)
+                assert dict(zip(ch.moved.tolist(), ch.moved_first.tolist(), strict=True)) == moved, (g, kw)
+                seen["grown"] += len(grown)
+                seen["cow"] += len(cow)
+                seen["moved"] += len(moved)
+        driver.update(kw, res.seq_ids)
+    assert seen["grown"] > 20, seen
+    if spec_name == "prefix":
+        assert seen["cow"] > 0, seen
+    if spec_name == "hybrid":
+        assert seen["moved"] > 0, seen
