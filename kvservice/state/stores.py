@@ -69,15 +69,15 @@ def entry_request(request: Message, received: bytes | None = None) -> bytes:
     """
     if received is None:
         return request.SerializeToString(deterministic=True)
-    rid = request.request_id                                   # type: ignore[attr-defined]
-    number = _REQUEST_ID_FIELD.get(type(request))
-    if number is None:
-        number = _REQUEST_ID_FIELD[type(request)] = request.DESCRIPTOR.fields_by_name["request_id"].number
-    value = rid.encode()
-    return received + _varint(number << 3 | 2) + _varint(len(value)) + value
+    tag = _REQUEST_ID_TAG.get(type(request))
+    if tag is None:
+        tag = _REQUEST_ID_TAG[type(request)] = _varint(request.DESCRIPTOR.fields_by_name["request_id"].number << 3 | 2)
+    value = request.request_id.encode()                       # type: ignore[attr-defined]
+    n = len(value)
+    return b"".join((received, tag, bytes((n,)) if n < 0x80 else _varint(n), value))
 
 
-_REQUEST_ID_FIELD: dict[type, int] = {}
+_REQUEST_ID_TAG: dict[type, bytes] = {}                        # message type -> its request_id field's tag
 
 
 def _varint(n: int) -> bytes:
