@@ -74,6 +74,10 @@ def from_tensor(t: pb.Tensor, name: str, kinds: str = "iu") -> np.ndarray:
     if len(data) % want.itemsize:
         raise InvalidArgument(f"{name}: {len(data)} bytes is not a whole number of {want.itemsize}-byte items")
     items = len(data) // want.itemsize
+    shape = t.shape                     # read once too (each read builds a container)
+    if len(shape) == 1 and shape[0] == items:
+        return np.frombuffer(data, dtype=want) if want.isnative else \
+            np.frombuffer(data, dtype=want).astype(want.newbyteorder("="))        # the usual 1-D array
     declared = declared_items(t, name)
     if declared is not None and declared != items:
         raise InvalidArgument(f"{name}: shape {list(t.shape)} declares {declared} items but the data holds {items} "

@@ -172,6 +172,13 @@ def count_summary(a: np.ndarray | None) -> tuple[int, int, int] | None:
     empty or not 1-D integers."""
     if a is None or not a.size or a.ndim != 1 or a.dtype.kind not in "iu":
         return None
+    n = len(a)
+    if n > 1:
+        raw = a.tobytes()
+        w = a.itemsize
+        if raw == raw[:w] * n:                        # every count the same (a decode step): no reductions
+            v = int(a[0])
+            return v, v, v * n if v >= 0 else 0
     low, top = int(np.minimum.reduce(a)), int(np.maximum.reduce(a))
     total = 0
     if low >= 0:

@@ -266,7 +266,8 @@ class Pool:
     def _last_rows_if_same(self, e_ids: np.ndarray) -> np.ndarray | None:
         """The rows of the last extend-only step if e_ids is that batch again (checked distinct and live then)."""
         last = self._last_batch
-        if last is not None and len(last[0]) == len(e_ids) and np.array_equal(last[0], e_ids):
+        if last is not None and len(last[0]) == len(e_ids) and last[0].dtype == e_ids.dtype \
+                and last[0].tobytes() == e_ids.tobytes():
             return last[1]
         return None
 

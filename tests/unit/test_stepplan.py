@@ -85,3 +85,27 @@ def test_a_repeated_sequence_is_named_with_the_rule():
     assert e.value.message == ("sequence 9 appears more than once in one step; each sequence may be freed, "
                                "extended, admitted or created by a fork once per step")
     assert e.value.metadata == {"seq_id": "9"}
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.uint8, np.int32, np.uint32, np.int64, np.uint64])
+def test_count_summary_equals_the_plain_python_summary(dtype):
+    """(min, max, exact sum or 0 with a negative entry) against Python ints: equal counts (its shortcut), one count
+    that differs at each position, a single count, negative and extreme values."""
+    info = np.iinfo(dtype)
+    rng = np.random.default_rng(int(np.dtype(dtype).itemsize))
+
+    def want(a):
+        vals = [int(x) for x in a.tolist()]
+        return (min(vals), max(vals), sum(vals) if min(vals) >= 0 else 0)
+
+    cases = [np.full(n, v, dtype=dtype) for n in (1, 2, 257) for v in {1, 7, int(info.max), int(info.min)}]
+    base = np.full(40, 3, dtype=dtype)
+    for at in range(40):
+        one = base.copy()
+        one[at] = 4 if at % 2 else int(info.min) + (1 if info.min else 0)     # one count differs, anywhere
+        cases.append(one)
+    cases += [rng.integers(max(int(info.min), -1000), min(int(info.max), 1000), 300, endpoint=True).astype(dtype)
+              for _ in range(5)]
+    for a in cases:
+        assert count_summary(a) == want(a), (a.dtype, a[:5], len(a))
+    assert count_summary(np.zeros(0, dtype=dtype)) is None
