@@ -121,6 +121,22 @@ def step_reply_bound(model: ReplyModel, shape: StepShape, tables: bool, block_ta
     return ReplyBound(mappings, table_bytes, block_bytes, rest)
 
 
+@functools.lru_cache(maxsize=1024)
+def extend_bound(model: ReplyModel, tables: bool, block_table: bool) -> tuple[int, int, int]:
+    """(c0, ce, cs): step_reply_bound(...).total of an extend-only step (E rows extended by S tokens in all, every
+    row at max_pages: the bound from the request alone) is c0 + ce * E + cs * S.
+
+    step_reply_bound is affine in E and S for that shape (rows = extended = E, no admissions, E x max_pages
+    table entries per layer group, rows max_pages wide), so three evaluations give it exactly;
+    tests/unit/test_limits.py checks the two against each other on random steps and pools.
+    """
+    def total(e: int, t: int) -> int:
+        shape = StepShape(e, e, 0, t, (e * model.max_pages,) * len(model.index_bytes), model.max_pages)
+        return step_reply_bound(model, shape, tables, block_table).total
+    c0 = total(0, 0)
+    return c0, total(1, 0) - c0, total(0, 1) - c0
+
+
 def exact_sum(a: np.ndarray) -> int:
     """Sum of a non-negative integer array, exact even where an int64 sum would wrap."""
     if not len(a):

@@ -21,6 +21,7 @@ from kvservice.core.limits import (
     StepShape,
     check_step_counts,
     exact_sum,
+    extend_bound,
     pages_after,
     step_reply_bound,
 )
@@ -182,10 +183,19 @@ class ManagerAPI:
         if not self.max_reply_bytes:
             return StepCost(True, 0)
         model = self._model(pool)
-        shape = _quick_shape(model, step, sums)
-        if shape is None:
-            return StepCost(False, 0)
-        total = step_reply_bound(model, shape, step.tables, step.block_table).total
+        ext = sums[0]
+        e_ids = step.extend_seq_ids
+        if (step.admit_seq_ids is None and step.admit_num_tokens is None and step.fork_child_ids is None
+                and step.fork_parent_ids is None
+                and e_ids is not None and ext is not None and ext[0] > 0 and e_ids.ndim == 1
+                and e_ids.dtype.kind in "iu" and len(e_ids) == len(step.extend_num_tokens)):
+            c0, ce, cs = extend_bound(model, step.tables, step.block_table)     # an extend-only step
+            total = c0 + ce * len(e_ids) + cs * ext[2]
+        else:
+            shape = _quick_shape(model, step, sums)
+            if shape is None:
+                return StepCost(False, 0)
+            total = step_reply_bound(model, shape, step.tables, step.block_table).total
         if total <= self.max_reply_bytes:
             return self._reserved(StepCost(True, total))
         for level in (1, 2):

@@ -4,7 +4,7 @@ refusals that leave the pool as it was and say what would fit, token counts that
 import numpy as np
 import pytest
 
-from kvservice.contract.errors import InvalidArgument, ResourceExhausted
+from kvservice.contract.errors import InvalidArgument, KVError, ResourceExhausted
 from kvservice.contract.geometry import CacheSpec, LayerSpec
 from kvservice.contract.sizing import Sizing
 from kvservice.contract.wire import from_tensor, to_tensor
@@ -324,3 +324,55 @@ def test_pages_after_bounds_every_groups_entries_and_is_exact_for_extensions():
                 assert entries == bound[st.group], (step, st.group, entries, bound)
         exact_steps += only_extensions and bool(e_ids)
     assert exact_steps >= 20
+
+
+@pytest.mark.parametrize("kind", sorted(POOLS))
+def test_the_extend_only_cost_shortcut_equals_the_general_bound(kind, monkeypatch):
+    """check_step_cost's shortcut for extend-only steps (limits.extend_bound: c0 + ce * E + cs * S) gives the very
+    StepCost the general path (_quick_shape + step_reply_bound) gives, on random steps of every kind, with tables,
+    block tables or neither, and at random E and S far past any real step (the affinity it rests on)."""
+    from kvservice.core.limits import ReplyModel, StepShape, extend_bound, step_reply_bound
+    from kvservice.manager import api as api_module
+    from kvservice.manager.api import StepCost
+    from kvservice.manager.step_input import decode_step
+
+    spec, prefix = POOLS[kind]
+    m = BlockManager()
+    m.create_pool("p", spec, Sizing(num_slots=4000, max_seq_len=400), prefix_caching=prefix)
+    api = ManagerAPI(m, max_reply_bytes=1 << 22)
+    real = api_module.extend_bound
+    rng = np.random.default_rng(7)
+    with m.locked("p") as pool:
+        model = ReplyModel.of(pool.plan)
+        for tables in (False, True):
+            for block_table in (False, True):
+                c0, ce, cs = extend_bound(model, tables, block_table)
+                for _ in range(50):
+                    e, t = int(rng.integers(0, 1 << 20)), int(rng.integers(0, 1 << 40))
+                    shape = StepShape(e, e, 0, t, (e * model.max_pages,) * len(model.index_bytes), model.max_pages)
+                    assert c0 + ce * e + cs * t == step_reply_bound(model, shape, tables, block_table).total
+    next_id, shortcut = 1, 0
+    calls = []
+    monkeypatch.setattr(api_module, "extend_bound", lambda *a: calls.append(a) or real(*a))
+    for i in range(60):
+        with m.locked("p") as pool:
+            live_ids, toks = pool.sequences()
+        tokens = dict(zip(live_ids.tolist(), toks.tolist(), strict=True))
+        r, next_id = random_step(rng, "p", tokens, next_id, 400)
+        if i % 2:                                                  # every other step: extensions only
+            for f in ("free_seq_ids", "fork_parent_ids", "fork_child_ids", "admit_seq_ids", "admit_num_tokens"):
+                r.ClearField(f)
+        step = decode_step(r)
+        with m.locked("p") as pool:
+            n = len(calls)
+            got = api.check_step_cost(pool, step)
+            shortcut += len(calls) > n
+            shape = api_module._quick_shape(model, step, [step.extend_counts, step.admit_counts])
+            want = StepCost(False, 0) if shape is None else \
+                StepCost(True, step_reply_bound(model, shape, step.tables, step.block_table).total)
+            assert got == want, (i, got, want)
+        try:
+            api.Step(r)
+        except KVError:                                             # a refused step changes nothing
+            pass
+    assert shortcut >= 20, shortcut
