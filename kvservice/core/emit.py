@@ -224,3 +224,55 @@ class _NewPages:
         out = v.repeat(self.count)
         out += _iota(self.t)                                 # ... plus the token's index: consecutive runs
         return out
+
+
+def few_row_mappings(spaces: tuple[IndexSpace, ...], page_size: int, slot_tables: list[RowSlots], rows: np.ndarray,
+                     old: np.ndarray, new: np.ndarray, held: np.ndarray,
+                     allocators: Sequence[SlotAllocator]) -> tuple[SpaceTables, ...]:
+    """emit_tables(..., tables=False, block_table=False) for a batch of a few rows (stepplan.FEW) in a pool without
+    sliding groups: the same slot mappings and generations, with the pages of the new tokens listed by a loop
+    over the rows' Python ints and each row's slots taken as one slice of its segment (a handful of NumPy
+    calls in all, where the vectorised path makes some thirty on arrays of a few elements)."""
+    ps = page_size
+    spans: list[tuple[int, int, int]] = []          # (row, first page, end page) of each row with new tokens
+    cnt: list[int] = []                              # new tokens per page
+    adj: list[int] = []                              # per page: offset of its first new token - new tokens before it
+    before = 0
+    for r, o, n, h in zip(rows.tolist(), old.tolist(), new.tolist(), held.tolist(), strict=True):
+        if n <= o:
+            continue
+        p0 = o // ps
+        spans.append((r, p0, h))
+        for j in range(p0, h):
+            lo = j * ps
+            fo = o - lo if o > lo else 0
+            c = (n - lo if n - lo < ps else ps) - fo
+            cnt.append(c)
+            adj.append(fo - before)
+            before += c
+    counts = np.array(cnt, dtype=np.int64)
+    shift = np.array(adj, dtype=np.int64)
+    out = []
+    gathered: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    for space in spaces:
+        g = space.group
+        if g not in gathered:
+            rs = slot_tables[g]
+            arena, start, lo_col = rs.arena, rs.start, rs.lo
+            parts = [arena[int(start[r] - lo_col[r]) + p0:int(start[r] - lo_col[r]) + h] for r, p0, h in spans]
+            if len(parts) == 1:
+                pg_slots = parts[0].astype(np.int64)
+            else:
+                pg_slots = np.concatenate(parts).astype(np.int64, copy=False) if parts else \
+                    np.zeros(0, dtype=np.int64)
+            gathered[g] = (pg_slots, allocators[g].generation.take(pg_slots).repeat(counts))
+        pg_slots, tok_gen = gathered[g]
+        if (space.scale, space.offset, space.base) == (1, 0, 0):
+            v = pg_slots * ps
+        else:
+            v = (pg_slots * space.scale + (space.base + space.offset)) * ps
+        v += shift
+        mapping = v.repeat(counts)
+        mapping += _iota(before)
+        out.append(SpaceTables(space, mapping, None, None, tok_gen, None))
+    return tuple(out)

@@ -38,7 +38,7 @@ from kvservice.contract.sizing import Plan
 from kvservice.core import fastpaths
 from kvservice.core.allocator import SlotAllocator
 from kvservice.core.cache_events import PoolEvents
-from kvservice.core.emit import NO_COPIES, SpaceTables, StepResult, emit_tables
+from kvservice.core.emit import NO_COPIES, SpaceTables, StepResult, emit_tables, few_row_mappings
 from kvservice.core.hashing import DEFAULT_MODE, VLLM_DEFAULT_SEED, make_hash_fn
 from kvservice.core.pool_state import POOL_STATE_VERSION, IdRuns, PoolState, as_array, spec_runs
 from kvservice.core.prefix import Namespaces, PrefixCache, register_prompt, run_ending_at
@@ -687,6 +687,9 @@ class Pool:
     # ---- phase 4: emit -----------------------------------------------------------------
     def _emit(self, rows: np.ndarray, old: np.ndarray, new: np.ndarray, held: np.ndarray, tok_indptr: np.ndarray,
               tables: bool, block_table: bool) -> tuple[SpaceTables, ...]:
+        if not (tables or block_table or self._sliding) and len(rows) <= FEW:
+            return few_row_mappings(self.plan.geometry.index_spaces, self.page_size, self._slots, rows, old, new,
+                                    held, self.allocators)
         return emit_tables(self.plan.geometry.index_spaces, self.page_size, self._slots, self._first, self._is_sliding,
                            rows, old, new, held, tok_indptr, tables, block_table, self.allocators)
 
