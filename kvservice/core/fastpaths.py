@@ -62,11 +62,13 @@ def full_group_step(pool: Pool, inp: StepInput, tables: bool, block_table: bool)
         distinct = counts is None                       # then the free needs no check for repeats
         avail += int(np.add.reduce(rc.take(uniq) == (1 if counts is None else counts)))
     hits = cand = None
+    h0 = 0
     if prompt is not None:
         hits, cands = pool._plan_hits(prompt, len(inp.a_ids))
         cand = cands[0]
+        h0 = int(hits[0]) if len(hits) == 1 else -1           # one prompt: its hit is its first h0 pages
         if len(cand):
-            taken = cand[prompt.col < hits[prompt.row]]          # a fresh array
+            taken = cand[:h0].copy() if h0 >= 0 else cand[prompt.col < hits[prompt.row]]   # a fresh array
             if len(taken):
                 taken.sort()
                 taken = distinct_sorted(taken)
@@ -85,7 +87,14 @@ def full_group_step(pool: Pool, inp: StepInput, tables: bool, block_table: bool)
     if len(a_rows):
         rs.reserve(a_rows, pool._first[0][a_rows], a_held)
         a_lo = hits if hits is not None else np.zeros(len(a_rows), dtype=np.int64)
-        if hits is not None and len(cand):
+        if h0 > 0:                                      # one prompt: its hit pages are one slice of its segment
+            slots = cand[:h0]
+            uniq, counts = distinct_counts(slots)
+            alloc.share(uniq, counts)
+            at0 = int(rs.start[a_rows[0]] - rs.lo[a_rows[0]])
+            rs.arena[at0:at0 + h0] = slots
+            pool.prefixes[0].hits += h0
+        elif h0 < 0 and hits is not None and len(cand):
             mask = prompt.col < hits[prompt.row]
             slots = cand[mask]
             if len(slots):
