@@ -247,15 +247,22 @@ class Pool:
         f_rows = self._lookup(f_ids, "free_seq_ids")
         p_rows = self._lookup(p_ids, "fork_parent_ids")
         new_ids = np.concatenate((a_ids, c_ids)) if len(c_ids) else a_ids
-        if len(new_ids):
+        if 0 < len(new_ids) <= FEW:                 # a few ids: looked up as Python ints
+            rows_map = self._rows
+            for j, i in enumerate(new_ids.tolist()):
+                if i in rows_map:
+                    taken = new_ids[j]
+                    raise AlreadyExists(f"sequence {taken} is already in pool {self.name!r}", seq_id=taken)
+        elif len(new_ids):
             known = self._find(new_ids)[1]
             if np.logical_or.reduce(known):
                 taken = new_ids[known][0]
                 raise AlreadyExists(f"sequence {taken} is already in pool {self.name!r}", seq_id=taken)
         if len(p_ids) and len(f_ids) and np.isin(p_ids, f_ids).any():
             raise InvalidArgument(f"fork parent {p_ids[np.isin(p_ids, f_ids)][0]} is freed in the same step")
-        for name, n, ids in (("extend", self._num_tokens[e_rows] + e_k, e_ids), ("admit", a_n, a_ids)):
-            if len(n) and int(np.maximum.reduce(n)) > self.max_seq_len:
+        for name, n, ids in (("extend", self._num_tokens[e_rows] + e_k if len(e_rows) else e_k, e_ids),
+                             ("admit", a_n, a_ids)):
+            if len(n) and (max(n.tolist()) if len(n) <= FEW else int(np.maximum.reduce(n))) > self.max_seq_len:
                 j = int(np.argmax(n))
                 raise InvalidArgument(
                     f"{name}: sequence {ids[j]} would hold {n[j]} tokens; pool {self.name!r} takes at most "
@@ -641,6 +648,12 @@ class Pool:
     def _lookup(self, ids: np.ndarray, field: str) -> np.ndarray:
         if not len(ids):
             return EMPTY_I64
+        if len(ids) <= FEW:                        # a few ids: the row map's answers as Python ints
+            got = [self._rows.get(i, -1) for i in ids.tolist()]
+            if -1 in got:
+                missing = ids[got.index(-1)]
+                raise NotFound(f"{field}: sequence {missing} is not in pool {self.name!r}", seq_id=missing)
+            return np.array(got, dtype=np.int64)
         rows, found = self._find(ids)
         if not np.logical_and.reduce(found):
             missing = ids[~found][0]
