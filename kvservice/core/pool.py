@@ -38,7 +38,7 @@ from kvservice.contract.sizing import Plan
 from kvservice.core import fastpaths
 from kvservice.core.allocator import SlotAllocator
 from kvservice.core.cache_events import PoolEvents
-from kvservice.core.emit import NO_COPIES, SpaceTables, StepResult, emit_tables, few_row_mappings
+from kvservice.core.emit import NO_COPIES, SpaceTables, StepResult, emit_tables
 from kvservice.core.hashing import DEFAULT_MODE, VLLM_DEFAULT_SEED, make_hash_fn
 from kvservice.core.pool_state import POOL_STATE_VERSION, IdRuns, PoolState, as_array, spec_runs
 from kvservice.core.prefix import Namespaces, PrefixCache, register_prompt, run_ending_at
@@ -61,7 +61,6 @@ from kvservice.core.stepplan import (
 )
 
 __all__ = ["Pool", "SpaceTables", "StepResult"]
-
 
 
 class Pool:
@@ -236,8 +235,7 @@ class Pool:
             raise InvalidArgument(f"fork_parent_ids has {len(p_ids)} entries, fork_child_ids {len(c_ids)}")
         extend_only = not (len(f_ids) or len(a_ids) or len(c_ids)) and len(e_ids) > 0
         e_rows = self._last_rows_if_same(e_ids) if extend_only else None
-        repeat = e_rows is not None
-        if e_rows is None:
+        if not (repeat := e_rows is not None):
             parts = [a for a in (f_ids, e_ids, a_ids, c_ids) if len(a)]
             if len(parts) > 1:
                 check_distinct(np.concatenate(parts))
@@ -247,21 +245,14 @@ class Pool:
         f_rows = self._lookup(f_ids, "free_seq_ids")
         p_rows = self._lookup(p_ids, "fork_parent_ids")
         new_ids = np.concatenate((a_ids, c_ids)) if len(c_ids) else a_ids
-        if 0 < len(new_ids) <= FEW:                 # a few ids: looked up as Python ints
-            rows_map = self._rows
-            for j, i in enumerate(new_ids.tolist()):
-                if i in rows_map:
-                    taken = new_ids[j]
-                    raise AlreadyExists(f"sequence {taken} is already in pool {self.name!r}", seq_id=taken)
-        elif len(new_ids):
+        if len(new_ids) and (len(new_ids) > FEW or not self._rows.keys().isdisjoint(new_ids.tolist())):
             known = self._find(new_ids)[1]
             if np.logical_or.reduce(known):
                 taken = new_ids[known][0]
                 raise AlreadyExists(f"sequence {taken} is already in pool {self.name!r}", seq_id=taken)
         if len(p_ids) and len(f_ids) and np.isin(p_ids, f_ids).any():
             raise InvalidArgument(f"fork parent {p_ids[np.isin(p_ids, f_ids)][0]} is freed in the same step")
-        for name, n, ids in (("extend", self._num_tokens[e_rows] + e_k if len(e_rows) else e_k, e_ids),
-                             ("admit", a_n, a_ids)):
+        for name, n, ids in (("extend", self._num_tokens[e_rows] + e_k, e_ids), ("admit", a_n, a_ids)):
             if len(n) and (max(n.tolist()) if len(n) <= FEW else int(np.maximum.reduce(n))) > self.max_seq_len:
                 j = int(np.argmax(n))
                 raise InvalidArgument(
@@ -648,12 +639,8 @@ class Pool:
     def _lookup(self, ids: np.ndarray, field: str) -> np.ndarray:
         if not len(ids):
             return EMPTY_I64
-        if len(ids) <= FEW:                        # a few ids: the row map's answers as Python ints
-            got = [self._rows.get(i, -1) for i in ids.tolist()]
-            if -1 in got:
-                missing = ids[got.index(-1)]
-                raise NotFound(f"{field}: sequence {missing} is not in pool {self.name!r}", seq_id=missing)
-            return np.array(got, dtype=np.int64)
+        if len(ids) <= FEW and -1 not in (got := [self._rows.get(i, -1) for i in ids.tolist()]):
+            return np.array(got, dtype=np.int64)          # a few ids, all live: the row map's answers
         rows, found = self._find(ids)
         if not np.logical_and.reduce(found):
             missing = ids[~found][0]
@@ -700,9 +687,6 @@ class Pool:
     # ---- phase 4: emit -----------------------------------------------------------------
     def _emit(self, rows: np.ndarray, old: np.ndarray, new: np.ndarray, held: np.ndarray, tok_indptr: np.ndarray,
               tables: bool, block_table: bool) -> tuple[SpaceTables, ...]:
-        if not (tables or block_table or self._sliding) and len(rows) <= FEW:
-            return few_row_mappings(self.plan.geometry.index_spaces, self.page_size, self._slots, rows, old, new,
-                                    held, self.allocators)
         return emit_tables(self.plan.geometry.index_spaces, self.page_size, self._slots, self._first, self._is_sliding,
                            rows, old, new, held, tok_indptr, tables, block_table, self.allocators)
 
