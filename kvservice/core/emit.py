@@ -246,13 +246,17 @@ def few_row_mappings(spaces: tuple[IndexSpace, ...], page_size: int, slot_tables
             continue
         p0 = o // ps
         spans.append((r, p0, h))
-        for j in range(p0, h):
-            lo = j * ps
-            fo = o - lo if o > lo else 0
-            c = (n - lo if n - lo < ps else ps) - fo
-            cnt.append(c)
-            adj.append(fo - before)
-            before += c
+        fo = o - p0 * ps                             # the first page's first new token; later pages start at 0
+        adj.append(fo - before)
+        if h - p0 == 1:
+            cnt.append(n - o)
+        else:                                        # full pages between a partial first and a last page
+            cnt.append(ps - fo)
+            cnt.extend([ps] * (h - p0 - 2))
+            cnt.append(n - (h - 1) * ps)
+            after = before + ps - fo
+            adj.extend(range(-after, -after - (h - p0 - 1) * ps, -ps))
+        before += n - o
     counts = np.array(cnt, dtype=np.int64)
     shift = np.array(adj, dtype=np.int64)
     out = []

@@ -60,7 +60,7 @@ def full_group_step(pool: Pool, inp: StepInput, tables: bool, block_table: bool)
         lost = np.sort(f_slots)
         uniq, counts = distinct_counts(lost)
         distinct = counts is None                       # then the free needs no check for repeats
-        avail += int(np.add.reduce(rc.take(uniq) == (1 if counts is None else counts)))
+        avail += np.count_nonzero(rc.take(uniq) == (1 if counts is None else counts))
     hits = cand = None
     h0 = 0
     if prompt is not None:
@@ -75,7 +75,7 @@ def full_group_step(pool: Pool, inp: StepInput, tables: bool, block_table: bool)
                 owners = rc.take(taken)
                 if lost is not None:
                     owners = owners - count_in(lost, taken)
-                avail -= int(np.add.reduce(owners == 0))        # cached pages revived from the free LRU
+                avail -= np.count_nonzero(owners == 0)        # cached pages revived from the free LRU
             need -= int(np.add.reduce(hits))
     if need > avail:
         pool._refuse(0, need, avail)

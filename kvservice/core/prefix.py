@@ -164,9 +164,13 @@ class PrefixCache:
         if len(at):
             slots = cand[at]
             good = self.namespace[slots] == ns[row[at]]
-            good &= (self.tokens.take(slots, axis=0) == pages.take(at, axis=0)).all(axis=1)
+            good &= self._same_tokens(slots, pages.take(at, axis=0))
             ok[at] = good
         return cand, ok
+
+    def _same_tokens(self, slots: np.ndarray, pages: np.ndarray) -> np.ndarray:
+        """bool [n]: whether the page cached in each slot holds exactly the token ids of pages (int64 [n, ps])."""
+        return (self.tokens.take(slots, axis=0) == pages).all(axis=1)
 
     def match(self, pages: np.ndarray, row: np.ndarray, col: np.ndarray, limit: np.ndarray, ns: np.ndarray,
               hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -200,7 +204,7 @@ class PrefixCache:
             return np.zeros(1, dtype=np.int64), cand
         slots = cand[:m]
         good = self.namespace[slots] == ns
-        good &= (self.tokens.take(slots, axis=0) == pages[:m]).all(axis=1)
+        good &= self._same_tokens(slots, pages[:m])
         prev = np.empty(m, dtype=np.int64)
         prev[0] = -1
         prev[1:] = slots[:-1]
