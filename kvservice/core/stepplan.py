@@ -34,6 +34,8 @@ def parse_ids(name: str, a: object) -> np.ndarray:
     """A 1-D array of sequence ids as uint64; InvalidArgument for anything else."""
     if a is None:
         return EMPTY_IDS
+    if type(a) is list and 0 < len(a) <= FEW and all(type(v) is int and 0 <= v < 1 << 63 for v in a):
+        return np.array(a, dtype=np.uint64)          # a few valid Python ints (anything else: checked below)
     arr = np.asarray(a)
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
         raise InvalidArgument(f"{name} must be a 1-D integer array, got shape {arr.shape} dtype {arr.dtype}")
@@ -53,6 +55,8 @@ def parse_counts(name: str, a: object, n: int, max_value: int = MAX_COUNT,
     """
     if a is None:
         a = EMPTY_I64
+    elif type(a) is list and 0 < len(a) == n <= FEW and all(type(v) is int and 0 < v <= max_value for v in a):
+        return np.array(a, dtype=np.int64)          # a few valid Python ints (anything else: checked below)
     arr = np.asarray(a)
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
         raise InvalidArgument(f"{name} must be a 1-D integer array, got shape {arr.shape} dtype {arr.dtype}")
