@@ -58,6 +58,7 @@ from kvservice.core.stepplan import (
     parse_counts,
     parse_ids,
     parse_strs,
+    token_indptr,
 )
 
 __all__ = ["Pool", "SpaceTables", "StepResult"]
@@ -291,7 +292,7 @@ class Pool:
         if tok.ndim != 1 or tok.dtype.kind not in "iu":
             raise InvalidArgument(f"admit_token_ids must be a 1-D integer array, got shape {tok.shape} dtype "
                                   f"{tok.dtype}")
-        if len(tok) != int(np.add.reduce(a_n)):
+        if len(tok) != (int(a_n[0]) if a == 1 else int(np.add.reduce(a_n))):
             raise InvalidArgument(f"admit_token_ids has {len(tok)} ids; admit_num_tokens add up to {int(a_n.sum())}")
         ns, new_ns = self.prefix.namespace_ids(salt_list, key_list)
         ps = self.page_size
@@ -490,8 +491,7 @@ class Pool:
         self.steps += 1
         self.admitted += len(inp.a_ids)
         self._last_batch = (inp.e_ids.copy(), inp.e_rows) if inp.extend_only else None
-        tok_indptr = np.zeros(len(rows) + 1, dtype=np.int64)
-        (new - old).cumsum(out=tok_indptr[1:])
+        tok_indptr = token_indptr(old, new)
         ps = self.page_size
         cached = hits * ps if hits is not None else (np.zeros(len(a_rows), dtype=np.int64) if len(a_rows) else None)
         return StepResult(self._seq_ids[rows], new, tok_indptr,

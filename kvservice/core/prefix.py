@@ -299,7 +299,7 @@ def register_prompt(caches: Sequence[PrefixCache], order: Sequence[int], sliding
         inner = (col > 0).nonzero()[0]
         parent_hashes = np.zeros(len(col), dtype=np.uint64)
         parent_hashes[inner] = prompt.hashes[inner - 1]
-    seq_rows = a_rows[row]
+    seq_rows = a_rows[row] if not one or any(sliding) else None
     anchors = None
     for g in order:
         rs = slot_tables[g]

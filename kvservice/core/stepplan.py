@@ -18,6 +18,8 @@ cached page that one of its own admissions takes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
+from operator import sub
 
 import numpy as np
 
@@ -219,6 +221,16 @@ def distinct_counts(vals: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         return srt, None
     starts = head.nonzero()[0]
     return srt[starts], np.diff(np.append(starts, len(srt)))
+
+
+def token_indptr(old: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """int64 [B + 1]: the prefix sum of new - old (int64 [B] tokens before and after), row b's new tokens being
+    [out[b], out[b + 1]); a few rows summed as Python ints."""
+    if len(old) <= FEW:
+        return np.array([0, *accumulate(map(sub, new.tolist(), old.tolist()))], dtype=np.int64)
+    out = np.zeros(len(old) + 1, dtype=np.int64)
+    (new - old).cumsum(out=out[1:])
+    return out
 
 
 def cow_rows(last: np.ndarray, owners: np.ndarray) -> np.ndarray:
