@@ -39,6 +39,16 @@ PLANTED = [
      "                    owners = owners",
      "tests/unit/test_differential.py::test_pool_matches_reference_model[prefix]",
      "the one-full-group path counts a page freed and taken again in one step as revived from the cache"),
+    ("kvservice/core/emit.py", "        adj.append(fo - before)", "        adj.append(fo - before + (fo > 0))",
+     "tests/unit/test_differential.py::test_pool_matches_reference_model[uniform]",
+     "the few-rows slot mappings start a row's partly filled first page one token late"),
+    ("kvservice/core/prefix.py", "h = m if np.logical_and.reduce(good) else int(good.argmin())",
+     "h = m if np.logical_or.reduce(good) else int(good.argmin())",
+     "tests/unit/test_differential.py::test_pool_matches_reference_model[prefix]",
+     "one prompt's prefix match takes its known pages when any of them is confirmed, not all"),
+    ("kvservice/core/rowslots.py", "                dst = at + keep_lo - f",
+     "                dst = at + keep_lo - f + 1",
+     "tests/unit/test_rowslots.py", "a few rows' reserve carries a moved row's columns one place off"),
 ]
 IDS = [what for *_, what in PLANTED]
 
