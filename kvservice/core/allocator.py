@@ -118,7 +118,7 @@ class SlotAllocator:
     def _bump(self, slots: np.ndarray) -> None:
         """The slots pass to a new owner: next generation (never 0)."""
         gen = self.generation[slots] + _ONE_U32              # uint32 arithmetic: wraps to 0 ...
-        if not np.logical_and.reduce(gen):
+        if len(gen) and not np.minimum.reduce(gen):          # (no bool reduction: it casts, through a buffer)
             gen[gen == 0] = 1                                # ... which is never handed out
         self.generation[slots] = gen
 

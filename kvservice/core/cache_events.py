@@ -145,12 +145,13 @@ class GroupEventSource:
             parent_h = np.where(same_prompt, hashes[prev], np.where(par >= 0, slot_hash[np.maximum(par, 0)], 0))
             parent_h = parent_h.astype(np.uint64)
         h = hashes[keep]
-        self.parent_hash[slots[keep]] = parent_h
+        kept = slots[keep]                           # a fresh array (the index keeps it)
+        self.parent_hash[kept] = parent_h
         if self.index.full_after(len(keep)):
             live = slot_hash.nonzero()[0]
             self.index.rebuild(slot_hash[live], live)
         else:
-            self.index.insert(h, slots[keep].astype(np.int64))
+            self.index.insert(h, kept if kept.dtype == np.int64 else kept.astype(np.int64))
         if not self.pending.add(len(keep)):
             return
         cuts = (parent_h[1:] != h[:-1]).nonzero()[0] + 1        # a new chain where the parent is not the last page

@@ -23,6 +23,7 @@ from kvservice.core.rowslots import RowSlots
 
 #: slot_mapping value of a token a layer group does not hold: kernels write nothing for it.
 SKIP_SLOT = -1
+_FEW = 8            # batches of up to this many rows without tables: few_row_mappings (stepplan.FEW)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +140,8 @@ def emit_tables(spaces: tuple[IndexSpace, ...], page_size: int, slot_tables: lis
     the new tokens) and only expanded to tokens at the end (a repeat and an add per array), whatever
     the number of tokens. A decode step (one token per row) has one page per row and skips the expansion.
     """
+    if not (tables or block_table or any(sliding)) and len(rows) <= _FEW:
+        return few_row_mappings(spaces, page_size, slot_tables, rows, old, new, held, allocators)
     ps = page_size
     b = len(rows)
     t = int(tok_indptr[-1])
@@ -266,3 +269,59 @@ class _NewPages:
         out = v.repeat(self.count)
         out += _iota(self.t)                                 # ... plus the token's index: consecutive runs
         return out
+
+
+def few_row_mappings(spaces: tuple[IndexSpace, ...], page_size: int, slot_tables: list[RowSlots], rows: np.ndarray,
+                     old: np.ndarray, new: np.ndarray, held: np.ndarray,
+                     allocators: Sequence[SlotAllocator]) -> tuple[SpaceTables, ...]:
+    """emit_tables(..., tables=False, block_table=False) for a batch of a few rows (stepplan.FEW) in a pool without
+    sliding groups: the same slot mappings and generations, with the pages of the new tokens listed by a loop
+    over the rows' Python ints and each row's slots taken as one slice of its segment (a handful of NumPy
+    calls in all, where the vectorised path makes some thirty on arrays of a few elements)."""
+    ps = page_size
+    spans: list[tuple[int, int, int]] = []          # (row, first page, end page) of each row with new tokens
+    cnt: list[int] = []                              # new tokens per page
+    adj: list[int] = []                              # per page: offset of its first new token - new tokens before it
+    before = 0
+    for r, o, n, h in zip(rows.tolist(), old.tolist(), new.tolist(), held.tolist(), strict=True):
+        if n <= o:
+            continue
+        p0 = o // ps
+        spans.append((r, p0, h))
+        fo = o - p0 * ps                             # the first page's first new token; later pages start at 0
+        adj.append(fo - before)
+        if h - p0 == 1:
+            cnt.append(n - o)
+        else:                                        # full pages between a partial first and a last page
+            cnt.append(ps - fo)
+            cnt.extend([ps] * (h - p0 - 2))
+            cnt.append(n - (h - 1) * ps)
+            after = before + ps - fo
+            adj.extend(range(-after, -after - (h - p0 - 1) * ps, -ps))
+        before += n - o
+    counts = np.array(cnt, dtype=np.int64)
+    shift = np.array(adj, dtype=np.int64)
+    out = []
+    gathered: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    for space in spaces:
+        g = space.group
+        if g not in gathered:
+            rs = slot_tables[g]
+            arena, start, lo_col = rs.arena, rs.start, rs.lo
+            parts = [arena[int(start[r] - lo_col[r]) + p0:int(start[r] - lo_col[r]) + h] for r, p0, h in spans]
+            if len(parts) == 1:
+                pg_slots = parts[0].astype(np.int64)
+            else:
+                pg_slots = np.concatenate(parts).astype(np.int64, copy=False) if parts else \
+                    np.zeros(0, dtype=np.int64)
+            gathered[g] = (pg_slots, allocators[g].generation.take(pg_slots).repeat(counts))
+        pg_slots, tok_gen = gathered[g]
+        if (space.scale, space.offset, space.base) == (1, 0, 0):
+            v = pg_slots * ps
+        else:
+            v = (pg_slots * space.scale + (space.base + space.offset)) * ps
+        v += shift
+        mapping = v.repeat(counts)
+        mapping += _iota(before)
+        out.append(SpaceTables(space, mapping, None, None, tok_gen, None))
+    return tuple(out)

@@ -135,35 +135,41 @@ class LruLeaf(EvictionPolicy):
     """Leaves first: the least recently released cached page that no cached page depends on, lower slot first.
 
     A heap of (stamp, slot) candidates with lazy deletion: an entry is valid while the slot is still
-    cached with that stamp and is a leaf. O(log n) per eviction and per release.
+    cached with that stamp and is a leaf. O(log n) per eviction and per release. Each entry is one int,
+    ``stamp << shift | slot`` (slots < 2^shift, stamps >= 0): ordered as the pair, compared faster than a tuple.
     """
 
     name = "lru-leaf"
 
     def __init__(self, num_slots: int, cached_at: dict[int, int]) -> None:
         super().__init__(num_slots, cached_at)
-        self._heap: list[tuple[int, int]] = []
+        self._shift = max(1, (num_slots - 1).bit_length())
+        self._low = (1 << self._shift) - 1
+        self._heap: list[int] = []
 
     def cached(self, slots: list[int], stamp: int) -> None:
         heap, children = self._heap, self._children
+        top = stamp << self._shift
         for s in slots:
             if not children[s]:
-                heapq.heappush(heap, (stamp, s))
+                heapq.heappush(heap, top | s)
         if len(heap) > 4 * len(self.cached_at) + 64:
             self.rebuild()
 
     def _became_leaf(self, slot: int, stamp: int) -> None:
-        heapq.heappush(self._heap, (stamp, slot))
+        heapq.heappush(self._heap, stamp << self._shift | slot)
 
     def evict(self, n: int) -> list[int]:
         """EvictionPolicy.evict with victim and unlink inlined for the usual case (a leaf, no dependants)."""
         heap, cached, children, parent_of = self._heap, self.cached_at, self._children, self._parent_of
         pop, push = heapq.heappop, heapq.heappush
+        shift, low = self._shift, self._low
         out = []
         while len(out) < n:
             while heap:
-                stamp, s = pop(heap)
-                if cached.get(s) == stamp and not children[s]:
+                e = pop(heap)
+                s = e & low
+                if cached.get(s) == e >> shift and not children[s]:
                     break
             else:                                      # no cached leaf (sliding groups): the general rule
                 s = self.victim()
@@ -173,17 +179,18 @@ class LruLeaf(EvictionPolicy):
                 parent_of[s] = -1
                 children[p] -= 1
                 if not children[p] and p in cached:
-                    push(heap, (cached[p], p))         # _became_leaf
+                    push(heap, cached[p] << shift | p)         # _became_leaf
             if children[s]:                            # an inner page (sliding groups only)
                 self._orphan(s)
             out.append(s)
         return out
 
     def victim(self) -> int:
-        heap, cached, children = self._heap, self.cached_at, self._children
+        heap, cached, children, shift, low = self._heap, self.cached_at, self._children, self._shift, self._low
         while heap:
-            stamp, s = heapq.heappop(heap)
-            if cached.get(s) == stamp and not children[s]:
+            e = heapq.heappop(heap)
+            s = e & low
+            if cached.get(s) == e >> shift and not children[s]:
                 return s
         # No cached leaf: every cached free page has a dependant still in use (sliding groups).
         return min(cached.items(), key=lambda kv: (kv[1], kv[0]))[0]
@@ -219,7 +226,8 @@ class LruLeaf(EvictionPolicy):
         return out
 
     def rebuild(self) -> None:
-        self._heap = [(t, s) for s, t in self.cached_at.items() if not self.children[s]]
+        shift, children = self._shift, self._children
+        self._heap = [t << shift | s for s, t in self.cached_at.items() if not children[s]]
         heapq.heapify(self._heap)
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from kvservice.core.emit import NO_CHANGES, NO_COPIES, NO_ROWS, GroupChanges, StepResult, grown_changes
-from kvservice.core.stepplan import EMPTY_I64, StepInput, count_in, distinct_counts, distinct_sorted
+from kvservice.core.stepplan import EMPTY_I64, FEW, StepInput, count_in, distinct_counts, distinct_sorted
 
 #: The kvservice.core.pool.Pool a fast path serves (not imported here: pool.py imports this module).
 Pool = Any
@@ -44,14 +44,17 @@ def full_group_step(pool: Pool, inp: StepInput, tables: bool, block_table: bool,
     e_new = e_old + inp.e_k
     e_held_new = (e_new + (ps - 1)) // ps
     a_held = (a_n + (ps - 1)) // ps
+    few = len(e_rows) <= FEW
     if pool._sharing and len(e_rows):
-        partial = (e_old % ps).nonzero()[0]
-        if len(partial):
+        if few:
+            if _shares_last_page(rs, rc, ps, e_rows.tolist(), e_old.tolist(), e_held.tolist()):
+                return None
+        elif len(partial := (e_old % ps).nonzero()[0]):
             last = rs.arena.take(rs.flat(e_rows[partial], e_held[partial] - 1))
             if int(np.maximum.reduce(rc.take(last))) > 1:
                 return None
     # ---- plan (nothing changes before the refusal) ----
-    need = int(np.add.reduce(e_held_new - e_held)) + int(np.add.reduce(a_held))
+    need = _pages_needed(e_held, e_held_new, a_held)
     avail = alloc.num_free
     lost = None
     f_slots = None
@@ -61,20 +64,22 @@ def full_group_step(pool: Pool, inp: StepInput, tables: bool, block_table: bool,
         lost = np.sort(f_slots)
         uniq, counts = distinct_counts(lost)
         distinct = counts is None                       # then the free needs no check for repeats
-        avail += int(np.add.reduce(rc.take(uniq) == (1 if counts is None else counts)))
+        avail += np.count_nonzero(rc.take(uniq) == (1 if counts is None else counts))
     hits = cand = None
+    h0 = 0
     if prompt is not None:
         hits, cands = pool._plan_hits(prompt, len(inp.a_ids))
         cand = cands[0]
+        h0 = int(hits[0]) if len(hits) == 1 else -1           # one prompt: its hit is its first h0 pages
         if len(cand):
-            taken = cand[prompt.col < hits[prompt.row]]          # a fresh array
+            taken = cand[:h0].copy() if h0 >= 0 else cand[prompt.col < hits[prompt.row]]   # a fresh array
             if len(taken):
                 taken.sort()
                 taken = distinct_sorted(taken)
                 owners = rc.take(taken)
                 if lost is not None:
                     owners = owners - count_in(lost, taken)
-                avail -= int(np.add.reduce(owners == 0))        # cached pages revived from the free LRU
+                avail -= np.count_nonzero(owners == 0)        # cached pages revived from the free LRU
             need -= int(np.add.reduce(hits))
     if need > avail:
         pool._refuse(0, need, avail)
@@ -86,7 +91,14 @@ def full_group_step(pool: Pool, inp: StepInput, tables: bool, block_table: bool,
     if len(a_rows):
         rs.reserve(a_rows, pool._first[0][a_rows], a_held)
         a_lo = hits if hits is not None else np.zeros(len(a_rows), dtype=np.int64)
-        if hits is not None and len(cand):
+        if h0 > 0:                                      # one prompt: its hit pages are one slice of its segment
+            slots = cand[:h0]
+            uniq, counts = distinct_counts(slots)
+            alloc.share(uniq, counts)
+            at0 = int(rs.start[a_rows[0]] - rs.lo[a_rows[0]])
+            rs.arena[at0:at0 + h0] = slots
+            pool.prefixes[0].hits += h0
+        elif h0 < 0 and hits is not None and len(cand):
             mask = prompt.col < hits[prompt.row]
             slots = cand[mask]
             if len(slots):
@@ -104,19 +116,51 @@ def full_group_step(pool: Pool, inp: StepInput, tables: bool, block_table: bool,
     else:
         g_rows, g_lo, g_hi = e_rows, e_held, e_held_new
         rows, old, new, held_new = e_rows, e_old, e_new, e_held_new
-    grow = g_hi - g_lo
-    nz = grow.nonzero()[0]
-    changes = NO_CHANGES
-    if len(nz):
-        total = int(np.add.reduce(grow))
-        if len(nz) < len(grow):
-            g_rows, g_lo, g_hi, grow = g_rows[nz], g_lo[nz], g_hi[nz], grow[nz]
-        got = pool._alloc_pages(0, alloc, g_rows, g_lo, g_hi, total)
-        changes = grown_changes(nz, grow, got, len(e_rows))
+    changes = _grow_rows(pool, alloc, g_rows, g_lo, g_hi, len(e_rows))
     pool._num_tokens[rows] = new
     pool._held[rows] = held_new
     return pool._finish(inp, rows, old, new, held_new, a_rows, hits, (NO_COPIES,), tables, block_table, (changes,),
                         mappings)
+
+
+def _pages_needed(e_held: np.ndarray, e_held_new: np.ndarray, a_held: np.ndarray) -> int:
+    """New pages of the extended rows (held before, after) and of the admissions (int64 arrays)."""
+    if len(e_held) <= FEW and len(a_held) <= FEW:      # a few rows: summed as Python ints
+        return sum(e_held_new.tolist()) - sum(e_held.tolist()) + sum(a_held.tolist())
+    return int(np.add.reduce(e_held_new - e_held)) + int(np.add.reduce(a_held))
+
+
+def _grow_rows(pool: Pool, alloc: Any, g_rows: np.ndarray, g_lo: np.ndarray, g_hi: np.ndarray,
+               num_extended: int) -> GroupChanges:
+    """Fill columns [lo, hi) of the rows (int64 [n] each, hi >= lo; the extended rows first, num_extended of them)
+    with new slots of the one group; returns the group's changes (the extended rows' new slots)."""
+    if len(g_rows) <= FEW:                              # a few rows: their growth as Python ints
+        grow = [h - lo for h, lo in zip(g_hi.tolist(), g_lo.tolist(), strict=True)]
+        total = sum(grow)
+        if not total:
+            return NO_CHANGES
+        nz = np.array([j for j, k in enumerate(grow) if k], dtype=np.int64)
+        if len(nz) < len(grow):
+            g_rows, g_lo, g_hi = g_rows[nz], g_lo[nz], g_hi[nz]
+        counts = np.array([k for k in grow if k], dtype=np.int64)
+    else:
+        grow = g_hi - g_lo
+        nz = grow.nonzero()[0]
+        total = int(np.add.reduce(grow)) if len(nz) else 0
+        if not total:
+            return NO_CHANGES
+        counts = grow
+        if len(nz) < len(grow):
+            g_rows, g_lo, g_hi, counts = g_rows[nz], g_lo[nz], g_hi[nz], grow[nz]
+    got = pool._alloc_pages(0, alloc, g_rows, g_lo, g_hi, total)
+    return grown_changes(nz, counts, got, num_extended)
+
+
+def _shares_last_page(rs: Any, rc: np.ndarray, ps: int, rows: list[int], old: list[int], held: list[int]) -> bool:
+    """Whether one of a few extended rows (Python ints: row, tokens and pages before the step) writes into a partly
+    filled last page that other sequences own too (refcount rc > 1: copy-on-write, for the general path)."""
+    arena, start, lo, owners = rs.arena.item, rs.start.item, rs.lo.item, rc.item
+    return any(o % ps and owners(arena(start(r) + h - 1 - lo(r))) > 1 for r, o, h in zip(rows, old, held, strict=True))
 
 
 def decode_step(pool: Pool, e_ids: np.ndarray, rows: np.ndarray, k: np.ndarray, tables: bool,

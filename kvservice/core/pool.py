@@ -58,10 +58,10 @@ from kvservice.core.stepplan import (
     parse_counts,
     parse_ids,
     parse_strs,
+    token_indptr,
 )
 
 __all__ = ["Pool", "SpaceTables", "StepResult"]
-
 
 
 class Pool:
@@ -235,8 +235,7 @@ class Pool:
             raise InvalidArgument(f"fork_parent_ids has {len(p_ids)} entries, fork_child_ids {len(c_ids)}")
         extend_only = not (len(f_ids) or len(a_ids) or len(c_ids)) and len(e_ids) > 0
         e_rows = self._last_rows_if_same(e_ids) if extend_only else None
-        repeat = e_rows is not None
-        if e_rows is None:
+        if not (repeat := e_rows is not None):
             parts = [a for a in (f_ids, e_ids, a_ids, c_ids) if len(a)]
             if len(parts) > 1:
                 check_distinct(np.concatenate(parts))
@@ -246,7 +245,7 @@ class Pool:
         f_rows = self._lookup(f_ids, "free_seq_ids")
         p_rows = self._lookup(p_ids, "fork_parent_ids")
         new_ids = np.concatenate((a_ids, c_ids)) if len(c_ids) else a_ids
-        if len(new_ids):
+        if len(new_ids) and (len(new_ids) > FEW or not self._rows.keys().isdisjoint(new_ids.tolist())):
             known = self._find(new_ids)[1]
             if np.logical_or.reduce(known):
                 taken = new_ids[known][0]
@@ -254,7 +253,7 @@ class Pool:
         if len(p_ids) and len(f_ids) and np.isin(p_ids, f_ids).any():
             raise InvalidArgument(f"fork parent {p_ids[np.isin(p_ids, f_ids)][0]} is freed in the same step")
         for name, n, ids in (("extend", self._num_tokens[e_rows] + e_k, e_ids), ("admit", a_n, a_ids)):
-            if len(n) and int(np.maximum.reduce(n)) > self.max_seq_len:
+            if len(n) and (max(n.tolist()) if len(n) <= FEW else int(np.maximum.reduce(n))) > self.max_seq_len:
                 j = int(np.argmax(n))
                 raise InvalidArgument(
                     f"{name}: sequence {ids[j]} would hold {n[j]} tokens; pool {self.name!r} takes at most "
@@ -293,7 +292,7 @@ class Pool:
         if tok.ndim != 1 or tok.dtype.kind not in "iu":
             raise InvalidArgument(f"admit_token_ids must be a 1-D integer array, got shape {tok.shape} dtype "
                                   f"{tok.dtype}")
-        if len(tok) != int(np.add.reduce(a_n)):
+        if len(tok) != (int(a_n[0]) if a == 1 else int(np.add.reduce(a_n))):
             raise InvalidArgument(f"admit_token_ids has {len(tok)} ids; admit_num_tokens add up to {int(a_n.sum())}")
         ns, new_ns = self.prefix.namespace_ids(salt_list, key_list)
         ps = self.page_size
@@ -495,8 +494,7 @@ class Pool:
         self.steps += 1
         self.admitted += len(inp.a_ids)
         self._last_batch = (inp.e_ids.copy(), inp.e_rows) if inp.extend_only else None
-        tok_indptr = np.zeros(len(rows) + 1, dtype=np.int64)
-        (new - old).cumsum(out=tok_indptr[1:])
+        tok_indptr = token_indptr(old, new)
         ps = self.page_size
         cached = hits * ps if hits is not None else (np.zeros(len(a_rows), dtype=np.int64) if len(a_rows) else None)
         spaces = self._emit(rows, old, new, held_new, tok_indptr, tables, block_table) if tables or mappings else ()
@@ -657,6 +655,8 @@ class Pool:
     def _lookup(self, ids: np.ndarray, field: str) -> np.ndarray:
         if not len(ids):
             return EMPTY_I64
+        if len(ids) <= FEW and -1 not in (got := [self._rows.get(i, -1) for i in ids.tolist()]):
+            return np.array(got, dtype=np.int64)          # a few ids, all live: the row map's answers
         rows, found = self._find(ids)
         if not np.logical_and.reduce(found):
             missing = ids[~found][0]

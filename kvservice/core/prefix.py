@@ -164,9 +164,13 @@ class PrefixCache:
         if len(at):
             slots = cand[at]
             good = self.namespace[slots] == ns[row[at]]
-            good &= (self.tokens.take(slots, axis=0) == pages.take(at, axis=0)).all(axis=1)
+            good &= self._same_tokens(slots, pages.take(at, axis=0))
             ok[at] = good
         return cand, ok
+
+    def _same_tokens(self, slots: np.ndarray, pages: np.ndarray) -> np.ndarray:
+        """bool [n]: whether the page cached in each slot holds exactly the token ids of pages (int64 [n, ps])."""
+        return (self.tokens.take(slots, axis=0) == pages).all(axis=1)
 
     def match(self, pages: np.ndarray, row: np.ndarray, col: np.ndarray, limit: np.ndarray, ns: np.ndarray,
               hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -177,6 +181,8 @@ class PrefixCache:
         page; limit: int64 [A] pages each prompt may take from the cache; ns: int64 [A]; hashes: uint64 [N].
         Returns (hits int64 [A], cand int64 [N]: the cached slot of each page, valid where col < hits[row]).
         """
+        if len(limit) == 1:
+            return self._match_one(pages, int(limit[0]), int(ns[0]), hashes)
         cand, ok = self.candidates(pages, row, ns, hashes)
         ok &= col < limit[row]
         prev = np.full(len(cand), -1, dtype=np.int64)
@@ -184,6 +190,27 @@ class PrefixCache:
         prev[inner] = cand[inner - 1]
         ok &= self.parent[np.maximum(cand, 0)] == prev
         return leading_run(ok, row, col, len(limit)), cand
+
+    def _match_one(self, pages: np.ndarray, limit: int, ns: int, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """match for one prompt: its hit ends at the first page the index does not know (or at limit), so only
+        the pages before it are confirmed, as one slice (none: no NumPy call at all). The same result."""
+        n = len(hashes)
+        found = list(map(self.by_hash.get, hashes.tolist(), repeat(-1, n)))
+        cand = np.array(found, dtype=np.int64)
+        m = found.index(-1) if -1 in found else n
+        if limit < m:
+            m = limit
+        if m <= 0:
+            return np.zeros(1, dtype=np.int64), cand
+        slots = cand[:m]
+        good = self.namespace[slots] == ns
+        good &= self._same_tokens(slots, pages[:m])
+        prev = np.empty(m, dtype=np.int64)
+        prev[0] = -1
+        prev[1:] = slots[:-1]
+        good &= self.parent[slots] == prev
+        h = m if np.logical_and.reduce(good) else int(good.argmin())
+        return np.array([h], dtype=np.int64), cand
 
     def register(self, slots: np.ndarray, parents: np.ndarray, ns: np.ndarray, pages: np.ndarray,
                  hashes: np.ndarray, parent_hashes: np.ndarray | None = None,
@@ -272,7 +299,7 @@ def register_prompt(caches: Sequence[PrefixCache], order: Sequence[int], sliding
         inner = (col > 0).nonzero()[0]
         parent_hashes = np.zeros(len(col), dtype=np.uint64)
         parent_hashes[inner] = prompt.hashes[inner - 1]
-    seq_rows = a_rows[row]
+    seq_rows = a_rows[row] if not one or any(sliding) else None
     anchors = None
     for g in order:
         rs = slot_tables[g]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 _MIN_CAP = 4          # columns a new segment holds at least
+_FEW = 8              # up to this many rows are reserved on Python ints (stepplan.FEW)
 
 
 def slot_table_dtype(num_slots: int) -> np.dtype:
@@ -95,6 +96,9 @@ class RowSlots:
         """
         if not len(rows):
             return
+        if len(rows) <= _FEW:
+            self._reserve_few(rows.tolist(), first.tolist(), hi.tolist())
+            return
         lo, cap = self.lo[rows], self.cap[rows]
         move = (hi > lo + cap) | (first < lo)
         if not np.logical_or.reduce(move):
@@ -120,6 +124,37 @@ class RowSlots:
         self.start[rows] = new_start
         self.lo[rows] = first
         self.cap[rows] = new_cap
+
+    def _reserve_few(self, rows: list[int], first: list[int], hi: list[int]) -> None:
+        """reserve for a few rows, on Python ints: the same segments, moves and arena contents, each row's
+        columns carried by one slice copy."""
+        lo_of, cap_of = self.lo.item, self.cap.item
+        moves = []
+        for r, f, h in zip(rows, first, hi, strict=True):
+            lo, cap = lo_of(r), cap_of(r)
+            if h > lo + cap or f < lo:
+                moves.append((r, f, lo, cap, max(2 * (h - f), _MIN_CAP)))
+        if not moves:
+            return
+        need = sum(m[4] for m in moves)
+        self._make_room(need)                        # may compact: segment starts are read after it
+        arena, start_of, at = self.arena, self.start.item, self.used
+        arena[at:at + need] = -1
+        old_caps = 0
+        for r, f, lo, cap, new_cap in moves:
+            keep_lo, keep_hi = max(f, lo), lo + cap
+            if keep_hi > keep_lo:
+                src = start_of(r) + keep_lo - lo
+                dst = at + keep_lo - f
+                arena[dst:dst + keep_hi - keep_lo] = arena[src:src + keep_hi - keep_lo]
+            self.start[r] = at
+            self.lo[r] = f
+            self.cap[r] = new_cap
+            at += new_cap
+            old_caps += cap
+        self.dead += old_caps
+        self.live += need - old_caps
+        self.used += need
 
     def drop(self, rows: np.ndarray) -> None:
         """Forget the rows' segments (the rows leave the pool)."""

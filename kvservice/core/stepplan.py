@@ -18,6 +18,8 @@ cached page that one of its own admissions takes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
+from operator import sub
 
 import numpy as np
 
@@ -34,6 +36,8 @@ def parse_ids(name: str, a: object) -> np.ndarray:
     """A 1-D array of sequence ids as uint64; InvalidArgument for anything else."""
     if a is None:
         return EMPTY_IDS
+    if type(a) is list and 0 < len(a) <= FEW and all(type(v) is int and 0 <= v < 1 << 63 for v in a):
+        return np.array(a, dtype=np.uint64)          # a few valid Python ints (anything else: checked below)
     arr = np.asarray(a)
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
         raise InvalidArgument(f"{name} must be a 1-D integer array, got shape {arr.shape} dtype {arr.dtype}")
@@ -53,6 +57,8 @@ def parse_counts(name: str, a: object, n: int, max_value: int = MAX_COUNT,
     """
     if a is None:
         a = EMPTY_I64
+    elif type(a) is list and 0 < len(a) == n <= FEW and all(type(v) is int and 0 < v <= max_value for v in a):
+        return np.array(a, dtype=np.int64)          # a few valid Python ints (anything else: checked below)
     arr = np.asarray(a)
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
         raise InvalidArgument(f"{name} must be a 1-D integer array, got shape {arr.shape} dtype {arr.dtype}")
@@ -215,6 +221,16 @@ def distinct_counts(vals: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         return srt, None
     starts = head.nonzero()[0]
     return srt[starts], np.diff(np.append(starts, len(srt)))
+
+
+def token_indptr(old: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """int64 [B + 1]: the prefix sum of new - old (int64 [B] tokens before and after), row b's new tokens being
+    [out[b], out[b + 1]); a few rows summed as Python ints."""
+    if len(old) <= FEW:
+        return np.array([0, *accumulate(map(sub, new.tolist(), old.tolist()))], dtype=np.int64)
+    out = np.zeros(len(old) + 1, dtype=np.int64)
+    (new - old).cumsum(out=out[1:])
+    return out
 
 
 def cow_rows(last: np.ndarray, owners: np.ndarray) -> np.ndarray:

@@ -6,7 +6,7 @@ import pytest
 from kvservice.contract.errors import InvalidArgument
 from kvservice.contract.geometry import MAX_COUNT
 from kvservice.core.limits import count_summary
-from kvservice.core.stepplan import cow_rows, parse_counts
+from kvservice.core.stepplan import cow_rows, parse_counts, parse_ids
 
 
 @pytest.mark.parametrize(("counts", "message"), [
@@ -109,3 +109,26 @@ def test_count_summary_equals_the_plain_python_summary(dtype):
     for a in cases:
         assert count_summary(a) == want(a), (a.dtype, a[:5], len(a))
     assert count_summary(np.zeros(0, dtype=dtype)) is None
+
+
+def _outcome(fn, *args):
+    try:
+        out = fn(*args)
+        return out.dtype, out.tolist()
+    except InvalidArgument as err:
+        return "refused", str(err)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_python_int_lists_parse_as_their_arrays_do(seed):
+    """parse_ids/parse_counts take a few valid Python ints without NumPy's checks: every list gives exactly what
+    np.asarray of it gives (the same array, or the same refusal), valid or not."""
+    rng = np.random.default_rng(seed)
+    edge = [[], [0], [-1], [True], [1, 2**63], [2**63], [2**64 - 1, 0], [1.0], [3, 3], [MAX_COUNT], [MAX_COUNT + 1],
+            [1, -5], list(range(9)), [2**40, 1]]
+    lists = edge + [rng.integers(-3, 2**62, size=int(rng.integers(1, 10))).tolist() for _ in range(50)] \
+        + [rng.integers(1, 50, size=int(rng.integers(1, 10))).tolist() for _ in range(50)]
+    for v in lists:
+        assert _outcome(parse_ids, "ids", v) == _outcome(parse_ids, "ids", np.asarray(v)), v
+        assert _outcome(parse_counts, "n", v, len(v)) == _outcome(parse_counts, "n", np.asarray(v), len(v)), v
+        assert _outcome(parse_counts, "n", v, len(v) + 1) == _outcome(parse_counts, "n", np.asarray(v), len(v) + 1)
