@@ -164,15 +164,16 @@ def _shares_last_page(rs: Any, rc: np.ndarray, ps: int, rows: list[int], old: li
 
 
 def decode_step(pool: Pool, e_ids: np.ndarray, rows: np.ndarray, k: np.ndarray, tables: bool,
-                block_table: bool, mappings: bool = True) -> StepResult | None:
+                block_table: bool, mappings: bool = True, new: np.ndarray | None = None) -> StepResult | None:
     """The steady decode loop: the last step's batch grows again, nothing freed, admitted, shared or released.
 
     Same result as the general path with fewer NumPy calls. Returns None (the general path then
-    runs, and raises) if the step would fail.
+    runs, and raises) if the step would fail. new: int64 [B] the rows' tokens after the step, if the
+    caller has them (validation computed them); else computed here.
     """
     ps = pool.page_size
-    old = pool._num_tokens[rows]
-    new = old + k
+    if new is None:
+        new = pool._num_tokens[rows] + k
     held_old = pool._held[rows]
     held_new = (new + (ps - 1)) // ps
     need = held_new - held_old
@@ -192,6 +193,6 @@ def decode_step(pool: Pool, e_ids: np.ndarray, rows: np.ndarray, k: np.ndarray, 
     b = len(rows)
     tok_indptr = np.zeros(b + 1, dtype=np.int64)
     k.cumsum(out=tok_indptr[1:])
-    spaces = pool._emit(rows, old, new, held_new, tok_indptr, tables, block_table) if tables or mappings else ()
+    spaces = pool._emit(rows, new - k, new, held_new, tok_indptr, tables, block_table) if tables or mappings else ()
     return StepResult(pool._seq_ids[rows], new, tok_indptr, spaces, pool.num_free_slots, None,
                       tuple(NO_COPIES for _ in pool.allocators), changes, b, True)

@@ -210,7 +210,7 @@ class Pool:
         inp = self._validate(free_ids, extend_ids, extend_tokens, admit_ids, admit_tokens, fork_parents,
                              fork_children, admit_token_ids, admit_salts, admit_extra_keys, count_ranges)
         if inp.repeat and self._fast and not (self._sharing or self._sliding):
-            res = self._decode_step(inp.e_ids, inp.e_rows, inp.e_k, tables, block_table, mappings)
+            res = self._decode_step(inp.e_ids, inp.e_rows, inp.e_k, tables, block_table, mappings, inp.e_new)
             if res is not None:
                 return res
         if self._fast and self._one_full_group and not len(inp.c_ids):
@@ -252,7 +252,8 @@ class Pool:
                 raise AlreadyExists(f"sequence {taken} is already in pool {self.name!r}", seq_id=taken)
         if len(p_ids) and len(f_ids) and np.isin(p_ids, f_ids).any():
             raise InvalidArgument(f"fork parent {p_ids[np.isin(p_ids, f_ids)][0]} is freed in the same step")
-        for name, n, ids in (("extend", self._num_tokens[e_rows] + e_k, e_ids), ("admit", a_n, a_ids)):
+        e_new = self._num_tokens[e_rows] + e_k
+        for name, n, ids in (("extend", e_new, e_ids), ("admit", a_n, a_ids)):
             if len(n) and (max(n.tolist()) if len(n) <= FEW else int(np.maximum.reduce(n))) > self.max_seq_len:
                 j = int(np.argmax(n))
                 raise InvalidArgument(
@@ -260,7 +261,7 @@ class Pool:
                     f"max_seq_len={self.max_seq_len}", seq_id=ids[j], max_seq_len=self.max_seq_len)
         prompt = self._prompt(a_n, admit_token_ids, admit_salts, admit_extra_keys)
         return StepInput(f_ids, e_ids, e_k, a_ids, a_n, p_ids, c_ids, f_rows, e_rows, p_rows, prompt, extend_only,
-                         repeat)
+                         repeat, e_new)
 
     def _last_rows_if_same(self, e_ids: np.ndarray) -> np.ndarray | None:
         """The rows of the last extend-only step if e_ids is that batch again (checked distinct and live then)."""
@@ -502,9 +503,9 @@ class Pool:
                           len(inp.e_rows))
 
     def _decode_step(self, e_ids: np.ndarray, rows: np.ndarray, k: np.ndarray, tables: bool,
-                     block_table: bool, mappings: bool = True) -> StepResult | None:
+                     block_table: bool, mappings: bool = True, new: np.ndarray | None = None) -> StepResult | None:
         """fastpaths.decode_step: the steady decode loop (None: the general path runs, and raises)."""
-        return fastpaths.decode_step(self, e_ids, rows, k, tables, block_table, mappings)
+        return fastpaths.decode_step(self, e_ids, rows, k, tables, block_table, mappings, new)
 
     def _full_group_step(self, inp: StepInput, tables: bool, block_table: bool,
                          mappings: bool = True) -> StepResult | None:

@@ -151,6 +151,7 @@ class StepInput:
     prompt: Prompt | None
     extend_only: bool            # nothing but extensions (a decode loop's step)
     repeat: bool                 # extend_only with the very batch of the last extend-only step
+    e_new: np.ndarray | None = None      # int64 [E] tokens each extended row holds after the step
 
 
 @dataclass(frozen=True, slots=True)

@@ -150,18 +150,19 @@ class ManagerAPI:
         reply.pool_incarnation = incarnation
         return reply
 
-    def run_step(self, pool: Pool, step: DecodedStep, cost_checked: bool = False, **overrides: object) -> StepResult:
+    def run_step(self, pool: Pool, step: DecodedStep, cost_checked: bool = False, tables: bool | None = None,
+                 mappings: bool = True) -> StepResult:
         """Under the pool's lock: refuse a step whose cost is over the limits before it changes anything
         (check_step_cost, unless the caller did: cost_checked), run it, and record its KV events. Step and
-        StepStream both come through here. overrides: Pool.step arguments that replace the request's
-        (the stream's incremental tables ask for tables=False, mappings=False)."""
+        StepStream both come through here. tables: replaces the request's (None: the request's); the
+        stream's incremental tables ask for tables=False, mappings=False (Pool.step)."""
         if not cost_checked:
             self.check_step_cost(pool, step)
-        kwargs = step.pool_kwargs()
-        if overrides:
-            kwargs.update(overrides)
         try:
-            res = pool.step(**kwargs)
+            res = pool.step(step.free_seq_ids, step.extend_seq_ids, step.extend_num_tokens, step.admit_seq_ids,
+                            step.admit_num_tokens, step.tables if tables is None else tables, step.block_table,
+                            step.fork_parent_ids, step.fork_child_ids, step.admit_token_ids, step.admit_salts,
+                            step.admit_extra_keys, mappings, step.count_ranges())
         finally:
             flush_fleet(pool)
         self.manager.events.after_step(pool, step.admit_num_tokens, step.admit_token_ids is not None)

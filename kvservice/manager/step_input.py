@@ -60,15 +60,10 @@ class DecodedStep:
     sequences: int
     new_tokens: int
 
-    def pool_kwargs(self) -> dict[str, object]:
-        """Pool.step's keyword arguments for this step."""
-        return {"free_ids": self.free_seq_ids, "extend_ids": self.extend_seq_ids,
-                "extend_tokens": self.extend_num_tokens, "admit_ids": self.admit_seq_ids,
-                "admit_tokens": self.admit_num_tokens, "tables": self.tables, "block_table": self.block_table,
-                "fork_parents": self.fork_parent_ids, "fork_children": self.fork_child_ids,
-                "admit_token_ids": self.admit_token_ids, "admit_salts": self.admit_salts,
-                "admit_extra_keys": self.admit_extra_keys,
-                "count_ranges": (_range(self.extend_counts), _range(self.admit_counts))}
+    def count_ranges(self) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
+        """(min, max) of extend_num_tokens and of admit_num_tokens (None each: absent or malformed): what
+        Pool.step's count checks read (its count_ranges)."""
+        return _range(self.extend_counts), _range(self.admit_counts)
 
 
 def _range(summary: CountSummary) -> tuple[int, int] | None:
@@ -99,9 +94,10 @@ def decode_step(request: pb.StepRequest) -> DecodedStep:
     tokens = (ext[2] if ext is not None else 0) + (adm[2] if adm is not None else 0)
     if token_ids is not None and token_ids.size > tokens:
         tokens = token_ids.size
+    salts, keys = request.admit_cache_salts, request.admit_extra_keys
     return DecodedStep(request.pool, free, e_ids, e_k, a_ids, a_n, parents, children, token_ids,
-                       not request.omit_tables, request.include_block_table, list(request.admit_cache_salts) or None,
-                       list(request.admit_extra_keys) or None, ext, adm, sequences, tokens)
+                       not request.omit_tables, request.include_block_table, list(salts) if salts else None,
+                       list(keys) if keys else None, ext, adm, sequences, tokens)
 
 
 __all__ = ["STEP_ARRAYS", "DecodedStep", "decode_step"]

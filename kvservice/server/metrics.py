@@ -11,6 +11,7 @@ healthy manager shows 0, never "no data".
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -81,16 +82,22 @@ class ManagerMetrics:
         self.refusals = Counter("kvservice_requests_refused_total", "Requests answered with an error status, by "
                                 "method, code and reason (the ErrorInfo reason, else the code).",
                                 ["method", "code", "reason"], registry=self.registry)
+        self._ok_duration: dict[str, Any] = {}          # method -> rpc_duration's child for code OK
         for method in ("Step", "Echo"):
-            self.rpc_duration.labels(method, "OK")
+            self._ok_duration[method] = self.rpc_duration.labels(method, "OK")
         for code in REFUSAL_CODES:
             self.refusals.labels("Step", code, code)
 
     def observe(self, method: str, seconds: float, code: str = "OK", reason: str = "") -> None:
         """One call: its server-side seconds, its status code name, and for an error its reason."""
+        if code == "OK":                      # the histogram's child of an OK method, kept (labels() costs more)
+            child = self._ok_duration.get(method)
+            if child is None:
+                child = self._ok_duration[method] = self.rpc_duration.labels(method, "OK")
+            child.observe(seconds)
+            return
         self.rpc_duration.labels(method, code).observe(seconds)
-        if code != "OK":
-            self.refusals.labels(method, code, reason or code).inc()
+        self.refusals.labels(method, code, reason or code).inc()
 
     def observe_reply(self, method: str, seconds: float, reply: object) -> None:
         """A stream request: its reply says how it ended (``error`` set = refused)."""
