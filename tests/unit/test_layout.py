@@ -50,7 +50,7 @@ MANAGER_PACKAGES = ("core", "manager", "events", "state", "server")
 MAX_MODULE_LINES = 500
 MAX_COMPLEXITY = 25
 #: Modules over MAX_MODULE_LINES today, with their line count then, to be split.
-KNOWN_LONG_MODULES = {"kvservice/core/pool.py": 840}
+KNOWN_LONG_MODULES: dict[str, int] = {}
 #: Functions over MAX_COMPLEXITY today (module, qualified name), to be split.
 KNOWN_COMPLEX: set[tuple[str, str]] = set()
 
