@@ -206,7 +206,7 @@ def _allocate(counts: dict[str, int], sample: int) -> dict[str, int]:
     n = sum(counts.values())
     share = {m: total * c / n for m, c in counts.items()}
     out = {m: max(1, int(s)) for m, s in share.items()}
-    for m in sorted(share, key=lambda m: int(share[m]) - share[m])[:max(0, total - sum(out.values()))]:
+    for m in sorted(share, key=lambda m: out[m] - share[m])[:max(0, total - sum(out.values()))]:
         out[m] += 1
     return {m: min(k, counts[m]) for m, k in out.items()}
 
@@ -492,9 +492,14 @@ def _overview(samples: list[dict]) -> list[str]:
 def _out_of_sample(samples: list[dict]) -> list[str]:
     """The newest sample, drawn after the tests written for every earlier sample's survivors, scores those tests
     on mutants they were not written for: the estimate of the whole set's score."""
-    py = samples[-1]
-    if len(samples) < 2 or py.get("summary_only"):
+    # The newest sample over modules an earlier sample drew from: the first sample of a package is its baseline,
+    # not an estimate of what the tests written for earlier survivors achieve.
+    drawn = [{_module(n) for n in py.get("sample_names", [])} for py in samples]
+    later = [i for i in range(1, len(samples)) if not samples[i].get("summary_only")
+             and any(drawn[i] & d for d in drawn[:i])]
+    if not later:
         return []
+    py = samples[later[-1]]
     f, w = _figures(py), _weighted(py)
     c, e = f["checked"], f["equivalent"]
     return [f"**Out-of-sample estimate** (seed {py['seed']}, a fresh sample drawn after all the tests written for "
