@@ -275,18 +275,25 @@ def python_part(max_children: int, sample: int = 0, seed: int = 10, minutes: flo
             continue
         print(f"{pkg}: running {len(todo[pkg]) if names is not None else 'all'} mutants, "
               f"{share / 60:.1f} min at most", flush=True)
+        # Its own process group: mutmut's forked mutant runs outlive a SIGINT to mutmut (seen: orphans holding the
+        # output pipe for minutes), so the whole group is ended once mutmut has saved its results.
         proc = subprocess.Popen([*mutmut, "run", "--max-children", str(max_children), *todo[pkg]], cwd=WORK / pkg,
-                                env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                                env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                start_new_session=True)
         try:
             out, _ = proc.communicate(timeout=share)
         except subprocess.TimeoutExpired:
             stopped = True
             proc.send_signal(signal.SIGINT)             # mutmut stops its workers and keeps the results so far
             try:
-                out, _ = proc.communicate(timeout=120)
+                proc.wait(timeout=120)
             except subprocess.TimeoutExpired:
-                proc.kill()
-                out, _ = proc.communicate()
+                pass
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)     # the mutant runs it left behind (not checked)
+            except ProcessLookupError:
+                pass
+            out, _ = proc.communicate()
         tail += f"[{pkg}] " + (out or "")[-600:] + "\n"
     run_seconds = time.time() - t_run
     status = _statuses(set(names or []) | set(rechecked) if names is not None else None, pkgs)
