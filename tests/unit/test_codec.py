@@ -38,3 +38,16 @@ def test_a_large_sequence_id_survives_a_step_through_the_manager():
     codec.parse_step(api.Step(codec.step_request("p", admit=big, admit_tokens=[4, 5, 6])))
     res = codec.parse_step(api.Step(codec.step_request("p", extend=big, extend_tokens=1)))
     assert res.seq_ids.tolist() == big and res.num_tokens.tolist() == [5, 6, 7]
+
+
+def test_a_configured_pools_incarnation_is_pinned_across_versions():
+    """A creation without an incarnation (a configured pool) gets one derived from the request's bytes; a journal
+    written by one version is replayed by the next, so the derivation is part of the state format. The request's
+    bytes are written here by hand (field 1, length-delimited: 0x0a, 8, "llama-8b"), and the value is pinned."""
+    from kvservice.manager.api import derived_incarnation
+    from kvservice.v1 import block_manager_pb2 as pb
+
+    r = pb.CreatePoolRequest(name="llama-8b")
+    assert r.SerializeToString(deterministic=True) == b"\x0a\x08llama-8b"
+    assert derived_incarnation(r) == 763879215519169790                   # blake2b-64 of those bytes, LE, >> 1
+    assert derived_incarnation(pb.CreatePoolRequest(name="llama-8c")) not in (0, 763879215519169790)
