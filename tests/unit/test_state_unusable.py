@@ -46,3 +46,26 @@ def test_each_cause_is_named_with_its_reason(err, reason, words):
                                  _sqlite("x", "SQLITE_CONSTRAINT"), ValueError("x")])
 def test_other_errors_are_not_a_state_dir_that_cannot_be_written(err):
     assert unusable_state(err, "/d") is None
+
+
+def test_startup_retries_store_errors_within_its_time_and_names_the_last_one():
+    """retry_startup (state/nats/config.py): a StoreError is retried until the time is up, then named; the errors
+    that retrying cannot mend (a gap, a fence) go through at once. Counted attempts, no wall-clock assert."""
+    from kvservice.state.nats.config import Fenced, StoreError, retry_startup
+
+    calls = []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) < 3:
+            raise StoreError(f"stream not ready ({len(calls)})")
+        return "ok"
+
+    assert retry_startup("create stream", flaky, seconds=30) == "ok" and len(calls) == 3
+    with pytest.raises(StoreError, match=r"create stream: still failing after 0\.05 s: never") as e:
+        retry_startup("create stream", lambda: (_ for _ in ()).throw(StoreError("never")), seconds=0.05)
+    assert type(e.value) is StoreError
+    fenced = []
+    with pytest.raises(Fenced):
+        retry_startup("x", lambda: fenced.append(1) or (_ for _ in ()).throw(Fenced("deposed")), seconds=30)
+    assert fenced == [1]

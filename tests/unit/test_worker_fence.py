@@ -61,3 +61,18 @@ def test_a_bound_expires_at_its_deadline_or_when_cancelled():
             with pytest.raises(KernelCancelled, match="decode: stopped"):
                 check("decode")
         check("decode")                                   # the outer bound is back
+
+
+def test_a_persistent_tables_rows_are_bounded_by_the_flag_and_the_pools_slots():
+    """TablePlan.max_rows = min(--max-table-rows, the pool's slots), at least 1 (kvservice/worker/tables.py)."""
+    from kvservice.contract.geometry import CacheSpec
+    from kvservice.worker import ops_numpy
+    from kvservice.worker.caches import CacheSet
+    from kvservice.worker.service import table_plan
+
+    spec = CacheSpec.uniform(2, 1, 64, page_size=4)
+    caches = CacheSet(spec, 40, 0, 2, ops_numpy, max_seq_len=64)
+    assert table_plan(caches, 1000).max_rows == 40
+    assert table_plan(caches, 7).max_rows == 7
+    assert table_plan(caches, 0).max_rows == 1
+    assert (table_plan(caches).max_seq_len, table_plan(caches).page_size) == (64, 4)
