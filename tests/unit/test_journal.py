@@ -516,3 +516,14 @@ def test_prefix_digests_memory_is_bounded_whatever_the_requests():
         assert pd(f"made-up-{i % 97}", data) == digest(data)
         assert pd.kept_bytes == sum(len(p) for p, _ in pd._kept.values()) <= 200_000
         assert len(pd._kept) <= 64
+
+
+@pytest.mark.parametrize(("kw", "message"), [
+    ({"sync": "fast"}, "sync must be one of full, normal, got 'fast'"),
+    ({"compact_every": 0}, "compact_every and id_window must be >= 1"),
+    ({"id_window": 0}, "compact_every and id_window must be >= 1"),
+])
+def test_a_bad_journal_config_names_the_setting(kw, message):
+    with pytest.raises(InvalidArgument) as e:
+        JournalConfig(**kw)
+    assert e.value.message == message

@@ -319,3 +319,20 @@ def test_one_flipped_bit_of_the_last_frames_stored_checksum_is_named(tmp_path, w
             check_wal(wal, page).problem
         flip(wal, 8 * at + j)                                  # flipped back: intact again
         assert check_wal(wal, page).problem is None
+
+
+def test_check_state_beside_a_running_manager_says_what_it_could_not_check(tmp_path):
+    """A manager holds the dir: check-state reads an online copy and says its write-ahead log went unchecked."""
+    d = tmp_path / "live"
+    j = Journal.open(d, config=CONFIG)
+    try:
+        setup_pools(j)
+        workload(j, np.random.default_rng(5), 10)
+        code, report = checked(d)
+    finally:
+        j.close(snapshot=False)
+    assert code == 0 and "state ok" in report, report
+    assert "a manager is running on this dir: checked through an online copy; its write-ahead log was not " \
+           "checked" in report
+    code, report = checked(d)                                  # stopped: the log is checked, no such note
+    assert code == 0 and "a manager is running" not in report
