@@ -527,3 +527,19 @@ def test_a_bad_journal_config_names_the_setting(kw, message):
     with pytest.raises(InvalidArgument) as e:
         JournalConfig(**kw)
     assert e.value.message == message
+
+
+def test_state_tree_holds_the_exported_state_but_the_diagnostics_and_what_is_skipped():
+    """state_tree's documented content: each pool's exported meta (less the refused/alloc-failure counters and the
+    names in skip, also inside the prefix cache's meta) and arrays."""
+    from tests.unit.test_kv_events import make_manager, run_workload
+
+    m = make_manager()
+    run_workload(m, "p", 6, seed=3)
+    st = m.pool_and_lock("p")[0].export_state()
+    meta = dict(state_tree(m)["pools"]["p"][0][1])
+    assert set(meta) == set(st.meta) - {"refused", "alloc_failures"}
+    assert dict(meta["prefix"]) == {k: (tuple(tuple(x) if isinstance(x, list) else x for x in v)
+                                        if isinstance(v, list) else v) for k, v in st.meta["prefix"].items()}
+    skipped = dict(state_tree(m, skip=frozenset({"hits", "steps"}))["pools"]["p"][0][1])
+    assert set(skipped) == set(meta) - {"steps"} and "hits" not in dict(skipped["prefix"])
