@@ -336,3 +336,37 @@ def test_check_state_beside_a_running_manager_says_what_it_could_not_check(tmp_p
            "checked" in report
     code, report = checked(d)                                  # stopped: the log is checked, no such note
     assert code == 0 and "a manager is running" not in report
+
+
+def _small_wal(tmp_path, name):
+    db = sqlite3.connect(tmp_path / "g.db", isolation_level=None)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA wal_autocheckpoint=0")
+    db.execute("CREATE TABLE t(x INTEGER PRIMARY KEY, b BLOB)")
+    for i in range(12):
+        db.execute("INSERT INTO t VALUES (?, randomblob(300))", (i,))
+    image = crash_copy(tmp_path, tmp_path.parent / name)
+    db.close()
+    return image / "g.db-wal", db_header(image / "g.db")[0]
+
+
+@pytest.mark.parametrize("salt", [0, 1])
+def test_a_flipped_salt_bit_in_a_middle_frame_is_damage_not_a_leftover(tmp_path, salt):
+    """Frame header bytes 8-15 are the two salts, which the frame checksum does not cover (SQLite's WAL format):
+    one flipped salt bit makes a frame look foreign while the log goes on after it."""
+    wal, page = _small_wal(tmp_path, f"salt-{salt}")
+    frames = check_wal(wal, page).frames
+    k = frames // 2
+    flip(wal, 8 * (32 + k * (24 + page) + 8 + 4 * salt) + 5)
+    rep = check_wal(wal, page)
+    assert rep.problem is not None and f"frame {k} of {frames} has a damaged salt" in rep.problem
+    assert rep.valid == k
+
+
+def test_a_damaged_wal_header_is_a_problem_not_a_torn_tail(tmp_path):
+    wal, page = _small_wal(tmp_path, "head")
+    frames = check_wal(wal, page).frames
+    flip(wal, 8 * 1 + 2)                                                    # the magic number's second byte
+    rep = check_wal(wal, page)
+    assert rep.problem is not None and "header damaged" in rep.problem and f"ignore its {frames} frames" in rep.problem
+    assert (rep.valid, rep.committed, rep.torn) == (0, 0, 0)
