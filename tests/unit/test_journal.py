@@ -543,3 +543,29 @@ def test_state_tree_holds_the_exported_state_but_the_diagnostics_and_what_is_ski
                                         if isinstance(v, list) else v) for k, v in st.meta["prefix"].items()}
     skipped = dict(state_tree(m, skip=frozenset({"hits", "steps"}))["pools"]["p"][0][1])
     assert set(skipped) == set(meta) - {"steps"} and "hits" not in dict(skipped["prefix"])
+
+
+def test_a_configured_pools_request_asks_for_prefix_caching_only_when_told():
+    spec, sizing = CacheSpec.uniform(2, 1, 64, page_size=16), Sizing(num_slots=64, max_seq_len=512)
+    plain = create_request("a", spec, sizing, ())
+    assert (plain.name, plain.enable_prefix_caching, plain.model) == ("a", False, "")
+    assert create_request("a", spec, sizing, (), prefix_caching=True, model="m").enable_prefix_caching is True
+
+
+def test_an_entry_digest_covers_each_field_of_the_entry():
+    """The journal entry checksum covers its position, method, time and request bytes (its docstring): changing any
+    one of them, by one bit or one unit, changes the digest."""
+    from kvservice.state.stores import entry_digest
+
+    rng = np.random.default_rng(28)
+    for _ in range(20):
+        seq, t = int(rng.integers(1, 2**40)), float(rng.random() * 2e9)
+        req = rng.integers(0, 256, int(rng.integers(1, 64)), dtype=np.uint8).tobytes()
+        base = entry_digest(seq, "Step", req, t)
+        assert len(base) == 16
+        flipped = bytearray(req)
+        flipped[int(rng.integers(len(req)))] ^= 1 << int(rng.integers(8))
+        others = [entry_digest(seq + 1, "Step", req, t), entry_digest(seq, "StepX", req, t),
+                  entry_digest(seq, "Step", bytes(flipped), t), entry_digest(seq, "Step", req, np.nextafter(t, 3e9)),
+                  entry_digest(seq, "Ste", b"p" + req, t)]                   # the method/request boundary
+        assert base not in others and len(set(others)) == len(others)
