@@ -157,3 +157,16 @@ def test_a_full_reply_whose_generations_do_not_match_its_pages_is_refused(world)
         tables.update("a", "t1", r)
     with pytest.raises(NotFound):
         tables.csr("a", "t1", 0)                                                      # nothing was kept
+
+
+def test_a_delta_the_table_cannot_take_is_refused_by_name(world):
+    """A delta built on a reply this table never got (one forwarded elsewhere) is TABLES_OUT_OF_SYNC, naming the
+    table; the worker then wants a full reply."""
+    api, tables, _ = world
+    s = Stream(api, "s")
+    tables.update("a", "t1", s.step(admit_seq_ids=[1, 2], admit_num_tokens=[20, 40]))
+    s.step(extend_seq_ids=[1], extend_num_tokens=[30])                 # never reaches this worker
+    with pytest.raises(FailedPrecondition) as e:
+        tables.update("a", "t1", s.step(extend_seq_ids=[2], extend_num_tokens=[1]))
+    assert e.value.reason == "TABLES_OUT_OF_SYNC" and e.value.metadata == {"table_id": "t1"}
+    assert "tables 't1'" in e.value.message and "send a full reply" in e.value.message
