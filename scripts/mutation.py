@@ -569,7 +569,8 @@ def _python_report(py: dict) -> list[str]:
              f"{t['not checked']}. Score over the checked mutants (killed / killed + survived + no tests): "
              f"{t['killed'] / max(checked, 1):.1%}; with the {n_eq} equivalent survivors left out of the "
              f"denominator: {t['killed'] / max(checked - n_eq, 1):.1%}. Timeouts count as killed (the mutant "
-             "hung a test)" + _timeout_text(py) + "." + _weighted_text(py), "", *_package_table(py),
+             "hung a test)" + _timeout_text(py) + "." + _weighted_text(py), "",
+             *([py["remark"], ""] if py.get("remark") else []), *_package_table(py),
              "| module | killed | survived | of them equivalent | no tests | not checked |",
              "|---|---:|---:|---:|---:|---:|"]
     mods: dict[str, list[str]] = {}
@@ -731,6 +732,8 @@ def main() -> int:
                     help="comma-separated packages of [tool.kvservice.mutation.packages] to run (default: all)")
     ap.add_argument("--skip-modules", default="",
                     help="comma-separated modules (kvservice.core.pool,...) left out of the sample's draw")
+    ap.add_argument("--remark", default="",
+                    help="with --report: a paragraph kept with the sample of --seed and printed in its section")
     ap.add_argument("--note", default="", help="what tests the sample ran against (a column of the report)")
     ap.add_argument("--recheck", action="store_true",
                     help="also run the earlier survivors of bench/mutation_killed.txt and mutation_equivalent.txt")
@@ -775,6 +778,12 @@ def main() -> int:
         samples = _load_python()
         diffs = {n: d for r in samples for n, d in r.get("survivors", {}).items()}
         samples[-1]["recheck_killed"] = {**recheck_killed(a.max_children, a.minutes, diffs), "command": command}
+        _save_python(samples)
+    if a.remark and a.report:
+        samples = _load_python()
+        for py in samples:
+            if py["seed"] == a.seed:
+                py["remark"] = a.remark
         _save_python(samples)
     cu_kept = json.loads(RESULTS["cu"].read_text()) if RESULTS["cu"].exists() else None
     Path(a.out).write_text(report(_load_python(), cu_kept))
