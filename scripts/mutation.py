@@ -559,7 +559,9 @@ def _python_report(py: dict) -> list[str]:
     limit = "" if not py.get("minutes_limit") else f", stopped at its {py['minutes_limit']:.0f}-minute limit" \
         if py.get("stopped") else f", within its {py['minutes_limit']:.0f}-minute limit"
     lines = [f"### Sample seed {py['seed']}", "",
-             f"`{py['command']}`: {what}. Mutant runs took {py['run_seconds'] / 60:.0f} min{limit} "
+             (f"Run ended {py['date']}, {py['seconds'] / 60:.0f} min after it started. "
+              if py.get("allocation") and py.get("date") else "")
+             + f"`{py['command']}`: {what}. Mutant runs took {py['run_seconds'] / 60:.0f} min{limit} "
              f"({py['seconds'] / 60:.0f} min with mutant generation and coverage). Each mutant ran the tests of "
              + ("its package's selection ([tool.kvservice.mutation.packages] in pyproject.toml, one mutmut run per "
               "package)" if py.get("allocation") else "pyproject's `pytest_add_cli_args_test_selection`")
