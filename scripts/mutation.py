@@ -2,10 +2,12 @@
 
 Two parts (`make mutation` runs both):
 
-- Python: mutmut mutates the domain modules named in pyproject's [tool.mutmut]
-  (pool, stepplan, emit, rowslots, geometry, prefix, pagetable, allocator, the
-  NumPy kernels) and runs the tests that cover each mutant. Survivors are listed
-  with their diff; a survivor that is equivalent (no test can tell it apart) is
+- Python: mutmut mutates every module with logic, package by package: each package of pyproject's
+  [tool.kvservice.mutation.packages] (core, contract, manager, events, state, worker, client, server) gets its
+  own mutmut run in .mutmut/<package>/ with its modules and its own test selection, so a mutant runs only the
+  tests of its package's selection that cover its function (mutmut 3 takes one global selection, and its coverage
+  pass runs all of it). The generated stubs and the CLI glue are left out ([tool.mutmut] do_not_mutate).
+  Survivors are listed with their diff; a survivor that is equivalent (no test can tell it apart) is
   explained in bench/mutation_equivalent.txt, one ``name: why`` per line.
 - CUDA sources: hand-made mutants of kvservice/worker/kernels/*.cu (a bounds check
   dropped, an off-by-one, 32-bit address arithmetic, a lost violation flag), each
@@ -13,8 +15,10 @@ Two parts (`make mutation` runs both):
   (ASan included). A mutant survives if those tests still pass.
 
 Every Python mutant runs with KV_DIFF_SCALE=0.05 (the differential test's short runs). The whole
-set is about 4,600 mutants: hours on a 2-core machine. --sample N runs a seeded random sample of N
-mutants per module (2 N for pool.py) and reports the sample's score and survivors.
+set is many thousands of mutants: a day on a 2-core machine. --sample N runs a seeded random sample of N
+mutants per module on average, spread over the modules in proportion to their number of mutants (at least one
+each), and reports the sample's score and survivors per package and per module. --packages picks packages,
+--skip-modules leaves modules out of the draw (e.g. those earlier samples covered).
 
 Each part's results are kept in bench/results/mutation_python.json and mutation_cu.json (the
 command that ran, seed, sample, every mutant's status, survivors' diffs), and the report is built
@@ -26,6 +30,7 @@ forked test run hangs as killed (timeout); each timeout is run again in one plai
 (--confirm-timeouts for samples kept before this check), and one whose tests pass counts as survived.
 
 Usage: python scripts/mutation.py [--python] [--cu] [--report] [--sample N] [--seed S] [--minutes M] [--note TEXT]
+                                  [--packages core,state,...] [--skip-modules kvservice.core.pool,...]
                                   [--confirm-timeouts]
                                   [--recheck] [--out bench/results/mutation.md] [--max-children N]
 """
@@ -44,9 +49,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
+from fnmatch import fnmatch
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+WORK = ROOT / ".mutmut"                # one mutmut directory per package: .mutmut/<package>/mutants/
 EQUIVALENT = ROOT / "bench" / "mutation_equivalent.txt"
 KILLED = ROOT / "bench" / "mutation_killed.txt"
 RESULTS = {"python": ROOT / "bench" / "results" / "mutation_python.json",
@@ -134,14 +142,73 @@ def _status(code: int | None) -> str:
     return status_by_exit_code[code]
 
 
-def _statuses(names: list[str] | None) -> dict[str, str]:
-    """Mutant name -> status, from mutmut's .meta files (all mutants, or only `names`)."""
+def _config() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]
+
+
+def packages() -> dict[str, dict]:
+    """Package -> its [tool.kvservice.mutation.packages] table (only_mutate globs, test selection)."""
+    return _config()["kvservice"]["mutation"]["packages"]
+
+
+def _mutated(pkg: str, path: str) -> bool:
+    """Whether mutmut's run for `pkg` mutates the source file `path` (relative, e.g. kvservice/core/pool.py)."""
+    skip = _config()["mutmut"].get("do_not_mutate", [])
+    return any(fnmatch(path, g) for g in packages()[pkg]["only_mutate"]) and not any(fnmatch(path, g) for g in skip)
+
+
+def _package_of(name: str) -> str | None:
+    """The package whose run holds mutant (or module) `name`: kvservice.state.nats.journal.x_f__mutmut_3 -> state."""
+    path = _module(name).replace(".", "/") + ".py"
+    return next((pkg for pkg in packages() if _mutated(pkg, path)), None)
+
+
+def _prepare(pkg: str) -> Path:
+    """.mutmut/<pkg>/: links to the tree's kvservice/ and tests/, and a pyproject.toml whose [tool.mutmut] is the
+    shared one with this package's only_mutate and test selection (mutmut reads its configuration from the
+    working directory and keeps its mutants/ there)."""
+    d = WORK / pkg
+    d.mkdir(parents=True, exist_ok=True)
+    for part in ("kvservice", "tests"):
+        if not (d / part).is_symlink():
+            (d / part).symlink_to(ROOT / part)
+    text = (ROOT / "pyproject.toml").read_text()
+    text = text[:text.index("[tool.mutmut]")]     # [tool.mutmut] and the package tables come last
+    conf = {**_config()["mutmut"], **packages()[pkg]}
+    text += "[tool.mutmut]\n" + "".join(f"{k} = {json.dumps(v, ensure_ascii=False)}\n" for k, v in conf.items())
+    if not (d / "pyproject.toml").exists() or (d / "pyproject.toml").read_text() != text:
+        (d / "pyproject.toml").write_text(text)
+    return d
+
+
+def _metas(pkg: str) -> list[str]:
+    """The .meta files (one per mutated source file) of `pkg`'s mutmut run, of files it mutates today."""
+    base = WORK / pkg / "mutants"
+    return [f for f in sorted(glob.glob(str(base / "**" / "*.meta"), recursive=True))
+            if _mutated(pkg, str(Path(f).relative_to(base))[:-len(".meta")])]
+
+
+def _statuses(names: set[str] | None, pkgs: list[str] | None = None) -> dict[str, str]:
+    """Mutant name -> status, from mutmut's .meta files of the packages' runs (all mutants, or only `names`)."""
     out = {}
-    for f in sorted(glob.glob(str(ROOT / "mutants" / "**" / "*.meta"), recursive=True)):
-        for k, code in json.loads(Path(f).read_text()).get("exit_code_by_key", {}).items():
-            if names is None or k in names:
-                out[k] = _status(code)
+    for pkg in pkgs or list(packages()):
+        for f in _metas(pkg):
+            for k, code in json.loads(Path(f).read_text()).get("exit_code_by_key", {}).items():
+                if names is None or k in names:
+                    out[k] = _status(code)
     return out
+
+
+def _allocate(counts: dict[str, int], sample: int) -> dict[str, int]:
+    """Per-module sample sizes: `sample` per module on average, in proportion to each module's number of mutants
+    (largest remainders), at least one each and at most all of a module's."""
+    total = sample * len(counts)
+    n = sum(counts.values())
+    share = {m: total * c / n for m, c in counts.items()}
+    out = {m: max(1, int(s)) for m, s in share.items()}
+    for m in sorted(share, key=lambda m: out[m] - share[m])[:max(0, total - sum(out.values()))]:
+        out[m] += 1
+    return {m: min(k, counts[m]) for m, k in out.items()}
 
 
 def _names_in(path: Path) -> list[str]:
@@ -152,72 +219,107 @@ def _names_in(path: Path) -> list[str]:
 
 
 def python_part(max_children: int, sample: int = 0, seed: int = 10, minutes: float = 0,
-                recheck: bool = False) -> dict:
-    """Run mutmut (all mutants, or a seeded sample per module, plus with `recheck` the survivors of earlier
-    samples listed in bench/mutation_killed.txt and bench/mutation_equivalent.txt); statuses and survivors' diffs.
+                recheck: bool = False, pkgs: list[str] | None = None, skip: list[str] | None = None) -> dict:
+    """Run mutmut package by package (all mutants, or a seeded sample weighted by each module's number of
+    mutants, plus with `recheck` the survivors of earlier samples listed in bench/mutation_killed.txt and
+    bench/mutation_equivalent.txt); statuses and survivors' diffs.
 
-    minutes: stop the mutant runs after this long (0 = no limit); mutants not reached stay "not checked".
+    minutes: stop the mutant runs after this long in all (0 = no limit), shared among the packages in proportion
+    to their mutants to run (time one leaves unused passes to the next); mutants not reached stay "not checked".
+    skip: modules (dotted names) left out of the draw.
     """
     mutmut = [sys.executable, "-m", "mutmut"]
     env = MUTANT_ENV
+    pkgs = pkgs or list(packages())
+    skip = set(skip or [])
     t0 = time.time()
     names: list[str] | None = None
     rechecked: list[str] = []
     totals: dict[str, int] = {}
+    gen_seconds: dict[str, float] = {}
+    for pkg in pkgs:
+        # Generates the package's mutants and the per-test coverage (stats) without running any mutant.
+        tp = time.time()
+        r = _run([*mutmut, "run", "--max-children", str(max_children), "no-such-mutant"], _prepare(pkg), 3600, env)
+        gen_seconds[pkg] = time.time() - tp
+        if not _metas(pkg):
+            raise SystemExit(f"mutmut made no mutants for package {pkg}:\n{(r.stdout + r.stderr)[-3000:]}")
+        print(f"{pkg}: mutants generated and coverage collected in {gen_seconds[pkg] / 60:.1f} min", flush=True)
+    keys_by_module: dict[str, list[str]] = {}
+    for pkg in pkgs:
+        for f in _metas(pkg):
+            keys = sorted(json.loads(Path(f).read_text()).get("exit_code_by_key", {}))
+            if keys and _module(keys[0]) not in skip:
+                keys_by_module[_module(keys[0])] = keys
     if sample or recheck:
-        # Generates the mutants and the per-test coverage (stats) without running any mutant.
-        _run([*mutmut, "run", "--max-children", str(max_children), "no-such-mutant"], ROOT, 3600, env)
         names = []
         if sample:
             rng = random.Random(seed)
-            for f in sorted(glob.glob(str(ROOT / "mutants" / "**" / "*.meta"), recursive=True)):
-                keys = sorted(json.loads(Path(f).read_text()).get("exit_code_by_key", {}))
-                if keys:
-                    totals[_module(keys[0])] = len(keys)
-                names += rng.sample(keys, min(2 * sample if f.endswith("pool.py.meta") else sample, len(keys)))
+            totals = {m: len(k) for m, k in keys_by_module.items()}
+            for m, k in sorted(_allocate(totals, sample).items()):
+                names += rng.sample(keys_by_module[m], k)
         if recheck:
-            known = set(_statuses(None))
+            known = set(_statuses(None, pkgs))
             rechecked = sorted({n for f in (KILLED, EQUIVALENT) for n in _names_in(f)} & known)
+    todo = {pkg: sorted(n for n in set(names or []) | set(rechecked) if _package_of(n) == pkg) for pkg in pkgs}
     t_run = time.time()
     stopped = False
-    proc = subprocess.Popen([*mutmut, "run", "--max-children", str(max_children),
-                             *sorted(set(names or []) | set(rechecked))], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        tail, _ = proc.communicate(timeout=minutes * 60 if minutes else 6 * 3600)
-    except subprocess.TimeoutExpired:
-        stopped = True
-        proc.send_signal(signal.SIGINT)             # mutmut stops its workers and keeps the results so far
+    tail = ""
+    for i, pkg in enumerate(pkgs):
+        if names is not None and not todo[pkg]:
+            continue
+        left = sum(len(todo[p]) for p in pkgs[i:]) or 1
+        share = (minutes * 60 - (time.time() - t_run)) * len(todo[pkg]) / left if minutes else 6 * 3600
+        if share <= 0:
+            stopped = True
+            continue
+        print(f"{pkg}: running {len(todo[pkg]) if names is not None else 'all'} mutants, "
+              f"{share / 60:.1f} min at most", flush=True)
+        # Its own process group: mutmut's forked mutant runs outlive a SIGINT to mutmut (seen: orphans holding the
+        # output pipe for minutes), so the whole group is ended once mutmut has saved its results.
+        proc = subprocess.Popen([*mutmut, "run", "--max-children", str(max_children), *todo[pkg]], cwd=WORK / pkg,
+                                env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                start_new_session=True)
         try:
-            tail, _ = proc.communicate(timeout=120)
+            out, _ = proc.communicate(timeout=share)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            tail, _ = proc.communicate()
+            stopped = True
+            proc.send_signal(signal.SIGINT)             # mutmut stops its workers and keeps the results so far
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                pass
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)     # the mutant runs it left behind (not checked)
+            except ProcessLookupError:
+                pass
+            out, _ = proc.communicate()
+        tail += f"[{pkg}] " + (out or "")[-600:] + "\n"
     run_seconds = time.time() - t_run
-    status = _statuses(set(names or []) | set(rechecked) if names is not None else None)
+    status = _statuses(set(names or []) | set(rechecked) if names is not None else None, pkgs)
     check = confirm_timeouts(sorted(k for k, s in status.items() if s == "timeout"))
     survivors = sorted(k for k, s in {**status, **check}.items() if s in ("survived", "no tests"))
-    diffs = {name: _run([*mutmut, "show", name], ROOT, 120).stdout for name in survivors}
+    diffs = {name: _run([*mutmut, "show", name], WORK / _package_of(name), 120).stdout for name in survivors}
     sample_names = sorted(names) if names else sorted(status)
     return {"seconds": time.time() - t0, "run_seconds": run_seconds, "minutes_limit": minutes, "stopped": stopped,
             "sample": sample, "seed": seed, "sample_names": sample_names, "recheck_names": rechecked,
-            "survivors": diffs, "status": status, "run_tail": (tail or "")[-2000:], "module_totals": totals,
-            "timeout_check": check}
+            "survivors": diffs, "status": status, "run_tail": tail[-4000:], "module_totals": totals,
+            "timeout_check": check, "allocation": "by mutant count", "packages": pkgs, "skipped": sorted(skip),
+            "generate_seconds": gen_seconds}
 
 
 def confirm_timeouts(names: list[str]) -> dict[str, str]:
     """mutmut's timeouts run again without its fork: the mutant's covering tests (mutmut's stats) in one plain
-    pytest process in mutants/, under a 10-minute wall limit. A forked child can hang for a reason that is not the
-    mutant (a thread pool of the parent), and mutmut counts any hang as killed. name -> "killed" (a test fails),
-    "survived" (they pass) or "timeout" (still hangs, or pytest could not run them)."""
-    if not names:
-        return {}
-    by_function = json.loads((ROOT / "mutants" / "mutmut-stats.json").read_text())["tests_by_mangled_function_name"]
+    pytest process in its package's mutants/, under a 10-minute wall limit. A forked child can hang for a reason
+    that is not the mutant (a thread pool of the parent), and mutmut counts any hang as killed. name -> "killed" (a
+    test fails), "survived" (they pass) or "timeout" (still hangs, or pytest could not run them)."""
     out = {}
     for name in names:
+        mutants = WORK / _package_of(name) / "mutants"
+        by_function = json.loads((mutants / "mutmut-stats.json").read_text())["tests_by_mangled_function_name"]
         tests = sorted(by_function.get(name.partition("__mutmut_")[0], []))
         try:
-            r = _run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests], ROOT / "mutants",
+            r = _run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests], mutants,
                      600, {**MUTANT_ENV, "MUTANT_UNDER_TEST": name})
             out[name] = {0: "survived", 1: "killed"}.get(r.returncode, "timeout") if tests else "timeout"
         except subprocess.TimeoutExpired:
@@ -248,18 +350,24 @@ def recheck_killed(max_children: int, minutes: float = 0, diffs: dict[str, str] 
     mutmut = [sys.executable, "-m", "mutmut"]
     env = MUTANT_ENV
     t0 = time.time()
-    _run([*mutmut, "run", "--max-children", str(max_children), "no-such-mutant"], ROOT, 3600, env)
     listed = _names_in(KILLED)
-    names = sorted(set(listed) & set(_statuses(None)))
+    pkgs = sorted({p for p in map(_package_of, listed) if p})
+    for pkg in pkgs:
+        _run([*mutmut, "run", "--max-children", str(max_children), "no-such-mutant"], _prepare(pkg), 3600, env)
+    names = sorted(set(listed) & set(_statuses(None, pkgs)))
     diffs = diffs or {}
     names = [n for n in names if n not in diffs or _changed_lines(diffs[n]) == _changed_lines(
-        _run([*mutmut, "show", n], ROOT, 120).stdout)]
-    try:
-        _run([*mutmut, "run", "--max-children", str(max_children), *names], ROOT,
-             minutes * 60 if minutes else 6 * 3600, env)
-    except subprocess.TimeoutExpired:
-        pass
-    status = _statuses(set(names))
+        _run([*mutmut, "show", n], WORK / _package_of(n), 120).stdout)]
+    for pkg in pkgs:
+        left = minutes * 60 - (time.time() - t0) if minutes else 6 * 3600
+        mine = [n for n in names if _package_of(n) == pkg]
+        if not mine or left <= 0:
+            continue
+        try:
+            _run([*mutmut, "run", "--max-children", str(max_children), *mine], WORK / pkg, left, env)
+        except subprocess.TimeoutExpired:
+            pass
+    status = _statuses(set(names), pkgs)
     status |= confirm_timeouts(sorted(n for n, st in status.items() if st == "timeout"))
     return {"seconds": time.time() - t0, "status": status,
             "gone": sorted(set(listed) - set(names))}          # functions edited since: the name no longer exists
@@ -391,9 +499,14 @@ def _overview(samples: list[dict]) -> list[str]:
 def _out_of_sample(samples: list[dict]) -> list[str]:
     """The newest sample, drawn after the tests written for every earlier sample's survivors, scores those tests
     on mutants they were not written for: the estimate of the whole set's score."""
-    py = samples[-1]
-    if len(samples) < 2 or py.get("summary_only"):
+    # The newest sample over modules an earlier sample drew from: the first sample of a package is its baseline,
+    # not an estimate of what the tests written for earlier survivors achieve.
+    drawn = [{_module(n) for n in py.get("sample_names", [])} for py in samples]
+    later = [i for i in range(1, len(samples)) if not samples[i].get("summary_only")
+             and any(drawn[i] & d for d in drawn[:i])]
+    if not later:
         return []
+    py = samples[later[-1]]
     f, w = _figures(py), _weighted(py)
     c, e = f["checked"], f["equivalent"]
     return [f"**Out-of-sample estimate** (seed {py['seed']}, a fresh sample drawn after all the tests written for "
@@ -434,20 +547,32 @@ def _python_report(py: dict) -> list[str]:
     f = _figures(py)
     t, checked, n_eq, n_later = f, f["checked"], f["equivalent"], f["killed since"]
     surv = sorted(n for n in sample if status.get(n) in ("survived", "no tests"))
-    what = (f"a seeded sample (seed {py['seed']}) of {len(sample)} mutants, {py['sample']} per module and "
-            f"{2 * py['sample']} of pool.py" if py["sample"] else f"all {len(sample)} mutants")
+    if py.get("allocation") == "by mutant count":
+        what = (f"a seeded sample (seed {py['seed']}) of {len(sample)} mutants over the packages "
+                f"{', '.join(py['packages'])}: {py['sample']} per module on average, spread over the "
+                f"{len(py['module_totals'])} modules in proportion to their number of mutants (at least one each)"
+                + (f"; modules left out of the draw: {', '.join(py['skipped'])}" if py.get("skipped") else "")
+                if py["sample"] else f"all {len(sample)} mutants of the packages {', '.join(py['packages'])}")
+    else:
+        what = (f"a seeded sample (seed {py['seed']}) of {len(sample)} mutants, {py['sample']} per module and "
+                f"{2 * py['sample']} of pool.py" if py["sample"] else f"all {len(sample)} mutants")
     limit = "" if not py.get("minutes_limit") else f", stopped at its {py['minutes_limit']:.0f}-minute limit" \
         if py.get("stopped") else f", within its {py['minutes_limit']:.0f}-minute limit"
     lines = [f"### Sample seed {py['seed']}", "",
-             f"`{py['command']}`: {what}. Mutant runs took {py['run_seconds'] / 60:.0f} min{limit} "
+             (f"Run ended {py['date']}, {py['seconds'] / 60:.0f} min after it started. "
+              if py.get("allocation") and py.get("date") else "")
+             + f"`{py['command']}`: {what}. Mutant runs took {py['run_seconds'] / 60:.0f} min{limit} "
              f"({py['seconds'] / 60:.0f} min with mutant generation and coverage). Each mutant ran the tests of "
-             "pyproject's `pytest_add_cli_args_test_selection` that cover its function, with KV_DIFF_SCALE=0.05.",
+             + ("its package's selection ([tool.kvservice.mutation.packages] in pyproject.toml, one mutmut run per "
+              "package)" if py.get("allocation") else "pyproject's `pytest_add_cli_args_test_selection`")
+             + " that cover its function, with KV_DIFF_SCALE=0.05." + _generate_text(py),
              "",
              f"Sample: killed {t['killed']}, survived {t['survived']}, no tests {t['no tests']}, not checked "
              f"{t['not checked']}. Score over the checked mutants (killed / killed + survived + no tests): "
              f"{t['killed'] / max(checked, 1):.1%}; with the {n_eq} equivalent survivors left out of the "
              f"denominator: {t['killed'] / max(checked - n_eq, 1):.1%}. Timeouts count as killed (the mutant "
              "hung a test)" + _timeout_text(py) + "." + _weighted_text(py), "",
+             *([py["remark"], ""] if py.get("remark") else []), *_package_table(py),
              "| module | killed | survived | of them equivalent | no tests | not checked |",
              "|---|---:|---:|---:|---:|---:|"]
     mods: dict[str, list[str]] = {}
@@ -495,6 +620,37 @@ def _python_report(py: dict) -> list[str]:
                       + ", ".join(f"`{n}`" for n in rk["gone"]) + "; each was checked by hand as noted in "
                       "bench/mutation_killed.txt."]
     return lines
+
+
+def _package(name: str) -> str:
+    return ".".join(_module(name).split(".")[:2])   # kvservice.state.nats.journal.x_f__mutmut_1 -> kvservice.state
+
+
+def _package_table(py: dict) -> list[str]:
+    """Per package: the sample's raw score and, weighted by each module's number of mutants, the estimate of the
+    package's whole score (raw and over the non-equivalent mutants)."""
+    if not py.get("allocation"):
+        return []
+    status, eq = _status_of(py), equivalents()
+    lines = ["| package | mutants in all | sampled | killed | survived | of them equivalent | no tests | not checked "
+             "| score | without equivalents |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for pkg in sorted({_package(n) for n in py["sample_names"]}):
+        ns = [n for n in py["sample_names"] if _package(n) == pkg]
+        t = _tally(status, ns)
+        c = t["killed"] + t["survived"] + t["no tests"]
+        e = sum(n in eq and status.get(n) in ("survived", "no tests") for n in ns)
+        total = sum(v for m, v in py["module_totals"].items() if _package(m) == pkg)
+        lines.append(f"| {pkg} | {total} | {len(ns)} | {t['killed']} | {t['survived']} | {e} | {t['no tests']} | "
+                     f"{t['not checked']} | {t['killed'] / max(c, 1):.1%} | {t['killed'] / max(c - e, 1):.1%} |")
+    return [*lines, ""]
+
+
+def _generate_text(py: dict) -> str:
+    gen = py.get("generate_seconds")
+    if not gen:
+        return ""
+    return (" Generating each package's mutants and its coverage pass took " + ", ".join(
+        f"{p} {s / 60:.1f} min" for p, s in gen.items()) + ".")
 
 
 def _timeout_text(py: dict) -> str:
@@ -574,6 +730,12 @@ def main() -> int:
     ap.add_argument("--minutes", type=float, default=0, help="stop the Python mutant runs after this long")
     ap.add_argument("--confirm-timeouts", action="store_true",
                     help="run the kept samples' mutmut timeouts again without its fork (those not run so yet)")
+    ap.add_argument("--packages", default="",
+                    help="comma-separated packages of [tool.kvservice.mutation.packages] to run (default: all)")
+    ap.add_argument("--skip-modules", default="",
+                    help="comma-separated modules (kvservice.core.pool,...) left out of the sample's draw")
+    ap.add_argument("--remark", default="",
+                    help="with --report: a paragraph kept with the sample of --seed and printed in its section")
     ap.add_argument("--note", default="", help="what tests the sample ran against (a column of the report)")
     ap.add_argument("--recheck", action="store_true",
                     help="also run the earlier survivors of bench/mutation_killed.txt and mutation_equivalent.txt")
@@ -582,7 +744,12 @@ def main() -> int:
     command = "python scripts/mutation.py " + " ".join(sys.argv[1:])
     if a.python or both:
         samples = [r for r in _load_python() if r["seed"] != a.seed]      # a rerun of a seed replaces it
-        py = python_part(a.max_children, a.sample, a.seed, a.minutes, a.recheck)
+        pkgs = [p.strip() for p in a.packages.split(",") if p.strip()] or None
+        unknown = sorted(set(pkgs or []) - set(packages()))
+        if unknown:
+            raise SystemExit(f"unknown package(s) {unknown}; [tool.kvservice.mutation.packages] has {list(packages())}")
+        py = python_part(a.max_children, a.sample, a.seed, a.minutes, a.recheck, pkgs,
+                         [m.strip() for m in a.skip_modules.split(",") if m.strip()])
         earlier = sorted({n for r in samples for n in r.get("sample_names", [])})
         _save_python([*samples, {**py, "seed": a.seed, "command": command, "note": a.note,
                                  "date": f"{dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC",
@@ -606,12 +773,19 @@ def main() -> int:
                 py["timeout_check_command"] = command
                 for name, st in py["timeout_check"].items():
                     if st == "survived":
-                        py["survivors"][name] = _run([sys.executable, "-m", "mutmut", "show", name], ROOT, 120).stdout
+                        py["survivors"][name] = _run([sys.executable, "-m", "mutmut", "show", name],
+                                                     WORK / _package_of(name), 120).stdout
         _save_python(samples)
     if a.recheck_killed:                                    # kept with the newest sample
         samples = _load_python()
         diffs = {n: d for r in samples for n, d in r.get("survivors", {}).items()}
         samples[-1]["recheck_killed"] = {**recheck_killed(a.max_children, a.minutes, diffs), "command": command}
+        _save_python(samples)
+    if a.remark and a.report:
+        samples = _load_python()
+        for py in samples:
+            if py["seed"] == a.seed:
+                py["remark"] = a.remark
         _save_python(samples)
     cu_kept = json.loads(RESULTS["cu"].read_text()) if RESULTS["cu"].exists() else None
     Path(a.out).write_text(report(_load_python(), cu_kept))

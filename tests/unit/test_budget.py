@@ -149,3 +149,25 @@ def test_the_budget_is_derived_from_the_memory_limit(tmp_path) -> None:
     assert cgroup_memory_limit((str(tmp_path / "absent"),)) is None
     with pytest.raises(ValueError):
         BudgetLimits(0, 1)
+
+
+def test_reserve_reply_charges_the_running_call_and_nothing_outside_one() -> None:
+    """The servicer's reserve_reply() reaches the call the interceptor set for this context (its handler's); a
+    replay at startup runs outside any call and charges nothing."""
+    import contextvars
+
+    from kvservice.server import admission
+
+    b = budget(total=100 * MIB, tenant=100 * MIB)
+    admission.reserve_reply(5 * MIB)                          # no call: nothing charged
+    assert b.charged_bytes == 0
+    call = CallCharges(b, "a", "GetPool")
+
+    def in_call() -> None:
+        admission._CALL.set(call)                             # what AdmissionInterceptor does for the handler
+        admission.reserve_reply(2 * MIB)
+
+    contextvars.copy_context().run(in_call)
+    assert b.charged_bytes == 2 * REPLY_FACTOR * MIB == b.tenant_bytes("a")
+    call.close()
+    assert b.charged_bytes == 0

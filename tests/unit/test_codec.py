@@ -38,3 +38,37 @@ def test_a_large_sequence_id_survives_a_step_through_the_manager():
     codec.parse_step(api.Step(codec.step_request("p", admit=big, admit_tokens=[4, 5, 6])))
     res = codec.parse_step(api.Step(codec.step_request("p", extend=big, extend_tokens=1)))
     assert res.seq_ids.tolist() == big and res.num_tokens.tolist() == [5, 6, 7]
+
+
+def test_a_configured_pools_incarnation_is_pinned_across_versions():
+    """A creation without an incarnation (a configured pool) gets one derived from the request's bytes; a journal
+    written by one version is replayed by the next, so the derivation is part of the state format. The request's
+    bytes are written here by hand (field 1, length-delimited: 0x0a, 8, "llama-8b"), and the value is pinned."""
+    from kvservice.manager.api import derived_incarnation
+    from kvservice.v1 import block_manager_pb2 as pb
+
+    r = pb.CreatePoolRequest(name="llama-8b")
+    assert r.SerializeToString(deterministic=True) == b"\x0a\x08llama-8b"
+    assert derived_incarnation(r) == 763879215519169790                   # blake2b-64 of those bytes, LE, >> 1
+    assert derived_incarnation(pb.CreatePoolRequest(name="llama-8c")) not in (0, 763879215519169790)
+
+
+def test_parse_step_keeps_each_index_spaces_fields_and_names_a_malformed_tensor():
+    """An interleaved pool's index spaces have scale > 1 and offsets > 0: the parsed spaces carry the reply's own
+    fields, and a damaged tensor is named by its field."""
+    from kvservice.contract.errors import InvalidArgument
+
+    api = ManagerAPI(BlockManager())
+    api.CreatePool(codec.create_pool_request("p", CacheSpec.uniform(3, 1, 64, "float16", 16, layout="interleaved"),
+                                             Sizing(num_slots=64, max_seq_len=256)))
+    reply = api.Step(codec.step_request("p", admit=[1, 2], admit_tokens=[20, 40]))
+    res = codec.parse_step(reply)
+    assert len(reply.tables) == 3
+    for st in reply.tables:
+        sp = res.tables[st.index_space].space
+        assert (sp.id, sp.group, sp.scale, sp.offset, sp.upper_bound, sp.base) == \
+            (st.index_space, st.group, st.scale, st.offset, st.upper_bound, st.base)
+    assert sorted({(st.scale, st.offset) for st in reply.tables}) == [(3, 0), (3, 1), (3, 2)]
+    reply.new_token_indptr.data = reply.new_token_indptr.data[:-1]
+    with pytest.raises(InvalidArgument, match="new_token_indptr"):
+        codec.parse_step(reply)

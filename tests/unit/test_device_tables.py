@@ -134,3 +134,39 @@ def test_streams_and_request_ids_are_per_tenant():
     assert reg.session("s", "a") is not reg.session("s", "b") and reg.session("s", "a") is reg.session("s", "a")
     assert scoped_request_id("", "x") == "x"
     assert len({scoped_request_id("a/b", "c"), scoped_request_id("a", "b/c"), scoped_request_id("", "a/b/c")}) == 3
+
+
+def test_a_held_table_counts_at_least_the_bytes_of_its_page_tables(world):
+    """A tenant's bytes (what its quota bounds) include every space's page table: at least rows x width x 4 bytes
+    per space, read from the csr the worker serves."""
+    api, tables, _ = world
+    s = Stream(api, "s")
+    held = tables.update("a", "t1", s.step(admit_seq_ids=[1, 2, 3], admit_num_tokens=[20, 40, 60]))
+    pages = sum(len(tables.csr("a", "t1", layer)[1]) for layer in range(len(SPEC.layers)))
+    assert held.nbytes == tables.tenant_bytes("a") >= 4 * pages > 0
+    tables.update("a", "t2", Stream(api, "s2").step(admit_seq_ids=[9], admit_num_tokens=[30]))
+    assert tables.tenant_bytes("a") > held.nbytes                # a second table adds its own
+
+
+def test_a_full_reply_whose_generations_do_not_match_its_pages_is_refused(world):
+    api, tables, _ = world
+    r = Stream(api, "s").step(admit_seq_ids=[1, 2], admit_num_tokens=[20, 40])
+    assert len(r.tables) and all(len(st.generations.data) == len(st.indices.data) for st in r.tables)   # 4 B each
+    r.tables[0].generations.data = r.tables[0].generations.data[:-4]                  # one generation short
+    with pytest.raises(InvalidArgument, match=r"step.tables\[0\]: 5 page indices and 4 generations"):
+        tables.update("a", "t1", r)
+    with pytest.raises(NotFound):
+        tables.csr("a", "t1", 0)                                                      # nothing was kept
+
+
+def test_a_delta_the_table_cannot_take_is_refused_by_name(world):
+    """A delta built on a reply this table never got (one forwarded elsewhere) is TABLES_OUT_OF_SYNC, naming the
+    table; the worker then wants a full reply."""
+    api, tables, _ = world
+    s = Stream(api, "s")
+    tables.update("a", "t1", s.step(admit_seq_ids=[1, 2], admit_num_tokens=[20, 40]))
+    s.step(extend_seq_ids=[1], extend_num_tokens=[30])                 # never reaches this worker
+    with pytest.raises(FailedPrecondition) as e:
+        tables.update("a", "t1", s.step(extend_seq_ids=[2], extend_num_tokens=[1]))
+    assert e.value.reason == "TABLES_OUT_OF_SYNC" and e.value.metadata == {"table_id": "t1"}
+    assert "tables 't1'" in e.value.message and "send a full reply" in e.value.message

@@ -431,3 +431,22 @@ def test_a_tenants_score_reads_only_its_own_pools_entries():
         with pytest.raises(NotFound, match="'theirs' does not exist"):       # named but not readable: as unknown
             score_prefix(m, prompt, pools=["theirs"], readable=frozenset({"mine"}))
     assert reads[1] == reads[40] == 3, reads       # pages 0 and 1 (ours), then page 2 (nobody of ours): stop
+
+
+def test_each_members_child_lists_are_exactly_the_caches_registered_pages():
+    """A member's children (parent slot -> registered slots under it) rebuilt from the cache's own arrays after a
+    long run with evictions: a page the cache forgot must leave its parent's list (else the lists grow with the
+    history and a forgotten slot is re-evaluated as if still cached)."""
+    m, _, loads = fleet_manager(3)
+    run_steps(m, loads, 30)
+    assert all(m.pool_and_lock(n)[0].allocators[0].evictions > 0 for n in ("a", "d8"))
+    with m.fleet.lock:
+        members = [b for b in m.fleet._bits if b is not None]
+        assert len(members) >= 4
+        for b in members:
+            want: dict[int, set[int]] = {}
+            for s in b.cache.by_hash.values():
+                p = int(b.cache.parent.item(int(s)))
+                if p >= 0:
+                    want.setdefault(p, set()).add(int(s))
+            assert b.children == want

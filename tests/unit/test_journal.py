@@ -516,3 +516,56 @@ def test_prefix_digests_memory_is_bounded_whatever_the_requests():
         assert pd(f"made-up-{i % 97}", data) == digest(data)
         assert pd.kept_bytes == sum(len(p) for p, _ in pd._kept.values()) <= 200_000
         assert len(pd._kept) <= 64
+
+
+@pytest.mark.parametrize(("kw", "message"), [
+    ({"sync": "fast"}, "sync must be one of full, normal, got 'fast'"),
+    ({"compact_every": 0}, "compact_every and id_window must be >= 1"),
+    ({"id_window": 0}, "compact_every and id_window must be >= 1"),
+])
+def test_a_bad_journal_config_names_the_setting(kw, message):
+    with pytest.raises(InvalidArgument) as e:
+        JournalConfig(**kw)
+    assert e.value.message == message
+
+
+def test_state_tree_holds_the_exported_state_but_the_diagnostics_and_what_is_skipped():
+    """state_tree's documented content: each pool's exported meta (less the refused/alloc-failure counters and the
+    names in skip, also inside the prefix cache's meta) and arrays."""
+    from tests.unit.test_kv_events import make_manager, run_workload
+
+    m = make_manager()
+    run_workload(m, "p", 6, seed=3)
+    st = m.pool_and_lock("p")[0].export_state()
+    meta = dict(state_tree(m)["pools"]["p"][0][1])
+    assert set(meta) == set(st.meta) - {"refused", "alloc_failures"}
+    assert dict(meta["prefix"]) == {k: (tuple(tuple(x) if isinstance(x, list) else x for x in v)
+                                        if isinstance(v, list) else v) for k, v in st.meta["prefix"].items()}
+    skipped = dict(state_tree(m, skip=frozenset({"hits", "steps"}))["pools"]["p"][0][1])
+    assert set(skipped) == set(meta) - {"steps"} and "hits" not in dict(skipped["prefix"])
+
+
+def test_a_configured_pools_request_asks_for_prefix_caching_only_when_told():
+    spec, sizing = CacheSpec.uniform(2, 1, 64, page_size=16), Sizing(num_slots=64, max_seq_len=512)
+    plain = create_request("a", spec, sizing, ())
+    assert (plain.name, plain.enable_prefix_caching, plain.model) == ("a", False, "")
+    assert create_request("a", spec, sizing, (), prefix_caching=True, model="m").enable_prefix_caching is True
+
+
+def test_an_entry_digest_covers_each_field_of_the_entry():
+    """The journal entry checksum covers its position, method, time and request bytes (its docstring): changing any
+    one of them, by one bit or one unit, changes the digest."""
+    from kvservice.state.stores import entry_digest
+
+    rng = np.random.default_rng(28)
+    for _ in range(20):
+        seq, t = int(rng.integers(1, 2**40)), float(rng.random() * 2e9)
+        req = rng.integers(0, 256, int(rng.integers(1, 64)), dtype=np.uint8).tobytes()
+        base = entry_digest(seq, "Step", req, t)
+        assert len(base) == 16
+        flipped = bytearray(req)
+        flipped[int(rng.integers(len(req)))] ^= 1 << int(rng.integers(8))
+        others = [entry_digest(seq + 1, "Step", req, t), entry_digest(seq, "StepX", req, t),
+                  entry_digest(seq, "Step", bytes(flipped), t), entry_digest(seq, "Step", req, np.nextafter(t, 3e9)),
+                  entry_digest(seq, "Ste", b"p" + req, t)]                   # the method/request boundary
+        assert base not in others and len(set(others)) == len(others)

@@ -314,3 +314,41 @@ def test_read_budget_lets_a_piece_start_while_in_credit_then_makes_the_tenant_re
             pass
     assert exc.value.reason == "RATE_LIMITED" and float(exc.value.metadata["retry_after_seconds"]) > 0
     assert ReadBudget(share=0).try_start("a") == 0          # share 0: no limit
+
+
+def test_metrics_export_a_caching_pool_at_zero_before_its_first_batch():
+    """The module's promise: every pool with prefix caching exports each series from the first scrape, at 0."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvservice.events.metrics import EVENT_TYPES, TRANSPORTS, EventCollector
+
+    m = make_manager(name="fresh")
+    reg = CollectorRegistry()
+    reg.register(EventCollector(m))
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(generate_latest(reg).decode()) for s in fam.samples}
+    pool = (("pool", "fresh"),)
+    assert samples[("kvservice_kv_event_sequence", pool)] == 0
+    assert samples[("kvservice_kv_event_batches_total", pool)] == 0
+    assert samples[("kvservice_kv_event_buffer_batches", pool)] == m.events.ring_batches > 0
+    for kind in EVENT_TYPES:
+        assert samples[("kvservice_kv_events_published_total", (("pool", "fresh"), ("type", kind)))] == 0
+    for t in TRANSPORTS:
+        assert samples[("kvservice_kv_event_subscribers", (("pool", "fresh"), ("transport", t)))] == 0
+
+
+def test_configure_events_defers_batches_until_the_transaction_commits():
+    """Under `kvservice serve` a Step's batch is visible only once its transaction (the durable commit) returns."""
+    from kvservice.events.publish import configure_events
+    from kvservice.manager.event_log import EventsConfig
+
+    m = make_manager()
+    assert configure_events(m, EventsConfig(ring_batches=17)) == []         # no ZeroMQ publishers asked for
+    assert m.events.ring_batches == 17
+    sub = m.events.subscribe("p", 1, "grpc")
+    with m.events.transaction():
+        run_workload(m, "p", 1, seed=11)
+        assert sub.poll(0) == []                                                # recorded, not yet visible
+    (lb,) = sub.poll(0)
+    assert lb.seq == 1

@@ -376,3 +376,16 @@ def test_the_extend_only_cost_shortcut_equals_the_general_bound(kind, monkeypatc
         except KVError:                                             # a refused step changes nothing
             pass
     assert shortcut >= 20, shortcut
+
+
+@pytest.mark.parametrize("field", ["extend_num_tokens", "admit_num_tokens"])
+def test_the_request_only_bound_names_the_field_over_max_seq_len(field):
+    """step_reply_bound(level 0) checks the counts before any arithmetic, and names the offending field."""
+    m = BlockManager()
+    m.create_pool("p", CacheSpec.uniform(2, 1, 64), Sizing(num_slots=64, max_seq_len=256))
+    api = ManagerAPI(m)
+    api.Step(pb.StepRequest(pool="p", admit_seq_ids=ids([1]), admit_num_tokens=counts([5])))
+    big = {"extend_num_tokens": dict(extend_seq_ids=ids([1]), extend_num_tokens=counts([300])),
+           "admit_num_tokens": dict(admit_seq_ids=ids([2]), admit_num_tokens=counts([257]))}[field]
+    with pytest.raises(InvalidArgument, match=field):
+        api.step_reply_bound(pb.StepRequest(pool="p", **big), 0)

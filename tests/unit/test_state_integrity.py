@@ -293,3 +293,80 @@ def test_wal_checksum_helpers_agree_with_sqlite(tmp_path):
     magic, version, wal_page = struct.unpack(">3I", wal.read_bytes()[:12])
     assert magic in (0x377F0682, 0x377F0683) and version == 3007000
     assert wal_page == page and rep.problem is None and rep.valid == rep.frames == rep.committed > 10
+
+
+@pytest.mark.parametrize("word", [0, 1])
+def test_one_flipped_bit_of_the_last_frames_stored_checksum_is_named(tmp_path, word):
+    """SQLite's WAL frame header ends with two big-endian 32-bit checksum words (bytes 16-23 of the 24): a bit
+    flipped in byte i, bit j of word c is bit (3 - i) * 8 + j of that word, named as such."""
+    db = sqlite3.connect(tmp_path / "g.db", isolation_level=None)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA wal_autocheckpoint=0")
+    db.execute("CREATE TABLE t(x INTEGER PRIMARY KEY, b BLOB)")
+    for i in range(12):
+        db.execute("INSERT INTO t VALUES (?, randomblob(300))", (i,))
+    image = crash_copy(tmp_path, tmp_path.parent / f"wal-bit-{word}")
+    db.close()
+    wal, page = image / "g.db-wal", db_header(image / "g.db")[0]
+    rep = check_wal(wal, page)
+    assert rep.problem is None and rep.valid == rep.frames
+    rng = np.random.default_rng(word)
+    for _ in range(3):
+        i, j = int(rng.integers(0, 4)), int(rng.integers(0, 8))
+        at = 32 + (rep.frames - 1) * (24 + page) + 16 + 4 * word + i
+        flip(wal, 8 * at + j)
+        assert f"one flipped bit (in its stored checksum, bit {(3 - i) * 8 + j} of word {word})" in \
+            check_wal(wal, page).problem
+        flip(wal, 8 * at + j)                                  # flipped back: intact again
+        assert check_wal(wal, page).problem is None
+
+
+def test_check_state_beside_a_running_manager_says_what_it_could_not_check(tmp_path):
+    """A manager holds the dir: check-state reads an online copy and says its write-ahead log went unchecked."""
+    d = tmp_path / "live"
+    j = Journal.open(d, config=CONFIG)
+    try:
+        setup_pools(j)
+        workload(j, np.random.default_rng(5), 10)
+        code, report = checked(d)
+    finally:
+        j.close(snapshot=False)
+    assert code == 0 and "state ok" in report, report
+    assert "a manager is running on this dir: checked through an online copy; its write-ahead log was not " \
+           "checked" in report
+    code, report = checked(d)                                  # stopped: the log is checked, no such note
+    assert code == 0 and "a manager is running" not in report
+
+
+def _small_wal(tmp_path, name):
+    db = sqlite3.connect(tmp_path / "g.db", isolation_level=None)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA wal_autocheckpoint=0")
+    db.execute("CREATE TABLE t(x INTEGER PRIMARY KEY, b BLOB)")
+    for i in range(12):
+        db.execute("INSERT INTO t VALUES (?, randomblob(300))", (i,))
+    image = crash_copy(tmp_path, tmp_path.parent / name)
+    db.close()
+    return image / "g.db-wal", db_header(image / "g.db")[0]
+
+
+@pytest.mark.parametrize("salt", [0, 1])
+def test_a_flipped_salt_bit_in_a_middle_frame_is_damage_not_a_leftover(tmp_path, salt):
+    """Frame header bytes 8-15 are the two salts, which the frame checksum does not cover (SQLite's WAL format):
+    one flipped salt bit makes a frame look foreign while the log goes on after it."""
+    wal, page = _small_wal(tmp_path, f"salt-{salt}")
+    frames = check_wal(wal, page).frames
+    k = frames // 2
+    flip(wal, 8 * (32 + k * (24 + page) + 8 + 4 * salt) + 5)
+    rep = check_wal(wal, page)
+    assert rep.problem is not None and f"frame {k} of {frames} has a damaged salt" in rep.problem
+    assert rep.valid == k
+
+
+def test_a_damaged_wal_header_is_a_problem_not_a_torn_tail(tmp_path):
+    wal, page = _small_wal(tmp_path, "head")
+    frames = check_wal(wal, page).frames
+    flip(wal, 8 * 1 + 2)                                                    # the magic number's second byte
+    rep = check_wal(wal, page)
+    assert rep.problem is not None and "header damaged" in rep.problem and f"ignore its {frames} frames" in rep.problem
+    assert (rep.valid, rep.committed, rep.torn) == (0, 0, 0)

@@ -135,3 +135,17 @@ def test_watch_events_messages_carry_the_same_extra_keys():
     assert [getattr(e, "extra_keys", None) for e in back] == [getattr(e, "extra_keys", None) for e in events]
     assert any(e.extra_keys for e in back if isinstance(e, BlockStored))
     assert any(isinstance(e, BlockStored) and e.extra_keys is None for e in back)
+
+
+def test_a_reset_carries_the_same_extra_keys_as_the_live_events():
+    """A subscriber that falls behind gets the cache's whole content again (state_events): each page's BlockStored
+    carries the salt on the prompt's first page and the extra key on all, as the live events did."""
+    from kvservice.core.cache_events import state_events
+
+    pool = _pool()
+    pool.step(admit_ids=[1], admit_tokens=[13], admit_token_ids=np.arange(1, 14), admit_salts=["t"],
+              admit_extra_keys=["lora"])
+    pool.step(admit_ids=[2], admit_tokens=[9], admit_token_ids=np.arange(50, 59))         # no salt, no key
+    reset = [e for e in state_events(pool_caches(pool)) if e.group == 0]
+    keys = [[tuple(k) for k in e.extra_keys] if e.extra_keys else None for e in reset]
+    assert sorted(map(repr, keys)) == sorted(map(repr, [[("lora", "t")], [("lora",)], [("lora",)], None, None]))

@@ -87,3 +87,17 @@ def test_an_unknown_hash_mode_is_refused_with_the_known_ones():
     with pytest.raises(InvalidArgument, match="use one of kvservice, vllm-sha256-cbor"):
         BlockManager().create_pool("p", CacheSpec.uniform(2, 1, 64, page_size=PS), Sizing(num_slots=64),
                                    prefix_caching=True, prefix_hash="md5")
+
+
+def test_cbor_of_simple_values_and_heads_is_rfc_8949():
+    """Byte strings from RFC 8949's appendix A (encoding examples), typed here: the simple values, integers at each
+    head width, negative integers, strings, byte strings and arrays."""
+    from kvservice.core.hashing import cbor
+
+    examples = [(False, "f4"), (True, "f5"), (None, "f6"), (0, "00"), (23, "17"), (24, "1818"), (100, "1864"),
+                (1000, "1903e8"), (1000000, "1a000f4240"), (1000000000000, "1b000000e8d4a51000"),
+                (18446744073709551615, "1bffffffffffffffff"), (-1, "20"), (-100, "3863"), (-1000, "3903e7"),
+                ("", "60"), ("a", "6161"), ("IETF", "6449455446"), (b"", "40"), (b"\x01\x02\x03\x04", "4401020304"),
+                ([], "80"), ([1, 2, 3], "83010203"), ([1, [2, 3], [4, 5]], "8301820203820405")]
+    for value, hexed in examples:
+        assert cbor(value).hex() == hexed, value

@@ -142,3 +142,22 @@ def test_configured_pools_are_created_with_their_prefix_caching_model_and_sizing
         assert pool.prefix is not None and pool.model == "org/chat-model"
         # full group 8 x 64 pages; sliding group 8 x (64 / 16 + 1) + 512 / 16
         assert pool.plan.group_slots == (8 * 64, 8 * 5 + 32)
+
+
+def test_plan_reply_lists_every_groups_layers():
+    """PlanReply's groups name their layers: each layer exactly once, in the group its LayerPlan names, and only
+    layers of that group's window (checked from the spec's own per-layer windows, not the geometry's grouping)."""
+    from kvservice.contract.sizing import Sizing
+    from kvservice.core.planner import plan
+
+    rng = np.random.default_rng(28)
+    for _ in range(5):
+        windows = [int(w) for w in rng.choice([0, 0, 64, 256], size=int(rng.integers(2, 9)))]
+        spec = CacheSpec(tuple(LayerSpec(2, 64, "float16", w) for w in windows), 16)
+        reply = convert.plan_to_proto(plan(spec, Sizing(max_batch=3, max_seq_len=512)))
+        listed = sorted(la for g in reply.groups for la in g.layers)
+        assert listed == list(range(len(windows)))
+        for g in reply.groups:
+            assert list(g.layers) == sorted(g.layers) and len(g.layers) > 0
+            assert {windows[la] for la in g.layers} == {g.sliding_window}
+            assert {reply.layers[la].group for la in g.layers} == {g.group}

@@ -1,0 +1,95 @@
+"""The token rules of kvservice/contract/auth.py without a server: the role each RPC needs against the role table
+written in the module's docstring and docs/SECURITY.md (typed here from that prose, not read from the code), the
+pool each request touches, and who a call's metadata names. The end-to-end checks (a refused call's status) are
+tests/integration/test_security.py; these run in the mutation check's contract selection."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+
+from kvservice.contract import auth
+from kvservice.v1 import block_manager_pb2 as pb
+from kvservice.v1 import worker_pb2 as wpb
+
+# The documented table: read inspects, write adds Step/RegisterWorker/Heartbeat and the worker's kernels, admin adds
+# CreatePool and DeletePool; the streaming twins take their unary call's role.
+MANAGER_ROLES = {
+    "read": {"GetPool", "ListPools", "ListSequences", "GetStats", "ValidatePageTable", "ListWorkers", "ScorePrefix",
+             "WatchEvents", "Plan", "Echo", "EchoStream"},
+    "write": {"Step", "StepStream", "RegisterWorker", "Heartbeat"},
+    "admin": {"CreatePool", "DeletePool"},
+}
+WORKER_ROLES = {"read": {"Info", "ValidatePageTable", "CheckGuards"},
+                "write": {"AppendKV", "DecodeAttention", "CopyBlocks", "CorruptGuard", "UpdateTables"}}
+
+
+def _service_methods(module, name: str) -> set[str]:
+    return {m.name for m in module.DESCRIPTOR.services_by_name[name].methods}
+
+
+@pytest.mark.parametrize(("rules", "table", "module", "service"), [
+    (auth.manager_rules(lambda w: None), MANAGER_ROLES, pb, "BlockManager"),
+    (auth.worker_rules("p"), WORKER_ROLES, wpb, "Worker"),
+])
+def test_every_rpc_needs_the_documented_role(rules, table, module, service):
+    want = {m: role for role, ms in table.items() for m in ms}
+    assert set(rules) == set(want) == _service_methods(module, service)   # no RPC of the service without a rule
+    assert {m: r.role for m, r in rules.items()} == want
+
+
+def test_roles_rank_read_below_write_below_admin():
+    for held in auth.ROLES:
+        g = auth.Grant("t", None, held)
+        assert [g.allows_role(r) for r in ("read", "write", "admin")] == \
+               {"read": [True, False, False], "write": [True, True, False], "admin": [True, True, True]}[held]
+
+
+def test_each_rule_names_the_pool_its_request_touches():
+    rules = auth.manager_rules({"w-1": "pool-of-w1"}.get)
+    assert rules["CreatePool"].pool(pb.CreatePoolRequest(name="new")) == "new"
+    for m in ("DeletePool", "GetPool", "ListSequences", "ValidatePageTable", "Step", "RegisterWorker", "StepStream",
+              "WatchEvents"):
+        assert rules[m].pool(type("R", (), {"pool": "p7"})()) == "p7", m
+    for m in ("GetStats", "ListWorkers"):          # an empty pool asks about every pool: filtered, not refused
+        assert rules[m].pool(type("R", (), {"pool": ""})()) is None
+        assert rules[m].pool(type("R", (), {"pool": "p2"})()) == "p2"
+    assert rules["Heartbeat"].pool(type("R", (), {"pool": "", "worker_id": "w-1"})()) == "pool-of-w1"
+    assert rules["Heartbeat"].named is False and all(r.named for m, r in rules.items() if m != "Heartbeat")
+    assert rules["ScorePrefix"].pool(type("R", (), {"pools": ["a", "b"]})()) == ["a", "b"]
+    for m in ("Plan", "Echo", "EchoStream", "ListPools"):
+        assert rules[m].pool(object()) is None
+    assert {r.pool(None) for r in auth.worker_rules("mine").values()} == {"mine"}
+
+
+def _table(entries: str) -> auth.TokenTable:
+    return auth.TokenTable.from_yaml(f"tokens:\n{entries}")
+
+
+def test_principal_of_names_the_token_of_the_bearer_metadata():
+    secret = os.urandom(12).hex()
+    other = os.urandom(12).hex()
+    table = _table(f"  - {{name: sched, token: {secret}, pools: [a]}}\n"
+                   f"  - {{name: ops, sha256: {hashlib.sha256(other.encode()).hexdigest()}, pools: ['*'], "
+                   "role: admin}\n")
+    assert auth.principal_of(table, [("x-other", "1"), ("authorization", f"Bearer {secret}")]) == "sched"
+    assert auth.principal_of(table, [("authorization", f"bearer   {other} ")]) == "ops"
+    assert auth.principal_of(table, [("authorization", "Bearer " + "0" * 24)]) == auth.UNAUTHENTICATED
+    assert auth.principal_of(table, [("authorization", secret)]) == auth.UNAUTHENTICATED    # no "Bearer "
+    assert auth.principal_of(table, None) == auth.UNAUTHENTICATED
+    assert auth.principal_of(None, [("authorization", f"Bearer {secret}")]) == ""
+    g = table.lookup(other)
+    assert g.role == "admin" and g.pools is None and table.lookup(secret).pools == frozenset({"a"})
+
+
+def test_server_tls_names_the_flag_of_an_unreadable_file(tmp_path):
+    cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
+    cert.write_bytes(b"CERT"), key.write_bytes(b"KEY")
+    assert auth.ServerTLS.from_files(cert, key) == auth.ServerTLS(b"CERT", b"KEY", None)
+    assert auth.ServerTLS.from_files(cert, key, cert).client_ca == b"CERT"
+    with pytest.raises(auth.InvalidArgument, match=r"--tls-client-ca: cannot read .*missing"):
+        auth.ServerTLS.from_files(cert, key, tmp_path / "missing")
+    with pytest.raises(auth.InvalidArgument, match="--tls-key: cannot read"):
+        auth.ServerTLS.from_files(cert, tmp_path / "nokey")

@@ -1,0 +1,49 @@
+"""The manager's /metrics series (kvservice/server/metrics.py, ManagerCollector) read back through Prometheus' own
+text parser, against values worked out by hand from the pools' sizes and the steps sent."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvservice.contract.errors import ResourceExhausted
+from kvservice.contract.geometry import CacheSpec
+from kvservice.contract.sizing import Sizing
+from kvservice.manager.api import ManagerAPI
+from kvservice.manager.pools import BlockManager
+from kvservice.server.metrics import ManagerCollector
+from kvservice.v1 import block_manager_pb2 as pb
+from tests.unit.test_limits import counts, ids
+
+
+def _scrape(m):
+    reg = CollectorRegistry()
+    reg.register(ManagerCollector(m))
+    fams = list(text_string_to_metric_families(generate_latest(reg).decode()))
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in fams for s in f.samples}
+    return {f.name: f.documentation for f in fams}, samples
+
+
+def test_slots_sequences_and_refusals_per_pool():
+    m = BlockManager()
+    m.create_pool("p", CacheSpec.uniform(2, 1, 64, page_size=16), Sizing(num_slots=64, max_seq_len=1024))
+    m.create_pool("q", CacheSpec.uniform(2, 1, 64, page_size=16), Sizing(num_slots=8, max_seq_len=128),
+                  prefix_caching=True)
+    api = ManagerAPI(m)
+    api.Step(pb.StepRequest(pool="p", admit_seq_ids=ids([1, 2]), admit_num_tokens=counts([20, 40])))  # 2 + 3 pages
+    with pytest.raises(ResourceExhausted):
+        api.Step(pb.StepRequest(pool="q", admit_seq_ids=ids([5, 6]), admit_num_tokens=counts([100, 100])))  # 14 > 8
+    docs, s = _scrape(m)
+    assert all(docs[f] for f in ("kvservice_slots_total", "kvservice_slots_free", "kvservice_sequences",
+                                 "kvservice_alloc_failures", "kvservice_prefix_cache_hits",
+                                 "kvservice_prefix_cache_evictions", "kvservice_workers"))
+    p, q = (("pool", "p"),), (("pool", "q"),)
+    assert (s[("kvservice_slots_total", p)], s[("kvservice_slots_free", p)], s[("kvservice_sequences", p)]) == \
+        (64, 59, 2)
+    assert (s[("kvservice_slots_total", q)], s[("kvservice_slots_free", q)], s[("kvservice_sequences", q)]) == \
+        (8, 8, 0)
+    assert s[("kvservice_alloc_failures_total", (("pool", "q"), ("reason", "out_of_slots")))] == 1
+    assert all(v == 0 for k, v in s.items() if k[0] == "kvservice_alloc_failures_total" and ("pool", "p") in k[1])
+    assert s[("kvservice_prefix_cache_hits_total", q)] == 0 == s[("kvservice_prefix_cache_evictions_total", q)]
+    assert ("kvservice_prefix_cache_hits_total", p) not in s             # no prefix cache, no series
