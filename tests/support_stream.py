@@ -125,3 +125,21 @@ def assert_same_tables(mirror, full, where: str) -> None:
             assert got.dtype == want.dtype and got.shape == want.shape, (where, sid, name, got.dtype, want.dtype,
                                                                          got.shape, want.shape)
             assert np.array_equal(got, want), (where, sid, name, got.tolist(), want.tolist())
+
+
+def fields_in_order(request, order=None) -> bytes:
+    """A protobuf message's set fields serialized one by one in `order` (indices into ListFields(); None: descending
+    field numbers): valid bytes that parse to the same message, in an order a re-serialization does not keep."""
+    fields = request.ListFields()
+    if order is None:
+        order = sorted(range(len(fields)), key=lambda i: -fields[i][0].number)
+    out = b""
+    for i in order:
+        field, value = fields[i]
+        one = type(request)()
+        if field.message_type is not None:
+            getattr(one, field.name).CopyFrom(value)
+        else:
+            setattr(one, field.name, value)
+        out += one.SerializeToString()
+    return out

@@ -23,6 +23,7 @@ from kvservice.server.app import serve
 from kvservice.server.stream import scoped_request_id
 from kvservice.state.journal import Journal, MemoryStore
 from kvservice.v1 import block_manager_pb2 as pb
+from tests.support_stream import fields_in_order
 
 pytestmark = pytest.mark.integration
 SPEC = CacheSpec.uniform(2, 2, 8, "float16", 4)
@@ -107,20 +108,6 @@ def test_a_step_is_decoded_once_served_streamed_and_replayed(monkeypatch):
     again.close(snapshot=False)
 
 
-def _reordered(request: pb.StepRequest) -> bytes:
-    """The request's bytes with its fields in descending field-number order: valid protobuf that a
-    re-serialization (ascending order) would not reproduce."""
-    out = b""
-    for field, value in sorted(request.ListFields(), key=lambda fv: -fv[0].number):
-        one = pb.StepRequest()
-        if field.message_type is not None:
-            getattr(one, field.name).CopyFrom(value)
-        else:
-            setattr(one, field.name, value)
-        out += one.SerializeToString()
-    return out
-
-
 def test_the_journal_appends_the_bytes_it_received_unary_and_streamed():
     """The journal entry of a served Step (unary, and StepStream) is the request's bytes as they arrived, followed by
     the request_id the server set (scoped to the caller's tenant, or derived from the stream): not a re-serialization
@@ -138,14 +125,14 @@ def test_the_journal_appends_the_bytes_it_received_unary_and_streamed():
         with grpc.insecure_channel(target) as ch:
             step = ch.unary_unary("/kvservice.v1.BlockManager/Step", request_serializer=lambda b: b,
                                   response_deserializer=pb.StepReply.FromString)
-            sent = _reordered(codec.step_request("p", admit=[1, 2], admit_tokens=[5, 9], request_id="r-1"))
+            sent = fields_in_order(codec.step_request("p", admit=[1, 2], admit_tokens=[5, 9], request_id="r-1"))
             assert sent != pb.StepRequest.FromString(sent).SerializeToString(deterministic=True)
             step(sent, metadata=meta)
             stream = ch.stream_stream("/kvservice.v1.BlockManager/StepStream", request_serializer=lambda b: b,
                                       response_deserializer=pb.StepReply.FromString)
             r = codec.step_request("p", extend=[1, 2], extend_tokens=1)
             r.stream_seq = 1
-            streamed = _reordered(r)
+            streamed = fields_in_order(r)
             replies = list(stream(iter([streamed]), metadata=(*meta, (STREAM_ID_KEY, "st-1"))))
             assert not replies[0].HasField("error"), replies[0].error
     finally:

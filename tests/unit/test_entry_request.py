@@ -8,22 +8,7 @@ from kvservice.client import codec
 from kvservice.contract.received import Received, unwrap
 from kvservice.state.stores import entry_request
 from kvservice.v1 import block_manager_pb2 as pb
-
-
-def _encode(request: pb.StepRequest, order: np.ndarray) -> bytes:
-    """request's fields serialized one by one in the given order (valid protobuf in any order)."""
-    fields = request.ListFields()
-    out = b""
-    for i in order[:len(fields)] if len(order) >= len(fields) else range(len(fields)):
-        field, value = fields[i]
-        one = pb.StepRequest()
-        if field.message_type is not None:
-            getattr(one, field.name).CopyFrom(value)
-        else:
-            setattr(one, field.name, value)
-        out += one.SerializeToString()
-    return out
-
+from tests.support_stream import fields_in_order
 
 IDS = ["", "r", "5:alice/req-ü-🙂", "x" * 200, "st-1#99"]
 
@@ -36,7 +21,7 @@ def test_the_entry_parses_to_the_request_as_applied(seed):
                                  extend_tokens=rng.integers(1, 9, n), request_id=str(rng.choice(IDS)) or None)
     request.stream_seq = int(rng.integers(0, 1 << 40))
     request.delta_tables = bool(rng.integers(0, 2))
-    received = _encode(request, rng.permutation(len(request.ListFields())))
+    received = fields_in_order(request, rng.permutation(len(request.ListFields())).tolist())
     assert pb.StepRequest.FromString(received) == request
     applied = pb.StepRequest.FromString(received)
     applied.request_id = str(rng.choice(IDS))                     # what the server sets (scoped, derived)

@@ -299,15 +299,7 @@ def test_wal_checksum_helpers_agree_with_sqlite(tmp_path):
 def test_one_flipped_bit_of_the_last_frames_stored_checksum_is_named(tmp_path, word):
     """SQLite's WAL frame header ends with two big-endian 32-bit checksum words (bytes 16-23 of the 24): a bit
     flipped in byte i, bit j of word c is bit (3 - i) * 8 + j of that word, named as such."""
-    db = sqlite3.connect(tmp_path / "g.db", isolation_level=None)
-    db.execute("PRAGMA journal_mode=WAL")
-    db.execute("PRAGMA wal_autocheckpoint=0")
-    db.execute("CREATE TABLE t(x INTEGER PRIMARY KEY, b BLOB)")
-    for i in range(12):
-        db.execute("INSERT INTO t VALUES (?, randomblob(300))", (i,))
-    image = crash_copy(tmp_path, tmp_path.parent / f"wal-bit-{word}")
-    db.close()
-    wal, page = image / "g.db-wal", db_header(image / "g.db")[0]
+    wal, page = _small_wal(tmp_path, f"wal-bit-{word}")
     rep = check_wal(wal, page)
     assert rep.problem is None and rep.valid == rep.frames
     rng = np.random.default_rng(word)
