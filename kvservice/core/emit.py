@@ -20,10 +20,10 @@ from kvservice.contract.geometry import IndexSpace
 from kvservice.contract.pagetable import PageTable
 from kvservice.core.allocator import SlotAllocator
 from kvservice.core.rowslots import RowSlots
+from kvservice.core.stepplan import FEW
 
 #: slot_mapping value of a token a layer group does not hold: kernels write nothing for it.
 SKIP_SLOT = -1
-_FEW = 8            # batches of up to this many rows without tables: few_row_mappings (stepplan.FEW)
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,7 +140,7 @@ def emit_tables(spaces: tuple[IndexSpace, ...], page_size: int, slot_tables: lis
     the new tokens) and only expanded to tokens at the end (a repeat and an add per array), whatever
     the number of tokens. A decode step (one token per row) has one page per row and skips the expansion.
     """
-    if not (tables or block_table or any(sliding)) and len(rows) <= _FEW:
+    if not (tables or block_table or any(sliding)) and len(rows) <= FEW:
         return few_row_mappings(spaces, page_size, slot_tables, rows, old, new, held, allocators)
     ps = page_size
     b = len(rows)

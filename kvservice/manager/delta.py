@@ -214,12 +214,9 @@ def _decode_delta(pool: Pool, res: StepResult, base: int, seq: int, derive: bool
     """encode_delta of a steady decode step (the held batch again, one new token per row, nothing replaced or
     moved), in a fixed handful of NumPy calls; None when the step is not one."""
     changes = res.changes
-    if len(changes) != 1:
-        for ch in changes:
-            if len(ch.cow) or len(ch.moved):
-                return None
-    elif len(changes[0].cow) or len(changes[0].moved):
-        return None
+    for ch in changes:
+        if len(ch.cow) or len(ch.moved):
+            return None
     reply = pb.StepReply(layer_index_space=pool.layer_space, num_free_slots=res.num_free_slots, stream_seq=seq)
     _counts(reply, res, derive)
     add_copies(reply, pool, res)
