@@ -150,6 +150,15 @@ class ManagerAPI:
         reply.pool_incarnation = incarnation
         return reply
 
+    def apply_step(self, request: pb.StepRequest) -> None:
+        """Step without a reply, for a journal replay whose reply nobody will read (state/journal.py: the entries
+        before a restart's last ``replay_replies``; a rebuild of the manager alone): the same checks and the same
+        change, but no page tables, slot mappings or reply are built (Pool.step's tables=False, mappings=False)."""
+        step = decode_step(request)
+        pool, lock = self.manager.pool_and_lock(step.pool)
+        with lock:
+            self.run_step(pool, step, tables=False, mappings=False)
+
     def run_step(self, pool: Pool, step: DecodedStep, cost_checked: bool = False, tables: bool | None = None,
                  mappings: bool = True) -> StepResult:
         """Under the pool's lock: refuse a step whose cost is over the limits before it changes anything

@@ -39,8 +39,9 @@ class IdempotencyWindow:
                                   "fresh id per request", reason="REQUEST_ID_REUSED", request_id=rid)
         stored = self.replies.get(rid)
         if stored is None:
-            raise AlreadyExists(f"{method} {rid!r} was already applied; its reply is no longer kept (reply cache "
-                                f"{self.config.reply_cache_bytes} bytes)", reason="REQUEST_ALREADY_APPLIED",
+            raise AlreadyExists(f"{method} {rid!r} was already applied; its reply is no longer kept (the reply "
+                                f"cache keeps {self.config.reply_cache_bytes} bytes; a restart rebuilds the replies "
+                                f"of the last {self.config.replay_replies} Steps)", reason="REQUEST_ALREADY_APPLIED",
                                 request_id=rid)
         self.hits += 1
         return stored[0]
@@ -71,7 +72,8 @@ class IdempotencyWindow:
     def capture(self) -> tuple[list[tuple[str, str, bytes, int, float]], list[tuple[str, str, Message]]]:
         """Every id and the most recent `snapshot_replies` replies (cheap: the journal lock is held)."""
         ids = [(rid, m, d, s, t) for rid, (m, d, s, t) in self.ids.items()]
-        recent = list(self.replies.items())[-self.config.snapshot_replies:]
+        n = self.config.snapshot_replies
+        recent = list(self.replies.items())[-n:] if n else []
         return ids, [(rid, self.ids[rid][0], msg) for rid, (msg, _) in recent]
 
     def load(self, state: snap.WindowState) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -204,16 +205,29 @@ class Journal(JournalSnapshots):
             if window is not None:
                 window.load(s.window)
         api = ManagerAPI(manager)
-        expected, replayed = snapshot_seq + 1, 0
+        expected = snapshot_seq + 1
+        # Only the last replay_replies Steps get their reply rebuilt (window None: none at all); an entry waits in
+        # `recent` until enough later entries are read to tell whether it is one of them. Bounded in entries and
+        # in request bytes.
+        keep = self.config.replay_replies if window is not None else 0
+        recent: deque[tuple[Entry, Message]] = deque()
+        recent_bytes = 0
         quiet = _Quiet()
         logging.getLogger("kvservice").addFilter(quiet)
         try:
             for e in self.store.entries_after(snapshot_seq):
-                self._replay(api, e, expected, window, where)
+                recent.append((e, self._checked(e, expected, where)))
+                recent_bytes += len(e.request)
                 expected += 1
-                replayed += 1
+                while len(recent) > keep or (recent_bytes > self.config.reply_cache_bytes and len(recent) > 1):
+                    old, request = recent.popleft()
+                    recent_bytes -= len(old.request)
+                    self._apply(api, old, request, window, where, reply=False)
+            for e, request in recent:
+                self._apply(api, e, request, window, where, reply=True)
         finally:
             logging.getLogger("kvservice").removeFilter(quiet)
+        replayed = expected - snapshot_seq - 1
         if window is not None:
             window.evict(time.time())
             self.snapshot_seq, self.seq = snapshot_seq, expected - 1
@@ -229,10 +243,14 @@ class Journal(JournalSnapshots):
 
     def _replay(self, api: ManagerAPI, e: Entry, expected: int, window: IdempotencyWindow | None,
                 where: str) -> None:
-        """Check one journal entry (position, checksum, method) and apply it through api (recovery, a standby).
+        """Check one journal entry and apply it with its reply rebuilt (a standby: its window answers retries
+        after a takeover). StateError naming the entry if it cannot be applied."""
+        self._apply(api, e, self._checked(e, expected, where), window, where, reply=True)
 
-        window None: rebuild a manager only (resync). StateError naming the entry if it cannot be applied.
-        """
+    @staticmethod
+    def _checked(e: Entry, expected: int, where: str) -> Message:
+        """One journal entry's request, once its position, checksum and method are checked (recovery, a standby).
+        StateError naming the entry otherwise."""
         if e.seq != expected:
             raise StateError(f"{where}: journal entries {expected}..{e.seq - 1} are missing (after position "
                              f"{expected - 1}): acknowledged changes are lost")
@@ -241,17 +259,31 @@ class Journal(JournalSnapshots):
         if e.method not in REQUESTS:
             raise StateError(f"{where}: journal entry {e.seq} has unknown method {e.method!r}")
         try:
-            request = REQUESTS[e.method].FromString(e.request)
-            reply = getattr(api, e.method)(request)
+            return REQUESTS[e.method].FromString(e.request)
+        except Exception as err:              # an unreadable entry: never a traceback at start
+            raise StateError(f"{where}: journal entry {e.seq} ({e.method}) cannot be replayed "
+                             f"({type(err).__name__}: {err})") from None
+
+    def _apply(self, api: ManagerAPI, e: Entry, request: Message, window: IdempotencyWindow | None, where: str,
+               reply: bool) -> None:
+        """Apply a checked entry's request through api and remember its id in window (None: rebuild a manager
+        only, resync). reply False: a Step is applied without tables or reply (ManagerAPI.apply_step), its id
+        remembered without a reply. StateError naming the entry if it cannot be applied."""
+        try:
+            if not reply and e.method == "Step":
+                answer = None
+                api.apply_step(request)
+            else:
+                answer = getattr(api, e.method)(request)
         except KVError as err:
             raise StateError(f"{where}: journal entry {e.seq} ({e.method}) failed on replay: "
                              f"{err.message}; the state and this kvservice disagree") from None
-        except Exception as err:              # a bug or an unreadable entry: never a traceback at start
+        except Exception as err:              # a bug: never a traceback at start
             raise StateError(f"{where}: journal entry {e.seq} ({e.method}) cannot be replayed "
                              f"({type(err).__name__}: {err})") from None
         rid = getattr(request, "request_id", "")
         if window is not None and rid:
-            window.remember(rid, e.method, digest(e.request), e.seq, e.created, reply)
+            window.remember(rid, e.method, digest(e.request), e.seq, e.created, answer)
         if window is not None:
             self._appended += len(e.request)
             if e.method in _TARGET:

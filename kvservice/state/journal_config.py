@@ -32,6 +32,9 @@ class JournalConfig:
     id_window_seconds: ... and for at most this long, seconds.
     reply_cache_bytes: serialized bytes of replies kept for retries (most recent first kept).
     snapshot_replies: replies written into each snapshot (the most recent ones).
+    replay_replies: Step replies a recovery rebuilds: those of the last this many entries it replays (at most
+        ``reply_cache_bytes`` of their requests); the earlier Steps are replayed without tables or reply (their
+        ids stay in the window: a retry of one is refused REQUEST_ALREADY_APPLIED, never applied twice).
     background_snapshots: encode and write compaction snapshots on a thread (False: inline, tests).
     """
 
@@ -42,6 +45,7 @@ class JournalConfig:
     id_window_seconds: float = 600.0
     reply_cache_bytes: int = 64 << 20
     snapshot_replies: int = 256
+    replay_replies: int = 1024
     background_snapshots: bool = True
 
     def __post_init__(self) -> None:
@@ -49,6 +53,9 @@ class JournalConfig:
             raise InvalidArgument(f"sync must be one of {', '.join(SYNC_MODES)}, got {self.sync!r}")
         if self.compact_every < 1 or self.id_window < 1:
             raise InvalidArgument("compact_every and id_window must be >= 1")
+        if self.replay_replies < 0 or self.snapshot_replies < 0:
+            raise InvalidArgument(f"replay_replies and snapshot_replies must be >= 0, got {self.replay_replies} "
+                                  f"and {self.snapshot_replies}")
 
     @property
     def snapshot_due_tail(self) -> int:

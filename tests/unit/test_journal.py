@@ -522,6 +522,8 @@ def test_prefix_digests_memory_is_bounded_whatever_the_requests():
     ({"sync": "fast"}, "sync must be one of full, normal, got 'fast'"),
     ({"compact_every": 0}, "compact_every and id_window must be >= 1"),
     ({"id_window": 0}, "compact_every and id_window must be >= 1"),
+    ({"replay_replies": -1}, "replay_replies and snapshot_replies must be >= 0, got -1 and 256"),
+    ({"snapshot_replies": -2}, "replay_replies and snapshot_replies must be >= 0, got 1024 and -2"),
 ])
 def test_a_bad_journal_config_names_the_setting(kw, message):
     with pytest.raises(InvalidArgument) as e:
