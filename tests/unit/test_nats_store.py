@@ -12,9 +12,13 @@ The server is the pinned nats-server (tests/natsutil.py): the test skips without
 from __future__ import annotations
 
 import json
+import queue
 import re
+import socket
 import threading
+import time
 import uuid
+from urllib.parse import urlsplit
 
 import nats.js.errors
 import numpy as np
@@ -75,6 +79,85 @@ def test_a_refused_stream_creation_names_the_servers_reason(link):
     assert text.startswith(f"the-path: creating the journal stream ({c.replicas} replicas) was refused: ")
     assert re.search(r"refused: [a-z].*overlap.* \(err_code 1\d{4}\)$", text), text
 
+
+
+class SlowAnswers:
+    """A TCP proxy to one server that holds every chunk the server sends for `delay` seconds (0: passes it on)."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream = upstream_port
+        self.delay = 0.0
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._socks: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                down, _ = self._listener.accept()
+            except OSError:
+                return
+            up = socket.create_connection(("127.0.0.1", self.upstream))
+            self._socks += [down, up]
+            held: queue.Queue = queue.Queue()
+            threading.Thread(target=self._pump, args=(down, up, None), daemon=True).start()
+            threading.Thread(target=self._pump, args=(up, down, held), daemon=True).start()
+            threading.Thread(target=self._release, args=(held, down), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, held: queue.Queue | None) -> None:
+        while True:
+            try:
+                data = src.recv(65536)
+            except OSError:
+                data = b""
+            if held is not None:
+                held.put((time.monotonic() + self.delay, data))
+            elif data:
+                try:
+                    dst.sendall(data)
+                except OSError:
+                    return
+            if not data:
+                return
+
+    @staticmethod
+    def _release(held: queue.Queue, dst: socket.socket) -> None:
+        while True:
+            due, data = held.get()
+            time.sleep(max(0.0, due - time.monotonic()))     # the network's latency, not a synchronisation
+            if not data:
+                dst.close()
+                return
+            try:
+                dst.sendall(data)
+            except OSError:
+                return
+
+    def close(self) -> None:
+        self._listener.close()
+        for s in self._socks:
+            s.close()
+
+
+def test_opening_a_store_gives_its_several_requests_more_than_one_requests_time(server):
+    """Opening the journal stream and the snapshot bucket takes four JetStream requests (stream info, create, bucket
+    info, create). Over a network whose every answer takes 40% of request_seconds, each request is in time; the
+    opening as a whole, allowed max(10, 3 x request_seconds) (an election may be under way), succeeds too."""
+    proxy = SlowAnswers(urlsplit(server.urls[0]).port)
+    lk = NatsLink(NatsConfig((f"nats://127.0.0.1:{proxy.port}",), name="s" + uuid.uuid4().hex[:10],
+                             request_seconds=3.0, append_seconds=3.0))
+    try:
+        proxy.delay = 1.2
+        store = NatsStore(lk)
+        proxy.delay = 0.0
+        assert store._obs is not None
+        info = call(lk, lk.js.stream_info(lk.config.stream))
+        assert (info.config.name, info.config.subjects) == (lk.config.stream, [lk.config.subject])
+        assert call(lk, lk.js.object_store(lk.config.snapshot_bucket)) is not None
+    finally:
+        lk.close()
+        proxy.close()
 
 # ---- the server fences a stale writer ------------------------------------------------------------------------
 def test_a_writer_with_a_stale_view_of_the_stream_is_refused_by_the_server(link):
