@@ -571,3 +571,83 @@ def test_an_entry_digest_covers_each_field_of_the_entry():
                   entry_digest(seq, "Step", bytes(flipped), t), entry_digest(seq, "Step", req, np.nextafter(t, 3e9)),
                   entry_digest(seq, "Ste", b"p" + req, t)]                   # the method/request boundary
         assert base not in others and len(set(others)) == len(others)
+
+
+def test_a_reused_request_id_is_refused_naming_only_that_id():
+    """docs/DURABILITY.md: REQUEST_ID_REUSED and REQUEST_ALREADY_APPLIED name only the id (never another request's
+    journal position): the error's metadata is exactly {request_id: the id}."""
+    rng = np.random.default_rng(2815)
+    j = Journal(BlockManager(), config=JournalConfig(id_window=8, reply_cache_bytes=1))
+    setup_pools(j)
+    rid = f"rid-{int(rng.integers(1, 2**40)):x}"
+    n = int(rng.integers(1, 90))
+    run(j, "Step", step_req("a", admit=[7], n=[n], rid=rid))
+    with pytest.raises(InvalidArgument) as reused:               # the same id, another request
+        run(j, "Step", step_req("a", admit=[8], n=[3], rid=rid))
+    assert (reused.value.reason, reused.value.metadata) == ("REQUEST_ID_REUSED", {"request_id": rid})
+    with pytest.raises(AlreadyExists) as applied:                # the same request, its reply no longer kept
+        run(j, "Step", step_req("a", admit=[7], n=[n], rid=rid))
+    assert (applied.value.reason, applied.value.metadata) == ("REQUEST_ALREADY_APPLIED", {"request_id": rid})
+
+
+def test_continued_lineage_takes_the_found_lineage_or_refuses_another():
+    """stores.continued_lineage's documented rule: a state without a lineage (0) takes what it finds (an int or its
+    hex); one with a lineage keeps it when it finds the same or none, and a different one is two histories."""
+    from kvservice.state.stores import continued_lineage
+
+    rng = np.random.default_rng(2816)
+    for _ in range(20):
+        cur, other = (int(x) for x in rng.integers(1, 2**62, 2))
+        assert continued_lineage(0, other, "w") == other
+        assert continued_lineage(0, f"{other:x}", "w") == other
+        assert continued_lineage(0, None, "w") == 0
+        assert continued_lineage(cur, None, "w") == cur
+        assert continued_lineage(cur, cur, "w") == cur
+        assert continued_lineage(cur, f"{cur:x}", "w") == cur
+        if other != cur:
+            for found in (other, f"{other:x}"):
+                with pytest.raises(StateError, match="fence 9 belongs to lineage"):
+                    continued_lineage(cur, found, "fence 9")
+
+
+def test_refusals_of_a_pool_unchanged_since_the_last_snapshot_reach_the_next_one(tmp_path):
+    """A refused step changes no state and is not journaled, but it counts (refused, alloc_failures): a pool that
+    only refused since the last snapshot still carries its live counters into the next snapshot, so a restart
+    from it reads the number of refusals this test made."""
+    rng = np.random.default_rng(2817)
+    cfg = JournalConfig(sync="normal", compact_every=1000, background_snapshots=False)
+    j = Journal.open(tmp_path, config=cfg)
+    setup_pools(j)
+    run(j, "Step", step_req("a", admit=[1], n=[int(rng.integers(1, 60))]))
+    j.snapshot()                                           # pool a captured here; only refusals follow for it
+    refusals = int(rng.integers(2, 7))
+    for i in range(refusals):                              # 4 sequences of 512 tokens: 128 pages > the 96 slots
+        with pytest.raises(ResourceExhausted):
+            run(j, "Step", step_req("a", admit=[10 * i + 2, 10 * i + 3, 10 * i + 4, 10 * i + 5], n=[512] * 4))
+    run(j, "Step", step_req("b", admit=[1], n=[5]))         # another pool moves the journal on
+    j.snapshot()
+    crash(j)
+    j2 = Journal.open(tmp_path, config=cfg)
+    assert j2.seq == j2.snapshot_seq                         # everything came from the second snapshot
+    with j2.manager.locked("a") as pool:
+        assert (pool.refused, pool.alloc_failures) == (refusals, {"out_of_slots": refusals})
+    j2.close()
+
+
+def test_snapshot_to_another_store_copies_the_state_it_recovers_to():
+    """export-state/import-state (docs/HA.md) write a journal's state into another store: recovering from that
+    store gives the same state tree, and the same next reply to the same request."""
+    rng = np.random.default_rng(2818)
+    j = Journal(BlockManager(), config=FAST)
+    setup_pools(j)
+    workload(j, rng, 30)
+    dst = MemoryStore()
+    dst.lineage = j.store.lineage
+    dst.begin(j.seq)
+    j.snapshot_to(dst)
+    assert dst.load_snapshot()[0] == j.seq and list(dst.entries_after(0)) == []
+    j2 = Journal.recover(dst, config=FAST)
+    assert j2.seq == j.seq
+    assert state_tree(j2.manager) == state_tree(j.manager)
+    req = step_req("a", admit=[999], n=[int(rng.integers(1, 90))])
+    assert body(run(j2, "Step", req)) == body(run(j, "Step", req))
