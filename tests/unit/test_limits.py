@@ -82,6 +82,10 @@ def test_reply_bound_covers_every_real_reply_and_is_tight(kind):
             continue
         size = reply.ByteSize()
         assert size <= exact.total <= quick.total <= blind.total, (size, exact, quick, blind)
+        # Each part bounds its own part of the reply: the slot mappings (with their generations), per space.
+        mapped = sum(pb.SpaceTables(slot_mapping=t.slot_mapping, slot_generations=t.slot_generations).ByteSize()
+                     for t in reply.tables)
+        assert mapped <= exact.slot_mappings, (kind, mapped, exact)
         # Past the framing allowances (a Tensor's 64, the fixed part), the data parts are within 5 % of the reply.
         framing = exact.rest + len(reply.tables) * 7 * TENSOR_FRAMING
         slack = exact.total - size
