@@ -148,7 +148,8 @@ def test_configure_events_applies_the_watcher_limits(watchers, per_tenant, cap):
                                                max_watchers_per_tenant=per_tenant))
     assert started == [] and m.events.deferred
     subs = [m.events.subscribe("p", None, "grpc", tenant="alice") for _ in range(cap)]
-    with pytest.raises(ResourceExhausted, match=f"its limit per tenant \\(--kv-events-max-watchers-per-tenant {cap}\\)"):
+    limit = f"its limit per tenant \\(--kv-events-max-watchers-per-tenant {cap}\\)"
+    with pytest.raises(ResourceExhausted, match=limit):
         m.events.subscribe("p", None, "grpc", tenant="alice")
     if cap < watchers:
         subs.append(m.events.subscribe("p", None, "grpc", tenant="bob"))   # another tenant is not held to it
