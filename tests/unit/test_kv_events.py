@@ -391,3 +391,28 @@ def test_removals_in_a_row_of_one_group_are_one_block_removed():
     a.removed(16, 6)
     got = [(e.group, e.block_hashes.tolist()) for e in events.take_batch([]).events]
     assert got == [(0, [11, 12, 13, 14]), (1, [21, 22]), (0, [15, 16])]
+
+
+def test_metrics_are_the_documented_series_with_their_labels_and_a_sentence_of_help():
+    """The series the module's docstring lists (name{labels}) are exactly the ones exported, with those labels;
+    each HELP line reads as a sentence on a dashboard (capital first letter, full stop), as every kvservice
+    series' does."""
+    import re
+
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvservice.events import metrics as event_metrics
+
+    documented = {name: set(labels.split(",")) for name, labels in
+                  re.findall(r"^(kvservice_\w+)\{([\w,]+)\}", event_metrics.__doc__, re.M)}
+    assert len(documented) == 11
+    m = make_manager()
+    reg = CollectorRegistry()
+    reg.register(event_metrics.EventCollector(m))
+    fams = list(text_string_to_metric_families(generate_latest(reg).decode()))
+    exported = {(f.name + "_total" if f.type == "counter" else f.name): f for f in fams}
+    assert set(exported) == set(documented)
+    for name, fam in exported.items():
+        assert {k for s in fam.samples for k in s.labels} == documented[name], name
+        assert re.fullmatch(r"[A-Z].*\.", fam.documentation), (name, fam.documentation)
