@@ -416,3 +416,34 @@ def test_metrics_are_the_documented_series_with_their_labels_and_a_sentence_of_h
     for name, fam in exported.items():
         assert {k for s in fam.samples for k in s.labels} == documented[name], name
         assert re.fullmatch(r"[A-Z].*\.", fam.documentation), (name, fam.documentation)
+
+
+def test_a_poll_waits_for_the_next_batch_of_a_live_pool():
+    """Subscription.poll(timeout) on a live pool with nothing new waits on the hub's condition until a batch is
+    committed, and returns it (not [] at once). The waiter is seen through the condition (no sleeps)."""
+    import threading
+
+    m = make_manager()
+    waiting = threading.Event()
+
+    class SeenCondition(threading.Condition):
+        def wait(self, timeout=None):
+            waiting.set()
+            return super().wait(timeout)
+
+    m.events.cond = SeenCondition(threading.Lock())
+    sub = m.events.subscribe("p", None, "test")
+    got = []
+    reader = threading.Thread(target=lambda: got.append(sub.poll(120)))
+    reader.start()
+    while reader.is_alive() and not waiting.wait(0.05):
+        pass
+    assert waiting.is_set(), f"poll returned {got} without waiting"
+    pool, lock = m.pool_and_lock("p")
+    tokens = np.random.default_rng(3).integers(1, 30_000, 2 * PS + 1)
+    with lock:
+        pool.step(admit_ids=[1], admit_tokens=[len(tokens)], admit_token_ids=tokens)
+        m.events.after_step(pool, [len(tokens)], True)
+    reader.join(120)
+    assert not reader.is_alive() and [lb.seq for lb in got[0]] == [1]
+    assert got[0][0].batch.events[0].token_ids.tolist() == tokens[:2 * PS].tolist()
