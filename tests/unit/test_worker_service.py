@@ -1,5 +1,6 @@
 """The worker's gRPC service in process (a server on 127.0.0.1, port 0; NumPy kernels), its metrics from the first
-scrape, its start-up warm check and its host facts. The worker process with a manager is tests/integration."""
+scrape, its start-up warm check and its host facts; then a worker joined to an in-process manager: its layers, its
+heartbeat's incarnation and a rejoin after the pool was created again. Worker processes are tests/integration."""
 
 from __future__ import annotations
 
@@ -117,3 +118,71 @@ def test_a_cpu_workers_device_is_the_machines_cpu_and_memory():
         total_kb = next(int(ln.split()[1]) for ln in f if ln.startswith("MemTotal:"))
     assert name == (names[0] if names else "cpu")
     assert memory >= total_kb * 1024 > 0 and memory % 4096 == 0
+
+
+@pytest.fixture
+def joined():
+    """A manager (in process, lease 600 s: the worker's own heartbeat thread stays idle) with pool "p", and a
+    worker serve_worker started for it with no layers named."""
+    from kvservice.client.client import BlockManagerClient
+    from kvservice.contract.sizing import Sizing
+    from kvservice.server.app import serve
+    from kvservice.worker.server import serve_worker
+
+    running = serve(lease_seconds=600)
+    target = f"127.0.0.1:{running.port}"
+    client = BlockManagerClient(target, timeout=30, retries=0)
+    client.create_pool("p", CacheSpec.uniform(LAYERS, 2, 64, "float32", PS), Sizing(num_slots=SLOTS, max_seq_len=64))
+    worker = serve_worker(target, "p", "w-9", backend="cpu")
+    try:
+        yield client, worker
+    finally:
+        worker.stop()
+        client.close()
+        running.stop()
+
+
+def test_a_worker_with_no_layers_named_serves_every_layer_and_heartbeats_its_incarnation(joined):
+    """serve_worker without layer_begin / layer_end: layers [0, L) of the pool. Its heartbeat names the pool
+    and the incarnation it planned for: once the pool is created again, the manager says STALE_INCARNATION."""
+    from kvservice.client.client import ClientError
+    from kvservice.contract.sizing import Sizing
+    from kvservice.worker.server import send_heartbeat
+
+    client, worker = joined
+    caches = worker.servicer.caches
+    assert (caches.layer_begin, caches.layer_end) == (0, LAYERS)
+    (rec,) = client.workers("p")
+    assert (rec.worker_id, rec.layer_begin, rec.layer_end) == ("w-9", 0, LAYERS)
+    send_heartbeat(client, worker.identity, 30)                 # the registration it holds: renewed
+    client.delete_pool("p", force=True)
+    client.create_pool("p", CacheSpec.uniform(LAYERS, 2, 64, "float32", PS), Sizing(num_slots=SLOTS, max_seq_len=64))
+    with pytest.raises(ClientError) as err:
+        send_heartbeat(client, worker.identity, 30)
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION and err.value.reason == "STALE_INCARNATION"
+
+
+def test_rejoining_a_pool_created_with_another_geometry_replans_and_says_how_much(joined, caplog):
+    """rejoin after the pool was created again with twice the slots: the caches are planned anew for the new
+    incarnation, registered again, and the log gives their size in MiB (2^20 bytes)."""
+    import logging
+
+    from kvservice.contract.sizing import Sizing
+    from kvservice.v1 import block_manager_pb2 as pb
+    from kvservice.worker.server import rejoin
+
+    client, worker = joined
+    old = worker.servicer.caches
+    client.delete_pool("p", force=True)
+    client.create_pool("p", CacheSpec.uniform(LAYERS, 2, 64, "float32", PS),
+                       Sizing(num_slots=2 * SLOTS, max_seq_len=64))
+    request = pb.RegisterWorkerRequest(worker_id="w-9", pool="p", backend="cpu", device_name="cpu")
+    with caplog.at_level(logging.WARNING, logger="kvworker"):
+        rejoin(client, request, worker.servicer, 30)
+    new = worker.servicer.caches
+    assert new is not old and new.geometry.num_slots == 2 * SLOTS and new.cache_bytes > old.cache_bytes > 0
+    assert worker.identity["incarnation"] == client.get_pool("p").incarnation
+    assert [w.worker_id for w in client.workers("p")] == ["w-9"]
+    mib = f"{new.cache_bytes / 2**20:.1f} MiB"
+    assert mib != f"{new.cache_bytes / 2**21:.1f} MiB"
+    assert any(f"caches re-planned, {mib}" in r.getMessage() for r in caplog.records), caplog.records
