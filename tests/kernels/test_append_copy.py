@@ -107,6 +107,16 @@ def test_copy_blocks_off_lattice(ops) -> None:
     assert np.array_equal(c.buf, before)
 
 
+def test_copy_blocks_of_no_pairs_copies_nothing_and_records_a_clean_copy_blocks(ops) -> None:
+    """n = 0 pairs: nothing is launched or written; the record names the kernel (copy_blocks) with no violation."""
+    rng = np.random.default_rng(25)
+    c = make_cache(rng, "per_layer", 6, 4, 1, 32, "float32")
+    before = c.buf.copy()
+    rec = ops.copy_blocks([c.buf], c.layout, np.zeros((0, 2), dtype=np.int64)).record
+    assert (rec.kernel, rec.count, rec.reason) == ("copy_blocks", 0, None)
+    assert not rec and np.array_equal(c.buf, before)
+
+
 def test_append_refuses_duplicate_slots_and_writes_nothing(ops) -> None:
     """Two tokens to one slot land in an undefined order on a GPU: INVALID_ARGUMENT (ValueError)."""
     rng = np.random.default_rng(25)

@@ -105,3 +105,18 @@ def test_every_implementation_gives_the_same_answer(name: str, cache: np.ndarray
 def test_the_cases_cover_every_reason() -> None:
     seen = {v[0] for c in CASES.values() for v in c[3]}
     assert seen == set(REASONS)
+
+
+@pytest.mark.parametrize(("slot_pages", "offset_pages"), [(4.5, 1), (4, 0.5), (4.5, 0.5), (4, 1)])
+def test_an_interleaved_layout_needs_whole_pages_in_its_slot_and_offset(slot_pages, offset_pages):
+    """Page bytes of K+V, 16 tokens x 2 heads x 64 dims of float16: 2 * 16 * 2 * 64 * 2 = 8192. A slot size or a
+    layer offset that is not a whole number of pages is refused, either one alone; whole pages give
+    scale = slot pages and offset = offset pages."""
+    pb = 8192
+    slot_bytes, byte_offset = int(slot_pages * pb), int(offset_pages * pb)
+    if slot_pages % 1 or offset_pages % 1:
+        with pytest.raises(ValueError, match=f"must be multiples of page bytes {pb}"):
+            PageLayout.interleaved(10, slot_bytes, byte_offset, 16, 2, 64, "float16")
+    else:
+        lay = PageLayout.interleaved(10, slot_bytes, byte_offset, 16, 2, 64, "float16")
+        assert (lay.scale, lay.offset, lay.upper_bound) == (4, 1, 40)

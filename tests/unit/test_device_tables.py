@@ -170,3 +170,21 @@ def test_a_delta_the_table_cannot_take_is_refused_by_name(world):
         tables.update("a", "t1", s.step(extend_seq_ids=[2], extend_num_tokens=[1]))
     assert e.value.reason == "TABLES_OUT_OF_SYNC" and e.value.metadata == {"table_id": "t1"}
     assert "tables 't1'" in e.value.message and "send a full reply" in e.value.message
+
+
+def test_one_table_over_the_quota_is_refused_naming_its_size_and_the_flag(world):
+    """A single table bigger than the tenant quota: RESOURCE_EXHAUSTED TABLE_TOO_LARGE whose message gives the
+    table's bytes, the quota and the option that sets it (kvworker serve --table-quota-bytes); nothing is kept."""
+    api, _, incarnation = world
+    pool = api.manager.pool_and_lock("p")[0]
+    small = DeviceTables(TablePlan(pool.plan.geometry, pool.max_seq_len, 32), incarnation, quota_bytes=64)
+    r = Stream(api, "s").step(admit_seq_ids=[1, 2, 3], admit_num_tokens=[20, 40, 60])
+    with pytest.raises(ResourceExhausted) as exc:
+        small.update("a", "t1", r)
+    size = int(exc.value.metadata["table_bytes"])
+    assert exc.value.reason == "TABLE_TOO_LARGE" and size > 64 and int(exc.value.metadata["quota_bytes"]) == 64
+    assert f"tables 't1' would take {size} bytes" in exc.value.message
+    assert "quota of 64 bytes" in exc.value.message and "--table-quota-bytes" in exc.value.message
+    with pytest.raises(NotFound):
+        small.csr("a", "t1", 0)
+    assert small.tenant_bytes("a") == 0

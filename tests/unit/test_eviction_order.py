@@ -139,3 +139,22 @@ def test_a_copied_pool_keeps_one_buffer_per_dependency_count(copy_pool):
     got = _admit(clone, 3, np.arange(900, 913)).tables[0].slot_mapping
     assert np.array_equal(want, got) and pool.allocators[0].evictions == clone.allocators[0].evictions > 0
     assert_invariants(clone)
+
+
+@pytest.mark.parametrize("parent", [0, 3])
+def test_a_forgotten_page_makes_its_parent_a_leaf_even_in_slot_0(parent):
+    """unlink (the prefix cache forgets a page): its parent loses that dependant and, cached and now without
+    dependants, is a leaf again, evicted by its own (older) release stamp before a later-released leaf. Slot 0
+    is a slot like any other (-1 is the only 'no parent')."""
+    child, other = (1, 2) if parent == 0 else (0, 1)
+    cached_at = {parent: 1, child: 2, other: 5}               # slot -> release stamp
+    pol = LruLeaf(4, cached_at)
+    pol.link(np.array([child]), np.array([parent]))
+    for s, t in cached_at.items():
+        pol.cached([s], t)
+    assert pol.order() == [child, parent, other]              # leaves first: the child, then its parent (stamp 1)
+    del cached_at[child]                                      # the child is revived by a hit, then forgotten
+    pol.unlink(child)
+    assert pol.parent_of[child] == -1 and pol.children[parent] == 0 and pol.is_leaf(parent)
+    assert pol.order() == [parent, other]                     # stamp 1 before stamp 5: both leaves
+    assert pol.evict(2) == [parent, other]

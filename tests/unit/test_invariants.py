@@ -5,6 +5,7 @@ at a time, on a fresh copy, and the problem must be named: in the state (what re
 and in the live pool (what only the live allocator, rows and cache hold, and an export would not show).
 """
 
+import dataclasses
 import re
 
 import numpy as np
@@ -104,3 +105,32 @@ def test_a_released_page_inside_the_window_is_named(busy):
     pool._first[1][row] = first                            # pages 0..first-1 released: the last one too soon
     problems = pool_problems(pool)
     assert any("inside the sliding window of 8 tokens" in p for p in problems), problems
+
+
+def test_a_registered_page_on_the_plain_free_stack_is_named(busy):
+    """A cached free slot (registered in the prefix cache) moved onto the plain free stack: the free count and
+    every other check still hold, the one that says a stacked slot must hold no registered page names it."""
+    state = busy.export_state()
+    a = dict(state.arrays)
+    cached = a["cached/0"]
+    assert len(cached) and np.isin(cached, a["prefix/0/slot"]).all()
+    moved = int(cached[-1])
+    a["cached/0"] = cached[:-1]
+    if "cached_stamp/0" in a:
+        a["cached_stamp/0"] = a["cached_stamp/0"][:-1]
+    a["free_stack/0"] = np.concatenate((a["free_stack/0"], [moved])).astype(np.int64)
+    assert check_pool_state(dataclasses.replace(state, arrays=a), busy.plan) == [
+        "group 0: a slot on the plain free stack is registered in the prefix cache"]
+
+
+def test_a_cache_over_another_allocator_does_not_hide_the_next_groups_problems(busy):
+    """Each group's prefix cache is checked on its own: group 0's cache wired to group 1's allocator is named,
+    and a stale entry of group 1 is still named after it."""
+    pool = fresh(busy)
+    pool.prefixes[0].allocator = pool.allocators[1]
+    cache = pool.prefixes[1]
+    h, slot = next(iter(cache.by_hash.items()))
+    cache.hash[slot] = np.uint64(h ^ 1)
+    problems = pool_problems(pool)
+    assert problems[0] == "group 0: prefix cache over another group's allocator"
+    assert f"group 1: cache entry {h:#x} -> slot {slot} is stale" in problems

@@ -352,3 +352,98 @@ def test_configure_events_defers_batches_until_the_transaction_commits():
         assert sub.poll(0) == []                                                # recorded, not yet visible
     (lb,) = sub.poll(0)
     assert lb.seq == 1
+
+
+def test_a_source_without_parent_hashes_chains_each_page_under_the_one_before():
+    """GroupEventSource.stored without parent_hashes (the caller does not know them): a kept page's parent
+    is the offered page before it when that is its parent page (same prompt), else the hash the cache holds
+    for its parent slot, else none (0); a page whose parent is not the page before starts a new chain."""
+    rng = np.random.default_rng(2815)
+    events = ev.PoolEvents()
+    src = events.source(1, 0, 16)
+    slot_hash = np.zeros(16, dtype=np.uint64)
+    old = int(rng.integers(1, 2**63))
+    slot_hash[9] = old                                   # slot 9: a page the cache registered earlier
+    hashes = rng.integers(1, 2**63, 5, dtype=np.int64).astype(np.uint64)
+    slots = np.array([3, 7, 11, 4, 12], dtype=np.int64)
+    parents = np.array([-1, 3, 7, 9, 4], dtype=np.int64)  # 3 <- 7 <- 11 one prompt; 9 <- 4 <- 12 another
+    keep = np.array([0, 1, 2, 3, 4], dtype=np.int64)
+    slot_hash[slots] = hashes
+    pages = rng.integers(1, 50_000, (5, PS))
+    src.stored(slots, parents, hashes, pages, keep, slot_hash)
+    h = hashes.tolist()
+    assert src.parent_hash[slots].tolist() == [0, h[0], h[1], old, h[3]]
+    batch = events.take_batch([])
+    got = [(e.group, e.block_hashes.tolist(), e.parent_block_hash, e.token_ids.tolist()) for e in batch.events]
+    assert got == [(1, h[:3], 0, pages[:3].reshape(-1).tolist()), (1, h[3:], old, pages[3:].reshape(-1).tolist())]
+
+
+def test_removals_in_a_row_of_one_group_are_one_block_removed():
+    """Runs of removals of one layer group become one BlockRemoved (in order); another group's removal
+    between them ends the run."""
+    events = ev.PoolEvents()
+    a, b = events.source(0, 0, 16), events.source(1, 8, 16)
+    a.removed(11, 1)
+    a.removed_many([12, 13], [2, 3])
+    a.removed_many([14], [4])
+    b.removed_many([21, 22], [1, 2])
+    a.removed_many([15], [5])
+    a.removed(16, 6)
+    got = [(e.group, e.block_hashes.tolist()) for e in events.take_batch([]).events]
+    assert got == [(0, [11, 12, 13, 14]), (1, [21, 22]), (0, [15, 16])]
+
+
+def test_metrics_are_the_documented_series_with_their_labels_and_a_sentence_of_help():
+    """The series the module's docstring lists (name{labels}) are exactly the ones exported, with those labels;
+    each HELP line reads as a sentence on a dashboard (capital first letter, full stop), as every kvservice
+    series' does."""
+    import re
+
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvservice.events import metrics as event_metrics
+
+    documented = {name: set(labels.split(",")) for name, labels in
+                  re.findall(r"^(kvservice_\w+)\{([\w,]+)\}", event_metrics.__doc__, re.M)}
+    assert len(documented) == 11
+    m = make_manager()
+    reg = CollectorRegistry()
+    reg.register(event_metrics.EventCollector(m))
+    fams = list(text_string_to_metric_families(generate_latest(reg).decode()))
+    exported = {(f.name + "_total" if f.type == "counter" else f.name): f for f in fams}
+    assert set(exported) == set(documented)
+    for name, fam in exported.items():
+        assert {k for s in fam.samples for k in s.labels} == documented[name], name
+        assert re.fullmatch(r"[A-Z].*\.", fam.documentation), (name, fam.documentation)
+
+
+def test_a_poll_waits_for_the_next_batch_of_a_live_pool():
+    """Subscription.poll(timeout) on a live pool with nothing new waits on the hub's condition until a batch is
+    committed, and returns it (not [] at once). The waiter is seen through the condition (no sleeps)."""
+    import threading
+
+    m = make_manager()
+    waiting = threading.Event()
+
+    class SeenCondition(threading.Condition):
+        def wait(self, timeout=None):
+            waiting.set()
+            return super().wait(timeout)
+
+    m.events.cond = SeenCondition(threading.Lock())
+    sub = m.events.subscribe("p", None, "test")
+    got = []
+    reader = threading.Thread(target=lambda: got.append(sub.poll(120)))
+    reader.start()
+    while reader.is_alive() and not waiting.wait(0.05):
+        pass
+    assert waiting.is_set(), f"poll returned {got} without waiting"
+    pool, lock = m.pool_and_lock("p")
+    tokens = np.random.default_rng(3).integers(1, 30_000, 2 * PS + 1)
+    with lock:
+        pool.step(admit_ids=[1], admit_tokens=[len(tokens)], admit_token_ids=tokens)
+        m.events.after_step(pool, [len(tokens)], True)
+    reader.join(120)
+    assert not reader.is_alive() and [lb.seq for lb in got[0]] == [1]
+    assert got[0][0].batch.events[0].token_ids.tolist() == tokens[:2 * PS].tolist()

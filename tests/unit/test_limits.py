@@ -82,6 +82,10 @@ def test_reply_bound_covers_every_real_reply_and_is_tight(kind):
             continue
         size = reply.ByteSize()
         assert size <= exact.total <= quick.total <= blind.total, (size, exact, quick, blind)
+        # Each part bounds its own part of the reply: the slot mappings (with their generations), per space.
+        mapped = sum(pb.SpaceTables(slot_mapping=t.slot_mapping, slot_generations=t.slot_generations).ByteSize()
+                     for t in reply.tables)
+        assert mapped <= exact.slot_mappings, (kind, mapped, exact)
         # Past the framing allowances (a Tensor's 64, the fixed part), the data parts are within 5 % of the reply.
         framing = exact.rest + len(reply.tables) * 7 * TENSOR_FRAMING
         slack = exact.total - size
@@ -250,6 +254,20 @@ def test_listings_that_could_pass_the_limit_are_refused_or_lowered():
     assert exc.value.reason == "REPLY_TOO_LARGE" and f"pass limit <= {fits}" in exc.value.message
     reply = api.ListSequences(pb.ListSequencesRequest(pool="p", limit=fits))
     assert len(reply.sequences) == fits and reply.total == 3000 and reply.ByteSize() <= limit
+    # The rule (manager/api.py): 64 bytes for the reply's own fields, SEQUENCE_INFO_BYTES + 11 per layer group
+    # for each sequence, each at least protobuf's worst case (every varint at 2^64 - 1). At a limit of exactly
+    # 64 + k such entries, k sequences are listed and k + 1 are refused naming k.
+    from kvservice.manager.api import SEQUENCE_INFO_BYTES
+    per_seq = SEQUENCE_INFO_BYTES + 11
+    worst = pb.ListSequencesReply(sequences=[pb.SequenceInfo(seq_id=2**64 - 1, num_tokens=2**64 - 1,
+                                  num_slots=2**64 - 1, num_slots_per_group=[2**64 - 1])]).ByteSize()
+    assert worst <= per_seq and pb.ListSequencesReply(total=2**64 - 1).ByteSize() <= 64
+    k = int(np.random.default_rng(238).integers(5, 900))
+    exact = ManagerAPI(m, max_reply_bytes=64 + k * per_seq)
+    assert len(exact.ListSequences(pb.ListSequencesRequest(pool="p", limit=k)).sequences) == k
+    with pytest.raises(ResourceExhausted) as exc:
+        exact.ListSequences(pb.ListSequencesRequest(pool="p", limit=k + 1))
+    assert int(exc.value.metadata["fits"]) == k
     bad = np.full(5000, 10**6, dtype=np.int64)                    # every index out of bounds
     report = api.ValidatePageTable(pb.ValidatePageTableRequest(
         pool="p", layer=0, indptr=counts([0, 5000]), indices=counts(bad), last_page_len=counts([1]),

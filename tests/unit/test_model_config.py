@@ -172,6 +172,8 @@ def base():
      "fields 'layer_types' and 'full_attention_interval' disagree on layer 0"),
     ({"full_attention_interval": 4, "sliding_window": 4096}, "'sliding_window'=4096 is set but"),
     ({"mamba_d_state": 16, "attn_layer_period": 8, "attn_layer_offset": 4}, "field 'mamba_expand' is missing"),
+    ({"mamba_d_state": 16, "attn_layer_period": 8, "attn_layer_offset": 4, "mamba_n_heads": 0},
+     "field 'mamba_n_heads' must be a positive integer, got 0"),
     ({"sliding_window": 4096, "sliding_window_size": 2048}, "'sliding_window'=4096 and 'sliding_window_size'=2048"),
     ({"head_dim": 128, "attention_head_dim": 64}, "'head_dim'=128 and 'attention_head_dim'=64 disagree"),
     ({"use_bidirectional_attention": True}, "bidirectional attention is an encoder's"),
@@ -213,3 +215,14 @@ def test_kvctl_reports_config_errors_and_mixed_flags(capsys, tmp_path):
     assert code == 2 and "drop --layers" in err
     code, _, err = run_kvctl(capsys, "plan", "--num-slots", "8")
     assert code == 2 and "give --model-config PATH, or all of --layers" in err
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_multi_token_prediction_layer_is_named_as_not_planned(n):
+    """DeepSeek-V3's config.json (num_nextn_predict_layers=1): the MTP layer's cache serves speculative decoding
+    only and is left out; the note says so, with the field's value, and the plan keeps the model's own layers."""
+    m = model_cache({**base(), "num_nextn_predict_layers": n})
+    assert f"num_nextn_predict_layers={n}: the multi-token-prediction layer's cache (speculative decoding only) " \
+           "is not planned" in m.notes
+    assert len(m.spec.layers) == base()["num_hidden_layers"]
+    assert not any("nextn" in note for note in model_cache(base()).notes)

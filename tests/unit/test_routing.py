@@ -164,3 +164,16 @@ def test_a_page_whose_parent_is_another_copy_is_not_a_hit():
     (s,) = score_prefix(m, b, pools=["p0"])
     assert s.cached_tokens == 12 == admit_now(m, "p0", b, "")
     assert score_prefix(m, a, pools=["p0"])[0].cached_tokens == 32 == admit_now(m, "p0", a, "")
+
+
+def test_the_api_scores_only_the_pools_the_caller_may_read():
+    """ManagerAPI.ScorePrefix with `readable` (the caller's token's pools): no other pool is scored, and the
+    readable ones score what an admission would get."""
+    m, w = busy_manager()
+    api = ManagerAPI(m)
+    prompt = w.families[1][:100]
+    everyone = api.ScorePrefix(score_request(prompt))
+    assert [s.pool for s in everyone.scores] == ["p0", "p1", "p2", "plain"]
+    reply = api.ScorePrefix(score_request(prompt), readable=frozenset({"p2", "p0"}))
+    assert [(s.pool, s.cached_tokens) for s in reply.scores] == [(p, admit_now(m, p, prompt, "")) for p in ("p0", "p2")]
+    assert reply.num_tokens == len(prompt) and any(s.cached_tokens for s in reply.scores)

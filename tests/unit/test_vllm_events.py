@@ -149,3 +149,22 @@ def test_a_reset_carries_the_same_extra_keys_as_the_live_events():
     reset = [e for e in state_events(pool_caches(pool)) if e.group == 0]
     keys = [[tuple(k) for k in e.extra_keys] if e.extra_keys else None for e in reset]
     assert sorted(map(repr, keys)) == sorted(map(repr, [[("lora", "t")], [("lora",)], [("lora",)], None, None]))
+
+
+def test_pool_info_names_the_hash_mode_and_only_vllms_mode_carries_a_seed():
+    """PoolInfo.prefix_hash_seed is the vllm-sha256-cbor seed (block_manager.proto); a kvservice-hash pool has
+    none to report, so GetPool and ListPools leave it empty."""
+    from kvservice.manager.api import ManagerAPI
+    from kvservice.manager.pools import BlockManager
+    from kvservice.v1 import block_manager_pb2 as pb
+
+    m = BlockManager()
+    spec, sizing = CacheSpec.uniform(2, 1, 64, page_size=PS), Sizing(num_slots=16, max_seq_len=64)
+    m.create_pool("own", spec, sizing, prefix_caching=True)
+    m.create_pool("vl", spec, sizing, prefix_caching=True, prefix_hash="vllm-sha256-cbor", prefix_hash_seed="4242")
+    api = ManagerAPI(m)
+    own, vl = api.GetPool(pb.GetPoolRequest(pool="own")), api.GetPool(pb.GetPoolRequest(pool="vl"))
+    assert (own.prefix_hash, own.prefix_hash_seed) == ("kvservice", "")
+    assert (vl.prefix_hash, vl.prefix_hash_seed) == ("vllm-sha256-cbor", "4242")
+    listed = {p.name: (p.prefix_hash, p.prefix_hash_seed) for p in api.ListPools(pb.ListPoolsRequest()).pools}
+    assert listed == {"own": ("kvservice", ""), "vl": ("vllm-sha256-cbor", "4242")}

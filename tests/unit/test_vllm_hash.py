@@ -56,6 +56,17 @@ def test_our_hashes_are_vllm_0_33s_with_its_default_seed(monkeypatch, salt):
     assert pool.prefix.hash[pool.sequence_slots(1)[:5]].tolist() == [low64(h) for h in want]
 
 
+def test_one_prompts_hashes_through_the_vllm_hash_fn_are_vllm_0_33s(monkeypatch):
+    """prompt_hashes (ScorePrefix's path) with a vllm-sha256-cbor pool's hash function: vLLM's own chain."""
+    from kvservice.core.hashing import prompt_hashes
+
+    tokens = np.random.default_rng(15).integers(1, 200_000, 4 * PS)
+    want = _vllm_chain("0.33.0", monkeypatch, tokens, None)
+    pool = _pool()
+    got = prompt_hashes(tokens.reshape(4, PS), 0, pool.prefix.hash_fn)
+    assert got.dtype == np.uint64 and got.tolist() == [low64(h) for h in want]
+
+
 def test_unsalted_hashes_are_vllm_0_11s_given_its_pythonhashseed(monkeypatch):
     """vLLM 0.11 seeds NONE_HASH from PYTHONHASHSEED (random without it); with the same seed we agree."""
     tokens = np.random.default_rng(6).integers(0, 150_000, 3 * PS)

@@ -102,6 +102,8 @@ def test_recreated_pool_gets_a_new_incarnation_and_fences_its_old_workers():
     with pytest.raises(FailedPrecondition) as exc:
         m.heartbeat("w", 1, "p", first)
     assert exc.value.reason == "STALE_INCARNATION" and "re-plan" in exc.value.message
+    assert {k: exc.value.metadata[k] for k in ("pool", "incarnation", "worker_id")} == \
+        {"pool": "p", "incarnation": str(second), "worker_id": "w"}              # which worker, which pool, now
     with pytest.raises(FailedPrecondition, match="not " + str(first)):
         m.register_worker("w", "p", incarnation=first)
     assert m.register_worker("w", "p", incarnation=second).epoch == 1
@@ -130,3 +132,27 @@ def test_pool_names_with_a_newline_or_out_of_range_are_refused(name):
         m.create_pool(name, CacheSpec.uniform(1, 1, 64), Sizing(num_slots=4))
     assert m.pool_names() == []
     m.create_pool("p.-_9", CacheSpec.uniform(1, 1, 64), Sizing(num_slots=4))     # the whole alphabet is fine
+
+
+@pytest.mark.parametrize("lease", [7.5, 42.0])
+def test_the_servers_api_fences_stale_registrations_and_replies_with_the_lease(lease):
+    """ManagerAPI(fence=True) (the server's) refuses a worker that planned for an earlier incarnation and
+    tells a registered worker its epoch and the registry's lease; fence=False (journal replay) accepts the
+    registration as it was made."""
+    from kvservice.manager.api import ManagerAPI
+    from kvservice.v1 import block_manager_pb2 as pb
+
+    m = BlockManager()
+    m.workers.lease_seconds = lease
+    m.create_pool("p", CacheSpec.uniform(4, 1, 64), Sizing(num_slots=8))
+    first = m.incarnation("p")
+    m.delete_pool("p", force=True)
+    m.create_pool("p", CacheSpec.uniform(4, 1, 64), Sizing(num_slots=8))
+    stale = pb.RegisterWorkerRequest(worker_id="w", pool="p", incarnation=first, layer_end=4,
+                                     backend="cpu")
+    with pytest.raises(FailedPrecondition) as exc:
+        ManagerAPI(m, fence=True).RegisterWorker(stale)
+    assert exc.value.reason == "STALE_INCARNATION" and not m.workers.workers()
+    reply = ManagerAPI(m).RegisterWorker(stale)                                  # a replay: accepted
+    assert (reply.epoch, reply.lease_seconds, reply.pool.name, reply.pool.incarnation) == \
+        (1, lease, "p", m.incarnation("p"))
