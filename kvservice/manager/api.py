@@ -13,7 +13,7 @@ import numpy as np
 from kvservice.contract import convert
 from kvservice.contract.errors import InvalidArgument, ResourceExhausted
 from kvservice.contract.pagetable import PageTable, validate_page_table
-from kvservice.contract.wire import field_array, fill_tensor, to_tensor
+from kvservice.contract.wire import field_array
 from kvservice.core.hashing import DEFAULT_MODE, VLLM_DEFAULT_SEED
 from kvservice.core.limits import (
     ReplyBound,
@@ -28,7 +28,9 @@ from kvservice.core.limits import (
 from kvservice.core.planner import plan
 from kvservice.core.pool import Pool, StepResult
 from kvservice.manager import replies
+from kvservice.manager.delta import TablesHolder, encode_delta, held_from_full
 from kvservice.manager.pools import BlockManager
+from kvservice.manager.replies import step_reply
 from kvservice.manager.routing import score_prefix_reply
 from kvservice.manager.step_input import DecodedStep, decode_step
 from kvservice.v1 import block_manager_pb2 as pb
@@ -38,44 +40,6 @@ log = logging.getLogger("kvservice")
 MAX_REPORTS = 1000
 #: Bytes of one SequenceInfo in a ListSequencesReply, at most (three varints and framing).
 SEQUENCE_INFO_BYTES = 36
-
-
-def step_reply(pool: Pool, res: StepResult, tables: bool = True) -> pb.StepReply:
-    """The StepReply of a step's result; tables=False leaves out every SpaceTables (a caller adds its own)."""
-    reply = pb.StepReply(layer_index_space=pool.layer_space, num_free_slots=res.num_free_slots)
-    fill_tensor(reply.seq_ids, res.seq_ids)
-    fill_tensor(reply.num_tokens, res.num_tokens)
-    fill_tensor(reply.new_token_indptr, res.new_token_indptr)
-    if res.cached_tokens is not None:
-        reply.admit_cached_tokens.CopyFrom(to_tensor(res.cached_tokens))
-    add_copies(reply, pool, res)
-    if not tables:
-        return reply
-    for st in res.tables:
-        sp = st.space
-        out = reply.tables.add(index_space=sp.id, group=sp.group, scale=sp.scale, offset=sp.offset,
-                               upper_bound=sp.upper_bound, base=sp.base)
-        fill_tensor(out.slot_mapping, st.slot_mapping)
-        if st.slot_generations is not None:
-            fill_tensor(out.slot_generations, st.slot_generations)
-        if st.table is not None:
-            fill_tensor(out.indptr, st.table.indptr)
-            fill_tensor(out.indices, st.table.indices)
-            fill_tensor(out.last_page_len, st.table.last_page_len)
-            if st.generations is not None:
-                fill_tensor(out.generations, st.generations)
-        if st.block_table is not None:
-            fill_tensor(out.block_table, st.block_table)
-    return reply
-
-
-def add_copies(reply: pb.StepReply, pool: Pool, res: StepResult) -> None:
-    """The step's copy-on-write pairs per layer group, each with the generations of its two slots (read right
-    after the step: both slots are held then)."""
-    for g, pairs in enumerate(res.copies):
-        if len(pairs):
-            c = reply.copies.add(group=g, pairs=to_tensor(pairs))
-            fill_tensor(c.generations, pool.allocators[g].generation.take(pairs))
 
 
 class StepCost(NamedTuple):
@@ -147,6 +111,35 @@ class ManagerAPI:
         with lock:
             res = self.run_step(pool, step)
         reply = step_reply(pool, res)
+        reply.pool_incarnation = incarnation
+        return reply
+
+    # ---- the step service: one way to run a Step (run_step), three encoders of its reply ------------------------
+    # Step: full tables (a unary Step, a stream's first reply); step_delta: what changed since the client's last
+    # reply (a StepStream with delta_tables); apply_step: no reply at all (a replay whose reply nobody reads).
+
+    def step_delta(self, request: pb.StepRequest, step: DecodedStep, holder: TablesHolder) -> pb.StepReply:
+        """A StepStream request's step and reply: incremental tables (manager/delta.py) when the request asks for
+        them and the client holds the reply holder.held describes, else full tables; holder.held is updated (the
+        stream's session keeps it). step: the request decoded (decode_step) by the caller."""
+        delta = request.delta_tables
+        if delta and (request.omit_tables or request.include_block_table):
+            raise InvalidArgument("delta_tables asks for incremental tables; omit_tables and include_block_table "
+                                  "do not go with it (the client's mirror builds block tables): set one or the other")
+        seq = request.stream_seq
+        pool, lock = self.manager.pool_and_lock(step.pool)
+        incarnation = self.manager.incarnation(step.pool)
+        with lock:
+            held = holder.held
+            if delta and held is not None and held.usable(pool, request.delta_base):
+                res = self.run_step(pool, step, tables=False, mappings=False)    # its changes are all a delta needs
+                reply, holder.held = encode_delta(pool, res, held, seq, derive=request.accept_tokens_added)
+                reply.pool_incarnation = incarnation
+                return reply
+            res = self.run_step(pool, step)
+            holder.held = held_from_full(seq, pool, res) if delta else None
+        reply = step_reply(pool, res)
+        reply.stream_seq = seq
         reply.pool_incarnation = incarnation
         return reply
 

@@ -33,14 +33,14 @@ from __future__ import annotations
 import sys
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from kvservice.contract.wire import fill_tensor
 from kvservice.core.emit import GroupChanges
 from kvservice.core.pool import Pool, SpaceTables, StepResult
-from kvservice.manager.api import add_copies, step_reply
+from kvservice.manager.replies import add_copies, step_reply
 from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1.common_pb2 import INT32, INT64, UINT32
 
@@ -70,6 +70,12 @@ class HeldTables:
         base: the request's delta_base. Call under the pool's lock, before the step.
         """
         return base == self.seq and pool is self.pool() and pool.steps == self.pool_steps
+
+
+class TablesHolder(Protocol):
+    """Whoever keeps what a stream's client holds between replies (server/stream.py's StreamSession)."""
+
+    held: HeldTables | None
 
 
 def _spans(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:

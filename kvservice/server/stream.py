@@ -36,6 +36,7 @@ Metrics: each stream request is observed in ``kvservice_rpc_duration_seconds`` a
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import threading
@@ -60,8 +61,8 @@ from kvservice.contract.errors import (
 )
 from kvservice.contract.received import unwrap
 from kvservice.contract.transport import STREAM_ID_KEY
-from kvservice.manager.api import ManagerAPI, step_reply
-from kvservice.manager.delta import HeldTables, encode_delta, held_from_full
+from kvservice.manager.api import ManagerAPI
+from kvservice.manager.delta import HeldTables
 from kvservice.manager.step_input import DecodedStep, decode_step
 from kvservice.server.budget import BudgetExceeded, Charge
 from kvservice.v1 import block_manager_pb2 as pb
@@ -134,32 +135,10 @@ class StreamSession:
                                   reason="STREAM_SEQ", expected=self.last_seq + 1)
 
     def apply(self, api: ManagerAPI, request: pb.StepRequest, step: DecodedStep | None = None) -> pb.StepReply:
-        """Run the step (under the pool lock) and encode its reply: incremental if the client's base allows.
-
-        step: the request decoded (decode_step) by the caller; None: decoded here.
-        """
-        delta = request.delta_tables
-        if delta and (request.omit_tables or request.include_block_table):
-            raise InvalidArgument("delta_tables asks for incremental tables; omit_tables and include_block_table "
-                                  "do not go with it (the client's mirror builds block tables): set one or the other")
-        if step is None:
-            step = decode_step(request)
-        seq = request.stream_seq
-        pool, lock = api.manager.pool_and_lock(step.pool)
-        incarnation = api.manager.incarnation(step.pool)
-        with lock:
-            held = self.held
-            if delta and held is not None and held.usable(pool, request.delta_base):
-                res = api.run_step(pool, step, tables=False, mappings=False)    # its changes are all a delta needs
-                reply, self.held = encode_delta(pool, res, held, seq, derive=request.accept_tokens_added)
-                reply.pool_incarnation = incarnation
-                return reply
-            res = api.run_step(pool, step)
-            self.held = held_from_full(seq, pool, res) if delta else None
-        reply = step_reply(pool, res)
-        reply.stream_seq = seq
-        reply.pool_incarnation = incarnation
-        return reply
+        """Run the step and encode its reply, incremental if the client's base allows (ManagerAPI.step_delta: the
+        step service); this session keeps what the client then holds. step: the request decoded by the caller;
+        None: decoded here."""
+        return api.step_delta(request, step if step is not None else decode_step(request), self)
 
 
 class StreamRegistry:
@@ -266,9 +245,7 @@ def step_one(servicer: Any, session: StreamSession, request: Any, broken: type[E
                 request.request_id = scoped_request_id(session.tenant,
                                                        request.request_id or f"{session.stream_id}#{seq}")
 
-                def apply(r: pb.StepRequest) -> pb.StepReply:
-                    return session.apply(servicer.api, r, step)
-
+                apply = functools.partial(servicer.api.step_delta, step=step, holder=session)
                 with servicer.api.manager.events.transaction():    # its KV events show once it is journaled
                     reply = journal.execute("Step", request, apply, received) if journal is not None \
                         else apply(request)
