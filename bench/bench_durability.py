@@ -45,8 +45,9 @@ from kvservice.contract.wire import to_tensor  # noqa: E402
 from kvservice.manager.api import ManagerAPI  # noqa: E402
 from kvservice.manager.pools import BlockManager  # noqa: E402
 from kvservice.server.app import serve  # noqa: E402
+from kvservice.server.limits import Limits  # noqa: E402
 from kvservice.server.metrics import ManagerMetrics  # noqa: E402
-from kvservice.server.servicer import BlockManagerServicer, Limits  # noqa: E402
+from kvservice.server.servicer import BlockManagerServicer  # noqa: E402
 from kvservice.state.ackmark import AckMark  # noqa: E402
 from kvservice.state.journal import Journal, JournalConfig  # noqa: E402
 from kvservice.state.startup import create_request  # noqa: E402

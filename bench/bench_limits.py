@@ -50,7 +50,7 @@ from kvservice.client import BlockManagerClient  # noqa: E402
 from kvservice.contract.geometry import CacheSpec, LayerSpec  # noqa: E402
 from kvservice.contract.sizing import Sizing  # noqa: E402
 from kvservice.manager.pools import slot_units  # noqa: E402
-from kvservice.server.servicer import Limits  # noqa: E402
+from kvservice.server.limits import Limits  # noqa: E402
 from kvservice.tools.launch import wait_for_ports  # noqa: E402
 
 MESSAGE_BYTES = 128 << 20          # deploy/base: --max-message-bytes

@@ -306,8 +306,9 @@ def bench_stream_breakdown(steps: int, batches: tuple[int, ...] = BATCHES,
     from kvservice.manager.api import ManagerAPI
     from kvservice.manager.event_log import EventsConfig
     from kvservice.manager.pools import BlockManager
+    from kvservice.server.limits import Limits
     from kvservice.server.metrics import ManagerMetrics
-    from kvservice.server.servicer import BlockManagerServicer, Limits
+    from kvservice.server.servicer import BlockManagerServicer
     from kvservice.server.stream import StreamSession, step_one
     from kvservice.state.journal import Journal
     from kvservice.v1 import block_manager_pb2 as pb

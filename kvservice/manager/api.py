@@ -164,7 +164,7 @@ class ManagerAPI:
             res = pool.step(step.free_seq_ids, step.extend_seq_ids, step.extend_num_tokens, step.admit_seq_ids,
                             step.admit_num_tokens, step.tables if tables is None else tables, step.block_table,
                             step.fork_parent_ids, step.fork_child_ids, step.admit_token_ids, step.admit_salts,
-                            step.admit_extra_keys, mappings, step.count_ranges())
+                            step.admit_extra_keys, mappings, step.count_ranges)
         finally:
             flush_fleet(pool)
         self.manager.events.after_step(pool, step.admit_num_tokens, step.admit_token_ids is not None)

@@ -37,6 +37,8 @@ class DecodedStep:
     tables: full tables asked for (not omit_tables); block_table: include_block_table.
     admit_salts, admit_extra_keys: one string per admission, or None.
     extend_counts, admit_counts: CountSummary of extend_num_tokens and admit_num_tokens.
+    count_ranges: ((min, max) of extend_num_tokens, (min, max) of admit_num_tokens), None each where the summary
+        is: what Pool.step's count checks read (its count_ranges argument).
     sequences: ids in the step (free + extend + admit + fork children); new_tokens: sum of the counts
         (an array with an entry <= 0 counts 0: the pool refuses it) or the length of admit_token_ids if
         that is more: what Limits caps.
@@ -59,11 +61,7 @@ class DecodedStep:
     admit_counts: CountSummary
     sequences: int
     new_tokens: int
-
-    def count_ranges(self) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
-        """(min, max) of extend_num_tokens and of admit_num_tokens (None each: absent or malformed): what
-        Pool.step's count checks read (its count_ranges)."""
-        return _range(self.extend_counts), _range(self.admit_counts)
+    count_ranges: tuple[tuple[int, int] | None, tuple[int, int] | None]
 
 
 def _range(summary: CountSummary) -> tuple[int, int] | None:
@@ -97,7 +95,7 @@ def decode_step(request: pb.StepRequest) -> DecodedStep:
     salts, keys = request.admit_cache_salts, request.admit_extra_keys
     return DecodedStep(request.pool, free, e_ids, e_k, a_ids, a_n, parents, children, token_ids,
                        not request.omit_tables, request.include_block_table, list(salts) if salts else None,
-                       list(keys) if keys else None, ext, adm, sequences, tokens)
+                       list(keys) if keys else None, ext, adm, sequences, tokens, (_range(ext), _range(adm)))
 
 
 __all__ = ["STEP_ARRAYS", "DecodedStep", "decode_step"]

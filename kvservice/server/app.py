@@ -39,8 +39,9 @@ from kvservice.server.budget import (
 )
 from kvservice.server.config import PoolConfig
 from kvservice.server.http import MetricsServer, health_probe
+from kvservice.server.limits import Limits
 from kvservice.server.metrics import ManagerMetrics
-from kvservice.server.servicer import BlockManagerServicer, Limits
+from kvservice.server.servicer import BlockManagerServicer
 from kvservice.state.journal import Journal
 from kvservice.state.startup import ensure_pools
 from kvservice.v1 import block_manager_pb2

@@ -1,6 +1,6 @@
 """One memory budget for everything a request or a session holds, with a global and a per-tenant limit.
 
-The pools' own arrays are bounded by the pool limits (kvservice/server/servicer.py's Limits); what
+The pools' own arrays are bounded by the pool limits (kvservice/server/limits.py's Limits); what
 else grows with the load is charged here before it is allocated: a request in flight (from its
 wire size, before it is parsed: kvservice/server/admission.py), the reply a Step will build (from
 its bound, kvservice/core/limits.py, before the step is applied), and what an open stream's

@@ -28,7 +28,7 @@ from kvservice.manager.read_budget import DEFAULT_READ_BURST, DEFAULT_READ_SHARE
 from kvservice.server.app import default_budget_limits, serve
 from kvservice.server.budget import BudgetLimits
 from kvservice.server.config import DEFAULT_POOLS_YAML, load_pools, load_pools_file
-from kvservice.server.servicer import Limits
+from kvservice.server.limits import Limits
 from kvservice.state.journal import Journal, JournalConfig
 from kvservice.state.nats.leader import LeaseConfig
 from kvservice.state.sqlite.unusable import NO_SPACE, unusable_state

@@ -15,23 +15,20 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import grpc
 from google.protobuf.message import Message
 
 from kvservice.contract.auth import current_pools, current_principal
-from kvservice.contract.convert import cache_spec_from_proto, plan_to_proto, sizing_from_proto
-from kvservice.contract.errors import InvalidArgument, JournalUnavailable, KVError, ResourceExhausted
+from kvservice.contract.errors import JournalUnavailable, KVError
 from kvservice.contract.received import unwrap
-from kvservice.contract.sizing import Plan
 from kvservice.contract.status import to_status
-from kvservice.core.planner import plan
 from kvservice.manager.api import ManagerAPI, derived_incarnation
-from kvservice.manager.pools import SLOT_UNIT_BYTES, BlockManager, new_incarnation, slot_units
-from kvservice.manager.step_input import DecodedStep, decode_step
+from kvservice.manager.pools import new_incarnation
+from kvservice.manager.step_input import decode_step
 from kvservice.server.budget import MemoryBudget
+from kvservice.server.limits import Limits
 from kvservice.server.metrics import ManagerMetrics
 from kvservice.server.stream import StreamRegistry, echo_stream, scoped_request_id, step_stream
 from kvservice.server.watch import watch_events
@@ -47,102 +44,12 @@ STATE_READS = frozenset({"GetPool", "ListPools", "ListSequences", "GetStats"})
 #: Other reads whose replies carry the journal position (they do not wait for commits): a client or worker
 #: checks it against what it saw before (kvservice/client/position.py).
 POSITIONED = frozenset({"Heartbeat", "ListWorkers", "ScorePrefix"})
+#: Requests the server stamps before they are journaled (_stamp).
+STAMPED = frozenset({"CreatePool", "RegisterWorker"})
 METHODS = tuple(pb.DESCRIPTOR.services_by_name["BlockManager"].methods_by_name)
 #: Streaming RPCs: handlers of their own (kvservice/server/stream.py), not the unary adapter below.
 STREAMING = frozenset(m.name for m in pb.DESCRIPTOR.services_by_name["BlockManager"].methods
                       if m.client_streaming or m.server_streaming)
-
-
-@dataclass(frozen=True, slots=True)
-class Limits:
-    """Per-request caps checked before the domain sees a request; 0 = no cap.
-
-    max_step_sequences: ids in one Step (free + extend + admit + fork children).
-    max_step_tokens: new tokens in one Step (sum of extend and admit counts; also admit_token_ids).
-    max_pool_slots: slots of one pool summed over its layer groups (allocator memory, ~24 bytes each).
-    max_pools: pools one manager holds.
-    max_request_id: characters of a request_id.
-    max_total_slots: slot units of all pools together (slots x layer groups, a prefix-cached pool's each
-        counting manager.pools.slot_units: 33 at page size 16): what bounds the pools' memory (56 bytes a
-        unit), whatever max_pools says. docs/SECURITY.md#limits.
-    """
-
-    max_step_sequences: int = 65_536
-    max_step_tokens: int = 8_388_608
-    max_pool_slots: int = 1 << 24
-    max_pools: int = 256
-    max_request_id: int = 128
-    max_total_slots: int = 1 << 24
-
-    def check(self, method: str, request: Any, manager: BlockManager, step: DecodedStep | None = None) -> None:
-        """InvalidArgument (reason LIMIT_EXCEEDED) for a request over a cap; ResourceExhausted at max_pools.
-
-        step: a Step's request decoded (decode_step; the caller decodes it once and passes it on).
-        """
-        rid = getattr(request, "request_id", "")
-        if self.max_request_id and len(rid) > self.max_request_id:
-            raise _over("request_id", len(rid), self.max_request_id, "characters", "")
-        if method == "Step":
-            self._check_step(step if step is not None else decode_step(request))
-        elif method == "CreatePool":
-            self._check_create(request, manager)
-        elif method == "Plan":
-            _check_representable(plan(cache_spec_from_proto(request.cache), sizing_from_proto(request.sizing),
-                                      tuple(request.backends)))
-
-    def _check_step(self, step: DecodedStep) -> None:
-        """The caps of a decoded Step, from its arrays as decoded (a malformed one already got its own message)."""
-        if self.max_step_tokens:
-            for f, a, summary in (("extend_num_tokens", step.extend_num_tokens, step.extend_counts),
-                                  ("admit_num_tokens", step.admit_num_tokens, step.admit_counts)):
-                top = summary[1] if summary is not None else int(a.max()) if a is not None and a.size else 0
-                if top > self.max_step_tokens:
-                    raise _over(f"{f} entry", top, self.max_step_tokens, "tokens", "--max-step-tokens")
-        if self.max_step_sequences and step.sequences > self.max_step_sequences:
-            raise _over("sequences in one Step", step.sequences, self.max_step_sequences, "ids",
-                        "--max-step-sequences")
-        if self.max_step_tokens and step.new_tokens > self.max_step_tokens:
-            raise _over("new tokens in one Step", step.new_tokens, self.max_step_tokens, "tokens", "--max-step-tokens")
-
-    def _check_create(self, r: pb.CreatePoolRequest, manager: BlockManager) -> None:
-        if self.max_pools and len(manager.pool_names()) >= self.max_pools:
-            raise ResourceExhausted(f"the manager holds {self.max_pools} pools, its limit (--max-pools); delete "
-                                    "one first", reason="LIMIT_EXCEEDED", limit=self.max_pools)
-        p = plan(cache_spec_from_proto(r.cache), sizing_from_proto(r.sizing), tuple(r.backends))
-        _check_representable(p)
-        slots = sum(p.group_slots)            # slots x layer groups, each group its own count
-        if self.max_pool_slots and slots > self.max_pool_slots:
-            raise _over(f"pool {r.name!r}: slots x layer groups", slots, self.max_pool_slots, "slots",
-                        "--max-pool-slots")
-        if self.max_total_slots:
-            held = manager.total_slots()
-            per = slot_units(p.page_size, r.enable_prefix_caching)
-            units = slots * per
-            if held + units > self.max_total_slots:
-                cached = (f", each counting {per} because a cached page costs that many slots' memory"
-                          if per > 1 else "")
-                raise ResourceExhausted(
-                    f"pool {r.name!r} needs {units} slot units ({slots} slots x layer groups{cached}); the "
-                    f"manager's pools hold {held} of its {self.max_total_slots} (max_total_slots, which bounds "
-                    f"their memory at {SLOT_UNIT_BYTES} bytes a unit); delete a pool or plan a smaller one "
-                    "(docs/SECURITY.md#limits)", reason="LIMIT_EXCEEDED", needed=units, held=held,
-                    limit=self.max_total_slots)
-
-
-def _check_representable(p: Plan) -> None:
-    """InvalidArgument if a plan's byte figures do not fit the reply's uint64 fields (planner.py accepts them)."""
-    try:
-        plan_to_proto(p)
-    except ValueError:
-        raise InvalidArgument(f"this cache needs {p.total_bytes} bytes ({p.bytes_per_slot} per slot): more than a "
-                              "64-bit byte count can describe; check kv_heads, head_dim and page_size",
-                              reason="LIMIT_EXCEEDED", total_bytes=p.total_bytes) from None
-
-
-def _over(what: str, value: int, limit: int, unit: str, flag: str) -> InvalidArgument:
-    hint = f" (server flag {flag})" if flag else ""
-    return InvalidArgument(f"{what}: {value} {unit} is over this server's limit of {limit}{hint}; split the "
-                           "request", reason="LIMIT_EXCEEDED", value=value, limit=limit)
 
 
 class Journal(Protocol):
@@ -196,7 +103,8 @@ def _adapter(name: str) -> Callable[..., Any]:
                 apply = functools.partial(self.api.Step, step=step)
             if self.limits is not None:
                 self.limits.check(name, request, self.api.manager, step)
-            _stamp(name, request)
+            if name in STAMPED:
+                _stamp(name, request)
             if name in MUTATING and getattr(request, "request_id", ""):     # one idempotency namespace per tenant
                 request.request_id = scoped_request_id(current_principal(), request.request_id)
             if self.journal is not None and name in MUTATING:

@@ -18,7 +18,7 @@ continues it:
   relative to what the session last sent, when the request's ``delta_base`` says the client holds
   exactly that; otherwise full tables.
 - Each request is decoded once (kvservice.manager.step_input.decode_step), checked against the Limits
-  (servicer.Limits) and the step's cost (ManagerAPI.check_step_cost) from that one decoding, and its
+  (server/limits.py's Limits) and the step's cost (ManagerAPI.check_step_cost) from that one decoding, and its
   KV events become visible once it is journaled (events.transaction).
 
 Sessions are bounded (least recently used one dropped past ``max_streams``; idle ones expire), so stream ids

@@ -437,7 +437,7 @@ def test_manager_and_worker_rpcs_need_tokens(rendered, variant: str) -> None:
 #: max_total_slots and 200 MiB for the process itself.
 def _manager_budget(args: list[str]) -> int:
     from kvservice.contract.transport import MAX_MESSAGE_BYTES
-    from kvservice.server.servicer import Limits
+    from kvservice.server.limits import Limits
 
     msg = int(_flag(args, "--max-message-bytes") or MAX_MESSAGE_BYTES)
     threads = int(_flag(args, "--threads") or 8)
@@ -463,7 +463,7 @@ def test_manager_memory_budget_fits_its_memory_limit_and_its_largest_step(render
     from kvservice.contract.transport import MAX_MESSAGE_BYTES
     from kvservice.core.units import parse_bytes
     from kvservice.server.budget import PROCESS_BYTES, REPLY_FACTOR, WIRE_FACTOR
-    from kvservice.server.servicer import Limits
+    from kvservice.server.limits import Limits
     from kvservice.state.journal_config import JournalConfig
 
     c = one(rendered(variant), "StatefulSet", "kvservice-manager")["spec"]["template"]["spec"]["containers"][0]

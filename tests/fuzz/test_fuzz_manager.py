@@ -20,7 +20,7 @@ from kvservice.contract.geometry import CacheSpec, LayerSpec
 from kvservice.contract.status import error_info
 from kvservice.core.invariants import assert_invariants
 from kvservice.server.app import RunningServer, serve
-from kvservice.server.servicer import Limits
+from kvservice.server.limits import Limits
 from kvservice.state.journal import Journal, JournalConfig
 from kvservice.state.tree import state_tree
 from kvservice.v1 import block_manager_pb2 as pb

@@ -25,7 +25,7 @@ from kvservice.contract.sizing import Sizing
 from kvservice.contract.wire import to_tensor
 from kvservice.core.invariants import assert_invariants
 from kvservice.manager.pools import BlockManager
-from kvservice.server.servicer import Limits
+from kvservice.server.limits import Limits
 from kvservice.state.journal import Journal, JournalConfig, MemoryStore
 from kvservice.state.startup import create_request
 from kvservice.state.tree import state_tree

@@ -192,7 +192,7 @@ def test_page_sums_that_could_wrap_are_summed_exactly():
 
 def test_total_slots_bound_the_memory_of_all_pools():
     """max_total_slots sums slots x groups over pools: many pools each under max_pool_slots cannot add up past it."""
-    from kvservice.server.servicer import Limits
+    from kvservice.server.limits import Limits
     from kvservice.state.startup import create_request
 
     m = BlockManager()
@@ -214,7 +214,7 @@ def test_a_prefix_cached_slot_counts_what_its_cached_page_costs():
     """Issue 27: a prefix-cached pool's cached pages cost ~1.1 KB + 40 B a token beside the slot (measured), so each
     of its slots counts slot_units of max_total_slots: 33 at page size 16, by the documented cost model."""
     from kvservice.manager.pools import CACHED_PAGE_BYTES, CACHED_TOKEN_BYTES, SLOT_UNIT_BYTES, slot_units
-    from kvservice.server.servicer import Limits
+    from kvservice.server.limits import Limits
     from kvservice.state.startup import create_request
 
     assert slot_units(16, False) == slot_units(64, False) == 1

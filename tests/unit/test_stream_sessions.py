@@ -80,8 +80,9 @@ def _served(prefix: bool = False, max_seq_len: int = 128, **api_kw: object):
     from kvservice.contract.sizing import Sizing
     from kvservice.manager.api import ManagerAPI
     from kvservice.manager.pools import BlockManager
+    from kvservice.server.limits import Limits
     from kvservice.server.metrics import ManagerMetrics
-    from kvservice.server.servicer import BlockManagerServicer, Limits
+    from kvservice.server.servicer import BlockManagerServicer
     from kvservice.server.stream import step_one
     from kvservice.state.journal import Journal
 
