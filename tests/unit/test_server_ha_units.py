@@ -194,3 +194,54 @@ def test_a_sole_writers_nats_connections_are_named_as_the_tools(nats1) -> None:
         assert opened == ["kvservice-tool", "kvservice-tool-journal"]
     finally:
         j.close(snapshot=False)
+
+
+def _until(cond, seconds: float = 30.0) -> bool:
+    """Wait for a condition another thread makes true (checked every 20 ms), at most `seconds`."""
+    import time
+    deadline = time.monotonic() + seconds
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        threading.Event().wait(0.02)
+    return True
+
+
+def test_a_standby_whose_consumer_vanished_reads_on_with_a_new_one(nats1, caplog) -> None:
+    """Module code: a standby's consumer that delivers nothing while the stream holds more (its NATS node, R1 in
+    memory, restarted) is replaced within about a second, and the warning says so; the standby then holds the
+    leader's state. Here the consumer is deleted on the server while the writer appends."""
+    import logging
+
+    from kvservice.server.ha import HAController, LeaderGate, open_journal, open_sole_writer
+    from kvservice.state.nats.leader import Lease, LeaseConfig
+
+    config, rng = _config(nats1), np.random.default_rng(31)
+    writer = open_sole_writer(config, journal_config=_journal_config(), lease_seconds=LEASE)
+    want = _write_state(writer, rng)
+    lease_config = LeaseConfig(ttl_seconds=300, renew_seconds=10, poll_seconds=0.2)
+    holder = Lease(writer.store.link, lease_config, "writer")
+    assert holder.try_acquire()                  # the key is held (and stands still far shorter than its TTL)
+    standby = open_journal(config, LEASE, _journal_config(), readonly=False)
+    ha = HAController(standby, standby.store, Lease(standby.store.link, lease_config, "standby"), LeaderGate())
+    caplog.set_level(logging.WARNING, logger="kvservice.server.ha")
+    try:
+        ha.start()
+        assert _until(lambda: standby.seq == writer.seq) and _live(standby) == want
+        link = writer.store.link
+        for c in link.call(link.js.consumers_info(config.stream), 10):
+            link.call(link.js.delete_consumer(config.stream, c.name), 10)
+        ids = [int(i) for i in rng.choice(np.arange(10_000, 20_000), 3, replace=False)]
+        tokens = [int(t) for t in rng.integers(1, 30, len(ids))]
+        writer.execute("Step", step_request("p", admit=ids, admit_tokens=tokens), writer.api.Step)
+        want.update(zip(ids, tokens, strict=True))
+        assert _until(lambda: standby.seq == writer.seq), (standby.seq, writer.seq)
+        assert _live(standby) == want and ha.role == "standby" and ha.failed is None
+        notes = [r.getMessage() for r in caplog.records if r.name == "kvservice.server.ha"]
+        assert any(n.startswith("standby: no journal message for 1 s while ") and
+                   n.endswith(" behind; reading on with a new consumer") for n in notes), notes
+    finally:
+        ha.stop()
+        standby.close(snapshot=False)
+        holder.release()
+        writer.close(snapshot=False)
