@@ -83,7 +83,8 @@ def test_a_session_keeps_its_stream_id_and_its_tenant() -> None:
 def test_a_stream_step_over_the_servers_step_limits_is_refused_like_a_unary_one() -> None:
     """Limits (max_step_sequences) apply to StepStream requests too: refused LIMIT_EXCEEDED, nothing admitted."""
     from kvservice.server.servicer import Limits
-    from tests.unit.test_stream_sessions import _served
+
+    from .test_stream_sessions import _served
 
     m, sv, send, _, _ = _served()
     sv.limits = Limits(max_step_sequences=2)
