@@ -1,0 +1,162 @@
+"""kvservice.server through a real in-process gRPC server on 127.0.0.1 (port 0): what only the wire shows.
+
+The memory budget's admission of requests (docs/SECURITY.md), durable and idempotent mutations through the
+journal (docs/DURABILITY.md), the server-set RegisterWorker.registered_by (block_manager.proto), the
+leader gate's refusals and epoch metadata (docs/HA.md) and a WatchEvents refused mid-stream by the budget.
+Expected values are the requests sent and the documented rules.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import grpc
+import numpy as np
+import pytest
+
+from kvservice.client.codec import create_pool_request, step_request
+from kvservice.contract.geometry import CacheSpec
+from kvservice.contract.sizing import Sizing
+from kvservice.contract.status import error_info
+from kvservice.contract.transport import EPOCH_METADATA, NODE_METADATA
+from kvservice.server.app import serve
+from kvservice.server.budget import WIRE_FACTOR, BudgetLimits
+from kvservice.v1 import block_manager_pb2 as pb
+from kvservice.v1 import block_manager_pb2_grpc as pb_grpc
+
+MIB = 1 << 20
+SPEC = CacheSpec.uniform(2, 2, 8, "float16", 4)
+
+
+class Served:
+    """serve(**kw) on 127.0.0.1:0 and a BlockManager stub on it; stop() ends both."""
+
+    def __init__(self, **kw: object) -> None:
+        self.running = serve("127.0.0.1:0", **kw)
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.running.port}")
+        self.stub = pb_grpc.BlockManagerStub(self.channel)
+
+    def __enter__(self) -> Served:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self.channel.close()
+        self.running.stop(0)
+
+
+def _refused(call, *args, **kw) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as err:
+        call(*args, timeout=10, **kw)
+    return err.value
+
+
+def test_requests_are_charged_to_the_memory_budget_before_they_are_parsed() -> None:
+    """docs/SECURITY.md: a request whose WIRE_FACTOR x bytes do not fit is refused RESOURCE_EXHAUSTED, reason
+    MEMORY_BUDGET, before its handler; one that fits is served and its charge given back when it ends."""
+    rng = np.random.default_rng(5)
+    limit = 256 * 1024
+    with Served(budget=BudgetLimits(limit, limit)) as s:
+        fits = rng.bytes(limit // WIRE_FACTOR - 64)
+        assert s.stub.Echo(pb.EchoRequest(payload=fits), timeout=10).payload == fits
+        too_big = rng.bytes(limit // WIRE_FACTOR + 64)
+        err = _refused(s.stub.Echo, pb.EchoRequest(payload=too_big))
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and error_info(err).reason == "MEMORY_BUDGET"
+        assert "Echo request needs" in err.details()
+        assert s.running.budget.refused == {"Echo request": 1} and s.running.budget.charged_bytes == 0
+
+
+def _admit(stub, pool: str, rng: np.random.Generator, request_id: str = "") -> tuple[dict[int, int], pb.StepReply]:
+    ids = sorted(int(i) for i in rng.choice(np.arange(1, 5000), 4, replace=False))
+    tokens = [int(t) for t in rng.integers(1, 40, len(ids))]
+    reply = stub.Step(step_request(pool, admit=ids, admit_tokens=tokens, request_id=request_id), timeout=10)
+    return dict(zip(ids, tokens, strict=True)), reply
+
+
+def _live(manager, pool: str) -> dict[int, int]:
+    ids, ntok = manager.pool_and_lock(pool)[0].sequences()
+    return dict(zip(ids.tolist(), ntok.tolist(), strict=True))
+
+
+def test_mutations_through_a_durable_journal_survive_a_restart_and_retries_apply_once(tmp_path) -> None:
+    """docs/DURABILITY.md: a mutating RPC is durable before its reply; a retried request_id gets the stored
+    reply and is not applied twice."""
+    from kvservice.state.journal import Journal
+
+    rng = np.random.default_rng(11)
+    with Served(journal=Journal.open(tmp_path / "state")) as s:
+        s.stub.CreatePool(create_pool_request("p", SPEC, Sizing(num_slots=64, max_seq_len=64)), timeout=10)
+        want, reply = _admit(s.stub, "p", rng, request_id="step-1")
+        retry = s.stub.Step(step_request("p", admit=list(want), admit_tokens=list(want.values()),
+                                         request_id="step-1"), timeout=10)
+        assert retry == reply                            # the stored reply, not ALREADY_EXISTS
+        assert _live(s.running.manager, "p") == want
+    again = Journal.open(tmp_path / "state", readonly=True)
+    try:
+        assert again.manager.pool_names() == ["p"] and _live(again.manager, "p") == want
+    finally:
+        again.close(snapshot=False)
+
+
+def test_registered_by_is_set_by_the_server_whatever_the_client_sent() -> None:
+    """block_manager.proto: registered_by is the caller's token name (empty without tokens); a client's value is
+    replaced. So a worker re-registering without it is the same owner, not another token's worker."""
+    with Served() as s:
+        s.stub.CreatePool(create_pool_request("p", SPEC, Sizing(num_slots=64, max_seq_len=64)), timeout=10)
+        forged = "mallory-" + uuid.uuid4().hex[:6]
+        first = s.stub.RegisterWorker(pb.RegisterWorkerRequest(worker_id="w1", pool="p", backend="cpu",
+                                                               registered_by=forged), timeout=10)
+        (rec,) = s.running.manager.workers.workers("p")
+        assert rec.owner == ""
+        second = s.stub.RegisterWorker(pb.RegisterWorkerRequest(worker_id="w1", pool="p", backend="cpu"), timeout=10)
+        assert (first.epoch, second.epoch) == (1, 2)
+
+
+def test_the_leader_gate_serves_only_a_leader_with_a_valid_lease_and_stamps_its_epoch() -> None:
+    """docs/HA.md: a standby refuses UNAVAILABLE naming the leader; a leader whose lease lapsed refuses until it
+    renews; the leader's replies carry its epoch and node id in the initial metadata."""
+    from kvservice.server.leader_gate import LeaderGate
+
+    gate = LeaderGate()
+    gate.node = "node-" + uuid.uuid4().hex[:6]
+    with Served(interceptors=[gate]) as s:
+        err = _refused(s.stub.Echo, pb.EchoRequest(payload=b"x"))
+        assert err.code() == grpc.StatusCode.UNAVAILABLE and "does not serve requests (standby" in err.details()
+        gate.promote(7)
+        reply, call = s.stub.Echo.with_call(pb.EchoRequest(payload=b"hello"), timeout=10)
+        assert reply.payload == b"hello"
+        assert dict(call.initial_metadata())[EPOCH_METADATA] == "7"
+        assert dict(call.initial_metadata())[NODE_METADATA] == gate.node
+        gate.valid = lambda: False                      # the lease lapsed (NATS unreachable, process paused)
+        err = _refused(s.stub.Echo, pb.EchoRequest(payload=b"x"))
+        assert err.code() == grpc.StatusCode.UNAVAILABLE and "lease lapsed" in err.details()
+        gate.valid = lambda: True
+        assert s.stub.Echo(pb.EchoRequest(payload=b"back"), timeout=10).payload == b"back"
+
+
+def test_a_watch_whose_reset_does_not_fit_the_memory_budget_ends_resource_exhausted() -> None:
+    """kvservice/server/watch.py: a reset is charged to the memory budget before it is converted; past it the
+    stream ends RESOURCE_EXHAUSTED, reason MEMORY_BUDGET (not an internal error)."""
+    rng = np.random.default_rng(17)
+    with Served(budget=BudgetLimits(64 * MIB, 64 * MIB)) as s:
+        s.stub.CreatePool(create_pool_request("p", SPEC, Sizing(num_slots=512, max_seq_len=1024),
+                                              prefix_caching=True), timeout=10)
+        prompts = rng.integers(1, 30000, (8, 120))
+        s.stub.Step(step_request("p", admit=list(range(1, 9)), admit_tokens=[120] * 8,
+                                 admit_token_ids=prompts.ravel()), timeout=10)
+        b = s.running.budget
+        held = b.charge("", b.limits.total_bytes - 4096, "other calls")    # others hold all but 4 KiB
+        try:
+            replies = s.stub.WatchEvents(pb.WatchEventsRequest(pool="p", from_sequence=0), timeout=10)
+            with pytest.raises(grpc.RpcError) as err:
+                next(iter(replies))
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert error_info(err.value).reason == "MEMORY_BUDGET"
+        finally:
+            held.release()
+        replies = s.stub.WatchEvents(pb.WatchEventsRequest(pool="p", from_sequence=0), timeout=10)
+        first = next(iter(replies))                   # with room again the same reset is sent
+        replies.cancel()
+        assert first.reset
