@@ -82,7 +82,7 @@ def test_a_session_keeps_its_stream_id_and_its_tenant() -> None:
 
 def test_a_stream_step_over_the_servers_step_limits_is_refused_like_a_unary_one() -> None:
     """Limits (max_step_sequences) apply to StepStream requests too: refused LIMIT_EXCEEDED, nothing admitted."""
-    from kvservice.server.servicer import Limits
+    from kvservice.server.limits import Limits
 
     from .test_stream_sessions import _served
 
