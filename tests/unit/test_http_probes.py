@@ -37,7 +37,7 @@ def served(caplog):
 
 
 def test_the_log_names_the_address_and_port_it_listens_on(served, caplog):
-    srv, _, base = served
+    _, _, base = served
     lines = [r.getMessage() for r in caplog.get_records("setup") if r.name == "kvservice"]
     assert f"metrics, /healthz and /readyz on {base}" in lines, lines
 
