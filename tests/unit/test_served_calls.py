@@ -275,6 +275,7 @@ def test_a_refused_stream_step_raises_the_unary_steps_error(server):
         with c.step_stream("a") as s, pytest.raises(ClientError) as streamed:
             s.step(extend=[987654], extend_tokens=1)
     u, v = unary.value, streamed.value
+    assert s.route == 0                    # the address index of its call: a one-address client has only 0
     assert (v.code, v.message, v.reason) == (u.code, u.message, u.reason) and u.code == grpc.StatusCode.NOT_FOUND
     assert "987654" in v.message
 
@@ -285,6 +286,7 @@ def test_an_asyncio_stream_steps_on_its_pool(server):
             s = await c.step_stream("a")
             res = await s.step(admit=[801], admit_tokens=[6])
             assert res.seq_ids.tolist() == [801] and len(res.for_layer(0).slot_mapping) == 6
+            assert s.route == 0
             res = await s.step(extend=[801], extend_tokens=1)
             assert res.for_layer(0).table.indptr.tolist() == [0, 2]          # 7 tokens, page size 4
             await s.step(free=[801], tables=False)
