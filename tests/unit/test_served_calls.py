@@ -335,3 +335,59 @@ def test_a_leader_client_goes_round_the_addresses_in_order():
                 c.echo(b"x")
             assert err.value.code == grpc.StatusCode.UNAVAILABLE
             assert c.current_target == want
+
+
+# ---- the server's transport options and the leader gate --------------------------------------------------------
+def test_the_message_limit_holds_for_replies_as_well_as_requests():
+    """serve(max_message_bytes=N): gRPC's limit both ways (contract/serving.py). A request over N is refused, and
+    so is a reply over N (a ListPools of many pools), while small calls go through."""
+    running = serve("127.0.0.1:0", max_message_bytes=4096)
+    try:
+        with BlockManagerClient(f"127.0.0.1:{running.port}", retry=RetryPolicy(attempts=1)) as c:
+            for i in range(40):
+                c.create_pool(f"pool-{i:02d}", SPEC, SIZING)
+            assert c.get_pool("pool-07").name == "pool-07"
+            assert c.echo(b"x" * 1000) == b"x" * 1000
+            with pytest.raises(ClientError) as big_request:
+                c.echo(b"x" * 5000)
+            with pytest.raises(ClientError) as big_reply:
+                c.list_pools()
+    finally:
+        running.stop()
+    assert big_request.value.code == big_reply.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_the_leader_gate_serves_only_while_it_leads_and_its_lease_is_valid():
+    """leader_gate.py: a standby refuses UNAVAILABLE naming the leader it knows; the leader stamps its epoch and
+    node on every reply (a LeaderClient records them); a leader whose lease lapsed refuses until renewed."""
+    from kvservice.server.leader_gate import LeaderGate
+
+    gate = LeaderGate()
+    gate.node = "node-b"
+    gate.leader_hint = lambda: "node-a at 10.0.0.1:50051 (epoch 3)"
+    running = serve("127.0.0.1:0", interceptors=[gate])
+    target = f"127.0.0.1:{running.port}"
+    once = RetryPolicy(attempts=1, grpc_attempts=1)
+    try:
+        with BlockManagerClient(target, retry=once) as c:
+            with pytest.raises(ClientError) as standby:
+                c.echo(b"x")
+            assert standby.value.code == grpc.StatusCode.UNAVAILABLE
+            assert ("(last: UNAVAILABLE: this manager does not serve requests (standby: following the journal); the "
+                    "leader is node-a at 10.0.0.1:50051 (epoch 3): retry (the clients retry UNAVAILABLE with the same "
+                    "request_id))") in standby.value.message
+            gate.promote(4)
+            with LeaderClient(target, retry=once) as lc:
+                assert lc.echo(b"led") == b"led" and (lc.epoch, lc.leader_node) == (4, "node-b")
+            gate.valid = lambda: False
+            with pytest.raises(ClientError) as lapsed:
+                c.echo(b"x")
+            assert lapsed.value.code == grpc.StatusCode.UNAVAILABLE and "lease lapsed" in lapsed.value.message
+            gate.valid = lambda: True
+            assert c.echo(b"renewed") == b"renewed"
+            gate.depose("leadership lost: test")
+            with pytest.raises(ClientError) as deposed:
+                c.echo(b"x")
+            assert "(leadership lost: test)" in deposed.value.message
+    finally:
+        running.stop()
