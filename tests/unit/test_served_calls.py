@@ -391,3 +391,30 @@ def test_the_leader_gate_serves_only_while_it_leads_and_its_lease_is_valid():
             assert "(leadership lost: test)" in deposed.value.message
     finally:
         running.stop()
+
+
+def test_a_broken_health_watch_is_opened_again_after_a_doubling_pause():
+    """ha.py HEALTH_RETRY = (first, most): a readiness watch that breaks (no manager at the address) is opened again
+    after 0.05 s, then 0.1, 0.2, 0.4 s ... doubling up to 1 s. The pauses are read from the client's condition
+    (what its watch thread waits on), not timed."""
+    import threading
+
+    pauses: list[float] = []
+    enough = threading.Event()
+
+    class Recording(threading.Condition):
+        def wait_for(self, predicate, timeout=None):
+            if threading.current_thread().name == "leader-watch-0":
+                pauses.append(timeout)
+                if len(pauses) >= 4:
+                    enough.set()
+            return super().wait_for(predicate, timeout)
+
+    c = LeaderClient(_dead_address(), timeout=5)
+    c._serving = Recording(c._lock)
+    try:
+        c._watch_health()
+        assert enough.wait(30)
+    finally:
+        c.close()
+    assert pauses[:4] == [0.05, 0.1, 0.2, 0.4]
