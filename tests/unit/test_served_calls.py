@@ -418,3 +418,29 @@ def test_a_broken_health_watch_is_opened_again_after_a_doubling_pause():
     finally:
         c.close()
     assert pauses[:4] == [0.05, 0.1, 0.2, 0.4]
+
+
+def test_a_reset_over_the_memory_budget_ends_the_watch_resource_exhausted():
+    """watch.py: a reset is charged to the memory budget before it is converted; one that does not fit ends the
+    stream RESOURCE_EXHAUSTED (reason MEMORY_BUDGET), as a unary reply over it would, while small Steps fit."""
+    from kvservice.server.budget import REPLY_FACTOR, BudgetLimits
+
+    limit = 24_000
+    running = serve("127.0.0.1:0", budget=BudgetLimits(limit, limit))
+    try:
+        with BlockManagerClient(f"127.0.0.1:{running.port}", retry=RetryPolicy(attempts=1)) as c:
+            c.create_pool("p", SPEC, Sizing(num_slots=512, max_seq_len=512), prefix_caching=True)
+            rng = np.random.default_rng(23)
+            for i in range(16):
+                c.step("p", admit=[i + 1], admit_tokens=[64], admit_token_ids=rng.integers(1, 30_000, 64),
+                       tables=False)
+            sub = running.manager.events.subscribe("p", 0, "test")
+            (reset,) = sub.poll(0)
+            sub.close()
+            assert reset.batch.reset and REPLY_FACTOR * reset.nbytes > limit      # the reset alone is over it
+            with pytest.raises(ClientError) as err:
+                next(iter(c.watch_events("p", 0, timeout=10)))
+    finally:
+        running.stop()
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and err.value.reason == "MEMORY_BUDGET"
+    assert err.value.message.startswith("WatchEvents reply needs")
