@@ -1,0 +1,84 @@
+"""A replicated manager (kvservice/server/ha.py) served in-process on one real nats-server (tests/natsutil.py; skips
+without the pinned binary, fails under CI=true): it takes the lease, serves as leader with its epoch, exports the
+HA series with their help text, fail-stops when its journal fails, and its state exports to a SQLite state dir
+that holds the same pools and sequences (docs/HA.md)."""
+
+from __future__ import annotations
+
+import uuid
+
+import grpc
+import numpy as np
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvservice.client.codec import ClientError
+from kvservice.client.deadline import RetryPolicy
+from kvservice.client.ha import LeaderClient
+from kvservice.contract.geometry import CacheSpec
+from kvservice.contract.sizing import Sizing
+
+HA_SERIES = {"kvservice_leader": "gauge", "kvservice_leader_epoch": "gauge", "kvservice_lease_remaining_seconds":
+             "gauge", "kvservice_lease_renewals": "counter", "kvservice_lease_renew_failures": "counter",
+             "kvservice_standby_lag_entries": "gauge", "kvservice_standby_reloads": "counter",
+             "kvservice_standby_applied": "counter", "kvservice_takeover_seconds": "gauge",
+             "kvservice_journal_append_retries": "counter", "kvservice_nats_disconnects": "counter"}
+
+
+@pytest.fixture(scope="module")
+def nats1(tmp_path_factory):
+    from tests.natsutil import NatsCluster, require_nats_server
+    require_nats_server()
+    cluster = NatsCluster(tmp_path_factory.mktemp("nats1"), 1).start()
+    yield cluster
+    cluster.stop()
+
+
+def _series(registry) -> tuple[dict[str, tuple[str, str]], dict[str, float]]:
+    fams = list(text_string_to_metric_families(generate_latest(registry).decode()))
+    return {f.name: (f.type, f.documentation) for f in fams}, \
+        {s.name: s.value for f in fams for s in f.samples if not s.labels}
+
+
+def test_a_replicated_manager_leads_exports_its_series_fail_stops_and_exports_its_state(nats1, tmp_path):
+    from kvservice.server.ha import LeaseConfig, export_state, serve_ha, stop_ha
+    from kvservice.state.journal import Journal
+    from kvservice.state.nats.journal import NatsConfig
+
+    config = NatsConfig(tuple(nats1.urls), name="h" + uuid.uuid4().hex[:10])
+    running, ha = serve_ha(config, LeaseConfig(), "127.0.0.1:0", node="n1")
+    target = f"127.0.0.1:{running.port}"
+    rng = np.random.default_rng(29)
+    lens = rng.integers(1, 40, 3).tolist()
+    try:
+        with LeaderClient(target, timeout=60, retry=RetryPolicy(failover=60)) as c:
+            c.create_pool("p", CacheSpec.uniform(2, 1, 64, "float16", 16), Sizing(num_slots=64, max_seq_len=256))
+            c.step("p", admit=[11, 12, 13], admit_tokens=lens, tables=False)
+            epoch = c.epoch
+        assert epoch >= 1 and ha.role == "leader"
+        docs, values = _series(running.metrics.registry)
+        for name, kind in HA_SERIES.items():
+            assert docs[name][0] == kind and docs[name][1], name          # every series is there, with help text
+        assert values["kvservice_leader"] == 1.0 and values["kvservice_leader_epoch"] == epoch
+        assert values["kvservice_takeover_seconds"] == ha.takeover_seconds > 0
+        # the journal fails (a fenced append): this manager stops leading at once and says so
+        ha.journal_failed("test: the append was fenced")
+        assert ha.role == "failed" and ha.failed.endswith("journal failed: test: the append was fenced")
+        with LeaderClient(target, timeout=5, retry=RetryPolicy(attempts=1)) as c:
+            with pytest.raises(ClientError) as err:
+                c.echo(b"x")
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE and "test: the append was fenced" in err.value.message
+        assert _series(running.metrics.registry)[1]["kvservice_leader"] == 0.0
+    finally:
+        stop_ha(running, ha)
+    backup = tmp_path / "backup"
+    export_state(config, backup)
+    j = Journal.open(backup, readonly=True)
+    try:
+        assert j.manager.pool_names() == ["p"]
+        with j.manager.locked("p") as pool:
+            ids, tokens = pool.sequences()
+        assert dict(zip(ids.tolist(), tokens.tolist(), strict=True)) == {11: lens[0], 12: lens[1], 13: lens[2]}
+    finally:
+        j.close(snapshot=False)
