@@ -82,3 +82,24 @@ def test_a_replicated_manager_leads_exports_its_series_fail_stops_and_exports_it
         assert dict(zip(ids.tolist(), tokens.tolist(), strict=True)) == {11: lens[0], 12: lens[1], 13: lens[2]}
     finally:
         j.close(snapshot=False)
+
+
+def test_a_tools_sole_writer_connects_under_the_tools_name(nats1):
+    """open_sole_writer (kvservice import-state, tests) connects as "kvservice-tool", the name NATS shows for the
+    connection (`nats server report connections`), so an operator tells a tool's writer from a manager's
+    ("kvservice-<node>"); it fences the stream with the next epoch."""
+    from kvservice.server.ha import open_sole_writer
+    from kvservice.state.nats.journal import NatsConfig
+
+    config = NatsConfig(tuple(nats1.urls), name="t" + uuid.uuid4().hex[:10])
+    first = open_sole_writer(config)
+    try:
+        assert first.store.link.nc.options["name"] == "kvservice-tool"
+        assert first.store.epoch == 1
+    finally:
+        first.close(snapshot=False)
+    second = open_sole_writer(config, epoch=5)
+    try:
+        assert second.store.epoch == 5
+    finally:
+        second.close(snapshot=False)
