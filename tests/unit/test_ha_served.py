@@ -103,3 +103,56 @@ def test_a_tools_sole_writer_connects_under_the_tools_name(nats1):
         assert second.store.epoch == 5
     finally:
         second.close(snapshot=False)
+
+
+def test_a_standby_whose_consumer_is_gone_reads_on_with_a_new_one_and_says_so(nats1):
+    """ha.py _follow: a standby whose consumer delivers nothing while the stream holds more (the NATS node that kept
+    it restarted; here it is deleted) logs how far behind it is, reads on with a new consumer and catches up."""
+    import logging
+    import re
+    import threading
+    import time
+
+    from kvservice.server.ha import LeaseConfig, serve_ha, stop_ha
+    from kvservice.state.nats.journal import NatsConfig
+    from kvservice.state.tree import state_tree
+
+    said: list[str] = []
+    heard = threading.Event()
+
+    class Listen(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "reading on with a new" in record.msg.lower():
+                try:
+                    said.append(record.getMessage())
+                except TypeError:                   # its arguments do not fit its format
+                    said.append(f"unformattable: {record.msg!r} % {record.args!r}")
+                heard.set()
+
+    config = NatsConfig(tuple(nats1.urls), name="s" + uuid.uuid4().hex[:10])
+    lc = LeaseConfig(ttl_seconds=1.0, renew_seconds=0.25, poll_seconds=0.05, margin_seconds=0.1)
+    a, ha_a = serve_ha(config, lc, "127.0.0.1:0", node="a")
+    b = ha_b = None
+    listen = Listen(logging.WARNING)
+    logging.getLogger("kvservice.server.ha").addHandler(listen)
+    try:
+        with LeaderClient(f"127.0.0.1:{a.port}", timeout=60, retry=RetryPolicy(failover=60)) as c:
+            c.create_pool("p", CacheSpec.uniform(2, 1, 64, "float16", 16), Sizing(num_slots=64, max_seq_len=512))
+            c.step("p", admit=[1, 2], admit_tokens=[5, 9], tables=False)
+            b, ha_b = serve_ha(config, lc, "127.0.0.1:0", node="b")
+            link = ha_b.store.link
+            link.call(link.js.delete_consumer(config.stream, ha_b.store._sub._consumer), 10)
+            for _ in range(5):
+                c.step("p", extend=[1, 2], extend_tokens=1, tables=False)
+        assert heard.wait(60), "the standby never read on"
+        assert re.fullmatch(r"standby: no journal message for 1 s while [1-9]\d* behind; reading on with a new "
+                            r"consumer", said[0]), said
+        deadline, idle = time.monotonic() + 60, threading.Event()    # then it catches up (polled, bounded)
+        while ha_b.journal.seq < ha_a.journal.seq and time.monotonic() < deadline:
+            idle.wait(0.02)
+        assert ha_b.journal.seq == ha_a.journal.seq and state_tree(b.manager) == state_tree(a.manager)
+    finally:
+        logging.getLogger("kvservice.server.ha").removeHandler(listen)
+        if b is not None:
+            stop_ha(b, ha_b)
+        stop_ha(a, ha_a)
