@@ -300,7 +300,7 @@ def test_an_asyncio_stream_reopens_until_its_deadline_then_keeps_the_request_pen
     dead = _dead_address()
 
     async def run():
-        c = AsyncBlockManagerClient(dead, timeout=0.6, retry=RetryPolicy(initial_backoff=0.02, max_backoff=0.05))
+        c = AsyncBlockManagerClient(dead, timeout=2.0, retry=RetryPolicy(initial_backoff=0.02, max_backoff=0.05))
         try:
             from kvservice.client.stream import AsyncStepStream
             s = AsyncStepStream(c, "a", 4)
