@@ -30,11 +30,13 @@ def _service_methods(module, name: str) -> set[str]:
     return {m.name for m in module.DESCRIPTOR.services_by_name[name].methods}
 
 
-@pytest.mark.parametrize(("rules", "table", "module", "service"), [
-    (auth.manager_rules(lambda w: None), MANAGER_ROLES, pb, "BlockManager"),
-    (auth.worker_rules("p"), WORKER_ROLES, wpb, "Worker"),
+# The rules are built inside the test, not at collection: a mutation run collects once, before any mutant is active.
+@pytest.mark.parametrize(("make_rules", "table", "module", "service"), [
+    (lambda: auth.manager_rules(lambda w: None), MANAGER_ROLES, pb, "BlockManager"),
+    (lambda: auth.worker_rules("p"), WORKER_ROLES, wpb, "Worker"),
 ])
-def test_every_rpc_needs_the_documented_role(rules, table, module, service):
+def test_every_rpc_needs_the_documented_role(make_rules, table, module, service):
+    rules = make_rules()
     want = {m: role for role, ms in table.items() for m in ms}
     assert set(rules) == set(want) == _service_methods(module, service)   # no RPC of the service without a rule
     assert {m: r.role for m, r in rules.items()} == want

@@ -54,6 +54,9 @@ def test_a_tenant_is_refused_at_its_own_limit_while_others_still_fit() -> None:
     assert isinstance(err.value, ResourceExhausted) and err.value.reason == "MEMORY_BUDGET"
     assert "tenant 'a' already hold 50.0 MiB of their 60 MiB (--tenant-rpc-memory-budget): retry" in err.value.message
     assert "Step reply needs 11.0 MiB" in err.value.message
+    # the ErrorInfo metadata a client reads: what was asked, what the tenant holds, both limits, all charged
+    assert err.value.metadata == {"needed": str(11 * MIB), "held": str(50 * MIB), "tenant_limit": str(60 * MIB),
+                                  "charged": str(50 * MIB), "limit": str(100 * MIB)}
     assert b.tenant_bytes("a") == 50 * MIB and b.refused == {"Step reply": 1}     # nothing charged
     other = b.charge("b", 45 * MIB, "Step request")       # another tenant still fits under the global limit
     assert b.charged_bytes == 95 * MIB

@@ -72,3 +72,16 @@ def test_parse_step_keeps_each_index_spaces_fields_and_names_a_malformed_tensor(
     reply.new_token_indptr.data = reply.new_token_indptr.data[:-1]
     with pytest.raises(InvalidArgument, match="new_token_indptr"):
         codec.parse_step(reply)
+
+
+@pytest.mark.parametrize(("tokens", "wire"), [
+    ([], cpb.INT32), ([-(2**31), 0, 2**31 - 1], cpb.INT32), ([3, 2**31], cpb.INT64), ([-(2**31) - 1, 5], cpb.INT64)])
+def test_score_request_sends_int32_exactly_when_every_token_id_fits(tokens, wire):
+    """The documented rule (BlockManagerClient.score_prefix): token ids go as INT32 when every one fits in a signed
+    32-bit integer, else INT64; the values arrive unchanged either way."""
+    rng = np.random.default_rng(11)
+    ids = tokens + (rng.integers(1, 50_000, 5).tolist() if tokens else [])
+    req = codec.score_request(ids, salt="s", extra_key="k", pools=("a", "b"), model="m")
+    assert req.token_ids.dtype == wire
+    assert from_tensor(req.token_ids, "token_ids").astype(np.int64).tolist() == ids
+    assert (req.cache_salt, req.extra_key, list(req.pools), req.model) == ("s", "k", ["a", "b"], "m")

@@ -47,3 +47,36 @@ def test_slots_sequences_and_refusals_per_pool():
     assert all(v == 0 for k, v in s.items() if k[0] == "kvservice_alloc_failures_total" and ("pool", "p") in k[1])
     assert s[("kvservice_prefix_cache_hits_total", q)] == 0 == s[("kvservice_prefix_cache_evictions_total", q)]
     assert ("kvservice_prefix_cache_hits_total", p) not in s             # no prefix cache, no series
+
+
+def test_workers_are_counted_by_pool_and_state():
+    """kvservice_workers{pool, state}: live and lapsed workers of each pool, counted from the registry (a worker
+    silent for longer than its lease is dead); the counts are compared with a plain count of the records."""
+    from kvservice.manager.workers import WorkerRegistry
+
+    now = [0.0]
+    m = BlockManager()
+    m.workers = WorkerRegistry(10.0, clock=lambda: now[0])
+    for wid, pool in (("a1", "p"), ("a2", "p"), ("a3", "p"), ("b1", "q")):
+        m.workers.register(wid, pool, 2)
+    now[0] = 8.0
+    for wid in ("a1", "a2", "b1"):
+        m.workers.heartbeat(wid, 1)
+    now[0] = 12.0                                             # a3 silent for 12 s > its 10 s lease
+    _, s = _scrape(m)
+    got = {k[1]: v for k, v in s.items() if k[0] == "kvservice_workers"}
+    assert got == {(("pool", "p"), ("state", "alive")): 2, (("pool", "p"), ("state", "dead")): 1,
+                   (("pool", "q"), ("state", "alive")): 1}
+
+
+def test_every_step_refusal_series_exists_from_the_first_scrape():
+    """docs: a healthy manager shows 0, never "no data": each refusal code of a Step is exported at 0 before any
+    request, labelled method="Step" and reason = the code."""
+    from kvservice.server.metrics import REFUSAL_CODES, ManagerMetrics
+
+    mm = ManagerMetrics(BlockManager())
+    fams = list(text_string_to_metric_families(generate_latest(mm.registry).decode()))
+    refused = {tuple(sorted(s.labels.items())): s.value for f in fams for s in f.samples
+               if s.name == "kvservice_requests_refused_total"}
+    assert refused == {(("code", c), ("method", "Step"), ("reason", c)): 0.0 for c in REFUSAL_CODES}
+    assert set(REFUSAL_CODES) >= {"INVALID_ARGUMENT", "NOT_FOUND", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION"}

@@ -144,3 +144,24 @@ def test_cost_check_runs_on_every_request_and_on_a_recreated_pool():
     r = send(7, extend=[1, 2], extend_tokens=[3, 1])
     assert r.error.reason == "OVER_MAX_SEQ_LEN" and len(calls) == 7
     assert m.pool_and_lock("p")[0].num_sequences == 0
+
+
+def test_a_session_keeps_its_stream_id_and_its_tenant():
+    """Sessions are keyed by (tenant, stream id) and remember both: two tenants' streams of one id are two sessions."""
+    reg = StreamRegistry(clock=Clock())
+    a, b = reg.session("s-7", "alice"), reg.session("s-7", "bob")
+    assert (a.stream_id, a.tenant) == ("s-7", "alice") and (b.stream_id, b.tenant) == ("s-7", "bob")
+    assert a is not b and reg.session("s-7", "alice") is a
+
+
+def test_stream_requests_are_held_to_the_step_limits():
+    """A StepStream request is a Step: the server's Limits apply to it as to a unary Step (LIMIT_EXCEEDED in the
+    reply, the stream goes on, nothing changed)."""
+    from kvservice.server.limits import Limits
+
+    m, sv, send, _, _ = _served()
+    sv.limits = Limits(max_step_sequences=2)
+    r = send(1, admit=[1, 2, 3], admit_tokens=[4, 4, 4])
+    assert r.error.reason == "LIMIT_EXCEEDED" and r.error.metadata["limit"] == "2", r
+    assert m.pool_and_lock("p")[0].num_sequences == 0
+    assert not send(2, admit=[1, 2], admit_tokens=[4, 4]).HasField("error")

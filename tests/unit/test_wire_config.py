@@ -104,6 +104,12 @@ STRICT = """pools:
     (STRICT.replace("prefix_cachng: true", "block_size: 32"),
      "'block_size' (line 9) and 'page_size' are the same setting"),
     (STRICT.replace("prefix_cachng: true", "tp: 2"), "'tp' (line 9) goes with model_config"),
+    (STRICT.replace("prefix_cachng: true", "allow_unknown_keys: true"),
+     "pools.yaml: pools[0]: 'allow_unknown_keys' (line 9) goes with model_config"),
+    (STRICT.replace("prefix_cachng: true", "dtype: float16"),
+     "pools.yaml: pools[0]: 'dtype' (line 9) of a pool goes with model_config; give each layer run its dtype"),
+    (STRICT.replace("name: chat", 'name: ""'), "pools.yaml: pools[0].name (line 2): expected a non-empty string, "
+     "got ''"),
     (STRICT.replace("max_batch: 8", "max_batch: -8").replace("    prefix_cachng: true\n", ""),
      "pools[0].sizing.max_batch (line 7): expected an integer >= 0"),
     (STRICT.replace("    prefix_cachng: true\n", "")
@@ -161,3 +167,10 @@ def test_plan_reply_lists_every_groups_layers():
             assert list(g.layers) == sorted(g.layers) and len(g.layers) > 0
             assert {windows[la] for la in g.layers} == {g.sliding_window}
             assert {reply.layers[la].group for la in g.layers} == {g.group}
+
+
+def test_pools_yaml_errors_name_the_document_even_without_a_source():
+    """load_pools without a source names the document "<pools>", as its signature says."""
+    with pytest.raises(InvalidArgument) as err:
+        load_pools("pools: [{name: a, layers: [{kv_heads: 1, head_dim: 64}], colour: red}]")
+    assert err.value.message.startswith("<pools>: pools[0]: unknown key 'colour' (line 1)"), err.value.message
