@@ -164,12 +164,13 @@ def _package_of(name: str) -> str | None:
 
 
 def _prepare(pkg: str) -> Path:
-    """.mutmut/<pkg>/: links to the tree's kvservice/ and tests/, and a pyproject.toml whose [tool.mutmut] is the
+    """.mutmut/<pkg>/: links to the tree's kvservice/, tests/ and docs/ (tests that check a documented figure read
+    it; [tool.mutmut]'s also_copy copies it beside the mutants), and a pyproject.toml whose [tool.mutmut] is the
     shared one with this package's only_mutate and test selection (mutmut reads its configuration from the
     working directory and keeps its mutants/ there)."""
     d = WORK / pkg
     d.mkdir(parents=True, exist_ok=True)
-    for part in ("kvservice", "tests"):
+    for part in ("kvservice", "tests", "docs"):
         if not (d / part).is_symlink():
             (d / part).symlink_to(ROOT / part)
     text = (ROOT / "pyproject.toml").read_text()
