@@ -59,11 +59,14 @@ def full_group_step(pool: Pool, inp: StepInput, tables: bool, block_table: bool,
     lost = None
     f_slots = None
     distinct = False
+    counted = None
     if len(f_rows):
         f_slots = rs.gather(f_rows, first[f_rows], pool._held[f_rows])
         lost = np.sort(f_slots)
         uniq, counts = distinct_counts(lost)
         distinct = counts is None                       # then the free needs no check for repeats
+        if counts is not None and len(lost):           # repeats: the free takes them as counted here
+            counted = (uniq, counts)
         avail += np.count_nonzero(rc.take(uniq) == (1 if counts is None else counts))
     hits = cand = None
     h0 = 0
@@ -85,7 +88,7 @@ def full_group_step(pool: Pool, inp: StepInput, tables: bool, block_table: bool,
         pool._refuse(0, need, avail)
     # ---- commit ----
     alloc.clock = pool.steps + 1
-    pool._release(f_rows, [f_slots], distinct)
+    pool._release(f_rows, [f_slots], distinct, counted)
     a_rows = pool._take_rows(inp.a_ids)                 # may grow the row arrays
     a_lo = EMPTY_I64
     if len(a_rows):

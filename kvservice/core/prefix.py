@@ -290,9 +290,12 @@ class PrefixCache:
         dep = par >= 0
         dep[dep] = self.hash[par[dep]] != 0                 # under a registered page: it now has a dependant
         self.allocator.policy.link(s[dep], par[dep])
-        if self.sink is not None:
-            self.sink.stored(slots, parents, hashes, pages, np.array(kp, dtype=np.int64), self.hash, parent_hashes,
-                             self._names(ns))
+        if self.sink is not None:                           # fresh arrays: the event index and events keep them
+            names = self._names(ns)
+            run = isinstance(at, slice)
+            self.sink.stored_kept(s.copy() if run else s, hashes[at].copy() if run else hashes[at],
+                                  parent_hashes[at], pages[at].copy() if run else pages[at], self.hash,
+                                  [names[k] for k in kp] if names is not None else None)
         if self.fleet is not None:                          # told in register's order (ascending hash)
             hk = np.array(keep, dtype=np.int64)
             self.fleet.registered(slots[hk], parents[hk])
