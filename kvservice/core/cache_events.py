@@ -21,6 +21,7 @@ Layer groups: every source names its group, the group's kind ("full_attention" o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from itertools import pairwise
 
 import numpy as np
@@ -154,9 +155,8 @@ class GroupEventSource:
         parent_h uint64 [n] their hashes and their parents' (0 = none), names their (salt, extra key) or None."""
         n = len(kept)
         self.parent_hash[kept] = parent_h
-        if self.index.full_after(n):
-            live = slot_hash.nonzero()[0]
-            self.index.rebuild(slot_hash[live], live)
+        if self.index.full_after(n):                    # rebuilt from the live pages when next looked up
+            self.index.invalidate(partial(live_pairs, slot_hash))
         else:
             self.index.insert(h, kept if kept.dtype == np.int64 else kept.astype(np.int64))
         if not self.pending.add(n):
@@ -252,6 +252,12 @@ class PoolEvents:
         p.pages = 0
         p.overflowed = False
         return batch
+
+
+def live_pairs(slot_hash: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(hashes, slots) of the pages a cache holds now (slot_hash: its hash per slot, 0 = none)."""
+    live = slot_hash.nonzero()[0]
+    return slot_hash[live], live
 
 
 def pool_caches(pool: object) -> list:

@@ -73,7 +73,15 @@ def chain_ints(h: int, terms: list[int], out: list[int], cols: list[int] | None 
     (_mix_int inlined: for a long prompt this loop is the chain's whole cost.)"""
     m1, m2, mask = _M1_I, _M2_I, _MASK
     if cols is not None:
-        terms = [t ^ (j * m2 & mask) for t, j in zip(terms, cols, strict=True)]
+        for c, j in zip(terms, cols, strict=True):
+            x = h ^ c ^ (j * m2 & mask)
+            x ^= x >> 30
+            x = (x * m1) & mask
+            x ^= x >> 27
+            x = (x * m2) & mask
+            h = x ^ (x >> 31)
+            out.append(h or 1)
+        return h
     for c in terms:
         x = h ^ c
         x ^= x >> 30

@@ -32,7 +32,7 @@ from kvservice.core.allocator import SlotAllocator
 from kvservice.core.hashing import _GOLD, _M1, _M2, _mix, page_hashes, prompt_hashes  # noqa: F401  (re-exported)
 
 #: register takes its Python-int path (_register_run) for at most this many pages without anchors.
-RUN_MAX = 64
+RUN_MAX = 128
 
 if TYPE_CHECKING:
     from kvservice.core.rowslots import RowSlots
