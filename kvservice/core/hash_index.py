@@ -8,8 +8,9 @@ Entries are inserted when pages are registered and never deleted: a looked-up sl
 *candidate*, valid only if the cache still holds that hash in that slot (``cache.hash[slot] == h``,
 which the caller checks). Re-registering a hash overwrites its entry, so the table always holds
 the latest slot of every hash. When live and stale entries would fill 3/4 of the array, it is
-rebuilt from the cache's live pages, at the next lookup (``invalidate``). Deterministic (same registrations, same table), so it is part of
-the pool's state like the cache itself.
+rebuilt from the cache's live pages, at the next lookup (``invalidate``). Its answers are
+deterministic (the same registrations and lookups, the same table), so it is part of the pool's
+state like the cache itself; a restored pool rebuilds it from the cache.
 
 Insertions are deferred: a Step only appends its (hashes, slots) to a pending list (a Step
 admitting one prompt would otherwise pay a probe loop for a table nobody may read), and the
