@@ -138,14 +138,16 @@ def _grow_rows(pool: Pool, alloc: Any, g_rows: np.ndarray, g_lo: np.ndarray, g_h
     """Fill columns [lo, hi) of the rows (int64 [n] each, hi >= lo; the extended rows first, num_extended of them)
     with new slots of the one group; returns the group's changes (the extended rows' new slots)."""
     if len(g_rows) <= FEW:                              # a few rows: their growth as Python ints
-        grow = [h - lo for h, lo in zip(g_hi.tolist(), g_lo.tolist(), strict=True)]
+        lo_l, hi_l = g_lo.tolist(), g_hi.tolist()
+        grow = [h - lo for h, lo in zip(hi_l, lo_l, strict=True)]
         total = sum(grow)
         if not total:
             return NO_CHANGES
-        nz = np.array([j for j, k in enumerate(grow) if k], dtype=np.int64)
-        if len(nz) < len(grow):
-            g_rows, g_lo, g_hi = g_rows[nz], g_lo[nz], g_hi[nz]
-        counts = np.array([k for k in grow if k], dtype=np.int64)
+        at = [j for j, k in enumerate(grow) if k]
+        rows_l = g_rows.tolist()
+        got = _alloc_few(pool, alloc, [rows_l[j] for j in at], [lo_l[j] for j in at], [hi_l[j] for j in at], total)
+        return grown_changes(np.array(at, dtype=np.int64), np.array([grow[j] for j in at], dtype=np.int64), got,
+                             num_extended)
     else:
         grow = g_hi - g_lo
         nz = grow.nonzero()[0]
@@ -157,6 +159,22 @@ def _grow_rows(pool: Pool, alloc: Any, g_rows: np.ndarray, g_lo: np.ndarray, g_h
             g_rows, g_lo, g_hi, counts = g_rows[nz], g_lo[nz], g_hi[nz], grow[nz]
     got = pool._alloc_pages(0, alloc, g_rows, g_lo, g_hi, total)
     return grown_changes(nz, counts, got, num_extended)
+
+
+def _alloc_few(pool: Pool, alloc: Any, rows: list[int], lo: list[int], hi: list[int], total: int) -> np.ndarray:
+    """Pool._alloc_pages for a few distinct rows of the one group (Python ints, each hi > lo): the same segments,
+    allocation and arena contents, each row's new columns written as one slice of its segment."""
+    rs = pool._slots[0]
+    first = pool._first[0].item
+    rs.reserve_few(rows, [first(r) for r in rows], hi)
+    got = alloc.allocate(total)
+    arena, start, col0 = rs.arena, rs.start.item, rs.lo.item
+    k = 0
+    for r, a, b in zip(rows, lo, hi, strict=True):
+        at = start(r) - col0(r) + a
+        arena[at:at + b - a] = got[k:k + b - a]
+        k += b - a
+    return got
 
 
 def _shares_last_page(rs: Any, rc: np.ndarray, ps: int, rows: list[int], old: list[int], held: list[int]) -> bool:
