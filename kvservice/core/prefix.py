@@ -217,14 +217,15 @@ class PrefixCache:
 
     def register(self, slots: np.ndarray, parents: np.ndarray, ns: np.ndarray, pages: np.ndarray,
                  hashes: np.ndarray, parent_hashes: np.ndarray | None = None,
-                 anchors: np.ndarray | None = None) -> None:
+                 anchors: np.ndarray | None = None, chain: bool = False) -> None:
         """Make pages findable: slots/parents/ns int64 [n], pages int64 [n, page_size], hashes uint64 [n],
-        parent_hashes uint64 [n] (0 for a first page), anchors int64 [n] (-1 = none).
+        parent_hashes uint64 [n] (0 for a first page), anchors int64 [n] (-1 = none). chain: the pages are
+        one prompt's pages 0..n-1 in distinct slots, parents[j] = slots[j - 1] (parents[0] = -1).
 
         A hash already registered (the same content in another slot) keeps its first slot.
         """
         if anchors is None and parent_hashes is not None and len(hashes) <= RUN_MAX:
-            self._register_run(slots, parents, ns, pages, hashes, parent_hashes)
+            self._register_run(slots, parents, ns, pages, hashes, parent_hashes, chain)
             return
         uniq_h, first = first_of_each(hashes)                      # one slot per new hash
         cand = slots[first]
@@ -251,7 +252,7 @@ class PrefixCache:
             self.fleet.registered(s, par)
 
     def _register_run(self, slots: np.ndarray, parents: np.ndarray, ns: np.ndarray, pages: np.ndarray,
-                      hashes: np.ndarray, parent_hashes: np.ndarray) -> None:
+                      hashes: np.ndarray, parent_hashes: np.ndarray, chain: bool = False) -> None:
         """register for a few distinct slots (one prompt's pages, no anchors), its choice made on Python ints.
 
         The same state, events and by_hash order as register: the new hashes enter by_hash in ascending hash
@@ -278,6 +279,7 @@ class PrefixCache:
         kp = sorted(keep)                                       # page order
         a, b = kp[0], kp[-1] + 1
         at: slice | np.ndarray = slice(a, b) if b - a == len(kp) else np.array(kp, dtype=np.intp)
+        run_chain = chain and isinstance(at, slice)
         s = slots[at]
         par = parents[at]
         self.allocator.cacheable[s] = True
@@ -289,7 +291,8 @@ class PrefixCache:
         self.tokens[s] = pages[at]
         dep = par >= 0
         dep[dep] = self.hash[par[dep]] != 0                 # under a registered page: it now has a dependant
-        self.allocator.policy.link(s[dep], par[dep])
+        # A run of one prompt's pages: each page's parent is the one before it, so no parent is named twice.
+        self.allocator.policy.link(s[dep], par[dep], distinct=run_chain)
         if self.sink is not None:                           # fresh arrays: the event index and events keep them
             names = self._names(ns)
             run = isinstance(at, slice)
@@ -368,7 +371,8 @@ def register_prompt(caches: Sequence[PrefixCache], order: Sequence[int], sliding
             parents[1:] = slots[:-1]
             if g == anchor_group:
                 anchors = slots
-            caches[g].register(slots, parents, prompt.ns[row], prompt.pages, prompt.hashes, parent_hashes, None)
+            caches[g].register(slots, parents, prompt.ns[row], prompt.pages, prompt.hashes, parent_hashes, None,
+                               chain=True)
             continue
         if inner is None:
             inner = (col > 0).nonzero()[0]
