@@ -279,7 +279,6 @@ class PrefixCache:
         kp = sorted(keep)                                       # page order
         a, b = kp[0], kp[-1] + 1
         at: slice | np.ndarray = slice(a, b) if b - a == len(kp) else np.array(kp, dtype=np.intp)
-        run_chain = chain and isinstance(at, slice)
         s = slots[at]
         par = parents[at]
         self.allocator.cacheable[s] = True
@@ -291,8 +290,8 @@ class PrefixCache:
         self.tokens[s] = pages[at]
         dep = par >= 0
         dep[dep] = self.hash[par[dep]] != 0                 # under a registered page: it now has a dependant
-        # A run of one prompt's pages: each page's parent is the one before it, so no parent is named twice.
-        self.allocator.policy.link(s[dep], par[dep], distinct=run_chain)
+        # One prompt's chain: each page's parent is the page before it, in distinct slots: no parent named twice.
+        self.allocator.policy.link(s[dep], par[dep], distinct=chain)
         if self.sink is not None:                           # fresh arrays: the event index and events keep them
             names = self._names(ns)
             run = isinstance(at, slice)
