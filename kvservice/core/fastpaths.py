@@ -96,9 +96,11 @@ def full_group_step(pool: Pool, inp: StepInput, tables: bool, block_table: bool,
         a_lo = hits if hits is not None else np.zeros(len(a_rows), dtype=np.int64)
         if h0 > 0:                                      # one prompt: its hit pages are one slice of its segment
             slots = cand[:h0]
-            uniq, counts = distinct_counts(slots)
-            alloc.share(uniq, counts)
-            at0 = int(rs.start[a_rows[0]] - rs.lo[a_rows[0]])
+            # A confirmed chain (page 0 without a parent, page j's parent the slot of page j - 1) never names a
+            # slot twice, so its slots are shared as they are, without counting repeats.
+            alloc.share(slots)
+            r0 = int(a_rows[0])
+            at0 = rs.start.item(r0) - rs.lo.item(r0)
             rs.arena[at0:at0 + h0] = slots
             pool.prefixes[0].hits += h0
         elif h0 < 0 and hits is not None and len(cand):
