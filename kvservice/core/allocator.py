@@ -172,7 +172,11 @@ class SlotAllocator:
         self._release(slots[rc == 0])
 
     def _free_repeated(self, slots: np.ndarray) -> None:
-        uniq, counts = np.unique(slots, return_counts=True)
+        self.free_counted(*np.unique(slots, return_counts=True))
+
+    def free_counted(self, uniq: np.ndarray, counts: np.ndarray) -> None:
+        """free of slots given as their distinct ids (intp [k], ascending, valid) and how often each is freed
+        (int64 [k]): what free does with repeated ids, without finding the repeats again."""
         rc = self._refcnt[uniq]
         over = counts > rc
         if np.logical_or.reduce(over):

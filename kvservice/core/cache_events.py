@@ -21,6 +21,7 @@ Layer groups: every source names its group, the group's kind ("full_attention" o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from itertools import pairwise
 
 import numpy as np
@@ -144,24 +145,29 @@ class GroupEventSource:
             same_prompt = (keep > 0) & (slots[prev] == par)
             parent_h = np.where(same_prompt, hashes[prev], np.where(par >= 0, slot_hash[np.maximum(par, 0)], 0))
             parent_h = parent_h.astype(np.uint64)
-        h = hashes[keep]
-        kept = slots[keep]                           # a fresh array (the index keeps it)
+        names_kept = [names[k] for k in keep.tolist()] if names is not None else None
+        self.stored_kept(slots[keep], hashes[keep], parent_h, pages[keep], slot_hash, names_kept)
+
+    def stored_kept(self, kept: np.ndarray, h: np.ndarray, parent_h: np.ndarray, tok: np.ndarray,
+                    slot_hash: np.ndarray, names: list[tuple[str, str]] | None = None) -> None:
+        """stored for the registered pages alone, in page order (n >= 1 of them): kept int64 [n] their slots and
+        tok int64 [n, page_size] their token ids (both fresh arrays: the index and the events keep them), h and
+        parent_h uint64 [n] their hashes and their parents' (0 = none), names their (salt, extra key) or None."""
+        n = len(kept)
         self.parent_hash[kept] = parent_h
-        if self.index.full_after(len(keep)):
-            live = slot_hash.nonzero()[0]
-            self.index.rebuild(slot_hash[live], live)
+        if self.index.full_after(n):                    # rebuilt from the live pages when next looked up
+            self.index.invalidate(partial(live_pairs, slot_hash))
         else:
             self.index.insert(h, kept if kept.dtype == np.int64 else kept.astype(np.int64))
-        if not self.pending.add(len(keep)):
+        if not self.pending.add(n):
             return
         cuts = (parent_h[1:] != h[:-1]).nonzero()[0] + 1        # a new chain where the parent is not the last page
-        ps = pages.shape[1]
-        tok = pages[keep]                            # a fresh array: the events keep views of it
+        ps = tok.shape[1]
         extra = None
         if names is not None:
             first = (parent_h == 0).tolist()
-            extra = tuple(page_keys(*names[k], f) for k, f in zip(keep.tolist(), first, strict=True))
-        bounds = [0, *cuts.tolist(), len(keep)]
+            extra = tuple(page_keys(*nm, f) for nm, f in zip(names, first, strict=True))
+        bounds = [0, *cuts.tolist(), n]
         for lo, hi in pairwise(bounds):
             self.pending.events.append(BlockStored(self.group, h[lo:hi], int(parent_h[lo]),
                                                    tok[lo:hi].reshape(-1), ps, self.kind,
@@ -246,6 +252,12 @@ class PoolEvents:
         p.pages = 0
         p.overflowed = False
         return batch
+
+
+def live_pairs(slot_hash: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(hashes, slots) of the pages a cache holds now (slot_hash: its hash per slot, 0 = none)."""
+    live = slot_hash.nonzero()[0]
+    return slot_hash[live], live
 
 
 def pool_caches(pool: object) -> list:

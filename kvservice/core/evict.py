@@ -64,10 +64,14 @@ class EvictionPolicy:
         self.parent_of = np.frombuffer(self._parent_of, dtype=np.int64)
 
     # ---- dependencies (told by the prefix cache) ---------------------------------------------
-    def link(self, slots: np.ndarray, parents: np.ndarray) -> None:
-        """Pages just registered in `slots` (int64 [n]) depend on the registered pages in `parents` (int64 [n])."""
+    def link(self, slots: np.ndarray, parents: np.ndarray, distinct: bool = False) -> None:
+        """Pages just registered in `slots` (int64 [n]) depend on the registered pages in `parents` (int64 [n]);
+        distinct: the caller knows no parent is named twice (a chain of one prompt's pages)."""
         if len(slots):
             self.parent_of[slots] = parents
+            if distinct:
+                self.children[parents] += 1
+                return
             srt = np.sort(parents)
             if len(srt) > 1 and not np.logical_and.reduce(srt[1:] != srt[:-1]):
                 np.add.at(self.children, parents, 1)         # a parent named twice (np.add.at counts repeats)

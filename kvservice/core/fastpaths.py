@@ -59,11 +59,14 @@ def full_group_step(pool: Pool, inp: StepInput, tables: bool, block_table: bool,
     lost = None
     f_slots = None
     distinct = False
+    counted = None
     if len(f_rows):
         f_slots = rs.gather(f_rows, first[f_rows], pool._held[f_rows])
         lost = np.sort(f_slots)
         uniq, counts = distinct_counts(lost)
         distinct = counts is None                       # then the free needs no check for repeats
+        if counts is not None and len(lost):           # repeats: the free takes them as counted here
+            counted = (uniq, counts)
         avail += np.count_nonzero(rc.take(uniq) == (1 if counts is None else counts))
     hits = cand = None
     h0 = 0
@@ -85,7 +88,7 @@ def full_group_step(pool: Pool, inp: StepInput, tables: bool, block_table: bool,
         pool._refuse(0, need, avail)
     # ---- commit ----
     alloc.clock = pool.steps + 1
-    pool._release(f_rows, [f_slots], distinct)
+    pool._release(f_rows, [f_slots], distinct, counted)
     a_rows = pool._take_rows(inp.a_ids)                 # may grow the row arrays
     a_lo = EMPTY_I64
     if len(a_rows):
@@ -93,9 +96,11 @@ def full_group_step(pool: Pool, inp: StepInput, tables: bool, block_table: bool,
         a_lo = hits if hits is not None else np.zeros(len(a_rows), dtype=np.int64)
         if h0 > 0:                                      # one prompt: its hit pages are one slice of its segment
             slots = cand[:h0]
-            uniq, counts = distinct_counts(slots)
-            alloc.share(uniq, counts)
-            at0 = int(rs.start[a_rows[0]] - rs.lo[a_rows[0]])
+            # A confirmed chain (page 0 without a parent, page j's parent the slot of page j - 1) never names a
+            # slot twice, so its slots are shared as they are, without counting repeats.
+            alloc.share(slots)
+            r0 = int(a_rows[0])
+            at0 = rs.start.item(r0) - rs.lo.item(r0)
             rs.arena[at0:at0 + h0] = slots
             pool.prefixes[0].hits += h0
         elif h0 < 0 and hits is not None and len(cand):
@@ -135,14 +140,16 @@ def _grow_rows(pool: Pool, alloc: Any, g_rows: np.ndarray, g_lo: np.ndarray, g_h
     """Fill columns [lo, hi) of the rows (int64 [n] each, hi >= lo; the extended rows first, num_extended of them)
     with new slots of the one group; returns the group's changes (the extended rows' new slots)."""
     if len(g_rows) <= FEW:                              # a few rows: their growth as Python ints
-        grow = [h - lo for h, lo in zip(g_hi.tolist(), g_lo.tolist(), strict=True)]
+        lo_l, hi_l = g_lo.tolist(), g_hi.tolist()
+        grow = [h - lo for h, lo in zip(hi_l, lo_l, strict=True)]
         total = sum(grow)
         if not total:
             return NO_CHANGES
-        nz = np.array([j for j, k in enumerate(grow) if k], dtype=np.int64)
-        if len(nz) < len(grow):
-            g_rows, g_lo, g_hi = g_rows[nz], g_lo[nz], g_hi[nz]
-        counts = np.array([k for k in grow if k], dtype=np.int64)
+        at = [j for j, k in enumerate(grow) if k]
+        rows_l = g_rows.tolist()
+        got = _alloc_few(pool, alloc, [rows_l[j] for j in at], [lo_l[j] for j in at], [hi_l[j] for j in at], total)
+        return grown_changes(np.array(at, dtype=np.int64), np.array([grow[j] for j in at], dtype=np.int64), got,
+                             num_extended)
     else:
         grow = g_hi - g_lo
         nz = grow.nonzero()[0]
@@ -154,6 +161,22 @@ def _grow_rows(pool: Pool, alloc: Any, g_rows: np.ndarray, g_lo: np.ndarray, g_h
             g_rows, g_lo, g_hi, counts = g_rows[nz], g_lo[nz], g_hi[nz], grow[nz]
     got = pool._alloc_pages(0, alloc, g_rows, g_lo, g_hi, total)
     return grown_changes(nz, counts, got, num_extended)
+
+
+def _alloc_few(pool: Pool, alloc: Any, rows: list[int], lo: list[int], hi: list[int], total: int) -> np.ndarray:
+    """Pool._alloc_pages for a few distinct rows of the one group (Python ints, each hi > lo): the same segments,
+    allocation and arena contents, each row's new columns written as one slice of its segment."""
+    rs = pool._slots[0]
+    first = pool._first[0].item
+    rs.reserve_few(rows, [first(r) for r in rows], hi)
+    got = alloc.allocate(total)
+    arena, start, col0 = rs.arena, rs.start.item, rs.lo.item
+    k = 0
+    for r, a, b in zip(rows, lo, hi, strict=True):
+        at = start(r) - col0(r) + a
+        arena[at:at + b - a] = got[k:k + b - a]
+        k += b - a
+    return got
 
 
 def _shares_last_page(rs: Any, rc: np.ndarray, ps: int, rows: list[int], old: list[int], held: list[int]) -> bool:

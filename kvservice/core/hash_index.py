@@ -7,9 +7,10 @@ few NumPy operations: open addressing with linear probing over a power-of-two ar
 Entries are inserted when pages are registered and never deleted: a looked-up slot is a
 *candidate*, valid only if the cache still holds that hash in that slot (``cache.hash[slot] == h``,
 which the caller checks). Re-registering a hash overwrites its entry, so the table always holds
-the latest slot of every hash. When live and stale entries fill 3/4 of the array, it is rebuilt
-from the cache's live pages. Deterministic (same registrations, same table), so it is part of
-the pool's state like the cache itself.
+the latest slot of every hash. When live and stale entries would fill 3/4 of the array, it is
+rebuilt from the cache's live pages, at the next lookup (``invalidate``). Its answers are
+deterministic (the same registrations and lookups, the same table), so it is part of the pool's
+state like the cache itself; a restored pool rebuilds it from the cache.
 
 Insertions are deferred: a Step only appends its (hashes, slots) to a pending list (a Step
 admitting one prompt would otherwise pay a probe loop for a table nobody may read), and the
@@ -18,6 +19,8 @@ Step had inserted its own.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 
@@ -29,11 +32,13 @@ VECTOR_ROUNDS = 3
 class HashSlots:
     """keys: uint64 [capacity] (0 = empty; page hashes are never 0); slots: int64 [capacity]."""
 
-    __slots__ = ("keys", "mask", "pending", "pending_n", "shift", "slots", "used")
+    __slots__ = ("keys", "mask", "pending", "pending_n", "refill", "shift", "slots", "used")
 
     def __init__(self, num_slots: int) -> None:
         self.pending: list[tuple[np.ndarray, np.ndarray]] = []   # insertions not applied yet, in order
         self.pending_n = 0
+        #: Set by invalidate: the live (keys, slots) to rebuild from at the next lookup (None: the table is current).
+        self.refill: Callable[[], tuple[np.ndarray, np.ndarray]] | None = None
         self._alloc(max(16, 1 << int(2 * num_slots - 1).bit_length()))
 
     def _alloc(self, capacity: int) -> None:
@@ -49,8 +54,8 @@ class HashSlots:
 
     def full_after(self, n: int) -> bool:
         """Would n more entries (besides the pending ones) fill 3/4 of the table (time to rebuild from the
-        live pages)?"""
-        return self.used + self.pending_n + n > (self.mask + 1) * 3 // 4
+        live pages)? Never while the table waits for its rebuild (invalidate)."""
+        return self.refill is None and self.used + self.pending_n + n > (self.mask + 1) * 3 // 4
 
     def rebuild(self, keys: np.ndarray, slots: np.ndarray) -> None:
         """Start over with exactly these (hash, slot) pairs (distinct keys), at most half full."""
@@ -58,18 +63,30 @@ class HashSlots:
         while len(keys) > cap // 2:
             cap *= 2
         self.pending, self.pending_n = [], 0
+        self.refill = None
         self._alloc(cap)
         self._put(keys, slots)
+
+    def invalidate(self, refill: Callable[[], tuple[np.ndarray, np.ndarray]]) -> None:
+        """The table is to be rebuilt from the live pages: refill() returns them (distinct keys, their slots) as
+        they are when it is called, at the next lookup; insertions until then are dropped (refill covers
+        them). A cache registering page after page with nobody looking up rebuilds nothing; a lookup answers
+        as after an immediate rebuild, every live key giving its slot (stale entries are only candidates)."""
+        self.pending, self.pending_n = [], 0
+        self.refill = refill
 
     def insert(self, keys: np.ndarray, slots: np.ndarray) -> None:
         """Map distinct keys (uint64 [n], non-zero) to slots (int64 [n]); a known key gets its new slot.
         Applied at the next lookup (the arrays are kept, not copied: the caller gives fresh ones)."""
-        if len(keys):
+        if len(keys) and self.refill is None:
             self.pending.append((keys, slots))
             self.pending_n += len(keys)
 
     def flush(self) -> None:
-        """Apply the pending insertions, in the order they were made."""
+        """Apply the pending insertions, in the order they were made (or the rebuild invalidate asked for)."""
+        if self.refill is not None:
+            self.rebuild(*self.refill())
+            return
         pending, self.pending, self.pending_n = self.pending, [], 0
         for keys, slots in pending:
             self._put(keys, slots)
@@ -102,7 +119,7 @@ class HashSlots:
 
         Three probe rounds in NumPy settle almost every key; the few in longer clusters finish one by one.
         """
-        if self.pending:
+        if self.pending or self.refill is not None:
             self.flush()
         out = np.full(len(keys), -1, dtype=np.int64)
         pos = self._home(keys)

@@ -66,11 +66,22 @@ def _mix_int(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def chain_ints(h: int, terms: list[int], out: list[int]) -> int:
+def chain_ints(h: int, terms: list[int], out: list[int], cols: list[int] | None = None) -> int:
     """The chain on plain integers: for each term c (a page's token hash ^ its column * M2), h = mix(h ^ c),
     appended to out (0 kept as 1). h: the chain's value before the first term. Returns the last h.
+    cols: the pages' columns, when terms are the token hashes alone (the column's part is then added here).
     (_mix_int inlined: for a long prompt this loop is the chain's whole cost.)"""
     m1, m2, mask = _M1_I, _M2_I, _MASK
+    if cols is not None:
+        for c, j in zip(terms, cols, strict=True):
+            x = h ^ c ^ (j * m2 & mask)
+            x ^= x >> 30
+            x = (x * m1) & mask
+            x ^= x >> 27
+            x = (x * m2) & mask
+            h = x ^ (x >> 31)
+            out.append(h or 1)
+        return h
     for c in terms:
         x = h ^ c
         x ^= x >> 30
@@ -90,22 +101,21 @@ def token_hashes(pages: np.ndarray) -> np.ndarray:
     ps = pages.shape[1]
     pos = _POS.get(ps)
     if pos is None:
-        with np.errstate(over="ignore"):
-            pos = _POS[ps] = np.arange(1, ps + 1, dtype=np.uint64) * _GOLD
-    with np.errstate(over="ignore"):
-        # int64 -> uint64 is the same bits: a view, added into a fresh array we own (no separate copy).
-        src = pages.view(np.uint64) if pages.dtype == np.int64 else pages.astype(np.uint64)
-        x = np.add(src, pos)
-        t = np.empty_like(x)                         # one scratch array for the three shifts
-        np.right_shift(x, _S30, out=t)
-        x ^= t
-        x *= _M1
-        np.right_shift(x, _S27, out=t)
-        x ^= t
-        x *= _M2
-        np.right_shift(x, _S31, out=t)
-        x ^= t
-        return _mix(x.sum(axis=1, dtype=np.uint64))
+        pos = _POS[ps] = np.arange(1, ps + 1, dtype=np.uint64) * _GOLD
+    # Array ufuncs on uint64 wrap silently (only NumPy scalar arithmetic warns of overflow): no errstate needed.
+    # int64 -> uint64 is the same bits: a view, added into a fresh array we own (no separate copy).
+    src = pages.view(np.uint64) if pages.dtype == np.int64 else pages.astype(np.uint64)
+    x = np.add(src, pos)
+    t = np.empty_like(x)                         # one scratch array for the three shifts
+    np.right_shift(x, _S30, out=t)
+    x ^= t
+    x *= _M1
+    np.right_shift(x, _S27, out=t)
+    x ^= t
+    x *= _M2
+    np.right_shift(x, _S31, out=t)
+    x ^= t
+    return _mix(np.add.reduce(x, axis=1))
 
 
 def page_hashes(pages: np.ndarray, col: np.ndarray, starts: np.ndarray, full: np.ndarray,
@@ -120,12 +130,13 @@ def page_hashes(pages: np.ndarray, col: np.ndarray, starts: np.ndarray, full: np
     n = len(pages)
     if not n:
         return np.zeros(0, dtype=np.uint64)
+    if len(full) == 1:                                   # one prompt: the chain on plain integers
+        out_l: list[int] = []
+        chain_ints(_mix_int((int(namespaces[0]) + _GOLD_I) & _MASK), token_hashes(pages).tolist(), out_l,
+                   col.tolist())
+        return np.array(out_l, dtype=np.uint64)
     with np.errstate(over="ignore"):
         terms = token_hashes(pages) ^ (col.astype(np.uint64) * _M2)
-        if len(full) == 1:                               # one prompt: the chain on plain integers
-            out_l: list[int] = []
-            chain_ints(_mix_int((int(namespaces[0]) + _GOLD_I) & _MASK), terms.tolist(), out_l)
-            return np.array(out_l, dtype=np.uint64)
         out = np.empty(n, dtype=np.uint64)
         order = np.argsort(-full, kind="stable")             # longest prompts first: column j's prompts are a prefix
         f, st = full[order], starts[order]

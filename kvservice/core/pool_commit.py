@@ -141,13 +141,18 @@ class CommitPhase:
         rs.arena[flat] = got
         return got
 
-    def _release(self, rows: np.ndarray, slots: list[np.ndarray | None], distinct: bool = False) -> None:
+    def _release(self, rows: np.ndarray, slots: list[np.ndarray | None], distinct: bool = False,
+                 counted: tuple[np.ndarray, np.ndarray] | None = None) -> None:
         """Frees: every page of the rows loses an owner; the rows leave the pool. slots[g]: the rows' slots in
-        group g as the plan gathered them (GroupPlan.f_slots); distinct: the plan found no slot among them twice."""
+        group g as the plan gathered them (GroupPlan.f_slots); distinct: the plan found no slot among them twice;
+        counted: one group's slots as the plan counted them (distinct ids ascending, repeats), when some repeat."""
         if not len(rows):
             return
         for g, alloc in enumerate(self.allocators):
-            alloc.free(slots[g].astype(np.intp, copy=False), unique=distinct or not self._sharing)
+            if counted is not None:
+                alloc.free_counted(counted[0].astype(np.intp, copy=False), counted[1])
+            else:
+                alloc.free(slots[g].astype(np.intp, copy=False), unique=distinct or not self._sharing)
             self._slots[g].drop(rows)
             self._first[g][rows] = 0
         for seq_id in self._seq_ids[rows].tolist():

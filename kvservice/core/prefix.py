@@ -31,6 +31,9 @@ import numpy as np
 from kvservice.core.allocator import SlotAllocator
 from kvservice.core.hashing import _GOLD, _M1, _M2, _mix, page_hashes, prompt_hashes  # noqa: F401  (re-exported)
 
+#: register takes its Python-int path (_register_run) for at most this many pages without anchors.
+RUN_MAX = 128
+
 if TYPE_CHECKING:
     from kvservice.core.rowslots import RowSlots
     from kvservice.core.stepplan import Prompt
@@ -214,12 +217,16 @@ class PrefixCache:
 
     def register(self, slots: np.ndarray, parents: np.ndarray, ns: np.ndarray, pages: np.ndarray,
                  hashes: np.ndarray, parent_hashes: np.ndarray | None = None,
-                 anchors: np.ndarray | None = None) -> None:
+                 anchors: np.ndarray | None = None, chain: bool = False) -> None:
         """Make pages findable: slots/parents/ns int64 [n], pages int64 [n, page_size], hashes uint64 [n],
-        parent_hashes uint64 [n] (0 for a first page), anchors int64 [n] (-1 = none).
+        parent_hashes uint64 [n] (0 for a first page), anchors int64 [n] (-1 = none). chain: the pages are
+        one prompt's pages 0..n-1 in distinct slots, parents[j] = slots[j - 1] (parents[0] = -1).
 
         A hash already registered (the same content in another slot) keeps its first slot.
         """
+        if anchors is None and parent_hashes is not None and len(hashes) <= RUN_MAX:
+            self._register_run(slots, parents, ns, pages, hashes, parent_hashes, chain)
+            return
         uniq_h, first = first_of_each(hashes)                      # one slot per new hash
         cand = slots[first]
         by_hash = self.by_hash
@@ -243,6 +250,57 @@ class PrefixCache:
             self.sink.stored(slots, parents, hashes, pages, keep, self.hash, parent_hashes, self._names(ns))
         if self.fleet is not None:
             self.fleet.registered(s, par)
+
+    def _register_run(self, slots: np.ndarray, parents: np.ndarray, ns: np.ndarray, pages: np.ndarray,
+                      hashes: np.ndarray, parent_hashes: np.ndarray, chain: bool = False) -> None:
+        """register for a few distinct slots (one prompt's pages, no anchors), its choice made on Python ints.
+
+        The same state, events and by_hash order as register: the new hashes enter by_hash in ascending hash
+        order (np.unique's, the first page of each), every per-slot array is written in page order (the slots
+        are distinct, so the order of writes changes nothing), and a run of consecutive new pages (the usual
+        case: the pages after the prompt's hit) is written from slices, with no gathered copy of its tokens."""
+        hl = hashes.tolist()
+        sl = slots.tolist()
+        by_hash, slot_hash = self.by_hash, self.hash.item
+        order = sorted(range(len(hl)), key=hl.__getitem__)      # a stable argsort
+        keep: list[int] = []                                    # new pages, ascending hash
+        last = None
+        for j in order:
+            h = hl[j]
+            if h != last:
+                last = h
+                if h not in by_hash and not slot_hash(sl[j]):
+                    keep.append(j)
+        if not keep:
+            if self.fleet is not None:                      # told of nothing, as register tells it
+                self.fleet.registered(slots[:0], parents[:0])
+            return
+        by_hash.update([(hl[j], sl[j]) for j in keep])
+        kp = sorted(keep)                                       # page order
+        a, b = kp[0], kp[-1] + 1
+        at: slice | np.ndarray = slice(a, b) if b - a == len(kp) else np.array(kp, dtype=np.intp)
+        s = slots[at]
+        par = parents[at]
+        self.allocator.cacheable[s] = True
+        self.hash[s] = hashes[at]
+        self.parent[s] = par
+        self.parent_hash[s] = parent_hashes[at]
+        self.anchor[s] = -1
+        self.namespace[s] = ns[at]
+        self.tokens[s] = pages[at]
+        dep = par >= 0
+        dep[dep] = self.hash[par[dep]] != 0                 # under a registered page: it now has a dependant
+        # One prompt's chain: each page's parent is the page before it, in distinct slots: no parent named twice.
+        self.allocator.policy.link(s[dep], par[dep], distinct=chain)
+        if self.sink is not None:                           # fresh arrays: the event index and events keep them
+            names = self._names(ns)
+            run = isinstance(at, slice)
+            self.sink.stored_kept(s.copy() if run else s, hashes[at].copy() if run else hashes[at],
+                                  parent_hashes[at], pages[at].copy() if run else pages[at], self.hash,
+                                  [names[k] for k in kp] if names is not None else None)
+        if self.fleet is not None:                          # told in register's order (ascending hash)
+            hk = np.array(keep, dtype=np.int64)
+            self.fleet.registered(slots[hk], parents[hk])
 
     def _names(self, ns: np.ndarray) -> list[tuple[str, str]] | None:
         """(salt, extra key) per page of namespaces ns (int64 [n]); None when all are ("", "") (the common case)."""
@@ -312,7 +370,8 @@ def register_prompt(caches: Sequence[PrefixCache], order: Sequence[int], sliding
             parents[1:] = slots[:-1]
             if g == anchor_group:
                 anchors = slots
-            caches[g].register(slots, parents, prompt.ns[row], prompt.pages, prompt.hashes, parent_hashes, None)
+            caches[g].register(slots, parents, prompt.ns[row], prompt.pages, prompt.hashes, parent_hashes, None,
+                               chain=True)
             continue
         if inner is None:
             inner = (col > 0).nonzero()[0]

@@ -97,7 +97,7 @@ class RowSlots:
         if not len(rows):
             return
         if len(rows) <= _FEW:
-            self._reserve_few(rows.tolist(), first.tolist(), hi.tolist())
+            self.reserve_few(rows.tolist(), first.tolist(), hi.tolist())
             return
         lo, cap = self.lo[rows], self.cap[rows]
         move = (hi > lo + cap) | (first < lo)
@@ -125,9 +125,9 @@ class RowSlots:
         self.lo[rows] = first
         self.cap[rows] = new_cap
 
-    def _reserve_few(self, rows: list[int], first: list[int], hi: list[int]) -> None:
-        """reserve for a few rows, on Python ints: the same segments, moves and arena contents, each row's
-        columns carried by one slice copy."""
+    def reserve_few(self, rows: list[int], first: list[int], hi: list[int]) -> None:
+        """reserve for a few distinct rows, on Python ints: the same segments, moves and arena contents, each
+        row's columns carried by one slice copy."""
         lo_of, cap_of = self.lo.item, self.cap.item
         moves = []
         for r, f, h in zip(rows, first, hi, strict=True):

@@ -38,3 +38,37 @@ def test_long_clusters_finish_one_by_one(monkeypatch):
     assert t.lookup(np.array([999], dtype=np.uint64)).tolist() == [-1]
     monkeypatch.setattr(hash_index, "VECTOR_ROUNDS", 0)
     assert t.lookup(keys[::-1]).tolist() == list(range(280, -10, -10))
+
+
+def test_invalidated_table_rebuilds_from_the_live_pages_at_the_next_lookup():
+    """invalidate: nothing is rebuilt or inserted until a lookup, which answers from refill() as it is then
+    (registrations after the invalidation included, pages forgotten since gone), like a dict of the live pages."""
+    rng = np.random.default_rng(3)
+    t = HashSlots(64)
+    live: dict[int, int] = {}
+    pool = rng.integers(1, 2**64 - 1, 300, dtype=np.uint64)
+    calls = []
+
+    def refill():
+        calls.append(len(live))
+        return np.array(list(live), dtype=np.uint64), np.array(list(live.values()), dtype=np.int64)
+
+    for step in range(80):
+        keys = np.unique(rng.choice(pool, int(rng.integers(1, 30)), replace=False))
+        slots = rng.integers(0, 64, len(keys)).astype(np.int64)
+        live.update(zip(keys.tolist(), slots.tolist(), strict=True))
+        ks = list(live)
+        for i in rng.permutation(len(ks))[:max(0, len(ks) - 60)].tolist():
+            del live[ks[i]]                                          # forgotten: a stale entry at most
+        if t.full_after(len(keys)):
+            t.invalidate(refill)
+            assert not t.full_after(len(keys)) and not t.pending     # waiting: insertions are dropped
+        t.insert(keys, slots)
+        if step % 3 == 0:
+            never = rng.integers(1, 2**64 - 1, 20, dtype=np.uint64)
+            never = never[~np.isin(never, pool)]
+            probe = np.concatenate((np.array(list(live), dtype=np.uint64), never))
+            want = [live.get(k, -1) for k in probe.tolist()]          # live: its latest slot; never seen: -1
+            assert t.lookup(probe).tolist() == want
+            assert t.refill is None
+    assert calls and all(n <= 90 for n in calls)                  # rebuilt, from the pages live at the time

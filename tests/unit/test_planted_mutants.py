@@ -49,6 +49,23 @@ PLANTED = [
     ("kvservice/core/rowslots.py", "                dst = at + keep_lo - f",
      "                dst = at + keep_lo - f + 1",
      "tests/unit/test_rowslots.py", "a few rows' reserve carries a moved row's columns one place off"),
+    ("kvservice/core/fastpaths.py", "        at = start(r) - col0(r) + a\n",
+     "        at = start(r) - col0(r) + max(a - 1, 0)\n",
+     "tests/unit/test_differential.py::test_pool_matches_reference_model[uniform]",
+     "the few-rows allocation writes a row's new pages from its last held column, over its last page"),
+    ("kvservice/core/prefix.py", "        self.tokens[s] = pages[at]\n", "        self.tokens[s] = pages[at][::-1]\n",
+     "tests/unit/test_differential.py::test_pool_matches_reference_model[prefix]",
+     "registering one prompt's run stores its pages' token ids in reverse page order"),
+    ("kvservice/core/pool_commit.py", "alloc.free_counted(counted[0].astype(np.intp, copy=False), counted[1])",
+     "alloc.free_counted(counted[0].astype(np.intp, copy=False), np.ones_like(counted[1]))",
+     "tests/unit/test_differential.py::test_pool_matches_reference_model[prefix]",
+     "the one-group path frees a page named by several freed sequences once"),
+    ("kvservice/core/fastpaths.py", "            alloc.share(slots)\n", "            alloc.share(slots[1:])\n",
+     "tests/unit/test_differential.py::test_pool_matches_reference_model[prefix]",
+     "one prompt's hit pages gain an owner each, but the first"),
+    ("kvservice/core/hash_index.py", "            self.rebuild(*self.refill())", "            self.refill = None",
+     "tests/unit/test_hash_index.py::test_invalidated_table_rebuilds_from_the_live_pages_at_the_next_lookup",
+     "an invalidated hash index is never rebuilt: lookups miss every page registered since"),
 ]
 IDS = [what for *_, what in PLANTED]
 
