@@ -134,3 +134,15 @@ def test_a_cache_over_another_allocator_does_not_hide_the_next_groups_problems(b
     problems = pool_problems(pool)
     assert problems[0] == "group 0: prefix cache over another group's allocator"
     assert f"group 1: cache entry {h:#x} -> slot {slot} is stale" in problems
+
+
+def test_a_free_row_that_is_also_live_is_named(busy):
+    """A live sequence's row put on the free rows in place of a free one: the counts still add up, the check
+    that free rows are distinct from live ones names it (check-state prints these lines as they are)."""
+    state = busy.export_state()
+    a = dict(state.arrays)
+    assert len(a["free_rows"]) and len(a["rows"])
+    a["free_rows"] = a["free_rows"].copy()
+    a["free_rows"][0] = a["rows"][1]
+    assert check_pool_state(dataclasses.replace(state, arrays=a), busy.plan) == [
+        "free rows are out of range, repeated, or also live"]

@@ -226,3 +226,18 @@ def test_a_multi_token_prediction_layer_is_named_as_not_planned(n):
            "is not planned" in m.notes
     assert len(m.spec.layers) == base()["num_hidden_layers"]
     assert not any("nextn" in note for note in model_cache(base()).notes)
+
+
+def test_attn_layer_indices_count_from_layer_0_and_an_index_past_the_last_is_refused():
+    """Jamba's config with its attention layers listed by index (attn_layer_indices) in place of period/offset:
+    the first layer (index 0) may be one of them, and an index past the last layer (31) is refused naming the
+    valid range."""
+    jamba = json.loads((HELDOUT / "jamba-v0.1.json").read_text())
+    cfg = {k: v for k, v in jamba.items() if k not in ("attn_layer_period", "attn_layer_offset")}
+    mc = model_cache({**cfg, "attn_layer_indices": [0, 5, 17]}, source="cfg.json")
+    assert mc.paged_layers == (0, 5, 17) and len(mc.state_layers) == 29
+    assert [i for i, t in enumerate(mc.layer_types) if t == "full_attention"] == [0, 5, 17]
+    for idx in ([3, 32], [-1, 4]):
+        with pytest.raises(InvalidArgument) as err:
+            model_cache({**cfg, "attn_layer_indices": idx}, source="cfg.json")
+        assert err.value.message == (f"cfg.json: field 'attn_layer_indices' names a layer outside 0..31: {idx}")

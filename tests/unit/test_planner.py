@@ -90,3 +90,18 @@ def test_any_page_size_backends_and_aliases():
 def test_plan_checks_backends():
     with pytest.raises(FailedPrecondition, match="flash-attn 2 needs page_size % 256 == 0, got page_size 16"):
         plan(LLAMA, Sizing(max_batch=8, max_seq_len=2048), ["flash-attn2"])
+
+
+def test_a_layer_the_native_kernels_cannot_serve_is_refused_with_its_own_reason_and_index():
+    """A page size every backend takes, but layer 2's head_dim (96) is not one of the native kernels': the
+    error's machine reason tells it from a page-size refusal and names the layer."""
+    layers = [(128, "float16"), (64, "bfloat16"), (96, "float16"), (128, "float16")]
+    assert check_backends(16, ["flashinfer"], layers) == ["flashinfer"]      # no per-layer rule
+    with pytest.raises(FailedPrecondition) as exc:
+        check_backends(16, ["native"], layers)
+    assert exc.value.reason == "BACKEND_LAYER"
+    assert exc.value.metadata["layer"] == "2" and exc.value.metadata["backend"] == "native"
+    assert "head_dim 96" in exc.value.message
+    with pytest.raises(FailedPrecondition) as exc:
+        check_backends(48, ["trtllm"])
+    assert exc.value.reason == "BACKEND_PAGE_SIZE"

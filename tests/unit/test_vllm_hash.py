@@ -112,3 +112,16 @@ def test_cbor_of_simple_values_and_heads_is_rfc_8949():
                 ([], "80"), ([1, 2, 3], "83010203"), ([1, [2, 3], [4, 5]], "8301820203820405")]
     for value, hexed in examples:
         assert cbor(value).hex() == hexed, value
+
+
+def test_a_prompt_without_a_full_page_does_not_stop_the_batchs_later_prompts(monkeypatch):
+    """One step admits a prompt shorter than a page before one of three pages: the second still gets vLLM's
+    hashes (the first has no full page to hash, and the batch goes on past it)."""
+    rng = np.random.default_rng(16)
+    short = rng.integers(1, 200_000, PS - 5)
+    long_ = rng.integers(1, 200_000, 3 * PS + 2)
+    want = _vllm_chain("0.33.0", monkeypatch, long_, None)
+    pool = _pool()
+    pool.step(admit_ids=[1, 2], admit_tokens=[len(short), len(long_)],
+              admit_token_ids=np.concatenate([short, long_]))
+    assert pool.prefix.hash[pool.sequence_slots(2)[:3]].tolist() == [low64(h) for h in want]
