@@ -232,7 +232,7 @@ def pages_after(page_size: int, max_pages: int, windows: Sequence[int], e_old: n
         return tuple(extended + admitted + children for _ in windows), widest
     e_new = e_old + e_k
     e_pages = -(-e_new // ps)
-    c_pages = -(-c_tokens // ps) if c_tokens is not None else np.zeros(0, dtype=np.int64)
+    c_pages = -(-c_tokens // ps) if c_tokens is not None else np.full(num_children, max_pages, dtype=np.int64)
     widest = max(widest, int(e_pages.max()) if len(e_pages) else 0, int(c_pages.max()) if len(c_pages) else 0)
     out = []
     for w in windows:

@@ -407,3 +407,18 @@ def test_the_request_only_bound_names_the_field_over_max_seq_len(field):
            "admit_num_tokens": dict(admit_seq_ids=ids([2]), admit_num_tokens=counts([257]))}[field]
     with pytest.raises(InvalidArgument, match=field):
         api.step_reply_bound(pb.StepRequest(pool="p", **big), 0)
+
+
+def test_pages_after_takes_fork_children_of_unknown_length_at_max_pages_each():
+    """pages_after's documented rule, by hand (page_size 16, max_pages 25, a full group and a 32-token sliding
+    one): extended rows 40 + 5 and 100 + 30 tokens hold 3 and 9 pages, of which the sliding group keeps 3 and
+    9 - 4 (it releases (100 + 1 - 32) // 16 = 4 pages of the second row); one admission of 17 tokens, 2 pages.
+    Two fork children of unknown length (c_tokens None) count 25 pages each, even when the extended rows'
+    lengths are known; of known lengths 20 and 33 tokens, 2 + 3 pages."""
+    from kvservice.core.limits import pages_after
+
+    e_old, e_k, a_n = np.array([40, 100], np.int64), np.array([5, 30], np.int64), np.array([17], np.int64)
+    assert pages_after(16, 25, (0, 32), e_old, e_k, a_n, None, 2, None) == ((3 + 9 + 2 + 50, 3 + 5 + 2 + 50), 25)
+    assert pages_after(16, 25, (0, 32), e_old, e_k, a_n, None, 0, None) == ((3 + 9 + 2, 3 + 5 + 2), 9)
+    assert pages_after(16, 25, (0, 32), e_old, e_k, a_n, np.array([20, 33], np.int64), 2, None) == \
+        ((3 + 9 + 2 + 5, 3 + 5 + 2 + 5), 9)
