@@ -457,3 +457,19 @@ def test_refusals_for_lack_of_slots_are_counted_one_by_one():
         with pytest.raises(ResourceExhausted):
             pool.step(admit_ids=[10 + i], admit_tokens=[int(rng.integers(13, 25))])   # > 3 free pages
         assert pool.refused == i + 1 and pool.alloc_failures == {"out_of_slots": i + 1}
+
+
+def test_a_refusal_counts_the_slots_this_step_releases_apart_from_the_free_ones():
+    """16 slots of 4 tokens: sequences of 10 and 4 pages leave 2 free. A step that frees the second (4 pages
+    back) and admits 12 pages has 2 + 4 = 6 to take from: refused, the message splitting the 6 as such, and
+    nothing changes."""
+    pool = make_pool(num_slots=16, max_seq_len=64)
+    rng = np.random.default_rng(16)
+    pool.step(admit_ids=[1, 2], admit_tokens=[40, 13])
+    before = snapshot(pool)
+    with pytest.raises(ResourceExhausted) as err:
+        pool.step(free_ids=[2], admit_ids=[3], admit_tokens=[int(rng.integers(45, 49))])
+    assert (f"pool 'p': this step needs 12 slots in layer group 0 but only 6 are free (2 free + 4 released by "
+            f"this step) of 16; ") in err.value.message
+    assert err.value.metadata["needed"] == "12" and err.value.metadata["free"] == "6"
+    assert snapshot(pool) == before
