@@ -188,3 +188,21 @@ def test_one_table_over_the_quota_is_refused_naming_its_size_and_the_flag(world)
     with pytest.raises(NotFound):
         small.csr("a", "t1", 0)
     assert small.tenant_bytes("a") == 0
+
+
+def test_a_stale_table_error_names_both_incarnations_and_the_rpc_that_reloads_it(world):
+    """The refusal tells the caller what to do: its last words name the worker service's method that loads
+    tables (UpdateTables, as the worker proto spells it), and the incarnations are the held and the served."""
+    from kvservice.v1 import worker_pb2 as wpb
+
+    api, tables, inc = world
+    tables.update("", "t", Stream(api, "s").step(admit_seq_ids=[1], admit_num_tokens=[21]))
+    tables.rebind(tables.plan, inc + 3)
+    with pytest.raises(FailedPrecondition) as exc:
+        tables.csr("", "t", 1)
+    msg = exc.value.message
+    assert msg.startswith(f"tables 't' were built for incarnation {inc} of the pool") and \
+        f"this worker now serves incarnation {inc + 3}" in msg, msg
+    rpc = msg[msg.rindex("(") + 1:-1]
+    assert msg.endswith(f"a full reply of the current pool ({rpc})") and \
+        rpc in wpb.DESCRIPTOR.services_by_name["Worker"].methods_by_name, msg

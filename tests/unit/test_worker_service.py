@@ -186,3 +186,38 @@ def test_rejoining_a_pool_created_with_another_geometry_replans_and_says_how_muc
     mib = f"{new.cache_bytes / 2**20:.1f} MiB"
     assert mib != f"{new.cache_bytes / 2**21:.1f} MiB"
     assert any(f"caches re-planned, {mib}" in r.getMessage() for r in caplog.records), caplog.records
+
+
+def test_a_failed_re_registration_is_logged_with_the_managers_reason_and_the_heartbeat_goes_on(joined):
+    """The pool deleted under a joined worker: its heartbeat is refused, the rejoin's GetPool is refused too
+    (NOT_FOUND), and the heartbeat loop logs the manager's message and keeps running (until stopped)."""
+    import logging
+    import threading
+
+    from kvservice.v1 import block_manager_pb2 as pb
+    from kvservice.worker.server import _heartbeat
+
+    client, worker = joined
+    client.delete_pool("p", force=True)
+    stop, failures = threading.Event(), []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().startswith("re-registration failed: "):
+                failures.append(record.getMessage())
+                if len(failures) == 2:         # the loop went round again after the first failure
+                    stop.set()
+
+    catch = Catch(logging.WARNING)
+    logger = logging.getLogger("kvworker")
+    logger.addHandler(catch)
+    request = pb.RegisterWorkerRequest(worker_id="w-9", pool="p", backend="cpu", device_name="cpu")
+    beat = threading.Thread(target=_heartbeat, args=(client, request, worker.servicer, 0.03, stop), daemon=True)
+    try:
+        beat.start()
+        beat.join(60)                          # ends once stopped, or when the loop dies
+    finally:
+        stop.set()
+        logger.removeHandler(catch)
+    assert not beat.is_alive() and len(failures) == 2, failures
+    assert failures == ["re-registration failed: pool 'p' does not exist"] * 2      # the manager's words
