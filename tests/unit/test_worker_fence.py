@@ -13,7 +13,7 @@ import pytest
 from kvservice.contract.errors import FailedPrecondition, InvalidArgument
 from kvservice.contract.transport import EPOCH_METADATA
 from kvservice.worker.cancel import CallBound, KernelCancelled, bounded, check
-from kvservice.worker.fencing import LeaderEpochFence
+from kvservice.worker.fencing import LeaderEpochFence, check_incarnation
 
 ID = {"worker_id": "w-7", "pool": "p"}
 
@@ -76,3 +76,27 @@ def test_a_persistent_tables_rows_are_bounded_by_the_flag_and_the_pools_slots():
     assert table_plan(caches, 7).max_rows == 7
     assert table_plan(caches, 0).max_rows == 1
     assert (table_plan(caches).max_seq_len, table_plan(caches).page_size) == (64, 4)
+
+
+def test_a_request_of_another_incarnation_is_refused_by_the_documented_rule():
+    """docs/SECURITY.md, fencing: a kernel request's pool_incarnation other than the one the worker's memory is
+    planned for is refused (STALE_INCARNATION, naming the pool and the worker's incarnation); 0 is not checked."""
+    from kvservice.v1 import worker_pb2 as wpb
+
+    rng = random.Random(16)
+    kinds = (wpb.AppendKVRequest, wpb.DecodeAttentionRequest, wpb.CopyBlocksRequest, wpb.WorkerValidateRequest)
+    for _ in range(200):
+        mine, pool = rng.randint(1, 2**40), rng.choice(["p", "llama-7b", "tenant/a"])
+        identity = {"worker_id": f"w-{rng.randint(1, 9)}", "pool": pool, "incarnation": mine}
+        asked = rng.choice([0, mine, rng.randint(1, 2**40)])
+        request = rng.choice(kinds)(pool_incarnation=asked)
+        if asked in (0, mine):
+            check_incarnation(identity, request)
+            continue
+        with pytest.raises(FailedPrecondition) as e:
+            check_incarnation(identity, request)
+        assert e.value.reason == "STALE_INCARNATION"
+        assert e.value.metadata == {"pool": pool, "incarnation": str(mine)}
+        assert f"incarnation {mine} of pool {pool!r}; this request was planned in incarnation {asked}" in \
+            e.value.message
+    check_incarnation({"worker_id": "w-1", "pool": "p", "incarnation": 5}, wpb.UpdateTablesRequest())   # no such field

@@ -221,3 +221,33 @@ def test_a_failed_re_registration_is_logged_with_the_managers_reason_and_the_hea
         logger.removeHandler(catch)
     assert not beat.is_alive() and len(failures) == 2, failures
     assert failures == ["re-registration failed: pool 'p' does not exist"] * 2      # the manager's words
+
+
+def test_after_a_replan_no_page_counts_as_written_under_any_generation():
+    """docs/KERNELS.md, page generations: a re-plan (the pool created again) keeps the memory but none of its
+    pages holds K/V of the new incarnation. A page written under generation 1 reads fine before; afterwards
+    the same table (generation 1) reads stale_page, and so does a page never written at all."""
+    caches = _caches()
+    servicer = WorkerServicer(caches, WorkerMetrics("p"), {"worker_id": "w-1", "pool": "p", "epoch": 1,
+                                                           "incarnation": 3, "backend": "cpu", "device_name": "cpu"})
+    rng = np.random.default_rng(16)
+    layer, layout = 1, caches.layouts[1]
+    written, never = int(layout.page_index(5)), int(layout.page_index(9))
+    k, v = (rng.standard_normal((PS, 1, 32)).astype(np.float16) for _ in range(2))
+    one = np.ones(PS, np.uint32)
+    rec = ops_numpy.append_kv(caches.cache(layer), layout, k, v, written * PS + np.arange(PS, dtype=np.int64),
+                              slot_generations=one, page_gen=caches.page_gen(layer)).record
+    assert rec.count == 0
+
+    def read(page: int):
+        q = rng.standard_normal((1, 1, 32)).astype(np.float16)
+        return ops_numpy.decode_attention(q, servicer.caches.cache(layer), layout, np.array([0, 1], np.int32),
+                                          np.array([page], np.int32), np.array([PS], np.int32),
+                                          generations=one[:1], page_gen=servicer.caches.page_gen(layer)).record
+
+    assert read(written).count == 0 and read(never).reason == "stale_page"
+    servicer.replan(caches, 4)
+    assert servicer.identity["incarnation"] == 4 and servicer.caches is caches
+    for page in (written, never):
+        r = read(page)
+        assert (r.count, r.reason) == (1, "stale_page"), (page, r)
