@@ -245,3 +245,17 @@ def test_k_only_latent_pages_append_and_copy(kind: str) -> None:
         with pytest.raises(ValueError, match=r"multi-head latent attention \(MLA\)"):
             ops.decode_attention(rand(rng, (1, 16, d), "bfloat16"), buf, layout, ip, idx, lpl)
         assert ops.validate_page_table(ip, idx, lpl, layout).record.count == 0
+
+
+def test_the_oracles_page_view_refuses_a_page_past_the_end_of_a_short_buffer() -> None:
+    """reference.page_view over a buffer cut short: 6 slots of 4 tokens x 2 heads x 64 float32 (4096-byte
+    pages) but 5 pages + 1000 bytes of memory. Page 4 is its bytes 16384..20480; page 5 (a slot of the layer)
+    would end at byte 24576, past the 21480 bytes: IndexError saying so, never a short view."""
+    rng = np.random.default_rng(16)
+    raw = reference.RawLayer.per_layer(6, 4, 2, 64, "float32")
+    buf = rng.standard_normal((5 * 4096 + 1000) // 4).astype(np.float32)
+    page = reference.page_view(buf, raw, 4)
+    assert page.shape == (2, 4, 2, 64) and np.array_equal(page.reshape(-1), buf[4096:5120])
+    with pytest.raises(IndexError) as err:
+        reference.page_view(buf, raw, 5)
+    assert str(err.value) == "page 5 ends at byte 24576, past the 21480-byte buffer"

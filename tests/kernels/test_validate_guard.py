@@ -109,3 +109,28 @@ def test_guard_catches_stray_write_of_unchecked_kernel() -> None:
     assert rep.corrupted_bytes > 0 and rep.first_offset == 2 * pb + 4 * pb
     # both variants loaded in one process stay separate libraries
     assert kernels_cpu.append_kv(cache, layout, k, k, sm).record.count == 1
+
+
+def test_a_cold_build_compiles_the_named_sources_into_a_library_of_their_kernels(tmp_path, monkeypatch) -> None:
+    """build() with an empty build directory runs g++ on the sources named (guard.cu only): the library it
+    writes holds guard.cu's kernels and no other, and they fill the canary of guards.guard_pattern. A second
+    build of the same sources and flags reuses the file."""
+    from tests.ci import need_tool
+
+    need_tool("g++", "apt package g++; deploy/ci-install.sh installs it")
+    monkeypatch.setattr(kernels_cpu, "BUILD_DIR", tmp_path)
+    lib = kernels_cpu.build("plain", only=["guard.cu"])
+    assert lib.name == "libkvk.so" and lib.parent.parent == tmp_path and lib.parent.name.startswith("plain-")
+    assert [p.name for p in lib.parent.iterdir()] == ["libkvk.so"]            # no temporary file left
+    be = kernels_cpu.CpuBackend(lib=lib)
+    assert be.signature("kv_guard_fill") and be.signature("kv_guard_check")
+    with pytest.raises(KeyError, match="no kernel named 'kv_copy_blocks'"):
+        be.signature("kv_copy_blocks")
+    buf = np.random.default_rng(16).integers(1, 256, 4096 + 2 * 64, dtype=np.uint8)
+    payload = buf[64:-64].copy()
+    guards.guard_fill(be, buf, 64)
+    want = guards.guard_pattern(64)
+    assert np.array_equal(buf[:64], want) and np.array_equal(buf[-64:], want)
+    assert np.array_equal(buf[64:-64], payload) and not guards.guard_check(be, buf, 64)
+    stamp = lib.stat().st_mtime_ns
+    assert kernels_cpu.build("plain", only=["guard.cu"]) == lib and lib.stat().st_mtime_ns == stamp
