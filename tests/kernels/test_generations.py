@@ -213,3 +213,39 @@ def test_emulated_and_numpy_agree_on_a_random_mix() -> None:
         bufs.append(buf)
         pgs.append(p)
     assert recs[0] == recs[1] and np.array_equal(bufs[0], bufs[1]) and np.array_equal(pgs[0], pgs[1])
+
+
+def test_argument_errors_name_the_documented_shapes(world):
+    """A wrong extent is named with the shape docs/KERNELS.md gives each argument (generations [nnz] of a
+    table, slot_generations [n], copy generations [n, 2], v [n, kv_heads, head_dim]) and the extents wanted."""
+    from kvservice.worker import kernels_cpu
+
+    rng, c, pg, alloc = world
+    s = admit(alloc, c, 5)                                                   # 2 pages
+    q = rand(rng, (1, HQ, D), "float32")
+    with pytest.raises(ValueError) as err:
+        kernels_cpu.decode_attention(q, c.buf, c.layout, *s.table, generations=s.gens[:1], page_gen=pg)
+    assert str(err.value) == "generations: expected shape [nnz] = (2,), got (1,)"
+    k = rand(rng, (5, KH, D), "float32")
+    with pytest.raises(ValueError) as err:
+        kernels_cpu.append_kv(c.buf, c.layout, k, k, s.sm, slot_generations=s.sm_gens[:4], page_gen=pg)
+    assert str(err.value) == "slot_generations: expected shape [n] = (5,), got (4,)"
+    with pytest.raises(ValueError) as err:
+        kernels_cpu.append_kv(c.buf, c.layout, k, k[:4], s.sm)
+    assert str(err.value) == f"v: expected shape [n, kv_heads, head_dim] = (5, {KH}, {D}), got (4, {KH}, {D})"
+    pairs = np.array([[int(s.table[1][0]), int(s.table[1][1])]], np.int64)
+    with pytest.raises(ValueError) as err:
+        kernels_cpu.copy_blocks([c.buf], c.layout, pairs, generations=s.gens[None, :1], page_gens=[pg])
+    assert str(err.value) == "generations: expected shape [n, 2] = (1, 2), got (1, 1)"
+
+
+def test_one_copy_takes_up_to_65535_buffers():
+    """copy_blocks launches one grid row per buffer, and a CUDA grid's y extent is at most 65535: 65535
+    buffers are taken (here with no pairs, so nothing is launched), 65536 are refused before anything runs."""
+    from kvservice.worker import kernels_cpu
+
+    c = make_cache(np.random.default_rng(16), "per_layer", SLOTS, PS, KH, D, "float32")
+    none = np.zeros((0, 2), np.int64)
+    assert kernels_cpu.copy_blocks([c.buf] * 65535, c.layout, none).record.count == 0
+    with pytest.raises(ValueError, match="caches: at most 65535 layers per call"):
+        kernels_cpu.copy_blocks([c.buf] * 65536, c.layout, none)
