@@ -469,7 +469,7 @@ def test_a_refusal_counts_the_slots_this_step_releases_apart_from_the_free_ones(
     before = snapshot(pool)
     with pytest.raises(ResourceExhausted) as err:
         pool.step(free_ids=[2], admit_ids=[3], admit_tokens=[int(rng.integers(45, 49))])
-    assert (f"pool 'p': this step needs 12 slots in layer group 0 but only 6 are free (2 free + 4 released by "
-            f"this step) of 16; ") in err.value.message
+    assert ("pool 'p': this step needs 12 slots in layer group 0 but only 6 are free (2 free + 4 released by "
+            "this step) of 16; ") in err.value.message
     assert err.value.metadata["needed"] == "12" and err.value.metadata["free"] == "6"
     assert snapshot(pool) == before
