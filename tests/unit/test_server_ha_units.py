@@ -245,3 +245,16 @@ def test_a_standby_whose_consumer_vanished_reads_on_with_a_new_one(nats1, caplog
         standby.close(snapshot=False)
         holder.release()
         writer.close(snapshot=False)
+
+
+def test_the_default_node_id_is_hostname_dash_pid(monkeypatch) -> None:
+    """docs/HA.md: --node-id defaults to HOSTNAME-pid (the HOSTNAME variable, a pod's name; the host's name without)."""
+    import os
+    import socket
+
+    from kvservice.server.ha import default_node_id
+    pod = f"kvservice-{uuid.uuid4().hex[:5]}"
+    monkeypatch.setenv("HOSTNAME", pod)
+    assert default_node_id() == f"{pod}-{os.getpid()}"
+    monkeypatch.delenv("HOSTNAME")
+    assert default_node_id() == f"{socket.gethostname()}-{os.getpid()}"
