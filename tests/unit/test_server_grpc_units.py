@@ -220,3 +220,33 @@ def test_a_live_watcher_that_fell_behind_while_it_waited_is_charged_the_cpu_of_i
         assert hub.logs["p"].oldest > live                   # the batch it asked for had left the ring
         balance = hub.read_budget._buckets[""][0]
     assert 0 < BURST - balance < BURST                          # charged: its reset's CPU, not what came before
+
+
+def test_a_step_is_decoded_once_for_the_limits_and_the_pool(monkeypatch) -> None:
+    """servicer.py: a Step's request is decoded once and that decoding is what the Limits and the pool read (the
+    module docs of stream.py say the same of a stream's requests). decode_step is counted where each module calls it
+    (the real function runs); the caps are on, so the Limits did read the Step: an over-cap one is refused."""
+    from kvservice.manager import api as api_module
+    from kvservice.manager.step_input import decode_step
+    from kvservice.server import limits as limits_module
+    from kvservice.server import servicer as servicer_module
+    from kvservice.server.limits import Limits
+
+    calls = []
+
+    def counted(request, *a, **kw):
+        calls.append(request.pool)
+        return decode_step(request, *a, **kw)
+
+    for module in (api_module, limits_module, servicer_module):
+        monkeypatch.setattr(module, "decode_step", counted)
+    rng = np.random.default_rng(47)
+    lens = rng.integers(1, 40, 3).tolist()
+    with Served(limits=Limits(max_step_tokens=100)) as s:
+        s.stub.CreatePool(create_pool_request("q", SPEC, Sizing(num_slots=128, max_seq_len=64)), timeout=10)
+        reply = s.stub.Step(step_request("q", admit=[5, 6, 7], admit_tokens=lens), timeout=10)
+        assert calls == ["q"]
+        assert np.frombuffer(reply.num_tokens.data, np.int64).tolist() == lens
+        err = _refused(s.stub.Step, step_request("q", admit=[8], admit_tokens=[101]))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and error_info(err).reason == "LIMIT_EXCEEDED"
+    assert calls == ["q", "q"]
