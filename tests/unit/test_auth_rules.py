@@ -95,3 +95,23 @@ def test_server_tls_names_the_flag_of_an_unreadable_file(tmp_path):
         auth.ServerTLS.from_files(cert, key, tmp_path / "missing")
     with pytest.raises(auth.InvalidArgument, match="--tls-key: cannot read"):
         auth.ServerTLS.from_files(cert, tmp_path / "nokey")
+
+
+@pytest.mark.parametrize(("req_stream", "resp_stream"), [(False, False), (False, True), (True, False), (True, True)])
+def test_a_refusal_keeps_the_methods_streaming_kind_and_its_message_codecs(req_stream, resp_stream):
+    """auth._deny: the handler that refuses a call is of the method's streaming kind and decodes the request with the
+    method's own deserializer (gRPC runs it before the handler), so a refused caller's malformed request is answered
+    as anyone's is; the refusal is the handler's only behaviour."""
+    import grpc
+
+    make = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
+    decode, encode = pb.StepRequest.FromString, pb.StepReply.SerializeToString
+    handler = make[req_stream, resp_stream](lambda r, c: None, request_deserializer=decode,
+                                            response_serializer=encode)
+    denied = auth._deny(handler, grpc.StatusCode.PERMISSION_DENIED, "token 'x' may not call Step")
+    assert (denied.request_streaming, denied.response_streaming) == (req_stream, resp_stream)
+    assert denied.request_deserializer is decode and denied.response_serializer is encode
+    behaviour = {(False, False): denied.unary_unary, (False, True): denied.unary_stream,
+                 (True, False): denied.stream_unary, (True, True): denied.stream_stream}[req_stream, resp_stream]
+    assert behaviour is not None

@@ -9,6 +9,7 @@ from kvservice.contract.sizing import Sizing
 from kvservice.contract.wire import from_tensor
 from kvservice.manager.api import ManagerAPI
 from kvservice.manager.pools import BlockManager
+from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1 import common_pb2 as cpb
 
 
@@ -45,7 +46,6 @@ def test_a_configured_pools_incarnation_is_pinned_across_versions():
     written by one version is replayed by the next, so the derivation is part of the state format. The request's
     bytes are written here by hand (field 1, length-delimited: 0x0a, 8, "llama-8b"), and the value is pinned."""
     from kvservice.manager.api import derived_incarnation
-    from kvservice.v1 import block_manager_pb2 as pb
 
     r = pb.CreatePoolRequest(name="llama-8b")
     assert r.SerializeToString(deterministic=True) == b"\x0a\x08llama-8b"
@@ -69,9 +69,12 @@ def test_parse_step_keeps_each_index_spaces_fields_and_names_a_malformed_tensor(
         assert (sp.id, sp.group, sp.scale, sp.offset, sp.upper_bound, sp.base) == \
             (st.index_space, st.group, st.scale, st.offset, st.upper_bound, st.base)
     assert sorted({(st.scale, st.offset) for st in reply.tables}) == [(3, 0), (3, 1), (3, 2)]
-    reply.new_token_indptr.data = reply.new_token_indptr.data[:-1]
-    with pytest.raises(InvalidArgument, match="new_token_indptr"):
-        codec.parse_step(reply)
+    for field in ("seq_ids", "num_tokens", "new_token_indptr"):     # each named as the reply's field is spelt
+        bad = pb.StepReply()
+        bad.CopyFrom(reply)
+        getattr(bad, field).data = getattr(reply, field).data[:-1]
+        with pytest.raises(InvalidArgument, match=rf"^{field}: \d+ bytes is not a whole number"):
+            codec.parse_step(bad)
 
 
 @pytest.mark.parametrize(("tokens", "wire"), [

@@ -94,3 +94,34 @@ def test_json_log_lines_carry_record_fields_over_process_fields():
     assert set(c) == {"ts", "level", "logger", "message"}
     with pytest.raises(ValueError, match="unknown log field 'tenant'"):
         logs.set_process_fields(tenant="x")
+
+
+def test_configure_writes_lines_of_the_chosen_format_on_the_given_stream():
+    root = logging.getLogger()
+    saved, saved_level = list(root.handlers), root.level
+    out = io.StringIO()
+    try:
+        with pytest.raises(ValueError, match="--log-format 'xml': expected one of text, json"):
+            logs.configure("INFO", "xml", stream=out)
+        logs.configure("warning", "json", stream=out)
+        logging.getLogger("kvservice.t").info("below the level")
+        logging.getLogger("kvservice.t").warning("pool %s is full", "p-7")
+    finally:
+        for h in list(root.handlers):
+            root.removeHandler(h)
+        for h in saved:
+            root.addHandler(h)
+        root.setLevel(saved_level)
+    lines = out.getvalue().splitlines()                 # every line on `stream`, none on stderr
+    assert len(lines) == 1
+    doc = json.loads(lines[0])
+    assert (doc["level"], doc["logger"], doc["message"]) == ("WARNING", "kvservice.t", "pool p-7 is full")
+
+
+def test_received_reads_its_message_fields_and_unwrap_gives_the_bytes_back():
+    from kvservice.contract.received import Received, unwrap
+    from kvservice.v1 import block_manager_pb2 as pb
+    msg = pb.ListSequencesRequest(pool=f"p{random.randint(1, 999)}", limit=random.randint(1, 10**6))
+    r = Received(msg, msg.SerializeToString())
+    assert (r.pool, r.limit) == (msg.pool, msg.limit)              # attribute reads go to the message
+    assert unwrap(r) == (msg, msg.SerializeToString()) and unwrap(msg) == (msg, None)

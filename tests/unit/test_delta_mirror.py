@@ -420,3 +420,29 @@ def test_step_changes_equal_a_diff_of_the_full_tables(spec_name, seed, fast):
         assert seen["cow"] > 0, seen
     if spec_name == "hybrid":
         assert seen["moved"] > 0, seen
+
+
+@pytest.mark.parametrize("field", ["first_rows", "replaced"])
+def test_a_delta_field_of_a_float_dtype_is_refused_naming_the_field(field):
+    """from_tensor names the field it refuses (wire.py); the mirror passes that name on in its MirrorError."""
+    if field == "first_rows":                       # a sliding window's release moves group 1's first page
+        twin = Twin("hybrid")
+        twin.step({"admit": [1], "admit_tokens": [12]})
+        ra = codec.step_request("a", extend=[1], extend_tokens=[5])
+    else:                                           # a copy-on-write replaces seq 1's last page
+        twin = Twin("per_layer")
+        twin.step({"admit": [1], "admit_tokens": [6]})
+        ra = codec.step_request("a", fork=[(1, 2)], extend=[1], extend_tokens=1)
+    twin.seq += 1
+    ra.stream_seq, ra.delta_tables, ra.delta_base = twin.seq, True, twin.mirror.seq
+    reply = twin.session.apply(twin.api, ra)
+    if field == "first_rows":
+        (gd,) = [g for g in reply.delta.groups if g.HasField("first_rows")]
+        t = gd.first_rows
+    else:
+        t = reply.tables[0].delta.replaced
+        assert len(t.data) == 4
+    t.CopyFrom(to_tensor(np.frombuffer(t.data, np.int32).astype(np.float32)))
+    with pytest.raises(MirrorError, match=rf"\({field}: dtype FLOAT32 not allowed here\)"):
+        twin.mirror.apply(reply)
+    assert twin.mirror.seq == 0

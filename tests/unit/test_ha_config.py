@@ -67,3 +67,29 @@ def test_serve_refuses_bad_state_flags(args, words):
     out = subprocess.run([sys.executable, "-m", "kvservice.server.cli", "serve", "--metrics-port", "-1", *args],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and words in out.stderr, out.stderr
+
+
+def test_wait_ready_names_the_addresses_and_the_timeout_when_none_answers():
+    """Two addresses bound but not listening: no connection is ever accepted, so wait_ready gives up with UNAVAILABLE
+    naming both and its timeout (the socket is held, so no other process answers on that port meanwhile)."""
+    import socket
+
+    import grpc
+
+    from kvservice.client.codec import ClientError
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(2)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        target = ",".join(f"127.0.0.1:{s.getsockname()[1]}" for s in socks)
+        c = LeaderClient(target)
+        try:
+            with pytest.raises(ClientError) as err:
+                c.wait_ready(timeout=0.4)
+        finally:
+            c.close()
+    finally:
+        for s in socks:
+            s.close()
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE
+    assert err.value.message == f"no manager answered at {target} within 0 s"

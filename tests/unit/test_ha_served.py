@@ -57,6 +57,12 @@ def test_a_replicated_manager_leads_exports_its_series_fail_stops_and_exports_it
             c.step("p", admit=[11, 12, 13], admit_tokens=lens, tables=False)
             epoch = c.epoch
         assert epoch >= 1 and ha.role == "leader"
+        # its readiness (health of kvservice.v1.BlockManager, docs/HA.md) turns SERVING once it leads
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+        with grpc.insecure_channel(target) as ch:
+            watch = health_pb2_grpc.HealthStub(ch).Watch(
+                health_pb2.HealthCheckRequest(service="kvservice.v1.BlockManager"), timeout=30)
+            assert health_pb2.HealthCheckResponse.SERVING in (m.status for m in watch)   # DEADLINE_EXCEEDED if never
         docs, values = _series(running.metrics.registry)
         for name, kind in HA_SERIES.items():
             assert docs[name][0] == kind and docs[name][1], name          # every series is there, with help text

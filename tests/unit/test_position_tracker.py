@@ -58,7 +58,7 @@ def test_an_equal_position_is_fine_a_retried_request_or_a_read_with_nothing_comm
     assert t.seq == 5 and t.rollbacks == 0
 
 
-def test_a_new_lineage_is_accepted_and_reported_and_never_compared_with_the_old_one():
+def test_a_new_lineage_is_accepted_and_reported_and_never_compared_with_the_old_one(caplog):
     registry = CollectorRegistry()
     t = position_tracker(registry)
     seen_lineages = []
@@ -66,7 +66,12 @@ def test_a_new_lineage_is_accepted_and_reported_and_never_compared_with_the_old_
     t.on_new_lineage = lambda old, new: (seen_lineages.append((old, new)), on_new(old, new))
     call(t, step_reply(L1, 400))
     assert t.lineage_changes == 0 and not seen_lineages               # the first lineage is no change
-    call(t, step_reply(L2, 1))                                         # a fresh state: position 1 < 400 is fine
+    with caplog.at_level("WARNING", logger="kvservice.client"):
+        call(t, step_reply(L2, 1))                                     # a fresh state: position 1 < 400 is fine
+    (rec,) = [r for r in caplog.records if r.name == "kvservice.client"]
+    assert rec.levelname == "WARNING" and rec.getMessage() == (
+        "Step: the manager's state is of lineage fedcba9876543210, not 1111222233334444 seen before: a state that "
+        "does not continue the history this client saw (started from nothing, or repaired); positions start over")
     assert (t.lineage, t.seq, t.lineage_changes) == (L2, 1, 1) and seen_lineages == [(L1, L2)]
     assert registry.get_sample_value("kvservice_client_lineage_changes_total") == 1
     call(t, step_reply(L1, 401))                                       # back to the first: compared with its own

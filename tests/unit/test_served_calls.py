@@ -191,6 +191,33 @@ def test_leader_clients_send_their_token(server):
     assert asyncio.run(run()) == b"aio"
 
 
+def test_the_async_leader_clients_health_watch_is_opened_again_after_each_break():
+    """A broken readiness watch is opened again after a backoff that doubles up to HEALTH_RETRY's maximum (ha.py),
+    for as long as the client is open: here on an address where nothing listens, so every watch breaks at once."""
+    opened = []
+
+    class Counting(AsyncLeaderClient):
+        def _health_watch(self, index: int):
+            opened.append(index)
+            if len(opened) == 4:
+                reopened.set()
+            return super()._health_watch(index)
+
+    async def run() -> None:
+        c = Counting(_dead_address(), token=RD)
+        try:
+            c._watch_health()                      # what the first call that breaks starts
+            waiting = asyncio.ensure_future(reopened.wait())
+            await asyncio.wait([waiting, *c._watchers], timeout=30, return_when=asyncio.FIRST_COMPLETED)
+            waiting.cancel()
+            assert reopened.is_set() and not any(t.done() for t in c._watchers)     # still watching
+        finally:
+            await c.close()
+    reopened = asyncio.Event()
+    asyncio.run(run())
+    assert opened[:4] == [0, 0, 0, 0]
+
+
 def test_a_leader_client_moves_past_an_address_where_no_manager_answers(server):
     dead = _dead_address()
     with LeaderClient([dead, server], token=RD, timeout=10) as c:

@@ -160,3 +160,93 @@ def test_a_watch_whose_reset_does_not_fit_the_memory_budget_ends_resource_exhaus
         first = next(iter(replies))                   # with room again the same reset is sent
         replies.cancel()
         assert first.reset
+
+
+def test_a_live_watcher_that_fell_behind_while_it_waited_is_charged_the_cpu_of_its_reset() -> None:
+    """watch.py: a stream that was live when it asked (not heavy) but whose ring overflowed before it read gets a
+    reset, and that reset's CPU time (this thread's, from just before the read) is charged to its tenant's read
+    budget. The hub is the server's own, with its subscription's reads hooked at two points of the stream's thread:
+    before the live check the thread burns BURN CPU seconds (so what it used before the read is known to be large),
+    and just before the read more batches than the ring keeps are committed (real Steps), so that read is a reset.
+    The budget's clock stands still, so its balance is the burst less exactly what was charged."""
+    import time
+
+    from kvservice.manager.event_log import EventHub, Subscription
+    from kvservice.manager.read_budget import ReadBudget
+
+    BURN, BURST, RING = 0.3, 0.5, 4
+    rng = np.random.default_rng(43)
+    with Served() as s:
+        hub = s.running.manager.events
+        hub.ring_batches = RING
+        s.stub.CreatePool(create_pool_request("p", SPEC, Sizing(num_slots=512, max_seq_len=64),
+                                              prefix_caching=True), timeout=10)
+        s.stub.Step(step_request("p", admit=[1], admit_tokens=[8], admit_token_ids=rng.integers(1, 30000, 8)),
+                    timeout=10)                                 # the pool's first batch: its ring exists
+        api = s.running.servicer.api
+        hooked = {"heavy": False, "poll": False}
+
+        class Hooked(Subscription):
+            def heavy(self, live_from: int) -> bool:
+                if not hooked["heavy"]:
+                    hooked["heavy"] = True
+                    t0 = time.thread_time()
+                    while time.thread_time() - t0 < BURN:       # CPU of this thread, not wall-clock time
+                        pass
+                return super().heavy(live_from)
+
+            def poll(self, timeout: float, max_batches: int | None = None):
+                if not hooked["poll"]:
+                    hooked["poll"] = True
+                    for i in range(2 * RING):                  # each Step stores a full page: one batch each
+                        with hub.transaction():
+                            api.Step(step_request("p", admit=[100 + i], admit_tokens=[4],
+                                                  admit_token_ids=rng.integers(1, 30000, 4)))
+                return super().poll(timeout, max_batches)
+
+        class HookedHub(EventHub):
+            def subscribe(self, *args, **kw) -> Subscription:
+                sub = super().subscribe(*args, **kw)
+                sub.__class__ = Hooked
+                return sub
+
+        hub.__class__ = HookedHub
+        hub.read_budget = ReadBudget(share=0.01, burst=BURST, clock=lambda: 1000.0)
+        live = hub.logs["p"].committed + 1
+        replies = s.stub.WatchEvents(pb.WatchEventsRequest(pool="p", from_sequence=live), timeout=30)
+        first = next(iter(replies))
+        replies.cancel()
+        assert hooked == {"heavy": True, "poll": True} and first.reset
+        assert hub.logs["p"].oldest > live                   # the batch it asked for had left the ring
+        balance = hub.read_budget._buckets[""][0]
+    assert 0 < BURST - balance < BURST                          # charged: its reset's CPU, not what came before
+
+
+def test_a_step_is_decoded_once_for_the_limits_and_the_pool(monkeypatch) -> None:
+    """servicer.py: a Step's request is decoded once and that decoding is what the Limits and the pool read (the
+    module docs of stream.py say the same of a stream's requests). decode_step is counted where each module calls it
+    (the real function runs); the caps are on, so the Limits did read the Step: an over-cap one is refused."""
+    from kvservice.manager import api as api_module
+    from kvservice.manager.step_input import decode_step
+    from kvservice.server import limits as limits_module
+    from kvservice.server import servicer as servicer_module
+    from kvservice.server.limits import Limits
+
+    calls = []
+
+    def counted(request, *a, **kw):
+        calls.append(request.pool)
+        return decode_step(request, *a, **kw)
+
+    for module in (api_module, limits_module, servicer_module):
+        monkeypatch.setattr(module, "decode_step", counted)
+    rng = np.random.default_rng(47)
+    lens = rng.integers(1, 40, 3).tolist()
+    with Served(limits=Limits(max_step_tokens=100)) as s:
+        s.stub.CreatePool(create_pool_request("q", SPEC, Sizing(num_slots=128, max_seq_len=64)), timeout=10)
+        reply = s.stub.Step(step_request("q", admit=[5, 6, 7], admit_tokens=lens), timeout=10)
+        assert calls == ["q"]
+        assert np.frombuffer(reply.num_tokens.data, np.int64).tolist() == lens
+        err = _refused(s.stub.Step, step_request("q", admit=[8], admit_tokens=[101]))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and error_info(err).reason == "LIMIT_EXCEEDED"
+    assert calls == ["q", "q"]

@@ -245,3 +245,43 @@ def test_a_standby_whose_consumer_vanished_reads_on_with_a_new_one(nats1, caplog
         standby.close(snapshot=False)
         holder.release()
         writer.close(snapshot=False)
+
+
+def test_the_default_node_id_is_hostname_dash_pid(monkeypatch) -> None:
+    """docs/HA.md: --node-id defaults to HOSTNAME-pid (the HOSTNAME variable, a pod's name; the host's name without)."""
+    import os
+    import socket
+
+    from kvservice.server.ha import default_node_id
+    pod = f"kvservice-{uuid.uuid4().hex[:5]}"
+    monkeypatch.setenv("HOSTNAME", pod)
+    assert default_node_id() == f"{pod}-{os.getpid()}"
+    monkeypatch.delenv("HOSTNAME")
+    assert default_node_id() == f"{socket.gethostname()}-{os.getpid()}"
+
+
+def test_a_standby_that_cannot_recover_from_the_newer_snapshot_fails_naming_why(nats1) -> None:
+    """ha.py _reload: a standby that fell behind a compaction recovers again from the newest snapshot; if that
+    snapshot cannot be decoded (here: random bytes stored under a valid store digest, so only the snapshot's own
+    format check refuses them) it fail-stops, and its reason says what it could not do and why."""
+    from kvservice.server.ha import HAController, LeaderGate, open_journal, open_sole_writer
+    from kvservice.state import snapshot as snap
+    from kvservice.state.nats.config import JournalGap
+    from kvservice.state.nats.leader import Lease, LeaseConfig
+
+    config, rng = _config(nats1), np.random.default_rng(37)
+    writer = open_sole_writer(config, journal_config=_journal_config(), lease_seconds=LEASE)
+    standby = open_journal(config, LEASE, _journal_config(), readonly=False)
+    try:
+        _write_state(writer, rng)
+        junk = rng.integers(0, 256, 300, dtype=np.uint8).tobytes()
+        writer.store.write_snapshot(writer.seq, snap.Encoded(b"", len(junk), [junk]))
+        ha = HAController(standby, standby.store, Lease(standby.store.link, LeaseConfig(), "standby"), LeaderGate())
+        assert ha._reload(JournalGap("test: the entries after 0 were purged")) is False
+        assert ha.role == "failed"
+        assert ha.failed.startswith("standby cannot recover from the newer snapshot: ")
+        assert "too short to be a snapshot" in ha.failed or "not a kvservice snapshot" in ha.failed, ha.failed
+        assert ha.reloads == 0
+    finally:
+        standby.close(snapshot=False)
+        writer.close(snapshot=False)

@@ -91,3 +91,28 @@ def test_a_refusal_keeps_the_workers_error_info_and_names_the_worker(cluster):
     assert e.metadata == {"pool": "w", "incarnation": str(mine)}
     assert e.message.startswith(f"worker w0 at {address} refused the call: worker w0 holds memory planned for "
                                 f"incarnation {mine} of pool 'w'")
+
+
+@pytest.mark.parametrize("after", [False, True])
+def test_corrupt_guard_flips_the_byte_of_the_guard_it_names(cluster, after):
+    """CorruptGuard (test hook) flips byte `offset` of the guard before the buffer or after it (worker.proto); the
+    guarded allocation is guard, cache bytes, guard, so the byte after is at guard_bytes + cache_bytes + offset."""
+    c, _, _ = cluster
+    pool = f"g{int(after)}"
+    c.create_pool(pool, CacheSpec.uniform(1, HEADS, DIM, "float32", PAGE), Sizing(num_slots=16, max_seq_len=64))
+    worker = serve_worker(c.target, pool, "hooked", test_hooks=True)
+    try:
+        with WorkerClient(f"127.0.0.1:{worker.port}", "hooked", timeout=20) as wc:
+            info = wc.info()
+            (buffer,) = info.buffers
+            assert info.cache_bytes == 2 * 16 * PAGE * HEADS * DIM * 4       # K and V, float32, 16 slots of a page
+            assert wc.check_guards().ok
+            offset = 7 + int(after) * 4
+            wc.corrupt_guard(buffer, after=after, offset=offset)
+            rep = wc.check_guards()
+    finally:
+        worker.stop()
+        c.delete_pool(pool)
+    (st,) = rep.buffers
+    assert not rep.ok and st.corrupted_bytes == 1
+    assert st.first_offset == (info.guard_bytes + info.cache_bytes + offset if after else offset)

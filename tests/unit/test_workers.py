@@ -116,6 +116,7 @@ def test_missing_pools_are_not_listed_and_snapshots_without_incarnations_adopt_t
     with pytest.raises(NotFound) as exc:
         m.incarnation("nope")
     assert exc.value.message == "pool 'nope' does not exist"
+    assert exc.value.reason == "NOT_FOUND" and exc.value.metadata == {"pool": "nope"}   # ErrorInfo names the pool
     m.register_worker("w", "secret-tenant-pool", incarnation=42)
     del m._incarnations["secret-tenant-pool"]       # as a snapshot loader that predates incarnations leaves it
     assert m.incarnation("secret-tenant-pool") == 42
