@@ -6,6 +6,7 @@
   stream is purged below its stream sequence"): the entries after it stay and a restart replays them;
 - the journal's direct connection reconnects to its preferred server (DirectPublisher.prefer);
 - a lease renewal that times out once, after a success, is retried and the lease kept (docs/HA.md);
+- a read that gets nothing goes on with a new consumer and logs it (catch_up);
 - the link logs a disconnect naming the server; retry_startup backs off 0.2 s doubling to 2 s (injected clock).
 """
 
@@ -23,7 +24,7 @@ from kvservice.state.journal import JournalConfig
 from kvservice.state.nats import config as nats_config
 from kvservice.state.nats.config import StoreError
 from kvservice.state.nats.direct import DirectPublisher
-from kvservice.state.nats.journal import NatsConfig
+from kvservice.state.nats.journal import NatsConfig, NatsStore
 from kvservice.state.nats.leader import Lease, LeaseConfig
 from kvservice.state.tree import state_tree
 
@@ -160,3 +161,33 @@ def test_retry_startup_backs_off_doubling_from_0_2_to_2_seconds(monkeypatch):
     assert clock.sleeps == pytest.approx([0.2, 0.4, 0.8, 1.6, 2.0, 2.0, 2.0])
     with pytest.raises(StoreError, match="still failing after 3 s"):
         nats_config.retry_startup("creating the stream", lambda: (_ for _ in ()).throw(StoreError("no")), 3.0)
+
+
+def test_a_read_that_gets_nothing_goes_on_with_a_new_consumer_and_says_so(link, caplog):  # noqa: F811
+    """catch_up: a poll that delivers nothing while the stream holds more (the consumer's node restarted under
+    it) is logged and the read goes on with a new consumer, reaching every entry."""
+    c = NatsConfig(link.config.servers, name="r" + uuid.uuid4().hex[:10])
+    j = open_sole_writer(c, journal_config=CONFIG)
+    setup_pools(j)
+    total = j.seq
+    j.close(snapshot=False)
+    lk = type(link)(c)
+    try:
+        reader = NatsStore(lk, readonly=True)
+        real, quiet = reader.poll, []
+
+        def poll(wait, *a, **kw):                         # the first poll: a consumer that delivers nothing
+            if not quiet:
+                quiet.append(wait)
+                return []
+            return real(wait, *a, **kw)
+        reader.poll = poll
+        last = reader.stream_last_seq()
+        with caplog.at_level(logging.INFO, logger="kvservice.nats"):
+            got = [e.seq for e in reader.entries_after(0)]
+        assert got == list(range(1, total + 1)) and quiet == [0.2]
+        said = [r.getMessage() for r in caplog.records if "nothing delivered" in r.getMessage()]
+        assert said == [f"{reader.path}: nothing delivered for 0.2 s at message 0 of {last}; reading on with a new "
+                        "consumer"]
+    finally:
+        lk.close()
