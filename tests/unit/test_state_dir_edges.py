@@ -120,3 +120,16 @@ def test_a_configured_pool_request_carries_its_prefix_hash_settings():
                          prefix_caching=True, model="m-7", prefix_hash="sha256_cbor", prefix_hash_seed="s-93")
     assert (req.prefix_hash, req.prefix_hash_seed, req.model, req.enable_prefix_caching) == \
         ("sha256_cbor", "s-93", "m-7", True)
+
+
+def test_the_manifest_is_written_in_its_canonical_key_order(tmp_path):
+    """The MANIFEST file lists its keys sorted, the canonical form its digest is taken over (not the order the
+    writer happened to pass its fields in): the same witness gives the same bytes."""
+    d = tmp_path / "s"
+    j = Journal.open(d, config=CONFIG)
+    setup_pools(j)
+    j.close(snapshot=False)
+    pairs = json.loads((d / "MANIFEST").read_text(), object_pairs_hook=list)
+    keys = [k for k, _ in pairs]
+    assert {"format", "incarnation", "lineage", "running", "last_seq", "snapshot_seq", "digest"} <= set(keys)
+    assert keys == sorted(keys)
