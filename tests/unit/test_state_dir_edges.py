@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 import struct
 
@@ -133,3 +134,25 @@ def test_the_manifest_is_written_in_its_canonical_key_order(tmp_path):
     keys = [k for k, _ in pairs]
     assert {"format", "incarnation", "lineage", "running", "last_seq", "snapshot_seq", "digest"} <= set(keys)
     assert keys == sorted(keys)
+
+
+def test_a_flip_the_checksum_cannot_place_names_every_candidate_not_a_guess(tmp_path):
+    """Bit 31 of any page word changes both checksum words by 2^31 times an odd or even coefficient: every word
+    whose coefficients share that parity explains the mismatch alike, so the message names candidates, the flipped
+    one among them, and says the checksum cannot tell them apart."""
+    wal, page = _small_wal(tmp_path, "wal-bit-31")
+    rep = check_wal(wal, page)
+    big = struct.unpack(">I", wal.read_bytes()[:4])[0] == 0x377F0683
+    rng = np.random.default_rng(31)
+    p = 4 * int(rng.integers(64, page // 4))
+    at = 32 + (rep.frames - 1) * (24 + page) + 24 + p + (0 if big else 3)      # the byte holding bit 31
+    word = (8 + p) // 4
+    flip(wal, 8 * at + 7)
+    problem = check_wal(wal, page).problem
+    assert "one flipped bit (bit 31 of checksummed word " in problem
+    assert "other places the checksum cannot tell apart" in problem
+    named = [int(w) for w in re.findall(r"bit 31 of (?:checksummed )?word (\d+)", problem)]
+    more = re.search(r"and (\d+) more\)", problem)
+    assert word in named or more is not None, problem
+    flip(wal, 8 * at + 7)
+    assert check_wal(wal, page).problem is None

@@ -226,7 +226,14 @@ def _one_bit(words: np.ndarray, pw: np.ndarray, n: int, computed: tuple[int, int
     if not len(hit):
         return None
     w, bit = (int(x) for x in hit[0])
-    return f"bit {bit} of checksummed word {w}"
+    if len(hit) == 1:
+        return f"bit {bit} of checksummed word {w}"
+    # The checksum scales a flip of bit b by each word's coefficient mod 2^32: high bits of different words (bit 31
+    # always) can change it alike, and then the checksum cannot tell which one flipped: name them, not a guess.
+    others = ", ".join(f"bit {int(b)} of word {int(x)}" for x, b in hit[1:4])
+    more = f" and {len(hit) - 4} more" if len(hit) > 4 else ""
+    return (f"bit {bit} of checksummed word {w}, or any of {len(hit) - 1} other places the checksum cannot tell "
+            f"apart: {others}{more}")
 
 
 __all__ = ["WalReport", "check_wal", "db_header"]
