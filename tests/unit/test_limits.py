@@ -174,6 +174,8 @@ def test_counts_over_max_seq_len_are_refused_before_the_pool_adds_them():
         with pytest.raises(InvalidArgument) as exc:
             api.Step(r)
         assert "max_seq_len=4096" in exc.value.message or "must be > 0" in exc.value.message
+        if big == 4097:                                   # the field and entry are named, as the request spells them
+            assert exc.value.message.startswith("extend_num_tokens[0] = 4097 tokens: pool 'p'")
         assert state_tree(m) == before
     with m.locked("p") as pool:
         assert pool.sequences()[1].tolist() == [5, 5]
