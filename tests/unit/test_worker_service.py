@@ -96,6 +96,12 @@ def test_validate_page_table_reports_the_first_violation_by_kernel_layer_and_rea
         stub.ValidatePageTable(req, timeout=60)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "last_page_len must have shape [B] = [2], got [3]" in err.value.details()
+    req.last_page_len.CopyFrom(to_tensor(np.array([4, 1], np.int32)))
+    req.indices.CopyFrom(to_tensor(pages.astype(np.int64)))                     # page indices are INT32 [nnz]
+    with pytest.raises(grpc.RpcError) as err:
+        stub.ValidatePageTable(req, timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == "indices must be INT32 [nnz], got INT64"
 
 
 @pytest.mark.parametrize("layout", ["per_layer", "interleaved"])
