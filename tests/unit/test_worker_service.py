@@ -160,6 +160,7 @@ def test_a_worker_with_no_layers_named_serves_every_layer_and_heartbeats_its_inc
     assert (caches.layer_begin, caches.layer_end) == (0, LAYERS)
     (rec,) = client.workers("p")
     assert (rec.worker_id, rec.layer_begin, rec.layer_end) == ("w-9", 0, LAYERS)
+    assert (rec.tp_rank, rec.tp_size) == (0, 1)                  # no tensor parallelism unless asked for
     send_heartbeat(client, worker.identity, 30)                 # the registration it holds: renewed
     client.delete_pool("p", force=True)
     client.create_pool("p", CacheSpec.uniform(LAYERS, 2, 64, "float32", PS), Sizing(num_slots=SLOTS, max_seq_len=64))
