@@ -258,3 +258,48 @@ def test_after_a_replan_no_page_counts_as_written_under_any_generation():
     for page in (written, never):
         r = read(page)
         assert (r.count, r.reason) == (1, "stale_page"), (page, r)
+
+
+def test_a_heartbeat_reply_from_a_rolled_back_manager_is_refused_and_logged(joined):
+    """The worker's client saw the manager's journal further on than the heartbeat reply says (the manager's
+    state rolled back, docs/DURABILITY.md): the reply is refused and the heartbeat loop logs that this worker
+    keeps its caches and registration, and goes on."""
+    import logging
+    import threading
+
+    from kvservice.v1 import block_manager_pb2 as pb
+    from kvservice.worker.server import _heartbeat, send_heartbeat
+
+    client, worker = joined
+    send_heartbeat(client, worker.identity, 30)
+    t = client.position
+    assert t.lineage and t.seq > 0
+    ahead = pb.StepReply(position=pb.JournalPosition(lineage=t.lineage, incarnation=t.incarnation,
+                                                     seq=t.seq + int(np.random.default_rng(3).integers(5, 500))))
+    t.check("Step", ahead, t.seen(), None)                     # a reply seen before the manager lost its journal
+    stop, errors = threading.Event(), []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno == logging.ERROR and record.getMessage().startswith("heartbeat reply refused"):
+                errors.append(record.getMessage())
+                if len(errors) == 2:           # the loop went round again after the first refusal
+                    stop.set()
+
+    catch = Catch(logging.ERROR)
+    logger = logging.getLogger("kvworker")
+    logger.addHandler(catch)
+    request = pb.RegisterWorkerRequest(worker_id="w-9", pool="p", backend="cpu", device_name="cpu")
+    beat = threading.Thread(target=_heartbeat, args=(client, request, worker.servicer, 0.03, stop), daemon=True)
+    try:
+        beat.start()
+        beat.join(60)
+    finally:
+        stop.set()
+        logger.removeHandler(catch)
+    assert not beat.is_alive() and len(errors) == 2, errors
+    assert errors[0] == ("heartbeat reply refused (the manager's state was rolled back, logged above): this worker "
+                         "keeps its caches and registration and refuses that state until the manager is restored "
+                         "or the worker restarted")
+    client.reset_position()                                    # resynchronised: the manager's state is read again
+    assert [(w.worker_id, w.epoch) for w in client.workers("p")] == [("w-9", worker.identity["epoch"])]   # no rejoin
