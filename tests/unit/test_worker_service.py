@@ -59,6 +59,10 @@ def test_every_series_is_there_from_the_first_scrape(worker):
     assert caches.cache_bytes > 0 and s[("kvworker_cache_bytes", (("pool", "p"),))] == caches.cache_bytes
     assert docs["kvworker_cache_bytes"] == "Bytes of KV cache this worker holds."
     assert docs["kvworker_kernel_duration_seconds"] == "Time per kernel call."
+    assert docs["kvworker_state_rollbacks"] == (
+        "Manager replies (registration, heartbeats, pool reads) this worker refused because the manager's state was "
+        "behind what it had already seen in the same lineage (STATE_ROLLED_BACK, docs/DURABILITY.md).")
+    assert s[("kvworker_state_rollbacks_total", ())] == 0
     for k in KERNELS:
         assert s[("kvworker_kernel_duration_seconds_count", (("kernel", k),))] == 0
 
