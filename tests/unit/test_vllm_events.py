@@ -180,7 +180,8 @@ def test_prefix_hash_seed_is_1_to_256_printable_characters():
     seed = "".join(np.random.default_rng(256).choice(list("abcdefxyz0189-"), 256))
     m.create_pool("ok", spec, sizing, prefix_caching=True, prefix_hash="vllm-sha256-cbor", prefix_hash_seed=seed)
     for i, bad in enumerate((seed + "q", "", "tab\there")):
-        with pytest.raises(InvalidArgument, match=f"prefix_hash_seed must be 1..256 printable characters, got {len(bad)}"):
+        with pytest.raises(InvalidArgument,
+                           match=f"prefix_hash_seed must be 1..256 printable characters, got {len(bad)}"):
             m.create_pool(f"bad{i}", spec, sizing, prefix_caching=True, prefix_hash="vllm-sha256-cbor",
                           prefix_hash_seed=bad)
     assert m.pool_names() == ["ok"]
