@@ -249,3 +249,20 @@ def test_one_copy_takes_up_to_65535_buffers():
     assert kernels_cpu.copy_blocks([c.buf] * 65535, c.layout, none).record.count == 0
     with pytest.raises(ValueError, match="caches: at most 65535 layers per call"):
         kernels_cpu.copy_blocks([c.buf] * 65536, c.layout, none)
+
+
+def test_a_bad_page_generation_record_is_named_by_its_place_in_the_sequence():
+    """check_generations over several layers' records names the bad one page_gen[i]; a single record, page_gen."""
+    from kvservice.worker.generations import check_generations
+    from kvservice.worker.kernel_api import check_array
+
+    rng = np.random.default_rng(35)
+    gens = rng.integers(1, 2**32, 6, dtype=np.uint32)
+    good = rng.integers(1, 2**32, 10, dtype=np.uint32)
+    assert check_generations("generations", gens, 6, [good, good.copy()], 10, "[nnz]", check_array)
+    with pytest.raises(ValueError, match=r"^page_gen\[1\]: expected shape \[num_pages\]"):
+        check_generations("generations", gens, 6, [good, good[:9].copy(), good], 10, "[nnz]", check_array)
+    with pytest.raises(TypeError, match=r"^page_gen\[2\]: expected dtype uint32, got int64"):
+        check_generations("generations", gens, 6, [good, good, good.astype(np.int64)], 10, "[nnz]", check_array)
+    with pytest.raises(ValueError, match=r"^page_gen: expected shape \[num_pages\]"):
+        check_generations("generations", gens, 6, good[:9].copy(), 10, "[nnz]", check_array)

@@ -68,3 +68,24 @@ def test_worker_refuses_a_layer_whose_pages_pass_int32_before_allocating() -> No
     assert geo.index_spaces[1].upper_bound - 1 > 2**31 - 1 >= geo.index_spaces[0].upper_bound - 1
     with pytest.raises(ValueError, match=r"layer 1 of this pool cannot run.*past the int32 page indices"):
         CacheSet(spec, n, 1, 2, ops_numpy)
+
+
+@pytest.mark.parametrize(("fields", "ok"), [
+    ({"offset": 1, "scale": 2, "upper_bound": 9, "base": 1, "pool_pages": 9}, True),
+    ({"offset": 1, "scale": 2, "upper_bound": 9, "base": 1, "pool_pages": 8}, False),   # the pool is too small
+    ({"offset": 1, "scale": 2, "upper_bound": 9, "base": -1, "pool_pages": 12}, False),
+    ({"offset": 2, "scale": 2, "upper_bound": 9, "base": 0, "pool_pages": 9}, False),
+    ({"offset": 0, "scale": 3, "upper_bound": 7, "base": 0, "pool_pages": 20}, True),
+])
+def test_an_index_space_outside_its_pool_is_refused(fields, ok):
+    """docs/DESIGN.md's index space: 0 <= offset < scale, base >= 0, and the pool holds pages up to upper_bound;
+    each condition alone refuses the layout."""
+    from kvservice.worker.page_layout import PageLayout
+
+    layout = PageLayout(page_size=4, kv_heads=2, head_dim=64, dtype="float32", page_stride=2 * 2 * 4 * 64, **fields)
+    if ok:
+        layout.validate()
+    else:
+        with pytest.raises(ValueError, match="index space needs 0 <= offset < scale, base >= 0 and pool_pages >= "
+                                             "upper_bound"):
+            layout.validate()

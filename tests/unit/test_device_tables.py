@@ -206,3 +206,22 @@ def test_a_stale_table_error_names_both_incarnations_and_the_rpc_that_reloads_it
     rpc = msg[msg.rindex("(") + 1:-1]
     assert msg.endswith(f"a full reply of the current pool ({rpc})") and \
         rpc in wpb.DESCRIPTOR.services_by_name["Worker"].methods_by_name, msg
+
+
+def test_a_held_tables_bytes_are_every_array_its_mirror_holds(world):
+    """HeldTable.nbytes (what the tenant quota bounds) is the sum over every array the mirror holds: its own
+    per-sequence arrays and each index space's (found by walking the objects, not by a list of names)."""
+    api, tables, _ = world
+    rng = np.random.default_rng(41)
+    held = tables.update("a", "t1", Stream(api, "s").step(admit_seq_ids=[1, 2, 3, 4],
+                                                          admit_num_tokens=rng.integers(1, 60, 4).tolist()))
+    mirror = held.mirror
+
+    def arrays(obj) -> list[np.ndarray]:
+        values = vars(obj).values() if hasattr(obj, "__dict__") else [getattr(obj, n) for n in obj.__slots__]
+        return [v for v in values if isinstance(v, np.ndarray)]
+
+    own = arrays(mirror)
+    assert len(own) >= 4 and all(a.nbytes for a in own)
+    want = sum(a.nbytes for a in own) + sum(a.nbytes for s in mirror.spaces.values() for a in arrays(s))
+    assert held.nbytes == want == tables.tenant_bytes("a")

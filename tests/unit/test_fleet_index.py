@@ -450,3 +450,24 @@ def test_each_members_child_lists_are_exactly_the_caches_registered_pages():
                 if p >= 0:
                     want.setdefault(p, set()).add(int(s))
             assert b.children == want
+
+
+def test_a_table_keeps_every_rows_64_bit_hashes_and_tokens_exactly_when_it_grows():
+    """_Table's rows hold full 64-bit page and parent hashes (uint64: a float would round them, and its
+    parent check would pass a parent that differs in the low bits); grow keeps the contents."""
+    from kvservice.manager.fleet_index import _Table
+
+    rng = np.random.default_rng(2317)
+    t = _Table(page_size=3, words=1)
+    n = len(t.holders)
+    h = rng.integers(2**60, 2**64 - 1, n, dtype=np.uint64) | np.uint64(1)
+    ph = rng.integers(2**60, 2**64 - 1, n, dtype=np.uint64) | np.uint64(1)
+    tok = rng.integers(1, 2**40, (n, 3))
+    t.hash[:], t.parent_hash[:], t.tokens[:] = h, ph, tok
+    t.used = n
+    t.grow(4 * n, 2)
+    assert len(t.holders) == 4 * n and t.mask.shape == (4 * n, 2)
+    assert [int(x) for x in t.parent_hash[:n]] == [int(x) for x in ph]
+    assert [int(x) for x in t.hash[:n]] == [int(x) for x in h]
+    assert (t.tokens[:n] == tok).all() and not t.parent_hash[n:].any()
+    assert not (t.parent_hash[:n] == (ph ^ np.uint64(1))).any()     # a parent one bit off is another parent

@@ -72,3 +72,14 @@ def test_invalidated_table_rebuilds_from_the_live_pages_at_the_next_lookup():
             assert t.lookup(probe).tolist() == want
             assert t.refill is None
     assert calls and all(n <= 90 for n in calls)                  # rebuilt, from the pages live at the time
+
+
+def test_full_after_counts_three_quarters_and_never_while_a_rebuild_waits():
+    """docs: full at more than 3/4 of the table; never while an invalidated table waits for its rebuild."""
+    t = HashSlots(16)                                   # 2*16-1 = 31 -> 32 positions, 3/4 = 24
+    assert t.mask + 1 == 32
+    assert not t.full_after(24) and t.full_after(25)
+    t.insert(np.array([5, 9], dtype=np.uint64), np.array([1, 2], dtype=np.int64))
+    assert not t.full_after(22) and t.full_after(23)    # 2 pending count
+    t.invalidate(lambda: (np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.int64)))
+    assert not t.full_after(1) and not t.full_after(1000)

@@ -146,3 +146,18 @@ def test_a_free_row_that_is_also_live_is_named(busy):
     a["free_rows"][0] = a["rows"][1]
     assert check_pool_state(dataclasses.replace(state, arrays=a), busy.plan) == [
         "free rows are out of range, repeated, or also live"]
+
+
+@pytest.mark.parametrize("hits", ["negative", "missing"])
+def test_prefix_hit_counts_that_are_negative_or_missing_are_named(busy, hits):
+    """One hit count per group, none negative: a right-length list with a negative count is named too."""
+    pool = fresh(busy)
+    state = pool.export_state()
+    counts = list(state.meta["prefix"]["hits"])
+    assert len(counts) == len(pool.plan.geometry.groups)
+    if hits == "negative":
+        counts[-1] = -7
+    else:
+        counts = counts[:-1]
+    state.meta["prefix"]["hits"] = counts
+    assert "prefix cache: hit counts per group are missing or negative" in check_pool_state(state, pool.plan)

@@ -174,6 +174,8 @@ def test_counts_over_max_seq_len_are_refused_before_the_pool_adds_them():
         with pytest.raises(InvalidArgument) as exc:
             api.Step(r)
         assert "max_seq_len=4096" in exc.value.message or "must be > 0" in exc.value.message
+        if big == 4097:                                   # the field and entry are named, as the request spells them
+            assert exc.value.message.startswith("extend_num_tokens[0] = 4097 tokens: pool 'p'")
         assert state_tree(m) == before
     with m.locked("p") as pool:
         assert pool.sequences()[1].tolist() == [5, 5]
@@ -422,3 +424,23 @@ def test_pages_after_takes_fork_children_of_unknown_length_at_max_pages_each():
     assert pages_after(16, 25, (0, 32), e_old, e_k, a_n, None, 0, None) == ((3 + 9 + 2, 3 + 5 + 2), 9)
     assert pages_after(16, 25, (0, 32), e_old, e_k, a_n, np.array([20, 33], np.int64), 2, None) == \
         ((3 + 9 + 2 + 5, 3 + 5 + 2 + 5), 9)
+
+
+def test_decoded_step_counts_its_sequences_and_new_tokens():
+    """DecodedStep.new_tokens (what --max-step-tokens caps) is the sum of the counts given, or the length of
+    admit_token_ids if more; sequences counts every id in the step. Each part alone, then all together."""
+    from kvservice.manager.step_input import decode_step
+
+    rng = np.random.default_rng(5)
+    e, a = rng.integers(1, 50, 3), rng.integers(1, 50, 4)
+    only_admit = decode_step(pb.StepRequest(pool="p", admit_seq_ids=ids([7, 8, 9, 10]), admit_num_tokens=counts(a)))
+    assert (only_admit.new_tokens, only_admit.sequences) == (int(a.sum()), 4)
+    only_extend = decode_step(pb.StepRequest(pool="p", extend_seq_ids=ids([1, 2, 3]), extend_num_tokens=counts(e)))
+    assert (only_extend.new_tokens, only_extend.sequences) == (int(e.sum()), 3)
+    nothing = decode_step(pb.StepRequest(pool="p", free_seq_ids=ids([4, 5])))
+    assert (nothing.new_tokens, nothing.sequences) == (0, 2)
+    tok = rng.integers(1, 1000, int(a.sum()) + int(e.sum()) + 5)
+    both = decode_step(pb.StepRequest(pool="p", extend_seq_ids=ids([1, 2, 3]), extend_num_tokens=counts(e),
+                                      admit_seq_ids=ids([7, 8, 9, 10]), admit_num_tokens=counts(a),
+                                      admit_token_ids=to_tensor(tok), free_seq_ids=ids([4])))
+    assert (both.new_tokens, both.sequences) == (len(tok), 8)

@@ -184,6 +184,7 @@ def base():
     ({"layer_types": ["full_attention"] * 3}, "must list one type per layer (32), got 3"),
     ({"layer_types": ["sliding_attention"] * 32}, "field 'sliding_window' is missing"),
     ({"sliding_window_pattern": 0, "sliding_window": 10}, "'sliding_window_pattern' must be a positive integer"),
+    ({"global_head_dim": 0}, "field 'global_head_dim' must be a positive integer, got 0"),
 ])
 def test_config_errors_name_the_field(change, message):
     cfg = {**base(), **change}

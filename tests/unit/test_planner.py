@@ -82,8 +82,9 @@ def test_any_page_size_backends_and_aliases():
     for ps in (1, 3, 16, 17, 1000):
         assert check_backends(ps, ["native", "flashinfer"]) == ["native", "flashinfer"]
     assert resolve_backend("FA2").name == "flash-attn2"
-    with pytest.raises(InvalidArgument, match="unknown kernel backend 'cudnn'"):
+    with pytest.raises(InvalidArgument, match="unknown kernel backend 'cudnn'") as err:
         resolve_backend("cudnn")
+    assert err.value.metadata == {"backend": "cudnn"}      # the name as given, for a client to act on
     assert set(BACKENDS) == {"native", "flashinfer", "flash-attn2", "vllm-flash-attn", "candle-flash-attn", "trtllm"}
 
 

@@ -85,3 +85,16 @@ def test_namespace_ids_refuse_salts_and_keys_of_different_lengths():
     """One extra key per salt: a shorter list is an error, never ids left uninitialised."""
     with pytest.raises(ValueError):
         Namespaces().ids(["t1", "t2", "t3"], ["k"])
+
+
+@pytest.mark.parametrize("ps", [1, 5, 16])
+def test_token_hashes_match_the_model_with_a_fresh_position_table(monkeypatch, ps):
+    """token_hashes against the plain-Python page hash, its per-page-size position table built afresh (a table
+    cached by an earlier call would hide how it is built)."""
+    from kvservice.core import hashing
+    monkeypatch.setattr(hashing, "_POS", {})
+    rng = np.random.default_rng(900 + ps)
+    pages = rng.integers(-(2**62), 2**62, (7, ps))
+    got = hashing.token_hashes(pages)
+    assert got.dtype == np.uint64
+    assert [int(v) for v in got] == [page_hash([int(t) & MASK for t in row]) for row in pages]

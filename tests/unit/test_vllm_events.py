@@ -168,3 +168,20 @@ def test_pool_info_names_the_hash_mode_and_only_vllms_mode_carries_a_seed():
     assert (vl.prefix_hash, vl.prefix_hash_seed) == ("vllm-sha256-cbor", "4242")
     listed = {p.name: (p.prefix_hash, p.prefix_hash_seed) for p in api.ListPools(pb.ListPoolsRequest()).pools}
     assert listed == {"own": ("kvservice", ""), "vl": ("vllm-sha256-cbor", "4242")}
+
+
+def test_prefix_hash_seed_is_1_to_256_printable_characters():
+    """A 256-character seed is a pool's; 257 characters, an empty or unprintable seed is refused, no pool made."""
+    from kvservice.contract.errors import InvalidArgument
+    from kvservice.manager.pools import BlockManager
+
+    m = BlockManager()
+    spec, sizing = CacheSpec.uniform(2, 1, 64, page_size=PS), Sizing(num_slots=16, max_seq_len=64)
+    seed = "".join(np.random.default_rng(256).choice(list("abcdefxyz0189-"), 256))
+    m.create_pool("ok", spec, sizing, prefix_caching=True, prefix_hash="vllm-sha256-cbor", prefix_hash_seed=seed)
+    for i, bad in enumerate((seed + "q", "", "tab\there")):
+        with pytest.raises(InvalidArgument,
+                           match=f"prefix_hash_seed must be 1..256 printable characters, got {len(bad)}"):
+            m.create_pool(f"bad{i}", spec, sizing, prefix_caching=True, prefix_hash="vllm-sha256-cbor",
+                          prefix_hash_seed=bad)
+    assert m.pool_names() == ["ok"]

@@ -59,6 +59,10 @@ def test_every_series_is_there_from_the_first_scrape(worker):
     assert caches.cache_bytes > 0 and s[("kvworker_cache_bytes", (("pool", "p"),))] == caches.cache_bytes
     assert docs["kvworker_cache_bytes"] == "Bytes of KV cache this worker holds."
     assert docs["kvworker_kernel_duration_seconds"] == "Time per kernel call."
+    assert docs["kvworker_state_rollbacks"] == (
+        "Manager replies (registration, heartbeats, pool reads) this worker refused because the manager's state was "
+        "behind what it had already seen in the same lineage (STATE_ROLLED_BACK, docs/DURABILITY.md).")
+    assert s[("kvworker_state_rollbacks_total", ())] == 0
     for k in KERNELS:
         assert s[("kvworker_kernel_duration_seconds_count", (("kernel", k),))] == 0
 
@@ -96,6 +100,12 @@ def test_validate_page_table_reports_the_first_violation_by_kernel_layer_and_rea
         stub.ValidatePageTable(req, timeout=60)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "last_page_len must have shape [B] = [2], got [3]" in err.value.details()
+    req.last_page_len.CopyFrom(to_tensor(np.array([4, 1], np.int32)))
+    req.indices.CopyFrom(to_tensor(pages.astype(np.int64)))                     # page indices are INT32 [nnz]
+    with pytest.raises(grpc.RpcError) as err:
+        stub.ValidatePageTable(req, timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == "indices must be INT32 [nnz], got INT64"
 
 
 @pytest.mark.parametrize("layout", ["per_layer", "interleaved"])
@@ -154,6 +164,7 @@ def test_a_worker_with_no_layers_named_serves_every_layer_and_heartbeats_its_inc
     assert (caches.layer_begin, caches.layer_end) == (0, LAYERS)
     (rec,) = client.workers("p")
     assert (rec.worker_id, rec.layer_begin, rec.layer_end) == ("w-9", 0, LAYERS)
+    assert (rec.tp_rank, rec.tp_size) == (0, 1)                  # no tensor parallelism unless asked for
     send_heartbeat(client, worker.identity, 30)                 # the registration it holds: renewed
     client.delete_pool("p", force=True)
     client.create_pool("p", CacheSpec.uniform(LAYERS, 2, 64, "float32", PS), Sizing(num_slots=SLOTS, max_seq_len=64))
@@ -251,3 +262,48 @@ def test_after_a_replan_no_page_counts_as_written_under_any_generation():
     for page in (written, never):
         r = read(page)
         assert (r.count, r.reason) == (1, "stale_page"), (page, r)
+
+
+def test_a_heartbeat_reply_from_a_rolled_back_manager_is_refused_and_logged(joined):
+    """The worker's client saw the manager's journal further on than the heartbeat reply says (the manager's
+    state rolled back, docs/DURABILITY.md): the reply is refused and the heartbeat loop logs that this worker
+    keeps its caches and registration, and goes on."""
+    import logging
+    import threading
+
+    from kvservice.v1 import block_manager_pb2 as pb
+    from kvservice.worker.server import _heartbeat, send_heartbeat
+
+    client, worker = joined
+    send_heartbeat(client, worker.identity, 30)
+    t = client.position
+    assert t.lineage and t.seq > 0
+    ahead = pb.StepReply(position=pb.JournalPosition(lineage=t.lineage, incarnation=t.incarnation,
+                                                     seq=t.seq + int(np.random.default_rng(3).integers(5, 500))))
+    t.check("Step", ahead, t.seen(), None)                     # a reply seen before the manager lost its journal
+    stop, errors = threading.Event(), []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno == logging.ERROR and record.getMessage().startswith("heartbeat reply refused"):
+                errors.append(record.getMessage())
+                if len(errors) == 2:           # the loop went round again after the first refusal
+                    stop.set()
+
+    catch = Catch(logging.ERROR)
+    logger = logging.getLogger("kvworker")
+    logger.addHandler(catch)
+    request = pb.RegisterWorkerRequest(worker_id="w-9", pool="p", backend="cpu", device_name="cpu")
+    beat = threading.Thread(target=_heartbeat, args=(client, request, worker.servicer, 0.03, stop), daemon=True)
+    try:
+        beat.start()
+        beat.join(60)
+    finally:
+        stop.set()
+        logger.removeHandler(catch)
+    assert not beat.is_alive() and len(errors) == 2, errors
+    assert errors[0] == ("heartbeat reply refused (the manager's state was rolled back, logged above): this worker "
+                         "keeps its caches and registration and refuses that state until the manager is restored "
+                         "or the worker restarted")
+    client.reset_position()                                    # resynchronised: the manager's state is read again
+    assert [(w.worker_id, w.epoch) for w in client.workers("p")] == [("w-9", worker.identity["epoch"])]   # no rejoin

@@ -32,8 +32,10 @@ def test_register_heartbeat_lapse_and_reregister():
         reg.heartbeat("w0", 1)
     w2 = reg.register("w0", "p", 8, 4, 8)
     assert w2.epoch == 2 and w2.alive
-    with pytest.raises(FailedPrecondition, match="epoch 1, current epoch is 2"):
-        reg.heartbeat("w0", 1)                         # the old process is fenced
+    with pytest.raises(FailedPrecondition, match="epoch 1, current epoch is 2: another registration replaced this "
+                       "one") as exc:
+        reg.heartbeat("w0", 1)                         # the old process is fenced, and told why
+    assert exc.value.reason == "STALE_EPOCH" and exc.value.metadata == {"worker_id": "w0"}
     reg.heartbeat("w0", 2)
 
 
@@ -157,3 +159,20 @@ def test_the_servers_api_fences_stale_registrations_and_replies_with_the_lease(l
     reply = ManagerAPI(m).RegisterWorker(stale)                                  # a replay: accepted
     assert (reply.epoch, reply.lease_seconds, reply.pool.name, reply.pool.incarnation) == \
         (1, lease, "p", m.incarnation("p"))
+
+
+def test_a_registration_is_logged_with_the_workers_address(caplog):
+    """The manager's log line for a registration names the worker, its pool, layers, epoch and address."""
+    import logging
+
+    from kvservice.manager.api import ManagerAPI
+    from kvservice.v1 import block_manager_pb2 as pb
+
+    m = BlockManager()
+    m.create_pool("p", CacheSpec.uniform(4, 1, 64), Sizing(num_slots=8))
+    caplog.set_level(logging.INFO, logger="kvservice")
+    ManagerAPI(m).RegisterWorker(pb.RegisterWorkerRequest(worker_id="w7", pool="p", layer_begin=1, layer_end=3,
+                                                          backend="cpu", address="10.1.2.3:4567"))
+    lines = [r.getMessage() for r in caplog.records if "registered" in r.getMessage()]
+    assert lines == [f"worker w7 registered for pool p (incarnation {m.incarnation('p')}) layers [1, 3) epoch 1 "
+                     "at 10.1.2.3:4567"]
