@@ -316,3 +316,19 @@ def test_a_snapshot_without_release_clocks_restores_the_cached_pages_in_their_st
     assert twin.sequence_slots(9, 0).tolist() == pool.sequence_slots(9, 0).tolist()
     assert twin.allocators[0].evictions == pool.allocators[0].evictions > 0
     assert_invariants(twin)
+
+
+def test_a_free_stack_kept_as_runs_is_written_as_those_runs():
+    """An IdRuns (pool_state: run k's element i is tops[k] - i) is encoded as runs without expanding it, and
+    decodes to the ids it stands for, written out by hand here."""
+    from kvservice.core.pool_state import IdRuns
+    ids = IdRuns(np.array([0, 3, 5], dtype=np.int64), np.array([9, 23, 9], dtype=np.int64), 9)
+    enc = snap.encode(1, 1, 0.0, {"q": PoolState({"version": 1}, {"free_stack/0": ids})}, [], snap.WindowState(),
+                      METHODS)
+    data = blob(enc)
+    header = json.loads(bytes(data[snap._PREFIX.size:snap._PREFIX.size + snap._PREFIX.unpack(
+        data[:snap._PREFIX.size])[2]]))
+    (entry,) = [e for e in header["arrays"] if e["name"] == "pool/q/free_stack/0"]
+    assert (entry["encoding"], entry["step"], entry["runs"], entry["shape"]) == ("runs", -1, 3, [9])
+    got = snap.decode(data).pools["q"].arrays["free_stack/0"]
+    assert got.dtype == np.int64 and got.tolist() == [9, 8, 7, 20, 19, 4, 3, 2, 1]
