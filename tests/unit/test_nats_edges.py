@@ -191,3 +191,14 @@ def test_a_read_that_gets_nothing_goes_on_with_a_new_consumer_and_says_so(link, 
                         "consumer"]
     finally:
         lk.close()
+
+
+def test_renewing_a_lease_not_held_is_refused_by_name(link):  # noqa: F811
+    """start_renewing is for the leader only: a lease never acquired raises LeaseLost saying so, and starts no
+    renewer (nothing is written to the key)."""
+    from kvservice.state.nats.leader import LeaseLost
+    lease = Lease(link, LeaseConfig(ttl_seconds=5.0, renew_seconds=0.2, poll_seconds=0.1, margin_seconds=0.1),
+                  "node-b")
+    with pytest.raises(LeaseLost, match=r"^start_renewing without holding the lease$"):
+        lease.start_renewing(4, lambda why: None)
+    assert (lease.held, lease.epoch, lease.renewals) == (False, 0, 0)
