@@ -202,3 +202,24 @@ def test_renewing_a_lease_not_held_is_refused_by_name(link):  # noqa: F811
     with pytest.raises(LeaseLost, match=r"^start_renewing without holding the lease$"):
         lease.start_renewing(4, lambda why: None)
     assert (lease.held, lease.epoch, lease.renewals) == (False, 0, 0)
+
+
+def test_a_store_names_its_server_and_stream_and_its_link_thread_does_not_hold_the_process(link):  # noqa: F811
+    """JournalStore.location ("where the state lives, for messages") of a NATS store is its URL and stream; the
+    link's event-loop thread is a daemon, so a process that forgets to close a link still exits."""
+    store = NatsStore(link, readonly=True)
+    assert store.location == store.path == f"{link.config.url} (stream {link.config.stream})"
+    assert link._thread.daemon is True and link._thread.name == "nats-loop"
+
+
+def test_a_stream_leader_that_cannot_be_read_is_logged_naming_the_request(link, caplog):  # noqa: F811
+    """prefer_stream_leader is best effort: when the stream's info cannot be read (here: the stream was deleted
+    under the store) it logs which request failed and leaves the route as it was."""
+    store = NatsStore(link)
+    call(link, link.js.delete_stream(link.config.stream))
+    with caplog.at_level(logging.INFO, logger="kvservice.nats"):
+        store.prefer_stream_leader()
+    said = [r.getMessage() for r in caplog.records if "stream leader not read" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith(f"{store.path}: stream leader not read ({store.path}: reading the "
+                                                 "stream's leader: ")
+    assert said[0].endswith("); appends go through any server")
