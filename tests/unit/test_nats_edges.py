@@ -223,3 +223,20 @@ def test_a_stream_leader_that_cannot_be_read_is_logged_naming_the_request(link, 
     assert len(said) == 1 and said[0].startswith(f"{store.path}: stream leader not read ({store.path}: reading the "
                                                  "stream's leader: ")
     assert said[0].endswith("); appends go through any server")
+
+
+def test_a_read_the_loop_does_not_answer_in_time_names_the_read(link):  # noqa: F811
+    """link.call's own deadline (wait + request_seconds + 1 s for a poll) names the call that ran out. The loop is
+    held by a callback waiting on an Event this test sets afterwards, so the deadline passes for sure."""
+    import dataclasses
+
+    store = NatsStore(link, readonly=True)
+    assert store.poll(0.0) == []                             # subscribed (an empty stream: nothing to read)
+    store.config = dataclasses.replace(store.config, request_seconds=0.01)
+    held = threading.Event()
+    link.loop.call_soon_threadsafe(held.wait)
+    try:
+        with pytest.raises(StoreError, match=r"^NATS did not answer reading the journal stream within 1\.01 s "):
+            store.poll(0.0)
+    finally:
+        held.set()
