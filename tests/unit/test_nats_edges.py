@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import uuid
 
@@ -240,3 +241,27 @@ def test_a_read_the_loop_does_not_answer_in_time_names_the_read(link):  # noqa: 
             store.poll(0.0)
     finally:
         held.set()
+
+
+class ListingRefused:
+    """The snapshot bucket of a store, whose listing fails as a cluster with no JetStream answering does."""
+
+    def __init__(self, obs) -> None:
+        self.obs = obs
+
+    async def list(self, *a, **kw):
+        import nats.errors
+        raise nats.errors.NoRespondersError
+
+    def __getattr__(self, name):
+        return getattr(self.obs, name)
+
+
+def test_a_snapshot_that_cannot_be_listed_is_a_store_error_naming_the_read(link):  # noqa: F811
+    """load_snapshot: a NATS error while listing the snapshot bucket is a StoreError naming the store and the read
+    (then its error), not a state without snapshots."""
+    store = NatsStore(link, readonly=True)
+    store._obs = ListingRefused(store._obs)
+    with pytest.raises(StoreError, match=rf"^{re.escape(store.path)}: listing and reading the newest snapshot: "
+                       r"NoRespondersError: "):
+        store.load_snapshot()
