@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -133,6 +135,11 @@ def test_the_manifest_is_written_in_its_canonical_key_order(tmp_path):
     keys = [k for k, _ in pairs]
     assert {"format", "incarnation", "lineage", "running", "last_seq", "snapshot_seq", "digest"} <= set(keys)
     assert keys == sorted(keys)
+    # exactly the fields docs/DURABILITY.md's MANIFEST row lists
+    row = next(ln for ln in (Path(__file__).parents[2] / "docs" / "DURABILITY.md").read_text().splitlines()
+               if ln.startswith("| `MANIFEST` |"))
+    assert set(keys) == set(re.findall(r"`([a-z_]+)`", row.split("|")[2]))       # (not the file ACKED)
+    assert isinstance(dict(pairs)["updated"], float)
 
 
 def test_refusals_carry_their_documented_reason_codes(tmp_path):
