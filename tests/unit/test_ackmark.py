@@ -103,3 +103,14 @@ def test_the_journal_advances_the_mark_before_each_reply_and_closes_it_exact(tmp
         assert (again.lineage, again.seq) == (lineage, seq)    # the lineage is kept across restarts
     finally:
         again.close()
+
+
+def test_a_new_mark_is_not_required_until_the_store_says_so(tmp_path):
+    """AckMark's documented fields on a dir that never had one: nothing found, not damaged, not required (only
+    the store sets `required`, from its MANIFEST's acked_mark), no record written; a writable one creates it."""
+    mark = AckMark(tmp_path / "ACKED", sync=False)
+    try:
+        assert (mark.found, mark.damaged, mark.required, mark.writes) == (None, False, False, 0)
+        assert (tmp_path / "ACKED").exists()
+    finally:
+        mark.close()

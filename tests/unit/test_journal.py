@@ -606,7 +606,9 @@ def test_continued_lineage_takes_the_found_lineage_or_refuses_another():
         assert continued_lineage(cur, f"{cur:x}", "w") == cur
         if other != cur:
             for found in (other, f"{other:x}"):
-                with pytest.raises(StateError, match="fence 9 belongs to lineage"):
+                # lineages as files and messages write them (16 hex digits), and what the mismatch means
+                with pytest.raises(StateError, match=rf"^fence 9 belongs to lineage {other:016x}, the state to "
+                                   rf"{cur:016x}: parts of two different states \(damaged\)$"):
                     continued_lineage(cur, found, "fence 9")
 
 
@@ -651,3 +653,20 @@ def test_snapshot_to_another_store_copies_the_state_it_recovers_to():
     assert state_tree(j2.manager) == state_tree(j.manager)
     req = step_req("a", admit=[999], n=[int(rng.integers(1, 90))])
     assert body(run(j2, "Step", req)) == body(run(j, "Step", req))
+
+
+def test_the_snapshot_log_line_reports_the_journals_own_figures(tmp_path, caplog):
+    """The INFO line of a snapshot gives its position, bytes and encode + write time in ms: the same figures the
+    journal exports (snapshot_seq, snapshot_bytes, snapshot_seconds x 1000), not a clock read of its own."""
+    import logging
+
+    j = Journal.open(tmp_path, config=JournalConfig(sync="normal", compact_every=1000, background_snapshots=False))
+    setup_pools(j)
+    run(j, "Step", step_req("a", admit=[3], n=[int(np.random.default_rng(2818).integers(1, 60))]))
+    with caplog.at_level(logging.INFO, logger="kvservice.state.journal"):
+        j.snapshot()
+    (rec,) = [r for r in caplog.records if r.getMessage().startswith("snapshot at journal position")]
+    seq, nbytes, _pause_ms, write_ms = rec.args
+    assert (seq, nbytes) == (j.snapshot_seq, j.snapshot_bytes) and seq == j.seq
+    assert write_ms == 1e3 * j.snapshot_seconds
+    j.close(snapshot=False)

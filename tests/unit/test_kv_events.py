@@ -416,6 +416,9 @@ def test_metrics_are_the_documented_series_with_their_labels_and_a_sentence_of_h
     for name, fam in exported.items():
         assert {k for s in fam.samples for k in s.labels} == documented[name], name
         assert re.fullmatch(r"[A-Z].*\.", fam.documentation), (name, fam.documentation)
+        # sentence case: the only words in capitals are the acronym KV (and a one-letter word)
+        shouted = [w for w in re.findall(r"[A-Za-z]+", fam.documentation) if len(w) > 1 and w.isupper()]
+        assert set(shouted) <= {"KV"}, (name, fam.documentation)
 
 
 def test_a_poll_waits_for_the_next_batch_of_a_live_pool():

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import uuid
 
@@ -191,3 +192,76 @@ def test_a_read_that_gets_nothing_goes_on_with_a_new_consumer_and_says_so(link, 
                         "consumer"]
     finally:
         lk.close()
+
+
+def test_renewing_a_lease_not_held_is_refused_by_name(link):  # noqa: F811
+    """start_renewing is for the leader only: a lease never acquired raises LeaseLost saying so, and starts no
+    renewer (nothing is written to the key)."""
+    from kvservice.state.nats.leader import LeaseLost
+    lease = Lease(link, LeaseConfig(ttl_seconds=5.0, renew_seconds=0.2, poll_seconds=0.1, margin_seconds=0.1),
+                  "node-b")
+    with pytest.raises(LeaseLost, match=r"^start_renewing without holding the lease$"):
+        lease.start_renewing(4, lambda why: None)
+    assert (lease.held, lease.epoch, lease.renewals) == (False, 0, 0)
+
+
+def test_a_store_names_its_server_and_stream_and_its_link_thread_does_not_hold_the_process(link):  # noqa: F811
+    """JournalStore.location ("where the state lives, for messages") of a NATS store is its URL and stream; the
+    link's event-loop thread is a daemon, so a process that forgets to close a link still exits."""
+    store = NatsStore(link, readonly=True)
+    assert store.location == store.path == f"{link.config.url} (stream {link.config.stream})"
+    assert link._thread.daemon is True and link._thread.name == "nats-loop"
+
+
+def test_a_stream_leader_that_cannot_be_read_is_logged_naming_the_request(link, caplog):  # noqa: F811
+    """prefer_stream_leader is best effort: when the stream's info cannot be read (here: the stream was deleted
+    under the store) it logs which request failed and leaves the route as it was."""
+    store = NatsStore(link)
+    call(link, link.js.delete_stream(link.config.stream))
+    with caplog.at_level(logging.INFO, logger="kvservice.nats"):
+        store.prefer_stream_leader()
+    said = [r.getMessage() for r in caplog.records if "stream leader not read" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith(f"{store.path}: stream leader not read ({store.path}: reading the "
+                                                 "stream's leader: ")
+    assert said[0].endswith("); appends go through any server")
+
+
+def test_a_read_the_loop_does_not_answer_in_time_names_the_read(link):  # noqa: F811
+    """link.call's own deadline (wait + request_seconds + 1 s for a poll) names the call that ran out. The loop is
+    held by a callback waiting on an Event this test sets afterwards, so the deadline passes for sure."""
+    import dataclasses
+
+    store = NatsStore(link, readonly=True)
+    assert store.poll(0.0) == []                             # subscribed (an empty stream: nothing to read)
+    store.config = dataclasses.replace(store.config, request_seconds=0.01)
+    held = threading.Event()
+    link.loop.call_soon_threadsafe(held.wait)
+    try:
+        with pytest.raises(StoreError, match=r"^NATS did not answer reading the journal stream within 1\.01 s "):
+            store.poll(0.0)
+    finally:
+        held.set()
+
+
+class ListingRefused:
+    """The snapshot bucket of a store, whose listing fails as a cluster with no JetStream answering does."""
+
+    def __init__(self, obs) -> None:
+        self.obs = obs
+
+    async def list(self, *a, **kw):
+        import nats.errors
+        raise nats.errors.NoRespondersError
+
+    def __getattr__(self, name):
+        return getattr(self.obs, name)
+
+
+def test_a_snapshot_that_cannot_be_listed_is_a_store_error_naming_the_read(link):  # noqa: F811
+    """load_snapshot: a NATS error while listing the snapshot bucket is a StoreError naming the store and the read
+    (then its error), not a state without snapshots."""
+    store = NatsStore(link, readonly=True)
+    store._obs = ListingRefused(store._obs)
+    with pytest.raises(StoreError, match=rf"^{re.escape(store.path)}: listing and reading the newest snapshot: "
+                       r"NoRespondersError: "):
+        store.load_snapshot()

@@ -316,3 +316,49 @@ def test_a_snapshot_without_release_clocks_restores_the_cached_pages_in_their_st
     assert twin.sequence_slots(9, 0).tolist() == pool.sequence_slots(9, 0).tolist()
     assert twin.allocators[0].evictions == pool.allocators[0].evictions > 0
     assert_invariants(twin)
+
+
+def test_a_free_stack_kept_as_runs_is_written_as_those_runs():
+    """An IdRuns (pool_state: run k's element i is tops[k] - i) is encoded as runs without expanding it, and
+    decodes to the ids it stands for, written out by hand here."""
+    from kvservice.core.pool_state import IdRuns
+    ids = IdRuns(np.array([0, 3, 5], dtype=np.int64), np.array([9, 23, 9], dtype=np.int64), 9)
+    enc = snap.encode(1, 1, 0.0, {"q": PoolState({"version": 1}, {"free_stack/0": ids})}, [], snap.WindowState(),
+                      METHODS)
+    data = blob(enc)
+    header = json.loads(bytes(data[snap._PREFIX.size:snap._PREFIX.size + snap._PREFIX.unpack(
+        data[:snap._PREFIX.size])[2]]))
+    (entry,) = [e for e in header["arrays"] if e["name"] == "pool/q/free_stack/0"]
+    assert (entry["encoding"], entry["step"], entry["runs"], entry["shape"]) == ("runs", -1, 3, [9])
+    got = snap.decode(data).pools["q"].arrays["free_stack/0"]
+    assert got.dtype == np.int64 and got.tolist() == [9, 8, 7, 20, 19, 4, 3, 2, 1]
+
+
+def test_state_tree_holds_every_array_as_dtype_shape_and_bytes():
+    """tree.state_tree's documented form: each pool's arrays (less `skip`) as ("ndarray", dtype, shape, bytes),
+    sorted by name; two pools that differ only in their token ids give different trees."""
+    rng = np.random.default_rng(17)
+
+    def manager(tokens):
+        m = BlockManager()
+        m.create_pool("p", CacheSpec.uniform(2, 1, 64, page_size=4), Sizing(num_slots=32, max_seq_len=64),
+                      prefix_caching=True)
+        pool, lock = m.pool_and_lock("p")
+        with lock:
+            pool.step(admit_ids=[5], admit_tokens=[len(tokens)], admit_token_ids=tokens)
+        return m
+
+    tokens = rng.integers(1, 50_000, 13).astype(np.int64)
+    m = manager(tokens)
+    st = m.pool_and_lock("p")[0].export_state()
+    meta, arrays = state_tree(m)["pools"]["p"]
+    assert meta[0] == "meta" and arrays[0] == "arrays"
+    assert [k for k, _ in arrays[1]] == sorted(st.arrays)
+    for k, (tag, dtype, shape, data) in arrays[1]:
+        a = np.asarray(st.arrays[k])
+        assert (tag, dtype, shape, data) == ("ndarray", a.dtype.str, a.shape, a.tobytes()), k
+    skip = frozenset({sorted(st.arrays)[0]})
+    assert [k for k, _ in state_tree(m, skip)["pools"]["p"][1][1]] == sorted(st.arrays)[1:]
+    other = tokens.copy()
+    other[0] += 1
+    assert state_tree(manager(other)) != state_tree(m)

@@ -14,6 +14,7 @@ import json
 import re
 import shutil
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -134,6 +135,40 @@ def test_the_manifest_is_written_in_its_canonical_key_order(tmp_path):
     keys = [k for k, _ in pairs]
     assert {"format", "incarnation", "lineage", "running", "last_seq", "snapshot_seq", "digest"} <= set(keys)
     assert keys == sorted(keys)
+    # exactly the fields docs/DURABILITY.md's MANIFEST row lists
+    row = next(ln for ln in (Path(__file__).parents[2] / "docs" / "DURABILITY.md").read_text().splitlines()
+               if ln.startswith("| `MANIFEST` |"))
+    assert set(keys) == set(re.findall(r"`([a-z_]+)`", row.split("|")[2]))       # (not the file ACKED)
+    assert isinstance(dict(pairs)["updated"], float)
+
+
+def test_refusals_carry_their_documented_reason_codes(tmp_path):
+    """docs/DURABILITY.md's refusals, each with its reason code: no state at all (read-only open), a MANIFEST of
+    another format, a state.db whose 16-byte SQLite magic ("SQLite format 3\\0", SQLite's file format doc) is
+    damaged."""
+    from kvservice.state.sqlite.store import SqliteStore
+    with pytest.raises(StateError, match="no kvservice state here") as e:
+        SqliteStore.open(tmp_path / "empty", readonly=True)
+    assert e.value.reason == "STATE_MISSING"
+
+    d, *_ = make_state(tmp_path, crashed=False, name="fmt")
+    m = json.loads((d / "MANIFEST").read_text())
+    m["format"] = 7
+    body = {k: v for k, v in m.items() if k != "digest"}
+    m["digest"] = hashlib.blake2b(json.dumps(body, sort_keys=True).encode(), digest_size=16).hexdigest()
+    (d / "MANIFEST").write_text(json.dumps(m))
+    with pytest.raises(StateError, match=r"state format 7 is not 2") as e:
+        Journal.open(d, config=CONFIG)
+    assert e.value.reason == "STATE_FORMAT"
+
+    d, *_ = make_state(tmp_path, crashed=False, name="magic")
+    db = bytearray((d / "state.db").read_bytes())
+    assert db[:16] == b"SQLite format 3\x00"
+    db[7] ^= 0x20                               # 'f' -> 'F': the magic no longer matches
+    (d / "state.db").write_bytes(bytes(db))
+    with pytest.raises(StateError, match=r"state\.db is not an SQLite database") as e:
+        Journal.open(d, config=CONFIG)
+    assert e.value.reason == "STATE_DAMAGED"
 
 
 def test_a_flip_the_checksum_cannot_place_names_every_candidate_not_a_guess(tmp_path):

@@ -69,3 +69,13 @@ def test_startup_retries_store_errors_within_its_time_and_names_the_last_one():
     with pytest.raises(Fenced):
         retry_startup("x", lambda: fenced.append(1) or (_ for _ in ()).throw(Fenced("deposed")), seconds=30)
     assert fenced == [1]
+
+
+def test_a_read_only_state_dir_names_both_remedies():
+    """docs/operations.md: a dir the manager cannot write: give its user write access, or mount the volume
+    read-write; and check-state reads it without writing."""
+    e = unusable_state(OSError(errno.EROFS, "Read-only file system", "/srv/kv/ACKED"), "/srv/kv")
+    assert e.reason == "STATE_NOT_WRITABLE"
+    assert e.message.startswith("state dir /srv/kv cannot be written (Read-only file system: /srv/kv/ACKED); ")
+    assert "give its user write access to the dir and every file in it" in e.message
+    assert e.message.endswith("or mount the volume read-write (kvservice check-state DIR reads it without writing)")

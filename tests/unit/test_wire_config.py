@@ -174,3 +174,20 @@ def test_pools_yaml_errors_name_the_document_even_without_a_source():
     with pytest.raises(InvalidArgument) as err:
         load_pools("pools: [{name: a, layers: [{kv_heads: 1, head_dim: 64}], colour: red}]")
     assert err.value.message.startswith("<pools>: pools[0]: unknown key 'colour' (line 1)"), err.value.message
+
+
+def test_a_configured_pool_is_created_with_its_prefix_hash_mode_and_seed():
+    """PoolConfig.prefix_hash / prefix_hash_seed reach the pool ensure_pools creates (not the server's default
+    mode, "kvservice", docs: core/hashing.py's modes)."""
+    from kvservice.contract.sizing import Sizing
+    from kvservice.manager.pools import BlockManager
+    from kvservice.server.config import PoolConfig
+    from kvservice.state.journal import Journal
+    from kvservice.state.startup import ensure_pools
+
+    pc = PoolConfig("h", CacheSpec.uniform(2, 1, 64, page_size=16), Sizing(num_slots=8, max_seq_len=64), (),
+                    prefix_caching=True, prefix_hash="vllm-sha256-cbor", prefix_hash_seed="seed-41")
+    j = Journal(BlockManager())
+    assert ensure_pools(j, [pc]) == ["h"]
+    with j.manager.locked("h") as pool:
+        assert (pool.prefix_hash, pool.prefix_hash_seed) == ("vllm-sha256-cbor", "seed-41")

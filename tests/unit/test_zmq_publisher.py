@@ -156,3 +156,30 @@ def test_configure_events_applies_the_watcher_limits(watchers, per_tenant, cap):
     for s in subs:
         s.close()
     assert (m.events.ring_batches, m.events.ring_bytes, m.events.max_subscribers) == (7, 4096, watchers)
+
+
+def test_configure_events_starts_one_publisher_per_zmq_config_and_stops_them_on_a_failure():
+    """Each EventsConfig.zmq entry becomes a started publisher bound to that entry's endpoint; when a later one
+    cannot start (its endpoint already bound), the error reaches the caller, naming the pool and the endpoint."""
+    m = _manager()
+    m.create_pool("q", CacheSpec.uniform(2, 1, 64, page_size=PS), Sizing(num_slots=32, max_seq_len=64),
+                  prefix_caching=True)
+    a = _config(topic="kv@{pool}")
+    b = ZmqConfig("q", f"inproc://kv-pub-test-{next(_names)}")
+    started = configure_events(m, EventsConfig(zmq=(a, b)))
+    try:
+        assert [(p.config.pool, p.bound_endpoint, p.topic) for p in started] == [
+            ("p", a.endpoint, b"kv@p"), ("q", b.endpoint, b"")]
+    finally:
+        for p in started:
+            p.stop()
+    m2 = _manager()
+    first = _config()
+    blocker = zmq.Context.instance().socket(zmq.PUB)
+    clash = ZmqConfig("p", f"inproc://kv-pub-test-{next(_names)}")
+    blocker.bind(clash.endpoint)
+    try:
+        with pytest.raises(OSError, match=rf"pool 'p': cannot open {clash.endpoint} / -: Address already in use"):
+            configure_events(m2, EventsConfig(zmq=(first, clash)))
+    finally:
+        blocker.close()
