@@ -422,3 +422,20 @@ def test_pages_after_takes_fork_children_of_unknown_length_at_max_pages_each():
     assert pages_after(16, 25, (0, 32), e_old, e_k, a_n, None, 0, None) == ((3 + 9 + 2, 3 + 5 + 2), 9)
     assert pages_after(16, 25, (0, 32), e_old, e_k, a_n, np.array([20, 33], np.int64), 2, None) == \
         ((3 + 9 + 2 + 5, 3 + 5 + 2 + 5), 9)
+
+
+def test_plan_limit_check_plans_with_the_requested_backends():
+    """Limits.check("Plan") plans the request as sent, its kernel backends included: a page size that a named
+    backend's rule refuses (flash-attn 2: page_size % 256 == 0, core/backends.py) is that backend's
+    FailedPrecondition, the same request without it or with a page size the rule accepts passes."""
+    from kvservice.client.codec import plan_request
+    from kvservice.contract.errors import FailedPrecondition
+    from kvservice.server.limits import Limits
+
+    lim, m = Limits(), BlockManager()
+    sizing = Sizing(num_slots=64, max_seq_len=1024)
+    with pytest.raises(FailedPrecondition) as err:
+        lim.check("Plan", plan_request(CacheSpec.uniform(2, 4, 64, page_size=16), sizing, ("fa2",)), m)
+    assert err.value.reason == "BACKEND_PAGE_SIZE" and "page_size 16" in err.value.message
+    lim.check("Plan", plan_request(CacheSpec.uniform(2, 4, 64, page_size=16), sizing, ()), m)
+    lim.check("Plan", plan_request(CacheSpec.uniform(2, 4, 64, page_size=256), sizing, ("fa2", "trtllm")), m)
