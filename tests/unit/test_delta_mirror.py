@@ -446,3 +446,35 @@ def test_a_delta_field_of_a_float_dtype_is_refused_naming_the_field(field):
     with pytest.raises(MirrorError, match=rf"\({field}: dtype FLOAT32 not allowed here\)"):
         twin.mirror.apply(reply)
     assert twin.mirror.seq == 0
+
+
+@pytest.mark.parametrize("spec_name", ["per_layer", "hybrid"])
+def test_full_reply_of_the_mirror_equals_the_managers_full_reply(spec_name):
+    """full_reply() (what resyncs a worker's copy) carries, per index space, the same batch, slot mapping and CSR
+    (indptr, indices, last_page_len) as the manager's own full reply to the same ops on a twin pool."""
+    from kvservice.contract.wire import from_tensor
+
+    twin = Twin(spec_name)
+    rng = np.random.default_rng(41)
+    ids = [int(i) for i in rng.choice(np.arange(1, 500), 4, replace=False)]
+    twin.step({"admit": ids, "admit_tokens": rng.integers(1, 30, 4).tolist()})
+    kw = {"extend": ids, "extend_tokens": rng.integers(1, 9, 4).tolist()}
+    manager = twin.api.Step(codec.step_request("b", **kw))
+    ra = codec.step_request("a", **kw)
+    twin.seq += 1
+    ra.stream_seq, ra.delta_tables, ra.delta_base = twin.seq, True, twin.mirror.seq
+    twin.mirror.apply(twin.session.apply(twin.api, ra))
+    mine = twin.mirror.full_reply()
+    assert mine.stream_seq == twin.seq
+
+    def arrays(reply, field):
+        return from_tensor(getattr(reply, field), field).tolist()
+
+    for field in ("seq_ids", "num_tokens", "new_token_indptr"):
+        assert arrays(mine, field) == arrays(manager, field), field
+    assert [t.index_space for t in mine.tables] == sorted(t.index_space for t in manager.tables)
+    theirs = {t.index_space: t for t in manager.tables}
+    for t in mine.tables:
+        for field in ("slot_mapping", "indptr", "indices", "last_page_len"):
+            assert arrays(t, field) == arrays(theirs[t.index_space], field), (t.index_space, field)
+        assert any(arrays(t, "last_page_len"))
