@@ -478,3 +478,38 @@ def test_full_reply_of_the_mirror_equals_the_managers_full_reply(spec_name):
         for field in ("slot_mapping", "indptr", "indices", "last_page_len"):
             assert arrays(t, field) == arrays(theirs[t.index_space], field), (t.index_space, field)
         assert any(arrays(t, "last_page_len"))
+
+
+def test_malformed_generations_or_page_dtype_are_refused_naming_space_and_shape():
+    """The mirror refuses, naming the index space: a full reply whose generations are not one uint32 per page,
+    and a delta whose pages are not the space's index dtype (int32 here)."""
+    twin = Twin("per_layer")
+    rng = np.random.default_rng(43)
+    ids = [int(i) for i in rng.choice(np.arange(1, 500), 3, replace=False)]
+    ra = codec.step_request("a", admit=ids, admit_tokens=rng.integers(5, 30, 3).tolist())
+    twin.seq += 1
+    ra.stream_seq, ra.delta_tables, ra.accept_tokens_added = twin.seq, True, True   # full: the mirror holds nothing
+    reply = twin.session.apply(twin.api, ra)
+    st = reply.tables[0]
+    n = len(st.indices.data) // 4
+    assert st.HasField("generations") and len(st.generations.data) == 4 * n
+    bad = pb.StepReply()
+    bad.CopyFrom(reply)
+    bad.tables[0].generations.data = bad.tables[0].generations.data[:-4]           # one generation short
+    with pytest.raises(MirrorError) as err:
+        twin.mirror.apply(bad)
+    assert err.value.args[0] == (f"index space {st.index_space}: generations must be UINT32 [{n}] (one per page), "
+                                 f"got uint32 [{n - 1}]")
+    assert twin.mirror.seq == 0
+    twin.mirror.apply(reply)
+    rd = codec.step_request("a", extend=ids, extend_tokens=[20, 20, 20])          # every row gains pages
+    twin.seq += 1
+    rd.stream_seq, rd.delta_tables, rd.delta_base, rd.accept_tokens_added = twin.seq, True, twin.mirror.seq, True
+    delta = twin.session.apply(twin.api, rd)
+    pages = delta.tables[0].delta.pages
+    assert pages.data
+    pages.CopyFrom(to_tensor(np.frombuffer(pages.data, np.int32).astype(np.int64)))
+    with pytest.raises(MirrorError) as err:
+        twin.mirror.apply(delta)
+    assert err.value.args[0] == (f"index space {delta.tables[0].index_space}: pages are int64, the space's index "
+                                 "dtype is int32")
