@@ -513,3 +513,24 @@ def test_malformed_generations_or_page_dtype_are_refused_naming_space_and_shape(
         twin.mirror.apply(delta)
     assert err.value.args[0] == (f"index space {delta.tables[0].index_space}: pages are int64, the space's index "
                                  "dtype is int32")
+
+
+
+def test_a_same_batch_delta_that_names_new_seq_ids_is_refused():
+    """A delta without base_rows says "the same batch, every row continued"; one that also carries seq_ids
+    contradicts itself, and the mirror refuses it (MirrorError) even where it looks like a steady decode step."""
+    twin = Twin("per_layer")
+    rng = np.random.default_rng(53)
+    ids = [int(i) for i in rng.choice(np.arange(1, 500), 3, replace=False)]
+    twin.step({"admit": ids, "admit_tokens": rng.integers(2, 20, 3).tolist()})
+    ra = codec.step_request("a", extend=ids, extend_tokens=1)
+    twin.seq += 1
+    ra.stream_seq, ra.delta_tables, ra.delta_base, ra.accept_tokens_added = twin.seq, True, twin.mirror.seq, True
+    reply = twin.session.apply(twin.api, ra)
+    assert reply.HasField("delta") and not reply.delta.HasField("base_rows") and not reply.seq_ids.data
+    bad = pb.StepReply()
+    bad.CopyFrom(reply)
+    bad.seq_ids.CopyFrom(to_tensor(np.array([i + 1000 for i in ids], dtype=np.uint64)))
+    with pytest.raises(MirrorError, match="a same-batch delta has 3 rows"):
+        twin.mirror.apply(bad)
+
