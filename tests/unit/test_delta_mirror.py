@@ -534,3 +534,23 @@ def test_a_same_batch_delta_that_names_new_seq_ids_is_refused():
     with pytest.raises(MirrorError, match="a same-batch delta has 3 rows"):
         twin.mirror.apply(bad)
 
+
+
+def test_a_stream_result_carries_the_replys_journal_position_and_lineage():
+    """StreamCore.result (the stream client's StepResult of a reply it applied to its mirror) passes on the
+    reply's JournalPosition: (incarnation, seq) as position and the state's lineage (proto: kept across restarts,
+    clients compare it), not only the tables."""
+    from kvservice.client.stream_core import StreamCore
+
+    twin = Twin("per_layer")
+    rng = np.random.default_rng(61)
+    core = StreamCore("a", PAGE, True, "s")
+    ids = [int(i) for i in rng.choice(np.arange(1, 500), 2, replace=False)]
+    ra = codec.step_request("a", admit=ids, admit_tokens=rng.integers(2, 20, 2).tolist())
+    ra.stream_seq, ra.delta_tables, ra.accept_tokens_added = 1, True, True
+    reply = twin.session.apply(twin.api, ra)
+    incarnation, seq, lineage = (int(x) for x in rng.integers(1, 2**62, 3))
+    reply.position.CopyFrom(pb.JournalPosition(incarnation=incarnation, seq=seq, lineage=lineage))
+    result = core.result(reply, tables=True, block_table=False)
+    assert (result.position, result.lineage) == ((incarnation, seq), lineage)
+    assert result.seq_ids.tolist() == ids
