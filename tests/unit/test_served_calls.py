@@ -499,3 +499,20 @@ def test_closing_a_step_stream_that_never_stepped_or_twice_is_quiet(server):
             assert s2.step(admit=[9101], admit_tokens=[5]).seq_ids.tolist() == [9101]
         s2.close()                                  # closed again after __exit__
         assert c.step("b", free=[9101], tables=False).seq_ids.tolist() == []
+
+
+def test_a_leader_clients_interceptors_see_its_calls(server):
+    """LeaderClient(interceptors=...) puts them on its calls: each unary call passes through them, by method name,
+    with the request and the reply the server gave."""
+    seen: list[tuple[str, bytes]] = []
+
+    class Record(grpc.UnaryUnaryClientInterceptor):
+        def intercept_unary_unary(self, continuation, details, request):
+            outcome = continuation(details, request)
+            seen.append((details.method, outcome.result().payload))
+            return outcome
+
+    payload = np.random.default_rng(71).bytes(24)
+    with LeaderClient(server, timeout=30, token=ADMIN, interceptors=[Record()]) as c:
+        c.echo(payload)
+    assert seen == [("/kvservice.v1.BlockManager/Echo", payload)]
