@@ -91,8 +91,8 @@ def test_export_state_writes_a_state_dir_that_opens_to_the_replicated_state(nats
 
 def test_import_state_connects_as_kvservice_import_and_continues_the_state_dirs_position(nats1, tmp_path) -> None:
     """import_state names its NATS connections "kvservice-import" and "kvservice-import-journal" (an operator
-    tells them from a manager's in nats-server's connz; closed connections stay listed there) and leaves the new deployment at the state dir's
-    position and the epoch asked for."""
+    tells them from a manager's in nats-server's connz; closed connections stay listed there) and leaves the new
+    deployment at the state dir's position and the epoch asked for."""
     from kvservice.server.ha import export_state, import_state, open_sole_writer
 
     config = _config(nats1)
