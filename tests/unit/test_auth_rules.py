@@ -115,3 +115,44 @@ def test_a_refusal_keeps_the_methods_streaming_kind_and_its_message_codecs(req_s
     behaviour = {(False, False): denied.unary_unary, (False, True): denied.unary_stream,
                  (True, False): denied.stream_unary, (True, True): denied.stream_stream}[req_stream, resp_stream]
     assert behaviour is not None
+
+
+def test_a_tokens_file_mistake_names_the_file(tmp_path):
+    """TokenTable.from_file parses like from_yaml and names the file it read (not the "<tokens>" default) when the
+    document is wrong; an unreadable file names the --tokens-file flag."""
+    path = tmp_path / f"tokens-{os.getpid()}.yaml"
+    path.write_text("tokens: []\n")
+    with pytest.raises(auth.InvalidArgument) as err:
+        auth.TokenTable.from_file(path)
+    assert err.value.message.startswith(f"{path}: expected a mapping with a non-empty 'tokens' list")
+    with pytest.raises(auth.InvalidArgument, match="--tokens-file: cannot read"):
+        auth.TokenTable.from_file(tmp_path / "absent.yaml")
+
+
+def test_a_streaming_handler_is_closed_in_its_callers_context():
+    """A server-streaming handler wrapped by _in_callers_context runs in the context it was called in, and so
+    does its cleanup when the call ends early (a client cancel closes the reply iterator): the generator's
+    finally still sees the caller's context variables."""
+    import contextvars
+
+    var: contextvars.ContextVar[str] = contextvars.ContextVar("who", default="nobody")
+    seen: list[str] = []
+    secret = os.urandom(4).hex()
+
+    def handler(request, context):
+        var.set(secret)                      # as the token interceptor sets the principal for this call
+
+        def replies():
+            try:
+                for i in range(5):
+                    seen.append(var.get())
+                    yield i
+            finally:
+                seen.append("closed:" + var.get())
+        return replies()
+
+    it = auth._in_callers_context(handler)(None, None)
+    assert next(it) == 0 and next(it) == 1
+    it.close()                                           # the call ends after two replies
+    assert seen == [secret, secret, "closed:" + secret]
+    assert var.get() == "nobody"                         # nothing leaked into this (the server's) context

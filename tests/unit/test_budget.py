@@ -150,8 +150,10 @@ def test_the_budget_is_derived_from_the_memory_limit(tmp_path) -> None:
     v2.write_text("max\n")
     assert cgroup_memory_limit((str(v2),)) is None
     assert cgroup_memory_limit((str(tmp_path / "absent"),)) is None
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"memory budgets must be > 0 bytes, got total 0, tenant 1"):
         BudgetLimits(0, 1)
+    with pytest.raises(ValueError, match=r"got total 7, tenant -3"):
+        BudgetLimits(7, -3)
 
 
 def test_reserve_reply_charges_the_running_call_and_nothing_outside_one() -> None:

@@ -88,3 +88,33 @@ def test_score_request_sends_int32_exactly_when_every_token_id_fits(tokens, wire
     assert req.token_ids.dtype == wire
     assert from_tensor(req.token_ids, "token_ids").astype(np.int64).tolist() == ids
     assert (req.cache_salt, req.extra_key, list(req.pools), req.model) == ("s", "k", ["a", "b"], "m")
+
+
+def test_validate_request_carries_the_table_and_the_report_cap():
+    """validate_request puts the CSR arrays and max_reports (default 100, the most violations to list) on the wire."""
+    from kvservice.contract.pagetable import PageTable
+
+    rng = np.random.default_rng(59)
+    indices = rng.integers(1, 1000, 5).astype(np.int32)
+    table = PageTable(np.array([0, 2, 5], np.int32), indices, np.array([3, 1], np.int32))
+    cap = int(rng.integers(2, 50))
+    req = codec.validate_request("p", 3, table, max_reports=cap)
+    assert (req.pool, req.layer, req.max_reports) == ("p", 3, cap)
+    assert from_tensor(req.indices, "indices").tolist() == indices.tolist()
+    assert from_tensor(req.indptr, "indptr").tolist() == [0, 2, 5]
+    assert from_tensor(req.last_page_len, "last_page_len").tolist() == [3, 1]
+    assert codec.validate_request("p", 0, table).max_reports == 100
+
+
+def test_parse_copies_names_the_field_it_refuses():
+    """A copy's pairs of a float dtype are refused naming "pairs" (wire.py: from_tensor names its field)."""
+    from kvservice.contract.errors import InvalidArgument
+    from kvservice.contract.wire import to_tensor
+
+    reply = pb.StepReply()
+    reply.copies.add(group=0, pairs=to_tensor(np.array([[4, 9]], np.int64)))
+    copies, gens = codec.parse_copies(reply)
+    assert {g: a.tolist() for g, a in copies.items()} == {0: [[4, 9]]} and gens is None
+    reply.copies[0].pairs.CopyFrom(to_tensor(np.array([4.0, 9.0], np.float32)))
+    with pytest.raises(InvalidArgument, match=r"^pairs: dtype FLOAT32 not allowed here"):
+        codec.parse_copies(reply)

@@ -446,3 +446,111 @@ def test_a_delta_field_of_a_float_dtype_is_refused_naming_the_field(field):
     with pytest.raises(MirrorError, match=rf"\({field}: dtype FLOAT32 not allowed here\)"):
         twin.mirror.apply(reply)
     assert twin.mirror.seq == 0
+
+
+@pytest.mark.parametrize("spec_name", ["per_layer", "hybrid"])
+def test_full_reply_of_the_mirror_equals_the_managers_full_reply(spec_name):
+    """full_reply() (what resyncs a worker's copy) carries, per index space, the same batch, slot mapping and CSR
+    (indptr, indices, last_page_len) as the manager's own full reply to the same ops on a twin pool."""
+    from kvservice.contract.wire import from_tensor
+
+    twin = Twin(spec_name)
+    rng = np.random.default_rng(41)
+    ids = [int(i) for i in rng.choice(np.arange(1, 500), 4, replace=False)]
+    twin.step({"admit": ids, "admit_tokens": rng.integers(1, 30, 4).tolist()})
+    kw = {"extend": ids, "extend_tokens": rng.integers(1, 9, 4).tolist()}
+    manager = twin.api.Step(codec.step_request("b", **kw))
+    ra = codec.step_request("a", **kw)
+    twin.seq += 1
+    ra.stream_seq, ra.delta_tables, ra.delta_base = twin.seq, True, twin.mirror.seq
+    twin.mirror.apply(twin.session.apply(twin.api, ra))
+    mine = twin.mirror.full_reply()
+    assert mine.stream_seq == twin.seq
+
+    def arrays(reply, field):
+        return from_tensor(getattr(reply, field), field).tolist()
+
+    for field in ("seq_ids", "num_tokens", "new_token_indptr"):
+        assert arrays(mine, field) == arrays(manager, field), field
+    assert [t.index_space for t in mine.tables] == sorted(t.index_space for t in manager.tables)
+    theirs = {t.index_space: t for t in manager.tables}
+    for t in mine.tables:
+        for field in ("slot_mapping", "indptr", "indices", "last_page_len"):
+            assert arrays(t, field) == arrays(theirs[t.index_space], field), (t.index_space, field)
+        assert any(arrays(t, "last_page_len"))
+
+
+def test_malformed_generations_or_page_dtype_are_refused_naming_space_and_shape():
+    """The mirror refuses, naming the index space: a full reply whose generations are not one uint32 per page,
+    and a delta whose pages are not the space's index dtype (int32 here)."""
+    twin = Twin("per_layer")
+    rng = np.random.default_rng(43)
+    ids = [int(i) for i in rng.choice(np.arange(1, 500), 3, replace=False)]
+    ra = codec.step_request("a", admit=ids, admit_tokens=rng.integers(5, 30, 3).tolist())
+    twin.seq += 1
+    ra.stream_seq, ra.delta_tables, ra.accept_tokens_added = twin.seq, True, True   # full: the mirror holds nothing
+    reply = twin.session.apply(twin.api, ra)
+    st = reply.tables[0]
+    n = len(st.indices.data) // 4
+    assert st.HasField("generations") and len(st.generations.data) == 4 * n
+    bad = pb.StepReply()
+    bad.CopyFrom(reply)
+    bad.tables[0].generations.data = bad.tables[0].generations.data[:-4]           # one generation short
+    with pytest.raises(MirrorError) as err:
+        twin.mirror.apply(bad)
+    assert err.value.args[0] == (f"index space {st.index_space}: generations must be UINT32 [{n}] (one per page), "
+                                 f"got uint32 [{n - 1}]")
+    assert twin.mirror.seq == 0
+    twin.mirror.apply(reply)
+    rd = codec.step_request("a", extend=ids, extend_tokens=[20, 20, 20])          # every row gains pages
+    twin.seq += 1
+    rd.stream_seq, rd.delta_tables, rd.delta_base, rd.accept_tokens_added = twin.seq, True, twin.mirror.seq, True
+    delta = twin.session.apply(twin.api, rd)
+    pages = delta.tables[0].delta.pages
+    assert pages.data
+    pages.CopyFrom(to_tensor(np.frombuffer(pages.data, np.int32).astype(np.int64)))
+    with pytest.raises(MirrorError) as err:
+        twin.mirror.apply(delta)
+    assert err.value.args[0] == (f"index space {delta.tables[0].index_space}: pages are int64, the space's index "
+                                 "dtype is int32")
+
+
+
+def test_a_same_batch_delta_that_names_new_seq_ids_is_refused():
+    """A delta without base_rows says "the same batch, every row continued"; one that also carries seq_ids
+    contradicts itself, and the mirror refuses it (MirrorError) even where it looks like a steady decode step."""
+    twin = Twin("per_layer")
+    rng = np.random.default_rng(53)
+    ids = [int(i) for i in rng.choice(np.arange(1, 500), 3, replace=False)]
+    twin.step({"admit": ids, "admit_tokens": rng.integers(2, 20, 3).tolist()})
+    ra = codec.step_request("a", extend=ids, extend_tokens=1)
+    twin.seq += 1
+    ra.stream_seq, ra.delta_tables, ra.delta_base, ra.accept_tokens_added = twin.seq, True, twin.mirror.seq, True
+    reply = twin.session.apply(twin.api, ra)
+    assert reply.HasField("delta") and not reply.delta.HasField("base_rows") and not reply.seq_ids.data
+    bad = pb.StepReply()
+    bad.CopyFrom(reply)
+    bad.seq_ids.CopyFrom(to_tensor(np.array([i + 1000 for i in ids], dtype=np.uint64)))
+    with pytest.raises(MirrorError, match="a same-batch delta has 3 rows"):
+        twin.mirror.apply(bad)
+
+
+
+def test_a_stream_result_carries_the_replys_journal_position_and_lineage():
+    """StreamCore.result (the stream client's StepResult of a reply it applied to its mirror) passes on the
+    reply's JournalPosition: (incarnation, seq) as position and the state's lineage (proto: kept across restarts,
+    clients compare it), not only the tables."""
+    from kvservice.client.stream_core import StreamCore
+
+    twin = Twin("per_layer")
+    rng = np.random.default_rng(61)
+    core = StreamCore("a", PAGE, True, "s")
+    ids = [int(i) for i in rng.choice(np.arange(1, 500), 2, replace=False)]
+    ra = codec.step_request("a", admit=ids, admit_tokens=rng.integers(2, 20, 2).tolist())
+    ra.stream_seq, ra.delta_tables, ra.accept_tokens_added = 1, True, True
+    reply = twin.session.apply(twin.api, ra)
+    incarnation, seq, lineage = (int(x) for x in rng.integers(1, 2**62, 3))
+    reply.position.CopyFrom(pb.JournalPosition(incarnation=incarnation, seq=seq, lineage=lineage))
+    result = core.result(reply, tables=True, block_table=False)
+    assert (result.position, result.lineage) == ((incarnation, seq), lineage)
+    assert result.seq_ids.tolist() == ids

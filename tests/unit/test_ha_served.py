@@ -57,6 +57,9 @@ def test_a_replicated_manager_leads_exports_its_series_fail_stops_and_exports_it
             c.step("p", admit=[11, 12, 13], admit_tokens=lens, tables=False)
             epoch = c.epoch
         assert epoch >= 1 and ha.role == "leader"
+        # no advertise given: the address written in the lease key (docs/HA.md) is the listen host, bound port
+        holder = ha.lease.current()
+        assert holder is not None and (holder.node, holder.address) == ("n1", target)
         # its readiness (health of kvservice.v1.BlockManager, docs/HA.md) turns SERVING once it leads
         from grpc_health.v1 import health_pb2, health_pb2_grpc
         with grpc.insecure_channel(target) as ch:

@@ -444,3 +444,20 @@ def test_decoded_step_counts_its_sequences_and_new_tokens():
                                       admit_seq_ids=ids([7, 8, 9, 10]), admit_num_tokens=counts(a),
                                       admit_token_ids=to_tensor(tok), free_seq_ids=ids([4])))
     assert (both.new_tokens, both.sequences) == (len(tok), 8)
+
+
+def test_plan_limit_check_plans_with_the_requested_backends():
+    """Limits.check("Plan") plans the request as sent, its kernel backends included: a page size that a named
+    backend's rule refuses (flash-attn 2: page_size % 256 == 0, core/backends.py) is that backend's
+    FailedPrecondition, the same request without it or with a page size the rule accepts passes."""
+    from kvservice.client.codec import plan_request
+    from kvservice.contract.errors import FailedPrecondition
+    from kvservice.server.limits import Limits
+
+    lim, m = Limits(), BlockManager()
+    sizing = Sizing(num_slots=64, max_seq_len=1024)
+    with pytest.raises(FailedPrecondition) as err:
+        lim.check("Plan", plan_request(CacheSpec.uniform(2, 4, 64, page_size=16), sizing, ("fa2",)), m)
+    assert err.value.reason == "BACKEND_PAGE_SIZE" and "page_size 16" in err.value.message
+    lim.check("Plan", plan_request(CacheSpec.uniform(2, 4, 64, page_size=16), sizing, ()), m)
+    lim.check("Plan", plan_request(CacheSpec.uniform(2, 4, 64, page_size=256), sizing, ("fa2", "trtllm")), m)

@@ -80,3 +80,21 @@ def test_every_step_refusal_series_exists_from_the_first_scrape():
                if s.name == "kvservice_requests_refused_total"}
     assert refused == {(("code", c), ("method", "Step"), ("reason", c)): 0.0 for c in REFUSAL_CODES}
     assert set(REFUSAL_CODES) >= {"INVALID_ARGUMENT", "NOT_FOUND", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION"}
+
+
+def test_ok_duration_series_of_step_and_echo_exist_from_the_first_scrape():
+    """The same rule for the OK latency histogram: Step's and Echo's code="OK" series are exported with count 0
+    before any call (so a rate() over them starts at 0), under the RPC method names exactly as gRPC spells them;
+    a later observe() lands in that same series."""
+    from kvservice.server.metrics import ManagerMetrics
+
+    def counts(mm):
+        fams = list(text_string_to_metric_families(generate_latest(mm.registry).decode()))
+        return {tuple(sorted(s.labels.items())): s.value for f in fams for s in f.samples
+                if s.name == "kvservice_rpc_duration_seconds_count"}
+
+    mm = ManagerMetrics(BlockManager())
+    assert counts(mm) == {(("code", "OK"), ("method", "Step")): 0.0, (("code", "OK"), ("method", "Echo")): 0.0}
+    mm.observe("Step", 0.003)
+    mm.observe("Step", 0.004)
+    assert counts(mm) == {(("code", "OK"), ("method", "Step")): 2.0, (("code", "OK"), ("method", "Echo")): 0.0}

@@ -471,3 +471,48 @@ def test_a_reset_over_the_memory_budget_ends_the_watch_resource_exhausted():
         running.stop()
     assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and err.value.reason == "MEMORY_BUDGET"
     assert err.value.message.startswith("WatchEvents reply needs")
+
+
+def test_an_asyncio_client_deletes_the_pool_it_names(server):
+    """AsyncBlockManagerClient.delete_pool removes that pool (and only it): ListPools no longer shows it, the
+    others stay."""
+    name = f"tmp-{np.random.default_rng(67).integers(1, 1 << 30)}"
+
+    async def run() -> tuple[list[str], list[str]]:
+        async with AsyncBlockManagerClient(server, token=ADMIN) as c:
+            await c.create_pool(name, SPEC, SIZING)
+            before = sorted(p.name for p in await c.list_pools())
+            await c.delete_pool(name)
+            return before, sorted(p.name for p in await c.list_pools())
+    before, after = asyncio.run(run())
+    assert name in before and after == sorted(set(before) - {name}) and {"a", "b"} <= set(after)
+
+
+def test_closing_a_step_stream_that_never_stepped_or_twice_is_quiet(server):
+    """close() ends a StepStream whether or not it ever opened its call, and again after it was closed; a closed
+    stream's step left the pool as a unary call sees it."""
+    with BlockManagerClient(server, token=ADMIN) as c:
+        s = c.step_stream("b")
+        s.close()                                   # no call was ever opened
+        s.close()
+        with c.step_stream("b") as s2:
+            assert s2.step(admit=[9101], admit_tokens=[5]).seq_ids.tolist() == [9101]
+        s2.close()                                  # closed again after __exit__
+        assert c.step("b", free=[9101], tables=False).seq_ids.tolist() == []
+
+
+def test_a_leader_clients_interceptors_see_its_calls(server):
+    """LeaderClient(interceptors=...) puts them on its calls: each unary call passes through them, by method name,
+    with the request and the reply the server gave."""
+    seen: list[tuple[str, bytes]] = []
+
+    class Record(grpc.UnaryUnaryClientInterceptor):
+        def intercept_unary_unary(self, continuation, details, request):
+            outcome = continuation(details, request)
+            seen.append((details.method, outcome.result().payload))
+            return outcome
+
+    payload = np.random.default_rng(71).bytes(24)
+    with LeaderClient(server, timeout=30, token=ADMIN, interceptors=[Record()]) as c:
+        c.echo(payload)
+    assert seen == [("/kvservice.v1.BlockManager/Echo", payload)]

@@ -89,6 +89,31 @@ def test_export_state_writes_a_state_dir_that_opens_to_the_replicated_state(nats
         export_state(config, tmp_path / "backup")
 
 
+def test_import_state_connects_as_kvservice_import_and_continues_the_state_dirs_position(nats1, tmp_path) -> None:
+    """import_state names its NATS connections "kvservice-import" and "kvservice-import-journal" (an operator
+    tells them from a manager's in nats-server's connz; closed connections stay listed there) and leaves the new
+    deployment at the state dir's position and the epoch asked for."""
+    from kvservice.server.ha import export_state, import_state, open_sole_writer
+
+    config = _config(nats1)
+    j = open_sole_writer(config, journal_config=_journal_config(), lease_seconds=LEASE)
+    _write_state(j, np.random.default_rng(29))
+    position = j.seq
+    j.close()
+    export_state(config, tmp_path / "sd")
+    closed = f"{nats1.monitor}/connz?state=closed&limit=100000"
+
+    def closed_names() -> dict[int, str]:
+        with urllib.request.urlopen(closed, timeout=10) as r:
+            return {c["cid"]: c.get("name", "") for c in json.load(r)["connections"] or ()}
+
+    before, epoch = closed_names(), int(np.random.default_rng(31).integers(2, 50))
+    assert import_state(tmp_path / "sd", _config(nats1), epoch=epoch) == (position, epoch)
+    opened = lambda: sorted(name for cid, name in closed_names().items() if cid not in before)  # noqa: E731
+    assert _until(lambda: len(opened()) >= 2)          # the server lists a close once it has seen it
+    assert opened() == ["kvservice-import", "kvservice-import-journal"]
+
+
 def _controller(nats1, epoch: int):
     from kvservice.server.ha import HAController, LeaderGate, open_sole_writer
     from kvservice.state.nats.leader import Lease, LeaseConfig
@@ -115,6 +140,7 @@ def test_ha_collector_exports_each_series_with_help_and_the_controllers_figures(
     try:
         ha.lag_entries, ha.reloads, ha.applied = (int(x) for x in rng.integers(1, 1000, 3))
         ha.takeover_seconds = float(rng.uniform(0.1, 5))
+        ha.store.append_retries, ha.store.link.disconnects = (int(x) for x in rng.integers(1, 1000, 2))
         reg = CollectorRegistry()
         reg.register(HACollector(ha))
         text = generate_latest(reg).decode()
@@ -126,7 +152,9 @@ def test_ha_collector_exports_each_series_with_help_and_the_controllers_figures(
                 "kvservice_lease_renew_failures_total": 0.0, "kvservice_standby_lag_entries": float(ha.lag_entries),
                 "kvservice_standby_reloads_total": float(ha.reloads),
                 "kvservice_standby_applied_total": float(ha.applied),
-                "kvservice_takeover_seconds": ha.takeover_seconds}
+                "kvservice_takeover_seconds": ha.takeover_seconds,
+                "kvservice_journal_append_retries_total": float(ha.store.append_retries),
+                "kvservice_nats_disconnects_total": float(ha.store.link.disconnects)}
         assert {k: reg.get_sample_value(k) for k in want} == want
         ha.role = "leader"                          # leading but the lease not held: still 0; no lag on a leader
         assert reg.get_sample_value("kvservice_leader") == 0.0

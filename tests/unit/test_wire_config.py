@@ -104,6 +104,9 @@ STRICT = """pools:
     (STRICT.replace("prefix_cachng: true", "block_size: 32"),
      "'block_size' (line 9) and 'page_size' are the same setting"),
     (STRICT.replace("prefix_cachng: true", "tp: 2"), "'tp' (line 9) goes with model_config"),
+    # a setting given under its vLLM alias has no line of its own under the canonical name: the pool's line
+    (STRICT.replace("prefix_cachng: true", "tensor_parallel_size: 2"),
+     "pools[0]: 'tp' (line 2) goes with model_config"),
     (STRICT.replace("prefix_cachng: true", "allow_unknown_keys: true"),
      "pools.yaml: pools[0]: 'allow_unknown_keys' (line 9) goes with model_config"),
     (STRICT.replace("prefix_cachng: true", "dtype: float16"),
