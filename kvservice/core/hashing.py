@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
+from itertools import repeat
 
 import numpy as np
 
@@ -72,18 +73,8 @@ def chain_ints(h: int, terms: list[int], out: list[int], cols: list[int] | None 
     cols: the pages' columns, when terms are the token hashes alone (the column's part is then added here).
     (_mix_int inlined: for a long prompt this loop is the chain's whole cost.)"""
     m1, m2, mask = _M1_I, _M2_I, _MASK
-    if cols is not None:
-        for c, j in zip(terms, cols, strict=True):
-            x = h ^ c ^ (j * m2 & mask)
-            x ^= x >> 30
-            x = (x * m1) & mask
-            x ^= x >> 27
-            x = (x * m2) & mask
-            h = x ^ (x >> 31)
-            out.append(h or 1)
-        return h
-    for c in terms:
-        x = h ^ c
+    for c, j in zip(terms, cols if cols is not None else repeat(0, len(terms)), strict=True):
+        x = h ^ c ^ (j * m2 & mask)
         x ^= x >> 30
         x = (x * m1) & mask
         x ^= x >> 27

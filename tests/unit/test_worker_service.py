@@ -203,34 +203,11 @@ def test_a_failed_re_registration_is_logged_with_the_managers_reason_and_the_hea
     """The pool deleted under a joined worker: its heartbeat is refused, the rejoin's GetPool is refused too
     (NOT_FOUND), and the heartbeat loop logs the manager's message and keeps running (until stopped)."""
     import logging
-    import threading
 
-    from kvservice.v1 import block_manager_pb2 as pb
-    from kvservice.worker.server import _heartbeat
 
     client, worker = joined
     client.delete_pool("p", force=True)
-    stop, failures = threading.Event(), []
-
-    class Catch(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if record.getMessage().startswith("re-registration failed: "):
-                failures.append(record.getMessage())
-                if len(failures) == 2:         # the loop went round again after the first failure
-                    stop.set()
-
-    catch = Catch(logging.WARNING)
-    logger = logging.getLogger("kvworker")
-    logger.addHandler(catch)
-    request = pb.RegisterWorkerRequest(worker_id="w-9", pool="p", backend="cpu", device_name="cpu")
-    beat = threading.Thread(target=_heartbeat, args=(client, request, worker.servicer, 0.03, stop), daemon=True)
-    try:
-        beat.start()
-        beat.join(60)                          # ends once stopped, or when the loop dies
-    finally:
-        stop.set()
-        logger.removeHandler(catch)
-    assert not beat.is_alive() and len(failures) == 2, failures
+    failures = _heartbeat_lines(client, worker, logging.WARNING, "re-registration failed: ")
     assert failures == ["re-registration failed: pool 'p' does not exist"] * 2      # the manager's words
 
 
@@ -269,10 +246,9 @@ def test_a_heartbeat_reply_from_a_rolled_back_manager_is_refused_and_logged(join
     state rolled back, docs/DURABILITY.md): the reply is refused and the heartbeat loop logs that this worker
     keeps its caches and registration, and goes on."""
     import logging
-    import threading
 
     from kvservice.v1 import block_manager_pb2 as pb
-    from kvservice.worker.server import _heartbeat, send_heartbeat
+    from kvservice.worker.server import send_heartbeat
 
     client, worker = joined
     send_heartbeat(client, worker.identity, 30)
@@ -281,29 +257,43 @@ def test_a_heartbeat_reply_from_a_rolled_back_manager_is_refused_and_logged(join
     ahead = pb.StepReply(position=pb.JournalPosition(lineage=t.lineage, incarnation=t.incarnation,
                                                      seq=t.seq + int(np.random.default_rng(3).integers(5, 500))))
     t.check("Step", ahead, t.seen(), None)                     # a reply seen before the manager lost its journal
-    stop, errors = threading.Event(), []
+    errors = _heartbeat_lines(client, worker, logging.ERROR, "heartbeat reply refused")
+    assert errors[0] == ("heartbeat reply refused (the manager's state was rolled back, logged above): this worker "
+                         "keeps its caches and registration and refuses that state until the manager is restored "
+                         "or the worker restarted")
+    client.reset_position()                                    # resynchronised: the manager's state is read again
+    assert [(w.worker_id, w.epoch) for w in client.workers("p")] == [("w-9", worker.identity["epoch"])]   # no rejoin
+
+
+def _heartbeat_lines(client, worker, level: int, prefix: str) -> list[str]:
+    """Run a joined worker's heartbeat loop (0.03 s period) until it has logged two lines at `level` starting with
+    `prefix` (the loop went round again after the first), then stop it; those two lines. Fails if the loop died or
+    did not get there within 60 s (an upper bound, not a timing)."""
+    import logging
+    import threading
+
+    from kvservice.v1 import block_manager_pb2 as pb
+    from kvservice.worker.server import _heartbeat
+
+    stop, lines = threading.Event(), []
 
     class Catch(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
-            if record.levelno == logging.ERROR and record.getMessage().startswith("heartbeat reply refused"):
-                errors.append(record.getMessage())
-                if len(errors) == 2:           # the loop went round again after the first refusal
+            if record.levelno == level and record.getMessage().startswith(prefix):
+                lines.append(record.getMessage())
+                if len(lines) == 2:
                     stop.set()
 
-    catch = Catch(logging.ERROR)
+    catch = Catch(level)
     logger = logging.getLogger("kvworker")
     logger.addHandler(catch)
     request = pb.RegisterWorkerRequest(worker_id="w-9", pool="p", backend="cpu", device_name="cpu")
     beat = threading.Thread(target=_heartbeat, args=(client, request, worker.servicer, 0.03, stop), daemon=True)
     try:
         beat.start()
-        beat.join(60)
+        beat.join(60)                          # ends once stopped, or when the loop dies
     finally:
         stop.set()
         logger.removeHandler(catch)
-    assert not beat.is_alive() and len(errors) == 2, errors
-    assert errors[0] == ("heartbeat reply refused (the manager's state was rolled back, logged above): this worker "
-                         "keeps its caches and registration and refuses that state until the manager is restored "
-                         "or the worker restarted")
-    client.reset_position()                                    # resynchronised: the manager's state is read again
-    assert [(w.worker_id, w.epoch) for w in client.workers("p")] == [("w-9", worker.identity["epoch"])]   # no rejoin
+    assert not beat.is_alive() and len(lines) == 2, lines
+    return lines
