@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvservice.core.allocator import SlotAllocator
+from kvservice.core.arena import zeroed
 from kvservice.core.hashing import _GOLD, _M1, _M2, _mix, page_hashes, prompt_hashes  # noqa: F401  (re-exported)
 
 #: register takes its Python-int path (_register_run) for at most this many pages without anchors.
@@ -110,7 +111,7 @@ class PrefixCache:
         self.parent_hash = np.zeros(n, dtype=np.uint64)
         self.anchor = np.full(n, -1, dtype=np.int64)
         self.namespace = np.full(n, -1, dtype=np.int64)
-        self.tokens = np.zeros((n, page_size), dtype=np.int64)
+        self.tokens = zeroed((n, page_size), np.int64)   # page tokens, lazily committed (core/arena.py)
         self.hits = 0                   # pages served from the cache
         self.sink = None                # events.GroupEventSource told of every page registered and forgotten
         self.fleet = None               # fleet_index.FleetMember told of the same (the manager's ScorePrefix index)

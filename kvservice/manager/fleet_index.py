@@ -1,10 +1,9 @@
 """One index of the cached pages of every pool of a manager: hash -> the pools that would serve it.
 
 ScorePrefix asks, for one prompt, how many of its pages each pool's prefix cache would serve
-(``PrefixCache.match``'s rule). Asking each pool in turn costs a hash probe and a token
-comparison per pool and page; this index answers every pool with one walk along the prompt
-(one dictionary lookup per page, which also yields the page's chained hash: the chain is never
-mixed in Python) and one token comparison per page.
+(``PrefixCache.match``'s rule). Asking each pool in turn costs a hash probe and a token comparison per pool and
+page; this index answers every pool with one walk along the prompt (one dictionary lookup per page, which also
+yields the page's chained hash: the chain is never mixed in Python) and one token comparison per page.
 
 Entries live in one table per (page size, namespace), the namespace being a manager-wide id of
 the (salt, extra key) pair (a pool's own namespace ids, which its hashes depend on, differ from
@@ -32,15 +31,13 @@ such an entry is asked itself (routing.py). A parent slot holding nothing regist
 miss. Entries, bits and counts are kept exactly as caches register and forget pages (tests
 compare them with an index built from scratch).
 
-Upkeep: a cache's member (:class:`FleetMember`, ``PrefixCache.fleet``) notes the hashes whose
-state may have changed (a page registered or forgotten, and the registered pages whose parent
-slot that was) and :meth:`FleetMember.flush` re-evaluates them, vectorised, at the end of every
-Step (``api.flush_fleet``, run by the step service, ``ManagerAPI.run_step``: the pool knows nothing of
-the index), and before a query when the pool changed outside a Step and its lock is free. A query
-reads a member pool as of its last Step, without waiting for one in flight. Only pools with one
-prefix cache, of full attention, are members; queries use the index only for members with the
-default hash function (hybrid and sliding pools and injected hash functions take the per-pool
-path).
+Upkeep: a cache's member (:class:`FleetMember`, ``PrefixCache.fleet``) notes the hashes whose state may have changed
+(a page registered or forgotten, and the registered pages whose parent slot that was) and :meth:`FleetMember.flush`
+re-evaluates them, vectorised, at the end of every Step (``api.flush_fleet``, run by the step service,
+``ManagerAPI.run_step``: the pool knows nothing of the index), and before a query when the pool changed outside a
+Step and its lock is free. A query reads a member pool as of its last Step, without waiting for one in flight. Only
+pools with one prefix cache, of full attention, are members; queries use the index only for members with the default
+hash function (hybrid and sliding pools and injected hash functions take the per-pool path).
 
 Locking: a member's notes are changed under its pool's lock; the index under its own lock
 (``FleetIndex.lock``), always taken after a pool's lock, never before one.
@@ -53,6 +50,8 @@ from collections import deque
 from itertools import repeat
 
 import numpy as np
+
+from kvservice.core.arena import zeroed
 
 _ONE = np.uint64(1)
 _M1_INV = np.uint64(pow(0xBF58476D1CE4E5B9, -1, 1 << 64))
@@ -82,7 +81,7 @@ class _Table:
         self.mixed = np.zeros(cap, dtype=bool)
         self.parent_hash = np.zeros(cap, dtype=np.uint64)
         self.hash = np.zeros(cap, dtype=np.uint64)
-        self.tokens = np.zeros((cap, self.page_size), dtype=np.int64)
+        self.tokens = zeroed((cap, self.page_size), np.int64)   # lazily committed (core/arena.py)
         self.used = 0
 
     def grow(self, cap: int, words: int) -> None:
