@@ -1,5 +1,7 @@
 """Prints what the differential tests covered (steps, ops, pool kinds) at the end of the run."""
 
+import pytest
+
 from tests.differential import TOTALS
 
 
@@ -39,8 +41,6 @@ def timeout_scale() -> float:
 
 
 def pytest_collection_modifyitems(session, config, items):
-    import pytest
-
     scale = timeout_scale()
     config._kvs_timeout_scale = scale
     if scale == 1.0:
@@ -56,3 +56,21 @@ def pytest_collection_modifyitems(session, config, items):
 
 def pytest_report_header(config):
     return f"per-test time limits x {timeout_scale():.2f} (load per core; KVS_TIMEOUT_SCALE overrides)"
+
+
+# ---- one nats-server per test module -------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def nats1(tmp_path_factory):
+    """One nats-server (JetStream, sync_interval: always, as deploy/ ships it) for one test module, with its
+    monitoring port (``cluster.monitor``: http://127.0.0.1:PORT, for /connz). Skips where no server binary is."""
+    from tests.natsutil import NatsCluster, free_ports, require_nats_server
+
+    require_nats_server()
+    cluster = NatsCluster(tmp_path_factory.mktemp("nats1"), 1)
+    (port,) = free_ports(1)
+    node = cluster.nodes[0]
+    node.conf.write_text(node.conf.read_text() + f"http: 127.0.0.1:{port}\n")
+    cluster.monitor = f"http://127.0.0.1:{port}"
+    cluster.start()
+    yield cluster
+    cluster.stop()

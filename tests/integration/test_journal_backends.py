@@ -25,18 +25,12 @@ from kvservice.state.nats.journal import Fenced, NatsConfig, NatsLink, NatsStore
 from kvservice.state.tree import state_tree
 from kvservice.v1 import block_manager_pb2 as pb
 
-from ..natsutil import NatsCluster, require_nats_server
+from ..natsutil import NatsCluster
 from ..unit.test_journal import body, prefix_workload, run, setup_pools, step_req, workload
 
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def nats1(tmp_path_factory):
-    require_nats_server()
-    cluster = NatsCluster(tmp_path_factory.mktemp("nats1"), 1).start()
-    yield cluster
-    cluster.stop()
 
 
 #: Workers' lease in these tests: longer than any run, so that a worker is never swept dead while a

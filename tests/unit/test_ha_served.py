@@ -26,13 +26,6 @@ HA_SERIES = {"kvservice_leader": "gauge", "kvservice_leader_epoch": "gauge", "kv
              "kvservice_journal_append_retries": "counter", "kvservice_nats_disconnects": "counter"}
 
 
-@pytest.fixture(scope="module")
-def nats1(tmp_path_factory):
-    from tests.natsutil import NatsCluster, require_nats_server
-    require_nats_server()
-    cluster = NatsCluster(tmp_path_factory.mktemp("nats1"), 1).start()
-    yield cluster
-    cluster.stop()
 
 
 def _series(registry) -> tuple[dict[str, tuple[str, str]], dict[str, float]]:

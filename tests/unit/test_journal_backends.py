@@ -165,13 +165,6 @@ class NatsBackend:
         self._with_link(damage)
 
 
-@pytest.fixture(scope="module")
-def nats1(tmp_path_factory):
-    from ..natsutil import NatsCluster, require_nats_server
-    require_nats_server()
-    cluster = NatsCluster(tmp_path_factory.mktemp("nats1"), 1).start()
-    yield cluster
-    cluster.stop()
 
 
 @pytest.fixture(params=[MemoryBackend, SqliteBackend, NatsBackend], ids=lambda b: b.name)

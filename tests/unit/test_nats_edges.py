@@ -30,7 +30,7 @@ from kvservice.state.nats.leader import Lease, LeaseConfig
 from kvservice.state.tree import state_tree
 
 from .test_journal import run, setup_pools, step_req
-from .test_nats_store import call, link, server  # noqa: F401  (fixtures)
+from .test_nats_store import call, link  # noqa: F401  (fixtures)
 
 CONFIG = JournalConfig(sync="normal", compact_every=100_000, background_snapshots=False)
 

@@ -32,21 +32,13 @@ from kvservice.state.nats.leader import KEY, Holder, Lease, LeaseConfig, LeaseLa
 from kvservice.state.nats.link import NatsLink
 from kvservice.state.stores import Entry, entry_digest
 
-from ..natsutil import NatsCluster, free_ports, require_nats_server
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    require_nats_server()
-    cluster = NatsCluster(tmp_path_factory.mktemp("nats"), 1).start()
-    yield cluster
-    cluster.stop()
+from ..natsutil import free_ports
 
 
 @pytest.fixture
-def link(server):
+def link(nats1):
     """A link to a deployment name of this test's own."""
-    lk = NatsLink(NatsConfig(tuple(server.urls), name="t" + uuid.uuid4().hex[:10], append_seconds=3.0))
+    lk = NatsLink(NatsConfig(tuple(nats1.urls), name="t" + uuid.uuid4().hex[:10], append_seconds=3.0))
     yield lk
     lk.close()
 
@@ -140,11 +132,11 @@ class SlowAnswers:
             s.close()
 
 
-def test_opening_a_store_gives_its_several_requests_more_than_one_requests_time(server):
+def test_opening_a_store_gives_its_several_requests_more_than_one_requests_time(nats1):
     """Opening the journal stream and the snapshot bucket takes four JetStream requests (stream info, create, bucket
     info, create). Over a network whose every answer takes 40% of request_seconds, each request is in time; the
     opening as a whole, allowed max(10, 3 x request_seconds) (an election may be under way), succeeds too."""
-    proxy = SlowAnswers(urlsplit(server.urls[0]).port)
+    proxy = SlowAnswers(urlsplit(nats1.urls[0]).port)
     lk = NatsLink(NatsConfig((f"nats://127.0.0.1:{proxy.port}",), name="s" + uuid.uuid4().hex[:10],
                              request_seconds=3.0, append_seconds=3.0))
     try:
@@ -221,7 +213,7 @@ def test_a_fence_voids_the_unfinished_entry_of_the_writer_before_it(link):
 
 
 # ---- the link and the direct connection ----------------------------------------------------------------------
-def test_a_request_that_times_out_by_itself_is_named_with_nats_words(link, server):
+def test_a_request_that_times_out_by_itself_is_named_with_nats_words(link, nats1):
     """A NATS request inside link.call whose own deadline passes (nobody answers it) is told apart from the call's
     wait running out: the StoreError says what timed out and quotes nats-py's 'nats: timeout'."""
     sink = f"t.sink.{uuid.uuid4().hex}"

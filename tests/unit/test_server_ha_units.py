@@ -25,19 +25,6 @@ from kvservice.state.journal import Journal, JournalConfig
 LEASE = 24 * 3600.0
 
 
-@pytest.fixture(scope="module")
-def nats1(tmp_path_factory):
-    """One nats-server with its monitoring port (cluster.monitor: http://127.0.0.1:PORT, for /connz)."""
-    from ..natsutil import NatsCluster, free_ports, require_nats_server
-    require_nats_server()
-    cluster = NatsCluster(tmp_path_factory.mktemp("nats1"), 1)
-    (port,) = free_ports(1)
-    node = cluster.nodes[0]
-    node.conf.write_text(node.conf.read_text() + f"http: 127.0.0.1:{port}\n")
-    cluster.monitor = f"http://127.0.0.1:{port}"
-    cluster.start()
-    yield cluster
-    cluster.stop()
 
 
 def _connections(nats1) -> dict[int, str]:
@@ -100,13 +87,16 @@ def test_import_state_connects_as_kvservice_import_and_continues_the_state_dirs_
     _write_state(j, np.random.default_rng(29))
     position = j.seq
     j.close()
-    export_state(config, tmp_path / "sd")
     closed = f"{nats1.monitor}/connz?state=closed&limit=100000"
 
     def closed_names() -> dict[int, str]:
         with urllib.request.urlopen(closed, timeout=10) as r:
             return {c["cid"]: c.get("name", "") for c in json.load(r)["connections"] or ()}
 
+    inspects = lambda: sum(name == "kvservice-inspect" for name in closed_names().values())  # noqa: E731
+    k = inspects()
+    export_state(config, tmp_path / "sd")
+    assert _until(lambda: inspects() > k)    # the export's own connection, listed once the server saw it close
     before, epoch = closed_names(), int(np.random.default_rng(31).integers(2, 50))
     assert import_state(tmp_path / "sd", _config(nats1), epoch=epoch) == (position, epoch)
     opened = lambda: sorted(name for cid, name in closed_names().items() if cid not in before)  # noqa: E731
