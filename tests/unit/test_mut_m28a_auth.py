@@ -1,0 +1,192 @@
+"""TokenAuthInterceptor.intercept_service without a server: the handler it hands gRPC for each kind of call, what
+that handler's behaviour does (the reply passed through, filtered, or the call aborted with the documented status
+and message), the context the wrapped handler runs in (current_principal / current_pools), and the log line of
+each refusal. The oracle is the rules in kvservice/contract/auth.py's docstring and docs/SECURITY.md, typed here.
+
+gRPC calls intercept_service(continuation, details) with details carrying `method` and `invocation_metadata`,
+and a handler's behaviour with (request, context); context.abort raises (it never returns). _Context below records
+the abort and raises as gRPC's does; everything else is the real interceptor and real grpc method handlers."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from collections import namedtuple
+
+import grpc
+import pytest
+
+from kvservice.contract import auth
+from kvservice.v1 import block_manager_pb2 as pb
+
+BM = "/kvservice.v1.BlockManager/"
+Details = namedtuple("Details", ["method", "invocation_metadata"])
+
+
+class Aborted(Exception):
+    pass
+
+
+class _Context:
+    def __init__(self) -> None:
+        self.aborted: tuple | None = None
+
+    def abort(self, code, message):
+        self.aborted = (code, message)
+        raise Aborted(message)
+
+
+def _tokens():
+    secrets = {n: os.urandom(10).hex() for n in ("ro", "rw", "adm", "all")}
+    doc = (f"tokens:\n"
+           f"  - {{name: ro, token: {secrets['ro']}, pools: [pa, pb], role: read}}\n"
+           f"  - {{name: rw, token: {secrets['rw']}, pools: [pa], role: write}}\n"
+           f"  - {{name: adm, token: {secrets['adm']}, pools: [pz, pa], role: admin}}\n"
+           f"  - {{name: all, token: {secrets['all']}, pools: ['*']}}\n")
+    return auth.TokenTable.from_yaml(doc), secrets
+
+
+def _md(secret: str | None):
+    return [("x-request-id", "1")] + ([("authorization", f"Bearer {secret}")] if secret else [])
+
+
+def _interceptor():
+    table, secrets = _tokens()
+    return auth.TokenAuthInterceptor(table, "kvservice.v1.BlockManager", auth.manager_rules({"w9": "pb"}.get)), secrets
+
+
+def _unary(fn):
+    return grpc.unary_unary_rpc_method_handler(fn, request_deserializer=pb.GetPoolRequest.FromString,
+                                               response_serializer=pb.StepReply.SerializeToString)
+
+
+def test_health_and_unknown_methods_are_passed_through_untouched():
+    """grpc.health.v1 needs no token (probes): its handler comes back as is; a method the server does not serve
+    (continuation gives None) stays None, so gRPC answers UNIMPLEMENTED."""
+    icpt, _ = _interceptor()
+    health = _unary(lambda r, c: "ok")
+    assert icpt.intercept_service(lambda d: health, Details("/grpc.health.v1.Health/Check", [])) is health
+    assert icpt.intercept_service(lambda d: None, Details(BM + "GetPool", [])) is None
+    assert icpt.intercept_service(lambda d: None, Details(BM + "GetPool", _md("0" * 20))) is None
+
+
+def test_an_unknown_or_missing_token_is_refused_unauthenticated_and_logged(caplog):
+    caplog.set_level(logging.INFO, logger="kvservice.contract.auth")
+    icpt, _ = _interceptor()
+    calls = []
+    for md, word in ((_md(None), "no"), (_md(os.urandom(10).hex()), "unknown")):
+        h = icpt.intercept_service(lambda d: _unary(lambda req, c: calls.append(req)), Details(BM + "GetPool", md))
+        ctx = _Context()
+        with pytest.raises(Aborted):
+            h.unary_unary(pb.GetPoolRequest(pool="pa"), ctx)
+        assert ctx.aborted == (grpc.StatusCode.UNAUTHENTICATED, f"{BM}GetPool needs a known bearer token "
+                                                                "(metadata 'authorization: Bearer <token>')")
+        msgs = [r.getMessage() for r in caplog.records if r.name == "kvservice.contract.auth"]
+        assert f"refused {BM}GetPool: {word} bearer token" in msgs, msgs
+    assert calls == []
+
+
+def test_a_role_refusal_names_the_tokens_role_and_the_needed_one(caplog):
+    caplog.set_level(logging.WARNING, logger="kvservice.contract.auth")
+    icpt, s = _interceptor()
+    for who, method, need in (("ro", "Step", "write"), ("rw", "DeletePool", "admin"), ("ro", "CreatePool", "admin")):
+        caplog.clear()
+        h = icpt.intercept_service(lambda d: _unary(lambda r, c: "ran"), Details(BM + method, _md(s[who])))
+        ctx = _Context()
+        with pytest.raises(Aborted):
+            h.unary_unary(pb.GetPoolRequest(pool="pa"), ctx)
+        role = {"ro": "read", "rw": "write"}[who]
+        assert ctx.aborted == (grpc.StatusCode.PERMISSION_DENIED,
+                               f"token {who!r} has role {role}; {method} needs {need}")
+        msgs = [r.getMessage() for r in caplog.records]
+        assert msgs == [f"refused {BM}{method} for token {who!r}: role {role}, needs {need}"]
+
+
+def test_a_unary_call_runs_as_its_token_and_returns_the_handlers_reply():
+    """Inside the handler current_principal()/current_pools() are the token's; after it, the server's ("", None).
+    The reply is the handler's own object (unfiltered RPCs), or filtered to the token's pools (ListPools)."""
+    icpt, s = _interceptor()
+    seen = []
+    token = object()
+
+    def handler(request, context):
+        seen.append((auth.current_principal(), auth.current_pools()))
+        return token
+
+    for who, pools in (("rw", frozenset({"pa"})), ("all", None)):
+        h = icpt.intercept_service(lambda d: _unary(handler), Details(BM + "Step", _md(s[who])))
+        assert h.unary_unary(pb.StepRequest(pool="pa"), _Context()) is token
+        assert seen[-1] == (who, pools)
+    assert (auth.current_principal(), auth.current_pools()) == ("", None)
+
+    names = [f"p{random.randrange(1000)}" for _ in range(4)] + ["pa", "pb"]
+    full = pb.ListPoolsReply(pools=[pb.PoolInfo(name=n) for n in names])
+    for who, want in (("ro", ["pa", "pb"]), ("adm", ["pa"]), ("all", names)):
+        h = icpt.intercept_service(lambda d: _unary(lambda r, c: full), Details(BM + "ListPools", _md(s[who])))
+        assert [p.name for p in h.unary_unary(pb.ListPoolsRequest(), _Context()).pools] == want
+
+
+def test_a_unary_call_on_a_pool_outside_the_grant_is_refused_naming_the_allowed_pools(caplog):
+    caplog.set_level(logging.WARNING, logger="kvservice.contract.auth")
+    icpt, s = _interceptor()
+    ran = []
+    h = icpt.intercept_service(lambda d: _unary(lambda r, c: ran.append(r)), Details(BM + "GetPool", _md(s["adm"])))
+    ctx = _Context()
+    with pytest.raises(Aborted):
+        h.unary_unary(pb.GetPoolRequest(pool="pq"), ctx)
+    assert ctx.aborted == (grpc.StatusCode.PERMISSION_DENIED, "token 'adm' may not use pool 'pq' (it may use: pa, pz)")
+    assert [r.getMessage() for r in caplog.records] == ["refused GetPool for token 'adm' on pool 'pq'"]
+    assert ran == []
+
+
+def _stream_handler(fn):
+    return grpc.stream_stream_rpc_method_handler(fn, request_deserializer=pb.StepRequest.FromString,
+                                                 response_serializer=pb.StepReply.SerializeToString)
+
+
+def test_a_step_stream_runs_as_its_token_and_passes_requests_on_allowed_pools():
+    icpt, s = _interceptor()
+    seen = []
+
+    def handler(requests, context):
+        for r in requests:
+            seen.append((r.pool, auth.current_principal(), auth.current_pools()))
+            yield r.pool.upper()
+
+    for who, pools in (("rw", frozenset({"pa"})), ("all", None)):
+        seen.clear()
+        h = icpt.intercept_service(lambda d: _stream_handler(handler), Details(BM + "StepStream", _md(s[who])))
+        assert h.stream_stream is not None
+        out = list(h.stream_stream(iter([pb.StepRequest(pool="pa"), pb.StepRequest(pool="pa")]), _Context()))
+        assert out == ["PA", "PA"]
+        assert seen == [("pa", who, pools)] * 2
+    assert (auth.current_principal(), auth.current_pools()) == ("", None)
+
+
+def test_a_step_stream_request_on_another_pool_ends_the_call_permission_denied(caplog):
+    caplog.set_level(logging.WARNING, logger="kvservice.contract.auth")
+    icpt, s = _interceptor()
+    seen = []
+
+    def handler(requests, context):
+        for r in requests:
+            seen.append(r.pool)
+            yield r.pool
+
+    h = icpt.intercept_service(lambda d: _stream_handler(handler), Details(BM + "StepStream", _md(s["ro"])))
+    # read may not StepStream at all: a role refusal first
+    ctx = _Context()
+    with pytest.raises(Aborted):
+        list(h.stream_stream(iter([pb.StepRequest(pool="pa")]), ctx))
+    assert ctx.aborted[0] == grpc.StatusCode.PERMISSION_DENIED
+    caplog.clear()
+    h = icpt.intercept_service(lambda d: _stream_handler(handler), Details(BM + "StepStream", _md(s["rw"])))
+    ctx = _Context()
+    got = []
+    with pytest.raises(Aborted):
+        for reply in h.stream_stream(iter([pb.StepRequest(pool="pa"), pb.StepRequest(pool="pb")]), ctx):
+            got.append(reply)
+    assert got == ["pa"] and seen == ["pa"]
+    assert ctx.aborted == (grpc.StatusCode.PERMISSION_DENIED, "token 'rw' may not use pool 'pb' (it may use: pa)")
+    assert [r.getMessage() for r in caplog.records] == ["refused StepStream for token 'rw' on pool 'pb'"]
