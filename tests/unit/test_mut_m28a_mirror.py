@@ -366,3 +366,50 @@ def test_a_bad_indptr_and_an_unknown_space_are_named():
     bad.tables[0].indices.data = b"\x01" * 12
     with pytest.raises(MirrorError, match="indices"):
         m.apply(bad)
+
+
+def test_without_generations_the_mirror_holds_and_sends_none():
+    """A full reply without generations (an older manager): no generations anywhere, full_reply sends none. A delta
+    without them after a full reply with them: the mirror drops them (has_generations False) until a full reply."""
+    rng = np.random.default_rng(11)
+    ps = 3
+    model = Model(rng, ps)
+    model.rows = [model.row(5 + i, int(rng.integers(1, 12)), 1, window=True) for i in range(3)]
+    m = PageTableMirror(ps)
+    m.apply(model.full_reply(1, with_gens=False))
+    check(m, model, 1, with_gens=False)
+    m.apply(decode_delta(model, 2, 1, 1, tokens_added=True, with_gens=False))
+    check(m, model, 2, with_gens=False)
+    m.apply(model.full_reply(3))
+    check(m, model, 3)
+    for seq, (t, shortcut) in enumerate(((1, True), (ps + 1, False)), start=4):
+        m.apply(model.full_reply(seq - 1 + 10))
+        m.apply(decode_delta(model, seq + 10, seq - 1 + 10, t, tokens_added=shortcut, with_gens=False))
+        check(m, model, seq + 10, with_gens=False)
+
+
+@pytest.mark.parametrize("damage", ["one_space", "short", "shape"])
+def test_malformed_generations_of_a_decode_step_are_refused_naming_them(damage):
+    """A steady decode delta whose generations are too short, or with a shape that does not match their bytes, is
+    refused (MirrorError naming generations), never applied without them; sent for some spaces only, the mirror
+    applies the pages and holds no generations (as after any reply without them)."""
+    rng = np.random.default_rng(12)
+    ps = 2
+    model = Model(rng, ps)
+    model.rows = [model.row(1, 4, 1), model.row(2, 6, 1), model.row(3, 2, 1)]
+    m = PageTableMirror(ps)
+    m.apply(model.full_reply(1))
+    reply = decode_delta(model, 2, 1, 1, tokens_added=True)
+    g = reply.tables[1].delta.generations
+    if damage == "one_space":           # not malformed: a space without them, so the mirror holds none
+        reply.tables[1].delta.ClearField("generations")
+        m.apply(reply)
+        check(m, model, 2, with_gens=False)
+        return
+    if damage == "short":
+        g.data = g.data[:-4]
+    else:
+        g.shape[:] = [len(g.data) // 4 + 1]
+    with pytest.raises(MirrorError, match="generations"):
+        m.apply(reply)
+    assert m.seq == 0
