@@ -41,10 +41,12 @@ class Model:
             for pos in range(lo_by_group[g], self.held(r)):
                 r["pages"][sid][pos] = self.new_page(sid)
 
-    def row(self, seq_id: int, num: int, k: int, window: int | None = None) -> dict:
+    def row(self, seq_id: int, num: int, k: int, window: bool | str = False) -> dict:
+        """A row holding num tokens, its last k new; window: group 1's first page is random, up to the page of its
+        first new token (True) or up to its last page ("any": a window past some new tokens, whose slots are -1)."""
         k = min(k, num)
         r = {"id": seq_id, "num": num, "k": k, "first": {}, "pages": {sid: {} for sid in self.spaces}}
-        last = (num - k) // self.ps                 # a window never releases the page of a new token
+        last = -(-num // self.ps) - 1 if window == "any" else (num - k) // self.ps
         for g in {g for g, _ in self.spaces.values()}:
             r["first"][g] = int(self.rng.integers(0, last + 1)) if (g == 1 and window) else 0
         self.fill(r, r["first"])
@@ -61,7 +63,7 @@ class Model:
         for r in self.rows:
             for pos in range(r["num"] - r["k"], r["num"]):
                 page, gen = r["pages"][sid].get(pos // ps, (-1, 0)) if pos // ps >= r["first"][g] else (-1, 0)
-                slots.append(page * ps + pos % ps)
+                slots.append(page * ps + pos % ps if page >= 0 else -1)     # -1: skip (a page not held)
                 slot_gens.append(gen)
         width = max((self.held(r) for r in self.rows), default=0)
         block = np.full((len(self.rows), width), -1, dtype=dt)
@@ -163,7 +165,7 @@ def decode_delta(model: Model, seq: int, base: int, t: int, tokens_added: bool, 
         rows, firsts = [], []
         for i, r in enumerate(model.rows):
             if rng.random() < 0.5:
-                new_first = int(rng.integers(r["first"][1], (r["num"] - t) // model.ps + 1))
+                new_first = int(rng.integers(r["first"][1], model.held(r)))
                 if new_first != r["first"][1]:
                     for sid, (g, _) in model.spaces.items():
                         if g == 1:
@@ -208,7 +210,7 @@ def batch_delta(model: Model, seq: int, base: int, next_id: int, one_token_row: 
     n_new = int(rng.integers(1, 4))
     for j in range(n_new):
         num = 1 if (one_token_row and j == 0) else int(rng.integers(1, 6 * ps))
-        r2 = model.row(next_id, num, int(rng.integers(1, num + 1)), window=True)
+        r2 = model.row(next_id, num, int(rng.integers(1, num + 1)), window="any")
         next_id += 1
         entries.insert(int(rng.integers(0, len(entries) + 1)), (-1, r2))
     reply = pb.StepReply(stream_seq=seq)
@@ -231,7 +233,7 @@ def batch_delta(model: Model, seq: int, base: int, next_id: int, one_token_row: 
         if rng.random() < 0.4:                          # copy-on-write of the base's last page (group 0)
             replaced_rows.append(row)
         if rng.random() < 0.4:
-            nf = int(rng.integers(r["first"][1], (r["num"] - r["k"]) // ps + 1))
+            nf = int(rng.integers(r["first"][1], -(-r["num"] // ps)))
             if nf != r["first"][1]:
                 first_rows.append(row)
                 first_pages.append(nf)
@@ -275,11 +277,20 @@ def batch_delta(model: Model, seq: int, base: int, next_id: int, one_token_row: 
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_the_mirror_gives_the_models_tables_after_full_replies_and_random_deltas(seed):
+def test_the_mirror_gives_the_models_tables_after_full_replies_and_random_deltas(seed, monkeypatch):
+    """Steady decode steps (one token per row) take the mirror's shortcut (_append_only answers True): it is the
+    documented O(B) path of a decode loop; a prefill chunk (rows gaining several pages) is declined by it."""
+    shortcut: list[bool] = []
+    plain = PageTableMirror._append_only
+
+    def spy(self, reply, num_n, tok):
+        shortcut.append(plain(self, reply, num_n, tok))
+        return shortcut[-1]
+    monkeypatch.setattr(PageTableMirror, "_append_only", spy)
     rng = np.random.default_rng(1000 + seed)
     ps = [1, 2, 3, 4][seed]
     model = Model(rng, ps)
-    model.rows = [model.row(10 + i, int(rng.integers(1, 5 * ps)), int(rng.integers(1, 3)), window=True)
+    model.rows = [model.row(10 + i, int(rng.integers(1, 5 * ps)), int(rng.integers(1, 3)), window="any")
                   for i in range(int(rng.integers(2, 6)))]
     m = PageTableMirror(ps)
     seq = 1
@@ -306,8 +317,10 @@ def test_the_mirror_gives_the_models_tables_after_full_replies_and_random_deltas
                                  moves=True)
         else:
             reply, next_id = batch_delta(model, seq, seq - 1, next_id, one_token_row=step % 2 == 0)
+        shortcut.clear()
         m.apply(reply)
         check(m, model, seq)
+        assert shortcut == {0: [True], 1: [True], 2: [False], 4: []}.get(kind, shortcut), (kind, shortcut)
 
 
 def test_a_delta_that_leaves_a_row_without_tokens_is_refused():
@@ -410,6 +423,23 @@ def test_malformed_generations_of_a_decode_step_are_refused_naming_them(damage):
         g.data = g.data[:-4]
     else:
         g.shape[:] = [len(g.data) // 4 + 1]
-    with pytest.raises(MirrorError, match="generations"):
+    with pytest.raises(MirrorError, match=r"(\(generations: shape \[4\] declares 4 items but the data holds 3)|"
+                                          r"(index space 1: generations must be UINT32 \[3\])"):
         m.apply(reply)
     assert m.seq == 0
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_with_a_sliding_window_and_prefix_caching_the_mirror_equals_the_managers_full_tables(seed, monkeypatch):
+    """The manager's own full replies as the oracle (tests/unit/test_delta_mirror.py's twin: the same random ops on
+    a streamed pool with a mirror and a unary one) for a spec none of its specs is: a sliding-window group with
+    prefix caching. A prefix hit admits tokens wholly before the window: their slot_mapping is -1 (SKIP_SLOT,
+    kernels write nothing) and slot_generations 0 in a full reply, and so in the mirror (it gave page -1 * page_size
+    + offset, a negative slot, before)."""
+    from kvservice.contract.geometry import CacheSpec, LayerSpec
+    from tests import support_stream
+    from tests.unit import test_delta_mirror
+
+    spec = CacheSpec((LayerSpec(1, 64), LayerSpec(1, 64, sliding_window=6)), support_stream.PAGE, "interleaved")
+    monkeypatch.setitem(test_delta_mirror.SPECS, "window_prefix", (spec, True))
+    test_delta_mirror.test_mirror_equals_full_tables_on_random_ops("window_prefix", seed)
