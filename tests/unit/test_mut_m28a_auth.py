@@ -190,3 +190,57 @@ def test_a_step_stream_request_on_another_pool_ends_the_call_permission_denied(c
     assert got == ["pa"] and seen == ["pa"]
     assert ctx.aborted == (grpc.StatusCode.PERMISSION_DENIED, "token 'rw' may not use pool 'pb' (it may use: pa)")
     assert [r.getMessage() for r in caplog.records] == ["refused StepStream for token 'rw' on pool 'pb'"]
+
+
+def test_a_tokens_document_gives_the_documented_grants():
+    """The tokens file format of auth.py's docstring / docs/SECURITY.md: name, sha256 (hex of the token) or token,
+    pools (["*"] = every pool), role (read | write | admin, default write); unnamed entries are token-<i>."""
+    import hashlib
+
+    secrets = [os.urandom(12).hex() for _ in range(4)]
+    digest = hashlib.sha256(secrets[1].encode()).hexdigest()
+    table = auth.TokenTable.from_yaml(
+        "tokens:\n"
+        f"  - {{name: zed, token: '{secrets[0]}', pools: [p1, p2], role: read}}\n"
+        f"  - {{sha256: {digest.upper()}, pools: ['*'], role: admin}}\n"
+        f"  - {{name: mid, token: '{secrets[2]}', pools: [p3, '*']}}\n"
+        f"  - {{name: abc, token: '{secrets[3][:16]}', pools: [p4]}}\n")
+    assert len(table) == 4 and repr(table) == "TokenTable(abc, mid, token-1, zed)"
+    assert table.lookup(secrets[0]) == auth.Grant("zed", frozenset({"p1", "p2"}), "read")
+    assert table.lookup(secrets[1]) == auth.Grant("token-1", None, "admin")
+    assert table.lookup(secrets[2]) == auth.Grant("mid", None, "write")
+    assert table.lookup(secrets[3][:16]) == auth.Grant("abc", frozenset({"p4"}), "write")
+    assert table.lookup(secrets[3]) is None and table.lookup(secrets[0] + " ") is None
+
+
+@pytest.mark.parametrize(("doc", "message"), [
+    ("tokens: [", "<tokens>: not valid YAML"),
+    ("- a\n- b\n", "<tokens>: expected a mapping with a non-empty 'tokens' list"),
+    ("tokens: {a: 1}\n", "<tokens>: expected a mapping with a non-empty 'tokens' list"),
+    ("tokens:\n  - just-a-string\n", "<tokens>: tokens[0]: expected a mapping"),
+    ("tokens:\n  - {name: a, pools: [p]}\n", "<tokens>: tokens[0] (a): give exactly one of sha256 or token"),
+    ("tokens:\n  - {name: a, token: aaaaaaaaaaaaaaaa, sha256: " + "0" * 64 + ", pools: [p]}\n",
+     "<tokens>: tokens[0] (a): give exactly one of sha256 or token"),
+    ("tokens:\n  - {token: aaaaaaaaaaaaaaa, pools: [p]}\n",
+     "<tokens>: tokens[0] (token-0): a token must have at least 16 characters"),
+    ("tokens:\n  - {name: h, sha256: xyz, pools: [p]}\n", "<tokens>: tokens[0] (h): sha256 must be 64 hex digits"),
+    ("tokens:\n  - {name: h, sha256: " + "ab" * 31 + ", pools: [p]}\n",
+     "<tokens>: tokens[0] (h): sha256 must be 64 hex digits"),
+    ("tokens:\n  - {name: q, token: aaaaaaaaaaaaaaaa}\n",
+     "<tokens>: tokens[0] (q): pools must be a non-empty list of pool names or [\"*\"]"),
+    ("tokens:\n  - {name: q, token: aaaaaaaaaaaaaaaa, pools: []}\n",
+     "<tokens>: tokens[0] (q): pools must be a non-empty list of pool names or [\"*\"]"),
+    ("tokens:\n  - {name: q, token: aaaaaaaaaaaaaaaa, pools: [p, 3]}\n",
+     "<tokens>: tokens[0] (q): pools must be a non-empty list of pool names or [\"*\"]"),
+    ("tokens:\n  - {name: q, token: aaaaaaaaaaaaaaaa, pools: p}\n",
+     "<tokens>: tokens[0] (q): pools must be a non-empty list of pool names or [\"*\"]"),
+    ("tokens:\n  - {name: r, token: aaaaaaaaaaaaaaaa, pools: [p], role: root}\n",
+     "<tokens>: tokens[0] (r): role must be one of read, write, admin, got 'root'"),
+    ("tokens:\n  - {name: one, token: aaaaaaaaaaaaaaaa, pools: [p]}\n"
+     "  - {name: two, sha256: " + __import__("hashlib").sha256(b"a" * 16).hexdigest() + ", pools: [q]}\n",
+     "<tokens>: tokens[1] (two): same token as 'one'"),
+])
+def test_a_tokens_document_mistake_is_named(doc, message):
+    with pytest.raises(auth.InvalidArgument) as err:
+        auth.TokenTable.from_yaml(doc)
+    assert err.value.message == message
