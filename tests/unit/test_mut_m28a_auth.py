@@ -244,3 +244,74 @@ def test_a_tokens_document_mistake_is_named(doc, message):
     with pytest.raises(auth.InvalidArgument) as err:
         auth.TokenTable.from_yaml(doc)
     assert err.value.message == message
+
+
+def test_listings_are_filtered_to_the_tokens_pools_and_several_named_pools_are_all_checked():
+    icpt, s = _interceptor()
+    names = [*sorted({f"q{random.randrange(10**6)}" for _ in range(3)}), "pa", "pb"]
+    stats = pb.StatsReply()
+    for i, n in enumerate(names):
+        stats.pools[n].num_slots = 10 + i
+    workers = pb.ListWorkersReply(workers=[pb.WorkerInfo(worker_id=f"w{i}", pool=n) for i, n in enumerate(names)])
+    scores = pb.ScorePrefixReply(num_tokens=17, scores=[pb.PrefixScore(pool=n, cached_tokens=i + 1)
+                                                        for i, n in enumerate(names)])
+
+    def call(method, who, reply, request):
+        fresh = type(reply)()            # _stats_reply filters the reply in place: a copy per call
+        fresh.CopyFrom(reply)
+        h = icpt.intercept_service(lambda d: _unary(lambda r, c: fresh), Details(BM + method, _md(s[who])))
+        return h.unary_unary(request, _Context())
+
+    got = call("GetStats", "ro", stats, pb.GetStatsRequest())
+    assert {n: v.num_slots for n, v in got.pools.items()} == {n: 10 + names.index(n) for n in ("pa", "pb")}
+    assert set(call("GetStats", "all", stats, pb.GetStatsRequest()).pools) == set(names)
+    got = call("ListWorkers", "adm", workers, pb.ListWorkersRequest())
+    assert [(w.worker_id, w.pool) for w in got.workers] == [(f"w{names.index('pa')}", "pa")]
+    got = call("ScorePrefix", "ro", scores, pb.ScorePrefixRequest(pools=["pb", "pa"]))
+    assert got.num_tokens == 17 and [(x.pool, x.cached_tokens) for x in got.scores] == \
+        [("pa", names.index("pa") + 1), ("pb", names.index("pb") + 1)]
+    ctx = _Context()
+    h = icpt.intercept_service(lambda d: _unary(lambda r, c: scores), Details(BM + "ScorePrefix", _md(s["ro"])))
+    with pytest.raises(Aborted):
+        h.unary_unary(pb.ScorePrefixRequest(pools=["pa", names[0]]), ctx)
+    assert ctx.aborted == (grpc.StatusCode.PERMISSION_DENIED,
+                           f"token 'ro' may not use pool {names[0]!r} (it may use: pa, pb)")
+
+
+def test_a_heartbeat_for_another_tenants_worker_does_not_name_its_pool():
+    """Heartbeat's pool comes from the worker registry when the request names none (Rule.named False): a refusal
+    says "the pool this request touches"; a pool the caller named itself is named back."""
+    icpt, s = _interceptor()                # worker w9 belongs to pool pb
+    for request, what in ((pb.HeartbeatRequest(worker_id="w9"), "the pool this request touches"),
+                          (pb.HeartbeatRequest(worker_id="w9", pool="pb"), "pool 'pb'")):
+        h = icpt.intercept_service(lambda d: _unary(lambda r, c: "beat"), Details(BM + "Heartbeat", _md(s["rw"])))
+        ctx = _Context()
+        with pytest.raises(Aborted):
+            h.unary_unary(request, ctx)
+        assert ctx.aborted == (grpc.StatusCode.PERMISSION_DENIED, f"token 'rw' may not use {what} (it may use: pa)")
+    h = icpt.intercept_service(lambda d: _unary(lambda r, c: "beat"), Details(BM + "Heartbeat", _md(s["adm"])))
+    assert h.unary_unary(pb.HeartbeatRequest(worker_id="w-unknown"), _Context()) == "beat"
+
+
+def test_a_watch_stream_is_checked_before_streaming_and_runs_as_its_token():
+    icpt, s = _interceptor()
+    seen = []
+
+    def watch(request, context):
+        for i in range(3):
+            seen.append((auth.current_principal(), auth.current_pools()))
+            yield i
+
+    def handler():
+        return grpc.unary_stream_rpc_method_handler(watch, request_deserializer=pb.WatchEventsRequest.FromString,
+                                                    response_serializer=pb.KVEventBatch.SerializeToString)
+    h = icpt.intercept_service(lambda d: handler(), Details(BM + "WatchEvents", _md(s["ro"])))
+    assert h.unary_stream is not None and h.unary_unary is None
+    assert list(h.unary_stream(pb.WatchEventsRequest(pool="pb"), _Context())) == [0, 1, 2]
+    assert seen == [("ro", frozenset({"pa", "pb"}))] * 3
+    ctx = _Context()
+    with pytest.raises(Aborted):
+        list(icpt.intercept_service(lambda d: handler(), Details(BM + "WatchEvents", _md(s["rw"]))).unary_stream(
+            pb.WatchEventsRequest(pool="pb"), ctx))
+    assert ctx.aborted == (grpc.StatusCode.PERMISSION_DENIED, "token 'rw' may not use pool 'pb' (it may use: pa)")
+    assert len(seen) == 3
