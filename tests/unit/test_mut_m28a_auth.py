@@ -315,3 +315,12 @@ def test_a_watch_stream_is_checked_before_streaming_and_runs_as_its_token():
             pb.WatchEventsRequest(pool="pb"), ctx))
     assert ctx.aborted == (grpc.StatusCode.PERMISSION_DENIED, "token 'rw' may not use pool 'pb' (it may use: pa)")
     assert len(seen) == 3
+
+
+def test_server_tls_without_a_client_ca_asks_no_client_certificate():
+    """Plain TLS (no --tls-client-ca) builds server credentials that do not require client certificates (gRPC
+    refuses to require them without a CA to check them against); mutual TLS with a CA builds too."""
+    key, cert, ca = (os.urandom(16) for _ in range(3))
+    assert isinstance(auth.ServerTLS(cert, key).credentials(), grpc.ServerCredentials)
+    assert isinstance(auth.ServerTLS(cert, key, ca).credentials(), grpc.ServerCredentials)
+    assert "key" not in repr(auth.ServerTLS(cert, key)) and repr(key) not in repr(auth.ServerTLS(cert, key))
