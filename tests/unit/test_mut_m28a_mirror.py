@@ -443,3 +443,34 @@ def test_with_a_sliding_window_and_prefix_caching_the_mirror_equals_the_managers
     spec = CacheSpec((LayerSpec(1, 64), LayerSpec(1, 64, sliding_window=6)), support_stream.PAGE, "interleaved")
     monkeypatch.setitem(test_delta_mirror.SPECS, "window_prefix", (spec, True))
     test_delta_mirror.test_mirror_equals_full_tables_on_random_ops("window_prefix", seed)
+
+
+@pytest.mark.parametrize("damage", ["unknown_space", "few_ids", "row_past_base", "few_base_rows"])
+def test_a_delta_that_does_not_fit_the_base_is_refused_naming_why(damage):
+    rng = np.random.default_rng(13)
+    ps = 2
+    model = Model(rng, ps)
+    model.rows = [model.row(1, 5, 1), model.row(2, 6, 1), model.row(3, 3, 1)]
+    m = PageTableMirror(ps)
+    m.apply(model.full_reply(1))
+    if damage == "unknown_space":              # a steady decode step naming a space the mirror does not hold
+        reply = decode_delta(model, 2, 1, 1, tokens_added=True)
+        reply.tables[2].index_space = 9
+        want = r"delta names index space 9; the mirror holds \[0, 1, 2\]"
+    else:
+        reply, _ = batch_delta(model, 2, 1, 100, one_token_row=False)
+        b = len(model.rows)
+        if damage == "few_ids":
+            reply.seq_ids.CopyFrom(to_tensor(from_tensor(reply.seq_ids, "seq_ids")[:-1]))
+            want = rf"delta rows \({b} base rows, {b - 1} ids, {b} counts\) do not fit a base batch of 3"
+        elif damage == "few_base_rows":
+            reply.delta.base_rows.CopyFrom(to_tensor(from_tensor(reply.delta.base_rows, "base_rows")[1:]))
+            want = rf"delta rows \({b - 1} base rows, {b} ids, {b} counts\) do not fit a base batch of 3"
+        else:
+            rows = from_tensor(reply.delta.base_rows, "base_rows").copy()
+            rows[-1] = 3
+            reply.delta.base_rows.CopyFrom(to_tensor(rows))
+            want = rf"delta rows \({b} base rows, {b} ids, {b} counts\) do not fit a base batch of 3"
+    with pytest.raises(MirrorError, match=want):
+        m.apply(reply)
+    assert m.seq == 0
