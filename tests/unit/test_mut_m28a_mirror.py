@@ -474,3 +474,32 @@ def test_a_delta_that_does_not_fit_the_base_is_refused_naming_why(damage):
     with pytest.raises(MirrorError, match=want):
         m.apply(reply)
     assert m.seq == 0
+
+
+def test_a_decode_step_up_to_the_mirrors_bounds_takes_the_shortcut_and_one_past_them_is_refused(monkeypatch):
+    """max_entries (B x longest row) and max_width (pages per row) are inclusive bounds: a decode step that makes the
+    tables exactly that big is applied by the shortcut; the next page past either bound is refused."""
+    taken: list[bool] = []
+    plain = PageTableMirror._append_only
+
+    def spy(self, reply, num_n, tok):
+        taken.append(plain(self, reply, num_n, tok))
+        return taken[-1]
+    monkeypatch.setattr(PageTableMirror, "_append_only", spy)
+    ps = 2
+    for bound in ("entries", "width"):
+        rng = np.random.default_rng(14)
+        model = Model(rng, ps, {0: (0, np.int32), 1: (1, np.int64)})
+        model.rows = [model.row(1, 6, 1), model.row(2, 4, 1)]      # 3 and 2 pages; the next token: 4 and 3
+        m = PageTableMirror(ps, max_entries=8 if bound == "entries" else 1 << 20,
+                            max_width=4 if bound == "width" else None)
+        m.apply(model.full_reply(1))
+        taken.clear()
+        m.apply(decode_delta(model, 2, 1, 1, tokens_added=True))
+        check(m, model, 2)
+        assert taken == [True]
+        m.apply(decode_delta(model, 3, 2, 1, tokens_added=True))     # 8 and 6 tokens: still 4 and 3 pages
+        check(m, model, 3)
+        with pytest.raises(MirrorError, match="over this mirror's"):
+            m.apply(decode_delta(model, 4, 3, 1, tokens_added=True))
+        assert m.seq == 0
