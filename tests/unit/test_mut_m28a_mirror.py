@@ -503,3 +503,56 @@ def test_a_decode_step_up_to_the_mirrors_bounds_takes_the_shortcut_and_one_past_
         with pytest.raises(MirrorError, match="over this mirror's"):
             m.apply(decode_delta(model, 4, 3, 1, tokens_added=True))
         assert m.seq == 0
+
+
+def test_what_apply_refuses_or_ignores_and_what_it_then_holds():
+    """apply(): a refused request's reply (error set) changes nothing; a delta on another base is refused and changes
+    nothing; a delta's own mistakes leave the mirror holding nothing; a full reply without CSR tables holds none."""
+    from kvservice.contract.geometry import MAX_COUNT
+
+    with pytest.raises(ValueError, match="page_size must be > 0, got 0"):
+        PageTableMirror(0)
+    rng = np.random.default_rng(15)
+    ps = 3
+    model = Model(rng, ps)
+    model.rows = [model.row(1, 7, 2), model.row(2, 4, 1)]
+    m = PageTableMirror(ps)
+    with pytest.raises(MirrorError, match="the mirror holds no tables"):
+        m.full_reply()
+    with pytest.raises(MirrorError, match=r"the mirror holds no tables \(apply a reply with tables first\)"):
+        m.page_table(0)
+    with pytest.raises(MirrorError, match=r"applies to the reply of request 4; the mirror holds nothing \(ask for full "
+                                          r"tables: delta_base 0\)"):
+        m.apply(decode_delta(model, 5, 4, 1, tokens_added=True))
+    model.rows = [model.row(1, 7, 2), model.row(2, 4, 1)]
+    m.apply(model.full_reply(6))
+    m.apply(pb.StepReply(stream_seq=7, error=pb.RequestStatus(code=8, message="no room")))
+    check(m, model, 6)
+    wrong = decode_delta(Model(rng, ps), 8, 5, 1, tokens_added=True)
+    with pytest.raises(MirrorError, match="applies to the reply of request 5; the mirror holds 6"):
+        m.apply(wrong)
+    check(m, model, 6)                                  # nothing changed
+    for damage, want in (("counts", "a delta with tokens_added covers the base batch alone"),
+                         ("huge", f"tokens_added {MAX_COUNT + 1} is more than a sequence can gain in a step "
+                                  f"\\({MAX_COUNT}\\)"),
+                         ("indptr", "new_token_indptr has 2 entries for 2 rows")):
+        m.apply(model.full_reply(6))
+        reply = pb.StepReply(stream_seq=7)
+        reply.delta.base_seq = 6
+        if damage == "counts":
+            reply.delta.tokens_added = 1
+            reply.num_tokens.CopyFrom(to_tensor(np.array([8, 5], dtype=np.int64)))
+        elif damage == "huge":
+            reply.delta.tokens_added = MAX_COUNT + 1
+        else:
+            reply.num_tokens.CopyFrom(to_tensor(np.array([8, 5], dtype=np.int64)))
+            reply.new_token_indptr.CopyFrom(to_tensor(np.array([0, 1], dtype=np.int64)))
+        with pytest.raises(MirrorError, match=want):
+            m.apply(reply)
+        assert m.seq == 0 and m.spaces == {}
+    bare = model.full_reply(9)
+    for st in bare.tables:
+        st.ClearField("indptr")
+    m.apply(bare)
+    assert m.seq == 0 and not m.has_generations
+    np.testing.assert_array_equal(m.num_tokens, [7, 4])
