@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kvservice.contract.errors import KVError
 from kvservice.contract.mirror import MirrorError, PageTableMirror
 from kvservice.contract.wire import from_tensor, to_tensor
 from kvservice.v1 import block_manager_pb2 as pb
@@ -379,6 +380,11 @@ def test_a_bad_indptr_and_an_unknown_space_are_named():
     bad.tables[0].indices.data = b"\x01" * 12
     with pytest.raises(MirrorError, match="indices"):
         m.apply(bad)
+    for field in ("seq_ids", "num_tokens", "new_token_indptr"):
+        bad = model.full_reply(6)
+        getattr(bad, field).dtype = FLOAT32
+        with pytest.raises((MirrorError, KVError), match=rf"{field}: dtype FLOAT32 not allowed here"):
+            m.apply(bad)
 
 
 def test_without_generations_the_mirror_holds_and_sends_none():
@@ -445,7 +451,7 @@ def test_with_a_sliding_window_and_prefix_caching_the_mirror_equals_the_managers
     test_delta_mirror.test_mirror_equals_full_tables_on_random_ops("window_prefix", seed)
 
 
-@pytest.mark.parametrize("damage", ["unknown_space", "few_ids", "row_past_base", "few_base_rows"])
+@pytest.mark.parametrize("damage", ["unknown_space", "few_ids", "row_past_base", "few_base_rows", "float_ids"])
 def test_a_delta_that_does_not_fit_the_base_is_refused_naming_why(damage):
     rng = np.random.default_rng(13)
     ps = 2
@@ -463,6 +469,9 @@ def test_a_delta_that_does_not_fit_the_base_is_refused_naming_why(damage):
         if damage == "few_ids":
             reply.seq_ids.CopyFrom(to_tensor(from_tensor(reply.seq_ids, "seq_ids")[:-1]))
             want = rf"delta rows \({b} base rows, {b - 1} ids, {b} counts\) do not fit a base batch of 3"
+        elif damage == "float_ids":
+            reply.seq_ids.dtype = FLOAT32
+            want = r"\(seq_ids: dtype FLOAT32 not allowed here\)"
         elif damage == "few_base_rows":
             reply.delta.base_rows.CopyFrom(to_tensor(from_tensor(reply.delta.base_rows, "base_rows")[1:]))
             want = rf"delta rows \({b - 1} base rows, {b} ids, {b} counts\) do not fit a base batch of 3"
