@@ -418,20 +418,20 @@ class PageTableMirror:
         return rows * s.table.shape[1] + pos // ps, pos
 
     def slot_mapping(self, space_id: int) -> Any:
-        """int64 [num_new_tokens]: page_index * page_size + offset_in_page of each new token, batch order."""
+        """int64 [num_new_tokens]: page_index * page_size + offset_in_page of each new token; -1: page not held."""
         ps = self.page_size
         s = self._space(space_id)
         cells, pos = self._new_token_cells(s)
         pages = s.table.ravel().take(cells).astype(np.int64)
-        return pages * ps + pos % ps
+        return self.xp.where(pages >= 0, pages * ps + pos % ps, -1)
 
     def slot_generations(self, space_id: int) -> Any:
-        """uint32 [num_new_tokens], parallel to slot_mapping: each new token's page generation; None without."""
+        """uint32 [num_new_tokens], parallel to slot_mapping: each new token's page generation (0: -1); None without."""
         s = self._space(space_id)
         if s.gens is None:
             return None
         cells, _ = self._new_token_cells(s)
-        return s.gens.ravel().take(cells)
+        return self.xp.where(s.table.ravel().take(cells) >= 0, s.gens.ravel().take(cells), 0).astype(np.uint32)
 
     def num_pages(self, space_id: int) -> int:
         """Page table entries of the batch in one space (nnz of its CSR)."""
