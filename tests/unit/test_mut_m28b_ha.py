@@ -67,3 +67,104 @@ def test_every_ha_series_has_a_help_sentence(nats1) -> None:
         assert bad == []
     finally:
         j.close(snapshot=False)
+
+
+def test_leader_hint_names_the_holder_its_address_and_epoch(nats1) -> None:
+    from kvservice.state.nats.leader import Holder
+
+    j, ha = _controller(nats1, 2)
+    try:
+        assert ha._leader_hint() == ""                           # no holder seen yet
+        ha.lease.holder = Holder("mgr-b", "10.1.2.3:50051", 9, 4)
+        assert ha._leader_hint() == "mgr-b at 10.1.2.3:50051 (epoch 9)"
+        ha.lease.holder = Holder("mgr-c", "", 11, 5)
+        assert ha._leader_hint() == "mgr-c at ? (epoch 11)"
+    finally:
+        j.close(snapshot=False)
+
+
+def test_the_leader_gauge_is_one_only_while_leading_with_the_lease_held(nats1) -> None:
+    from kvservice.server.ha import HACollector
+
+    j, ha = _controller(nats1, 4)
+    try:
+        reg = CollectorRegistry()
+        reg.register(HACollector(ha))
+        ha.lag_entries = 17
+        for role, held, want, lag in (("standby", True, 0.0, 17.0), ("leader", True, 1.0, 0.0),
+                                      ("leader", False, 0.0, 0.0), ("failed", True, 0.0, 0.0)):
+            ha.role, ha.lease.held = role, held
+            assert (reg.get_sample_value("kvservice_leader"), reg.get_sample_value("kvservice_standby_lag_entries")) \
+                == (want, lag), role
+    finally:
+        ha.lease.held = False
+        j.close(snapshot=False)
+
+
+def test_a_takeover_gives_every_worker_record_a_fresh_lease_and_changes_nothing_else() -> None:
+    """docs/DURABILITY.md: at takeover every worker record gets a fresh lease start, as after a restart."""
+    from kvservice.manager.pools import BlockManager
+    from kvservice.manager.workers import WorkerRegistry
+    from kvservice.server.ha import _refresh_worker_leases
+
+    class Clock:
+        now = 100.0
+
+        def __call__(self) -> float:
+            return self.now
+
+    rng = np.random.default_rng(13)
+    clock = Clock()
+    m = BlockManager()
+    m.workers = reg = WorkerRegistry(5.0, clock)
+    ids = [f"w{i}" for i in range(4)]
+    for i, wid in enumerate(ids):
+        clock.now += float(rng.uniform(0.5, 2))
+        reg.register(wid, "p", 8, tp_rank=i % 2, tp_size=2, address=f"10.0.0.{i}:9")
+    before = {r.worker_id: r for r in reg.workers()}
+    clock.now += 50.0                                          # every lease lapsed: all swept dead
+    assert [r.alive for r in reg.workers()] == [False] * 4
+    clock.now += float(rng.uniform(1, 3))
+    _refresh_worker_leases(m)
+    after = {r.worker_id: r for r in reg.workers()}
+    assert sorted(after) == ids
+    for wid in ids:
+        a, b = after[wid], before[wid]
+        assert (a.last_heartbeat, a.alive) == (clock.now, True)
+        assert (a.pool, a.epoch, a.tp_rank, a.address, a.layer_end) == (b.pool, b.epoch, b.tp_rank, b.address, 8)
+    reg.heartbeat("w2", before["w2"].epoch, "p")              # a live worker's next heartbeat succeeds
+
+
+def test_a_takeover_fences_the_next_epoch_promotes_creates_the_pools_and_serves(nats1, caplog) -> None:
+    """Module docstring: the lease won, read to the end and fence ``highest epoch seen + 1``; then serve with that
+    epoch (the gate's, the lease's, the journal position's incarnation); configured pools missing are created."""
+    import logging
+    import re
+
+    from kvservice.server.config import load_pools
+
+    epoch = int(np.random.default_rng(43).integers(2, 30))
+    j, ha = _controller(nats1, epoch)
+    serving: list[bool] = []
+    ha.set_serving = serving.append
+    ha.pools = load_pools("pools:\n  - name: tk\n    layers: [{kv_heads: 2, head_dim: 8}]\n"
+                          "    sizing: {num_slots: 16}\n")
+    try:
+        assert ha.lease.try_acquire()
+        with caplog.at_level(logging.INFO, logger="kvservice.server.ha"):
+            ha._take_over()
+        assert ha.failed is None and ha.role == "leader" and serving == [True]
+        assert (ha.gate.leader, ha.gate.epoch, ha.lease.epoch, ha.journal.incarnation) == (True,) + (epoch + 1,) * 3
+        assert ha.store.max_epoch == epoch + 1
+        assert ha.journal.manager.pool_names() == ["tk"]
+        assert ha.takeover_seconds > 0
+        (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("leader now")]
+        m = re.fullmatch(rf"leader now: epoch {epoch + 1} at journal position (\d+) \(takeover [0-9.]+ s: (.*)\)", line)
+        assert m is not None, line
+        assert int(m.group(1)) == ha.journal.seq
+        assert [p.rsplit(" ", 1)[0] for p in m.group(2).split(", ")] == [
+            "caught up", "fenced", "unsubscribe", "snapshots listed", "lease valid", "serving"]
+    finally:
+        ha.stop()
+        ha.release()
+        j.close(snapshot=False)

@@ -129,3 +129,19 @@ def test_a_refusal_is_counted_by_its_code_and_reason_and_a_failed_journal_refuse
         (("code", "NOT_FOUND"), ("method", "GetPool"), ("reason", "NOT_FOUND")): 1.0,
         (("code", "INVALID_ARGUMENT"), ("method", "Step"), ("reason", reason)): 1.0,
         (("code", "UNAVAILABLE"), ("method", "ListPools"), ("reason", "UNAVAILABLE")): 1.0}
+
+
+def test_echo_stream_returns_each_payload_in_order_counts_each_as_echo_and_closes_its_slot(served) -> None:
+    running, stub = served
+    rng = np.random.default_rng(37)
+    payloads = [rng.integers(0, 256, int(n)).astype(np.uint8).tobytes() for n in rng.integers(1, 200, 7)]
+    replies = list(stub.EchoStream(iter(pb.EchoRequest(payload=p) for p in payloads), timeout=10))
+    assert [r.payload for r in replies] == payloads
+    assert _samples(running, "kvservice_rpc_duration_seconds_count") == {(("code", "OK"), ("method", "Echo")): 7.0}
+    assert running.servicer.streams.active == 0
+    with grpc.insecure_channel(f"127.0.0.1:{running.port}") as channel, pytest.raises(grpc.RpcError) as err:
+        raw = channel.stream_stream("/kvservice.v1.BlockManager/EchoStream", request_serializer=None,
+                                    response_deserializer=pb.EchoReply.FromString)
+        list(raw(iter([pb.EchoRequest(payload=b"ok").SerializeToString(), b"\xff\xff\xff"]), timeout=10))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == "request is not a valid kvservice.v1.EchoRequest message"
