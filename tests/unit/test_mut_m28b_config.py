@@ -239,3 +239,33 @@ def test_zero_is_accepted_where_the_schema_says_an_integer_at_least_zero() -> No
     (pc,) = load_pools(text)
     assert pc.sizing == Sizing(num_slots=9)
     assert pc.spec.layers == (LayerSpec(8, 128, "float16", 0),) * 2
+
+
+def _edit_distance(a: str, b: str) -> int:
+    """Levenshtein distance, the textbook recursion with memo (a model, independent of _near's table)."""
+    from functools import cache
+
+    @cache
+    def d(i: int, j: int) -> int:
+        if i == 0 or j == 0:
+            return i + j
+        return min(d(i - 1, j) + 1, d(i, j - 1) + 1, d(i - 1, j - 1) + (a[i - 1] != b[j - 1]))
+    return d(len(a), len(b))
+
+
+def test_a_near_miss_is_one_edit_or_the_same_name_without_separators() -> None:
+    """The module's rule for "did you mean": case aside, one insertion, deletion or substitution, or the same
+    letters once underscores (and a typed hyphen) are dropped."""
+    from kvservice.server.config import _near
+
+    rng = np.random.default_rng(61)
+    alphabet = "ab_-C"
+    for _ in range(3000):
+        a = "".join(rng.choice(list(alphabet), int(rng.integers(0, 6))))
+        b = "".join(rng.choice(list("ab_c"), int(rng.integers(0, 6))))
+        al, bl = a.lower(), b.lower()
+        want = al.replace("_", "").replace("-", "") == bl.replace("_", "") or (
+            abs(len(al) - len(bl)) <= 1 and _edit_distance(al, bl) <= 1)
+        assert _near(a, b) is want, (a, b)
+    assert _near("prefix_cachng", "prefix_caching") and _near("Max-Batch", "max_batch")
+    assert not _near("colour", "count") and not _near("pagesize_x", "page_size")

@@ -205,3 +205,131 @@ def test_refusals_are_replies_and_a_failed_journal_breaks_the_stream() -> None:
     with pytest.raises(JournalUnavailable) as err:
         step_one(sv, session, r, JournalUnavailable, lambda s, rep: replies.append(rep))
     assert str(err.value) == "the manager stopped serving: disk gone" and replies[-1] is None
+
+
+def _held(rng: np.random.Generator, n: int):
+    import weakref
+
+    from kvservice.manager.delta import HeldTables
+
+    class Anchor:
+        pass
+    anchor = Anchor()
+    return HeldTables(1, weakref.ref(anchor), 0, rng.integers(1, 1 << 40, n).astype(np.uint64),
+                      rng.integers(1, 1000, n).astype(np.int64)), anchor
+
+
+def test_a_session_charges_what_it_keeps_keeps_nothing_past_the_budget_and_the_last_call_frees_it() -> None:
+    """Module docstring: what an open session keeps (the held tables: 8 bytes per uint64 id and int64 count) is
+    charged to its tenant; with no room it keeps nothing; when its last call closes the charge goes, last_seq stays."""
+    from kvservice.server.budget import BudgetLimits, MemoryBudget
+
+    rng = np.random.default_rng(19)
+    budget = MemoryBudget(BudgetLimits(total_bytes=1 << 20, tenant_bytes=4096))
+    s = StreamSession("st-m", "acme")
+    assert s.kept_bytes() == 0
+    s.account()                                              # no charge (no budget): nothing happens
+    n = int(rng.integers(5, 50))
+    s.held, _anchor = _held(rng, n)
+    assert s.kept_bytes() == 16 * n
+    s.charge = budget.charge("acme", 0, "StepStream session")
+    s.calls, s.last_seq = 2, 9
+    s.account()
+    assert budget.tenant_bytes("acme") == 16 * n and s.held is not None
+    s.held, _anchor2 = _held(rng, 300)                       # 4800 bytes > the tenant's 4096: kept no more
+    s.account()
+    assert s.held is None and budget.tenant_bytes("acme") == 0 and s.charge.nbytes == 0
+    s.held = _held(rng, n)[0]
+    s.account()
+    s.close_call()                                           # one of two calls: it keeps what it has
+    assert s.calls == 1 and s.held is not None and budget.tenant_bytes("acme") == 16 * n
+    s.close_call()                                           # the last: keeps only last_seq
+    assert (s.calls, s.held, s.last_seq, budget.tenant_bytes("acme"), budget.charged_bytes) == (0, None, 9, 0, 0)
+    s.held = _held(rng, 3)[0]
+    s.forget()
+    assert s.held is None and s.kept_bytes() == 0
+
+
+def test_error_reply_maps_each_error_class_to_its_grpc_code() -> None:
+    from kvservice.contract.errors import AlreadyExists, FailedPrecondition, KVError, NotFound, ResourceExhausted
+    from kvservice.server.stream import error_reply
+
+    # google.rpc.Code numbers: INVALID_ARGUMENT 3, NOT_FOUND 5, ALREADY_EXISTS 6, RESOURCE_EXHAUSTED 8,
+    # FAILED_PRECONDITION 9, INTERNAL 13
+    for cls, code in ((InvalidArgument, 3), (NotFound, 5), (AlreadyExists, 6), (ResourceExhausted, 8),
+                      (FailedPrecondition, 9), (KVError, 13)):
+        err = cls(f"{cls.__name__} said no", reason="WHY_" + cls.__name__.upper(), pool="p", n=4)
+        assert error_reply(12, err) == pb.StepReply(stream_seq=12, error=pb.RequestStatus(
+            code=code, message=f"{cls.__name__} said no", reason="WHY_" + cls.__name__.upper(),
+            metadata={"pool": "p", "n": "4"}))
+
+
+def test_request_ids_are_scoped_by_tenant_length_and_name() -> None:
+    from kvservice.server.stream import scoped_request_id
+
+    assert scoped_request_id("", "r-1") == "r-1"
+    assert scoped_request_id("acme", "r-1") == "4:acme/r-1"
+    assert scoped_request_id("a", "b/r") == "1:a/b/r" != scoped_request_id("a/b", "r") == "3:a/b/r"
+
+
+def test_step_stream_over_the_wire_ids_seqs_metrics_and_the_open_stream_cap() -> None:
+    """step_stream: one reply per request in order, each naming the stream id of the call metadata (a made-up
+    "anon-<32 hex>" without one, INVALID_ARGUMENT for a malformed one); each request counts as a Step; a stream
+    past max_streams open ones is refused RESOURCE_EXHAUSTED."""
+    import re
+    import threading
+
+    import grpc
+
+    from kvservice.client.codec import create_pool_request, step_request
+    from kvservice.contract.geometry import CacheSpec
+    from kvservice.contract.sizing import Sizing
+    from kvservice.contract.transport import STREAM_ID_KEY
+    from kvservice.server.app import serve
+    from kvservice.v1 import block_manager_pb2_grpc as pb_grpc
+
+    rng = np.random.default_rng(59)
+    running = serve("127.0.0.1:0", max_streams=1)
+    channel = grpc.insecure_channel(f"127.0.0.1:{running.port}")
+    stub = pb_grpc.BlockManagerStub(channel)
+    try:
+        stub.CreatePool(create_pool_request("p", CacheSpec.uniform(2, 2, 8, "float16", 4), Sizing(num_slots=64)),
+                        timeout=10)
+
+        def requests(n: int, first_id: int):
+            for i in range(n):
+                r = step_request("p", admit=[first_id + i], admit_tokens=[int(rng.integers(1, 9))])
+                r.stream_seq = i + 1
+                yield r
+        n = int(rng.integers(2, 6))
+        replies = list(stub.StepStream(requests(n, 100), metadata=[(STREAM_ID_KEY, "sched-7")], timeout=10))
+        assert [(r.stream_seq, r.stream_id, r.HasField("error")) for r in replies] == \
+            [(i + 1, "sched-7", False) for i in range(n)]
+        (anon,) = list(stub.StepStream(requests(1, 200), timeout=10))
+        assert re.fullmatch(r"anon-[0-9a-f]{32}", anon.stream_id) and anon.stream_seq == 1
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.StepStream(requests(1, 300), metadata=[(STREAM_ID_KEY, "bad id!")], timeout=10))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details() == f"metadata {STREAM_ID_KEY} must be 1-64 characters of [A-Za-z0-9_.:-]"
+        count = running.metrics.registry.get_sample_value("kvservice_rpc_duration_seconds_count",
+                                                          {"method": "Step", "code": "OK"})
+        assert count == n + 1
+
+        hold, opened = threading.Event(), threading.Event()
+
+        def held_open():
+            yield from requests(1, 400)
+            opened.set()
+            hold.wait(10)
+        call = stub.StepStream(held_open(), metadata=[(STREAM_ID_KEY, "sched-8")], timeout=20)
+        assert next(call).stream_seq == 1 and opened.wait(10)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.StepStream(requests(1, 500), timeout=10))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert err.value.details() == ("this manager has 1 streams open, its limit (kvservice serve --max-streams); "
+                                       "close one, or use unary calls")
+        hold.set()
+        assert list(call) == []
+    finally:
+        channel.close()
+        running.stop(0)
