@@ -227,6 +227,10 @@ def test_a_missing_model_config_and_bad_yaml_name_the_source(tmp_path: Path) -> 
         load_pools("pools:\n  - name: m\n    model_config: nope.json\n", "p.yaml", tmp_path)
     assert err.value.message == f"p.yaml: pools[0]: cannot read model config {tmp_path / 'nope.json'}: " \
                                 "No such file or directory"
+    with pytest.raises(InvalidArgument) as err:          # no base directory: a relative path is the process's
+        load_pools("pools:\n  - name: m\n    model_config: absent-m28b/config.json\n", "p.yaml")
+    assert err.value.message == "p.yaml: pools[0]: cannot read model config absent-m28b/config.json: " \
+                                "No such file or directory"
     with pytest.raises(InvalidArgument) as err:
         load_pools("pools: [", "p.yaml")
     assert err.value.message.startswith("p.yaml: not valid YAML: ")

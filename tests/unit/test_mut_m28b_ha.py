@@ -168,3 +168,68 @@ def test_a_takeover_fences_the_next_epoch_promotes_creates_the_pools_and_serves(
         ha.stop()
         ha.release()
         j.close(snapshot=False)
+
+
+def test_a_failure_turns_readiness_off_fails_the_journal_and_keeps_the_first_reason(nats1) -> None:
+    """Module docstring, fail-stop: health turns NOT_SERVING and the journal fails (kvservice serve exits 3)."""
+    from kvservice.contract.errors import JournalUnavailable
+
+    j, ha = _controller(nats1, 2)
+    serving: list[bool] = []
+    ha.set_serving = serving.append
+    try:
+        ha._fail("first reason")
+        ha._fail("second reason")
+        assert (ha.role, ha.failed, serving) == ("failed", "first reason", [False, False])
+        assert j.failed
+        with pytest.raises(JournalUnavailable):
+            j.execute("DeletePool", __import__("kvservice.v1.block_manager_pb2", fromlist=["x"]).DeletePoolRequest(
+                pool="p"), lambda r: r)
+    finally:
+        j.close(snapshot=False)
+
+
+def test_start_follows_in_a_daemon_thread_and_hooks_the_gate(nats1) -> None:
+    """A standby follows in a daemon thread (a hung NATS call never keeps the process alive); the gate names the
+    leader through the lease and is valid only while this manager holds a lease with time left."""
+    from kvservice.state.nats.leader import Holder
+
+    j, ha = _controller(nats1, 2)
+    ha.lease.try_acquire = lambda: False                  # stay a standby: this test is about following
+    try:
+        ha.start()
+        assert ha._thread is not None and ha._thread.daemon and ha._thread.name == "ha-standby"
+        assert ha._thread.is_alive() and ha.lag_entries == 0
+        ha.lease.holder = Holder("mgr-z", "10.9.8.7:1", 5, 1)
+        assert ha.gate.leader_hint() == "mgr-z at 10.9.8.7:1 (epoch 5)"
+        assert ha.gate.valid() is False
+    finally:
+        ha.stop()
+        j.close(snapshot=False)
+    assert not ha._thread.is_alive()
+
+
+def test_import_state_refuses_a_deployment_that_already_holds_entries(nats1, tmp_path) -> None:
+    from kvservice.client.codec import create_pool_request
+    from kvservice.contract.errors import StateError
+    from kvservice.contract.geometry import CacheSpec
+    from kvservice.contract.sizing import Sizing
+    from kvservice.server.ha import export_state, import_state
+    from kvservice.state.nats.journal import NatsLink, NatsStore
+
+    j, _ha = _controller(nats1, 1)
+    config = j.store.link.config
+    req = create_pool_request("p", CacheSpec.uniform(2, 2, 8, "float16", 4), Sizing(num_slots=8))
+    j.execute("CreatePool", req, j.api.CreatePool)
+    j.close(snapshot=False)
+    link = NatsLink(config, client_name="kvservice-test")
+    try:
+        store = NatsStore(link)
+        assert store.stream_last_seq() > 0 and store.last_snapshot() is None      # entries, and no snapshot
+    finally:
+        link.close()
+    export_state(config, tmp_path / "sd")
+    with pytest.raises(StateError) as err:
+        import_state(tmp_path / "sd", config)
+    assert err.value.message.endswith(" already holds a journal; import into a fresh --nats-name "
+                                      "(docs/operations.md, 'Restore from a snapshot')")
