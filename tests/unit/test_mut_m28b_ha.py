@@ -162,8 +162,12 @@ def test_a_takeover_fences_the_next_epoch_promotes_creates_the_pools_and_serves(
         m = re.fullmatch(rf"leader now: epoch {epoch + 1} at journal position (\d+) \(takeover [0-9.]+ s: (.*)\)", line)
         assert m is not None, line
         assert int(m.group(1)) == ha.journal.seq
-        assert [p.rsplit(" ", 1)[0] for p in m.group(2).split(", ")] == [
+        phases = [p.rsplit(" ", 1) for p in m.group(2).split(", ")]
+        assert [name for name, _ in phases] == [
             "caught up", "fenced", "unsubscribe", "snapshots listed", "lease valid", "serving"]
+        # the phases split the takeover's time: each its own share (rounded to 0.5 ms), together no more than all
+        assert all(float(s) >= 0 for _, s in phases)
+        assert sum(float(s) for _, s in phases) <= ha.takeover_seconds + 0.0005 * len(phases)
     finally:
         ha.stop()
         ha.release()
@@ -233,3 +237,32 @@ def test_import_state_refuses_a_deployment_that_already_holds_entries(nats1, tmp
         import_state(tmp_path / "sd", config)
     assert err.value.message.endswith(" already holds a journal; import into a fresh --nats-name "
                                       "(docs/operations.md, 'Restore from a snapshot')")
+
+
+def test_a_standby_overtaken_by_every_recovery_fails_after_the_attempts_naming_the_last_gap(nats1) -> None:
+    """_reload: a compaction that overtakes each of RECOVERY_ATTEMPTS recoveries (a JournalGap every time: a fault
+    injected in Journal.reload) fail-stops the standby; False tells the follower to stop."""
+    from kvservice.server.ha import RECOVERY_ATTEMPTS, HAController, LeaderGate, open_journal
+    from kvservice.state.nats.journal import JournalGap
+    from kvservice.state.nats.leader import Lease, LeaseConfig
+
+    writer, _ = _controller(nats1, 2)
+    config = writer.store.link.config
+    writer.close(snapshot=False)
+    j = open_journal(config, 24 * 3600.0, JournalConfig(sync="normal", compact_every=1000,
+                                                         background_snapshots=False))     # a standby's journal
+    ha = HAController(j, j.store, Lease(j.store.link, LeaseConfig(), "node-s", "127.0.0.1:1"), LeaderGate())
+    tries: list[int] = []
+
+    def overtaken() -> int:
+        tries.append(1)
+        raise JournalGap(f"entry {100 + len(tries)} was purged")
+    j.reload = overtaken
+    try:
+        assert ha._reload(JournalGap("entry 100 was purged")) is False
+        assert len(tries) == RECOVERY_ATTEMPTS and ha.reloads == 0
+        assert ha.role == "failed"
+        assert ha.failed == (f"standby fell behind a compaction and could not recover again: entry "
+                             f"{100 + RECOVERY_ATTEMPTS} was purged")
+    finally:
+        j.close(snapshot=False)

@@ -145,3 +145,21 @@ def test_echo_stream_returns_each_payload_in_order_counts_each_as_echo_and_close
         list(raw(iter([pb.EchoRequest(payload=b"ok").SerializeToString(), b"\xff\xff\xff"]), timeout=10))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details() == "request is not a valid kvservice.v1.EchoRequest message"
+
+
+def test_positioned_reads_carry_the_journal_position(served) -> None:
+    """Module docs: Heartbeat, ListWorkers and ScorePrefix replies carry the journal position (incarnation, seq,
+    lineage) a client checks against what it saw before."""
+    running, stub = served
+    rng = np.random.default_rng(71)
+    stub.CreatePool(create_pool_request("q", SPEC, Sizing(num_slots=128)), timeout=10)
+    for i in range(int(rng.integers(1, 4))):
+        stub.Step(step_request("q", admit=[i + 1], admit_tokens=[int(rng.integers(1, 9))]), timeout=10)
+    j = running.journal
+    want = (j.incarnation, j.seq, j.store.lineage)
+    assert j.seq >= 2
+    for reply in (stub.ListWorkers(pb.ListWorkersRequest(), timeout=10),
+                  stub.ScorePrefix(pb.ScorePrefixRequest(token_ids=to_tensor(np.arange(1, 9, dtype=np.int64))),
+                                   timeout=10)):
+        assert reply.HasField("position")
+        assert (reply.position.incarnation, reply.position.seq, reply.position.lineage) == want
