@@ -18,9 +18,13 @@ from kvservice.state.journal import JournalConfig
 
 @pytest.fixture(scope="module")
 def nats1(tmp_path_factory):
-    from ..natsutil import NatsCluster, require_nats_server
+    from ..natsutil import NatsCluster, free_ports, require_nats_server
     require_nats_server()
     cluster = NatsCluster(tmp_path_factory.mktemp("nats1"), 1)
+    (port,) = free_ports(1)
+    node = cluster.nodes[0]
+    node.conf.write_text(node.conf.read_text() + f"http: 127.0.0.1:{port}\n")     # /connz: connection names
+    cluster.monitor = f"http://127.0.0.1:{port}"
     cluster.start()
     yield cluster
     cluster.stop()
@@ -266,3 +270,53 @@ def test_a_standby_overtaken_by_every_recovery_fails_after_the_attempts_naming_t
                              f"{100 + RECOVERY_ATTEMPTS} was purged")
     finally:
         j.close(snapshot=False)
+
+
+def test_a_served_standby_takes_over_names_its_nats_connection_and_readiness_follows_the_role(nats1) -> None:
+    """serve_ha: the manager connects as "kvservice-<node>"; readiness (health of the BlockManager service) turns
+    SERVING once it leads, NOT_SERVING when told; once the process failed, nothing turns it back on."""
+    import json
+    import threading
+    import time
+    import urllib.request
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from kvservice.server.app import SERVICE_NAME
+    from kvservice.server.ha import serve_ha, stop_ha
+    from kvservice.state.nats.journal import NatsConfig
+    from kvservice.state.nats.leader import LeaseConfig
+
+    def names() -> set[str]:
+        with urllib.request.urlopen(f"{nats1.monitor}/connz?limit=1024", timeout=10) as r:
+            return {c.get("name", "") for c in json.load(r)["connections"] or ()}
+
+    def until(cond, seconds: float = 30.0) -> bool:
+        deadline = time.monotonic() + seconds
+        while not cond():
+            if time.monotonic() > deadline:
+                return False
+            threading.Event().wait(0.02)
+        return True
+
+    node = "mgr-" + uuid.uuid4().hex[:6]
+    config = NatsConfig(tuple(nats1.urls), name="h" + uuid.uuid4().hex[:10])
+    running, ha = serve_ha(config, LeaseConfig(), "127.0.0.1:0", node=node, lease_seconds=24 * 3600.0)
+    channel = grpc.insecure_channel(f"127.0.0.1:{running.port}")
+    health = health_pb2_grpc.HealthStub(channel)
+
+    def status() -> int:
+        return health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=10).status
+    try:
+        assert f"kvservice-{node}" in names()
+        assert until(lambda: ha.role == "leader")
+        assert status() == health_pb2.HealthCheckResponse.SERVING
+        ha.set_serving(False)
+        assert status() == health_pb2.HealthCheckResponse.NOT_SERVING
+        running.failed.set()                          # the process is failing: readiness may not come back
+        ha.set_serving(True)
+        assert status() == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        channel.close()
+        stop_ha(running, ha)
