@@ -333,3 +333,51 @@ def test_step_stream_over_the_wire_ids_seqs_metrics_and_the_open_stream_cap() ->
     finally:
         channel.close()
         running.stop(0)
+
+
+def test_a_reconnect_overlapping_its_stream_reuses_the_sessions_charge_and_all_is_given_back() -> None:
+    """Module docstring: what an open session keeps is charged to its tenant's budget, and released when its last
+    call closes. A client that reconnects while its old call is still open (the overlap a reconnect may have) is
+    the same session: one charge, so once both calls closed nothing stays charged."""
+    import threading
+
+    import grpc
+
+    from kvservice.client.codec import create_pool_request, step_request
+    from kvservice.contract.geometry import CacheSpec
+    from kvservice.contract.sizing import Sizing
+    from kvservice.contract.transport import STREAM_ID_KEY
+    from kvservice.server.app import serve
+    from kvservice.server.budget import BudgetLimits
+    from kvservice.v1 import block_manager_pb2_grpc as pb_grpc
+
+    running = serve("127.0.0.1:0", budget=BudgetLimits(total_bytes=64 << 20, tenant_bytes=32 << 20))
+    channel = grpc.insecure_channel(f"127.0.0.1:{running.port}")
+    stub = pb_grpc.BlockManagerStub(channel)
+    md = [(STREAM_ID_KEY, "sched-ov")]
+    try:
+        stub.CreatePool(create_pool_request("p", CacheSpec.uniform(2, 2, 8, "float16", 4), Sizing(num_slots=64)),
+                        timeout=10)
+        hold = threading.Event()
+
+        def first():
+            r = step_request("p", admit=[1, 2, 3], admit_tokens=[3, 5, 7])
+            r.stream_seq, r.delta_tables = 1, True
+            yield r
+            hold.wait(10)
+        call_a = stub.StepStream(first(), metadata=md, timeout=20)
+        assert next(call_a).stream_seq == 1
+        session = next(iter(running.servicer.streams._sessions.values()))
+        charge = session.charge
+        assert session.calls == 1 and charge.nbytes == 3 * 16               # 3 rows held: 16 bytes each
+        r2 = step_request("p", extend=[1], extend_tokens=[1])
+        r2.stream_seq, r2.delta_tables = 2, True
+        (reply,) = list(stub.StepStream(iter([r2]), metadata=md, timeout=10))       # the reconnect, A still open
+        assert reply.stream_seq == 2 and not reply.HasField("error")
+        assert session.charge is charge and charge.nbytes == session.kept_bytes() > 0 and session.calls == 1
+        hold.set()
+        assert list(call_a) == []
+        assert (session.calls, session.last_seq, running.budget.charged_bytes) == (0, 2, 0)
+    finally:
+        channel.close()
+        running.stop(0)
