@@ -1,0 +1,266 @@
+"""The NATS parts against a real nats-server, checked on what the NATS client protocol and docs/HA.md document.
+
+- DirectPublisher (kvservice/state/nats/direct.py): replies arrive as ``HMSG`` (headers) or ``MSG`` (none) and the
+  reply carries exactly the responder's header block and payload; messages for other reply subjects on the inbox
+  (stray or late) are skipped, also when they arrived while the connection was idle; a connection the server
+  closed while idle is replaced before the publish; a URL without a host means loopback; a server that wants
+  credentials is refused with the reason.
+- NatsStore: ``Nats-Expected-Stream`` makes the server refuse a publish that would land in another stream; the
+  snapshot object is named ``snap-<seq, 20 digits>`` and newest_snapshot_seq reads the position back;
+  its remedy names docs/operations.md's import-state.
+- Holder.parse reads the leader key's JSON value (node, address, epoch) and tolerates what it cannot read.
+- Lease: two renewals unanswered in a row move the connection to another server, saying so; a release that
+  gets no answer in time is logged and returns.
+- NatsLink: connecting gives up after its default 10 s (an injected clock).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import secrets
+import select
+import socket
+import subprocess
+import threading
+import uuid
+
+import nats.js.errors
+import numpy as np
+import pytest
+
+from kvservice.state.nats import link as link_module
+from kvservice.state.nats.config import NatsConfig, StoreError
+from kvservice.state.nats.direct import DirectError, DirectPublisher
+from kvservice.state.nats.journal import NatsStore
+from kvservice.state.nats.leader import KEY, Holder, Lease, LeaseConfig
+from kvservice.state.nats.link import NatsLink
+
+from ..natsutil import free_ports, require_nats_server
+from .test_nats_store import call, link, server  # noqa: F401  (fixtures)
+
+
+def _responder(lk, subject: str, headers: dict[str, str] | None, data: bytes):
+    """A subscriber on the link's own (nats-py) connection that answers every request with data (and headers)."""
+    async def answer(msg):
+        await lk.nc.publish(msg.reply, data, headers=headers)
+    return call(lk, lk.nc.subscribe(subject, cb=answer))
+
+
+def test_a_reply_is_read_whole_with_or_without_headers(link):  # noqa: F811
+    """NATS protocol: a reply without headers comes as ``MSG subject sid reply len`` and one with headers as
+    ``HMSG ... hdr_len total_len`` whose header block is ``NATS/1.0`` CRLF, one ``Name: value`` line each, CRLF."""
+    rng = np.random.default_rng(28)
+    d = DirectPublisher((link.config.servers[0],), "t-direct-replies", 2.0)
+    try:
+        for size in (1, 700, 70_000):                       # the last spans several socket reads
+            plain = rng.integers(1, 256, size, dtype=np.uint8).tobytes()
+            subject = f"t.plain.{uuid.uuid4().hex}"
+            _responder(link, subject, None, plain)
+            got = d.request(subject, b"q", {"X-Q": "1"}, 10.0)
+            assert (got.headers, got.data, got.no_responders) == (b"", plain, False)
+            tagged = rng.integers(1, 256, size, dtype=np.uint8).tobytes()
+            value = secrets.token_hex(6)
+            subject = f"t.tagged.{uuid.uuid4().hex}"
+            _responder(link, subject, {"Kvs-Test": value}, tagged)
+            got = d.request(subject, b"q", {"X-Q": "2"}, 10.0)
+            assert got.headers == f"NATS/1.0\r\nKvs-Test: {value}\r\n\r\n".encode()
+            assert got.data == tagged and not got.no_responders
+        assert d.connects == 1
+    finally:
+        d.close()
+
+
+def test_messages_for_other_reply_subjects_are_skipped_also_when_they_came_while_idle(link):  # noqa: F811
+    """Everything published to the connection's inbox is delivered to it; only the reply to this request's own
+    subject is returned. Those stray messages (one plain, one with headers) arrive while the connection is idle:
+    the idle check (idle_check_seconds=0: at every request) reads them first and keeps the connection."""
+    d = DirectPublisher((link.config.servers[0],), "t-direct-stray", 2.0, idle_check_seconds=0.0)
+    try:
+        assert d.request(f"t.nobody.{uuid.uuid4().hex}", b"a", {"X-A": "1"}, 5.0).no_responders
+        assert d.connects == 1
+        call(link, link.nc.publish(f"{d._inbox}.999", b"stray, no headers"))
+        call(link, link.nc.publish(f"{d._inbox}.998", b"stray with headers", headers={"X-Stray": "1"}))
+        call(link, link.nc.flush())
+        assert select.select([d._sock], [], [], 10.0)[0], "the stray messages did not arrive"
+        answer = secrets.token_bytes(32)
+        subject = f"t.answer.{uuid.uuid4().hex}"
+        _responder(link, subject, None, answer)
+        got = d.request(subject, b"b", {"X-B": "2"}, 10.0)
+        assert (got.headers, got.data) == (b"", answer)
+        assert d.connects == 1 and d._buf == bytearray()
+    finally:
+        d.close()
+
+
+def test_a_connection_the_server_closed_while_idle_is_replaced_before_the_publish(link):  # noqa: F811
+    d = DirectPublisher((link.config.servers[0],), "t-direct-idle", 2.0, idle_check_seconds=0.0)
+    try:
+        assert d.request(f"t.nobody.{uuid.uuid4().hex}", b"a", {"X-A": "1"}, 5.0).no_responders
+        d._sock.shutdown(socket.SHUT_RD)                   # reads now see the end of the stream, as after a close
+        assert d.request(f"t.nobody.{uuid.uuid4().hex}", b"b", {"X-B": "1"}, 5.0).no_responders
+        assert d.connects == 2
+    finally:
+        d.close()
+
+
+def test_a_url_without_a_host_is_loopback(link):  # noqa: F811
+    port = int(link.config.servers[0].rsplit(":", 1)[1])
+    d = DirectPublisher((f"nats://:{port}",), "t-direct-nohost", 2.0)
+    try:
+        assert d.request(f"t.nobody.{uuid.uuid4().hex}", b"a", {"X-A": "1"}, 5.0).no_responders
+        assert d.connects == 1 and d.server_name
+    finally:
+        d.close()
+
+
+def test_a_server_that_wants_credentials_is_refused_with_the_reason(tmp_path):
+    """--state nats:// carries no credentials: a server started with --auth announces auth_required in its INFO."""
+    binary = require_nats_server()
+    port = free_ports(1)[0]
+    log = open(tmp_path / "auth.log", "wb")
+    proc = subprocess.Popen([binary, "-a", "127.0.0.1", "-p", str(port), "--auth", secrets.token_hex(8)],
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        url = f"nats://127.0.0.1:{port}"
+        for _ in range(600):                               # until it listens (each try waits up to 0.05 s)
+            try:
+                socket.create_connection(("127.0.0.1", port), 0.05).close()
+                break
+            except OSError:
+                if proc.poll() is not None:
+                    pytest.fail((tmp_path / "auth.log").read_text())
+                select.select([], [], [], 0.05)
+        d = DirectPublisher((url,), "t-direct-auth", 2.0)
+        with pytest.raises(DirectError) as err:
+            d.request("t.any", b"x", {"X-A": "1"}, 5.0)
+        assert err.value.message == (f"cannot open the journal's NATS connection: {url}: {url} requires TLS or "
+                                     "credentials, which --state nats:// does not carry")
+        assert d.connects == 0 and d._sock is None
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        log.close()
+
+
+class _ElsewhereConfig(NatsConfig):
+    @property
+    def stream(self) -> str:                               # type: ignore[override]
+        return "KVS_ELSEWHERE"
+
+
+def test_a_publish_that_would_land_in_another_stream_is_refused(link):  # noqa: F811
+    """Every journal publish carries Nats-Expected-Stream (the store's stream): the server refuses one whose subject
+    is captured by another stream (JetStream error 10060) and stores nothing."""
+    store = NatsStore(link)
+    before = call(link, link.js.stream_info(link.config.stream)).state.last_seq
+    c = link.config
+    store.config = _ElsewhereConfig(c.servers, name=c.name, append_seconds=c.append_seconds)
+    assert store.config.subject == c.subject and store.config.stream != c.stream
+    with pytest.raises(nats.js.errors.APIError) as err:
+        store._publish_once(b"probe", {"Kvs-Kind": "probe"})
+    assert err.value.err_code == 10060
+    assert call(link, link.js.stream_info(c.stream)).state.last_seq == before
+
+
+def test_the_remedy_names_the_import_state_command_of_the_operations_doc(link):  # noqa: F811
+    store = NatsStore(link, readonly=True)
+    assert store.remedy == ("restore the deployment from a backup (kvservice import-state DIR nats://... into a "
+                            "fresh --nats-name; docs/operations.md)")
+
+
+# ---- the leader key ------------------------------------------------------------------------------------------
+def test_holder_parse_reads_the_key_value_and_defaults_what_is_missing():
+    rng = np.random.default_rng(7)
+    for _ in range(20):
+        node, addr = secrets.token_hex(5), f"10.0.{int(rng.integers(1, 255))}.{int(rng.integers(1, 255))}:50051"
+        epoch, rev = int(rng.integers(1, 1 << 40)), int(rng.integers(1, 1 << 30))
+        assert Holder.parse(json.dumps({"node": node, "address": addr, "epoch": epoch}).encode(), rev) == \
+            Holder(node, addr, epoch, rev)
+        assert Holder.parse(json.dumps({"node": node}).encode(), rev) == Holder(node, "", 0, rev)
+        assert Holder.parse(json.dumps({"node": node, "epoch": str(epoch)}).encode(), rev) == \
+            Holder(node, "", epoch, rev)
+        for bad in (b"", b"{", json.dumps({"address": addr}).encode(), json.dumps({"node": node, "epoch": "x"}).encode(),
+                    b"[1, 2]"):
+            assert Holder.parse(bad, rev) == Holder("?", "", 0, rev)
+
+
+class _UpdatesTimingOut:
+    """The lease's real KV bucket whose updates number 2 and 3 time out (two renewals in a row lost); recovered:
+    a fifth update was asked for after both."""
+
+    def __init__(self, kv) -> None:
+        self.kv, self.updates, self.recovered = kv, 0, threading.Event()
+
+    async def update(self, *a, **kw):
+        self.updates += 1
+        if self.updates >= 5:
+            self.recovered.set()
+        if self.updates in (2, 3):
+            raise TimeoutError("renewal lost")
+        return await self.kv.update(*a, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.kv, name)
+
+
+def test_two_renewals_unanswered_in_a_row_move_to_another_server_saying_so(link, caplog):  # noqa: F811
+    lease = Lease(link, LeaseConfig(ttl_seconds=5.0, renew_seconds=0.2, poll_seconds=0.1, margin_seconds=0.1),
+                  "node-m")
+    assert lease.try_acquire()
+    flaky = lease.kv = _UpdatesTimingOut(lease.kv)
+    lost: list[str] = []
+    with caplog.at_level(logging.WARNING, logger="kvservice.nats"):
+        lease.start_renewing(2, lost.append)
+        assert flaky.recovered.wait(60.0), "the renewer stopped after two failed renewals"
+    netloc = link.config.servers[0].split("://", 1)[1]
+    moved = [r.getMessage() for r in caplog.records if "lease renewals unanswered" in r.getMessage()]
+    assert moved == [f"lease renewals unanswered through {netloc}: reconnecting to another NATS server"]
+    assert lease.renew_failures == 2 and lease.held and not lost
+    lease.release()
+
+
+def test_a_release_the_server_does_not_answer_in_time_is_logged_and_returns(link, caplog):  # noqa: F811
+    """release waits request_seconds + 1 s for the key's deletion; here the link's loop is held until after it
+    (an Event, set only by the test or, if release waited without a limit, a timer 60 s later)."""
+    import dataclasses
+
+    lease = Lease(link, LeaseConfig(ttl_seconds=7.0, renew_seconds=1.0, poll_seconds=0.1, margin_seconds=0.1),
+                  "node-r")
+    assert lease.try_acquire()
+    link.config = dataclasses.replace(link.config, request_seconds=0.01)
+    held = threading.Event()
+    timer = threading.Timer(60.0, held.set)
+    timer.start()
+    link.loop.call_soon_threadsafe(held.wait)
+    try:
+        with caplog.at_level(logging.INFO, logger="kvservice.nats"):
+            lease.release()
+    finally:
+        held.set()
+        timer.cancel()
+    said = [r.getMessage() for r in caplog.records if "leader key" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("could not release the leader key (NATS did not answer releasing "
+                                                 "the leader key within 1.01 s ")
+    assert said[0].endswith("); it lapses in 7 s") and not lease.held
+    assert call(link, lease.kv.get(KEY)) is not None        # not deleted: it lapses
+
+
+class _JumpingTime:
+    """time for kvservice.state.nats.link: monotonic() jumps 3 s at each reading (the loop's own clock is real)."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def monotonic(self) -> float:
+        self.t += 3.0
+        return self.t
+
+
+def test_connecting_gives_up_after_ten_seconds_by_default(monkeypatch):
+    port = free_ports(1)[0]
+    monkeypatch.setattr(link_module, "time", _JumpingTime())
+    with pytest.raises(StoreError, match=re.escape(f"cannot reach NATS at nats://127.0.0.1:{port}: connecting gave "
+                                                   "up after 10 s (last: ")):
+        NatsLink(NatsConfig((f"nats://127.0.0.1:{port}",), name="closed"))
