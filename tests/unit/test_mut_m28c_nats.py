@@ -42,10 +42,16 @@ from .test_nats_store import call, link, server  # noqa: F401  (fixtures)
 
 
 def _responder(lk, subject: str, headers: dict[str, str] | None, data: bytes):
-    """A subscriber on the link's own (nats-py) connection that answers every request with data (and headers)."""
+    """A subscriber on the link's own (nats-py) connection that answers every request with data (and headers);
+    flushed, so the server knows of it before another connection sends to it."""
     async def answer(msg):
         await lk.nc.publish(msg.reply, data, headers=headers)
-    return call(lk, lk.nc.subscribe(subject, cb=answer))
+
+    async def subscribe():
+        sub = await lk.nc.subscribe(subject, cb=answer)
+        await lk.nc.flush()
+        return sub
+    return call(lk, subscribe())
 
 
 def test_a_reply_is_read_whole_with_or_without_headers(link):  # noqa: F811
