@@ -254,13 +254,13 @@ def test_a_release_the_server_does_not_answer_in_time_is_logged_and_returns(link
 
 
 class _JumpingTime:
-    """time for kvservice.state.nats.link: monotonic() jumps 3 s at each reading (the loop's own clock is real)."""
+    """time for kvservice.state.nats.link: monotonic() jumps 9.9 s at each reading (the loop's own clock is real)."""
 
     def __init__(self) -> None:
         self.t = 0.0
 
     def monotonic(self) -> float:
-        self.t += 3.0
+        self.t += 9.9
         return self.t
 
 
@@ -270,3 +270,96 @@ def test_connecting_gives_up_after_ten_seconds_by_default(monkeypatch):
     with pytest.raises(StoreError, match=re.escape(f"cannot reach NATS at nats://127.0.0.1:{port}: connecting gave "
                                                    "up after 10 s (last: ")):
         NatsLink(NatsConfig((f"nats://127.0.0.1:{port}",), name="closed"))
+
+
+# ---- the stream and bucket layout (docs/HA.md, "The NATS layout") ----------------------------------------------
+def _stream(lk, stream):
+    info = call(lk, lk.js.stream_info(stream))
+    return info.state, [call(lk, lk.js.get_msg(stream, s)) for s in range(info.state.first_seq, info.state.last_seq + 1)]
+
+
+def test_the_stream_and_the_snapshot_bucket_hold_what_the_layout_says(link):  # noqa: F811
+    """Every message's headers and payload, built by hand from docs/HA.md: a fence (``fence.<epoch>.<token>``, its
+    lineage as 16 hex digits, the position before it), entries in parts of at most max_part_bytes
+    (``Kvs-Part`` i/n, ``<epoch>.<token>.<position>.<part>``, each expecting the stream sequence before it); then a
+    snapshot: object ``snap-<seq, 20 digits>`` whose description is the JSON header (format 2, journal seq, stream
+    seq, epoch, lineage, bytes, blake2b digest), the stream purged below it, older snapshots deleted; a reader loads
+    it back with its positions."""
+    import hashlib
+    import io
+
+    from kvservice.server.ha import open_sole_writer
+    from kvservice.state.journal import JournalConfig
+    from kvservice.state.stores import entry_digest
+
+    from .test_journal import run, setup_pools, step_req
+
+    j = open_sole_writer(link.config, journal_config=JournalConfig(sync="normal", compact_every=100_000,
+                                                                     background_snapshots=False))
+    store = j.store
+    rng = np.random.default_rng(2828)
+    try:
+        state, msgs = _stream(link, link.config.stream)
+        fence = msgs[-1]
+        epoch, writer = store.epoch, store.writer
+        assert epoch >= 1 and re.fullmatch(r"[0-9a-f]{16}", writer)
+        assert fence.data in (b"", None) and {k: v for k, v in fence.headers.items()} == {
+            "Kvs-Kind": "fence", "Kvs-Epoch": str(epoch), "Kvs-Seq": "0", "Kvs-Writer": writer,
+            "Kvs-Lineage": f"{store.lineage:016x}", "Nats-Msg-Id": f"fence.{epoch}.{writer}",
+            "Nats-Expected-Last-Sequence": str(fence.seq - 1), "Nats-Expected-Stream": link.config.stream}
+        setup_pools(j)
+        store.max_part_bytes = 29
+        sent = []
+        for i in range(4):
+            req = step_req("a", admit=[i + 1], n=[int(rng.integers(1, 60))])
+            run(j, "Step", req)
+            sent.append(req.SerializeToString(deterministic=True))
+        state, msgs = _stream(link, link.config.stream)
+        tail = [m for m in msgs if m.headers["Kvs-Kind"] == "entry" and int(m.headers["Kvs-Seq"]) > j.seq - 4]
+        prev = tail[0].seq - 1
+        for k, data in enumerate(sent):
+            seq = j.seq - 3 + k
+            n = -(-len(data) // 29)
+            parts = [m for m in tail if m.headers["Kvs-Seq"] == str(seq)]
+            assert len(parts) == n > 1 and b"".join(m.data for m in parts) == data
+            at = float(parts[0].headers["Kvs-At"])
+            for i, m in enumerate(parts):
+                assert m.seq == prev + 1 and len(m.data) <= 29
+                assert m.headers == {
+                    "Kvs-Kind": "entry", "Kvs-Seq": str(seq), "Kvs-Method": "Step", "Kvs-At": repr(at),
+                    "Kvs-Epoch": str(epoch), "Kvs-Part": f"{i}/{n}", "Kvs-Writer": writer,
+                    "Kvs-Digest": entry_digest(seq, "Step", data, at).hex(),
+                    "Nats-Msg-Id": f"{epoch}.{writer}.{seq}.{i}", "Nats-Expected-Last-Sequence": str(prev),
+                    "Nats-Expected-Stream": link.config.stream}
+                prev = m.seq
+        assert state.last_seq == prev
+
+        def snapshot():
+            with j._lock:
+                cap = j._capture_locked(force=True)
+            j._write_capture(cap)
+
+        snapshot()
+        run(j, "Step", step_req("a", admit=[40], n=[int(rng.integers(1, 60))]))
+        last = call(link, link.js.stream_info(link.config.stream)).state.last_seq
+        snapshot()
+        at = j.seq
+        assert store.newest_snapshot_seq() == at
+        infos = [i for i in call(store.link, store._obs.list(ignore_deletes=True)) if not i.deleted]
+        assert [i.name for i in infos] == [f"snap-{at:020d}"]
+        meta = json.loads(infos[0].description)
+        out = io.BytesIO()
+        call(store.link, store._obs.get(infos[0].name, writeinto=out))
+        blob = out.getvalue()
+        assert isinstance(meta.pop("at"), float)
+        assert meta == {"format": 2, "seq": at, "stream_seq": last, "epoch": epoch, "lineage": f"{store.lineage:016x}",
+                        "bytes": len(blob), "digest": hashlib.blake2b(blob, digest_size=16).hexdigest()}
+        state = call(link, link.js.stream_info(link.config.stream)).state
+        assert (state.first_seq, state.last_seq, state.messages) == (last + 1, last, 0)
+        reader = NatsStore(link, readonly=True)
+        assert reader.load_snapshot() == (at, blob)
+        assert (reader.seq, reader.last_stream_seq, reader.first_stream_seq, reader.max_epoch) == \
+            (at, last, last + 1, epoch)
+        assert reader.snapshot_where == f"bucket {link.config.snapshot_bucket}, snap-{at:020d}"
+    finally:
+        j.close(snapshot=False)
