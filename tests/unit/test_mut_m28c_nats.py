@@ -363,3 +363,37 @@ def test_the_stream_and_the_snapshot_bucket_hold_what_the_layout_says(link):  # 
         assert reader.snapshot_where == f"bucket {link.config.snapshot_bucket}, snap-{at:020d}"
     finally:
         j.close(snapshot=False)
+
+
+def test_a_stream_that_vanishes_during_a_read_is_a_store_error_naming_the_request(link):  # noqa: F811
+    """catch_up: when a poll delivers nothing, the stream's first sequence is read (was it compacted away?); if the
+    stream itself is gone by then, the StoreError names the store and that request, then NATS's error."""
+    from kvservice.server.ha import open_sole_writer
+    from kvservice.state.journal import JournalConfig
+
+    from .test_journal import setup_pools
+
+    j = open_sole_writer(link.config, journal_config=JournalConfig(sync="normal", compact_every=100_000,
+                                                                     background_snapshots=False))
+    setup_pools(j)
+    j.close(snapshot=False)
+    reader = NatsStore(link, readonly=True)
+
+    def poll(wait, *a, **kw):                              # delivers nothing; meanwhile the stream is deleted
+        call(link, link.js.delete_stream(link.config.stream))
+        return []
+    reader.poll = poll
+    with pytest.raises(StoreError) as err:
+        list(reader.catch_up())
+    assert err.value.message.startswith(f"{reader.path}: reading the stream's first sequence: NotFoundError: ")
+
+
+def test_a_request_that_times_out_by_itself_says_how_long_it_waited(link):  # noqa: F811
+    """link.call: the time a StoreError reports is the time spent in the call: at least the request's own 0.2 s
+    deadline, less than the call's 30 s wait (which it did not reach)."""
+    sink = f"t.sink.{uuid.uuid4().hex}"
+    call(link, link.nc.subscribe(sink))
+    with pytest.raises(StoreError) as err:
+        link.call(link.nc.request(sink, b"?", timeout=0.2), 30.0, "asking the sink")
+    spent = float(re.search(r" after (\d+\.\d\d) s ", err.value.message).group(1))
+    assert 0.2 <= spent < 30.0
