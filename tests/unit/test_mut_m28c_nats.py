@@ -397,3 +397,34 @@ def test_a_request_that_times_out_by_itself_says_how_long_it_waited(link):  # no
         link.call(link.nc.request(sink, b"?", timeout=0.2), 30.0, "asking the sink")
     spent = float(re.search(r" after (\d+\.\d\d) s ", err.value.message).group(1))
     assert 0.2 <= spent < 30.0
+
+
+def test_a_publish_over_the_servers_max_payload_is_refused_before_it_is_sent(link):  # noqa: F811
+    """The server's INFO gives max_payload (nats-server's default: 1 MiB); headers and payload together count. One
+    byte over is refused naming both figures, nothing is sent and the connection stays; exactly at it goes out."""
+    d = DirectPublisher((link.config.servers[0],), "t-direct-max", 2.0)
+    try:
+        subject = f"t.nobody.{uuid.uuid4().hex}"
+        assert d.request(subject, b"a", {"X-A": "1"}, 5.0).no_responders
+        assert d.max_payload == 1 << 20
+        header = len(b"NATS/1.0\r\nX-A: 1\r\n\r\n")
+        fits = secrets.token_bytes(d.max_payload - header)
+        with pytest.raises(DirectError) as err:
+            d.request(subject, fits + b"!", {"X-A": "1"}, 5.0)
+        assert err.value.message == (f"a journal publish of {(1 << 20) + 1} bytes exceeds the NATS server's "
+                                     f"max_payload of {1 << 20} bytes")
+        assert d.request(subject, fits, {"X-A": "1"}, 5.0).no_responders and d.connects == 1
+    finally:
+        d.close()
+
+
+def test_when_no_server_can_be_reached_every_one_is_named_in_turn():
+    ports = free_ports(2)
+    urls = tuple(f"nats://127.0.0.1:{p}" for p in ports)
+    d = DirectPublisher(urls, "t-direct-none", 1.0)
+    with pytest.raises(DirectError) as err:
+        d.request("t.any", b"x", {"X-A": "1"}, 2.0)
+    text = err.value.message
+    assert re.fullmatch(rf"cannot open the journal's NATS connection: {re.escape(urls[0])}: .*Connection refused.*; "
+                        rf"{re.escape(urls[1])}: .*Connection refused.*", text), text
+    assert d.connects == 0 and d._sock is None
