@@ -29,6 +29,7 @@ import uuid
 import nats.js.errors
 import numpy as np
 import pytest
+from nats.js import api
 
 from kvservice.state.nats import link as link_module
 from kvservice.state.nats.config import NatsConfig, StoreError
@@ -187,8 +188,8 @@ def test_holder_parse_reads_the_key_value_and_defaults_what_is_missing():
         assert Holder.parse(json.dumps({"node": node}).encode(), rev) == Holder(node, "", 0, rev)
         assert Holder.parse(json.dumps({"node": node, "epoch": str(epoch)}).encode(), rev) == \
             Holder(node, "", epoch, rev)
-        for bad in (b"", b"{", json.dumps({"address": addr}).encode(), json.dumps({"node": node, "epoch": "x"}).encode(),
-                    b"[1, 2]"):
+        for bad in (b"", b"{", json.dumps({"address": addr}).encode(),
+                    json.dumps({"node": node, "epoch": "x"}).encode(), b"[1, 2]"):
             assert Holder.parse(bad, rev) == Holder("?", "", 0, rev)
 
 
@@ -275,7 +276,8 @@ def test_connecting_gives_up_after_ten_seconds_by_default(monkeypatch):
 # ---- the stream and bucket layout (docs/HA.md, "The NATS layout") ----------------------------------------------
 def _stream(lk, stream):
     info = call(lk, lk.js.stream_info(stream))
-    return info.state, [call(lk, lk.js.get_msg(stream, s)) for s in range(info.state.first_seq, info.state.last_seq + 1)]
+    seqs = range(info.state.first_seq, info.state.last_seq + 1)
+    return info.state, [call(lk, lk.js.get_msg(stream, s)) for s in seqs]
 
 
 def test_the_stream_and_the_snapshot_bucket_hold_what_the_layout_says(link):  # noqa: F811
@@ -428,3 +430,67 @@ def test_when_no_server_can_be_reached_every_one_is_named_in_turn():
     assert re.fullmatch(rf"cannot open the journal's NATS connection: {re.escape(urls[0])}: .*Connection refused.*; "
                         rf"{re.escape(urls[1])}: .*Connection refused.*", text), text
     assert d.connects == 0 and d._sock is None
+
+
+def test_the_lease_bucket_and_key_are_as_the_layout_says(link):  # noqa: F811
+    """docs/HA.md: bucket KVS_N_leader, TTL = lease + longest lapse (14 s by default), history 1, file storage,
+    description 'kvservice leader lease'; key 'leader' holding JSON {node, address, epoch}."""
+    assert LeaseConfig().bucket_ttl_seconds == 14.0
+    node, address = "node-" + secrets.token_hex(3), f"10.1.2.{secrets.randbelow(250) + 1}:50051"
+    lease = Lease(link, LeaseConfig(ttl_seconds=6.0, renew_seconds=0.5, poll_seconds=0.1, margin_seconds=0.1,
+                                    lapse_seconds=3.5), node, address)
+    assert lease.bucket == f"KVS_{link.config.name}_leader"
+    cfg = call(link, link.js.stream_info(f"KV_{lease.bucket}")).config
+    assert (cfg.max_age, cfg.max_msgs_per_subject, cfg.description) == (9.5, 1, "kvservice leader lease")
+    assert cfg.storage == api.StorageType.FILE and cfg.num_replicas == link.config.replicas
+    assert lease.try_acquire()
+    entry = call(link, lease.kv.get(KEY))
+    assert KEY == "leader" and json.loads(entry.value) == {"node": node, "address": address, "epoch": 0}
+    assert entry.revision == lease.revision
+    assert lease.current() == Holder(node, address, 0, entry.revision)
+    lease.release()
+    assert lease.current() is None
+
+
+def test_a_store_refuses_what_its_role_or_position_does_not_allow_naming_it(link):  # noqa: F811
+    """NatsStore's refusals, each by its message: a read-only store neither fences nor appends; an unfenced one
+    does not append or snapshot; positions must match; a fence's epoch must be above every one seen."""
+    from kvservice.contract.errors import StateError
+    from kvservice.state.stores import Entry, entry_digest
+
+    reader = NatsStore(link, readonly=True)
+    with pytest.raises(StoreError, match=r"^a read-only store cannot fence$"):
+        reader.fence(1)
+    entry = Entry(1, "Step", b"\x01", 1.5, entry_digest(1, "Step", b"\x01", 1.5))
+    with pytest.raises(StoreError, match=r"^this manager does not write the journal \(read-only or standby\)$"):
+        reader.append(entry)
+    store = NatsStore(link)
+    with pytest.raises(StoreError, match=r"^this manager does not write the journal \(read-only or standby\)$"):
+        store.append(entry)
+    with pytest.raises(StoreError, match=r"^this manager does not write the journal \(read-only or standby\)$"):
+        store.write_snapshot(0, None)
+    assert store.begin(0) == 1 and store.incarnation == 1
+    with pytest.raises(StoreError, match=r"^recovered position 3, but this store read to 0$"):
+        store.begin(3)
+    with pytest.raises(StateError, match=rf"^{re.escape(store.path)}: the stream holds entries up to 0, recovery "
+                       r"reached 2$") as err:
+        store.check_position(2)
+    assert err.value.reason == "STATE_ROLLBACK"
+    store.check_position(0)
+    with pytest.raises(StoreError, match=r"^epoch 0 is not above the highest seen, 0$"):
+        store.fence(0)
+    store.fence(5)
+    assert (store.epoch, store.max_epoch, store.incarnation) == (5, 5, 5)
+    with pytest.raises(StoreError, match=r"^epoch 5 is not above the highest seen, 5$"):
+        store.fence(5)
+    with pytest.raises(StoreError, match=r"^append at journal position 2, but this store is at 0$"):
+        store.append(Entry(2, "Step", b"\x01", 1.5, entry_digest(2, "Step", b"\x01", 1.5)))
+    with pytest.raises(StoreError, match=rf"^{re.escape(store.path)}: no stream sequence known for journal position "
+                       r"7$"):
+        store.write_snapshot(7, None)
+    with pytest.raises(StateError, match=r"a leader does not re-read the replicated journal"):
+        store.load_snapshot()
+    with pytest.raises(StoreError, match=r"^a leader does not re-read the replicated journal$"):
+        store.restart_reading()
+    store.append(entry)
+    assert (store.seq, store.appends) == (1, 1)
