@@ -494,3 +494,78 @@ def test_a_store_refuses_what_its_role_or_position_does_not_allow_naming_it(link
         store.restart_reading()
     store.append(entry)
     assert (store.seq, store.appends) == (1, 1)
+
+
+# ---- reading (kvservice/state/nats/reader.py) ------------------------------------------------------------------
+def _writer(link):  # noqa: F811
+    from kvservice.server.ha import open_sole_writer
+    from kvservice.state.journal import JournalConfig
+
+    return open_sole_writer(link.config, journal_config=JournalConfig(sync="normal", compact_every=100_000,
+                                                                        background_snapshots=False))
+
+
+def test_a_reader_reassembles_every_entry_from_its_parts_and_follows_the_stream(link):  # noqa: F811
+    """Entries written in parts (max_part_bytes 23) are read back whole, each as the writer's Entry (position,
+    method, request bytes, time, checksum), with the fence's epoch and lineage; entries_after(k) gives those after k;
+    poll then gives nothing until the writer appends, then exactly that entry."""
+    from kvservice.state.stores import entry_digest
+
+    from .test_journal import run, setup_pools, step_req
+
+    rng = np.random.default_rng(4242)
+    j = _writer(link)
+    try:
+        setup_pools(j)
+        j.store.max_part_bytes = 23
+        for i in range(5):
+            run(j, "Step", step_req("a", admit=[i + 1], n=[int(rng.integers(1, 60))]))
+        _, msgs = _stream(link, link.config.stream)
+        expected, last_of = [], {}
+        for m in msgs:
+            h = m.headers
+            if h["Kvs-Kind"] != "entry":
+                continue
+            seq = int(h["Kvs-Seq"])
+            last_of[seq] = m.seq
+            if h["Kvs-Part"].startswith("0/"):
+                expected.append([seq, h["Kvs-Method"], b"", float(h["Kvs-At"])])
+            expected[-1][2] += m.data or b""
+        expected = [(s, meth, data, at, entry_digest(s, meth, data, at)) for s, meth, data, at in expected]
+        assert [e[0] for e in expected] == list(range(1, j.seq + 1)) and j.seq == 9
+        reader = NatsStore(link, readonly=True)
+        got = [(e.seq, e.method, e.request, e.created, e.digest) for e in reader.entries_after(0)]
+        assert got == expected
+        assert (reader.seq, reader.last_stream_seq, reader.max_epoch, reader.lineage) == \
+            (9, msgs[-1].seq, j.store.epoch, j.store.lineage)
+        assert reader._stream_at == last_of and reader.pending == 0
+        again = NatsStore(link, readonly=True)
+        assert [e.seq for e in again.entries_after(6)] == [7, 8, 9]
+        assert reader.poll(0.0) == []
+        extra = step_req("b", admit=[77], n=[int(rng.integers(1, 60))])
+        run(j, "Step", extra)
+        (entry,) = reader.poll(10.0) or reader.poll(10.0)
+        assert (entry.seq, entry.method, entry.request) == (10, "Step", extra.SerializeToString(deterministic=True))
+        assert entry.digest == entry_digest(10, "Step", entry.request, entry.created) and reader.seq == 10
+    finally:
+        j.close(snapshot=False)
+
+
+@pytest.mark.parametrize("headers, message", [
+    ({"Kvs-Kind": "other"}, "stream message {n} is not a kvservice journal entry"),
+    ({}, "stream message {n} is not a kvservice journal entry"),
+    ({"Kvs-Kind": "entry", "Kvs-Seq": "1", "Kvs-Part": "0/1", "Kvs-Method": "Step", "Kvs-At": "1.5",
+      "Kvs-Digest": "zz"}, "journal entry 1 (stream {n}) has an unreadable checksum (damaged)"),
+])
+def test_a_message_that_is_not_a_readable_entry_stops_the_read_naming_it(link, headers, message):  # noqa: F811
+    from kvservice.contract.errors import StateError
+    from kvservice.state.nats.config import Unrecoverable
+
+    NatsStore(link)                                        # the stream
+    for _ in range(2):                                     # two others' messages first: positions matter
+        call(link, link.nc.publish(link.config.subject, b"x", headers={"Kvs-Kind": "fence", "Kvs-Epoch": "1"}))
+    ack = call(link, link.js.publish(link.config.subject, b"\x07", headers=headers or None))
+    reader = NatsStore(link, readonly=True)
+    with pytest.raises(StateError if "checksum" in message else Unrecoverable) as err:
+        list(reader.entries_after(0))
+    assert err.value.message == f"{reader.path}: " + message.format(n=ack.seq)
