@@ -569,3 +569,47 @@ def test_a_message_that_is_not_a_readable_entry_stops_the_read_naming_it(link, h
     with pytest.raises(StateError if "checksum" in message else Unrecoverable) as err:
         list(reader.entries_after(0))
     assert err.value.message == f"{reader.path}: " + message.format(n=ack.seq)
+
+
+# ---- the link (kvservice/state/nats/link.py) --------------------------------------------------------------------
+def test_a_link_reports_the_servers_version_and_warns_only_when_it_is_not_the_tested_one(server, monkeypatch,  # noqa: F811
+                                                                                         caplog):
+    from ..natsutil import server_version
+
+    binary = require_nats_server()
+    c = NatsConfig(tuple(server.urls), name="v" + uuid.uuid4().hex[:10])
+    with caplog.at_level(logging.WARNING, logger="kvservice.nats"):
+        lk = NatsLink(c)
+        lk.close()
+    assert lk.server_version == server_version(binary) == link_module.NATS_SERVER_VERSION
+    assert not [r for r in caplog.records if "kvservice is tested with" in r.getMessage()]
+    monkeypatch.setattr(link_module, "NATS_SERVER_VERSION", "2.0.0")
+    with caplog.at_level(logging.WARNING, logger="kvservice.nats"):
+        lk = NatsLink(c)
+        lk.close()
+    said = [r.getMessage() for r in caplog.records if "kvservice is tested with" in r.getMessage()]
+    assert said == [f"NATS server {lk.server_version} at {c.url}; kvservice is tested with 2.0.0 (docs/HA.md, 'One "
+                    "NATS version'): run that version"]
+
+
+def test_a_call_from_the_loop_thread_is_refused_and_close_is_idempotent(link):  # noqa: F811
+    import asyncio
+
+    async def inner():
+        return 1
+
+    async def from_the_loop():
+        coro = inner()
+        try:
+            link.call(coro, 1.0)
+        except RuntimeError as err:
+            return str(err), coro.cr_frame is None           # closed, never to be awaited
+        return None
+
+    assert asyncio.run_coroutine_threadsafe(from_the_loop(), link.loop).result(10.0) == (
+        "NatsLink.call from the loop thread would wait on itself; await instead", True)
+    assert link.call(inner(), 5.0) == 1
+    link.close()
+    assert link.closing and link.loop.is_closed() and link.nc.is_closed and not link._thread.is_alive()
+    link.close()                                           # again: nothing left to close
+    assert link.loop.is_closed()
