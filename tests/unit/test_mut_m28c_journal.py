@@ -56,3 +56,34 @@ def test_stamp_sets_a_replys_position_to_the_journals_now():
     assert j.incarnation >= 1
     other = pb.RegisterWorkerRequest(worker_id="w9", pool="a")             # no position field: unchanged
     assert j.stamp(other) is other and other == pb.RegisterWorkerRequest(worker_id="w9", pool="a")
+
+
+def test_an_entry_is_checked_for_its_position_checksum_method_and_bytes_each_named():
+    """Journal._checked (recovery, a standby): the whole message of each refusal, the request when all hold."""
+    import pytest
+
+    from kvservice.contract.errors import StateError
+    from kvservice.state.stores import Entry, entry_digest
+
+    rng = np.random.default_rng(1717)
+    req = step_req("p", admit=[int(rng.integers(1, 1000))], n=[int(rng.integers(1, 90))],
+                   rid="r-" + secrets.token_hex(3))
+    data, at = req.SerializeToString(deterministic=True), float(rng.uniform(1e9, 2e9))
+
+    def entry(seq, method="Step", request=data, digest=None):
+        return Entry(seq, method, request, at, digest or entry_digest(seq, method, request, at))
+
+    assert Journal._checked(entry(5), 5, "here") == req
+    with pytest.raises(StateError) as err:
+        Journal._checked(entry(8), 5, "the dir")
+    assert err.value.message == "the dir: journal entries 5..7 are missing (after position 4): acknowledged changes " \
+                                "are lost"
+    with pytest.raises(StateError) as err:
+        Journal._checked(entry(5, digest=entry_digest(5, "Step", data, at + 1.0)), 5, "the dir")
+    assert err.value.message == "the dir: journal entry 5 fails its checksum (damaged)"
+    with pytest.raises(StateError) as err:
+        Journal._checked(entry(5, method="Stepp"), 5, "the dir")
+    assert err.value.message == "the dir: journal entry 5 has unknown method 'Stepp'"
+    with pytest.raises(StateError) as err:
+        Journal._checked(entry(5, request=b"\xff\xff\xff"), 5, "the dir")
+    assert err.value.message.startswith("the dir: journal entry 5 (Step) cannot be replayed (DecodeError: ")
