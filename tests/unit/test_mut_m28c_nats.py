@@ -614,3 +614,39 @@ def test_a_call_from_the_loop_thread_is_refused_and_close_is_idempotent(link):  
     assert link.closing and link.loop.is_closed() and link.nc.is_closed and not link._thread.is_alive()
     link.close()                                           # again: nothing left to close
     assert link.loop.is_closed()
+
+
+# ---- publishing (NatsStore._publish) ---------------------------------------------------------------------------
+def test_a_stale_writer_is_told_the_stream_moved_in_the_servers_words(link):  # noqa: F811
+    from kvservice.state.nats.config import Fenced
+    from kvservice.state.stores import Entry
+
+    first = NatsStore(link)
+    first.fence(1)
+    first.append(Entry.make(1, "Step", secrets.token_bytes(9), 1.5))
+    stale = NatsStore(link)
+    with pytest.raises(Fenced) as err:
+        stale.fence(2)
+    assert err.value.message == ("the journal stream moved past 0 (wrong last sequence: 2): another manager wrote "
+                                 "it; this one is no longer the leader")
+    assert (stale.epoch, stale.writer, stale.last_stream_seq) == (0, "", 0)
+
+
+def test_a_publish_that_finds_no_stream_is_retried_under_the_guard_until_append_seconds(link):  # noqa: F811
+    """No stream answers (deleted here; a cluster electing looks the same): each retry checks the guard first,
+    waits 0.05 s doubling, and after append_seconds the entry is refused naming the time and the last error."""
+    import dataclasses
+
+    from kvservice.state.stores import Entry
+
+    store = NatsStore(link)
+    store.fence(1)
+    guarded = []
+    store.guard = lambda: guarded.append(store.append_retries)
+    store.config = dataclasses.replace(store.config, request_seconds=0.2, append_seconds=0.5)
+    call(link, link.js.delete_stream(link.config.stream))
+    with pytest.raises(StoreError) as err:
+        store.append(Entry.make(1, "Step", secrets.token_bytes(11), 2.5))
+    assert err.value.message.startswith("NATS did not store the journal entry within 0.5 s (NoStreamResponseError")
+    assert store.append_retries >= 2 and guarded == list(range(store.append_retries + 1))
+    assert (store.seq, store.appends) == (0, 0)
