@@ -1,0 +1,147 @@
+"""Client calls against the manager served in-process (kvservice.server.app.serve, port 0), checked by what the
+manager then holds (docs/DESIGN.md): a stream's unanswered request is resent under its own stream_seq and
+applied once, DeletePool refuses a pool with live sequences unless forced, wait_ready returns once an address
+connects and raises UNAVAILABLE when none does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import grpc
+import numpy as np
+import pytest
+
+from kvservice.client import BlockManagerClient
+from kvservice.client.aio import AsyncBlockManagerClient
+from kvservice.client.codec import ClientError
+from kvservice.client.ha import LeaderClient
+from kvservice.contract.geometry import CacheSpec
+from kvservice.contract.sizing import Sizing
+from kvservice.server.app import serve
+
+PAGE = 4
+SPEC = CacheSpec.uniform(2, 2, 8, "float16", PAGE)
+SIZING = Sizing(num_slots=64, max_seq_len=128)
+
+
+@pytest.fixture(scope="module")
+def server():
+    running = serve("127.0.0.1:0")
+    target = f"127.0.0.1:{running.port}"
+    with BlockManagerClient(target) as c:
+        for name in ("s", "as", "d"):
+            c.create_pool(name, SPEC, SIZING)
+    yield target
+    running.stop()
+
+
+def _dead_address() -> str:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return f"127.0.0.1:{port}"
+
+
+def _held(c: BlockManagerClient, pool: str) -> dict[int, int]:
+    """seq_id -> tokens the manager holds for the pool."""
+    return {int(s.seq_id): int(s.num_tokens) for s in c.sequences(pool).sequences}
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def test_a_stream_resends_its_unanswered_request_first_and_applies_it_once(server):
+    rng = np.random.default_rng(2820)
+    ids = [int(x) for x in rng.choice(np.arange(100, 9000), 3, replace=False)]
+    lens = [int(x) for x in rng.integers(2, 30, 3)]
+    with BlockManagerClient(server) as c, c.step_stream("s") as s:
+        # request 1 (admit ids[0]) was sent and its reply never came: it is pending
+        p = s.start(s.body(None, None, None, [ids[0]], [lens[0]], True, False, {}), True, False, c.position.seen())
+        res = s.step(admit=[ids[0]], admit_tokens=[lens[0]])           # the caller's retry of it
+        assert (s.resolved, s.seq, s.pending, s.settled) == (1, 1, None, None)
+        assert res.seq_ids.tolist() == [ids[0]] and res.num_tokens.tolist() == [lens[0]]
+        assert res.new_token_indptr.tolist() == [0, lens[0]]
+        assert res.for_layer(0).table.indptr.tolist() == [0, _cdiv(lens[0], PAGE)]
+        assert _held(c, "s") == {ids[0]: lens[0]}
+        # request 2 (admit ids[1]) unanswered, then a different step: 2 is resent and settled, then 3 is sent
+        p = s.start(s.body(None, None, None, [ids[1]], [lens[1]], True, False, {}), True, False, c.position.seen())
+        assert p.seq == 2
+        res = s.step(admit=[ids[2]], admit_tokens=[lens[2]])
+        assert s.resolved == 2 and s.seq == 3 and s.pending is None
+        seq, first = s.settled
+        assert seq == 2 and first.seq_ids.tolist() == [ids[1]] and first.num_tokens.tolist() == [lens[1]]
+        assert res.seq_ids.tolist() == [ids[2]] and res.new_token_indptr.tolist() == [0, lens[2]]
+        assert _held(c, "s") == dict(zip(ids, lens))
+        assert s.resolve() is None                                     # nothing pending any more
+        p = s.start(s.body(ids, None, None, None, None, False, False, {}), False, False, c.position.seen())
+        assert s.resolve().seq_ids.tolist() == [] and s.pending is None and s.resolved == 3
+        assert _held(c, "s") == {}
+
+
+def test_an_asyncio_stream_resends_its_unanswered_request_first_and_applies_it_once(server):
+    rng = np.random.default_rng(2821)
+    ids = [int(x) for x in rng.choice(np.arange(100, 9000), 3, replace=False)]
+    lens = [int(x) for x in rng.integers(2, 30, 3)]
+
+    async def run() -> None:
+        async with AsyncBlockManagerClient(server) as c:
+            s = await c.step_stream("as")
+            s.start(s.body(None, None, None, [ids[0]], [lens[0]], True, True, {}), True, True, c.position.seen())
+            res = await s.step(admit=[ids[0]], admit_tokens=[lens[0]], block_table=True)
+            assert (s.resolved, s.seq, s.pending, s.settled) == (1, 1, None, None)
+            assert res.seq_ids.tolist() == [ids[0]] and res.num_tokens.tolist() == [lens[0]]
+            bt = res.for_layer(0).block_table
+            assert bt.shape == (1, _cdiv(lens[0], PAGE))
+            np.testing.assert_array_equal(bt[0], res.for_layer(0).table.indices)
+            # pending with a block table; the retry without one is a different request: settled first
+            s.start(s.body(None, None, None, [ids[1]], [lens[1]], True, True, {}), True, True, c.position.seen())
+            with pytest.raises(ClientError) as e:                 # request 3 admits ids[1] again: refused
+                await s.step(admit=[ids[1]], admit_tokens=[lens[1]])
+            assert e.value.code == grpc.StatusCode.ALREADY_EXISTS and str(ids[1]) in e.value.message
+            assert s.resolved == 2 and s.seq == 3 and s.pending is None
+            seq, first = s.settled                                # request 2 was applied, once
+            assert seq == 2 and first.seq_ids.tolist() == [ids[1]] and first.num_tokens.tolist() == [lens[1]]
+            assert first.for_layer(0).block_table.shape == (1, _cdiv(lens[1], PAGE))
+            res = await s.step(admit=[ids[2]], admit_tokens=[lens[2]])
+            assert s.seq == 4 and res.seq_ids.tolist() == [ids[2]] and res.for_layer(0).block_table is None
+            await s.step(free=[ids[2]], tables=False)
+            await s.step(free=ids[:2], tables=False)
+            await s.close()
+    asyncio.run(run())
+    with BlockManagerClient(server) as c:
+        assert _held(c, "as") == {}
+
+
+def test_delete_pool_refuses_a_pool_with_live_sequences_unless_forced(server):
+    with BlockManagerClient(server) as c:
+        c.step("d", admit=[5, 6], admit_tokens=[3, 9])
+        with pytest.raises(ClientError) as e:
+            c.delete_pool("d")
+        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "2 sequences" in e.value.message
+        assert "d" in [p.name for p in c.list_pools()] and _held(c, "d") == {5: 3, 6: 9}
+        c.delete_pool("d", force=True)
+        assert "d" not in [p.name for p in c.list_pools()]
+        c.create_pool("d", SPEC, SIZING)
+        c.delete_pool("d")                                  # empty: no force needed
+        assert "d" not in [p.name for p in c.list_pools()]
+
+
+def test_a_leader_clients_wait_ready_returns_once_an_address_connects_and_raises_when_none_does(server):
+    dead = _dead_address()
+    c = LeaderClient([dead, server], timeout=5.0)
+    try:
+        c.wait_ready(30.0)
+    finally:
+        c.close()
+    c = LeaderClient([dead], timeout=5.0)
+    try:
+        with pytest.raises(ClientError) as e:
+            c.wait_ready(0.3)
+        assert e.value.code == grpc.StatusCode.UNAVAILABLE
+        assert e.value.message == f"no manager answered at {c.target} within 0 s"
+    finally:
+        c.close()
