@@ -75,7 +75,7 @@ def test_a_stream_resends_its_unanswered_request_first_and_applies_it_once(serve
         seq, first = s.settled
         assert seq == 2 and first.seq_ids.tolist() == [ids[1]] and first.num_tokens.tolist() == [lens[1]]
         assert res.seq_ids.tolist() == [ids[2]] and res.new_token_indptr.tolist() == [0, lens[2]]
-        assert _held(c, "s") == dict(zip(ids, lens))
+        assert _held(c, "s") == dict(zip(ids, lens, strict=True))
         assert s.resolve() is None                                     # nothing pending any more
         p = s.start(s.body(ids, None, None, None, None, False, False, {}), False, False, c.position.seen())
         assert s.resolve().seq_ids.tolist() == [] and s.pending is None and s.resolved == 3

@@ -1,0 +1,102 @@
+"""WorkerClient against a worker served in-process (CPU backend) with page generations (docs/KERNELS.md, "Page
+generations"): KV written under each slot's generation, pages copied with their (src, dst) generations
+[n, 2], then read through the copy's table with its generations: the result equals the source's read, bit for
+bit, and a read under a wrong generation reports stale_page. The worker's status names its pool and sizes.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import grpc
+import numpy as np
+import pytest
+
+from kvservice.client import BlockManagerClient
+from kvservice.client.codec import ClientError
+from kvservice.client.worker_client import WorkerClient
+from kvservice.contract.geometry import CacheSpec
+from kvservice.contract.pagetable import PageTable
+from kvservice.contract.sizing import Sizing
+from kvservice.server.app import serve
+from kvservice.worker.server import serve_worker
+
+HEADS, DIM, PAGE, SLOTS = 2, 32, 4, 24
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    mgr = serve("127.0.0.1:0")
+    c = BlockManagerClient(f"127.0.0.1:{mgr.port}")
+    c.create_pool("g", CacheSpec.uniform(1, HEADS, DIM, "float32", PAGE), Sizing(num_slots=SLOTS, max_seq_len=64))
+    worker = serve_worker(c.target, "g", "wg")
+    wc = WorkerClient(f"127.0.0.1:{worker.port}", "wg", timeout=20,
+                      pool_incarnation=c.get_pool("g").incarnation)
+    yield c, wc, worker
+    wc.close()
+    worker.stop()
+    c.close()
+    mgr.stop()
+
+
+def test_the_workers_status_names_its_pool_and_sizes(cluster):
+    c, wc, _ = cluster
+    info = wc.info()
+    assert (info.worker_id, info.pool) == ("wg", "g")
+    assert info.cache_bytes == 2 * SLOTS * PAGE * HEADS * DIM * 4          # K and V, float32
+    assert info.pool_incarnation == c.get_pool("g").incarnation
+
+
+def test_pages_copied_with_their_generations_read_as_the_source(cluster):
+    c, wc, _ = cluster
+    rng = np.random.default_rng(2830)
+    res = c.step("g", admit=[11, 12], admit_tokens=[8, 8])
+    st = res.for_layer(0)
+    t, gens = st.table, st.generations
+    assert st.slot_generations is not None and gens is not None and len(gens) == len(t.indices) == 4
+    k = rng.standard_normal((8, HEADS, DIM)).astype(np.float32)
+    v = rng.standard_normal((8, HEADS, DIM)).astype(np.float32)
+    wc.append_kv(0, k, v, st.slot_mapping[:8], slot_generations=st.slot_generations[:8])      # sequence 11 only
+    q = rng.standard_normal((1, HEADS, DIM)).astype(np.float32)
+    src = PageTable(t.indptr[:2], t.indices[:2], t.last_page_len[:1])
+    want = wc.decode_attention(0, q, src, generations=gens[:2])
+    assert want.violation.count == 0 and np.isfinite(want.out).all()
+    space = st.space
+    slots = (t.indices.astype(np.int64) - space.base - space.offset) // space.scale
+    pairs = np.stack([slots[0:2], slots[2:4]], axis=1)
+    pair_gens = np.stack([gens[0:2], gens[2:4]], axis=1).astype(np.uint32)
+    assert all(r.count == 0 for r in wc.copy_blocks(0, pairs, generations=pair_gens).violations)
+    dst = PageTable(np.array([0, 2], np.int32), t.indices[2:4], t.last_page_len[1:2])
+    got = wc.decode_attention(0, q, dst, generations=gens[2:4])
+    assert got.violation.count == 0
+    np.testing.assert_array_equal(got.out, want.out)
+    np.testing.assert_array_equal(got.lse, want.lse)
+    wrong = gens[2:4] + np.uint32(1)
+    stale = wc.decode_attention(0, q, dst, generations=wrong)          # policy nan: reported, row 0 poisoned
+    assert (stale.violation.reason, stale.violation.count, stale.violation.row) == ("stale_page", 2, 0)
+    assert stale.violation.value == int(t.indices[2])
+    c.step("g", free=[11, 12])
+
+
+def test_a_failed_call_names_the_worker_its_address_and_why(cluster):
+    """_call's ClientError: "worker <id> at <address> <what>: <worker's message>", the code, reason and metadata
+    kept (UNAVAILABLE: is unreachable; others: refused the call)."""
+    c, _, worker = cluster
+    mine = c.get_pool("g").incarnation
+    address = f"127.0.0.1:{worker.port}"
+    with WorkerClient(address, "wg", pool_incarnation=mine + 3) as stale:
+        with pytest.raises(ClientError) as err:
+            stale.copy_blocks(0, np.array([[0, 1]]))
+    e = err.value
+    assert (e.code, e.reason) == (grpc.StatusCode.FAILED_PRECONDITION, "STALE_INCARNATION")
+    assert e.metadata == {"pool": "g", "incarnation": str(mine)}
+    assert e.message.startswith(f"worker wg at {address} refused the call: ")
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    dead = f"127.0.0.1:{s.getsockname()[1]}"
+    s.close()
+    with WorkerClient(dead, timeout=5) as gone:
+        with pytest.raises(ClientError) as err:
+            gone.info()
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE
+    assert err.value.message.startswith(f"worker {dead} at {dead} is unreachable: ")
