@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import struct
 
+import grpc
 import numpy as np
 import pytest
 
@@ -17,6 +18,7 @@ from kvservice.contract.geometry import CacheSpec
 from kvservice.contract.pagetable import ValidationReport, Violation
 from kvservice.contract.sizing import Sizing
 from kvservice.v1 import block_manager_pb2 as pb
+from kvservice.v1 import common_pb2 as cpb
 
 INT32, INT64, UINT64 = 10, 11, 12
 FMT = {INT32: "i", INT64: "q", UINT64: "Q"}
@@ -111,3 +113,111 @@ def test_parse_validate_keeps_the_count_and_every_violation():
     got = codec.parse_validate(pb.ValidatePageTableReply.FromString(reply.SerializeToString()))
     assert got == ValidationReport(total, vs) and got.num_violations == total and not got.ok
     assert codec.parse_validate(pb.ValidatePageTableReply()).ok
+
+
+UINT32 = 13
+
+
+def _t(code: int, values: list[int], shape: list[int] | None = None) -> cpb.Tensor:
+    """A Tensor written by hand from common.proto's layout (not by kvservice's encoder)."""
+    fmt = {INT32: "i", INT64: "q", UINT64: "Q", UINT32: "I"}[code]
+    return cpb.Tensor(dtype=code, shape=shape or [len(values)], data=struct.pack(f"<{len(values)}{fmt}", *values))
+
+
+def test_parse_step_reads_every_field_of_a_hand_written_reply():
+    rng = np.random.default_rng(2815)
+    seq_ids = [int(x) for x in rng.integers(2**33, 2**60, 2)]
+    slots = [int(x) for x in rng.integers(0, 500, 5)]
+    gens = [int(x) for x in rng.integers(1, 2**32, 3)]
+    slot_gens = [int(x) for x in rng.integers(1, 2**32, 5)]
+    pairs, pair_gens = [3, 40, 7, 41], [int(x) for x in rng.integers(1, 2**32, 4)]
+    inc, seq, lin = (int(x) for x in rng.integers(1, 2**62, 3))
+    st = pb.SpaceTables(index_space=2, group=1, scale=3, offset=1, upper_bound=900, base=17,
+                        slot_mapping=_t(INT64, slots), indptr=_t(INT32, [0, 1, 3]), indices=_t(INT32, [20, 23, 26]),
+                        last_page_len=_t(INT32, [4, 2]), block_table=_t(INT32, [20, -1, 23, 26], [2, 2]),
+                        generations=_t(UINT32, gens), slot_generations=_t(UINT32, slot_gens))
+    bare = pb.SpaceTables(index_space=0, group=0, scale=1, offset=0, upper_bound=64, slot_mapping=_t(INT64, [9]))
+    reply = pb.StepReply(seq_ids=_t(UINT64, seq_ids), num_tokens=_t(INT64, [5, 9]),
+                         new_token_indptr=_t(INT64, [0, 2, 5]), tables=[st, bare], layer_index_space=[2, 0, 2],
+                         num_free_slots=77, admit_cached_tokens=_t(INT64, [0, 4]), pool_incarnation=6,
+                         copies=[pb.SlotCopies(group=1, pairs=_t(INT64, pairs, [2, 2]),
+                                               generations=_t(UINT32, pair_gens, [2, 2]))],
+                         position=pb.JournalPosition(incarnation=inc, seq=seq, lineage=lin))
+    r = codec.parse_step(pb.StepReply.FromString(reply.SerializeToString()))
+    assert r.seq_ids.tolist() == seq_ids and r.num_tokens.tolist() == [5, 9]
+    assert r.new_token_indptr.tolist() == [0, 2, 5] and r.layer_index_space == (2, 0, 2)
+    assert r.num_free_slots == 77 and r.cached_tokens.tolist() == [0, 4] and r.pool_incarnation == 6
+    assert (r.position, r.lineage) == ((inc, seq), lin)
+    assert sorted(r.tables) == [0, 2]
+    two = r.for_layer(0)
+    assert two is r.for_layer(2) and r.for_layer(1) is r.tables[0]
+    sp = two.space
+    assert (sp.id, sp.group, sp.scale, sp.offset, sp.upper_bound, sp.base) == (2, 1, 3, 1, 900, 17)
+    assert two.slot_mapping.tolist() == slots
+    assert (two.table.indptr.tolist(), two.table.indices.tolist(), two.table.last_page_len.tolist()) == \
+        ([0, 1, 3], [20, 23, 26], [4, 2])
+    assert two.block_table.tolist() == [[20, -1], [23, 26]]
+    assert two.generations.tolist() == gens and two.slot_generations.tolist() == slot_gens
+    assert two.generations.dtype == np.uint32
+    zero = r.tables[0]
+    assert zero.table is None and zero.block_table is None and zero.generations is None
+    assert zero.slot_generations is None and zero.slot_mapping.tolist() == [9]
+    assert r.copies[1].tolist() == [[3, 40], [7, 41]]
+    assert r.copy_generations[1].tolist() == [pair_gens[:2], pair_gens[2:]]
+    plain = codec.parse_step(pb.StepReply(seq_ids=_t(UINT64, []), num_tokens=_t(INT64, []),
+                                          new_token_indptr=_t(INT64, [0])))
+    assert plain.position is None and plain.lineage == 0 and plain.cached_tokens is None
+    assert plain.copies == {} and plain.tables == {}
+
+
+def test_copies_without_generations_on_every_group_give_none():
+    with_g = pb.SlotCopies(group=0, pairs=_t(INT64, [1, 2], [1, 2]), generations=_t(UINT32, [5, 6], [1, 2]))
+    without = pb.SlotCopies(group=3, pairs=_t(INT64, [8, 9, 10, 11], [2, 2]))
+    copies, gens = codec.parse_copies(pb.StepReply(copies=[with_g, without]))
+    assert {g: a.tolist() for g, a in copies.items()} == {0: [[1, 2]], 3: [[8, 9], [10, 11]]}
+    assert gens is None
+    copies, gens = codec.parse_copies(pb.StepReply(copies=[with_g]))
+    assert gens[0].tolist() == [[5, 6]]
+    assert codec.parse_copies(pb.StepReply()) == ({}, {})
+
+
+def test_position_and_lineage_of_replies_with_and_without_one():
+    assert codec.position_of(pb.StepReply()) is None and codec.lineage_of(pb.StepReply()) == 0
+    assert codec.position_of(pb.EchoReply()) is None and codec.lineage_of(pb.EchoReply()) == 0  # no such field
+    r = pb.StepReply(position=pb.JournalPosition(incarnation=3, seq=0, lineage=0))
+    assert codec.position_of(r) == (3, 0) and codec.lineage_of(r) == 0
+
+
+def test_validate_request_carries_the_table_as_given():
+    rng = np.random.default_rng(2816)
+    indices = rng.integers(0, 2**20, 6).astype(np.int32)
+    table = codec.PageTable(np.array([0, 4, 6], np.int32), indices, np.array([3, 1], np.int32))
+    req = pb.ValidatePageTableRequest.FromString(codec.validate_request("v", 5, table, 17).SerializeToString())
+    assert (req.pool, req.layer, req.max_reports) == ("v", 5, 17)
+    assert _decode(req.indptr)[::2] == (INT32, [0, 4, 6]) and _decode(req.indices)[::2] == (INT32, indices.tolist())
+    assert _decode(req.last_page_len)[::2] == (INT32, [3, 1])
+    assert codec.validate_request("v", 0, table).max_reports == 100
+
+
+def test_ids_and_counts_go_int32_up_to_int32_max_only():
+    m = 2**31 - 1
+    for ids, code in (([m], INT32), ([m + 1], UINT64), ([0, 5], INT32)):
+        req = codec.step_request("p", extend=ids, extend_tokens=[m] * len(ids))
+        assert _decode(req.extend_seq_ids)[::2] == (code, ids)
+        assert _decode(req.extend_num_tokens)[::2] == (INT32, [m] * len(ids))
+    req = codec.step_request("p", extend=[1], extend_tokens=[-3])            # a negative count stays int64
+    assert _decode(req.extend_num_tokens)[::2] == (INT64, [-3])
+    req = codec.step_request("p", admit=[2], admit_tokens=[m + 1])
+    assert _decode(req.admit_num_tokens)[::2] == (INT64, [m + 1])
+    req = codec.step_request("p", admit=[], admit_tokens=[])
+    assert _decode(req.admit_seq_ids)[::2] == (UINT64, []) and _decode(req.admit_num_tokens)[::2] == (INT64, [])
+
+
+def test_a_client_error_keeps_its_fields_and_names_its_request_id():
+    e = codec.ClientError(grpc.StatusCode.ABORTED, "busy", "R", {"a": "1"}, "rid-7")
+    assert str(e) == "ABORTED: busy" and (e.code, e.message, e.reason) == (grpc.StatusCode.ABORTED, "busy", "R")
+    assert e.metadata == {"a": "1", "request_id": "rid-7"} and e.request_id == "rid-7"
+    kept = codec.ClientError(grpc.StatusCode.ABORTED, "busy", "", {"request_id": "x"}, "rid-8")
+    assert kept.metadata == {"request_id": "x"}
+    plain = codec.ClientError(grpc.StatusCode.NOT_FOUND, "no")
+    assert plain.metadata == {} and plain.reason == "" and plain.request_id is None
