@@ -232,3 +232,112 @@ def test_mirror_tables_equal_the_full_tables_of_a_unary_step(spec_name):
             got.tables[max(full.tables) + 1]
     no_bt = MirrorTables(core.mirror, False)
     assert all(no_bt[sid].block_table is None for sid in no_bt)
+
+
+def _served_core(deltas: bool = True):
+    """A manager with pool "a", a stream session on it and a StreamCore, after one admission applied."""
+    spec, prefix = SPECS["per_layer"]
+    api = ManagerAPI(BlockManager())
+    api.CreatePool(codec.create_pool_request("a", spec, Sizing(num_slots=NUM_SLOTS, max_seq_len=MAX_LEN),
+                                             prefix_caching=prefix))
+    session, core = StreamSession("s"), StreamCore("a", PAGE, deltas, "s")
+    core.client = BlockManagerClient("127.0.0.1:1")             # its position tracker only: nothing is sent
+    data = core.request_bytes(None, None, None, [31, 32], [5, 7], True, False, {})
+    reply = session.apply(api, pb.StepRequest.FromString(data))
+    res = core.result(core.checked(reply, core.client.position.seen()), True, False)
+    assert res.seq_ids.tolist() == [31, 32] and (core.mirror.seq == 1) is deltas
+    return api, session, core
+
+
+def test_a_refused_reply_raises_its_error_and_an_already_applied_one_resets_the_mirror():
+    _, _, core = _served_core()
+    try:
+        bad = pb.StepReply(stream_seq=2, error=pb.RequestStatus(code=grpc.StatusCode.NOT_FOUND.value[0],
+                                                                message="no seq 9", reason="SEQ_NOT_FOUND",
+                                                                metadata={"seq_id": "9"}))
+        with pytest.raises(ClientError) as e:
+            core.result(bad, True, False)
+        assert (e.value.code, e.value.message, e.value.reason, e.value.metadata) == (
+            grpc.StatusCode.NOT_FOUND, "no seq 9", "SEQ_NOT_FOUND", {"seq_id": "9"})
+        assert core.mirror.seq == 1 and core.last_reply is bad              # an ordinary refusal keeps the mirror
+        odd = pb.StepReply(error=pb.RequestStatus(code=999, message="m", reason="REQUEST_ALREADY_APPLIED"))
+        with pytest.raises(ClientError) as e:
+            core.result(odd, True, False)
+        assert e.value.code == grpc.StatusCode.UNKNOWN and e.value.reason == "REQUEST_ALREADY_APPLIED"
+        assert core.mirror.seq == 0                                          # a reply we never saw moved tables on
+    finally:
+        core.client.close()
+
+
+def test_a_reply_without_tables_resets_a_delta_mirror_and_a_broken_delta_is_data_loss():
+    api, session, core = _served_core()
+    try:
+        data = core.request_bytes(None, [31, 32], None, None, None, False, False, {})
+        res = core.result(session.apply(api, pb.StepRequest.FromString(data)), False, False)
+        assert res.seq_ids.tolist() == [31, 32] and res.for_layer(0).table is None and core.mirror.seq == 0
+        data = core.request_bytes(None, [31, 32], None, None, None, True, False, {})
+        res = core.result(session.apply(api, pb.StepRequest.FromString(data)), True, False)
+        assert core.mirror.seq == 3 and res.num_tokens.tolist() == [7, 9]
+        data = core.request_bytes(None, [31], None, None, None, True, False, {})
+        reply = session.apply(api, pb.StepRequest.FromString(data))
+        assert reply.HasField("delta")
+        reply.delta.base_seq += 5                                            # not the mirror's base
+        with pytest.raises(ClientError) as e:
+            core.result(reply, True, False)
+        assert (e.value.code, e.value.reason) == (grpc.StatusCode.DATA_LOSS, "MIRROR_OUT_OF_SYNC")
+        assert e.value.message.startswith("stream s: ") and core.mirror.seq == 0
+    finally:
+        core.client.close()
+    api, session, plain = _served_core(deltas=False)
+    try:
+        data = plain.request_bytes(None, [31], None, None, None, True, False, {})
+        res = plain.result(session.apply(api, pb.StepRequest.FromString(data)), True, False)
+        assert res.for_layer(0).table.indptr.tolist() == [0, 2] and not isinstance(res.tables, MirrorTables)
+    finally:
+        plain.client.close()
+
+
+def test_a_rolled_back_reply_resets_the_mirror_and_settle_keeps_only_refusals():
+    from kvservice.client.position import StateRolledBack
+
+    api, session, core = _served_core()
+    try:
+        tracker = core.client.position
+        data = core.request_bytes(None, [31], None, None, None, True, False, {})
+        first = session.apply(api, pb.StepRequest.FromString(data))
+        first.position.CopyFrom(pb.JournalPosition(incarnation=2, seq=40, lineage=0xABC))
+        core.result(core.checked(first, tracker.seen()), True, False)
+        assert dict(tracker.seen()) == {0xABC: 40} and core.mirror.seq == 2
+        seen = tracker.seen()
+        data = core.request_bytes(None, [31], None, None, None, True, False, {})
+        reply = session.apply(api, pb.StepRequest.FromString(data))
+        reply.position.CopyFrom(pb.JournalPosition(incarnation=2, seq=39, lineage=0xABC))   # behind: rolled back
+        with pytest.raises(StateRolledBack):
+            core.checked(reply, seen)
+        assert core.mirror.seq == 0
+        p = core.start(b"", True, False, seen)
+        with pytest.raises(StateRolledBack):
+            core.settle(p, reply)
+        assert core.settled is None
+        refused = pb.StepReply(error=pb.RequestStatus(code=grpc.StatusCode.NOT_FOUND.value[0], message="gone"))
+        p = core.start(b"", True, False, tracker.seen())
+        core.settle(p, refused)
+        seq, err = core.settled
+        assert seq == p.seq and isinstance(err, ClientError) and err.message == "gone" and core.pending is None
+        data = core.request_bytes(None, [32], None, None, None, False, False, {})
+        good = session.apply(api, pb.StepRequest.FromString(data))
+        p = core.start(data, False, False, tracker.seen())
+        core.settle(p, good)
+        assert core.settled[0] == p.seq and core.settled[1].seq_ids.tolist() == [32] and core.pending is None
+    finally:
+        core.client.close()
+
+
+def test_route_method_opens_one_method_per_address():
+    client = BlockManagerClient("127.0.0.1:1")
+    try:
+        core = StreamCore("p", PAGE, True, "s-r")
+        m = core.route_method(client)
+        assert core.route == 0 and core.route_method(client) is m and core._methods == {0: m}
+    finally:
+        client.close()
