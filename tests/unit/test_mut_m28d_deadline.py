@@ -157,3 +157,84 @@ def test_the_attempt_limit_stops_the_call(clock):
     with pytest.raises(ClientError) as e:
         b.pause_or_raise(down)
     assert e.value.metadata["attempts"] == "2" and "2 attempts in 0.0 s" in e.value.message
+
+
+def test_client_policy_from_a_clients_arguments():
+    base = RetryPolicy(initial_backoff=0.3)
+    assert deadline.client_policy(None, None, None, base) is base
+    assert deadline.client_policy(None, 0, None, base) == RetryPolicy(initial_backoff=0.3, attempts=1)
+    assert deadline.client_policy(None, 4, None, base) == RetryPolicy(initial_backoff=0.3, attempts=5)
+    assert deadline.client_policy(None, -2, None, base).attempts == 1
+    mine = RetryPolicy(attempts=7)
+    assert deadline.client_policy(mine, 2, None, base) is mine                  # retry wins over retries
+    assert deadline.client_policy(mine, None, 12.5, base) == RetryPolicy(attempts=7, failover=12.5)
+    assert deadline.client_policy(None, 1, 0.0, base) == RetryPolicy(initial_backoff=0.3, attempts=2, failover=0.0)
+    assert deadline.client_policy(None, None, None) == RetryPolicy()
+
+
+class _Rpc(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str | None) -> None:
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str | None:
+        return self._details
+
+    def trailing_metadata(self) -> tuple:
+        return ()
+
+
+def test_code_of_and_client_error_read_rpc_errors_and_client_errors():
+    ce = ClientError(grpc.StatusCode.ABORTED, "x")
+    assert deadline.code_of(ce) == grpc.StatusCode.ABORTED
+    assert deadline.code_of(_Rpc(grpc.StatusCode.UNAVAILABLE, "d")) == grpc.StatusCode.UNAVAILABLE
+    assert deadline.code_of(ValueError("v")) == grpc.StatusCode.UNKNOWN
+    assert deadline.client_error(ce, "rid") is ce
+    got = deadline.client_error(_Rpc(grpc.StatusCode.NOT_FOUND, "no pool"), "rid-3")
+    assert (got.code, got.message, got.reason, got.request_id) == (grpc.StatusCode.NOT_FOUND, "no pool", "", "rid-3")
+    assert got.metadata == {"request_id": "rid-3"}
+    assert deadline.client_error(_Rpc(grpc.StatusCode.INTERNAL, None)).message == ""
+
+
+def test_gave_up_says_what_happened_in_each_case(clock):
+    slow = CallBudget(RetryPolicy(), 3.0, "GetPool", None)
+    slow.attempt_timeout()
+    clock.now += 3.0
+    err = slow.gave_up(ClientError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", "R0", {"m": "1"}))
+    assert err.code == grpc.StatusCode.DEADLINE_EXCEEDED and err.reason == "RETRIES_EXHAUSTED"
+    assert err.message == ("GetPool: no reply within its 3 s deadline (1 attempt in 3.0 s) "
+                           "(last: DEADLINE_EXCEEDED: Deadline Exceeded)")
+    assert err.metadata == {"m": "1", "attempts": "1", "last_reason": "R0", "last_code": "DEADLINE_EXCEEDED",
+                            "deadline_seconds": "3.000"}
+    assert err.request_id is None
+    other = CallBudget(RetryPolicy(), 2.5, "Step", "rid-9", target="m:1")
+    other.attempt_timeout()
+    other.attempt_timeout()
+    clock.now += 1.25
+    err = other.gave_up(ClientError(grpc.StatusCode.RESOURCE_EXHAUSTED, "full"))
+    assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and err.request_id == "rid-9"
+    assert err.message == ("Step to m:1: gave up after 2 attempts in 1.2 s of its 2.5 s deadline "
+                           "(last: RESOURCE_EXHAUSTED: full); it may or may not have been applied: call again "
+                           "with request_id='rid-9' (safe: the manager answers a retry with the original reply)")
+    assert err.metadata["target"] == "m:1" and err.metadata["request_id"] == "rid-9"
+    assert err.metadata["deadline_seconds"] == "2.500"
+    down = CallBudget(RetryPolicy(failover=8.0), 2.0, "Step", None)
+    down.attempt_timeout()
+    down.pause_or_raise(ClientError(grpc.StatusCode.UNAVAILABLE, "refused"))
+    err = down.gave_up(ClientError(grpc.StatusCode.UNAVAILABLE, "refused"))
+    assert err.message == "Step: no manager answered within its 8 s deadline (1 attempt in 0.0 s) " \
+                          "(last: UNAVAILABLE: refused)"                    # the same message is not repeated
+
+
+def test_retry_after_counts_a_broken_watch_as_an_attempt_that_met_no_manager(clock, monkeypatch):
+    monkeypatch.setattr(deadline.random, "uniform", lambda a, b: a)
+    b = CallBudget(RetryPolicy(initial_backoff=0.2, multiplier=2.0, max_backoff=5.0), 30.0, "WatchEvents", None,
+                   (grpc.StatusCode.UNAVAILABLE,))
+    assert b.retry_after(ClientError(grpc.StatusCode.UNAVAILABLE, "gone")) == pytest.approx(0.1)
+    assert (b.tries, b.cut) == (1, True)
+    assert b.retry_after(ClientError(grpc.StatusCode.UNAVAILABLE, "gone")) == pytest.approx(0.2)
+    with pytest.raises(ClientError) as e:                       # not one of its codes: final
+        b.retry_after(ClientError(grpc.StatusCode.DEADLINE_EXCEEDED, "late"))
+    assert e.value.message == "late"
