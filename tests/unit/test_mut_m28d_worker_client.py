@@ -18,6 +18,7 @@ from kvservice.client.worker_client import WorkerClient
 from kvservice.contract.geometry import CacheSpec
 from kvservice.contract.pagetable import PageTable
 from kvservice.contract.sizing import Sizing
+from kvservice.contract.wire import from_tensor
 from kvservice.server.app import serve
 from kvservice.worker.server import serve_worker
 
@@ -75,6 +76,10 @@ def test_pages_copied_with_their_generations_read_as_the_source(cluster):
     stale = wc.decode_attention(0, q, dst, generations=wrong)          # policy nan: reported, row 0 poisoned
     assert (stale.violation.reason, stale.violation.count, stale.violation.row) == ("stale_page", 2, 0)
     assert stale.violation.value == int(t.indices[2])
+    assert wc.validate(0, dst, gens[2:4]).ok and wc.validate(0, dst).ok
+    bad = wc.validate(0, dst, wrong)
+    assert not bad.ok and (bad.violation.reason, bad.violation.count) == ("stale_page", 2)
+    assert from_tensor(bad.row_status, "row_status").tolist() == [1 << (6 - 1)]          # code 6: stale_page
     c.step("g", free=[11, 12])
 
 
@@ -100,3 +105,23 @@ def test_a_failed_call_names_the_worker_its_address_and_why(cluster):
             gone.info()
     assert err.value.code == grpc.StatusCode.UNAVAILABLE
     assert err.value.message.startswith(f"worker {dead} at {dead} is unreachable: ")
+
+
+def test_the_leader_epoch_is_read_at_each_call_and_sent_only_when_set(cluster):
+    """leader_epoch: an int or a callable read at every call, sent as kvservice-leader-epoch when non-zero; this
+    worker's manager is unreplicated, so it checks only that a stamp is a valid epoch (>= 1)."""
+    c, _, worker = cluster
+    address = f"127.0.0.1:{worker.port}"
+    epochs = iter([0, -4, 7])
+    incarnation = c.get_pool("g").incarnation
+    with WorkerClient(address, "wg", pool_incarnation=incarnation, leader_epoch=lambda: next(epochs)) as wc:
+        pairs = np.array([[SLOTS - 2, SLOTS - 1]])
+        assert all(r.count == 0 for r in wc.copy_blocks(0, pairs).violations)          # 0: nothing sent
+        with pytest.raises(ClientError) as e:
+            wc.copy_blocks(0, pairs)                                                    # -4: sent, refused
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "kvservice-leader-epoch must be >= 1, got -4" in e.value.message
+        assert all(r.count == 0 for r in wc.copy_blocks(0, pairs).violations)          # 7: accepted
+    with WorkerClient(address, "wg", pool_incarnation=incarnation, leader_epoch=-2) as wc:
+        with pytest.raises(ClientError, match="got -2"):
+            wc.copy_blocks(0, pairs)
