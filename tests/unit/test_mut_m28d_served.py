@@ -145,3 +145,44 @@ def test_a_leader_clients_wait_ready_returns_once_an_address_connects_and_raises
         assert e.value.message == f"no manager answered at {c.target} within 0 s"
     finally:
         c.close()
+
+
+def test_echo_stream_returns_each_payload_and_a_stream_names_itself(server):
+    rng = np.random.default_rng(2822)
+    with BlockManagerClient(server) as c:
+        with c.echo_stream() as e:
+            for n in (0, 1, 17, 4096):
+                payload = rng.bytes(n)
+                assert e.echo(payload) == payload
+        with c.step_stream("s", deltas=False, stream_id="s-named-2822") as s:
+            res = s.step(admit=[4242], admit_tokens=[6])
+            assert s.stream_id == "s-named-2822" and s.last_reply.stream_id == "s-named-2822"
+            assert s.last_reply.stream_seq == 1 and not s.last_reply.HasField("delta")
+            assert res.for_layer(0).table.indptr.tolist() == [0, 2]
+            assert s.step(extend=[4242], extend_tokens=3).num_tokens.tolist() == [9]
+            assert s.step(extend=[4242], extend_tokens=3).num_tokens.tolist() == [12] and s.reused == 1
+            s.step(free=[4242], tables=False)
+            assert s.seq == 4 and s.reconnects == 0 and s.resolved == 0
+
+
+def test_a_sync_stream_without_a_manager_keeps_its_request_pending():
+    from kvservice.client.deadline import RetryPolicy
+    from kvservice.client.stream import StepStream
+
+    dead = _dead_address()
+    with BlockManagerClient(dead, timeout=1.0, retry=RetryPolicy(initial_backoff=0.02, max_backoff=0.05)) as c:
+        s = StepStream(c, "s", page_size=PAGE)
+        with pytest.raises(ClientError) as err:
+            s.step(admit=[1], admit_tokens=[3])
+        s.close()
+    e = err.value
+    assert e.code == grpc.StatusCode.UNAVAILABLE and e.reason == "RETRIES_EXHAUSTED"
+    assert s.reconnects >= 1 and s.pending is not None and s.pending.seq == 1 and s.seq == 1
+    assert e.metadata["stream_seq"] == "1" and e.metadata["stream_id"] == s.stream_id
+    assert "stays pending" in e.message
+    with BlockManagerClient(dead, timeout=5.0, retries=0) as c:
+        s = StepStream(c, "s", page_size=PAGE)
+        with pytest.raises(ClientError) as err:
+            s.step(admit=[1], admit_tokens=[3])
+        s.close()
+    assert err.value.reason == "RETRIES_EXHAUSTED" and s.reconnects == 0 and err.value.metadata["attempts"] == "1"
