@@ -18,6 +18,7 @@ from kvservice.client.aio import AsyncBlockManagerClient
 from kvservice.client.codec import ClientError
 from kvservice.client.ha import LeaderClient
 from kvservice.contract.geometry import CacheSpec
+from kvservice.contract.pagetable import PageTable
 from kvservice.contract.sizing import Sizing
 from kvservice.server.app import serve
 
@@ -186,3 +187,43 @@ def test_a_sync_stream_without_a_manager_keeps_its_request_pending():
             s.step(admit=[1], admit_tokens=[3])
         s.close()
     assert err.value.reason == "RETRIES_EXHAUSTED" and s.reconnects == 0 and err.value.metadata["attempts"] == "1"
+
+
+def test_the_unary_calls_answer_what_the_pool_holds(server):
+    """Each read of BlockManagerClient against hand-computed figures of a pool of 2 layers, 2 KV heads of 8,
+    float16, pages of 4 tokens, 64 slots: a slot is 2 (K, V) * 4 * 2 * 8 * 2 bytes per layer."""
+    rng = np.random.default_rng(2823)
+    with BlockManagerClient(server, timeout=20.0) as c:
+        c.wait_ready(30.0)
+        plan = c.plan(SPEC, SIZING)
+        assert (plan.page_size, plan.num_slots, plan.max_seq_len, plan.max_pages_per_seq) == (4, 64, 128, 32)
+        assert plan.bytes_per_slot == 2 * (2 * 4 * 2 * 8 * 2) and plan.total_bytes == 64 * plan.bytes_per_slot
+        info = c.create_pool("u", SPEC, SIZING, prefix_caching=True, model="m-u")
+        assert (info.name, info.model, info.plan.page_size) == ("u", "m-u", 4) and info.incarnation >= 1
+        assert c.get_pool("u").incarnation == info.incarnation and "u" in [p.name for p in c.list_pools()]
+        prompt = [int(x) for x in rng.integers(1, 50000, 13)]
+        res = c.step("u", admit=[71, 72], admit_tokens=[13, 5], admit_token_ids=prompt + prompt[:5])
+        assert res.cached_tokens.tolist() == [0, 0] and res.num_tokens.tolist() == [13, 5]
+        seqs = c.sequences("u")
+        assert seqs.total == 2 and {(s.seq_id, s.num_tokens, s.num_slots) for s in seqs.sequences} == \
+            {(71, 13, 4), (72, 5, 2)}
+        assert len(c.sequences("u", limit=1).sequences) == 1
+        st = c.stats("u")["u"]
+        assert (st.num_sequences, st.num_tokens, st.num_free_slots, st.admitted) == (2, 18, 58, 2)
+        assert set(c.stats()) >= {"s", "u"}
+        t = res.for_layer(0).table
+        assert c.validate("u", 0, t).ok
+        bad = c.validate("u", 1, PageTable(t.indptr, t.indices + 10**6, t.last_page_len), max_reports=2)
+        assert not bad.ok and bad.num_violations == len(t.indices) and len(bad.violations) == 2
+        assert {v.reason for v in bad.violations} == {"out_of_bounds"}
+        c.step("u", free=[71, 72])
+        score = c.score_prefix([*prompt, 7], pools=("u",))
+        assert score.num_tokens == 14
+        (ps,) = score.scores
+        assert (ps.pool, ps.cached_tokens, ps.cached_pages, ps.page_size) == ("u", 12, 3, 4)
+        assert c.echo(b"\x00\x01u") == b"\x00\x01u"
+        c.delete_pool("u")
+    dead = _dead_address()
+    with BlockManagerClient(dead) as c, pytest.raises(ClientError) as e:
+        c.wait_ready(0.2)
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE and e.value.message.startswith(f"no manager answered at {dead}")
