@@ -221,3 +221,40 @@ def test_a_client_error_keeps_its_fields_and_names_its_request_id():
     assert kept.metadata == {"request_id": "x"}
     plain = codec.ClientError(grpc.StatusCode.NOT_FOUND, "no")
     assert plain.metadata == {} and plain.reason == "" and plain.request_id is None
+
+
+class _Call(grpc.RpcError):
+    """A failed call as grpc hands it over: code, details, trailing metadata (the rich status, if any)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, trailing: tuple = ()) -> None:
+        self._code, self._details, self._trailing = code, details, trailing
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self) -> tuple:
+        return self._trailing
+
+
+def _status_bin(code: grpc.StatusCode, message: str, reason: str, metadata: dict) -> tuple:
+    from google.protobuf import any_pb2
+    from google.rpc import error_details_pb2, status_pb2
+    detail = any_pb2.Any()
+    detail.Pack(error_details_pb2.ErrorInfo(reason=reason, domain="kvservice", metadata=metadata))
+    st = status_pb2.Status(code=code.value[0], message=message, details=[detail])
+    return (("grpc-status-details-bin", st.SerializeToString()),)
+
+
+def test_from_rpc_reads_the_error_info_and_survives_a_status_it_cannot_parse():
+    trailing = _status_bin(grpc.StatusCode.NOT_FOUND, "no pool 'q'", "POOL_NOT_FOUND", {"pool": "q"})
+    e = codec.ClientError.from_rpc(_Call(grpc.StatusCode.NOT_FOUND, "no pool 'q'", trailing), "rid-1")
+    assert (e.code, e.message, e.reason) == (grpc.StatusCode.NOT_FOUND, "no pool 'q'", "POOL_NOT_FOUND")
+    assert e.metadata == {"pool": "q", "request_id": "rid-1"} and e.request_id == "rid-1"
+    # a status whose code differs from the call's cannot be read: the error keeps code and message only
+    odd = codec.ClientError.from_rpc(_Call(grpc.StatusCode.INTERNAL, "boom", trailing))
+    assert (odd.code, odd.message, odd.reason, odd.metadata) == (grpc.StatusCode.INTERNAL, "boom", "", {})
+    bare = codec.ClientError.from_rpc(_Call(grpc.StatusCode.UNAVAILABLE, ""))
+    assert (bare.message, bare.reason, bare.metadata, bare.request_id) == ("", "", {}, None)

@@ -112,6 +112,15 @@ def test_an_asyncio_stream_resends_its_unanswered_request_first_and_applies_it_o
             await s.step(free=[ids[2]], tables=False)
             await s.step(free=ids[:2], tables=False)
             await s.close()
+            async with await c.step_stream("as", deltas=False) as r:
+                assert await r.resolve() is None
+                r.start(r.body(None, None, None, [ids[0]], [lens[0]], True, False, {}), True, False,
+                        c.position.seen())
+                got = await r.resolve()
+                assert got.seq_ids.tolist() == [ids[0]] and r.resolved == 1 and r.pending is None
+                assert got.for_layer(0).table.indptr.tolist() == [0, _cdiv(lens[0], PAGE)]
+                await r.step(free=[ids[0]], tables=False)
+            assert r._call is None
     asyncio.run(run())
     with BlockManagerClient(server) as c:
         assert _held(c, "as") == {}

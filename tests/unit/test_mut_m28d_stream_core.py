@@ -341,3 +341,19 @@ def test_route_method_opens_one_method_per_address():
         assert core.route == 0 and core.route_method(client) is m and core._methods == {0: m}
     finally:
         client.close()
+
+
+def test_a_results_tables_must_be_read_before_the_next_step():
+    from kvservice.contract.mirror import MirrorError
+
+    api, session, core = _served_core()
+    try:
+        data = core.request_bytes(None, [31, 32], None, None, None, True, False, {})
+        first = core.result(session.apply(api, pb.StepRequest.FromString(data)), True, False)
+        sid = next(iter(first.tables))
+        data = core.request_bytes(None, [31, 32], None, None, None, True, False, {})
+        core.result(session.apply(api, pb.StepRequest.FromString(data)), True, False)
+        with pytest.raises(MirrorError, match="the tables of request 2 were replaced by request 3"):
+            first.tables[sid]
+    finally:
+        core.client.close()

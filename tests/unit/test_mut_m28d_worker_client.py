@@ -125,3 +125,16 @@ def test_the_leader_epoch_is_read_at_each_call_and_sent_only_when_set(cluster):
     with WorkerClient(address, "wg", pool_incarnation=incarnation, leader_epoch=-2) as wc:
         with pytest.raises(ClientError, match="got -2"):
             wc.copy_blocks(0, pairs)
+
+
+def test_cache_tensors_carry_the_arrays_dtype_or_bfloat16_bits():
+    from kvservice.client.worker_client import _cache_tensor
+    rng = np.random.default_rng(2831)
+    bits = rng.integers(1, 2**16, (3, 2, 4)).astype(np.uint16)
+    t = _cache_tensor(bits, "bfloat16")
+    assert (t.dtype, list(t.shape), t.data) == (2, [3, 2, 4], bits.tobytes())           # DType BFLOAT16 = 2
+    f = rng.standard_normal((2, 2, 4)).astype(np.float32)
+    t = _cache_tensor(f[:, :, ::2], None)                                              # a strided view: copied
+    assert (t.dtype, list(t.shape), t.data) == (3, [2, 2, 2], np.ascontiguousarray(f[:, :, ::2]).tobytes())
+    t = _cache_tensor(f, "float16")
+    assert (t.dtype, t.data) == (1, f.astype(np.float16).tobytes())                    # FLOAT16 = 1
