@@ -236,3 +236,34 @@ def test_the_unary_calls_answer_what_the_pool_holds(server):
     with BlockManagerClient(dead) as c, pytest.raises(ClientError) as e:
         c.wait_ready(0.2)
     assert e.value.code == grpc.StatusCode.UNAVAILABLE and e.value.message.startswith(f"no manager answered at {dead}")
+
+
+def test_positions_counted_in_a_registry_are_forgotten_on_reset_and_events_start_with_a_reset(server):
+    from prometheus_client import CollectorRegistry
+
+    from kvservice.client.position import StateRolledBack
+    from kvservice.v1 import block_manager_pb2 as pb
+
+    reg = CollectorRegistry()
+    with BlockManagerClient(server, registry=reg) as c:
+        c.step("s", admit=[555], admit_tokens=[3])
+        seen = dict(c.position.seen())
+        assert len(seen) == 1 and next(iter(seen.values())) >= 1
+        (lineage, top), = seen.items()
+        behind = pb.StepReply(position=pb.JournalPosition(incarnation=1, seq=top - 1, lineage=lineage))
+        with pytest.raises(StateRolledBack):
+            c.position.check("Step", behind, c.position.seen(), None)
+        assert reg.get_sample_value("kvservice_client_state_rollbacks_total") == 1.0
+        c.reset_position()
+        assert dict(c.position.seen()) == {} and c.position.seq == 0
+        c.step("s", free=[555])                                 # accepted again after the reset
+        assert dict(c.position.seen())[lineage] > top
+        events = c.watch_events("s")
+        first = next(iter(events))
+        assert first.reset and first.reset_reason.startswith("from_sequence 0")
+        assert first.events[0].HasField("all_blocks_cleared")
+        events.cancel()
+        with pytest.raises(ClientError) as e:
+            for _ in events:
+                pass
+        assert e.value.code == grpc.StatusCode.CANCELLED
