@@ -258,3 +258,11 @@ def test_from_rpc_reads_the_error_info_and_survives_a_status_it_cannot_parse():
     assert (odd.code, odd.message, odd.reason, odd.metadata) == (grpc.StatusCode.INTERNAL, "boom", "", {})
     bare = codec.ClientError.from_rpc(_Call(grpc.StatusCode.UNAVAILABLE, ""))
     assert (bare.message, bare.reason, bare.metadata, bare.request_id) == ("", "", {}, None)
+
+
+def test_step_request_defaults_ask_for_tables_without_a_block_table():
+    req = codec.step_request("p")
+    assert (req.pool, req.omit_tables, req.include_block_table, req.request_id) == ("p", False, False, "")
+    assert list(req.admit_cache_salts) == [] and list(req.admit_extra_keys) == []
+    for f in ("free_seq_ids", "extend_seq_ids", "admit_seq_ids", "fork_parent_ids", "admit_token_ids"):
+        assert not req.HasField(f)

@@ -238,3 +238,15 @@ def test_retry_after_counts_a_broken_watch_as_an_attempt_that_met_no_manager(clo
     with pytest.raises(ClientError) as e:                       # not one of its codes: final
         b.retry_after(ClientError(grpc.StatusCode.DEADLINE_EXCEEDED, "late"))
     assert e.value.message == "late"
+
+
+def test_the_default_policies_are_the_documented_ones():
+    p = RetryPolicy()
+    assert (p.attempts, p.initial_backoff, p.max_backoff, p.multiplier, p.failover, p.attempt_timeout,
+            p.grpc_attempts, p.wait_for_ready, p.deadline) == (0, 0.05, 1.0, 2.0, 0.0, 0.0, 3, False, None)
+    from kvservice.client.ha import FAILOVER_RETRY, HEALTH_RETRY
+    f = FAILOVER_RETRY                                     # ha.py: a silent manager left after 3 s, no gRPC resend
+    assert (f.attempt_timeout, f.grpc_attempts, f.initial_backoff, f.max_backoff) == (3.0, 1, 0.05, 0.25)
+    assert HEALTH_RETRY == (0.05, 1.0)
+    assert deadline.RETRY_CODES == (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    assert deadline.MIN_ATTEMPT_SECONDS == 0.005

@@ -267,3 +267,29 @@ def test_positions_counted_in_a_registry_are_forgotten_on_reset_and_events_start
             for _ in events:
                 pass
         assert e.value.code == grpc.StatusCode.CANCELLED
+
+
+def test_every_mutating_call_carries_a_request_id_fresh_or_given():
+    """client.py: a mutating call gets one request_id (uuid4 hex unless given), named by the error of a call that
+    gave up."""
+    from kvservice.client.deadline import RetryPolicy
+
+    dead = _dead_address()
+    with BlockManagerClient(dead, timeout=2.0, retry=RetryPolicy(attempts=1)) as c:
+        calls = {"step": lambda rid: c.step("s", admit=[1], admit_tokens=[2], request_id=rid),
+                 "delete_pool": lambda rid: c.delete_pool("s", request_id=rid),
+                 "create_pool": lambda rid: c.create_pool("s", SPEC, SIZING, request_id=rid)}
+        for name, call in calls.items():
+            for given in (None, f"rid-{name}"):
+                with pytest.raises(ClientError) as e:
+                    call(given)
+                rid = e.value.request_id
+                assert e.value.reason == "RETRIES_EXHAUSTED", name
+                if given:
+                    assert rid == given
+                else:
+                    assert len(rid) == 32 and int(rid, 16) >= 0
+                assert f"request_id={rid!r}" in e.value.message and e.value.metadata["request_id"] == rid
+        with pytest.raises(ClientError) as e:
+            c.get_pool("s")
+        assert e.value.request_id is None and "request_id" not in e.value.metadata     # a read has none

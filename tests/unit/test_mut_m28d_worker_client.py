@@ -76,6 +76,13 @@ def test_pages_copied_with_their_generations_read_as_the_source(cluster):
     stale = wc.decode_attention(0, q, dst, generations=wrong)          # policy nan: reported, row 0 poisoned
     assert (stale.violation.reason, stale.violation.count, stale.violation.row) == ("stale_page", 2, 0)
     assert stale.violation.value == int(t.indices[2])
+    nan = wc.decode_attention(0, q, dst, generations=wrong, policy="nan")               # worker.proto's policies
+    assert np.isnan(nan.out).all() and nan.violation.reason == "stale_page"
+    zeros = wc.decode_attention(0, q, dst, generations=wrong, policy="zeros")
+    assert (zeros.out == 0).all() and np.isneginf(zeros.lse).all() and zeros.violation.count == 2
+    with pytest.raises(ClientError) as e:
+        wc.decode_attention(0, q, dst, generations=wrong, policy="error")
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "stale_page" in e.value.message
     assert wc.validate(0, dst, gens[2:4]).ok and wc.validate(0, dst).ok
     bad = wc.validate(0, dst, wrong)
     assert not bad.ok and (bad.violation.reason, bad.violation.count) == ("stale_page", 2)
@@ -138,3 +145,11 @@ def test_cache_tensors_carry_the_arrays_dtype_or_bfloat16_bits():
     assert (t.dtype, list(t.shape), t.data) == (3, [2, 2, 2], np.ascontiguousarray(f[:, :, ::2]).tobytes())
     t = _cache_tensor(f, "float16")
     assert (t.dtype, t.data) == (1, f.astype(np.float16).tobytes())                    # FLOAT16 = 1
+
+
+def test_only_the_calls_that_change_nothing_are_resent_by_grpc():
+    from kvservice.client import worker_client as w
+    unary = {m.name for m in w.SERVICE.methods if not (m.client_streaming or m.server_streaming)}
+    assert w.RESENDABLE == {"Info", "DecodeAttention", "ValidatePageTable", "CheckGuards"} and w.RESENDABLE <= unary
+    assert {"AppendKV", "CopyBlocks", "UpdateTables", "CorruptGuard"} <= unary - w.RESENDABLE
+    assert w.POLICIES == {"nan": 0, "zeros": 1, "error": 2}
