@@ -293,3 +293,64 @@ def test_every_mutating_call_carries_a_request_id_fresh_or_given():
         with pytest.raises(ClientError) as e:
             c.get_pool("s")
         assert e.value.request_id is None and "request_id" not in e.value.metadata     # a read has none
+
+
+class StreamFault(grpc.ServerInterceptor):
+    """Faults of a manager's StepStream calls, as a server interceptor on the real manager: `hold` set = the
+    manager is paused (each request waits until `release` is set); `end_next` = the next call ends without a
+    reply (a manager that stops serving)."""
+
+    def __init__(self) -> None:
+        import threading
+        self.hold, self.release, self.end_next = False, threading.Event(), 0
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None or handler.stream_stream is None or not details.method.endswith("/StepStream"):
+            return handler
+        inner = handler.stream_stream
+
+        def stream(request_iterator, context):
+            if self.end_next:
+                self.end_next -= 1
+                return
+            def requests():
+                for r in request_iterator:
+                    if self.hold:
+                        self.release.wait(30.0)
+                    yield r
+            yield from inner(requests(), context)
+        return grpc.stream_stream_rpc_method_handler(stream, request_deserializer=handler.request_deserializer,
+                                                     response_serializer=handler.response_serializer)
+
+
+def test_a_paused_manager_cuts_the_step_at_its_deadline_and_an_ended_call_is_reopened():
+    from kvservice.client.deadline import RetryPolicy
+
+    fault = StreamFault()
+    running = serve("127.0.0.1:0", interceptors=[fault])
+    target = f"127.0.0.1:{running.port}"
+    try:
+        with BlockManagerClient(target, timeout=10.0, retry=RetryPolicy(initial_backoff=0.01, max_backoff=0.02)) as c:
+            c.create_pool("f", SPEC, SIZING)
+            with c.step_stream("f", timeout=0.6) as s:
+                assert s.step(admit=[61], admit_tokens=[5]).seq_ids.tolist() == [61]
+                fault.end_next = 1                    # the next call the stream opens ends at once
+                s._drop_call()                        # (the open call is dropped: a new one is opened)
+                res = s.step(extend=[61], extend_tokens=2)
+                assert res.num_tokens.tolist() == [7] and s.reconnects == 1 and s.seq == 2
+                fault.hold = True                     # paused: no reply before the step's deadline
+                with pytest.raises(ClientError) as e:
+                    s.step(extend=[61], extend_tokens=1)
+                assert e.value.reason == "RETRIES_EXHAUSTED" and e.value.metadata["stream_seq"] == "3"
+                assert e.value.metadata["last_code"] == "DEADLINE_EXCEEDED"
+                assert "no reply in time (the call was cancelled)" in e.value.message
+                assert s.pending is not None and s.pending.seq == 3
+                fault.hold = False
+                fault.release.set()                   # the manager goes on; the step is retried by the caller
+                res = s.step(extend=[61], extend_tokens=1)
+                assert res.num_tokens.tolist() == [8] and s.pending is None and s.resolved == 1
+            assert _held(c, "f") == {61: 8}            # applied once
+    finally:
+        fault.release.set()
+        running.stop()
