@@ -102,3 +102,24 @@ def test_a_serving_report_sends_the_next_attempt_there_and_ends_the_pause():
     finally:
         c.close()
     assert c._report_due()                               # a closed client never waits
+
+
+def test_the_first_broken_call_starts_one_daemon_watch_per_address_and_close_ends_them():
+    c = LeaderClient([A, B], timeout=3.0)
+    try:
+        assert c._watchers == []
+        c._rotate(0)
+        ws = list(c._watchers)
+        assert [t.name for t in ws] == ["leader-watch-0", "leader-watch-1"]
+        assert all(t.daemon for t in ws)          # never keeps a process alive that forgot close()
+        c._rotate(1)
+        assert c._watchers == ws                  # started once
+    finally:
+        c.close()
+    for t in ws:
+        t.join(20.0)
+        assert not t.is_alive()
+    closed = LeaderClient([A], timeout=3.0)
+    closed.close()
+    closed._rotate(0)
+    assert closed._watchers == []                 # a closed client starts none
