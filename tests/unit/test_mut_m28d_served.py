@@ -354,3 +354,21 @@ def test_a_paused_manager_cuts_the_step_at_its_deadline_and_an_ended_call_is_reo
     finally:
         fault.release.set()
         running.stop()
+
+
+def test_a_leader_clients_event_stream_moves_past_a_dead_address_and_raises_a_refusal(server):
+    from kvservice.client.deadline import RetryPolicy
+
+    dead = _dead_address()
+    with LeaderClient([dead, server], timeout=10.0, retry=RetryPolicy(initial_backoff=0.01, max_backoff=0.02,
+                                                                      attempt_timeout=3.0, grpc_attempts=1)) as c:
+        events = c.watch_events("s", from_sequence=0)
+        it = iter(events)
+        first = next(it)
+        assert first.reset and events.reconnects == 1 and c.current_target == server
+        assert events.next_sequence == first.sequence + 1
+        events.cancel()
+        assert list(it) == []                                # a cancelled stream ends quietly
+        with pytest.raises(ClientError) as e:
+            next(iter(c.watch_events("no-such-pool")))
+        assert e.value.code == grpc.StatusCode.NOT_FOUND and "no-such-pool" in e.value.message
