@@ -123,3 +123,19 @@ def test_the_first_broken_call_starts_one_daemon_watch_per_address_and_close_end
     closed.close()
     closed._rotate(0)
     assert closed._watchers == []                 # a closed client starts none
+
+
+def test_only_a_serving_health_report_moves_the_client():
+    from grpc_health.v1 import health_pb2
+
+    c = LeaderClient([A, B, C], timeout=3.0)
+    try:
+        for status in (health_pb2.HealthCheckResponse.NOT_SERVING, health_pb2.HealthCheckResponse.UNKNOWN,
+                       health_pb2.HealthCheckResponse.SERVICE_UNKNOWN):
+            assert c._health_report(2, health_pb2.HealthCheckResponse(status=status)) == 0.05
+            assert (c.current_target, c.serving_reports) == (A, 0)
+        assert c._health_report(2, health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)) \
+            == 0.05
+        assert (c.current_target, c.serving_reports) == (C, 1)
+    finally:
+        c.close()
