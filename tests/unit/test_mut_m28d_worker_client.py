@@ -153,3 +153,27 @@ def test_only_the_calls_that_change_nothing_are_resent_by_grpc():
     assert w.RESENDABLE == {"Info", "DecodeAttention", "ValidatePageTable", "CheckGuards"} and w.RESENDABLE <= unary
     assert {"AppendKV", "CopyBlocks", "UpdateTables", "CorruptGuard"} <= unary - w.RESENDABLE
     assert w.POLICIES == {"nan": 0, "zeros": 1, "error": 2}
+
+
+def test_a_persistent_table_reads_as_the_explicit_table(cluster):
+    """update_tables: a StepStream reply kept on the worker under a table id; decode through table_id equals decode
+    through the same CSR sent in the request, bit for bit."""
+    c, wc, _ = cluster
+    rng = np.random.default_rng(2832)
+    with c.step_stream("g", deltas=False) as s:
+        res = s.step(admit=[21, 22], admit_tokens=[6, 9])
+        reply = s.last_reply
+    st = res.for_layer(0)
+    n = len(st.slot_mapping)
+    k = rng.standard_normal((n, HEADS, DIM)).astype(np.float32)
+    v = rng.standard_normal((n, HEADS, DIM)).astype(np.float32)
+    wc.append_kv(0, k, v, st.slot_mapping, slot_generations=st.slot_generations)
+    up = wc.update_tables("tbl-2832", reply)
+    assert (up.stream_seq, up.batch_size, up.pages_held) == (1, 2, 2 + 3)          # ceil(6/4) + ceil(9/4)
+    assert up.pool_incarnation == c.get_pool("g").incarnation
+    q = rng.standard_normal((2, HEADS, DIM)).astype(np.float32)
+    want = wc.decode_attention(0, q, st.table, generations=st.generations)
+    got = wc.decode_attention(0, q, table_id="tbl-2832")
+    np.testing.assert_array_equal(got.out, want.out)
+    np.testing.assert_array_equal(got.lse, want.lse)
+    c.step("g", free=[21, 22])
