@@ -40,10 +40,14 @@ def test_the_old_deadline_name_becomes_failover_and_is_cleared():
     assert RetryPolicy(failover=6.0, deadline=2.0).failover == 6.0
     assert RetryPolicy(failover=1.0, deadline=2.0).failover == 2.0
     assert RetryPolicy().failover == 0.0 and RetryPolicy().deadline is None
-    for bad in (dict(grpc_attempts=0), dict(grpc_attempts=6), dict(attempts=-1), dict(failover=-0.1),
-                dict(attempt_timeout=-1.0)):
-        with pytest.raises(ValueError):
+    for n in (0, 6):
+        with pytest.raises(ValueError) as e:
+            RetryPolicy(grpc_attempts=n)
+        assert str(e.value) == f"grpc_attempts must be 1..5 (gRPC's cap on maxAttempts), got {n}"
+    for bad in (dict(attempts=-1), dict(failover=-0.1), dict(attempt_timeout=-1.0)):
+        with pytest.raises(ValueError) as e:
             RetryPolicy(**bad)
+        assert str(e.value) == "attempts, failover and attempt_timeout must be >= 0"
     for ok in (1, 5):
         assert RetryPolicy(grpc_attempts=ok).grpc_attempts == ok
 
