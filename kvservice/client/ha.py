@@ -146,10 +146,16 @@ class LeaderRoute:
             self._serving.notify_all()
 
     def _health_watch(self, index: int) -> Any:
-        """Open the readiness watch of address `index` (grpc.health.v1 Watch of the BlockManager service)."""
+        """Open the readiness watch of address `index` (grpc.health.v1 Watch of the BlockManager service).
+
+        Under the lock, and never once the client is closed (grpc.RpcError then, which ends the watch loop): a
+        watch thread that made its stub while close() closed the channel crashed the process (SIGSEGV in grpc)."""
         from grpc_health.v1 import health_pb2, health_pb2_grpc
         request = health_pb2.HealthCheckRequest(service=SERVICE.full_name)
-        call = self._health_calls[index] = health_pb2_grpc.HealthStub(self._channels[index]).Watch(request)
+        with self._lock:
+            if self._closed:
+                raise grpc.RpcError("the client is closed")
+            call = self._health_calls[index] = health_pb2_grpc.HealthStub(self._channels[index]).Watch(request)
         return call
 
     def _health_report(self, index: int, msg: Any) -> float:
