@@ -1,0 +1,234 @@
+"""SqliteStore's files read back by hand: state.db's tables (sqlite3), MANIFEST (JSON + blake2b), ACKED (struct).
+
+The layouts are the ones written in kvservice/state/sqlite/store.py's and ackmark.py's docstrings and
+docs/DURABILITY.md; the store is driven through its JournalStore calls, without a Journal.
+"""
+
+import hashlib
+import json
+import sqlite3
+import struct
+
+import numpy as np
+import pytest
+
+from kvservice.contract.errors import StateError
+from kvservice.state.sqlite.store import SqliteStore
+from kvservice.state.stores import Entry
+
+
+class Enc:
+    """What write_snapshot needs of an encoded snapshot: its header digest, size and chunks (opaque bytes)."""
+
+    def __init__(self, rng):
+        body = rng.bytes(int(rng.integers(100, 400)))
+        self.header_digest = rng.bytes(16)
+        self.chunks = [body[:16], self.header_digest, body[16:]]      # bytes 16-31: the header digest
+        self.nbytes = len(body) + 16
+
+
+def manifest(d) -> dict:
+    m = json.loads((d / "MANIFEST").read_bytes())
+    body = {k: v for k, v in m.items() if k != "digest"}
+    assert m["digest"] == hashlib.blake2b(json.dumps(body, sort_keys=True).encode(), digest_size=16).hexdigest()
+    return m
+
+
+def acked(d) -> list[tuple[int, int]]:
+    """(lineage, seq) of both ACKED records (offsets 0 and 512): magic, lineage u64, seq u64, blake2b-128."""
+    raw = (d / "ACKED").read_bytes()
+    assert len(raw) == 1024
+    out = []
+    for at in (0, 512):
+        magic, lineage, seq = struct.unpack("<8sQQ", raw[at:at + 24])
+        assert magic == b"KVACKED1"
+        assert raw[at + 24:at + 40] == hashlib.blake2b(raw[at:at + 24], digest_size=16).digest()
+        out.append((lineage, seq))
+    return out
+
+
+def meta(d) -> dict:
+    db = sqlite3.connect(d / "state.db")
+    try:
+        return dict(db.execute("SELECT key, value FROM meta").fetchall())
+    finally:
+        db.close()
+
+
+def entries(rng, first: int, n: int) -> list[Entry]:
+    return [Entry(s, f"M{s % 3}", rng.bytes(int(rng.integers(1, 60))), float(rng.uniform(1, 2e9)))
+            for s in range(first, first + n)]
+
+
+def started(d, rng, n=5):
+    """A store opened on a fresh dir, begun at 0, with n entries appended; returns (store, entries)."""
+    st = SqliteStore.open(d, sync="normal")
+    st.begin(0)
+    es = entries(rng, 1, n)
+    for e in es:
+        st.append(e)
+    return st, es
+
+
+def test_begin_writes_incarnation_lineage_manifest_and_acked(tmp_path):
+    rng = np.random.default_rng(1)
+    d = tmp_path / "s"
+    st, es = started(d, rng)
+    lin = st.lineage
+    assert lin and st.incarnation == 1
+    assert meta(d) == {"format": "2", "incarnation": "1", "lineage": f"{lin:016x}"}
+    m = manifest(d)
+    assert (m["format"], m["incarnation"], m["running"], m["last_seq"], m["snapshot_seq"], m["lineage"],
+            m["acked_mark"]) == (2, 1, True, 0, 0, f"{lin:016x}", True)
+    assert acked(d) == [(lin, 0), (lin, 0)]
+    st.close(clean=True, seq=5)
+    m = manifest(d)
+    assert (m["incarnation"], m["running"], m["last_seq"]) == (1, False, 5)
+    assert not (d / "state.db-wal").exists() or (d / "state.db-wal").stat().st_size == 0   # checkpointed
+
+    st = SqliteStore.open(d, sync="normal")
+    assert (st.incarnation, st.lineage, st.snapshot_seq) == (1, lin, 0)
+    assert list(st.entries_after(0)) == es
+    assert list(st.entries_after(3)) == es[3:]
+    assert st.load_snapshot() is None
+    assert st.begin(5) == 2
+    assert meta(d)["incarnation"] == "2" and meta(d)["lineage"] == f"{lin:016x}"
+    assert (manifest(d)["incarnation"], manifest(d)["last_seq"]) == (2, 5)
+    assert acked(d) == [(lin, 4), (lin, 5)]                 # seq 5 at offset 512 (odd), seq 4 at 0
+    assert st.notes == []
+    st.close(clean=True, seq=5)
+
+
+def test_write_snapshot_records_it_and_drops_what_it_covers(tmp_path):
+    rng = np.random.default_rng(2)
+    d = tmp_path / "s"
+    st, es = started(d, rng, 9)
+    one = Enc(rng)
+    st.write_snapshot(4, one)
+    (d / "snapshots" / "snapshot-000000000099.kvs.tmp").write_bytes(b"left over")
+    two = Enc(rng)
+    st.write_snapshot(7, two)
+    assert sorted(p.name for p in (d / "snapshots").iterdir()) == ["snapshot-000000000007.kvs",
+                                                                   "snapshot-000000000099.kvs.tmp"]
+    assert (manifest(d)["snapshot_seq"], manifest(d)["last_seq"]) == (7, 7)
+    st.close(clean=True, seq=9)
+    db = sqlite3.connect(d / "state.db")
+    rows = db.execute("SELECT seq, file, header_digest, nbytes FROM snapshots").fetchall()
+    left = [r[0] for r in db.execute("SELECT seq FROM entries ORDER BY seq")]
+    db.close()
+    assert rows == [(7, "snapshot-000000000007.kvs", two.header_digest, two.nbytes)]
+    assert left == [8, 9]
+
+    st = SqliteStore.open(d, sync="normal")
+    assert st.snapshot_seq == 7
+    assert st.load_snapshot() == (7, b"".join(two.chunks))
+    assert list(st.entries_after(7)) == es[7:]
+    st.begin(9)                                     # files of snapshots never recorded go
+    assert [p.name for p in (d / "snapshots").iterdir()] == ["snapshot-000000000007.kvs"]
+    st.close(clean=True, seq=9)
+
+    ro = SqliteStore.open(d, readonly=True)
+    assert ro.load_snapshot() == (7, b"".join(two.chunks))
+    ro.close(clean=True, seq=9)
+    f = d / "snapshots" / "snapshot-000000000007.kvs"
+    f.write_bytes(f.read_bytes()[:-1])
+    ro = SqliteStore.open(d, readonly=True)
+    with pytest.raises(StateError) as ei:
+        ro.load_snapshot()
+    ro.close(clean=True, seq=9)
+    assert ei.value.reason == "STATE_DAMAGED"
+    assert f"{two.nbytes - 1} bytes, header digest" in ei.value.message
+    assert f"recorded {two.nbytes} bytes, {two.header_digest.hex()}" in ei.value.message
+
+
+def test_a_manifest_snapshot_the_database_lacks_is_refused(tmp_path):
+    rng = np.random.default_rng(3)
+    d = tmp_path / "s"
+    st, _ = started(d, rng, 4)
+    st.write_snapshot(3, Enc(rng))
+    st.close(clean=True, seq=4)
+    db = sqlite3.connect(d / "state.db")
+    db.execute("DELETE FROM snapshots")
+    db.commit()
+    db.close()
+    with pytest.raises(StateError) as ei:
+        SqliteStore.open(d, sync="normal")
+    assert "MANIFEST records a snapshot at 3 but state.db has none" in ei.value.message
+
+
+def test_a_repair_starts_a_new_lineage_and_says_so(tmp_path):
+    rng = np.random.default_rng(4)
+    d = tmp_path / "s"
+    st, _ = started(d, rng, 3)
+    old = st.lineage
+    st.close(clean=True, seq=3)
+    (d / "MANIFEST").unlink()
+    with pytest.raises(StateError) as ei:
+        SqliteStore.open(d, sync="normal")
+    assert "MANIFEST is missing but the dir holds kvservice state (state.db, 0 snapshot files)" in ei.value.message
+    assert (d / "state.db").stat().st_size > 0 and meta(d)["incarnation"] == "1"       # nothing was deleted
+    st = SqliteStore.open(d, sync="normal", repair=True)
+    assert st.overridden == ["no MANIFEST: how much was acknowledged is unknown"]
+    assert st.begin(3) == 2
+    new = st.lineage
+    assert new not in (0, old)
+    assert st.notes == [f"new lineage {new:016x} (was {old:016x})"]
+    assert meta(d) == {"format": "2", "incarnation": "2", "lineage": f"{new:016x}"}
+    assert acked(d) == [(new, 2), (new, 3)]
+    assert manifest(d)["lineage"] == f"{new:016x}"
+    st.close(clean=True, seq=3)
+
+
+def test_a_database_with_entries_but_no_manifest_or_acked_is_not_fresh(tmp_path):
+    """Only a first start that stopped before writing anything (empty tables) may start empty again."""
+    rng = np.random.default_rng(5)
+    d = tmp_path / "s"
+    st, es = started(d, rng, 6)
+    st.close(clean=False, seq=6)
+    (d / "MANIFEST").unlink()
+    (d / "ACKED").unlink()
+    for readonly in (True, False):
+        with pytest.raises(StateError) as ei:
+            SqliteStore.open(d, sync="normal", readonly=readonly)
+        assert ei.value.reason == "STATE_DAMAGED" and "MANIFEST is missing" in ei.value.message
+    db = sqlite3.connect(d / "state.db")
+    assert db.execute("SELECT COUNT(*) FROM entries").fetchone() == (6,)
+    db.execute("DELETE FROM entries")                       # now: our tables, nothing in them
+    db.commit()
+    db.close()
+    with pytest.raises(StateError):                          # read-only never starts a state
+        SqliteStore.open(d, readonly=True)
+    assert (d / "state.db").exists()
+    st = SqliteStore.open(d, sync="normal")                  # an interrupted first start: fresh
+    assert st.incarnation == 0 and list(st.entries_after(0)) == []
+    st.close(clean=True, seq=0)
+
+
+def test_read_only_opens_share_the_lock_and_see_a_running_manager(tmp_path):
+    rng = np.random.default_rng(6)
+    d = tmp_path / "s"
+    st, es = started(d, rng, 4)
+    st.close(clean=True, seq=4)
+    lock = (d / "lock").read_bytes()
+    a = SqliteStore.open(d, readonly=True)
+    b = SqliteStore.open(d, readonly=True)                   # two checks at once: a shared lock
+    assert not a.live and not b.live
+    assert list(a.entries_after(0)) == es == list(b.entries_after(0))
+    assert (d / "lock").read_bytes() == lock                 # a check does not write its pid
+    with pytest.raises(StateError) as ei:
+        SqliteStore.open(d, sync="normal")                   # no manager starts while a check holds it
+    assert ei.value.reason == "STATE_BUSY"
+    a.close(clean=True, seq=4)
+    b.close(clean=True, seq=4)
+    w = SqliteStore.open(d, sync="normal")
+    w.begin(4)
+    c = SqliteStore.open(d, readonly=True)                   # beside a running manager: an online copy
+    assert c.live and any("a manager is running on this dir" in n for n in c.notes)
+    assert list(c.entries_after(0)) == es
+    c.close(clean=True, seq=4)
+    w.close(clean=True, seq=4)
+    nolock = tmp_path / "nolock"
+    started(nolock, rng, 1)[0].close(clean=True, seq=1)
+    (nolock / "lock").unlink()
+    SqliteStore.open(nolock, readonly=True).close(clean=True, seq=1)
+    assert not (nolock / "lock").exists()                     # read-only creates nothing
