@@ -232,3 +232,173 @@ def test_read_only_opens_share_the_lock_and_see_a_running_manager(tmp_path):
     (nolock / "lock").unlink()
     SqliteStore.open(nolock, readonly=True).close(clean=True, seq=1)
     assert not (nolock / "lock").exists()                     # read-only creates nothing
+
+
+def write_manifest_by_hand(d, **changes) -> None:
+    """MANIFEST rewritten with `changes`, its digest recomputed as documented (blake2b-128 of the sorted JSON)."""
+    m = {k: v for k, v in manifest(d).items() if k != "digest"}
+    m.update(changes)
+    m["digest"] = hashlib.blake2b(json.dumps(m, sort_keys=True).encode(), digest_size=16).hexdigest()
+    (d / "MANIFEST").write_text(json.dumps(m))
+
+
+def set_meta(d, key: str, value: str) -> None:
+    db = sqlite3.connect(d / "state.db")
+    db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
+    db.commit()
+    db.close()
+
+
+def refused(d, **kw) -> StateError:
+    with pytest.raises(StateError) as ei:
+        SqliteStore.open(d, sync="normal", **kw).close(clean=True, seq=0)
+    return ei.value
+
+
+def stopped(tmp_path, name, rng, n=4):
+    d = tmp_path / name
+    st, _ = started(d, rng, n)
+    lin = st.lineage
+    st.close(clean=True, seq=n)
+    return d, lin
+
+
+def test_each_witness_disagreement_is_refused_with_its_figures(tmp_path):
+    rng = np.random.default_rng(9)
+    d, _ = stopped(tmp_path, "fmt", rng)
+    write_manifest_by_hand(d, format=3)
+    err = refused(d)
+    assert (err.reason, err.message) == ("STATE_FORMAT", f"{d}: state format 3 is not 2; use the kvservice release "
+                                                         "that wrote it")
+
+    d, _ = stopped(tmp_path, "nodb", rng)
+    write_manifest_by_hand(d, snapshot_seq=2)
+    (d / "state.db").unlink()
+    err = refused(d)
+    assert err.reason == "STATE_DAMAGED"
+    assert err.message == (f"{d}: state.db is missing or empty, but MANIFEST says this dir holds state (incarnation "
+                           "1, at least 4 changes acknowledged, snapshot at 2): restore the state dir from a backup")
+
+    d, _ = stopped(tmp_path, "onlyacked", rng)
+    for name in ("state.db", "MANIFEST"):
+        (d / name).unlink()
+    (d / "ACKED").write_bytes(b"".join(
+        struct.pack("<8sQQ", b"KVACKED1", 7, s) +
+        hashlib.blake2b(struct.pack("<8sQQ", b"KVACKED1", 7, s), digest_size=16).digest() + bytes(472)
+        for s in (12, 13)))
+    err = refused(d)
+    assert err.message.startswith(f"{d}: MANIFEST and state.db are missing, but ACKED says 13 changes were "
+                                  "acknowledged here: this is not a fresh state dir.")
+
+    d, _ = stopped(tmp_path, "old", rng)
+    set_meta(d, "format", "1")
+    err = refused(d)
+    assert err.reason == "STATE_FORMAT"
+    assert err.message.startswith(f"{d / 'state.db'}: state format 1 is not 2: format 1 (pickled snapshots) was "
+                                  "written by an older kvservice")
+    set_meta(d, "format", "7")
+    err = refused(d)
+    assert err.message == f"{d / 'state.db'}: state format 7 is not 2. restore the state dir from a backup"
+
+    d, _ = stopped(tmp_path, "inc", rng)
+    set_meta(d, "incarnation", "x1")
+    err = refused(d)
+    assert err.message.startswith(f"{d / 'state.db'}: incarnation 'x1' or lineage")
+    set_meta(d, "incarnation", "3")
+    err = refused(d)
+    assert err.message.startswith(f"{d}: state.db is at incarnation 3 but MANIFEST at 1: the database was replaced")
+    set_meta(d, "incarnation", "2")                           # one ahead: a start that stopped before its MANIFEST
+    SqliteStore.open(d, sync="normal").close(clean=True, seq=0)
+
+    d, lin = stopped(tmp_path, "lineage", rng)
+    write_manifest_by_hand(d, lineage=f"{lin ^ 1:016x}")
+    err = refused(d)
+    assert err.message.startswith(f"{d}: state.db belongs to lineage {lin:016x} but MANIFEST to {lin ^ 1:016x}")
+    st = SqliteStore.open(d, sync="normal", repair=True)
+    assert st.overridden == [err.message]
+    st.close(clean=True, seq=0)
+
+    d, _ = stopped(tmp_path, "unclean", rng)
+    write_manifest_by_hand(d, running=True)
+    (d / "state.db-wal").unlink(missing_ok=True)
+    err = refused(d)
+    assert err.message.startswith(f"{d}: state.db-wal is missing after an unclean stop of incarnation 1: ")
+
+
+def test_check_position_refuses_fewer_changes_than_the_manifest_acknowledged(tmp_path):
+    rng = np.random.default_rng(10)
+    d, _ = stopped(tmp_path, "s", rng, 6)
+    st = SqliteStore.open(d, sync="normal")
+    st.check_position(6)
+    st.check_position(8)
+    with pytest.raises(StateError) as ei:
+        st.check_position(5)
+    st.close(clean=True, seq=6)
+    assert ei.value.reason == "STATE_ROLLBACK"
+    assert ei.value.message.startswith(f"{d}: MANIFEST says at least 6 changes were acknowledged, but the state dir "
+                                       "holds only 5: acknowledged changes were lost")
+
+
+def test_a_database_header_that_lost_wal_mode_is_refused_before_sqlite_opens_it(tmp_path):
+    rng = np.random.default_rng(11)
+    d, _ = stopped(tmp_path, "s", rng)
+    data = bytearray((d / "state.db").read_bytes())
+    assert data[18:20] == b"\x02\x02"
+    data[18:20] = b"\x01\x01"
+    (d / "state.db").write_bytes(bytes(data))
+    err = refused(d)
+    assert err.reason == "STATE_DAMAGED"
+    assert err.message == (f"{d}: state.db: header says journal mode 1/1, not WAL (2/2): the header is damaged, and "
+                           "SQLite would ignore the write-ahead log and its commits: restore the state dir from a backup")
+
+
+def crashed_copy(tmp_path, rng, name, n=6):
+    """A state dir as kill -9 leaves it: files copied while the store is open (its log not checkpointed)."""
+    src = tmp_path / f"{name}-live"
+    st, es = started(src, rng, n)
+    d = tmp_path / name
+    d.mkdir()
+    for p in src.iterdir():
+        if p.is_file() and p.name not in ("lock", "state.db-shm"):
+            (d / p.name).write_bytes(p.read_bytes())
+    st.close(clean=True, seq=n)
+    return d, es
+
+
+def test_the_log_is_checked_before_sqlite_reads_it(tmp_path):
+    rng = np.random.default_rng(12)
+    d, es = crashed_copy(tmp_path, rng, "intact")
+    st = SqliteStore.open(d, sync="normal")
+    assert list(st.entries_after(0)) == es and st.torn_frames == 0
+    st.close(clean=True, seq=6)
+
+    d, es = crashed_copy(tmp_path, rng, "torn")
+    wal = d / "state.db-wal"
+    page = struct.unpack(">I", wal.read_bytes()[8:12])[0]
+    data = bytearray(wal.read_bytes())
+    frames = (len(data) - 32) // (24 + page)
+    assert frames >= 6
+    last = 32 + (frames - 1) * (24 + page)
+    data[last + 24:last + 24 + 64] = rng.bytes(64)            # the last commit's only frame, garbled: torn
+    wal.write_bytes(bytes(data))
+    st = SqliteStore.open(d, sync="normal")
+    assert st.torn_frames == 1
+    assert list(st.entries_after(0)) == es[:-1]
+    st.check_position(5)
+    assert len(st.notes) == 1 and st.notes[0].startswith("state.db-wal: the last 1 frames are an incomplete commit")
+    st.close(clean=True, seq=5)
+
+    d, _ = crashed_copy(tmp_path, rng, "damaged")
+    wal = d / "state.db-wal"
+    data = bytearray(wal.read_bytes())
+    mid = 32 + 2 * (24 + page)
+    data[mid + 24:mid + 24 + 64] = rng.bytes(64)               # frame 2 garbled, the frames after it intact
+    wal.write_bytes(bytes(data))
+    err = refused(d)
+    assert err.reason == "STATE_DAMAGED"
+    assert err.message.startswith(f"{d}: state.db-wal: frame 2 of {frames} fails its checksum but frame 3 after it "
+                                  "is intact")
+    assert err.message.endswith("restore the state dir from a backup; or, to accept losing those commits, move "
+                                "state.db-wal away and run `kvservice check-state DIR --repair` to accept the state "
+                                "dir as it is")
+    assert wal.read_bytes() == bytes(data)                      # a refused start leaves the log as it found it
