@@ -7,6 +7,7 @@ built here with struct and hashlib.
 
 import hashlib
 import struct
+import threading
 
 import numpy as np
 import pytest
@@ -32,19 +33,22 @@ def file_of(*records: tuple[int, bytes]) -> bytes:
 def test_advance_writes_each_record_in_its_parity_slot(tmp_path, sync):
     rng = np.random.default_rng(7 + sync)
     lin = int(rng.integers(1, 2**63)) * 2 + 1
-    path = tmp_path / "ACKED"
+    path = tmp_path / "ACKED-m28e-parity"                # a name no other test's writer thread carries
     m = AckMark(path, sync=sync)
     m.reset(lin, 10)
     assert path.read_bytes() == file_of((0, rec(lin, 10)), (512, rec(lin, 9)))
     assert m.found == Acked(lin, 10)
     for seq in range(11, 11 + int(rng.integers(3, 8))):
         m.advance(lin, seq)
-        m.flush()
-        data = path.read_bytes()
+        if sync:
+            m.flush()
+        data = path.read_bytes()                     # without sync: written in place before advance returns
         assert data[(seq & 1) * 512:(seq & 1) * 512 + 40] == rec(lin, seq)
         assert data[(1 - (seq & 1)) * 512:(1 - (seq & 1)) * 512 + 40] == rec(lin, seq - 1)
         assert data == file_of((0, data[:40]), (512, data[512:552]))           # nothing else written
     assert m.writes == seq - 10
+    writer = [t for t in threading.enumerate() if t.name == f"ackmark-{path.name}"]
+    assert len(writer) == sync                       # only a synced mark writes on a thread of its own
     m.close()
     m.close()                                           # twice: nothing left to do
     with pytest.raises(StateError, match="open read-only or closed"):

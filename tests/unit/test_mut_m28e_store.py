@@ -294,8 +294,9 @@ def test_each_witness_disagreement_is_refused_with_its_figures(tmp_path):
     set_meta(d, "format", "1")
     err = refused(d)
     assert err.reason == "STATE_FORMAT"
-    assert err.message.startswith(f"{d / 'state.db'}: state format 1 is not 2: format 1 (pickled snapshots) was "
-                                  "written by an older kvservice")
+    assert err.message == (f"{d / 'state.db'}: state format 1 is not 2: format 1 (pickled snapshots) was written "
+                           "by an older kvservice and is not read by this one; finish with the old release (drain its "
+                           "pools), then start this one on a fresh state dir")
     set_meta(d, "format", "7")
     err = refused(d)
     assert err.message == f"{d / 'state.db'}: state format 7 is not 2. restore the state dir from a backup"
@@ -346,7 +347,10 @@ def test_a_database_header_that_lost_wal_mode_is_refused_before_sqlite_opens_it(
     assert data[18:20] == b"\x02\x02"
     data[18:20] = b"\x01\x01"
     (d / "state.db").write_bytes(bytes(data))
+    with pytest.raises(StateError) as ei:
+        SqliteStore.open(d, readonly=True)                    # check-state of a stopped dir checks it too
     err = refused(d)
+    assert ei.value.message == err.message
     assert err.reason == "STATE_DAMAGED"
     assert err.message == (f"{d}: state.db: header says journal mode 1/1, not WAL (2/2): the header is damaged, and "
                            "SQLite would ignore the write-ahead log and its commits: restore the state dir from a backup")
@@ -385,7 +389,11 @@ def test_the_log_is_checked_before_sqlite_reads_it(tmp_path):
     assert st.torn_frames == 1
     assert list(st.entries_after(0)) == es[:-1]
     st.check_position(5)
-    assert len(st.notes) == 1 and st.notes[0].startswith("state.db-wal: the last 1 frames are an incomplete commit")
+    assert st.notes == ["state.db-wal: the last 1 frames are an incomplete commit (a write cut short by a crash, or a "
+                        "log cut in the middle of a frame); dropped. The recovered position 5 reaches the acknowledged "
+                        "high-water mark (0), so it was never acknowledged, unless the machine itself crashed (with "
+                        "--sync normal that can lose acknowledged commits)"]
+    assert not st.mark.sync
     st.close(clean=True, seq=5)
 
     d, _ = crashed_copy(tmp_path, rng, "damaged")

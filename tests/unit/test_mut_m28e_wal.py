@@ -285,3 +285,37 @@ def test_db_header_of_a_real_database_and_of_other_files(tmp_path):
     for name in ("short.db", "other.db"):
         assert db_header(tmp_path / name) == (0, f"{name} is not an SQLite database (header damaged or file "
                                                  "truncated)")
+
+
+def test_a_flip_the_checksum_cannot_place_names_every_candidate(tmp_path):
+    """Bit 31 of a word moves the checksum by 2^31 times its coefficient: words of the same parity look alike.
+
+    The candidates are found here by brute force: every single-bit flip of the frame, checksummed by the model."""
+    rng = np.random.default_rng(99)
+    log = Log(rng, page=PAGE)
+    log.add(0)
+    log.add(4)
+    frame = log.frames[1]
+    wi = int(rng.integers(10, PAGE // 4))
+    byte = 24 + 4 * wi + 3                                   # little-endian words: bit 31 lives in the last byte
+    bad = flip(frame, byte, 7)
+    log.frames[1] = bad
+    p = tmp_path / "x-wal"
+    log.write(p)
+    stored = struct.unpack(">2I", bad[16:24])
+    seed = struct.unpack(">2I", log.frames[0][16:24])
+    covered = bytearray(bad[:8] + bad[24:])
+    hits = []
+    for w in range(len(covered) // 4):
+        for b in range(32):
+            covered[4 * w + b // 8] ^= 1 << (b % 8)
+            if cksum(bytes(covered), seed, False) == stored:
+                hits.append((w, b))
+            covered[4 * w + b // 8] ^= 1 << (b % 8)
+    assert (2 + wi, 31) in hits and len(hits) > 4
+    w, b = hits[0]
+    others = ", ".join(f"bit {b2} of word {w2}" for w2, b2 in hits[1:4])
+    assert check_wal(p, PAGE).problem == (
+        f"x-wal: frame 1 of 2: one flipped bit (bit {b} of checksummed word {w}, or any of {len(hits) - 1} other "
+        f"places the checksum cannot tell apart: {others} and {len(hits) - 4} more); SQLite would drop it and the 0 "
+        "frames after it, commits included")
