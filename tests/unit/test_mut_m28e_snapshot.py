@@ -45,7 +45,7 @@ def model_runs(values: list[int], kind: str):
     step, starts = best
     if len(starts) * 16 * 4 > len(values) * 8:
         return None
-    ends = starts[1:] + [len(values)]
+    ends = [*starts[1:], len(values)]
     return step, [values[s] for s in starts], [e - s for s, e in zip(starts, ends, strict=True)]
 
 

@@ -183,7 +183,7 @@ def test_a_database_with_entries_but_no_manifest_or_acked_is_not_fresh(tmp_path)
     """Only a first start that stopped before writing anything (empty tables) may start empty again."""
     rng = np.random.default_rng(5)
     d = tmp_path / "s"
-    st, es = started(d, rng, 6)
+    st, _ = started(d, rng, 6)
     st.close(clean=False, seq=6)
     (d / "MANIFEST").unlink()
     (d / "ACKED").unlink()
@@ -353,7 +353,8 @@ def test_a_database_header_that_lost_wal_mode_is_refused_before_sqlite_opens_it(
     assert ei.value.message == err.message
     assert err.reason == "STATE_DAMAGED"
     assert err.message == (f"{d}: state.db: header says journal mode 1/1, not WAL (2/2): the header is damaged, and "
-                           "SQLite would ignore the write-ahead log and its commits: restore the state dir from a backup")
+                           "SQLite would ignore the write-ahead log and its commits: restore the state dir from a "
+                           "backup")
 
 
 def crashed_copy(tmp_path, rng, name, n=6):
