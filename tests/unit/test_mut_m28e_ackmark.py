@@ -118,8 +118,12 @@ def test_check_recovery_refuses_each_way_a_mark_can_disagree(tmp_path):
     err = ei.value
     where = f"{tmp_path / 'ok'}: the acknowledged high-water mark (ACKED)"
     assert err.reason == "STATE_ROLLBACK" and err.metadata == {"acknowledged": "6", "recovered": "5"}
-    assert err.message.startswith(f"{where} says position 6 was acknowledged, but the journal holds only 5 "
-                                  "(snapshot at 2, then 3 entries): acknowledged change 6 is lost")
+    assert err.message == (
+        f"{where} says position 6 was acknowledged, but the journal holds only 5 (snapshot at 2, then 3 entries): "
+        "acknowledged change 6 is lost (the tail of the journal was cut: a write-ahead log truncated or replaced by an "
+        "older copy, or storage that lost writes it had confirmed). Serving this state would roll its clients back. "
+        'Restore the state dir from a backup (see docs/DURABILITY.md, "Damaged state"), or run `kvservice '
+        "check-state DIR --repair` to accept the loss (the state then starts a new lineage)")
     with pytest.raises(StateError) as ei:
         check_recovery(st, 3, 1)
     assert "holds only 3 (snapshot at 1, then 2 entries): acknowledged changes 4..6 are lost" in ei.value.message

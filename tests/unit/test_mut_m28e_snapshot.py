@@ -280,11 +280,11 @@ def test_damaged_or_foreign_headers_are_named():
     (({"name": "pool/p/a", "dtype": "<i8", "shape": [2], "encoding": "raw"}, bytes(8)), ["8 bytes for shape (2,)"]),
     (({"name": "pool/p/a", "dtype": "<i8", "shape": [2], "encoding": "zip"}, bytes(16)), ["unknown encoding 'zip'"]),
     (({"name": "pool/p/a", "dtype": "<i8", "shape": [1], "encoding": "raw", "offset": 10**6}, bytes(8)),
-     ["past the end"]),
+     ["lies past the end of the file (truncated or damaged)"]),
     (({"name": "pool/p/a", "dtype": "<i8", "shape": [1], "encoding": "raw", "offset": -64}, bytes(8)),
-     ["past the end"]),
+     ["lies past the end of the file (truncated or damaged)"]),
     (({"name": "pool/p/a", "dtype": "<i8", "shape": [1], "encoding": "raw", "digest": "00" * 16}, bytes(8)),
-     ["fails its checksum"]),
+     ["fails its checksum (damaged)"]),
     (runs_entry("a", "<i8", 3, 2, [0], [3]), ["malformed runs"]),
     (runs_entry("a", "<i8", 3, 1, [0], [3], runs=2), ["malformed runs"]),
     (runs_entry("a", "<i8", 3, 1, [0], [3], shape=[3, 1]), ["malformed runs"]),
@@ -293,6 +293,14 @@ def test_damaged_or_foreign_headers_are_named():
 ])
 def test_a_damaged_array_is_named(entry, words):
     bad(make_blob([entry, *empty_window()]), "array", *words)
+
+
+def test_digest16_is_blake2b_128_of_the_parts_joined():
+    rng = np.random.default_rng(6)
+    parts = [rng.bytes(int(rng.integers(0, 90))) for _ in range(4)]
+    assert snap.digest16(*parts) == b2(b"".join(parts))
+    assert snap.digest16(memoryview(parts[0]), parts[1]) == b2(parts[0] + parts[1])
+    assert snap.digest16() == b2(b"")
 
 
 def test_inconsistent_window_offsets_are_a_malformed_header():

@@ -411,3 +411,13 @@ def test_the_log_is_checked_before_sqlite_reads_it(tmp_path):
                                 "state.db-wal away and run `kvservice check-state DIR --repair` to accept the state "
                                 "dir as it is")
     assert wal.read_bytes() == bytes(data)                      # a refused start leaves the log as it found it
+
+
+def test_a_read_only_open_of_a_dir_without_state_is_refused_and_creates_nothing(tmp_path):
+    d = tmp_path / "none"
+    d.mkdir()
+    with pytest.raises(StateError) as ei:
+        SqliteStore.open(d, readonly=True)
+    assert (ei.value.reason, ei.value.message) == (
+        "STATE_MISSING", f"{d}: no kvservice state here (state.db and MANIFEST are missing)")
+    assert list(d.iterdir()) == []
