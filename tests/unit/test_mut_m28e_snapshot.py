@@ -85,6 +85,11 @@ def sample_arrays(rng) -> dict[str, np.ndarray]:
         "big_endian": rng.integers(-2**31, 2**31, size=11, dtype=np.int32).astype(">i4"),
         "empty": np.zeros(0, dtype=np.int64),
         "u4": rng.integers(1, 2**32, size=9, dtype=np.uint64).astype(np.uint32),
+        # at the 4x threshold: 64 values (512 bytes) in 8 runs (8 * 16 * 4 = 512) are runs, in 9 runs raw
+        "edge_runs": np.concatenate([np.arange(8) + int(v) for v in rng.integers(-10**6, 10**6, size=8)]),
+        "edge_raw": np.concatenate([np.arange(k) + int(v) for k, v in
+                                    zip([8] * 7 + [4, 4], rng.integers(-10**6, 10**6, size=9), strict=True)]),
+        "one_short": np.arange(63, dtype=np.int64) * -1 + 5,
     }
 
 
@@ -150,6 +155,8 @@ def test_encode_writes_the_documented_layout_and_decode_reads_it_back():
             assert data == struct.pack(f"<{2 * len(starts)}q", *starts, *lengths)
     assert {e["encoding"] for e in h["arrays"]} == {"raw", "runs"}
     assert {entries[f"pool/p0/{k}"].get("step") for k in ("up", "down", "flat")} == {1, -1, 0}
+    assert [entries[f"pool/p0/{k}"]["encoding"] for k in ("edge_runs", "edge_raw", "one_short")] == \
+        ["runs", "raw", "raw"]
 
     s = snap.decode(blob, "here")
     assert (s.seq, s.incarnation, s.created, s.lineage) == (seq, inc, created, lineage)
@@ -235,15 +242,19 @@ def test_decode_expands_hand_written_runs():
         want = [s + step * i for s, k in zip(starts, lengths, strict=True) for i in range(k)]
         cases[name] = (dtype, want, runs_entry(name, dtype, len(want), step, starts, lengths))
     raw = rng.integers(-9, 9, size=(3, 4)).astype("<i8")
+    tail = rng.integers(-9, 9, size=8).astype("<i8")          # 64 bytes: ends exactly at the end of the file
     blob = make_blob([c[2] for c in cases.values()] +
                      [({"name": "pool/p/raw", "dtype": "<i8", "shape": [3, 4], "encoding": "raw"}, raw.tobytes())] +
-                     empty_window(), lineage=None)
+                     empty_window() +
+                     [({"name": "pool/p/tail", "dtype": "<i8", "shape": [8], "encoding": "raw"}, tail.tobytes())],
+                     lineage=None)
+    assert blob.endswith(tail.tobytes())
     s = snap.decode(blob)
     assert (s.seq, s.incarnation, s.created, s.lineage) == (11, 2, 3.5, 0)       # no lineage: 0
     got = s.pools["p"].arrays
     for name, (dtype, want, _) in cases.items():
         assert got[name].dtype == np.dtype(dtype) and got[name].tolist() == want, name
-    assert got["raw"].tolist() == raw.tolist()
+    assert got["raw"].tolist() == raw.tolist() and got["tail"].tolist() == tail.tolist()
     assert s.window == snap.WindowState([], [])
 
 
@@ -301,6 +312,17 @@ def test_digest16_is_blake2b_128_of_the_parts_joined():
     assert snap.digest16(*parts) == b2(b"".join(parts))
     assert snap.digest16(memoryview(parts[0]), parts[1]) == b2(parts[0] + parts[1])
     assert snap.digest16() == b2(b"")
+
+
+@pytest.mark.parametrize("part", ["ids", "replies"])
+def test_window_columns_of_different_lengths_are_a_malformed_header(part):
+    """One more request id than methods (or reply bodies): damage, never a silently shorter window."""
+    win = empty_window()
+    at = {e["name"]: i for i, (e, _) in enumerate(win)}
+    win[at[f"window/{part}/rid"]] = ({**win[at[f"window/{part}/rid"]][0], "shape": [1]}, b"a")
+    win[at[f"window/{part}/rid_offsets"]] = ({**win[at[f"window/{part}/rid_offsets"]][0], "shape": [2]},
+                                             struct.pack("<2q", 0, 1))
+    bad(make_blob(win), "malformed header", "ValueError")
 
 
 def test_inconsistent_window_offsets_are_a_malformed_header():

@@ -138,7 +138,8 @@ def test_write_snapshot_records_it_and_drops_what_it_covers(tmp_path):
     ro.close(clean=True, seq=9)
     assert ei.value.reason == "STATE_DAMAGED"
     assert f"{two.nbytes - 1} bytes, header digest" in ei.value.message
-    assert f"recorded {two.nbytes} bytes, {two.header_digest.hex()}" in ei.value.message
+    assert ei.value.message.endswith(f"recorded {two.nbytes} bytes, {two.header_digest.hex()}: truncated, damaged or "
+                                     "replaced. restore the state dir from a backup")
 
 
 def test_a_manifest_snapshot_the_database_lacks_is_refused(tmp_path):
