@@ -422,3 +422,17 @@ def test_a_read_only_open_of_a_dir_without_state_is_refused_and_creates_nothing(
     assert (ei.value.reason, ei.value.message) == (
         "STATE_MISSING", f"{d}: no kvservice state here (state.db and MANIFEST are missing)")
     assert list(d.iterdir()) == []
+
+
+def test_a_format_1_database_without_manifest_is_named_not_taken_for_a_first_start(tmp_path):
+    rng = np.random.default_rng(13)
+    d, _ = stopped(tmp_path, "s", rng)
+    for name in ("MANIFEST", "ACKED"):
+        (d / name).unlink()
+    set_meta(d, "format", "1")
+    err = refused(d)
+    assert (err.reason, err.message) == (
+        "STATE_FORMAT", f"{d / 'state.db'}: state format 1 (pickled snapshots) was written by an older kvservice and "
+        "is not read by this one: finish with the old release (drain its pools), then start this one on a fresh "
+        "state dir")
+    assert meta(d)["format"] == "1"
