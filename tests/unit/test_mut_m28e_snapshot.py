@@ -175,6 +175,7 @@ def test_window_arrays_are_packed_strings_with_offsets():
     window = sample_window(rng)
     blob = joined(snap.encode(1, 1, 0.0, {}, [], window, METHODS))
     h, base = parse(blob)
+    assert h["lineage"] == 0 and h["pools"] == {} and h["workers"] == []           # no lineage given: 0
 
     def arr(name):
         e = next(e for e in h["arrays"] if e["name"] == f"window/{name}")
@@ -325,9 +326,11 @@ def test_window_columns_of_different_lengths_are_a_malformed_header(part):
     bad(make_blob(win), "malformed header", "ValueError")
 
 
-def test_inconsistent_window_offsets_are_a_malformed_header():
+@pytest.mark.parametrize("offsets", [[1], [1, 1], [0, 2, 1], [0, 0]])
+def test_inconsistent_window_offsets_are_a_malformed_header(offsets):
     win = empty_window()
-    win[1] = ({**win[1][0]}, struct.pack("<q", 1))
+    win[0] = ({**win[0][0], "shape": [1]}, b"a")                          # one byte of request ids
+    win[1] = ({**win[1][0], "shape": [len(offsets)]}, struct.pack(f"<{len(offsets)}q", *offsets))
     bad(make_blob(win), "malformed header", "offsets are inconsistent")
 
 
@@ -352,6 +355,14 @@ def test_pool_plan_is_the_plan_the_pool_was_made_with():
     assert plan_key(snap.pool_plan(older)) == plan_key(pool.plan)
     wrong = {**st.meta, "max_seq_len": 1024}
     assert snap.pool_plan(wrong).max_seq_len == 1024
+
+
+def test_verify_pools_of_sound_live_pools_finds_nothing():
+    rng = np.random.default_rng(8)
+    pools = {"a": real_pool(rng), "b": real_pool(rng)}
+    assert snap.verify_pools(pools) == []
+    assert snap.verify_pools(pools, {"a"}) == []
+    assert snap.verify_pools(pools, set()) == []
 
 
 def test_build_pools_lists_every_problem_and_names_four():

@@ -76,6 +76,7 @@ def test_begin_writes_incarnation_lineage_manifest_and_acked(tmp_path):
     st, es = started(d, rng)
     lin = st.lineage
     assert lin and st.incarnation == 1
+    assert (st.notes, st.overridden, st.live, st.torn_frames) == ([], [], False, 0)
     assert meta(d) == {"format": "2", "incarnation": "1", "lineage": f"{lin:016x}"}
     m = manifest(d)
     assert (m["format"], m["incarnation"], m["running"], m["last_seq"], m["snapshot_seq"], m["lineage"],
@@ -138,8 +139,11 @@ def test_write_snapshot_records_it_and_drops_what_it_covers(tmp_path):
     ro.close(clean=True, seq=9)
     assert ei.value.reason == "STATE_DAMAGED"
     assert f"{two.nbytes - 1} bytes, header digest" in ei.value.message
-    assert ei.value.message.endswith(f"recorded {two.nbytes} bytes, {two.header_digest.hex()}: truncated, damaged or "
-                                     "replaced. restore the state dir from a backup")
+    got = f.read_bytes()
+    assert ei.value.message == (f"{f}: {two.nbytes - 1} bytes, header digest {got[16:32].hex()}; the database "
+                                f"recorded {two.nbytes} bytes, {two.header_digest.hex()}: truncated, damaged or "
+                                "replaced. restore the state dir from a backup")
+    assert got[16:32] == two.header_digest
 
 
 def test_a_manifest_snapshot_the_database_lacks_is_refused(tmp_path):
@@ -436,3 +440,16 @@ def test_a_format_1_database_without_manifest_is_named_not_taken_for_a_first_sta
         "is not read by this one: finish with the old release (drain its pools), then start this one on a fresh "
         "state dir")
     assert meta(d)["format"] == "1"
+
+
+def test_a_database_without_its_tables_is_refused(tmp_path):
+    rng = np.random.default_rng(14)
+    d, _ = stopped(tmp_path, "s", rng)
+    db = sqlite3.connect(d / "state.db")
+    db.execute("DROP TABLE snapshots")
+    db.commit()
+    db.close()
+    err = refused(d)
+    assert (err.reason, err.message) == (
+        "STATE_DAMAGED", f"{d / 'state.db'}: its tables cannot be read (no such table: snapshots); written by another "
+        "kvservice, or damaged. restore the state dir from a backup")
