@@ -212,3 +212,31 @@ def test_the_loop_thread_is_a_daemon_named_after_the_pool():
     pub.start()
     pub.stop()
     assert not pub._thread.is_alive()
+
+
+@pytest.mark.parametrize("token_ids", [True, False])
+def test_a_replay_from_before_the_ring_starts_with_a_reset_of_the_whole_cache(token_ids):
+    """Asked for batches the ring no longer holds, the replay answers one reset batch labelled with the head's
+    sequence: AllBlocksCleared, then BlockStored naming every cached page (its tokens, or none with token_ids
+    False), then the end marker."""
+    m = _manager()
+    m.events.ring_batches = 2
+    pub, dealer = _publisher(m, token_ids=token_ids)
+    try:
+        want = _admitted(m, 4)
+        _ask(pub, dealer, (1).to_bytes(8, "big"))
+        got = _answer(dealer)
+        assert [s for s, _ in got] == [(4).to_bytes(8, "big"), END] and got[-1][1] == b""
+        kv = module("0.33.0", "vllm.distributed.kv_events")
+        first, *stored = msgspec.msgpack.Decoder(kv.KVEventBatch).decode(got[0][1]).events
+        assert type(first).__name__ == "AllBlocksCleared" and stored
+        assert {type(e).__name__ for e in stored} == {"BlockStored"}
+        assert sum(len(e.block_hashes) for e in stored) == sum(len(t) // PS for t in want)
+        if token_ids:
+            pages = {tuple(e.token_ids[i:i + PS]) for e in stored for i in range(0, len(e.token_ids), PS)}
+            assert pages == {tuple(t[i:i + PS]) for t in want for i in range(0, len(t), PS)}
+        else:
+            assert all(e.token_ids == [] for e in stored)
+        assert m.events.logs["p"].counters["zmq-replay"].resets == 1
+    finally:
+        _close(pub, dealer)
