@@ -240,3 +240,22 @@ def test_a_replay_from_before_the_ring_starts_with_a_reset_of_the_whole_cache(to
         assert m.events.logs["p"].counters["zmq-replay"].resets == 1
     finally:
         _close(pub, dealer)
+
+
+def test_each_peer_has_its_own_replay_bucket():
+    """Burst 1, rate 0: a peer's second request is refused, another peer's (another routing id over inproc) is
+    still served."""
+    m = _manager()
+    pub, a = _publisher(m, replay_rate=0.0, replay_burst=1)
+    b = zmq.Context.instance().socket(zmq.DEALER)
+    b.setsockopt(zmq.RCVTIMEO, 3000)
+    b.connect(pub.bound_replay_endpoint)
+    try:
+        _admitted(m, 1)
+        for dealer, want in ((a, [1, -1]), (a, [-1]), (b, [1, -1])):
+            _ask(pub, dealer, (1).to_bytes(8, "big"))
+            assert [int.from_bytes(s, "big", signed=True) for s, _ in _answer(dealer)] == want
+        assert (pub.limiter.allowed, pub.limiter.refused) == (2, 1)
+    finally:
+        b.close(linger=0)
+        _close(pub, a)
