@@ -78,3 +78,47 @@ def test_a_curve_peer_is_its_client_key(tmp_path, client):
         dealer.close(linger=0)
         auth.stop()
         ctx.term()
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_default_limits_are_the_documented_ones():
+    """docs/operations.md: 2 requests/s and bursts of 10 per peer, 8 x that for all peers, 4,096 peers
+    remembered (numbers written out here, not read from the module)."""
+    from kvservice.events.zmq_guard import ReplayLimiter
+    clock = _Clock()
+    lim = ReplayLimiter(clock=clock)
+    assert [lim.allow(b"a") for _ in range(11)] == [True] * 10 + [False]
+    clock.now += 0.5                                                  # 2/s: one back
+    assert [lim.allow(b"a") for _ in range(2)] == [True, False]
+    clock.now += 100.0                                                # everything full again
+    got = [lim.allow(f"10.1.{i}".encode()) for i in range(200)]       # 200 peers: the shared 8 x 10 = 80 first
+    assert got.count(True) == 80 and got[:8] == [True] * 8 and not any(got[80:])
+    clock.now += 1.0                                                  # shared: 8 x 2 = 16 back
+    assert [lim.allow(f"10.2.{i}".encode()) for i in range(40)].count(True) == 16
+    assert (lim.allowed, lim.refused) == (10 + 1 + 80 + 16, 1 + 1 + 120 + 24)
+    for i in range(4100):                                             # each second: shared refilled
+        clock.now += 1.0
+        assert lim.allow(f"p{i}".encode())
+    assert len(lim._buckets) == 4096 and b"p3" not in lim._buckets and b"p4" in lim._buckets
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://0.0.0.0:5557", "tcp://10.1.2.3:*", "tcp://*:5557"])
+def test_a_remote_bind_is_refused_with_what_to_do(endpoint):
+    from kvservice.contract.errors import InvalidArgument
+    from kvservice.events.zmq_guard import check_bind
+    with pytest.raises(InvalidArgument) as err:
+        check_bind(endpoint, "--some-flag", False)
+    assert str(err.value) == (
+        f"--some-flag {endpoint} would bind a ZeroMQ socket reachable from other machines, and KV events carry "
+        "users' prompt tokens; bind a loopback address (tcp://127.0.0.1:PORT) or ipc://, or pass "
+        "--kv-events-allow-remote (with --kv-events-curve-secret and --kv-events-curve-clients to authenticate "
+        "subscribers, or --kv-events-no-token-ids to publish hashes only)")
+    check_bind(endpoint, "--some-flag", True)                          # asked for: no error
+    check_bind("tcp://127.0.0.1:5557", "--some-flag", False)
