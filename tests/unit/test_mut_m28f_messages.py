@@ -139,3 +139,18 @@ def test_an_empty_batch_is_one_message():
     (m,) = batch_to_protos(LoggedBatch(Batch(3, ()), 2.0, 0, {"reset_reason": "ahead of the log"}))
     assert (m.sequence, m.timestamp, len(m.events), m.more, m.reset, m.reset_reason) == \
         (3, 2.0, 0, False, False, "ahead of the log")
+
+
+@pytest.mark.parametrize(("kind", "field"), [("block_stored", "block_hashes"), ("block_stored", "token_ids"),
+                                             ("block_removed", "block_hashes")])
+def test_a_malformed_array_is_refused_naming_its_field(kind, field):
+    """proto_to_events on a message whose array holds 12 bytes of declared uint64 (not a whole item):
+    InvalidArgument naming the field."""
+    from kvservice.contract.errors import InvalidArgument
+    from kvservice.v1 import block_manager_pb2 as pb
+    rng = np.random.default_rng(5)
+    ev = event_to_proto(_stored(rng, 2, 4, 0, 0, None) if kind == "block_stored" else
+                        BlockRemoved(0, rng.integers(1, 2**63, 2, dtype=np.uint64)))
+    getattr(getattr(ev, kind), field).data = b"\x01" * 12
+    with pytest.raises(InvalidArgument, match=field):
+        proto_to_events(pb.KVEventBatch(sequence=1, events=[ev]))

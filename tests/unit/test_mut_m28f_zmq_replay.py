@@ -259,3 +259,21 @@ def test_each_peer_has_its_own_replay_bucket():
     finally:
         b.close(linger=0)
         _close(pub, a)
+
+
+def test_one_turn_serves_at_most_64_queued_requests():
+    """REPLAYS_PER_TURN (64): with 70 requests queued, a turn answers 64 (the live stream is not starved), the
+    next turn the other 6."""
+    m = _manager()
+    pub, dealer = _publisher(m, replay_burst=1000)
+    try:
+        for _ in range(69):
+            dealer.send_multipart([b"", (5).to_bytes(8, "big")])           # past the head: the end marker alone
+        _ask(pub, dealer, (5).to_bytes(8, "big"))
+        assert pub.replays == 64
+        pub._step()
+        assert pub.replays == 70
+        assert [_answer(dealer) for _ in range(70)] == [[(END, b"")]] * 70
+        assert not dealer.poll(0)
+    finally:
+        _close(pub, dealer)
