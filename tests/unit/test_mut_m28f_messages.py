@@ -152,5 +152,5 @@ def test_a_malformed_array_is_refused_naming_its_field(kind, field):
     ev = event_to_proto(_stored(rng, 2, 4, 0, 0, None) if kind == "block_stored" else
                         BlockRemoved(0, rng.integers(1, 2**63, 2, dtype=np.uint64)))
     getattr(getattr(ev, kind), field).data = b"\x01" * 12
-    with pytest.raises(InvalidArgument, match=field):
+    with pytest.raises(InvalidArgument, match=rf"\b{field}\b"):
         proto_to_events(pb.KVEventBatch(sequence=1, events=[ev]))
