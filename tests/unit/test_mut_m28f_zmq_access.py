@@ -83,3 +83,23 @@ def test_a_remote_bind_names_its_flag_and_endpoint(cfg, flag, endpoint):
     assert str(err.value).startswith(f"{flag} {endpoint} would bind a ZeroMQ socket reachable from other machines")
     check_access(ZmqConfig(**{**{f: getattr(cfg, f) for f in ("pool", "endpoint", "replay_endpoint", "mode")},
                               "allow_remote": True}))
+
+
+def test_a_clients_dir_without_public_keys_is_refused_with_what_to_copy(certs, tmp_path):
+    _, secret_file, _ = certs
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for d in (str(empty), str(tmp_path / "absent")):
+        with pytest.raises(InvalidArgument) as err:
+            CurveKeys.load(secret_file, d)
+        assert str(err.value) == (f"--kv-events-curve-clients {d}: a directory with at least one client public key "
+                                  "(*.key) is needed; copy each subscriber's NAME.key there")
+
+
+@pytest.mark.parametrize(("rate", "burst"), [(-0.5, 3), (1.0, 0), (-1.0, -2)])
+def test_bad_replay_limits_are_refused_with_both_values(rate, burst):
+    from kvservice.events.zmq_guard import ReplayLimiter
+    with pytest.raises(InvalidArgument) as err:
+        ReplayLimiter(rate, burst)
+    assert str(err.value) == (f"--kv-events-replay-rate must be >= 0 and --kv-events-replay-burst >= 1, got {rate} "
+                              f"and {burst}")

@@ -73,6 +73,9 @@ def test_publishers_of_one_pool_each_send_their_own_encoding():
             assert stored.medium == kw.get("medium", "GPU") and stored.block_size == PS
             assert stored.token_ids == (tokens[:2 * PS].tolist() if kw.get("token_ids", True) else [])
             assert len(stored.block_hashes) == 2
+            assert (stored.lora_id, stored.parent_block_hash) == (None, None)
+            if fmt == "vllm-0.33":                              # no LoRA: null on the wire, as vLLM sends it
+                assert (stored.lora_name, stored.extra_keys, stored.kv_cache_spec_sliding_window) == (None, None, None)
             assert hasattr(stored, "group_idx") is (fmt == "vllm-0.33")
     finally:
         for s in subs:

@@ -277,3 +277,21 @@ def test_one_turn_serves_at_most_64_queued_requests():
         assert not dealer.poll(0)
     finally:
         _close(pub, dealer)
+
+
+def test_refusals_are_logged_once_per_hundred(caplog):
+    """Rate 0, burst 1: the 1st and 101st refusals are logged (with the count so far), the others are not."""
+    m = _manager()
+    pub, dealer = _publisher(m, replay_rate=0.0, replay_burst=1)
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvservice.events"):
+            for _ in range(102):
+                dealer.send_multipart([b"", (1).to_bytes(8, "big")])
+            _ask(pub, dealer, (1).to_bytes(8, "big"))
+            pub._step()
+        assert (pub.replays, pub.limiter.refused) == (1, 102)
+        assert [r.getMessage() for r in caplog.records if "refused" in r.getMessage()] == [
+            f"kv events of pool 'p': replay request refused (over --kv-events-replay-rate; {n} refused so far)"
+            for n in (1, 101)]
+    finally:
+        _close(pub, dealer)
