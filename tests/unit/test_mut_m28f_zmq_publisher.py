@@ -111,6 +111,8 @@ def test_sockets_bound_off_loopback_are_warned_about_with_what_to_do(caplog):
         pub = ZmqPublisher(m.events, ZmqConfig("p", "tcp://192.0.2.1:5557", mode="connect",
                                                replay_endpoint="tcp://0.0.0.0:*", allow_remote=True))
     try:
+        assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("kv events of pool 'p' (")] == [
+            "kv events of pool 'p' (vllm-0.33): PUB connecting to tcp://192.0.2.1:5557, topic '', plaintext"]
         assert _remote_lines(caplog) == [
             f"kv events of pool 'p': {pub.bound_replay_endpoint} reachable from other machines "
             "(--kv-events-allow-remote); anyone who reaches them reads the pool's cache; use --kv-events-curve-*"]
