@@ -196,3 +196,49 @@ def test_the_registry_lists_a_pools_workers_or_all_sorted_by_id():
     api = ManagerAPI(api_m)
     assert [w.worker_id for w in api.ListWorkers(pb.ListWorkersRequest()).workers] == ["a", "b", "c"]
     assert [w.worker_id for w in api.ListWorkers(pb.ListWorkersRequest(pool="x")).workers] == ["b", "c"]
+
+
+def test_delete_pool_refuses_live_sequences_then_forgets_the_pool_and_its_workers():
+    m = BlockManager()
+    api = ManagerAPI(m)
+    for name in ("a", "b"):
+        m.create_pool(name, SPEC, Sizing(num_slots=8, max_seq_len=32), prefix_caching=True, incarnation=3)
+    m.register_worker("wa", "a")
+    m.register_worker("wb", "b")
+    api.Step(pb.StepRequest(pool="a", admit_seq_ids=_u64([5]), admit_num_tokens=_i64([6])))
+    with pytest.raises(KVError) as e:
+        api.DeletePool(pb.DeletePoolRequest(pool="a"))
+    assert e.value.reason == "FAILED_PRECONDITION"
+    assert m.pool_names() == ["a", "b"] and m.incarnations() == {"a": 3, "b": 3}
+    assert [w.worker_id for w in m.workers.workers()] == ["wa", "wb"]
+    api.DeletePool(pb.DeletePoolRequest(pool="a", force=True))
+    assert m.pool_names() == ["b"] and m.incarnations() == {"b": 3}
+    assert [w.worker_id for w in m.workers.workers()] == ["wb"]
+    assert [p.name for p in api.ListPools(pb.ListPoolsRequest()).pools] == ["b"]
+    with pytest.raises(NotFound):
+        api.DeletePool(pb.DeletePoolRequest(pool="a"))
+    m.register_worker("wa", "b")                          # its worker_id is free again
+
+
+def test_prefix_cache_hits_in_pool_stats_are_the_pages_admissions_found():
+    rng = np.random.default_rng(53)
+    m = BlockManager()
+    m.create_pool("p", SPEC, Sizing(num_slots=2000, max_seq_len=400), prefix_caching=True)
+    api = ManagerAPI(m)
+    family = rng.integers(1, 10_000, 80)
+    seen: set = set()
+    hits = 0
+    for i in range(1, 25):
+        prompt = np.concatenate((family[:int(rng.integers(1, 80))], rng.integers(1, 10_000, int(rng.integers(0, 7)))))
+        pages = [tuple(prompt[j * PS:(j + 1) * PS]) for j in range(len(prompt) // PS)]
+        found = 0
+        while found < (len(prompt) - 1) // PS and tuple(pages[:found + 1]) in seen:
+            found += 1
+        seen.update(tuple(pages[:j]) for j in range(1, len(pages) + 1))
+        hits += found
+        reply = api.Step(pb.StepRequest(pool="p", admit_seq_ids=_u64([i]), admit_num_tokens=_i64([len(prompt)]),
+                                        admit_token_ids=_i64(prompt)))
+        assert np.frombuffer(reply.admit_cached_tokens.data, np.int64).tolist() == [found * PS]
+        s = api.GetStats(pb.GetStatsRequest()).pools["p"]
+        assert s.prefix_caching and s.prefix_cache_hits == hits and s.admitted == i and s.steps == i
+    assert hits > 30
