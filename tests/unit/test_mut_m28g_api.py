@@ -242,3 +242,64 @@ def test_prefix_cache_hits_in_pool_stats_are_the_pages_admissions_found():
         s = api.GetStats(pb.GetStatsRequest()).pools["p"]
         assert s.prefix_caching and s.prefix_cache_hits == hits and s.admitted == i and s.steps == i
     assert hits > 30
+
+
+def test_list_sequences_is_the_live_rows_by_id_with_their_slots():
+    rng = np.random.default_rng(61)
+    m = BlockManager()
+    m.create_pool("p", SPEC, Sizing(num_slots=400, max_seq_len=200))
+    ids = np.unique(rng.integers(1, 10**12, 40))[:12]
+    rng.shuffle(ids)
+    toks = rng.integers(1, 60, 12)
+    ManagerAPI(m).Step(pb.StepRequest(pool="p", admit_seq_ids=_u64(ids), admit_num_tokens=_i64(toks)))
+    model = sorted(zip(ids.tolist(), toks.tolist(), strict=True))
+    per_seq = 36 + 11 * 1                                     # SequenceInfo bytes at most, one layer group
+    cases = [(0, 0, True), (0, 7, True)]
+    for limit_bytes in (64 + 5 * per_seq, 64 + 6 * per_seq - 1):      # room for 5 rows, not 6: 64 framing
+        cases += [(limit_bytes, 5, True), (limit_bytes, 4, True), (limit_bytes, 6, False), (limit_bytes, 0, False)]
+    for max_bytes, limit, ok in cases:
+        api = ManagerAPI(m, max_reply_bytes=max_bytes)
+        req = pb.ListSequencesRequest(pool="p", limit=limit)
+        if not ok:
+            with pytest.raises(ResourceExhausted) as e:
+                api.ListSequences(req)
+            assert e.value.reason == "REPLY_TOO_LARGE" and e.value.metadata["fits"] == "5"
+            continue
+        reply = api.ListSequences(req)
+        rows = model[:limit] if limit else model
+        assert reply.total == 12
+        assert [(s.seq_id, s.num_tokens, s.num_slots, list(s.num_slots_per_group)) for s in reply.sequences] == \
+            [(i, n, _pages(n), [_pages(n)]) for i, n in rows]
+
+
+def test_register_checks_backend_tensor_parallel_rank_and_id():
+    reg = WorkerRegistry(lease_seconds=5.0, clock=lambda: 1.0)
+    n = 0
+    for tp_size in (0, 1, 2, 4):
+        for tp_rank in range(0, 6):
+            n += 1
+            if tp_rank < (tp_size or 1):
+                rec = reg.register(f"w{n}", "p", 2, tp_rank=tp_rank, tp_size=tp_size, backend="cuda")
+                assert (rec.tp_rank, rec.tp_size, rec.backend, rec.epoch) == (tp_rank, tp_size or 1, "cuda", 1)
+            else:
+                with pytest.raises(InvalidArgument):
+                    reg.register(f"w{n}", "p", 2, tp_rank=tp_rank, tp_size=tp_size)
+    for bad in ("", "a b", "x" * 129, "w\n", "w/1"):
+        with pytest.raises(InvalidArgument):
+            reg.register(bad, "p", 2)
+    with pytest.raises(InvalidArgument):
+        reg.register("ok", "p", 2, backend="tpu")
+    assert reg.register("x" * 128, "p", 2).epoch == 1 and reg.register("x" * 128, "p", 2).epoch == 2
+
+
+def test_heartbeat_and_register_replies_carry_the_lease():
+    m = BlockManager(lease_seconds=7.5)
+    m.create_pool("p", SPEC, Sizing(num_slots=8, max_seq_len=32), incarnation=12)
+    api = ManagerAPI(m)
+    r = api.RegisterWorker(pb.RegisterWorkerRequest(worker_id="w", pool="p", layer_end=1, address="h:1",
+                                                    backend="cpu"))
+    assert (r.epoch, r.lease_seconds, r.pool.name, r.pool.incarnation) == (1, 7.5, "p", 12)
+    assert api.Heartbeat(pb.HeartbeatRequest(worker_id="w", epoch=1, pool="p", incarnation=12)).lease_seconds == 7.5
+    (w,) = api.ListWorkers(pb.ListWorkersRequest(pool="p")).workers
+    assert (w.worker_id, w.layer_begin, w.layer_end, w.address, w.epoch, w.alive, w.incarnation) == \
+        ("w", 0, 1, "h:1", 1, True, 12)
