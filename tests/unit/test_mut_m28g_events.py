@@ -162,3 +162,47 @@ def test_each_tenant_holds_at_most_its_cap_of_watchers():
         hub.subscribe("p", None, "t", tenant="dave")
     assert e.value.metadata["limit"] == "5" and e.value.metadata["held"] == "0"
     assert len(b) == 2
+
+
+def test_the_ring_keeps_the_newest_batches_within_its_bounds_and_never_drops_an_uncommitted_one():
+    rng = np.random.default_rng(77)
+    for max_batches, max_bytes in ((4, 1 << 40), (1000, 300), (3, 200), (1, 1)):
+        log = EventLog("p", 10, max_batches, max_bytes)
+        kept: list[tuple[int, int]] = []                    # (seq, nbytes), the model's ring
+        committed = head = 10
+        for seq in range(11, 80):
+            nb = int(rng.integers(0, 120))
+            log.append(LoggedBatch(ev.Batch(seq, ()), 0.0, nb))
+            kept.append((seq, nb))
+            head = seq
+            while len(kept) > 1 and (len(kept) > max_batches or sum(b for _, b in kept) > max_bytes) \
+                    and kept[0][0] <= committed:            # trimmed as a batch comes, of committed ones only
+                kept.pop(0)
+            if rng.random() < 0.6:
+                committed = int(rng.integers(committed, head + 1))
+                log.commit(committed)
+            assert [lb.seq for lb in log.batches] == [s for s, _ in kept]
+            assert log.bytes == sum(b for _, b in kept) and log.head == head and log.committed == committed
+            assert log.oldest == kept[0][0]
+    log = EventLog("p", 0, 8, 1 << 20)
+    log.append(LoggedBatch(ev.Batch(1, ()), 0.0, 5))
+    log.append(LoggedBatch(ev.Batch(7, ()), 0.0, 9))           # not the next number: the ring starts anew
+    assert [lb.seq for lb in log.batches] == [7] and (log.head, log.committed, log.bytes) == (7, 6, 9)
+    assert EventLog("q", 4, 8, 8).oldest == 5                    # empty: committed + 1
+
+
+def test_lag_and_heavy_follow_the_subscribers_position():
+    m = _manager()
+    w = Workload(np.random.default_rng(13))
+    pool = _steps(m, w, 20)
+    head = pool.events.seq
+    assert head >= 6
+    sub = m.events.subscribe("p", 3, "t")
+    assert sub.lag == head - 2
+    assert sub.heavy(live_from=3) and not sub.heavy(live_from=2)
+    got = sub.poll(0, max_batches=2)
+    assert [lb.seq for lb in got] == [3, 4], [lb.seq for lb in got]
+    assert sub.next_seq == 5 and sub.lag == head - 4
+    ahead = m.events.subscribe("p", head + 5, "t")
+    assert ahead.lag == 0 and ahead.heavy(live_from=0)          # ahead of the log: a reset comes
+    assert m.events.pool_seq("p") == head
