@@ -84,7 +84,7 @@ def test_counters_of_a_transport_add_up_what_its_subscribers_were_handed():
     assert log.counter("grpc") is log.counter("grpc")      # one Counters per transport, kept
     sent = {"grpc": 0, "zmq": 0}
     resets = {"grpc": 0, "zmq": 0}
-    for rnd in range(5):
+    for _ in range(5):
         for sub in (first, other):
             got = sub.poll(0, max_batches=2) or []
             sent[sub.transport] += len(got)

@@ -6,12 +6,21 @@ are checked whole: every PrefixScore field, in order, with live workers."""
 import numpy as np
 import pytest
 
-from kvservice.contract.errors import InvalidArgument
+from kvservice.contract.errors import InvalidArgument, NotFound
 from kvservice.contract.geometry import CacheSpec
 from kvservice.contract.sizing import Sizing
+from kvservice.contract.wire import to_tensor
 from kvservice.core.hashing import page_hashes
 from kvservice.manager.pools import BlockManager
-from kvservice.manager.routing import PrefixScore, score_prefix, score_prefix_per_pool
+from kvservice.manager.routing import (
+    MAX_SCORE_TOKENS,
+    PrefixScore,
+    score_prefix,
+    score_prefix_per_pool,
+    score_prefix_reply,
+)
+from kvservice.manager.workers import WorkerRegistry
+from kvservice.v1 import block_manager_pb2 as pb
 
 PS = 4
 SPEC = CacheSpec.uniform(1, 1, 64, page_size=PS)
@@ -52,6 +61,10 @@ def world():
     m.pool_and_lock("wrapped")[0].prefix.hash_fn = \
         lambda pages, col, starts, full, ns: page_hashes(pages, col, starts, full, ns)
     m.create_pool("plain", SPEC, Sizing(num_slots=64, max_seq_len=256), model="llm-a")
+    now = [0.0]
+    m.workers = WorkerRegistry(10.0, clock=lambda: now[0])      # an injected clock: leases lapse on demand
+    m.register_worker("w-0", "direct", address="10.0.0.9:1")     # lapses below: dead workers are not listed
+    now[0] = 20.0
     m.register_worker("w-2", "direct", address="10.0.0.2:1")
     m.register_worker("w-1", "direct", address="10.0.0.1:1")
     m.register_worker("w-3", "plain", address="10.0.0.3:1")
@@ -131,3 +144,44 @@ def test_a_prompt_that_is_not_one_dimensional_integers_is_refused(world):
             score_prefix(m, bad)
         with pytest.raises(InvalidArgument):
             score_prefix_per_pool(m, bad)
+
+
+def test_the_reply_encodes_every_score_and_readable_limits_the_pools(world):
+    m, families, models = world
+    rng = np.random.default_rng(8)
+    for q, salt in _queries(rng, families)[:10]:
+        for dtype in (np.int32, np.int64):
+            req = pb.ScorePrefixRequest(token_ids=to_tensor(q.astype(dtype)), cache_salt=salt)
+            reply = score_prefix_reply(m, req)
+            assert reply.num_tokens == len(q)
+            got = [(s.pool, s.cached_tokens, s.cached_pages, s.page_size, s.prefix_caching, list(s.worker_ids),
+                    list(s.worker_addresses)) for s in reply.scores]
+            want = [(s.pool, s.cached_tokens, s.cached_tokens // PS, PS, s.prefix_caching, [w for w, _ in s.workers],
+                     [a for _, a in s.workers]) for s in _want(models, q, salt, ["direct", "plain", "wrapped"])]
+            assert got == want
+        readable = frozenset({"wrapped", "plain"})
+        want = _want(models, q, salt, ["plain", "wrapped"])
+        assert score_prefix(m, q, salt, readable=readable) == want
+        assert score_prefix_per_pool(m, q, salt, readable=readable) == want
+        for fn in (score_prefix, score_prefix_per_pool):
+            with pytest.raises(NotFound):
+                fn(m, q, salt, pools=["direct"], readable=readable)
+            with pytest.raises(NotFound):
+                fn(m, q, salt, pools=["nope"])
+
+
+def test_prompts_up_to_the_token_limit_are_scored_and_longer_ones_refused():
+    m = BlockManager()                       # no pools: the limit alone is under test
+    ok = np.ones(MAX_SCORE_TOKENS, dtype=np.int32)
+    assert score_prefix(m, ok) == [] and score_prefix_per_pool(m, ok) == []
+    assert score_prefix_reply(m, pb.ScorePrefixRequest(token_ids=to_tensor(ok))).num_tokens == MAX_SCORE_TOKENS
+    over = np.ones(MAX_SCORE_TOKENS + 1, dtype=np.int32)
+    for call in (lambda: score_prefix(m, over), lambda: score_prefix_per_pool(m, over),
+                 lambda: score_prefix_reply(m, pb.ScorePrefixRequest(token_ids=to_tensor(over)))):
+        with pytest.raises(InvalidArgument) as e:
+            call()
+        assert e.value.reason == "LIMIT_EXCEEDED"
+    with pytest.raises(InvalidArgument):
+        score_prefix_reply(m, pb.ScorePrefixRequest())
+    with pytest.raises(InvalidArgument):
+        score_prefix_reply(m, pb.ScorePrefixRequest(token_ids=to_tensor(np.ones(4, dtype=np.float32))))
