@@ -303,3 +303,40 @@ def test_heartbeat_and_register_replies_carry_the_lease():
     (w,) = api.ListWorkers(pb.ListWorkersRequest(pool="p")).workers
     assert (w.worker_id, w.layer_begin, w.layer_end, w.address, w.epoch, w.alive, w.incarnation) == \
         ("w", 0, 1, "h:1", 1, True, 12)
+
+
+def test_every_reply_fits_the_bound_reserved_for_it_and_an_oversized_step_changes_nothing():
+    rng = np.random.default_rng(71)
+    m = BlockManager()
+    m.create_pool("p", SPEC, Sizing(num_slots=SLOTS, max_seq_len=SLOTS * PS))
+    api = ManagerAPI(m, max_reply_bytes=1 << 20)
+    reserved: list[int] = []
+    api.reserve_reply = reserved.append
+    live: dict[int, int] = {}
+    next_id = 1
+    for _ in range(60):
+        r, free, ext, adm = _random_request(rng, live, next_id)
+        r.omit_tables = bool(rng.random() < 0.3)
+        r.include_block_table = bool(rng.random() < 0.3)
+        n = len(reserved)
+        try:
+            reply = api.Step(r)
+        except ResourceExhausted:
+            continue
+        assert len(reserved) == n + 1 and reply.ByteSize() <= reserved[-1]
+        live = {i: k for i, k in live.items() if i not in free}
+        for i, k in ext.items():
+            live[i] += k
+        live.update(adm)
+        next_id += len(adm)
+    assert len(reserved) > 30
+    small = ManagerAPI(m, max_reply_bytes=200)
+    with m.locked("p") as pool:
+        before = [a.tolist() for a in pool.sequences()], pool.steps
+    big = pb.StepRequest(pool="p", admit_seq_ids=_u64(range(10**6, 10**6 + 30)), admit_num_tokens=_i64([4] * 30))
+    with pytest.raises(ResourceExhausted) as e:
+        small.Step(big)
+    assert e.value.reason == "REPLY_TOO_LARGE" and e.value.metadata["limit"] == "200"
+    assert int(e.value.metadata["reply_bytes"]) > 200
+    with m.locked("p") as pool:
+        assert ([a.tolist() for a in pool.sequences()], pool.steps) == before
