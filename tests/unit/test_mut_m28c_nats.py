@@ -39,7 +39,7 @@ from kvservice.state.nats.leader import KEY, Holder, Lease, LeaseConfig
 from kvservice.state.nats.link import NatsLink
 
 from ..natsutil import free_ports, require_nats_server
-from .test_nats_store import call, link, server  # noqa: F401  (fixtures)
+from .test_nats_store import call, link  # noqa: F401  (fixtures)
 
 
 def _responder(lk, subject: str, headers: dict[str, str] | None, data: bytes):
@@ -573,12 +573,12 @@ def test_a_message_that_is_not_a_readable_entry_stops_the_read_naming_it(link, h
 
 
 # ---- the link (kvservice/state/nats/link.py) --------------------------------------------------------------------
-def test_a_link_reports_the_servers_version_and_warns_only_when_it_is_not_the_tested_one(server, monkeypatch,  # noqa: F811
+def test_a_link_reports_the_servers_version_and_warns_only_when_it_is_not_the_tested_one(nats1, monkeypatch,
                                                                                          caplog):
     from ..natsutil import server_version
 
     binary = require_nats_server()
-    c = NatsConfig(tuple(server.urls), name="v" + uuid.uuid4().hex[:10])
+    c = NatsConfig(tuple(nats1.urls), name="v" + uuid.uuid4().hex[:10])
     with caplog.at_level(logging.WARNING, logger="kvservice.nats"):
         lk = NatsLink(c)
         lk.close()
