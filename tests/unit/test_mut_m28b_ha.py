@@ -16,20 +16,6 @@ from prometheus_client import CollectorRegistry, generate_latest
 from kvservice.state.journal import JournalConfig
 
 
-@pytest.fixture(scope="module")
-def nats1(tmp_path_factory):
-    from ..natsutil import NatsCluster, free_ports, require_nats_server
-    require_nats_server()
-    cluster = NatsCluster(tmp_path_factory.mktemp("nats1"), 1)
-    (port,) = free_ports(1)
-    node = cluster.nodes[0]
-    node.conf.write_text(node.conf.read_text() + f"http: 127.0.0.1:{port}\n")     # /connz: connection names
-    cluster.monitor = f"http://127.0.0.1:{port}"
-    cluster.start()
-    yield cluster
-    cluster.stop()
-
-
 def _controller(nats1, epoch: int):
     from kvservice.server.ha import HAController, LeaderGate, open_sole_writer
     from kvservice.state.nats.journal import NatsConfig
