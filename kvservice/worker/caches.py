@@ -51,6 +51,9 @@ class CacheSet:
         self.spec = spec
         self.geometry = Geometry(spec, num_slots)
         self.max_seq_len = max_seq_len or self.geometry.num_slots * spec.page_size
+        if not 0 <= layer_begin <= layer_end <= len(spec.layers):
+            raise ValueError(f"layers [{layer_begin}, {layer_end}) are not a range of this pool's {len(spec.layers)} "
+                             "layers: serve layers [b, e) with 0 <= b <= e <= the pool's layer count")
         self.layer_begin, self.layer_end = layer_begin, layer_end
         self.ops, self.xp, self.guard_bytes = ops, xp, guard_bytes
         geo = self.geometry
