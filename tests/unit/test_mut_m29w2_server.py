@@ -1,0 +1,216 @@
+"""A worker started by serve_worker against an in-process manager that leads a replicated deployment (its real
+LeaderGate, promoted to a random epoch: every reply stamped as docs/HA.md says): what it registers (checked against
+the machine's own facts and the address it really answers on), the line it logs, its leader-epoch fence and metrics
+port, its test hooks, its heartbeat's request and deadline (seen by the manager's server), and its heartbeat loop
+when the pool comes back with fewer layers than the worker serves."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvservice.client.client import BlockManagerClient
+from kvservice.contract.geometry import CacheSpec
+from kvservice.contract.sizing import Sizing
+from kvservice.contract.transport import EPOCH_METADATA
+from kvservice.contract.wire import to_tensor
+from kvservice.v1 import block_manager_pb2 as pb
+from kvservice.v1 import worker_pb2 as wpb
+from kvservice.v1 import worker_pb2_grpc as wpb_grpc
+
+PS, SLOTS, LAYERS, HEADS, DIM = 4, 200, 3, 2, 64
+
+
+class HeartbeatTap(grpc.ServerInterceptor):
+    """Records each Heartbeat request the manager's server receives and the deadline it has left."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[pb.HeartbeatRequest, float | None]] = []
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None or not details.method.endswith("/Heartbeat"):
+            return handler
+        inner = handler.unary_unary
+
+        def tapped(request, context):
+            self.seen.append((request, context.time_remaining()))
+            return inner(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(tapped, request_deserializer=handler.request_deserializer,
+                                                   response_serializer=handler.response_serializer)
+
+
+@pytest.fixture
+def led(caplog):
+    """(manager client, worker, leader epoch, heartbeat tap, caplog): a manager (lease 600 s: the worker's own
+    heartbeat thread stays idle) leading at a random epoch, pool "p" of 3 layers, and a worker of layers [1, 3)
+    listening on IPv6 loopback with a metrics port and test hooks."""
+    from kvservice.server.app import serve
+    from kvservice.server.leader_gate import LeaderGate
+    from kvservice.worker.server import serve_worker
+
+    epoch = int(np.random.default_rng().integers(2, 10**6))
+    gate, tap = LeaderGate(), HeartbeatTap()
+    gate.promote(epoch)
+    running = serve(lease_seconds=600, interceptors=[gate, tap])
+    target = f"127.0.0.1:{running.port}"
+    client = BlockManagerClient(target, timeout=60, retries=0)
+    client.create_pool("p", CacheSpec.uniform(LAYERS, HEADS, DIM, "float32", PS),
+                       Sizing(num_slots=SLOTS, max_seq_len=64))
+    with caplog.at_level(logging.INFO, logger="kvworker"):
+        worker = serve_worker(target, "p", "w-3", layer_begin=1, layer_end=3, listen="[::1]:0", metrics_port=0,
+                              test_hooks=True)
+    try:
+        yield client, worker, epoch, tap, caplog
+    finally:
+        worker.stop()
+        client.close()
+        running.stop()
+
+
+def test_a_worker_registers_what_it_serves_where_it_answers_and_logs_it(led):
+    """The manager's record of the worker: its id, layers, no tensor parallelism, backend, this machine's CPU name
+    and memory (/proc/cpuinfo, /proc/meminfo), the pool's incarnation, the epoch it was given, and an address
+    built from the IPv6 listen host and the bound port on which the worker really answers; the start line gives
+    the same facts and the cache size hand-computed (2 layers x slots x K and V float32 pages) in MiB."""
+    client, worker, _, _, caplog = led
+    (rec,) = client.workers("p")
+    with open("/proc/cpuinfo") as f:
+        names = [ln.partition(":")[2].strip() for ln in f if ln.startswith("model name")]
+    with open("/proc/meminfo") as f:
+        total_kb = next(int(ln.split()[1]) for ln in f if ln.startswith("MemTotal:"))
+    assert (rec.worker_id, rec.pool, rec.layer_begin, rec.layer_end, rec.tp_rank, rec.tp_size, rec.backend) == \
+        ("w-3", "p", 1, 3, 0, 1, "cpu")
+    assert rec.device_name == (names[0] if names else "cpu")
+    assert rec.device_memory_bytes >= total_kb * 1024 > 0 and rec.device_memory_bytes % 4096 == 0
+    assert rec.incarnation == client.get_pool("p").incarnation == worker.identity["incarnation"]
+    assert rec.epoch == worker.identity["epoch"] > 0
+    assert rec.address == f"[::1]:{worker.port}"
+    with grpc.insecure_channel(rec.address) as ch:
+        info = wpb_grpc.WorkerStub(ch).Info(wpb.WorkerInfoRequest(), timeout=30)
+    cache_bytes = 2 * SLOTS * (2 * PS * HEADS * DIM * 4)
+    assert (info.worker_id, info.layer_begin, info.layer_end, info.cache_bytes) == ("w-3", 1, 3, cache_bytes)
+    lines = [r.getMessage() for r in caplog.get_records("setup") if r.name == "kvworker" and r.levelno == logging.INFO]
+    assert f"worker w-3 serving layers [1, 3) of pool p on port {worker.port} (epoch {rec.epoch}, cpu, " \
+           f"{cache_bytes / 2**20:.1f} MiB cache)" in lines, lines
+    assert f"{cache_bytes / 2**20:.1f}" != f"{cache_bytes / 2**21:.1f}"
+
+
+def _scrape(port: int) -> dict[tuple[str, tuple], float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def test_a_worker_of_a_leading_manager_fences_its_kernel_calls_and_counts_them_on_its_metrics_port(led):
+    """The worker learned the leader epoch from its own manager client: an AppendKV without a stamp is refused
+    LEADER_EPOCH_REQUIRED, one stamped below it STALE_LEADER_EPOCH, nothing written; stamped with it, or above
+    it, the call writes (no violation). The worker's /metrics (the port serve_worker opened) counts the two
+    refusals by reason and the two calls that ran."""
+    _, worker, epoch, _, _ = led
+    rng = np.random.default_rng(epoch)
+    layout = worker.servicer.caches.layouts[2]
+    slots = rng.choice(SLOTS, 3, replace=False)
+    sm = np.array([int(layout.page_index(int(s))) * PS + int(rng.integers(PS)) for s in slots], np.int64)
+    k, v = (rng.standard_normal((3, HEADS, DIM)).astype(np.float32) + 1 for _ in range(2))
+    req = wpb.AppendKVRequest(layer=2, slot_mapping=to_tensor(sm), k=to_tensor(k), v=to_tensor(v))
+    with grpc.insecure_channel(f"[::1]:{worker.port}") as ch:
+        stub = wpb_grpc.WorkerStub(ch)
+        for md, words in (([], f"(leader epoch {epoch}) and this call names no leader epoch"),
+                          ([(EPOCH_METADATA, str(epoch - 1))],
+                           f"has seen leader epoch {epoch}, but this call's tables come from epoch {epoch - 1}")):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.AppendKV(req, metadata=md, timeout=30)
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and words in err.value.details()
+        for stamp in (epoch, epoch + int(rng.integers(1, 100))):
+            reply = stub.AppendKV(req, metadata=[(EPOCH_METADATA, str(stamp))], timeout=30)
+            assert not reply.violations
+    s = _scrape(worker.metrics_port)
+    assert {r: s[("kvworker_leader_epoch_refusals_total", (("reason", r),))]
+            for r in ("STALE_LEADER_EPOCH", "LEADER_EPOCH_REQUIRED")} == {"STALE_LEADER_EPOCH": 1,
+                                                                         "LEADER_EPOCH_REQUIRED": 1}
+    assert s[("kvworker_kernel_duration_seconds_count", (("kernel", "append_kv"),))] == 2
+
+
+def test_a_worker_started_with_test_hooks_lets_a_guard_byte_be_flipped_and_finds_it(led):
+    """test_hooks=True reaches the service: CorruptGuard flips one byte of the back guard zone of layer 1's buffer,
+    and CheckGuards names that buffer, 1 byte, at offset guard + payload + the offset asked (docs/DESIGN.md:
+    guard bytes on both sides); every other buffer clean."""
+    _, worker, _, _, _ = led
+    g = worker.servicer.caches.guard_bytes
+    at = int(np.random.default_rng().integers(0, g))
+    payload = SLOTS * 2 * PS * HEADS * DIM * 4
+    with grpc.insecure_channel(f"[::1]:{worker.port}") as ch:
+        stub = wpb_grpc.WorkerStub(ch)
+        stub.CorruptGuard(wpb.CorruptGuardRequest(buffer="layer1", offset=at, after=True), timeout=30)
+        reply = stub.CheckGuards(wpb.CheckGuardsRequest(), timeout=30)
+    assert not reply.ok
+    assert [(b.buffer, b.corrupted_bytes, b.first_offset) for b in reply.buffers] == \
+        [("layer1", 1, g + payload + at), ("layer2", 0, -1)]
+
+
+def test_a_heartbeat_names_the_worker_and_carries_its_own_deadline(led):
+    """send_heartbeat(client, identity, timeout): the manager receives the worker's id, epoch, pool and the
+    incarnation it planned for, under the deadline given (2 to 8 s; not the client's 60 s one)."""
+    from kvservice.worker.server import send_heartbeat
+
+    client, worker, _, tap, _ = led
+    timeout = float(np.random.default_rng().uniform(2, 8))
+    send_heartbeat(client, worker.identity, timeout)
+    ((req, left),) = tap.seen
+    ident = worker.identity
+    assert (req.worker_id, req.epoch, req.pool, req.incarnation) == \
+        ("w-3", ident["epoch"], "p", ident["incarnation"])
+    assert left is not None and 0 < left <= timeout + 1          # the wire's deadline is rounded up, a little
+
+
+def _heartbeat_lines(client, worker, level: int, prefix: str) -> list[str]:
+    """Run the worker's heartbeat loop (0.01 s period) until it logged two lines at `level` starting with `prefix`
+    (it went round again after the first), then stop it; those lines. Fails if the loop died first or had not got
+    there within 60 s (a bound, not a timing)."""
+    from kvservice.worker.server import _heartbeat
+
+    stop, lines = threading.Event(), []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno == level and record.getMessage().startswith(prefix):
+                lines.append(record.getMessage())
+                if len(lines) == 2:
+                    stop.set()
+
+    catch = Catch(level)
+    logger = logging.getLogger("kvworker")
+    logger.addHandler(catch)
+    request = pb.RegisterWorkerRequest(worker_id="w-3", pool="p", layer_begin=1, layer_end=3, backend="cpu")
+    beat = threading.Thread(target=_heartbeat, args=(client, request, worker.servicer, 0.03, stop), daemon=True)
+    try:
+        beat.start()
+        beat.join(60)
+    finally:
+        stop.set()
+        logger.removeHandler(catch)
+    assert not beat.is_alive() and len(lines) == 2, lines
+    return lines
+
+
+def test_a_pool_created_again_with_fewer_layers_than_served_is_logged_and_the_heartbeat_goes_on(led):
+    """A worker of layers [1, 3) whose pool comes back with 2 layers cannot plan its layer 2: the rejoin fails
+    with that reason in words (not an IndexError that ended the heartbeat thread, as it did), the heartbeat
+    loop goes on, and the worker keeps its caches and incarnation."""
+    client, worker, _, _, _ = led
+    old, incarnation = worker.servicer.caches, worker.identity["incarnation"]
+    client.delete_pool("p", force=True)
+    client.create_pool("p", CacheSpec.uniform(2, HEADS, DIM, "float32", PS), Sizing(num_slots=SLOTS, max_seq_len=64))
+    lines = _heartbeat_lines(client, worker, logging.WARNING, "re-registration failed: ")
+    assert lines == ["re-registration failed: layers [1, 3) are not a range of this pool's 2 layers: serve layers "
+                     "[b, e) with 0 <= b <= e <= the pool's layer count"] * 2
+    assert worker.servicer.caches is old and worker.identity["incarnation"] == incarnation
