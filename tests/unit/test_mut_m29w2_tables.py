@@ -234,3 +234,25 @@ def test_tables_that_fill_the_quota_exactly_are_all_held(slack):
         from kvservice.contract.errors import NotFound
         with pytest.raises(NotFound):
             tables.csr("a", "t1", 1)
+
+
+def test_a_delta_that_grows_a_table_past_the_quota_drops_it():
+    """A table held at exactly the quota; a delta admitting another sequence would make it bigger: refused
+    TABLE_TOO_LARGE, and the table is gone (what it held was already replaced), so the next use is NotFound and
+    the tenant holds 0 bytes."""
+    api = _manager()
+    s = Stream(api, True, "grow")
+    probe = _tables(Stream(api, True, "probe"))
+    size = _load(api, probe, "x", "p", 11, 100).nbytes
+    tables = _tables(s, quota_bytes=size)
+    lens = np.random.default_rng(11).integers(1, MAX_LEN, 3).tolist()
+    assert tables.update("a", "t", s.step(admit_seq_ids=[1, 2, 3], admit_num_tokens=lens)).nbytes == size
+    grow = s.step(admit_seq_ids=[4, 5, 6, 7], admit_num_tokens=[MAX_LEN] * 4)
+    assert grow.HasField("delta")
+    with pytest.raises(ResourceExhausted) as err:
+        tables.update("a", "t", grow)
+    assert err.value.reason == "TABLE_TOO_LARGE" and int(err.value.metadata["table_bytes"]) > size
+    from kvservice.contract.errors import NotFound
+    with pytest.raises(NotFound):
+        tables.csr("a", "t", 0)
+    assert tables.tenant_bytes("a") == 0
