@@ -172,10 +172,10 @@ def test_a_heartbeat_names_the_worker_and_carries_its_own_deadline(led):
     assert left is not None and 0 < left <= timeout + 1          # the wire's deadline is rounded up, a little
 
 
-def _heartbeat_lines(client, worker, level: int, prefix: str) -> list[str]:
-    """Run the worker's heartbeat loop (0.01 s period) until it logged two lines at `level` starting with `prefix`
-    (it went round again after the first), then stop it; those lines. Fails if the loop died first or had not got
-    there within 60 s (a bound, not a timing)."""
+def _heartbeat_lines(client, worker, level: int, prefix: str, want: int = 2) -> list[str]:
+    """Run the worker's heartbeat loop (0.01 s period) until it logged `want` lines at `level` starting with
+    `prefix` (two: it went round again after the first), then stop it; those lines. Fails if the loop died first
+    or had not got there within 60 s (a bound, not a timing)."""
     from kvservice.worker.server import _heartbeat
 
     stop, lines = threading.Event(), []
@@ -184,7 +184,7 @@ def _heartbeat_lines(client, worker, level: int, prefix: str) -> list[str]:
         def emit(self, record: logging.LogRecord) -> None:
             if record.levelno == level and record.getMessage().startswith(prefix):
                 lines.append(record.getMessage())
-                if len(lines) == 2:
+                if len(lines) == want:
                     stop.set()
 
     catch = Catch(level)
@@ -198,7 +198,7 @@ def _heartbeat_lines(client, worker, level: int, prefix: str) -> list[str]:
     finally:
         stop.set()
         logger.removeHandler(catch)
-    assert not beat.is_alive() and len(lines) == 2, lines
+    assert not beat.is_alive() and len(lines) == want, lines
     return lines
 
 
@@ -214,3 +214,112 @@ def test_a_pool_created_again_with_fewer_layers_than_served_is_logged_and_the_he
     assert lines == ["re-registration failed: layers [1, 3) are not a range of this pool's 2 layers: serve layers "
                      "[b, e) with 0 <= b <= e <= the pool's layer count"] * 2
     assert worker.servicer.caches is old and worker.identity["incarnation"] == incarnation
+
+
+def test_kernel_modules_and_group_slots_of_a_plan():
+    """backend cpu runs the NumPy kernels or, asked for, the emulated .cu ones, both on NumPy arrays; any other
+    backend than cuda or cpu is refused by name. A plan group's slots are its own, or the plan's num_slots when
+    the manager sent 0 (one that predates per-group sizing)."""
+    from kvservice.worker import kernels_cpu, ops_numpy
+    from kvservice.worker.server import group_slots, kernel_module
+
+    assert kernel_module("cpu") == (ops_numpy, np) and kernel_module("cpu", "numpy") == (ops_numpy, np)
+    assert kernel_module("cpu", "emulated") == (kernels_cpu, np)
+    with pytest.raises(ValueError, match=r"^backend must be cuda or cpu, got 'tpu'$"):
+        kernel_module("tpu")
+    rng = np.random.default_rng(8)
+    n, own = (int(x) for x in rng.integers(1, 1000, 2))
+    plan = pb.PlanReply(num_slots=n, groups=[pb.GroupPlan(num_slots=0), pb.GroupPlan(num_slots=own)])
+    assert group_slots(plan) == [n, own]
+
+
+def test_plan_caches_follows_the_managers_plan_and_refuses_one_it_does_not_rebuild(led):
+    """plan_caches: the caches of the layers asked for, with the pool's max_seq_len (not what the slots could
+    hold); a plan whose layer lattice differs from the geometry rebuilt here is refused naming the first layer."""
+    from kvservice.worker import ops_numpy
+    from kvservice.worker.server import plan_caches
+
+    client, _, _, _, _ = led
+    info = client.get_pool("p")
+    caches = plan_caches(info, 0, 2, ops_numpy, np)
+    assert (caches.layer_begin, caches.layer_end, caches.max_seq_len) == (0, 2, 64) and 64 != SLOTS * PS
+    info.plan.layers[1].offset += 1
+    with pytest.raises(ValueError, match=r"differs from the manager's plan \(first at layer 1:"):
+        plan_caches(info, 0, 2, ops_numpy, np)
+
+
+def test_a_worker_reports_serving_for_both_health_names(led):
+    """Once registered, the worker's health service says SERVING for the server ("") and kvservice.v1.Worker."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    _, worker, _, _, _ = led
+    with grpc.insecure_channel(f"[::1]:{worker.port}") as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        for name in ("", "kvservice.v1.Worker"):
+            got = stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=30).status
+            assert got == health_pb2.HealthCheckResponse.SERVING, name
+
+
+def test_rejoining_the_same_incarnation_registers_again_with_the_next_epoch(led):
+    """rejoin when the pool was not created again: the caches stay, and the worker registers again (epoch + 1,
+    docs: a registration bumps the epoch) and heartbeats with the new epoch."""
+    from kvservice.worker.server import rejoin, send_heartbeat
+
+    client, worker, _, _, _ = led
+    old, epoch = worker.servicer.caches, worker.identity["epoch"]
+    request = pb.RegisterWorkerRequest(worker_id="w-3", pool="p", layer_begin=1, layer_end=3, backend="cpu")
+    rejoin(client, request, worker.servicer, 30)
+    (rec,) = client.workers("p")
+    assert worker.servicer.caches is old and worker.identity["epoch"] == rec.epoch == epoch + 1
+    send_heartbeat(client, worker.identity, 30)
+
+
+def test_a_pool_created_again_with_the_same_geometry_keeps_the_caches_but_forgets_their_pages(led, caplog):
+    """Same spec and sizing, new incarnation: the caches are kept (logged so), no page counts as written under
+    any generation any more, and the worker is registered under the new incarnation. The heartbeat loop does it
+    on its own and logs the re-registration with the manager's words."""
+    client, worker, _, _, _ = led
+    old = worker.servicer.caches
+    old.page_gen(1)[:] = np.random.default_rng(3).integers(1, 2**32, old.page_gen(1).shape[0], dtype=np.uint32)
+    client.delete_pool("p", force=True)
+    client.create_pool("p", CacheSpec.uniform(LAYERS, HEADS, DIM, "float32", PS),
+                       Sizing(num_slots=SLOTS, max_seq_len=64))
+    new = client.get_pool("p").incarnation
+    with caplog.at_level(logging.WARNING, logger="kvworker"):
+        (line,) = _heartbeat_lines(client, worker, logging.WARNING, "re-registered ", want=1)
+    (rec,) = client.workers("p")
+    assert worker.servicer.caches is old and not old.page_gen(1).any() and not old.page_gen(2).any()
+    assert worker.identity["incarnation"] == rec.incarnation == new
+    assert line.startswith(f"re-registered w-3 with epoch {rec.epoch} (pool incarnation {new}) after: ")
+    assert f"pool 'p' was created again (incarnation {new}): same geometry, caches kept" in \
+        [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.parametrize("named", [True, False])
+def test_a_pool_created_again_with_more_layers(named, caplog):
+    """A worker that named its layers keeps serving them; one that named none (all layers) takes every layer of
+    the new pool, and registers the layers it now serves."""
+    from kvservice.server.app import serve
+    from kvservice.worker.server import rejoin, serve_worker
+
+    running = serve(lease_seconds=600)
+    target = f"127.0.0.1:{running.port}"
+    client = BlockManagerClient(target, timeout=60, retries=0)
+    client.create_pool("p", CacheSpec.uniform(LAYERS, HEADS, DIM, "float32", PS), Sizing(num_slots=SLOTS,
+                                                                                         max_seq_len=64))
+    worker = serve_worker(target, "p", "w-4", layer_begin=0, layer_end=2 if named else 0)
+    try:
+        client.delete_pool("p", force=True)
+        client.create_pool("p", CacheSpec.uniform(LAYERS + 2, HEADS, DIM, "float32", PS),
+                           Sizing(num_slots=SLOTS, max_seq_len=64))
+        request = pb.RegisterWorkerRequest(worker_id="w-4", pool="p", layer_begin=0, layer_end=2 if named else LAYERS,
+                                           backend="cpu")
+        rejoin(client, request, worker.servicer, 30)
+        want = 2 if named else LAYERS + 2
+        caches = worker.servicer.caches
+        (rec,) = client.workers("p")
+        assert (caches.layer_begin, caches.layer_end) == (0, want) == (rec.layer_begin, rec.layer_end)
+    finally:
+        worker.stop()
+        client.close()
+        running.stop()
