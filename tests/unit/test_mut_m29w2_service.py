@@ -135,3 +135,53 @@ def test_the_leader_epoch_fence_refuses_and_counts_by_the_documented_rule(fenced
     s = _samples(metrics)
     assert min(want.values()) >= 2
     assert {r: s[("kvworker_leader_epoch_refusals_total", (("reason", r),))] for r in want} == want
+
+
+def test_every_series_the_dashboards_and_alerts_query_is_exported_with_its_type_and_help():
+    """Each kvworker_* name deploy/ (Grafana, Prometheus rules) and docs/ query is a sample of a fresh worker; each
+    family has its Prometheus type, and its HELP says what it counts (as /metrics shows it); the duration
+    histogram's buckets run from 10 us to 5 s."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    text = " ".join(p.read_text(errors="replace") for d in ("deploy", "docs") for p in (root / d).rglob("*")
+                    if p.is_file() and p.suffix in (".json", ".yaml", ".yml", ".md"))
+    queried = set(re.findall(r"kvworker_[a-z_]+", text))
+    assert {"kvworker_bounds_violations_total", "kvworker_guard_corruptions_total"} <= queried
+    metrics = WorkerMetrics("p")
+    WorkerServicer(_caches(8, 0, 2), metrics, {"worker_id": "w", "pool": "p", "epoch": 1, "backend": "cpu"})
+    fams = list(text_string_to_metric_families(generate_latest(metrics.registry).decode()))
+    names = {s.name for f in fams for s in f.samples} | {f.name for f in fams}
+    assert queried <= names, queried - names
+    kinds = {f.name: (f.type, f.documentation) for f in fams if not f.name.endswith("_created")}
+    assert kinds == {
+        "kvworker_bounds_violations": ("counter", "Page-table entries a kernel refused to follow (never read or "
+                                                  "written)."),
+        "kvworker_guard_corruptions": ("counter", "Corrupted canary bytes found around a cache buffer."),
+        "kvworker_kernel_duration_seconds": ("histogram", "Time per kernel call."),
+        "kvworker_leader_epoch_refusals": ("counter", "Kernel calls refused for naming a deposed leader's epoch or "
+                                                      "none (replicated managers, docs/HA.md)."),
+        "kvworker_state_rollbacks": ("counter", "Manager replies (registration, heartbeats, pool reads) this worker "
+                                                "refused because the manager's state was behind what it had already "
+                                                "seen in the same lineage (STATE_ROLLED_BACK, docs/DURABILITY.md)."),
+        "kvworker_kernels_stopped": ("counter", "Kernel calls stopped part-way because their deadline passed or their "
+                                                "caller went away (CPU kernels; kvservice/worker/cancel.py)."),
+        "kvworker_cache_bytes": ("gauge", "Bytes of KV cache this worker holds."),
+    }
+    les = sorted({float(s.labels["le"]) for f in fams for s in f.samples
+                  if s.name == "kvworker_kernel_duration_seconds_bucket"})
+    assert les == [1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, float("inf")]
+
+
+def test_metrics_go_to_the_registry_given():
+    """WorkerMetrics(pool, registry): its series are that registry's (a process serving several workers' metrics
+    from one endpoint), none in another worker's."""
+    from prometheus_client import CollectorRegistry
+
+    reg = CollectorRegistry()
+    mine, other = WorkerMetrics("p", reg), WorkerMetrics("q")
+    assert mine.registry is reg and other.registry is not reg
+    mine.cache_bytes.labels("p").set(12345)
+    assert reg.get_sample_value("kvworker_cache_bytes", {"pool": "p"}) == 12345
+    assert other.registry.get_sample_value("kvworker_cache_bytes", {"pool": "p"}) is None
