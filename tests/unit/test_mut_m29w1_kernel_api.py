@@ -207,6 +207,13 @@ def test_empty_batch_record_follows_pagetable_rule_one():
 def test_distinct_slots_and_copy_pairs_checks_on_host_arrays():
     api.check_distinct_slots(np, np.array([5, -1, -1, 7, 2], np.int64))     # SKIP_SLOT may repeat
     api.check_distinct_slots(np, np.array([5], np.int64))
+    api.check_distinct_slots(np, np.array([-1, -1], np.int64))
+    api.check_distinct_slots(np, np.array([-1, 4, -1], np.int64))
+    for sm, v in (([4, 4], 4), ([5, -1, 5], 5), ([0, 3, 0], 0)):
+        with pytest.raises(ValueError) as ei:
+            api.check_distinct_slots(np, np.array(sm, np.int64))
+        assert str(ei.value) == (f"slot_mapping: slot {v} appears more than once; every token needs its own slot "
+                                 "(duplicate writes are unordered on a GPU), nothing was written")
     with pytest.raises(ValueError, match=r"^slot_mapping: slot 7 appears more than once;"):
         api.check_distinct_slots(np, np.array([9, 7, -1, 3, 7, 9], np.int64))
     api.check_copy_pairs(np, np.zeros((0, 2), np.int64))
@@ -215,6 +222,13 @@ def test_distinct_slots_and_copy_pairs_checks_on_host_arrays():
         api.check_copy_pairs(np, np.array([[1, 3], [2, 3], [6, 8], [7, 8]], np.int64), "slot")
     with pytest.raises(ValueError, match=r"^pairs: page 5 is both a source and a destination; copy in two calls"):
         api.check_copy_pairs(np, np.array([[9, 4], [5, 6], [2, 5]], np.int64))
+    with pytest.raises(ValueError) as ei:
+        api.check_copy_pairs(np, np.array([[1, 3], [2, 3]], np.int64))
+    assert str(ei.value) == "pairs: destination page 3 appears more than once; destinations must be distinct, " \
+                            "nothing was copied"
+    with pytest.raises(ValueError) as ei:
+        api.check_copy_pairs(np, np.array([[4, 4]], np.int64))
+    assert str(ei.value) == "pairs: page 4 is both a source and a destination; copy in two calls, nothing was copied"
 
 
 # ---- decode: refusals and outputs -------------------------------------------------------------------------------
@@ -309,6 +323,14 @@ def test_split_decode_plans_hand_computed_splits_and_merges():
     w_out, w_lse = _attend(q, buf, ip, idx, lpl, 1 / math.sqrt(32), window=9)
     np.testing.assert_allclose(call.out, w_out, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(call.lse, w_lse, rtol=1e-5, atol=1e-6)
+    # a window bounds the pages a split plans for: (window - 1) // page_size + 2 pages; 8 (= 2 x MIN_SPLIT_PAGES)
+    # is the least that splits: window 24 -> 7 pages, one pass; window 25 -> 8 pages, 2 splits of 4
+    for window, grid, pps in ((24, (1, 1, 1), 0), (25, (1, 1, 2), 4)):
+        spy = Spy()
+        call = api.decode_attention(spy, q, buf, lay, ip, idx, lpl, window=window)
+        assert spy.calls[0][1] == grid and spy.calls[0][3][17:20] == [window, np.float32(1 / math.sqrt(32)), pps]
+        np.testing.assert_allclose(call.out, _attend(q, buf, ip, idx, lpl, 1 / math.sqrt(32), window=window)[0],
+                                   rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match=r"^kv_chunk_pages 1 gives 70000 splits \(max 65535\)$"):
         api.decode_attention(Spy(), q, buf, lay, ip, idx, lpl, kv_chunk_pages=1, max_pages=70000)
 
