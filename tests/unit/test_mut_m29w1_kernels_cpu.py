@@ -36,6 +36,7 @@ def _probe_dir(tmp_path: Path, k: int = 3) -> Path:
     src.mkdir(exist_ok=True)
     (src / "probe.cu").write_text(PROBE)
     (src / "probe.h").write_text(f"#define PROBE_K {k}\n")
+    (src / "unused.cuh").write_text("// not included\n")
     return src
 
 
@@ -60,6 +61,9 @@ def test_build_compiles_with_the_variant_flags_and_reuses_an_identical_build(tmp
     (src / "probe.h").write_text("#define PROBE_K 7\n")                 # a header is part of the sources
     lib7 = kernels_cpu.build("plain", kernel_dir=src)
     assert lib7 != lib and _call(lib7, 5) == 36
+    (src / "unused.cuh").write_text("// changed\n")                   # so is every *.cu* file
+    lib7b = kernels_cpu.build("plain", kernel_dir=src)
+    assert lib7b not in (lib, lib7) and _call(lib7b, 1) == 8
 
 
 def test_build_only_some_sources_and_a_failing_compile(tmp_path, monkeypatch):
@@ -169,3 +173,33 @@ def test_backend_reads_its_defaults_from_the_environment(monkeypatch):
     b = make("plain", strict=True, blocks_at_once=2)
     assert (b.strict, b.blocks_at_once) == (True, 2)
     assert (CpuBackend.sms, CpuBackend.resident_blocks("kv_decode_f32_g1_d32", 128)) == (4, 2)
+
+
+CP_PROBE = """#include "kv_emu.h"
+extern "C" __global__ void kv_probe_cp(const char* src, long long shift) {
+  KV_SHARED(__attribute__((aligned(16))) char, s_buf, [16 * 128]);
+  kv_cp_async16(kv_smem(s_buf + 16 * threadIdx.x), src + 16 * threadIdx.x + shift, true);
+  kv_cp_async_wait_all();
+}
+KV_REGISTER(kv_probe_cp)
+"""
+
+
+def test_a_misaligned_cp_async_fault_carries_the_emulations_description(tmp_path, monkeypatch):
+    """A probe kernel on the emulation header: 16-byte copies from an aligned source run; one byte off is fault -4
+    whose message carries kv_emu_last_fault()'s text."""
+    monkeypatch.setattr(kernels_cpu, "BUILD_DIR", tmp_path / "out")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "kv_emu.h").write_bytes((kernels_cpu.KERNEL_DIR / "kv_emu.h").read_bytes())
+    (src / "probe.cu").write_text(CP_PROBE)
+    be = CpuBackend(lib=kernels_cpu.build("plain", kernel_dir=src))
+    assert be.signature("kv_probe_cp") == "pq"
+    buf = np.zeros(16 * 130, np.uint8)
+    aligned = (-buf.ctypes.data) % 16
+    be.launch("kv_probe_cp", (1, 1, 1), 128, [buf, np.int64(aligned)])
+    with pytest.raises(EmulationFault) as ei:
+        be.launch("kv_probe_cp", (1, 1, 1), 128, [buf, np.int64(aligned + 1)])
+    assert ei.value.code == -4
+    assert str(ei.value).startswith("kv_emu_launch(kv_probe_cp) failed with code -4 (misaligned cp.async): "
+                                    "misaligned cp.async (16 bytes need 16-byte aligned addresses): shared 0x")
