@@ -458,3 +458,32 @@ def test_widen_launch_blocks_and_values():
     assert api.widen(spy, np.zeros(0, np.float16), "float16").shape == (0,) and spy.calls == []
     with pytest.raises(ValueError, match=r"^dtype must be float16 or bfloat16, got 'float32'$"):
         api.widen(Spy(), np.zeros(8, np.float32), "float32")
+
+
+def test_append_refusals_name_the_argument():
+    rng = np.random.default_rng(40)
+    buf, lay = _cache(rng, 4, 4, 1, 32)
+    k = rng.uniform(-1, 1, (2, 1, 32)).astype(np.float32)
+    with pytest.raises(TypeError) as ei:
+        api.append_kv(Spy(), buf, lay, k, k, [1, 2])
+    assert str(ei.value) == "slot_mapping: expected an array [n], got list"
+    with pytest.raises(ValueError) as ei:
+        api.append_kv(Spy(), buf, lay, k, k[:, :, :16].copy(), np.array([1, 2], np.int64))
+    assert str(ei.value) == "v: expected shape [n, kv_heads, head_dim] = (2, 1, 32), got (2, 1, 16)"
+    with pytest.raises(TypeError) as ei:
+        api.append_kv(Spy(), buf, lay, k, None, np.array([1, 2], np.int64))
+    assert str(ei.value) == "v: expected an array [n, kv_heads, head_dim], got NoneType"
+    k_only = PageLayout.per_layer(4, 4, 1, 32, "float32", k_only=True)
+    with pytest.raises(ValueError) as ei:
+        api.append_kv(Spy(), buf, k_only, k, k, np.array([1, 2], np.int64))
+    assert str(ei.value) == ("v: this layer is K-only (a multi-head latent attention latent cache); send the latent "
+                             "vectors as k and no v")
+    spy, before = Spy(), buf.copy()
+    call = api.append_kv(spy, buf, k_only, k, None, np.array([6, 1], np.int64))   # K-only pages: 4 x 32 floats
+    assert call.record == ViolationRecord("append_kv") and spy.calls[0][3][1] == api.NULL
+    flat, old = buf.reshape(-1), before.reshape(-1)
+    expect = old.copy()
+    expect[6 * 32:7 * 32], expect[32:64] = k[0, 0], k[1, 0]
+    assert np.array_equal(flat, expect)
+    with pytest.raises(ValueError, match=r"^x: base address must be 16-byte aligned$"):
+        api.widen(Spy(), np.zeros(40, np.float16)[1:33], "float16")

@@ -203,3 +203,44 @@ def test_a_misaligned_cp_async_fault_carries_the_emulations_description(tmp_path
     assert ei.value.code == -4
     assert str(ei.value).startswith("kv_emu_launch(kv_probe_cp) failed with code -4 (misaligned cp.async): "
                                     "misaligned cp.async (16 bytes need 16-byte aligned addresses): shared 0x")
+
+
+SAN_PROBE = """#include <climits>
+extern "C" __attribute__((visibility("default"))) int kv_probe_heap(int i) {
+  volatile int* p = new int[4]{1, 2, 3, 4};
+  const int r = p[i];
+  delete[] p;
+  return r;
+}
+extern "C" __attribute__((visibility("default"))) int kv_probe_add(int x) {
+  volatile int big = INT_MAX;
+  return big + x;
+}
+"""
+
+
+def test_the_asan_variant_runs_under_sanitizer_env_and_exits_with_the_documented_codes(tmp_path, monkeypatch):
+    """The asan build of a probe, loaded by a child process started with sanitizer_env(): a clean call exits 0; a
+    heap overflow exits 86 (ASAN_OPTIONS exitcode); a signed overflow exits 87 (UBSAN_OPTIONS exitcode)."""
+    import subprocess
+    import sys
+
+    monkeypatch.setattr(kernels_cpu, "BUILD_DIR", tmp_path / "out")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "probe.cu").write_text(SAN_PROBE)
+    lib = kernels_cpu.build("asan", kernel_dir=src)
+    assert lib.parent.name.startswith("asan-")
+    env = kernels_cpu.sanitizer_env()
+    code = "import ctypes, sys; print(getattr(ctypes.CDLL(sys.argv[1]), sys.argv[2])(int(sys.argv[3])))"
+
+    def run(fn: str, arg: int) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", code, str(lib), fn, str(arg)], env=env, capture_output=True,
+                              text=True, timeout=120)
+
+    ok = run("kv_probe_heap", 2)
+    assert (ok.returncode, ok.stdout) == (0, "3\n"), ok.stderr[-2000:]
+    heap = run("kv_probe_heap", 4)
+    assert heap.returncode == 86 and "heap-buffer-overflow" in heap.stderr, heap.stderr[-2000:]
+    add = run("kv_probe_add", 1)
+    assert add.returncode == 87 and "signed integer overflow" in add.stderr, add.stderr[-2000:]

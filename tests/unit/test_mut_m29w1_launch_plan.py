@@ -14,6 +14,14 @@ import pytest
 from kvservice.worker import launch_plan as lp
 
 CU = Path(lp.__file__).resolve().parent / "kernels" / "decode_attention.cu"
+PAGED = CU.parent / "paged.cuh"
+
+
+def test_threads_and_vector_widths_are_the_sources():
+    """THREADS is decode_attention.cu's KV_DEC_THREADS; VEC[dtype] is paged.cuh's KvElem<T>::VEC (16 bytes)."""
+    assert int(re.search(r"#define KV_DEC_THREADS (\d+)", CU.read_text())[1]) == lp.THREADS
+    vec = dict(re.findall(r"struct KvElem<(\w+)> \{\s*static constexpr int VEC = (\d+);", PAGED.read_text()))
+    assert {"float32": int(vec["float"]), "float16": int(vec["kv_half"]), "bfloat16": int(vec["kv_bf16"])} == lp.VEC
 
 
 def _kv_dec_geom(vec: int, d: int, gm: int) -> dict[str, int]:

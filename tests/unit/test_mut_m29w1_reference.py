@@ -29,6 +29,10 @@ def _np_attention(q, k_rows, v_rows, scale, window=0):
     return out, lse
 
 
+def test_tolerance_is_the_documented_1e_5_for_every_cache_dtype():
+    assert reference.TOLERANCE == {"float32": 1e-5, "float16": 1e-5, "bfloat16": 1e-5}
+
+
 def test_raw_layer_constructors_by_hand():
     """per_layer: a slot is one page of 2 x page_size x kv_heads x head_dim x itemsize bytes; interleaved: scale =
     slot_bytes / page bytes, offset = byte_offset / page bytes."""
