@@ -73,6 +73,7 @@ def test_byte_offset_of_and_page_view():
     assert view.view(np.uint16).reshape(-1).tolist() == list(range(64, 80))
     view[1, 0, 0, 2] = 7.0                                            # a view: writes reach the buffer
     assert buf[64 + 10] == np.float16(7.0)
+    assert reference.page_view(buf[:176], r, 20).shape == (2, 2, 1, 4)       # ends exactly at the buffer's end
     with pytest.raises(IndexError, match=r"^page 20 ends at byte 352, past the 320-byte buffer$"):
         reference.page_view(buf[:160], r, 20)
     with pytest.raises(ValueError, match="C-contiguous"):
