@@ -487,3 +487,40 @@ def test_append_refusals_name_the_argument():
     assert np.array_equal(flat, expect)
     with pytest.raises(ValueError, match=r"^x: base address must be 16-byte aligned$"):
         api.widen(Spy(), np.zeros(40, np.float16)[1:33], "float16")
+
+
+def test_each_call_names_its_generations_argument_and_shape():
+    """append's per-token generations are slot_generations [n]; decode's and validate's per-entry ones
+    generations [nnz]; copy's per-pair ones generations [n, 2]; the page records are uint32 [num_pages]."""
+    rng = np.random.default_rng(41)
+    buf, lay = _cache(rng, 4, 4, 1, 32)
+    pg = np.zeros(4, np.uint32)
+    k = rng.uniform(-1, 1, (2, 1, 32)).astype(np.float32)
+    ip, idx, lpl = np.array([0, 3], np.int32), np.array([0, 2, 1], np.int32), np.array([2], np.int32)
+    q = rng.uniform(-1, 1, (1, 1, 32)).astype(np.float32)
+    g2, g3 = np.zeros(2, np.uint32), np.zeros(3, np.uint32)
+    calls = [
+        (lambda g: api.append_kv(Spy(), buf, lay, k, k, np.array([1, 6], np.int64), slot_generations=g, page_gen=pg),
+         g3, "slot_generations: expected shape [n] = (2,), got (3,)"),
+        (lambda g: api.decode_attention(Spy(), q, buf, lay, ip, idx, lpl, generations=g, page_gen=pg),
+         g2, "generations: expected shape [nnz] = (3,), got (2,)"),
+        (lambda g: api.validate_page_table(Spy(), ip, idx, lpl, lay, generations=g, page_gen=pg),
+         g2, "generations: expected shape [nnz] = (3,), got (2,)"),
+        (lambda g: api.copy_blocks(Spy(), [buf], lay, np.array([[0, 3]], np.int64), generations=g, page_gens=[pg]),
+         g2, "generations: expected shape [n, 2] = (1, 2), got (2,)"),
+    ]
+    for call, bad, msg in calls:
+        with pytest.raises(ValueError) as ei:
+            call(bad)
+        assert str(ei.value) == msg
+    with pytest.raises(ValueError) as ei:
+        api.validate_page_table(Spy(), ip, idx, lpl, lay, generations=g3, page_gen=np.zeros(5, np.uint32))
+    assert str(ei.value) == "page_gen: expected shape [num_pages] (one per page of the layer) = (4,), got (5,)"
+    # matching generations: a clean table stays clean, and the page records travel to the kernel
+    spy = Spy()
+    res = api.validate_page_table(spy, ip, idx, lpl, lay, generations=g3, page_gen=pg)
+    assert res.record == ViolationRecord("validate_page_table") and res.row_status.tolist() == [0]
+    assert spy.calls[0][3][11] is not None and np.array_equal(spy.calls[0][3][11], g3)
+    stale = np.array([0, 5, 0], np.uint32)              # entry 1 (page 2) written under generation 5, page is at 0
+    res = api.validate_page_table(Spy(), ip, idx, lpl, lay, generations=stale, page_gen=pg)
+    assert res.record == ViolationRecord("validate_page_table", 1, 0, 1, 2, "stale_page")
