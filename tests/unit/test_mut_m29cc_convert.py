@@ -83,7 +83,7 @@ def test_an_interleaved_plan_reply_is_the_hand_computed_message():
     assert [_space(s) for s in r.index_spaces] == [
         (0, 0, 2, 0, 80, [0], 0, cpb.INT32), (1, 0, 2, 1, 160, [2], 80, cpb.INT32),
         (2, 1, 4, 2, 208, [1], 160, cpb.INT32), (3, 1, 2, 0, 232, [3], 208, cpb.INT32)]
-    assert (r.pool_pages, r.max_pages_per_seq, r.max_byte_offset) == (232, 7, 16384 * 40 - 1)     # the largest buffer: G0's
+    assert (r.pool_pages, r.max_pages_per_seq, r.max_byte_offset) == (232, 7, 16384 * 40 - 1)   # G0's buffer
     assert (r.total_bytes, r.bytes_per_slot) == (40 * 16384 + 12 * 32768, 16384 + 32768)
     assert len(r.warnings) == 1 and "padded from 24576 to 32768" in r.warnings[0]
 
@@ -149,7 +149,7 @@ def test_a_cache_spec_message_is_read_with_count_zero_as_one_and_every_dtype_and
 
 def test_a_bad_cache_spec_message_is_refused_naming_what_is_wrong():
     ok = pb.LayerSpec(kv_heads=2, head_dim=64, dtype=cpb.FLOAT16)
-    with pytest.raises(InvalidArgument, match="cache.layout 77 is not a known layout"):
+    with pytest.raises(InvalidArgument, match=r"cache\.layout 77 is not a known layout"):
         convert.cache_spec_from_proto(pb.CacheSpec(page_size=16, layout=77, layers=[ok]))
     bad = pb.LayerSpec(kv_heads=2, head_dim=64, dtype=cpb.INT32)
     with pytest.raises(InvalidArgument, match=r"cache.layers\[1\].dtype must be a cache dtype .* got "
