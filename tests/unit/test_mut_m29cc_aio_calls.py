@@ -31,6 +31,8 @@ SLOT = 2 * (2 * 4 * 2 * 8 * 2)
 @pytest.fixture(scope="module")
 def server():
     running = serve("127.0.0.1:0")
+    with BlockManagerClient(f"127.0.0.1:{running.port}") as c:
+        c.create_pool("other", SPEC, SIZING)                      # a pool the calls on one pool must not show
     yield f"127.0.0.1:{running.port}"
     running.stop()
 
@@ -70,10 +72,12 @@ async def _exercise(c: AsyncBlockManagerClient, pool: str, rng: np.random.Genera
     assert seqs.total == 3 and {(s.seq_id, s.num_tokens, s.num_slots) for s in seqs.sequences} == \
         {(s, n, _cdiv(n, PAGE)) for s, n in zip(ids, lens, strict=True)}
     assert len((await c.sequences(pool, limit=2)).sequences) == 2
-    st = (await c.stats(pool))[pool]
+    by_pool = await c.stats(pool)
+    assert list(by_pool) == [pool]                                   # that pool's only
+    st = by_pool[pool]
     used = sum(_cdiv(n, PAGE) for n in lens)
     assert (st.num_sequences, st.num_tokens, st.num_free_slots) == (3, sum(lens), 64 - used)
-    assert pool in await c.stats()
+    assert set(await c.stats()) >= {pool, "other"}
     grown = await c.step(pool, extend=ids[:1], extend_tokens=[PAGE])
     assert grown.num_tokens.tolist() == [lens[0] + PAGE]
     t = grown.for_layer(0).table

@@ -129,3 +129,21 @@ def test_the_refusals_say_what_happened_and_what_to_do():
         "GetStats: the manager answered at journal position 900 of state lineage 00abcdef01234567, a lineage this "
         "client already found rolled back. " + advice)
     assert again.value.reply.position.seq == 900 and again.value.seen == -1
+
+
+def test_the_tracker_remembers_the_refusals_of_the_last_max_lineages_lineages():
+    rng = random.Random(77)
+    lineages = [rng.getrandbits(63) | 1 for _ in range(MAX_LINEAGES + 1)]
+    t = PositionTracker()
+    for lin in lineages:                             # each seen at 10, then answering at 5: refused
+        t.check("Step", reply(lin, 10, 1), t.seen(), None)
+        with pytest.raises(StateRolledBack):
+            t.check("Step", reply(lin, 5, 2), t.seen(), None)
+    # the oldest refusal is forgotten (its lineage is then a new one to this client); the last MAX_LINEAGES stay
+    t.check("Step", reply(lineages[0], 20, 3), t.seen(), None)
+    assert (t.lineage, t.seq) == (lineages[0], 20)
+    for lin in lineages[1:]:
+        with pytest.raises(StateRolledBack) as err:
+            t.check("Step", reply(lin, 20, 3), t.seen(), None)
+        assert err.value.seen == -1
+    assert t.rollbacks == 2 * MAX_LINEAGES + 1

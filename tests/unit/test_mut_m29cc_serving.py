@@ -128,3 +128,13 @@ def test_the_handlers_follow_the_service_descriptor(service, module):
             assert parsed.DESCRIPTOR.full_name == m.input_type.full_name
         bad = h.request_deserializer(b"\xff")
         assert isinstance(bad, Malformed) and bad.type_name == m.input_type.full_name
+
+
+def test_reflection_lists_the_service_health_and_reflection(served):
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+    channel, _ = served
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    (reply,) = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                         timeout=30)
+    assert sorted(s.name for s in reply.list_services_response.service) == sorted(
+        [MANAGER, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"])
