@@ -121,3 +121,98 @@ def test_load_model_cache_defaults_equal_model_cache_defaults(tmp_path, tp):
     assert m.spec.layout == "per_layer" and m.spec.page_size == 16
     assert {la.kv_heads for la in m.spec.layers} == {8 // tp}
     assert m.kv_bytes_per_token == 32 * 2 * (8 // tp) * 128 * BF16
+
+
+def llama() -> dict:
+    return json.loads((FIXTURES / "llama-3-8b.json").read_text())
+
+
+def test_more_ranks_than_kv_heads_replicate_one_head_and_say_so():
+    """Llama 3 8B (8 K/V heads) at tp=16: one replicated head per rank, noted word for word; Nemotron-Nano's 8
+    Mamba groups do not split over 16 ranks: each rank keeps all 8 (and 128 / 16 = 8 SSM heads)."""
+    m = model_cache(llama(), tp=16)
+    assert {la.kv_heads for la in m.spec.layers} == {1}
+    assert "num_key_value_heads=8 < tp=16: each rank holds 1 replicated head" in m.notes
+    n = model_cache(heldout("nvidia-nemotron-nano-9b-v2"), tp=16)
+    conv, ssm = 3 * (8 * 80 + 2 * 8 * 128), 8 * 80 * 128
+    assert {(s.conv_elems, s.ssm_elems) for s in n.state_layers} == {(conv, ssm)}
+    assert "Mamba groups=8 do not split over tp=16: each rank keeps all of them" in n.notes
+
+
+def test_kv_cache_quantization_is_read_in_any_case_and_anything_but_fp8_is_refused():
+    cfg = llama()
+    for algo in ("FP8", "fp8", "Fp8"):
+        m = model_cache({**cfg, "quantization_config": {"quant_method": "modelopt", "kv_cache_quant_algo": algo}})
+        assert {la.dtype for la in m.spec.layers} == {"float8_e4m3"}
+        assert "cache dtype float8_e4m3 (the config's KV-cache quantization)" in m.notes
+    with pytest.raises(InvalidArgument) as err:
+        model_cache({**cfg, "quantization_config": {"quant_method": "modelopt", "kv_cache_quant_algo": "INT8"}})
+    assert err.value.message == ("config.json: field 'quantization_config.kv_cache_quant_algo'='INT8' is not FP8; no "
+                                 "other KV quantization is planned")
+    for scheme in ({"num_bits": 8, "type": "int"}, {"num_bits": 4, "type": "float"}, [8]):
+        with pytest.raises(InvalidArgument) as err:
+            model_cache({**cfg, "quantization_config": {"quant_method": "compressed-tensors",
+                                                        "kv_cache_scheme": scheme}})
+        assert err.value.message == (f"config.json: field 'quantization_config.kv_cache_scheme'={scheme!r} is not an "
+                                     "8-bit float scheme; no other KV quantization is planned")
+    with pytest.raises(InvalidArgument, match="field 'quantization_config' must be an object, got 'fp8'"):
+        model_cache({**cfg, "quantization_config": "fp8"})
+
+
+@pytest.mark.parametrize(("given", "want"), [("BF16", "bfloat16"), ("Float16", "float16"), ("FP8_E5M2", "float8_e5m2"),
+                                             ("half", "float16"), ("auto", "bfloat16"), (None, "bfloat16")])
+def test_the_callers_cache_dtype_in_any_case(given, want):
+    m = model_cache(llama(), dtype=given)
+    assert {la.dtype for la in m.spec.layers} == {want}
+    assert m.kv_bytes_per_token == 32 * 2 * 8 * 128 * {"bfloat16": 2, "float16": 2, "float8_e5m2": 1}[want]
+
+
+def test_an_unknown_cache_or_model_dtype_is_refused_with_the_known_names():
+    with pytest.raises(InvalidArgument) as err:
+        model_cache(llama(), dtype="int3")
+    assert err.value.message.startswith("kv cache dtype 'int3' is not a cache dtype; use auto, bf16, bfloat16, ")
+    with pytest.raises(InvalidArgument) as err:
+        model_cache({**llama(), "torch_dtype": "int8"})
+    assert err.value.message == ("config.json: torch_dtype 'int8' is not a cache dtype; give one with --kv-cache-dtype "
+                                 "(float16, bfloat16, float32, float8_e4m3, float8_e5m2)")
+
+
+@pytest.mark.parametrize("dtype", [None, "auto"])
+def test_weight_only_quantization_is_noted_unless_the_caller_names_the_dtype(dtype):
+    cfg = {**llama(), "quantization_config": {"quant_method": "awq", "bits": 4}}
+    note = ("quantization_config (quant_method 'awq') quantizes weights only: the KV cache keeps the model's dtype")
+    assert note in model_cache(cfg, dtype=dtype).notes
+    assert note not in model_cache(cfg, dtype="float16").notes
+
+
+def test_a_nested_config_takes_the_dtype_from_the_top_level_under_either_name():
+    """Gemma 3 27B states torch_dtype beside text_config; newer configs call it dtype."""
+    cfg = json.loads((FIXTURES / "gemma-3-27b-it.json").read_text())
+    ref = model_cache(cfg)
+    renamed = {k: v for k, v in cfg.items() if k != "torch_dtype"} | {"dtype": cfg["torch_dtype"]}
+    m = model_cache(renamed)
+    assert m.spec == ref.spec and {la.dtype for la in m.spec.layers} == {"bfloat16"}
+
+
+def test_mla_layers_keep_the_window_of_a_sliding_layer():
+    """Multi-head latent attention pages one K-only head of kv_lora_rank + qk_rope_head_dim = 576 values; with a
+    window on every layer (sliding_window alone), every latent layer is a sliding one of that window."""
+    cfg = heldout("deepseek-v2-lite")
+    full = model_cache(cfg)
+    assert {(la.kv_heads, la.head_dim, la.sliding_window, la.k_only) for la in full.spec.layers} == {(1, 576, 0, True)}
+    slid = model_cache({**cfg, "sliding_window": 4096})
+    assert {(la.kv_heads, la.head_dim, la.sliding_window, la.k_only) for la in slid.spec.layers} == \
+        {(1, 576, 4096, True)}
+
+
+@pytest.mark.parametrize("count", [1, 8, 9, 12])
+def test_unknown_fields_are_listed_up_to_eight_then_counted(count):
+    names = [f"zz_unknown_{i:02d}" for i in range(count)]
+    cfg = llama() | dict.fromkeys(names, 1)
+    with pytest.raises(InvalidArgument) as err:
+        model_cache(cfg)
+    shown = ", ".join(repr(k) for k in names[:8]) + (f" and {count - 8} more" if count > 8 else "")
+    assert err.value.message.startswith(f"config.json: unknown field{'s' if count > 1 else ''} {shown}: a field this")
+    m = model_cache(cfg, allow_unknown_keys=True)
+    assert m.unknown_keys == tuple(names)
+    assert f"unknown fields accepted (--allow-unknown-keys), not read: {', '.join(names)}" in m.notes
