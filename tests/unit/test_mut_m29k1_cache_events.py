@@ -201,3 +201,57 @@ def test_stored_takes_the_kept_pages_in_page_order_with_their_parents_by_the_doc
     assert got == want and len(got) >= 3
     src.stored(slots, parents.astype(np.int64), hashes, pages, np.zeros(0, dtype=np.int64), slot_hash)
     assert events.take_batch([]) is None
+
+
+def test_a_pools_caches_copied_and_described_per_group():
+    """A hybrid pool (full + sliding group, prefix caching) after random prompts: each group's cache publishes
+    with its own group number; a copy without token ids has the same pages and no tokens; the reset events of the
+    whole cache rebuild exactly what each group's cache can find."""
+    from kvservice.contract.geometry import CacheSpec, LayerSpec
+    from kvservice.contract.sizing import Sizing
+    from kvservice.core.planner import plan
+    from kvservice.core.pool import Pool
+
+    spec = CacheSpec((LayerSpec(2, 64), LayerSpec(2, 64, sliding_window=8)), PS, "per_layer")
+    pool = Pool("p", plan(spec, Sizing(num_slots=64, max_seq_len=128)), prefix_caching=True)
+    rng = np.random.default_rng(606)
+    shared = rng.integers(1, 50_000, 7)
+    for i in range(5):
+        tokens = np.concatenate((shared, rng.integers(1, 50_000, int(rng.integers(4, 20)))))
+        pool.step(admit_ids=[i + 1], admit_tokens=[len(tokens)], admit_token_ids=tokens)
+    pool.step(free_ids=[2, 4])
+    caches = ev.pool_caches(pool)
+    assert [c.sink.group for c in caches] == [0, 1] and caches == list(pool.prefixes)
+    held = ev.indexed_hashes(caches)
+    assert held == {g: set(pool.prefixes[g].by_hash) for g in (0, 1)} and all(len(v) > 3 for v in held.values())
+    with_tokens, without = ev.copy_cached_pages(caches), ev.copy_cached_pages(caches, token_ids=False)
+    for a, b, cache in zip(with_tokens, without, caches, strict=True):
+        assert a.hashes.tolist() == b.hashes.tolist() and a.parents.tolist() == b.parents.tolist()
+        assert b.tokens.shape == (len(a.hashes), 0) and a.tokens.shape == (len(a.hashes), PS)
+        slots = [cache.by_hash[h] for h in a.hashes.tolist()]
+        assert a.tokens.tolist() == cache.tokens[slots].tolist()
+        assert (a.kind, a.sliding_window) == (("full_attention", 0) if a.group == 0 else ("sliding_window", 8))
+    view = {0: {1, 2}, 7: {3}}
+    ev.apply_events(view, (ev.AllBlocksCleared(), *ev.state_events(caches)))
+    assert view == held
+    assert pool.events.take_batch(caches) is not None and ev.pool_caches(object()) == []
+
+
+def test_an_index_past_three_quarters_is_rebuilt_from_the_live_pages_only():
+    """A source of 8 slots (a 16-position index, rebuilt past 12 entries): pages registered slot after slot, each
+    replacing the page before it in that slot; lookups then find every live page and none of the replaced ones."""
+    rng = np.random.default_rng(12)
+    events = ev.PoolEvents()
+    src = events.source(0, 0, 8)
+    slot_hash = np.zeros(8, dtype=np.uint64)
+    replaced = []
+    for _ in range(5):
+        h = rng.integers(1, 2**64 - 1, 4, dtype=np.uint64)
+        kept = rng.permutation(8)[:4].astype(np.int64)
+        replaced += [int(x) for x in slot_hash[kept] if x]
+        slot_hash[kept] = h
+        src.stored_kept(kept, h, np.zeros(4, dtype=np.uint64), rng.integers(1, 99, (4, PS)), slot_hash)
+    assert src.index.refill is not None                   # 20 registrations > 12: waiting for its rebuild
+    live = slot_hash.nonzero()[0]
+    assert src.index.lookup(slot_hash[live]).tolist() == live.tolist()
+    assert src.index.lookup(np.array(replaced, dtype=np.uint64)).tolist() == [-1] * len(replaced)
