@@ -132,3 +132,76 @@ def test_token_hashes_and_the_chain_are_the_documented_formula(ps):
     plain: list[int] = []
     terms = [t[2 + j] ^ ((j * M2) & MASK) for j in range(4)]
     assert chain_ints(h0, terms, plain) == want[5] and plain == want[2:6]
+
+
+def unmix(y: int) -> int:
+    """The inverse of mix (each step is invertible: an xor-shift by s undone by repeating it, a multiply by the
+    inverse of an odd number mod 2^64)."""
+    def unshift(x, s):
+        out = x
+        for _ in range(64 // s + 1):
+            out = x ^ (out >> s)
+        return out
+    y = unshift(y, 31)
+    y = (y * pow(M2, -1, 2**64)) & MASK
+    y = unshift(y, 27)
+    y = (y * pow(M1, -1, 2**64)) & MASK
+    return unshift(y, 30)
+
+
+def test_a_zero_chained_hash_becomes_one_in_a_batch_of_prompts_too():
+    """A one-token page crafted so that its chain is 0 (T_0 = h_-1): 0 marks 'no page', so it is kept as 1, on the
+    batch path (several prompts) as on the one-prompt path; the next page chains from the true value 0."""
+    rng = np.random.default_rng(0)
+    assert all(unmix(mix(x)) == x for x in rng.integers(0, 2**63, 20).tolist())
+    ns = 3
+    token = (unmix((ns + GOLD) & MASK) - GOLD) & MASK                # mix(token + 1 x GOLD) summed alone = ns + GOLD
+    first = np.array([token], dtype=np.uint64).view(np.int64)
+    other = rng.integers(1, 50_000, 3)
+    pages = np.concatenate((first, other[:1], other[1:])).reshape(-1, 1)     # prompt A: 2 pages; prompt B: 2 pages
+    full, starts = np.array([2, 2]), np.array([0, 2])
+    col = np.array([0, 1, 0, 1])
+    got = page_hashes(pages, col, starts, full, np.array([ns, 0]))
+    t1 = mix(mix((int(other[0]) + GOLD) & MASK))
+    assert got[0] == 1 and got[1] == mix(0 ^ t1 ^ M2)
+    one = page_hashes(pages[:2], col[:2], starts[:1], full[:1], np.array([ns]))
+    assert one.tolist() == got[:2].tolist()
+
+
+def test_low64_keeps_zero_as_one():
+    assert low64(bytes(range(24)) + bytes(8)) == 1
+    assert low64(bytes(24) + (5).to_bytes(8, "big")) == 5
+    assert low64(bytes([0xFF] * 32)) == MASK
+
+
+def test_cbor_refuses_what_it_cannot_encode_by_name():
+    with pytest.raises(ValueError, match=r"^integer 18446744073709551616 does not fit CBOR's 64-bit argument$"):
+        hashing.cbor(2**64)
+    with pytest.raises(TypeError, match=r"^cannot CBOR-encode float$"):
+        hashing.cbor((1, 2.5))
+    assert hashing.cbor(2**64 - 1) == bytes.fromhex("1bffffffffffffffff") and hashing.cbor(-2**64) == \
+        bytes.fromhex("3bffffffffffffffff")
+
+
+def test_the_vllm_hash_fn_hashes_each_prompt_with_its_own_salt_and_key():
+    """VllmHash over a batch of prompts of different namespaces equals vllm_block_hashes of each prompt alone with
+    its (salt, extra key), low 64 bits; a prompt without a full page is skipped."""
+    from kvservice.core.prefix import Namespaces
+
+    names = Namespaces()
+    ids, new = names.ids(["", "tenant-a", "tenant-b", ""], ["", "", "lora", "lora"])
+    names.add(new)
+    fn = hashing.make_hash_fn("vllm-sha256-cbor", names, "seed-9")
+    rng = np.random.default_rng(9)
+    full = np.array([2, 0, 3, 1, 2], dtype=np.int64)
+    ns = np.array([ids[1], ids[0], ids[2], ids[3], ids[0]], dtype=np.int64)
+    pages = rng.integers(0, 2**33, (int(full.sum()), 4))
+    starts = np.cumsum(full) - full
+    col = np.concatenate([np.arange(f) for f in full]).astype(np.int64)
+    got = fn(pages, col, starts, full, ns)
+    want = []
+    for st, f, i in zip(starts.tolist(), full.tolist(), ns.tolist(), strict=True):
+        salt, key = names.name_of(i)
+        want += [low64(d) for d in ref_block_hashes(pages[st:st + f], "seed-9", salt, key)]
+    assert got.tolist() == want
+    assert hashing.make_hash_fn("kvservice", names) is page_hashes
