@@ -11,7 +11,7 @@ import pytest
 
 from kvservice.contract.geometry import CacheSpec, LayerSpec
 from kvservice.contract.sizing import Sizing
-from kvservice.core.invariants import _repeats, check_pool_state, pool_problems
+from kvservice.core.invariants import _repeats, assert_invariants, check_pool_state, pool_problems
 from kvservice.core.planner import plan
 from kvservice.core.pool import Pool
 
@@ -204,3 +204,90 @@ def test_a_live_cache_entry_on_a_slot_that_is_not_cacheable_is_stale(busy):
     alloc.cacheable[slot] = False
     assert pool_problems(pool) == [f"group 0: cache entry {h:#x} -> slot {slot} is stale",
                                    f"group 0: {n - 1} cacheable slots, {n} cache entries"]
+
+
+def test_the_arrays_must_be_exactly_the_expected_names_dtypes_and_ranks(busy):
+    def drop(m, a):
+        del a["first/1"]
+
+    def extra(m, a):
+        a["zz/extra"] = np.zeros(3, dtype=np.int64)
+
+    def narrow(m, a):
+        a["rows"] = a["rows"].astype(np.int32)
+
+    def rank2(m, a):
+        a["num_tokens"] = a["num_tokens"].reshape(-1, 1)
+
+    def version(m, a):
+        m["version"] = 99
+    assert broken(busy, drop) == ["arrays ['first/1'] missing or unexpected"]
+    assert broken(busy, extra) == ["arrays ['zz/extra'] missing or unexpected"]
+    assert broken(busy, narrow) == ["array rows is int32 with 1 dims, expected int64 with 1"]
+    assert broken(busy, rank2) == ["array num_tokens is int64 with 2 dims, expected int64 with 1"]
+    got = broken(busy, version)
+    assert len(got) == 1 and got[0].startswith("pool state version 99 is not one of ")
+
+
+def test_cached_slots_need_a_registered_page_and_a_prefix_cache(busy):
+    a = busy.export_state().arrays
+    cached = a["cached/0"]
+    assert len(cached)
+    gone = int(np.flatnonzero(a["prefix/0/slot"] == cached[0])[0])
+
+    def unregister(m, a):
+        for k in [k for k in a if k.startswith("prefix/0/")]:
+            a[k] = np.delete(a[k], gone, axis=0)
+    assert broken(busy, unregister) == ["group 0: a cached free slot holds no registered page"]
+
+    def no_cache(m, a):
+        m["prefix_caching"] = False
+        for k in [k for k in a if k.startswith("prefix/")]:
+            del a[k]
+    want = [f"group {g}: cached free slots without a prefix cache" for g in (0, 1) if len(a[f"cached/{g}"])]
+    assert want and broken(busy, no_cache) == want
+
+
+def test_at_most_twelve_problems_are_listed_in_the_order_checked(busy):
+    st = busy.export_state()
+    a0 = st.arrays
+
+    def many(m, a):
+        a["seq_ids"][1] = a["seq_ids"][0]
+        a["rows"][0], a["rows"][1] = a["rows"][1], a["rows"][0]
+        a["free_rows"][0] = -1
+        m["row_capacity"] = 10**6
+        a["generation/0"][0] = -1
+        a["first/0"][0] = 1
+        a["generation/1"][0] = -1
+        a["first/1"][0] = 10**4
+        m["prefix"]["namespaces"] = [[s, k, i + 5] for s, k, i in m["prefix"]["namespaces"]]
+        m["prefix"]["hits"] = [-1] * len(m["prefix"]["hits"])
+        a["prefix/0/hash"][0] = 0
+        a["prefix/1/namespace"][0] = 99
+        m["steps"] = -1
+    got = broken(busy, many)
+    num, free, num_rows = len(a0["seq_ids"]), len(a0["free_rows"]), int(st.meta["num_rows"])
+    held0 = int((-(-a0["num_tokens"] // PS)).sum())
+    assert got == [
+        "a sequence id is live twice", "sequence rows are not distinct, sorted and below num_rows",
+        "free rows are out of range, repeated, or also live",
+        f"{num} live + {free} free rows != num_rows {num_rows}, or row capacity {10**6} is off",
+        f"group 0: slot generations are not {NUM_SLOTS} values in [0, 2^32)",
+        "group 0: a full-attention group released pages", f"group 0: {held0} slots for {held0 - 1} held pages",
+        f"group 1: slot generations are not {NUM_SLOTS} values in [0, 2^32)",
+        "group 1: a first held page is outside [0, held]", "prefix cache: namespace ids are not 0..K-1",
+        "prefix cache: hit counts per group are missing or negative",
+        "group 0: prefix cache slots out of range or repeated, or hashes zero or repeated"]
+
+
+def test_assert_invariants_names_the_first_problem_and_the_next_two(busy):
+    pool = Pool.from_state(busy.export_state(), busy.plan)
+    cache, alloc = pool.prefixes[0], pool.allocators[0]
+    h, slot = next(iter(cache.by_hash.items()))
+    n = int(alloc.cacheable.sum())
+    alloc.cacheable[slot] = False
+    with pytest.raises(AssertionError) as err:
+        assert_invariants(pool)
+    assert str(err.value) == (f"group 0: cache entry {h:#x} -> slot {slot} is stale (and 1 more: group 0: {n - 1} "
+                              f"cacheable slots, {n} cache entries)")
