@@ -14,7 +14,7 @@ PS = 3
 def chains(parents_h, hashes):
     """Run boundaries: a page starts a new chain unless its parent is the page before it."""
     cuts = [0] + [i for i in range(1, len(hashes)) if parents_h[i] != hashes[i - 1]] + [len(hashes)]
-    return list(zip(cuts, cuts[1:], strict=False))
+    return [(cuts[i], cuts[i + 1]) for i in range(len(cuts) - 1)]
 
 
 @pytest.mark.parametrize(("window", "named"), [(0, False), (0, True), (12, True)])
