@@ -216,3 +216,63 @@ def test_unknown_fields_are_listed_up_to_eight_then_counted(count):
     m = model_cache(cfg, allow_unknown_keys=True)
     assert m.unknown_keys == tuple(names)
     assert f"unknown fields accepted (--allow-unknown-keys), not read: {', '.join(names)}" in m.notes
+
+
+def test_derived_heads_and_head_dims_are_noted_with_their_formula():
+    base = llama()
+    assert "head_dim" not in base and base["num_attention_heads"] == 32 and base["hidden_size"] == 4096
+    m = model_cache(base)
+    assert "head_dim missing: 128 (= hidden_size 4096 / num_attention_heads 32)" in m.notes
+    mha = model_cache({k: v for k, v in base.items() if k != "num_key_value_heads"})
+    assert "num_key_value_heads missing: 32 (= num_attention_heads, multi-head attention)" in mha.notes
+    assert {la.kv_heads for la in mha.spec.layers} == {32}
+    with pytest.raises(InvalidArgument) as err:
+        model_cache({k: v for k, v in base.items() if k not in ("num_key_value_heads", "num_attention_heads")})
+    assert err.value.message == "config.json: neither 'num_key_value_heads' nor 'num_attention_heads' is given"
+
+
+def test_an_auto_mamba_head_dim_is_expand_x_hidden_over_heads_and_noted():
+    """Granite 4 / Bamba's 'auto': mamba_expand x hidden_size / heads (2 x 4480 / 128 = 70 on Nemotron-Nano)."""
+    cfg = {**heldout("nvidia-nemotron-nano-9b-v2"), "mamba_head_dim": "auto", "mamba_expand": 2}
+    m = model_cache(cfg)
+    assert "mamba_head_dim='auto': 70 (mamba_expand x hidden_size / mamba_num_heads)" in m.notes
+    conv, ssm = 3 * (128 * 70 + 2 * 8 * 128), 128 * 70 * 128
+    assert {(s.conv_elems, s.ssm_elems) for s in m.state_layers} == {(conv, ssm)}
+
+
+def test_summary_reports_every_figure():
+    m = load_model_cache(HELDOUT / "jamba-v0.1.json")
+    inner = 8192
+    per = (3 * inner + 16 * inner) * BF16
+    assert m.summary() == {
+        "model_type": "jamba", "tp": 1, "layer_types": list(m.layer_types), "paged_layers": [4, 12, 20, 28],
+        "kv_bytes_per_token": 4 * 2 * 8 * 128 * BF16, "state_layers": 28, "state_bytes_per_seq": 28 * per,
+        "state": "not paged: managed by the engine", "unknown_keys": [], "notes": list(m.notes)}
+    plain = model_cache(llama()).summary()
+    assert (plain["state"], plain["state_layers"], plain["state_bytes_per_seq"]) == ("", 0, 0)
+    assert plain["kv_bytes_per_token"] == 32 * 2 * 8 * 128 * BF16
+
+
+def test_input_that_is_not_a_config_is_refused_by_name(tmp_path):
+    with pytest.raises(InvalidArgument) as err:
+        model_cache([1, 2])
+    assert err.value.message == "config.json: expected a JSON object, got list"
+    with pytest.raises(InvalidArgument) as err:
+        model_cache({**llama(), "text_config": "llama"})
+    assert err.value.message == "config.json: field 'text_config' must be an object"
+    missing = tmp_path / "nope.json"
+    with pytest.raises(InvalidArgument) as err:
+        load_model_cache(missing)
+    assert err.value.message == f"cannot read model config {missing}: No such file or directory"
+    bad = tmp_path / "bad.json"
+    bad.write_text("{\"a\": 1,")
+    with pytest.raises(InvalidArgument) as err:
+        load_model_cache(bad)
+    assert err.value.message.startswith(f"{bad}: not valid JSON (Expecting ")
+
+
+def test_a_model_without_a_paged_layer_names_its_kinds_sorted():
+    cfg = {**heldout("nvidia-nemotron-nano-9b-v2"), "hybrid_override_pattern": "M-EM-E", "num_hidden_layers": 6}
+    with pytest.raises(InvalidArgument) as err:
+        model_cache(cfg)
+    assert err.value.message.startswith("config.json: no layer pages K/V (every layer is mamba, mlp, moe); there ")
