@@ -180,3 +180,16 @@ def test_policies_by_name_start_with_no_links():
         assert type(pol) is cls and pol.name == name
         assert pol.children.dtype == np.int32 and pol.parent_of.dtype == np.int64
         assert pol.children.tolist() == [0] * 37 and pol.parent_of.tolist() == [-1] * 37
+
+
+def test_a_rebuilt_policy_orders_by_release_stamp_whatever_the_maps_order():
+    """After a restore, cached_at comes in slot or state order, not release order: both policies order by stamp
+    (ties by the lower slot for lru-leaf; lru keeps the map's order among equal stamps)."""
+    cached_at = {5: 3, 2: 1, 7: 2, 0: 3, 4: 0}
+    lru = Lru(8, cached_at)
+    lru.rebuild()
+    assert lru.order() == [4, 2, 7, 5, 0]
+    leaf = LruLeaf(8, dict(cached_at))
+    leaf.rebuild()
+    assert leaf.order() == [4, 2, 7, 0, 5]
+    assert leaf.evict(5) == [4, 2, 7, 0, 5]
