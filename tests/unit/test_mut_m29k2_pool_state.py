@@ -1,0 +1,144 @@
+"""kvservice/core/pool_codec.py and pool_state.py: a pool as plain data, checked against PoolState's documented
+layout (pool_state.py's docstring) and against what was done to the pool (counted here), and a rebuilt pool
+that must behave exactly as the original from then on, prefix-cache hits included.
+
+copy_ids: the documented IdRuns form (element i of run k is tops[k] - i) checked against runs found here by a
+plain Python scan, on arrays that cross its 1 M-element chunks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvservice.contract.errors import ResourceExhausted
+from kvservice.contract.geometry import CacheSpec, LayerSpec
+from kvservice.contract.sizing import Sizing
+from kvservice.core.invariants import assert_invariants
+from kvservice.core.planner import plan
+from kvservice.core.pool import Pool
+from kvservice.core.pool_state import IdRuns, as_array, copy_ids
+
+PS = 4
+SPEC = CacheSpec((LayerSpec(1, 64), LayerSpec(1, 64, sliding_window=6), LayerSpec(2, 32)), PS, "per_layer")
+
+
+def _pool(mode: str, seed: str) -> Pool:
+    return Pool("p", plan(SPEC, Sizing(num_slots=80, max_seq_len=64)), prefix_caching=True, model="m-1",
+                prefix_hash=mode, prefix_hash_seed=seed)
+
+
+def _drive(pool: Pool, rng: np.random.Generator) -> tuple[int, int, list[np.ndarray]]:
+    """Random steps with prompts, extensions, a fork and frees; (steps done, admissions, prompts admitted)."""
+    steps = admitted = 0
+    prompts = []
+    base = rng.integers(1, 50_000, 40)
+    live: list[int] = []
+    next_id = 1000
+    for i in range(12):
+        n = int(rng.integers(PS + 1, 24))
+        toks = np.concatenate((base[:n // 2], rng.integers(1, 50_000, n - n // 2))) if i % 2 else base[:n]
+        ext = [s for s in live if rng.random() < 0.5]
+        kw = {"admit_ids": [next_id], "admit_tokens": [n], "admit_token_ids": toks}
+        if ext:
+            kw |= {"extend_ids": ext, "extend_tokens": [int(k) for k in rng.integers(1, 3, len(ext))]}
+        pool.step(**kw)
+        prompts.append(toks)
+        live.append(next_id)
+        next_id += 1
+        steps += 1
+        admitted += 1
+        if i == 5:
+            pool.step(fork_parents=[live[0]], fork_children=[next_id])
+            live.append(next_id)
+            next_id += 1
+            steps += 1
+        if i in (3, 8):
+            pool.step(free_ids=[live.pop(1)])
+            steps += 1
+    return steps, admitted, prompts
+
+
+@pytest.mark.parametrize("mode", ["kvservice", "vllm-sha256-cbor"])
+def test_export_holds_the_documented_fields_and_a_rebuilt_pool_behaves_the_same(mode):
+    rng = np.random.default_rng(2828)
+    seed = f"seed-{int(rng.integers(1, 10**9))}"
+    pool = _pool(mode, seed)
+    steps, admitted, prompts = _drive(pool, rng)
+    with pytest.raises(ResourceExhausted):
+        pool.step(admit_ids=list(range(9990, 9996)), admit_tokens=[64] * 6)          # 96 pages of 80
+    st = pool.export_state()
+    m, a = st.meta, st.arrays
+    assert (m["steps"], m["admitted"], m["refused"], m["alloc_failures"]) == (steps, admitted, 1, {"out_of_slots": 1})
+    assert (m["name"], m["model"], m["prefix_caching"], m["prefix_hash"], m["prefix_hash_seed"], m["sharing"]) == \
+        ("p", "m-1", True, mode, seed, True)
+    assert (m["num_slots"], m["group_slots"], m["max_seq_len"]) == (80, [80, 80], 64)
+    ids, toks = pool.sequences()
+    order = np.argsort(a["rows"])
+    assert np.array_equal(a["rows"], np.sort(a["rows"]))                  # row order
+    assert sorted(a["seq_ids"].tolist()) == ids.tolist()
+    by_id = dict(zip(ids.tolist(), toks.tolist(), strict=True))
+    assert a["num_tokens"].tolist() == [by_id[s] for s in a["seq_ids"].tolist()]
+    for g in range(2):
+        want = [pool.sequence_slots(s, g) for s in a["seq_ids"][order].tolist()]
+        assert a[f"slots/{g}"].tolist() == np.concatenate(want).tolist()
+        assert a[f"first/{g}"].tolist() == [pool.first_page(s, g) for s in a["seq_ids"].tolist()]
+        assert sorted(a[f"free_stack/{g}"].tolist() + a[f"cached/{g}"].tolist()) == \
+            sorted(pool.allocators[g].free_slots().tolist())
+    assert any(int(x) > 0 for x in a["first/1"])                          # the window released pages
+
+    twin = Pool.from_state(st, pool.plan)
+    assert (twin.prefix_hash, twin.prefix_hash_seed, twin.model, twin.steps, twin.admitted, twin.refused) == \
+        (mode, seed, "m-1", steps, admitted, 1)
+    assert_invariants(twin)
+    # the same prompts again: the rebuilt pool must find the same cached pages (its hashes are the original's)
+    again = {"admit_ids": [5000, 5001], "admit_tokens": [len(prompts[0]), len(prompts[3])],
+             "admit_token_ids": np.concatenate((prompts[0], prompts[3]))}
+    want, got = pool.step(**again), twin.step(**again)
+    assert want.cached_tokens.tolist() == got.cached_tokens.tolist()
+    assert int(want.cached_tokens[0]) >= PS
+    for ws, gs in zip(want.tables, got.tables, strict=True):
+        assert np.array_equal(ws.slot_mapping, gs.slot_mapping)
+        assert np.array_equal(ws.table.indices, gs.table.indices)
+    ids = pool.sequences()[0]
+    nxt = {"free_ids": ids[:1], "extend_ids": ids[1:], "extend_tokens": np.full(len(ids) - 1, 3)}
+    want, got = pool.step(**nxt), twin.step(**nxt)
+    for ws, gs in zip(want.tables, got.tables, strict=True):
+        assert np.array_equal(ws.slot_mapping, gs.slot_mapping)
+    assert twin.export_state().meta == pool.export_state().meta
+
+
+def _runs(a: list[int]) -> list[int]:
+    """Start index of every run of consecutive descending ids, by a plain scan."""
+    return [i for i in range(len(a)) if i == 0 or a[i] != a[i - 1] - 1]
+
+
+@pytest.mark.parametrize("n", [2**20 + 1, 2**20 + 2**19, 2 * 2**20 + 3])
+def test_copy_ids_finds_the_runs_of_a_long_free_stack_across_chunks(n):
+    rng = np.random.default_rng(n)
+    # a few runs, breaks placed at and around the 1 M chunk edges
+    cuts = sorted({int(c) for c in rng.integers(1, n, 5)} | {c for c in (2**20 - 1, 2**20, 2**20 + 1) if c < n})
+    a = np.empty(n, dtype=np.int32)
+    lo = 0
+    for hi in [*cuts, n]:
+        a[lo:hi] = int(rng.integers(hi - lo, 10**8)) - np.arange(hi - lo)
+        lo = hi
+    got = copy_ids(a)
+    assert isinstance(got, IdRuns)                      # > 1 M ids, few breaks: kept as runs, not copied
+    assert got.n == n and got.starts.dtype == np.int64 and got.tops.dtype == np.int64
+    want_starts = _runs(a.tolist())
+    assert want_starts == [0, *cuts]
+    assert got.starts.tolist() == want_starts
+    assert got.tops.tolist() == [int(a[s]) + s for s in want_starts]
+    assert np.array_equal(as_array(got), a.astype(np.int64))
+
+
+def test_copy_ids_copies_short_or_broken_stacks():
+    rng = np.random.default_rng(5)
+    short = np.arange(2**20, 0, -1, dtype=np.int64)      # one run, but not longer than a chunk
+    got = copy_ids(short)
+    assert not isinstance(got, IdRuns) and np.array_equal(got, short) and got is not short
+    shuffled = rng.permutation(2**20 + 100).astype(np.int32)   # > n / 64 breaks: a plain copy
+    got = copy_ids(shuffled)
+    assert not isinstance(got, IdRuns) and got.dtype == np.int64 and np.array_equal(got, shuffled)
+    assert as_array(got) is got
