@@ -1,0 +1,184 @@
+"""A Step's phases (pool_validate, pool_plan, pool_commit) and fast paths (fastpaths.py) on cases chosen to
+reach each of them, against the reference model (tests/refmodel.py through tests/differential.py's replay),
+against a twin pool whose fast paths are off, and against refusal messages written out by hand.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvservice.contract.errors import AlreadyExists, InvalidArgument, NotFound
+from kvservice.contract.geometry import CacheSpec, LayerSpec
+from kvservice.contract.sizing import Sizing
+from kvservice.core.invariants import assert_invariants
+from kvservice.core.planner import plan
+from kvservice.core.pool import Pool
+from tests.differential import KINDS, replay
+from tests.refmodel import Step
+
+
+def _state(pool: Pool) -> tuple:
+    ids, toks = pool.sequences()
+    slots = [[pool.sequence_slots(i, g).tolist() for g in range(len(pool.allocators))] for i in ids.tolist()]
+    return (ids.tolist(), toks.tolist(), slots, [a.num_free for a in pool.allocators],
+            [a.free_slots().tolist() for a in pool.allocators], pool.steps, pool.admitted)
+
+
+def _one_group_pool(fast: bool = True) -> Pool:
+    pool = Pool("p", plan(CacheSpec((LayerSpec(2, 64),) * 2, 4, "per_layer"), Sizing(num_slots=64, max_seq_len=40)))
+    pool._fast = fast
+    return pool
+
+
+@pytest.mark.parametrize("step, exc, message", [
+    ({"fork_parents": [1, 2], "fork_children": [9]}, InvalidArgument,
+     "fork_parent_ids has 2 entries, fork_child_ids 1"),
+    ({"fork_parents": np.zeros(0, dtype=np.int64), "fork_children": [9, 10, 11]}, InvalidArgument,
+     "fork_parent_ids has 0 entries, fork_child_ids 3"),
+    ({"extend_ids": [1, 2], "extend_tokens": [1]}, InvalidArgument, "extend_num_tokens has 1 entries for 2 sequence ids"),
+    ({"admit_ids": [5], "admit_tokens": [0]}, InvalidArgument, "admit_num_tokens must be > 0 tokens per sequence, got 0"),
+    ({"extend_ids": [1, 1], "extend_tokens": [1, 1]}, InvalidArgument,
+     "sequence 1 appears more than once in one step; each sequence may be freed, extended, admitted or created by "
+     "a fork once per step"),
+    ({"free_ids": [2], "extend_ids": [2], "extend_tokens": [1]}, InvalidArgument,
+     "sequence 2 appears more than once in one step; each sequence may be freed, extended, admitted or created by "
+     "a fork once per step"),
+    ({"extend_ids": [7], "extend_tokens": [1]}, NotFound, "extend_seq_ids: sequence 7 is not in pool 'p'"),
+    ({"free_ids": [8]}, NotFound, "free_seq_ids: sequence 8 is not in pool 'p'"),
+    ({"fork_parents": [6], "fork_children": [9]}, NotFound, "fork_parent_ids: sequence 6 is not in pool 'p'"),
+    ({"admit_ids": [2], "admit_tokens": [3]}, AlreadyExists, "sequence 2 is already in pool 'p'"),
+    ({"fork_parents": [1], "fork_children": [2]}, AlreadyExists, "sequence 2 is already in pool 'p'"),
+    ({"free_ids": [1], "fork_parents": [1], "fork_children": [9]}, InvalidArgument,
+     "fork parent 1 is freed in the same step"),
+    ({"extend_ids": [2, 1], "extend_tokens": [1, 30]}, InvalidArgument,
+     "extend: sequence 1 would hold 41 tokens; pool 'p' takes at most max_seq_len=40"),
+    ({"admit_ids": [3, 4], "admit_tokens": [40, 41]}, InvalidArgument,
+     "admit: sequence 4 would hold 41 tokens; pool 'p' takes at most max_seq_len=40"),
+    ({"admit_ids": [3], "admit_tokens": [4], "admit_token_ids": [1, 2, 3, 4]}, InvalidArgument,
+     "pool 'p' was created without prefix caching; admit_token_ids are not accepted"),
+    ({"extend_ids": [1], "extend_tokens": [1], "admit_salts": ["x"]}, InvalidArgument,
+     "admit_cache_salts given for a step with no admissions; send it only with admit_seq_ids (one entry per "
+     "admission, token ids: their sum)"),
+])
+@pytest.mark.parametrize("fast", [True, False])
+def test_refused_steps_name_the_problem_and_change_nothing(step, exc, message, fast):
+    pool = _one_group_pool(fast)
+    pool.step(admit_ids=[1, 2], admit_tokens=[10, 5])
+    pool.step(extend_ids=[1, 2], extend_tokens=[1, 1])      # an extend-only batch: the next may repeat it
+    before = _state(pool)
+    with pytest.raises(exc) as e:
+        pool.step(**step)
+    assert e.value.message == message
+    assert _state(pool) == before
+    assert_invariants(pool)
+
+
+@pytest.mark.parametrize("kind", ["uniform", "interleaved", "sliding", "hybrid"])
+@pytest.mark.parametrize("fast", [True, False])
+def test_repeated_permuted_and_shrunk_decode_batches_match_the_model(kind, fast):
+    ops = [Step(adm=[(1, 9), (2, 3), (3, 14)]),
+           *[Step(ext=[(1, 1), (2, 1), (3, 1)]) for _ in range(6)],          # the same batch again and again
+           Step(ext=[(3, 1), (1, 1), (2, 1)]),                               # the same ids in another order
+           *[Step(ext=[(3, 2), (1, 1), (2, 5)]) for _ in range(3)],          # repeated, other counts
+           Step(ext=[(3, 1), (1, 1)]),                                        # a shorter batch
+           Step(ext=[(3, 1), (2, 1)]),                                        # same length, another id
+           Step(ext=[(3, 1), (2, 1)], tables=False),
+           Step(free=[2], ext=[(3, 1)]),
+           Step(ext=[(3, 1), (1, 1)]),
+           Step(adm=[(2, 4)], ext=[(3, 1), (1, 1)]),                          # id 2 again, another row maybe
+           *[Step(ext=[(3, 1), (1, 1), (2, 1)], block_table=True) for _ in range(3)]]
+    replay(KINDS[kind], ops, fast=fast)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_freeing_parents_with_their_forks_in_one_step_matches_the_model(fast):
+    # one full-attention group: frees go through the fast path's counted release (slots owned several times)
+    ops = [Step(adm=[(1, 10), (2, 7)]),
+           Step(forks=[(1, 3), (1, 4)]),
+           Step(forks=[(3, 5), (2, 6)]),
+           Step(ext=[(2, 3)]),
+           Step(free=[1, 3, 5]),                      # every owner of 1's full pages but 4 at once
+           Step(free=[4], adm=[(7, 12)]),
+           Step(forks=[(7, 8)]),
+           Step(free=[7, 8, 6, 2], adm=[(9, 20)]),     # all at once, with an admission
+           Step(free=[9])]
+    replay(KINDS["uniform"], ops, fast=fast)
+    replay(KINDS["interleaved"], ops, fast=fast)
+    pool = _one_group_pool(fast)
+    pool.step(admit_ids=[1], admit_tokens=[10])
+    pool.step(fork_parents=[1, 1], fork_children=[2, 3])
+    pool.step(free_ids=[1, 2])
+    assert pool.num_free_slots == 64 - 3 and pool.sequence_slots(3).tolist() == pool.sequence_slots(3).tolist()
+    pool.step(free_ids=[3])
+    assert pool.num_free_slots == 64
+    assert_invariants(pool)
+
+
+def _pools(kind: str) -> tuple[Pool, Pool]:
+    k = KINDS[kind]
+    a, b = (Pool(k.name, plan(k.spec, k.sizing), prefix_caching=k.prefix_caching) for _ in range(2))
+    return a, b
+
+
+@pytest.mark.parametrize("kind", ["uniform", "sliding", "hybrid", "prefix"])
+def test_a_step_without_tables_or_mappings_replies_no_spaces_and_changes_the_same(kind):
+    lean, full = _pools(kind)
+    rng = np.random.default_rng(len(kind))
+    steps = [{"admit_ids": [1, 2, 3], "admit_tokens": [9, 4, 13]},
+             {"extend_ids": [1, 2, 3], "extend_tokens": [1, 1, 1]},
+             {"extend_ids": [1, 2, 3], "extend_tokens": [1, 1, 1]},          # a repeated batch (decode path)
+             {"free_ids": [2], "extend_ids": [3], "extend_tokens": [2], "admit_ids": [4], "admit_tokens": [6]},
+             {"fork_parents": [1], "fork_children": [5]},
+             {"free_ids": [1, 5], "extend_ids": [3, 4], "extend_tokens": [1, 3]}]
+    for st in steps:
+        st = {k: np.asarray(v) for k, v in st.items()}
+        got = lean.step(**st, tables=False, mappings=False)
+        want = full.step(**st)
+        assert got.tables == ()
+        assert got.seq_ids.tolist() == want.seq_ids.tolist() and got.num_tokens.tolist() == want.num_tokens.tolist()
+        assert got.new_token_indptr.tolist() == want.new_token_indptr.tolist()
+        assert got.num_free_slots == want.num_free_slots
+        assert _state(lean) == _state(full)
+        # mappings without tables: the slot mappings are the full reply's
+        ids = lean.sequences()[0]
+        ext = {"extend_ids": ids, "extend_tokens": rng.integers(1, 3, len(ids))}
+        got = lean.step(**ext, tables=False, mappings=True)
+        want = full.step(**ext)
+        assert len(got.tables) == len(want.tables) > 0
+        for gs, ws in zip(got.tables, want.tables, strict=True):
+            assert np.array_equal(gs.slot_mapping, ws.slot_mapping)
+    assert_invariants(lean)
+
+
+def _prompt_ops(rng: np.random.Generator, ps: int) -> list:
+    """Admissions sharing prefixes (several per step, in and across steps), extended past sliding windows and
+    freed, so that hits are found, cut short by a window group's cache, and taken by later prompts of a step."""
+    base = [int(x) for x in rng.integers(1, 1000, 12 * ps)]
+    other = [int(x) for x in rng.integers(1, 1000, 12 * ps)]
+
+    def adm(ids_lens: list[tuple[int, list[int]]]) -> Step:
+        return Step(adm=[(i, len(t)) for i, t in ids_lens], token_ids=[x for _, t in ids_lens for x in t])
+
+    ops = [adm([(1, base[:5 * ps + 1])]),
+           adm([(2, base[:3 * ps] + other[:2]), (3, other[:4 * ps]), (4, base[:6 * ps + 2])]),
+           Step(ext=[(1, ps * 3), (3, 1)]),
+           adm([(5, other[:4 * ps + 3]), (6, base[:2 * ps] + other[:ps]), (7, base[:9 * ps])]),
+           Step(free=[1, 4]),
+           adm([(8, base[:8 * ps + 1]), (9, other[:3 * ps + 1] + base[:ps])]),
+           Step(free=[2, 3, 5, 6]),
+           adm([(10, base[:7 * ps]), (11, other[:5 * ps]), (12, base[:ps + 1])]),
+           Step(ext=[(10, 2 * ps), (8, 1)]),
+           Step(free=[7, 8, 9, 10, 11, 12]),
+           adm([(13, other[:6 * ps]), (14, base[:10 * ps + 3]), (15, base[:10 * ps + 3])])]
+    return ops
+
+
+@pytest.mark.parametrize("kind", ["prefix", "prefix_interleaved", "prefix_hybrid", "prefix_hybrid_interleaved",
+                                  "prefix_sliding_only", "prefix_sized_hybrid"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_prefix_hits_of_several_prompts_per_step_match_the_model(kind, seed):
+    k = KINDS[kind]
+    ops = _prompt_ops(np.random.default_rng(seed), k.spec.page_size)
+    replay(k, ops, fast=True)
+    replay(k, ops, fast=False)
