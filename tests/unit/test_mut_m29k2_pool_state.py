@@ -67,8 +67,12 @@ def test_export_holds_the_documented_fields_and_a_rebuilt_pool_behaves_the_same(
     steps, admitted, prompts = _drive(pool, rng)
     with pytest.raises(ResourceExhausted):
         pool.step(admit_ids=list(range(9990, 9996)), admit_tokens=[64] * 6)          # 96 pages of 80
+    pool.incarnation = inc = int(rng.integers(1, 10**6))
+    pool.events.seq = ev = int(rng.integers(1, 10**6))
     st = pool.export_state()
     m, a = st.meta, st.arrays
+    assert (m["incarnation"], m["events_seq"], m["row_capacity"], m["num_rows"]) == \
+        (inc, ev, len(pool._num_tokens), pool._num_rows)
     assert (m["steps"], m["admitted"], m["refused"], m["alloc_failures"]) == (steps, admitted, 1, {"out_of_slots": 1})
     assert (m["name"], m["model"], m["prefix_caching"], m["prefix_hash"], m["prefix_hash_seed"], m["sharing"]) == \
         ("p", "m-1", True, mode, seed, True)
@@ -90,6 +94,7 @@ def test_export_holds_the_documented_fields_and_a_rebuilt_pool_behaves_the_same(
     twin = Pool.from_state(st, pool.plan)
     assert (twin.prefix_hash, twin.prefix_hash_seed, twin.model, twin.steps, twin.admitted, twin.refused) == \
         (mode, seed, "m-1", steps, admitted, 1)
+    assert (twin.incarnation, twin.events.seq, twin.alloc_failures, twin.name) == (inc, ev, {"out_of_slots": 1}, "p")
     assert_invariants(twin)
     # the same prompts again: the rebuilt pool must find the same cached pages (its hashes are the original's)
     again = {"admit_ids": [5000, 5001], "admit_tokens": [len(prompts[0]), len(prompts[3])],

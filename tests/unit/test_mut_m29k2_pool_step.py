@@ -182,3 +182,51 @@ def test_prefix_hits_of_several_prompts_per_step_match_the_model(kind, seed):
     ops = _prompt_ops(np.random.default_rng(seed), k.spec.page_size)
     replay(k, ops, fast=True)
     replay(k, ops, fast=False)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_out_of_slots_refusal_counts_free_and_released_slots_by_hand(fast):
+    from kvservice.contract.errors import ResourceExhausted
+    pool = _one_group_pool(fast)
+    pool.step(admit_ids=[1, 2], admit_tokens=[10, 5])          # 3 + 2 pages of 4 tokens: 59 free
+    before = _state(pool)
+    with pytest.raises(ResourceExhausted) as e:                # 7 x 10 pages, 59 free + 2 freed by the step
+        pool.step(free_ids=[2], admit_ids=list(range(3, 10)), admit_tokens=[40] * 7)
+    assert e.value.message == ("pool 'p': this step needs 70 slots in layer group 0 but only 61 are free (59 free + "
+                               "2 released by this step) of 64; free or preempt sequences, or plan a bigger pool")
+    assert e.value.metadata == {"needed": "70", "free": "61", "num_slots": "64", "group": "0"}
+    assert _state(pool) == before and (pool.refused, pool.alloc_failures) == (1, {"out_of_slots": 1})
+    pool.step(free_ids=[2], admit_ids=list(range(3, 9)), admit_tokens=[40] * 6)    # 60 of 61: taken
+    assert pool.num_free_slots == 1 and pool.refused == 1
+
+
+def test_the_group_that_runs_out_first_is_named():
+    from kvservice.contract.errors import ResourceExhausted
+    k = KINDS["sized_hybrid"]                       # groups: full (40 slots), window 6 (14), window 13 (20)
+    pool = Pool(k.name, plan(k.spec, k.sizing))
+    with pytest.raises(ResourceExhausted) as e:     # 4 x ceil(16 / 4) pages in every group
+        pool.step(admit_ids=[1, 2, 3, 4], admit_tokens=[16] * 4)
+    assert e.value.message == (f"pool {k.name!r}: this step needs 16 slots in layer group 1 but only 14 are free "
+                               "(14 free + 0 released by this step) of 14; free or preempt sequences, or plan a "
+                               "bigger pool")
+    assert pool.num_sequences == 0 and pool.steps == 0 and pool.refused == 1
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"admit_token_ids": np.ones((2, 3), dtype=np.int64)},
+     "admit_token_ids must be a 1-D integer array, got shape (2, 3) dtype int64"),
+    ({"admit_token_ids": np.ones(6, dtype=np.float32)},
+     "admit_token_ids must be a 1-D integer array, got shape (6,) dtype float32"),
+    ({"admit_token_ids": np.ones(5, dtype=np.int64)}, "admit_token_ids has 5 ids; admit_num_tokens add up to 6"),
+    ({"admit_token_ids": np.ones(6, dtype=np.int64), "admit_salts": ["a"]},
+     "admit_cache_salts has 1 entries for 2 admissions; give one per admission or none"),
+])
+def test_prompt_inputs_are_checked_against_the_admissions(kw, message):
+    k = KINDS["prefix"]
+    pool = Pool(k.name, plan(k.spec, k.sizing), prefix_caching=True)
+    pool.step(admit_ids=[1], admit_tokens=[9], admit_token_ids=np.arange(1, 10))
+    before = _state(pool)
+    with pytest.raises(InvalidArgument) as e:
+        pool.step(admit_ids=[2, 3], admit_tokens=[4, 2], **kw)
+    assert e.value.message == message
+    assert _state(pool) == before
