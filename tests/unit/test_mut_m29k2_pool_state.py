@@ -147,3 +147,14 @@ def test_copy_ids_copies_short_or_broken_stacks():
     got = copy_ids(shuffled)
     assert not isinstance(got, IdRuns) and got.dtype == np.int64 and np.array_equal(got, shuffled)
     assert as_array(got) is got
+
+
+def test_spec_runs_group_equal_consecutive_layers_and_mark_k_only_runs():
+    from kvservice.core.pool_state import spec_runs
+    a, b = LayerSpec(1, 64), LayerSpec(1, 576, "bfloat16", k_only=True)
+    c, d = LayerSpec(2, 32, sliding_window=13), LayerSpec(1, 576, "bfloat16")      # d: b's shape, not K-only
+    spec = CacheSpec((a, a, b, b, b, a, c, c, d, d, b), 4, "per_layer")
+    assert spec_runs(spec) == [[1, 64, "float16", 0, 2], [1, 576, "bfloat16", 0, 3, True], [1, 64, "float16", 0, 1],
+                               [2, 32, "float16", 13, 2], [1, 576, "bfloat16", 0, 2], [1, 576, "bfloat16", 0, 1, True]]
+    pool = Pool("s", plan(spec, Sizing(num_slots=8, max_seq_len=16)))
+    assert pool.export_state().meta["spec"] == {"page_size": 4, "layout": "per_layer", "layers": spec_runs(spec)}

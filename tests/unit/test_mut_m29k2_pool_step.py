@@ -230,3 +230,27 @@ def test_prompt_inputs_are_checked_against_the_admissions(kw, message):
         pool.step(admit_ids=[2, 3], admit_tokens=[4, 2], **kw)
     assert e.value.message == message
     assert _state(pool) == before
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_refusals_of_wide_batches_name_the_first_offender(fast):
+    pool = Pool("w", plan(CacheSpec((LayerSpec(1, 64),), 4, "per_layer"), Sizing(num_slots=256, max_seq_len=50)))
+    pool._fast = fast
+    ids = list(range(100, 112))
+    pool.step(admit_ids=ids, admit_tokens=list(range(20, 32)))       # 12 rows: more than a few
+    pool.step(extend_ids=ids, extend_tokens=[5] * 7 + [20] + [1] * 4)      # 107: 27 + 20 = 47 of 50: taken
+    before = _state(pool)
+    with pytest.raises(InvalidArgument) as e:
+        pool.step(extend_ids=ids, extend_tokens=[1] * 7 + [4] + [2] * 4)
+    assert e.value.message == "extend: sequence 107 would hold 51 tokens; pool 'w' takes at most max_seq_len=50"
+    assert e.value.metadata == {"seq_id": "107", "max_seq_len": "50"}
+    with pytest.raises(AlreadyExists) as e:
+        pool.step(admit_ids=[1, 2, 3, 4, 5, 6, 7, 111, 8, 103], admit_tokens=[1] * 10)
+    assert e.value.message == "sequence 111 is already in pool 'w'"
+    with pytest.raises(AlreadyExists) as e:
+        pool.step(admit_ids=[1, 2, 3, 4, 5, 6, 7, 8, 9], admit_tokens=[1] * 9, fork_parents=[100], fork_children=[104])
+    assert e.value.message == "sequence 104 is already in pool 'w'"
+    with pytest.raises(InvalidArgument) as e:
+        pool.step(free_ids=ids[:6], extend_ids=ids[5:], extend_tokens=[1] * 7)
+    assert "sequence 105 appears more than once in one step" in e.value.message
+    assert _state(pool) == before
