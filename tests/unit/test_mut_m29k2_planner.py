@@ -60,8 +60,11 @@ def test_max_batch_plans_against_hand_computed_counts_and_notes(max_batch, max_s
 
 
 def _fit(budget: int, caps: list[int | None]) -> int:
+    def cost(n: int) -> int:
+        return sum(min(n, c) * b if c is not None else n * b for c, b in zip(caps, SLOT_BYTES, strict=True))
+
     n = 0
-    while sum(min(n + 1, c) * b if c is not None else (n + 1) * b for c, b in zip(caps, SLOT_BYTES)) <= budget:
+    while cost(n + 1) <= budget:
         n += 1
     return n
 
@@ -76,7 +79,7 @@ def test_budget_plans_are_the_largest_that_fit(seed):
     n = _fit(budget, [None, cap])
     p = plan(SPEC, Sizing(memory_budget_bytes=budget, max_batch=max_batch, max_seq_len=3000))
     assert [g.num_slots for g in p.geometry.groups] == [n, min(n, cap)]
-    assert sum(g.num_slots * b for g, b in zip(p.geometry.groups, SLOT_BYTES)) <= budget
+    assert sum(g.num_slots * b for g, b in zip(p.geometry.groups, SLOT_BYTES, strict=True)) <= budget
     assert p.notes == ((_note(cap, max_batch, eff),) if n >= cap else ())
     # no max_batch: no cap, every group n
     m = _fit(budget, [None, None])
@@ -147,7 +150,7 @@ def test_aliases_and_the_native_layer_rule():
     assert check_backends(16, ["native"], ok) == ["native"]
     assert check_backends(16, ["flashinfer"], [(96, "float8_e4m3")]) == ["flashinfer"]     # no layer rule
     for i, bad in ((2, (96, "float16")), (1, (128, "float8_e4m3"))):
-        layers = ok[:i] + [bad] + ok
+        layers = [*ok[:i], bad, *ok]
         with pytest.raises(FailedPrecondition) as exc:
             check_backends(16, ["native"], layers)
         e = exc.value

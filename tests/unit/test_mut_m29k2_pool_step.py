@@ -36,8 +36,10 @@ def _one_group_pool(fast: bool = True) -> Pool:
      "fork_parent_ids has 2 entries, fork_child_ids 1"),
     ({"fork_parents": np.zeros(0, dtype=np.int64), "fork_children": [9, 10, 11]}, InvalidArgument,
      "fork_parent_ids has 0 entries, fork_child_ids 3"),
-    ({"extend_ids": [1, 2], "extend_tokens": [1]}, InvalidArgument, "extend_num_tokens has 1 entries for 2 sequence ids"),
-    ({"admit_ids": [5], "admit_tokens": [0]}, InvalidArgument, "admit_num_tokens must be > 0 tokens per sequence, got 0"),
+    ({"extend_ids": [1, 2], "extend_tokens": [1]}, InvalidArgument,
+     "extend_num_tokens has 1 entries for 2 sequence ids"),
+    ({"admit_ids": [5], "admit_tokens": [0]}, InvalidArgument,
+     "admit_num_tokens must be > 0 tokens per sequence, got 0"),
     ({"extend_ids": [1, 1], "extend_tokens": [1, 1]}, InvalidArgument,
      "sequence 1 appears more than once in one step; each sequence may be freed, extended, admitted or created by "
      "a fork once per step"),

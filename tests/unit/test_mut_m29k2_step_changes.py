@@ -79,7 +79,7 @@ def _ops(rng: np.random.Generator, max_len: int, ps: int, prefix: bool, live: di
             yield {"fork_parents": par, "fork_children": kids}
             continue
         cand = [s for s, n in live.items() if n < max_len]
-        if r < 0.55 and cand and len(live) <= 5:                                          # a decode batch, maybe repeated
+        if r < 0.55 and cand and len(live) <= 5:                    # a decode batch, maybe repeated
             batch = [int(x) for x in rng.choice(cand, min(len(cand), int(rng.integers(1, 12))), replace=False)]
             for _ in range(int(rng.integers(1, 4))):
                 batch = [s for s in batch if live[s] < max_len]
