@@ -163,3 +163,12 @@ def test_aliases_and_the_native_layer_rule():
         check_backends(16, ["cudnn"])
     assert exc.value.message == ("unknown kernel backend 'cudnn'; known: native, flashinfer, flash-attn2, "
                                  "vllm-flash-attn, candle-flash-attn, trtllm")
+
+
+def test_a_plan_over_2_63_bytes_is_refused_with_its_size():
+    big = CacheSpec((LayerSpec(1024, 512, "float32"),), 16, "per_layer")   # a slot: 2 x 1024 x 512 x 4 x 16 = 2^26 B
+    assert plan(big, Sizing(num_slots=2**37 - 1)).total_bytes == (2**37 - 1) * 2**26      # just under 2^63
+    with pytest.raises(InvalidArgument) as exc:
+        plan(big, Sizing(num_slots=2**37))
+    assert exc.value.message == (f"this plan needs {2**63} bytes of cache, more than the 2^63 - 1 any address space "
+                                 "holds; check kv_heads, head_dim and the sizing")

@@ -110,7 +110,33 @@ def test_export_holds_the_documented_fields_and_a_rebuilt_pool_behaves_the_same(
     want, got = pool.step(**nxt), twin.step(**nxt)
     for ws, gs in zip(want.tables, got.tables, strict=True):
         assert np.array_equal(ws.slot_mapping, gs.slot_mapping)
-    assert twin.export_state().meta == pool.export_state().meta
+    mine, theirs = pool.export_state(), twin.export_state()
+    assert theirs.meta == mine.meta
+    assert sorted(theirs.arrays) == sorted(mine.arrays)
+    for key, arr in mine.arrays.items():                   # rows reused in the same order: the same arrays
+        assert np.array_equal(as_array(theirs.arrays[key]), as_array(arr)), key
+
+
+def test_cached_pages_are_stamped_with_the_step_that_released_them():
+    rng = np.random.default_rng(44)
+    pool = Pool("c", plan(CacheSpec((LayerSpec(1, 64),), 4, "per_layer"), Sizing(num_slots=64, max_seq_len=64)),
+                prefix_caching=True)
+    prompts = [rng.integers(1, 10**6, n) for n in (13, 8, 21)]
+    pool.step(admit_ids=[1], admit_tokens=[13], admit_token_ids=prompts[0])             # step 1
+    pool.step(admit_ids=[2, 3], admit_tokens=[8, 21], admit_token_ids=np.concatenate(prompts[1:]))   # step 2
+    pool.step(extend_ids=[1, 2, 3], extend_tokens=[1, 1, 1])                            # step 3 (no release)
+    s2 = pool.sequence_slots(2).tolist()
+    pool.step(free_ids=[2])                                                             # step 4
+    s1, s3 = pool.sequence_slots(1).tolist(), pool.sequence_slots(3).tolist()
+    pool.step(extend_ids=[1], extend_tokens=[2])                                        # step 5
+    pool.step(free_ids=[3, 1])                                                          # step 6
+    a = pool.export_state().arrays
+    # full prompt pages stay cached (the pages past the prompt's full pages are freed outright)
+    stamp = dict(zip(a["cached/0"].tolist(), a["cached_stamp/0"].tolist(), strict=True))
+    assert {s: stamp[s] for s in s2[:2]} == {s2[0]: 4, s2[1]: 4}
+    assert {s: stamp[s] for s in s1[:3] + s3[:5]} == {s: 6 for s in s1[:3] + s3[:5]}
+    assert sorted(stamp) == sorted(s2[:2] + s1[:3] + s3[:5])
+    assert a["cached_stamp/0"].tolist() == sorted(a["cached_stamp/0"].tolist())           # eviction order: oldest first
 
 
 def _runs(a: list[int]) -> list[int]:

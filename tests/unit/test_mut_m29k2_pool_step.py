@@ -14,7 +14,7 @@ from kvservice.contract.sizing import Sizing
 from kvservice.core.invariants import assert_invariants
 from kvservice.core.planner import plan
 from kvservice.core.pool import Pool
-from tests.differential import KINDS, replay
+from tests.differential import KINDS, Kind, replay
 from tests.refmodel import Step
 
 
@@ -53,6 +53,8 @@ def _one_group_pool(fast: bool = True) -> Pool:
     ({"fork_parents": [1], "fork_children": [2]}, AlreadyExists, "sequence 2 is already in pool 'p'"),
     ({"free_ids": [1], "fork_parents": [1], "fork_children": [9]}, InvalidArgument,
      "fork parent 1 is freed in the same step"),
+    ({"free_ids": [2], "fork_parents": [1, 2], "fork_children": [9, 10]}, InvalidArgument,
+     "fork parent 2 is freed in the same step"),
     ({"extend_ids": [2, 1], "extend_tokens": [1, 30]}, InvalidArgument,
      "extend: sequence 1 would hold 41 tokens; pool 'p' takes at most max_seq_len=40"),
     ({"admit_ids": [3, 4], "admit_tokens": [40, 41]}, InvalidArgument,
@@ -172,7 +174,14 @@ def _prompt_ops(rng: np.random.Generator, ps: int) -> list:
            adm([(10, base[:7 * ps]), (11, other[:5 * ps]), (12, base[:ps + 1])]),
            Step(ext=[(10, 2 * ps), (8, 1)]),
            Step(free=[7, 8, 9, 10, 11, 12]),
-           adm([(13, other[:6 * ps]), (14, base[:10 * ps + 3]), (15, base[:10 * ps + 3])])]
+           adm([(13, other[:6 * ps]), (14, base[:10 * ps + 3]), (15, base[:10 * ps + 3])]),
+           Step(free=[13, 14]),
+           adm([(16, base[:6 * ps])]),                # one prompt per step: its hit is one slice of cached pages
+           adm([(17, other[:5 * ps + 2])]),
+           Step(ext=[(16, 1), (17, ps)]),
+           adm([(18, base[:11 * ps])]),
+           Step(free=[15, 16, 17, 18]),
+           adm([(19, base[:3 * ps] + other[:ps])])]
     return ops
 
 
@@ -256,3 +265,59 @@ def test_refusals_of_wide_batches_name_the_first_offender(fast):
         pool.step(free_ids=ids[:6], extend_ids=ids[5:], extend_tokens=[1] * 7)
     assert "sequence 105 appears more than once in one step" in e.value.message
     assert _state(pool) == before
+
+
+WIDE = Kind("wide", CacheSpec((LayerSpec(2, 64),) * 2, 4, "per_layer"), 160, 64)
+WIDE_HYBRID = Kind("wide_hybrid", CacheSpec((LayerSpec(1, 64), LayerSpec(1, 32, sliding_window=9)), 4, "per_layer"),
+                   200, 64)
+
+
+@pytest.mark.parametrize("kind", [WIDE, WIDE_HYBRID], ids=lambda k: k.name)
+@pytest.mark.parametrize("fast", [True, False])
+def test_wide_batches_sharing_partly_filled_pages_copy_them_as_the_model_does(kind, fast):
+    ids = list(range(1, 13))
+    ops = [Step(adm=[(i, 4 * (i % 3) + 1 + i % 2) for i in ids]),        # every last page partly filled
+           Step(ext=[(i, 1) for i in ids]),                                # 12 rows, none gains a page
+           Step(forks=[(i, 100 + i) for i in ids[::2]]),                   # 6 children share their parents' pages
+           Step(ext=[(i, 1) for i in ids]),                                # > 8 rows: copy-on-write of shared pages
+           Step(ext=[(100 + i, 2) for i in ids[::2]] + [(i, 3) for i in ids[1::2]]),
+           Step(forks=[(i, 200 + i) for i in ids[1::2]]),
+           Step(ext=[(i, 1) for i in ids[1::2]] + [(200 + i, 1) for i in ids[1::2]]),
+           Step(free=ids[:9], ext=[(100 + i, 1) for i in ids[::2]]),
+           Step(free=[100 + i for i in ids[::2]] + [200 + i for i in ids[1::2]] + ids[9:])]
+    replay(kind, ops, fast=fast)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_repeated_batch_that_needs_more_pages_than_are_free_is_refused_unchanged(fast):
+    ops = [Step(adm=[(1, 4), (2, 8), (3, 12)]),
+           Step(ext=[(1, 1), (2, 1), (3, 1)]),
+           *[Step(ext=[(1, 4), (2, 4), (3, 4)]) for _ in range(12)],          # the last ones run out of slots
+           Step(ext=[(1, 1), (2, 1), (3, 1)]),
+           Step(free=[2], ext=[(1, 1), (3, 1)])]
+    replay(KINDS["uniform"], ops, fast=fast)
+
+
+@pytest.mark.parametrize("prefix_kind", ["prefix", "prefix_hybrid"])
+@pytest.mark.parametrize("fast", [True, False])
+def test_admissions_reviving_cached_pages_are_refused_exactly_past_the_free_slots(prefix_kind, fast):
+    base = KINDS[prefix_kind]
+    k = Kind("tight", base.spec, 20, 80, prefix_caching=True)
+    ps = k.spec.page_size
+    rng = np.random.default_rng(3)
+    a = [int(x) for x in rng.integers(1, 900, 20 * ps)]
+    b = [int(x) for x in rng.integers(1, 900, 20 * ps)]
+    # A's 10 pages are cached when it leaves; B takes them and needs 10 more: exactly the 20 slots
+    ops = [Step(adm=[(1, 10 * ps)], token_ids=a[:10 * ps]),
+           Step(free=[1]),
+           Step(adm=[(2, 20 * ps)], token_ids=a[:20 * ps]),
+           Step(free=[2]),
+           Step(adm=[(3, 1)], token_ids=b[:1]),                                  # holds one slot
+           Step(adm=[(4, 20 * ps)], token_ids=a[:20 * ps]),                      # one page short: refused
+           Step(adm=[(4, 19 * ps)], token_ids=a[:19 * ps]),
+           Step(free=[3, 4]),
+           Step(adm=[(5, 8 * ps), (6, 12 * ps)], token_ids=a[:8 * ps] + a[:12 * ps]),
+           Step(free=[5, 6]),
+           Step(adm=[(7, 1), (8, 20 * ps)], token_ids=b[:1] + a[:20 * ps]),      # two prompts: 21 pages
+           Step(adm=[(8, 20 * ps)], token_ids=a[:20 * ps])]
+    replay(k, ops, fast=fast)

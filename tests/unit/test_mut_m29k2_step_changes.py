@@ -17,7 +17,8 @@ from kvservice.contract.errors import ResourceExhausted
 from kvservice.core.invariants import assert_invariants
 from kvservice.core.planner import plan
 from kvservice.core.pool import Pool
-from tests.differential import KINDS
+from tests.differential import KINDS, replay
+from tests.refmodel import Step
 
 
 def _pages(pool: Pool, s: int) -> list[tuple[int, list[int]]]:
@@ -30,6 +31,11 @@ def _check(pool: Pool, kw: dict):
     e_k = [int(x) for x in kw.get("extend_tokens", [])]
     tokens = dict(zip(*(x.tolist() for x in pool.sequences()), strict=True))
     before = {s: _pages(pool, s) for s in e_ids}
+    owners: list[dict[int, int]] = [{} for _ in pool.allocators]       # slot -> live sequences holding it
+    for s in tokens:
+        for g, (_, slots) in enumerate(_pages(pool, s)):
+            for x in slots:
+                owners[g][x] = owners[g].get(x, 0) + 1
     try:
         res = pool.step(**kw)
     except ResourceExhausted:
@@ -48,6 +54,7 @@ def _check(pool: Pool, kw: dict):
                 counts.append(h1 - h0)
                 slots += s1[h0 - f1:]
             if old % ps and h0 - 1 >= f1 and s0[h0 - 1 - f0] != s1[h0 - 1 - f1]:
+                assert owners[g][s0[h0 - 1 - f0]] > 1, "copy-on-write of a page no other sequence held"
                 cow.append(i)
                 cow_slots.append(s1[h0 - 1 - f1])
                 copies.append([s0[h0 - 1 - f0], s1[h0 - 1 - f1]])
@@ -140,3 +147,32 @@ def test_reported_changes_and_copies_are_what_happened_to_the_pages(kind, fast, 
     if fast and not forks and not k.prefix_caching:
         assert repeats > 20                      # the decode fast path answered
     assert_invariants(pool)
+
+
+def _as_step(kw: dict) -> Step:
+    def ids(key: str) -> list[int]:
+        return [int(x) for x in kw.get(key, [])]
+    ext = list(zip(ids("extend_ids"), ids("extend_tokens"), strict=True))
+    adm = list(zip(ids("admit_ids"), ids("admit_tokens"), strict=True))
+    forks = list(zip(ids("fork_parents"), ids("fork_children"), strict=True))
+    tok = [int(x) for x in kw["admit_token_ids"]] if "admit_token_ids" in kw else None
+    return Step(free=ids("free_ids"), forks=forks, ext=ext, adm=adm, token_ids=tok)
+
+
+@pytest.mark.parametrize("kind, fast, forks", [("uniform", True, True), ("uniform", True, False),
+                                               ("prefix_hybrid", True, True), ("sized_hybrid", False, True)])
+def test_the_same_op_streams_match_the_reference_model(kind, fast, forks):
+    k = KINDS[kind]
+    pool = Pool(k.name, plan(k.spec, k.sizing), prefix_caching=k.prefix_caching)
+    live: dict[int, int] = {}
+    steps = []
+    for kw in _ops(np.random.default_rng(sum(map(ord, kind))), k.max_seq_len, k.spec.page_size, k.prefix_caching,
+                   live, forks):
+        try:
+            pool.step(**kw)
+        except ResourceExhausted:
+            pass
+        steps.append(_as_step(kw))
+        live.clear()
+        live.update(zip(*(x.tolist() for x in pool.sequences()), strict=True))
+    replay(k, steps, fast=fast)
