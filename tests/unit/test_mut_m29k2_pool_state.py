@@ -56,6 +56,8 @@ def _drive(pool: Pool, rng: np.random.Generator) -> tuple[int, int, list[np.ndar
         if i in (3, 8):
             pool.step(free_ids=[live.pop(1)])
             steps += 1
+    pool.step(free_ids=[live.pop(2), live.pop(4), live.pop(5)])      # rows left free, reused in order later
+    steps += 1
     return steps, admitted, prompts
 
 
@@ -117,10 +119,12 @@ def test_export_holds_the_documented_fields_and_a_rebuilt_pool_behaves_the_same(
         assert np.array_equal(as_array(theirs.arrays[key]), as_array(arr)), key
 
 
-def test_cached_pages_are_stamped_with_the_step_that_released_them():
+@pytest.mark.parametrize("fast", [True, False])
+def test_cached_pages_are_stamped_with_the_step_that_released_them(fast):
     rng = np.random.default_rng(44)
     pool = Pool("c", plan(CacheSpec((LayerSpec(1, 64),), 4, "per_layer"), Sizing(num_slots=64, max_seq_len=64)),
                 prefix_caching=True)
+    pool._fast = fast                                      # the one-full-group fast path, or the general path
     prompts = [rng.integers(1, 10**6, n) for n in (13, 8, 21)]
     pool.step(admit_ids=[1], admit_tokens=[13], admit_token_ids=prompts[0])             # step 1
     pool.step(admit_ids=[2, 3], admit_tokens=[8, 21], admit_token_ids=np.concatenate(prompts[1:]))   # step 2
