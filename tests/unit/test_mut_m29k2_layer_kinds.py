@@ -103,6 +103,10 @@ def test_sliding_rules_and_their_notes_reach_the_callers_list(seed):
     assert layer_kinds({"num_hidden_layers": n, "sliding_window": w}, notes=notes) == [SLIDING] * n
     assert notes == [f"sliding_window={w} with no layer pattern: every layer slides"]
     assert layer_kinds({"num_hidden_layers": n}) == [FULL] * n
+    for model_type in ("gemma2", "gemma3", "gemma3_text"):       # the type's rule needs a window to slide
+        notes = []
+        assert layer_kinds({"num_hidden_layers": n, "model_type": model_type}, notes=notes) == [FULL] * n
+        assert notes == []
     assert layer_kinds({"num_hidden_layers": n, "sliding_window": None}) == [FULL] * n
 
 

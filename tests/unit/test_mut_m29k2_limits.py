@@ -100,3 +100,19 @@ def test_a_step_whose_sums_could_wrap_is_refused_exactly_past_the_pools_slots(pa
         [(1, big, 2 * big - 6), (2, big - 3, 2 * big - 6)]
     with pytest.raises(ResourceExhausted):
         check_step_counts("p", 2**63, both - 1, page_size, [("e", e), ("a", a)])
+
+
+def test_the_wrap_check_starts_exactly_at_2_62_and_max_seq_len_itself_is_allowed():
+    # (top // page_size + 2) x len = 2^62: summed exactly, and refused past the slots
+    at = np.array([2**62 - 2], dtype=np.int64)
+    with pytest.raises(ResourceExhausted):
+        check_step_counts("p", 2**63, 2**62 - 3, 1, [("e", at), ("a", None)])
+    assert check_step_counts("p", 2**63, 2**62 - 2, 1, [("e", at), ("a", None)]) == [(2**62 - 2,) * 3, None]
+    # one below: no sum can wrap, the pool itself refuses what does not fit
+    below = np.array([2**62 - 3], dtype=np.int64)
+    assert check_step_counts("p", 2**63, 5, 1, [("e", below), ("a", None)]) == [(2**62 - 3,) * 3, None]
+    # a count of exactly max_seq_len is taken, one more is not
+    counts = np.array([3, 500, 7], dtype=np.int64)
+    assert check_step_counts("p", 500, 100, 16, [("e", counts), ("a", counts)]) == [(3, 500, 510)] * 2
+    with pytest.raises(InvalidArgument):
+        check_step_counts("p", 499, 100, 16, [("e", counts), ("a", None)])

@@ -144,8 +144,12 @@ def test_every_backend_accepts_exactly_its_page_sizes_and_refuses_with_reason_an
 
 
 def test_aliases_and_the_native_layer_rule():
-    assert check_backends(512, [" FA2 ", "vllm", "candle", "TensorRT-LLM", "flash_attn2", "tensorrt_llm"]) == \
-        ["flash-attn2", "vllm-flash-attn", "candle-flash-attn", "trtllm", "flash-attn2", "trtllm"]
+    aliases = {"flash-attn-2": "flash-attn2", "flash_attn2": "flash-attn2", "fa2": "flash-attn2",
+               "vllm": "vllm-flash-attn", "vllm_flash_attn": "vllm-flash-attn", "candle": "candle-flash-attn",
+               "tensorrt-llm": "trtllm", "tensorrt_llm": "trtllm"}
+    for alias, name in aliases.items():
+        assert check_backends(512, [alias, f" {alias.upper()} "]) == [name, name]
+    assert check_backends(512, [*RULES]) == [*RULES]
     ok = [(hd, dt) for hd in (32, 64, 128, 256, 512) for dt in ("float16", "bfloat16", "float32")]
     assert check_backends(16, ["native"], ok) == ["native"]
     assert check_backends(16, ["flashinfer"], [(96, "float8_e4m3")]) == ["flashinfer"]     # no layer rule
@@ -172,3 +176,31 @@ def test_a_plan_over_2_63_bytes_is_refused_with_its_size():
         plan(big, Sizing(num_slots=2**37))
     assert exc.value.message == (f"this plan needs {2**63} bytes of cache, more than the 2^63 - 1 any address space "
                                  "holds; check kv_heads, head_dim and the sizing")
+
+
+def test_one_sequence_must_fit_each_group():
+    # full group: ceil(4096 / 16) = 256 pages; window group: ceil(1000 / 16) + 1 = 64 pages at most
+    assert [g.num_slots for g in plan(SPEC, Sizing(group_slots=(256, 64), max_seq_len=4096)).geometry.groups] == \
+        [256, 64]
+    for slots, g, need, has in (((256, 63), 1, 64, 63), ((255, 64), 0, 256, 255)):
+        with pytest.raises(InvalidArgument) as exc:
+            plan(SPEC, Sizing(group_slots=slots, max_seq_len=4096))
+        assert exc.value.message == (f"one sequence of max_seq_len 4096 tokens needs {need} slots in layer group {g}, "
+                                     f"but the group has {has} (from group_slots); raise the budget or lower "
+                                     "max_seq_len")
+    # a sequence shorter than the window needs only its own pages there
+    assert [g.num_slots for g in plan(SPEC, Sizing(group_slots=(20, 20), max_seq_len=320)).geometry.groups] == \
+        [20, 20]
+
+
+def test_budget_plans_when_the_capped_window_group_has_the_bigger_slots():
+    # full group: 2 x 1 x 64 x 2 x 16 = 4096 B a slot; window group (256): 2 x 8 x 128 x 2 x 16 = 65536 B
+    spec = CacheSpec((LayerSpec(1, 64, "float16"), LayerSpec(8, 128, "float16", 256)), 16, "per_layer")
+    cap = 2 * (256 // 16 + 1) + 256 // 16                  # max_batch 2, batched min(2048, 256) = 256: 50
+    for budget in (cap * 65536 + 1000 * 4096, cap * 65536 + 1000 * 4096 - 1, 40 * (4096 + 65536) + 5):
+        n = 0
+        while (n + 1) * 4096 + min(n + 1, cap) * 65536 <= budget:
+            n += 1
+        p = plan(spec, Sizing(memory_budget_bytes=budget, max_batch=2, max_seq_len=256))
+        assert [g.num_slots for g in p.geometry.groups] == [n, min(n, cap)]
+    assert n == 40 and [g.num_slots for g in p.geometry.groups] == [40, 40]

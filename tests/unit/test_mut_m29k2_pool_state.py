@@ -8,6 +8,8 @@ plain Python scan, on arrays that cross its 1 M-element chunks.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -188,3 +190,20 @@ def test_spec_runs_group_equal_consecutive_layers_and_mark_k_only_runs():
                                [2, 32, "float16", 13, 2], [1, 576, "bfloat16", 0, 2], [1, 576, "bfloat16", 0, 1, True]]
     pool = Pool("s", plan(spec, Sizing(num_slots=8, max_seq_len=16)))
     assert pool.export_state().meta["spec"] == {"page_size": 4, "layout": "per_layer", "layers": spec_runs(spec)}
+
+
+@pytest.mark.parametrize("extra", [0, 1])
+def test_copy_ids_keeps_runs_up_to_one_break_in_64_ids(extra):
+    n = 2**20 + 640
+    k = n // 64 + extra                                   # breaks: at most n // 64 are kept as runs
+    starts = np.linspace(0, n, k + 1, endpoint=False).astype(np.int64)[1:]
+    assert len(set(starts.tolist())) == k
+    a = np.empty(n, dtype=np.int64)
+    bounds = [0, *starts.tolist(), n]
+    for j, (lo, hi) in enumerate(itertools.pairwise(bounds)):
+        a[lo:hi] = (j + 1) * 10**7 - np.arange(hi - lo)     # each run far from the next: every start a break
+    got = copy_ids(a)
+    assert np.array_equal(as_array(got), a)
+    assert isinstance(got, IdRuns) == (extra == 0)
+    if not extra:
+        assert got.starts.tolist() == bounds[:-1]
