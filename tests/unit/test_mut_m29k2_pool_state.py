@@ -207,3 +207,15 @@ def test_copy_ids_keeps_runs_up_to_one_break_in_64_ids(extra):
     assert isinstance(got, IdRuns) == (extra == 0)
     if not extra:
         assert got.starts.tolist() == bounds[:-1]
+
+
+def test_a_state_from_before_event_numbers_and_hash_seeds_restores_their_defaults():
+    pool = _pool("kvservice", "vllm-none-hash")
+    pool.step(admit_ids=[1], admit_tokens=[9], admit_token_ids=np.arange(1, 10))
+    st = pool.export_state()
+    for key in ("events_seq", "prefix_hash", "prefix_hash_seed", "incarnation", "model"):
+        del st.meta[key]
+    twin = Pool.from_state(st, pool.plan)
+    assert (twin.events.seq, twin.prefix_hash, twin.prefix_hash_seed, twin.incarnation, twin.model) == \
+        (0, "kvservice", "vllm-none-hash", 0, "")
+    assert_invariants(twin)

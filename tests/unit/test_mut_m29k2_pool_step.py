@@ -321,3 +321,49 @@ def test_admissions_reviving_cached_pages_are_refused_exactly_past_the_free_slot
            Step(adm=[(7, 1), (8, 20 * ps)], token_ids=b[:1] + a[:20 * ps]),      # two prompts: 21 pages
            Step(adm=[(8, 20 * ps)], token_ids=a[:20 * ps])]
     replay(k, ops, fast=fast)
+
+
+TIGHT = Kind("tight_one_group", CacheSpec((LayerSpec(1, 64),) * 2, 4, "per_layer"), 16, 64, prefix_caching=True)
+TIGHT_HYBRID = Kind("tight_hybrid", CacheSpec((LayerSpec(1, 64), LayerSpec(1, 64, sliding_window=30)), 4,
+                                              "per_layer"), 16, 64, prefix_caching=True)
+
+
+@pytest.mark.parametrize("kind", [TIGHT, TIGHT_HYBRID], ids=lambda k: k.name)
+@pytest.mark.parametrize("fast", [True, False])
+def test_steps_at_the_exact_slot_boundary_match_the_model(kind, fast):
+    rng = np.random.default_rng(16)
+    p = [int(x) for x in rng.integers(1, 900, 64)]
+    ops = [
+        # (a) a freed sequence's cached pages taken back by an admission of the same step
+        Step(adm=[(1, 17)], token_ids=p[:17]),                    # 5 pages, 4 of them full (cached when freed)
+        Step(adm=[(2, 44)]),                                      # the other 11 slots
+        Step(free=[1], adm=[(3, 21)], token_ids=p[:21]),          # 4 revived + 2 new of 5 released: refused
+        Step(free=[1], adm=[(3, 20)], token_ids=p[:20]),          # 4 revived + 1 new: exactly fits
+        Step(free=[2, 3]),
+        # (b) a parent and its fork freed together (each slot owned twice) with an admission at the boundary
+        Step(adm=[(4, 9)]),                                       # 3 pages
+        Step(forks=[(4, 5)]),
+        Step(adm=[(6, 52)]),                                      # 13 pages: nothing left
+        Step(free=[4, 5], adm=[(7, 13)]),                         # 4 pages, 3 released: refused
+        Step(free=[4, 5], adm=[(7, 12)]),                         # 3 pages: exactly fits
+        Step(free=[6, 7]),
+        # (c) more than a few admissions at the boundary
+        Step(adm=list(zip(range(10, 19), [4] * 7 + [16, 21], strict=True))),   # 7 + 4 + 6 = 17 pages: refused
+        Step(adm=list(zip(range(10, 19), [3] * 7 + [16, 20], strict=True))),   # 7 + 4 + 5 = 16 pages: fits
+        Step(adm=[(30, 1)]),                                                    # nothing left: refused
+        Step(free=[10], adm=list(zip(range(31, 40), [1] * 9, strict=True))),   # 9 pages, 1 released: refused
+        Step(free=[17, 18], adm=list(zip(range(31, 40), [1] * 9, strict=True))),   # 9 of 9 released: fits
+    ]
+    replay(kind, ops, fast=fast)
+
+
+@pytest.mark.parametrize("kind", ["uniform", "hybrid", "prefix_hybrid"])
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_parent_extended_in_the_step_that_forks_it_copies_its_shared_last_page(kind, fast):
+    ops = [Step(adm=[(1, 6), (2, 8), (3, 13)]),
+           Step(forks=[(1, 4), (3, 5)], ext=[(1, 1), (2, 1), (3, 3)]),     # 1 and 3 write into pages 4 and 5 share
+           Step(ext=[(4, 1), (5, 2), (1, 1)]),
+           Step(forks=[(2, 6)], ext=[(2, 1)], free=[4]),
+           Step(ext=[(6, 1), (2, 1)]),
+           Step(free=[1, 2, 3, 5, 6])]
+    replay(KINDS[kind], ops, fast=fast)
