@@ -43,6 +43,9 @@ def _one_group_pool(fast: bool = True) -> Pool:
     ({"extend_ids": [1, 1], "extend_tokens": [1, 1]}, InvalidArgument,
      "sequence 1 appears more than once in one step; each sequence may be freed, extended, admitted or created by "
      "a fork once per step"),
+    ({"extend_ids": [1, 2], "extend_tokens": [1, 1], "fork_parents": [1, 2], "fork_children": [9, 9]},
+     InvalidArgument, "sequence 9 appears more than once in one step; each sequence may be freed, extended, "
+     "admitted or created by a fork once per step"),                # the last batch again, with forks
     ({"free_ids": [2], "extend_ids": [2], "extend_tokens": [1]}, InvalidArgument,
      "sequence 2 appears more than once in one step; each sequence may be freed, extended, admitted or created by "
      "a fork once per step"),
@@ -361,7 +364,8 @@ def test_steps_at_the_exact_slot_boundary_match_the_model(kind, fast):
 @pytest.mark.parametrize("fast", [True, False])
 def test_a_parent_extended_in_the_step_that_forks_it_copies_its_shared_last_page(kind, fast):
     ops = [Step(adm=[(1, 6), (2, 8), (3, 13)]),
-           Step(forks=[(1, 4), (3, 5)], ext=[(1, 1), (2, 1), (3, 3)]),     # 1 and 3 write into pages 4 and 5 share
+           Step(ext=[(1, 1), (2, 1), (3, 3)]),
+           Step(forks=[(1, 4), (3, 5)], ext=[(1, 1), (2, 1), (3, 3)]),     # the last batch again, forking 1 and 3
            Step(ext=[(4, 1), (5, 2), (1, 1)]),
            Step(forks=[(2, 6)], ext=[(2, 1)], free=[4]),
            Step(ext=[(6, 1), (2, 1)]),
