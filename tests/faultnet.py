@@ -199,3 +199,12 @@ def _close(*socks: socket.socket | None) -> None:
 
 
 __all__ = ["FaultNet", "Link"]
+
+
+def dead_address() -> str:
+    """host:port on 127.0.0.1 that nothing listens on: a port the kernel just handed out, closed again."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return f"127.0.0.1:{port}"

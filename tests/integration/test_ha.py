@@ -32,6 +32,7 @@ from kvservice.server.leader_gate import LeaderGate
 from kvservice.state.nats.journal import NatsConfig, NatsLink, NatsStore, retry_startup
 from kvservice.state.nats.leader import Lease, LeaseConfig, LeaseLapsed, LeaseLost
 from kvservice.state.tree import state_tree
+from tests.clocks import ManualClock
 
 from ..deploy.support import REPLICATED_METRICS, sample_names
 from ..natsutil import NatsCluster, require_nats_server
@@ -53,12 +54,6 @@ def fresh_name() -> str:
     return "t" + uuid.uuid4().hex[:10]
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 # ---- the lease ----------------------------------------------------------------------------------------
@@ -67,7 +62,7 @@ def test_lease_is_taken_by_compare_and_set_only_after_a_silent_ttl(nats3):
     config = NatsConfig(tuple(nats3.urls), name=fresh_name(), replicas=3)
     lc = LeaseConfig(ttl_seconds=6.0, renew_seconds=0.05, poll_seconds=0.1, margin_seconds=0.5)
     links = [NatsLink(config) for _ in range(3)]
-    clocks = [FakeClock() for _ in range(3)]
+    clocks = [ManualClock(1000.0) for _ in range(3)]
     try:
         a, b, c = (retry_startup("opening the lease", lambda link=link, clk=clk, n=n:   # as serve_ha opens it
                                  Lease(link, lc, n, f"addr-{n}", clock=clk), seconds=30)

@@ -12,27 +12,22 @@ from kvservice.client.codec import ClientError
 from kvservice.client.deadline import CallBudget, RetryPolicy, client_policy
 from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1 import worker_pb2 as wpb
+from tests.clocks import ManualClock
 
 UNAVAILABLE = ClientError(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses; Connection refused")
 EXPIRED = ClientError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture
-def clock(monkeypatch) -> FakeClock:
-    c = FakeClock()
+def clock(monkeypatch) -> ManualClock:
+    c = ManualClock(100.0)
     monkeypatch.setattr(deadline, "clock", c)
     return c
 
 
-def run(budget: CallBudget, clock: FakeClock, fail_after: float, err: ClientError = UNAVAILABLE,
+def run(budget: CallBudget, clock: ManualClock, fail_after: float, err: ClientError = UNAVAILABLE,
         ) -> tuple[list[tuple[float, float]], ClientError]:
     """Attempts that each fail `fail_after` seconds after being sent (or at their deadline, if sooner), the pauses
     slept on the fake clock; the (send time, timeout) of every attempt and the final error."""

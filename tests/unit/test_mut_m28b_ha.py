@@ -14,6 +14,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from kvservice.state.journal import JournalConfig
+from tests.clocks import ManualClock, until
 
 
 def _controller(nats1, epoch: int):
@@ -97,14 +98,8 @@ def test_a_takeover_gives_every_worker_record_a_fresh_lease_and_changes_nothing_
     from kvservice.manager.workers import WorkerRegistry
     from kvservice.server.ha import _refresh_worker_leases
 
-    class Clock:
-        now = 100.0
-
-        def __call__(self) -> float:
-            return self.now
-
     rng = np.random.default_rng(13)
-    clock = Clock()
+    clock = ManualClock(100.0)
     m = BlockManager()
     m.workers = reg = WorkerRegistry(5.0, clock)
     ids = [f"w{i}" for i in range(4)]
@@ -262,8 +257,6 @@ def test_a_served_standby_takes_over_names_its_nats_connection_and_readiness_fol
     """serve_ha: the manager connects as "kvservice-<node>"; readiness (health of the BlockManager service) turns
     SERVING once it leads, NOT_SERVING when told; once the process failed, nothing turns it back on."""
     import json
-    import threading
-    import time
     import urllib.request
 
     import grpc
@@ -277,14 +270,6 @@ def test_a_served_standby_takes_over_names_its_nats_connection_and_readiness_fol
     def names() -> set[str]:
         with urllib.request.urlopen(f"{nats1.monitor}/connz?limit=1024", timeout=10) as r:
             return {c.get("name", "") for c in json.load(r)["connections"] or ()}
-
-    def until(cond, seconds: float = 30.0) -> bool:
-        deadline = time.monotonic() + seconds
-        while not cond():
-            if time.monotonic() > deadline:
-                return False
-            threading.Event().wait(0.02)
-        return True
 
     node = "mgr-" + uuid.uuid4().hex[:6]
     config = NatsConfig(tuple(nats1.urls), name="h" + uuid.uuid4().hex[:10])

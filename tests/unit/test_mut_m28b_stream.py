@@ -19,21 +19,14 @@ from google.rpc import code_pb2
 from kvservice.contract.errors import InvalidArgument, JournalUnavailable
 from kvservice.server.stream import StreamRegistry, StreamSession
 from kvservice.v1 import block_manager_pb2 as pb
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.clocks import ManualClock
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_the_registry_keeps_and_drops_sessions_as_an_lru_model_with_idle_expiry(seed: int) -> None:
     rng = np.random.default_rng(seed)
     max_streams, idle = int(rng.integers(1, 5)), float(rng.integers(3, 12))
-    clock = Clock()
+    clock = ManualClock()
     reg = StreamRegistry(max_streams=max_streams, idle_seconds=idle, clock=clock)
     model: OrderedDict[tuple[str, str], list] = OrderedDict()      # key -> [session object, last_used]
     ids, tenants = [f"s{i}" for i in range(6)], ["", "t1", "t2"]
@@ -67,7 +60,7 @@ def test_the_registry_keeps_and_drops_sessions_as_an_lru_model_with_idle_expiry(
 
 
 def test_a_registry_holds_exactly_max_streams_sessions() -> None:
-    reg = StreamRegistry(max_streams=3, clock=Clock())
+    reg = StreamRegistry(max_streams=3, clock=ManualClock())
     kept = [reg.session(f"s{i}") for i in range(3)]
     assert len(reg) == 3
     assert [reg.session(f"s{i}") for i in range(3)] == kept        # all three found again at the cap

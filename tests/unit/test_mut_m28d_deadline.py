@@ -17,19 +17,12 @@ from kvservice.client import deadline
 from kvservice.client.codec import ClientError
 from kvservice.client.deadline import CallBudget, RetryPolicy
 from kvservice.v1 import block_manager_pb2 as pb
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.clocks import ManualClock
 
 
 @pytest.fixture
-def clock(monkeypatch) -> Clock:
-    c = Clock()
+def clock(monkeypatch) -> ManualClock:
+    c = ManualClock(1000.0)
     monkeypatch.setattr(deadline, "clock", c)
     return c
 

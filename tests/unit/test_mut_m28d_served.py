@@ -7,7 +7,6 @@ connects and raises UNAVAILABLE when none does.
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import grpc
 import numpy as np
@@ -21,6 +20,7 @@ from kvservice.contract.geometry import CacheSpec
 from kvservice.contract.pagetable import PageTable
 from kvservice.contract.sizing import Sizing
 from kvservice.server.app import serve
+from tests.faultnet import dead_address
 
 PAGE = 4
 SPEC = CacheSpec.uniform(2, 2, 8, "float16", PAGE)
@@ -36,14 +36,6 @@ def server():
             c.create_pool(name, SPEC, SIZING)
     yield target
     running.stop()
-
-
-def _dead_address() -> str:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return f"127.0.0.1:{port}"
 
 
 def _held(c: BlockManagerClient, pool: str) -> dict[int, int]:
@@ -141,7 +133,7 @@ def test_delete_pool_refuses_a_pool_with_live_sequences_unless_forced(server):
 
 
 def test_a_leader_clients_wait_ready_returns_once_an_address_connects_and_raises_when_none_does(server):
-    dead = _dead_address()
+    dead = dead_address()
     c = LeaderClient([dead, server], timeout=5.0)
     try:
         c.wait_ready(30.0)
@@ -179,7 +171,7 @@ def test_a_sync_stream_without_a_manager_keeps_its_request_pending():
     from kvservice.client.deadline import RetryPolicy
     from kvservice.client.stream import StepStream
 
-    dead = _dead_address()
+    dead = dead_address()
     with BlockManagerClient(dead, timeout=1.0, retry=RetryPolicy(initial_backoff=0.02, max_backoff=0.05)) as c:
         s = StepStream(c, "s", page_size=PAGE)
         with pytest.raises(ClientError) as err:
@@ -232,7 +224,7 @@ def test_the_unary_calls_answer_what_the_pool_holds(server):
         assert (ps.pool, ps.cached_tokens, ps.cached_pages, ps.page_size) == ("u", 12, 3, 4)
         assert c.echo(b"\x00\x01u") == b"\x00\x01u"
         c.delete_pool("u")
-    dead = _dead_address()
+    dead = dead_address()
     with BlockManagerClient(dead) as c, pytest.raises(ClientError) as e:
         c.wait_ready(0.2)
     assert e.value.code == grpc.StatusCode.UNAVAILABLE and e.value.message.startswith(f"no manager answered at {dead}")
@@ -274,7 +266,7 @@ def test_every_mutating_call_carries_a_request_id_fresh_or_given():
     gave up."""
     from kvservice.client.deadline import RetryPolicy
 
-    dead = _dead_address()
+    dead = dead_address()
     with BlockManagerClient(dead, timeout=2.0, retry=RetryPolicy(attempts=1)) as c:
         calls = {"step": lambda rid: c.step("s", admit=[1], admit_tokens=[2], request_id=rid),
                  "delete_pool": lambda rid: c.delete_pool("s", request_id=rid),
@@ -359,7 +351,7 @@ def test_a_paused_manager_cuts_the_step_at_its_deadline_and_an_ended_call_is_reo
 def test_a_leader_clients_event_stream_moves_past_a_dead_address_and_raises_a_refusal(server):
     from kvservice.client.deadline import RetryPolicy
 
-    dead = _dead_address()
+    dead = dead_address()
     with LeaderClient([dead, server], timeout=10.0, retry=RetryPolicy(initial_backoff=0.01, max_backoff=0.02,
                                                                       attempt_timeout=3.0, grpc_attempts=1)) as c:
         events = c.watch_events("s", from_sequence=0)

@@ -23,6 +23,7 @@ from kvservice.manager.api import ManagerAPI
 from kvservice.manager.pools import BlockManager
 from kvservice.server.stream import StreamSession
 from kvservice.v1 import block_manager_pb2 as pb
+from tests.clocks import ManualClock
 from tests.support_stream import MAX_LEN, NUM_SLOTS, PAGE, SPECS
 
 
@@ -145,13 +146,7 @@ def test_an_unanswered_request_names_stream_and_seq_and_stays_pending_unless_ref
 
 @pytest.fixture
 def clock(monkeypatch):
-    class Clock:
-        now = 50.0
-
-        def __call__(self) -> float:
-            return self.now
-
-    c = Clock()
+    c = ManualClock(50.0)
     monkeypatch.setattr(deadline, "clock", c)
     return c
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 
 import grpc
 import numpy as np
@@ -30,6 +29,7 @@ from kvservice.contract.pagetable import PageTable
 from kvservice.contract.sizing import Sizing
 from kvservice.server.app import serve
 from kvservice.v1 import block_manager_pb2 as pb
+from tests.faultnet import dead_address
 
 ADMIN, WA, WA2, RD = "admin-token-0123456789", "writer-a-token-0123456789", "writer-a2-token-0123456789", \
     "reader-a-token-0123456789"
@@ -52,15 +52,6 @@ def server():
             c.create_pool(name, SPEC, SIZING, prefix_caching=True)
     yield target
     running.stop()
-
-
-def _dead_address() -> str:
-    """An address nothing listens on (a port the kernel just handed out and that was closed again)."""
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return f"127.0.0.1:{port}"
 
 
 def _lens(rng: np.random.Generator, n: int) -> list[int]:
@@ -161,7 +152,7 @@ def test_the_asyncio_client_validates_a_page_table(server):
 def test_an_asyncio_call_that_meets_no_manager_names_its_request_id_and_address():
     """client.py: a call that gives up raises RETRIES_EXHAUSTED carrying its request_id (safe to send again) and
     the address it tried."""
-    dead = _dead_address()
+    dead = dead_address()
 
     async def run() -> ClientError:
         c = AsyncBlockManagerClient(dead, timeout=0.6, retry=RetryPolicy(initial_backoff=0.02, max_backoff=0.05))
@@ -204,7 +195,7 @@ def test_the_async_leader_clients_health_watch_is_opened_again_after_each_break(
             return super()._health_watch(index)
 
     async def run() -> None:
-        c = Counting(_dead_address(), token=RD)
+        c = Counting(dead_address(), token=RD)
         try:
             c._watch_health()                      # what the first call that breaks starts
             waiting = asyncio.ensure_future(reopened.wait())
@@ -219,7 +210,7 @@ def test_the_async_leader_clients_health_watch_is_opened_again_after_each_break(
 
 
 def test_a_leader_client_moves_past_an_address_where_no_manager_answers(server):
-    dead = _dead_address()
+    dead = dead_address()
     with LeaderClient([dead, server], token=RD, timeout=10) as c:
         assert c.echo(b"hop") == b"hop"
         assert c.current_target == server
@@ -324,7 +315,7 @@ def test_an_asyncio_stream_steps_on_its_pool(server):
 def test_an_asyncio_stream_reopens_until_its_deadline_then_keeps_the_request_pending():
     """stream.py: a broken stream is reopened (UNAVAILABLE) within the step's deadline; when none answered, the step
     raises UNAVAILABLE (RETRIES_EXHAUSTED) and the request stays pending, to be resent under its seq."""
-    dead = _dead_address()
+    dead = dead_address()
 
     async def run():
         c = AsyncBlockManagerClient(dead, timeout=2.0, retry=RetryPolicy(initial_backoff=0.02, max_backoff=0.05))
@@ -355,7 +346,7 @@ def test_an_undecodable_echo_stream_request_is_refused_naming_its_type(server):
 def test_a_leader_client_goes_round_the_addresses_in_order():
     """ha.py: a call that meets no manager moves the client to the next address, wrapping round; after one
     attempt each (attempts=1: no retry) the current address is the next one, then the first again."""
-    dead = [_dead_address() for _ in range(2)]
+    dead = [dead_address() for _ in range(2)]
     with LeaderClient(dead, timeout=5, retry=RetryPolicy(attempts=1, attempt_timeout=3.0, grpc_attempts=1)) as c:
         for want in (dead[1], dead[0], dead[1]):
             with pytest.raises(ClientError) as err:
@@ -437,7 +428,7 @@ def test_a_broken_health_watch_is_opened_again_after_a_doubling_pause():
                     enough.set()
             return super().wait_for(predicate, timeout)
 
-    c = LeaderClient(_dead_address(), timeout=5)
+    c = LeaderClient(dead_address(), timeout=5)
     c._serving = Recording(c._lock)
     try:
         c._watch_health()

@@ -21,6 +21,7 @@ from kvservice.contract.errors import StateError
 from kvservice.contract.geometry import CacheSpec
 from kvservice.contract.sizing import Sizing
 from kvservice.state.journal import Journal, JournalConfig
+from tests.clocks import until
 
 LEASE = 24 * 3600.0
 
@@ -96,11 +97,11 @@ def test_import_state_connects_as_kvservice_import_and_continues_the_state_dirs_
     inspects = lambda: sum(name == "kvservice-inspect" for name in closed_names().values())  # noqa: E731
     k = inspects()
     export_state(config, tmp_path / "sd")
-    assert _until(lambda: inspects() > k)    # the export's own connection, listed once the server saw it close
+    assert until(lambda: inspects() > k)    # the export's own connection, listed once the server saw it close
     before, epoch = closed_names(), int(np.random.default_rng(31).integers(2, 50))
     assert import_state(tmp_path / "sd", _config(nats1), epoch=epoch) == (position, epoch)
     opened = lambda: sorted(name for cid, name in closed_names().items() if cid not in before)  # noqa: E731
-    assert _until(lambda: len(opened()) >= 2)          # the server lists a close once it has seen it
+    assert until(lambda: len(opened()) >= 2)          # the server lists a close once it has seen it
     assert opened() == ["kvservice-import", "kvservice-import-journal"]
 
 
@@ -214,17 +215,6 @@ def test_a_sole_writers_nats_connections_are_named_as_the_tools(nats1) -> None:
         j.close(snapshot=False)
 
 
-def _until(cond, seconds: float = 30.0) -> bool:
-    """Wait for a condition another thread makes true (checked every 20 ms), at most `seconds`."""
-    import time
-    deadline = time.monotonic() + seconds
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        threading.Event().wait(0.02)
-    return True
-
-
 def test_a_standby_whose_consumer_vanished_reads_on_with_a_new_one(nats1, caplog) -> None:
     """Module code: a standby's consumer that delivers nothing while the stream holds more (its NATS node, R1 in
     memory, restarted) is replaced within about a second, and the warning says so; the standby then holds the
@@ -245,7 +235,7 @@ def test_a_standby_whose_consumer_vanished_reads_on_with_a_new_one(nats1, caplog
     caplog.set_level(logging.WARNING, logger="kvservice.server.ha")
     try:
         ha.start()
-        assert _until(lambda: standby.seq == writer.seq) and _live(standby) == want
+        assert until(lambda: standby.seq == writer.seq) and _live(standby) == want
         link = writer.store.link
         for c in link.call(link.js.consumers_info(config.stream), 10):
             link.call(link.js.delete_consumer(config.stream, c.name), 10)
@@ -253,7 +243,7 @@ def test_a_standby_whose_consumer_vanished_reads_on_with_a_new_one(nats1, caplog
         tokens = [int(t) for t in rng.integers(1, 30, len(ids))]
         writer.execute("Step", step_request("p", admit=ids, admit_tokens=tokens), writer.api.Step)
         want.update(zip(ids, tokens, strict=True))
-        assert _until(lambda: standby.seq == writer.seq), (standby.seq, writer.seq)
+        assert until(lambda: standby.seq == writer.seq), (standby.seq, writer.seq)
         assert _live(standby) == want and ha.role == "standby" and ha.failed is None
         notes = [r.getMessage() for r in caplog.records if r.name == "kvservice.server.ha"]
         assert any(n.startswith("standby: no journal message for 1 s while ") and

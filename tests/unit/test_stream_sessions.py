@@ -4,25 +4,18 @@ import pytest
 
 from kvservice.contract.errors import InvalidArgument, ResourceExhausted
 from kvservice.server.stream import StreamRegistry, StreamSession, error_reply
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.clocks import ManualClock
 
 
 def test_a_session_is_found_again_by_its_stream_id():
-    reg = StreamRegistry(max_streams=4, clock=Clock())
+    reg = StreamRegistry(max_streams=4, clock=ManualClock())
     s = reg.session("a")
     s.last_seq = 7
     assert reg.session("a") is s and reg.session("b") is not s and len(reg) == 2
 
 
 def test_sessions_beyond_max_streams_drop_the_oldest():
-    clock = Clock()
+    clock = ManualClock()
     reg = StreamRegistry(max_streams=3, clock=clock)
     first = [reg.session(f"s{i}") for i in range(3)]
     clock.now = 1.0
@@ -33,7 +26,7 @@ def test_sessions_beyond_max_streams_drop_the_oldest():
 
 
 def test_idle_sessions_expire_and_active_ones_do_not():
-    clock = Clock()
+    clock = ManualClock()
     reg = StreamRegistry(idle_seconds=10.0, clock=clock)
     idle, busy = reg.session("idle"), reg.session("busy")
     for t in (4.0, 8.0, 12.0):
@@ -148,7 +141,7 @@ def test_cost_check_runs_on_every_request_and_on_a_recreated_pool():
 
 def test_a_session_keeps_its_stream_id_and_its_tenant():
     """Sessions are keyed by (tenant, stream id) and remember both: two tenants' streams of one id are two sessions."""
-    reg = StreamRegistry(clock=Clock())
+    reg = StreamRegistry(clock=ManualClock())
     a, b = reg.session("s-7", "alice"), reg.session("s-7", "bob")
     assert (a.stream_id, a.tenant) == ("s-7", "alice") and (b.stream_id, b.tenant) == ("s-7", "bob")
     assert a is not b and reg.session("s-7", "alice") is a

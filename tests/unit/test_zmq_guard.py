@@ -6,18 +6,11 @@ import pytest
 
 from kvservice.contract.errors import InvalidArgument
 from kvservice.events.zmq_guard import ALL_PEERS_FACTOR, ReplayLimiter, endpoint_is_local
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.clocks import ManualClock
 
 
 def test_each_peer_has_its_own_bucket_refilled_at_the_rate():
-    clock = Clock()
+    clock = ManualClock(100.0)
     lim = ReplayLimiter(rate=2.0, burst=3, clock=clock)
     assert [lim.allow(b"a") for _ in range(5)] == [True, True, True, False, False]
     assert [lim.allow(b"b") for _ in range(4)] == [True, True, True, False]      # a's flood costs b nothing
@@ -29,7 +22,7 @@ def test_each_peer_has_its_own_bucket_refilled_at_the_rate():
 
 
 def test_a_refused_request_takes_nothing_and_rate_zero_is_the_burst_for_ever():
-    clock = Clock()
+    clock = ManualClock(100.0)
     lim = ReplayLimiter(rate=0.0, burst=2, clock=clock)
     assert [lim.allow(b"a") for _ in range(100)].count(True) == 2
     clock.now += 10**6
@@ -37,7 +30,7 @@ def test_a_refused_request_takes_nothing_and_rate_zero_is_the_burst_for_ever():
 
 
 def test_the_peers_remembered_are_bounded():
-    clock = Clock()
+    clock = ManualClock(100.0)
     lim = ReplayLimiter(rate=1000.0, burst=1, max_peers=8, clock=clock)
     for i in range(1000):
         clock.now += 1.0                             # the shared bucket refills; each new peer's is full
@@ -47,7 +40,7 @@ def test_the_peers_remembered_are_bounded():
 
 
 def test_many_peers_together_get_a_bounded_multiple_of_one():
-    clock = Clock()
+    clock = ManualClock(100.0)
     lim = ReplayLimiter(rate=1.0, burst=2, clock=clock)
     got = [lim.allow(f"10.0.0.{i}".encode()) for i in range(100)]      # 100 addresses, 2 each allowed alone
     assert got.count(True) == 2 * ALL_PEERS_FACTOR
