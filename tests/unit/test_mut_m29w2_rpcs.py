@@ -347,3 +347,68 @@ def test_each_bad_entry_is_counted_under_its_own_reason_and_an_error_policy_refu
     for reason, n in (("wrong_index_space", 1), ("out_of_bounds", 2)):
         assert _count(metrics, "kvworker_bounds_violations_total", kernel="decode_attention", layer="1",
                       reason=reason) == n
+
+
+def test_copy_pairs_and_incarnations_are_checked_before_any_copy(world):
+    """Two pairs whose destinations are both past the group are two out_of_bounds (each bad slot its own page, never
+    equal); two pairs with one destination are INVALID_ARGUMENT naming it; a call planned in another incarnation
+    of the pool is FAILED_PRECONDITION naming both; incarnation 0 is not checked."""
+    stub, servicer, _ = world
+    rng = np.random.default_rng(71)
+    a, b, c = (int(s) for s in rng.choice(SLOTS, 3, replace=False))
+    two_bad = np.array([[a, SLOTS], [b, SLOTS + 5]], np.int64)
+    reply = stub.CopyBlocks(wpb.CopyBlocksRequest(group=1, pairs=to_tensor(two_bad)), timeout=60)
+    (rec,) = reply.violations
+    assert (rec.layer, rec.count, rec.reason, rec.value, dict(rec.counts_by_reason)) == \
+        (1, 2, "out_of_bounds", SLOTS, {"out_of_bounds": 2})
+    dup = np.array([[a, c], [b, c]], np.int64)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.CopyBlocks(wpb.CopyBlocksRequest(group=1, pairs=to_tensor(dup)), timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"destination slot {c} appears more than once" in err.value.details()
+    servicer.identity["incarnation"] = mine = int(rng.integers(1, 2**62))
+    ok = wpb.CopyBlocksRequest(group=1, pairs=to_tensor(np.array([[a, c]], np.int64)))
+    assert not stub.CopyBlocks(ok, timeout=60).violations                    # no incarnation named: not checked
+    ok.pool_incarnation = mine
+    assert not stub.CopyBlocks(ok, timeout=60).violations
+    ok.pool_incarnation = mine + 1
+    with pytest.raises(grpc.RpcError) as err:
+        stub.CopyBlocks(ok, timeout=60)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"holds memory planned for incarnation {mine} of pool 'p'; this request was planned in incarnation " \
+           f"{mine + 1}" in err.value.details()
+
+
+def test_an_mla_layer_takes_latents_in_k_only_and_refuses_decode():
+    """A K-only (multi-head latent attention) layer: AppendKV with the latents in k and no v (or an empty v) writes
+    them; a non-empty v is INVALID_ARGUMENT saying how to send them; DecodeAttention is FAILED_PRECONDITION (the
+    worker's kernels attend K and V per head)."""
+    spec = CacheSpec((LayerSpec(1, 64, "float32", k_only=True),), PS, "per_layer")
+    caches = CacheSet(spec, 16, 0, 1, ops_numpy, max_seq_len=64)
+    servicer = WorkerServicer(caches, WorkerMetrics("m"), {"worker_id": "w-m", "pool": "m", "epoch": 1,
+                                                           "incarnation": 0, "backend": "cpu"})
+    server, port, _ = grpc_server(SERVICE_NAME, servicer, "127.0.0.1:0", max_workers=2)
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = wpb_grpc.WorkerStub(ch)
+            layout = caches.layouts[0]
+            sm = np.array([int(layout.page_index(3)) * PS + 1], np.int64)
+            lat = np.random.default_rng(4).standard_normal((1, 1, 64)).astype(np.float32)
+            for v in (None, np.zeros((0,), np.float32)):
+                req = wpb.AppendKVRequest(layer=0, slot_mapping=to_tensor(sm), k=to_tensor(lat))
+                if v is not None:
+                    req.v.CopyFrom(to_tensor(v))
+                assert not stub.AppendKV(req, timeout=30).violations
+            req.v.CopyFrom(to_tensor(lat))
+            with pytest.raises(grpc.RpcError) as err:
+                stub.AppendKV(req, timeout=30)
+            assert (err.value.code(), err.value.details()) == (
+                grpc.StatusCode.INVALID_ARGUMENT, "layer 0 caches multi-head latent attention (MLA) latents (K only): "
+                "send them as k and leave v empty")
+            with pytest.raises(grpc.RpcError) as err:
+                stub.DecodeAttention(wpb.DecodeAttentionRequest(layer=0), timeout=30)
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert err.value.details().startswith("layer 0 caches multi-head latent attention (MLA) latents; decode")
+    finally:
+        server.stop(None)
