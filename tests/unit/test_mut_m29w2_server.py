@@ -7,6 +7,7 @@ when the pool comes back with fewer layers than the worker serves."""
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import urllib.request
 
@@ -25,6 +26,19 @@ from kvservice.v1 import worker_pb2 as wpb
 from kvservice.v1 import worker_pb2_grpc as wpb_grpc
 
 PS, SLOTS, LAYERS, HEADS, DIM = 4, 200, 3, 2, 64
+
+
+def _loopback_host() -> str:
+    """[::1] where IPv6 loopback works (the advertised address must keep a host that holds colons), else 127.0.0.1."""
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return "[::1]"
+    except OSError:
+        return "127.0.0.1"
+
+
+HOST = _loopback_host()
 
 
 class HeartbeatTap(grpc.ServerInterceptor):
@@ -65,7 +79,7 @@ def led(caplog):
     client.create_pool("p", CacheSpec.uniform(LAYERS, HEADS, DIM, "float32", PS),
                        Sizing(num_slots=SLOTS, max_seq_len=64))
     with caplog.at_level(logging.INFO, logger="kvworker"):
-        worker = serve_worker(target, "p", "w-3", layer_begin=1, layer_end=3, listen="[::1]:0", metrics_port=0,
+        worker = serve_worker(target, "p", "w-3", layer_begin=1, layer_end=3, listen=f"{HOST}:0", metrics_port=0,
                               test_hooks=True)
     try:
         yield client, worker, epoch, tap, caplog
@@ -92,7 +106,7 @@ def test_a_worker_registers_what_it_serves_where_it_answers_and_logs_it(led):
     assert rec.device_memory_bytes >= total_kb * 1024 > 0 and rec.device_memory_bytes % 4096 == 0
     assert rec.incarnation == client.get_pool("p").incarnation == worker.identity["incarnation"]
     assert rec.epoch == worker.identity["epoch"] > 0
-    assert rec.address == f"[::1]:{worker.port}"
+    assert rec.address == f"{HOST}:{worker.port}"
     with grpc.insecure_channel(rec.address) as ch:
         info = wpb_grpc.WorkerStub(ch).Info(wpb.WorkerInfoRequest(), timeout=30)
     cache_bytes = 2 * SLOTS * (2 * PS * HEADS * DIM * 4)
@@ -122,7 +136,7 @@ def test_a_worker_of_a_leading_manager_fences_its_kernel_calls_and_counts_them_o
     sm = np.array([int(layout.page_index(int(s))) * PS + int(rng.integers(PS)) for s in slots], np.int64)
     k, v = (rng.standard_normal((3, HEADS, DIM)).astype(np.float32) + 1 for _ in range(2))
     req = wpb.AppendKVRequest(layer=2, slot_mapping=to_tensor(sm), k=to_tensor(k), v=to_tensor(v))
-    with grpc.insecure_channel(f"[::1]:{worker.port}") as ch:
+    with grpc.insecure_channel(f"{HOST}:{worker.port}") as ch:
         stub = wpb_grpc.WorkerStub(ch)
         for md, words in (([], f"(leader epoch {epoch}) and this call names no leader epoch"),
                           ([(EPOCH_METADATA, str(epoch - 1))],
@@ -148,7 +162,7 @@ def test_a_worker_started_with_test_hooks_lets_a_guard_byte_be_flipped_and_finds
     g = worker.servicer.caches.guard_bytes
     at = int(np.random.default_rng().integers(0, g))
     payload = SLOTS * 2 * PS * HEADS * DIM * 4
-    with grpc.insecure_channel(f"[::1]:{worker.port}") as ch:
+    with grpc.insecure_channel(f"{HOST}:{worker.port}") as ch:
         stub = wpb_grpc.WorkerStub(ch)
         stub.CorruptGuard(wpb.CorruptGuardRequest(buffer="layer1", offset=at, after=True), timeout=30)
         reply = stub.CheckGuards(wpb.CheckGuardsRequest(), timeout=30)
@@ -253,7 +267,7 @@ def test_a_worker_reports_serving_for_both_health_names(led):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     _, worker, _, _, _ = led
-    with grpc.insecure_channel(f"[::1]:{worker.port}") as ch:
+    with grpc.insecure_channel(f"{HOST}:{worker.port}") as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         for name in ("", "kvservice.v1.Worker"):
             got = stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=30).status
