@@ -1,0 +1,82 @@
+"""ManagerMetrics (kvservice/server/metrics.py) read back through Prometheus' own text parser.
+
+A stream request's reply says how it ended: a StepReply whose ``error`` (RequestStatus, block_manager.proto) is set
+was refused with that google.rpc.Code number and ErrorInfo reason, and counts as such: one sample in
+kvservice_rpc_duration_seconds{method, code=<the code's name>} and one in
+kvservice_requests_refused_total{method, code, reason}; any other reply is an OK call. The code names are the
+google.rpc.Code table (hand-written here), not read from gRPC.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvservice.manager.pools import BlockManager
+from kvservice.server.metrics import ManagerMetrics
+from kvservice.v1 import block_manager_pb2 as pb
+
+#: google.rpc.Code numbers (google/rpc/code.proto).
+CODES = {3: "INVALID_ARGUMENT", 5: "NOT_FOUND", 6: "ALREADY_EXISTS", 8: "RESOURCE_EXHAUSTED",
+         9: "FAILED_PRECONDITION", 14: "UNAVAILABLE", 13: "INTERNAL", 4: "DEADLINE_EXCEEDED"}
+
+
+def _samples(mm: ManagerMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    fams = text_string_to_metric_families(generate_latest(mm.registry).decode())
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in fams for s in f.samples}
+
+
+def test_stream_replies_are_counted_by_the_code_and_reason_their_error_names() -> None:
+    rng = np.random.default_rng(71)
+    mm = ManagerMetrics(BlockManager())
+    base = _samples(mm)
+    count: dict[tuple[str, str], int] = {}
+    total: dict[tuple[str, str], float] = {}
+    refused: dict[tuple[str, str, str], int] = {}
+    for _ in range(40):
+        seconds = float(rng.integers(1, 4000)) / 1e5
+        method = ("Step", "Echo")[int(rng.integers(2))]
+        kind = int(rng.integers(4))
+        if kind == 0:
+            reply: object = pb.StepReply(layer_index_space=[0, 1])      # served: no error set
+            code, reason = "OK", ""
+        elif kind == 1:
+            reply = pb.EchoReply(payload=rng.bytes(8))                 # a reply type without an error field
+            code, reason = "OK", ""
+        else:
+            num = list(CODES)[int(rng.integers(len(CODES)))]
+            reason = ("", "LIMIT_EXCEEDED", "MEMORY_BUDGET", "OUT_OF_SLOTS")[int(rng.integers(4))]
+            reply = pb.StepReply(error=pb.RequestStatus(code=num, message="refused", reason=reason))
+            code = CODES[num]
+        mm.observe_reply(method, seconds, reply)
+        count[(method, code)] = count.get((method, code), 0) + 1
+        total[(method, code)] = total.get((method, code), 0.0) + seconds
+        if code != "OK":
+            key = (method, code, reason or code)               # no ErrorInfo reason: the code stands for it
+            refused[key] = refused.get(key, 0) + 1
+    s = _samples(mm)
+    got_count = {(dict(k[1])["method"], dict(k[1])["code"]): v for k, v in s.items()
+                 if k[0] == "kvservice_rpc_duration_seconds_count" and v}
+    assert got_count == count
+    for (method, code), want in total.items():
+        key = ("kvservice_rpc_duration_seconds_sum", (("code", code), ("method", method)))
+        assert abs(s[key] - want) < 1e-9
+    got_refused = {(dict(k[1])["method"], dict(k[1])["code"], dict(k[1])["reason"]): v
+                   for k, v in s.items() if k[0] == "kvservice_requests_refused_total"}
+    want_refused = {(m, c, r): 0.0 for (m, c, r) in
+                    ((d["method"], d["code"], d["reason"]) for d in
+                     (dict(k[1]) for k in base if k[0] == "kvservice_requests_refused_total"))}
+    for key, n in refused.items():
+        want_refused[key] = want_refused.get(key, 0.0) + n
+    assert got_refused == want_refused
+    assert any(code != "OK" for _, code in count) and ("Step", "OK") in count
+
+
+def test_an_error_code_outside_grpcs_table_is_counted_under_its_number() -> None:
+    mm = ManagerMetrics(BlockManager())
+    mm.observe_reply("Step", 0.002, pb.StepReply(error=pb.RequestStatus(code=77, reason="ODD")))
+    s = _samples(mm)
+    assert s[("kvservice_requests_refused_total", (("code", "77"), ("method", "Step"), ("reason", "ODD")))] == 1
+    assert s[("kvservice_rpc_duration_seconds_count", (("code", "77"), ("method", "Step")))] == 1
+    assert s[("kvservice_rpc_duration_seconds_count", (("code", "OK"), ("method", "Step")))] == 0
