@@ -190,3 +190,86 @@ def test_a_refusal_names_the_tenant_and_the_limit_that_was_full_in_mib() -> None
         same.charge("", 65 * MIB, "Echo request")
     assert err.value.message.endswith("that is more than the 64 MiB (--rpc-memory-budget) there is: send smaller "
                                       "requests (split the step, omit_tables) or raise --rpc-memory-budget")
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_calls_charges_follow_the_documented_lifecycle(seed) -> None:
+    """admission.CallCharges against a model of docs/SECURITY.md#memory-budget: a request is 6 x its wire size and
+    replaces the call's previous request and reply (a stream's next request); a reply is 4 x its bound, recomputed in
+    place; done() gives both back, close() too and ends all charging; a refusal charges nothing new (a bigger next
+    request has already released the previous one; a reply that does not grow stays as it was)."""
+    from kvservice.server.admission import CallCharges
+
+    rng = np.random.default_rng(300 + seed)
+    limit = int(rng.integers(400, 900))
+    b = MemoryBudget(BudgetLimits(limit, limit))
+    other = b.charge("t", int(rng.integers(0, 100)), "other")      # the same tenant's other calls
+    call = CallCharges(b, "t", "StepStream")
+    req = rep = 0
+    closed = False
+    refusals = 0
+    for i in range(400):
+        op = 1.0 if i == 370 else rng.random()          # closed at 370: then nothing is charged any more
+        if op < 0.4:
+            w = int(rng.integers(0, limit // 4))
+            rep = 0
+            if closed:
+                call.admit(w)
+            elif 6 * w <= req or other.nbytes + 6 * w <= limit:
+                call.admit(w)
+                req = 6 * w
+            else:
+                with pytest.raises(BudgetExceeded):
+                    call.admit(w)
+                req = 0
+                refusals += 1
+        elif op < 0.75:
+            r = int(rng.integers(0, limit // 3))
+            if closed or other.nbytes + req + 4 * r <= limit:
+                call.reserve_reply(r)
+                rep = 0 if closed else 4 * r
+            else:
+                with pytest.raises(BudgetExceeded):
+                    call.reserve_reply(r)
+                refusals += 1
+        elif op < 0.97 or i < 370:
+            call.done()
+            req = rep = 0
+        else:
+            call.close()
+            req = rep = 0
+            closed = True
+        assert b.charged_bytes == other.nbytes + req + rep == b.tenant_bytes("t")
+        assert (call.request.nbytes if call.request else 0, call.reply.nbytes if call.reply else 0) == (req, rep)
+    assert refusals > 10
+    call.close()
+    other.release()
+    assert b.charged_bytes == 0
+
+
+def test_the_cgroup_limit_is_read_from_v2_then_v1_and_the_budget_derived_as_documented(tmp_path) -> None:
+    """docs/SECURITY.md#memory-budget: the budget is 0.8 x (memory limit - 256 MiB - 56 bytes x max_total_slots -
+    the 64 MiB reply cache), at least an eighth of the limit: 2,304 MiB for 4 GiB and 2^24 slot units."""
+    from kvservice.server.budget import cgroup_memory_limit, derive_budget
+
+    mib = 1 << 20
+    assert derive_budget(4 << 30, 1 << 24) == 2304 * mib
+    assert derive_budget(4 << 30, 1 << 24, reply_cache_bytes=0) == int(0.8 * (4096 - 256 - 896) * mib)
+    assert derive_budget(8 << 30, 0, 64 * mib) == int(0.8 * (8192 - 256 - 64) * mib)
+    edge = 8 * (256 + 64) * mib // 7                        # 0.8 x what is left == exactly an eighth of the limit
+    assert derive_budget(edge, 0) in (edge // 8, int(0.8 * (edge - 320 * mib)))
+    assert derive_budget(512 * mib, 1 << 24) == 64 * mib      # nothing left: an eighth
+    v1, v2, absent = tmp_path / "v1", tmp_path / "v2", str(tmp_path / "absent")
+    v1.write_text("3221225472\n")
+    assert cgroup_memory_limit((absent, str(v1))) == 3 << 30                 # v2 absent: v1's
+    v1.write_text("9223372036854771712\n")                                    # v1's "no limit"
+    assert cgroup_memory_limit((absent, str(v1))) is None
+    v2.write_text("max\n")
+    assert cgroup_memory_limit((str(v2), str(tmp_path / "never-read"))) is None
+    v2.write_text(str((1 << 60) - 1))
+    assert cgroup_memory_limit((str(v2),)) == (1 << 60) - 1
+    with pytest.raises(ValueError, match="got total 5, tenant 0"):
+        BudgetLimits(5, 0)
+    with pytest.raises(ValueError, match="got total -1, tenant 5"):
+        BudgetLimits(-1, 5)
+    assert BudgetLimits(1, 1).total_bytes == 1

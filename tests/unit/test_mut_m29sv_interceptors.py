@@ -324,3 +324,38 @@ def test_the_gate_lets_other_services_through_unstamped() -> None:
     with served as s:
         replies, md = _call_with_metadata(s, "Unary", [b"standby-ok"], service=OTHER)
     assert replies == [b"ko-ybdnats"] and EPOCH_METADATA not in md and NODE_METADATA not in md
+
+
+class Recorded(MemoryBudget):
+    """The real budget, keeping everyone's charged bytes after each change it accepted."""
+
+    def __init__(self, limits: BudgetLimits) -> None:
+        super().__init__(limits)
+        self.history: list[int] = []
+
+    def _move(self, c, nbytes: int) -> None:
+        super()._move(c, nbytes)
+        self.history.append(self.charged_bytes)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_charges_come_and_go_in_the_documented_order(shape) -> None:
+    """docs/SECURITY.md#memory-budget, step by step: request k is charged (6 x its wire size) before it is parsed, its
+    reply (4 x what the handler reserves) before it is built; both go when the handler asks for the next request
+    (request first, then its reply), a unary call's when its handler returns. Nothing else is charged or released."""
+    rng = np.random.default_rng(53 + len(shape))
+    budget = Recorded(BudgetLimits(1 << 20, 1 << 20))
+    probe = Probe(budget)
+    n = 1 if shape in ("Unary", "ServerStream") else 5
+    payloads = [rng.bytes(int(k)) for k in rng.integers(20, 2000, n)]
+    with Served(probe, [AdmissionInterceptor(budget, SERVICE, _tenant_of, unparsed="anon")]) as s:
+        assert _invoke(s, shape, payloads, "t9") == _expected_replies(shape, payloads)
+    want: list[int] = []
+    for p in payloads:
+        w = WIRE * _wire(p)
+        if shape == "BiStream":
+            r = REPLY * (len(p) // 2 + 1)
+            want += [w, w + r, r, 0]
+        else:
+            want += [w, 0]
+    assert budget.history == want

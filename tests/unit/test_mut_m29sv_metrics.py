@@ -80,3 +80,68 @@ def test_an_error_code_outside_grpcs_table_is_counted_under_its_number() -> None
     assert s[("kvservice_requests_refused_total", (("code", "77"), ("method", "Step"), ("reason", "ODD")))] == 1
     assert s[("kvservice_rpc_duration_seconds_count", (("code", "77"), ("method", "Step")))] == 1
     assert s[("kvservice_rpc_duration_seconds_count", (("code", "OK"), ("method", "Step")))] == 0
+
+
+def test_any_methods_ok_calls_and_refusals_land_in_their_own_series() -> None:
+    """observe(): an OK call of a method not pre-created gets its own code="OK" series; a refusal without a reason is
+    counted with the code as its reason; the histogram's buckets are the documented RPC_BUCKETS (le labels)."""
+    from kvservice.server.metrics import RPC_BUCKETS
+
+    rng = np.random.default_rng(73)
+    mm = ManagerMetrics(BlockManager())
+    secs = [float(x) / 1e6 for x in rng.integers(10, 3_000_000, 9)]
+    for x in secs[:5]:
+        mm.observe("ScorePrefix", x)
+    mm.observe("ScorePrefix", secs[5], "NOT_FOUND")
+    mm.observe("ScorePrefix", secs[6], "NOT_FOUND", "POOL_NOT_FOUND")
+    s = _samples(mm)
+    ok = (("code", "OK"), ("method", "ScorePrefix"))
+    assert s[("kvservice_rpc_duration_seconds_count", ok)] == 5
+    assert abs(s[("kvservice_rpc_duration_seconds_sum", ok)] - sum(secs[:5])) < 1e-9
+    for le in RPC_BUCKETS:
+        key = ("kvservice_rpc_duration_seconds_bucket", (("code", "OK"), ("le", str(float(le))),
+                                                           ("method", "ScorePrefix")))
+        assert s[key] == sum(x <= le for x in secs[:5])
+    assert s[("kvservice_requests_refused_total", (("code", "NOT_FOUND"), ("method", "ScorePrefix"),
+                                                   ("reason", "NOT_FOUND")))] == 1
+    assert s[("kvservice_requests_refused_total", (("code", "NOT_FOUND"), ("method", "ScorePrefix"),
+                                                   ("reason", "POOL_NOT_FOUND")))] == 1
+    assert s[("kvservice_rpc_duration_seconds_count", (("code", "NOT_FOUND"), ("method", "ScorePrefix")))] == 2
+    assert RPC_BUCKETS[0] == 25e-6 and RPC_BUCKETS[-1] == 2.5 and list(RPC_BUCKETS) == sorted(RPC_BUCKETS)
+
+
+def test_prefix_cache_series_export_the_pools_own_counters() -> None:
+    """A prefix-cached pool's hits and evictions, as its cache counted them, after real Steps that hit and evict;
+    slots free and sequences after them, counted by hand from the pages each sequence holds."""
+    from prometheus_client import CollectorRegistry
+
+    from kvservice.client.codec import step_request
+    from kvservice.contract.geometry import CacheSpec
+    from kvservice.contract.sizing import Sizing
+    from kvservice.manager.api import ManagerAPI
+    from kvservice.server.metrics import ManagerCollector
+
+    rng = np.random.default_rng(79)
+    m = BlockManager()
+    m.create_pool("c", CacheSpec.uniform(2, 1, 64, page_size=4), Sizing(num_slots=16, max_seq_len=64),
+                  prefix_caching=True)
+    api = ManagerAPI(m)
+    prompt = rng.integers(1, 30000, 16)
+    api.Step(step_request("c", admit=[1], admit_tokens=[16], admit_token_ids=prompt))        # 4 pages
+    api.Step(step_request("c", free=[1]))
+    api.Step(step_request("c", admit=[2], admit_tokens=[16], admit_token_ids=prompt))        # hits its pages
+    for k in range(6):                                         # new prompts: the cache must give pages back
+        api.Step(step_request("c", free=[2 + k], admit=[3 + k], admit_tokens=[16],
+                              admit_token_ids=rng.integers(1, 30000, 16)))
+    reg = CollectorRegistry()
+    reg.register(ManagerCollector(m))
+    fams = text_string_to_metric_families(generate_latest(reg).decode())
+    s = {(x.name, tuple(sorted(x.labels.items()))): x.value for f in fams for x in f.samples}
+    c = (("pool", "c"),)
+    with m.locked("c") as pool:
+        hits, evictions = pool.prefix.hits, pool.allocators[0].evictions
+    assert hits > 0 and evictions > 0
+    assert (s[("kvservice_prefix_cache_hits_total", c)], s[("kvservice_prefix_cache_evictions_total", c)]) == \
+        (hits, evictions)
+    assert (s[("kvservice_slots_total", c)], s[("kvservice_sequences", c)]) == (16, 1)
+    assert s[("kvservice_slots_free", c)] == 16 - 4              # the live sequence's 4 pages
