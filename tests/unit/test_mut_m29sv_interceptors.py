@@ -324,6 +324,7 @@ def test_the_gate_lets_other_services_through_unstamped() -> None:
     with served as s:
         replies, md = _call_with_metadata(s, "Unary", [b"standby-ok"], service=OTHER)
     assert replies == [b"ko-ybdnats"] and EPOCH_METADATA not in md and NODE_METADATA not in md
+    assert [x[1] for x in probe.seen] == [b"standby-ok"]             # its handler ran on the standby
 
 
 class Recorded(MemoryBudget):
