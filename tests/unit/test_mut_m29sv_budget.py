@@ -268,8 +268,16 @@ def test_the_cgroup_limit_is_read_from_v2_then_v1_and_the_budget_derived_as_docu
     assert cgroup_memory_limit((str(v2), str(tmp_path / "never-read"))) is None
     v2.write_text(str((1 << 60) - 1))
     assert cgroup_memory_limit((str(v2),)) == (1 << 60) - 1
+    v2.write_text(str(1 << 60))                                               # from 2^60 on: "no limit"
+    assert cgroup_memory_limit((str(v2),)) is None
     with pytest.raises(ValueError, match="got total 5, tenant 0"):
         BudgetLimits(5, 0)
     with pytest.raises(ValueError, match="got total -1, tenant 5"):
         BudgetLimits(-1, 5)
     assert BudgetLimits(1, 1).total_bytes == 1
+    import inspect
+
+    from kvservice.server.budget import DEFAULT_MEMORY_LIMIT
+    files = inspect.signature(cgroup_memory_limit).parameters["files"].default
+    assert files == ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")   # v2, then v1
+    assert DEFAULT_MEMORY_LIMIT == 4 << 30                      # "or 4 GiB when there is none"

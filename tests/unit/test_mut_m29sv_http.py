@@ -9,6 +9,7 @@ is not part of the path; HEAD sends the headers of GET (Content-Length of the bo
 from __future__ import annotations
 
 import http.client
+import threading
 
 import numpy as np
 import pytest
@@ -37,6 +38,8 @@ def served():
     Gauge("kvs_http_test_value", "a gauge of this test", registry=reg).set(value)
     state = {"healthz": (True, "server: SERVING"), "readyz": (False, "kvservice.v1.BlockManager: NOT_SERVING")}
     srv = MetricsServer(reg, 0, "127.0.0.1", lambda: state["healthz"], lambda: state["readyz"])
+    assert srv._thread in threading.enumerate()                 # its serving thread: named, never blocks exit
+    assert (srv._thread.name, srv._thread.daemon) == ("metrics-http", True)
     yield srv.server_port, state, value
     srv.shutdown()
 

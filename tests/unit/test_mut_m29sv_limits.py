@@ -112,8 +112,10 @@ def test_create_pool_caps_name_what_the_pools_hold_and_need() -> None:
         lim.check("CreatePool", create_request("p2", two_groups, Sizing(num_slots=n[2]), ()), m)
     assert err.value.reason == "LIMIT_EXCEEDED"
     assert err.value.metadata == {"needed": str(2 * n[2]), "held": str(held), "limit": str(total_cap)}
-    assert err.value.message.startswith(f"pool 'p2' needs {2 * n[2]} slot units ({2 * n[2]} slots x layer groups); "
-                                        f"the manager's pools hold {held} of its {total_cap} (max_total_slots")
+    assert err.value.message == (
+        f"pool 'p2' needs {2 * n[2]} slot units ({2 * n[2]} slots x layer groups); the manager's pools hold {held} "
+        f"of its {total_cap} (max_total_slots, which bounds their memory at 56 bytes a unit); delete a pool or plan "
+        "a smaller one (docs/SECURITY.md#limits)")                # 56 bytes a slot unit: docs/SECURITY.md
     big = 2 * max(n) // 2 + 1                                              # slots x 2 groups over max_pool_slots
     with pytest.raises(InvalidArgument) as err:
         lim.check("CreatePool", create_request("huge", two_groups, Sizing(num_slots=big), ()), m)

@@ -145,3 +145,20 @@ def test_prefix_cache_series_export_the_pools_own_counters() -> None:
         (hits, evictions)
     assert (s[("kvservice_slots_total", c)], s[("kvservice_sequences", c)]) == (16, 1)
     assert s[("kvservice_slots_free", c)] == 16 - 4              # the live sequence's 4 pages
+
+
+def test_a_step_refusal_series_exists_for_every_code_the_error_model_sends() -> None:
+    """docs/DESIGN.md#errors lists the status codes of a refusal; each one the manager sends (not DATA_LOSS, raised
+    by clients only) has its Step series at 0 from the first scrape, reason = the code."""
+    import pathlib
+    import re
+
+    design = (pathlib.Path(__file__).parents[2] / "docs" / "DESIGN.md").read_text()
+    table = design.split("## Errors", 1)[1].split("Nothing reaches a client", 1)[0]
+    codes = {c for row in re.findall(r"^\| ([A-Z_ /]+) \|", table, re.M) for c in row.split(" / ")}
+    sent = codes - {"DATA_LOSS", "status"}
+    assert len(sent) == 6 and "UNAVAILABLE" in sent
+    s = _samples(ManagerMetrics(BlockManager()))
+    refused = {dict(k[1])["code"] for k, v in s.items() if k[0] == "kvservice_requests_refused_total"
+               and dict(k[1])["method"] == "Step" and dict(k[1])["reason"] == dict(k[1])["code"] and v == 0}
+    assert refused == sent

@@ -56,3 +56,50 @@ def test_a_watch_the_hub_refuses_ends_with_its_status_and_the_next_one_streams()
     finally:
         channel.close()
         running.stop(0)
+
+
+def test_a_reset_waits_for_its_tenants_read_budget_then_is_sent() -> None:
+    """docs/SECURITY.md#fairness: a WatchEvents stream whose tenant's read budget is spent waits (holding only its
+    watcher slot) until the balance is positive again, then sends its reset; it does not end. The budget's clock is
+    injected: each reading advances it 10 ms, at a share of 100 CPU-seconds a second, so the debt is repaid after a
+    few readings whatever the machine's load."""
+    from kvservice.manager.read_budget import ReadBudget
+
+    class Counted(ReadBudget):
+        def __init__(self, **kw: object) -> None:
+            super().__init__(**kw)
+            self.waits: list[float] = []
+
+        def try_start(self, tenant: str) -> float:
+            wait = super().try_start(tenant)
+            self.waits.append(wait)
+            return wait
+
+    now = [1000.0]
+
+    def clock() -> float:
+        now[0] += 0.01
+        return now[0]
+
+    rng = np.random.default_rng(97)
+    running = serve("127.0.0.1:0")
+    channel = grpc.insecure_channel(f"127.0.0.1:{running.port}")
+    stub = pb_grpc.BlockManagerStub(channel)
+    try:
+        stub.CreatePool(create_pool_request("p", SPEC, Sizing(num_slots=64, max_seq_len=64), prefix_caching=True),
+                        timeout=10)
+        stub.Step(step_request("p", admit=[1], admit_tokens=[8], admit_token_ids=rng.integers(1, 30000, 8)),
+                  timeout=10)
+        budget = Counted(share=100.0, burst=1.0, clock=clock)
+        budget.charge("", 3.0)                                     # the tenant owes 2 CPU-seconds
+        running.manager.events.read_budget = budget
+        replies = stub.WatchEvents(pb.WatchEventsRequest(pool="p", from_sequence=0), timeout=10)
+        first = next(iter(replies))
+        replies.cancel()
+        assert first.reset
+        assert budget.waits[0] > 0 and budget.waits[-1] == 0      # waited, then started
+        counters = running.manager.events.logs["p"].counters      # kvservice_kv_event_batches_sent_total{transport}
+        assert set(counters) == {"grpc"} and counters["grpc"].sent >= 1 and counters["grpc"].resets == 1
+    finally:
+        channel.close()
+        running.stop(0)
