@@ -103,3 +103,48 @@ def test_a_reset_waits_for_its_tenants_read_budget_then_is_sent() -> None:
     finally:
         channel.close()
         running.stop(0)
+
+
+def test_catch_up_is_read_and_charged_in_pieces_of_256_batches() -> None:
+    """watch.py CATCHUP_BATCHES: batches committed before a stream began are read 256 at a time, each piece started
+    on the tenant's read budget before the next; live batches are not charged. 257 batches of catch-up are two
+    pieces (256 + 1), each started once; the stream delivers all 257 in order."""
+    from kvservice.manager.read_budget import ReadBudget
+
+    class Counted(ReadBudget):
+        def __init__(self, **kw: object) -> None:
+            super().__init__(**kw)
+            self.waits: list[float] = []
+
+        def try_start(self, tenant: str) -> float:
+            wait = super().try_start(tenant)
+            self.waits.append(wait)
+            return wait
+
+    rng = np.random.default_rng(101)
+    running = serve("127.0.0.1:0")
+    channel = grpc.insecure_channel(f"127.0.0.1:{running.port}")
+    stub = pb_grpc.BlockManagerStub(channel)
+    try:
+        hub = running.manager.events
+        hub.ring_batches, hub.ring_bytes = 4096, 1 << 30
+        stub.CreatePool(create_pool_request("p", SPEC, Sizing(num_slots=600, max_seq_len=16), prefix_caching=True),
+                        timeout=10)
+        for i in range(257):                                   # one full page stored: one batch each
+            stub.Step(step_request("p", admit=[i + 1], admit_tokens=[4], admit_token_ids=rng.integers(1, 30000, 4),
+                                   tables=False), timeout=10)
+        assert hub.logs["p"].committed == 257
+        budget = Counted(share=1.0, burst=1000.0)
+        hub.read_budget = budget
+        replies = stub.WatchEvents(pb.WatchEventsRequest(pool="p", from_sequence=1), timeout=30)
+        seqs = []
+        for batch in replies:
+            seqs.append(batch.sequence)
+            if batch.sequence == 257:
+                break
+        replies.cancel()
+        assert seqs == list(range(1, 258))
+        assert budget.waits == [0.0, 0.0]
+    finally:
+        channel.close()
+        running.stop(0)
