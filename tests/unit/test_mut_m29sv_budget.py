@@ -176,6 +176,11 @@ def test_a_refusal_names_the_tenant_and_the_limit_that_was_full_in_mib() -> None
         "WatchEvents reply needs 81.0 MiB of the manager's memory budget; that is more than the 80 MiB "
         "(--tenant-rpc-memory-budget) there is: send smaller requests (split the step, omit_tables) or raise "
         "--tenant-rpc-memory-budget")
+    with pytest.raises(BudgetExceeded) as err:                  # exactly the whole tenant limit: there is that much
+        b.charge("team-a", 80 * MIB, "Step request")
+    assert err.value.message.endswith("already hold 70.5 MiB of their 80 MiB (--tenant-rpc-memory-budget): retry "
+                                      "when fewer large requests are in flight, send smaller ones (split the step, "
+                                      "omit_tables), or close idle streams")
     other = b.charge("", 80 * MIB, "Step request")
     with pytest.raises(BudgetExceeded) as err:
         b.charge("team-b", 50 * MIB, "StepStream session")

@@ -39,7 +39,7 @@ def served():
     state = {"healthz": (True, "server: SERVING"), "readyz": (False, "kvservice.v1.BlockManager: NOT_SERVING")}
     srv = MetricsServer(reg, 0, "127.0.0.1", lambda: state["healthz"], lambda: state["readyz"])
     assert srv._thread in threading.enumerate()                 # its serving thread: named, never blocks exit
-    assert (srv._thread.name, srv._thread.daemon) == ("metrics-http", True)
+    assert (srv._thread.name, srv._thread.daemon, srv._server.daemon_threads) == ("metrics-http", True, True)
     yield srv.server_port, state, value
     srv.shutdown()
 

@@ -145,3 +145,18 @@ def test_only_a_plan_request_is_planned_with_its_backends() -> None:
         Limits().check("Plan", r, m)
     for method in ("GetPool", "ListPools", "plan", "PLAN"):
         Limits().check(method, r, m)
+
+
+def test_the_default_caps_are_the_documented_ones() -> None:
+    """docs/SECURITY.md#limits, its table of limits: each server flag's default is what Limits() holds."""
+    import pathlib
+    import re
+
+    doc = (pathlib.Path(__file__).parents[2] / "docs" / "SECURITY.md").read_text()
+    rows = dict(re.findall(r"^\| `(--max-[a-z-]+|Limits\.max_total_slots)` \| ([\d,]+) \|", doc, re.M))
+    want = {k: int(v.replace(",", "")) for k, v in rows.items()}
+    d = Limits()
+    got = {"--max-step-sequences": d.max_step_sequences, "--max-step-tokens": d.max_step_tokens,
+           "--max-pool-slots": d.max_pool_slots, "Limits.max_total_slots": d.max_total_slots,
+           "--max-pools": d.max_pools}
+    assert want == got

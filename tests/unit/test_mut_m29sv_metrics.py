@@ -141,6 +141,8 @@ def test_prefix_cache_series_export_the_pools_own_counters() -> None:
     with m.locked("c") as pool:
         hits, evictions = pool.prefix.hits, pool.allocators[0].evictions
     assert hits > 0 and evictions > 0
+    reasons = {dict(k[1])["reason"] for k in s if k[0] == "kvservice_alloc_failures_total"}
+    assert reasons == {"out_of_slots"}          # docs/operations.md: {reason="out_of_slots"}
     assert (s[("kvservice_prefix_cache_hits_total", c)], s[("kvservice_prefix_cache_evictions_total", c)]) == \
         (hits, evictions)
     assert (s[("kvservice_slots_total", c)], s[("kvservice_sequences", c)]) == (16, 1)
