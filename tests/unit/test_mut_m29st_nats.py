@@ -49,7 +49,7 @@ def test_the_boundaries_of_a_valid_configuration_and_the_names_it_gives():
     for replicas in (1, 3, 5):
         t = float(rng.uniform(0.01, 5))
         name = "d" + uuid.uuid4().hex[:int(rng.integers(4, 31))]
-        c = NatsConfig(SERVERS + ("nats://10.0.0.2:4223",), name=name, replicas=replicas, request_seconds=t,
+        c = NatsConfig((*SERVERS, "nats://10.0.0.2:4223"), name=name, replicas=replicas, request_seconds=t,
                        append_seconds=t)                      # append_seconds may equal request_seconds
         assert (c.stream, c.subject, c.snapshot_bucket, c.leader_bucket, c.url) == (
             f"KVS_{name}", f"kvs.{name}.journal", f"KVS_{name}_snapshots", f"KVS_{name}_leader",

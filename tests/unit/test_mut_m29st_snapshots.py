@@ -88,7 +88,7 @@ def test_the_tail_is_counted_in_journaled_bytes_and_compact_bytes_is_reached_exa
     base.snapshot()
     assert base.tail_bytes == 0 and base.snapshot_seq == base.seq
     run(base, "Step", step_req("a", admit=[9999], n=[3], rid="after"))
-    assert base.tail_bytes == len(list(base.store.entries_after(base.snapshot_seq))[0].request) > 0
+    assert base.tail_bytes == len(next(iter(base.store.entries_after(base.snapshot_seq))).request) > 0
     k = 9                                                  # the 10th Step's entry reaches compact_bytes exactly
     for extra, at in ((0, k), (1, k + 1)):
         j = Journal(BlockManager(), config=JournalConfig(compact_every=10**6, compact_bytes=cum[k] + extra,

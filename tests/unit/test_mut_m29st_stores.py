@@ -95,7 +95,8 @@ def test_the_memory_store_keeps_what_a_snapshot_does_not_cover():
     assert list(st.entries_after(10)) == []
 
     class Enc:
-        chunks = [memoryview(b"head"), b"-", bytearray(b"body")]
+        def __init__(self) -> None:
+            self.chunks = [memoryview(b"head"), b"-", bytearray(b"body")]
     st.write_snapshot(6, Enc())
     assert st.load_snapshot() == (6, b"head-body")
     assert list(st.entries_after(0)) == es[6:]          # the entries the snapshot covers are dropped

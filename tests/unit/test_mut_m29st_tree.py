@@ -63,7 +63,7 @@ def test_the_tree_is_the_exported_state_in_its_documented_layout():
     assert tree == by_hand(j.manager)
     assert sorted(tree["pools"]) == ["a", "b", "c"]
     assert [(w[0], w[-1]) for w in tree["workers"]] == [("w0", False), ("w1", True)]
-    for name, (meta, arrays) in tree["pools"].items():
+    for meta, arrays in tree["pools"].values():
         assert meta[0] == "meta" and arrays[0] == "arrays"
         keys = [k for k, _ in meta[1]]
         assert keys == sorted(keys) and "refused" not in keys and "alloc_failures" not in keys
