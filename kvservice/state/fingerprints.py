@@ -26,7 +26,8 @@ class PrefixDigests:
     value is digest(data) exactly: blake2b is computed over the bytes in order, wherever it pauses.
     Not thread-safe (the journal calls it under its lock). Bounded whatever the requests (the key is
     an unchecked pool name): at most max_keys prefixes of at most MAX_PREFIX bytes each, max_bytes in
-    all; a longer request is hashed whole, and a full table is emptied before a new prefix goes in.
+    all; a longer request (or one whose prefix alone exceeds max_bytes) is hashed whole, and a full table is
+    emptied before a new prefix goes in.
     """
 
     MIN_PREFIX = 1024          # shorter requests are hashed whole (cheap anyway)
@@ -36,6 +37,7 @@ class PrefixDigests:
     def __init__(self, max_keys: int = 256, max_bytes: int = 16 << 20) -> None:
         self.max_keys = max_keys
         self.max_bytes = max_bytes
+        self._longest = min(self.MAX_PREFIX, max_bytes)     # a prefix longer than max_bytes is never kept
         self._kept: dict[str, tuple[bytes, Any]] = {}     # key -> (prefix bytes, hash state after them)
         self.kept_bytes = 0
         self.hits = 0
@@ -48,7 +50,7 @@ class PrefixDigests:
             self.hits += 1
             return h.digest()
         cut = len(data) - self.TAIL
-        if not self.MIN_PREFIX <= cut <= self.MAX_PREFIX:
+        if not self.MIN_PREFIX <= cut <= self._longest:
             return digest(data)
         h = hashlib.blake2b(digest_size=16)
         h.update(memoryview(data)[:cut])

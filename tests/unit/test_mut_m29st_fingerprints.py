@@ -28,7 +28,7 @@ class Model:
             self.hits += 1
             return
         cut = len(data) - 256
-        if cut < 1024 or cut > 1 << 20:
+        if cut < 1024 or cut > min(1 << 20, self.max_bytes):          # never more than max_bytes kept
             return
         self.kept.pop(key, None)
         if len(self.kept) >= self.max_keys or sum(map(len, self.kept.values())) + cut > self.max_bytes:
@@ -60,7 +60,7 @@ def test_digests_and_what_is_kept_follow_the_model_over_random_requests():
     """Random requests over a few keys: prefixes repeated (hits), changed by one byte, too short, too long,
     prefixes equal to the whole request; a small table so both bounds empty it."""
     rng = np.random.default_rng(2929)
-    for max_keys, max_bytes in ((3, 1 << 20), (8, 5000), (2, 3000)):
+    for max_keys, max_bytes in ((3, 1 << 20), (8, 5000), (2, 3000), (4, 1500)):
         d, model = PrefixDigests(max_keys=max_keys, max_bytes=max_bytes), Model(max_keys, max_bytes)
         last: dict[str, bytes] = {}
         for _ in range(400):
@@ -82,8 +82,7 @@ def test_digests_and_what_is_kept_follow_the_model_over_random_requests():
             if len(data) >= 1280:
                 last[key] = data
             assert (d.hits, d.kept_bytes) == (model.hits, model.kept_bytes)
-            assert len(model.kept) <= max_keys                           # one prefix over max_bytes is kept alone
-            assert model.kept_bytes <= max_bytes or len(model.kept) == 1
+            assert len(model.kept) <= max_keys and model.kept_bytes <= max_bytes
         assert model.hits > 20
 
 
@@ -110,3 +109,16 @@ def test_the_table_fills_to_exactly_its_bounds_before_it_is_emptied():
     assert d.hits == 2                                   # a's prefix went with the rest
     d("c", rng.bytes(1500 + 256))                        # replacing c's own prefix frees its bytes first
     assert d.kept_bytes == 1025 + 1500                   # a + "2" kept a 1025-byte prefix
+
+
+def test_a_prefix_longer_than_max_bytes_is_never_kept():
+    """max_bytes bounds the kept prefixes in all, even below MAX_PREFIX: a request whose prefix alone is longer is
+    hashed whole and leaves the table as it was."""
+    rng = np.random.default_rng(6)
+    d = PrefixDigests(max_keys=4, max_bytes=2000)
+    small, big = rng.bytes(1500 + 256), rng.bytes(2001 + 256)
+    d("a", small)
+    assert d.kept_bytes == 1500
+    assert d("b", big) == blake(big) and d.kept_bytes == 1500
+    assert d("b", big + b"x") == blake(big + b"x") and d.hits == 0
+    assert d("a", small + b"y") == blake(small + b"y") and d.hits == 1
