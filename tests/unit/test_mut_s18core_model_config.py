@@ -1,0 +1,62 @@
+"""The config.json planner's whole notes list for state-layer models and for K/V heads replicated over tp,
+against strings written by hand from kvservice/core/model_config.py's documented formulas and the published
+configs (tests/fixtures/model_configs): the state bytes per sequence are computed here, not read back."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvservice.core.model_config import load_model_cache, model_cache
+
+FIXTURES = Path(__file__).parent.parent / "fixtures" / "model_configs"
+HELDOUT = FIXTURES / "heldout"
+BF16 = 2
+DTYPE_NOTE = "cache dtype bfloat16 (the model's torch_dtype)"
+
+
+def state_note(n: int, which: str, per_layer_elems: int) -> str:
+    return (f"{n} {which} layer(s) page no K/V: state {n * per_layer_elems * BF16:,} bytes per sequence (bfloat16), "
+            "not paged: managed by the engine")
+
+
+def jamba_elems(tp: int) -> int:
+    inner = 2 * 4096 // tp                               # mamba_expand x hidden_size, split over tp
+    return 3 * inner + inner * 16                        # conv (d_conv 4 - 1) x d_inner + SSM d_inner x d_state 16
+
+
+@pytest.mark.parametrize(("path", "tp", "want"), [
+    (HELDOUT / "jamba-v0.1.json", 1, [DTYPE_NOTE, "head_dim missing: 128 (= hidden_size 4096 / num_attention_heads 32)",
+                                      state_note(28, "Mamba 1", jamba_elems(1))]),
+    (HELDOUT / "jamba-v0.1.json", 2, [DTYPE_NOTE, "head_dim missing: 128 (= hidden_size 4096 / num_attention_heads 32)",
+                                      state_note(28, "Mamba 1", jamba_elems(2))]),
+    # Mamba 2: conv (4 - 1) x (24 x 128 + 2 x 1 x 256), SSM 24 x 128 x 256, 44 layers
+    (HELDOUT / "falcon-h1-7b-instruct.json", 1,
+     [DTYPE_NOTE, state_note(44, "Mamba 2", 3 * (24 * 128 + 2 * 256) + 24 * 128 * 256)]),
+    # Mamba 2: 128 heads x 80, 8 groups, d_state 128, conv 4; 27 'M' layers in the hybrid pattern
+    (HELDOUT / "nvidia-nemotron-nano-9b-v2.json", 1,
+     [DTYPE_NOTE, state_note(27, "Mamba 2", 3 * (128 * 80 + 2 * 8 * 128) + 128 * 80 * 128)]),
+    # gated DeltaNet: conv (4 - 1) x (2 x 16 x 128 + 32 x 128), recurrent 32 x 128 x 128; 36 of 48 layers
+    (HELDOUT / "qwen3-next-80b-a3b-instruct.json", 1,
+     [DTYPE_NOTE, state_note(36, "gated DeltaNet", 3 * (2 * 16 * 128 + 32 * 128) + 32 * 128 * 128)]),
+    (FIXTURES / "llama-3-8b.json", 16, [DTYPE_NOTE, "head_dim missing: 128 (= hidden_size 4096 / num_attention_heads 32)",
+                                        "num_key_value_heads=8 < tp=16: each rank holds 1 replicated head"]),
+    (FIXTURES / "gemma-3-1b-it.json", 4, [DTYPE_NOTE, "num_key_value_heads=1 < tp=4: each rank holds 1 replicated head"]),
+])
+def test_notes_are_the_hand_written_list(path, tp, want):
+    assert list(load_model_cache(path, tp=tp).notes) == want
+
+
+@pytest.mark.parametrize(("kv", "tp"), [(8, 16), (8, 32), (2, 8), (1, 2)])
+def test_global_kv_heads_equal_to_kv_heads_replicate_with_one_note(kv, tp):
+    """num_global_key_value_heads equal to num_key_value_heads is the same count: every layer (sliding and full)
+    holds 1 replicated head per rank, noted once under num_key_value_heads' name, as when the field is absent."""
+    base = {**json.loads((FIXTURES / "gemma4-style-synthetic.json").read_text()), "num_key_value_heads": kv}
+    with_field = {**base, "num_global_key_value_heads": kv}
+    replicated = f"num_key_value_heads={kv} < tp={tp}: each rank holds 1 replicated head"
+    for cfg in (base, with_field):
+        m = model_cache(cfg, tp=tp)
+        assert [n for n in m.notes if "replicated" in n] == [replicated]
+        assert {layer.kv_heads for layer in m.spec.layers} == {1}
+        assert {layer.head_dim for layer in m.spec.layers} == {256, 512}   # head_dim, global_head_dim
+    assert list(model_cache(with_field, tp=tp).notes) == list(model_cache(base, tp=tp).notes)
