@@ -23,12 +23,16 @@ def test_zero_stamps_are_sound_negative_or_miscounted_ones_are_named(busy):  # n
             a[key] = np.zeros_like(a[key])
         assert broken(busy, zero) == []
 
-        def one_zero(m, a, key=key, i=int(rng.integers(0, c))):
+        i = int(rng.integers(0, c))
+
+        def one_zero(m, a, key=key, i=i):
             a[key] = a[key].copy()
             a[key][: i + 1] = 0                          # some at clock 0, the others as they were
         assert broken(busy, one_zero) == []
 
-        def negative(m, a, key=key, i=int(rng.integers(0, c))):
+        j = int(rng.integers(0, c))
+
+        def negative(m, a, key=key, i=j):
             a[key] = np.minimum(a[key], 0)
             a[key][: i + 1] = -1
         assert broken(busy, negative) == [stamp_problem(g, c, c)]

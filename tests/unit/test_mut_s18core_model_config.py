@@ -39,9 +39,11 @@ def jamba_elems(tp: int) -> int:
     # gated DeltaNet: conv (4 - 1) x (2 x 16 x 128 + 32 x 128), recurrent 32 x 128 x 128; 36 of 48 layers
     (HELDOUT / "qwen3-next-80b-a3b-instruct.json", 1,
      [DTYPE_NOTE, state_note(36, "gated DeltaNet", 3 * (2 * 16 * 128 + 32 * 128) + 32 * 128 * 128)]),
-    (FIXTURES / "llama-3-8b.json", 16, [DTYPE_NOTE, "head_dim missing: 128 (= hidden_size 4096 / num_attention_heads 32)",
-                                        "num_key_value_heads=8 < tp=16: each rank holds 1 replicated head"]),
-    (FIXTURES / "gemma-3-1b-it.json", 4, [DTYPE_NOTE, "num_key_value_heads=1 < tp=4: each rank holds 1 replicated head"]),
+    (FIXTURES / "llama-3-8b.json", 16,
+     [DTYPE_NOTE, "head_dim missing: 128 (= hidden_size 4096 / num_attention_heads 32)",
+      "num_key_value_heads=8 < tp=16: each rank holds 1 replicated head"]),
+    (FIXTURES / "gemma-3-1b-it.json", 4,
+     [DTYPE_NOTE, "num_key_value_heads=1 < tp=4: each rank holds 1 replicated head"]),
 ])
 def test_notes_are_the_hand_written_list(path, tp, want):
     assert list(load_model_cache(path, tp=tp).notes) == want
