@@ -2,6 +2,10 @@
 kvservice/core/evict.py's LruLeaf.victim driven alone (the generic EvictionPolicy.evict rule: victim, then the
 caller removes and unlinks it) against the plain-Python model of tests/unit/test_mut_m29k1_evict.py."""
 
+import mmap
+import re
+import sys
+
 import numpy as np
 import pytest
 
@@ -25,6 +29,56 @@ def test_mapped_store_is_a_writable_zero_array_of_the_shape_and_dtype(shape, dty
     assert int(a[idx]) == 7 and int(np.count_nonzero(a)) == 1
     b = zeroed(shape, dtype)                              # a fresh mapping: the write above is not seen
     assert not b.any()
+
+
+def memory_owner(a: np.ndarray) -> object:
+    while isinstance(a, np.ndarray) and a.base is not None:
+        a = a.base
+    return a.obj if isinstance(a, memoryview) else a
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.int32, np.uint8])
+def test_the_mapped_threshold_is_mapped_bytes_exactly(dtype):
+    """The module's rule: arrays of at least MAPPED_BYTES bytes are mapped, one element fewer come from np.zeros
+    (an ndarray owning its memory)."""
+    item = np.dtype(dtype).itemsize
+    at = zeroed((MAPPED_BYTES // item,), dtype)
+    below = zeroed((MAPPED_BYTES // item - 1,), dtype)
+    assert isinstance(memory_owner(at), mmap.mmap)
+    assert isinstance(memory_owner(below), np.ndarray) and memory_owner(below).base is None
+    two_d = zeroed((2, MAPPED_BYTES // item // 2), dtype)
+    assert isinstance(memory_owner(two_d), mmap.mmap) and two_d.shape == (2, MAPPED_BYTES // item // 2)
+    for a in (at, below, two_d):
+        assert not a.any()
+
+
+@pytest.mark.parametrize("shape", [(0,), (0, 512), (7, 0, 3), (), (3, 5), (1031, 3)])
+@pytest.mark.parametrize("dtype", [np.int64, np.float32, np.uint8, np.int16])
+def test_small_empty_and_scalar_shapes_are_as_np_zeros(shape, dtype):
+    a = zeroed(shape, dtype)
+    want = np.zeros(shape, dtype=dtype)
+    assert a.shape == want.shape and a.dtype == want.dtype and a.size == want.size and not a.any()
+    assert a.flags.c_contiguous and a.flags.writeable
+
+
+@pytest.mark.parametrize("shape", [(4, -1), (-3,), (MAPPED_BYTES, -2)])
+def test_a_negative_dimension_is_refused_with_the_shape(shape):
+    bad = next(n for n in shape if n < 0)
+    with pytest.raises(ValueError, match=re.escape(f"zeroed: negative dimension {bad} in shape {shape}")):
+        zeroed(shape, np.int64)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/maps is Linux's")
+def test_the_mapping_is_private_and_anonymous():
+    """A private ("p"), writable, anonymous (no file) mapping: nothing another process maps sees its writes."""
+    a = zeroed((MAPPED_BYTES // 8 * 2,), np.int64)
+    a[len(a) // 2] = 5
+    addr = a[len(a) // 2:].ctypes.data
+    with open("/proc/self/maps") as f:
+        rows = [line.split() for line in f]
+    row = next(r for r in rows if int(r[0].split("-")[0], 16) <= addr < int(r[0].split("-")[1], 16))
+    assert row[1].startswith("rw") and row[1][3] == "p"
+    assert len(row) == 5 or not row[5].startswith("/")   # no backing file
 
 
 def drive_victims(seed: int, num_slots: int) -> int:
