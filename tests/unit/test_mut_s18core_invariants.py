@@ -2,8 +2,16 @@
 is an allocator clock value, which starts at 0 (kvservice/core/allocator.py) and only grows, so 0 is a sound
 stamp and only a negative one (or a count that differs from the cached slots') is named, per group."""
 
-import numpy as np
+import dataclasses
 
+import numpy as np
+import pytest
+
+from kvservice.contract.geometry import CacheSpec, LayerSpec
+from kvservice.contract.sizing import Sizing
+from kvservice.core.invariants import check_pool_state
+from kvservice.core.planner import plan
+from kvservice.core.pool import Pool
 from tests.unit.test_mut_m29k1_invariants import broken, busy  # noqa: F401  (busy: the module's pool fixture)
 
 
@@ -44,3 +52,46 @@ def test_zero_stamps_are_sound_negative_or_miscounted_ones_are_named(busy):  # n
         def missing(m, a, key=key):
             del a[key]                                   # an older state without stamps: nothing to check
         assert broken(busy, missing) == []
+
+
+def released_state(pool, f: int):
+    """The one sequence's state with its first f pages of the sliding group (group 1) released to the free stack."""
+    state = pool.export_state()
+    a = {k: v.copy() for k, v in state.arrays.items()}
+    a["free_stack/1"] = np.concatenate((a["free_stack/1"], a["slots/1"][:f]))
+    a["slots/1"] = a["slots/1"][f:]
+    a["first/1"] = np.array([f], dtype=a["first/1"].dtype)
+    return dataclasses.replace(state, arrays=a)
+
+
+@pytest.mark.parametrize(("w", "seed"), [(8, 1), (5, 2), (3, 3), (1, 4), (13, 5)])
+def test_released_pages_up_to_the_design_bound_are_sound_one_more_is_named(w, seed):
+    """docs/DESIGN.md invariant 3: a sliding group of window w holds pages from `first` on, with
+    first * page_size <= n + 1 - w. Every first up to that bound (and up to the held pages) is sound; one page
+    more is named: inside the window while pages are held, outside [0, held] past them. Every n from below the
+    window to three pages past it, so that n + 1 - w meets each page boundary."""
+    ps = 4
+    spec = CacheSpec((LayerSpec(2, 64), LayerSpec(2, 64, sliding_window=w)), ps, "per_layer")
+    rng = np.random.default_rng(seed)
+    for n in range(max(1, w - 2), w + 3 * ps + 1):
+        pool = Pool("p", plan(spec, Sizing(num_slots=48, max_seq_len=160)))
+        pool.step(admit_ids=[int(rng.integers(1, 1000))], admit_tokens=[n])
+        held = -(-n // ps)
+        bound = min(held, max(0, n + 1 - w) // ps)             # the largest first DESIGN.md allows
+        for f in range(bound + 1):
+            assert check_pool_state(released_state(pool, f), pool.plan) == [], (n, f)
+        if bound < held:
+            assert check_pool_state(released_state(pool, bound + 1), pool.plan) == [
+                f"group 1: a page still inside the sliding window of {w} tokens was released"], (n, bound + 1)
+        state = pool.export_state()
+        a = {**state.arrays, "first/1": np.array([held + 1])}
+        assert check_pool_state(dataclasses.replace(state, arrays=a), pool.plan) == [
+            "group 1: a first held page is outside [0, held]"]
+
+
+def test_every_page_released_at_window_one_is_sound():
+    """Window 1 and n a multiple of the page size: n + 1 - 1 = n, so first may reach held (no page kept)."""
+    spec = CacheSpec((LayerSpec(2, 64), LayerSpec(2, 64, sliding_window=1)), 4, "per_layer")
+    pool = Pool("p", plan(spec, Sizing(num_slots=16, max_seq_len=64)))
+    pool.step(admit_ids=[7], admit_tokens=[12])
+    assert check_pool_state(released_state(pool, 3), pool.plan) == []
