@@ -3,11 +3,13 @@ against strings written by hand from kvservice/core/model_config.py's documented
 configs (tests/fixtures/model_configs): the state bytes per sequence are computed here, not read back."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
-from kvservice.core.model_config import load_model_cache, model_cache
+from kvservice.contract.errors import InvalidArgument
+from kvservice.core.model_config import StateLayer, load_model_cache, model_cache
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "model_configs"
 HELDOUT = FIXTURES / "heldout"
@@ -42,6 +44,10 @@ def jamba_elems(tp: int) -> int:
     (FIXTURES / "llama-3-8b.json", 16,
      [DTYPE_NOTE, "head_dim missing: 128 (= hidden_size 4096 / num_attention_heads 32)",
       "num_key_value_heads=8 < tp=16: each rank holds 1 replicated head"]),
+    (HELDOUT / "deepseek-v2-lite.json", 1,
+     [DTYPE_NOTE, "multi-head latent attention: each layer pages one latent of kv_lora_rank 512 + qk_rope_head_dim "
+                  "64 = 576 values per token (K only, one head, the same on every rank); num_key_value_heads is not "
+                  "cached"]),
     (FIXTURES / "gemma-3-1b-it.json", 4,
      [DTYPE_NOTE, "num_key_value_heads=1 < tp=4: each rank holds 1 replicated head"]),
 ])
@@ -62,3 +68,44 @@ def test_global_kv_heads_equal_to_kv_heads_replicate_with_one_note(kv, tp):
         assert {layer.kv_heads for layer in m.spec.layers} == {1}
         assert {layer.head_dim for layer in m.spec.layers} == {256, 512}   # head_dim, global_head_dim
     assert list(model_cache(with_field, tp=tp).notes) == list(model_cache(base, tp=tp).notes)
+
+
+@pytest.mark.parametrize(("kv", "tp"), [(8, 3), (6, 4), (12, 8), (3, 2)])
+def test_heads_that_neither_divide_nor_are_divided_by_tp_are_refused_with_the_whole_message(kv, tp):
+    cfg = {**json.loads((FIXTURES / "llama-3-8b.json").read_text()), "num_key_value_heads": kv}
+    want = (f"config.json: num_key_value_heads={kv} cannot be split over tp={tp} ranks (neither divides the other); "
+            "choose a tp that divides it or that it divides")
+    with pytest.raises(InvalidArgument, match=f"^{re.escape(want)}$"):
+        model_cache(cfg, tp=tp)
+
+
+@pytest.mark.parametrize("tp", [True, False, 0, -2, 1.0, "2"])
+def test_tp_that_is_not_a_positive_int_is_refused_by_value(tp):
+    cfg = json.loads((FIXTURES / "llama-3-8b.json").read_text())
+    with pytest.raises(InvalidArgument, match=f"^{re.escape(f'tp must be a positive integer, got {tp!r}')}$"):
+        model_cache(cfg, tp=tp)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_mamba2_without_a_groups_field_has_one_group(tp):
+    """Falcon-H1 7B with mamba_n_groups removed: one group (transformers' default), so conv (4 - 1) x
+    (24/tp x 128 + 2 x 1 x 256), SSM 24/tp x 128 x 256; at tp=2 the one group is kept whole on each rank."""
+    cfg = {k: v for k, v in json.loads((HELDOUT / "falcon-h1-7b-instruct.json").read_text()).items()
+           if k != "mamba_n_groups"}
+    h = 24 // tp
+    conv, ssm = 3 * (h * 128 + 2 * 256), h * 128 * 256
+    m = model_cache(cfg, tp=tp)
+    assert m.state_layers == tuple(StateLayer(i, "mamba", conv, ssm, "bfloat16", (conv + ssm) * BF16)
+                                   for i in range(44))
+
+
+@pytest.mark.parametrize("size", [0, 4095, 4097, 2048, False])
+def test_a_sliding_window_size_other_than_the_window_is_refused(size):
+    cfg = json.loads((FIXTURES / "gemma-2-9b.json").read_text())
+    assert cfg["sliding_window"] == cfg["sliding_window_size"] == 4096
+    assert {layer.sliding_window for layer in model_cache(cfg).spec.layers} == {0, 4096}
+    assert {layer.sliding_window for layer in model_cache({**cfg, "sliding_window_size": None}).spec.layers} == \
+        {0, 4096}
+    with pytest.raises(InvalidArgument, match=re.escape(f"config.json: fields 'sliding_window'=4096 and "
+                                                        f"'sliding_window_size'={size} disagree")):
+        model_cache({**cfg, "sliding_window_size": size})
