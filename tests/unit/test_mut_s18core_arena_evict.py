@@ -130,7 +130,7 @@ def drive_victims(seed: int, num_slots: int) -> int:
     return taken
 
 
-@pytest.mark.parametrize(("seed", "num_slots"), [(1, 16), (2, 40), (3, 64), (4, 100)])
+@pytest.mark.parametrize(("seed", "num_slots"), [(1, 16), (2, 40), (3, 64), (4, 100), (5, 17), (6, 9), (7, 33)])
 def test_lru_leaf_victim_alone_takes_the_models_leaf(seed, num_slots):
     assert drive_victims(seed, num_slots) > 20
 
@@ -159,3 +159,23 @@ def test_victim_skips_an_older_parent_for_its_leaf_and_falls_back_when_no_leaf_i
     assert pol.victim() == 11                            # a leaf first, though 2 is older
     del cached_at[11]
     assert pol.victim() == 2                             # no cached leaf: the oldest cached page
+
+
+@pytest.mark.parametrize("k", [1, 3, 4, 6, 10])
+def test_the_highest_slot_of_a_pool_just_past_a_power_of_two_keeps_its_own_stamp(k):
+    """num_slots = 2^k + 1: slot 2^k released at clock 1 goes before slot 0 released at clock 2, and before
+    slot 1 released at clock 1 too (ties: the lower slot, so 1 first); both through victim() and evict()."""
+    top = 1 << k
+    for take in ("victim", "evict"):
+        cached_at = {top: 1, 1: 1, 0: 2}
+        pol = LruLeaf(top + 1, cached_at)
+        pol.cached([top, 1], 1)
+        pol.cached([0], 2)
+        assert pol.order() == [1, top, 0]
+        got = []
+        for _ in range(3):
+            s = pol.victim() if take == "victim" else pol.evict(1)[0]
+            if take == "victim":
+                del cached_at[s]
+            got.append(s)
+        assert got == [1, top, 0]
