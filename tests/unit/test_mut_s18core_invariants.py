@@ -95,3 +95,49 @@ def test_every_page_released_at_window_one_is_sound():
     pool = Pool("p", plan(spec, Sizing(num_slots=16, max_seq_len=64)))
     pool.step(admit_ids=[7], admit_tokens=[12])
     assert check_pool_state(released_state(pool, 3), pool.plan) == []
+
+
+def test_prefix_parent_and_anchor_bounds_are_exact(busy):  # noqa: F811
+    """A parent is -1 or a slot of its group ([-1, num_slots)); an anchor is -1 or below the largest group's
+    slot count: the last value inside each bound is sound, the first outside is named."""
+    from tests.unit.test_mut_m29k1_invariants import NUM_SLOTS, set_at
+    largest = busy.plan.num_slots
+    assert largest == NUM_SLOTS
+    for g in (0, 1):
+        named = [f"group {g}: a prefix-cache namespace, parent or anchor slot is out of range"]
+        for key, top in ((f"prefix/{g}/parent", NUM_SLOTS), (f"prefix/{g}/anchor", largest)):
+            for i in (0, len(busy.export_state().arrays[key]) - 1):
+                assert broken(busy, set_at(key, i, -1)) == []
+                assert broken(busy, set_at(key, i, top - 1)) == []
+                assert broken(busy, set_at(key, i, top)) == named
+                assert broken(busy, set_at(key, i, -2)) == named
+
+
+def test_a_sequence_of_exactly_max_seq_len_tokens_is_sound():
+    """The token-count bound is 1..max_seq_len inclusive: a sequence filled to max_seq_len breaks nothing."""
+    spec = CacheSpec((LayerSpec(2, 64), LayerSpec(2, 64, sliding_window=8)), 4, "per_layer")
+    pool = Pool("p", plan(spec, Sizing(num_slots=64, max_seq_len=48)), prefix_caching=True)
+    rng = np.random.default_rng(18)
+    pool.step(admit_ids=[3], admit_tokens=[40], admit_token_ids=rng.integers(1, 30_000, 40))
+    pool.step(extend_ids=[3], extend_tokens=[8])
+    assert int(pool.export_state().arrays["num_tokens"][0]) == 48
+    assert check_pool_state(pool.export_state(), pool.plan) == []
+    state = pool.export_state()
+    over = {**state.arrays, "num_tokens": np.array([49])}
+    assert check_pool_state(dataclasses.replace(state, arrays=over), pool.plan) == [
+        "a sequence holds 49..49 tokens, outside 1..max_seq_len=48"]
+    empty = {**state.arrays, "num_tokens": np.array([0])}
+    assert check_pool_state(dataclasses.replace(state, arrays=empty), pool.plan) == [
+        "a sequence holds 0..0 tokens, outside 1..max_seq_len=48"]
+
+
+def test_refcounts_off_at_many_slots_name_the_first_five(busy):  # noqa: F811
+    """pool_problems on a live copy whose allocator counts one owner too many on seven owned slots of group 0:
+    the problem names the five lowest of them."""
+    from kvservice.core.invariants import pool_problems
+    pool = Pool.from_state(busy.export_state(), busy.plan)
+    owned = np.unique(busy.export_state().arrays["slots/0"])
+    rng = np.random.default_rng(5)
+    off = np.sort(rng.choice(owned, 7, replace=False))
+    pool.allocators[0]._refcnt[off] += 1
+    assert pool_problems(pool) == [f"group 0: refcount != owners at slot {off[:5].tolist()}"]
