@@ -109,3 +109,49 @@ def test_a_sliding_window_size_other_than_the_window_is_refused(size):
     with pytest.raises(InvalidArgument, match=re.escape(f"config.json: fields 'sliding_window'=4096 and "
                                                         f"'sliding_window_size'={size} disagree")):
         model_cache({**cfg, "sliding_window_size": size})
+
+
+GEMMA3_PATTERN = ("model_type 'gemma3_text' states no layer pattern: layers 6, 12, ... (counting from 1) are global, "
+                  "the others slide (the type's rule)")
+
+
+def nested() -> dict:
+    """Gemma 3 27B: the layers in text_config, torch_dtype (bfloat16) at the top level only."""
+    return json.loads((FIXTURES / "gemma-3-27b-it.json").read_text())
+
+
+@pytest.mark.parametrize(("name", "want"), [("BFloat16", "bfloat16"), ("FLOAT16", "float16"), ("Float32", "float32"),
+                                            ("FP8_E5M2", "float8_e5m2")])
+def test_the_models_dtype_is_read_in_any_case(name, want):
+    cfg = {**nested(), "torch_dtype": name}
+    m = model_cache(cfg)
+    assert {layer.dtype for layer in m.spec.layers} == {want}
+    assert list(m.notes) == [GEMMA3_PATTERN, f"cache dtype {want} (the model's torch_dtype)"]
+
+
+def test_text_configs_own_dtype_field_comes_before_the_top_levels():
+    """The config that describes the layers is read first: its `dtype` (transformers' newer name) over the top
+    level's torch_dtype; without it, the top level's."""
+    cfg = nested()
+    cfg["text_config"] = {**cfg["text_config"], "dtype": "float16"}
+    m = model_cache(cfg)
+    assert {layer.dtype for layer in m.spec.layers} == {"float16"}
+    assert list(m.notes) == [GEMMA3_PATTERN, "cache dtype float16 (the model's torch_dtype)"]
+    top_only = {k: v for k, v in nested().items() if k != "torch_dtype"}
+    top_only["dtype"] = "float32"
+    assert {layer.dtype for layer in model_cache(top_only).spec.layers} == {"float32"}
+
+
+@pytest.mark.parametrize("where", ["top", "text_config"])
+def test_a_kv_cache_scheme_at_either_level_quantizes_the_cache(where):
+    """An 8-bit float kv_cache_scheme plans float8_e4m3 K/V whether the quantization_config sits at the top level
+    (as multimodal checkpoints write it) or in text_config."""
+    cfg = nested()
+    quant = {"quant_method": "compressed-tensors", "kv_cache_scheme": {"num_bits": 8, "type": "float"}}
+    if where == "top":
+        cfg["quantization_config"] = quant
+    else:
+        cfg["text_config"] = {**cfg["text_config"], "quantization_config": quant}
+    m = model_cache(cfg)
+    assert {layer.dtype for layer in m.spec.layers} == {"float8_e4m3"}
+    assert list(m.notes) == [GEMMA3_PATTERN, "cache dtype float8_e4m3 (the config's KV-cache quantization)"]
