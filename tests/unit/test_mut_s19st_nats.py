@@ -5,13 +5,17 @@ connections apart in nats-server's /connz), with its client library and version.
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 import threading
 import urllib.request
 import uuid
 
+import numpy as np
+
 from kvservice.state.nats.direct import DirectPublisher
 from kvservice.state.nats.journal import NatsStore
+from kvservice.state.nats.leader import Lease, LeaseConfig
 
 from .test_nats_store import link  # noqa: F401  (fixture)
 
@@ -55,3 +59,25 @@ def test_relearning_the_stream_leader_runs_one_at_a_time_and_never_holds_up_the_
         store._relearning.release()
     finally:
         store.close()
+
+
+def test_a_takeover_logs_who_did_not_renew_which_revision_for_how_long(link, caplog):  # noqa: F811
+    """docs/HA.md: a standby takes the leader key once its revision stood still for a whole TTL, and says whose
+    lease it took and for how long the revision had not moved (on the standby's clock, injected here)."""
+    rng = np.random.default_rng(19_26)
+    cfg = LeaseConfig(ttl_seconds=float(rng.uniform(3, 9)), renew_seconds=0.2, poll_seconds=0.1, margin_seconds=0.1)
+    now = [float(rng.uniform(100, 1000))]
+    a = Lease(link, cfg, "node-a")
+    assert a.try_acquire()
+    b = Lease(link, cfg, "node-b", clock=lambda: now[0])
+    assert not b.try_acquire()                              # first sight of node-a's revision
+    seen = b.holder
+    assert seen.node == "node-a"
+    stood = round(cfg.ttl_seconds + float(rng.uniform(0.01, 4)), 2)       # no .2f rounding tie
+    now[0] += stood
+    with caplog.at_level(logging.INFO, logger="kvservice.state.nats.leader"):
+        assert b.try_acquire() and b.held
+    said = [r.getMessage() for r in caplog.records if r.name == "kvservice.state.nats.leader"]
+    assert said == [f"leader node-a (epoch {seen.epoch}) did not renew revision {seen.revision} for {stood:.2f} s; "
+                    "taking over"]
+    b.release()
