@@ -13,11 +13,12 @@ from kvservice.contract.geometry import CacheSpec
 from kvservice.contract.sizing import Sizing
 from kvservice.contract.wire import to_tensor
 from kvservice.core.cache_events import AllBlocksCleared, Batch, BlockRemoved, BlockStored
+from kvservice.core.hashing import page_hashes
 from kvservice.core.limits import ReplyModel, StepShape, step_reply_bound
 from kvservice.manager.api import ManagerAPI
 from kvservice.manager.event_log import EventLog, EventsConfig, LoggedBatch, _nbytes
 from kvservice.manager.pools import BlockManager
-from kvservice.manager.routing import score_prefix_per_pool
+from kvservice.manager.routing import score_prefix, score_prefix_per_pool
 from kvservice.v1 import block_manager_pb2 as pb
 
 PS = 4
@@ -188,3 +189,24 @@ def test_per_pool_scores_of_a_cache_without_an_event_index_follow_the_model():
         assert score.cached_tokens == want * PS, (q, salt)
         partial += 0 < want < (len(q) - 1) // PS
     assert partial > 5
+
+
+def test_a_hash_shared_across_salts_never_serves_another_salts_pages():
+    """Forced collisions: a hash function that ignores the namespace gives a prompt the same hashes under every
+    salt; the cache still serves a page only to its own salt (docs/DESIGN.md: prefix caching is per salt)."""
+    rng = np.random.default_rng(1844)
+    m = BlockManager()
+    m.create_pool("p", CacheSpec.uniform(1, 1, 64, page_size=PS), Sizing(num_slots=400, max_seq_len=200),
+                  prefix_caching=True)
+    pool = m.pool_and_lock("p")[0]
+    pool.prefix.hash_fn = lambda pages, col, starts, full, ns: page_hashes(pages, col, starts, full, ns * 0)
+    p = rng.integers(1, 30_000, int(rng.integers(4 * PS + 1, 8 * PS)))
+    q = rng.integers(1, 30_000, 3 * PS)
+    with m.locked("p"):
+        pool.step(admit_ids=[1], admit_tokens=[len(p)], admit_token_ids=p, admit_salts=["a"])
+        pool.step(admit_ids=[2], admit_tokens=[len(q)], admit_token_ids=q, admit_salts=["b"])
+    for score in (score_prefix, score_prefix_per_pool):
+        assert score(m, p.astype(np.int64), "a")[0].cached_tokens == (len(p) - 1) // PS * PS
+        assert score(m, p.astype(np.int64), "b")[0].cached_tokens == 0
+        assert score(m, q.astype(np.int64), "b")[0].cached_tokens == (len(q) - 1) // PS * PS
+        assert score(m, q.astype(np.int64), "a")[0].cached_tokens == 0
