@@ -10,6 +10,7 @@ from kvservice.contract.geometry import CacheSpec
 from kvservice.contract.sizing import Sizing
 from kvservice.manager.api import flush_fleet
 from kvservice.manager.pools import BlockManager
+from kvservice.manager.routing import _Chain
 
 PS = 4
 SLOTS = 64
@@ -78,3 +79,29 @@ def test_a_long_history_keeps_the_index_bounded_and_equal_to_the_cache():
     member.dirty.update(cache.by_hash)                               # a late flush of the departed member
     member.flush()
     assert m.fleet.tables == {}
+
+
+def test_a_member_that_left_the_index_serves_nothing_and_must_be_asked():
+    """served_pages for a departed member (a pool deleted while a query was under way): 0 pages, and check set so
+    the caller asks the pool itself; a member still in the index gets its prompt's (n - 1) // ps pages."""
+    rng = np.random.default_rng(1951)
+    m = BlockManager()
+    n = int(rng.integers(5 * PS + 1, 9 * PS))
+    prompt = rng.integers(1, 30_000, n)
+    members = []
+    for name in ("x", "y"):
+        m.create_pool(name, CacheSpec.uniform(1, 1, 64, page_size=PS), Sizing(num_slots=SLOTS, max_seq_len=SLOTS * PS),
+                      prefix_caching=True)
+        pool, lock = m.pool_and_lock(name)
+        with lock:
+            pool.step(admit_ids=[1], admit_tokens=[n], admit_token_ids=prompt, admit_salts=[""])
+            flush_fleet(pool)
+        members.append(pool.prefix.fleet)
+    m.delete_pool("x", force=True)
+    with m.pool_and_lock("y")[1]:
+        ns = int(m.pool_and_lock("y")[0].prefix.namespace_ids([""], [""])[0][0])
+    limit = (n - 1) // PS
+    chain = _Chain(prompt[:n // PS * PS].reshape(-1, PS).astype(np.int64), ns)
+    with m.fleet.lock:
+        served, check = m.fleet.served_pages(PS, chain.seed, chain.terms()[:limit], chain.pages, ("", ""), members)
+    assert served.tolist() == [0, limit] and check.tolist() == [True, False]
