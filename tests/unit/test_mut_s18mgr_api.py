@@ -7,13 +7,15 @@ REPLY_TOO_LARGE advice at its boundary, and flush_fleet bringing the fleet index
 import numpy as np
 import pytest
 
+from kvservice.contract.convert import cache_spec_to_proto, sizing_to_proto
 from kvservice.contract.errors import ResourceExhausted
 from kvservice.contract.geometry import CacheSpec, LayerSpec
 from kvservice.contract.sizing import Sizing
 from kvservice.contract.wire import to_tensor
 from kvservice.core.limits import ReplyModel, StepShape, step_reply_bound
-from kvservice.manager.api import ManagerAPI, flush_fleet
+from kvservice.manager.api import ManagerAPI, StepCost, flush_fleet
 from kvservice.manager.pools import BlockManager
+from kvservice.manager.step_input import decode_step
 from kvservice.v1 import block_manager_pb2 as pb
 
 PS = 4
@@ -160,3 +162,42 @@ def test_flush_fleet_brings_the_index_up_to_the_pools_cache():
     with m.fleet.lock:
         snap = m.fleet.snapshot()
     assert sum(len(d) for d in snap.values()) == n // PS           # every full page of the prompt is indexed
+
+
+def test_check_step_cost_settles_at_each_bound_exactly_and_reserves_what_settled_it():
+    """A limit equal to a bound lets the step through at that level (the bound is <= the limit): level 0 from the
+    request alone, then the pool's token total (level 1), then each row's own tokens (level 2); one byte less
+    than the last is a refusal. No limit: settled by the request, nothing to reserve."""
+    rng = np.random.default_rng(1905)
+    m, _, probe = _model_and_api()
+    ids = list(range(1, 9))
+    api_n = rng.integers(1, 3 * PS, len(ids)).tolist()
+    probe.Step(pb.StepRequest(pool="p", admit_seq_ids=_u64(ids), admit_num_tokens=_i64(api_n)))
+    r = pb.StepRequest(pool="p", extend_seq_ids=_u64(ids), extend_num_tokens=_i64(rng.integers(1, 3, len(ids))),
+                       admit_seq_ids=_u64([50]), admit_num_tokens=_i64([int(rng.integers(1, 9))]))
+    b0, b1, b2 = (probe.step_reply_bound(r, level).total for level in (0, 1, 2))
+    assert b0 > b1 > b2
+    pool = m.pool_and_lock("p")[0]
+    assert probe.check_step_cost(pool, decode_step(r)) == StepCost(True, 0)
+    for limit, want in ((b0, StepCost(True, b0)), (b0 - 1, StepCost(False, b1)), (b1, StepCost(False, b1)),
+                        (b1 - 1, StepCost(False, b2)), (b2, StepCost(False, b2))):
+        api = ManagerAPI(m, max_reply_bytes=limit)
+        reserved: list[int] = []
+        api.reserve_reply = reserved.append
+        assert api.check_step_cost(pool, decode_step(r)) == want, limit
+        assert reserved == [want.reply_bytes]
+    with pytest.raises(ResourceExhausted):
+        ManagerAPI(m, max_reply_bytes=b2 - 1).check_step_cost(pool, decode_step(r))
+
+
+def test_create_pool_keeps_a_given_incarnation_and_list_pools_lists_every_pool():
+    m = BlockManager()
+    api = ManagerAPI(m)
+    spec = CacheSpec.uniform(2, 1, 64, page_size=PS)
+    for name, inc in (("b", 987_654_321), ("a", 12)):
+        info = api.CreatePool(pb.CreatePoolRequest(name=name, cache=cache_spec_to_proto(spec),
+                                                   sizing=sizing_to_proto(Sizing(num_slots=32, max_seq_len=64)),
+                                                   incarnation=inc))
+        assert (info.name, info.incarnation) == (name, inc)
+    listed = api.ListPools(pb.ListPoolsRequest()).pools
+    assert sorted((p.name, p.incarnation) for p in listed) == [("a", 12), ("b", 987_654_321)]
