@@ -507,3 +507,24 @@ def test_a_leader_clients_interceptors_see_its_calls(server):
     with LeaderClient(server, timeout=30, token=ADMIN, interceptors=[Record()]) as c:
         c.echo(payload)
     assert seen == [("/kvservice.v1.BlockManager/Echo", payload)]
+
+
+
+def test_score_prefix_answers_only_the_pools_the_token_may_read(server):
+    """docs/SECURITY.md: a read token scoped to pool a learns nothing of pool b's cache. The same prompt cached in
+    both pools: the admin token is scored on both, the reader of pool a on a alone."""
+    rng = np.random.default_rng(41)
+    tokens = rng.integers(1, 30000, 4 * 5).astype(np.int64)            # five full pages of page_size 4
+    ids = [int(rng.integers(1 << 40, 1 << 50))]
+    with BlockManagerClient(server, token=ADMIN) as c:
+        for pool in ("a", "b"):
+            c.step(pool, admit=ids, admit_tokens=[len(tokens)], admit_token_ids=tokens, tables=False)
+        try:
+            both = {s.pool: s.cached_tokens for s in c.score_prefix(tokens, timeout=10).scores}
+            with BlockManagerClient(server, token=RD) as r:
+                mine = {s.pool: s.cached_tokens for s in r.score_prefix(tokens, timeout=10).scores}
+        finally:
+            for pool in ("a", "b"):
+                c.step(pool, free=ids, tables=False)
+    assert {"a", "b"} <= set(both) and both["a"] == both["b"] > 0
+    assert mine == {"a": both["a"]}
