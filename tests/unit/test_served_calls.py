@@ -528,3 +528,27 @@ def test_score_prefix_answers_only_the_pools_the_token_may_read(server):
                 c.step(pool, free=ids, tables=False)
     assert {"a", "b"} <= set(both) and both["a"] == both["b"] > 0
     assert mine == {"a": both["a"]}
+
+
+def test_score_prefix_is_refused_rate_limited_while_its_tenant_is_in_read_debt():
+    """read_budget.py / docs/SECURITY.md#fairness: ScorePrefix is a tenant's heavy read, refused at once
+    (RESOURCE_EXHAUSTED, reason RATE_LIMITED, with when to retry) while that tenant's read budget is in debt;
+    another tenant's bucket is its own, and a call that runs is charged to its tenant."""
+    running = serve("127.0.0.1:0", tokens=TokenTable.from_yaml(TOKENS))
+    target = f"127.0.0.1:{running.port}"
+    try:
+        budget = running.manager.events.read_budget
+        with BlockManagerClient(target, token=ADMIN) as c:
+            c.create_pool("a", SPEC, SIZING, prefix_caching=True)
+            tokens = np.random.default_rng(43).integers(1, 30000, 12).astype(np.int64)
+            c.score_prefix(tokens, timeout=10)
+            assert "adm" in budget._buckets                   # the admin's call ran as a piece of its own budget
+            budget.charge("rd", 10_000.0)                     # the reader owes far more than any refill in a test
+            with BlockManagerClient(target, token=RD, retries=0) as r:
+                with pytest.raises(ClientError) as e:
+                    r.score_prefix(tokens, timeout=10)
+            assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and e.value.reason == "RATE_LIMITED"
+            assert float(e.value.metadata["retry_after_seconds"]) > 0 and budget.refused == 1
+            assert [s.pool for s in c.score_prefix(tokens, timeout=10).scores] == ["a"]   # the admin is not in debt
+    finally:
+        running.stop()
