@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvservice.contract.geometry import CacheSpec
+from kvservice.contract.sizing import Sizing
+from kvservice.manager.pools import BlockManager
 from kvservice.manager.routing import chained_hashes, score_prefix, score_prefix_per_pool
 from tests.unit.test_fleet_index import PS, registered_by_hand
 
@@ -66,3 +69,72 @@ def test_a_first_page_registered_with_a_parent_hash_is_asked_of_the_pool_not_ser
     pool = m.pool_and_lock("p")[0]
     want = pool.cached_prefix_pages(prompt) * PS
     assert score_prefix(m, prompt)[0].cached_tokens == want == score_prefix_per_pool(m, prompt)[0].cached_tokens
+
+
+def _cache(m, name, namespaces):
+    """A member pool's prefix cache with these (salt, extra key) -> its own namespace ids."""
+    m.create_pool(name, CacheSpec.uniform(1, 1, 64, page_size=PS), Sizing(num_slots=16, max_seq_len=64),
+                  prefix_caching=True)
+    cache = m.pool_and_lock(name)[0].prefix
+    cache.add_namespaces(namespaces)
+    return cache
+
+
+def _reg(cache, slot, parent, ns, tok, h, ph):
+    cache.register(np.array([slot]), np.array([parent]), np.array([ns]), np.array([tok], dtype=np.int64),
+                   np.array([h], dtype=np.uint64), np.array([ph], dtype=np.uint64))
+
+
+def test_two_members_two_namespaces_canonical_content_and_forgetting():
+    """Two member pools (bits 0 and 1, numbering their namespaces differently) register pages of two namespaces
+    in one flush each. A parent slot holding nothing is a sure miss even when the registered parent hash is 0
+    (the slot's "nothing"), and one holding the stored chain value 1 links a page registered under 1. A second
+    holder whose tokens or parent hash differ from the first's makes the entry mixed, its bit unset. Forgetting
+    pages takes each member's count, bit and stale count back out; mixed stays until the entry empties, and a
+    namespace's table goes with its last entry."""
+    rng = np.random.default_rng(2005)
+    h1, h2, h3, h4 = (int(x) for x in rng.integers(2**63, 2**64, 4, dtype=np.uint64))     # the high bit set
+    a, b, b2, c, d = (rng.integers(1, 30000, PS) for _ in range(5))
+    m = BlockManager()
+    p = _cache(m, "p", {("", ""): 0, ("s", "k"): 1})
+    q = _cache(m, "q", {("s", "k"): 0, ("", ""): 1})
+    assert (p.fleet.bit, q.fleet.bit) == (0, 1)
+    _reg(p, 1, -1, 0, a, h1, 0)
+    _reg(p, 2, -1, 1, b, h2, 0)
+    _reg(p, 3, 0, 0, c, h3, 0)                         # parent slot 0 holds nothing: a sure miss
+    _reg(p, 5, -1, 0, d, 1, 0)                         # a page stored as the chain value 1
+    _reg(p, 4, 5, 0, c, h4, 1)                         # ... whose child is linked
+    p.fleet.flush()
+    _reg(q, 7, -1, 1, a, h1, 0)                        # the same page: q serves it too
+    _reg(q, 8, -1, 0, b2, h2, 0)                       # other tokens: mixed, q's bit unset
+    _reg(q, 9, -1, 1, c, h3, 77)                       # another parent hash: mixed; parent -1 with it: stale
+    q.fleet.flush()
+
+    def entries():
+        with m.fleet.lock:
+            return m.fleet.snapshot()
+
+    plain, salted = (PS, ("", "")), (PS, ("s", "k"))
+    assert entries() == {
+        plain: {h1: (2, frozenset({0, 1}), 0, False), h3: (2, frozenset(), 1, True),
+                1: (1, frozenset({0}), 0, False), h4: (1, frozenset({0}), 0, False)},
+        salted: {h2: (2, frozenset({0}), 0, True)},
+    }
+    p.forget(1)
+    q.forget(8)
+    p.fleet.flush()
+    q.fleet.flush()
+    assert entries() == {
+        plain: {h1: (1, frozenset({1}), 0, False), h3: (2, frozenset(), 1, True),
+                1: (1, frozenset({0}), 0, False), h4: (1, frozenset({0}), 0, False)},
+        salted: {h2: (1, frozenset({0}), 0, True)},
+    }
+    q.forget(9)
+    p.forget(2)
+    p.forget(5)                                         # h4's parent slot now holds nothing: a sure miss
+    p.fleet.flush()
+    q.fleet.flush()
+    assert entries() == {plain: {h1: (1, frozenset({1}), 0, False), h3: (1, frozenset(), 0, True),   # sticky
+                                 h4: (1, frozenset(), 0, False)}}
+    with m.fleet.lock:
+        assert list(m.fleet.tables) == [(PS, m.fleet.known_namespace(("", "")))]
