@@ -87,3 +87,21 @@ def test_geometry_warnings_come_first_and_a_sequence_must_fit_with_the_default_h
         plan_groups(CacheSpec((_one_byte_slots(1),), 4), [3], 13)
     assert exc.value.message == ("one sequence of max_seq_len 13 tokens needs 4 slots in layer group 0, but the group "
                                  "has 3 (from group_slots); raise the budget or lower max_seq_len")
+
+
+def test_a_sliding_group_needs_its_window_pages_plus_one_and_max_seq_len_defaults_to_the_pool():
+    """Page size 4: a window of 9 tokens straddles at most ceil(9 / 4) + 1 = 4 pages, so its group needs 4 slots
+    for a long sequence (3 are refused, naming 4) and only a short sequence's own pages otherwise; max_seq_len 0
+    is every slot of the largest group: 5 x 4 = 20 tokens."""
+    spec = CacheSpec((_one_byte_slots(2), _one_byte_slots(2, window=9)), 4)
+    p = plan_groups(spec, [5, 4])
+    assert (p.max_seq_len, p.max_pages_per_seq, p.group_slots) == (20, 5, (5, 4))
+    with pytest.raises(InvalidArgument) as exc:
+        plan_groups(spec, [5, 3], 0, (), "memory_budget_bytes")
+    assert exc.value.message == ("one sequence of max_seq_len 20 tokens needs 4 slots in layer group 1, but the group "
+                                 "has 3 (from memory_budget_bytes); raise the budget or lower max_seq_len")
+    assert plan_groups(spec, [3, 3], 12).group_slots == (3, 3)      # 12 tokens: 3 pages in either group
+    with pytest.raises(InvalidArgument) as exc:
+        plan_groups(spec, [3, 2], 12)
+    assert exc.value.message == ("one sequence of max_seq_len 12 tokens needs 3 slots in layer group 1, but the group "
+                                 "has 2 (from group_slots); raise the budget or lower max_seq_len")
