@@ -133,3 +133,26 @@ def test_a_delta_adding_tokens_is_sized_by_the_rows_held():
         f"step has {MAX_ROWS + 1} rows; a table on this worker holds at most {MAX_ROWS} (kvworker serve "
         f"--max-table-rows, or the pool's {s.pool.plan.geometry.num_slots} slots)")
 
+
+
+def test_token_counts_of_one_and_a_delta_without_tokens_added_sized_by_num_tokens():
+    """num_tokens entries may be 1 to max_seq_len, ends included; a delta that does not say tokens_added is sized
+    by its num_tokens, not by the rows held (more than max_rows here)."""
+    s, full = _full(MAX_ROWS, [64] * MAX_ROWS)
+    plan = _plan(s)
+    plan.check(_changed(full, lambda r: r.num_tokens.CopyFrom(to_tensor(np.array([1, 64, 1, 64], np.int64)))), 0)
+    plan2, delta, _ = _delta()                          # rows gaining 6 and 9 tokens: no tokens_added
+    assert delta.delta.tokens_added == 0 and len(delta.num_tokens.data) == 2 * 8
+    plan2.check(delta, MAX_ROWS + 1)
+
+def test_a_layer_map_of_another_pool_is_named_by_its_first_16_layers():
+    """A 20-layer pool: the refusal quotes the first 16 entries of both maps, before anything else is read."""
+    from kvservice.contract.geometry import CacheSpec, Geometry
+    from kvservice.worker.tables import TablePlan
+
+    geo = Geometry(CacheSpec.uniform(20, 1, 64, page_size=4), 8)
+    reply = pb.StepReply()
+    reply.layer_index_space.extend([1] * 20)
+    assert _refused(TablePlan(geo, 32, 4), reply) == (
+        f"step.layer_index_space {[1] * 16} is not this pool's layer -> index space map {[0] * 16}: a reply of "
+        "another pool or plan")
