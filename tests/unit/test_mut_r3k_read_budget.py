@@ -127,3 +127,23 @@ def test_a_piece_that_ran_frees_its_place_in_flight():
     with b.piece("a", "ScorePrefix"):
         assert b.try_start("a") == BUSY_WAIT         # the piece holds the tenant's one place
     assert b.try_start("a") == 0                     # given back (its CPU time charged: far under the 1 s burst)
+
+
+def test_a_piece_is_charged_the_cpu_time_it_took_and_a_busy_tenant_is_told_the_busy_wait():
+    """A piece is charged the CPU seconds of its own block only: a burst a little below what this thread has used
+    so far still leaves credit after an empty block. A tenant whose pieces are all running is refused with
+    BUSY_WAIT (0.05 s, under a second)."""
+    import time
+
+    while time.thread_time() < 0.05:                   # this thread has used at least 50 ms of CPU
+        sum(range(10_000))
+    burst = time.thread_time() / 2
+    b = ReadBudget(share=0.5, burst=burst, clock=ManualClock(), max_in_flight=1)
+    with b.piece("a", "ScorePrefix"):
+        pass
+    assert b.try_start("a") == 0                     # charged microseconds, not the thread's whole CPU time
+    with pytest.raises(ResourceExhausted) as exc:
+        with b.piece("a", "ScorePrefix"):
+            pass
+    assert exc.value.message.endswith(", 1 at once); retry in 0.05 s")
+    assert exc.value.metadata == {"retry_after_seconds": f"{BUSY_WAIT:.3f}"} and BUSY_WAIT == 0.05
