@@ -105,3 +105,40 @@ def test_plan_summary_has_exactly_its_keys_and_the_checked_backends():
                       "indices_need_int64", "pool_pages", "backends", "groups", "index_spaces", "warnings", "notes"}
     assert s["backends"] == ["zeta", "alpha"] and type(s["backends"]) is list
     assert plan(spec, Sizing(num_slots=9, max_seq_len=128)).summary()["backends"] == []
+
+
+def test_mutual_tls_refuses_a_client_without_a_certificate(tmp_path):
+    """ServerTLS with client_ca (mutual TLS, auth.py's docstring: clients must present a cert it signed): a client
+    presenting a certificate the CA signed is answered (health SERVING); a client trusting the server but presenting
+    no certificate is refused (UNAVAILABLE), never answered. Certificate made with openssl (skipped without it); it
+    is self-signed, so it is its own CA."""
+    import subprocess
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from kvservice.contract.auth import ServerTLS
+    from tests.ci import need_tool
+
+    openssl = need_tool("openssl", "apt package openssl")
+    subprocess.run([openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                    "-keyout", "k.pem", "-out", "c.pem", "-days", "2", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+                   cwd=tmp_path, check=True, capture_output=True, timeout=60)
+    tls = ServerTLS.from_files(tmp_path / "c.pem", tmp_path / "k.pem", tmp_path / "c.pem")
+    server, port, _health = grpc_server(MANAGER, pb_grpc.BlockManagerServicer(), "127.0.0.1:0", tls)
+    server.start()
+    check = health_pb2.HealthCheckRequest(service="")
+    try:
+        mutual = grpc.ssl_channel_credentials(root_certificates=tls.cert, private_key=tls.key,
+                                              certificate_chain=tls.cert)
+        with grpc.secure_channel(f"127.0.0.1:{port}", mutual) as ch:
+            assert health_pb2_grpc.HealthStub(ch).Check(check, timeout=30).status == \
+                health_pb2.HealthCheckResponse.SERVING
+        anonymous = grpc.ssl_channel_credentials(root_certificates=tls.cert)
+        with grpc.secure_channel(f"127.0.0.1:{port}", anonymous) as ch:
+            with pytest.raises(grpc.RpcError) as err:
+                health_pb2_grpc.HealthStub(ch).Check(check, timeout=30)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        server.stop(None)
