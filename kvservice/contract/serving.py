@@ -36,9 +36,12 @@ def grpc_server(service: str, servicer: object, listen: str, tls: ServerTLS | No
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((service, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_secure_port(listen, tls.credentials()) if tls else server.add_insecure_port(listen)
+    try:            # grpcio >= 1.5x raises RuntimeError on a failed bind; older ones return port 0
+        port = server.add_secure_port(listen, tls.credentials()) if tls else server.add_insecure_port(listen)
+    except RuntimeError as err:
+        raise OSError(f"cannot listen on {listen} ({err}): is another process bound to it?") from None
     if port == 0:
-        raise OSError(f"cannot listen on {listen}")
+        raise OSError(f"cannot listen on {listen}: is another process bound to it?")
     return server, port, health_servicer
 
 
