@@ -5,6 +5,8 @@
 - LeaderClient's health loop: a SERVING report of address i sends the next call there (docs/HA.md: the standby
   that took over is served at once); NOT_SERVING moves nothing.
 - StepStream's deadline watchdog is a daemon thread: a forgotten stream must not keep the interpreter alive.
+- AsyncBlockManagerClient.create_pool sends its backends: the pool's plan lists them (the proto's
+  PoolPlan.backends, "backends checked and satisfied"), and one whose page-size rule the pool breaks is refused.
 """
 
 from __future__ import annotations
@@ -12,12 +14,21 @@ from __future__ import annotations
 import struct
 import threading
 
+import asyncio
+
+import grpc
 import numpy as np
+import pytest
 from grpc_health.v1 import health_pb2
 
-from kvservice.client.codec import step_request
+from kvservice.client.aio import AsyncBlockManagerClient
+
+from kvservice.client.codec import ClientError, step_request
 from kvservice.client.ha import LeaderClient
 from kvservice.client.stream import StepStream
+from kvservice.contract.geometry import CacheSpec
+from kvservice.contract.sizing import Sizing
+from kvservice.server.app import serve
 from kvservice.v1 import common_pb2 as pb
 
 A, B, C = "127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"
@@ -84,3 +95,27 @@ def test_the_deadline_watchdog_of_a_stream_is_a_daemon_thread():
         s.close()
         s._watchdog.join(5)
     assert not s._watchdog.is_alive()
+
+
+@pytest.fixture(scope="module")
+def server():
+    running = serve("127.0.0.1:0")
+    yield f"127.0.0.1:{running.port}"
+    running.stop()
+
+
+def test_the_async_client_creates_a_pool_for_the_backends_it_names(server):
+    spec, sizing = CacheSpec.uniform(2, 2, 8, "float16", 4), Sizing(num_slots=64, max_seq_len=128)
+
+    async def go():
+        async with AsyncBlockManagerClient(server) as c:
+            info = await c.create_pool("r3cl-b", spec, sizing, ("flashinfer", "trtllm"))
+            assert list(info.plan.backends) == ["flashinfer", "trtllm"]
+            assert list((await c.get_pool("r3cl-b")).plan.backends) == ["flashinfer", "trtllm"]
+            with pytest.raises(ClientError) as e:       # flash-attn2 needs page_size % 256 == 0; pages of 4 here
+                await c.create_pool("r3cl-f", spec, sizing, backends=("flash-attn2",))
+            assert (e.value.code, e.value.message) == (grpc.StatusCode.FAILED_PRECONDITION,
+                                                       "flash-attn 2 needs page_size % 256 == 0, got page_size 4")
+            assert "r3cl-f" not in [p.name for p in await c.list_pools()]
+
+    asyncio.run(go())
