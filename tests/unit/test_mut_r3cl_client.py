@@ -11,10 +11,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import struct
 import threading
-
-import asyncio
 
 import grpc
 import numpy as np
@@ -22,7 +21,6 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from kvservice.client.aio import AsyncBlockManagerClient
-
 from kvservice.client.codec import ClientError, step_request
 from kvservice.client.ha import LeaderClient
 from kvservice.client.stream import StepStream
