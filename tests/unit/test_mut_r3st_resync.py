@@ -1,8 +1,9 @@
 """What the journal says when a change fails unexpectedly (a bug, not a KVError refusal).
 
-docs/DESIGN.md / kvservice/state/journal.py: the manager is rebuilt from the journal, and the reason
-"<method> failed unexpectedly (<ErrType>: <msg>)" is logged; if the rebuild itself fails the journal stops with
-that reason, which every later call's UNAVAILABLE message and the server's on_fail hook carry.
+docs/DURABILITY.md ("A bug is healed from the journal") and Journal._resync: the manager is rebuilt from the
+journal, and the reason "<method> failed unexpectedly (<ErrType>: <msg>)" is logged; if the rebuild itself
+fails the journal stops with that reason, which every later call's UNAVAILABLE message and the server's
+on_fail hook carry.
 """
 
 import logging
