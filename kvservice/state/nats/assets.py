@@ -3,8 +3,9 @@
 Managers started together on a fresh deployment all try to create them; the first creation wins and the
 others find what it made. A creation refused while nobody else made the asset is a real refusal (a
 cluster still electing its meta leader, or missing peers, cannot place a replicated stream): it raises
-StoreError with the server's own reason, and the caller's startup retry (config.retry_startup) tries
-again.
+StoreError with the server's own reason (whatever status the server gives it: 400, or 500 for more
+replicas than the cluster has peers, err_code 10074), and the caller's startup retry (config.retry_startup)
+tries again.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ async def ensure_assets(js: Any, c: NatsConfig, path: str, create: bool) -> Any:
                 name=c.stream, subjects=[c.subject], storage=api.StorageType.FILE, num_replicas=c.replicas,
                 retention=api.RetentionPolicy.LIMITS, discard=api.DiscardPolicy.NEW, duplicate_window=120.0,
                 max_msg_size=-1, description="kvservice manager journal (docs/DURABILITY.md)"))
-        except nats.js.errors.BadRequestError as refused:
+        except nats.js.errors.APIError as refused:     # 400, or 500 for replicas > peers (10074)
             try:
                 await js.stream_info(c.stream)      # created meanwhile by another manager
             except nats.js.errors.NotFoundError:
@@ -54,7 +55,7 @@ async def ensure_assets(js: Any, c: NatsConfig, path: str, create: bool) -> Any:
     try:
         return await js.create_object_store(c.snapshot_bucket, config=api.ObjectStoreConfig(
             replicas=c.replicas, storage=api.StorageType.FILE, description="kvservice manager snapshots"))
-    except nats.js.errors.BadRequestError as refused:
+    except nats.js.errors.APIError as refused:     # 400, or 500 for replicas > peers (10074)
         try:
             return await js.object_store(c.snapshot_bucket)
         except nats.js.errors.BucketNotFoundError:
