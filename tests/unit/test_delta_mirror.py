@@ -40,6 +40,12 @@ class Twin:
         self.seq = 0
         self.kinds: dict[str, int] = {}
 
+    def delta_reply(self, ra: pb.StepRequest) -> pb.StepReply:
+        """Stream `ra` (a Step of pool "a") asking for delta tables on the mirror's base: the raw reply, not applied."""
+        self.seq += 1
+        ra.stream_seq, ra.delta_tables, ra.delta_base = self.seq, True, self.mirror.seq
+        return self.session.apply(self.api, ra)
+
     def step(self, kw: dict, mode: str = "delta") -> codec.StepResult | None:
         """One op on both pools; mode: delta, full (stream without deltas), none (omit_tables), bad_base, foreign."""
         rb = codec.step_request("b", block_table=True, **kw)
@@ -207,9 +213,7 @@ def test_sliding_window_release_moves_the_first_page():
     twin = Twin("hybrid")
     twin.step({"admit": [1], "admit_tokens": [12]})
     ra = codec.step_request("a", extend=[1], extend_tokens=[5])
-    twin.seq += 1
-    ra.stream_seq, ra.delta_tables, ra.delta_base = twin.seq, True, twin.mirror.seq
-    reply = twin.session.apply(twin.api, ra)
+    reply = twin.delta_reply(ra)
     moved = {gd.group: np.frombuffer(gd.first_pages.data, np.int64).tolist() for gd in reply.delta.groups}
     assert moved == {1: [1]}          # window 6 at token 12: pages before position 1 (tokens 0-3) released
     twin.mirror.apply(reply)
@@ -221,9 +225,7 @@ def test_a_delta_on_the_wrong_base_is_refused_by_the_mirror():
     twin = Twin("per_layer")
     twin.step({"admit": [1, 2], "admit_tokens": [3, 5]})
     ra = codec.step_request("a", extend=[1, 2], extend_tokens=1)
-    twin.seq += 1
-    ra.stream_seq, ra.delta_tables, ra.delta_base = twin.seq, True, twin.mirror.seq
-    reply = twin.session.apply(twin.api, ra)
+    reply = twin.delta_reply(ra)
     stale = PageTableMirror(PAGE)
     with pytest.raises(MirrorError, match="mirror holds nothing"):
         stale.apply(reply)
@@ -433,9 +435,7 @@ def test_a_delta_field_of_a_float_dtype_is_refused_naming_the_field(field):
         twin = Twin("per_layer")
         twin.step({"admit": [1], "admit_tokens": [6]})
         ra = codec.step_request("a", fork=[(1, 2)], extend=[1], extend_tokens=1)
-    twin.seq += 1
-    ra.stream_seq, ra.delta_tables, ra.delta_base = twin.seq, True, twin.mirror.seq
-    reply = twin.session.apply(twin.api, ra)
+    reply = twin.delta_reply(ra)
     if field == "first_rows":
         (gd,) = [g for g in reply.delta.groups if g.HasField("first_rows")]
         t = gd.first_rows

@@ -32,9 +32,7 @@ def test_a_malformed_replaced_generations_is_refused_naming_the_field(damage):
     twin = Twin("per_layer")
     twin.step({"admit": [1], "admit_tokens": [6]})
     ra = codec.step_request("a", fork=[(1, 2)], extend=[1], extend_tokens=1)
-    twin.seq += 1
-    ra.stream_seq, ra.delta_tables, ra.delta_base = twin.seq, True, twin.mirror.seq
-    reply = twin.session.apply(twin.api, ra)
+    reply = twin.delta_reply(ra)
     st = reply.tables[0]
     assert st.delta.HasField("replaced_generations") and len(st.delta.replaced.data) == 4    # one page replaced
     gens = np.frombuffer(st.delta.replaced_generations.data, np.uint32)
