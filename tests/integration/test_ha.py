@@ -961,9 +961,11 @@ def test_async_leader_client_refusals_stay_put_and_all_addresses_down_names_them
     a lower epoch is refused until the deadline; with every address down a call and a stream step end UNAVAILABLE at
     their deadline naming both addresses (the step's request stays pending: its outcome is unknown)."""
     gates = [LeaderGate(), LeaderGate()]
-    servers = [serve(interceptors=[g]) for g in gates]
+    # address 0 is a standby: it refuses UNAVAILABLE and its health says NOT_SERVING, as serve_ha's standby does (a
+    # SERVING report would rightly move the client there, whenever its health watch got it: seen under load)
+    servers = [serve(interceptors=[g], serving=i == 1) for i, g in enumerate(gates)]
     targets = [f"127.0.0.1:{s.port}" for s in servers]
-    gates[1].promote(5)                               # address 0 is a standby: it refuses UNAVAILABLE
+    gates[1].promote(5)
     spec, sizing = CacheSpec.uniform(2, 1, 64, page_size=16), Sizing(num_slots=64, max_seq_len=512)
 
     async def run() -> None:
