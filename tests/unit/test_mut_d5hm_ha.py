@@ -258,3 +258,119 @@ def test_a_served_manager_whose_journal_fails_stops_serving_and_tells_the_proces
                     health_pb2.HealthCheckResponse.NOT_SERVING, name
     finally:
         stop_ha(running, ha)
+
+
+class _FenceStore:
+    """A stream that the old leader keeps appending to: every fence is refused (Fenced) unless `accept_at`."""
+
+    def __init__(self, max_epoch: int, accept_at: int | None = None, gap_at: int | None = None) -> None:
+        self.max_epoch = max_epoch
+        self.accept_at = accept_at
+        self.gap_at = gap_at
+        self.tries: list[int] = []
+        self.catch_ups = 0
+
+    def catch_up(self) -> list:
+        self.catch_ups += 1
+        if self.catch_ups == self.gap_at:
+            raise JournalGap("entry 12 was purged")
+        return []
+
+    def fence(self, epoch: int) -> None:
+        from kvservice.state.nats.journal import Fenced
+        self.tries.append(epoch)
+        self.max_epoch = max(self.max_epoch, epoch - 1) + (0 if len(self.tries) == self.accept_at else 1)
+        if len(self.tries) != self.accept_at:
+            raise Fenced(f"wrong last sequence at epoch {epoch}")
+
+
+def _fence_controller(store, holder_epoch: int | None):
+    lease = _Lease()
+    if holder_epoch is not None:
+        lease.holder = SimpleNamespace(epoch=holder_epoch)
+    journal = _fake_journal(follow=lambda entries: len(list(entries)))
+    return HAController(journal, store, lease, None)
+
+
+def test_fence_uses_the_epoch_above_the_highest_seen_reads_on_when_refused_and_names_its_laps(caplog):
+    """Module docstring: fence with epoch highest seen (the stream's fences, the lease holder's) + 1; if the old
+    leader slipped an entry in (Fenced), read on and fence again, logging it; the laps name each read and fence."""
+    store = _FenceStore(max_epoch=7, accept_at=3)
+    ha = _fence_controller(store, holder_epoch=9)
+    laps: list[str] = []
+    with caplog.at_level(logging.WARNING, logger="kvservice.server.ha"):
+        assert ha._fence(laps.append) == 12
+    assert store.tries == [10, 11, 12]          # above the holder's 9, then above each epoch the stream showed
+    assert laps == ["caught up", "caught up", "caught up", "fenced"]
+    assert [r.getMessage() for r in caplog.records] == [
+        "the journal moved while fencing epoch 10; reading on", "the journal moved while fencing epoch 11; reading on"]
+
+
+def test_fence_gives_up_after_fence_attempts_naming_them():
+    """_fence: a writer that keeps appending makes every one of FENCE_ATTEMPTS fences fail: StoreError naming the
+    count; nothing is fenced."""
+    from kvservice.server.ha import FENCE_ATTEMPTS
+
+    assert FENCE_ATTEMPTS == 20
+    store = _FenceStore(max_epoch=2)
+    ha = _fence_controller(store, holder_epoch=None)
+    with pytest.raises(StoreError) as err:
+        ha._fence()
+    assert err.value.message == "could not fence the journal in 20 attempts: another writer keeps appending"
+    assert store.tries == list(range(3, 23)) and store.catch_ups == 20
+
+
+def test_fence_overtaken_by_a_compaction_it_cannot_recover_from_names_the_failure():
+    """_fence: a JournalGap while reading to the end reloads; a reload that fails makes the takeover fail with
+    "takeover: <the controller's failure>"; one that works reads on and fences."""
+    from kvservice.contract.errors import StateError
+
+    def bad_reload() -> int:
+        raise StateError("snapshot 4 is damaged")
+    store = _FenceStore(max_epoch=1, accept_at=1, gap_at=1)
+    store.restart_reading = lambda: None
+    ha = _fence_controller(store, holder_epoch=None)
+    ha.journal.reload = bad_reload
+    with pytest.raises(StoreError) as err:
+        ha._fence()
+    assert err.value.message == "takeover: standby cannot recover from the newer snapshot: snapshot 4 is damaged"
+    assert store.tries == []
+
+    store = _FenceStore(max_epoch=1, accept_at=1, gap_at=1)
+    store.restart_reading = lambda: None
+    ha = _fence_controller(store, holder_epoch=None)
+    ha.journal.reload, ha.journal.snapshot_seq, ha.journal.seq = (lambda: 2), 5, 7
+    ha._stop = _Waits()
+    assert ha._fence() == 2 and ha.reloads == 1 and store.catch_ups == 2 and store.tries == [2]
+
+
+def test_leadership_lost_deposes_the_gate_and_fails_stop_naming_why():
+    """_lost (the lease renewer's callback): the gate refuses with "leadership lost: <why>" and the controller
+    fail-stops with the same reason; the first reason is kept."""
+    deposed: list[str] = []
+    journal = _fake_journal()
+    serving: list[bool] = []
+    ha = HAController(journal, None, _Lease(), SimpleNamespace(depose=deposed.append), set_serving=serving.append)
+    ha._lost("the key is held by mgr-b")
+    ha._lost("later")
+    why = "leadership lost: the key is held by mgr-b"
+    assert deposed == [why, "leadership lost: later"]
+    assert (ha.role, ha.failed, journal.fails[0], serving) == ("failed", why, why, [False, False])
+
+
+def test_measure_lag_is_the_stream_messages_not_applied_and_none_when_nats_does_not_answer():
+    """_measure_lag: stream's last sequence minus the last one read (never below 0), also the gauge; a StoreError
+    leaves the gauge as it was and returns None."""
+    rng = np.random.default_rng(11)
+    read, ahead = (int(x) for x in rng.integers(1, 10_000, 2))
+    store = SimpleNamespace(last_stream_seq=read, stream_last_seq=lambda: read + ahead)
+    ha = HAController(None, store, None, None)
+    assert ha._measure_lag() == ahead and ha.lag_entries == ahead
+    store.stream_last_seq = lambda: read - 3                  # a stream read past what was last measured
+    assert ha._measure_lag() == 0 and ha.lag_entries == 0
+    ha.lag_entries = 17
+
+    def down() -> int:
+        raise StoreError("no responders")
+    store.stream_last_seq = down
+    assert ha._measure_lag() is None and ha.lag_entries == 17
