@@ -79,3 +79,29 @@ def test_tokens_added_past_max_count_is_refused_naming_the_bound():
     assert str(err.value) == ("tokens_added 1099511627777 is more than a sequence can gain in a step "
                               "(1099511627776)")
     assert m.seq == 0
+
+
+def test_a_reply_whose_arrays_do_not_fit_is_refused_naming_the_cause_and_nothing_is_kept():
+    """apply: a reply that fails inside (a wire refusal, a KVError: its message; a row index past the batch, an
+    IndexError: its text) becomes one MirrorError "the reply does not fit the tables it names (<cause>)", raised
+    without chaining the cause; the mirror then holds nothing until a full reply."""
+    m, model, _ = _mirror(37)
+    bad = model.full_reply(2)
+    bad.num_tokens.CopyFrom(to_tensor(np.array([r["num"] for r in model.rows], dtype=np.float32)))
+    with pytest.raises(MirrorError) as err:
+        m.apply(bad)
+    assert str(err.value) == "the reply does not fit the tables it names (num_tokens: dtype FLOAT32 not allowed here)"
+    assert err.value.__cause__ is None and err.value.__suppress_context__ and m.seq == 0
+    m.apply(model.full_reply(3))
+    check(m, model, 3)
+
+    b = len(model.rows)
+    reply = decode_delta(model, 4, 3, 1, tokens_added=False)
+    gd = reply.delta.groups.add(group=1)                      # a window moved on a row the batch does not have
+    gd.first_rows.CopyFrom(to_tensor(np.array([b + 94], dtype=np.int32)))
+    gd.first_pages.CopyFrom(to_tensor(np.array([0], dtype=np.int64)))
+    with pytest.raises(MirrorError) as err:
+        m.apply(reply)
+    msg = str(err.value)
+    assert msg.startswith("the reply does not fit the tables it names (") and msg.endswith(")"), msg
+    assert str(b + 94) in msg and err.value.__cause__ is None and m.seq == 0 and m.spaces == {}
