@@ -35,6 +35,10 @@ def publisher(buf: bytes, feed: list[bytes]) -> tuple[DirectPublisher, list[floa
 def test_peek_line_finds_the_crlf_reading_as_needed_and_consumes_nothing():
     d, asked = publisher(b"PONG\r\nMSG", [])
     assert d._peek_line(12.5) == 4 and bytes(d._buf) == b"PONG\r\nMSG" and asked == []
+    d, asked = publisher(b"+OK\r\nPING\r\n", [])          # the first CRLF, not the last
+    assert d._peek_line(3.0) == 3 and bytes(d._buf) == b"+OK\r\nPING\r\n" and asked == []
+    d, asked = publisher(b"\r\nPING\r\n", [])             # an empty line ends at index 0
+    assert d._peek_line(3.0) == 0 and asked == []
     d, asked = publisher(b"INFO {", [b'"a":1', b"}\r", b"\nPING"])
     assert d._peek_line(7.0) == len(b'INFO {"a":1}') and asked == [7.0, 7.0, 7.0]
     assert bytes(d._buf) == b'INFO {"a":1}\r\nPING'
