@@ -54,58 +54,114 @@ def test_peek_line_refuses_a_line_longer_than_64_kib():
     assert asked == [] and len(d._buf) == (1 << 16) + 1
 
 
-def store_answering(errors: list[dict | None], append_seconds: float) -> tuple[NatsStore, list[dict]]:
-    """A NatsStore (no server) whose publishes answer in turn with JetStream error bodies, None meaning an
-    acknowledgement of the next stream sequence; returns it and the headers of every publish."""
+ACK, DUP = "ack", "duplicate"
+
+
+def store_answering(answers: list, append_seconds: float) -> tuple[NatsStore, list, SimpleNamespace]:
+    """A NatsStore (no server) whose publishes answer in turn: a dict is a JetStream error body, an exception is
+    raised, ACK / DUP acknowledge the next stream sequence (DUP: as a duplicate). Returns the store, every
+    publish's (payload, headers), and counters of the direct connection's closes and leader re-learns."""
     st = NatsStore.__new__(NatsStore)
     st.config = SimpleNamespace(append_seconds=append_seconds)
     st.last_stream_seq = 41
     st.append_retries = 0
-    st._check_guard = lambda: None
-    st._relearn_stream_leader = lambda: None
-    st.link = SimpleNamespace(direct=SimpleNamespace(close=lambda: None))
-    sent: list[dict] = []
+    seen = SimpleNamespace(closes=0, relearns=0, guards=0)
+    st._check_guard = lambda: setattr(seen, "guards", seen.guards + 1)
+    st._relearn_stream_leader = lambda: setattr(seen, "relearns", seen.relearns + 1)
+    st.link = SimpleNamespace(direct=SimpleNamespace(close=lambda: setattr(seen, "closes", seen.closes + 1)))
+    sent: list = []
 
     def once(payload, headers):
-        sent.append(dict(headers))
-        err = errors.pop(0)
-        if err is not None:
-            nats.js.errors.APIError.from_error(err)
-        return st.last_stream_seq + 1, False
+        sent.append((payload, dict(headers)))
+        a = answers.pop(0)
+        if isinstance(a, dict):
+            nats.js.errors.APIError.from_error(a)
+        if isinstance(a, BaseException):
+            raise a
+        return st.last_stream_seq + 1, a == DUP
     st._publish_once = once
-    return st, sent
+    return st, sent, seen
+
+
+def hdrs(last: int) -> dict:
+    return {"Nats-Msg-Id": "m-7", "Nats-Expected-Last-Sequence": str(last)}
+
+
+def test_a_first_publish_acknowledged_is_stored_without_retry_or_relearning():
+    st, sent, seen = store_answering([ACK], 60.0)
+    st._publish(b"entry-1", {"Nats-Msg-Id": "m-7"})
+    assert st.last_stream_seq == 42 and st.append_retries == 0
+    assert sent == [(b"entry-1", hdrs(41))] and (seen.closes, seen.relearns, seen.guards) == (0, 0, 0)
+
+
+def test_a_first_publish_answered_as_duplicate_is_fenced():
+    """docs/HA.md: a duplicate is success only for a retry (the id is this writer's own)."""
+    st, _, _ = store_answering([DUP], 60.0)
+    with pytest.raises(Fenced) as err:
+        st._publish(b"entry", {"Nats-Msg-Id": "m-7"})
+    assert err.value.message.startswith("NATS answered a first publish as a duplicate of stream message 42")
+    assert st.last_stream_seq == 41
 
 
 @pytest.mark.parametrize("code", [500, 503])
-def test_a_server_side_api_error_is_retried_with_the_same_headers_until_stored(code):
-    st, sent = store_answering([{"code": code, "err_code": 10000 + code, "description": "busy"}, None], 60.0)
-    st._publish(b"entry", {"Nats-Msg-Id": "m-7"})
-    assert st.last_stream_seq == 42 and st.append_retries == 1
-    assert sent == [{"Nats-Msg-Id": "m-7", "Nats-Expected-Last-Sequence": "41"}] * 2
+def test_a_server_side_api_error_is_retried_with_the_same_message_until_stored(code):
+    """Two 5xx answers, then the retry is acknowledged as a duplicate (the first copy got through): stored, two
+    retries counted, the guard checked before each, the stream leader re-learnt once, the connection kept."""
+    err = {"code": code, "err_code": 10000 + code, "description": "busy"}
+    st, sent, seen = store_answering([err, dict(err), DUP], 60.0)
+    st._publish(b"entry-2", {"Nats-Msg-Id": "m-7"})
+    assert st.last_stream_seq == 42 and st.append_retries == 2
+    assert sent == [(b"entry-2", hdrs(41))] * 3
+    assert (seen.closes, seen.relearns, seen.guards) == (0, 1, 2)
 
 
-@pytest.mark.parametrize("code", [500, 503])
-def test_a_server_side_api_error_past_the_append_deadline_names_the_deadline_and_the_error(code):
-    st, sent = store_answering([{"code": code, "err_code": 10008, "description": "no quorum"}], 0.01)
+@pytest.mark.parametrize("code, kind", [(500, "ServerError"), (503, "ServiceUnavailableError")])
+def test_a_server_side_api_error_past_the_append_deadline_names_the_deadline_and_the_error(code, kind):
+    st, sent, seen = store_answering([{"code": code, "err_code": 10008, "description": "no quorum"}], 0.01)
     with pytest.raises(StoreError) as err:
         st._publish(b"entry", {"Nats-Msg-Id": "m-8"})
-    assert err.value.message.startswith("NATS did not store the journal entry within 0.01 s (")
-    assert "no quorum" in err.value.message and len(sent) == 1 and st.append_retries == 0
+    assert err.value.message == (f"NATS did not store the journal entry within 0.01 s ({kind}: nats: {kind}: "
+                                 f"code={code} err_code=10008 description='no quorum')")
+    assert len(sent) == 1 and st.append_retries == 0 and seen.closes == 0
+
+
+def test_a_publish_timeout_closes_the_connection_and_is_retried_then_named_past_the_deadline():
+    """A timeout: the connection is closed (the retry goes to the next server) and the publish retried."""
+    st, sent, seen = store_answering([nats.errors.TimeoutError(), ACK], 60.0)
+    st._publish(b"entry-3", {"Nats-Msg-Id": "m-7"})
+    assert (st.last_stream_seq, st.append_retries, seen.closes, seen.relearns, len(sent)) == (42, 1, 1, 1, 2)
+    st, sent, seen = store_answering([nats.errors.TimeoutError()], 0.01)
+    with pytest.raises(StoreError) as err:
+        st._publish(b"entry", {"Nats-Msg-Id": "m-8"})
+    assert err.value.message == "NATS did not store the journal entry within 0.01 s (TimeoutError: nats: timeout)"
+    assert seen.closes == 1
+
+
+@pytest.mark.parametrize("exc", [StoreError("the connection dropped"), ConnectionResetError("reset by peer"),
+                                 nats.errors.NoRespondersError()])
+def test_a_lost_connection_or_no_responders_is_retried_and_named_past_the_deadline(exc):
+    st, sent, seen = store_answering([exc, ACK], 60.0)
+    st._publish(b"entry-4", {"Nats-Msg-Id": "m-7"})
+    assert (st.last_stream_seq, st.append_retries, seen.closes, len(sent)) == (42, 1, 0, 2)
+    st, sent, seen = store_answering([exc], 0.01)
+    with pytest.raises(StoreError) as err:
+        st._publish(b"entry", {"Nats-Msg-Id": "m-8"})
+    assert err.value.message == f"NATS did not store the journal entry within 0.01 s ({type(exc).__name__}: {exc})"
 
 
 @pytest.mark.parametrize("code", [400, 404, 499])
 def test_a_client_side_api_error_is_refused_at_once_with_the_servers_words(code):
-    st, sent = store_answering([{"code": code, "err_code": 10054, "description": "message size exceeds maximum"}],
-                               60.0)
+    st, sent, seen = store_answering([{"code": code, "err_code": 10054,
+                                       "description": "message size exceeds maximum"}], 60.0)
     with pytest.raises(StoreError) as err:
         st._publish(b"entry", {"Nats-Msg-Id": "m-9"})
     assert err.value.message == "NATS refused the journal entry: message size exceeds maximum"
-    assert len(sent) == 1 and st.append_retries == 0 and st.last_stream_seq == 41
+    assert len(sent) == 1 and st.append_retries == 0 and st.last_stream_seq == 41 and seen.guards == 0
 
 
 @pytest.mark.parametrize("err_code", [10071, 10164])
 def test_a_wrong_last_sequence_is_fenced_naming_the_position(err_code):
-    st, _ = store_answering([{"code": 400, "err_code": err_code, "description": "wrong last sequence: 44"}], 60.0)
+    st, _, _ = store_answering([{"code": 400, "err_code": err_code, "description": "wrong last sequence: 44"}], 60.0)
     with pytest.raises(Fenced) as err:
         st._publish(b"entry", {"Nats-Msg-Id": "m-10"})
     assert err.value.message == ("the journal stream moved past 41 (wrong last sequence: 44): another manager wrote "
