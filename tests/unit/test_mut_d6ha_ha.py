@@ -154,3 +154,62 @@ def test_serve_ha_names_its_node_everywhere_and_logs_it_started_as_a_standby(nat
             r.getMessage() for r in caplog.records if r.name == "kvservice.server.ha"]
     finally:
         stop_ha(running, ha)
+
+
+HA_HELP = {
+    "kvservice_leader": ("gauge", "1 while this manager is the leader (serves requests), else 0."),
+    "kvservice_leader_epoch": ("gauge", "Epoch of the current leader as this manager knows it (its own while it "
+                               "leads; the highest fenced one while standby)."),
+    "kvservice_lease_remaining_seconds": ("gauge", "Seconds left on this leader's lease (0 on a standby)."),
+    "kvservice_lease_renewals_total": ("counter", "Successful renewals of the leader lease."),
+    "kvservice_lease_renew_failures_total": ("counter", "Lease renewals that failed (timeout or NATS error; the "
+                                             "lease lapses if they go on for a TTL)."),
+    "kvservice_standby_lag_entries": ("gauge", "Journal stream messages the standby has not applied yet "
+                                      "(replication lag; 0 on the leader)."),
+    "kvservice_standby_reloads_total": ("counter", "Times this standby recovered again from a newer snapshot "
+                                        "because a compaction purged the entries it was to apply."),
+    "kvservice_standby_applied_total": ("counter", "Journal entries this manager applied while following the "
+                                        "leader."),
+    "kvservice_takeover_seconds": ("gauge", "How long this manager's takeover took (lease won to serving); 0 if "
+                                   "it never took over."),
+    "kvservice_journal_append_retries_total": ("counter", "Journal publishes retried after a timeout or a missing "
+                                               "stream leader."),
+    "kvservice_nats_disconnects_total": ("counter", "Times the NATS connection dropped (the client reconnects to "
+                                         "another server)."),
+}
+
+
+@pytest.mark.parametrize("role, held", [("leader", True), ("leader", False), ("standby", False),
+                                        ("taking over", True), ("failed", False)])
+def test_ha_collector_exports_every_series_type_help_and_value(role, held):
+    """HACollector: the 11 series in order, each with its type and exact help sentence; kvservice_leader is 1 only
+    for role "leader" with the lease held, the epoch is the higher of the stream's fences and the store's own,
+    the lag is exported only while "standby", the rest are the controller's, lease's and store's figures."""
+    from prometheus_client import CollectorRegistry
+
+    from kvservice.server.ha import HACollector
+
+    rng = np.random.default_rng(len(role) * 2 + held)
+    v = [int(x) for x in rng.integers(1, 10_000, 8)]
+    low, high = sorted(int(x) for x in rng.choice(np.arange(1, 100), 2, replace=False))
+    max_epoch, own_epoch = (high, low) if held else (low, high)     # either one may be the higher
+    lease = SimpleNamespace(held=held, remaining_seconds=float(rng.uniform(0.5, 9)), renewals=v[0],
+                            renew_failures=v[1])
+    store = SimpleNamespace(max_epoch=max_epoch, epoch=own_epoch, append_retries=v[2],
+                            link=SimpleNamespace(disconnects=v[3]))
+    ha = HAController(None, store, lease, None, role=role, takeover_seconds=float(rng.uniform(0.1, 5)),
+                      applied=v[4], lag_entries=v[5], reloads=v[6])
+    fams = list(HACollector(ha).collect())
+    assert [(f.name, f.type, f.documentation) for f in fams] == [
+        (n.removesuffix("_total"), t, h) for n, (t, h) in HA_HELP.items()]
+    reg = CollectorRegistry()
+    reg.register(HACollector(ha))
+    want = {"kvservice_leader": 1.0 if (role, held) == ("leader", True) else 0.0,
+            "kvservice_leader_epoch": float(max(max_epoch, own_epoch)),
+            "kvservice_lease_remaining_seconds": lease.remaining_seconds,
+            "kvservice_lease_renewals_total": float(v[0]), "kvservice_lease_renew_failures_total": float(v[1]),
+            "kvservice_standby_lag_entries": float(v[5]) if role == "standby" else 0.0,
+            "kvservice_standby_reloads_total": float(v[6]), "kvservice_standby_applied_total": float(v[4]),
+            "kvservice_takeover_seconds": ha.takeover_seconds,
+            "kvservice_journal_append_retries_total": float(v[2]), "kvservice_nats_disconnects_total": float(v[3])}
+    assert {k: reg.get_sample_value(k) for k in want} == want
