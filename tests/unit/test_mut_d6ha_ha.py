@@ -10,10 +10,8 @@ journal where only the controller's logic is checked; the rest runs on the share
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
-import urllib.request
 import uuid
 from types import SimpleNamespace
 
@@ -24,6 +22,7 @@ from kvservice.server.ha import HAController
 from kvservice.state.journal import JournalConfig
 from kvservice.state.nats.journal import JournalGap, StoreError
 from tests.unit.test_mut_d5hm_ha import LEASE, _config, _seed
+from tests.unit.test_server_ha_units import _connections
 
 
 def _fake_journal():
@@ -122,8 +121,7 @@ def test_export_state_refuses_a_dir_with_state_naming_it(nats1, tmp_path):
 
 
 def _names(nats1) -> list[str]:
-    with urllib.request.urlopen(f"{nats1.monitor}/connz?limit=1024", timeout=10) as r:
-        return [c.get("name", "") for c in json.load(r)["connections"] or ()]
+    return list(_connections(nats1).values())
 
 
 @pytest.mark.parametrize("advertise", ["", "mgr-a.example:7001"])
@@ -150,6 +148,7 @@ def test_serve_ha_names_its_node_everywhere_and_logs_it_started_as_a_standby(nat
         assert (ha.gate.node, ha.lease.node) == (node, node)
         assert ha.lease.address == (advertise or f"127.0.0.1:{running.port}")
         assert ha.journal is running.journal and ha.store is ha.journal.store
+        assert ha.store.owns_link is False                # the link is serve_ha's: stop_ha closes it
         assert f"manager {node}: standby of {config.url} (journal position {seq}), lease {ttl:g} s" in [
             r.getMessage() for r in caplog.records if r.name == "kvservice.server.ha"]
     finally:
@@ -213,3 +212,20 @@ def test_ha_collector_exports_every_series_type_help_and_value(role, held):
             "kvservice_takeover_seconds": ha.takeover_seconds,
             "kvservice_journal_append_retries_total": float(v[2]), "kvservice_nats_disconnects_total": float(v[3])}
     assert {k: reg.get_sample_value(k) for k in want} == want
+
+
+@pytest.mark.parametrize("readonly, name", [(True, "kvservice-inspect"), (False, "kvservice")])
+def test_open_journal_names_its_own_connection_by_purpose(nats1, readonly, name):
+    """open_journal without a link opens its own, named "kvservice-inspect" for an inspection and "kvservice"
+    otherwise (nats-server's /connz lists it), and the journal owns it."""
+    from kvservice.server.ha import open_journal
+
+    config = _config(nats1)
+    _seed(config)
+    before = set(_connections(nats1))
+    j = open_journal(config, LEASE, readonly=readonly)
+    try:
+        opened = [n for cid, n in _connections(nats1).items() if cid not in before]
+        assert opened == [name] and j.store.owns_link is True
+    finally:
+        j.close(snapshot=False)
