@@ -56,6 +56,7 @@ def test_the_workers_registration_has_a_30_s_deadline_not_the_clients_10_s(monke
         monkeypatch.undo()
         try:
             assert [t for name, t in seen if name.endswith("RegisterWorker")] == [30]
+            assert [t for name, t in seen if name.endswith("GetPool")] == [30], seen   # start-up GetPool too
             assert worker.identity["epoch"] > 0
         finally:
             worker.stop()

@@ -90,41 +90,6 @@ def test_the_warm_check_refuses_a_kernel_view_that_misses_the_layers_first_or_la
         assert re.search(rf"{re.escape(want)} from position 2$", msg), msg
 
 
-def test_the_workers_start_up_get_pool_has_a_30_s_deadline(monkeypatch):
-    """serve_worker's start-up calls may wait out a manager failover: its GetPool, like its RegisterWorker, has a
-    whole deadline of 30 s (not the 10 s of the worker's other calls). The real CallBudget of each call is
-    recorded by a subclass that only notes (RPC name, timeout)."""
-    from kvservice.client import client as client_mod
-    from kvservice.client.client import BlockManagerClient
-    from kvservice.client.deadline import CallBudget
-    from kvservice.contract.sizing import Sizing
-    from kvservice.server.app import serve
-
-    seen: list[tuple[str, float]] = []
-
-    class Recorded(CallBudget):
-        def __init__(self, policy, timeout, name, *rest, **kw) -> None:
-            seen.append((name, timeout))
-            super().__init__(policy, timeout, name, *rest, **kw)
-
-    running = serve("127.0.0.1:0")
-    target = f"127.0.0.1:{running.port}"
-    client = BlockManagerClient(target, timeout=60, retries=0)
-    try:
-        client.create_pool("p", CacheSpec.uniform(1, 1, 32, "float32", 4), Sizing(num_slots=8, max_seq_len=16))
-        monkeypatch.setattr(client_mod, "CallBudget", Recorded)
-        worker = server.serve_worker(target, "p", "w-g", listen="127.0.0.1:0")
-        monkeypatch.undo()
-        try:
-            assert [t for name, t in seen if name.endswith("GetPool")] == [30], seen
-            assert [t for name, t in seen if name.endswith("RegisterWorker")] == [30], seen
-        finally:
-            worker.stop()
-    finally:
-        client.close()
-        running.stop()
-
-
 GENS_MSG = "step carries no page generations (a manager older than this worker: upgrade it)"
 
 
