@@ -1,0 +1,51 @@
+"""StreamCore.result on a delta stream (kvservice/client/stream_core.py): the StepResult of a reply applied to the
+mirror carries every field of the reply that is not a table, as a unary Step's parse does (block_manager.proto's
+StepReply): layer_index_space, num_free_slots, admit_cached_tokens (INT64 [A]), copies (group -> INT64 [n, 2]
+slot pairs) with their generations (UINT32 [n, 2]), the journal position and lineage, and pool_incarnation; the
+batch fields come from the mirror, whose tables are the result's (MirrorTables). Hand-built values on a served
+reply (the manager of tests/unit/test_mut_m28d_stream_core.py's _served_core).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvservice.client.stream_core import MirrorTables
+from kvservice.v1 import block_manager_pb2 as pb
+from kvservice.v1 import common_pb2 as cpb
+from tests.unit.test_mut_m28d_stream_core import _served_core
+from tests.unit.test_mut_s21a_client import _le
+
+
+def test_a_delta_results_non_table_fields_are_the_replys():
+    api, session, core = _served_core()
+    rng = np.random.default_rng(7175)
+    try:
+        data = core.request_bytes(None, [31, 32], [2, 3], None, None, True, True, {})
+        reply = session.apply(api, pb.StepRequest.FromString(data))
+        assert reply.HasField("delta")
+        pairs = [int(x) for x in rng.integers(1, 2**40, 4)]
+        gens = [int(x) for x in rng.integers(1, 2**32, 4)]
+        cached = [int(x) for x in rng.integers(1, 2**40, 2)]
+        inc, seq, lineage, pool_inc = (int(x) for x in rng.integers(1, 2**62, 4))
+        reply.copies.add(group=1, pairs=cpb.Tensor(dtype=cpb.INT64, shape=[2, 2], data=_le("q", pairs)),
+                         generations=cpb.Tensor(dtype=cpb.UINT32, shape=[2, 2], data=_le("I", gens)))
+        reply.admit_cached_tokens.CopyFrom(cpb.Tensor(dtype=cpb.INT64, shape=[2], data=_le("q", cached)))
+        reply.position.CopyFrom(pb.JournalPosition(incarnation=inc, seq=seq, lineage=lineage))
+        reply.pool_incarnation = pool_inc
+        res = core.result(reply, True, True)
+    finally:
+        core.client.close()
+    assert res.seq_ids.tolist() == [31, 32] and res.num_tokens.tolist() == [7, 10]
+    assert res.new_token_indptr.tolist() == [0, 2, 5]
+    assert isinstance(res.tables, MirrorTables) and sorted(res.tables) == sorted(core.mirror.spaces)
+    sid = next(iter(res.tables))
+    assert res.tables[sid].block_table is not None                   # asked for: gathered from the mirror
+    assert res.layer_index_space == tuple(reply.layer_index_space) and len(res.layer_index_space) > 0
+    assert res.num_free_slots == reply.num_free_slots > 0
+    assert res.cached_tokens.tolist() == cached
+    assert list(res.copies) == [1] and res.copies[1].tolist() == [pairs[:2], pairs[2:]]
+    assert list(res.copy_generations) == [1] and res.copy_generations[1].tolist() == [gens[:2], gens[2:]]
+    assert res.copy_generations[1].dtype == np.uint32 and res.copies[1].dtype == np.int64
+    assert (res.position, res.lineage, res.pool_incarnation) == ((inc, seq), lineage, pool_inc)
+    assert core.last_reply is reply
