@@ -49,3 +49,16 @@ def test_a_delta_results_non_table_fields_are_the_replys():
     assert res.copy_generations[1].dtype == np.uint32 and res.copies[1].dtype == np.int64
     assert (res.position, res.lineage, res.pool_incarnation) == ((inc, seq), lineage, pool_inc)
     assert core.last_reply is reply
+
+
+def test_a_new_stream_core_has_sent_nothing_and_names_itself():
+    from kvservice.client.stream_core import StreamCore
+
+    core = StreamCore("pool-n", 16, False, None)
+    assert (core.pool, core.deltas, core.mirror.page_size, core.mirror.seq) == ("pool-n", False, 16, 0)
+    assert core.stream_id.startswith("s-") and len(core.stream_id) == 34 and int(core.stream_id[2:], 16) >= 0
+    assert StreamCore("p", 8, True, None).stream_id != core.stream_id          # a fresh uuid4 per stream
+    assert (core.seq, core.reused, core.resolved, core.reconnects, core.route) == (0, 0, 0, 0, 0)
+    assert (core.pending, core.settled, core.last_reply, core._cached, core._methods) == (None, None, None, None, {})
+    named = StreamCore("p", 8, True, "s-given")
+    assert (named.stream_id, named.deltas) == ("s-given", True)

@@ -1,0 +1,46 @@
+"""ClientMetrics (kvservice/client/position.py) as a Prometheus scrape shows it: the two counters docs/DESIGN.md
+names (kvservice_client_state_rollbacks_total, kvservice_client_lineage_changes_total), each a counter with its
+help text, at 0 until the tracker they are attached to refuses a rolled-back reply or meets a new lineage (one
+each time); one set per registry, shared by every client of that registry.
+"""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from kvservice.client.position import ClientMetrics, PositionTracker, StateRolledBack
+from kvservice.v1 import block_manager_pb2 as pb
+
+ROLLBACKS_HELP = ("Manager replies refused because the manager's state was behind what this process had already seen "
+                  "in the same lineage (STATE_ROLLED_BACK).")
+CHANGES_HELP = ("Manager replies of a state lineage this process had not seen before (state that started from "
+                "nothing or was repaired).")
+
+
+def _reply(lineage, seq):
+    return pb.StepReply(position=pb.JournalPosition(lineage=lineage, incarnation=1, seq=seq))
+
+
+def test_the_counters_scrape_with_their_names_types_and_help_and_count_what_the_tracker_reports():
+    registry = CollectorRegistry()
+    metrics = ClientMetrics.of(registry)
+    assert ClientMetrics.of(registry) is metrics and ClientMetrics.of(CollectorRegistry()) is not metrics
+    text = generate_latest(registry).decode()
+    for name, help_text in (("kvservice_client_state_rollbacks_total", ROLLBACKS_HELP),
+                            ("kvservice_client_lineage_changes_total", CHANGES_HELP)):
+        assert f"# HELP {name} {help_text}\n" in text
+        assert f"# TYPE {name} counter\n" in text
+        assert f"\n{name} 0.0\n" in text
+    t = PositionTracker()
+    metrics.attach(t)
+    t.check("Step", _reply(7, 10), t.seen(), None)
+    t.check("Step", _reply(9, 3), t.seen(), None)                    # a new lineage: counted once
+    t.check("Step", _reply(9, 3), t.seen(), None)                    # the same position again: nothing
+    assert registry.get_sample_value("kvservice_client_lineage_changes_total") == 1
+    assert registry.get_sample_value("kvservice_client_state_rollbacks_total") == 0
+    for n in (1, 2):
+        with pytest.raises(StateRolledBack):
+            t.check("Step", _reply(9, 1), t.seen(), None)
+        assert registry.get_sample_value("kvservice_client_state_rollbacks_total") == n
+    assert registry.get_sample_value("kvservice_client_lineage_changes_total") == 1
