@@ -102,6 +102,7 @@ def test_an_async_leader_client_makes_one_channel_per_address_with_its_tls_confi
             assert c.targets == ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"]
             assert (c.target, c.timeout, c.retry) == ("127.0.0.1:1,127.0.0.1:2,127.0.0.1:3", 7.5, FAILOVER)
             assert c._metadata == (("authorization", "Bearer tk"),)
+            assert repr(c) == "AsyncLeaderClient('127.0.0.1:1,127.0.0.1:2,127.0.0.1:3', token=set)"   # never the token
             assert registry.get_sample_value("kvservice_client_state_rollbacks_total") == 0.0
             assert c.position.on_rollback is not None and c.position.on_new_lineage is not None
             _route_is_fresh(c, made.channels)
@@ -133,6 +134,7 @@ def test_a_leader_clients_policy_and_its_channels_service_config(monkeypatch, kw
         c = aio_ha.AsyncLeaderClient(["127.0.0.1:4", "127.0.0.1:5"], **kw)
         try:
             assert c.retry == want and c.timeout == 10.0 and c._metadata is None
+            assert repr(c) == "AsyncLeaderClient('127.0.0.1:4,127.0.0.1:5', token=none)"
             assert [(t, tls, json.loads(cfg), tuple(i)) for t, tls, cfg, i in amade.calls] == \
                 [("127.0.0.1:4", None, config, ()), ("127.0.0.1:5", None, config, ())]
         finally:

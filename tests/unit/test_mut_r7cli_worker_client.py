@@ -32,14 +32,15 @@ MD = (("authorization", "Bearer wk"), ("kvservice-leader-epoch", "8"))
 
 def test_append_kv_sends_k_v_the_slots_and_their_generations():
     rng = np.random.default_rng(7171)
-    k = rng.standard_normal((3, 2, 4)).astype(np.float16)
-    v = rng.standard_normal((3, 2, 4)).astype(np.float16)
-    slots = [int(x) for x in rng.integers(1, 2**40, 3)]
+    k = rng.standard_normal((3, 2, 4)).astype(np.float32)               # sent as the cache dtype asked for
+    v = rng.standard_normal((3, 2, 4)).astype(np.float32)
+    slots = [int(x) for x in rng.integers(1, 2**32, 3)]
     gens = [int(x) for x in rng.integers(1, 2**32, 3)]
     reply = wpb.KernelReply(kernel_seconds=0.5)
     with _client() as wc:
         wc._stub = stub = Stub(AppendKV=reply)
-        assert wc.append_kv(7, k, v, slots, policy="error", slot_generations=gens) is reply
+        assert wc.append_kv(7, k, v, np.asarray(slots, dtype=np.uint32), dtype="float16", policy="error",
+                            slot_generations=gens) is reply
         wc.append_kv(2, k, None, table_id="tab-1")                       # K-only, the persistent table's slots
     (m1, r1, t1, md1), (m2, r2, t2, md2) = stub.calls
     assert (m1, m2, t1, t2, md1, md2) == ("AppendKV", "AppendKV", 6.5, 6.5, MD, MD)
@@ -49,6 +50,7 @@ def test_append_kv_sends_k_v_the_slots_and_their_generations():
     assert (r1.slot_mapping.dtype, r1.slot_mapping.data) == (cpb.INT64, _le("q", slots))
     assert (r1.slot_generations.dtype, r1.slot_generations.data) == (cpb.UINT32, _le("I", gens))
     assert (r2.layer, r2.policy, r2.table_id, r2.pool_incarnation) == (2, wpb.POLICY_NAN, "tab-1", 41)
+    assert (r2.k.dtype, r2.k.data) == (cpb.FLOAT32, k.astype("<f4").tobytes())           # no dtype: the array's own
     assert not r2.HasField("v") and not r2.HasField("slot_mapping") and not r2.HasField("slot_generations")
 
 
@@ -77,13 +79,14 @@ def test_copy_blocks_update_tables_and_the_guard_calls_send_what_they_are_given(
     rng = np.random.default_rng(7173)
     pairs = rng.integers(0, 2**33, 6)                                    # flat: reshaped to [n, 2]
     gens = rng.integers(1, 2**32, (3, 2))
+    small = rng.integers(0, 2**31, (3, 2)).astype(np.int32)
     step = pb.StepReply(stream_id="s-9", stream_seq=4, num_free_slots=3)
     with _client() as wc:
         wc._stub = stub = Stub(CopyBlocks=wpb.KernelReply(), UpdateTables=wpb.UpdateTablesReply(batch_size=2),
                                Info=wpb.WorkerStatus(worker_id="w3"), CheckGuards=wpb.CheckGuardsReply(ok=True),
                                CorruptGuard=wpb.CorruptGuardReply())
         assert wc.copy_blocks(5, pairs, "zeros", gens) == wpb.KernelReply()
-        wc.copy_blocks(1, pairs.reshape(3, 2))
+        wc.copy_blocks(1, small)                                          # int32 in: sent as INT64
         assert wc.update_tables("tab-2", step, replace=True).batch_size == 2
         wc.update_tables("tab-3", step)
         assert wc.info().worker_id == "w3"
@@ -100,7 +103,7 @@ def test_copy_blocks_update_tables_and_the_guard_calls_send_what_they_are_given(
     assert (c1.generations.dtype, list(c1.generations.shape), c1.generations.data) == (cpb.UINT32, [3, 2],
                                                                                        _le("I", gens.ravel()))
     assert (c2.group, c2.policy, c2.pool_incarnation, c2.HasField("generations")) == (1, wpb.POLICY_NAN, 41, False)
-    assert (c2.pairs.dtype, list(c2.pairs.shape), c2.pairs.data) == (cpb.INT64, [3, 2], _le("q", pairs))
+    assert (c2.pairs.dtype, list(c2.pairs.shape), c2.pairs.data) == (cpb.INT64, [3, 2], _le("q", small.ravel()))
     assert reqs[2] == wpb.UpdateTablesRequest(table_id="tab-2", step=step, replace=True)
     assert reqs[3] == wpb.UpdateTablesRequest(table_id="tab-3", step=step)
     assert reqs[4] == wpb.WorkerInfoRequest() and reqs[5] == wpb.CheckGuardsRequest()
