@@ -16,6 +16,7 @@ from google.rpc import error_details_pb2, status_pb2
 
 from kvservice.client.codec import ClientError
 from kvservice.client.worker_client import WorkerClient
+from kvservice.contract.errors import InvalidArgument
 from kvservice.contract.pagetable import PageTable
 from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1 import common_pb2 as cpb
@@ -182,17 +183,32 @@ def test_decode_attention_converts_the_table_to_int32_and_the_generations_to_uin
     indices = [int(x) for x in rng.integers(1, 2**30, 3)]
     table = PageTable([0, 1, 3], indices, [2, 4])                        # plain lists: converted
     gens = [int(x) for x in rng.integers(2**31, 2**32, 3)]               # past int32: only uint32 holds them
-    out = np.zeros((2, 2, 4), np.float32)
-    lse = np.zeros((2, 2), np.float32)
+    out = rng.standard_normal((2, 2, 4)).astype(np.float32)
+    lse = rng.standard_normal((2, 2)).astype(np.float32)
     reply = wpb.DecodeAttentionReply(out=cpb.Tensor(dtype=cpb.FLOAT32, shape=[2, 2, 4], data=out.tobytes()),
-                                     lse=cpb.Tensor(dtype=cpb.FLOAT32, shape=[2, 2], data=lse.tobytes()))
+                                     lse=cpb.Tensor(dtype=cpb.FLOAT32, shape=[2, 2], data=lse.tobytes()),
+                                     violation=wpb.ViolationRecord(kernel="decode_attention", count=2, row=1))
     with _client() as wc:
         wc._stub = stub = Stub(DecodeAttention=reply)
-        wc.decode_attention(1, q, table, generations=np.asarray(gens, dtype=np.int64))
-        wc.decode_attention(0, q, table_id="tab-4", generations=gens)
+        att = wc.decode_attention(1, q, table, generations=np.asarray(gens, dtype=np.int64))
+        wc.decode_attention(0, q, table_id="tab-4", dtype="float16", sm_scale=0.25, policy="error",
+                            generations=gens)
+        for field in ("out", "lse"):                                    # a malformed reply names its field
+            bad = wpb.DecodeAttentionReply()
+            bad.CopyFrom(reply)
+            getattr(bad, field).CopyFrom(cpb.Tensor(dtype=cpb.INT32, shape=[1], data=_le("i", [1])))
+            wc._stub = Stub(DecodeAttention=bad)
+            with pytest.raises(InvalidArgument) as err:
+                wc.decode_attention(1, q, table)
+            assert str(err.value) == f"{field}: dtype INT32 not allowed here"
+    assert np.array_equal(att.out, out) and np.array_equal(att.lse, lse) and att.violation == reply.violation
     (m1, r1, t1, md1), (_, r2, _, _) = stub.calls
     assert (m1, t1, md1, r1.layer, r1.pool_incarnation, r1.policy) == ("DecodeAttention", 6.5, MD, 1, 41,
                                                                        wpb.POLICY_NAN)
+    assert (r1.sm_scale, r1.table_id) == (0.0, "")                     # the defaults: 1/sqrt(head_dim), no table
+    assert (r1.q.dtype, list(r1.q.shape), r1.q.data) == (cpb.FLOAT32, [2, 2, 4], q.astype("<f4").tobytes())
+    assert (r2.q.dtype, r2.q.data, r2.sm_scale, r2.policy) == (cpb.FLOAT16, q.astype("<f2").tobytes(), 0.25,
+                                                               wpb.POLICY_ERROR)
     assert (r1.indptr.dtype, r1.indptr.data) == (cpb.INT32, _le("i", [0, 1, 3]))
     assert (r1.indices.dtype, r1.indices.data) == (cpb.INT32, _le("i", indices))
     assert (r1.last_page_len.dtype, r1.last_page_len.data) == (cpb.INT32, _le("i", [2, 4]))
