@@ -150,7 +150,8 @@ def test_the_mutating_calls_send_one_request_id_each_given_or_fresh():
         assert await c.create_pool("np2", SPEC, SIZING) == info
         assert await c.delete_pool("np", force=True, timeout=3.0, request_id="dp-1") is None
         assert await c.delete_pool("np2") is None
-        r = await c.step("np", admit=[2**40 + 3], admit_tokens=[6], timeout=4.0, request_id="st-1")
+        r = await c.step("np", admit=[2**40 + 3], admit_tokens=[6], timeout=4.0, request_id="st-1", salts=["s-a"],
+                         extra_keys=["k-a"])
         assert (r.seq_ids.tolist(), r.num_tokens.tolist(), r.new_token_indptr.tolist()) == ([2**40 + 3], [6], [0, 6])
         assert (r.num_free_slots, r.pool_incarnation) == (41, 77)
         await c.step("np", free=[9], tables=False, block_table=True)
@@ -167,6 +168,7 @@ def test_the_mutating_calls_send_one_request_id_each_given_or_fresh():
     assert (s1.pool, s1.request_id, s1.omit_tables, s1.include_block_table) == ("np", "st-1", False, False)
     assert (s1.admit_seq_ids.dtype, s1.admit_seq_ids.data) == (cpb.UINT64, _le("Q", [2**40 + 3]))
     assert (s1.admit_num_tokens.dtype, s1.admit_num_tokens.data) == (cpb.INT32, _le("i", [6]))
+    assert (list(s1.admit_cache_salts), list(s1.admit_extra_keys)) == (["s-a"], ["k-a"])       # extra: passed on
     assert HEX.fullmatch(s2.request_id) and (s2.omit_tables, s2.include_block_table) == (True, True)
     assert (s2.free_seq_ids.dtype, s2.free_seq_ids.data) == (cpb.UINT64, _le("Q", [9]))
     assert len({c2.request_id, d2.request_id, s2.request_id}) == 3

@@ -21,9 +21,10 @@ from kvservice.client.deadline import RetryPolicy
 from kvservice.client.position import StateRolledBack
 from kvservice.contract import convert
 from kvservice.v1 import block_manager_pb2 as pb
+from kvservice.v1 import common_pb2 as cpb
 from tests.unit.test_mut_r7cli_aio import SIZING, SPEC, WIRE_SIZING
 from tests.unit.test_mut_r7cli_clients import UNARY
-from tests.unit.test_mut_s21a_client import DEAD
+from tests.unit.test_mut_s21a_client import DEAD, _le
 
 TOKEN = (("authorization", "Bearer sy"),)
 HEX = re.compile(r"[0-9a-f]{32}")
@@ -107,8 +108,12 @@ def test_the_read_calls_send_their_requests_and_return_the_replies():
 def test_the_mutating_calls_send_one_request_id_each_given_or_fresh():
     info = pb.PoolInfo(name="np", incarnation=77)
     reg = pb.RegisterWorkerReply(epoch=4)
+    step = pb.StepReply(seq_ids=cpb.Tensor(dtype=cpb.UINT64, shape=[1], data=_le("Q", [4])),
+                        num_tokens=cpb.Tensor(dtype=cpb.INT64, shape=[1], data=_le("q", [2])),
+                        new_token_indptr=cpb.Tensor(dtype=cpb.INT64, shape=[2], data=_le("q", [0, 1])),
+                        num_free_slots=5, pool_incarnation=3)
     stub = Stub(CreatePool=info, DeletePool=pb.DeletePoolReply(), RegisterWorker=reg,
-                Heartbeat=pb.HeartbeatReply())
+                Heartbeat=pb.HeartbeatReply(), Step=step)
     with _client(stub) as c:
         assert c.create_pool("np", SPEC, SIZING, ("native",), timeout=2.0, request_id="cp-1", prefix_caching=True,
                              model="m7") == info
@@ -118,8 +123,20 @@ def test_the_mutating_calls_send_one_request_id_each_given_or_fresh():
         ask = pb.RegisterWorkerRequest(worker_id="w1", pool="np")
         assert c.register_worker(ask, timeout=4.0) == reg
         assert c.heartbeat("w1", 4, timeout=5.0) == pb.HeartbeatReply()
+        got = c.step("np", free=[3], tables=False, block_table=True, timeout=6.0, request_id="st-9",
+                     salts=["s-b"], extra_keys=["k-b"])
+        assert (got.num_free_slots, got.pool_incarnation, got.seq_ids.tolist(), got.num_tokens.tolist()) == (5, 3, [4],
+                                                                                                          [2])
+        c.step("np", extend=[4])
     cache = convert.cache_spec_to_proto(SPEC)
-    (_, c1, tc1, _), (_, c2, tc2, _), (_, d1, td1, _), (_, d2, td2, _), (_, r1, tr1, _), (_, h1, th1, _) = stub.calls
+    (_, c1, tc1, _), (_, c2, tc2, _), (_, d1, td1, _), (_, d2, td2, _), (_, r1, tr1, _), (_, h1, th1, _), \
+        (_, s1, ts1, _), (_, s2, ts2, _) = stub.calls
+    assert (s1.pool, s1.request_id, s1.omit_tables, s1.include_block_table) == ("np", "st-9", True, True)
+    assert (list(s1.admit_cache_salts), list(s1.admit_extra_keys)) == (["s-b"], ["k-b"])       # extra: passed on
+    assert (s1.free_seq_ids.dtype, s1.free_seq_ids.data) == (cpb.UINT64, _le("Q", [3]))
+    assert HEX.fullmatch(s2.request_id) and (s2.omit_tables, s2.include_block_table) == (False, False)
+    assert (s2.extend_seq_ids.data, s2.extend_num_tokens.data) == (_le("i", [4]), _le("i", [1]))
+    assert 0 < ts1 <= 6.0 < ts2 <= 300.0
     assert c1 == pb.CreatePoolRequest(name="np", cache=cache, sizing=WIRE_SIZING, backends=["native"],
                                       request_id="cp-1", enable_prefix_caching=True, model="m7")
     assert HEX.fullmatch(c2.request_id) and c2 == pb.CreatePoolRequest(name="np2", cache=cache, sizing=WIRE_SIZING,

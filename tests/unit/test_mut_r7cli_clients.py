@@ -219,3 +219,58 @@ def test_a_streams_calls_carry_the_clients_token_then_the_stream_id(token):
     assert (b.pool, b.deltas, b.timeout, b.mirror.page_size, b._call, b._checked_call) == ("r", False, 0.75, 32,
                                                                                            None, None)
     assert STREAM_ID.fullmatch(b.stream_id)
+
+
+BASE = [("grpc.max_receive_message_length", 256 * 1024 * 1024), ("grpc.max_send_message_length", 256 * 1024 * 1024),
+        ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 2000)]
+
+
+def test_make_channel_and_make_aio_channel_pass_target_options_credentials_and_interceptors(monkeypatch):
+    """A plaintext channel, or a TLS one with the options' credentials (client.py's make_channel; aio.py's twin
+    adds the interceptors): the channel options are the limits and reconnect backoff, the TLS name, the config."""
+    from kvservice.client import aio
+    from kvservice.client.client import make_channel
+
+    got = []
+    monkeypatch.setattr(grpc, "ssl_channel_credentials", lambda **kw: ("creds", tuple(sorted(kw.items()))))
+    for mod, kind in ((grpc, "sync"), (grpc.aio, "aio")):
+        monkeypatch.setattr(mod, "insecure_channel",
+                            lambda target, options=None, kind=kind, **kw: got.append((kind, "plain", target, None,
+                                                                                      options, kw)) or "ch")
+        monkeypatch.setattr(mod, "secure_channel",
+                            lambda target, creds, options=None, kind=kind, **kw: got.append((kind, "tls", target, creds,
+                                                                                             options, kw)) or "ch")
+    tls = TLSOptions(ca=b"ca", cert=b"crt", key=b"k", server_name="m.example")
+    tap = Tap()
+    cfg = '{"methodConfig": []}'
+    assert make_channel("h:1") == make_channel("h:2", tls, cfg) == "ch"
+    assert aio.make_aio_channel("h:3", None, cfg, [tap]) == aio.make_aio_channel("h:4", tls) == "ch"
+    creds = ("creds", (("certificate_chain", b"crt"), ("private_key", b"k"), ("root_certificates", b"ca")))
+    named = ("grpc.ssl_target_name_override", "m.example")
+    assert got == [("sync", "plain", "h:1", None, BASE, {}),
+                   ("sync", "tls", "h:2", creds, [*BASE, named, ("grpc.service_config", cfg)], {}),
+                   ("aio", "plain", "h:3", None, [*BASE, ("grpc.service_config", cfg)], {"interceptors": [tap]}),
+                   ("aio", "tls", "h:4", creds, [*BASE, named], {"interceptors": ()})]
+
+
+def test_an_async_clients_constructor_defaults_and_arguments(monkeypatch):
+    from kvservice.client import aio
+
+    made = []
+    monkeypatch.setattr(aio, "make_aio_channel", lambda *a: made.append(a) or grpc.aio.insecure_channel(a[0]))
+    registry = CollectorRegistry()
+
+    async def run():
+        d = aio.AsyncBlockManagerClient("h:5")
+        assert (d.target, d.timeout, d.retry, d._metadata, d.position.on_rollback) == ("h:5", 10.0, RetryPolicy(),
+                                                                                       None, None)
+        c = aio.AsyncBlockManagerClient("h:6", 2.5, tls=TLS, token="t6", registry=registry, failover=3.0)
+        assert (c.retry, c._metadata) == (RetryPolicy(failover=3.0), (("authorization", "Bearer t6"),))
+        assert c.position.on_rollback is not None and c._channel is not None and c._stub is not None
+        assert registry.get_sample_value("kvservice_client_state_rollbacks_total") == 0.0
+        assert [(a[0], a[1], a[3]) for a in made] == [("h:5", None, ()), ("h:6", TLS, ())]
+        assert repr(c) == "AsyncBlockManagerClient('h:6', token=set)" and "t6" not in repr(c)
+        assert repr(d) == "AsyncBlockManagerClient('h:5', token=none)"
+        for x in (c, d):
+            await x.close()
+    asyncio.run(run())
