@@ -74,7 +74,8 @@ def test_a_sync_attempt_goes_to_the_current_address_and_its_reply_epoch_is_check
                     SyncStub("b", log, [Err(grpc.StatusCode.NOT_FOUND), Err(grpc.StatusCode.UNAVAILABLE)]),
                     SyncStub("c", log, [Err(grpc.StatusCode.DEADLINE_EXCEEDED),
                                         (pb.EchoReply(payload=b"6"), ((EPOCH, "6"),))])]
-        stub = LeaderStub(c)
+        stub = c._stub                                            # what BlockManagerClient's calls go through
+        assert isinstance(stub, LeaderStub) and stub._client is c
         md = (("authorization", "Bearer x"),)
         assert stub.Echo(pb.EchoRequest(payload=b"q"), timeout=1.25, metadata=md) == pb.EchoReply(payload=b"1")
         assert (c.epoch, c.leader_node, c.current_target) == (5, "n-a", A)
@@ -226,3 +227,10 @@ def test_a_health_watch_asks_the_addresss_channel_about_the_block_manager_and_is
     finally:
         c._health_calls = {}                                          # nothing real to cancel
         c.close()
+
+
+def test_a_leader_client_needs_an_address():
+    for empty in ("", " ,, ", [], [" "]):
+        with pytest.raises(ValueError) as err:
+            LeaderClient(empty)
+        assert str(err.value) == "a leader-following client needs at least one manager address"
