@@ -434,3 +434,21 @@ def test_a_sync_stream_whose_policy_allows_two_attempts_reopens_once_then_gives_
                                                                                  "RETRIES_EXHAUSTED", "2")
     assert s.reconnects == 2
     assert [e[0] for e in client.log] == ["failed", "pause", "answered", "failed", "pause", "failed"]
+
+
+def test_an_asyncio_stream_checks_a_calls_first_reply_only_and_names_the_request_when_the_manager_ends_it():
+    client = AioClient([([None, None, None], [pb.StepReply(stream_seq=6), pb.StepReply(stream_seq=7), grpc.aio.EOF],
+                         (("e", "9"),))], retry=RetryPolicy(attempts=1))
+    s = AsyncStepStream(client, "p", 4, stream_id="s-c")
+
+    async def run():
+        assert (await s._roundtrip(b"a", 6)).stream_seq == 6
+        assert (await s._roundtrip(b"b", 7)).stream_seq == 7
+        assert client.log == [("answered", 0, (("e", "9"),))]         # once per call, not per reply
+        with pytest.raises(ClientError) as err:
+            await s._roundtrip(b"c", 8)
+        return err.value
+    e = asyncio.run(run())
+    assert e.message.startswith("StepStream s-c (request 8) to mgr:1: no manager answered within its 40 s deadline")
+    assert "(last: UNAVAILABLE: the manager ended the stream)" in e.message
+    assert client.log[1:] == [("failed", 0)] and client.calls[0].sent == [b"a", b"b", b"c"]
