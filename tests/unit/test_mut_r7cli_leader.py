@@ -234,3 +234,36 @@ def test_a_leader_client_needs_an_address():
         with pytest.raises(ValueError) as err:
             LeaderClient(empty)
         assert str(err.value) == "a leader-following client needs at least one manager address"
+
+
+def test_wait_readys_default_timeout_is_ten_seconds(monkeypatch):
+    from kvservice.client import ha
+
+    waited = []
+
+    class Never:
+        def set(self):
+            pass
+
+        def wait(self, timeout):
+            waited.append(timeout)
+            return False
+    with LeaderClient([A], timeout=3.0) as c:
+        monkeypatch.setattr(ha.threading, "Event", Never)
+        monkeypatch.setattr(grpc, "channel_ready_future", lambda ch: Ready(ch, False))
+        with pytest.raises(ClientError) as err:
+            c.wait_ready()
+        monkeypatch.undo()
+    assert waited == [10.0] and err.value.message == f"no manager answered at {A} within 10 s"
+
+
+def test_a_reply_below_epoch_zero_is_refused_too():
+    """Any epoch below the highest seen is refused, even below the 0 of a client that has seen none."""
+    c = LeaderClient([A, B], timeout=3.0)
+    try:
+        with pytest.raises(StaleLeader) as err:
+            c.stream_answered(0, ((EPOCH, "-1"),))
+        assert err.value.details().startswith(f"{A} answered as leader epoch -1, but epoch 0 was already seen")
+        assert (c.epoch, c.stale_replies, c.current_target) == (0, 1, B)
+    finally:
+        c.close()

@@ -44,3 +44,13 @@ def test_the_counters_scrape_with_their_names_types_and_help_and_count_what_the_
             t.check("Step", _reply(9, 1), t.seen(), None)
         assert registry.get_sample_value("kvservice_client_state_rollbacks_total") == n
     assert registry.get_sample_value("kvservice_client_lineage_changes_total") == 1
+
+
+def test_a_lineage_after_replies_of_a_manager_from_before_lineages_counts_as_a_change():
+    """Lineage 0 (a manager from before lineages) seen, then lineage 7: a new lineage, reported with the old one."""
+    changes = []
+    t = PositionTracker(on_new_lineage=lambda old, new: changes.append((old, new)))
+    t.check("Step", _reply(0, 4), t.seen(), None)
+    assert (t.lineage_changes, changes) == (0, [])
+    t.check("Step", _reply(7, 2), t.seen(), None)
+    assert (t.lineage_changes, changes, t.lineage, t.seq) == (1, [(0, 7)], 7, 2)

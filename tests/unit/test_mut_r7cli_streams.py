@@ -177,6 +177,9 @@ class StreamCall:
         self.sent.append(next(self.requests))
         self.due.append(self.s._deadline - time.monotonic())
         got = self.outcomes.pop(0)
+        if got == "closing":                       # close() from another thread, then the call breaks
+            self.s._closed = True
+            raise Refused(grpc.StatusCode.UNAVAILABLE, "gone")
         if got == "expired":                       # the watchdog cancelled the call: gRPC says CANCELLED
             self.s._expired = True
             raise Refused(grpc.StatusCode.CANCELLED)
@@ -452,3 +455,32 @@ def test_an_asyncio_stream_checks_a_calls_first_reply_only_and_names_the_request
     assert e.message.startswith("StepStream s-c (request 8) to mgr:1: no manager answered within its 40 s deadline")
     assert "(last: UNAVAILABLE: the manager ended the stream)" in e.message
     assert client.log[1:] == [("failed", 0)] and client.calls[0].sent == [b"a", b"b", b"c"]
+
+
+def test_a_sync_stream_closed_while_waiting_is_not_reopened_and_a_silent_call_says_so():
+    """close() from another thread while a step waits: the broken call is reported, not reopened, and the request
+    stays pending; with one attempt allowed, a call the watchdog cancelled gives up as DEADLINE_EXCEEDED."""
+    client = StreamClient([(["closing"], ())])
+    s = StepStream(client, "p", page_size=4, stream_id="s-z")
+    client.stream = s
+    s.close()                                                  # nothing open yet: closing is harmless
+    assert (s._call, s._queue, s._closed) == (None, None, True)
+    s._closed = False
+    try:
+        s.pending = s.start(b"body", False, False, None)
+        with pytest.raises(ClientError) as err:
+            s._roundtrip(s.pending.data, 1)
+    finally:
+        s.close()
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE and err.value.message.startswith("gone; request 1 of stream")
+    assert client.log == [("failed", 0)] and s.reconnects == 0 and s.pending is not None
+    client = StreamClient([(["expired"], ())], retry=RetryPolicy(attempts=1))
+    s = StepStream(client, "p", page_size=4, stream_id="s-y")
+    client.stream = s
+    try:
+        with pytest.raises(ClientError) as err:
+            s._roundtrip(b"x", 1)
+    finally:
+        s.close()
+    assert "(last: DEADLINE_EXCEEDED: no reply in time (the call was cancelled))" in err.value.message
+    assert err.value.metadata["last_code"] == "DEADLINE_EXCEEDED"
