@@ -54,3 +54,25 @@ def test_a_lineage_after_replies_of_a_manager_from_before_lineages_counts_as_a_c
     assert (t.lineage_changes, changes) == (0, [])
     t.check("Step", _reply(7, 2), t.seen(), None)
     assert (t.lineage_changes, changes, t.lineage, t.seq) == (1, [(0, 7)], 7, 2)
+
+
+def test_a_refusal_is_logged_as_its_message_whatever_the_call_is_named(caplog):
+    """The error log of a refused reply is the error's own text (a call name with "%s" in it too)."""
+    t = PositionTracker()
+    t.check("Step%s", _reply(5, 9), t.seen(), None)
+    with caplog.at_level("ERROR", logger="kvservice.client"), pytest.raises(StateRolledBack) as err:
+        t.check("Step%s", _reply(5, 8), t.seen(), "rid-1")
+    assert [(r.name, r.levelname, r.getMessage()) for r in caplog.records] == [("kvservice.client", "ERROR",
+                                                                                err.value.message)]
+    assert err.value.message.startswith("Step%s: the manager answered at journal position 8 of state lineage "
+                                        "0000000000000005 (incarnation 1), but this client had already seen position 9")
+
+
+def test_a_rollback_below_a_seen_position_zero_says_what_was_seen():
+    """StateRolledBack's seen: the seq seen before (0 included); -1 only for a lineage refused earlier."""
+    from kvservice.client.position import JournalPos
+    err = StateRolledBack("Step", JournalPos(3, 1, 0), 0, None, None, 1)
+    assert "but this client had already seen position 0 of that lineage" in err.message
+    assert err.metadata["seen_seq"] == "0"
+    again = StateRolledBack("Step", JournalPos(3, 1, 0), -1, None, None, 2)
+    assert "a lineage this client already found rolled back" in again.message
