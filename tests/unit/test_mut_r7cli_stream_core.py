@@ -9,8 +9,10 @@ reply (the manager of tests/unit/test_mut_m28d_stream_core.py's _served_core).
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from kvservice.client.stream_core import MirrorTables
+from kvservice.client.stream_core import MirrorTables, StreamCore
+from kvservice.contract.mirror import MirrorError
 from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1 import common_pb2 as cpb
 from tests.unit.test_mut_m28d_stream_core import _served_core
@@ -52,8 +54,6 @@ def test_a_delta_results_non_table_fields_are_the_replys():
 
 
 def test_a_new_stream_core_has_sent_nothing_and_names_itself():
-    from kvservice.client.stream_core import StreamCore
-
     core = StreamCore("pool-n", 16, False, None)
     assert (core.pool, core.deltas, core.mirror.page_size, core.mirror.seq) == ("pool-n", False, 16, 0)
     assert core.stream_id.startswith("s-") and len(core.stream_id) == 34 and int(core.stream_id[2:], 16) >= 0
@@ -62,3 +62,21 @@ def test_a_new_stream_core_has_sent_nothing_and_names_itself():
     assert (core.pending, core.settled, core.last_reply, core._cached, core._methods) == (None, None, None, None, {})
     named = StreamCore("p", 8, True, "s-given")
     assert (named.stream_id, named.deltas) == ("s-given", True)
+
+
+def test_a_results_tables_name_a_missing_space_and_say_what_to_do_once_replaced():
+    api, session, core = _served_core()
+    try:
+        data = core.request_bytes(None, [31], None, None, None, True, False, {})
+        first = core.result(session.apply(api, pb.StepRequest.FromString(data)), True, False)
+        with pytest.raises(KeyError) as missing:
+            first.tables[97]
+        assert missing.value.args == (97,)
+        data = core.request_bytes(None, [31], None, None, None, True, False, {})
+        core.result(session.apply(api, pb.StepRequest.FromString(data)), True, False)
+        with pytest.raises(MirrorError) as replaced:
+            first.tables[next(iter(first.tables))]
+    finally:
+        core.client.close()
+    assert str(replaced.value) == ("the tables of request 2 were replaced by request 3 on the stream; read a result's "
+                                   "tables before the next step")

@@ -304,6 +304,8 @@ def test_a_sync_stream_whose_policy_allows_one_attempt_raises_at_once_and_keeps_
     assert e.message.startswith("StepStream s-1 (request 1) to mgr:1: no manager answered within its 40 s deadline "
                                 "(1 attempt in ")
     assert "(last: UNAVAILABLE: the manager ended the stream)" in e.message
+    assert "; request 1 of stream s-1 may or may not have been applied: it stays pending" in e.message
+    assert (e.metadata["stream_id"], e.metadata["stream_seq"]) == ("s-1", "1")
     assert client.log == [("failed", 0)] and s.reconnects == 0 and s._call is None
 
 
