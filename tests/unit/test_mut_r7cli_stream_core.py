@@ -8,6 +8,9 @@ reply (the manager of tests/unit/test_mut_m28d_stream_core.py's _served_core).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import grpc
 import numpy as np
 import pytest
 
@@ -80,3 +83,47 @@ def test_a_results_tables_name_a_missing_space_and_say_what_to_do_once_replaced(
         core.client.close()
     assert str(replaced.value) == ("the tables of request 2 were replaced by request 3 on the stream; read a result's "
                                    "tables before the next step")
+
+
+def test_a_stream_replys_position_check_names_the_stream_and_its_request():
+    """checked(): a reply behind what the client saw is refused StateRolledBack for "StepStream", its request_id the
+    stream's id and seq, and the mirror is reset; a client with no position tracker takes the reply as it is."""
+    from kvservice.client.position import StateRolledBack
+
+    api, session, core = _served_core()
+    try:
+        data = core.request_bytes(None, [31], None, None, None, True, False, {})
+        ahead = session.apply(api, pb.StepRequest.FromString(data))
+        ahead.position.CopyFrom(pb.JournalPosition(lineage=0xEE, incarnation=1, seq=30))
+        core.result(core.checked(ahead, core.client.position.seen()), True, False)
+        seen = core.client.position.seen()
+        data = core.request_bytes(None, [31], None, None, None, True, False, {})
+        behind = session.apply(api, pb.StepRequest.FromString(data))
+        behind.position.CopyFrom(pb.JournalPosition(lineage=0xEE, incarnation=1, seq=29))
+        with pytest.raises(StateRolledBack) as err:
+            core.checked(behind, seen)
+        assert core.mirror.seq == 0
+    finally:
+        core.client.close()
+    e = err.value
+    assert e.message.startswith("StepStream: the manager answered at journal position 29 of state lineage "
+                                "00000000000000ee")
+    assert e.request_id == f"s#{core.seq}" == e.metadata["request_id"] and core.seq == 3
+    bare = StreamCore("p", 8, True, "s-b")
+    bare.client = SimpleNamespace()                                  # no position tracker
+    assert bare.checked(behind, {}) is behind
+
+
+def test_a_stream_whose_deadline_is_spent_names_the_request_left_pending():
+    from kvservice.client.codec import ClientError
+    from kvservice.client.deadline import CallBudget, RetryPolicy
+
+    core = StreamCore("p", 8, True, "s-d")
+    core.start(b"", True, False, None)
+    client = SimpleNamespace(retry=RetryPolicy(), stream_failed=lambda index: None)
+    budget = CallBudget(RetryPolicy(), 0.0, "StepStream s-d (request 1)", None)      # nothing left
+    budget.attempt_timeout()
+    with pytest.raises(ClientError) as err:
+        core.broken(client, ClientError(grpc.StatusCode.UNAVAILABLE, "down"), 1, budget)
+    assert err.value.reason == "RETRIES_EXHAUSTED" and err.value.metadata["stream_seq"] == "1"
+    assert "; request 1 of stream s-d may or may not have been applied" in err.value.message
