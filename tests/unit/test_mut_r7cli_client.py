@@ -1,0 +1,243 @@
+"""BlockManagerClient's calls read at the stub (kvservice/client/client.py): every call's request (every field,
+hand-built protos), its attempt's deadline (its own timeout, else the client's), the token, what it returns; one
+request_id per mutating call (given, else a fresh uuid4 hex); the calls retried (UNAVAILABLE and DEADLINE_EXCEEDED;
+a heartbeat on UNAVAILABLE only: its docstring) after a backoff (RetryPolicy: uniform in [d/2, d], d = 0.05 s
+first), the rest raised at once; a rolled-back reply refused StateRolledBack naming the call; watch_events opens
+one WatchEvents call with the stream's own timeout; the channel's service config (RetryPolicy's defaults).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import grpc
+import pytest
+
+from kvservice.client import client as client_mod
+from kvservice.client.client import BlockManagerClient, EventStream, TLSOptions
+from kvservice.client.codec import ClientError
+from kvservice.client.deadline import RetryPolicy
+from kvservice.client.position import StateRolledBack
+from kvservice.contract import convert
+from kvservice.v1 import block_manager_pb2 as pb
+from kvservice.v1 import common_pb2 as cpb
+from tests.unit.test_mut_r7cli_aio import SIZING, SPEC, WIRE_SIZING
+from tests.unit.test_mut_r7cli_clients import UNARY
+from tests.unit.test_mut_s21a_client import DEAD, _le
+
+TOKEN = (("authorization", "Bearer sy"),)
+HEX = re.compile(r"[0-9a-f]{32}")
+
+
+class Stub:
+    """Records each call (method, request, timeout, metadata); answers with the outcomes queued for the method (the
+    last one stays): a reply, or an error raised."""
+
+    def __init__(self, **outcomes):
+        self.outcomes, self.calls = {k: v if isinstance(v, list) else [v] for k, v in outcomes.items()}, []
+
+    def __getattr__(self, method):
+        def call(request, timeout=None, metadata=None):
+            self.calls.append((method, request, timeout, metadata))
+            queued = self.outcomes[method]
+            got = queued.pop(0) if len(queued) > 1 else queued[0]
+            if isinstance(got, Exception):
+                raise got
+            return got
+        return call
+
+
+class Err(grpc.RpcError):
+    def __init__(self, code, details="down"):
+        self._code, self._details = code, details
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
+
+    def trailing_metadata(self):
+        return ()
+
+
+def _client(stub, **kw):
+    c = BlockManagerClient(DEAD, timeout=300.0, token="sy", **kw)
+    c._stub = stub
+    return c
+
+
+def test_the_read_calls_send_their_requests_and_return_the_replies():
+    pools = [pb.PoolInfo(name="a", incarnation=3), pb.PoolInfo(name="b", incarnation=9)]
+    seqs = pb.ListSequencesReply(total=2, sequences=[pb.SequenceInfo(seq_id=5, num_tokens=7, num_slots=1)])
+    stats = pb.StatsReply(pools={"a": pb.PoolStats(num_sequences=4, num_tokens=44)})
+    plan = pb.PlanReply(page_size=8, num_slots=96)
+    stub = Stub(Plan=plan, GetPool=pools[1], ListPools=pb.ListPoolsReply(pools=pools), ListSequences=seqs,
+                GetStats=stats, Echo=pb.EchoReply(payload=b"\x01pong"))
+    with _client(stub) as c:
+        assert c.plan(SPEC, SIZING, ("native", "flashinfer"), timeout=2.0) == plan
+        assert c.plan(SPEC, SIZING) == plan
+        assert c.get_pool("b", timeout=3.0) == pools[1]
+        got = c.list_pools(timeout=4.0)
+        assert got == pools and type(got) is list
+        assert c.sequences("a", limit=17, timeout=5.0) == seqs
+        assert c.sequences("b") == seqs
+        got = c.stats("a", timeout=6.0)
+        assert got == {"a": stats.pools["a"]} and type(got) is dict
+        assert c.stats() == {"a": stats.pools["a"]}
+        assert c.echo(b"\x01ping", timeout=7.0) == b"\x01pong"
+        assert c.echo() == b"\x01pong"
+    cache = convert.cache_spec_to_proto(SPEC)
+    want = [("Plan", pb.PlanRequest(cache=cache, sizing=WIRE_SIZING, backends=["native", "flashinfer"]), 2.0),
+            ("Plan", pb.PlanRequest(cache=cache, sizing=WIRE_SIZING), None),
+            ("GetPool", pb.GetPoolRequest(pool="b"), 3.0),
+            ("ListPools", pb.ListPoolsRequest(), 4.0),
+            ("ListSequences", pb.ListSequencesRequest(pool="a", limit=17), 5.0),
+            ("ListSequences", pb.ListSequencesRequest(pool="b"), None),
+            ("GetStats", pb.GetStatsRequest(pool="a"), 6.0),
+            ("GetStats", pb.GetStatsRequest(), None),
+            ("Echo", pb.EchoRequest(payload=b"\x01ping"), 7.0),
+            ("Echo", pb.EchoRequest(), None)]
+    assert [(m, r) for m, r, _, _ in stub.calls] == [(m, r) for m, r, _ in want]
+    for (_, _, t, md), (_, _, own) in zip(stub.calls, want, strict=True):
+        assert md == TOKEN
+        assert 0 < t <= own if own else 7.0 < t <= 300.0
+
+
+def test_the_mutating_calls_send_one_request_id_each_given_or_fresh():
+    info = pb.PoolInfo(name="np", incarnation=77)
+    reg = pb.RegisterWorkerReply(epoch=4)
+    step = pb.StepReply(seq_ids=cpb.Tensor(dtype=cpb.UINT64, shape=[1], data=_le("Q", [4])),
+                        num_tokens=cpb.Tensor(dtype=cpb.INT64, shape=[1], data=_le("q", [2])),
+                        new_token_indptr=cpb.Tensor(dtype=cpb.INT64, shape=[2], data=_le("q", [0, 1])),
+                        num_free_slots=5, pool_incarnation=3)
+    stub = Stub(CreatePool=info, DeletePool=pb.DeletePoolReply(), RegisterWorker=reg,
+                Heartbeat=pb.HeartbeatReply(), Step=step)
+    with _client(stub) as c:
+        assert c.create_pool("np", SPEC, SIZING, ("native",), timeout=2.0, request_id="cp-1", prefix_caching=True,
+                             model="m7") == info
+        assert c.create_pool("np2", SPEC, SIZING) == info
+        assert c.delete_pool("np", force=True, timeout=3.0, request_id="dp-1") is None
+        assert c.delete_pool("np2") is None
+        ask = pb.RegisterWorkerRequest(worker_id="w1", pool="np")
+        assert c.register_worker(ask, timeout=4.0) == reg
+        assert c.heartbeat("w1", 4, timeout=5.0) == pb.HeartbeatReply()
+        got = c.step("np", free=[3], tables=False, block_table=True, timeout=6.0, request_id="st-9",
+                     salts=["s-b"], extra_keys=["k-b"])
+        assert (got.num_free_slots, got.pool_incarnation, got.seq_ids.tolist(), got.num_tokens.tolist()) == (5, 3, [4],
+                                                                                                          [2])
+        c.step("np", extend=[4])
+    cache = convert.cache_spec_to_proto(SPEC)
+    (_, c1, tc1, _), (_, c2, tc2, _), (_, d1, td1, _), (_, d2, td2, _), (_, r1, tr1, _), (_, h1, th1, _), \
+        (_, s1, ts1, _), (_, s2, ts2, _) = stub.calls
+    assert (s1.pool, s1.request_id, s1.omit_tables, s1.include_block_table) == ("np", "st-9", True, True)
+    assert (list(s1.admit_cache_salts), list(s1.admit_extra_keys)) == (["s-b"], ["k-b"])       # extra: passed on
+    assert (s1.free_seq_ids.dtype, s1.free_seq_ids.data) == (cpb.UINT64, _le("Q", [3]))
+    assert HEX.fullmatch(s2.request_id) and (s2.omit_tables, s2.include_block_table) == (False, False)
+    assert (s2.extend_seq_ids.data, s2.extend_num_tokens.data) == (_le("i", [4]), _le("i", [1]))
+    assert 0 < ts1 <= 6.0 < ts2 <= 300.0
+    assert c1 == pb.CreatePoolRequest(name="np", cache=cache, sizing=WIRE_SIZING, backends=["native"],
+                                      request_id="cp-1", enable_prefix_caching=True, model="m7")
+    assert HEX.fullmatch(c2.request_id) and c2 == pb.CreatePoolRequest(name="np2", cache=cache, sizing=WIRE_SIZING,
+                                                                      request_id=c2.request_id)
+    assert d1 == pb.DeletePoolRequest(pool="np", force=True, request_id="dp-1")
+    assert HEX.fullmatch(d2.request_id) and d2 == pb.DeletePoolRequest(pool="np2", request_id=d2.request_id)
+    assert c2.request_id != d2.request_id
+    assert r1 == ask and h1 == pb.HeartbeatRequest(worker_id="w1", epoch=4)
+    for t, own in ((tc1, 2.0), (td1, 3.0), (tr1, 4.0), (th1, 5.0)):
+        assert 0 < t <= own
+    assert 5.0 < tc2 <= 300.0 and 5.0 < td2 <= 300.0
+
+
+def _at(lineage, seq):
+    return pb.PoolInfo(name="p", position=pb.JournalPosition(lineage=lineage, incarnation=2, seq=seq))
+
+
+def test_a_call_that_met_no_manager_is_issued_again_after_the_backoff_and_a_rolled_back_reply_is_refused():
+    stub = Stub(GetPool=[Err(grpc.StatusCode.UNAVAILABLE), Err(grpc.StatusCode.DEADLINE_EXCEEDED), _at(0xCD, 50),
+                         _at(0xCD, 20)])
+    pauses = []
+    with _client(stub) as c:
+        c._pause = pauses.append
+        assert c.get_pool("p").position.seq == 50
+        with pytest.raises(StateRolledBack) as err:
+            c.get_pool("p")
+    assert len(stub.calls) == 4
+    assert len(pauses) == 2 and 0.025 <= pauses[0] <= 0.05 and 0.05 <= pauses[1] <= 0.1   # d = 0.05, then 0.1
+    e = err.value
+    assert (e.code, e.reason, e.request_id) == (grpc.StatusCode.DATA_LOSS, "STATE_ROLLED_BACK", None)
+    assert e.message.startswith("GetPool: the manager answered at journal position 20 of state lineage "
+                                "00000000000000cd (incarnation 2), but this client had already seen position 50")
+
+
+def test_a_heartbeat_is_retried_on_unavailable_only_and_a_refusal_is_raised_at_once_with_its_request_id():
+    stub = Stub(Heartbeat=[Err(grpc.StatusCode.UNAVAILABLE), Err(grpc.StatusCode.DEADLINE_EXCEEDED, "slow")],
+                DeletePool=Err(grpc.StatusCode.FAILED_PRECONDITION, "pool d has live sequences"))
+    pauses = []
+    with _client(stub) as c:
+        c._pause = pauses.append
+        with pytest.raises(ClientError) as hb:
+            c.heartbeat("w1", 3)
+        with pytest.raises(ClientError) as refused:
+            c.delete_pool("d", request_id="del-7")
+    assert [m for m, _, _, _ in stub.calls] == ["Heartbeat", "Heartbeat", "DeletePool"] and len(pauses) == 1
+    assert (hb.value.code, hb.value.message, hb.value.request_id) == (grpc.StatusCode.DEADLINE_EXCEEDED, "slow", None)
+    r = refused.value
+    assert (r.code, r.message, r.request_id, r.metadata) == (grpc.StatusCode.FAILED_PRECONDITION,
+                                                             "pool d has live sequences", "del-7",
+                                                             {"request_id": "del-7"})
+
+
+def test_a_call_that_gives_up_names_the_call_its_target_and_its_request_id():
+    stub = Stub(CreatePool=Err(grpc.StatusCode.UNAVAILABLE, "connection refused"))
+    with _client(stub, retry=RetryPolicy(attempts=3)) as c:
+        c._pause = lambda s: None
+        with pytest.raises(ClientError) as err:
+            c.create_pool("p", SPEC, SIZING, timeout=8.0, request_id="rid-g")
+    e = err.value
+    assert len(stub.calls) == 3 and (e.code, e.reason, e.request_id) == (grpc.StatusCode.UNAVAILABLE,
+                                                                         "RETRIES_EXHAUSTED", "rid-g")
+    assert e.message.startswith(f"CreatePool to {DEAD}: no manager answered within its 8 s deadline (3 attempts in ")
+    assert e.message.endswith("(last: UNAVAILABLE: connection refused); it may or may not have been applied: call "
+                              "again with request_id='rid-g' (safe: the manager answers a retry with the original "
+                              "reply)")
+    assert (e.metadata["attempts"], e.metadata["target"], e.metadata["request_id"]) == ("3", DEAD, "rid-g")
+
+
+def test_watch_events_opens_one_call_with_the_streams_timeout_and_token():
+    opened = []
+    batches = [pb.KVEventBatch(sequence=12), pb.KVEventBatch(sequence=13)]
+
+    class Watch:
+        def WatchEvents(self, request, timeout=None, metadata=None):
+            opened.append((request, timeout, metadata))
+            return iter(batches)
+    with _client(Watch()) as c:
+        s = c.watch_events("p", 12, timeout=9.5)
+        assert isinstance(s, EventStream) and list(s) == batches
+        c.watch_events("q")
+    assert opened == [(pb.WatchEventsRequest(pool="p", from_sequence=12), 9.5, TOKEN),
+                      (pb.WatchEventsRequest(pool="q"), None, TOKEN)]
+
+
+def test_the_channel_resends_every_unary_call_under_the_default_policy(monkeypatch):
+    made = []
+
+    def record(target, tls, config):
+        made.append((target, tls, json.loads(config)))
+        return grpc.insecure_channel(target)
+    monkeypatch.setattr(client_mod, "make_channel", record)
+    tls = TLSOptions(ca=b"ca")
+    with BlockManagerClient(DEAD, 6.0, 4, tls=tls) as c:
+        assert (c.target, c.timeout, c.retry, c._metadata) == (DEAD, 6.0, RetryPolicy(attempts=5), None)
+    service = "kvservice.v1.BlockManager"
+    want = {"methodConfig": [
+        {"name": [{"service": service, "method": m} for m in UNARY], "waitForReady": False,
+         "retryPolicy": {"maxAttempts": 3, "initialBackoff": "0.05s", "maxBackoff": "0.1s", "backoffMultiplier": 2.0,
+                         "retryableStatusCodes": ["UNAVAILABLE"]}},
+        {"name": [{"service": service}], "waitForReady": False}]}
+    assert made == [(DEAD, tls, want)]
+    own = grpc.insecure_channel(DEAD)
+    with BlockManagerClient(DEAD, channel=own) as c:                  # a channel given: none is made
+        assert c._channel is own and len(made) == 1
