@@ -1,0 +1,67 @@
+"""kvservice/core's small contracts pinned whole, against their docstrings and values computed by hand.
+
+- hashing._cbor_ints: "(bytes uint8 [B], page_end int64 [N] offsets)" also for pages without tokens: an empty
+  body and int64 page ends (every page ends at 0), for [0, page_size] and [N, 0] arrays alike.
+- model_config._state (gated DeltaNet): every StateLayer field at each tensor-parallel split, the whole notes list,
+  and the refusal of heads that do not split, naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvservice.contract.errors import InvalidArgument
+from kvservice.core import hashing
+from kvservice.core.model_config import StateLayer, model_cache
+
+
+@pytest.mark.parametrize("shape", [(0, 4), (0, 1), (3, 0), (1, 0)])
+def test_cbor_ints_of_pages_without_tokens_is_empty_with_int64_page_ends(shape):
+    body, ends = hashing._cbor_ints(np.zeros(shape, dtype=np.int64))
+    assert body.dtype == np.uint8 and body.shape == (0,)
+    assert ends.dtype == np.int64 and ends.tolist() == [0] * shape[0]
+
+
+HELDOUT = Path(__file__).parent.parent / "fixtures" / "model_configs" / "heldout"
+QWEN3_NEXT = HELDOUT / "qwen3-next-80b-a3b-instruct.json"
+
+
+def _split(heads: int, tp: int) -> int:
+    """docs: heads split over tp ranks, or one replicated head per rank when there are fewer heads than ranks."""
+    return heads // tp if heads >= tp else 1
+
+
+@pytest.mark.parametrize("tp", [1, 2, 16, 32, 64])
+def test_gated_deltanet_state_per_rank_and_its_notes_at_every_split(tp):
+    """model_config._state, gated DeltaNet (Qwen3-Next: Hk 16 x dk 128, Hv 32 x dv 128, kernel 4, 36 of 48 layers):
+    conv (K - 1) x (2 Hk dk + Hv dv), recurrent Hv x dk x dv with Hk and Hv split over tp, each field with fewer
+    heads than ranks noted once under its own name (as num_key_value_heads is), then the state note."""
+    cfg = json.loads(QWEN3_NEXT.read_text())
+    m = model_cache(cfg, tp=tp)
+    hk, hv = _split(16, tp), _split(32, tp)
+    conv, ssm = 3 * (2 * hk * 128 + hv * 128), hv * 128 * 128
+    assert m.state_layers == tuple(StateLayer(i, "linear_attention", conv, ssm, "bfloat16", (conv + ssm) * 2)
+                                   for i in range(48) if i % 4 != 3)
+    want = ["cache dtype bfloat16 (the model's torch_dtype)"]
+    want += [f"num_key_value_heads=2 < tp={tp}: each rank holds 1 replicated head"] if tp > 2 else []
+    want += [f"linear_num_key_heads=16 < tp={tp}: each rank holds 1 replicated head"] if tp > 16 else []
+    want += [f"linear_num_value_heads=32 < tp={tp}: each rank holds 1 replicated head"] if tp > 32 else []
+    want.append(f"36 gated DeltaNet layer(s) page no K/V: state {36 * (conv + ssm) * 2:,} bytes per sequence "
+                "(bfloat16), not paged: managed by the engine")
+    assert list(m.notes) == want
+
+
+@pytest.mark.parametrize("field", ["linear_num_key_heads", "linear_num_value_heads"])
+def test_gated_deltanet_heads_that_do_not_split_are_refused_by_name(field):
+    """Heads that neither divide nor are divided by tp (6 over 4 ranks, the other field 8 splitting): InvalidArgument
+    naming that field, its value and tp."""
+    cfg = json.loads(QWEN3_NEXT.read_text())
+    cfg |= {"linear_num_key_heads": 8, "linear_num_value_heads": 8, field: 6}
+    with pytest.raises(InvalidArgument) as e:
+        model_cache(cfg, tp=4)
+    assert e.value.message == (f"config.json: {field}=6 cannot be split over tp=4 ranks (neither divides the "
+                               "other); choose a tp that divides it or that it divides")
