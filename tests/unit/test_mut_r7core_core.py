@@ -4,6 +4,8 @@
   body and int64 page ends (every page ends at 0), for [0, page_size] and [N, 0] arrays alike.
 - model_config._state (gated DeltaNet): every StateLayer field at each tensor-parallel split, the whole notes list,
   and the refusal of heads that do not split, naming the field.
+- hashing.make_hash_fn: each mode's function and the refusal of an unknown one; backends: page sizes below one
+  refused by the backends that take any page size (or any power of two).
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvservice.contract.errors import InvalidArgument
+from kvservice.contract.errors import FailedPrecondition, InvalidArgument
 from kvservice.core import hashing
+from kvservice.core.backends import check_backends
 from kvservice.core.model_config import StateLayer, model_cache
 
 
@@ -65,3 +68,29 @@ def test_gated_deltanet_heads_that_do_not_split_are_refused_by_name(field):
         model_cache(cfg, tp=4)
     assert e.value.message == (f"config.json: {field}=6 cannot be split over tp=4 ranks (neither divides the "
                                "other); choose a tp that divides it or that it divides")
+
+
+def test_make_hash_fn_gives_each_modes_function_and_names_the_known_modes():
+    """hashing.make_hash_fn: the default mode is page_hashes itself; vllm-sha256-cbor a VllmHash over the given
+    namespaces and seed (vLLM's default seed unless given); any other mode a ValueError listing the known ones."""
+    ns = object()
+    assert hashing.make_hash_fn("kvservice", ns) is hashing.page_hashes
+    fn = hashing.make_hash_fn("vllm-sha256-cbor", ns, "4242")
+    assert type(fn) is hashing.VllmHash and fn.namespaces is ns and fn.seed == "4242"
+    assert fn.mode == "vllm-sha256-cbor" and hashing.make_hash_fn("vllm-sha256-cbor", ns).seed == "vllm-none-hash"
+    with pytest.raises(ValueError) as e:
+        hashing.make_hash_fn("md5", ns)
+    assert str(e.value) == "unknown prefix hash mode 'md5'; known: kvservice, vllm-sha256-cbor"
+
+
+@pytest.mark.parametrize("ps", [0, -16])
+def test_backends_that_take_any_page_size_still_refuse_a_page_size_below_one(ps):
+    """native and flashinfer take "any page size", TensorRT-LLM a power of two: none of them a page size < 1."""
+    for name, display, rule in (("native", "kvservice native kernels", "any page size"),
+                                ("flashinfer", "FlashInfer", "any page size"),
+                                ("trtllm", "TensorRT-LLM", "page_size a power of two")):
+        with pytest.raises(FailedPrecondition) as e:
+            check_backends(ps, [name])
+        assert e.value.message == f"{display} needs {rule}, got page_size {ps}"
+        assert (e.value.reason, e.value.metadata) == ("BACKEND_PAGE_SIZE",
+                                                      {"backend": name, "rule": rule, "page_size": str(ps)})
