@@ -94,3 +94,22 @@ def test_backends_that_take_any_page_size_still_refuse_a_page_size_below_one(ps)
         assert e.value.message == f"{display} needs {rule}, got page_size {ps}"
         assert (e.value.reason, e.value.metadata) == ("BACKEND_PAGE_SIZE",
                                                       {"backend": name, "rule": rule, "page_size": str(ps)})
+
+
+def test_state_layers_keep_the_models_dtype_whatever_the_cache_dtype():
+    """model_cache: a state layer's dtype is the model's (the engine keeps it, not the paged cache), whatever cache
+    dtype the caller asks for; a config stating no dtype keeps its state in the cache dtype asked for (Jamba v0.1:
+    d_inner 8192, conv 3 x 8192, SSM 8192 x 16 per layer, 28 Mamba layers, 4 attention layers)."""
+    cfg = json.loads((HELDOUT / "jamba-v0.1.json").read_text())
+    conv, ssm = 3 * 8192, 8192 * 16
+    for dtype, kv, state, size in (("float32", "float32", "bfloat16", 2), (None, "bfloat16", "bfloat16", 2),
+                                   ("auto", "bfloat16", "bfloat16", 2)):
+        m = model_cache(cfg, dtype=dtype)
+        assert [la.dtype for la in m.spec.layers] == [kv] * 4
+        assert [(s.dtype, s.bytes) for s in m.state_layers] == [(state, (conv + ssm) * size)] * 28
+    bare = {k: v for k, v in cfg.items() if k not in ("torch_dtype", "dtype")}
+    m = model_cache(bare, dtype="float32")
+    assert [la.dtype for la in m.spec.layers] == ["float32"] * 4
+    assert [(s.dtype, s.bytes) for s in m.state_layers] == [("float32", (conv + ssm) * 4)] * 28
+    assert m.notes[-1] == (f"28 Mamba 1 layer(s) page no K/V: state {28 * (conv + ssm) * 4:,} bytes per sequence "
+                           "(float32), not paged: managed by the engine")
