@@ -17,9 +17,12 @@ import numpy as np
 import pytest
 
 from kvservice.contract.errors import FailedPrecondition, InvalidArgument
+from kvservice.contract.geometry import CacheSpec, LayerSpec
+from kvservice.contract.sizing import Sizing
 from kvservice.core import hashing
 from kvservice.core.backends import check_backends
 from kvservice.core.model_config import StateLayer, model_cache
+from kvservice.core.planner import plan
 
 
 @pytest.mark.parametrize("shape", [(0, 4), (0, 1), (3, 0), (1, 0)])
@@ -113,3 +116,19 @@ def test_state_layers_keep_the_models_dtype_whatever_the_cache_dtype():
     assert [(s.dtype, s.bytes) for s in m.state_layers] == [("float32", (conv + ssm) * 4)] * 28
     assert m.notes[-1] == (f"28 Mamba 1 layer(s) page no K/V: state {28 * (conv + ssm) * 4:,} bytes per sequence "
                            "(float32), not paged: managed by the engine")
+
+
+def test_planner_refusals_name_how_the_count_was_asked_for_whole():
+    """plan(): no sizing at all, and a max_batch x ceil(max_seq_len / page_size) count past 2^40 slots, each refused
+    with its whole message (the latter naming how the count was made)."""
+    tiny = CacheSpec((LayerSpec(1, 32, "float8_e4m3"),), 1, "per_layer")
+    for sizing in (Sizing(), Sizing(max_batch=4), Sizing(max_seq_len=64), Sizing(max_num_batched_tokens=8)):
+        with pytest.raises(InvalidArgument) as e:
+            plan(tiny, sizing)
+        assert e.value.message == ("say how big the pool is: num_slots, memory_budget_bytes, or both max_batch and "
+                                   "max_seq_len")
+    n = (2**20 + 1) * 2**20
+    with pytest.raises(InvalidArgument) as e:
+        plan(tiny, Sizing(max_batch=2**20 + 1, max_seq_len=2**20))
+    assert e.value.message == (f"{n} slots (from max_batch x ceil(max_seq_len / page_size)) is more than the "
+                               "1099511627776 a pool may hold")
