@@ -132,3 +132,30 @@ def test_planner_refusals_name_how_the_count_was_asked_for_whole():
         plan(tiny, Sizing(max_batch=2**20 + 1, max_seq_len=2**20))
     assert e.value.message == (f"{n} slots (from max_batch x ceil(max_seq_len / page_size)) is more than the "
                                "1099511627776 a pool may hold")
+
+
+def test_pages_after_without_the_extended_rows_lengths_by_hand():
+    """limits.pages_after with e_old None (lengths unknown): each extended row at max_pages, or, given live_tokens,
+    at most (live_tokens + sum(e_k)) // page_size + E pages; fork children at max_pages each; admissions their
+    ceil(n / page_size); the widest row max_pages as soon as a row is extended or forked, else the widest
+    admission. page_size 16, max_pages 25, a full and a 32-token sliding group: the same figure for both."""
+    from kvservice.core.limits import pages_after
+
+    e_k, a_n, none = np.array([5, 30], np.int64), np.array([17, 40], np.int64), np.zeros(0, np.int64)
+    assert pages_after(16, 25, (0, 32), None, e_k, a_n, None, 2, None) == ((50 + 5 + 50,) * 2, 25)
+    assert pages_after(16, 25, (0, 32), None, e_k, a_n, None, 2, 140) == (((140 + 35) // 16 + 2 + 5 + 50,) * 2, 25)
+    assert pages_after(16, 25, (0, 32), None, e_k, a_n, None, 0, 10**6) == ((50 + 5,) * 2, 25)
+    assert pages_after(16, 25, (0, 32), None, none, a_n, None, 0, None) == ((5, 5), 3)
+    assert pages_after(16, 25, (0, 32), None, none, a_n, None, 1, 0) == ((5 + 25,) * 2, 25)
+    assert pages_after(16, 25, (0,), None, none, none, None, 0, None) == ((0,), 0)
+    assert pages_after(16, 25, (0,), np.zeros(0, np.int64), none, none, None, 0, None) == ((0,), 0)
+
+
+def test_exact_sum_is_exact_past_int64():
+    from kvservice.core.limits import exact_sum
+
+    assert exact_sum(np.zeros(0, np.int64)) == 0
+    assert exact_sum(np.array([1, 2, 3], np.int64)) == 6
+    big = np.array([2**62, 2**62, 2**62 - 1], np.int64)
+    assert exact_sum(big) == 3 * 2**62 - 1 and type(exact_sum(big)) is int
+    assert exact_sum(np.array([2**61, 2**61 - 1], np.int64)) == 2**62 - 1
