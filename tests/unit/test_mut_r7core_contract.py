@@ -165,3 +165,19 @@ def test_group_slots_are_a_tuple_of_positive_ints():
         with pytest.raises(InvalidArgument) as e:
             Sizing(group_slots=bad)
         assert e.value.message == f"group_slots must all be > 0, got {bad}"
+
+
+def test_an_unreadable_tls_or_tokens_file_names_its_flag_path_and_the_reason(tmp_path):
+    """auth: each file a server reads names the flag it came from, the path and the OS's reason, whole."""
+    from kvservice.contract import auth
+
+    good = tmp_path / "ok.pem"
+    good.write_bytes(b"PEM")
+    absent = tmp_path / "absent"
+    for call, flag in ((lambda: auth.ServerTLS.from_files(absent, good), "--tls-cert"),
+                       (lambda: auth.ServerTLS.from_files(good, absent), "--tls-key"),
+                       (lambda: auth.ServerTLS.from_files(good, good, absent), "--tls-client-ca"),
+                       (lambda: auth.TokenTable.from_file(absent), "--tokens-file")):
+        with pytest.raises(InvalidArgument) as e:
+            call()
+        assert e.value.message == f"{flag}: cannot read {absent}: No such file or directory"

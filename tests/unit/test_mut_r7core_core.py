@@ -159,3 +159,13 @@ def test_exact_sum_is_exact_past_int64():
     big = np.array([2**62, 2**62, 2**62 - 1], np.int64)
     assert exact_sum(big) == 3 * 2**62 - 1 and type(exact_sum(big)) is int
     assert exact_sum(np.array([2**61, 2**61 - 1], np.int64)) == 2**62 - 1
+
+
+def test_lru_victim_without_a_cached_page_says_so_whole():
+    from kvservice.core.evict import Lru
+
+    pol = Lru(8, {})
+    pol.cached([3, 5], 1)                                  # released, then revived: stale queue entries only
+    with pytest.raises(AssertionError) as e:
+        pol.victim()
+    assert str(e.value) == "no cached slot to evict"
