@@ -169,3 +169,22 @@ def test_lru_victim_without_a_cached_page_says_so_whole():
     with pytest.raises(AssertionError) as e:
         pol.victim()
     assert str(e.value) == "no cached slot to evict"
+
+
+def test_a_sliding_hybrids_layers_take_each_kinds_heads_dims_and_window():
+    """model_config._attention_layers on a hand-written sliding hybrid: sliding layers page kv / tp heads of head_dim
+    (attention_head_dim when head_dim is absent, either when both agree) inside the window; full layers the
+    global_head_dim, window 0; sliding_window_size equal to sliding_window and num_global_key_value_heads equal to
+    num_key_value_heads are accepted; the only note is the dtype's."""
+    from kvservice.contract.geometry import LayerSpec as LS
+
+    cfg = {"model_type": "x", "num_hidden_layers": 4, "layer_types": ["sliding_attention", "full_attention"] * 2,
+           "sliding_window": 512, "num_attention_heads": 8, "num_key_value_heads": 4, "attention_head_dim": 96,
+           "global_head_dim": 256, "torch_dtype": "bfloat16"}
+    want = (LS(2, 96, "bfloat16", 512), LS(2, 256, "bfloat16", 0)) * 2
+    for extra in ({}, {"head_dim": 96}, {"sliding_window_size": 512}, {"num_global_key_value_heads": 4}):
+        m = model_cache({**cfg, **extra}, tp=2)
+        assert m.spec.layers == want and m.paged_layers == (0, 1, 2, 3)
+        assert m.notes == ("cache dtype bfloat16 (the model's torch_dtype)",)
+    no_global = {k: v for k, v in cfg.items() if k != "global_head_dim"}
+    assert model_cache(no_global, tp=4).spec.layers == (LS(1, 96, "bfloat16", 512), LS(1, 96, "bfloat16", 0)) * 2
