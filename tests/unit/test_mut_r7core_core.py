@@ -188,3 +188,38 @@ def test_a_sliding_hybrids_layers_take_each_kinds_heads_dims_and_window():
         assert m.notes == ("cache dtype bfloat16 (the model's torch_dtype)",)
     no_global = {k: v for k, v in cfg.items() if k != "global_head_dim"}
     assert model_cache(no_global, tp=4).spec.layers == (LS(1, 96, "bfloat16", 512), LS(1, 96, "bfloat16", 0)) * 2
+
+
+def test_step_reply_bound_by_part_against_the_documented_byte_model():
+    """limits.step_reply_bound, each part by hand from the module docstring's byte model: 3 index spaces (group 0:
+    an int32 and an int64 space, group 1: an int32 one; 4 generation bytes beside each index), 5 layers; a batch of
+    7 rows (4 extended, 2 admitted) gaining 50 tokens, holding 40 and 30 pages per group, 12 wide.
+    slot mappings: per space (8 + 4) x 50 + 64 framing; tables: per group its index bytes x (B + 1 + pages), plus
+    per space 4 x B of last_page_len and 3 framings; block table: the index bytes x B x widest + a framing per
+    space; the rest: 1024 + 397 per space + 10 per layer + 8 x (3B + 1) + 8 per admission + per group
+    (16 + 8) x E + 2 x 64 + 11, + 4 x 64."""
+    from kvservice.core.limits import ReplyBound, ReplyModel, StepShape, step_reply_bound
+
+    model = ReplyModel(3, (4 + 4 + 8 + 4, 4 + 4), (0, 32), 5, 16, 25)
+    shape = StepShape(7, 4, 2, 50, (40, 30), 12)
+    mappings = 3 * (12 * 50 + 64)
+    tables = 20 * (7 + 1 + 40) + 8 * (7 + 1 + 30) + 3 * (4 * 7 + 3 * 64)
+    block = (4 + 8 + 4) * 7 * 12 + 3 * 64
+    rest = 1024 + 3 * 397 + 10 * 5 + 8 * (3 * 7 + 1) + 8 * 2 + 2 * ((16 + 8) * 4 + 2 * 64 + 11) + 4 * 64
+    assert step_reply_bound(model, shape, True, True) == ReplyBound(mappings, tables, block, rest)
+    assert step_reply_bound(model, shape, True, True).total == mappings + tables + block + rest == 8635
+    assert step_reply_bound(model, shape, False, False) == ReplyBound(mappings, 0, 0, rest)
+    assert step_reply_bound(model, shape, False, True) == ReplyBound(mappings, 0, block, rest)
+    assert step_reply_bound(model, shape, True, False) == ReplyBound(mappings, tables, 0, rest)
+
+
+def test_reply_model_of_a_plan_sums_each_groups_index_and_generation_bytes():
+    from kvservice.core.limits import ReplyModel
+
+    spec = CacheSpec((LayerSpec(2, 64), LayerSpec(2, 64, sliding_window=40), LayerSpec(2, 64)), 16, "per_layer")
+    p = plan(spec, Sizing(num_slots=64, max_seq_len=200))
+    assert ReplyModel.of(p) == ReplyModel(2, (4 + 4, 4 + 4), (0, 40), 3, 16, 13)
+    mixed = CacheSpec((LayerSpec(2, 64), LayerSpec(2, 128)), 16, "interleaved")      # two spaces in one group
+    q = plan(mixed, Sizing(num_slots=64, max_seq_len=200))
+    assert len(q.geometry.index_spaces) == 2
+    assert ReplyModel.of(q) == ReplyModel(2, (2 * (4 + 4),), (0,), 2, 16, 13)
