@@ -181,3 +181,36 @@ def test_an_unreadable_tls_or_tokens_file_names_its_flag_path_and_the_reason(tmp
         with pytest.raises(InvalidArgument) as e:
             call()
         assert e.value.message == f"{flag}: cannot read {absent}: No such file or directory"
+
+
+def test_plan_summary_is_every_figure_computed_by_hand():
+    """Plan.summary (kvctl plan --json) of a per-layer hybrid, every key by hand: 4 layers of 2 heads x 64 float16,
+    layers 1 and 3 sliding over 64 tokens, page size 16, max_batch 4 x max_seq_len 256. A page of one layer is
+    K and V x 16 tokens x 2 heads x 64 x 2 bytes = 8192 bytes; the full group gets 4 x 256 / 16 = 64 slots, the
+    sliding one 4 x (ceil(64 / 16) + 1) + ceil(256 / 16) = 36; per-layer buffers: a page per slot."""
+    from kvservice.contract.geometry import CacheSpec, LayerSpec
+    from kvservice.core.planner import plan
+
+    spec = CacheSpec((LayerSpec(2, 64, "float16"), LayerSpec(2, 64, "float16", 64)) * 2, 16)
+    page = 2 * 16 * 2 * 64 * 2
+    full, sliding = 64, 36
+    want = {
+        "num_slots": full, "page_size": 16, "layout": "per_layer", "num_layers": 4, "max_seq_len": 256,
+        "max_pages_per_seq": 16, "bytes_per_layer": page * full, "bytes_per_slot": 4 * page,
+        "total_bytes": 2 * page * (full + sliding), "group_slots": [full, sliding],
+        "equal_sizing_bytes": full * 4 * page, "saved_bytes": 2 * page * (full - sliding),
+        "max_byte_offset": page * full - 1, "offsets_exceed_int32": False, "offsets_exceed_uint32": False,
+        "indices_need_int64": False, "pool_pages": full + sliding, "backends": ["native"],
+        "groups": [{"group": 0, "sliding_window": 0, "layers": [0, 2], "num_slots": full, "slot_bytes": 2 * page,
+                    "bytes": 2 * page * full, "buffer_bytes": page * full},
+                   {"group": 1, "sliding_window": 64, "layers": [1, 3], "num_slots": sliding, "slot_bytes": 2 * page,
+                    "bytes": 2 * page * sliding, "buffer_bytes": page * sliding}],
+        "index_spaces": [{"id": 0, "group": 0, "scale": 1, "offset": 0, "base": 0, "upper_bound": full,
+                          "layers": [0, 2], "index_dtype": "int32"},
+                         {"id": 1, "group": 1, "scale": 1, "offset": 0, "base": full, "upper_bound": full + sliding,
+                          "layers": [1, 3], "index_dtype": "int32"}],
+        "warnings": [],
+        "notes": ["group 1 (sliding window 64): 36 slots = 4 sequences x (ceil(64 / 16) + 1) + ceil(256 batched "
+                  "tokens / 16)"],
+    }
+    assert plan(spec, Sizing(max_batch=4, max_seq_len=256), ["native"]).summary() == want
