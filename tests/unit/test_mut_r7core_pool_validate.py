@@ -1,0 +1,68 @@
+"""Pool.step's phase 1 (kvservice/core/pool_validate.py): every refusal that names a request field, compared whole,
+on the general path and the fast one, and the pool unchanged after each: each id field malformed (2-D) or negative,
+each count field of the wrong length or out of range, each string list of the wrong length, each looked-up id
+unknown, an admitted id already live, a freed fork parent. The field names are the request's (block_manager.proto),
+the wording stepplan's and pool_validate's documented messages."""
+
+import numpy as np
+import pytest
+
+from kvservice.contract.errors import AlreadyExists, InvalidArgument, NotFound
+from kvservice.contract.geometry import CacheSpec, LayerSpec
+from kvservice.contract.sizing import Sizing
+from kvservice.core.planner import plan
+from kvservice.core.pool import Pool
+
+BAD_2D = np.ones((1, 2), dtype=np.int64)
+CASES = [
+    ({"free_ids": BAD_2D}, InvalidArgument, "free_seq_ids must be a 1-D integer array, got shape (1, 2) dtype int64"),
+    ({"extend_ids": BAD_2D, "extend_tokens": [1]}, InvalidArgument,
+     "extend_seq_ids must be a 1-D integer array, got shape (1, 2) dtype int64"),
+    ({"admit_ids": BAD_2D, "admit_tokens": [1]}, InvalidArgument,
+     "admit_seq_ids must be a 1-D integer array, got shape (1, 2) dtype int64"),
+    ({"fork_parents": BAD_2D, "fork_children": [9]}, InvalidArgument,
+     "fork_parent_ids must be a 1-D integer array, got shape (1, 2) dtype int64"),
+    ({"fork_parents": [1], "fork_children": BAD_2D}, InvalidArgument,
+     "fork_child_ids must be a 1-D integer array, got shape (1, 2) dtype int64"),
+    ({"free_ids": [-4]}, InvalidArgument, "free_seq_ids holds a negative sequence id (-4)"),
+    ({"extend_ids": [1, 2], "extend_tokens": [1]}, InvalidArgument,
+     "extend_num_tokens has 1 entries for 2 sequence ids"),
+    ({"admit_ids": [7], "admit_tokens": [1, 2]}, InvalidArgument, "admit_num_tokens has 2 entries for 1 sequence ids"),
+    ({"extend_ids": [1], "extend_tokens": [0]}, InvalidArgument,
+     "extend_num_tokens must be > 0 tokens per sequence, got 0"),
+    ({"admit_ids": [7], "admit_tokens": [0]}, InvalidArgument,
+     "admit_num_tokens must be > 0 tokens per sequence, got 0"),
+    ({"admit_ids": [7], "admit_tokens": [4], "admit_salts": ["a", "b"]}, InvalidArgument,
+     "admit_cache_salts has 2 entries for 1 admissions; give one per admission or none"),
+    ({"admit_ids": [7], "admit_tokens": [4], "admit_extra_keys": ["a", "b"]}, InvalidArgument,
+     "admit_extra_keys has 2 entries for 1 admissions; give one per admission or none"),
+    ({"extend_ids": [1, 55], "extend_tokens": [1, 1]}, NotFound, "extend_seq_ids: sequence 55 is not in pool 'p'"),
+    ({"free_ids": [56]}, NotFound, "free_seq_ids: sequence 56 is not in pool 'p'"),
+    ({"fork_parents": [57], "fork_children": [9]}, NotFound, "fork_parent_ids: sequence 57 is not in pool 'p'"),
+    ({"admit_ids": [2], "admit_tokens": [3]}, AlreadyExists, "sequence 2 is already in pool 'p'"),
+    ({"fork_parents": [1], "fork_children": [2]}, AlreadyExists, "sequence 2 is already in pool 'p'"),
+    ({"free_ids": [1], "fork_parents": [1], "fork_children": [9]}, InvalidArgument,
+     "fork parent 1 is freed in the same step"),
+    ({"extend_ids": [2], "extend_tokens": [60]}, InvalidArgument,
+     "extend: sequence 2 would hold 65 tokens; pool 'p' takes at most max_seq_len=64"),
+    ({"admit_ids": [7, 8], "admit_tokens": [3, 65]}, InvalidArgument,
+     "admit: sequence 8 would hold 65 tokens; pool 'p' takes at most max_seq_len=64"),
+]
+
+
+def _pool(fast: bool) -> Pool:
+    spec = CacheSpec((LayerSpec(1, 64),) if fast else (LayerSpec(1, 64), LayerSpec(1, 64, sliding_window=8)), 4)
+    pool = Pool("p", plan(spec, Sizing(num_slots=64, max_seq_len=64)), prefix_caching=True)
+    pool.step(admit_ids=[1, 2], admit_tokens=[9, 5])
+    return pool
+
+
+@pytest.mark.parametrize("fast", [True, False])
+@pytest.mark.parametrize(("step", "exc", "message"), CASES)
+def test_each_refusal_names_its_field_whole_and_changes_nothing(step, exc, message, fast):
+    pool = _pool(fast)
+    before = ([a.tolist() for a in pool.sequences()], pool.num_free_slots, pool.steps)
+    with pytest.raises(exc) as e:
+        pool.step(**step)
+    assert e.value.message == message
+    assert ([a.tolist() for a in pool.sequences()], pool.num_free_slots, pool.steps) == before
