@@ -66,3 +66,27 @@ def test_each_refusal_names_its_field_whole_and_changes_nothing(step, exc, messa
         pool.step(**step)
     assert e.value.message == message
     assert ([a.tolist() for a in pool.sequences()], pool.num_free_slots, pool.steps) == before
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_the_count_checks_read_the_callers_count_ranges(fast):
+    """Pool.step(count_ranges=...): the (min, max) of extend_tokens and of admit_tokens the caller computed from the
+    same arrays (kvservice.manager.step_input) are what the count checks read, not reduced again: a batch of more
+    than FEW counts is refused by the range given for it (and only for it), and stands with no range given."""
+    from kvservice.core.stepplan import FEW, MAX_COUNT
+
+    n = FEW + 1
+    ext, adm = list(range(100, 100 + n)), list(range(200, 200 + n))
+    for i, known in enumerate([(0, 1), (1, MAX_COUNT + 1)]):
+        for which, name in ((0, "extend_num_tokens"), (1, "admit_num_tokens")):
+            pool = _pool(fast)
+            pool.step(admit_ids=ext, admit_tokens=np.full(n, 2))
+            ranges = (known, None) if which == 0 else (None, known)
+            step = {"extend_ids": ext, "extend_tokens": np.ones(n, dtype=np.int64)} if which == 0 else \
+                {"admit_ids": adm, "admit_tokens": np.ones(n, dtype=np.int64)}
+            with pytest.raises(InvalidArgument) as e:
+                pool.step(**step, count_ranges=ranges)
+            assert e.value.message == (f"{name} must be > 0 tokens per sequence, got 0" if i == 0 else
+                                       f"{name} must be at most {MAX_COUNT} tokens per sequence, got {MAX_COUNT + 1}")
+            other = (None, known) if which == 0 else (known, None)        # the other field's range: not read
+            assert pool.step(**step, count_ranges=other).num_tokens.tolist() == ([3] * n if which == 0 else [1] * n)
