@@ -85,3 +85,20 @@ def test_unknown_fields_are_shown_eight_at_most_then_counted(count):
     m = model_cache(cfg, allow_unknown_keys=True)
     assert m.unknown_keys == tuple(names)
     assert m.notes[0] == f"unknown fields accepted (--allow-unknown-keys), not read: {', '.join(names)}"
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("num_key_value_heads", 0, "field 'num_key_value_heads' must be a positive integer, got 0"),
+    ("sliding_window_pattern", 0, "field 'sliding_window_pattern' must be a positive integer, got 0"),
+    ("attention_k_eq_v", True, "field 'attention_k_eq_v'=True is not supported: K and V are the same tensor, "
+                               "cached once"),
+])
+def test_a_refusal_inside_text_config_says_where_it_is(field, value, message):
+    """A multimodal config (Gemma 3 27B: the language model under text_config): a refusal of a field read there
+    names "<source>: text_config" as where it is."""
+    cfg = json.loads((LLAMA.parent / "gemma-3-27b-it.json").read_text())
+    cfg["text_config"][field] = value
+    for source in ("config.json", "g/config.json"):
+        with pytest.raises(InvalidArgument) as e:
+            model_cache(cfg) if source == "config.json" else model_cache(cfg, source=source)
+        assert e.value.message == f"{source}: text_config: {message}"
