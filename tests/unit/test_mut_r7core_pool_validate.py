@@ -90,3 +90,32 @@ def test_the_count_checks_read_the_callers_count_ranges(fast):
                                        f"{name} must be at most {MAX_COUNT} tokens per sequence, got {MAX_COUNT + 1}")
             other = (None, known) if which == 0 else (known, None)        # the other field's range: not read
             assert pool.step(**step, count_ranges=other).num_tokens.tolist() == ([3] * n if which == 0 else [1] * n)
+
+
+def test_two_prompts_with_a_hit_fit_a_pool_to_the_last_slot():
+    """A step admitting two prompts (one full-attention group, prefix caching: the fast path's several-prompt case)
+    needs each prompt's pages less its hit pages; cached free pages count as free, except the hit pages it revives.
+    Prompt A (8 tokens, 2 pages) was cached by an earlier sequence: its hit is page 0 only (a prompt's last token is
+    always computed), so page 1 is taken anew although its cached copy is still findable; prompt B takes 8 pages.
+    In a pool of 10 slots (all free, 2 of them cached) the step needs 1 + 8 = 9 slots of the 10 - 1 left after
+    reviving page 0: it fits exactly, leaving none free; with one more page for B it is refused."""
+    from kvservice.contract.errors import ResourceExhausted
+
+    rng = np.random.default_rng(77)
+    a = rng.integers(1, 50_000, 8)
+    for extra, fits in ((0, True), (1, False)):
+        pool = Pool("p", plan(CacheSpec((LayerSpec(1, 64),), 4), Sizing(num_slots=10, max_seq_len=40)),
+                    prefix_caching=True)
+        pool.step(admit_ids=[1], admit_tokens=[8], admit_token_ids=a)
+        pool.step(free_ids=[1])
+        assert pool.num_free_slots == 10
+        b = rng.integers(50_000, 90_000, 32 + 4 * extra)
+        kw = {"admit_ids": [2, 3], "admit_tokens": [8, len(b)], "admit_token_ids": np.concatenate((a, b))}
+        if fits:
+            r = pool.step(**kw)
+            assert r.num_tokens.tolist() == [8, 32] and pool.num_free_slots == 0
+            assert r.cached_tokens.tolist() == [4, 0]
+        else:
+            with pytest.raises(ResourceExhausted) as e:
+                pool.step(**kw)
+            assert e.value.metadata == {"needed": "10", "free": "9", "num_slots": "10", "group": "0"}
