@@ -313,9 +313,13 @@ def _state_layers(cfg: dict[str, Any], kinds: list[str], tp: int, state_dtype: s
                                   "a dtype")
     states: list[StateLayer] = []
     which = ""
+    per_kind: dict[str, tuple[int, int, str]] = {}      # each kind's state read (and its notes made) once
     for i, k in enumerate(kinds):
         if k in STATE_KINDS:
-            conv, ssm, which = _state(cfg, MAMBA if k == HYBRID else k, tp, where, notes)
+            kind = MAMBA if k == HYBRID else k
+            if kind not in per_kind:
+                per_kind[kind] = _state(cfg, kind, tp, where, notes)
+            conv, ssm, which = per_kind[kind]
             states.append(StateLayer(i, LINEAR if which == "gated DeltaNet" else MAMBA, conv, ssm, state_dtype,
                                      (conv + ssm) * DTYPE_BYTES.get(state_dtype, 2)))
     if states:
