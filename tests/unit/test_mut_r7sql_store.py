@@ -314,3 +314,24 @@ def test_a_repair_without_a_readable_manifest_or_database_says_what_it_does_not_
     assert (err.reason, err.message) == (
         "STATE_DAMAGED", f"{d}: state.db is missing or empty, but MANIFEST says this dir holds state (incarnation ?, "
         f"at least ? changes acknowledged, snapshot at ?): {RESTORE}")
+
+
+@pytest.mark.parametrize("failure", [OSError(5, "Input/output error"), StateError("ACKED cannot be written")])
+def test_close_releases_everything_even_when_the_mark_cannot_be_closed(tmp_path, failure):
+    """A mark that could not be written already failed the journal: closing the store still closes the database
+    and gives the dir's lock back (another manager may start), without raising."""
+    rng = np.random.default_rng(7_14)
+    d = tmp_path / "s"
+    st, _ = started(d, rng, 3)
+    real = st.mark.close
+
+    def failing():
+        real()
+        raise failure
+
+    st.mark.close = failing
+    st.close(clean=True, seq=3)
+    assert st.db is None
+    again = SqliteStore.open(d, sync="normal")
+    assert again.incarnation == 1 and [e.seq for e in again.entries_after(0)] == [1, 2, 3]
+    again.close(clean=True, seq=3)
