@@ -12,7 +12,9 @@ hand with sqlite3.
 from __future__ import annotations
 
 import logging
+import os
 import sqlite3
+import threading
 
 import numpy as np
 import pytest
@@ -193,10 +195,13 @@ def test_recovery_reads_read_only_and_begin_reopens_read_write_with_the_sync_lev
         assert st.db.execute("PRAGMA synchronous").fetchone() == (level,)
         with pytest.raises(sqlite3.OperationalError, match="attempt to write a readonly database"):
             st.db.execute("INSERT INTO meta VALUES ('x', 'y')")
+        assert st.mark.sync == (sync == "full") and st.mark.required
         assert st.begin(4) == 2
         assert st.db.execute("PRAGMA journal_mode").fetchone() == ("wal",)
         assert st.db.execute("PRAGMA synchronous").fetchone() == (level,)
-        st.append(entries(rng, 5, 1)[0])
+        t = threading.Thread(target=st.append, args=(entries(rng, 5, 1)[0],))    # the snapshot thread writes too
+        t.start()
+        t.join()
         assert [e.seq for e in st.entries_after(0)] == [1, 2, 3, 4, 5]
     finally:
         st.close(clean=True, seq=5)
@@ -204,7 +209,9 @@ def test_recovery_reads_read_only_and_begin_reopens_read_write_with_the_sync_lev
     try:
         assert fresh.db.execute("PRAGMA journal_mode").fetchone() == ("wal",)
         assert fresh.db.execute("PRAGMA synchronous").fetchone() == (level,)
-        fresh.db.execute("INSERT INTO meta VALUES ('x', 'y')")
+        t = threading.Thread(target=fresh.db.execute, args=("INSERT INTO meta VALUES ('x', 'y')",))
+        t.start()
+        t.join()
         assert meta(tmp_path / "fresh") == {"format": "2", "incarnation": "0", "x": "y"}
     finally:
         fresh.close(clean=True, seq=0)
@@ -335,3 +342,49 @@ def test_close_releases_everything_even_when_the_mark_cannot_be_closed(tmp_path,
     again = SqliteStore.open(d, sync="normal")
     assert again.incarnation == 1 and [e.seq for e in again.entries_after(0)] == [1, 2, 3]
     again.close(clean=True, seq=3)
+
+
+def test_a_read_only_open_writes_nothing_and_removes_its_private_copy(tmp_path):
+    """check-state reads a copy of the database in a temp dir of its own (kvservice-check-*), removed on close;
+    every file of the dir is left byte for byte as it was, and no ACKED is created."""
+    rng = np.random.default_rng(7_15)
+    d, n, at, enc = with_snapshot(tmp_path, rng)
+    (d / "ACKED").unlink()
+    write_manifest_by_hand(d, acked_mark=False)
+    before = {p.name: p.read_bytes() for p in d.rglob("*") if p.is_file()}
+    ro = SqliteStore.open(d, readonly=True)
+    try:
+        copy = ro._copy_dir
+        assert copy.name.startswith("kvservice-check-") and (copy / "state.db").is_file()
+        assert ro.readonly and not ro.live and not ro.mark.required
+        assert ro.load_snapshot() == (at, b"".join(enc.chunks))
+        assert [e.seq for e in ro.entries_after(at)] == list(range(at + 1, n + 1))
+    finally:
+        ro.close(clean=True, seq=n)
+    assert not copy.exists() and ro.db is None
+    assert {p.name: p.read_bytes() for p in d.rglob("*") if p.is_file()} == before
+
+
+def test_an_unclean_stop_one_incarnation_ahead_without_its_log_is_accepted(tmp_path):
+    """The lost-log check is for the incarnation the MANIFEST names: a database one ahead (a start that stopped
+    before writing its MANIFEST) has checkpointed everything, so its missing log loses nothing."""
+    rng = np.random.default_rng(7_16)
+    d, _ = stopped(tmp_path, "s", rng)
+    write_manifest_by_hand(d, running=True)
+    set_meta(d, "incarnation", "2")
+    (d / "state.db-wal").unlink(missing_ok=True)
+    st = SqliteStore.open(d, sync="normal")
+    try:
+        assert (st.incarnation, st.overridden, st.notes) == (2, [], [])
+    finally:
+        st.close(clean=True, seq=4)
+
+
+def test_open_creates_a_missing_state_dir_with_its_parents(tmp_path):
+    d = tmp_path / "a" / "b" / "state"
+    st = SqliteStore.open(d, sync="normal")
+    try:
+        assert st.begin(0) == 1
+    finally:
+        st.close(clean=True, seq=0)
+    assert {"state.db", "MANIFEST", "ACKED", "lock"} <= set(os.listdir(d))
