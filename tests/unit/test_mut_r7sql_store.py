@@ -388,3 +388,20 @@ def test_open_creates_a_missing_state_dir_with_its_parents(tmp_path):
     finally:
         st.close(clean=True, seq=0)
     assert {"state.db", "MANIFEST", "ACKED", "lock"} <= set(os.listdir(d))
+
+
+@pytest.mark.parametrize("readonly", [False, True])
+def test_a_store_may_be_read_from_another_thread_than_the_one_that_opened_it(tmp_path, readonly):
+    """Every connection is opened with check_same_thread=False (the journal's snapshot thread shares it): recovery's
+    reads and check-state's work from any thread."""
+    rng = np.random.default_rng(7_17)
+    d, n, at, enc = with_snapshot(tmp_path, rng)
+    st = SqliteStore.open(d, sync="normal", readonly=readonly)
+    got = []
+    try:
+        t = threading.Thread(target=lambda: got.append((st.load_snapshot(), [e.seq for e in st.entries_after(at)])))
+        t.start()
+        t.join()
+    finally:
+        st.close(clean=True, seq=n)
+    assert got == [((at, b"".join(enc.chunks)), list(range(at + 1, n + 1)))]
