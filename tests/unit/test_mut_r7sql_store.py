@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sqlite3
 import threading
 
@@ -361,7 +362,11 @@ def test_a_read_only_open_writes_nothing_and_removes_its_private_copy(tmp_path):
         assert [e.seq for e in ro.entries_after(at)] == list(range(at + 1, n + 1))
     finally:
         ro.close(clean=True, seq=n)
-    assert not copy.exists() and ro.db is None
+    assert not copy.exists() and (ro.db, ro._copy_dir) == (None, None)
+    ro = SqliteStore.open(d, readonly=True)
+    shutil.rmtree(ro._copy_dir)                      # a temp cleaner was first: closing still succeeds
+    ro.close(clean=True, seq=n)
+    assert (ro.db, ro._copy_dir) == (None, None)
     assert {p.name: p.read_bytes() for p in d.rglob("*") if p.is_file()} == before
 
 
