@@ -10,9 +10,10 @@ import secrets
 
 import nats.js.errors
 import pytest
+from nats.js import api
 
 from kvservice.state.nats.assets import ensure_assets
-from kvservice.state.nats.config import NatsConfig, StoreError
+from kvservice.state.nats.config import NatsConfig, StoreError, Unrecoverable
 
 
 class FakeJS:
@@ -21,6 +22,7 @@ class FakeJS:
 
     def __init__(self, refuse: dict, meanwhile: bool) -> None:
         self.streams, self.buckets, self.refuse, self.meanwhile, self.asked = set(), {}, refuse, meanwhile, []
+        self.configs = []
 
     async def stream_info(self, name):
         self.asked.append(("stream_info", name))
@@ -30,6 +32,7 @@ class FakeJS:
 
     async def add_stream(self, config):
         self.asked.append(("add_stream", config.name))
+        self.configs.append(config)
         if "stream" in self.refuse:
             if self.meanwhile:
                 self.streams.add(config.name)
@@ -44,6 +47,7 @@ class FakeJS:
 
     async def create_object_store(self, bucket, config):
         self.asked.append(("create_object_store", bucket))
+        self.configs.append(config)
         if "bucket" in self.refuse:
             if self.meanwhile:
                 self.buckets[bucket] = ("another manager's", bucket)
@@ -96,3 +100,38 @@ def test_an_existing_stream_and_bucket_are_found_without_creating_anything():
         js.asked.clear()
         assert asyncio.run(ensure_assets(js, c, "p", create)) == "found"
         assert js.asked == [("stream_info", c.stream), ("object_store", c.snapshot_bucket)]
+
+
+@pytest.mark.parametrize("replicas", [1, 3, 5])
+def test_what_is_created_is_what_the_layout_says(replicas):
+    """docs/HA.md "The NATS layout": stream KVS_N on subject kvs.N.journal, file storage, the configured replicas,
+    limits retention, new messages refused when full, a 120 s duplicate window, no message size limit of its own;
+    bucket KVS_N_snapshots, file storage, the configured replicas."""
+    c = _config(replicas)
+    js = FakeJS({}, meanwhile=False)
+    assert asyncio.run(ensure_assets(js, c, "p", True)) == ("ours", c.snapshot_bucket)
+    s, b = js.configs
+    assert (s.name, s.subjects, s.storage, s.num_replicas, s.retention, s.discard, s.duplicate_window, s.max_msg_size,
+            s.description) == (c.stream, [c.subject], api.StorageType.FILE, replicas, api.RetentionPolicy.LIMITS,
+                               api.DiscardPolicy.NEW, 120.0, -1, "kvservice manager journal (docs/DURABILITY.md)")
+    assert (b.replicas, b.storage, b.description) == (replicas, api.StorageType.FILE, "kvservice manager snapshots")
+
+
+def test_without_create_a_missing_stream_is_unrecoverable_and_a_missing_bucket_none():
+    c = _config()
+    js = FakeJS({}, meanwhile=False)
+    with pytest.raises(Unrecoverable) as err:
+        asyncio.run(ensure_assets(js, c, "the-path", False))
+    assert err.value.message == f"the-path: no kvservice journal there (stream {c.stream} is missing)"
+    assert js.asked == [("stream_info", c.stream)]
+    js.streams.add(c.stream)
+    assert asyncio.run(ensure_assets(js, c, "the-path", False)) is None and js.configs == []
+
+
+def test_a_refused_stream_creation_nobody_made_names_the_path_replicas_and_reason():
+    c = _config(5)
+    js = FakeJS({"stream": _refusal(400)}, meanwhile=False)
+    with pytest.raises(StoreError) as err:
+        asyncio.run(ensure_assets(js, c, "the-path", True))
+    assert err.value.message == ("the-path: creating the journal stream (5 replicas) was refused: insufficient "
+                                 "resources (err_code 10074)")

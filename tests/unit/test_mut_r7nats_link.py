@@ -7,14 +7,16 @@ within request_seconds; the server's version reads as MAJOR.MINOR.PATCH, or as i
 from __future__ import annotations
 
 import secrets
+import threading
 from types import SimpleNamespace
 
 import pytest
 from nats.aio.client import ServerVersion
 
 import kvservice.state.nats.link as link_module
-from kvservice.state.nats.config import NatsConfig
+from kvservice.state.nats.config import NatsConfig, StoreError
 from kvservice.state.nats.link import NatsLink
+from tests.clocks import until
 
 
 class FakeNC:
@@ -60,3 +62,40 @@ def test_the_link_connects_once_with_the_documented_options(monkeypatch, version
     finally:
         lk.close()
     assert nc.is_closed and lk.closing and lk.loop.is_closed()
+
+
+def test_the_defaults_name_the_client_kvservice_and_wait_fifteen_seconds_for_the_connection(monkeypatch):
+    """NatsLink(config): client "kvservice" (direct: "kvservice-journal"), one call "connecting" waited
+    connect_seconds (10) + 5 s; the loop runs on a daemon thread named nats-loop."""
+    seen, calls = [], []
+    original = NatsLink.call
+
+    def recording_call(self, coro, timeout, what="a request"):
+        calls.append((timeout, what))
+        return original(self, coro, timeout, what)
+
+    async def connect(**kw):
+        seen.append(kw)
+        return FakeNC("2.10.22")
+    monkeypatch.setattr(link_module.nats, "connect", connect)
+    monkeypatch.setattr(NatsLink, "call", recording_call)
+    lk = NatsLink(NatsConfig(("nats://127.0.0.1:1",), name="t" + secrets.token_hex(4)))
+    try:
+        assert seen[0]["name"] == "kvservice" and lk.direct.name == "kvservice-journal"
+        assert calls == [(15.0, "connecting")]
+        assert (lk._thread.name, lk._thread.daemon) == ("nats-loop", True)
+    finally:
+        lk.close()
+
+
+def test_a_failed_connection_stops_the_loop_it_started(monkeypatch):
+    async def refuse(**kw):
+        raise OSError("connection refused here")
+    monkeypatch.setattr(link_module.nats, "connect", refuse)
+
+    def loops():
+        return [t for t in threading.enumerate() if t.name == "nats-loop" and t.is_alive()]
+    before = len(loops())
+    with pytest.raises(StoreError, match=r"^cannot reach NATS at nats://127.0.0.1:1: connecting gave up after 0.5 s "):
+        NatsLink(NatsConfig(("nats://127.0.0.1:1",), name="t" + secrets.token_hex(4)), connect_seconds=0.5)
+    assert until(lambda: len(loops()) == before, 10.0)

@@ -74,3 +74,20 @@ def test_tries_go_on_while_the_next_sleep_ends_by_the_deadline_then_the_refusal_
     with pytest.raises(StoreError, match=r"^opening y: still failing after 0.5 s: no 1$"):
         nats_config.retry_startup("opening y", attempt, seconds=0.5)
     assert attempt.calls == 2
+
+
+def test_a_sleep_that_ends_exactly_at_the_deadline_is_still_taken(clock):
+    """seconds=0.2: the first sleep (0.2 s) ends exactly at the deadline: one more try, then the refusal."""
+    attempt = Refusing([StoreError(f"no {i}") for i in range(10)])
+    with pytest.raises(StoreError, match=r"^z: still failing after 0.2 s: no 1$"):
+        nats_config.retry_startup("z", attempt, seconds=0.2)
+    assert attempt.calls == 2 and clock.sleeps == pytest.approx([0.2])
+
+
+def test_the_default_is_sixty_seconds(clock):
+    """Without seconds: tries go on while the next sleep ends within 60 s (0.2+0.4+0.8+1.6 then 2 s each)."""
+    attempt = Refusing([StoreError(f"no {i}") for i in range(100)])
+    with pytest.raises(StoreError) as caught:
+        nats_config.retry_startup("w", attempt)
+    assert caught.value.message == f"w: still failing after 60 s: no {attempt.calls - 1}"
+    assert sum(clock.sleeps) <= 60.0 < sum(clock.sleeps) + 2.0 and attempt.calls == 33
