@@ -77,3 +77,60 @@ def test_poll_subscribes_once_from_the_first_unread_stream_sequence(first, last,
     assert calls[1] == ("StreamReader._take", 0.25 + request_seconds + 1.0, "reading the journal stream")
     assert r.link.js.subscribed[0][1]["config"].opt_start_seq == start
     assert r.poll(0.5) == [] and len(r.link.js.subscribed) == 1 and len(calls) == 3
+
+
+def test_poll_decodes_what_arrived_and_counts_what_is_still_pending():
+    """The messages a take returned are decoded in order (fences and incomplete parts give no entry); pending is
+    the server's count after the last one plus what this reader has queued; the take asks for up to 1024."""
+    import threading
+
+    from .test_mut_r7nats_decode import _entry, _msg
+
+    r = _reader()
+    r.path, r.seq, r.last_stream_seq, r.first_stream_seq, r.lineage, r.max_epoch = "p", 0, 0, 1, 0, 0
+    r._parts, r._stream_at, r._at_lock, r._sub = None, {}, threading.Lock(), "subscribed"
+    msgs = [_msg(1, {"Kvs-Kind": "fence", "Kvs-Epoch": "2"}), _entry(2, 1, "0/1", b"one"),
+            _entry(3, 2, "0/2", b"t"), _entry(4, 2, "1/2", b"wo")]
+    msgs[-1].metadata.num_pending = 7
+    r._inbox.clear()
+    r._inbox.extend(["queued", "queued"])
+    asked = []
+
+    def call(coro, timeout=None, what="a request"):
+        asked.append(dict(coro.cr_frame.f_locals))
+        coro.close()
+        return msgs
+    r._call = call
+    got = r.poll(0.5)
+    assert [(e.seq, e.request) for e in got] == [(1, b"one"), (2, b"two")]
+    assert r.pending == 9 and r.max_epoch == 2 and r.last_stream_seq == 4
+    assert (asked[0]["wait"], asked[0]["max_messages"]) == (0.5, 1024)
+    r.poll(0.5, max_messages=3)
+    assert asked[1]["max_messages"] == 3
+
+
+def test_poll_is_strict_unless_told():
+    """poll's default is strict (a standby's tail): an entry that does not follow is a JournalGap; strict=False
+    passes it on (recovery: the journal refuses the gap)."""
+    import threading
+
+    from kvservice.state.nats.config import JournalGap
+
+    from .test_mut_r7nats_decode import _entry
+
+    def reader():
+        r = _reader()
+        r.path, r.seq, r.last_stream_seq, r.first_stream_seq, r.lineage, r.max_epoch = "p", 0, 0, 1, 0, 0
+        r._parts, r._stream_at, r._at_lock, r._sub = None, {}, threading.Lock(), "subscribed"
+        r._snapshot_newer_than = lambda s: False
+        msg = _entry(1, 3, "0/1", b"x")
+        msg.metadata.num_pending = 0
+
+        def call(coro, timeout=None, what="a request"):
+            coro.close()
+            return [msg]
+        r._call = call
+        return r
+    with pytest.raises(JournalGap):
+        reader().poll(0.1)
+    assert [e.seq for e in reader().poll(0.1, strict=False)] == [3]
