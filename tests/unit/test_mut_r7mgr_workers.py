@@ -118,3 +118,18 @@ def test_every_refusal_has_its_exact_message_reason_and_metadata():
          {"worker_id": "w"})
     assert m.register_worker("w", "p", incarnation=7_777_001, owner="t1").epoch == 2
     assert m.workers.drop_pool("p") == ["w"] and m.workers.drop_pool("p") == []
+
+
+def test_a_registry_takes_any_lease_above_zero_and_defaults_to_ten_seconds_on_the_monotonic_clock():
+    """WorkerRegistry(lease_seconds=10.0, clock=time.monotonic): any lease > 0 (a fraction of a second too), none
+    at or below 0; BlockManager's registry gets the same 10 s default."""
+    import time
+
+    reg = WorkerRegistry()
+    assert (reg.lease_seconds, reg._clock) == (10.0, time.monotonic)
+    assert BlockManager().workers.lease_seconds == 10.0
+    for ok in (1e-3, 0.5, 1, 1.5):
+        assert WorkerRegistry(ok).lease_seconds == ok
+    for bad in (0, -0.5):
+        assert _refusal(InvalidArgument, lambda b=bad: WorkerRegistry(b)) == \
+            (f"lease_seconds must be > 0, got {bad}", "INVALID_ARGUMENT", {})
