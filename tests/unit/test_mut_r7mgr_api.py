@@ -77,19 +77,31 @@ def test_validate_page_table_reports_every_field_of_each_violation_in_the_layers
 
 
 def test_get_pool_fills_every_field_of_pool_info():
-    """PoolInfo (block_manager.proto): the pool's name, its plan (what Plan answers for the same cache and sizing),
-    stats, cache spec, incarnation, model, hash mode, and no seed for the kvservice hash mode."""
+    """PoolInfo (block_manager.proto): the pool's name, its plan (what Plan answers for the same cache, sizing and
+    backends, named by their canonical names), stats, cache spec, incarnation, model, hash mode, and no seed for the
+    kvservice hash mode (whose pool keeps the default seed); CreatePool's own reply for a vllm-hashed pool."""
     m = BlockManager()
     api = ManagerAPI(m)
     spec, sizing = CacheSpec.uniform(2, 1, 64, page_size=4, layout="interleaved"), Sizing(num_slots=10)
     api.CreatePool(pb.CreatePoolRequest(name="info-1", cache=cache_spec_to_proto(spec), sizing=sizing_to_proto(sizing),
-                                        enable_prefix_caching=True, incarnation=8_080_808, model="llm-z"))
+                                        enable_prefix_caching=True, incarnation=8_080_808, model="llm-z",
+                                        backends=["FlashInfer", "tensorrt-llm"]))
     api.Step(pb.StepRequest(pool="info-1", admit_seq_ids=_u64([7]), admit_num_tokens=_i64([9])))
     info = api.GetPool(pb.GetPoolRequest(pool="info-1"))
-    plan = api.Plan(pb.PlanRequest(cache=cache_spec_to_proto(spec), sizing=sizing_to_proto(sizing)))
-    assert (info.name, info.plan, info.plan.num_slots, info.plan.pool_pages) == ("info-1", plan, 10, 40)
+    plan = api.Plan(pb.PlanRequest(cache=cache_spec_to_proto(spec), sizing=sizing_to_proto(sizing),
+                                   backends=["flashinfer", "trtllm"]))
+    assert (info.name, info.plan, info.plan.num_slots, info.plan.pool_pages, list(info.plan.backends)) == \
+        ("info-1", plan, 10, 40, ["flashinfer", "trtllm"])
     assert (info.stats.num_slots, info.stats.num_free_slots, info.stats.num_sequences, info.stats.num_tokens,
             info.stats.steps, info.stats.prefix_caching) == (10, 7, 1, 9, 1, True)
     assert (info.cache, info.incarnation, info.model, info.prefix_hash, info.prefix_hash_seed) == \
         (cache_spec_to_proto(spec), 8_080_808, "llm-z", "kvservice", "")
     assert api.ListPools(pb.ListPoolsRequest()).pools == [info]
+    vl = api.CreatePool(pb.CreatePoolRequest(name="info-2", cache=cache_spec_to_proto(spec),
+                                             sizing=sizing_to_proto(sizing), prefix_hash="vllm-sha256-cbor",
+                                             prefix_hash_seed="seed-33", incarnation=5))
+    assert (vl.prefix_hash, vl.prefix_hash_seed, vl.stats.prefix_caching, vl.incarnation, vl.model) == \
+        ("vllm-sha256-cbor", "seed-33", False, 5, "")
+    assert (m.pool_and_lock("info-1")[0].prefix_hash_seed, m.pool_and_lock("info-2")[0].prefix_hash_seed) == \
+        ("vllm-none-hash", "seed-33")
+    assert [p.name for p in api.ListPools(pb.ListPoolsRequest()).pools] == ["info-1", "info-2"]
