@@ -49,6 +49,14 @@ def test_a_registration_through_the_api_keeps_every_field_and_lists_it_whole():
     want_cpu = ("cpu-1", "q", 0, 4, 0, 1, "cpu", "", 0, "", 1, True, 1.5, 5_005)
     assert [_info(w) for w in api.ListWorkers(pb.ListWorkersRequest()).workers] == [want_cpu, want_gpu]
     assert [_info(w) for w in api.ListWorkers(pb.ListWorkersRequest(pool="p")).workers] == [want_gpu]
+    wrongs = (({"pool": "p", "incarnation": 0}, NotFound, "NOT_FOUND"),
+              ({"incarnation": 9}, FailedPrecondition, "STALE_INCARNATION"),
+              ({"epoch": 2}, FailedPrecondition, "STALE_EPOCH"), ({"worker_id": "cpu-2"}, NotFound, "NOT_FOUND"))
+    for wrong, kind, reason in wrongs:
+        fields = {"worker_id": "cpu-1", "epoch": 1, "pool": "q", "incarnation": 5_005, **wrong}
+        with pytest.raises(kind) as e:
+            api.Heartbeat(pb.HeartbeatRequest(**fields))
+        assert e.value.reason == reason, wrong
     assert api.Heartbeat(pb.HeartbeatRequest(worker_id="cpu-1", epoch=1, pool="q", incarnation=5_005)) == \
         pb.HeartbeatReply(lease_seconds=LEASE)
     clock.now = 100.0 + LEASE                                  # exactly the lease: still alive
