@@ -141,3 +141,13 @@ def test_a_registry_takes_any_lease_above_zero_and_defaults_to_ten_seconds_on_th
     for bad in (0, -0.5):
         assert _refusal(InvalidArgument, lambda b=bad: WorkerRegistry(b)) == \
             (f"lease_seconds must be > 0, got {bad}", "INVALID_ARGUMENT", {})
+
+
+def test_a_registration_with_only_its_id_pool_and_layers_gets_the_documented_defaults():
+    """register(worker_id, pool, num_layers): layers [0, num_layers), tp rank 0 of 1, backend cpu, no device, memory
+    or address, epoch 1, the clock's now, alive, incarnation 0 and no owner; a second registration, epoch 2."""
+    clock = ManualClock(42.0)
+    reg = WorkerRegistry(LEASE, clock=clock)
+    assert reg.register("w", "p", 3) == WorkerRecord("w", "p", 0, 3, 0, 1, "cpu", "", 0, "", 1, 42.0, True, 0, "")
+    clock.now = 43.0
+    assert reg.register("w", "p", 3) == WorkerRecord("w", "p", 0, 3, 0, 1, "cpu", "", 0, "", 2, 43.0, True, 0, "")
