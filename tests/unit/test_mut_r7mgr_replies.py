@@ -43,3 +43,26 @@ def test_each_groups_copies_name_the_group_the_slots_and_their_generations():
         assert parent[0] == child[0] and parent[1] != child[1]
         assert np.asarray(from_tensor(c.pairs, "pairs")).reshape(-1).tolist() == [child[1], parent[1]]
         assert from_tensor(c.generations, "generations").reshape(-1).tolist() == [seed + 1, seed + 1]
+
+
+def test_pool_stats_count_the_cached_pages_a_full_pool_evicted():
+    """PoolStats.prefix_cache_evictions and cached_slots (docs/DESIGN.md: a freed sequence's full pages stay
+    cached until their slots are needed): 8 slots of 4 tokens; a 16-token prompt freed leaves its 4 pages cached;
+    a 32-token admission of other tokens needs all 8 slots and evicts those 4."""
+    rng = np.random.default_rng(7077)
+    m = BlockManager()
+    m.create_pool("e", CacheSpec.uniform(1, 1, 64, page_size=4), Sizing(num_slots=8, max_seq_len=32),
+                  prefix_caching=True)
+    api = ManagerAPI(m)
+
+    def stats():
+        s = api.GetStats(pb.GetStatsRequest(pool="e")).pools["e"]
+        return s.prefix_caching, s.cached_slots, s.prefix_cache_evictions, s.num_free_slots
+
+    a = rng.integers(1, 1000, 16)
+    api.Step(pb.StepRequest(pool="e", admit_seq_ids=_u64([1]), admit_num_tokens=_i64([16]), admit_token_ids=_i64(a)))
+    api.Step(pb.StepRequest(pool="e", free_seq_ids=_u64([1])))
+    assert stats() == (True, 4, 0, 8)
+    b = rng.integers(1000, 2000, 32)
+    api.Step(pb.StepRequest(pool="e", admit_seq_ids=_u64([2]), admit_num_tokens=_i64([32]), admit_token_ids=_i64(b)))
+    assert stats()[2:] == (4, 0)
