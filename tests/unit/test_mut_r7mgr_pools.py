@@ -82,3 +82,36 @@ def test_a_creation_seeds_every_group_joins_the_fleet_by_kind_and_a_deletion_tak
         m.incarnation("full")
     again = m.create_pool("full", FULL, SIZE, prefix_caching=True, incarnation=incs["full"] + 1)
     assert again.prefix.fleet.bit == 0 and m.fleet._bits == [again.prefix.fleet]
+
+
+def test_restore_replaces_every_pool_rebuilds_the_fleet_and_keeps_or_derives_incarnations():
+    """BlockManager.restore (the journal's hook): the recovered pools replace every pool (each with a lock of its
+    own), the fleet index is built again from their caches, each pool's incarnation is the one it carries, or, for
+    a pool recovered without one, its workers' (or a new one in [1, 2^63)); worker records are replaced only when
+    given."""
+    from kvservice.manager.workers import WorkerRecord
+
+    m = BlockManager()
+    m.create_pool("old", FULL, SIZE, prefix_caching=True)
+    m.register_worker("w-old", "old")
+    src = BlockManager()
+    pools = {name: src.create_pool(name, FULL, SIZE, prefix_caching=True, incarnation=inc)
+             for name, inc in (("a", 11), ("b", 12), ("c", 13))}
+    pools["b"].incarnation = pools["c"].incarnation = 0          # recovered from a state without incarnations
+    rec = WorkerRecord("w-b", "b", 0, 2, 0, 1, "cpu", "", 0, "", 4, 0.0, True, 77, "tok")
+    old_fleet = m.fleet
+    m.restore(pools, [rec])
+    assert m.pool_names() == ["a", "b", "c"] and m.fleet is not old_fleet
+    with pytest.raises(NotFound):
+        m.incarnation("old")
+    assert [(w.worker_id, w.pool, w.epoch, w.incarnation, w.owner) for w in m.workers.workers()] == \
+        [("w-b", "b", 4, 77, "tok")]
+    assert [pools[n].prefix.fleet.index is m.fleet for n in "abc"] == [True, True, True]
+    assert sorted(m.fleet._bits, key=lambda b: b.bit) == [pools[n].prefix.fleet for n in "abc"]
+    locks = {n: m.pool_and_lock(n)[1] for n in "abc"}
+    assert len({id(lk) for lk in locks.values()}) == 3 and not any(lk.locked() for lk in locks.values())
+    assert (m.incarnation("a"), m.incarnation("b"), pools["b"].incarnation) == (11, 77, 77)
+    c = m.incarnation("c")
+    assert 1 <= c < 2**63 and pools["c"].incarnation == c == m.incarnation("c")
+    m.restore({"a": pools["a"]})
+    assert m.pool_names() == ["a"] and [w.worker_id for w in m.workers.workers()] == ["w-b"]
