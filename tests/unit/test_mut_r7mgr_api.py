@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvservice.contract.convert import cache_spec_to_proto, sizing_to_proto
-from kvservice.contract.errors import ResourceExhausted
+from kvservice.contract.errors import InvalidArgument, ResourceExhausted
 from kvservice.contract.geometry import CacheSpec, LayerSpec
 from kvservice.contract.sizing import Sizing
 from kvservice.manager.api import SEQUENCE_INFO_BYTES, ManagerAPI
@@ -105,3 +105,18 @@ def test_get_pool_fills_every_field_of_pool_info():
     assert (m.pool_and_lock("info-1")[0].prefix_hash_seed, m.pool_and_lock("info-2")[0].prefix_hash_seed) == \
         ("vllm-none-hash", "seed-33")
     assert [p.name for p in api.ListPools(pb.ListPoolsRequest()).pools] == ["info-1", "info-2"]
+
+
+def test_validate_page_table_names_each_missing_array_and_echo_returns_its_payload():
+    m = BlockManager()
+    m.create_pool("v", CacheSpec.uniform(1, 1, 64, page_size=4), Sizing(num_slots=10))
+    api = ManagerAPI(m)
+    full = {"indptr": _i64([0, 1]), "indices": _i64([3]), "last_page_len": _i64([2])}
+    for missing in full:
+        with pytest.raises(InvalidArgument) as e:
+            api.ValidatePageTable(pb.ValidatePageTableRequest(pool="v", **{k: v for k, v in full.items()
+                                                                           if k != missing}))
+        assert (e.value.message, e.value.reason) == (f"{missing} is required", "INVALID_ARGUMENT")
+    assert api.ValidatePageTable(pb.ValidatePageTableRequest(pool="v", **full)).ok
+    payload = bytes(range(256)) * 3
+    assert api.Echo(pb.EchoRequest(payload=payload)) == pb.EchoReply(payload=payload)
