@@ -1,9 +1,9 @@
 """ManagerAPI.check_step_cost's shortcut for extend-only steps (limits.extend_bound: c0 + ce * E + cs * S, the
 bound from the request alone) against the rule its docstring and _quick_shape's give: a step is bounded from the
-request alone only when its ids are 1-D integer arrays as long as their counts and every count is > 0. An
-extend-only step that is not (a count of 0 among others, a count of 0 alone, a negative one, counts without ids,
-ids without counts, ids of another length, dimension or dtype) gets no bound (StepCost(False, 0)) and nothing
-is reserved for it, whatever the limit; a well-formed one gets exactly c0 + ce * E + cs * S, reserved."""
+request alone only when its ids are 1-D integer arrays as long as their counts and every count is > 0. A step that
+is not (a count of 0 among others, a count of 0 alone, a negative one, counts without ids, ids without counts, ids
+of another length, dimension or dtype; an admission of 0 tokens) gets no bound (StepCost(False, 0)) and nothing
+is reserved for it, whatever the limit; a well-formed extend-only step gets exactly c0 + ce * E + cs * S."""
 
 import dataclasses
 
@@ -48,6 +48,9 @@ def test_the_extend_only_shortcut_bounds_only_well_formed_steps_with_counts_abov
         "ids without counts": dict(extend_seq_ids=_u64(ids[:2])),
         "fewer counts than ids": dict(extend_seq_ids=_u64(ids), extend_num_tokens=_i64(k[:4])),
         "more counts than ids": dict(extend_seq_ids=_u64(ids[:2]), extend_num_tokens=_i64(k[:3])),
+        "an admission of 0 tokens": dict(admit_seq_ids=_u64([10**7]), admit_num_tokens=_i64([0])),
+        "an admission of 0 tokens among others": dict(admit_seq_ids=_u64([10**7, 10**7 + 1]),
+                                                      admit_num_tokens=_i64([3, 0])),
     }
     for limit in (1, 1 << 30):
         api = ManagerAPI(m, max_reply_bytes=limit)
