@@ -89,6 +89,7 @@ def test_each_request_is_answered_in_order_observed_as_a_step_and_touches_its_se
     for reply in stream.step_stream(world.sv, iter(requests), ctx):
         (session,) = world.sv.streams._sessions.values()
         assert session.last_used == world.clock.now              # touched when it was answered
+        assert world.sv.budget.charged_bytes == 0                 # an open session starts charged nothing
         out.append(reply)
     assert out == replies and ctx.aborts == []
     assert [s[2:] for s in world.seen] == [(r, JournalUnavailable, 1, 1) for r in requests]
@@ -157,3 +158,73 @@ def test_without_a_budget_a_session_is_not_charged(world) -> None:
     assert len(list(stream.step_stream(world.sv, iter(["a"]), _Context([(STREAM_ID_KEY, "nb")])))) == 1
     (session,) = world.sv.streams._sessions.values()
     assert session.charge is None
+
+
+def test_a_new_session_starts_empty_in_the_token_less_namespace() -> None:
+    """StreamSession's docstring: last_seq 0 (none answered), held None (nothing known), no call open, no charge,
+    last_used 0 until the registry touches it; tenant "" without tokens."""
+    s = stream.StreamSession("st-new")
+    assert (s.stream_id, s.tenant, s.last_seq, s.held, s.last_used, s.calls, s.charge) == (
+        "st-new", "", 0, None, 0.0, 0, None)
+    assert s.kept_bytes() == 0
+
+
+def test_the_registry_defaults_hold_4096_sessions_idle_for_600_s_and_64_open_streams() -> None:
+    """docs/ARCHITECTURE.md: --max-streams defaults to 64 open streams; the registry keeps 4096 sessions and expires
+    one idle for more than 600 s."""
+    clock = ManualClock(50.0)
+    reg = StreamRegistry(clock=clock)
+    assert [reg.enter() for _ in range(65)] == [True] * 64 + [False]
+    first = reg.session("s0")
+    assert first.tenant == ""                                      # the token-less namespace by default
+    for i in range(1, 4096):
+        reg.session(f"s{i}")
+    assert len(reg) == 4096 and reg.session("s0") is first        # all kept (s0 now the newest)
+    reg.session("s4096")
+    assert len(reg) == 4096 and reg.session("s0") is first        # the 4097th dropped the oldest, s1
+    assert reg.session("s1").last_seq == 0 and len(reg) == 4096
+    clock.now += 600.0
+    assert reg.session("s0") is first                              # idle exactly 600 s: kept
+    clock.now += 600.5
+    assert reg.session("s0") is not first and len(reg) == 1        # idle past it: a new one, the rest expired
+
+
+def test_a_request_that_is_not_a_step_request_is_refused_naming_what_was_expected() -> None:
+    """step_one: something other than a StepRequest (without the server's stand-in's type_name) is refused
+    INVALID_ARGUMENT "request is not a valid StepRequest message" on stream_seq 0, and the stream goes on."""
+    from google.rpc import code_pb2
+
+    seen: list = []
+    servicer = SimpleNamespace(journal=None, limits=None)
+    reply = stream.step_one(servicer, stream.StreamSession("st-x"), SimpleNamespace(pool="p"), JournalUnavailable,
+                            lambda s, r: seen.append(r))
+    assert (reply.stream_seq, reply.error.code, reply.error.message, reply.error.reason) == (
+        0, code_pb2.INVALID_ARGUMENT, "request is not a valid StepRequest message", "INVALID_ARGUMENT")
+    assert seen == [reply]
+
+
+def test_without_a_journal_a_step_is_applied_and_checked_against_the_limits_with_its_one_decoding() -> None:
+    """step_one with no journal (a manager without durable state): the request is checked once, Limits.check("Step",
+    the request, the manager, its decoding), then applied; the reply names the stream and carries its seq."""
+    from kvservice.client.codec import step_request
+    from kvservice.contract.geometry import CacheSpec
+    from kvservice.contract.sizing import Sizing
+    from kvservice.manager.api import ManagerAPI
+    from kvservice.manager.pools import BlockManager
+    from kvservice.manager.step_input import DecodedStep
+
+    m = BlockManager()
+    m.create_pool("p", CacheSpec.uniform(2, 2, 8, "float16", 4), Sizing(num_slots=64))
+    checks: list = []
+    limits = SimpleNamespace(check=lambda *a: checks.append(a))
+    servicer = SimpleNamespace(journal=None, limits=limits, api=ManagerAPI(m))
+    session = stream.StreamSession("st-nj", "t")
+    r = step_request("p", admit=[5], admit_tokens=[3])
+    r.stream_seq = 1
+    reply = stream.step_one(servicer, session, r, JournalUnavailable, lambda s, rep: None)
+    assert not reply.HasField("error") and (reply.stream_seq, reply.stream_id) == (1, "st-nj")
+    ((method, req, manager, step),) = checks
+    assert method == "Step" and req is r and manager is m and type(step) is DecodedStep
+    assert step.admit_seq_ids.tolist() == [5] and session.last_seq == 1
+    with m.locked("p") as pool:
+        assert pool.num_sequences == 1
