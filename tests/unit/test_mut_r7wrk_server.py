@@ -1,0 +1,154 @@
+"""serve_worker(...) pinned whole against an in-process manager, with a recording LeaderClient (a subclass of the real
+one that notes every argument and call) and a recording grpc_server: the manager client it makes (address, 10 s
+calls, the TLS options and token given), the start-up calls and their 30 s deadlines, that the worker already
+answers Info (epoch 0) when it registers, the registration it sends (every field, tensor parallelism included),
+the server it builds (the service, the address, TLS, no interceptors without tokens, 4 threads), the identity it
+keeps, the bounds of its persistent tables, its heartbeat thread, the state-rollback counter hooked to its client,
+and what each default means (every layer, test hooks off, the documented table bounds)."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import grpc
+import pytest
+
+from kvservice.client.client import BlockManagerClient, TLSOptions
+from kvservice.client.ha import LeaderClient
+from kvservice.contract.geometry import CacheSpec
+from kvservice.contract.sizing import Sizing
+from kvservice.v1 import block_manager_pb2 as pb
+from kvservice.v1 import worker_pb2 as wpb
+from kvservice.v1 import worker_pb2_grpc as wpb_grpc
+from kvservice.worker import server
+from tests.clocks import until
+
+LAYERS, SLOTS, PS = 3, 40, 4
+
+
+class Recording(LeaderClient):
+    """The real LeaderClient, noting its arguments and the start-up calls (TLS options are noted, not used: the
+    manager here is plaintext). At RegisterWorker it first asks the worker, at the address registered, for Info
+    (a loopback one)."""
+
+    made: ClassVar[list[Recording]] = []
+
+    def __init__(self, targets, timeout=10.0, retries=None, *, tls=None, token=None, **kw):
+        Recording.made.append(self)
+        self.asked = [("LeaderClient", targets, timeout, retries, tls, token, kw)]
+        super().__init__(targets, timeout, retries, tls=None, token=token, **kw)
+
+    def wait_ready(self, timeout=10.0):
+        self.asked.append(("wait_ready", timeout))
+        return super().wait_ready(timeout)
+
+    def get_pool(self, pool, timeout=None):
+        self.asked.append(("get_pool", pool, timeout))
+        return super().get_pool(pool, timeout=timeout)
+
+    def register_worker(self, request, timeout=None):
+        before = None
+        if request.address.startswith("127.0.0.1:"):           # (an advertised name is not asked)
+            with grpc.insecure_channel(request.address) as ch:
+                before = wpb_grpc.WorkerStub(ch).Info(wpb.WorkerInfoRequest(), timeout=30)
+        self.asked.append(("register_worker", pb.RegisterWorkerRequest.FromString(request.SerializeToString()),
+                           timeout, None if before is None else before.epoch))
+        return super().register_worker(request, timeout=timeout)
+
+
+@pytest.fixture
+def manager(monkeypatch):
+    """(target, client, incarnation, grpc_server calls) of an in-process manager (lease 600 s) holding pool p of 3
+    layers, with serve_worker's LeaderClient and grpc_server recorded."""
+    from kvservice.server.app import serve
+
+    running = serve(lease_seconds=600)
+    target = f"127.0.0.1:{running.port}"
+    client = BlockManagerClient(target, timeout=60, retries=0)
+    client.create_pool("p", CacheSpec.uniform(LAYERS, 2, 32, "float32", PS), Sizing(num_slots=SLOTS, max_seq_len=64))
+    built = []
+    real = server.grpc_server
+
+    def grpc_server(service, servicer, listen, tls=None, interceptors=(), **kw):
+        built.append((service, servicer, listen, tls, list(interceptors), kw))
+        return real(service, servicer, listen, tls, interceptors, **kw)
+
+    Recording.made.clear()
+    monkeypatch.setattr(server, "LeaderClient", Recording)
+    monkeypatch.setattr(server, "grpc_server", grpc_server)
+    try:
+        yield target, client, client.get_pool("p").incarnation, built
+    finally:
+        client.close()
+        running.stop()
+
+
+def test_a_worker_started_with_every_option_uses_each_as_documented(manager):
+    target, client, inc, built = manager
+    tls = TLSOptions(ca=b"-----BEGIN CERTIFICATE-----\n", server_name="kv.example")
+    worker = server.serve_worker(target, "p", "w-8", 1, 3, tp_rank=1, tp_size=2, manager_tls=tls,
+                                 manager_token="tok-8", max_table_rows=5, max_tables=3, table_quota_bytes=123456,
+                                 test_hooks=True)
+    try:
+        (made,) = Recording.made
+        (rec,) = client.workers("p")
+        name, memory = server.device_info("cpu")
+        want = pb.RegisterWorkerRequest(worker_id="w-8", pool="p", layer_begin=1, layer_end=3, tp_rank=1, tp_size=2,
+                                        backend="cpu", device_name=name, device_memory_bytes=memory,
+                                        address=f"127.0.0.1:{worker.port}", incarnation=inc)
+        assert made.asked == [("LeaderClient", target, 10, None, tls, "tok-8", {}), ("wait_ready", 30),
+                              ("get_pool", "p", 30), ("register_worker", want, 30, 0)]
+        assert (rec.tp_rank, rec.tp_size, rec.layer_begin, rec.layer_end) == (1, 2, 1, 3)
+        ((service, servicer, listen, stls, interceptors, kw),) = built
+        assert (service, servicer, listen, stls, interceptors, kw) == \
+            ("kvservice.v1.Worker", worker.servicer, "127.0.0.1:0", None, [], {"max_workers": 4})
+        assert worker.identity == {"worker_id": "w-8", "pool": "p", "backend": "cpu", "device_name": name,
+                                   "epoch": rec.epoch, "incarnation": inc, "all_layers": False}
+        assert worker.servicer.identity is worker.identity and rec.epoch > 0
+        s = worker.servicer
+        assert (s.test_hooks, s.max_table_rows, s.tables.max_tables, s.tables.quota_bytes, s.tables.plan.max_rows) == \
+            (True, 5, 3, 123456, 5)
+        assert (s.caches.layer_begin, s.caches.layer_end, s.caches.max_seq_len) == (1, 3, 64)
+        assert s.leader_fence.seen == made.epoch
+        (beat,) = worker._threads
+        assert (beat.name, beat.daemon, beat.is_alive()) == ("heartbeat", True, True)
+        assert worker.metrics_port is None and worker._http is None
+        assert s.metrics.registry.get_sample_value("kvworker_state_rollbacks_total") == 0
+        made.position.on_rollback(RuntimeError("rolled back"))
+        assert s.metrics.registry.get_sample_value("kvworker_state_rollbacks_total") == 1
+    finally:
+        worker.stop()
+    assert until(lambda: not beat.is_alive())
+
+
+def test_a_worker_started_with_the_defaults_serves_every_layer_without_test_hooks(manager):
+    """Defaults: layers [0, all), tp 0 of 1, backend cpu on 127.0.0.1, no metrics port, no test hooks, the NumPy
+    kernels, the documented table bounds (kvworker serve: --max-table-rows 1024, at most the pool's slots;
+    --max-tables 8; quota 4 x what one table of the pool holds), no token and no TLS towards the manager."""
+    from kvservice.worker import ops_numpy
+
+    target, _, _, built = manager
+    worker = server.serve_worker(target, "p", "w-9")
+    try:
+        (made,) = Recording.made
+        assert made.asked[0] == ("LeaderClient", target, 10, None, None, None, {})
+        req = made.asked[-1][1]
+        assert (req.layer_begin, req.layer_end, req.tp_rank, req.tp_size, req.backend) == (0, LAYERS, 0, 1, "cpu")
+        s = worker.servicer
+        assert (s.caches.layer_begin, s.caches.layer_end, s.caches.ops, s.test_hooks) == (0, LAYERS, ops_numpy, False)
+        assert worker.identity["all_layers"] is True
+        assert (s.max_table_rows, s.tables.max_tables, s.tables.plan.max_rows) == (1024, 8, SLOTS)
+        assert s.tables.quota_bytes == 4 * s.tables.plan.held_bytes
+        assert built[0][2] == "127.0.0.1:0" and worker.metrics_port is None
+    finally:
+        worker.stop()
+
+
+def test_an_advertised_address_is_registered_as_given(manager):
+    target, client, _, _ = manager
+    worker = server.serve_worker(target, "p", "w-a", advertise="worker-a.example:7443")
+    try:
+        (rec,) = client.workers("p")
+        assert rec.address == "worker-a.example:7443"
+    finally:
+        worker.stop()

@@ -1,0 +1,79 @@
+"""Small helpers of the worker's service pinned whole: _host (a device array is copied to the host with its get(),
+as CuPy's are; a NumPy array is taken as it is) and _count_reasons (kernel reason codes counted by their
+documented names, docs/KERNELS.md)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvservice.worker.service import _count_reasons, _host
+
+
+class DeviceArray:
+    """A stand-in for a CuPy array: no buffer NumPy can read, a get() that returns the host copy."""
+
+    def __init__(self, host: np.ndarray) -> None:
+        self._host, self.gets = host, 0
+
+    def get(self) -> np.ndarray:
+        self.gets += 1
+        return self._host
+
+
+def test_a_device_array_is_read_back_with_get_and_a_host_array_is_taken_as_it_is():
+    rng = np.random.default_rng()
+    host = rng.integers(-99, 99, (3, 4)).astype(np.int32)
+    dev = DeviceArray(host)
+    got = _host(dev)
+    assert dev.gets == 1 and isinstance(got, np.ndarray) and got.dtype == np.int32
+    assert np.array_equal(got, host)
+    assert _host(host) is host
+
+
+def test_reasons_are_counted_by_name():
+    """Codes 1..6: out_of_bounds, off_lattice, bad_last_page_len, bad_indptr, wrong_index_space, stale_page."""
+    assert _count_reasons([]) == {}
+    assert _count_reasons([1, 5, 1, 2, 1, 6, 3, 4, 5]) == {"out_of_bounds": 3, "wrong_index_space": 2,
+                                                           "off_lattice": 1, "stale_page": 1,
+                                                           "bad_last_page_len": 1, "bad_indptr": 1}
+    assert _count_reasons(iter([2, 2])) == {"off_lattice": 2}
+
+
+def _violations(metrics, kernel, layer, reason):
+    return metrics.registry.get_sample_value("kvworker_bounds_violations_total",
+                                             {"kernel": kernel, "layer": str(layer), "reason": reason})
+
+
+def test_a_record_is_reported_whole_and_counted_by_reason_with_the_rest_as_stale_pages():
+    """WorkerServicer._record(rec, layer, reasons): the reply's ViolationRecord carries the kernel's record (kernel,
+    count, row, position, value, reason; "" for none) and the layer; counts_by_reason is the table rules' reasons,
+    plus stale_page for what the count has beyond them (the generations' share); each reason is added to
+    kvworker_bounds_violations_total{kernel, layer, reason}."""
+    import types
+
+    from kvservice.worker.kernel_api import ViolationRecord
+    from kvservice.worker.metrics import WorkerMetrics
+    from kvservice.worker.service import WorkerServicer
+
+    rng = np.random.default_rng()
+    me = types.SimpleNamespace(metrics=WorkerMetrics("p"))
+    layer = int(rng.integers(0, 40))
+    row, pos, val = (int(x) for x in rng.integers(1, 10**6, 3))
+    rec = ViolationRecord("decode_attention", 7, row, pos, -val, "off_lattice")
+    got = WorkerServicer._record(me, rec, layer, {"off_lattice": 3, "out_of_bounds": 2})
+    assert (got.kernel, got.layer, got.count, got.row, got.position, got.value, got.reason) == \
+        ("decode_attention", layer, 7, row, pos, -val, "off_lattice")
+    assert dict(got.counts_by_reason) == {"off_lattice": 3, "out_of_bounds": 2, "stale_page": 2}
+    assert [_violations(me.metrics, "decode_attention", layer, r) for r in ("off_lattice", "out_of_bounds",
+                                                                             "stale_page")] == [3, 2, 2]
+    one = WorkerServicer._record(me, ViolationRecord("append_kv", 1, 0, 3, 9, "stale_page"), layer, {})
+    assert dict(one.counts_by_reason) == {"stale_page": 1} and _violations(me.metrics, "append_kv", layer,
+                                                                           "stale_page") == 1
+    same = WorkerServicer._record(me, ViolationRecord("copy_blocks", 2, 0, 1, -4, "out_of_bounds"), layer,
+                                  {"out_of_bounds": 2})
+    assert dict(same.counts_by_reason) == {"out_of_bounds": 2}
+    assert _violations(me.metrics, "copy_blocks", layer, "stale_page") is None
+    clean = WorkerServicer._record(me, ViolationRecord("validate_page_table"), layer, {})
+    assert (clean.kernel, clean.layer, clean.count, clean.row, clean.position, clean.value, clean.reason,
+            dict(clean.counts_by_reason)) == ("validate_page_table", layer, 0, -1, -1, 0, "", {})
+    assert _violations(me.metrics, "validate_page_table", layer, "stale_page") is None
