@@ -44,3 +44,50 @@ def test_the_payload_view_is_exactly_the_bytes_between_the_zones():
 def test_a_report_is_true_for_any_corrupted_byte():
     assert not GuardReport(0, -1) and GuardReport(1, 0) and GuardReport(2, 7)
     assert (GuardReport(3, 5).corrupted_bytes, GuardReport(3, 5).first_offset) == (3, 5)
+
+
+class Launches:
+    """A kernel_api.Backend that records each launch (name, grid, block, a copy of the arguments) and runs none."""
+
+    xp, sms = np, 1
+
+    def __init__(self) -> None:
+        self.calls = []
+
+    def launch(self, name, grid, block, args):
+        self.calls.append((name, tuple(grid), block, [a.copy() if isinstance(a, np.ndarray) else a for a in args]))
+
+    @staticmethod
+    def to_host(a):
+        return np.asarray(a)
+
+
+@pytest.mark.parametrize("guard", [16, 4096, 2**17])
+def test_the_guard_kernels_launch_one_thread_per_guard_byte_in_at_most_1024_blocks(guard):
+    """guard_fill and guard_check launch a 1-D grid of ceil(2 G / 128) blocks of 128 threads (one per byte of the two
+    zones), capped at 1024 blocks (guard.cu's loops stride over the rest), with (buf, total bytes, G) and, for the
+    check, a result (count 0, first ~0) the kernel fills; a result left as it was reads clean."""
+    from kvservice.worker import guards
+
+    n = 2 * guard + 48
+    buf = np.zeros(n, np.uint8)
+    be = Launches()
+    guards.guard_fill(be, buf, guard)
+    assert guards.guard_check(be, buf, guard) == GuardReport(0, -1)
+    blocks = min(1024, -(-2 * guard // 128))
+    (fill_name, fill_grid, fill_block, fill_args), (check_name, check_grid, check_block, check_args) = be.calls
+    assert (fill_name, fill_grid, fill_block) == ("kv_guard_fill", (blocks, 1, 1), 128)
+    assert (check_name, check_grid, check_block) == ("kv_guard_check", (blocks, 1, 1), 128)
+    assert all(a[0].dtype == np.uint8 and a[0].shape == (n,) for a in (fill_args, check_args))
+    assert [type(a) for a in fill_args[1:]] == [np.int64, np.int64] and fill_args[1:] == [n, guard]
+    assert [type(a) for a in check_args[1:3]] == [np.int64, np.int64] and check_args[1:3] == [n, guard]
+    assert check_args[3].dtype == np.uint64 and check_args[3].tolist() == [0, 2**64 - 1]
+
+
+def test_the_canary_pattern_is_bytes_of_the_documented_formula():
+    from kvservice.worker.guards import guard_pattern
+
+    for n in (0, 1, 16, 300):
+        p = guard_pattern(n)
+        assert p.dtype == np.uint8 and p.shape == (n,)
+        assert p.tolist() == [0xA5 ^ ((i * 29) & 0xFF) for i in range(n)]
