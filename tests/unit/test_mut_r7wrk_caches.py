@@ -153,3 +153,17 @@ def test_an_index_space_may_end_at_page_2_to_the_31_and_not_past_it():
         CacheSet(spec, [2**31 - 1, 2], 1, 2, ops_numpy, guard_bytes=G)
     assert str(e.value) == ("layer 1 of this pool cannot run on the worker's kernels: its index space ends at page "
                             "2147483649, past the int32 page indices of the worker's page tables")
+
+
+def test_a_k_only_layer_holds_one_tensor_per_page_in_either_layout():
+    """A multi-head latent attention layer (k_only): pages of [1, page_size, kv_heads, head_dim]. per_layer: 1 x 4 x 1 x
+    64 float16 = 512-byte pages. interleaved beside a 2 x 64 float16 layer (2048-byte pages): bytes 2048.. of a
+    4096-byte slot, scale 8, offset 4, its own index space [6, 30) after [0, 6) for 3 slots."""
+    per = CacheSet(CacheSpec((LayerSpec(1, 64, k_only=True),), 4), 7, 0, 1, ops_numpy, guard_bytes=G)
+    assert per.layouts == {0: PageLayout(4, 1, 64, "float16", 256, 1, 0, 7, 0, 7, True)}
+    _check_buffer(per, "layer0", 7 * 512)
+    spec = CacheSpec((LayerSpec(2, 64), LayerSpec(1, 64, k_only=True)), 4, "interleaved")
+    il = CacheSet(spec, 3, 0, 2, ops_numpy, guard_bytes=G)
+    assert il.layouts == {0: PageLayout(4, 2, 64, "float16", 1024, 2, 0, 6, 0, 30, False),
+                          1: PageLayout(4, 1, 64, "float16", 256, 8, 4, 30, 6, 30, True)}
+    _check_buffer(il, "group0", 3 * 4096)

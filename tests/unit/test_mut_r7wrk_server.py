@@ -113,6 +113,8 @@ def test_a_worker_started_with_every_option_uses_each_as_documented(manager):
         (beat,) = worker._threads
         assert (beat.name, beat.daemon, beat.is_alive()) == ("heartbeat", True, True)
         assert worker.metrics_port is None and worker._http is None
+        assert s.metrics.pool == "p" and s.metrics.registry.get_sample_value(
+            "kvworker_cache_bytes", {"pool": "p"}) == s.caches.cache_bytes == 2 * SLOTS * 2 * PS * 2 * 32 * 4
         assert s.metrics.registry.get_sample_value("kvworker_state_rollbacks_total") == 0
         made.position.on_rollback(RuntimeError("rolled back"))
         assert s.metrics.registry.get_sample_value("kvworker_state_rollbacks_total") == 1
