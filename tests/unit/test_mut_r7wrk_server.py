@@ -3,8 +3,9 @@ one that notes every argument and call) and a recording grpc_server: the manager
 calls, the TLS options and token given), the start-up calls and their 30 s deadlines, that the worker already
 answers Info (epoch 0) when it registers, the registration it sends (every field, tensor parallelism included),
 the server it builds (the service, the address, TLS, no interceptors without tokens, 4 threads), the identity it
-keeps, the bounds of its persistent tables, its heartbeat thread, the state-rollback counter hooked to its client,
-and what each default means (every layer, test hooks off, the documented table bounds)."""
+keeps, the kernels asked for, the bounds of its persistent tables, its heartbeat thread, its metrics and the
+state-rollback counter hooked to its client, and what each default means (every layer, test hooks off, the
+documented table bounds)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from kvservice.contract.sizing import Sizing
 from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1 import worker_pb2 as wpb
 from kvservice.v1 import worker_pb2_grpc as wpb_grpc
-from kvservice.worker import server
+from kvservice.worker import kernels_cpu, server
 from tests.clocks import until
 
 LAYERS, SLOTS, PS = 3, 40, 4
@@ -88,7 +89,7 @@ def test_a_worker_started_with_every_option_uses_each_as_documented(manager):
     tls = TLSOptions(ca=b"-----BEGIN CERTIFICATE-----\n", server_name="kv.example")
     worker = server.serve_worker(target, "p", "w-8", 1, 3, tp_rank=1, tp_size=2, manager_tls=tls,
                                  manager_token="tok-8", max_table_rows=5, max_tables=3, table_quota_bytes=123456,
-                                 test_hooks=True)
+                                 test_hooks=True, cpu_kernels="emulated")
     try:
         (made,) = Recording.made
         (rec,) = client.workers("p")
@@ -109,6 +110,7 @@ def test_a_worker_started_with_every_option_uses_each_as_documented(manager):
         assert (s.test_hooks, s.max_table_rows, s.tables.max_tables, s.tables.quota_bytes, s.tables.plan.max_rows) == \
             (True, 5, 3, 123456, 5)
         assert (s.caches.layer_begin, s.caches.layer_end, s.caches.max_seq_len) == (1, 3, 64)
+        assert s.ops is s.caches.ops is kernels_cpu                  # cpu_kernels="emulated": the g++-built .cu
         assert s.leader_fence.seen == made.epoch
         (beat,) = worker._threads
         assert (beat.name, beat.daemon, beat.is_alive()) == ("heartbeat", True, True)
