@@ -9,6 +9,7 @@ documented table bounds)."""
 
 from __future__ import annotations
 
+import types
 from typing import ClassVar
 
 import grpc
@@ -51,9 +52,12 @@ class Recording(LeaderClient):
         before = None
         if request.address.startswith("127.0.0.1:"):           # (an advertised name is not asked)
             with grpc.insecure_channel(request.address) as ch:
-                before = wpb_grpc.WorkerStub(ch).Info(wpb.WorkerInfoRequest(), timeout=30)
+                try:
+                    before = wpb_grpc.WorkerStub(ch).Info(wpb.WorkerInfoRequest(), timeout=30).epoch
+                except grpc.RpcError as err:                    # a worker that wants tokens
+                    before = err.code()
         self.asked.append(("register_worker", pb.RegisterWorkerRequest.FromString(request.SerializeToString()),
-                           timeout, None if before is None else before.epoch))
+                           timeout, before))
         return super().register_worker(request, timeout=timeout)
 
 
@@ -72,7 +76,7 @@ def manager(monkeypatch):
 
     def grpc_server(service, servicer, listen, tls=None, interceptors=(), **kw):
         built.append((service, servicer, listen, tls, list(interceptors), kw))
-        return real(service, servicer, listen, tls, interceptors, **kw)
+        return real(service, servicer, listen, None, interceptors, **kw)      # (TLS noted, served plaintext)
 
     Recording.made.clear()
     monkeypatch.setattr(server, "LeaderClient", Recording)
@@ -87,7 +91,8 @@ def manager(monkeypatch):
 def test_a_worker_started_with_every_option_uses_each_as_documented(manager):
     target, client, inc, built = manager
     tls = TLSOptions(ca=b"-----BEGIN CERTIFICATE-----\n", server_name="kv.example")
-    worker = server.serve_worker(target, "p", "w-8", 1, 3, tp_rank=1, tp_size=2, manager_tls=tls,
+    own_tls = types.SimpleNamespace(name="the worker's ServerTLS")
+    worker = server.serve_worker(target, "p", "w-8", 1, 3, tp_rank=1, tp_size=2, manager_tls=tls, tls=own_tls,
                                  manager_token="tok-8", max_table_rows=5, max_tables=3, table_quota_bytes=123456,
                                  test_hooks=True, cpu_kernels="emulated")
     try:
@@ -102,7 +107,7 @@ def test_a_worker_started_with_every_option_uses_each_as_documented(manager):
         assert (rec.tp_rank, rec.tp_size, rec.layer_begin, rec.layer_end) == (1, 2, 1, 3)
         ((service, servicer, listen, stls, interceptors, kw),) = built
         assert (service, servicer, listen, stls, interceptors, kw) == \
-            ("kvservice.v1.Worker", worker.servicer, "127.0.0.1:0", None, [], {"max_workers": 4})
+            ("kvservice.v1.Worker", worker.servicer, "127.0.0.1:0", own_tls, [], {"max_workers": 4})
         assert worker.identity == {"worker_id": "w-8", "pool": "p", "backend": "cpu", "device_name": name,
                                    "epoch": rec.epoch, "incarnation": inc, "all_layers": False}
         assert worker.servicer.identity is worker.identity and rec.epoch > 0
@@ -148,11 +153,38 @@ def test_a_worker_started_with_the_defaults_serves_every_layer_without_test_hook
         worker.stop()
 
 
-def test_an_advertised_address_is_registered_as_given(manager):
+def test_an_advertised_address_is_registered_as_given_and_metrics_listen_where_asked(manager):
     target, client, _, _ = manager
-    worker = server.serve_worker(target, "p", "w-a", advertise="worker-a.example:7443")
+    worker = server.serve_worker(target, "p", "w-a", advertise="worker-a.example:7443", metrics_port=0,
+                                 metrics_addr="127.0.0.1")
     try:
         (rec,) = client.workers("p")
         assert rec.address == "worker-a.example:7443"
+        assert worker._http.server_address[0] == "127.0.0.1" and worker.metrics_port == worker._http.server_port > 0
+    finally:
+        worker.stop()
+
+
+def test_a_worker_given_tokens_lets_in_only_a_token_of_its_pool(manager):
+    """tokens: every call needs a bearer token granted the worker's pool (docs/SECURITY.md): none is UNAUTHENTICATED,
+    one of another pool PERMISSION_DENIED, one of the pool answers."""
+    from kvservice.contract.auth import TokenTable
+
+    target, _, _, built = manager
+    mine, other = "tok-pool-p-0123456789", "tok-pool-q-0123456789"
+    table = TokenTable.from_yaml(f"tokens:\n  - {{name: pp, token: {mine}, pools: [p]}}\n"
+                                 f"  - {{name: qq, token: {other}, pools: [q]}}\n")
+    worker = server.serve_worker(target, "p", "w-t", tokens=table)
+    try:
+        assert len(built[0][4]) == 1
+        with grpc.insecure_channel(f"127.0.0.1:{worker.port}") as ch:
+            stub = wpb_grpc.WorkerStub(ch)
+            for md, code in (([], grpc.StatusCode.UNAUTHENTICATED),
+                             ([("authorization", f"Bearer {other}")], grpc.StatusCode.PERMISSION_DENIED)):
+                with pytest.raises(grpc.RpcError) as e:
+                    stub.Info(wpb.WorkerInfoRequest(), metadata=md, timeout=30)
+                assert e.value.code() == code
+            info = stub.Info(wpb.WorkerInfoRequest(), metadata=[("authorization", f"Bearer {mine}")], timeout=30)
+            assert (info.worker_id, info.pool) == ("w-t", "p")
     finally:
         worker.stop()
