@@ -63,8 +63,8 @@ class Recording(LeaderClient):
 
 @pytest.fixture
 def manager(monkeypatch):
-    """(target, client, incarnation, grpc_server calls) of an in-process manager (lease 600 s) holding pool p of 3
-    layers, with serve_worker's LeaderClient and grpc_server recorded."""
+    """(target, client, incarnation, device_info and grpc_server calls) of an in-process manager (lease 600 s)
+    holding pool p of 3 layers, with serve_worker's LeaderClient, device_info and grpc_server recorded."""
     from kvservice.server.app import serve
 
     running = serve(lease_seconds=600)
@@ -79,6 +79,13 @@ def manager(monkeypatch):
         return real(service, servicer, listen, None, interceptors, **kw)      # (TLS noted, served plaintext)
 
     Recording.made.clear()
+    facts = server.device_info
+
+    def device_info(backend):
+        built.append(("device_info", backend))
+        return facts(backend)
+
+    monkeypatch.setattr(server, "device_info", device_info)
     monkeypatch.setattr(server, "LeaderClient", Recording)
     monkeypatch.setattr(server, "grpc_server", grpc_server)
     try:
@@ -105,7 +112,8 @@ def test_a_worker_started_with_every_option_uses_each_as_documented(manager):
         assert made.asked == [("LeaderClient", target, 10, None, tls, "tok-8", {}), ("wait_ready", 30),
                               ("get_pool", "p", 30), ("register_worker", want, 30, 0)]
         assert (rec.tp_rank, rec.tp_size, rec.layer_begin, rec.layer_end) == (1, 2, 1, 3)
-        ((service, servicer, listen, stls, interceptors, kw),) = built
+        asked_facts, (service, servicer, listen, stls, interceptors, kw) = built[:2]
+        assert asked_facts == ("device_info", "cpu")                  # the machine's facts for the backend served
         assert (service, servicer, listen, stls, interceptors, kw) == \
             ("kvservice.v1.Worker", worker.servicer, "127.0.0.1:0", own_tls, [], {"max_workers": 4})
         assert worker.identity == {"worker_id": "w-8", "pool": "p", "backend": "cpu", "device_name": name,
@@ -148,7 +156,7 @@ def test_a_worker_started_with_the_defaults_serves_every_layer_without_test_hook
         assert worker.identity["all_layers"] is True
         assert (s.max_table_rows, s.tables.max_tables, s.tables.plan.max_rows) == (1024, 8, SLOTS)
         assert s.tables.quota_bytes == 4 * s.tables.plan.held_bytes
-        assert built[0][2] == "127.0.0.1:0" and worker.metrics_port is None
+        assert built[1][2] == "127.0.0.1:0" and worker.metrics_port is None
     finally:
         worker.stop()
 
@@ -176,7 +184,7 @@ def test_a_worker_given_tokens_lets_in_only_a_token_of_its_pool(manager):
                                  f"  - {{name: qq, token: {other}, pools: [q]}}\n")
     worker = server.serve_worker(target, "p", "w-t", tokens=table)
     try:
-        assert len(built[0][4]) == 1
+        assert len(built[1][4]) == 1
         with grpc.insecure_channel(f"127.0.0.1:{worker.port}") as ch:
             stub = wpb_grpc.WorkerStub(ch)
             for md, code in (([], grpc.StatusCode.UNAUTHENTICATED),
