@@ -35,6 +35,7 @@ def test_the_temporary_library_lives_beside_the_library_and_nowhere_else(tmp_pat
     (tmp,) = made
     assert os.path.dirname(tmp) == str(lib.parent)
     assert list(systmp.iterdir()) == []
+    assert kernels_cpu.build(kernel_dir=src) == lib and len(made) == 1      # the default variant is plain
     (src / "broken.cu").write_text("extern \"C\" int kv_broken( { return 0; }\n")
     with pytest.raises(RuntimeError, match=r"^g\+\+ failed"):
         kernels_cpu.build("plain", kernel_dir=src)

@@ -14,6 +14,7 @@ from typing import ClassVar
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvservice.client.client import BlockManagerClient, TLSOptions
 from kvservice.client.ha import LeaderClient
@@ -128,6 +129,10 @@ def test_a_worker_started_with_every_option_uses_each_as_documented(manager):
         (beat,) = worker._threads
         assert (beat.name, beat.daemon, beat.is_alive()) == ("heartbeat", True, True)
         assert worker.metrics_port is None and worker._http is None
+        with grpc.insecure_channel(f"127.0.0.1:{worker.port}") as ch:       # registered: SERVING under both names
+            health = health_pb2_grpc.HealthStub(ch)
+            assert [health.Check(health_pb2.HealthCheckRequest(service=n), timeout=30).status
+                    for n in ("", "kvservice.v1.Worker")] == [health_pb2.HealthCheckResponse.SERVING] * 2
         assert s.metrics.pool == "p" and s.metrics.registry.get_sample_value(
             "kvworker_cache_bytes", {"pool": "p"}) == s.caches.cache_bytes == 2 * SLOTS * 2 * PS * 2 * 32 * 4
         assert s.metrics.registry.get_sample_value("kvworker_state_rollbacks_total") == 0
