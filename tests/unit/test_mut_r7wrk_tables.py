@@ -115,3 +115,55 @@ def test_a_table_from_before_a_replan_is_stale_whole(world):  # noqa: F811
             use()
         assert (e.value.message, e.value.reason, e.value.metadata) == (want, "STALE_TABLE", meta)
     assert tables.tenant_bytes("") == 0
+
+
+def test_one_table_over_the_quota_is_refused_with_the_whole_message(world):  # noqa: F811
+    from kvservice.contract.errors import ResourceExhausted
+    from kvservice.worker.tables import DeviceTables
+
+    api, tables, inc = world
+    small = DeviceTables(tables.plan, inc, quota_bytes=64)
+    with pytest.raises(ResourceExhausted) as e:
+        small.update("a", "t1", Stream(api, "s").step(admit_seq_ids=[1, 2], admit_num_tokens=[20, 40]))
+    size = int(e.value.metadata["table_bytes"])
+    assert e.value.message == (f"tables 't1' would take {size} bytes, more than this worker's quota of 64 bytes per "
+                               "tenant (kvworker serve --table-quota-bytes)")
+    assert (e.value.reason, e.value.metadata) == ("TABLE_TOO_LARGE", {"table_bytes": str(size), "quota_bytes": "64"})
+
+
+def test_the_table_just_updated_is_never_the_one_dropped(world):  # noqa: F811
+    """_evict drops the tenant's least recently updated tables past max_tables, never the one just updated: with
+    max_tables 0 every update keeps only its own table."""
+    from kvservice.contract.errors import NotFound
+    from kvservice.worker.tables import DeviceTables
+
+    api, tables, inc = world
+    none = DeviceTables(tables.plan, inc, max_tables=0)
+    s = Stream(api, "s")
+    none.update("a", "t1", s.step(admit_seq_ids=[1], admit_num_tokens=[5]))
+    assert none.csr("a", "t1", 0)[2].tolist() == [5]                      # last_page_len of its one row
+    none.update("a", "t2", Stream(api, "s2").step(admit_seq_ids=[2], admit_num_tokens=[9]))
+    assert none.csr("a", "t2", 0)[2].tolist() == [9]
+    with pytest.raises(NotFound):
+        none.csr("a", "t1", 0)
+
+
+def test_a_full_reply_that_does_not_load_leaves_the_table_as_it_was(world):  # noqa: F811
+    """A full reply of the table's stream that passes the plan's checks but does not fit together (its indptr does
+    not describe the pages it carries) is refused TABLES_OUT_OF_SYNC, and the table keeps what it held (module
+    docstring: a refused reply leaves the table as it was, only a delta that did not fit drops it)."""
+    import numpy as np
+
+    from kvservice.contract.wire import to_tensor
+
+    api, tables, _ = world
+    s = Stream(api, "s")
+    tables.update("", "t", s.step(admit_seq_ids=[1, 2], admit_num_tokens=[5, 30]))
+    before = [a.tolist() for a in tables.csr("", "t", 0)]
+    bad = Stream(api, "s").step(admit_seq_ids=[3], admit_num_tokens=[9])
+    for st in bad.tables:
+        st.indptr.CopyFrom(to_tensor(np.array([0, 0], np.int32)))
+    with pytest.raises(FailedPrecondition) as e:
+        tables.update("", "t", bad)
+    assert e.value.reason == "TABLES_OUT_OF_SYNC" and e.value.metadata == {"table_id": "t"}
+    assert [a.tolist() for a in tables.csr("", "t", 0)] == before
