@@ -167,3 +167,43 @@ def test_a_full_reply_that_does_not_load_leaves_the_table_as_it_was(world):  # n
         tables.update("", "t", bad)
     assert e.value.reason == "TABLES_OUT_OF_SYNC" and e.value.metadata == {"table_id": "t"}
     assert [a.tolist() for a in tables.csr("", "t", 0)] == before
+
+
+def test_a_row_never_grows_past_the_plans_pages_per_sequence(world):  # noqa: F811
+    """A table holds at most max_pages pages per row (ceil(max_seq_len / page_size)): here a plan of 32 tokens (2
+    pages of 16). A decode delta adding 20 tokens to a row of 20 (tokens_added within max_seq_len, so the plan lets
+    it through) would make 3 pages: refused TABLES_OUT_OF_SYNC naming the 2-page limit, and the table, which no
+    longer matches its stream, is dropped."""
+    from kvservice.contract.errors import NotFound
+    from kvservice.worker.tables import DeviceTables, TablePlan
+
+    api, tables, inc = world
+    short = DeviceTables(TablePlan(tables.plan.geometry, 32, 32), inc)
+    s = Stream(api, "s")
+    short.update("", "t", s.step(admit_seq_ids=[1], admit_num_tokens=[20]))
+    grow = s.step(extend_seq_ids=[1], extend_num_tokens=[20])
+    assert grow.delta.tokens_added == 20
+    with pytest.raises(FailedPrecondition) as e:
+        short.update("", "t", grow)
+    assert e.value.reason == "TABLES_OUT_OF_SYNC" and "1 rows x 3 pages" in e.value.message and \
+        "2 pages per row" in e.value.message
+    with pytest.raises(NotFound):
+        short.csr("", "t", 0)
+
+
+def test_a_tables_arrays_live_on_the_tables_array_module(world):  # noqa: F811
+    """DeviceTables(xp=...): each table's mirror keeps its arrays with that module (CuPy on a GPU worker), not
+    NumPy's by default. A stand-in module that hands NumPy's functions out stands for CuPy here."""
+    import numpy as np
+
+    from kvservice.worker.tables import DeviceTables
+
+    class Module:
+        def __getattr__(self, name):
+            return getattr(np, name)
+
+    xp = Module()
+    api, tables, inc = world
+    dev = DeviceTables(tables.plan, inc, xp=xp)
+    held = dev.update("", "t", Stream(api, "s").step(admit_seq_ids=[1, 2], admit_num_tokens=[5, 30]))
+    assert dev.xp is xp and held.mirror.xp is xp
