@@ -172,8 +172,8 @@ def test_a_full_reply_that_does_not_load_leaves_the_table_as_it_was(world):  # n
 def test_a_row_never_grows_past_the_plans_pages_per_sequence(world):  # noqa: F811
     """A table holds at most max_pages pages per row (ceil(max_seq_len / page_size)): here a plan of 32 tokens (2
     pages of 16). A decode delta adding 20 tokens to a row of 20 (tokens_added within max_seq_len, so the plan lets
-    it through) would make 3 pages: refused TABLES_OUT_OF_SYNC naming the 2-page limit, and the table, which no
-    longer matches its stream, is dropped."""
+    it through) would make 3 pages: refused TABLES_OUT_OF_SYNC naming the limits (32 rows x 2 pages = 64 entries, 2
+    pages per row), and the table, which no longer matches its stream, is dropped."""
     from kvservice.contract.errors import NotFound
     from kvservice.worker.tables import DeviceTables, TablePlan
 
@@ -185,8 +185,9 @@ def test_a_row_never_grows_past_the_plans_pages_per_sequence(world):  # noqa: F8
     assert grow.delta.tokens_added == 20
     with pytest.raises(FailedPrecondition) as e:
         short.update("", "t", grow)
-    assert e.value.reason == "TABLES_OUT_OF_SYNC" and "1 rows x 3 pages" in e.value.message and \
-        "2 pages per row" in e.value.message
+    assert e.value.message == ("tables 't': the reply would make a table of 1 rows x 3 pages, over this mirror's 64 "
+                               f"entries or 2 pages per row; send a full reply {FULL_REPLY}")
+    assert (e.value.reason, e.value.metadata) == ("TABLES_OUT_OF_SYNC", {"table_id": "t"})
     with pytest.raises(NotFound):
         short.csr("", "t", 0)
 
