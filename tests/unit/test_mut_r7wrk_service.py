@@ -77,3 +77,36 @@ def test_a_record_is_reported_whole_and_counted_by_reason_with_the_rest_as_stale
     assert (clean.kernel, clean.layer, clean.count, clean.row, clean.position, clean.value, clean.reason,
             dict(clean.counts_by_reason)) == ("validate_page_table", layer, 0, -1, -1, 0, "", {})
     assert _violations(me.metrics, "validate_page_table", layer, "stale_page") is None
+
+
+def test_a_request_tensor_goes_to_the_device_unless_asked_for_on_the_host():
+    """WorkerServicer._tensor(msg, field, ...): by default the checked array is moved with the caches' array module
+    (xp.asarray: CuPy on a GPU worker); device=False keeps the host copy (indptr, read on the host). A stand-in array
+    module marks what it moved."""
+    from kvservice.contract.geometry import CacheSpec
+    from kvservice.contract.wire import to_tensor
+    from kvservice.v1 import worker_pb2 as wpb
+    from kvservice.worker import ops_numpy
+    from kvservice.worker.caches import CacheSet
+    from kvservice.worker.metrics import WorkerMetrics
+    from kvservice.worker.service import WorkerServicer
+
+    class Moved(np.ndarray):
+        pass
+
+    class Module:
+        def __getattr__(self, name):
+            return getattr(np, name)
+
+        @staticmethod
+        def asarray(a):
+            return np.asarray(a).view(Moved)
+
+    caches = CacheSet(CacheSpec.uniform(1, 1, 32, "float32", 4), 4, 0, 1, ops_numpy, xp=Module(), guard_bytes=64)
+    s = WorkerServicer(caches, WorkerMetrics("p"), {"worker_id": "w", "pool": "p", "backend": "cpu"})
+    sm = np.array([3, 9, 1], np.int64)
+    req = wpb.AppendKVRequest(slot_mapping=to_tensor(sm))
+    dev = s._tensor(req, "slot_mapping", "int64", (None,), "[n]")
+    host = s._tensor(req, "slot_mapping", "int64", (None,), "[n]", device=False)
+    assert type(dev) is Moved and type(host) is np.ndarray
+    assert dev.tolist() == host.tolist() == [3, 9, 1] and host.flags.c_contiguous
