@@ -110,3 +110,29 @@ def test_a_request_tensor_goes_to_the_device_unless_asked_for_on_the_host():
     host = s._tensor(req, "slot_mapping", "int64", (None,), "[n]", device=False)
     assert type(dev) is Moved and type(host) is np.ndarray
     assert dev.tolist() == host.tolist() == [3, 9, 1] and host.flags.c_contiguous
+
+
+
+def test_a_request_tensor_of_another_dtype_is_named_by_its_dtype_or_number():
+    """The wrong dtype is named by its DType name, or by its number when it is none (a newer client's enum value)."""
+    import pytest
+
+    from kvservice.contract.errors import InvalidArgument
+    from kvservice.contract.geometry import CacheSpec
+    from kvservice.contract.wire import to_tensor
+    from kvservice.v1 import worker_pb2 as wpb
+    from kvservice.worker import ops_numpy
+    from kvservice.worker.caches import CacheSet
+    from kvservice.worker.metrics import WorkerMetrics
+    from kvservice.worker.service import WorkerServicer
+
+    caches = CacheSet(CacheSpec.uniform(1, 1, 32, "float32", 4), 4, 0, 1, ops_numpy, guard_bytes=64)
+    s = WorkerServicer(caches, WorkerMetrics("p"), {"worker_id": "w", "pool": "p", "backend": "cpu"})
+    req = wpb.AppendKVRequest(slot_mapping=to_tensor(np.zeros(3, np.float32)))
+    with pytest.raises(InvalidArgument) as e:
+        s._tensor(req, "slot_mapping", "int64", (None,), "[n]")
+    assert e.value.message == "slot_mapping must be INT64 [n], got FLOAT32"
+    req.slot_mapping.dtype = 99
+    with pytest.raises(InvalidArgument) as e:
+        s._tensor(req, "slot_mapping", "int64", (None,), "[n]")
+    assert e.value.message == "slot_mapping must be INT64 [n], got 99"
