@@ -114,7 +114,8 @@ def test_a_request_tensor_goes_to_the_device_unless_asked_for_on_the_host():
 
 
 def test_a_request_tensor_of_another_dtype_is_named_by_its_dtype_or_number():
-    """The wrong dtype is named by its DType name, or by its number when it is none (a newer client's enum value)."""
+    """The wrong dtype is named by its DType name, or by its number when it is none (a newer client's enum value);
+    bytes that are no whole number of items are refused naming the field."""
     import pytest
 
     from kvservice.contract.errors import InvalidArgument
@@ -136,3 +137,8 @@ def test_a_request_tensor_of_another_dtype_is_named_by_its_dtype_or_number():
     with pytest.raises(InvalidArgument) as e:
         s._tensor(req, "slot_mapping", "int64", (None,), "[n]")
     assert e.value.message == "slot_mapping must be INT64 [n], got 99"
+    req.slot_mapping.CopyFrom(to_tensor(np.zeros(2, np.int64)))
+    req.slot_mapping.data = req.slot_mapping.data[:-3]
+    with pytest.raises(InvalidArgument) as e:                 # the field is named by the tensor decoder too
+        s._tensor(req, "slot_mapping", "int64", (None,), "[n]")
+    assert e.value.message == "slot_mapping: 13 bytes is not a whole number of 8-byte items"
