@@ -5,6 +5,7 @@ documented names, docs/KERNELS.md)."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from kvservice.worker.service import _count_reasons, _host
 
@@ -116,7 +117,6 @@ def test_a_request_tensor_goes_to_the_device_unless_asked_for_on_the_host():
 def test_a_request_tensor_of_another_dtype_is_named_by_its_dtype_or_number():
     """The wrong dtype is named by its DType name, or by its number when it is none (a newer client's enum value);
     bytes that are no whole number of items are refused naming the field."""
-    import pytest
 
     from kvservice.contract.errors import InvalidArgument
     from kvservice.contract.geometry import CacheSpec
@@ -142,3 +142,67 @@ def test_a_request_tensor_of_another_dtype_is_named_by_its_dtype_or_number():
     with pytest.raises(InvalidArgument) as e:                 # the field is named by the tensor decoder too
         s._tensor(req, "slot_mapping", "int64", (None,), "[n]")
     assert e.value.message == "slot_mapping: 13 bytes is not a whole number of 8-byte items"
+
+
+class OnDevice(np.ndarray):
+    """Stands for a CuPy array: NumPy's functions refuse it (CuPy forbids implicit conversion)."""
+
+    def __array_function__(self, func, types, args, kwargs):
+        return NotImplemented
+
+
+class DeviceModule:
+    """Stands for CuPy: NumPy's functions, and asarray moving an array 'to the device' (an OnDevice view)."""
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+    @staticmethod
+    def asarray(a):
+        return np.asarray(a).view(OnDevice)
+
+
+def _servicer_on_device():
+    from kvservice.contract.geometry import CacheSpec
+    from kvservice.worker import ops_numpy
+    from kvservice.worker.caches import CacheSet
+    from kvservice.worker.metrics import WorkerMetrics
+    from kvservice.worker.service import WorkerServicer
+
+    caches = CacheSet(CacheSpec.uniform(1, 1, 32, "float32", 4), 4, 0, 1, ops_numpy, xp=DeviceModule(), guard_bytes=64)
+    return WorkerServicer(caches, WorkerMetrics("p"), {"worker_id": "w", "pool": "p", "backend": "cpu"})
+
+
+@pytest.mark.parametrize(("indptr", "want"), [([0], 0), ([0, 0, 0], 0), ([0, 3, 3, 8], 5), ([0, 2, 1, 4], 3),
+                                              ([5, 2], 0)])
+def test_a_csr_table_goes_to_the_device_with_its_longest_row_read_on_the_host(indptr, want):
+    """WorkerServicer._csr_bounded: indptr is read on the host (device=False: no device read back), the most pages of
+    one row (0 for no rows, never negative) taken from it, and indptr, indices and last_page_len are moved to the
+    device."""
+    from kvservice.contract.wire import to_tensor
+    from kvservice.v1 import worker_pb2 as wpb
+
+    s = _servicer_on_device()
+    b = len(indptr) - 1
+    req = wpb.WorkerValidateRequest(indptr=to_tensor(np.array(indptr, np.int32)),
+                                    indices=to_tensor(np.arange(7, dtype=np.int32)),
+                                    last_page_len=to_tensor(np.ones(b, np.int32)))
+    ip, idx, lpl, max_pages = s._csr_bounded(req)
+    assert max_pages == want and type(max_pages) is int
+    assert all(type(a) is OnDevice for a in (ip, idx, lpl))
+    assert (ip.view(np.ndarray).tolist(), lpl.shape, idx.shape) == (indptr, (b,), (7,))
+
+
+def test_a_csr_table_without_indptr_entries_or_of_another_dtype_is_refused_by_name():
+    from kvservice.contract.errors import InvalidArgument
+    from kvservice.contract.wire import to_tensor
+    from kvservice.v1 import worker_pb2 as wpb
+
+    s = _servicer_on_device()
+    for ip, msg in ((np.zeros(0, np.int32), "indptr must have B + 1 >= 1 entries"),
+                    (np.zeros(2, np.int64), "indptr must be INT32 [B + 1], got INT64")):
+        req = wpb.WorkerValidateRequest(indptr=to_tensor(ip), indices=to_tensor(np.zeros(0, np.int32)),
+                                        last_page_len=to_tensor(np.zeros(0, np.int32)))
+        with pytest.raises(InvalidArgument) as e:
+            s._csr_bounded(req)
+        assert e.value.message == msg
