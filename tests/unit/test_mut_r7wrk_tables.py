@@ -208,3 +208,25 @@ def test_a_tables_arrays_live_on_the_tables_array_module(world):  # noqa: F811
     dev = DeviceTables(tables.plan, inc, xp=xp)
     held = dev.update("", "t", Stream(api, "s").step(admit_seq_ids=[1, 2], admit_num_tokens=[5, 30]))
     assert dev.xp is xp and held.mirror.xp is xp
+
+
+def test_page_bytes_that_are_no_whole_number_of_indices_are_refused_naming_the_field(world):  # noqa: F811
+    """A full reply's indices, or a delta's pages, with a stray byte (the counts of pages and generations still
+    agree) are refused by the tensor decoder, naming the reply's field."""
+    api, tables, _ = world
+    s = Stream(api, "s")
+    full = s.step(admit_seq_ids=[1], admit_num_tokens=[5])
+    good = pb.StepReply()
+    good.CopyFrom(full)
+    full.tables[0].indices.data += b"\x00"
+    with pytest.raises(InvalidArgument) as e:
+        tables.update("", "t", full)
+    assert e.value.message == "step.tables[0].indices: 5 bytes is not a whole number of 4-byte items"
+    tables.update("", "t", good)
+    delta = s.step(extend_seq_ids=[1], extend_num_tokens=[20])
+    (st,) = [st for st in delta.tables if len(st.delta.pages.data)]
+    st.delta.pages.data += b"\x00"
+    with pytest.raises(InvalidArgument) as e:
+        tables.update("", "t", delta)
+    assert e.value.message == (f"step.tables[{st.index_space}].delta.pages: 5 bytes is not a whole number of 4-byte "
+                               "items")
