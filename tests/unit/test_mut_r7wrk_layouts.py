@@ -37,3 +37,30 @@ def test_a_k_only_row_of_whole_16_byte_pieces_is_taken_however_it_splits(kv_head
     """float16: 8 elements per 16 bytes; kv_heads x head_dim = 8 in each case."""
     elems = 4 * kv_heads * head_dim
     PageLayout(4, kv_heads, head_dim, "float16", elems, 1, 0, 3, 0, 3, True).validate()
+
+
+def test_the_oracles_page_view_is_the_pages_bytes_or_a_named_refusal():
+    """reference.page_view (the float64 oracle's own addressing, from raw byte offsets): page p of a per-layer buffer
+    is the view of bytes [slot * page_bytes, + page_bytes) as [2, page_size, kv_heads, head_dim] of the storage dtype,
+    writable into the buffer, whatever the buffer's shape (the last page may end at its last byte); a buffer that is
+    not C-contiguous, or too short for the page, is refused by name."""
+    import numpy as np
+
+    from kvservice.worker.reference import RawLayer, page_view
+
+    raw = RawLayer.per_layer(4, 2, 1, 8, "float16", base=10)           # 2 x 2 x 1 x 8 x 2 = 64-byte pages
+    cache = np.arange(4 * 32, dtype=np.float16)
+    v = page_view(cache, raw, 12)
+    assert v.shape == (2, 2, 1, 8) and v.dtype == np.float16 and v.ravel().tolist() == list(range(64, 96))
+    v[0, 0, 0, 0] = -1
+    assert cache[64] == -1
+    last = page_view(cache, raw, 13)                                  # ends exactly at the buffer's end
+    assert last.ravel().tolist() == list(range(96, 128))
+    shaped = page_view(cache.reshape(4, 2, 2, 1, 8), raw, 13)        # any C-contiguous shape: its bytes in order
+    assert shaped.shape == (2, 2, 1, 8) and shaped.ravel().tolist() == list(range(96, 128))
+    with pytest.raises(ValueError) as e:
+        page_view(np.zeros((8, 32), np.float16)[:, ::2], raw, 10)
+    assert str(e.value) == "cache must be C-contiguous"
+    with pytest.raises(IndexError) as e:
+        page_view(cache[:100], raw, 13)
+    assert str(e.value) == "page 13 ends at byte 256, past the 200-byte buffer"
