@@ -201,3 +201,26 @@ def test_a_worker_given_tokens_lets_in_only_a_token_of_its_pool(manager):
             assert (info.worker_id, info.pool) == ("w-t", "p")
     finally:
         worker.stop()
+
+
+def test_the_warm_check_reads_every_other_spaces_first_page_that_an_int32_table_can_name():
+    """_warm validates, per layer, its first and last slot's pages and the first page (base + offset) of every other
+    index space of the pool whose index fits int32 (<= 2^31 - 1, the last one a table can name), and no other.
+    Pool: spaces [0, 4) (layer 0, served), [4, 2^31 - 1) and [2^31 - 1, 2^31 + 1) (not served, never allocated)."""
+    import types
+
+    from kvservice.contract.geometry import LayerSpec
+    from kvservice.worker import ops_numpy
+    from kvservice.worker.caches import CacheSet
+
+    seen = []
+
+    def validate_page_table(indptr, indices, last_page_len, layout, **kw):
+        seen.append(indices.tolist())
+        return ops_numpy.validate_page_table(indptr, indices, last_page_len, layout, **kw)
+
+    ops = types.SimpleNamespace(guard_fill=ops_numpy.guard_fill, validate_page_table=validate_page_table)
+    spec = CacheSpec((LayerSpec(1, 64), LayerSpec(1, 64, sliding_window=16), LayerSpec(1, 64, sliding_window=32)), 16)
+    caches = CacheSet(spec, [4, 2**31 - 5, 2], 0, 1, ops, guard_bytes=64)
+    server._warm(caches)
+    assert seen == [[0, 3, 4, 2**31 - 1]]
