@@ -189,7 +189,7 @@ def test_a_heartbeat_names_the_worker_and_carries_its_own_deadline(led):
 def _heartbeat_lines(client, worker, level: int, prefix: str, want: int = 2) -> list[str]:
     """Run the worker's heartbeat loop (0.01 s period) until it logged `want` lines at `level` starting with
     `prefix` (two: it went round again after the first), then stop it; those lines. Fails if the loop died first
-    or had not got there within 60 s (a bound, not a timing)."""
+    or had not got there within 240 s (a bound, not a timing: a loaded machine once missed 60 s)."""
     from kvservice.worker.server import _heartbeat
 
     stop, lines = threading.Event(), []
@@ -208,7 +208,7 @@ def _heartbeat_lines(client, worker, level: int, prefix: str, want: int = 2) -> 
     beat = threading.Thread(target=_heartbeat, args=(client, request, worker.servicer, 0.03, stop), daemon=True)
     try:
         beat.start()
-        beat.join(60)
+        beat.join(240)
     finally:
         stop.set()
         logger.removeHandler(catch)
