@@ -25,23 +25,8 @@ from kvservice.client.ha import LeaderClient, LeaderEventStream
 from kvservice.contract.pagetable import PageTable, ValidationReport, Violation
 from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1 import common_pb2 as cpb
+from tests.support_client import RpcErr
 from tests.unit.test_mut_s21a_client import DEAD, Stub, _le
-
-
-class Broken(grpc.RpcError):
-    """A gRPC error with a code and details and no rich status."""
-
-    def __init__(self, code, details):
-        self._code, self._details = code, details
-
-    def code(self):
-        return self._code
-
-    def details(self):
-        return self._details
-
-    def trailing_metadata(self):
-        return ()
 
 
 def test_step_sends_its_request_under_the_calls_own_deadline_else_the_clients():
@@ -90,7 +75,7 @@ def test_a_broken_event_stream_raises_client_error_with_the_calls_code_and_detai
 
     def call():
         yield from batches
-        raise Broken(grpc.StatusCode.PERMISSION_DENIED, "token may not watch pool p")
+        raise RpcErr(grpc.StatusCode.PERMISSION_DENIED, "token may not watch pool p")
 
     got = []
     with pytest.raises(ClientError) as e:

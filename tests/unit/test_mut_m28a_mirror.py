@@ -134,6 +134,25 @@ def check(m: PageTableMirror, model: Model, seq: int, with_gens: bool = True) ->
         assert not st.HasField("generations") or with_gens
 
 
+def holding(model: Model, rows: list[tuple[int, int, int]], seq: int) -> PageTableMirror:
+    """A mirror of model's page size that applied model's full reply at seq, model holding rows (seq_id, num, k)."""
+    model.rows = [model.row(*r) for r in rows]
+    m = PageTableMirror(model.ps)
+    m.apply(model.full_reply(seq))
+    return m
+
+
+def row_without_tokens_delta() -> pb.StepReply:
+    """A same-batch delta on seq 1 over two rows of one int32 space: one row gains a page, the other drops to 0
+    tokens (two pages sent, one per row that changed): not a steady decode step."""
+    reply = pb.StepReply(stream_seq=2)
+    reply.delta.base_seq = 1
+    reply.num_tokens.CopyFrom(to_tensor(np.array([9, 0], dtype=np.int64)))
+    reply.new_token_indptr.CopyFrom(to_tensor(np.array([0, 1, 1], dtype=np.int64)))
+    reply.tables.add(index_space=0).delta.pages.CopyFrom(to_tensor(np.array([55, 66], dtype=np.int32)))
+    return reply
+
+
 def _space_delta(st: pb.SpaceTables, dt, pages: list, gens: list, replaced: list, replaced_gens: list,
                  with_gens: bool) -> None:
     st.delta.pages.CopyFrom(to_tensor(np.array(pages, dtype=dt)))
@@ -327,19 +346,9 @@ def test_the_mirror_gives_the_models_tables_after_full_replies_and_random_deltas
 def test_a_delta_that_leaves_a_row_without_tokens_is_refused():
     """A same-batch delta where one row gains a page and another drops to 0 tokens (two pages sent, one per row
     that changed) is not a steady decode step: refused, the mirror then holds nothing."""
-    rng = np.random.default_rng(7)
-    ps = 4
-    model = Model(rng, ps, {0: (0, np.int32)})
-    model.rows = [model.row(1, 8, 1), model.row(2, 3, 1)]
-    m = PageTableMirror(ps)
-    m.apply(model.full_reply(1))
-    reply = pb.StepReply(stream_seq=2)
-    reply.delta.base_seq = 1
-    reply.num_tokens.CopyFrom(to_tensor(np.array([9, 0], dtype=np.int64)))
-    reply.new_token_indptr.CopyFrom(to_tensor(np.array([0, 1, 1], dtype=np.int64)))
-    reply.tables.add(index_space=0).delta.pages.CopyFrom(to_tensor(np.array([55, 66], dtype=np.int32)))
+    m = holding(Model(np.random.default_rng(7), 4, {0: (0, np.int32)}), [(1, 8, 1), (2, 3, 1)], 1)
     with pytest.raises(MirrorError, match="every row holds at least one token"):
-        m.apply(reply)
+        m.apply(row_without_tokens_delta())
     assert m.seq == 0
 
 
@@ -363,11 +372,8 @@ def test_decode_pages_of_the_wrong_dtype_are_refused_even_when_their_bytes_fit()
 
 
 def test_a_bad_indptr_and_an_unknown_space_are_named():
-    rng = np.random.default_rng(9)
-    model = Model(rng, 2)
-    model.rows = [model.row(1, 5, 1), model.row(2, 2, 2)]
-    m = PageTableMirror(2)
-    m.apply(model.full_reply(3))
+    model = Model(np.random.default_rng(9), 2)
+    m = holding(model, [(1, 5, 1), (2, 2, 2)], 3)
     with pytest.raises(MirrorError, match=r"no index space 7; spaces: \[0, 1, 2\]"):
         m.page_table(7)
     bad = model.full_reply(4)

@@ -22,40 +22,28 @@ from kvservice.client.aio import AsyncBlockManagerClient
 from kvservice.client.codec import ClientError
 from kvservice.client.deadline import RetryPolicy
 from kvservice.client.position import StateRolledBack
-from kvservice.contract import convert
-from kvservice.contract.geometry import CacheSpec
 from kvservice.contract.pagetable import PageTable, ValidationReport, Violation
-from kvservice.contract.sizing import Sizing
 from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1 import common_pb2 as cpb
-from tests.unit.test_mut_r7cli_clients import UNARY, Tap
+from tests.support_client import (
+    HEX,
+    PLAN,
+    POOLS,
+    READ_REPLIES,
+    SEQS,
+    SIZING,
+    SPEC,
+    STATS,
+    AsyncQueuedStub,
+    RpcErr,
+    at_position,
+    check_pool_requests,
+    check_read_calls,
+)
+from tests.unit.test_mut_r7cli_clients import DEFAULT_CONFIG, Tap
 from tests.unit.test_mut_s21a_client import DEAD, _le
 
-SPEC = CacheSpec.uniform(3, 2, 16, "float16", 8)
-SIZING = Sizing(max_batch=5, max_seq_len=256, memory_budget_bytes=2**33 + 7, num_slots=96, max_num_batched_tokens=640,
-                prefix_headroom_slots=3, equal_groups=True, group_slots=(96, 40))
-WIRE_SIZING = pb.Sizing(max_batch=5, max_seq_len=256, memory_budget_bytes=2**33 + 7, num_slots=96,
-                        max_num_batched_tokens=640, prefix_headroom_slots=3, equal_groups=True, group_slots=[96, 40])
 TOKEN = (("authorization", "Bearer at"),)
-HEX = re.compile(r"[0-9a-f]{32}")
-
-
-class AsyncStub:
-    """Records each call (method, request, timeout, metadata); answers with the reply (or raises the error) queued
-    for the method (the last one stays)."""
-
-    def __init__(self, **replies):
-        self.replies, self.calls = {k: v if isinstance(v, list) else [v] for k, v in replies.items()}, []
-
-    def __getattr__(self, method):
-        async def call(request, timeout=None, metadata=None):
-            self.calls.append((method, request, timeout, metadata))
-            queued = self.replies[method]
-            got = queued.pop(0) if len(queued) > 1 else queued[0]
-            if isinstance(got, Exception):
-                raise got
-            return got
-        return call
 
 
 def _run(coro_fn, stub, **kw):
@@ -74,42 +62,22 @@ def _own_then_clients(t1, t2, own):
 
 
 def test_the_read_calls_send_their_requests_and_return_the_replies():
-    pools = [pb.PoolInfo(name="a", incarnation=3), pb.PoolInfo(name="b", incarnation=9)]
-    seqs = pb.ListSequencesReply(total=2, sequences=[pb.SequenceInfo(seq_id=5, num_tokens=7, num_slots=1)])
-    stats = pb.StatsReply(pools={"a": pb.PoolStats(num_sequences=4, num_tokens=44)})
-    plan = pb.PlanReply(page_size=8, num_slots=96)
-    stub = AsyncStub(Plan=plan, GetPool=pools[1], ListPools=pb.ListPoolsReply(pools=pools), ListSequences=seqs,
-                     GetStats=stats, Echo=pb.EchoReply(payload=b"\x01pong"))
+    stub = AsyncQueuedStub(**READ_REPLIES)
 
     async def calls(c):
-        assert await c.plan(SPEC, SIZING, ("native", "flashinfer"), timeout=2.0) == plan
-        assert await c.plan(SPEC, SIZING) == plan
-        assert await c.get_pool("b", timeout=3.0) == pools[1]
-        assert await c.list_pools(timeout=4.0) == pools
-        assert await c.sequences("a", limit=17, timeout=5.0) == seqs
-        assert await c.sequences("b") == seqs
+        assert await c.plan(SPEC, SIZING, ("native", "flashinfer"), timeout=2.0) == PLAN
+        assert await c.plan(SPEC, SIZING) == PLAN
+        assert await c.get_pool("b", timeout=3.0) == POOLS[1]
+        assert await c.list_pools(timeout=4.0) == POOLS
+        assert await c.sequences("a", limit=17, timeout=5.0) == SEQS
+        assert await c.sequences("b") == SEQS
         got = await c.stats("a", timeout=6.0)
-        assert got == {"a": stats.pools["a"]} and type(got) is dict
-        assert await c.stats() == {"a": stats.pools["a"]}
+        assert got == {"a": STATS.pools["a"]} and type(got) is dict
+        assert await c.stats() == {"a": STATS.pools["a"]}
         assert await c.echo(b"\x01ping", timeout=7.0) == b"\x01pong"
         assert await c.echo() == b"\x01pong"
     _run(calls, stub)
-    cache = convert.cache_spec_to_proto(SPEC)
-    sizing = WIRE_SIZING
-    want = [("Plan", pb.PlanRequest(cache=cache, sizing=sizing, backends=["native", "flashinfer"]), 2.0),
-            ("Plan", pb.PlanRequest(cache=cache, sizing=sizing), None),
-            ("GetPool", pb.GetPoolRequest(pool="b"), 3.0),
-            ("ListPools", pb.ListPoolsRequest(), 4.0),
-            ("ListSequences", pb.ListSequencesRequest(pool="a", limit=17), 5.0),
-            ("ListSequences", pb.ListSequencesRequest(pool="b"), None),
-            ("GetStats", pb.GetStatsRequest(pool="a"), 6.0),
-            ("GetStats", pb.GetStatsRequest(), None),
-            ("Echo", pb.EchoRequest(payload=b"\x01ping"), 7.0),
-            ("Echo", pb.EchoRequest(), None)]
-    assert [(m, r) for m, r, _, _ in stub.calls] == [(m, r) for m, r, _ in want]
-    for (_, _, t, md), (_, _, own) in zip(stub.calls, want, strict=True):
-        assert md == TOKEN
-        assert 0 < t <= own if own else 7.0 < t <= 300.0
+    check_read_calls(stub.calls, TOKEN)
 
 
 def test_validate_sends_the_table_and_layer_asks_for_100_reports_by_default_and_returns_the_report():
@@ -118,7 +86,7 @@ def test_validate_sends_the_table_and_layer_asks_for_100_reports_by_default_and_
     table = PageTable(np.array([0, 1, 4], dtype=np.int32), indices, np.array([5, 2], dtype=np.int32))
     reply = pb.ValidatePageTableReply(num_violations=321, violations=[
         pb.Violation(reason="wrong_index_space", row=1, position=2, value=int(indices[2]), detail="space 1")])
-    stub = AsyncStub(ValidatePageTable=reply)
+    stub = AsyncQueuedStub(ValidatePageTable=reply)
 
     async def calls(c):
         return await c.validate("va", 5, table), await c.validate("vb", 1, table, max_reports=3, timeout=2.5)
@@ -142,7 +110,7 @@ def test_the_mutating_calls_send_one_request_id_each_given_or_fresh():
                         num_tokens=cpb.Tensor(dtype=cpb.INT64, shape=[1], data=_le("q", [6])),
                         new_token_indptr=cpb.Tensor(dtype=cpb.INT64, shape=[2], data=_le("q", [0, 6])),
                         num_free_slots=41, pool_incarnation=77)
-    stub = AsyncStub(CreatePool=info, DeletePool=pb.DeletePoolReply(), Step=step)
+    stub = AsyncQueuedStub(CreatePool=info, DeletePool=pb.DeletePoolReply(), Step=step)
 
     async def calls(c):
         assert await c.create_pool("np", SPEC, SIZING, ("native",), timeout=2.0, request_id="cp-1",
@@ -157,14 +125,7 @@ def test_the_mutating_calls_send_one_request_id_each_given_or_fresh():
         await c.step("np", free=[9], tables=False, block_table=True)
     _run(calls, stub)
     (_, c1, tc1, _), (_, c2, tc2, _), (_, d1, td1, _), (_, d2, td2, _), (_, s1, ts1, _), (_, s2, ts2, _) = stub.calls
-    cache = convert.cache_spec_to_proto(SPEC)
-    sizing = WIRE_SIZING
-    assert c1 == pb.CreatePoolRequest(name="np", cache=cache, sizing=sizing, backends=["native"], request_id="cp-1",
-                                      enable_prefix_caching=True, model="m7")
-    assert HEX.fullmatch(c2.request_id) and c2 == pb.CreatePoolRequest(name="np2", cache=cache, sizing=sizing,
-                                                                      request_id=c2.request_id)
-    assert d1 == pb.DeletePoolRequest(pool="np", force=True, request_id="dp-1")
-    assert HEX.fullmatch(d2.request_id) and d2 == pb.DeletePoolRequest(pool="np2", request_id=d2.request_id)
+    check_pool_requests(c1, c2, d1, d2)
     assert (s1.pool, s1.request_id, s1.omit_tables, s1.include_block_table) == ("np", "st-1", False, False)
     assert (s1.admit_seq_ids.dtype, s1.admit_seq_ids.data) == (cpb.UINT64, _le("Q", [2**40 + 3]))
     assert (s1.admit_num_tokens.dtype, s1.admit_num_tokens.data) == (cpb.INT32, _le("i", [6]))
@@ -178,7 +139,7 @@ def test_the_mutating_calls_send_one_request_id_each_given_or_fresh():
 
 
 def test_step_stream_learns_the_page_size_with_one_get_pool_under_the_streams_deadline():
-    stub = AsyncStub(GetPool=pb.PoolInfo(name="sp", plan=pb.PlanReply(page_size=32)))
+    stub = AsyncQueuedStub(GetPool=pb.PoolInfo(name="sp", plan=pb.PlanReply(page_size=32)))
 
     async def calls(c):
         s = await c.step_stream("sp", deltas=False, timeout=1.5, stream_id="s-aio")
@@ -192,23 +153,12 @@ def test_step_stream_learns_the_page_size_with_one_get_pool_under_the_streams_de
     _own_then_clients(t1, t2, 1.5)
 
 
-class Unavailable(grpc.RpcError):
-    def code(self):
-        return grpc.StatusCode.UNAVAILABLE
-
-    def details(self):
-        return "connection refused"
-
-    def trailing_metadata(self):
-        return ()
-
-
-def _at(lineage, seq):
-    return pb.PoolInfo(name="p", position=pb.JournalPosition(lineage=lineage, incarnation=2, seq=seq))
+def _unavailable():
+    return RpcErr(grpc.StatusCode.UNAVAILABLE, "connection refused")
 
 
 def test_a_call_that_met_no_manager_is_issued_again_after_the_backoff_and_a_rolled_back_reply_is_refused():
-    stub = AsyncStub(CreatePool=[Unavailable(), Unavailable(), _at(0xAB, 50), _at(0xAB, 20)])
+    stub = AsyncQueuedStub(CreatePool=[_unavailable(), _unavailable(), at_position(0xAB, 50), at_position(0xAB, 20)])
     pauses = []
 
     async def calls(c):
@@ -230,13 +180,7 @@ def test_a_call_that_met_no_manager_is_issued_again_after_the_backoff_and_a_roll
 
 
 def test_a_refusal_is_raised_at_once_with_the_request_id_and_a_gave_up_call_names_its_target():
-    class Refused(Unavailable):
-        def code(self):
-            return grpc.StatusCode.ALREADY_EXISTS
-
-        def details(self):
-            return "pool p exists"
-    stub = AsyncStub(CreatePool=Refused(), GetPool=Unavailable())
+    stub = AsyncQueuedStub(CreatePool=RpcErr(grpc.StatusCode.ALREADY_EXISTS, "pool p exists"), GetPool=_unavailable())
 
     async def calls(c):
         with pytest.raises(ClientError) as refused:
@@ -270,10 +214,4 @@ def test_the_channel_resends_every_unary_call_under_the_default_policy(monkeypat
         assert (c.target, c.timeout, c.retry, c._metadata) == (DEAD, 6.0, RetryPolicy(attempts=5), None)
         await c.close()
     asyncio.run(run())
-    service = "kvservice.v1.BlockManager"
-    want = {"methodConfig": [
-        {"name": [{"service": service, "method": m} for m in UNARY], "waitForReady": False,
-         "retryPolicy": {"maxAttempts": 3, "initialBackoff": "0.05s", "maxBackoff": "0.1s", "backoffMultiplier": 2.0,
-                         "retryableStatusCodes": ["UNAVAILABLE"]}},
-        {"name": [{"service": service}], "waitForReady": False}]}
-    assert made == [(DEAD, None, want, [tap])]
+    assert made == [(DEAD, None, DEFAULT_CONFIG, [tap])]

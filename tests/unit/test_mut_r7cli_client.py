@@ -9,7 +9,6 @@ one WatchEvents call with the stream's own timeout; the channel's service config
 from __future__ import annotations
 
 import json
-import re
 
 import grpc
 import pytest
@@ -19,47 +18,27 @@ from kvservice.client.client import BlockManagerClient, EventStream, TLSOptions
 from kvservice.client.codec import ClientError
 from kvservice.client.deadline import RetryPolicy
 from kvservice.client.position import StateRolledBack
-from kvservice.contract import convert
 from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1 import common_pb2 as cpb
-from tests.unit.test_mut_r7cli_aio import SIZING, SPEC, WIRE_SIZING
-from tests.unit.test_mut_r7cli_clients import UNARY
+from tests.support_client import (
+    HEX,
+    PLAN,
+    POOLS,
+    READ_REPLIES,
+    SEQS,
+    SIZING,
+    SPEC,
+    STATS,
+    QueuedStub,
+    RpcErr,
+    at_position,
+    check_pool_requests,
+    check_read_calls,
+)
+from tests.unit.test_mut_r7cli_clients import DEFAULT_CONFIG
 from tests.unit.test_mut_s21a_client import DEAD, _le
 
 TOKEN = (("authorization", "Bearer sy"),)
-HEX = re.compile(r"[0-9a-f]{32}")
-
-
-class Stub:
-    """Records each call (method, request, timeout, metadata); answers with the outcomes queued for the method (the
-    last one stays): a reply, or an error raised."""
-
-    def __init__(self, **outcomes):
-        self.outcomes, self.calls = {k: v if isinstance(v, list) else [v] for k, v in outcomes.items()}, []
-
-    def __getattr__(self, method):
-        def call(request, timeout=None, metadata=None):
-            self.calls.append((method, request, timeout, metadata))
-            queued = self.outcomes[method]
-            got = queued.pop(0) if len(queued) > 1 else queued[0]
-            if isinstance(got, Exception):
-                raise got
-            return got
-        return call
-
-
-class Err(grpc.RpcError):
-    def __init__(self, code, details="down"):
-        self._code, self._details = code, details
-
-    def code(self):
-        return self._code
-
-    def details(self):
-        return self._details
-
-    def trailing_metadata(self):
-        return ()
 
 
 def _client(stub, **kw):
@@ -69,40 +48,21 @@ def _client(stub, **kw):
 
 
 def test_the_read_calls_send_their_requests_and_return_the_replies():
-    pools = [pb.PoolInfo(name="a", incarnation=3), pb.PoolInfo(name="b", incarnation=9)]
-    seqs = pb.ListSequencesReply(total=2, sequences=[pb.SequenceInfo(seq_id=5, num_tokens=7, num_slots=1)])
-    stats = pb.StatsReply(pools={"a": pb.PoolStats(num_sequences=4, num_tokens=44)})
-    plan = pb.PlanReply(page_size=8, num_slots=96)
-    stub = Stub(Plan=plan, GetPool=pools[1], ListPools=pb.ListPoolsReply(pools=pools), ListSequences=seqs,
-                GetStats=stats, Echo=pb.EchoReply(payload=b"\x01pong"))
+    stub = QueuedStub(**READ_REPLIES)
     with _client(stub) as c:
-        assert c.plan(SPEC, SIZING, ("native", "flashinfer"), timeout=2.0) == plan
-        assert c.plan(SPEC, SIZING) == plan
-        assert c.get_pool("b", timeout=3.0) == pools[1]
+        assert c.plan(SPEC, SIZING, ("native", "flashinfer"), timeout=2.0) == PLAN
+        assert c.plan(SPEC, SIZING) == PLAN
+        assert c.get_pool("b", timeout=3.0) == POOLS[1]
         got = c.list_pools(timeout=4.0)
-        assert got == pools and type(got) is list
-        assert c.sequences("a", limit=17, timeout=5.0) == seqs
-        assert c.sequences("b") == seqs
+        assert got == POOLS and type(got) is list
+        assert c.sequences("a", limit=17, timeout=5.0) == SEQS
+        assert c.sequences("b") == SEQS
         got = c.stats("a", timeout=6.0)
-        assert got == {"a": stats.pools["a"]} and type(got) is dict
-        assert c.stats() == {"a": stats.pools["a"]}
+        assert got == {"a": STATS.pools["a"]} and type(got) is dict
+        assert c.stats() == {"a": STATS.pools["a"]}
         assert c.echo(b"\x01ping", timeout=7.0) == b"\x01pong"
         assert c.echo() == b"\x01pong"
-    cache = convert.cache_spec_to_proto(SPEC)
-    want = [("Plan", pb.PlanRequest(cache=cache, sizing=WIRE_SIZING, backends=["native", "flashinfer"]), 2.0),
-            ("Plan", pb.PlanRequest(cache=cache, sizing=WIRE_SIZING), None),
-            ("GetPool", pb.GetPoolRequest(pool="b"), 3.0),
-            ("ListPools", pb.ListPoolsRequest(), 4.0),
-            ("ListSequences", pb.ListSequencesRequest(pool="a", limit=17), 5.0),
-            ("ListSequences", pb.ListSequencesRequest(pool="b"), None),
-            ("GetStats", pb.GetStatsRequest(pool="a"), 6.0),
-            ("GetStats", pb.GetStatsRequest(), None),
-            ("Echo", pb.EchoRequest(payload=b"\x01ping"), 7.0),
-            ("Echo", pb.EchoRequest(), None)]
-    assert [(m, r) for m, r, _, _ in stub.calls] == [(m, r) for m, r, _ in want]
-    for (_, _, t, md), (_, _, own) in zip(stub.calls, want, strict=True):
-        assert md == TOKEN
-        assert 0 < t <= own if own else 7.0 < t <= 300.0
+    check_read_calls(stub.calls, TOKEN)
 
 
 def test_the_mutating_calls_send_one_request_id_each_given_or_fresh():
@@ -112,7 +72,7 @@ def test_the_mutating_calls_send_one_request_id_each_given_or_fresh():
                         num_tokens=cpb.Tensor(dtype=cpb.INT64, shape=[1], data=_le("q", [2])),
                         new_token_indptr=cpb.Tensor(dtype=cpb.INT64, shape=[2], data=_le("q", [0, 1])),
                         num_free_slots=5, pool_incarnation=3)
-    stub = Stub(CreatePool=info, DeletePool=pb.DeletePoolReply(), RegisterWorker=reg,
+    stub = QueuedStub(CreatePool=info, DeletePool=pb.DeletePoolReply(), RegisterWorker=reg,
                 Heartbeat=pb.HeartbeatReply(), Step=step)
     with _client(stub) as c:
         assert c.create_pool("np", SPEC, SIZING, ("native",), timeout=2.0, request_id="cp-1", prefix_caching=True,
@@ -128,7 +88,6 @@ def test_the_mutating_calls_send_one_request_id_each_given_or_fresh():
         assert (got.num_free_slots, got.pool_incarnation, got.seq_ids.tolist(), got.num_tokens.tolist()) == (5, 3, [4],
                                                                                                           [2])
         c.step("np", extend=[4])
-    cache = convert.cache_spec_to_proto(SPEC)
     (_, c1, tc1, _), (_, c2, tc2, _), (_, d1, td1, _), (_, d2, td2, _), (_, r1, tr1, _), (_, h1, th1, _), \
         (_, s1, ts1, _), (_, s2, ts2, _) = stub.calls
     assert (s1.pool, s1.request_id, s1.omit_tables, s1.include_block_table) == ("np", "st-9", True, True)
@@ -137,12 +96,7 @@ def test_the_mutating_calls_send_one_request_id_each_given_or_fresh():
     assert HEX.fullmatch(s2.request_id) and (s2.omit_tables, s2.include_block_table) == (False, False)
     assert (s2.extend_seq_ids.data, s2.extend_num_tokens.data) == (_le("i", [4]), _le("i", [1]))
     assert 0 < ts1 <= 6.0 < ts2 <= 300.0
-    assert c1 == pb.CreatePoolRequest(name="np", cache=cache, sizing=WIRE_SIZING, backends=["native"],
-                                      request_id="cp-1", enable_prefix_caching=True, model="m7")
-    assert HEX.fullmatch(c2.request_id) and c2 == pb.CreatePoolRequest(name="np2", cache=cache, sizing=WIRE_SIZING,
-                                                                      request_id=c2.request_id)
-    assert d1 == pb.DeletePoolRequest(pool="np", force=True, request_id="dp-1")
-    assert HEX.fullmatch(d2.request_id) and d2 == pb.DeletePoolRequest(pool="np2", request_id=d2.request_id)
+    check_pool_requests(c1, c2, d1, d2)
     assert c2.request_id != d2.request_id
     assert r1 == ask and h1 == pb.HeartbeatRequest(worker_id="w1", epoch=4)
     for t, own in ((tc1, 2.0), (td1, 3.0), (tr1, 4.0), (th1, 5.0)):
@@ -150,13 +104,10 @@ def test_the_mutating_calls_send_one_request_id_each_given_or_fresh():
     assert 5.0 < tc2 <= 300.0 and 5.0 < td2 <= 300.0
 
 
-def _at(lineage, seq):
-    return pb.PoolInfo(name="p", position=pb.JournalPosition(lineage=lineage, incarnation=2, seq=seq))
-
-
 def test_a_call_that_met_no_manager_is_issued_again_after_the_backoff_and_a_rolled_back_reply_is_refused():
-    stub = Stub(GetPool=[Err(grpc.StatusCode.UNAVAILABLE), Err(grpc.StatusCode.DEADLINE_EXCEEDED), _at(0xCD, 50),
-                         _at(0xCD, 20)])
+    stub = QueuedStub(GetPool=[RpcErr(grpc.StatusCode.UNAVAILABLE, "down"),
+                               RpcErr(grpc.StatusCode.DEADLINE_EXCEEDED, "down"), at_position(0xCD, 50),
+                               at_position(0xCD, 20)])
     pauses = []
     with _client(stub) as c:
         c._pause = pauses.append
@@ -172,8 +123,9 @@ def test_a_call_that_met_no_manager_is_issued_again_after_the_backoff_and_a_roll
 
 
 def test_a_heartbeat_is_retried_on_unavailable_only_and_a_refusal_is_raised_at_once_with_its_request_id():
-    stub = Stub(Heartbeat=[Err(grpc.StatusCode.UNAVAILABLE), Err(grpc.StatusCode.DEADLINE_EXCEEDED, "slow")],
-                DeletePool=Err(grpc.StatusCode.FAILED_PRECONDITION, "pool d has live sequences"))
+    stub = QueuedStub(Heartbeat=[RpcErr(grpc.StatusCode.UNAVAILABLE, "down"),
+                                 RpcErr(grpc.StatusCode.DEADLINE_EXCEEDED, "slow")],
+                      DeletePool=RpcErr(grpc.StatusCode.FAILED_PRECONDITION, "pool d has live sequences"))
     pauses = []
     with _client(stub) as c:
         c._pause = pauses.append
@@ -190,7 +142,7 @@ def test_a_heartbeat_is_retried_on_unavailable_only_and_a_refusal_is_raised_at_o
 
 
 def test_a_call_that_gives_up_names_the_call_its_target_and_its_request_id():
-    stub = Stub(CreatePool=Err(grpc.StatusCode.UNAVAILABLE, "connection refused"))
+    stub = QueuedStub(CreatePool=RpcErr(grpc.StatusCode.UNAVAILABLE, "connection refused"))
     with _client(stub, retry=RetryPolicy(attempts=3)) as c:
         c._pause = lambda s: None
         with pytest.raises(ClientError) as err:
@@ -231,13 +183,7 @@ def test_the_channel_resends_every_unary_call_under_the_default_policy(monkeypat
     tls = TLSOptions(ca=b"ca")
     with BlockManagerClient(DEAD, 6.0, 4, tls=tls) as c:
         assert (c.target, c.timeout, c.retry, c._metadata) == (DEAD, 6.0, RetryPolicy(attempts=5), None)
-    service = "kvservice.v1.BlockManager"
-    want = {"methodConfig": [
-        {"name": [{"service": service, "method": m} for m in UNARY], "waitForReady": False,
-         "retryPolicy": {"maxAttempts": 3, "initialBackoff": "0.05s", "maxBackoff": "0.1s", "backoffMultiplier": 2.0,
-                         "retryableStatusCodes": ["UNAVAILABLE"]}},
-        {"name": [{"service": service}], "waitForReady": False}]}
-    assert made == [(DEAD, tls, want)]
+    assert made == [(DEAD, tls, DEFAULT_CONFIG)]
     own = grpc.insecure_channel(DEAD)
     with BlockManagerClient(DEAD, channel=own) as c:                  # a channel given: none is made
         assert c._channel is own and len(made) == 1

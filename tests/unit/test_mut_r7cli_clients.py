@@ -51,6 +51,12 @@ OWN_CONFIG = {"methodConfig": [
      "retryPolicy": {"maxAttempts": 4, "initialBackoff": "0.2s", "maxBackoff": "0.3s", "backoffMultiplier": 1.5,
                      "retryableStatusCodes": ["UNAVAILABLE"]}},
     {"name": [{"service": MANAGER}], "waitForReady": True}]}
+#: RetryPolicy()'s service config (its defaults): gRPC resends every unary call, 3 tries, 0.05 s then 0.1 s.
+DEFAULT_CONFIG = {"methodConfig": [
+    {"name": [{"service": MANAGER, "method": m} for m in UNARY], "waitForReady": False,
+     "retryPolicy": {"maxAttempts": 3, "initialBackoff": "0.05s", "maxBackoff": "0.1s", "backoffMultiplier": 2.0,
+                     "retryableStatusCodes": ["UNAVAILABLE"]}},
+    {"name": [{"service": MANAGER}], "waitForReady": False}]}
 TLS = TLSOptions(ca=b"ca-pem", server_name="manager.example")
 
 

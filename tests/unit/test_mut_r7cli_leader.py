@@ -65,15 +65,30 @@ class SyncStub:
         return Method()
 
 
+def _outcomes():
+    """What addresses a, b, c answer, in turn, in the attempt tests: a leads at epoch 5 then answers as epoch 4 (a
+    deposed leader); b refuses (NOT_FOUND), then is unreachable; c is silent (DEADLINE_EXCEEDED), then leads at 6."""
+    return ([(pb.EchoReply(payload=b"1"), ((EPOCH, "5"), (NODE, "n-a"))),
+             (pb.EchoReply(payload=b"3"), ((EPOCH, "4"), (NODE, "old")))],
+            [Err(grpc.StatusCode.NOT_FOUND), Err(grpc.StatusCode.UNAVAILABLE)],
+            [Err(grpc.StatusCode.DEADLINE_EXCEEDED), (pb.EchoReply(payload=b"6"), ((EPOCH, "6"),))])
+
+
+def _calls_made(md):
+    """(address, method, request, timeout, metadata) of each attempt the attempt tests make, in order."""
+    return [("a", "Echo", pb.EchoRequest(payload=b"q"), 1.25, md),
+            ("a", "Echo", pb.EchoRequest(payload=b"r"), 2.0, None),
+            ("b", "GetPool", pb.GetPoolRequest(pool="p"), 0.5, md),
+            ("b", "Echo", pb.EchoRequest(), 0.75, md),
+            ("c", "Echo", pb.EchoRequest(), 0.75, md),
+            ("c", "Echo", pb.EchoRequest(payload=b"s"), 9.0, md)]
+
+
 def test_a_sync_attempt_goes_to_the_current_address_and_its_reply_epoch_is_checked():
     log = []
     c = LeaderClient([A, B, C], timeout=3.0)
     try:
-        c._stubs = [SyncStub("a", log, [(pb.EchoReply(payload=b"1"), ((EPOCH, "5"), (NODE, "n-a"))),
-                                        (pb.EchoReply(payload=b"3"), ((EPOCH, "4"), (NODE, "old")))]),
-                    SyncStub("b", log, [Err(grpc.StatusCode.NOT_FOUND), Err(grpc.StatusCode.UNAVAILABLE)]),
-                    SyncStub("c", log, [Err(grpc.StatusCode.DEADLINE_EXCEEDED),
-                                        (pb.EchoReply(payload=b"6"), ((EPOCH, "6"),))])]
+        c._stubs = [SyncStub(name, log, got) for name, got in zip("abc", _outcomes(), strict=True)]
         stub = c._stub                                            # what BlockManagerClient's calls go through
         assert isinstance(stub, LeaderStub) and stub._client is c
         md = (("authorization", "Bearer x"),)
@@ -95,12 +110,7 @@ def test_a_sync_attempt_goes_to_the_current_address_and_its_reply_epoch_is_check
         assert (c.epoch, c.leader_node, c.current_target) == (6, "", C)
     finally:
         c.close()
-    assert log == [("a", "Echo", pb.EchoRequest(payload=b"q"), 1.25, md),
-                   ("a", "Echo", pb.EchoRequest(payload=b"r"), 2.0, None),
-                   ("b", "GetPool", pb.GetPoolRequest(pool="p"), 0.5, md),
-                   ("b", "Echo", pb.EchoRequest(), 0.75, md),
-                   ("c", "Echo", pb.EchoRequest(), 0.75, md),
-                   ("c", "Echo", pb.EchoRequest(payload=b"s"), 9.0, md)]
+    assert log == _calls_made(md)
 
 
 class AsyncCall:
@@ -136,11 +146,7 @@ def test_an_async_attempt_goes_to_the_current_address_and_its_reply_epoch_is_che
     async def run():
         c = aio_ha.AsyncLeaderClient([A, B, C], timeout=3.0)
         try:
-            c._stubs = [AsyncStub("a", log, [(pb.EchoReply(payload=b"1"), ((EPOCH, "5"), (NODE, "n-a"))),
-                                             (pb.EchoReply(payload=b"3"), ((EPOCH, "4"), (NODE, "old")))]),
-                        AsyncStub("b", log, [Err(grpc.StatusCode.NOT_FOUND), Err(grpc.StatusCode.UNAVAILABLE)]),
-                        AsyncStub("c", log, [Err(grpc.StatusCode.DEADLINE_EXCEEDED),
-                                             (pb.EchoReply(payload=b"6"), ((EPOCH, "6"),))])]
+            c._stubs = [AsyncStub(name, log, got) for name, got in zip("abc", _outcomes(), strict=True)]
             assert await c._stub.Echo(pb.EchoRequest(payload=b"q"), timeout=1.25, metadata=md) == \
                 pb.EchoReply(payload=b"1")
             assert (c.epoch, c.leader_node, c.current_target) == (5, "n-a", A)
@@ -160,12 +166,7 @@ def test_an_async_attempt_goes_to_the_current_address_and_its_reply_epoch_is_che
         finally:
             await c.close()
     asyncio.run(run())
-    assert log == [("a", "Echo", pb.EchoRequest(payload=b"q"), 1.25, md),
-                   ("a", "Echo", pb.EchoRequest(payload=b"r"), 2.0, None),
-                   ("b", "GetPool", pb.GetPoolRequest(pool="p"), 0.5, md),
-                   ("b", "Echo", pb.EchoRequest(), 0.75, md),
-                   ("c", "Echo", pb.EchoRequest(), 0.75, md),
-                   ("c", "Echo", pb.EchoRequest(payload=b"s"), 9.0, md)]
+    assert log == _calls_made(md)
 
 
 class Ready:

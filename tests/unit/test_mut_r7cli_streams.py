@@ -30,6 +30,7 @@ from kvservice.client.codec import ClientError
 from kvservice.client.deadline import RetryPolicy
 from kvservice.client.stream import AsyncStepStream, EchoStream, StepStream
 from kvservice.v1 import block_manager_pb2 as pb
+from tests.support_client import RpcErr
 
 
 class Call:
@@ -106,17 +107,6 @@ class EchoCall:
         self.cancelled += 1
 
 
-class Broken(grpc.RpcError):
-    def code(self):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED
-
-    def details(self):
-        return "too many streams"
-
-    def trailing_metadata(self):
-        return ()
-
-
 class Channel:
     def __init__(self, broken=None):
         self.opened, self.calls, self.broken = [], [], broken
@@ -149,7 +139,7 @@ def test_echo_stream_sends_each_payload_on_one_call_and_returns_the_replys():
 
 
 def test_a_broken_echo_stream_raises_client_error_with_the_calls_code_and_details():
-    ch = Channel(Broken())
+    ch = Channel(RpcErr(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many streams"))
     e = EchoStream(SimpleNamespace(_channel=ch, _metadata=None))
     with pytest.raises(ClientError) as err:
         e.echo(b"q")
@@ -179,10 +169,10 @@ class StreamCall:
         got = self.outcomes.pop(0)
         if got == "closing":                       # close() from another thread, then the call breaks
             self.s._closed = True
-            raise Refused(grpc.StatusCode.UNAVAILABLE, "gone")
+            raise RpcErr(grpc.StatusCode.UNAVAILABLE, "gone")
         if got == "expired":                       # the watchdog cancelled the call: gRPC says CANCELLED
             self.s._expired = True
-            raise Refused(grpc.StatusCode.CANCELLED)
+            raise RpcErr(grpc.StatusCode.CANCELLED, "refused")
         if isinstance(got, Exception):
             raise got
         if got is None:
@@ -194,20 +184,6 @@ class StreamCall:
 
     def cancel(self):
         self.cancels += 1
-
-
-class Refused(grpc.RpcError):
-    def __init__(self, code, details="refused"):
-        self._code, self._details = code, details
-
-    def code(self):
-        return self._code
-
-    def details(self):
-        return self._details
-
-    def trailing_metadata(self):
-        return ()
 
 
 class StreamClient:
@@ -243,14 +219,31 @@ class StreamClient:
         self.log.append(("pause", seconds))
 
 
+def _sync_stream(client, stream_id):
+    """A StepStream on `client` (pool p, page size 4); client.stream is where StreamCall reads its deadline."""
+    s = StepStream(client, "p", page_size=4, stream_id=stream_id)
+    client.stream = s
+    return s
+
+
+def _pending_refused(s):
+    """Request 1 sent as the pending step: the ClientError it raised; the stream is closed after."""
+    try:
+        s.pending = s.start(b"body", False, False, None)
+        with pytest.raises(ClientError) as err:
+            s._roundtrip(s.pending.data, 1)
+    finally:
+        s.close()
+    return err.value
+
+
 def test_a_sync_stream_sends_each_request_on_its_call_and_reopens_a_broken_one_under_the_same_id():
     md_a, md_b, md_c = (("e", "1"),), (("e", "2"),), (("e", "3"),)
     client = StreamClient([([pb.StepReply(stream_seq=1), pb.StepReply(stream_seq=2), None], md_a),
                            ([pb.StepReply(stream_seq=3), "expired"], md_b),
-                           ([pb.StepReply(stream_seq=4), Refused(grpc.StatusCode.PERMISSION_DENIED, "not yours")],
+                           ([pb.StepReply(stream_seq=4), RpcErr(grpc.StatusCode.PERMISSION_DENIED, "not yours")],
                             md_c)])
-    s = StepStream(client, "p", page_size=4, stream_id="s-t")
-    client.stream = s
+    s = _sync_stream(client, "s-t")
     try:
         assert s._roundtrip(b"d1", 1).stream_seq == 1 and s._deadline == 0.0
         watchdog = s._watchdog
@@ -291,15 +284,8 @@ def test_a_sync_stream_sends_each_request_on_its_call_and_reopens_a_broken_one_u
 
 def test_a_sync_stream_whose_policy_allows_one_attempt_raises_at_once_and_keeps_the_request_pending():
     client = StreamClient([([None], ())], retry=RetryPolicy(attempts=1))
-    s = StepStream(client, "p", page_size=4, stream_id="s-1")
-    client.stream = s
-    try:
-        s.pending = s.start(b"body", False, False, None)
-        with pytest.raises(ClientError) as err:
-            s._roundtrip(s.pending.data, 1)
-    finally:
-        s.close()
-    e = err.value
+    s = _sync_stream(client, "s-1")
+    e = _pending_refused(s)
     assert (e.code, e.reason) == (grpc.StatusCode.UNAVAILABLE, "RETRIES_EXHAUSTED") and s.pending is not None
     assert e.message.startswith("StepStream s-1 (request 1) to mgr:1: no manager answered within its 40 s deadline "
                                 "(1 attempt in ")
@@ -427,8 +413,7 @@ def test_a_sync_stream_whose_policy_allows_two_attempts_reopens_once_then_gives_
     step gives up once its two attempts were spent."""
     client = StreamClient([([None], ()), ([pb.StepReply(stream_seq=1), None], ()), ([None], ())],
                           retry=RetryPolicy(attempts=2))
-    s = StepStream(client, "p", page_size=4, stream_id="s-2")
-    client.stream = s
+    s = _sync_stream(client, "s-2")
     try:
         assert s._roundtrip(b"d1", 1).stream_seq == 1 and s.reconnects == 1
         with pytest.raises(ClientError) as err:
@@ -463,22 +448,15 @@ def test_a_sync_stream_closed_while_waiting_is_not_reopened_and_a_silent_call_sa
     """close() from another thread while a step waits: the broken call is reported, not reopened, and the request
     stays pending; with one attempt allowed, a call the watchdog cancelled gives up as DEADLINE_EXCEEDED."""
     client = StreamClient([(["closing"], ())])
-    s = StepStream(client, "p", page_size=4, stream_id="s-z")
-    client.stream = s
+    s = _sync_stream(client, "s-z")
     s.close()                                                  # nothing open yet: closing is harmless
     assert (s._call, s._queue, s._closed) == (None, None, True)
     s._closed = False
-    try:
-        s.pending = s.start(b"body", False, False, None)
-        with pytest.raises(ClientError) as err:
-            s._roundtrip(s.pending.data, 1)
-    finally:
-        s.close()
-    assert err.value.code == grpc.StatusCode.UNAVAILABLE and err.value.message.startswith("gone; request 1 of stream")
+    e = _pending_refused(s)
+    assert e.code == grpc.StatusCode.UNAVAILABLE and e.message.startswith("gone; request 1 of stream")
     assert client.log == [("failed", 0)] and s.reconnects == 0 and s.pending is not None
     client = StreamClient([(["expired"], ())], retry=RetryPolicy(attempts=1))
-    s = StepStream(client, "p", page_size=4, stream_id="s-y")
-    client.stream = s
+    s = _sync_stream(client, "s-y")
     try:
         with pytest.raises(ClientError) as err:
             s._roundtrip(b"x", 1)

@@ -21,6 +21,7 @@ from kvservice.contract.pagetable import PageTable
 from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1 import common_pb2 as cpb
 from kvservice.v1 import worker_pb2 as wpb
+from tests.support_client import RpcErr
 from tests.unit.test_mut_s21a_client import DEAD, Stub, _le
 
 
@@ -112,24 +113,15 @@ def test_copy_blocks_update_tables_and_the_guard_calls_send_what_they_are_given(
     assert reqs[7] == wpb.CorruptGuardRequest(buffer="group0")
 
 
-class Failed(grpc.RpcError):
+class Failed(RpcErr):
     def __init__(self, code, message, reason="", metadata=None):
-        self._code, self._message = code, message
-        self._trailing = ()
+        trailing = ()
         if reason:                       # the rich status a server attaches: google.rpc.Status with an ErrorInfo
             detail = any_pb2.Any()
             detail.Pack(error_details_pb2.ErrorInfo(reason=reason, domain="kvservice.v1", metadata=metadata))
             status = status_pb2.Status(code=code.value[0], message=message, details=[detail])
-            self._trailing = (("grpc-status-details-bin", status.SerializeToString()),)
-
-    def code(self):
-        return self._code
-
-    def details(self):
-        return self._message
-
-    def trailing_metadata(self):
-        return self._trailing
+            trailing = (("grpc-status-details-bin", status.SerializeToString()),)
+        super().__init__(code, message, trailing)
 
 
 @pytest.mark.parametrize("code, what", [

@@ -26,6 +26,7 @@ from kvservice.contract.errors import (
 )
 from kvservice.contract.received import KEEP_BYTES
 from kvservice.contract.sizing import Sizing
+from tests.support_client import RpcErr
 
 #: class -> (documented reason, grpc status, google.rpc code number from google/rpc/code.proto)
 CLASSES = {
@@ -40,22 +41,6 @@ CLASSES = {
 
 
 KEY = "grpc-status-details-bin"
-
-
-class FailedCall(grpc.RpcError):
-    """A failed call as a client sees it (grpc.Call's code, details and trailing metadata)."""
-
-    def __init__(self, code, details, trailing):
-        self._code, self._details, self._trailing = code, details, trailing
-
-    def code(self):
-        return self._code
-
-    def details(self):
-        return self._details
-
-    def trailing_metadata(self):
-        return self._trailing
 
 
 @pytest.mark.parametrize("cls", list(CLASSES))
@@ -93,7 +78,7 @@ def test_to_status_gives_each_class_its_code_and_error_info_reads_it_back(cls):
     assert wire.details[0].Unpack(info)
     want = (reason, "kvservice.v1", {k: str(v) for k, v in meta.items()})
     assert (info.reason, info.domain, dict(info.metadata)) == want
-    got = status.error_info(FailedCall(st.code, st.details, st.trailing_metadata))
+    got = status.error_info(RpcErr(st.code, st.details, st.trailing_metadata))
     assert isinstance(got, error_details_pb2.ErrorInfo)
     assert (got.reason, got.domain, dict(got.metadata)) == want
 
@@ -101,17 +86,17 @@ def test_to_status_gives_each_class_its_code_and_error_info_reads_it_back(cls):
 def test_error_info_is_none_without_an_error_info_detail_and_skips_other_details():
     """No trailing metadata, metadata without the status key, or a status whose details hold no ErrorInfo: None.
     An ErrorInfo after another detail is still found."""
-    assert status.error_info(FailedCall(grpc.StatusCode.UNAVAILABLE, "gone", None)) is None
-    assert status.error_info(FailedCall(grpc.StatusCode.UNAVAILABLE, "gone", (("x-other", "1"),))) is None
+    assert status.error_info(RpcErr(grpc.StatusCode.UNAVAILABLE, "gone", None)) is None
+    assert status.error_info(RpcErr(grpc.StatusCode.UNAVAILABLE, "gone", (("x-other", "1"),))) is None
     other = any_pb2.Any()
     other.Pack(error_details_pb2.RetryInfo())
     only_other = status_pb2.Status(code=14, message="gone", details=[other])
-    call = FailedCall(grpc.StatusCode.UNAVAILABLE, "gone", ((KEY, only_other.SerializeToString()),))
+    call = RpcErr(grpc.StatusCode.UNAVAILABLE, "gone", ((KEY, only_other.SerializeToString()),))
     assert status.error_info(call) is None
     info = any_pb2.Any()
     info.Pack(error_details_pb2.ErrorInfo(reason="LATE", domain="kvservice.v1", metadata={"a": "1"}))
     both = status_pb2.Status(code=14, message="gone", details=[other, info])
-    call = FailedCall(grpc.StatusCode.UNAVAILABLE, "gone", ((KEY, both.SerializeToString()),))
+    call = RpcErr(grpc.StatusCode.UNAVAILABLE, "gone", ((KEY, both.SerializeToString()),))
     got = status.error_info(call)
     assert (got.reason, got.domain, dict(got.metadata)) == ("LATE", "kvservice.v1", {"a": "1"})
 

@@ -5,7 +5,8 @@ field (num_tokens, and per pool: cached_tokens, cached_pages, page_size, prefix_
 addresses by id), for a fleet-index member, a pool with an injected hash function (asked one by one) and a pool
 without a cache; and the refusals' exact messages, reasons and metadata (block_manager.proto's ScorePrefix).
 Oracle: a plain-Python model of the caches (a pool serves the longest run of a prompt's leading full pages, at
-most (n - 1) // page_size, that a prompt admitted in the same namespace began with; docs/DESIGN.md)."""
+most (n - 1) // page_size, that a prompt admitted in the same namespace began with; docs/DESIGN.md), the Model
+of test_mut_m28g_routing.py keyed by (cache_salt, extra_key)."""
 
 import numpy as np
 import pytest
@@ -20,21 +21,11 @@ from kvservice.manager.routing import MAX_SCORE_TOKENS, score_prefix, score_pref
 from kvservice.manager.workers import WorkerRegistry
 from kvservice.v1 import block_manager_pb2 as pb
 from kvservice.v1 import common_pb2 as cpb
+from tests.unit.test_mut_m28g_routing import PS, Model
 
-PS = 4
 SPACES = [("", ""), ("t1", ""), ("", "lora-7"), ("t1", "lora-7")]
 MODEL_OF = {"idx": "llm-a", "own": "llm-b", "none": "llm-a"}       # idx: a fleet member; own: its own hash function
 LIVE = {"idx": [("w-1", "10.1.0.1:9"), ("w-4", "10.1.0.4:9")], "own": [], "none": [("w-2", "10.1.0.2:9")]}
-
-
-def _served(admitted, q, space):
-    """Pages of q a cache serves: the longest run of leading full pages some prompt of the namespace began with."""
-    best = 0
-    for j in range(1, (len(q) - 1) // PS + 1):
-        if not any(len(p) >= j * PS and list(p[:j * PS]) == list(q[:j * PS]) for p in admitted.get(space, ())):
-            break
-        best = j
-    return best
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +45,7 @@ def world():
         for wid, address in workers:
             m.register_worker(wid, name, address=address)
     families = [rng.integers(1, 30_000, 80) for _ in range(3)]
-    admitted = {name: {} for name in MODEL_OF}
+    admitted = {name: Model() for name in MODEL_OF}      # the prompts admitted in each pool, by (salt, key)
     next_id = 1
     for name in ("idx", "own"):
         pool = m.pool_and_lock(name)[0]
@@ -65,7 +56,7 @@ def world():
             with m.locked(name):
                 pool.step(admit_ids=[next_id], admit_tokens=[len(p)], admit_token_ids=p, admit_salts=[space[0]],
                           admit_extra_keys=[space[1]])
-            admitted[name].setdefault(space, []).append(p.tolist())
+            admitted[name].admit(p.tolist(), space)
             next_id += 1
     return m, families, admitted
 
@@ -76,7 +67,7 @@ def _score_rows(reply):
 
 
 def _want_rows(admitted, q, space, names):
-    return [(n, _served(admitted[n], q, space) * PS, _served(admitted[n], q, space), PS, n != "none",
+    return [(n, admitted[n].hits(q.tolist(), space) * PS, admitted[n].hits(q.tolist(), space), PS, n != "none",
              [w for w, _ in LIVE[n]], [a for _, a in LIVE[n]]) for n in names]
 
 

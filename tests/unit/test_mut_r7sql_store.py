@@ -50,6 +50,11 @@ def sql(d, statement: str, args=()) -> None:
         db.close()
 
 
+def damaged(err: StateError, said: str) -> None:
+    """err is the STATE_DAMAGED refusal whose whole message is `said`, then the remedy: restore from a backup."""
+    assert (err.reason, err.message) == ("STATE_DAMAGED", f"{said} {RESTORE}")
+
+
 # ---- load_snapshot ------------------------------------------------------------------------------------------
 def test_load_snapshot_reads_the_recorded_file_and_says_where_it_is(tmp_path):
     """The recorded snapshot: (seq, the file's bytes), and snapshot_where names it relative to DIR."""
@@ -79,8 +84,7 @@ def test_a_snapshot_record_naming_a_file_outside_the_snapshot_dir_is_refused(tmp
         assert st.snapshot_where == f"snapshots/{name}"
     finally:
         st.close(clean=True, seq=n)
-    assert (ei.value.reason, ei.value.message) == (
-        "STATE_DAMAGED", f"{d / 'state.db'}: the snapshot record names {name!r} (damaged). {RESTORE}")
+    damaged(ei.value, f"{d / 'state.db'}: the snapshot record names {name!r} (damaged).")
 
 
 def test_a_snapshot_record_that_cannot_be_read_is_refused(tmp_path):
@@ -95,9 +99,8 @@ def test_a_snapshot_record_that_cannot_be_read_is_refused(tmp_path):
             st.load_snapshot()
     finally:
         st.close(clean=True, seq=n)
-    assert (ei.value.reason, ei.value.message) == (
-        "STATE_DAMAGED", f"{d / 'state.db'}: the snapshot record cannot be read (cannot unpack non-iterable "
-        f"NoneType object). {RESTORE}")
+    damaged(ei.value, f"{d / 'state.db'}: the snapshot record cannot be read (cannot unpack non-iterable "
+                      f"NoneType object).")
 
 
 def test_a_snapshot_gone_beside_a_running_manager_asks_to_check_again(tmp_path):
@@ -118,9 +121,8 @@ def test_a_snapshot_gone_beside_a_running_manager_asks_to_check_again(tmp_path):
     finally:
         ro.close(clean=True, seq=n)
         w.close(clean=True, seq=n)
-    assert (ei.value.reason, ei.value.message) == (
-        "STATE_DAMAGED", f"{f}: the snapshot at {at} is missing (the running manager replaced it meanwhile: run the "
-        f"check again); the entries it covers were dropped, so the state cannot be rebuilt without it. {RESTORE}")
+    damaged(ei.value, f"{f}: the snapshot at {at} is missing (the running manager replaced it meanwhile: run the "
+                      f"check again); the entries it covers were dropped, so the state cannot be rebuilt without it.")
 
 
 def test_load_snapshot_without_a_snapshot_is_none(tmp_path):
@@ -150,9 +152,8 @@ def test_an_entry_that_cannot_be_read_is_refused_after_the_ones_before_it(tmp_pa
     finally:
         st.close(clean=True, seq=5)
     assert got == es[2:]
-    assert (ei.value.reason, ei.value.message) == (
-        "STATE_DAMAGED", f"{d / 'state.db'}: journal entries cannot be read (ValueError: could not convert string to "
-        f"float: 'soon'). {RESTORE}")
+    damaged(ei.value, f"{d / 'state.db'}: journal entries cannot be read (ValueError: could not convert string to "
+                      f"float: 'soon').")
 
 
 # ---- _connect -----------------------------------------------------------------------------------------------
