@@ -28,8 +28,9 @@ import nats.js.errors
 import pytest
 
 from kvservice.contract.errors import InvalidArgument
+from kvservice.state.nats import leader as leader_module
 from kvservice.state.nats.config import StoreError
-from kvservice.state.nats.leader import KEY, Holder, Lease, LeaseConfig, LeaseLapsed
+from kvservice.state.nats.leader import KEY, Holder, Lease, LeaseConfig, LeaseLapsed, LeaseLost
 from tests.clocks import ManualClock
 from tests.unit.test_mut_r3sn_lease import RecordingLink
 
@@ -381,3 +382,71 @@ def test_wait_valid_looks_again_at_least_every_50_ms_while_lapsed():
     with pytest.raises(LeaseLapsed):
         lease.wait_valid(0.3)
     assert rec.waits and max(rec.waits) <= 0.05
+
+
+class PacedAsyncio:
+    """Stands in for the asyncio module inside leader.py: sleeps and wait_for timeouts are recorded (and not
+    waited), run_coroutine_threadsafe records its loop and closes the coroutine unrun."""
+
+    def __init__(self) -> None:
+        self.sleeps, self.timeouts, self.started = [], [], []
+
+    async def sleep(self, seconds):
+        self.sleeps.append(seconds)
+        await asyncio.sleep(0)
+
+    async def wait_for(self, aw, timeout):
+        self.timeouts.append(timeout)
+        return await aw
+
+    def run_coroutine_threadsafe(self, coro, loop):
+        self.started.append((coro.__qualname__, loop))
+        coro.close()
+        return "renewer"
+
+
+@pytest.mark.parametrize(("renew", "wait", "pause"), [(0.01, 0.25, 0.0025), (1.0, 1.0, 0.1), (0.2, 0.25, 0.05)])
+def test_the_renewer_sleeps_a_period_waits_at_least_a_quarter_second_and_pauses_after_a_failure(
+        monkeypatch, renew, wait, pause):
+    paced = PacedAsyncio()
+    monkeypatch.setattr(leader_module, "asyncio", paced)
+    kv = ScriptKV([lambda: TimeoutError(), lambda: 90])
+    lease, _, _ = _lease(kv, ttl=4.0, renew=renew)
+    asyncio.run(lease._take(None))
+    asyncio.run(lease._renew_loop())
+    assert paced.timeouts == [wait, wait, wait]            # failed, renewed, (script done)
+    assert paced.sleeps == [renew, pause, renew]
+
+
+def test_start_renewing_needs_the_lease_then_runs_the_renewer_on_the_links_loop(monkeypatch):
+    paced = PacedAsyncio()
+    monkeypatch.setattr(leader_module, "asyncio", paced)
+    lease, _, link = _lease(ScriptKV())
+    link.loop = object()
+    with pytest.raises(LeaseLost) as err:
+        lease.start_renewing(3, print)
+    assert (type(err.value), err.value.message) == (LeaseLost, "start_renewing without holding the lease")
+    assert paced.started == [] and lease.epoch == 0
+    asyncio.run(lease._take(None))
+    told = []
+    lease.start_renewing(12, told.append)
+    assert paced.started == [("Lease._renew_loop", link.loop)] and lease._renewer == "renewer"
+    assert lease.epoch == 12 and lease._on_lost == told.append
+
+
+def test_wait_valid_with_no_time_left_raises_without_waiting(monkeypatch):
+    clock = ManualClock(50.0)
+    monkeypatch.setattr(leader_module, "time", SimpleNamespace(monotonic=clock))
+    lease, lclock, _ = _lease(ScriptKV())
+    asyncio.run(lease._take(None))
+    lclock.now = lease.valid_until
+    rec = RecordingCondition(lease._changed)
+
+    def no_wait(timeout):
+        rec.waits.append(timeout)
+        raise AssertionError("waited with no time left")
+    rec.wait = no_wait
+    lease._changed = rec
+    with pytest.raises(LeaseLapsed):
+        lease.wait_valid(0.0)
+    assert rec.waits == []
