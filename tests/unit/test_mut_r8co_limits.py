@@ -57,4 +57,5 @@ def test_a_count_over_max_seq_len_reports_the_value_and_the_limit():
     assert err.metadata == {"value": "301", "max_seq_len": "300"}
     info = _error_info(err)
     assert info.reason == "OVER_MAX_SEQ_LEN" and dict(info.metadata) == {"value": "301", "max_seq_len": "300"}
-    assert err.message == "extend_num_tokens[7] = 301 tokens: pool 'q' takes at most max_seq_len=300 tokens per sequence"
+    assert err.message == ("extend_num_tokens[7] = 301 tokens: pool 'q' takes at most max_seq_len=300 tokens per "
+                           "sequence")
