@@ -50,7 +50,7 @@ def test_split_advice_names_at_least_one_token_per_step_and_scales_with_the_room
     half = b.rest + (b.total - b.rest) // 2
     for limit, per_step in ((b.rest, 1), (b.rest + 1, 1), (half, tokens * (half - b.rest) // (b.total - b.rest))):
         assert per_step >= 1 and limit < b.slot_mappings + b.rest
-        m, _, api = _model_and_api(limit)
+        api = _model_and_api(limit)[2]
         with pytest.raises(ResourceExhausted) as e:
             api.Step(r)
         assert f"split it into smaller steps (at most about {per_step} new tokens per step for this pool)" \

@@ -1,7 +1,8 @@
 """BlockManager.register_worker as a journal replays it (enforce=False): a registration's incarnation is adopted
 only by a pool that has none (a state saved without one); a pool that has an incarnation keeps it, whatever a
-replayed registration carries (0 included). Oracle: the docstrings of BlockManager.register_worker and
-restore_incarnation, and the STALE_INCARNATION refusal's metadata (docs/DESIGN.md: an incarnation names one creation of a pool, in [1, 2^63))."""
+replayed registration carries (0 included); and the STALE_INCARNATION refusal's metadata. Oracle: the docstrings
+of BlockManager.register_worker and restore_incarnation (docs/DESIGN.md: an incarnation names one creation of a
+pool, in [1, 2^63))."""
 
 import pytest
 
