@@ -9,13 +9,15 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+import grpc
 import numpy as np
+import pytest
 
-from kvservice.client.codec import to_tensor
+from kvservice.client.codec import ClientError, to_tensor
 from kvservice.client.stream import AsyncStepStream, StepStream
 from kvservice.v1 import block_manager_pb2 as pb
 
-TRACKER = SimpleNamespace(seen=lambda: None, check=lambda *a: None)
+TRACKER = SimpleNamespace(seen=lambda: "seen@0", check=lambda *a: None)
 
 
 def _reply(seq, free):
@@ -70,3 +72,78 @@ def test_a_sync_streams_plain_step_asks_for_tables_but_not_the_block_table():
         s.close()
     assert got == [51, 52, 53]
     assert _sent_flags(sent) == [(False, False, 1, True), (True, False, 2, True), (False, True, 3, True)]
+
+
+class Flaky:
+    """A stream's _roundtrip: records each (seq, request) and answers with the next scripted outcome (an error
+    raised, or a reply to that seq with `free` slots)."""
+
+    def __init__(self, outcomes):
+        self.outcomes, self.sent = list(outcomes), []
+
+    def answer(self, data, seq):
+        self.sent.append((seq, pb.StepRequest.FromString(data)))
+        got = self.outcomes.pop(0)
+        if isinstance(got, Exception):
+            raise got
+        return _reply(seq, got)
+
+    async def aanswer(self, data, seq):
+        return self.answer(data, seq)
+
+
+def _lost():
+    return ClientError(grpc.StatusCode.UNAVAILABLE, "no reply")
+
+
+def test_an_asyncio_stream_keeps_deltas_on_by_default_and_holds_an_unanswered_step_with_its_flags():
+    """AsyncStepStream(client, pool, page_size): deltas on (the request asks for delta tables from the mirror's
+    seq 0 and accepts tokens_added; no block table is asked of the manager, the mirror has it); an unanswered step
+    stays pending with the flags it was asked with; resolve() counts every resend."""
+    s = AsyncStepStream(_client(), "p", 4, stream_id="s-f")
+    flaky = Flaky([_lost()])
+    s._roundtrip = flaky.aanswer
+
+    async def run():
+        with pytest.raises(ClientError):
+            await s.step(admit=[5], admit_tokens=[9], block_table=True)
+    asyncio.run(run())
+    assert s.deltas is True
+    (seq, req), = flaky.sent
+    assert (seq, req.stream_seq, req.delta_tables, req.delta_base, req.accept_tokens_added,
+            req.include_block_table, req.omit_tables) == (1, 1, True, 0, True, False, False)
+    assert (s.pending.seq, s.pending.tables, s.pending.block_table, s.pending.seen) == (1, True, True, "seen@0")
+
+
+def test_an_asyncio_streams_resolve_counts_each_resend_of_the_pending_step():
+    s = AsyncStepStream(_client(), "p", 4, deltas=False, stream_id="s-g")
+    flaky = Flaky([_lost(), _lost(), 61])
+    s._roundtrip = flaky.aanswer
+
+    async def run():
+        with pytest.raises(ClientError):
+            await s.step(extend=[7], tables=False)
+        with pytest.raises(ClientError):
+            await s.resolve()
+        assert (s.resolved, s.pending.seq) == (1, 1)
+        got = await s.resolve()
+        assert await s.resolve() is None
+        return got
+    got = asyncio.run(run())
+    assert (got.num_free_slots, s.resolved, s.pending, s.seq) == (61, 2, None, 1)
+    assert [seq for seq, _ in flaky.sent] == [1, 1, 1]
+    assert len({r.SerializeToString() for _, r in flaky.sent}) == 1       # resent unchanged
+
+
+def test_a_sync_stream_holds_an_unanswered_step_with_its_flags():
+    s = StepStream(_client(), "p", page_size=4, stream_id="s-h")
+    flaky = Flaky([_lost()])
+    s._roundtrip = flaky.answer
+    try:
+        with pytest.raises(ClientError):
+            s.step(admit=[5], block_table=True)
+    finally:
+        s.close()
+    (seq, req), = flaky.sent
+    assert (req.stream_seq, req.delta_tables, req.include_block_table) == (1, True, False)
+    assert (s.pending.seq, s.pending.tables, s.pending.block_table, s.pending.seen) == (1, True, True, "seen@0")
