@@ -145,5 +145,6 @@ def test_a_sync_stream_holds_an_unanswered_step_with_its_flags():
     finally:
         s.close()
     (seq, req), = flaky.sent
+    assert seq == 1
     assert (req.stream_seq, req.delta_tables, req.include_block_table) == (1, True, False)
     assert (s.pending.seq, s.pending.tables, s.pending.block_table, s.pending.seen) == (1, True, True, "seen@0")
