@@ -52,3 +52,40 @@ def test_a_subscriber_at_the_oldest_retained_batch_or_caught_up_is_not_heavy():
     assert m.events.subscribe("p", oldest, "t", limit=False).heavy(live_from=oldest)
     assert not m.events.subscribe("p", head + 1, "t", limit=False).heavy(live_from=0)
     assert m.events.subscribe("p", head + 2, "t", limit=False).heavy(live_from=0)
+
+
+class _CountedCondition:
+    """The hub's condition, counting the waits a poll makes (a poll with a batch ready makes none)."""
+
+    def __init__(self, cond):
+        self.cond, self.waits = cond, []
+
+    def __enter__(self):
+        return self.cond.__enter__()
+
+    def __exit__(self, *exc):
+        return self.cond.__exit__(*exc)
+
+    def wait(self, timeout=None):
+        self.waits.append(timeout)
+        return self.cond.wait(0)
+
+    def __getattr__(self, name):
+        return getattr(self.cond, name)
+
+
+def test_a_poll_with_the_last_committed_batch_ready_returns_it_without_waiting():
+    """Subscription.poll waits only while nothing at or after next_seq is committed: a subscriber at the newest
+    committed batch (next_seq == committed) gets it at once, and one past it waits (timeout passed on)."""
+    m = _manager()
+    pool = _steps(m, Workload(np.random.default_rng(31)), 6)
+    head = pool.events.seq
+    log = m.events.logs["p"]
+    assert log.committed == head >= 2
+    counted = _CountedCondition(m.events.cond)
+    m.events.cond = counted
+    at_last = m.events.subscribe("p", head, "t", limit=False)
+    got = at_last.poll(timeout=600.0)
+    assert [lb.seq for lb in got] == [head] and counted.waits == []
+    past = m.events.subscribe("p", head + 1, "t", limit=False)
+    assert past.poll(timeout=7.5) == [] and counted.waits == [7.5]
