@@ -1,0 +1,48 @@
+"""kvservice/server/ha.py HAController._follow: a standby that starts following measures its lag and looks at the
+lease on its very first pass, after one shortest poll (5 ms), whatever the monotonic clock reads then; it does
+not wait a second first (docs/HA.md, "take (standby, every poll_seconds)": its looks start with its first poll).
+
+The monotonic clock is a ManualClock from 0 moved by each poll's timeout (the fakes of test_mut_r3sv_ha stand in
+for the store and lease), so the first pass is decided by the code, not by how long the machine has been up.
+Oracle: _follow's polling rule recomputed by hand: timeout = min(poll, max(0.005, next_look - now)).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from kvservice.server import ha as ha_module
+from kvservice.server.ha import HAController
+from tests.clocks import ManualClock
+from tests.unit.test_mut_r3sv_ha import _Lease, _Store
+
+
+class _CountingStore(_Store):
+    """The caught-up stream; every poll moves the clock by its timeout; lag measurements are counted."""
+
+    def __init__(self, clock: ManualClock, behind: int) -> None:
+        super().__init__()
+        self.clock = clock
+        self.behind = behind
+        self.measured = 0
+
+    def poll(self, timeout: float) -> list:
+        self.clock.now += timeout
+        return super().poll(timeout)
+
+    def stream_last_seq(self) -> int:
+        self.measured += 1
+        return self.last_stream_seq + self.behind
+
+
+def test_the_first_pass_measures_the_lag_and_looks_at_the_lease_after_one_shortest_poll(monkeypatch) -> None:
+    clock = ManualClock(0.0)
+    monkeypatch.setattr(ha_module, "time", SimpleNamespace(monotonic=clock))
+    store, lease = _CountingStore(clock, behind=4), _Lease(looks=1)
+    ha = HAController(journal=None, store=store, lease=lease, gate=None)
+    lease.controller = ha
+    ha._follow()
+    assert store.timeouts == [0.005]
+    assert (lease.acquire_calls, lease.due_calls) == (1, 1)
+    assert store.measured == 1 and ha.lag_entries == 4
+    assert clock.now == 0.005
