@@ -25,6 +25,10 @@ class _CountingStore(_Store):
         self.clock = clock
         self.behind = behind
         self.measured = 0
+        self.restarts = 0
+
+    def stop_reading(self) -> None:
+        self.restarts += 1
 
     def poll(self, timeout: float) -> list:
         self.clock.now += timeout
@@ -46,3 +50,20 @@ def test_the_first_pass_measures_the_lag_and_looks_at_the_lease_after_one_shorte
     assert (lease.acquire_calls, lease.due_calls) == (1, 1)
     assert store.measured == 1 and ha.lag_entries == 4
     assert clock.now == 0.005
+
+
+def test_a_standby_behind_at_its_first_measurement_keeps_its_consumer_whatever_message_it_read(monkeypatch, caplog):
+    """Only a second measurement that finds the same message read while still behind restarts the consumer: the
+    first one has nothing to compare with, even when the standby has read exactly stream message 1."""
+    import logging
+
+    clock = ManualClock(0.0)
+    monkeypatch.setattr(ha_module, "time", SimpleNamespace(monotonic=clock))
+    store, lease = _CountingStore(clock, behind=3), _Lease(looks=1)
+    store.last_stream_seq = 1
+    ha = HAController(journal=None, store=store, lease=lease, gate=None)
+    lease.controller = ha
+    with caplog.at_level(logging.WARNING, logger="kvservice"):
+        ha._follow()
+    assert (store.measured, store.restarts, ha.lag_entries) == (1, 0, 3)
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
