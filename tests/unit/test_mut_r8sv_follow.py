@@ -67,3 +67,31 @@ def test_a_standby_behind_at_its_first_measurement_keeps_its_consumer_whatever_m
         ha._follow()
     assert (store.measured, store.restarts, ha.lag_entries) == (1, 0, 3)
     assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+class _DueLease(_Lease):
+    """The holder's TTL ends `due_in` seconds after each look (by the lease's own clock): take_due names it."""
+
+    def __init__(self, looks: int, due_in: float) -> None:
+        super().__init__(looks)
+        self.due_in = due_in
+
+    def take_due(self):
+        self.due_calls += 1
+        return self.clock() + self.due_in
+
+
+def test_a_standby_polls_only_until_the_holders_ttl_ends_then_looks_again(monkeypatch) -> None:
+    """docs/HA.md: "The standby looks again exactly when that TTL ends (Lease.take_due), not at its next poll
+    after it": after the first look the next poll waits due - now (7 ms here, under poll_seconds = 10 ms)."""
+    import pytest
+
+    clock = ManualClock(0.0)
+    monkeypatch.setattr(ha_module, "time", SimpleNamespace(monotonic=clock))
+    store, lease = _CountingStore(clock, behind=0), _DueLease(looks=2, due_in=0.007)
+    ha = HAController(journal=None, store=store, lease=lease, gate=None)
+    lease.controller = ha
+    ha._follow()
+    assert store.timeouts == pytest.approx([0.005, 0.007])
+    assert (lease.acquire_calls, lease.due_calls) == (2, 2)
+    assert clock.now == pytest.approx(0.012)
