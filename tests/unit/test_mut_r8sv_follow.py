@@ -95,3 +95,16 @@ def test_a_standby_polls_only_until_the_holders_ttl_ends_then_looks_again(monkey
     assert store.timeouts == pytest.approx([0.005, 0.007])
     assert (lease.acquire_calls, lease.due_calls) == (2, 2)
     assert clock.now == pytest.approx(0.012)
+
+
+def test_between_measurements_the_lag_is_what_the_server_said_with_the_last_message(monkeypatch) -> None:
+    """store.pending (the messages the server said are left, with the last one delivered) is the lag gauge
+    between the once-a-second measurements: the second pass (15 ms in) shows it, not the measured 0."""
+    clock = ManualClock(0.0)
+    monkeypatch.setattr(ha_module, "time", SimpleNamespace(monotonic=clock))
+    store, lease = _CountingStore(clock, behind=0), _Lease(looks=2)
+    store.pending = 9
+    ha = HAController(journal=None, store=store, lease=lease, gate=None)
+    lease.controller = ha
+    ha._follow()
+    assert (store.measured, len(store.timeouts), ha.lag_entries) == (1, 2, 9)
