@@ -108,3 +108,21 @@ def test_between_measurements_the_lag_is_what_the_server_said_with_the_last_mess
     lease.controller = ha
     ha._follow()
     assert (store.measured, len(store.timeouts), ha.lag_entries) == (1, 2, 9)
+
+
+def test_a_standby_stuck_behind_for_a_second_restarts_its_consumer_once_and_says_so(monkeypatch, caplog) -> None:
+    """The lag is measured once a second (at 5 ms, then at the first pass >= 1.005 s); the second measurement
+    finds the same stream message read while still 3 behind: one warning naming the lag, one new consumer."""
+    import logging
+
+    clock = ManualClock(0.0)
+    monkeypatch.setattr(ha_module, "time", SimpleNamespace(monotonic=clock))
+    store, lease = _CountingStore(clock, behind=3), _Lease(looks=110)     # 5 ms, then 10 ms a pass: ~1.095 s
+    ha = HAController(journal=None, store=store, lease=lease, gate=None)
+    lease.controller = ha
+    with caplog.at_level(logging.WARNING, logger="kvservice"):
+        ha._follow()
+    assert 1.0 < clock.now < 1.2
+    assert (store.measured, store.restarts, ha.lag_entries) == (2, 1, 3)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [
+        "standby: no journal message for 1 s while 3 behind; reading on with a new consumer"]
