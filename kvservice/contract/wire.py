@@ -16,6 +16,9 @@ _TO_NP = {
 _FROM_NP = {np.dtype("int32"): pb.INT32, np.dtype("int64"): pb.INT64, np.dtype("uint64"): pb.UINT64,
             np.dtype("uint32"): pb.UINT32,
             np.dtype("float16"): pb.FLOAT16, np.dtype("float32"): pb.FLOAT32}
+#: Float codes whose items NumPy holds as raw unsigned integers (it has no bfloat16 or float8): integer kinds on the
+#: host, floats on the wire, so a field that wants integers refuses them by code, not only by NumPy kind.
+_RAW_FLOATS = frozenset((pb.BFLOAT16, pb.FLOAT8_E4M3, pb.FLOAT8_E5M2))
 MAX_DIMS = 8
 MAX_SPAN_BYTES = 2**62
 
@@ -62,13 +65,14 @@ def from_tensor(t: pb.Tensor, name: str, kinds: str = "iu") -> np.ndarray:
     """Decode a Tensor without copying; InvalidArgument naming the field if it is malformed.
 
     The declared shape is checked against the bytes that came before anything is built from
-    it. kinds: allowed NumPy dtype kinds ("iu" integers, "f" floats).
+    it. kinds: allowed NumPy dtype kinds ("iu" integers, "f" floats); without "f", the float codes NumPy holds as
+    raw unsigned items (BFLOAT16, FLOAT8_*) are refused too: float data is never read as integers.
     """
     want = _TO_NP.get(t.dtype)
     if want is None:
         raise InvalidArgument(f"{name}: dtype {pb.DType.Name(t.dtype) if t.dtype in pb.DType.values() else t.dtype}"
                               f" is not an array dtype")
-    if want.kind not in kinds:
+    if want.kind not in kinds or ("f" not in kinds and t.dtype in _RAW_FLOATS):
         raise InvalidArgument(f"{name}: dtype {pb.DType.Name(t.dtype)} not allowed here")
     data = t.data                       # each read of a bytes field builds a new object: read it once
     if len(data) % want.itemsize:
