@@ -374,3 +374,23 @@ def test_measure_lag_is_the_stream_messages_not_applied_and_none_when_nats_does_
         raise StoreError("no responders")
     store.stream_last_seq = down
     assert ha._measure_lag() is None and ha.lag_entries == 17
+
+
+def test_export_state_fills_an_existing_empty_dir(nats1, tmp_path):
+    """A backup target that already exists but holds no state (a mounted volume, a dir made beforehand) is used as
+    it is (docs/HA.md: the export refuses only a dir that already holds kvservice state); the backup then opens as a
+    state dir at the source's position."""
+    from kvservice.server.ha import export_state
+    from kvservice.state.sqlite.store import DB_NAME, SqliteStore
+
+    config = _config(nats1)
+    _seed(config)
+    target = tmp_path / "mounted"
+    target.mkdir()
+    src = export_state(config, target)
+    assert (target / DB_NAME).exists()
+    store = SqliteStore.open(target, readonly=True)
+    try:
+        assert store.load_snapshot()[0] == src.seq > 0
+    finally:
+        store.close(clean=False, seq=src.seq)
