@@ -185,3 +185,32 @@ def test_configure_events_starts_one_publisher_per_zmq_config_and_stops_them_on_
             configure_events(m2, EventsConfig(zmq=(first, clash)))
     finally:
         blocker.close()
+
+
+def test_configure_events_starts_a_publisher_on_the_managers_own_hub():
+    """--kv-events-zmq POOL=ENDPOINT: configure_events starts one publisher per entry, reading this manager's hub:
+    a prompt admitted (and made durable: the transaction) reaches a subscriber of the bound endpoint, decoded by
+    vLLM's own structs as a BlockStored of the prompt's full pages."""
+    m = _manager()
+    (pub,) = configure_events(m, EventsConfig(zmq=(_config(),)))
+    s = _sub(pub)
+    rng = np.random.default_rng(41)
+    try:
+        got, sent = None, []
+        for seq_id in range(1, 60):                     # a SUB may miss what came before it joined: admit again
+            tokens = rng.integers(1, 30_000, 3 * PS + 1).astype(np.int64)
+            sent.append(tokens[:3 * PS].tolist())
+            with m.events.transaction():
+                _admit(m, seq_id, tokens)
+            if s.poll(1000):
+                got = s.recv_multipart()
+                break
+        assert got is not None
+        _topic, _seq, payload = got
+        kv = module("0.33.0", "vllm.distributed.kv_events")
+        (stored,) = msgspec.msgpack.Decoder(kv.KVEventBatch).decode(payload).events
+        assert stored.token_ids in sent
+        assert len(stored.block_hashes) == 3 and stored.parent_block_hash is None
+    finally:
+        s.close()
+        pub.stop()
