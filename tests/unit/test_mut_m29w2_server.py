@@ -187,9 +187,10 @@ def test_a_heartbeat_names_the_worker_and_carries_its_own_deadline(led):
 
 
 def _heartbeat_lines(client, worker, level: int, prefix: str, want: int = 2) -> list[str]:
-    """Run the worker's heartbeat loop (0.01 s period) until it logged `want` lines at `level` starting with
-    `prefix` (two: it went round again after the first), then stop it; those lines. Fails if the loop died first
-    or had not got there within 240 s (a bound, not a timing: a loaded machine once missed 60 s)."""
+    """Run the worker's heartbeat loop (lease 0.9 s: a 0.3 s period, and each call's deadline) until it logged
+    `want` lines at `level` starting with `prefix` (two: it went round again after the first), then stop it; those
+    lines. Fails if the loop died first or had not got there within 240 s (a bound, not a timing: a loaded machine
+    once missed 60 s, and once a 0.01 s deadline of the loop's own GetPool)."""
     from kvservice.worker.server import _heartbeat
 
     stop, lines = threading.Event(), []
@@ -205,7 +206,7 @@ def _heartbeat_lines(client, worker, level: int, prefix: str, want: int = 2) -> 
     logger = logging.getLogger("kvworker")
     logger.addHandler(catch)
     request = pb.RegisterWorkerRequest(worker_id="w-3", pool="p", layer_begin=1, layer_end=3, backend="cpu")
-    beat = threading.Thread(target=_heartbeat, args=(client, request, worker.servicer, 0.03, stop), daemon=True)
+    beat = threading.Thread(target=_heartbeat, args=(client, request, worker.servicer, 0.9, stop), daemon=True)
     try:
         beat.start()
         beat.join(240)

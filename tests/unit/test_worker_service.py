@@ -266,9 +266,10 @@ def test_a_heartbeat_reply_from_a_rolled_back_manager_is_refused_and_logged(join
 
 
 def _heartbeat_lines(client, worker, level: int, prefix: str) -> list[str]:
-    """Run a joined worker's heartbeat loop (0.03 s period) until it has logged two lines at `level` starting with
-    `prefix` (the loop went round again after the first), then stop it; those two lines. Fails if the loop died or
-    did not get there within 60 s (an upper bound, not a timing)."""
+    """Run a joined worker's heartbeat loop (lease 0.9 s: a 0.3 s period, and each call's deadline: a 0.01 s one
+    was missed on a loaded machine) until it has logged two lines at `level` starting with `prefix` (the loop went
+    round again after the first), then stop it; those two lines. Fails if the loop died or did not get there within
+    240 s (an upper bound, not a timing)."""
     import logging
     import threading
 
@@ -288,10 +289,10 @@ def _heartbeat_lines(client, worker, level: int, prefix: str) -> list[str]:
     logger = logging.getLogger("kvworker")
     logger.addHandler(catch)
     request = pb.RegisterWorkerRequest(worker_id="w-9", pool="p", backend="cpu", device_name="cpu")
-    beat = threading.Thread(target=_heartbeat, args=(client, request, worker.servicer, 0.03, stop), daemon=True)
+    beat = threading.Thread(target=_heartbeat, args=(client, request, worker.servicer, 0.9, stop), daemon=True)
     try:
         beat.start()
-        beat.join(60)                          # ends once stopped, or when the loop dies
+        beat.join(240)                         # ends once stopped, or when the loop dies
     finally:
         stop.set()
         logger.removeHandler(catch)
