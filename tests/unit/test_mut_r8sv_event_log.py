@@ -26,6 +26,14 @@ RAW_FLOATS = [("BFLOAT16", common_pb2.BFLOAT16, np.uint16), ("FLOAT8_E4M3", comm
               ("FLOAT8_E5M2", common_pb2.FLOAT8_E5M2, np.uint8)]
 
 
+def _api(page: int) -> ManagerAPI:
+    """A manager with pool "p": 64 slots of `page` tokens, prefix caching on."""
+    api = ManagerAPI(BlockManager(3600.0))
+    api.CreatePool(create_pool_request("p", CacheSpec.uniform(2, 2, 8, "float16", page), Sizing(num_slots=64),
+                                       prefix_caching=True))
+    return api
+
+
 def _looked(lens: list[int], page: int) -> int:
     return sum((n - 1) // page for n in lens)
 
@@ -45,9 +53,7 @@ def test_a_float_code_held_as_raw_unsigned_items_is_refused_where_integers_are_w
 
 def test_a_step_with_float8_coded_counts_is_refused_and_changes_nothing() -> None:
     page = 256
-    api = ManagerAPI(BlockManager(3600.0))
-    api.CreatePool(create_pool_request("p", CacheSpec.uniform(2, 2, 8, "float16", page), Sizing(num_slots=64),
-                                       prefix_caching=True))
+    api = _api(page)
     rng = np.random.default_rng(8)
     small = [int(x) for x in rng.integers(1, 256, 3)]
     req = step_request("p", admit=[1, 2, 3], admit_tokens=small,
@@ -63,9 +69,7 @@ def test_a_step_with_float8_coded_counts_is_refused_and_changes_nothing() -> Non
 
 def test_lookup_pages_count_every_admission_of_a_pool_with_wide_pages() -> None:
     page = 256
-    api = ManagerAPI(BlockManager(3600.0))
-    api.CreatePool(create_pool_request("p", CacheSpec.uniform(2, 2, 8, "float16", page), Sizing(num_slots=64),
-                                       prefix_caching=True))
+    api = _api(page)
     rng = np.random.default_rng(9)
     small = [int(x) for x in rng.integers(1, 256, 3)]
     wide = [int(x) for x in rng.integers(300, 2000, 2)]           # more than one page each
