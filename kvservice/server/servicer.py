@@ -88,50 +88,52 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
             return self.api.ScorePrefix(request, readable=current_pools())
 
 
-def _adapter(name: str) -> Callable[..., Any]:
-    def method(self: BlockManagerServicer, request: Any, context: grpc.ServicerContext) -> Any:
-        start = time.perf_counter()
-        code, reason = "OK", ""
-        request, received = unwrap(request)         # Step: the bytes it arrived as, which the journal appends
-        try:
-            apply = self._score_prefix if name == "ScorePrefix" else getattr(self.api, name)
-            if getattr(self.journal, "failed", None):
-                raise JournalUnavailable(f"the manager stopped serving: {self.journal.failed}")  # type: ignore[union-attr]
-            step = None
-            if name == "Step":              # decoded here, once: Limits, the cost check and Pool.step read it
-                step = decode_step(request)
-                apply = functools.partial(self.api.Step, step=step)
-            if self.limits is not None:
-                self.limits.check(name, request, self.api.manager, step)
-            if name in STAMPED:
-                _stamp(name, request)
-            if name in MUTATING and getattr(request, "request_id", ""):     # one idempotency namespace per tenant
-                request.request_id = scoped_request_id(current_principal(), request.request_id)
-            if self.journal is not None and name in MUTATING:
-                with self.api.manager.events.transaction():    # its KV events show once it is durable
-                    return self.journal.execute(name, request, apply, received)
-            if name in STATE_READS and hasattr(self.journal, "read"):
-                return self.journal.read(request, apply)  # type: ignore[union-attr]
-            reply = apply(request)
-            if name in POSITIONED and hasattr(self.journal, "stamp"):
-                self.journal.stamp(reply)                 # type: ignore[union-attr]
-            return reply
-        except JournalUnavailable as err:
-            code = "UNAVAILABLE"
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
-        except KVError as err:
-            status = to_status(err)
-            code, reason = status.code.name, err.reason
-            context.abort_with_status(status)
-        except Exception:
-            code = "INTERNAL"
-            log.exception("%s failed", name, extra={"pool": getattr(request, "pool", None),
-                                                    "request_id": getattr(request, "request_id", None)})
-            context.abort(grpc.StatusCode.INTERNAL, f"internal error in {name}; see the manager's log")
-        finally:
-            self.metrics.observe(name, time.perf_counter() - start, code, reason)
-    method.__name__ = name
-    return method
+def _serve(self: BlockManagerServicer, name: str, request: Any, context: grpc.ServicerContext) -> Any:
+    """One unary RPC `name`: decode, check limits, stamp, journal (mutations) or position (reads), observe.
+
+    A module-level function that every unary method calls by name at call time (functools.partialmethod below),
+    so the test-time mutation tool can switch its body; a closure built at import could not be.
+    """
+    start = time.perf_counter()
+    code, reason = "OK", ""
+    request, received = unwrap(request)         # Step: the bytes it arrived as, which the journal appends
+    try:
+        apply = self._score_prefix if name == "ScorePrefix" else getattr(self.api, name)
+        if getattr(self.journal, "failed", None):
+            raise JournalUnavailable(f"the manager stopped serving: {self.journal.failed}")  # type: ignore[union-attr]
+        step = None
+        if name == "Step":              # decoded here, once: Limits, the cost check and Pool.step read it
+            step = decode_step(request)
+            apply = functools.partial(self.api.Step, step=step)
+        if self.limits is not None:
+            self.limits.check(name, request, self.api.manager, step)
+        if name in STAMPED:
+            _stamp(name, request)
+        if name in MUTATING and getattr(request, "request_id", ""):     # one idempotency namespace per tenant
+            request.request_id = scoped_request_id(current_principal(), request.request_id)
+        if self.journal is not None and name in MUTATING:
+            with self.api.manager.events.transaction():    # its KV events show once it is durable
+                return self.journal.execute(name, request, apply, received)
+        if name in STATE_READS and hasattr(self.journal, "read"):
+            return self.journal.read(request, apply)  # type: ignore[union-attr]
+        reply = apply(request)
+        if name in POSITIONED and hasattr(self.journal, "stamp"):
+            self.journal.stamp(reply)                 # type: ignore[union-attr]
+        return reply
+    except JournalUnavailable as err:
+        code = "UNAVAILABLE"
+        context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
+    except KVError as err:
+        status = to_status(err)
+        code, reason = status.code.name, err.reason
+        context.abort_with_status(status)
+    except Exception:
+        code = "INTERNAL"
+        log.exception("%s failed", name, extra={"pool": getattr(request, "pool", None),
+                                                "request_id": getattr(request, "request_id", None)})
+        context.abort(grpc.StatusCode.INTERNAL, f"internal error in {name}; see the manager's log")
+    finally:
+        self.metrics.observe(name, time.perf_counter() - start, code, reason)
 
 
 def _stamp(name: str, request: Any) -> None:
@@ -151,4 +153,4 @@ def _stamp(name: str, request: Any) -> None:
 for _name in METHODS:
     if _name in STREAMING:
         continue
-    setattr(BlockManagerServicer, _name, _adapter(_name))
+    setattr(BlockManagerServicer, _name, functools.partialmethod(_serve, _name))
