@@ -166,3 +166,63 @@ def test_a_wrong_last_sequence_is_fenced_naming_the_position(err_code):
         st._publish(b"entry", {"Nats-Msg-Id": "m-10"})
     assert err.value.message == ("the journal stream moved past 41 (wrong last sequence: 44): another manager wrote "
                                  "it; this one is no longer the leader")
+
+
+class VirtualClock:
+    """Stands in for the journal module's `time`: monotonic() reads a virtual now that sleep() advances; every
+    sleep is recorded (seconds)."""
+
+    def __init__(self) -> None:
+        self.now, self.slept = 1000.0, []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, s: float) -> None:
+        self.slept.append(s)
+        self.now += s
+
+
+def test_retries_wait_50_ms_doubling_to_at_most_half_a_second(monkeypatch):
+    """docs/HA.md's retry rule: 0.05 s, doubling, capped at 0.5 s (a standby's election takes seconds; a cap keeps
+    the retry within half a second of the new leader)."""
+    from kvservice.state.nats import journal
+
+    clock = VirtualClock()
+    monkeypatch.setattr(journal, "time", clock)
+    st, sent, seen = store_answering([nats.errors.TimeoutError()] * 7 + [ACK], 60.0)
+    st._publish(b"entry-5", {"Nats-Msg-Id": "m-11"})
+    assert clock.slept == pytest.approx([0.05, 0.1, 0.2, 0.4, 0.5, 0.5, 0.5])
+    assert (st.append_retries, seen.guards, len(sent), st.last_stream_seq) == (7, 7, 8, 42)
+
+
+def test_the_last_retry_is_the_one_whose_wait_would_reach_the_append_deadline(monkeypatch):
+    """append_seconds 1.0: waits 0.05+0.1+0.2+0.4 reach 0.75 s; the next wait (0.5 s) would pass the deadline, so
+    the entry is refused then, after four retries, without sleeping again."""
+    from kvservice.state.nats import journal
+
+    clock = VirtualClock()
+    monkeypatch.setattr(journal, "time", clock)
+    st, sent, _ = store_answering([nats.errors.TimeoutError()] * 9, 1.0)
+    with pytest.raises(StoreError) as err:
+        st._publish(b"entry", {"Nats-Msg-Id": "m-12"})
+    assert err.value.message == "NATS did not store the journal entry within 1 s (TimeoutError: nats: timeout)"
+    assert clock.slept == pytest.approx([0.05, 0.1, 0.2, 0.4]) and st.append_retries == 4 and len(sent) == 5
+
+
+def test_a_failed_read_of_the_streams_last_sequence_names_the_store_and_the_call():
+    st = NatsStore.__new__(NatsStore)
+    st.path = "nats://n1:4222/KVJOURNAL"
+    st.config = SimpleNamespace(request_seconds=2.5)
+    asked = []
+
+    def call(coro, timeout, what):
+        coro.close()
+        asked.append((timeout, what))
+        raise nats.errors.TimeoutError
+    st.link = SimpleNamespace(call=call)
+    with pytest.raises(StoreError) as err:
+        st.stream_last_seq()
+    assert err.value.message == "nats://n1:4222/KVJOURNAL: reading the stream's last sequence: TimeoutError: " \
+                                "nats: timeout"
+    assert asked == [(3.5, "reading the stream's last sequence")]

@@ -571,3 +571,24 @@ def test_what_apply_refuses_or_ignores_and_what_it_then_holds():
     m.apply(bare)
     assert m.seq == 0 and not m.has_generations
     np.testing.assert_array_equal(m.num_tokens, [7, 4])
+
+
+@pytest.mark.parametrize("indptr, n_indices", [
+    ([0, 4, 3], 3),     # a row with a negative page count, every first page still >= 0
+    ([0, 6, 6], 6),     # every count >= 0, but the first row holds more pages than its tokens need
+])
+def test_a_full_reply_whose_indptr_breaks_either_bound_alone_is_refused_naming_it(indptr, n_indices):
+    """Each bound on its own refuses the reply: no row may have a negative page count, and no row may hold more
+    pages than its tokens need (its first held page would sit before position 0). Nothing is then held."""
+    model = Model(np.random.default_rng(12), 2, {0: (0, np.int32)})
+    m = holding(model, [(1, 9, 1), (2, 2, 1)], 3)                 # 5 pages and 1 page held
+    bad = model.full_reply(4)
+    st = bad.tables[0]
+    st.indptr.CopyFrom(to_tensor(np.array(indptr, np.int32)))
+    st.indices.CopyFrom(to_tensor(np.arange(1, n_indices + 1, dtype=np.int32)))
+    st.generations.CopyFrom(to_tensor(np.ones(n_indices, np.uint32)))
+    with pytest.raises(MirrorError) as err:
+        m.apply(bad)
+    assert str(err.value) == (f"index space 0: indptr does not describe 2 rows of {n_indices} pages within "
+                              "their sequences")
+    assert m.seq == 0 and m.spaces == {}

@@ -524,3 +524,15 @@ def test_each_call_names_its_generations_argument_and_shape():
     stale = np.array([0, 5, 0], np.uint32)              # entry 1 (page 2) written under generation 5, page is at 0
     res = api.validate_page_table(Spy(), ip, idx, lpl, lay, generations=stale, page_gen=pg)
     assert res.record == ViolationRecord("validate_page_table", 1, 0, 1, 2, "stale_page")
+
+
+def test_decode_names_a_q_that_is_not_three_dimensional_with_the_heads_it_cannot_know():
+    """A q without a heads axis cannot say its head count: the refusal shows it as -1, the shape it expected."""
+    rng = np.random.default_rng(33)
+    buf, lay = _cache(rng, 6, 4, 2, 64)
+    ip, idx, lpl = np.array([0, 2, 3], np.int32), np.array([4, 1, 2], np.int32), np.array([3, 1], np.int32)
+    for shape in ((2, 64), (2, 1, 4, 64)):
+        q = rng.uniform(0.1, 1, shape).astype(np.float32)
+        with pytest.raises(ValueError) as ei:
+            kernels_cpu.decode_attention(q, buf, lay, ip, idx, lpl)
+        assert str(ei.value) == f"q: expected shape [batch, num_q_heads, head_dim] = (2, -1, 64), got {shape}"
