@@ -161,3 +161,45 @@ def test_prefix_hit_counts_that_are_negative_or_missing_are_named(busy, hits):
         counts = counts[:-1]
     state.meta["prefix"]["hits"] = counts
     assert "prefix cache: hit counts per group are missing or negative" in check_pool_state(state, pool.plan)
+
+
+def _tables_spy(pool: Pool, bad: bool = False, fail: bool = False) -> list:
+    """Replace pool.tables_for on this pool object: record each call; `bad`: the first space's first index moved
+    one page past the pool (an emitter bug the state cannot show); `fail`: raise (an emitter over a broken pool)."""
+    calls, real = [], pool.tables_for
+
+    def spy(ids, block_table=False):
+        calls.append(np.asarray(ids).tolist())
+        if fail:
+            raise IndexError("emitting from a broken pool")
+        out = real(ids, block_table)
+        if bad:
+            out[0].table.indices[0] = pool.plan.geometry.pool_pages + 1
+            calls.append(out[0].space.id)
+        return out
+    pool.tables_for = spy
+    return calls
+
+
+def test_an_emitted_index_outside_its_space_is_named_when_nothing_else_is_wrong(busy):
+    pool = fresh(busy)
+    calls = _tables_spy(pool, bad=True)
+    problems = pool_problems(pool)
+    ids, space = calls
+    assert sorted(ids) == [1, 2, 3, 6, 20]
+    assert len(problems) == 1
+    assert problems[0].startswith(f"index space {space}: [Violation(reason='out_of_bounds', row=")
+    assert f"value={pool.plan.geometry.pool_pages + 1}" in problems[0]
+
+
+def test_emitted_tables_are_not_read_once_another_problem_is_found_nor_for_an_empty_pool(busy):
+    """A pool already found broken is not asked for tables (emitting from it may itself fail); a pool with no
+    live sequence has none to check."""
+    pool = fresh(busy)
+    slot = int(pool.sequence_slots(1, 0)[0])
+    pool.allocators[0]._refcnt[slot] += 1
+    calls = _tables_spy(pool, fail=True)
+    assert pool_problems(pool) == [f"group 0: refcount != owners at slot [{slot}]"] and calls == []
+    empty = Pool("e", busy.plan, prefix_caching=True)
+    calls = _tables_spy(empty, fail=True)
+    assert pool_problems(empty) == [] and calls == []

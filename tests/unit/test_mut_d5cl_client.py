@@ -164,3 +164,22 @@ def test_the_leader_event_stream_refuses_a_stale_epoch_and_resumes_on_the_next_a
     assert stale.cancelled and not fresh.cancelled
     assert (c.epoch, c.stale_replies, s.reconnects, s.next_sequence, len(pauses)) == (7, 1, 1, 42, 1)
     assert c.current_target == b
+
+
+def test_a_leader_event_stream_cancelled_before_its_first_call_opens_none_and_yields_nothing():
+    """cancel() before iteration: nothing to cancel yet (no call was opened), and iterating then opens no call."""
+    c = LeaderClient(["127.0.0.1:1"], timeout=3.0)
+    log = []
+    try:
+        c._stubs = [WatchStub("a", [Call(1, [pb.KVEventBatch(sequence=3)])], log)]
+        s = c.watch_events("p", from_sequence=3)
+        s.cancel()
+        assert list(s) == [] and log == [] and s._cancelled
+        s2 = c.watch_events("p", from_sequence=3)
+        got = iter(s2)
+        assert next(got).sequence == 3
+        call = s2._call
+        s2.cancel()                                   # the open call is cancelled, and the stream ends
+        assert call.cancelled and list(got) == []
+    finally:
+        c.close()

@@ -276,3 +276,18 @@ def test_a_model_without_a_paged_layer_names_its_kinds_sorted():
     with pytest.raises(InvalidArgument) as err:
         model_cache(cfg)
     assert err.value.message.startswith("config.json: no layer pages K/V (every layer is mamba, mlp, moe); there ")
+
+
+@pytest.mark.parametrize("dim, ok", [(1, True), (0, False), (-2, False), (True, False), (2.5, False), ("80", False)])
+def test_a_mamba2_head_dim_of_one_is_the_smallest_taken_and_anything_else_not_positive_integral_is_refused(dim, ok):
+    """Nemotron-Nano with mamba_head_dim set by hand: 1 is a valid (if unusual) head dim, planned by the same
+    formula (conv 3 x (128 x 1 + 2 x 8 x 128), SSM 128 x 1 x 128); 0, negatives, booleans, floats and strings are
+    refused naming the field."""
+    cfg = {**heldout("nvidia-nemotron-nano-9b-v2"), "mamba_head_dim": dim}
+    if ok:
+        conv, ssm = 3 * (128 * 1 + 2 * 8 * 128), 128 * 1 * 128
+        assert {(s.conv_elems, s.ssm_elems) for s in model_cache(cfg).state_layers} == {(conv, ssm)}
+    else:
+        with pytest.raises(InvalidArgument) as err:
+            model_cache(cfg)
+        assert err.value.message.endswith(f"field 'mamba_head_dim' must be a positive integer or 'auto', got {dim!r}")

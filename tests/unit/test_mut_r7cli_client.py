@@ -187,3 +187,19 @@ def test_the_channel_resends_every_unary_call_under_the_default_policy(monkeypat
     own = grpc.insecure_channel(DEAD)
     with BlockManagerClient(DEAD, channel=own) as c:                  # a channel given: none is made
         assert c._channel is own and len(made) == 1
+
+
+def test_a_rolled_back_reply_to_a_mutating_call_is_refused_with_that_calls_request_id():
+    """The refusal of a rolled-back DeletePool names the call's request_id (what a scheduler needs to ask the
+    manager later whether that deletion was applied), in the error and in its metadata."""
+    pos = pb.JournalPosition(lineage=0xAB, incarnation=2, seq=9)
+    stub = QueuedStub(GetPool=[at_position(0xAB, 40)], DeletePool=[pb.DeletePoolReply(position=pos)])
+    with _client(stub) as c:
+        c.get_pool("p")
+        with pytest.raises(StateRolledBack) as err:
+            c.delete_pool("p", request_id="del-rb-1")
+    e = err.value
+    assert (e.code, e.reason, e.request_id, e.seen, e.got.seq) == (grpc.StatusCode.DATA_LOSS, "STATE_ROLLED_BACK",
+                                                                   "del-rb-1", 40, 9)
+    assert e.metadata["request_id"] == "del-rb-1" and e.message.startswith("DeletePool: the manager answered at "
+                                                                           "journal position 9 of state lineage")
