@@ -1,4 +1,4 @@
-"""A Step's request walks one way through the code: from the server's handler (the unary adapter, or the stream's
+"""A Step's request walks one way through the code: from the server's handler (the unary _serve, or the stream's
 step_one) through the Limits, the journal and the step service, no file is entered again once the request has
 left it (issue 21: the request used to bounce api -> wire -> manager -> api -> limits -> api -> ... , ten returns).
 
@@ -23,7 +23,7 @@ from kvservice.v1 import block_manager_pb2 as pb
 
 pytestmark = pytest.mark.integration
 SPEC = CacheSpec.uniform(2, 2, 8, "float16", 4)
-HANDLERS = {("server/servicer.py", "method"), ("server/stream.py", "step_one")}
+HANDLERS = {("server/servicer.py", "_serve"), ("server/stream.py", "step_one")}
 
 
 class Walk:
