@@ -450,3 +450,18 @@ def test_a_poll_waits_for_the_next_batch_of_a_live_pool():
     reader.join(120)
     assert not reader.is_alive() and [lb.seq for lb in got[0]] == [1]
     assert got[0][0].batch.events[0].token_ids.tolist() == tokens[:2 * PS].tolist()
+
+
+def test_a_subscriber_owed_a_reset_when_its_pool_is_deleted_gets_all_blocks_cleared_naming_why():
+    """from_sequence 0 asks for a reset (the whole cache); the pool is deleted before the first poll: the reset is
+    AllBlocksCleared alone at the log's last batch, its reason 'the pool was deleted', and then the stream ends."""
+    m = make_manager()
+    run_workload(m, "p", 20, seed=6)
+    sub = m.events.subscribe("p", 0, "grpc")
+    log = m.events.logs["p"]
+    m.delete_pool("p", force=True)                    # its last batch: the forced frees' removals
+    head = log.head
+    (lb,) = sub.poll(0)
+    assert (lb.seq, lb.batch.events, lb.batch.reset) == (head, (ev.AllBlocksCleared(),), True)
+    assert lb.encoded == {"reset_reason": "the pool was deleted"}
+    assert sub.poll(0) is None

@@ -117,3 +117,30 @@ def test_the_next_snapshot_after_a_recovery_is_due_a_tail_after_the_stores_newes
         assert (j2.seq, j2.snapshot_seq) == (10, 10)
     finally:
         crash(j2)
+
+
+def test_a_background_snapshot_is_written_on_a_daemon_thread_named_kvservice_snapshot(tmp_path, monkeypatch):
+    """compact_every 8 with background snapshots: the snapshot due after 6 entries is written on its own daemon
+    thread, named "kvservice-snapshot" (the name a thread dump or py-spy shows), not inline."""
+    import threading
+
+    from kvservice.state import journal as jmod
+
+    made = []
+
+    class Spy(threading.Thread):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+    monkeypatch.setattr(jmod.threading, "Thread", Spy)
+    j = Journal.open(tmp_path, config=JournalConfig(sync="normal", compact_every=8))
+    try:
+        setup_pools(j)
+        for i in range(2):
+            run(j, "Step", step_req("a", admit=[10 + i], n=[4]))
+        snaps = [t for t in made if t.name == "kvservice-snapshot"]
+        assert len(snaps) == 1 and snaps[0].daemon
+        snaps[0].join(60)
+        assert not snaps[0].is_alive() and j.snapshot_seq == 6
+    finally:
+        crash(j)

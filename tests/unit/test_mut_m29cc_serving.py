@@ -138,3 +138,18 @@ def test_reflection_lists_the_service_health_and_reflection(served):
                                          timeout=30)
     assert sorted(s.name for s in reply.list_services_response.service) == sorted(
         [MANAGER, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"])
+
+
+def test_the_receive_limit_holds_on_its_own_for_a_request_whose_reply_would_be_small(served):
+    """A Step request over the 64 KiB limit is refused before the servicer sees it, although its reply (empty)
+    would fit the send limit: the receive limit is the server's own, not a consequence of the reply's size."""
+    channel, servicer = served
+    before = len(servicer.steps)
+    req = pb.StepRequest(pool="p")
+    req.free_seq_ids.data = bytes(65 * 1024)
+    with pytest.raises(grpc.RpcError) as err:
+        _raw(channel, f"/{MANAGER}/Step", req.SerializeToString())
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and len(servicer.steps) == before
+    req.free_seq_ids.data = bytes(60 * 1024)                        # under the limit: it reaches the servicer
+    _raw(channel, f"/{MANAGER}/Step", req.SerializeToString())
+    assert len(servicer.steps) == before + 1

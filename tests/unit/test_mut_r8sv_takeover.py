@@ -45,3 +45,29 @@ def test_a_takeover_whose_snapshot_listing_fails_warns_with_the_stores_message_a
                                                                [True])
     assert (lease.epoch, journal.incarnation, journal.snapshot_seq) == (max_epoch + 1, max_epoch + 1, snapshot_seq)
     assert store.readonly is False and lease.lost == []
+
+
+def test_configured_pools_that_cannot_be_created_at_takeover_are_logged_and_the_manager_still_leads(
+        caplog, monkeypatch) -> None:
+    """ensure_pools refusing after the fence (e.g. a configured pool that no longer fits): one ERROR line names
+    it, "configured pools not created after takeover: <message>", and the manager serves as leader anyway."""
+    from kvservice.contract.errors import InvalidArgument
+    from kvservice.server import ha as ha_mod
+
+    why = "pools.yaml: pool 'big': 9000 pages do not fit the memory budget"
+    asked: list[list] = []
+
+    def refuse(journal, pools):
+        asked.append(pools)
+        raise InvalidArgument(why)
+    monkeypatch.setattr(ha_mod, "ensure_pools", refuse)
+    store = SimpleNamespace(guard=None, readonly=True, newest_snapshot_seq=lambda: 0, catch_up=lambda: [],
+                            stop_reading=lambda: None, fence=lambda epoch: None, max_epoch=4)
+    serving: list[bool] = []
+    ha = HAController(Journal(BlockManager(3600.0)), store, _Lease(), SimpleNamespace(promote=lambda e: None),
+                      set_serving=serving.append)
+    with caplog.at_level(logging.WARNING, logger="kvservice"):
+        ha._take_over()
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert errors == [f"configured pools not created after takeover: {why}"] and len(asked) == 1
+    assert (ha.role, ha.failed, serving) == ("leader", None, [True])
