@@ -11,11 +11,12 @@ every step.
 """
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvservice.contract.errors import ResourceExhausted
+from kvservice.contract.errors import InvalidArgument, ResourceExhausted
 from kvservice.contract.geometry import CacheSpec
 from kvservice.contract.sizing import Sizing
 from kvservice.core.invariants import assert_invariants
@@ -127,11 +128,18 @@ class PrefixMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def extend(self, data):
         sid = data.draw(st.sampled_from(sorted(self.seqs)))
+        _tenant, toks = self.seqs[sid]
+        if len(toks) >= SLOTS * PS:                       # at max_seq_len: refused, and nothing changes
+            before = self.pool.sequence_slots(sid).tolist()
+            with pytest.raises(InvalidArgument, match=f"would hold {len(toks) + 1} tokens; pool 'p' takes at most "
+                                                      f"max_seq_len={SLOTS * PS}"):
+                self.pool.step(extend_ids=[sid], extend_tokens=[1])
+            assert self.pool.sequence_slots(sid).tolist() == before
+            return
         try:
             r = self.pool.step(extend_ids=[sid], extend_tokens=[1])
         except ResourceExhausted:
             return
-        _tenant, toks = self.seqs[sid]
         toks.append(-1)                                   # a generated token (not hashed)
         slots = self.pool.sequence_slots(sid).tolist()
         if len(toks) % PS == 1:                          # a fresh page was allocated
