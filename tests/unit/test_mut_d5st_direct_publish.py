@@ -17,6 +17,7 @@ import pytest
 
 from kvservice.state.nats.direct import DirectError, DirectPublisher
 from kvservice.state.nats.journal import Fenced, NatsStore, StoreError
+from tests.unit.test_nats_edges import FakeTime
 
 
 def publisher(buf: bytes, feed: list[bytes]) -> tuple[DirectPublisher, list[float]]:
@@ -168,31 +169,17 @@ def test_a_wrong_last_sequence_is_fenced_naming_the_position(err_code):
                                  "it; this one is no longer the leader")
 
 
-class VirtualClock:
-    """Stands in for the journal module's `time`: monotonic() reads a virtual now that sleep() advances; every
-    sleep is recorded (seconds)."""
-
-    def __init__(self) -> None:
-        self.now, self.slept = 1000.0, []
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def sleep(self, s: float) -> None:
-        self.slept.append(s)
-        self.now += s
-
 
 def test_retries_wait_50_ms_doubling_to_at_most_half_a_second(monkeypatch):
     """docs/HA.md's retry rule: 0.05 s, doubling, capped at 0.5 s (a standby's election takes seconds; a cap keeps
     the retry within half a second of the new leader)."""
     from kvservice.state.nats import journal
 
-    clock = VirtualClock()
+    clock = FakeTime()
     monkeypatch.setattr(journal, "time", clock)
     st, sent, seen = store_answering([nats.errors.TimeoutError()] * 7 + [ACK], 60.0)
     st._publish(b"entry-5", {"Nats-Msg-Id": "m-11"})
-    assert clock.slept == pytest.approx([0.05, 0.1, 0.2, 0.4, 0.5, 0.5, 0.5])
+    assert clock.sleeps == pytest.approx([0.05, 0.1, 0.2, 0.4, 0.5, 0.5, 0.5])
     assert (st.append_retries, seen.guards, len(sent), st.last_stream_seq) == (7, 7, 8, 42)
 
 
@@ -201,13 +188,13 @@ def test_the_last_retry_is_the_one_whose_wait_would_reach_the_append_deadline(mo
     the entry is refused then, after four retries, without sleeping again."""
     from kvservice.state.nats import journal
 
-    clock = VirtualClock()
+    clock = FakeTime()
     monkeypatch.setattr(journal, "time", clock)
     st, sent, _ = store_answering([nats.errors.TimeoutError()] * 9, 1.0)
     with pytest.raises(StoreError) as err:
         st._publish(b"entry", {"Nats-Msg-Id": "m-12"})
     assert err.value.message == "NATS did not store the journal entry within 1 s (TimeoutError: nats: timeout)"
-    assert clock.slept == pytest.approx([0.05, 0.1, 0.2, 0.4]) and st.append_retries == 4 and len(sent) == 5
+    assert clock.sleeps == pytest.approx([0.05, 0.1, 0.2, 0.4]) and st.append_retries == 4 and len(sent) == 5
 
 
 def test_a_failed_read_of_the_streams_last_sequence_names_the_store_and_the_call():
