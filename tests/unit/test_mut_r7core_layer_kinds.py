@@ -65,3 +65,13 @@ def test_older_spellings_and_every_known_kind_are_read():
     assert layer_kinds({**cfg, "layer_types": kinds}) == want
     assert layer_kinds({**cfg, "layers_block_type": kinds}) == want
     assert layer_kinds({"num_hidden_layers": 4, "hybrid_override_pattern": "M*-E"}) == ["mamba", F, "mlp", "moe"]
+
+
+def test_a_chunked_pattern_with_a_sliding_window_but_no_sliding_layer_is_refused_naming_its_field():
+    """Llama 4's attention_chunk_size states the pattern (chunked RoPE layers, NoPE layers full); a sliding_window
+    beside it names no layer that slides, so the refusal names both fields, 'attention_chunk_size' as written."""
+    cfg = {"num_hidden_layers": 4, "attention_chunk_size": 8192, "sliding_window": 4096}
+    with pytest.raises(InvalidArgument) as err:
+        layer_kinds(cfg)
+    assert err.value.message == ("config.json: field 'sliding_window'=4096 is set but 'attention_chunk_size' names "
+                                 "no sliding layer; which layers slide cannot be told")
