@@ -7,6 +7,7 @@ and in the live pool (what only the live allocator, rows and cache hold, and an 
 
 import dataclasses
 import re
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -163,32 +164,32 @@ def test_prefix_hit_counts_that_are_negative_or_missing_are_named(busy, hits):
     assert "prefix cache: hit counts per group are missing or negative" in check_pool_state(state, pool.plan)
 
 
-def _tables_spy(pool: Pool, bad: bool = False, fail: bool = False) -> list:
-    """Replace pool.tables_for on this pool object: record each call; `bad`: the first space's first index moved
-    one page past the pool (an emitter bug the state cannot show); `fail`: raise (an emitter over a broken pool)."""
-    calls, real = [], pool.tables_for
+def _tables_spy(pool: Pool, bad: bool = False, fail: bool = False) -> SimpleNamespace:
+    """Replace pool.tables_for on this pool object; returns what it saw: `ids` of each call and, with `bad`, the
+    `spaces` whose first index it moved one page past the pool (an emitter bug the state cannot show); `fail`:
+    raise instead (an emitter over a broken pool)."""
+    seen, real = SimpleNamespace(ids=[], spaces=[]), pool.tables_for
 
     def spy(ids, block_table=False):
-        calls.append(np.asarray(ids).tolist())
+        seen.ids.append(sorted(np.asarray(ids).tolist()))
         if fail:
             raise IndexError("emitting from a broken pool")
         out = real(ids, block_table)
         if bad:
             out[0].table.indices[0] = pool.plan.geometry.pool_pages + 1
-            calls.append(out[0].space.id)
+            seen.spaces.append(out[0].space.id)
         return out
     pool.tables_for = spy
-    return calls
+    return seen
 
 
 def test_an_emitted_index_outside_its_space_is_named_when_nothing_else_is_wrong(busy):
     pool = fresh(busy)
-    calls = _tables_spy(pool, bad=True)
+    seen = _tables_spy(pool, bad=True)
     problems = pool_problems(pool)
-    ids, space = calls
-    assert sorted(ids) == [1, 2, 3, 6, 20]
+    assert seen.ids == [[1, 2, 3, 6, 20]] and len(seen.spaces) == 1
     assert len(problems) == 1
-    assert problems[0].startswith(f"index space {space}: [Violation(reason='out_of_bounds', row=")
+    assert problems[0].startswith(f"index space {seen.spaces[0]}: [Violation(reason='out_of_bounds', row=")
     assert f"value={pool.plan.geometry.pool_pages + 1}" in problems[0]
 
 
@@ -198,8 +199,8 @@ def test_emitted_tables_are_not_read_once_another_problem_is_found_nor_for_an_em
     pool = fresh(busy)
     slot = int(pool.sequence_slots(1, 0)[0])
     pool.allocators[0]._refcnt[slot] += 1
-    calls = _tables_spy(pool, fail=True)
-    assert pool_problems(pool) == [f"group 0: refcount != owners at slot [{slot}]"] and calls == []
+    seen = _tables_spy(pool, fail=True)
+    assert pool_problems(pool) == [f"group 0: refcount != owners at slot [{slot}]"] and seen.ids == []
     empty = Pool("e", busy.plan, prefix_caching=True)
-    calls = _tables_spy(empty, fail=True)
-    assert pool_problems(empty) == [] and calls == []
+    seen = _tables_spy(empty, fail=True)
+    assert pool_problems(empty) == [] and seen.ids == []

@@ -169,7 +169,6 @@ def test_a_wrong_last_sequence_is_fenced_naming_the_position(err_code):
                                  "it; this one is no longer the leader")
 
 
-
 def test_retries_wait_50_ms_doubling_to_at_most_half_a_second(monkeypatch):
     """docs/HA.md's retry rule: 0.05 s, doubling, capped at 0.5 s (a standby's election takes seconds; a cap keeps
     the retry within half a second of the new leader)."""
