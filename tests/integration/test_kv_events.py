@@ -296,6 +296,7 @@ def test_watch_events_resumes_exactly_after_a_restart(tmp_path):
         c.create_pool("ev", SPEC, SIZING, prefix_caching=True)
         full = Watcher(m.target, "ev", 0)                  # from 0: a reset (the empty cache), then everything
         full.start()
+        full.wait_for(0)                                   # its reset is the empty cache only if it came before step 1
         k = run_steps(c, w, 25)
         seq2 = run_steps(c, w, 35)
         full.wait_for(seq2)
