@@ -3,6 +3,7 @@ PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
+TEST_WORKERS ?= 2   # pytest-xdist workers of `make test`, each taking whole test files (a module's fixtures stay in one)
 MUTATION_SAMPLE ?= 8   # mutants per module on average, spread in proportion to each module's mutants (0 = all: a day on 2 cores)
 MUTATION_SEED ?= 14  # a seed no kept sample used: a fresh draw, scored out of sample (a used one replaces its sample)
 MUTATION_MINUTES ?= 60  # the Python mutant runs stop here (shared among the packages); the rest are reported "not checked"
@@ -21,7 +22,7 @@ run: $(STAMP)
 	$(BIN)/python -m kvservice.examples.main_job
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q -m 'not integration and not slow'

@@ -64,7 +64,10 @@ RESULTS = {"python": ROOT / "bench" / "results" / "mutation_python.json",
 # mutmut's wall-clock limit then counts that mutant as a timeout, i.e. killed. One OpenMP/MKL thread keeps torch
 # from starting a team (seen hung in einsum); the emulated kernels ask for their thread blocks' own thread count
 # and still hang, so every timeout is run again in a plain pytest process (confirm_timeouts).
-MUTANT_ENV = {**os.environ, "KV_DIFF_SCALE": "0.05", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+# A killed mutant's failing differential seed is shrunk for 1 s, not 30 (KV_DIFF_SHRINK_SECONDS): the verdict is
+# the failure, not its repro.
+MUTANT_ENV = {**os.environ, "KV_DIFF_SCALE": "0.05", "KV_DIFF_SHRINK_SECONDS": "1", "OMP_NUM_THREADS": "1",
+              "MKL_NUM_THREADS": "1"}
 CU_TESTS = ["tests/kernels/test_decode.py", "tests/kernels/test_append_copy.py",
             "tests/kernels/test_validate_guard.py", "tests/kernels/test_sanitizers.py",
             "tests/kernels/test_large_offset.py", "tests/kernels/test_widen.py", "tests/kernels/test_generations.py"]

@@ -1,21 +1,27 @@
-"""Prints what the differential tests covered (steps, ops, pool kinds) at the end of the run."""
+"""Shared hooks: the run's coverage summary (tests/run_summary.py), per-test time limits scaled to the load,
+and one nats-server per test module."""
 
 import pytest
 
-from tests.differential import TOTALS
+from tests import run_summary
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    if not TOTALS:
-        return
-    tr = terminalreporter
-    steps = sum(t.steps for t in TOTALS.values())
-    ops = sum(t.ops for t in TOTALS.values())
-    tr.write_sep("-", f"differential: {steps} steps ({ops} ops) over {len(TOTALS)} pool kinds and transports")
-    for label, t in sorted(TOTALS.items()):
-        tr.write_line(f"  {label:<32} {t.steps:>6} steps {t.ops:>7} ops  errors {t.errors} (exhausted {t.exhausted})"
-                      f"  copies {t.copies}  released {t.released}  hits {t.hits}  evictions {t.evictions}"
-                      f"  fast {t.fast_steps}  lean {t.lean_steps}  recreated {t.recreated}  stale {t.stale}")
+    run_summary.write(terminalreporter)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    out = getattr(session.config, "workeroutput", None)      # a pytest-xdist worker: hand the tallies over
+    if out is not None:
+        out["kvs_summary"] = run_summary.export()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """pytest-xdist's controller: a worker finished; add its tallies to what the summary prints."""
+    text = getattr(node, "workeroutput", {}).get("kvs_summary")
+    if text:
+        run_summary.merge(text)
 
 
 # ---- per-test time limits scaled to the machine's load ------------------------------------------------

@@ -36,6 +36,7 @@ as code that can be pasted into a test (see `replay`).
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import time
@@ -954,8 +955,11 @@ def shrink(kind: Kind, new_driver: Callable[[], object], failure: Failure, budge
     """Greedy delta debugging: drop chunks of ops, single ops, then single entries, while it still fails.
 
     Only failures of the same kind (`signature`) count, so the repro does not drift to another
-    mismatch. Stops after `budget` replays or `seconds` (a shrink bound, not a test assertion).
+    mismatch. Stops after `budget` replays or `seconds` (a shrink bound, not a test assertion), or after
+    KV_DIFF_SHRINK_SECONDS where that is set lower: a run that only needs to know that a seed fails (a
+    planted bug, a mutant) skips most of the shrinking.
     """
+    seconds = min(seconds, float(os.environ.get("KV_DIFF_SHRINK_SECONDS", seconds)))
     best = failure
     tries = 0
     want = signature(failure.message)

@@ -18,9 +18,9 @@ from kvservice.contract.geometry import CacheSpec
 from kvservice.contract.sizing import Sizing
 from kvservice.core.invariants import assert_invariants
 from kvservice.state.journal import Journal
+from tests.run_summary import SOAK as RESULTS
 
 from ..integration.conftest import ManagerProcess
-from .conftest import RESULTS
 
 pytestmark = pytest.mark.integration
 SECONDS = float(os.environ.get("KVSERVICE_SOAK_SECONDS", "15"))

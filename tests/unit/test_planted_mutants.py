@@ -86,7 +86,8 @@ def test_planted_bug_is_killed_by_its_test(tmp_path: Path, module: str, find: st
     shutil.copy(ROOT / "pyproject.toml", tree / "pyproject.toml")
     path = tree / module
     path.write_text(path.read_text().replace(find, replace))
-    env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONDONTWRITEBYTECODE": "1"}
+    # the bug's test has only to fail: the differential tests' shrinking of the failing seed is cut to 1 s
+    env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONDONTWRITEBYTECODE": "1", "KV_DIFF_SHRINK_SECONDS": "1"}
     # the copy's kvservice, never an editable install of the real tree (its finder answers what a path lacks)
     code = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, '__module__', '')"
             ".startswith('__editable__')]; import kvservice, pytest; "
