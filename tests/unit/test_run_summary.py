@@ -20,12 +20,18 @@ class Lines:
         self.text.append(line)
 
 
+def clear_tallies() -> None:
+    for tally in (TOTALS, COUNTS, SAMPLES, rs.SOAK):
+        tally.clear()
+
+
 @pytest.fixture
 def empty_tallies():
+    """This process's real tallies are set aside for the test and put back after it."""
     saved = rs.export()
-    TOTALS.clear(), COUNTS.clear(), SAMPLES.clear(), rs.SOAK.clear()
+    clear_tallies()
     yield
-    TOTALS.clear(), COUNTS.clear(), SAMPLES.clear(), rs.SOAK.clear()
+    clear_tallies()
     rs.merge(saved)
 
 
