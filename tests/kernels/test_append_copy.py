@@ -107,6 +107,28 @@ def test_copy_blocks_off_lattice(ops) -> None:
     assert np.array_equal(c.buf, before)
 
 
+@pytest.mark.parametrize("policy", [Policy.NAN, Policy.ZEROS, Policy.ERROR])
+def test_copy_blocks_policy_error_raises_with_the_record_and_the_others_return_it(ops, policy) -> None:
+    """A pair with an off-lattice destination is skipped and recorded under every policy; Policy.ERROR raises
+    KernelViolationError with that record (naming copy_blocks), the others return it. The good pair is copied."""
+    rng = np.random.default_rng(27)
+    c = make_cache(rng, "interleaved", 6, 4, 1, 32, "float32")
+    p = c.layout.page_index
+    before = c.buf.copy()
+    pairs = np.array([[p(1), p(3)], [c.layout.offset, c.layout.offset + 1]], dtype=np.int64)
+    if policy == Policy.ERROR:
+        with pytest.raises(KernelViolationError) as ei:
+            ops.copy_blocks([c.buf], c.layout, pairs, policy=policy)
+        rec = ei.value.record
+        assert str(ei.value).startswith("copy_blocks: 1 page-table violation(s); first at row 1")
+    else:
+        rec = ops.copy_blocks([c.buf], c.layout, pairs, policy=policy).record
+    assert (rec.kernel, rec.count, rec.row, rec.position, rec.reason) == ("copy_blocks", 1, 1, 1, "off_lattice")
+    expect = before.copy()
+    reference.page_view(expect, c.raw, p(3))[...] = reference.page_view(before, c.raw, p(1))
+    assert np.array_equal(c.buf, expect)
+
+
 def test_copy_blocks_of_no_pairs_copies_nothing_and_records_a_clean_copy_blocks(ops) -> None:
     """n = 0 pairs: nothing is launched or written; the record names the kernel (copy_blocks) with no violation."""
     rng = np.random.default_rng(25)

@@ -296,10 +296,20 @@ def batch_delta(model: Model, seq: int, base: int, next_id: int, one_token_row: 
     return reply, next_id
 
 
+class ArrayModule:
+    """Hands NumPy's functions out but is not numpy: the mirror then takes its device branches (xp is not np,
+    CuPy on a GPU worker: no read-only arrays, a fresh indptr per step), on host memory."""
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+
+@pytest.mark.parametrize("xp", ["numpy", "device"])
 @pytest.mark.parametrize("seed", range(4))
-def test_the_mirror_gives_the_models_tables_after_full_replies_and_random_deltas(seed, monkeypatch):
+def test_the_mirror_gives_the_models_tables_after_full_replies_and_random_deltas(seed, xp, monkeypatch):
     """Steady decode steps (one token per row) take the mirror's shortcut (_append_only answers True): it is the
-    documented O(B) path of a decode loop; a prefill chunk (rows gaining several pages) is declined by it."""
+    documented O(B) path of a decode loop; a prefill chunk (rows gaining several pages) is declined by it.
+    xp "device": the same run on a mirror whose array module is not numpy (its device branches)."""
     shortcut: list[bool] = []
     plain = PageTableMirror._append_only
 
@@ -312,7 +322,8 @@ def test_the_mirror_gives_the_models_tables_after_full_replies_and_random_deltas
     model = Model(rng, ps)
     model.rows = [model.row(10 + i, int(rng.integers(1, 5 * ps)), int(rng.integers(1, 3)), window="any")
                   for i in range(int(rng.integers(2, 6)))]
-    m = PageTableMirror(ps)
+    m = PageTableMirror(ps, xp=np if xp == "numpy" else ArrayModule())
+    assert (m.xp is np) == (xp == "numpy")
     seq = 1
     m.apply(model.full_reply(seq))
     check(m, model, seq)
