@@ -18,6 +18,9 @@ def test_state_urls():
     assert c.servers == ("nats://a.example:4222", "nats://b.example:4223", "nats://10.0.0.3:4222")
     assert (c.stream, c.subject, c.snapshot_bucket, c.leader_bucket) == (
         "KVS_prod", "kvs.prod.journal", "KVS_prod_snapshots", "KVS_prod_leader")
+    # host names are case-insensitive (RFC 4343): upper case, Kubernetes' service names, IPv6 in brackets
+    c = parse_state_url("nats://NATS-0.KV.Svc:4222,Nats_1:4223,nats://[fd00::A1]:4222")
+    assert c.servers == ("nats://NATS-0.KV.Svc:4222", "nats://Nats_1:4223", "nats://[fd00::A1]:4222")
     for bad, words in [("http://a:4222", "expected 'memory' or nats://"), ("nats://a", "is not nats://HOST:PORT"),
                        ("nats://a:4222,b c:1", "is not nats://HOST:PORT"), ("nats://,", "is not nats://HOST:PORT")]:
         with pytest.raises(InvalidArgument, match=words):
