@@ -124,3 +124,20 @@ def test_field_array_reads_a_set_field_and_none_for_an_unset_one():
     req.extend_num_tokens.CopyFrom(cpb.Tensor(dtype=cpb.FLOAT32, data=b"\x00" * 4))
     with pytest.raises(InvalidArgument, match=r"^extend_num_tokens: dtype FLOAT32 not allowed here$"):
         field_array(req, "extend_num_tokens")
+
+
+@pytest.mark.parametrize("declared", [True, False])
+def test_on_a_host_whose_byte_order_is_not_the_wires_the_decoded_array_is_native(monkeypatch, declared):
+    """common.proto fixes the wire's byte order; NumPy's kernels want native arrays. Here the host is little-endian,
+    so a big-endian wire stands in for the little-endian wire seen from a big-endian host: from_tensor gives a
+    native array with the wire's values, on the 1-D path (its one extent declared, or none) and the N-D one."""
+    import kvservice.contract.wire as wire
+
+    monkeypatch.setitem(wire._TO_NP, cpb.INT64, np.dtype(">i8"))
+    vals = [5, -(2**40) - 3, 2**62 + 11, 7, -1, 1234567]
+    data = struct.pack(f">{len(vals)}q", *vals)
+    t = cpb.Tensor(dtype=cpb.INT64, shape=[len(vals)] if declared else [], data=data)
+    a = from_tensor(t, "f")
+    assert a.dtype.isnative and a.dtype == np.int64 and a.tolist() == vals
+    grid = from_tensor(cpb.Tensor(dtype=cpb.INT64, shape=[2, 3], data=data), "g")
+    assert grid.dtype.isnative and grid.tolist() == [vals[:3], vals[3:]]

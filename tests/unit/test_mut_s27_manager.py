@@ -1,4 +1,5 @@
-"""Seed 27's manager survivors, each against the rule its docstring or DESIGN.md gives:
+"""Seed 27's manager survivors (and seed 28's event-hub one, the last test), each against the rule its docstring
+or DESIGN.md gives:
 
 - ManagerAPI.step_reply_bound(level=2) looks each extended row up by its exact 64-bit sequence id: ids above 2^53
   that differ in their last bits (and so round to one float64) are different sequences, and one that is not live
@@ -18,8 +19,10 @@ import pytest
 from kvservice.contract.errors import InvalidArgument, ResourceExhausted
 from kvservice.core.emit import StepResult
 from kvservice.core.limits import StepShape, step_reply_bound
+from kvservice.manager.api import ManagerAPI
 from kvservice.manager.delta import HeldTables, match_rows
 from kvservice.v1 import block_manager_pb2 as pb
+from tests.kv_workload import PS as WPS
 from tests.unit.test_kv_events import make_manager
 from tests.unit.test_mut_s18mgr_api import PS, _i64, _model_and_api, _u64
 
@@ -93,3 +96,24 @@ def test_the_watcher_limit_says_how_to_get_a_stream():
                                "--threads above it)")
     assert (e.value.reason, e.value.metadata) == ("LIMIT_EXCEEDED", {"limit": "2", "held": "1"})
 
+
+
+def test_only_admissions_with_token_ids_count_as_prefix_lookups():
+    """Seed 28, EventHub.after_step: kvservice_prefix_cache_lookup_pages_total counts, per admission that carried
+    token ids, its full pages but the last token's ((n - 1) // page_size); an admission without token ids looked
+    nothing up and counts 0."""
+    rng = np.random.default_rng(2801)
+    m = make_manager()
+    api = ManagerAPI(m)
+    key = ("p", 0)
+    n = [int(v) for v in rng.integers(2 * WPS + 1, 5 * WPS, 3)]
+    api.Step(pb.StepRequest(pool="p", admit_seq_ids=_u64([1, 2, 3]), admit_num_tokens=_i64(n)))
+    assert m.events.lookup_pages.get(key, 0) == 0
+    k = [int(v) for v in rng.integers(WPS + 1, 3 * WPS, 2)]
+    tokens = rng.integers(1, 30000, sum(k))
+    api.Step(pb.StepRequest(pool="p", admit_seq_ids=_u64([4, 5]), admit_num_tokens=_i64(k),
+                            admit_token_ids=_i64(tokens)))
+    want = sum((x - 1) // WPS for x in k)
+    assert want > 0 and m.events.lookup_pages[key] == want
+    api.Step(pb.StepRequest(pool="p", admit_seq_ids=_u64([6]), admit_num_tokens=_i64([3 * WPS + 2])))
+    assert m.events.lookup_pages[key] == want
