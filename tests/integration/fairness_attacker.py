@@ -36,6 +36,10 @@ def main(target: str, token: str, pool: str, prompt_file: str, control: str) -> 
         with lock:
             if err is None:
                 counts[key] += 1
+                if counts[key] == 1:                 # progress the test waits for: a first success of each kind
+                    tmp = ctl / "progress.tmp"
+                    tmp.write_text(json.dumps({k: counts[k] for k in ("resets", "replays", "scores")}))
+                    tmp.replace(ctl / "progress.json")
             else:
                 name = f"{key}:{err.code.name}:{err.reason}"
                 counts["refused"][name] = counts["refused"].get(name, 0) + 1
